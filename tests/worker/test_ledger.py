@@ -1,0 +1,78 @@
+import json
+import os
+
+import numpy as np
+import pytest
+
+from fedbroker.errors import ConfigError
+from worker.ledger import PrivacyLedger
+
+
+def test_a_new_ledger_knows_no_jobs(tmp_path):
+    ledger = PrivacyLedger(str(tmp_path / "ledger.json"))
+    assert ledger.jobs() == {} and ledger.total_epsilon() == 0.0
+    assert ledger.history("job") == [] and ledger.epsilon("job") == 0.0
+    assert not os.path.exists(tmp_path / "ledger.json")  # nothing written until something is spent
+
+
+def test_ledger_survives_a_reopen_with_the_same_path(tmp_path):
+    path = str(tmp_path / "state" / "ledger.json")
+    history = [(1.1, 1 / 45, 90), (1.3, 0.02, np.int64(7))]
+    PrivacyLedger(path).record("job-a", history=history, epsilon=1.25)
+    reopened = PrivacyLedger(path)
+    assert reopened.history("job-a") == [(1.1, 1 / 45, 90), (1.3, 0.02, 7)]
+    assert reopened.epsilon("job-a") == 1.25
+    assert all(isinstance(e[2], int) for e in reopened.history("job-a"))
+
+
+def test_total_epsilon_sums_the_jobs(tmp_path):
+    ledger = PrivacyLedger(str(tmp_path / "ledger.json"))
+    ledger.record("a", history=[(1.0, 0.1, 10)], epsilon=1.5)
+    ledger.record("b", history=[(1.0, 0.1, 20)], epsilon=2.25)
+    ledger.record("a", history=[(1.0, 0.1, 30)], epsilon=2.0)
+    assert ledger.jobs() == {"a": 2.0, "b": 2.25}
+    assert ledger.total_epsilon() == pytest.approx(4.25)
+    assert PrivacyLedger(ledger.path).total_epsilon() == pytest.approx(4.25)
+
+
+def test_ledger_file_is_plain_json(tmp_path):
+    path = tmp_path / "ledger.json"
+    PrivacyLedger(str(path)).record("job", history=[(1.0, 0.5, 3)], epsilon=0.75)
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    assert doc == {"version": 1, "jobs": {"job": {"epsilon": 0.75, "history": [[1.0, 0.5, 3]]}}}
+    assert [p.name for p in tmp_path.iterdir()] == ["ledger.json"]  # no temp files left behind
+
+
+def test_recording_a_lower_epsilon_is_refused_and_changes_nothing(tmp_path):
+    ledger = PrivacyLedger(str(tmp_path / "ledger.json"))
+    ledger.record("job", history=[(1.0, 0.1, 20)], epsilon=2.0)
+    with pytest.raises(ConfigError, match="lower"):
+        ledger.record("job", history=[(1.0, 0.1, 10)], epsilon=1.0)
+    assert PrivacyLedger(ledger.path).history("job") == [(1.0, 0.1, 20)]
+
+
+@pytest.mark.parametrize("content", ["{not json", "[]", '{"version": 99, "jobs": {}}', '{"version": 1, "jobs": {"j": {}}}'])
+def test_an_unreadable_ledger_raises_instead_of_starting_from_zero(tmp_path, content):
+    path = tmp_path / "ledger.json"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        PrivacyLedger(str(path))
+    assert info.value.field == str(path)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"epsilon": float("nan")}, "epsilon"),
+        ({"epsilon": -1.0}, "epsilon"),
+        ({"history": [(1.0, 0.1)]}, "history[0]"),
+        ({"history": [(1.0, 1.5, 3)]}, "history[0]"),
+        ({"history": [(1.0, 0.1, 2.5)]}, "history[0]"),
+    ],
+)
+def test_bad_records_name_the_field(tmp_path, kwargs, field):
+    ledger = PrivacyLedger(str(tmp_path / "ledger.json"))
+    args = {"history": [(1.0, 0.1, 3)], "epsilon": 1.0} | kwargs
+    with pytest.raises(ConfigError) as info:
+        ledger.record("job", **args)
+    assert info.value.field == field

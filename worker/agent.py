@@ -1,0 +1,224 @@
+"""A data owner's worker: registers, consumes its round tasks, trains under its own DP policy, uploads.
+
+The AMQP message is acked only after the aggregation service's receipt, so a worker that dies mid-task
+gets the task redelivered; a redelivered task whose update was already accepted is acked without
+training again (no second privacy cost, no double count).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from aggregators.client import AggregatorClient
+from aggregators.weighting import emd, ish, label_distribution, noisy_histogram
+from fedbroker import envelope
+from fedbroker.bus import Bus, Delivery
+from fedbroker.errors import BudgetExceeded, TaskRefused
+from fedbroker.model import build_model, load_numpy_state
+from fedbroker.rpc import RemoteError
+from fedbroker.spec import TrainingConfig, parse_model
+from proto import fedbroker_pb2 as pb
+from worker.data import load_dataset, train_test_split
+from worker.ledger import PrivacyLedger
+from worker.partition import partition
+from worker.trainer import (
+    DPPolicy, TrainConfig, dp_sample_rate, pick_device, planned_steps, project_epsilon, train_local,
+)
+
+log = logging.getLogger(__name__)
+
+# Failures that will not get better by retrying the same task: report them and drop the task.
+_FINAL_REASONS = {"late", "round_closed", "unknown_round", "unknown_worker", "unknown_job", "wrong_shape",
+                  "wrong_dtype", "unknown_tensor", "missing_tensor", "non_finite", "too_large", "bad_header"}
+
+
+@dataclass(frozen=True)
+class PartitionConfig:
+    scheme: str = "iid"
+    num_clients: int = 1
+    client_index: int = 0
+    alpha: float = 0.5
+    classes_per_client: int = 2
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_id: str
+    categories: tuple[str, ...] = ("digits",)
+    dataset: str = "digits"
+    idx_dir: str | None = None
+    test_fraction: float = 0.2
+    split_seed: int = 0
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    dp: DPPolicy | None = None
+    ledger_path: str = "ledger.json"
+    device: str = "auto"
+    heartbeat_s: float = 10.0
+    histogram_epsilon: float | None = None   # Laplace noise on the shared label histogram; None = exact counts
+
+
+class WorkerAgent:
+    def __init__(self, config: WorkerConfig, bus: Bus) -> None:
+        self.config = config
+        self.bus = bus
+        self.ledger = PrivacyLedger(config.ledger_path)
+        self.device = pick_device() if config.device == "auto" else config.device
+        data = load_dataset(config.dataset, idx_dir=config.idx_dir)
+        train, _ = train_test_split(data, test_fraction=config.test_fraction, seed=config.split_seed)
+        p = config.partition
+        shards = partition(train.y, scheme=p.scheme, num_clients=p.num_clients, seed=p.seed, alpha=p.alpha,
+                           classes_per_client=p.classes_per_client)
+        if not 0 <= p.client_index < len(shards):
+            raise ValueError(f"partition.client_index {p.client_index} is outside [0, {len(shards)})")
+        index = shards[p.client_index]
+        self.x, self.y = train.x[index], train.y[index]
+        self.num_classes = data.num_classes
+        self.histogram = np.bincount(self.y, minlength=self.num_classes)
+        self._state = "idle"
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    # ----- lifecycle -----
+
+    def start(self) -> None:
+        self.bus.declare_worker(self.config.worker_id)
+        self.register()
+        self.bus.consume_tasks(self.config.worker_id, self.on_task)
+        self._heartbeat = threading.Thread(target=self._beat, name=f"heartbeat-{self.config.worker_id}", daemon=True)
+        self._heartbeat.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def register(self) -> None:
+        shared = self.histogram
+        if self.config.histogram_epsilon is not None:
+            shared = noisy_histogram(self.histogram, epsilon=self.config.histogram_epsilon,
+                                     rng=np.random.default_rng())
+        dp = self.config.dp
+        registration = pb.Registration(
+            worker_id=self.config.worker_id, categories=list(self.config.categories),
+            label_histogram=[int(c) for c in shared], dp_enabled=dp is not None,
+            dp_policy=pb.DPPolicy(noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
+                                  delta=dp.delta, epsilon_budget=dp.epsilon_budget) if dp else None,
+            epsilon_spent=self.ledger.total_epsilon(), device=self.device, num_samples=len(self.y),
+        )
+        self.bus.publish_control(envelope.encode(registration=registration))
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_s):
+            try:
+                self.bus.publish_control(envelope.encode(heartbeat=pb.Heartbeat(
+                    worker_id=self.config.worker_id, epsilon_spent=self.ledger.total_epsilon(), state=self._state)))
+            except Exception as exc:  # the bus reconnects on its own; a missed beat is only logged
+                log.warning("heartbeat of %s not sent: %s", self.config.worker_id, exc)
+
+    # ----- tasks -----
+
+    def on_task(self, delivery: Delivery) -> None:
+        try:
+            task = envelope.decode(delivery.body, expect=("round_task",)).round_task
+        except envelope.MalformedMessage as exc:
+            log.error("worker %s dead-letters a malformed task: %s", self.config.worker_id, exc)
+            delivery.nack(requeue=False)
+            return
+        try:
+            self.run_task(task)
+        except TaskRefused as exc:
+            self._report(task, pb.TaskOutcome.REFUSED, str(exc))
+        except RemoteError as exc:
+            if exc.reason not in _FINAL_REASONS:
+                log.warning("task %s/%d will be retried: %s", task.job_id, task.round, exc)
+                delivery.nack(requeue=True)
+                return
+            self._report(task, pb.TaskOutcome.FAILED, str(exc))
+        except Exception as exc:
+            log.exception("task %s/%d failed on %s", task.job_id, task.round, self.config.worker_id)
+            self._report(task, pb.TaskOutcome.FAILED, f"{type(exc).__name__}: {exc}")
+        finally:
+            self._state = "idle"
+        delivery.ack()
+
+    def _report(self, task: pb.RoundTask, status: int, reason: str) -> None:
+        log.info("worker %s %s round %d of %s: %s", self.config.worker_id, pb.TaskOutcome.Status.Name(status).lower(),
+                 task.round, task.job_id, reason)
+        self.bus.publish_control(envelope.encode(task_outcome=pb.TaskOutcome(
+            job_id=task.job_id, round=task.round, worker_id=self.config.worker_id, status=status, reason=reason)))
+
+    def run_task(self, task: pb.RoundTask) -> pb.UploadReceipt | None:
+        if task.category not in self.config.categories:
+            raise TaskRefused(f"category {task.category!r} is not one this worker serves ({list(self.config.categories)})")
+        if task.deadline_unix and time.time() > task.deadline_unix:
+            raise TaskRefused(f"the round's deadline passed {time.time() - task.deadline_unix:.0f}s before the task ran")
+        training = TrainingConfig(**json.loads(task.training_json))
+        config = TrainConfig(epochs=training.local_epochs, batch_size=training.batch_size, lr=training.lr,
+                             optimizer=training.optimizer, momentum=training.momentum,
+                             proximal_mu=training.proximal_mu)
+        self.check_budget(task.job_id, config)
+        with AggregatorClient(task.aggregator_target) as client:
+            accepted, _ = client.status(task.job_id, task.round)
+            if self.config.worker_id in accepted:
+                log.info("round %d of %s already has our update: acking the redelivered task", task.round, task.job_id)
+                return None
+            self._state = "training"
+            version, spec_json, weights = client.download(task.job_id, task.model_version)
+            model = build_model(parse_model(json.loads(spec_json)))
+            load_numpy_state(model, weights)
+            result = train_local(model, self.x, self.y, config=config, dp=self.config.dp,
+                                 history=self.ledger.history(task.job_id), device=self.device,
+                                 seed=self._training_seed(task))
+            if result.epsilon is not None:  # spent once trained, whether or not the upload succeeds
+                self.ledger.record(task.job_id, history=result.history, epsilon=result.epsilon)
+            self._state = "uploading"
+            receipt = client.upload(
+                job_id=task.job_id, round=task.round, worker_id=self.config.worker_id,
+                num_samples=result.num_samples, tensors=result.state, ish=self._ish(task),
+                epsilon=result.epsilon or 0.0, train_loss=result.train_loss,
+            )
+        log.info("worker %s uploaded round %d of %s (loss %.4f, ε %s, %.1fs)", self.config.worker_id, task.round,
+                 task.job_id, result.train_loss, f"{result.epsilon:.3f}" if result.epsilon is not None else "off",
+                 result.seconds)
+        return receipt
+
+    def _training_seed(self, task: pb.RoundTask) -> int:
+        """Without DP the job's seed makes runs repeatable. With DP the seed also drives the Gaussian noise,
+        and anyone who knows it (the coordinator, the data scientist) could regenerate and subtract that
+        noise: so a DP worker draws its seed from the operating system, never from the job."""
+        if self.config.dp is not None:
+            return int.from_bytes(os.urandom(8), "little") >> 1
+        return int(task.seed) * 1000 + task.round
+
+    def check_budget(self, job_id: str, config: TrainConfig) -> None:
+        """Refuse before training if this round's steps would take the owner past its own ε budget."""
+        dp = self.config.dp
+        if dp is None:
+            return
+        n = len(self.y)
+        projected = project_epsilon(self.ledger.history(job_id), noise_multiplier=dp.noise_multiplier,
+                                    sample_rate=dp_sample_rate(n, config), steps=planned_steps(n, config),
+                                    delta=dp.delta)
+        others = self.ledger.total_epsilon() - self.ledger.epsilon(job_id)
+        if projected + others > dp.epsilon_budget:
+            raise BudgetExceeded(
+                f"privacy budget exceeded: this round would bring ε to {projected + others:.3f} "
+                f"(job {projected:.3f} + other jobs {others:.3f}), above the owner's budget {dp.epsilon_budget:g}"
+            )
+
+    def _ish(self, task: pb.RoundTask) -> float | None:
+        if not task.population_distribution:
+            return None
+        aggregation: dict[str, Any] = json.loads(task.aggregation_json or "{}")
+        form = (aggregation.get("weighting_params") or {}).get("ish_form", "ratio")
+        population = np.asarray(task.population_distribution)
+        mine = label_distribution(np.pad(self.histogram, (0, max(0, len(population) - len(self.histogram)))))
+        distance = emd(mine[: len(population)], population)
+        return ish(distance, max(1, task.participants), form)
