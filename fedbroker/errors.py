@@ -50,7 +50,19 @@ class Unauthenticated(FedbrokerError):
     reason = "unauthenticated"
 
 
-class BudgetExceeded(FedbrokerError):
+class TaskRefused(FedbrokerError):
+    """A worker will not run a task (wrong data category, stale task, ...); the reason goes back to the coordinator."""
+
+    reason = "task_refused"
+
+
+class BudgetExceeded(TaskRefused):
     """A task would push a worker past its own privacy budget."""
 
     reason = "privacy_budget_exceeded"
+
+
+class BusError(FedbrokerError):
+    """The message bus could not deliver or confirm a message."""
+
+    reason = "bus_error"

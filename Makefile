@@ -1,0 +1,43 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both install into .venv first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+# demo options (see README): make demo WORKERS=5 ROUNDS=10 ALPHA=0.1 DP=off DATASET=wine BROKER=amqp://...
+WORKERS ?= 3
+ROUNDS  ?= 5
+ALPHA   ?= 0.5
+DP      ?= on
+DATASET ?= digits
+BROKER  ?=
+PARTITION ?= dirichlet
+
+.PHONY: venv demo test test-unit proto clean
+
+$(STAMP): requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	@# torch first, pinned: a CPU wheel of 2.13.0 is local; anything else drags in GBs of CUDA packages
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m fedbroker demo --workers $(WORKERS) --rounds $(ROUNDS) --alpha $(ALPHA) \
+		--partition $(PARTITION) --dataset $(DATASET) $(if $(filter off no false 0,$(DP)),--no-dp,--dp) \
+		$(if $(BROKER),--broker '$(BROKER)')
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m "not integration"
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/fedbroker.proto
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -1,0 +1,46 @@
+"""Builds a job's algorithms by registry name, once, so a bad name or parameter fails at submission."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fedbroker.errors import ConfigError, ConfigErrors
+
+
+@dataclass(frozen=True)
+class Algorithms:
+    alignment_name: str
+    alignment: Any
+    weighting: Any
+    selection_name: str
+    selection: Any
+
+    @property
+    def incremental(self) -> bool:
+        """True when every accepted update can be folded into a running mean and then dropped."""
+        return self.alignment_name == "none" and self.selection_name == "all"
+
+
+def build_algorithms(config: Any) -> Algorithms:
+    """`config` is an AggregationConfig (or anything with the same attributes)."""
+    from aggregators.alignment import ALIGNMENT
+    from aggregators.selection import SELECTION
+    from aggregators.weighting import WEIGHTING
+
+    errors: list[ConfigError] = []
+    built: dict[str, Any] = {}
+    for kind, registry in (("alignment", ALIGNMENT), ("weighting", WEIGHTING), ("selection", SELECTION)):
+        try:
+            built[kind] = registry.create(getattr(config, kind), getattr(config, f"{kind}_params"))
+        except ConfigError as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
+    return Algorithms(
+        alignment_name=config.alignment,
+        alignment=built["alignment"],
+        weighting=built["weighting"],
+        selection_name=config.selection,
+        selection=built["selection"],
+    )

@@ -1,0 +1,367 @@
+"""The aggregation service's state and rules, with no transport: the gRPC servicer only converts messages.
+
+Per job it holds the global model (the latest two versions, so a worker that downloaded version t just
+before the round closed can still fetch it) and the open round: who may upload, until when, and what
+was accepted. An accepted update is either folded into a running weighted mean at once (FedAvg-style
+jobs: memory O(model)) or kept until the close when selection or alignment needs every update.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+from aggregators.mean import RunningWeightedMean, weighted_mean
+from aggregators.registries import Algorithms, build_algorithms
+from fedbroker import codec
+from fedbroker.errors import Conflict, NotFound, UploadRejected
+from fedbroker.spec import AggregationConfig, ModelSpec, parameter_shapes, parse_model
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_UPDATE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Receipt:
+    job_id: str
+    round: int
+    worker_id: str
+    duplicate: bool
+    bytes_received: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class UpdateSummary:
+    worker_id: str
+    num_samples: int
+    epsilon: float
+    train_loss: float
+    weight: float
+
+
+@dataclass(frozen=True)
+class CloseResult:
+    model_version: int
+    aggregated: list[str]
+    model_spec_json: str
+    stats: dict[str, float]
+    seconds: float
+    updates: list[UpdateSummary]
+
+
+@dataclass
+class _Accepted:
+    worker_id: str
+    num_samples: int
+    raw_weight: float
+    sha256: str
+    bytes_received: int
+    meta: Any
+    epsilon: float
+    train_loss: float
+    tensors: dict[str, np.ndarray] | None = None
+
+
+@dataclass
+class _Round:
+    number: int
+    participants: frozenset[str]
+    deadline: float
+    algorithms: Algorithms
+    accepted: dict[str, _Accepted] = field(default_factory=dict)
+    mean: RunningWeightedMean | None = None
+    closed: bool = False
+
+
+@dataclass
+class _Job:
+    job_id: str
+    spec: ModelSpec
+    seed: int
+    versions: dict[int, dict[str, np.ndarray]]
+    specs: dict[int, str]
+    round: _Round | None = None
+    closed_rounds: set[int] = field(default_factory=set)
+
+    @property
+    def version(self) -> int:
+        return max(self.versions)
+
+
+class RoundBook:
+    def __init__(
+        self,
+        *,
+        max_update_bytes: int = DEFAULT_MAX_UPDATE_BYTES,
+        selection_time_limit_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.max_update_bytes = max_update_bytes
+        self.selection_time_limit_s = selection_time_limit_s
+        self.clock = clock
+        self._jobs: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+
+    # ----- global model -----
+
+    def put_global(self, job_id: str, version: int, spec_json: str, tensors: Mapping[str, np.ndarray]) -> None:
+        """Install a job's initial (or restored) global model; it must match its spec exactly."""
+        if not job_id:
+            raise UploadRejected("bad_header", "job_id is empty")
+        spec = parse_model(json.loads(spec_json))
+        _check_matches(parameter_shapes(spec), tensors, who="the global model")
+        _check_finite(tensors, who="the global model")
+        state = {name: np.array(arr, dtype=np.float32) for name, arr in tensors.items()}
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                self._jobs[job_id] = _Job(job_id, spec, 0, {version: state}, {version: spec_json})
+            else:
+                job.spec = spec
+                job.versions = {version: state}
+                job.specs = {version: spec_json}
+                job.round = None
+
+    def global_model(self, job_id: str, version: int = 0) -> tuple[int, str, dict[str, np.ndarray]]:
+        job = self._job(job_id)
+        with self._lock:
+            v = version or job.version
+            if v not in job.versions:
+                raise NotFound(f"job {job_id!r} has no global model version {v} (kept: {sorted(job.versions)})")
+            return v, job.specs[v], job.versions[v]
+
+    # ----- rounds -----
+
+    def open_round(self, job_id: str, round_number: int, participants: Iterable[str], deadline: float,
+                   aggregation: Mapping[str, Any], *, seed: int = 0) -> int:
+        job = self._job(job_id)
+        members = frozenset(participants)
+        if not members:
+            raise UploadRejected("bad_request", f"round {round_number} of job {job_id!r} has no participants")
+        algorithms = build_algorithms(AggregationConfig(**aggregation))
+        with self._lock:
+            if job.round is not None and job.round.number == round_number and not job.round.closed:
+                if job.round.participants != members:
+                    raise Conflict(f"round {round_number} of job {job_id!r} is already open with other participants")
+                return job.version  # idempotent: a coordinator retrying after a lost reply
+            if round_number in job.closed_rounds:
+                raise Conflict(f"round {round_number} of job {job_id!r} is already closed")
+            job.seed = seed
+            job.round = _Round(
+                round_number, members, deadline, algorithms,
+                mean=RunningWeightedMean() if algorithms.incremental else None,
+            )
+            return job.version
+
+    def status(self, job_id: str, round_number: int) -> tuple[list[str], bool]:
+        job = self._job(job_id)
+        with self._lock:
+            rnd = job.round
+            if rnd is None or rnd.number != round_number:
+                return [], False
+            return sorted(rnd.accepted), not rnd.closed
+
+    def receive_update(self, messages: Iterable[Any]) -> Receipt:
+        """Validate and accept one streamed update; idempotent on (job, round, worker)."""
+        duplicate: list[Receipt] = []
+
+        def check(header: Any) -> None:
+            receipt = self._check_header(header)
+            if receipt is not None:
+                duplicate.append(receipt)
+                raise _Duplicate
+
+        try:
+            header, tensors, digest = codec.receive(messages, max_bytes=self.max_update_bytes, on_header=check)
+        except _Duplicate:
+            return duplicate[0]
+        _check_finite(tensors, who=f"worker {header.worker_id!r}")
+        return self._accept(header, tensors, digest)
+
+    def _check_header(self, header: Any) -> Receipt | None:
+        job = self._jobs.get(header.job_id)
+        if job is None:
+            raise UploadRejected("unknown_job", f"unknown job {header.job_id!r}")
+        with self._lock:
+            rnd = job.round
+            if header.round in job.closed_rounds or (rnd is not None and rnd.number == header.round and rnd.closed):
+                raise UploadRejected("round_closed", f"round {header.round} of job {header.job_id!r} is already closed")
+            if rnd is None or rnd.number != header.round:
+                raise UploadRejected("unknown_round", f"round {header.round} of job {header.job_id!r} is not open")
+            if header.worker_id not in rnd.participants:
+                raise UploadRejected(
+                    "unknown_worker", f"worker {header.worker_id!r} is not a participant of round {header.round}"
+                )
+            if header.worker_id in rnd.accepted:
+                done = rnd.accepted[header.worker_id]
+                return Receipt(header.job_id, header.round, header.worker_id, True, done.bytes_received, done.sha256)
+            if self.clock() > rnd.deadline:
+                raise UploadRejected(
+                    "late", f"worker {header.worker_id!r}: round {header.round} deadline passed; late update refused"
+                )
+            if header.num_samples <= 0:
+                raise UploadRejected("bad_header", f"num_samples must be positive, got {header.num_samples}")
+            shapes = parameter_shapes(job.spec)
+        wanted = {name: (shape, "float32") for name, shape in shapes.items()}
+        got = {t.name: (tuple(t.shape), t.dtype) for t in header.tensors}
+        _check_specs(wanted, got, who=f"worker {header.worker_id!r}")
+        return None
+
+    def _accept(self, header: Any, tensors: dict[str, np.ndarray], digest: str) -> Receipt:
+        from aggregators.weighting import UpdateMeta
+
+        meta = UpdateMeta(
+            worker_id=header.worker_id,
+            num_samples=int(header.num_samples),
+            ish=header.ish if header.has_ish else None,
+            loss=header.validation_loss or header.train_loss,
+        )
+        job = self._job(header.job_id)
+        size = sum(arr.nbytes for arr in tensors.values())
+        with self._lock:
+            rnd = job.round
+            if rnd is None or rnd.number != header.round or rnd.closed:
+                raise UploadRejected("round_closed", f"round {header.round} of job {header.job_id!r} closed during the upload")
+            if header.worker_id in rnd.accepted:  # a concurrent retry won the race: count it once
+                done = rnd.accepted[header.worker_id]
+                return Receipt(header.job_id, header.round, header.worker_id, True, done.bytes_received, done.sha256)
+            try:
+                raw = float(rnd.algorithms.weighting.raw_weight(meta))
+            except ValueError as exc:
+                raise UploadRejected("bad_header", str(exc)) from exc
+            entry = _Accepted(header.worker_id, meta.num_samples, raw, digest, size, meta,
+                              epsilon=header.epsilon, train_loss=header.train_loss)
+            if rnd.mean is not None:
+                rnd.mean.add(tensors, raw)
+            else:
+                entry.tensors = tensors
+            rnd.accepted[header.worker_id] = entry
+        return Receipt(header.job_id, header.round, header.worker_id, False, size, digest)
+
+    def close(self, job_id: str, round_number: int) -> CloseResult:
+        """Aggregate what was accepted into the next global version."""
+        started = time.perf_counter()
+        job = self._job(job_id)
+        with self._lock:
+            rnd = job.round
+            if rnd is None or rnd.number != round_number:
+                raise NotFound(f"round {round_number} of job {job_id!r} is not open")
+            if rnd.closed:
+                raise Conflict(f"round {round_number} of job {job_id!r} is already closed")
+            rnd.closed = True
+            job.closed_rounds.add(round_number)
+            accepted = dict(rnd.accepted)
+            current = job.versions[job.version]
+        if not accepted:
+            raise Conflict(f"round {round_number} of job {job_id!r} closed with no accepted update")
+        rng = np.random.default_rng([job.seed, round_number])
+        stats: dict[str, float] = {"accepted": float(len(accepted))}
+        if rnd.mean is not None:
+            chosen = sorted(accepted)
+            new_state, weights = self._incremental_result(rnd, accepted, stats)
+        else:
+            chosen, new_state, weights = self._full_result(rnd, accepted, current, rng, stats)
+        coefficient = dict(zip(chosen, weights))
+        updates = [
+            UpdateSummary(w, a.num_samples, a.epsilon, a.train_loss, float(coefficient.get(w, 0.0)))
+            for w, a in sorted(accepted.items())
+        ]
+        stats["aggregated"] = float(len(chosen))
+        with self._lock:
+            version = job.version + 1
+            job.versions = {job.version: current, version: new_state}
+            job.specs = {v: job.specs.get(v, job.spec.to_json()) for v in job.versions}
+            job.specs[version] = job.spec.to_json()
+        seconds = time.perf_counter() - started
+        return CloseResult(version, chosen, job.specs[version], stats, seconds, updates)
+
+    def _incremental_result(self, rnd: _Round, accepted: dict[str, _Accepted],
+                            stats: dict[str, float]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        assert rnd.mean is not None
+        raw = np.array([accepted[w].raw_weight for w in sorted(accepted)])
+        weights, fell_back = rnd.algorithms.weighting.normalise(raw)
+        if fell_back:
+            raise Conflict("every update of this round has weight zero; nothing to average")
+        stats["weighting_fallback"] = 0.0
+        return rnd.mean.result(), weights
+
+    def _full_result(self, rnd: _Round, accepted: dict[str, _Accepted], current: Mapping[str, np.ndarray],
+                     rng: np.random.Generator,
+                     stats: dict[str, float]) -> tuple[list[str], dict[str, np.ndarray], np.ndarray]:
+        from aggregators.selection import Candidate
+
+        ids = sorted(accepted)
+        candidates = [
+            Candidate(
+                worker_id=w,
+                vector=_flatten(accepted[w].tensors or {}),
+                num_samples=accepted[w].num_samples,
+                reported_loss=accepted[w].meta.loss,
+            )
+            for w in ids
+        ]
+        selection = rnd.algorithms.selection.choose(
+            candidates, round_index=rnd.number, global_vector=_flatten(current), rng=rng,
+            deadline=time.monotonic() + self.selection_time_limit_s,
+        )
+        if selection.reason:
+            log.warning("selection for round %d fell back: %s", rnd.number, selection.reason)
+        stats.update({f"selection_{k}": float(v) for k, v in selection.stats.items()})
+        chosen = list(selection.chosen)
+        weights, fell_back = rnd.algorithms.weighting.normalise(np.array([accepted[w].raw_weight for w in chosen]))
+        stats["weighting_fallback"] = float(fell_back)
+        updates = [accepted[w].tensors or {} for w in chosen]
+        if rnd.algorithms.alignment_name != "none":
+            raise Conflict(f"alignment {rnd.algorithms.alignment_name!r} is not available in this service yet")
+        return chosen, weighted_mean(updates, weights), weights
+
+    def _job(self, job_id: str) -> _Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFound(f"unknown job {job_id!r}")
+        return job
+
+
+class _Duplicate(Exception):
+    """Internal: stop reading a stream whose update was already accepted."""
+
+
+def _flatten(tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+    return np.concatenate([np.ravel(a) for a in tensors.values()]) if tensors else np.zeros(0)
+
+
+def _check_specs(wanted: Mapping[str, tuple[tuple[int, ...], str]], got: Mapping[str, tuple[tuple[int, ...], str]], *, who: str) -> None:
+    unknown = sorted(set(got) - set(wanted))
+    if unknown:
+        raise UploadRejected("unknown_tensor", f"{who}: unknown tensor {unknown[0]!r}; the model has {sorted(wanted)}")
+    missing = sorted(set(wanted) - set(got))
+    if missing:
+        raise UploadRejected("missing_tensor", f"{who}: tensor {missing[0]!r} is missing")
+    for name, (shape, dtype) in wanted.items():
+        got_shape, got_dtype = got[name]
+        if got_shape != shape:
+            raise UploadRejected("wrong_shape", f"{who}: tensor {name!r} has shape {list(got_shape)}, expected {list(shape)}")
+        if got_dtype != dtype:
+            raise UploadRejected("wrong_dtype", f"{who}: tensor {name!r} has dtype {got_dtype}, expected {dtype}")
+
+
+def _check_matches(shapes: Mapping[str, tuple[int, ...]], tensors: Mapping[str, np.ndarray], *, who: str) -> None:
+    _check_specs(
+        {n: (s, "float32") for n, s in shapes.items()},
+        {n: (tuple(a.shape), "float32") for n, a in tensors.items()},
+        who=who,
+    )
+
+
+def _check_finite(tensors: Mapping[str, np.ndarray], *, who: str) -> None:
+    for name, arr in tensors.items():
+        if not np.isfinite(arr).all():
+            raise UploadRejected("non_finite", f"{who}: tensor {name!r} contains NaN or Inf")

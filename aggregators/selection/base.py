@@ -1,0 +1,83 @@
+"""The selection interface: of the N updates received this round, which ones to aggregate."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from aggregators.registry import Registry
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One received update, as the selector sees it."""
+
+    worker_id: str
+    vector: np.ndarray
+    num_samples: int
+    reported_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The chosen worker ids (in candidate order), numbers for metrics, and why a fallback happened."""
+
+    chosen: list[str]
+    stats: dict[str, float] = field(default_factory=dict)
+    reason: str = ""
+
+
+ValidationLoss = Callable[[Sequence[str]], float]
+
+
+class Selector(Protocol):
+    def needs_vectors(self, round_index: int) -> bool: ...
+
+    def choose(
+        self,
+        candidates: Sequence[Candidate],
+        *,
+        round_index: int,
+        global_vector: np.ndarray,
+        rng: np.random.Generator,
+        deadline: float | None = None,
+        validation_loss: ValidationLoss | None = None,
+    ) -> Selection: ...
+
+
+SELECTION: Registry[Selector] = Registry("selection")
+
+
+def require_int(name: str, value: Any, minimum: int) -> None:
+    """Raise ValueError naming the parameter unless it is an integer >= minimum (bools are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+
+
+def check_candidates(candidates: Sequence[Candidate], *, round_index: int) -> None:
+    """Reject what no selector can work with: no candidates, repeated ids, negative counts, bad rounds."""
+    require_int("round_index", round_index, 1)
+    if len(candidates) == 0:
+        raise ValueError("selection needs at least one candidate update")
+    seen: set[str] = set()
+    for c in candidates:
+        if c.worker_id in seen:
+            raise ValueError(f"worker {c.worker_id!r} appears more than once among the candidates")
+        seen.add(c.worker_id)
+        n = c.num_samples
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"worker {c.worker_id!r}: num_samples must be an integer >= 0, got {n!r}")
+
+
+def random_choice(candidates: Sequence[Candidate], m: int, rng: np.random.Generator) -> list[str]:
+    """m distinct candidates drawn uniformly (all of them when m >= N), listed in candidate order."""
+    n = len(candidates)
+    if m >= n:
+        return [c.worker_id for c in candidates]
+    picked = np.sort(rng.choice(n, size=m, replace=False))
+    return [candidates[int(i)].worker_id for i in picked]

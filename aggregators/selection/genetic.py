@@ -1,0 +1,371 @@
+"""Genetic base-model selection (Wang, Zhong & Wang 2025, Algorithm 1).
+
+Every `ga_gap`-th round a genetic algorithm picks the m of N updates whose aggregate should teach the
+global model most: updates near-orthogonal to it (Loss1) that still classify well (Loss2). Other rounds
+pick m at random. A chromosome is m distinct candidate indices; gene order carries no meaning except
+that mutation replaces a contiguous block of positions.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from aggregators.selection.base import (
+    SELECTION,
+    Candidate,
+    Selection,
+    ValidationLoss,
+    check_candidates,
+    random_choice,
+    require_int,
+)
+
+LOSS2_MODES: tuple[str, ...] = ("reported", "server_validation")
+
+Fitness = Callable[[np.ndarray], np.ndarray]
+"""(P, m) chromosomes of candidate indices -> (P,) values to minimise."""
+
+
+# --- operators -------------------------------------------------------------------------------------
+
+
+def initial_population(num_candidates: int, m: int, size: int, rng: np.random.Generator) -> np.ndarray:
+    """`size` chromosomes, each m distinct indices drawn uniformly from range(num_candidates)."""
+    if not 1 <= m <= num_candidates:
+        raise ValueError(f"m must lie in [1, {num_candidates}], got {m}")
+    return np.argsort(rng.random((size, num_candidates)), axis=1)[:, :m].astype(np.int64)
+
+
+def crossover(a: np.ndarray, b: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Keep the ids both parents share; swap a random non-empty *proper* subset of their unique ids.
+
+    Swapping all unique ids would only give back the parents (chromosomes are sets), so with fewer
+    than two unique ids each the children are copies of the parents.
+    """
+    a = np.asarray(a, dtype=np.int64)
+    b = np.asarray(b, dtype=np.int64)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"parents must be 1-D of equal length, got shapes {a.shape} and {b.shape}")
+    only_a = np.flatnonzero(~np.isin(a, b))
+    only_b = np.flatnonzero(~np.isin(b, a))
+    child_a, child_b = a.copy(), b.copy()
+    unique = only_a.size
+    if unique < 2:
+        return child_a, child_b
+    k = int(rng.integers(1, unique))  # 1 … unique-1
+    pos_a = rng.choice(only_a, size=k, replace=False)
+    pos_b = rng.choice(only_b, size=k, replace=False)
+    child_a[pos_a] = b[pos_b]
+    child_b[pos_b] = a[pos_a]
+    return child_a, child_b
+
+
+def mutate(
+    chromosome: np.ndarray, num_candidates: int, rng: np.random.Generator, *, max_block: int | None = None
+) -> np.ndarray:
+    """Replace one contiguous block of 1 … ⌈m/2⌉ genes with distinct ids not in the chromosome.
+
+    The block is also capped by how many outside ids exist; with none (m = N) the chromosome is
+    returned unchanged.
+    """
+    c = np.asarray(chromosome, dtype=np.int64)
+    m = c.size
+    outside = np.setdiff1d(np.arange(num_candidates, dtype=np.int64), c)
+    cap = min(max_block if max_block is not None else math.ceil(m / 2), outside.size, m)
+    if cap < 1:
+        return c.copy()
+    length = int(rng.integers(1, cap + 1))
+    start = int(rng.integers(0, m - length + 1))
+    out = c.copy()
+    out[start : start + length] = rng.choice(outside, size=length, replace=False)
+    return out
+
+
+def _adjacent_pairs(count: int) -> Iterator[tuple[int, int]]:
+    """(0,1), (2,3), … then (1,2), (3,4), … and round again, so any number of children can be bred."""
+    if count == 1:
+        while True:
+            yield 0, 0
+    while True:
+        for offset in (0, 1):
+            for j in range(offset, count - 1, 2):
+                yield j, j + 1
+
+
+def breed(
+    survivors: np.ndarray, count: int, num_candidates: int, mutation_rate: float, rng: np.random.Generator
+) -> np.ndarray:
+    """`count` children: crossover of adjacent survivors (best first), each then mutated with probability
+    `mutation_rate`."""
+    m = survivors.shape[1]
+    children = np.empty((count, m), dtype=np.int64)
+    filled = 0
+    pairs = _adjacent_pairs(survivors.shape[0])
+    while filled < count:
+        i, j = next(pairs)
+        for child in crossover(survivors[i], survivors[j], rng):
+            if filled < count:
+                children[filled] = child
+                filled += 1
+    flips = rng.random(count) < mutation_rate
+    for idx in np.flatnonzero(flips):
+        children[idx] = mutate(children[idx], num_candidates, rng)
+    return children
+
+
+@dataclass(frozen=True)
+class Evolution:
+    """The best chromosome found (sorted indices), its fitness, and whether every generation ran."""
+
+    best: np.ndarray
+    best_fitness: float
+    generations_run: int
+    completed: bool
+
+
+def evolve(
+    fitness: Fitness,
+    *,
+    num_candidates: int,
+    m: int,
+    population: int = 100,
+    survival: float = 0.5,
+    mutation_rate: float = 0.1,
+    generations: int = 20,
+    rng: np.random.Generator,
+    deadline: float | None = None,
+) -> Evolution:
+    """Minimise `fitness` over m-subsets of range(num_candidates).
+
+    Each generation keeps the best `survival` share (elitism: the best never gets worse) and refills the
+    population with children. `deadline` (a time.monotonic() value) is checked before the first fitness
+    evaluation and before each generation; an overrun stops early with completed=False and the best
+    found so far (fitness NaN if nothing was evaluated).
+    """
+    survivors_n = min(population - 1, max(1, round(population * survival)))
+    pop = initial_population(num_candidates, m, population, rng)
+    if _overrun(deadline):
+        return Evolution(best=np.sort(pop[0]), best_fitness=math.nan, generations_run=0, completed=False)
+    fit = np.asarray(fitness(pop), dtype=np.float64)
+    ran = 0
+    completed = True
+    for _ in range(generations):
+        if _overrun(deadline):
+            completed = False
+            break
+        order = np.argsort(fit, kind="stable")[:survivors_n]
+        survivors, survivor_fit = pop[order], fit[order]
+        children = breed(survivors, population - survivors_n, num_candidates, mutation_rate, rng)
+        pop = np.concatenate([survivors, children])
+        fit = np.concatenate([survivor_fit, np.asarray(fitness(children), dtype=np.float64)])
+        ran += 1
+    best = int(np.argmin(fit))
+    return Evolution(best=np.sort(pop[best]), best_fitness=float(fit[best]), generations_run=ran, completed=completed)
+
+
+def _overrun(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() > deadline
+
+
+# --- fitness ---------------------------------------------------------------------------------------
+
+
+def cosine_to_global(candidates: Sequence[Candidate], global_vector: np.ndarray) -> np.ndarray:
+    """cos(w_k, w_global) per candidate, computed once per round (a zero vector counts as orthogonal)."""
+    g = np.asarray(global_vector, dtype=np.float64).ravel()
+    g_norm = float(np.linalg.norm(g))
+    if not math.isfinite(g_norm):
+        raise ValueError("global vector holds non-finite values")
+    out = np.zeros(len(candidates))
+    for k, c in enumerate(candidates):
+        v = np.asarray(c.vector, dtype=np.float64).ravel()
+        if v.shape != g.shape:
+            raise ValueError(
+                f"worker {c.worker_id!r}: update has {v.size} parameters, the global model {g.size}"
+            )
+        v_norm = float(np.linalg.norm(v))
+        if not math.isfinite(v_norm):
+            raise ValueError(f"worker {c.worker_id!r}: update holds non-finite values")
+        if v_norm > 0.0 and g_norm > 0.0:
+            out[k] = float(np.dot(v, g)) / (v_norm * g_norm)
+    return out
+
+
+def reported_loss2(candidates: Sequence[Candidate]) -> Fitness:
+    """Loss2 per chromosome: the data-size-weighted mean of the chosen workers' reported losses
+    (plain mean when the chosen workers hold no samples)."""
+    losses = np.empty(len(candidates))
+    for k, c in enumerate(candidates):
+        if c.reported_loss is None or not math.isfinite(float(c.reported_loss)):
+            raise ValueError(
+                f"worker {c.worker_id!r}: loss2='reported' needs a finite reported loss, got {c.reported_loss!r}"
+            )
+        losses[k] = float(c.reported_loss)
+    sizes = np.array([float(c.num_samples) for c in candidates])
+
+    def loss2(pop: np.ndarray) -> np.ndarray:
+        w, chosen = sizes[pop], losses[pop]
+        total = w.sum(axis=1)
+        weighted = np.divide((w * chosen).sum(axis=1), total, out=np.zeros(pop.shape[0]), where=total > 0)
+        return np.where(total > 0, weighted, chosen.mean(axis=1))
+
+    return loss2
+
+
+def server_loss2(candidates: Sequence[Candidate], validation_loss: ValidationLoss) -> Fitness:
+    """Loss2 per chromosome from the service's validation set, asked once per distinct set of workers."""
+    ids = [c.worker_id for c in candidates]
+    cache: dict[tuple[int, ...], float] = {}
+
+    def one(row: np.ndarray) -> float:
+        key = tuple(sorted(int(i) for i in row))
+        if key not in cache:
+            value = float(validation_loss([ids[i] for i in key]))
+            if not math.isfinite(value):
+                raise ValueError(f"validation_loss returned {value!r} for workers {[ids[i] for i in key]}")
+            cache[key] = value
+        return cache[key]
+
+    def loss2(pop: np.ndarray) -> np.ndarray:
+        return np.array([one(row) for row in pop])
+
+    return loss2
+
+
+# --- the registered selector -----------------------------------------------------------------------
+
+
+@SELECTION.register("ga")
+@dataclass(frozen=True, kw_only=True)
+class GeneticSelection:
+    """Minimise Loss1 + μ·Loss2 over m-subsets every `ga_gap`-th round; m at random otherwise.
+
+    Loss1 = mean cosine similarity of the chosen updates to the global model; Loss2 = reported losses
+    (default) or a loss on a validation set the service holds (eqs. 31–32 are lost; see ALGORITHMS.md).
+    """
+
+    m: int
+    population: int = 100
+    survival: float = 0.5
+    mutation_rate: float = 0.1
+    generations: int = 20
+    mu: float = 0.2
+    ga_gap: int = 10
+    loss2: str = "reported"
+
+    def __post_init__(self) -> None:
+        require_int("m", self.m, 1)
+        require_int("population", self.population, 2)
+        require_int("generations", self.generations, 1)
+        require_int("ga_gap", self.ga_gap, 1)
+        if not _is_real(self.survival) or not 0.0 < self.survival < 1.0:
+            raise ValueError(f"survival must be a number in (0, 1), got {self.survival!r}")
+        if not _is_real(self.mutation_rate) or not 0.0 <= self.mutation_rate <= 1.0:
+            raise ValueError(f"mutation_rate must be a number in [0, 1], got {self.mutation_rate!r}")
+        if not _is_real(self.mu) or not 0.0 <= self.mu < math.inf:
+            raise ValueError(f"mu must be a finite number >= 0, got {self.mu!r}")
+        if self.loss2 not in LOSS2_MODES:
+            raise ValueError(f"loss2 must be one of {', '.join(LOSS2_MODES)}, got {self.loss2!r}")
+
+    def is_ga_round(self, round_index: int) -> bool:
+        """Rounds ga_gap, 2·ga_gap, … (1-based): the GA runs only after some federated iterations."""
+        return round_index % self.ga_gap == 0
+
+    def needs_vectors(self, round_index: int) -> bool:
+        return self.is_ga_round(round_index)
+
+    def fitness_for(
+        self,
+        candidates: Sequence[Candidate],
+        global_vector: np.ndarray,
+        validation_loss: ValidationLoss | None = None,
+    ) -> tuple[Fitness, Fitness, Fitness | None]:
+        """(fitness, loss1, loss2) over chromosomes of indices into `candidates`; loss2 is None when μ = 0."""
+        cos = cosine_to_global(candidates, global_vector)
+
+        def loss1(pop: np.ndarray) -> np.ndarray:
+            return cos[pop].mean(axis=1)
+
+        if self.mu == 0.0:
+            return loss1, loss1, None
+        if self.loss2 == "server_validation":
+            if validation_loss is None:
+                raise ValueError("loss2='server_validation' needs a validation_loss callable from the service")
+            loss2 = server_loss2(candidates, validation_loss)
+        else:
+            loss2 = reported_loss2(candidates)
+        mu = float(self.mu)
+
+        def fitness(pop: np.ndarray) -> np.ndarray:
+            return loss1(pop) + mu * loss2(pop)
+
+        return fitness, loss1, loss2
+
+    def choose(
+        self,
+        candidates: Sequence[Candidate],
+        *,
+        round_index: int,
+        global_vector: np.ndarray,
+        rng: np.random.Generator,
+        deadline: float | None = None,
+        validation_loss: ValidationLoss | None = None,
+    ) -> Selection:
+        check_candidates(candidates, round_index=round_index)
+        if self.m >= len(candidates):
+            return Selection(chosen=[c.worker_id for c in candidates], stats={"ga_ran": 0.0, "fallback": 0.0})
+        if not self.is_ga_round(round_index):
+            chosen = random_choice(candidates, self.m, rng)
+            return Selection(chosen=chosen, stats={"ga_ran": 0.0, "fallback": 0.0})
+
+        started = time.monotonic()
+        fitness, loss1, loss2 = self.fitness_for(candidates, global_vector, validation_loss)
+        result = evolve(
+            fitness,
+            num_candidates=len(candidates),
+            m=self.m,
+            population=self.population,
+            survival=self.survival,
+            mutation_rate=self.mutation_rate,
+            generations=self.generations,
+            rng=rng,
+            deadline=deadline,
+        )
+        seconds = time.monotonic() - started
+        if not result.completed:
+            return Selection(
+                chosen=random_choice(candidates, self.m, rng),
+                stats={
+                    "ga_ran": 0.0,
+                    "fallback": 1.0,
+                    "seconds": seconds,
+                    "generations": float(result.generations_run),
+                },
+                reason=(
+                    f"ga exceeded its time limit after {result.generations_run}/{self.generations} generations; "
+                    f"chose {self.m} at random"
+                ),
+            )
+        best = result.best[None, :]
+        stats = {
+            "ga_ran": 1.0,
+            "fallback": 0.0,
+            "fitness": result.best_fitness,
+            "loss1": float(loss1(best)[0]),
+            "seconds": seconds,
+            "generations": float(result.generations_run),
+        }
+        if loss2 is not None:  # with μ = 0 Loss2 is never computed, so there is nothing to report
+            stats["loss2"] = float(loss2(best)[0])
+        return Selection(chosen=[candidates[int(i)].worker_id for i in result.best], stats=stats)
+
+
+def _is_real(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return False
+    return math.isfinite(float(value))

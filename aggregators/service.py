@@ -1,0 +1,85 @@
+"""The aggregation service over gRPC: a thin servicer that converts messages and maps errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+from concurrent import futures
+from typing import Any, Iterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from aggregators.rounds import RoundBook
+from fedbroker import codec
+from fedbroker.rpc import CHANNEL_OPTIONS, handle
+from proto import fedbroker_pb2 as pb
+from proto import fedbroker_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "fedbroker.v1.Aggregation"
+
+
+class AggregationServicer(pb_grpc.AggregationServicer):
+    def __init__(self, book: RoundBook) -> None:
+        self.book = book
+
+    def PutGlobalModel(self, request_iterator: Iterator[pb.ModelChunk], context: grpc.ServicerContext) -> pb.UploadReceipt:
+        def run() -> pb.UploadReceipt:
+            header, tensors, digest = codec.receive(request_iterator, max_bytes=self.book.max_update_bytes)
+            self.book.put_global(header.job_id, header.version, header.model_spec_json, tensors)
+            return pb.UploadReceipt(job_id=header.job_id, sha256=digest,
+                                    bytes_received=sum(a.nbytes for a in tensors.values()))
+
+        return handle(context, run)
+
+    def OpenRound(self, request: pb.OpenRoundRequest, context: grpc.ServicerContext) -> pb.OpenRoundReply:
+        def run() -> pb.OpenRoundReply:
+            version = self.book.open_round(request.job_id, request.round, request.participants,
+                                           request.deadline_unix, json.loads(request.aggregation_json or "{}"),
+                                           seed=request.seed)
+            return pb.OpenRoundReply(model_version=version)
+
+        return handle(context, run)
+
+    def UploadUpdate(self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext) -> pb.UploadReceipt:
+        def run() -> pb.UploadReceipt:
+            r = self.book.receive_update(request_iterator)
+            return pb.UploadReceipt(job_id=r.job_id, round=r.round, worker_id=r.worker_id, duplicate=r.duplicate,
+                                    bytes_received=r.bytes_received, sha256=r.sha256)
+
+        return handle(context, run)
+
+    def DownloadGlobalModel(self, request: pb.GlobalModelRequest, context: grpc.ServicerContext) -> Iterator[pb.ModelChunk]:
+        version, spec_json, tensors = handle(context, lambda: self.book.global_model(request.job_id, request.version))
+        header = pb.ModelHeader(job_id=request.job_id, version=version, model_spec_json=spec_json,
+                                tensors=codec.tensor_specs(tensors))
+        yield from codec.stream_messages(pb.ModelChunk, header, tensors)
+
+    def RoundStatus(self, request: pb.RoundStatusRequest, context: grpc.ServicerContext) -> pb.RoundStatusReply:
+        accepted, is_open = handle(context, lambda: self.book.status(request.job_id, request.round))
+        return pb.RoundStatusReply(accepted=accepted, open=is_open)
+
+    def CloseRound(self, request: pb.CloseRoundRequest, context: grpc.ServicerContext) -> pb.CloseRoundReply:
+        result = handle(context, lambda: self.book.close(request.job_id, request.round))
+        return pb.CloseRoundReply(model_version=result.model_version, aggregated=result.aggregated,
+                                  model_spec_json=result.model_spec_json, stats=result.stats, seconds=result.seconds,
+                                  updates=[pb.UpdateSummary(worker_id=u.worker_id, num_samples=u.num_samples,
+                                                            epsilon=u.epsilon, train_loss=u.train_loss, weight=u.weight)
+                                           for u in result.updates])
+
+
+def serve(book: RoundBook, *, address: str = "127.0.0.1:0", max_workers: int = 16) -> tuple[grpc.Server, int]:
+    """Start the service (with standard gRPC health checking) and return it with its bound port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    pb_grpc.add_AggregationServicer_to_server(AggregationServicer(book), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind the aggregation service to {address}")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("aggregation service listening on port %d", port)
+    return server, port

@@ -1,0 +1,29 @@
+"""Per-update aggregation weights, chosen by registry name (`fedavg`, `uniform`, `dwfed`)."""
+
+from aggregators.weighting.base import WEIGHTING, UpdateMeta, Weighting, normalise_weights
+from aggregators.weighting.dwfed import (
+    ISH_FORMS,
+    DWFedWeighting,
+    emd,
+    ish,
+    label_distribution,
+    population_distribution,
+)
+from aggregators.weighting.fedavg import FedAvgWeighting, UniformWeighting
+from aggregators.weighting.privacy import noisy_histogram
+
+__all__ = [
+    "ISH_FORMS",
+    "WEIGHTING",
+    "DWFedWeighting",
+    "FedAvgWeighting",
+    "UniformWeighting",
+    "UpdateMeta",
+    "Weighting",
+    "emd",
+    "ish",
+    "label_distribution",
+    "noisy_histogram",
+    "normalise_weights",
+    "population_distribution",
+]

@@ -1,0 +1,33 @@
+"""Global-model evaluation on the coordinator's held-out test split (when the job names a data set)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from functools import lru_cache
+
+import numpy as np
+
+from fedbroker.model import build_model, load_numpy_state
+from fedbroker.spec import JobSpec, parse_model
+from worker.data import Dataset, load_dataset, train_test_split
+from worker.trainer import evaluate
+
+_lock = threading.Lock()
+
+
+@lru_cache(maxsize=8)
+def test_split(name: str, test_fraction: float, seed: int, idx_dir: str | None = None) -> Dataset:
+    data = load_dataset(name, idx_dir=idx_dir)
+    return train_test_split(data, test_fraction=test_fraction, seed=seed)[1]
+
+
+def evaluate_global(job: JobSpec, spec_json: str, tensors: dict[str, np.ndarray]) -> tuple[float, float] | None:
+    """(accuracy, mean cross-entropy) of the global model, or None when the job has no evaluation set."""
+    if not job.evaluation.dataset:
+        return None
+    with _lock:
+        test = test_split(job.evaluation.dataset, job.evaluation.test_fraction, job.evaluation.split_seed)
+    model = build_model(parse_model(json.loads(spec_json)))
+    load_numpy_state(model, tensors)
+    return evaluate(model, test.x, test.y)

@@ -1,0 +1,76 @@
+"""The coordinator over gRPC: job submission and status, a thin shell over Coordinator and StateStore."""
+
+from __future__ import annotations
+
+import time
+from concurrent import futures
+
+import grpc
+
+from coordinator.scheduler import Coordinator
+from fedbroker.rpc import CHANNEL_OPTIONS, handle
+from fedbroker.spec import job_from_text
+from proto import fedbroker_pb2 as pb
+from proto import fedbroker_pb2_grpc as pb_grpc
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.ServicerContext) -> pb.SubmitJobReply:
+        return handle(context, lambda: pb.SubmitJobReply(job_id=self.coordinator.submit(job_from_text(request.job_yaml))))
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        return status_reply(self.coordinator, request.job_id)
+
+
+def status_reply(coordinator: Coordinator, job_id: str = "") -> pb.StatusReply:
+    store = coordinator.store
+    jobs = [j for j in store.jobs() if not job_id or j["job_id"] == job_id]
+    reply = pb.StatusReply()
+    now = time.time()
+    for j in jobs:
+        reply.jobs.add(job_id=j["job_id"], status=j["status"], rounds_done=j["rounds_done"],
+                       rounds_total=j["rounds_total"], error=j["error"])
+        for r in store.rounds(j["job_id"]):
+            reply.rounds.add(job_id=r["job_id"], round=r["round"], status=r["status"], participants=r["participants"],
+                             uploaded=r["uploaded"], aggregated=r["aggregated"], accuracy=r["accuracy"] or 0.0,
+                             loss=r["loss"] or 0.0, seconds=r["seconds"] or 0.0,
+                             mean_train_loss=r["mean_train_loss"] or 0.0)
+        for p in store.participants(j["job_id"]):
+            reply.participants.add(job_id=p["job_id"], round=p["round"], worker_id=p["worker_id"], status=p["status"],
+                                   reason=p["reason"], epsilon=p["epsilon"] or 0.0, train_loss=p["train_loss"] or 0.0,
+                                   num_samples=p["num_samples"] or 0)
+    for w in store.workers():
+        reply.workers.add(worker_id=w.worker_id, device=w.device, epsilon_spent=w.epsilon_spent,
+                          epsilon_budget=w.dp.get("epsilon_budget", 0.0) if w.dp_enabled else 0.0,
+                          last_seen_seconds_ago=now - w.last_seen,
+                          active=now - w.last_seen <= coordinator.heartbeat_timeout_s)
+    return reply
+
+
+def serve(coordinator: Coordinator, *, address: str = "127.0.0.1:0") -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS)
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind the coordinator service to {address}")
+    server.start()
+    return server, port
+
+
+class CoordinatorClient:
+    def __init__(self, target: str, *, timeout_s: float = 30.0) -> None:
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self.timeout_s = timeout_s
+
+    def submit(self, job_text: str) -> str:
+        return self._stub.SubmitJob(pb.SubmitJobRequest(job_yaml=job_text), timeout=self.timeout_s).job_id
+
+    def status(self, job_id: str = "") -> pb.StatusReply:
+        return self._stub.Status(pb.StatusRequest(job_id=job_id), timeout=self.timeout_s)
+
+    def close(self) -> None:
+        self._channel.close()

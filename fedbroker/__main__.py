@@ -1,0 +1,5 @@
+import sys
+
+from fedbroker.cli import main
+
+sys.exit(main())

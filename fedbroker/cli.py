@@ -1,0 +1,176 @@
+"""The one command line: `fedbroker demo | aggregator | coordinator | worker | submit | status`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Any, Sequence
+
+import grpc
+
+from fedbroker.errors import ConfigError, FedbrokerError
+
+# exit codes, one table: a bad config or job is the user's to fix (2); anything else we raise on purpose is 1.
+EXIT_CODES: list[tuple[type[BaseException], int]] = [(ConfigError, 2), (FedbrokerError, 1)]
+
+
+def _config(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
+    from fedbroker.config import load_config
+
+    config = load_config(getattr(args, "config", None), overrides=overrides)
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return config
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def cmd_aggregator(args: argparse.Namespace) -> int:
+    from fedbroker.launch import start_aggregator
+
+    server, port = start_aggregator(_config(args, {"aggregator.listen": args.listen}))
+    _wait_for_signal()
+    server.stop(grace=5)
+    return 0
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from fedbroker.launch import start_coordinator
+
+    process = start_coordinator(_config(args, {
+        "broker.url": args.broker, "coordinator.listen": args.listen, "aggregator.target": args.aggregator,
+        "coordinator.state_dir": args.state_dir,
+    }))
+    _wait_for_signal()
+    process.stop()
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from fedbroker.launch import start_worker
+
+    config = _config(args, {"broker.url": args.broker, "worker.id": args.id})
+    if not config.broker.url:
+        raise ConfigError("broker.url", "a worker process needs a broker (amqp://...); the in-process bus "
+                                        "only works inside `fedbroker demo`")
+    agent = start_worker(config)
+    _wait_for_signal()
+    agent.stop()
+    agent.bus.close()
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from coordinator.service import CoordinatorClient
+    from fedbroker.spec import job_from_text
+
+    with open(args.job, encoding="utf-8") as fh:
+        text = fh.read()
+    job_from_text(text)  # refuse a bad job here, before it travels
+    client = CoordinatorClient(args.coordinator)
+    print(client.submit(text))
+    client.close()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from coordinator.service import CoordinatorClient
+    from fedbroker.status import render
+
+    client = CoordinatorClient(args.coordinator)
+    print(render(client.status(args.job or "")))
+    client.close()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from fedbroker.demo import DemoOptions, run_demo
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options = DemoOptions(
+        workers=args.workers, rounds=args.rounds, alpha=args.alpha, partition=args.partition, dp=args.dp,
+        dataset=args.dataset, broker=args.broker or "", out=args.out, seed=args.seed,
+        local_epochs=args.local_epochs, lr=args.lr, noise_multiplier=args.noise_multiplier,
+        max_grad_norm=args.max_grad_norm, epsilon_budget=args.epsilon_budget,
+    )
+    run_demo(options)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fedbroker.demo import DemoOptions
+
+    d = DemoOptions()
+    parser = argparse.ArgumentParser(prog="fedbroker", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run a whole private federation on this machine")
+    demo.add_argument("--workers", type=int, default=d.workers)
+    demo.add_argument("--rounds", type=int, default=d.rounds)
+    demo.add_argument("--alpha", type=float, default=d.alpha, help="Dirichlet α of the non-IID split")
+    demo.add_argument("--partition", choices=["iid", "dirichlet", "classes"], default=d.partition)
+    demo.add_argument("--dp", action=argparse.BooleanOptionalAction, default=d.dp, help="train with Opacus DP")
+    demo.add_argument("--dataset", choices=["digits", "breast_cancer", "wine", "iris"], default=d.dataset)
+    demo.add_argument("--broker", default="", help="amqp://user:pass@host:5672/ (default: in-process bus)")
+    demo.add_argument("--out", default=d.out)
+    demo.add_argument("--seed", type=int, default=d.seed)
+    demo.add_argument("--local-epochs", type=int, default=d.local_epochs)
+    demo.add_argument("--lr", type=float, default=d.lr)
+    demo.add_argument("--noise-multiplier", type=float, default=d.noise_multiplier)
+    demo.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm)
+    demo.add_argument("--epsilon-budget", type=float, default=d.epsilon_budget)
+    demo.set_defaults(run=cmd_demo)
+
+    for name, fn, help_text in (("aggregator", cmd_aggregator, "run the gRPC aggregation service"),
+                                ("coordinator", cmd_coordinator, "run the coordinator"),
+                                ("worker", cmd_worker, "run one data owner's worker")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--config", help="YAML config file (FEDBROKER__SECTION__KEY variables override it)")
+        p.set_defaults(run=fn)
+        if name == "aggregator":
+            p.add_argument("--listen")
+        if name == "coordinator":
+            p.add_argument("--broker")
+            p.add_argument("--listen")
+            p.add_argument("--aggregator", help="host:port of the aggregation service")
+            p.add_argument("--state-dir")
+        if name == "worker":
+            p.add_argument("--broker")
+            p.add_argument("--id")
+
+    submit = sub.add_parser("submit", help="submit a job (YAML or JSON file)")
+    submit.add_argument("job")
+    submit.add_argument("--coordinator", default="127.0.0.1:50052")
+    submit.set_defaults(run=cmd_submit)
+
+    status = sub.add_parser("status", help="jobs, rounds and workers in a table")
+    status.add_argument("--coordinator", default="127.0.0.1:50052")
+    status.add_argument("--job")
+    status.set_defaults(run=cmd_status)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except grpc.RpcError as error:
+        print(f"fedbroker {args.command}: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    except BaseException as exc:
+        for cls, code in EXIT_CODES:
+            if isinstance(exc, cls):
+                print(f"fedbroker {args.command}: {exc}", file=sys.stderr)
+                return code
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Process configuration: one YAML file, overridden by FEDBROKER__SECTION__KEY environment variables.
+
+Kubernetes mounts the file from a ConfigMap and injects secrets (the broker URL with its password) as
+environment variables, so nothing secret has to live in the file. Values are validated once, here,
+into frozen objects; an unknown key or a wrong type is an error naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+from fedbroker.errors import ConfigError
+
+ENV_PREFIX = "FEDBROKER__"
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    url: str = ""                      # empty = the in-process bus (single process only)
+    namespace: str = "fedbroker"
+    max_attempts: int = 5
+    heartbeat_s: int = 30
+
+
+@dataclass(frozen=True)
+class AggregatorConfig:
+    listen: str = "0.0.0.0:50051"
+    target: str = "127.0.0.1:50051"   # how the coordinator and workers reach it
+    max_update_bytes: int = 1 << 30
+    selection_time_limit_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    listen: str = "0.0.0.0:50052"
+    target: str = "127.0.0.1:50052"
+    state_dir: str = "state"
+    heartbeat_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class PartitionSection:
+    scheme: str = "iid"
+    num_clients: int = 1
+    client_index: int = 0
+    alpha: float = 0.5
+    classes_per_client: int = 2
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DPSection:
+    enabled: bool = True
+    noise_multiplier: float = 1.0
+    max_grad_norm: float = 1.0
+    delta: float = 1e-5
+    epsilon_budget: float = 10.0
+
+
+@dataclass(frozen=True)
+class WorkerSection:
+    id: str = "worker-0"
+    categories: tuple[str, ...] = ("digits",)
+    dataset: str = "digits"
+    idx_dir: str = ""
+    test_fraction: float = 0.2
+    split_seed: int = 0
+    partition: PartitionSection = field(default_factory=PartitionSection)
+    dp: DPSection = field(default_factory=DPSection)
+    ledger_path: str = "ledger.json"
+    device: str = "auto"
+    heartbeat_s: float = 10.0
+    histogram_epsilon: float = 0.0     # > 0: Laplace noise on the shared label histogram at this ε
+
+
+@dataclass(frozen=True)
+class Config:
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    aggregator: AggregatorConfig = field(default_factory=AggregatorConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    worker: WorkerSection = field(default_factory=WorkerSection)
+    log_level: str = "INFO"
+
+
+def load_config(path: str | None = None, *, environ: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> Config:
+    """File (optional) < environment < explicit overrides (command-line flags)."""
+    raw: dict[str, Any] = {}
+    if path:
+        with open(path, encoding="utf-8") as fh:
+            loaded = yaml.safe_load(fh) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(path, "the config file must hold a mapping")
+        raw = loaded
+    for key, value in sorted((environ if environ is not None else os.environ).items()):
+        if key.startswith(ENV_PREFIX):
+            parts = [p.lower() for p in key[len(ENV_PREFIX):].split("__")]
+            _set(raw, parts, yaml.safe_load(value) if value.strip() else "")
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _set(raw, dotted.split("."), value)
+    return _build(Config, raw, "")
+
+
+def _set(tree: dict[str, Any], parts: list[str], value: Any) -> None:
+    for part in parts[:-1]:
+        tree = tree.setdefault(part, {})
+        if not isinstance(tree, dict):
+            raise ConfigError(".".join(parts), "overrides a value that is not a section")
+    tree[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(where or "config", f"must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        at = f"{where}.{key}" if where else key
+        if key not in names:
+            raise ConfigError(at, f"unknown setting; known: {', '.join(sorted(names))}")
+        kwargs[key] = _coerce(hints[key], value, at)
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, at: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, at)
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+            raise ConfigError(at, f"must be a list of strings, got {value!r}")
+        return tuple(i.strip() for i in items if i.strip())
+    if origin in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float) and isinstance(value, str):  # YAML 1.1 reads "1e-05" as a string
+        try:
+            return hint(value)
+        except ValueError:
+            raise ConfigError(at, f"must be {hint.__name__}, got {value!r}") from None
+    if hint is str and value is None:
+        return ""
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(at, f"must be {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value

@@ -1,0 +1,351 @@
+"""`fedbroker demo`: a whole private federation on this machine, with progress, a results table and a plot.
+
+The aggregation service always runs as its own process (real gRPC on loopback). With a broker URL the
+coordinator and every worker are separate processes too, talking over RabbitMQ; without one they share
+this process and the in-process bus (one thread per worker), since an in-process bus cannot span processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    workers: int = 3
+    rounds: int = 5
+    alpha: float = 0.5
+    partition: str = "dirichlet"
+    dp: bool = True
+    dataset: str = "digits"
+    broker: str = ""
+    out: str = "runs"
+    seed: int = 0
+    local_epochs: int = 5
+    batch_size: int = 32
+    lr: float = 0.5
+    hidden: int = 64
+    noise_multiplier: float = 0.7
+    max_grad_norm: float = 1.0
+    delta: float = 1e-5
+    epsilon_budget: float = 50.0
+    round_timeout_s: float = 300.0
+    run_id: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
+
+
+def demo_job(options: DemoOptions, input_shape: tuple[int, ...], num_classes: int) -> dict[str, Any]:
+    flat = 1
+    for d in input_shape:
+        flat *= d
+    return {
+        "name": "demo",
+        "category": options.dataset,
+        "seed": options.seed,
+        "model": {
+            "input_shape": list(input_shape),
+            "layers": [
+                {"type": "Flatten"},
+                {"type": "Linear", "in_features": flat, "out_features": options.hidden},
+                {"type": "ReLU"},
+                {"type": "Linear", "in_features": options.hidden, "out_features": num_classes},
+            ],
+        },
+        "training": {"rounds": options.rounds, "local_epochs": options.local_epochs,
+                     "batch_size": options.batch_size, "lr": options.lr},
+        "aggregation": {"alignment": "none", "weighting": "fedavg", "selection": "all"},
+        "schedule": {"min_workers": options.workers, "min_clients": 1, "wait_for_workers_s": 120,
+                     "round_timeout_s": options.round_timeout_s},
+        "evaluation": {"dataset": options.dataset},
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(target: str, timeout_s: float = 60.0) -> None:
+    deadline = time.time() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.time() > deadline:
+                raise TimeoutError(f"the service at {target} did not become healthy within {timeout_s:.0f}s")
+            time.sleep(0.3)
+
+
+class Cluster:
+    """The processes and threads of one local federation; stops everything it started."""
+
+    def __init__(self, options: DemoOptions, run_dir: Path) -> None:
+        self.options = options
+        self.run_dir = run_dir
+        self.logs = run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.in_process: list[Any] = []
+        self.aggregator_target = f"127.0.0.1:{free_port()}"
+        self.coordinator_target = f"127.0.0.1:{free_port()}"
+        self.namespace = f"fedbroker-demo-{options.run_id}"
+
+    def env(self, **settings: Any) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER__")}
+        base = {
+            "broker.url": self.options.broker, "broker.namespace": self.namespace,
+            "aggregator.listen": self.aggregator_target, "aggregator.target": self.aggregator_target,
+            "coordinator.listen": self.coordinator_target, "coordinator.target": self.coordinator_target,
+            "coordinator.state_dir": str(self.run_dir / "coordinator"),
+        }
+        for key, value in {**base, **settings}.items():
+            env["FEDBROKER__" + key.upper().replace(".", "__")] = json.dumps(value) if not isinstance(value, str) else value
+        return env
+
+    def worker_settings(self, i: int) -> dict[str, Any]:
+        o = self.options
+        return {
+            "worker.id": f"worker-{i}", "worker.categories": o.dataset, "worker.dataset": o.dataset,
+            "worker.partition.scheme": o.partition, "worker.partition.num_clients": o.workers,
+            "worker.partition.client_index": i, "worker.partition.alpha": o.alpha,
+            "worker.partition.seed": o.seed, "worker.ledger_path": str(self.run_dir / f"worker-{i}-ledger.json"),
+            "worker.dp.enabled": o.dp, "worker.dp.noise_multiplier": o.noise_multiplier,
+            "worker.dp.max_grad_norm": o.max_grad_norm, "worker.dp.delta": o.delta,
+            "worker.dp.epsilon_budget": o.epsilon_budget, "worker.heartbeat_s": 2.0,
+        }
+
+    def spawn(self, name: str, command: str, env: dict[str, str]) -> None:
+        log_file = open(self.logs / f"{name}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "fedbroker", command], env=env, stdout=log_file,
+                                stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+
+    def start(self) -> None:
+        from fedbroker.config import load_config
+        from fedbroker.launch import start_coordinator, start_worker
+
+        self.spawn("aggregator", "aggregator", self.env())
+        wait_healthy(self.aggregator_target)
+        if self.options.broker:
+            self.spawn("coordinator", "coordinator", self.env())
+            for i in range(self.options.workers):
+                self.spawn(f"worker-{i}", "worker", self.env(**self.worker_settings(i)))
+            self._wait_coordinator()
+        else:
+            self.in_process.append(start_coordinator(load_config(environ=self.env())))
+            for i in range(self.options.workers):
+                self.in_process.append(start_worker(load_config(environ=self.env(**self.worker_settings(i)))))
+
+    def _wait_coordinator(self, timeout_s: float = 60.0) -> None:
+        from coordinator.service import CoordinatorClient
+
+        client = CoordinatorClient(self.coordinator_target, timeout_s=2)
+        deadline = time.time() + timeout_s
+        try:
+            while True:
+                self.check_alive()
+                try:
+                    client.status()
+                    return
+                except grpc.RpcError:
+                    if time.time() > deadline:
+                        raise TimeoutError(f"the coordinator did not answer within {timeout_s:.0f}s") from None
+                    time.sleep(0.3)
+        finally:
+            client.close()
+
+    def check_alive(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is not None:
+                name = Path(proc.args[-1]).name
+                raise RuntimeError(f"a {name} process exited with code {proc.returncode}; see {self.logs}")
+
+    def stop(self) -> None:
+        for part in self.in_process:
+            part.stop()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def centralized_baseline(options: DemoOptions) -> float:
+    """The same model trained on the pooled training data without DP: the ceiling federation aims at."""
+    from fedbroker.model import build_model
+    from fedbroker.spec import parse_model
+    from worker.data import load_dataset, train_test_split
+    from worker.trainer import TrainConfig, evaluate, train_local
+
+    data = load_dataset(options.dataset)
+    train, test = train_test_split(data, test_fraction=0.2, seed=0)
+    job = demo_job(options, data.input_shape, data.num_classes)
+    model = build_model(parse_model(job["model"]), seed=options.seed)
+    train_local(model, train.x, train.y, dp=None, seed=options.seed,
+                config=TrainConfig(epochs=options.rounds * options.local_epochs, batch_size=options.batch_size,
+                                   lr=options.lr))
+    return evaluate(model, test.x, test.y)[0]
+
+
+def run_demo(options: DemoOptions) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from coordinator.service import CoordinatorClient
+    from worker.data import load_dataset
+
+    run_dir = Path(options.out) / options.run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = load_dataset(options.dataset)
+    job = demo_job(options, data.input_shape, data.num_classes)
+    (run_dir / "job.json").write_text(json.dumps(job, indent=2))
+    print(f"fedbroker demo: {options.workers} workers, {options.rounds} rounds, {options.dataset} "
+          f"({options.partition}{f' α={options.alpha}' if options.partition == 'dirichlet' else ''}), "
+          f"DP {'on (σ=%g, clip=%g, δ=%g)' % (options.noise_multiplier, options.max_grad_norm, options.delta) if options.dp else 'off'}, "
+          f"bus: {'RabbitMQ' if options.broker else 'in-process'}; run folder {run_dir}")
+    cluster = Cluster(options, run_dir)
+    started = time.time()
+    try:
+        cluster.start()
+        client = CoordinatorClient(cluster.coordinator_target)
+        job_id = client.submit(json.dumps(job))
+        status = follow(client, job_id, options, cluster, tqdm)
+        client.close()
+    finally:
+        cluster.stop()
+    print("training the centralised (pooled data, no DP) baseline ...")
+    baseline = centralized_baseline(options)
+    results = collect_results(status, job_id, options, baseline, time.time() - started)
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2))
+    plot(results, run_dir / "accuracy.png")
+    print_table(results)
+    print(f"results: {run_dir / 'results.json'}   plot: {run_dir / 'accuracy.png'}")
+    return results
+
+
+def follow(client: Any, job_id: str, options: DemoOptions, cluster: Cluster, tqdm: Any) -> Any:
+    """Poll the coordinator: one progress bar per round (uploads received of participants)."""
+    bars: dict[int, Any] = {}
+    while True:
+        cluster.check_alive()
+        status = client.status(job_id)
+        for r in status.rounds:
+            bar = bars.get(r.round)
+            if bar is None:
+                bar = bars[r.round] = tqdm(total=r.participants, desc=f"round {r.round}/{options.rounds}",
+                                           unit="upload", leave=True, dynamic_ncols=True)
+            bar.n = r.uploaded
+            if r.status != "open" and not bar.disable:
+                bar.set_postfix_str(f"accuracy {r.accuracy:.3f}" if r.status == "closed" else r.status)
+                bar.refresh()
+                bar.close()
+                bar.disable = True
+            elif r.status == "open":
+                bar.refresh()
+        job = status.jobs[0] if status.jobs else None
+        if job is not None and job.status in ("completed", "failed"):
+            for bar in bars.values():
+                bar.close()
+            if job.status == "failed":
+                raise RuntimeError(f"the federation failed: {job.error}")
+            return status
+        time.sleep(0.25)
+
+
+def collect_results(status: Any, job_id: str, options: DemoOptions, baseline: float, seconds: float) -> dict[str, Any]:
+    rounds = []
+    for r in status.rounds:
+        epsilon = {p.worker_id: round(p.epsilon, 4) for p in status.participants
+                   if p.round == r.round and p.status in ("aggregated", "uploaded") and options.dp}
+        rounds.append({"round": r.round, "clients": r.aggregated, "mean_train_loss": round(r.mean_train_loss, 4),
+                       "accuracy": round(r.accuracy, 4), "loss": round(r.loss, 4), "epsilon": epsilon,
+                       "seconds": round(r.seconds, 2)})
+    refusals = [{"round": p.round, "worker": p.worker_id, "status": p.status, "reason": p.reason}
+                for p in status.participants if p.status in ("refused", "failed", "missed")]
+    return {
+        "job_id": job_id,
+        "options": {k: v for k, v in vars(options).items() if k != "broker"},
+        "rounds": rounds,
+        "refusals": refusals,
+        "summary": {
+            "final_accuracy": rounds[-1]["accuracy"] if rounds else None,
+            "centralized_accuracy": round(baseline, 4),
+            "broker": "rabbitmq" if options.broker else "in-process",
+            "dp": options.dp,
+            "max_epsilon": max((max(r["epsilon"].values()) for r in rounds if r["epsilon"]), default=None),
+            "seconds": round(seconds, 1),
+        },
+    }
+
+
+def print_table(results: dict[str, Any]) -> None:
+    workers = sorted({w for r in results["rounds"] for w in r["epsilon"]})
+    head = ["round", "clients", "train loss", "test acc", *[f"ε {w}" for w in workers], "seconds"]
+    rows = [[str(r["round"]), str(r["clients"]), f"{r['mean_train_loss']:.4f}", f"{r['accuracy']:.4f}",
+             *[f"{r['epsilon'].get(w, float('nan')):.3f}" for w in workers], f"{r['seconds']:.1f}"]
+            for r in results["rounds"]]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    line = "  ".join(h.rjust(w) for h, w in zip(head, widths))
+    print()
+    print(line)
+    print("-" * len(line))
+    for row in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+    s = results["summary"]
+    print("-" * len(line))
+    print(f"final federated accuracy {s['final_accuracy']:.4f}  |  centralised no-DP baseline "
+          f"{s['centralized_accuracy']:.4f}  |  bus {s['broker']}  |  {s['seconds']:.0f}s")
+    for r in results["refusals"]:
+        print(f"round {r['round']}: {r['worker']} {r['status']}: {r['reason']}")
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = [r["round"] for r in results["rounds"]]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    ax.plot(rounds, [r["accuracy"] for r in results["rounds"]], marker="o",
+            label="federated" + (" (DP)" if results["summary"]["dp"] else ""))
+    ax.axhline(results["summary"]["centralized_accuracy"], color="grey", linestyle="--",
+               label="centralised, no DP")
+    ax.set_xlabel("round")
+    ax.set_ylabel("global test accuracy")
+    ax.set_ylim(0, 1)
+    ax.set_xticks(rounds)
+    ax.grid(alpha=0.3)
+    if results["summary"]["dp"] and results["rounds"] and results["rounds"][-1]["epsilon"]:
+        twin = ax.twinx()
+        for worker in sorted(results["rounds"][-1]["epsilon"]):
+            twin.plot(rounds, [r["epsilon"].get(worker) for r in results["rounds"]], linestyle=":", alpha=0.7,
+                      label=f"ε {worker}")
+        twin.set_ylabel("ε spent (δ fixed)")
+        twin.legend(loc="lower right", fontsize=7)
+    ax.legend(loc="lower center", fontsize=8)
+    ax.set_title(f"fedbroker demo: {results['options']['dataset']}, {results['options']['workers']} workers")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

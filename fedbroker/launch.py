@@ -1,0 +1,94 @@
+"""Build each process's components from a Config: shared by the CLI and the demo, so both run the same code."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from fedbroker.bus import Bus, mask_url, open_bus
+from fedbroker.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def make_bus(config: Config) -> Bus:
+    b = config.broker
+    log.info("bus: %s (namespace %s)", mask_url(b.url) if b.url else "in-process", b.namespace)
+    if not b.url:
+        return open_bus(None, namespace=b.namespace, max_attempts=b.max_attempts)
+    return open_bus(b.url, namespace=b.namespace, max_attempts=b.max_attempts, heartbeat=b.heartbeat_s)
+
+
+def start_aggregator(config: Config) -> tuple[grpc.Server, int]:
+    from aggregators.rounds import RoundBook
+    from aggregators.service import serve
+
+    book = RoundBook(max_update_bytes=config.aggregator.max_update_bytes,
+                     selection_time_limit_s=config.aggregator.selection_time_limit_s)
+    return serve(book, address=config.aggregator.listen)
+
+
+@dataclass
+class CoordinatorProcess:
+    coordinator: Any
+    server: grpc.Server
+    port: int
+    bus: Bus
+
+    def stop(self) -> None:
+        self.coordinator.stop()
+        self.server.stop(grace=1)
+        self.bus.close()
+
+
+def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorProcess:
+    from aggregators.client import AggregatorClient
+    from coordinator.evaluation import evaluate_global
+    from coordinator.scheduler import Coordinator
+    from coordinator.service import serve
+    from coordinator.state import StateStore
+
+    c = config.coordinator
+    os.makedirs(c.state_dir, exist_ok=True)
+    bus = bus or make_bus(config)
+    coordinator = Coordinator(
+        bus=bus, store=StateStore(os.path.join(c.state_dir, "coordinator.sqlite")),
+        aggregator=AggregatorClient(config.aggregator.target), aggregator_target=config.aggregator.target,
+        checkpoint_dir=os.path.join(c.state_dir, "checkpoints"), heartbeat_timeout_s=c.heartbeat_timeout_s,
+        evaluator=evaluate_global,
+    )
+    coordinator.start()
+    bus.start()
+    server, port = serve(coordinator, address=c.listen)
+    log.info("coordinator listening on port %d", port)
+    return CoordinatorProcess(coordinator, server, port, bus)
+
+
+def start_worker(config: Config, *, bus: Bus | None = None) -> Any:
+    from worker.agent import PartitionConfig, WorkerAgent, WorkerConfig
+    from worker.trainer import DPPolicy
+
+    w = config.worker
+    dp = None
+    if w.dp.enabled:
+        dp = DPPolicy(noise_multiplier=w.dp.noise_multiplier, max_grad_norm=w.dp.max_grad_norm, delta=w.dp.delta,
+                      epsilon_budget=w.dp.epsilon_budget)
+    p = w.partition
+    agent = WorkerAgent(
+        WorkerConfig(
+            worker_id=w.id, categories=w.categories, dataset=w.dataset, idx_dir=w.idx_dir or None,
+            test_fraction=w.test_fraction, split_seed=w.split_seed,
+            partition=PartitionConfig(scheme=p.scheme, num_clients=p.num_clients, client_index=p.client_index,
+                                      alpha=p.alpha, classes_per_client=p.classes_per_client, seed=p.seed),
+            dp=dp, ledger_path=w.ledger_path, device=w.device, heartbeat_s=w.heartbeat_s,
+            histogram_epsilon=w.histogram_epsilon or None,
+        ),
+        bus or make_bus(config),
+    )
+    agent.start()
+    agent.bus.start()
+    return agent

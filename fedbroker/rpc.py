@@ -1,0 +1,100 @@
+"""gRPC plumbing shared by both services: one error→status table, message limits, deadlines, retries."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any, Callable, NoReturn, TypeVar
+
+import grpc
+
+from fedbroker.errors import (
+    BudgetExceeded, ConfigError, Conflict, FedbrokerError, NotFound, Unauthenticated, UploadRejected,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# A chunk is 2 MiB; leave room for the envelope. The size limit of a whole model is the service's own.
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+]
+
+_UPLOAD_STATUS = {
+    "too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "late": grpc.StatusCode.FAILED_PRECONDITION,
+    "round_closed": grpc.StatusCode.FAILED_PRECONDITION,
+    "unknown_round": grpc.StatusCode.FAILED_PRECONDITION,
+    "unknown_job": grpc.StatusCode.NOT_FOUND,
+    "unknown_worker": grpc.StatusCode.PERMISSION_DENIED,
+}
+_STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (Conflict, grpc.StatusCode.FAILED_PRECONDITION),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (BudgetExceeded, grpc.StatusCode.FAILED_PRECONDITION),
+]
+
+
+def status_for(exc: FedbrokerError) -> grpc.StatusCode:
+    if isinstance(exc, UploadRejected):
+        return _UPLOAD_STATUS.get(exc.reason, grpc.StatusCode.INVALID_ARGUMENT)
+    for cls, code in _STATUS:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def abort(context: grpc.ServicerContext, exc: FedbrokerError) -> NoReturn:
+    """End the call with the mapped status; the reason code rides in trailing metadata for clients and metrics."""
+    context.set_trailing_metadata((("fedbroker-reason", exc.reason),))
+    context.abort(status_for(exc), str(exc))
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+def reason_of(error: grpc.RpcError) -> str:
+    for key, value in error.trailing_metadata() or ():
+        if key == "fedbroker-reason":
+            return str(value)
+    return error.code().name.lower()
+
+
+class RemoteError(FedbrokerError):
+    """A call to another service failed for good; `reason` is the server's reason code."""
+
+    def __init__(self, reason: str, message: str, code: grpc.StatusCode | None = None) -> None:
+        self.reason = reason
+        self.code = code
+        super().__init__(message)
+
+
+def call_with_retry(fn: Callable[[], T], *, what: str, idempotent: bool, attempts: int = 5,
+                    initial_s: float = 0.2, max_s: float = 5.0) -> T:
+    """Retry on UNAVAILABLE (and DEADLINE_EXCEEDED when safe to repeat) with jittered exponential backoff."""
+    delay = initial_s
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except grpc.RpcError as error:
+            code = error.code()
+            retryable = code == grpc.StatusCode.UNAVAILABLE or (idempotent and code == grpc.StatusCode.DEADLINE_EXCEEDED)
+            if not retryable or attempt == attempts:
+                raise RemoteError(reason_of(error), f"{what}: {code.name}: {error.details()}", code) from None
+            log.info("%s: %s, retry %d/%d in %.2fs", what, code.name, attempt, attempts - 1, delay)
+            time.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(max_s, delay * 2)
+    raise AssertionError("unreachable")
+
+
+def handle(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except FedbrokerError as exc:
+        abort(context, exc)
+
+

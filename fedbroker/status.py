@@ -1,0 +1,32 @@
+"""Terminal tables for `fedbroker status`."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+def render(status: Any) -> str:
+    parts = ["JOBS", table(["job", "status", "rounds", "error"],
+                           [[j.job_id, j.status, f"{j.rounds_done}/{j.rounds_total}", j.error[:80]] for j in status.jobs])]
+    parts += ["", "ROUNDS", table(
+        ["job", "round", "status", "uploaded", "aggregated", "accuracy", "loss", "train loss", "seconds"],
+        [[r.job_id, r.round, r.status, f"{r.uploaded}/{r.participants}", r.aggregated, f"{r.accuracy:.4f}",
+          f"{r.loss:.4f}", f"{r.mean_train_loss:.4f}", f"{r.seconds:.1f}"] for r in status.rounds])]
+    parts += ["", "WORKERS", table(
+        ["worker", "device", "active", "ε spent", "ε budget", "last seen"],
+        [[w.worker_id, w.device, "yes" if w.active else "no", f"{w.epsilon_spent:.3f}",
+          f"{w.epsilon_budget:g}" if w.epsilon_budget else "no DP", f"{w.last_seen_seconds_ago:.0f}s ago"]
+         for w in status.workers])]
+    refused = [p for p in status.participants if p.status in ("refused", "failed", "missed")]
+    if refused:
+        parts += ["", "REFUSALS AND FAILURES", table(["job", "round", "worker", "status", "reason"],
+                                                     [[p.job_id, p.round, p.worker_id, p.status, p.reason] for p in refused])]
+    return "\n".join(parts)

@@ -1,0 +1,427 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Trailer(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+
+class DPPolicy(_message.Message):
+    __slots__ = ("noise_multiplier", "max_grad_norm", "delta", "epsilon_budget")
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    noise_multiplier: float
+    max_grad_norm: float
+    delta: float
+    epsilon_budget: float
+    def __init__(self, noise_multiplier: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., delta: _Optional[float] = ..., epsilon_budget: _Optional[float] = ...) -> None: ...
+
+class Registration(_message.Message):
+    __slots__ = ("worker_id", "categories", "label_histogram", "dp_policy", "dp_enabled", "epsilon_spent", "device", "num_samples")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CATEGORIES_FIELD_NUMBER: _ClassVar[int]
+    LABEL_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    DP_POLICY_FIELD_NUMBER: _ClassVar[int]
+    DP_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    categories: _containers.RepeatedScalarFieldContainer[str]
+    label_histogram: _containers.RepeatedScalarFieldContainer[int]
+    dp_policy: DPPolicy
+    dp_enabled: bool
+    epsilon_spent: float
+    device: str
+    num_samples: int
+    def __init__(self, worker_id: _Optional[str] = ..., categories: _Optional[_Iterable[str]] = ..., label_histogram: _Optional[_Iterable[int]] = ..., dp_policy: _Optional[_Union[DPPolicy, _Mapping]] = ..., dp_enabled: _Optional[bool] = ..., epsilon_spent: _Optional[float] = ..., device: _Optional[str] = ..., num_samples: _Optional[int] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("worker_id", "epsilon_spent", "state")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epsilon_spent: float
+    state: str
+    def __init__(self, worker_id: _Optional[str] = ..., epsilon_spent: _Optional[float] = ..., state: _Optional[str] = ...) -> None: ...
+
+class TaskOutcome(_message.Message):
+    __slots__ = ("job_id", "round", "worker_id", "status", "reason", "epsilon", "train_loss", "seconds", "num_samples")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATUS_UNSPECIFIED: _ClassVar[TaskOutcome.Status]
+        REFUSED: _ClassVar[TaskOutcome.Status]
+        FAILED: _ClassVar[TaskOutcome.Status]
+        UPLOADED: _ClassVar[TaskOutcome.Status]
+    STATUS_UNSPECIFIED: TaskOutcome.Status
+    REFUSED: TaskOutcome.Status
+    FAILED: TaskOutcome.Status
+    UPLOADED: TaskOutcome.Status
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    worker_id: str
+    status: TaskOutcome.Status
+    reason: str
+    epsilon: float
+    train_loss: float
+    seconds: float
+    num_samples: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., status: _Optional[_Union[TaskOutcome.Status, str]] = ..., reason: _Optional[str] = ..., epsilon: _Optional[float] = ..., train_loss: _Optional[float] = ..., seconds: _Optional[float] = ..., num_samples: _Optional[int] = ...) -> None: ...
+
+class RoundTask(_message.Message):
+    __slots__ = ("job_id", "round", "model_spec_json", "training_json", "category", "model_version", "aggregator_target", "deadline_unix", "population_distribution", "participants", "seed", "aggregation_json")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_JSON_FIELD_NUMBER: _ClassVar[int]
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATOR_TARGET_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    POPULATION_DISTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_JSON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    model_spec_json: str
+    training_json: str
+    category: str
+    model_version: int
+    aggregator_target: str
+    deadline_unix: float
+    population_distribution: _containers.RepeatedScalarFieldContainer[float]
+    participants: int
+    seed: int
+    aggregation_json: str
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_spec_json: _Optional[str] = ..., training_json: _Optional[str] = ..., category: _Optional[str] = ..., model_version: _Optional[int] = ..., aggregator_target: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., population_distribution: _Optional[_Iterable[float]] = ..., participants: _Optional[int] = ..., seed: _Optional[int] = ..., aggregation_json: _Optional[str] = ...) -> None: ...
+
+class RoundCompleted(_message.Message):
+    __slots__ = ("job_id", "round", "model_version", "aggregated", "accuracy", "loss", "final", "seconds")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATED_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    model_version: int
+    aggregated: int
+    accuracy: float
+    loss: float
+    final: bool
+    seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_version: _Optional[int] = ..., aggregated: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., final: _Optional[bool] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class Envelope(_message.Message):
+    __slots__ = ("registration", "heartbeat", "task_outcome", "round_task", "round_completed")
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    TASK_OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TASK_FIELD_NUMBER: _ClassVar[int]
+    ROUND_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    registration: Registration
+    heartbeat: Heartbeat
+    task_outcome: TaskOutcome
+    round_task: RoundTask
+    round_completed: RoundCompleted
+    def __init__(self, registration: _Optional[_Union[Registration, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., task_outcome: _Optional[_Union[TaskOutcome, _Mapping]] = ..., round_task: _Optional[_Union[RoundTask, _Mapping]] = ..., round_completed: _Optional[_Union[RoundCompleted, _Mapping]] = ...) -> None: ...
+
+class UpdateHeader(_message.Message):
+    __slots__ = ("job_id", "round", "worker_id", "num_samples", "ish", "has_ish", "epsilon", "train_loss", "validation_loss", "tensors")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ISH_FIELD_NUMBER: _ClassVar[int]
+    HAS_ISH_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    VALIDATION_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    worker_id: str
+    num_samples: int
+    ish: float
+    has_ish: bool
+    epsilon: float
+    train_loss: float
+    validation_loss: float
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., ish: _Optional[float] = ..., has_ish: _Optional[bool] = ..., epsilon: _Optional[float] = ..., train_loss: _Optional[float] = ..., validation_loss: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class UpdateChunk(_message.Message):
+    __slots__ = ("header", "data", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: UpdateHeader
+    data: bytes
+    trailer: Trailer
+    def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
+
+class UploadReceipt(_message.Message):
+    __slots__ = ("job_id", "round", "worker_id", "duplicate", "bytes_received", "sha256")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    worker_id: str
+    duplicate: bool
+    bytes_received: int
+    sha256: str
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., duplicate: _Optional[bool] = ..., bytes_received: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class ModelHeader(_message.Message):
+    __slots__ = ("job_id", "version", "model_spec_json", "tensors")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    version: int
+    model_spec_json: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., model_spec_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class ModelChunk(_message.Message):
+    __slots__ = ("header", "data", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: ModelHeader
+    data: bytes
+    trailer: Trailer
+    def __init__(self, header: _Optional[_Union[ModelHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
+
+class GlobalModelRequest(_message.Message):
+    __slots__ = ("job_id", "version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    version: int
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class OpenRoundRequest(_message.Message):
+    __slots__ = ("job_id", "round", "participants", "deadline_unix", "aggregation_json", "seed")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_JSON_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    participants: _containers.RepeatedScalarFieldContainer[str]
+    deadline_unix: float
+    aggregation_json: str
+    seed: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., deadline_unix: _Optional[float] = ..., aggregation_json: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class OpenRoundReply(_message.Message):
+    __slots__ = ("model_version",)
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_version: int
+    def __init__(self, model_version: _Optional[int] = ...) -> None: ...
+
+class RoundStatusRequest(_message.Message):
+    __slots__ = ("job_id", "round")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class RoundStatusReply(_message.Message):
+    __slots__ = ("accepted", "open")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    accepted: _containers.RepeatedScalarFieldContainer[str]
+    open: bool
+    def __init__(self, accepted: _Optional[_Iterable[str]] = ..., open: _Optional[bool] = ...) -> None: ...
+
+class CloseRoundRequest(_message.Message):
+    __slots__ = ("job_id", "round")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class UpdateSummary(_message.Message):
+    __slots__ = ("worker_id", "num_samples", "epsilon", "train_loss", "weight")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    num_samples: int
+    epsilon: float
+    train_loss: float
+    weight: float
+    def __init__(self, worker_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., epsilon: _Optional[float] = ..., train_loss: _Optional[float] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class CloseRoundReply(_message.Message):
+    __slots__ = ("model_version", "aggregated", "model_spec_json", "stats", "seconds", "updates")
+    class StatsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    model_version: int
+    aggregated: _containers.RepeatedScalarFieldContainer[str]
+    model_spec_json: str
+    stats: _containers.ScalarMap[str, float]
+    seconds: float
+    updates: _containers.RepeatedCompositeFieldContainer[UpdateSummary]
+    def __init__(self, model_version: _Optional[int] = ..., aggregated: _Optional[_Iterable[str]] = ..., model_spec_json: _Optional[str] = ..., stats: _Optional[_Mapping[str, float]] = ..., seconds: _Optional[float] = ..., updates: _Optional[_Iterable[_Union[UpdateSummary, _Mapping]]] = ...) -> None: ...
+
+class SubmitJobRequest(_message.Message):
+    __slots__ = ("job_yaml",)
+    JOB_YAML_FIELD_NUMBER: _ClassVar[int]
+    job_yaml: str
+    def __init__(self, job_yaml: _Optional[str] = ...) -> None: ...
+
+class SubmitJobReply(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class RoundRow(_message.Message):
+    __slots__ = ("job_id", "round", "status", "participants", "aggregated", "accuracy", "loss", "seconds", "mean_train_loss", "uploaded")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATED_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    status: str
+    participants: int
+    aggregated: int
+    accuracy: float
+    loss: float
+    seconds: float
+    mean_train_loss: float
+    uploaded: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., status: _Optional[str] = ..., participants: _Optional[int] = ..., aggregated: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., mean_train_loss: _Optional[float] = ..., uploaded: _Optional[int] = ...) -> None: ...
+
+class ParticipantRow(_message.Message):
+    __slots__ = ("job_id", "round", "worker_id", "status", "reason", "epsilon", "train_loss", "num_samples")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    worker_id: str
+    status: str
+    reason: str
+    epsilon: float
+    train_loss: float
+    num_samples: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., status: _Optional[str] = ..., reason: _Optional[str] = ..., epsilon: _Optional[float] = ..., train_loss: _Optional[float] = ..., num_samples: _Optional[int] = ...) -> None: ...
+
+class WorkerRow(_message.Message):
+    __slots__ = ("worker_id", "device", "epsilon_spent", "epsilon_budget", "last_seen_seconds_ago", "active")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    device: str
+    epsilon_spent: float
+    epsilon_budget: float
+    last_seen_seconds_ago: float
+    active: bool
+    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., epsilon_spent: _Optional[float] = ..., epsilon_budget: _Optional[float] = ..., last_seen_seconds_ago: _Optional[float] = ..., active: _Optional[bool] = ...) -> None: ...
+
+class JobRow(_message.Message):
+    __slots__ = ("job_id", "status", "rounds_done", "rounds_total", "error")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_DONE_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    status: str
+    rounds_done: int
+    rounds_total: int
+    error: str
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[str] = ..., rounds_done: _Optional[int] = ..., rounds_total: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("jobs", "rounds", "workers", "participants")
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobRow]
+    rounds: _containers.RepeatedCompositeFieldContainer[RoundRow]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerRow]
+    participants: _containers.RepeatedCompositeFieldContainer[ParticipantRow]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobRow, _Mapping]]] = ..., rounds: _Optional[_Iterable[_Union[RoundRow, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerRow, _Mapping]]] = ..., participants: _Optional[_Iterable[_Union[ParticipantRow, _Mapping]]] = ...) -> None: ...

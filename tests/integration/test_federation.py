@@ -1,0 +1,81 @@
+"""One federation end to end over the real RabbitMQ and real gRPC on loopback."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from opacus.accountants import RDPAccountant
+
+from fedbroker.spec import parse_job
+from worker.trainer import DPPolicy, TrainConfig, dp_sample_rate, planned_steps
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+JOB = {
+    "name": "it",
+    "category": "digits",
+    "seed": 1,
+    "model": {"input_shape": [1, 8, 8], "layers": [
+        {"type": "Flatten"}, {"type": "Linear", "in_features": 64, "out_features": 32}, {"type": "ReLU"},
+        {"type": "Linear", "in_features": 32, "out_features": 10}]},
+    "training": {"rounds": 10, "local_epochs": 1, "batch_size": 32, "lr": 0.1},
+    "schedule": {"min_workers": 3, "wait_for_workers_s": 30, "round_timeout_s": 120},
+    "evaluation": {"dataset": "digits"},
+}
+
+
+def run(federation, job_dict):
+    job_id = federation.coordinator.submit(parse_job(job_dict))
+    status = federation.coordinator.wait(job_id, timeout=280)
+    row = federation.store.job(job_id)
+    assert status == "completed", row["error"]
+    return job_id
+
+
+def test_federation_over_rabbitmq_reaches_90_percent_on_iid_digits(federation):
+    for i in range(3):
+        federation.add_worker(f"w{i}", index=i, count=3)
+    job_id = run(federation, JOB)
+    rounds = federation.store.rounds(job_id)
+    accuracy = [r["accuracy"] for r in rounds]
+    assert len(rounds) == 10 and all(r["aggregated"] == 3 for r in rounds)
+    assert max(accuracy) >= 0.90, accuracy
+    assert np.mean(accuracy[-3:]) > np.mean(accuracy[:3]) + 0.05, accuracy  # it learns over rounds
+    assert all(p["status"] == "aggregated" for p in federation.store.participants(job_id))
+
+
+def test_dp_epsilon_per_worker_equals_the_opacus_accountant(federation):
+    policy = DPPolicy(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budget=100.0)
+    for i in range(3):
+        federation.add_worker(f"w{i}", index=i, count=3, dp=policy)
+    job = copy.deepcopy(JOB)
+    job["training"]["rounds"] = 2
+    job_id = run(federation, job)
+    config = TrainConfig(epochs=1, batch_size=32, lr=0.1)
+    for worker_id, agent in federation.workers.items():
+        n = len(agent.y)
+        accountant = RDPAccountant()
+        accountant.history = [(1.1, dp_sample_rate(n, config), 2 * planned_steps(n, config))]
+        expected = accountant.get_epsilon(1e-5)
+        recorded = [p["epsilon"] for p in federation.store.participants(job_id) if p["worker_id"] == worker_id]
+        assert np.isfinite(recorded[-1]) and recorded[-1] > recorded[0] > 0
+        assert recorded[-1] == pytest.approx(expected, rel=1e-9)
+        assert agent.ledger.epsilon(job_id) == pytest.approx(expected, rel=1e-9)
+
+
+def test_worker_over_budget_refuses_and_the_coordinator_records_why(federation):
+    generous = DPPolicy(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budget=100.0)
+    stingy = DPPolicy(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budget=0.05)
+    federation.add_worker("rich0", index=0, count=3, dp=generous)
+    federation.add_worker("rich1", index=1, count=3, dp=generous)
+    federation.add_worker("poor", index=2, count=3, dp=stingy)
+    job = copy.deepcopy(JOB)
+    job["training"]["rounds"] = 1
+    job_id = run(federation, job)
+    rows = {p["worker_id"]: p for p in federation.store.participants(job_id, 1)}
+    assert rows["poor"]["status"] == "refused"
+    assert "privacy budget exceeded" in rows["poor"]["reason"] and "0.05" in rows["poor"]["reason"]
+    assert rows["rich0"]["status"] == rows["rich1"]["status"] == "aggregated"
+    assert federation.workers["poor"].ledger.epsilon(job_id) == 0.0

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import pytest
+
+from fedbroker.config import load_config
+from fedbroker.errors import ConfigError
+
+
+def test_environment_overrides_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("broker: {url: 'amqp://a'}\nworker: {id: w1, dp: {noise_multiplier: 1.0}}\n")
+    config = load_config(str(path), environ={"FEDBROKER__WORKER__DP__NOISE_MULTIPLIER": "1.3",
+                                             "FEDBROKER__WORKER__DP__DELTA": "1e-06",
+                                             "FEDBROKER__WORKER__CATEGORIES": "digits,wine"})
+    assert config.broker.url == "amqp://a" and config.worker.id == "w1"
+    assert config.worker.dp.noise_multiplier == 1.3 and config.worker.dp.delta == 1e-6
+    assert config.worker.categories == ("digits", "wine")
+
+
+def test_flags_override_the_environment():
+    config = load_config(environ={"FEDBROKER__WORKER__ID": "env"}, overrides={"worker.id": "flag", "broker.url": None})
+    assert config.worker.id == "flag" and config.broker.url == ""
+
+
+@pytest.mark.parametrize("key, value, field", [
+    ("FEDBROKER__WORKER__DP__NOISE", "1", "worker.dp.noise"),
+    ("FEDBROKER__WORKER__DP__DELTA", "tiny", "worker.dp.delta"),
+    ("FEDBROKER__WORKER__DP__ENABLED", "3", "worker.dp.enabled"),
+    ("FEDBROKER__AGGREGATOR__MAX_UPDATE_BYTES", "lots", "aggregator.max_update_bytes"),
+])
+def test_bad_settings_name_the_field(key, value, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(environ={key: value})

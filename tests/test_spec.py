@@ -1,0 +1,130 @@
+"""Job and model specs: every bad spec is refused with an error naming the field."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from fedbroker.errors import ConfigError
+from fedbroker.model import build_model
+from fedbroker.spec import job_from_text, output_shapes, parameter_shapes, parse_job, parse_model
+
+GOOD = {
+    "name": "digits-mlp",
+    "category": "digits",
+    "model": {"input_shape": [1, 8, 8], "layers": [
+        {"type": "Flatten"}, {"type": "Linear", "in_features": 64, "out_features": 32}, {"type": "ReLU"},
+        {"type": "Dropout", "p": 0.1}, {"type": "Linear", "in_features": 32, "out_features": 10}]},
+    "training": {"rounds": 3, "local_epochs": 1, "batch_size": 16, "lr": 0.1},
+    "aggregation": {"alignment": "none", "weighting": "fedavg", "selection": "all"},
+}
+CNN = {"input_shape": [1, 8, 8], "layers": [
+    {"type": "Conv2d", "in_channels": 1, "out_channels": 4, "kernel_size": 3, "padding": 1},
+    {"type": "GroupNorm", "num_groups": 2, "num_channels": 4}, {"type": "Tanh"},
+    {"type": "MaxPool2d", "kernel_size": 2}, {"type": "Conv2d", "in_channels": 4, "out_channels": 6, "kernel_size": 3},
+    {"type": "AvgPool2d", "kernel_size": 2}, {"type": "Flatten"},
+    {"type": "Linear", "in_features": 6, "out_features": 10}]}
+
+
+def test_good_job_parses_with_defaults():
+    job = parse_job(GOOD)
+    assert job.training.rounds == 3 and job.training.optimizer == "sgd"
+    assert job.schedule.min_clients == 1 and job.model.num_outputs == 10
+    assert parse_job(json.loads(job.to_json())) == job
+
+
+def test_yaml_text_is_accepted_and_safe_loaded():
+    text = "name: j\ncategory: digits\nmodel:\n  input_shape: [4]\n  layers:\n  - {type: Linear, in_features: 4, out_features: 3}\n"
+    assert job_from_text(text).model.num_outputs == 3
+    with pytest.raises(ConfigError, match="job"):
+        job_from_text("!!python/object/apply:os.system ['true']")
+
+
+def test_cnn_shapes_are_inferred_and_match_torch():
+    spec = parse_model(CNN)
+    assert output_shapes(spec)[-1] == (10,)
+    model = build_model(spec, seed=0)
+    assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == parameter_shapes(spec)
+
+
+def _mutate(path, value):
+    job = copy.deepcopy(GOOD)
+    target = job
+    for key in path[:-1]:
+        target = target[key]
+    if value is KeyError:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return job
+
+
+BAD = [
+    (("model", "layers", 1, "type"), "Transformer", "model.layers[1].type", "unknown layer type"),
+    (("model", "layers", 1, "out_features"), -3, "model.layers[1].out_features", "[1, 65536]"),
+    (("model", "layers", 1, "out_features"), 10**9, "model.layers[1].out_features", "[1, 65536]"),
+    (("model", "layers", 1, "out_features"), "32", "model.layers[1].out_features", "integer"),
+    (("model", "layers", 1, "in_features"), KeyError, "model.layers[1].in_features", "required"),
+    (("model", "layers", 4, "in_features"), 31, "model.layers[4].in_features", "previous layer outputs 32"),
+    (("model", "layers", 3, "p"), 1.5, "model.layers[3].p", "[0, 1)"),
+    (("model", "layers", 1, "activation"), "gelu", "model.layers[1].activation", "unknown parameter"),
+    (("model", "input_shape"), [], "model.input_shape", "1 to 3 integers"),
+    (("model", "layers"), [], "model.layers", "non-empty"),
+    (("model",), KeyError, "model", "required"),
+    (("name",), KeyError, "name", "required"),
+    (("category",), "", "category", "non-empty"),
+    (("training", "rounds"), 0, "training.rounds", "[1, 100000]"),
+    (("training", "rounds"), "five", "training.rounds", "must be int"),
+    (("training", "lr"), -0.1, "training.lr", "must be in"),
+    (("training", "optimizer"), "lbfgs", "training.optimizer", "sgd"),
+    (("training", "epochs"), 3, "training.epochs", "unknown field"),
+    (("aggregation", "weighting"), "median", "aggregation.weighting", "unknown weighting algorithm"),
+    (("aggregation", "selection"), "best", "aggregation.selection", "unknown selection algorithm"),
+    (("aggregation", "alignment"), "magic", "aggregation.alignment", "unknown alignment algorithm"),
+    (("aggregation", "weighting_params"), {"ish_form": "x"}, "aggregation.weighting_params", "unknown parameter"),
+    (("schedule",), {"min_clients": 0}, "schedule.min_clients", "must be in"),
+    (("seed",), -1, "seed", "2^32"),
+    (("extra",), 1, "extra", "unknown field"),
+]
+
+
+@pytest.mark.parametrize("path, value, field, text", BAD, ids=[b[2] + ":" + b[3] for b in BAD])
+def test_each_bad_spec_gets_an_error_naming_the_field(path, value, field, text):
+    with pytest.raises(ConfigError) as info:
+        parse_job(_mutate(path, value))
+    message = str(info.value)
+    assert field in message and text in message, message
+
+
+def test_all_problems_are_reported_at_once():
+    job = _mutate(("training", "rounds"), 0)
+    job["model"]["layers"][1]["type"] = "Nope"
+    with pytest.raises(ConfigError) as info:
+        parse_job(job)
+    assert "training.rounds" in str(info.value) and "model.layers[1].type" in str(info.value)
+
+
+def test_linear_after_conv_without_flatten_is_refused():
+    model = copy.deepcopy(CNN)
+    del model["layers"][6]
+    with pytest.raises(ConfigError, match=r"model.layers\[6\]: Linear needs a flat input"):
+        parse_model(model)
+
+
+def test_group_norm_must_divide_channels():
+    model = copy.deepcopy(CNN)
+    model["layers"][1]["num_groups"] = 3
+    with pytest.raises(ConfigError, match=r"layers\[1\].num_groups"):
+        parse_model(model)
+
+
+def test_oversized_spec_is_refused():
+    job = copy.deepcopy(GOOD)
+    job["name"] = "x" * 100
+    job["training"]["padding"] = "y" * 300_000
+    with pytest.raises(ConfigError, match="larger than"):
+        parse_job(job)
