@@ -22,6 +22,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fedbroker.errors import FedbrokerError
+
 log = logging.getLogger(__name__)
 
 
@@ -36,14 +38,14 @@ class DemoOptions:
     broker: str = ""
     out: str = "runs"
     seed: int = 0
-    local_epochs: int = 5
+    local_epochs: int = 3
     batch_size: int = 32
     lr: float = 0.5
     hidden: int = 64
-    noise_multiplier: float = 0.7
+    noise_multiplier: float = 1.0
     max_grad_norm: float = 1.0
     delta: float = 1e-5
-    epsilon_budget: float = 50.0
+    epsilon_budget: float = 10.0
     round_timeout_s: float = 300.0
     run_id: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
 
@@ -93,6 +95,10 @@ def wait_healthy(target: str, timeout_s: float = 60.0) -> None:
             if time.time() > deadline:
                 raise TimeoutError(f"the service at {target} did not become healthy within {timeout_s:.0f}s")
             time.sleep(0.3)
+
+
+class FederationFailed(FedbrokerError):
+    reason = "federation_failed"
 
 
 class Cluster:
@@ -234,6 +240,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         client.close()
     finally:
         cluster.stop()
+    job_row = status.jobs[0]
     print("training the centralised (pooled data, no DP) baseline ...")
     baseline = centralized_baseline(options)
     results = collect_results(status, job_id, options, baseline, time.time() - started)
@@ -241,6 +248,8 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     plot(results, run_dir / "accuracy.png")
     print_table(results)
     print(f"results: {run_dir / 'results.json'}   plot: {run_dir / 'accuracy.png'}")
+    if job_row.status == "failed":
+        raise FederationFailed(f"the federation stopped after {job_row.rounds_done} round(s): {job_row.error}")
     return results
 
 
@@ -255,27 +264,25 @@ def follow(client: Any, job_id: str, options: DemoOptions, cluster: Cluster, tqd
             if bar is None:
                 bar = bars[r.round] = tqdm(total=r.participants, desc=f"round {r.round}/{options.rounds}",
                                            unit="upload", leave=True, dynamic_ncols=True)
-            bar.n = r.uploaded
-            if r.status != "open" and not bar.disable:
+            if bar.disable:
+                continue
+            if r.uploaded != bar.n:
+                bar.update(r.uploaded - bar.n)
+            if r.status != "open":
                 bar.set_postfix_str(f"accuracy {r.accuracy:.3f}" if r.status == "closed" else r.status)
-                bar.refresh()
                 bar.close()
                 bar.disable = True
-            elif r.status == "open":
-                bar.refresh()
         job = status.jobs[0] if status.jobs else None
         if job is not None and job.status in ("completed", "failed"):
             for bar in bars.values():
                 bar.close()
-            if job.status == "failed":
-                raise RuntimeError(f"the federation failed: {job.error}")
             return status
         time.sleep(0.25)
 
 
 def collect_results(status: Any, job_id: str, options: DemoOptions, baseline: float, seconds: float) -> dict[str, Any]:
     rounds = []
-    for r in status.rounds:
+    for r in (r for r in status.rounds if r.status == "closed"):
         epsilon = {p.worker_id: round(p.epsilon, 4) for p in status.participants
                    if p.round == r.round and p.status in ("aggregated", "uploaded") and options.dp}
         rounds.append({"round": r.round, "clients": r.aggregated, "mean_train_loss": round(r.mean_train_loss, 4),
@@ -289,6 +296,7 @@ def collect_results(status: Any, job_id: str, options: DemoOptions, baseline: fl
         "rounds": rounds,
         "refusals": refusals,
         "summary": {
+            "status": status.jobs[0].status if status.jobs else "unknown",
             "final_accuracy": rounds[-1]["accuracy"] if rounds else None,
             "centralized_accuracy": round(baseline, 4),
             "broker": "rabbitmq" if options.broker else "in-process",
@@ -314,7 +322,8 @@ def print_table(results: dict[str, Any]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
     s = results["summary"]
     print("-" * len(line))
-    print(f"final federated accuracy {s['final_accuracy']:.4f}  |  centralised no-DP baseline "
+    final = f"{s['final_accuracy']:.4f}" if s["final_accuracy"] is not None else "n/a"
+    print(f"final federated accuracy {final}  |  centralised no-DP baseline "
           f"{s['centralized_accuracy']:.4f}  |  bus {s['broker']}  |  {s['seconds']:.0f}s")
     for r in results["refusals"]:
         print(f"round {r['round']}: {r['worker']} {r['status']}: {r['reason']}")

@@ -20,7 +20,7 @@ def make_bus(config: Config) -> Bus:
     log.info("bus: %s (namespace %s)", mask_url(b.url) if b.url else "in-process", b.namespace)
     if not b.url:
         return open_bus(None, namespace=b.namespace, max_attempts=b.max_attempts)
-    return open_bus(b.url, namespace=b.namespace, max_attempts=b.max_attempts, heartbeat=b.heartbeat_s)
+    return open_bus(b.url, namespace=b.namespace, max_attempts=b.max_attempts, heartbeat_s=b.heartbeat_s)
 
 
 def start_aggregator(config: Config) -> tuple[grpc.Server, int]:

@@ -49,9 +49,10 @@ HistoryEntry = tuple[float, float, int]
 
 # Opacus's per-sample hooks make torch warn once per process that inputs need no gradient; that is
 # expected here and says nothing to a data owner. Only this module's instance is silenced.
-warnings.filterwarnings(
-    "ignore", message="Full backward hook is firing when gradients are computed", category=UserWarning, module=__name__
-)
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed", category=UserWarning)
+# Opacus's secure_mode needs torchcsprng, which has no wheel for this torch; its reminder is said once in
+# the README instead of on every round.
+warnings.filterwarnings("ignore", message="Secure RNG turned off", category=UserWarning)
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ JOB = {
     "category": "digits",
     "seed": 1,
     "model": {"input_shape": [1, 8, 8], "layers": [
-        {"type": "Flatten"}, {"type": "Linear", "in_features": 64, "out_features": 32}, {"type": "ReLU"},
-        {"type": "Linear", "in_features": 32, "out_features": 10}]},
-    "training": {"rounds": 10, "local_epochs": 1, "batch_size": 32, "lr": 0.1},
+        {"type": "Flatten"}, {"type": "Linear", "in_features": 64, "out_features": 64}, {"type": "ReLU"},
+        {"type": "Linear", "in_features": 64, "out_features": 10}]},
+    "training": {"rounds": 10, "local_epochs": 2, "batch_size": 32, "lr": 0.2},
     "schedule": {"min_workers": 3, "wait_for_workers_s": 30, "round_timeout_s": 120},
     "evaluation": {"dataset": "digits"},
 }
@@ -53,7 +53,7 @@ def test_dp_epsilon_per_worker_equals_the_opacus_accountant(federation):
     job = copy.deepcopy(JOB)
     job["training"]["rounds"] = 2
     job_id = run(federation, job)
-    config = TrainConfig(epochs=1, batch_size=32, lr=0.1)
+    config = TrainConfig(epochs=2, batch_size=32, lr=0.2)
     for worker_id, agent in federation.workers.items():
         n = len(agent.y)
         accountant = RDPAccountant()

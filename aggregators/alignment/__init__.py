@@ -1,0 +1,48 @@
+"""Neuron alignment before aggregation, chosen by registry name (`none`, `feddna`, `pfnm`, `nafi`).
+
+Pure numpy/scipy: every algorithm takes the clients' networks (lists of `Layer`), the aggregation weights
+and a seeded `np.random.Generator`, and returns an `AlignmentResult`.
+"""
+
+from aggregators.alignment.base import Alignment, AlignmentResult, Layer, NoAlignment
+from aggregators.alignment.bn import fold_batchnorm, fold_batchnorm_layer
+from aggregators.alignment.feddna import FedDNA, TreeGrowth, grow_trees, grow_trees_from_distances, spanning_costs
+from aggregators.alignment.matching import LayerMatch, MatchingParams, assignment_cost, match_layer, match_neurons
+from aggregators.alignment.permute import apply_permutations, permute_units, scatter_inputs, scatter_outputs
+from aggregators.alignment.pfnm import NAFI, PFNM, RetrainFn, align_layerwise, match_network
+from aggregators.registry import Registry
+
+ALIGNMENT: Registry[Alignment] = Registry("alignment")
+ALIGNMENT.register("none")(NoAlignment)
+ALIGNMENT.register("feddna")(FedDNA)
+ALIGNMENT.register("pfnm")(PFNM)
+ALIGNMENT.register("nafi")(NAFI)
+
+__all__ = [
+    "ALIGNMENT",
+    "NAFI",
+    "PFNM",
+    "Alignment",
+    "AlignmentResult",
+    "FedDNA",
+    "Layer",
+    "LayerMatch",
+    "MatchingParams",
+    "NoAlignment",
+    "RetrainFn",
+    "TreeGrowth",
+    "align_layerwise",
+    "apply_permutations",
+    "assignment_cost",
+    "fold_batchnorm",
+    "fold_batchnorm_layer",
+    "grow_trees",
+    "grow_trees_from_distances",
+    "match_layer",
+    "match_network",
+    "match_neurons",
+    "permute_units",
+    "scatter_inputs",
+    "scatter_outputs",
+    "spanning_costs",
+]
