@@ -68,10 +68,13 @@ class AggregatorClient:
         )
 
     def open_round(self, job_id: str, round: int, participants: Sequence[str], deadline_unix: float,
-                   aggregation: Mapping[str, Any], *, seed: int) -> int:
-        request = pb.OpenRoundRequest(job_id=job_id, round=round, participants=list(participants),
-                                      deadline_unix=deadline_unix, aggregation_json=json.dumps(dict(aggregation)),
-                                      seed=seed)
+                   aggregation: Mapping[str, Any], *, seed: int,
+                   histograms: Mapping[str, Sequence[int]] | None = None) -> int:
+        request = pb.OpenRoundRequest(
+            job_id=job_id, round=round, participants=list(participants), deadline_unix=deadline_unix,
+            aggregation_json=json.dumps(dict(aggregation)), seed=seed,
+            histograms={w: pb.LabelHistogram(counts=list(h)) for w, h in (histograms or {}).items()},
+        )
         reply = call_with_retry(lambda: self._stub.OpenRound(request, timeout=self.timeout_s),
                                 what=f"open round {round}", idempotent=True)
         return reply.model_version

@@ -17,6 +17,13 @@ class Algorithms:
     selection: Any
 
     @property
+    def weights_positive(self) -> bool:
+        """FedAvg and uniform weights are > 0 for every valid update; DWFed's may all be 0."""
+        from aggregators.weighting.fedavg import FedAvgWeighting, UniformWeighting
+
+        return isinstance(self.weighting, (FedAvgWeighting, UniformWeighting))
+
+    @property
     def incremental(self) -> bool:
         """True when every accepted update can be folded into a running mean and then dropped."""
         return self.alignment_name == "none" and self.selection_name == "all"

@@ -13,11 +13,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from aggregators.mean import RunningWeightedMean, weighted_mean
+from aggregators.network import from_layers, to_layers
 from aggregators.registries import Algorithms, build_algorithms
 from fedbroker import codec
 from fedbroker.errors import Conflict, NotFound, UploadRejected
@@ -78,6 +79,8 @@ class _Round:
     algorithms: Algorithms
     accepted: dict[str, _Accepted] = field(default_factory=dict)
     mean: RunningWeightedMean | None = None
+    plain_mean: RunningWeightedMean | None = None   # for a weighting that may give every update weight 0
+    histograms: dict[str, list[int]] = field(default_factory=dict)
     closed: bool = False
 
 
@@ -141,7 +144,8 @@ class RoundBook:
     # ----- rounds -----
 
     def open_round(self, job_id: str, round_number: int, participants: Iterable[str], deadline: float,
-                   aggregation: Mapping[str, Any], *, seed: int = 0) -> int:
+                   aggregation: Mapping[str, Any], *, seed: int = 0,
+                   histograms: Mapping[str, Sequence[int]] | None = None) -> int:
         job = self._job(job_id)
         members = frozenset(participants)
         if not members:
@@ -158,6 +162,8 @@ class RoundBook:
             job.round = _Round(
                 round_number, members, deadline, algorithms,
                 mean=RunningWeightedMean() if algorithms.incremental else None,
+                plain_mean=RunningWeightedMean() if algorithms.incremental and not algorithms.weights_positive else None,
+                histograms={w: [int(c) for c in h] for w, h in (histograms or {}).items()},
             )
             return job.version
 
@@ -241,6 +247,8 @@ class RoundBook:
                               epsilon=header.epsilon, train_loss=header.train_loss)
             if rnd.mean is not None:
                 rnd.mean.add(tensors, raw)
+                if rnd.plain_mean is not None:
+                    rnd.plain_mean.add(tensors, 1.0)
             else:
                 entry.tensors = tensors
             rnd.accepted[header.worker_id] = entry
@@ -260,6 +268,7 @@ class RoundBook:
             job.closed_rounds.add(round_number)
             accepted = dict(rnd.accepted)
             current = job.versions[job.version]
+            spec = job.spec
         if not accepted:
             raise Conflict(f"round {round_number} of job {job_id!r} closed with no accepted update")
         rng = np.random.default_rng([job.seed, round_number])
@@ -268,7 +277,8 @@ class RoundBook:
             chosen = sorted(accepted)
             new_state, weights = self._incremental_result(rnd, accepted, stats)
         else:
-            chosen, new_state, weights = self._full_result(rnd, accepted, current, rng, stats)
+            chosen, weights = self._choose(rnd, accepted, current, rng, stats)
+            spec, new_state = self._combine(rnd, spec, [accepted[w] for w in chosen], weights, rng, stats)
         coefficient = dict(zip(chosen, weights))
         updates = [
             UpdateSummary(w, a.num_samples, a.epsilon, a.train_loss, float(coefficient.get(w, 0.0)))
@@ -278,8 +288,9 @@ class RoundBook:
         with self._lock:
             version = job.version + 1
             job.versions = {job.version: current, version: new_state}
-            job.specs = {v: job.specs.get(v, job.spec.to_json()) for v in job.versions}
-            job.specs[version] = job.spec.to_json()
+            job.specs = {v: job.specs[v] for v in job.versions if v in job.specs}
+            job.spec = spec
+            job.specs[version] = spec.to_json()
         seconds = time.perf_counter() - started
         return CloseResult(version, chosen, job.specs[version], stats, seconds, updates)
 
@@ -288,40 +299,59 @@ class RoundBook:
         assert rnd.mean is not None
         raw = np.array([accepted[w].raw_weight for w in sorted(accepted)])
         weights, fell_back = rnd.algorithms.weighting.normalise(raw)
+        stats["weighting_fallback"] = float(fell_back)
         if fell_back:
-            raise Conflict("every update of this round has weight zero; nothing to average")
-        stats["weighting_fallback"] = 0.0
+            if rnd.plain_mean is None:  # only weightings whose raw weights are always > 0 skip the plain mean
+                raise Conflict("every update of this round has weight zero and no unweighted mean was kept")
+            log.warning("round %d: every weight is zero; falling back to the unweighted mean", rnd.number)
+            return rnd.plain_mean.result(), weights
         return rnd.mean.result(), weights
 
-    def _full_result(self, rnd: _Round, accepted: dict[str, _Accepted], current: Mapping[str, np.ndarray],
-                     rng: np.random.Generator,
-                     stats: dict[str, float]) -> tuple[list[str], dict[str, np.ndarray], np.ndarray]:
+    def _choose(self, rnd: _Round, accepted: dict[str, _Accepted], current: Mapping[str, np.ndarray],
+                rng: np.random.Generator, stats: dict[str, float]) -> tuple[list[str], np.ndarray]:
+        """Selection picks which updates enter the mean; weighting gives their coefficients."""
         from aggregators.selection import Candidate
 
+        selection = rnd.algorithms.selection
+        vectors = selection.needs_vectors(rnd.number)
         ids = sorted(accepted)
         candidates = [
-            Candidate(
-                worker_id=w,
-                vector=_flatten(accepted[w].tensors or {}),
-                num_samples=accepted[w].num_samples,
-                reported_loss=accepted[w].meta.loss,
-            )
+            Candidate(worker_id=w, vector=_flatten(accepted[w].tensors or {}) if vectors else np.zeros(0),
+                      num_samples=accepted[w].num_samples, reported_loss=accepted[w].meta.loss)
             for w in ids
         ]
-        selection = rnd.algorithms.selection.choose(
-            candidates, round_index=rnd.number, global_vector=_flatten(current), rng=rng,
-            deadline=time.monotonic() + self.selection_time_limit_s,
+        chosen_by = selection.choose(
+            candidates, round_index=rnd.number, global_vector=_flatten(current) if vectors else np.zeros(0),
+            rng=rng, deadline=time.monotonic() + self.selection_time_limit_s,
         )
-        if selection.reason:
-            log.warning("selection for round %d fell back: %s", rnd.number, selection.reason)
-        stats.update({f"selection_{k}": float(v) for k, v in selection.stats.items()})
-        chosen = list(selection.chosen)
+        if chosen_by.reason:
+            log.warning("selection for round %d fell back: %s", rnd.number, chosen_by.reason)
+        stats.update({f"selection_{k}": float(v) for k, v in chosen_by.stats.items()})
+        chosen = list(chosen_by.chosen)
         weights, fell_back = rnd.algorithms.weighting.normalise(np.array([accepted[w].raw_weight for w in chosen]))
         stats["weighting_fallback"] = float(fell_back)
-        updates = [accepted[w].tensors or {} for w in chosen]
-        if rnd.algorithms.alignment_name != "none":
-            raise Conflict(f"alignment {rnd.algorithms.alignment_name!r} is not available in this service yet")
-        return chosen, weighted_mean(updates, weights), weights
+        return chosen, weights
+
+    def _combine(self, rnd: _Round, spec: ModelSpec, updates: list[_Accepted], weights: np.ndarray,
+                 rng: np.random.Generator, stats: dict[str, float]) -> tuple[ModelSpec, dict[str, np.ndarray]]:
+        """The weighted mean, or the alignment's global network (whose widths may differ from `spec`)."""
+        if rnd.algorithms.alignment_name == "none":
+            return spec, weighted_mean([u.tensors or {} for u in updates], weights)
+        clients = [to_layers(spec, u.tensors or {}) for u in updates]
+        result = rnd.algorithms.alignment.align(
+            clients, weights=weights, rng=rng, round_index=rnd.number, class_shares=self._class_shares(rnd, updates),
+        )
+        stats.update({f"alignment_{k}": float(v) for k, v in result.stats.items()})
+        return from_layers(spec, result.layers)
+
+    @staticmethod
+    def _class_shares(rnd: _Round, updates: list[_Accepted]) -> np.ndarray | None:
+        """Each chosen worker's label counts (clients × classes), when every one of them sent a histogram."""
+        rows = [rnd.histograms.get(u.worker_id) for u in updates]
+        if not rows or any(not r for r in rows):
+            return None
+        width = max(len(r) for r in rows if r)
+        return np.array([list(r or []) + [0] * (width - len(r or [])) for r in rows], dtype=np.float64)
 
     def _job(self, job_id: str) -> _Job:
         job = self._jobs.get(job_id)

@@ -37,7 +37,8 @@ class AggregationServicer(pb_grpc.AggregationServicer):
         def run() -> pb.OpenRoundReply:
             version = self.book.open_round(request.job_id, request.round, request.participants,
                                            request.deadline_unix, json.loads(request.aggregation_json or "{}"),
-                                           seed=request.seed)
+                                           seed=request.seed,
+                                           histograms={w: list(h.counts) for w, h in request.histograms.items()})
             return pb.OpenRoundReply(model_version=version)
 
         return handle(context, run)

@@ -188,7 +188,9 @@ class Coordinator:
                             f"schedule.min_clients is {job.schedule.min_clients}")
         deadline = started + job.schedule.round_timeout_s
         aggregation = asdict(job.aggregation)
-        version = self.aggregator.open_round(job_id, round_number, participants, deadline, aggregation, seed=job.seed)
+        histograms = {w.worker_id: w.histogram for w in self.store.workers(job.category) if w.worker_id in participants}
+        version = self.aggregator.open_round(job_id, round_number, participants, deadline, aggregation, seed=job.seed,
+                                             histograms=histograms)
         self.store.open_round(job_id, round_number, participants)
         task = pb.RoundTask(
             job_id=job_id, round=round_number, model_spec_json=spec_json,

@@ -387,7 +387,7 @@ def parse_job(raw: Any) -> JobSpec:
     if schedule.clients_per_round and schedule.min_clients > schedule.clients_per_round:
         errors.add("schedule.min_clients", f"{schedule.min_clients} exceeds clients_per_round {schedule.clients_per_round}")
     _range(errors, "evaluation.test_fraction", evaluation.test_fraction, 0.01, 0.9)
-    _check_algorithms(errors, aggregation)
+    _check_algorithms(errors, aggregation, model)
     errors.raise_if_any()
     return JobSpec(
         name=raw["name"], category=raw["category"], model=model, training=training,
@@ -395,8 +395,9 @@ def parse_job(raw: Any) -> JobSpec:
     )
 
 
-def _check_algorithms(errors: _Collector, aggregation: AggregationConfig) -> None:
+def _check_algorithms(errors: _Collector, aggregation: AggregationConfig, model: ModelSpec) -> None:
     """Build each named algorithm once, so an unknown name or bad parameter fails at submission."""
+    from aggregators.network import alignment_problems
     from aggregators.registries import build_algorithms
 
     try:
@@ -405,6 +406,9 @@ def _check_algorithms(errors: _Collector, aggregation: AggregationConfig) -> Non
         errors.errors.extend(exc.errors)
     except ConfigError as exc:
         errors.errors.append(exc)
+    if aggregation.alignment != "none" and model.layers:
+        for problem in alignment_problems(model):
+            errors.add("aggregation.alignment", f"{aggregation.alignment} cannot align this model: {problem}")
 
 
 def job_from_text(text: str) -> JobSpec:

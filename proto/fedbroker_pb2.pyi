@@ -240,20 +240,35 @@ class GlobalModelRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class OpenRoundRequest(_message.Message):
-    __slots__ = ("job_id", "round", "participants", "deadline_unix", "aggregation_json", "seed")
+    __slots__ = ("job_id", "round", "participants", "deadline_unix", "aggregation_json", "seed", "histograms")
+    class HistogramsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: LabelHistogram
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[LabelHistogram, _Mapping]] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_JSON_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAMS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     participants: _containers.RepeatedScalarFieldContainer[str]
     deadline_unix: float
     aggregation_json: str
     seed: int
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., deadline_unix: _Optional[float] = ..., aggregation_json: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+    histograms: _containers.MessageMap[str, LabelHistogram]
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., deadline_unix: _Optional[float] = ..., aggregation_json: _Optional[str] = ..., seed: _Optional[int] = ..., histograms: _Optional[_Mapping[str, LabelHistogram]] = ...) -> None: ...
+
+class LabelHistogram(_message.Message):
+    __slots__ = ("counts",)
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenRoundReply(_message.Message):
     __slots__ = ("model_version",)
