@@ -23,7 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol, Sequence
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from fedbroker.errors import BusError, ConfigError
@@ -1223,3 +1223,20 @@ __all__ = [
     "mask_url",
     "open_bus",
 ]
+
+
+def delete_topology(url: str, namespace: str, worker_ids: Sequence[str]) -> None:
+    """Remove a namespace's queues and exchanges from RabbitMQ (for short-lived demo and test namespaces)."""
+    import pika
+
+    names = Topology(namespace)
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = connection.channel()
+        for queue in [names.coordinator_queue, names.dead_queue, *(names.worker_queue(w) for w in worker_ids)]:
+            channel.queue_delete(queue)
+        for exchange in (names.tasks_exchange, names.control_exchange, names.events_exchange,
+                         names.dead_letter_exchange):
+            channel.exchange_delete(exchange)
+    finally:
+        connection.close()

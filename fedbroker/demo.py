@@ -196,6 +196,10 @@ class Cluster:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if self.options.broker:  # this run's namespace is private to it: leave nothing behind on the broker
+            from fedbroker.bus import delete_topology
+
+            delete_topology(self.options.broker, self.namespace, [f"worker-{i}" for i in range(self.options.workers)])
 
 
 def centralized_baseline(options: DemoOptions) -> float:

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pika
 import pytest
 
 from aggregators.client import AggregatorClient
@@ -17,20 +16,9 @@ from aggregators.service import serve
 from coordinator.evaluation import evaluate_global
 from coordinator.scheduler import Coordinator
 from coordinator.state import StateStore
-from fedbroker.bus import Topology, open_bus
+from fedbroker.bus import delete_topology, open_bus
 from worker.agent import PartitionConfig, WorkerAgent, WorkerConfig
 from worker.trainer import DPPolicy
-
-
-def delete_topology(url: str, namespace: str, worker_ids: list[str]) -> None:
-    names = Topology(namespace)
-    connection = pika.BlockingConnection(pika.URLParameters(url))
-    channel = connection.channel()
-    for queue in [names.coordinator_queue, names.dead_queue, *(names.worker_queue(w) for w in worker_ids)]:
-        channel.queue_delete(queue)
-    for exchange in (names.tasks_exchange, names.control_exchange, names.events_exchange, names.dead_letter_exchange):
-        channel.exchange_delete(exchange)
-    connection.close()
 
 
 @dataclass

@@ -1,0 +1,50 @@
+"""`fedbroker demo` as a newcomer runs it: it finishes, prints the table, writes results.json and a plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_demo(tmp_path: Path, *extra: str) -> tuple[dict, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedbroker", "demo", "--rounds", "2", "--out", str(tmp_path), *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert (run_dir / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return results, proc.stdout
+
+
+def check(results: dict, stdout: str, *, broker: str, dp: bool) -> None:
+    assert [r["round"] for r in results["rounds"]] == [1, 2]
+    for r in results["rounds"]:
+        assert set(r) >= {"round", "accuracy", "loss", "epsilon", "seconds"}
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["clients"] == 3
+        assert (sorted(r["epsilon"]) == ["worker-0", "worker-1", "worker-2"]) is dp
+    summary = results["summary"]
+    assert summary["broker"] == broker and summary["status"] == "completed"
+    assert summary["final_accuracy"] == results["rounds"][-1]["accuracy"]
+    assert summary["centralized_accuracy"] > 0.85
+    assert "final federated accuracy" in stdout and "centralised no-DP baseline" in stdout
+
+
+def test_demo_with_dp_on_the_in_process_bus(tmp_path):
+    results, stdout = run_demo(tmp_path)
+    check(results, stdout, broker="in-process", dp=True)
+    eps = [r["epsilon"]["worker-0"] for r in results["rounds"]]
+    assert 0 < eps[0] < eps[1]
+
+
+def test_demo_over_rabbitmq_as_separate_processes(tmp_path, rabbitmq_url):
+    results, stdout = run_demo(tmp_path, "--broker", rabbitmq_url, "--no-dp", "--partition", "iid")
+    check(results, stdout, broker="rabbitmq", dp=False)
