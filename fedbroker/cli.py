@@ -104,6 +104,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fedbroker.audit import run_audit
+    from fedbroker.demo import DemoOptions
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options = DemoOptions(workers=args.workers, rounds=args.rounds, local_epochs=args.local_epochs, hidden=args.hidden,
+                          partition=args.partition, dataset=args.dataset, broker=args.broker or "",
+                          noise_multiplier=args.noise_multiplier, epsilon_budget=args.epsilon_budget, lr=args.lr)
+    run_audit(options, Path(args.out) / f"audit-{options.run_id}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fedbroker.demo import DemoOptions
 
@@ -144,6 +158,20 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "worker":
             p.add_argument("--broker")
             p.add_argument("--id")
+
+    audit = sub.add_parser("audit", help="membership-inference attack on the same federation with and without DP")
+    audit.add_argument("--workers", type=int, default=3)
+    audit.add_argument("--rounds", type=int, default=5)
+    audit.add_argument("--local-epochs", type=int, default=10, help="long local training, so a non-private model overfits")
+    audit.add_argument("--hidden", type=int, default=256)
+    audit.add_argument("--lr", type=float, default=d.lr)
+    audit.add_argument("--partition", choices=["iid", "dirichlet", "classes"], default="iid")
+    audit.add_argument("--dataset", choices=["digits", "breast_cancer", "wine", "iris"], default="digits")
+    audit.add_argument("--noise-multiplier", type=float, default=d.noise_multiplier)
+    audit.add_argument("--epsilon-budget", type=float, default=1000.0, help="high, so the DP run is not cut short")
+    audit.add_argument("--broker", default="")
+    audit.add_argument("--out", default="runs")
+    audit.set_defaults(run=cmd_audit)
 
     submit = sub.add_parser("submit", help="submit a job (YAML or JSON file)")
     submit.add_argument("job")
