@@ -13,7 +13,7 @@ DATASET ?= digits
 BROKER  ?=
 PARTITION ?= dirichlet
 
-.PHONY: venv demo test test-unit proto clean
+.PHONY: venv demo test test-unit test-ops ops-tools proto clean
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,14 +30,41 @@ demo: $(STAMP)
 		--partition $(PARTITION) --dataset $(DATASET) $(if $(filter off no false 0,$(DP)),--no-dp,--dp) \
 		$(if $(BROKER),--broker '$(BROKER)')
 
-test: $(STAMP)
+test: $(STAMP) ops-tools
 	$(PY) -m pytest -q
+
+# promtool and prometheus for tests/ops (Debian's package; kubectl and the schemas come from requirements.txt)
+ops-tools:
+	@if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		echo "installing prometheus (promtool) with apt-get"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	else \
+		echo "promtool/prometheus missing: run 'sudo apt-get install prometheus' (tests/ops need them)"; \
+	fi
+
+test-ops: $(STAMP) ops-tools
+	$(PY) -m pytest -q tests/ops
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m "not integration"
+
+.PHONY: experiment-alignment
+experiment-alignment: $(STAMP)
+	$(PY) -m experiments.alignment
+
+.PHONY: experiment-weighting-selection
+experiment-weighting-selection: $(STAMP)
+	$(PY) -m experiments.weighting_selection
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/fedbroker.proto
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis
+
+.PHONY: audit
+# membership-inference attack on the same federation with and without DP (FL-DMX evaluation)
+audit: $(STAMP)
+	$(PY) -m fedbroker audit --out runs

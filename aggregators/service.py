@@ -10,8 +10,11 @@ from typing import Any, Iterator
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from aggregators import metrics
 from aggregators.rounds import RoundBook
 from fedbroker import codec
+from fedbroker.errors import UploadRejected
+from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.rpc import CHANNEL_OPTIONS, handle
 from proto import fedbroker_pb2 as pb
 from proto import fedbroker_pb2_grpc as pb_grpc
@@ -23,29 +26,41 @@ SERVICE_NAME = "fedbroker.v1.Aggregation"
 class AggregationServicer(pb_grpc.AggregationServicer):
     def __init__(self, book: RoundBook) -> None:
         self.book = book
+        self._algorithms: dict[str, dict[str, str]] = {}  # job → algorithm names of its last opened round (labels)
 
     def PutGlobalModel(self, request_iterator: Iterator[pb.ModelChunk], context: grpc.ServicerContext) -> pb.UploadReceipt:
         def run() -> pb.UploadReceipt:
             header, tensors, digest = codec.receive(request_iterator, max_bytes=self.book.max_update_bytes)
             self.book.put_global(header.job_id, header.version, header.model_spec_json, tensors)
-            return pb.UploadReceipt(job_id=header.job_id, sha256=digest,
-                                    bytes_received=sum(a.nbytes for a in tensors.values()))
+            size = sum(a.nbytes for a in tensors.values())
+            metrics.RECEIVED_BYTES.labels("PutGlobalModel").inc(size)
+            return pb.UploadReceipt(job_id=header.job_id, sha256=digest, bytes_received=size)
 
         return handle(context, run)
 
     def OpenRound(self, request: pb.OpenRoundRequest, context: grpc.ServicerContext) -> pb.OpenRoundReply:
         def run() -> pb.OpenRoundReply:
+            aggregation = json.loads(request.aggregation_json or "{}")
             version = self.book.open_round(request.job_id, request.round, request.participants,
-                                           request.deadline_unix, json.loads(request.aggregation_json or "{}"),
-                                           seed=request.seed,
+                                           request.deadline_unix, aggregation, seed=request.seed,
                                            histograms={w: list(h.counts) for w, h in request.histograms.items()})
+            self._algorithms[request.job_id] = metrics.algorithm_labels(aggregation)
             return pb.OpenRoundReply(model_version=version)
 
         return handle(context, run)
 
     def UploadUpdate(self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext) -> pb.UploadReceipt:
         def run() -> pb.UploadReceipt:
-            r = self.book.receive_update(request_iterator)
+            try:
+                r = self.book.receive_update(request_iterator)
+            except UploadRejected as exc:
+                metrics.record_rejection(exc.reason)
+                raise
+            if r.duplicate:
+                metrics.UPLOADS_DUPLICATE.inc()
+            else:
+                metrics.UPLOADS_ACCEPTED.inc()
+                metrics.RECEIVED_BYTES.labels("UploadUpdate").inc(r.bytes_received)
             return pb.UploadReceipt(job_id=r.job_id, round=r.round, worker_id=r.worker_id, duplicate=r.duplicate,
                                     bytes_received=r.bytes_received, sha256=r.sha256)
 
@@ -56,6 +71,7 @@ class AggregationServicer(pb_grpc.AggregationServicer):
         header = pb.ModelHeader(job_id=request.job_id, version=version, model_spec_json=spec_json,
                                 tensors=codec.tensor_specs(tensors))
         yield from codec.stream_messages(pb.ModelChunk, header, tensors)
+        metrics.SENT_BYTES.labels("DownloadGlobalModel").inc(sum(a.nbytes for a in tensors.values()))
 
     def RoundStatus(self, request: pb.RoundStatusRequest, context: grpc.ServicerContext) -> pb.RoundStatusReply:
         accepted, is_open = handle(context, lambda: self.book.status(request.job_id, request.round))
@@ -63,6 +79,8 @@ class AggregationServicer(pb_grpc.AggregationServicer):
 
     def CloseRound(self, request: pb.CloseRoundRequest, context: grpc.ServicerContext) -> pb.CloseRoundReply:
         result = handle(context, lambda: self.book.close(request.job_id, request.round))
+        metrics.record_close(self._algorithms.get(request.job_id, {}), result.seconds, len(result.aggregated),
+                             result.stats)
         return pb.CloseRoundReply(model_version=result.model_version, aggregated=result.aggregated,
                                   model_spec_json=result.model_spec_json, stats=result.stats, seconds=result.seconds,
                                   updates=[pb.UpdateSummary(worker_id=u.worker_id, num_samples=u.num_samples,
@@ -72,7 +90,8 @@ class AggregationServicer(pb_grpc.AggregationServicer):
 
 def serve(book: RoundBook, *, address: str = "127.0.0.1:0", max_workers: int = 16) -> tuple[grpc.Server, int]:
     """Start the service (with standard gRPC health checking) and return it with its bound port."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS,
+                         interceptors=[GrpcMetricsInterceptor()])
     pb_grpc.add_AggregationServicer_to_server(AggregationServicer(book), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

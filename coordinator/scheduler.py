@@ -17,11 +17,13 @@ from typing import Any, Callable
 import numpy as np
 
 from aggregators.client import AggregatorClient
+from coordinator import metrics
 from coordinator.checkpoints import load_checkpoint, save_checkpoint
 from coordinator.state import StateStore
 from fedbroker import envelope
 from fedbroker.bus import Bus, Delivery
 from fedbroker.errors import FedbrokerError
+from fedbroker.metrics import BUSES
 from fedbroker.spec import JobSpec, job_from_json, parse_model
 from proto import fedbroker_pb2 as pb
 
@@ -53,6 +55,8 @@ class Coordinator:
 
     def start(self) -> None:
         """Consume control messages and resume every job that was running when we last stopped."""
+        metrics.REGISTRY_COLLECTOR.bind(self)
+        BUSES.watch(self.bus, client="coordinator")
         self.bus.consume_control(self.on_control)
         for row in self.store.jobs(status="running") + self.store.jobs(status="pending"):
             log.info("resuming job %s after round %d", row["job_id"], row["rounds_done"])
@@ -62,6 +66,8 @@ class Coordinator:
         self._stop.set()
         for thread in list(self._threads.values()):
             thread.join(timeout=10)
+        metrics.REGISTRY_COLLECTOR.unbind(self)
+        BUSES.unwatch("coordinator")
 
     def wait(self, job_id: str, timeout: float | None = None) -> str:
         thread = self._threads.get(job_id)
@@ -105,6 +111,7 @@ class Coordinator:
         else:
             o = env.task_outcome
             status = pb.TaskOutcome.Status.Name(o.status).lower()
+            metrics.TASK_OUTCOMES.labels(status).inc()
             if not self.store.record_outcome(o.job_id, o.round, o.worker_id, status, o.reason):
                 log.warning("outcome from %r for unknown task (%s, round %d) ignored", o.worker_id, o.job_id, o.round)
             else:
@@ -145,7 +152,12 @@ class Coordinator:
         for round_number in range(done + 1, job.training.rounds + 1):
             if self._stop.is_set():
                 return
-            spec_json, version = self._round(job_id, job, round_number, spec_json)
+            try:
+                spec_json, version = self._round(job_id, job, round_number, spec_json)
+            except Exception:
+                metrics.ROUNDS_FAILED.labels(job_id).inc()
+                metrics.ROUND_OPEN.labels(job_id).set(0)
+                raise
         self.store.set_job_status(job_id, "completed")
 
     def _await_workers(self, job: JobSpec) -> None:
@@ -192,6 +204,11 @@ class Coordinator:
         version = self.aggregator.open_round(job_id, round_number, participants, deadline, aggregation, seed=job.seed,
                                              histograms=histograms)
         self.store.open_round(job_id, round_number, participants)
+        metrics.ROUNDS_STARTED.labels(job_id).inc()
+        metrics.ROUND.labels(job_id).set(round_number)
+        metrics.ROUND_OPEN.labels(job_id).set(1)
+        metrics.ROUND_DEADLINE.labels(job_id).set(deadline)
+        metrics.ROUND_PARTICIPANTS.labels(job_id).set(len(participants))
         task = pb.RoundTask(
             job_id=job_id, round=round_number, model_spec_json=spec_json,
             training_json=json.dumps(asdict(job.training)), category=job.category, model_version=version,
@@ -201,8 +218,14 @@ class Coordinator:
         )
         for worker_id in participants:
             self.bus.publish_task(worker_id, envelope.encode(round_task=task))
+            metrics.TASKS_PUBLISHED.inc()
         log.info("round %d of %s published to %d worker(s)", round_number, job_id, len(participants))
         accepted = self._wait_for_quorum(job_id, job, round_number, participants, deadline)
+        answered = {p["worker_id"] for p in self.store.participants(job_id, round_number)
+                    if p["status"] in ("refused", "failed")}
+        stragglers = len(set(participants) - set(accepted) - answered)
+        if stragglers:
+            metrics.STRAGGLERS.labels(job_id).inc(stragglers)
         if len(accepted) < job.schedule.min_clients:
             self.store.fail_round(job_id, round_number, time.time() - started)
             reasons = "; ".join(
@@ -223,6 +246,13 @@ class Coordinator:
             accuracy=accuracy, loss=loss, seconds=seconds, checkpoint=checkpoint, stats=dict(reply.stats),
             model_spec_json=new_spec_json,
         )
+        metrics.ROUNDS_COMPLETED.labels(job_id).inc()
+        metrics.ROUND_DURATION.observe(seconds)
+        metrics.ROUND_OPEN.labels(job_id).set(0)
+        metrics.ROUND_AGGREGATED.labels(job_id).set(len(reply.aggregated))
+        if accuracy is not None and loss is not None:
+            metrics.MODEL_ACCURACY.labels(job_id).set(accuracy)
+            metrics.MODEL_LOSS.labels(job_id).set(loss)
         self.bus.publish_event(envelope.encode(round_completed=pb.RoundCompleted(
             job_id=job_id, round=round_number, model_version=new_version, aggregated=len(reply.aggregated),
             accuracy=accuracy or 0.0, loss=loss or 0.0, final=round_number == job.training.rounds, seconds=seconds,

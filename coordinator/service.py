@@ -6,8 +6,10 @@ import time
 from concurrent import futures
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from coordinator.scheduler import Coordinator
+from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.rpc import CHANNEL_OPTIONS, handle
 from fedbroker.spec import job_from_text
 from proto import fedbroker_pb2 as pb
@@ -51,12 +53,17 @@ def status_reply(coordinator: Coordinator, job_id: str = "") -> pb.StatusReply:
 
 
 def serve(coordinator: Coordinator, *, address: str = "127.0.0.1:0") -> tuple[grpc.Server, int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS,
+                         interceptors=[GrpcMetricsInterceptor()])
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
+    health_servicer = health.HealthServicer()  # Kubernetes' native gRPC probes ask this
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind the coordinator service to {address}")
     server.start()
+    for name in ("", "fedbroker.v1.Coordinator"):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port
 
 

@@ -35,6 +35,7 @@ class AggregatorConfig:
     target: str = "127.0.0.1:50051"   # how the coordinator and workers reach it
     max_update_bytes: int = 1 << 30
     selection_time_limit_s: float = 30.0
+    metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class CoordinatorConfig:
     target: str = "127.0.0.1:50052"
     state_dir: str = "state"
     heartbeat_timeout_s: float = 60.0
+    metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class WorkerSection:
     device: str = "auto"
     heartbeat_s: float = 10.0
     histogram_epsilon: float = 0.0     # > 0: Laplace noise on the shared label histogram at this ε
+    metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import grpc
 
 from fedbroker.bus import Bus, mask_url, open_bus
 from fedbroker.config import Config
+from fedbroker.metrics import start_exporter
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,18 @@ def start_aggregator(config: Config) -> tuple[grpc.Server, int]:
 
     book = RoundBook(max_update_bytes=config.aggregator.max_update_bytes,
                      selection_time_limit_s=config.aggregator.selection_time_limit_s)
+    _export("aggregator", config.aggregator.metrics_port)
     return serve(book, address=config.aggregator.listen)
+
+
+def _export(role: str, port: int) -> None:
+    """The Prometheus exporter of this process (once per port, shared by the demo's in-process parts)."""
+    if port < 0 or port > 65535:
+        from fedbroker.errors import ConfigError
+
+        raise ConfigError(f"{role}.metrics_port", f"must be between 0 (off) and 65535, got {port}")
+    if start_exporter(port):
+        log.info("%s metrics on http://0.0.0.0:%d/metrics", role, port)
 
 
 @dataclass
@@ -53,6 +65,7 @@ def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorP
     from coordinator.state import StateStore
 
     c = config.coordinator
+    _export("coordinator", c.metrics_port)
     os.makedirs(c.state_dir, exist_ok=True)
     bus = bus or make_bus(config)
     coordinator = Coordinator(
@@ -73,6 +86,7 @@ def start_worker(config: Config, *, bus: Bus | None = None) -> Any:
     from worker.trainer import DPPolicy
 
     w = config.worker
+    _export("worker", w.metrics_port)
     dp = None
     if w.dp.enabled:
         dp = DPPolicy(noise_multiplier=w.dp.noise_multiplier, max_grad_norm=w.dp.max_grad_norm, delta=w.dp.delta,

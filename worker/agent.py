@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -22,10 +23,12 @@ from aggregators.weighting import emd, ish, label_distribution, noisy_histogram
 from fedbroker import envelope
 from fedbroker.bus import Bus, Delivery
 from fedbroker.errors import BudgetExceeded, TaskRefused
+from fedbroker.metrics import BUSES
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import TrainingConfig, parse_model
 from proto import fedbroker_pb2 as pb
+from worker import metrics
 from worker.data import load_dataset, train_test_split
 from worker.ledger import PrivacyLedger
 from worker.partition import partition
@@ -90,6 +93,8 @@ class WorkerAgent:
     # ----- lifecycle -----
 
     def start(self) -> None:
+        BUSES.watch(self.bus, client=self.config.worker_id)
+        self._export_privacy()
         self.bus.declare_worker(self.config.worker_id)
         self.register()
         self.bus.consume_tasks(self.config.worker_id, self.on_task)
@@ -98,6 +103,12 @@ class WorkerAgent:
 
     def stop(self) -> None:
         self._stop.set()
+        BUSES.unwatch(self.config.worker_id)
+
+    def _export_privacy(self) -> None:
+        dp = self.config.dp
+        metrics.set_privacy(self.config.worker_id, spent=self.ledger.total_epsilon(),
+                            budget=dp.epsilon_budget if dp is not None else None)
 
     def register(self) -> None:
         shared = self.histogram
@@ -125,28 +136,39 @@ class WorkerAgent:
     # ----- tasks -----
 
     def on_task(self, delivery: Delivery) -> None:
+        me = self.config.worker_id
+        metrics.TASKS_RECEIVED.labels(me).inc()
+        if delivery.redelivered:
+            metrics.TASKS_REDELIVERED.labels(me).inc()
         try:
             task = envelope.decode(delivery.body, expect=("round_task",)).round_task
         except envelope.MalformedMessage as exc:
-            log.error("worker %s dead-letters a malformed task: %s", self.config.worker_id, exc)
+            log.error("worker %s dead-letters a malformed task: %s", me, exc)
+            metrics.TASKS.labels(me, "malformed").inc()
             delivery.nack(requeue=False)
             return
         try:
-            self.run_task(task)
+            outcome = "uploaded" if self.run_task(task) is not None else "already_uploaded"
         except TaskRefused as exc:
+            outcome = "refused"
             self._report(task, pb.TaskOutcome.REFUSED, str(exc))
         except RemoteError as exc:
             if exc.reason not in _FINAL_REASONS:
                 log.warning("task %s/%d will be retried: %s", task.job_id, task.round, exc)
+                metrics.TASKS.labels(me, "requeued").inc()
                 delivery.nack(requeue=True)
                 return
+            outcome = "failed"
             self._report(task, pb.TaskOutcome.FAILED, str(exc))
         except Exception as exc:
-            log.exception("task %s/%d failed on %s", task.job_id, task.round, self.config.worker_id)
+            outcome = "failed"
+            log.exception("task %s/%d failed on %s", task.job_id, task.round, me)
             self._report(task, pb.TaskOutcome.FAILED, f"{type(exc).__name__}: {exc}")
         finally:
             self._state = "idle"
         delivery.ack()
+        metrics.TASKS.labels(me, outcome).inc()
+        metrics.TASKS_ACKED.labels(me).inc()
 
     def _report(self, task: pb.RoundTask, status: int, reason: str) -> None:
         log.info("worker %s %s round %d of %s: %s", self.config.worker_id, pb.TaskOutcome.Status.Name(status).lower(),
@@ -171,6 +193,7 @@ class WorkerAgent:
                 return None
             self._state = "training"
             version, spec_json, weights = client.download(task.job_id, task.model_version)
+            metrics.RECEIVED_BYTES.labels(self.config.worker_id).inc(sum(a.nbytes for a in weights.values()))
             model = build_model(parse_model(json.loads(spec_json)))
             load_numpy_state(model, weights)
             result = train_local(model, self.x, self.y, config=config, dp=self.config.dp,
@@ -178,16 +201,27 @@ class WorkerAgent:
                                  seed=self._training_seed(task))
             if result.epsilon is not None:  # spent once trained, whether or not the upload succeeds
                 self.ledger.record(task.job_id, history=result.history, epsilon=result.epsilon)
+            self._export_training(result)
             self._state = "uploading"
             receipt = client.upload(
                 job_id=task.job_id, round=task.round, worker_id=self.config.worker_id,
                 num_samples=result.num_samples, tensors=result.state, ish=self._ish(task),
                 epsilon=result.epsilon or 0.0, train_loss=result.train_loss,
             )
+            metrics.SENT_BYTES.labels(self.config.worker_id).inc(sum(a.nbytes for a in result.state.values()))
         log.info("worker %s uploaded round %d of %s (loss %.4f, ε %s, %.1fs)", self.config.worker_id, task.round,
                  task.job_id, result.train_loss, f"{result.epsilon:.3f}" if result.epsilon is not None else "off",
                  result.seconds)
         return receipt
+
+    def _export_training(self, result: Any) -> None:
+        me = self.config.worker_id
+        metrics.TRAINING_SECONDS.labels(me).observe(result.seconds)
+        if math.isfinite(result.samples_per_second):
+            metrics.TRAINED_SAMPLES.labels(me).inc(round(result.samples_per_second * result.seconds))
+            metrics.SAMPLES_PER_SECOND.labels(me).set(result.samples_per_second)
+        metrics.TRAIN_LOSS.labels(me).set(result.train_loss)
+        self._export_privacy()
 
     def _training_seed(self, task: pb.RoundTask) -> int:
         """Without DP the job's seed makes runs repeatable. With DP the seed also drives the Gaussian noise,

