@@ -30,7 +30,7 @@ demo: $(STAMP)
 		--partition $(PARTITION) --dataset $(DATASET) $(if $(filter off no false 0,$(DP)),--no-dp,--dp) \
 		$(if $(BROKER),--broker '$(BROKER)')
 
-test: $(STAMP) ops-tools
+test: $(STAMP) ops-tools security-tools
 	$(PY) -m pytest -q
 
 # promtool and prometheus for tests/ops (Debian's package; kubectl and the schemas come from requirements.txt)
@@ -44,8 +44,23 @@ ops-tools:
 		echo "promtool/prometheus missing: run 'sudo apt-get install prometheus' (tests/ops need them)"; \
 	fi
 
-test-ops: $(STAMP) ops-tools
+test-ops: $(STAMP) ops-tools security-tools
 	$(PY) -m pytest -q tests/ops
+
+# checkov, the static security scan of the rendered manifests and the Dockerfile (tests/ops/test_checkov.py),
+# in a virtualenv of its own: its many dependencies never meet the project's pinned requirements
+CHECKOV_VERSION := 3.3.30
+TOOLS_VENV      := .venv-tools
+TOOLS_STAMP     := $(TOOLS_VENV)/.checkov-$(CHECKOV_VERSION)
+
+.PHONY: security-tools
+security-tools: $(TOOLS_STAMP)
+
+$(TOOLS_STAMP):
+	$(PYTHON) -m venv $(TOOLS_VENV)
+	$(TOOLS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TOOLS_VENV)/bin/python -m pip install --quiet checkov==$(CHECKOV_VERSION)
+	touch $@
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m "not integration"
