@@ -43,6 +43,9 @@ SELECTION_FITNESS = Gauge(
 SELECTION_FALLBACKS = Counter(
     "fedbroker_aggregator_selection_fallbacks_total",
     "Selections that fell back to a random choice (e.g. the GA ran out of time).", ["selection"])
+SELECTION_GA_RUNS = Counter(
+    "fedbroker_aggregator_selection_ga_runs_total", "Rounds whose subset the genetic algorithm chose.", ["selection"]
+)
 UPDATES_AGGREGATED = Counter(
     "fedbroker_aggregator_updates_aggregated_total", "Updates that went into a new global version.")
 
@@ -72,6 +75,8 @@ def record_close(algorithms: Mapping[str, str], seconds: float, aggregated: int,
         SELECTION_FITNESS.labels(selection).set(float(stats["selection_fitness"]))
     if stats.get("selection_fallback", 0.0) > 0:
         SELECTION_FALLBACKS.labels(selection).inc()
+    if stats.get("selection_ga_ran", 0.0) > 0:
+        SELECTION_GA_RUNS.labels(selection).inc()
 
 
 def record_rejection(reason: str) -> None:
