@@ -13,7 +13,7 @@ DATASET ?= digits
 BROKER  ?=
 PARTITION ?= dirichlet
 
-.PHONY: venv demo test test-unit test-ops ops-tools proto clean
+.PHONY: venv demo test test-unit test-ops ops-tools proto clean bench bench-quick bench-env
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -83,3 +83,22 @@ clean:
 # membership-inference attack on the same federation with and without DP (FL-DMX evaluation)
 audit: $(STAMP)
 	$(PY) -m fedbroker audit --out runs
+
+# benchmarks (bench/): Flower and the profilers live in .venv-bench only, never in the project's environment
+# (Flower pins protobuf < 7; fedbroker's generated code needs 7). `make bench` takes ~15 min on 2 cores.
+BENCH_VENV  := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed
+
+$(BENCH_STAMP): bench/requirements.txt
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install --quiet -r bench/requirements.txt
+	touch $(BENCH_STAMP)
+
+bench-env: $(BENCH_STAMP)
+
+bench: $(STAMP) $(BENCH_STAMP)
+	$(PY) -m bench
+
+bench-quick: $(STAMP)
+	$(PY) -m bench --quick

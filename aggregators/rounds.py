@@ -4,12 +4,21 @@ Per job it holds the global model (the latest two versions, so a worker that dow
 before the round closed can still fetch it) and the open round: who may upload, until when, and what
 was accepted. An accepted update is either folded into a running weighted mean at once (FedAvg-style
 jobs: memory O(model)) or kept until the close when selection or alignment needs every update.
+
+With a `spool_dir`, every change is on disk before it is acknowledged (`aggregators.spool`): an accepted
+update before its receipt goes back to the worker (which then acks its task and never uploads again), a
+global model and the open round's definition before the coordinator's call returns. A new RoundBook on
+the same folder (a restarted service) reloads all of it, so no acknowledged upload is lost. Every call
+the coordinator makes is idempotent, so it may repeat any of them after a restart on either side:
+`put_global` of a version the book already holds keeps the open round, `open_round` of the open round
+returns its version, `close` of the last closed round returns that close's result again.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,6 +29,7 @@ import numpy as np
 from aggregators.mean import RunningWeightedMean, weighted_mean
 from aggregators.network import from_layers, to_layers
 from aggregators.registries import Algorithms, build_algorithms
+from aggregators.spool import Spool, StoredJob
 from fedbroker import codec
 from fedbroker.errors import Conflict, NotFound, UploadRejected
 from fedbroker.spec import AggregationConfig, ModelSpec, parameter_shapes, parse_model
@@ -27,6 +37,7 @@ from fedbroker.spec import AggregationConfig, ModelSpec, parameter_shapes, parse
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_UPDATE_BYTES = 1 << 30
+KEEP_CLOSED_ROUNDS = 16  # closed rounds whose accepted workers and deadline are remembered (redeliveries, stragglers)
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,8 @@ class _Round:
     plain_mean: RunningWeightedMean | None = None   # for a weighting that may give every update weight 0
     histograms: dict[str, list[int]] = field(default_factory=dict)
     closed: bool = False
+    aggregation: dict[str, Any] = field(default_factory=dict)   # as opened (the spool re-builds algorithms from it)
+    next_seq: int = 0                                           # acceptance order of the spooled updates
 
 
 @dataclass
@@ -93,6 +106,9 @@ class _Job:
     specs: dict[int, str]
     round: _Round | None = None
     closed_rounds: set[int] = field(default_factory=set)
+    last_close: tuple[int, CloseResult] | None = None   # (round, result): a repeated close returns it
+    closed_deadlines: dict[int, float] = field(default_factory=dict)  # a late upload is "late", not "round_closed"
+    closed_accepted: dict[int, list[str]] = field(default_factory=dict)  # recent rounds: who got in (status)
 
     @property
     def version(self) -> int:
@@ -106,12 +122,21 @@ class RoundBook:
         max_update_bytes: int = DEFAULT_MAX_UPDATE_BYTES,
         selection_time_limit_s: float = 30.0,
         clock: Callable[[], float] = time.time,
+        spool_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.max_update_bytes = max_update_bytes
         self.selection_time_limit_s = selection_time_limit_s
         self.clock = clock
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
+        self._accept_lock = threading.Lock()  # one accept at a time; status and downloads go on meanwhile
+        self._spool = Spool(spool_dir) if spool_dir else None
+        if self._spool is not None:
+            for stored in self._spool.load():
+                job = self._restore(stored)
+                self._jobs[job.job_id] = job
+            if self._jobs:
+                log.info("restored %d job(s) from the spool %s", len(self._jobs), spool_dir)
 
     # ----- global model -----
 
@@ -125,13 +150,21 @@ class RoundBook:
         state = {name: np.array(arr, dtype=np.float32) for name, arr in tensors.items()}
         with self._lock:
             job = self._jobs.get(job_id)
+            if job is not None and _same_model(job, version, spec_json, state):
+                return  # a restarted coordinator re-installing what we hold: keep the open round and its uploads
+        if self._spool is not None:
+            self._spool.save_global(job_id, version, spec_json, state)
+        with self._lock:
+            job = self._jobs.get(job_id)
             if job is None:
-                self._jobs[job_id] = _Job(job_id, spec, 0, {version: state}, {version: spec_json})
+                job = self._jobs[job_id] = _Job(job_id, spec, 0, {version: state}, {version: spec_json})
             else:
                 job.spec = spec
                 job.versions = {version: state}
                 job.specs = {version: spec_json}
                 job.round = None
+                job.last_close = None
+            self._commit(job)
 
     def global_model(self, job_id: str, version: int = 0) -> tuple[int, str, dict[str, np.ndarray]]:
         job = self._job(job_id)
@@ -155,24 +188,24 @@ class RoundBook:
             if job.round is not None and job.round.number == round_number and not job.round.closed:
                 if job.round.participants != members:
                     raise Conflict(f"round {round_number} of job {job_id!r} is already open with other participants")
-                return job.version  # idempotent: a coordinator retrying after a lost reply
+                if deadline > job.round.deadline:  # a resumed coordinator gives a round more time, never less
+                    job.round.deadline = deadline
+                    self._commit(job)
+                return job.version  # idempotent: a coordinator retrying after a lost reply, or restarted
             if round_number in job.closed_rounds:
                 raise Conflict(f"round {round_number} of job {job_id!r} is already closed")
             job.seed = seed
-            job.round = _Round(
-                round_number, members, deadline, algorithms,
-                mean=RunningWeightedMean() if algorithms.incremental else None,
-                plain_mean=RunningWeightedMean() if algorithms.incremental and not algorithms.weights_positive else None,
-                histograms={w: [int(c) for c in h] for w, h in (histograms or {}).items()},
-            )
+            job.round = _new_round(round_number, members, deadline, algorithms, dict(aggregation),
+                                   {w: [int(c) for c in h] for w, h in (histograms or {}).items()})
+            self._commit(job)
             return job.version
 
     def status(self, job_id: str, round_number: int) -> tuple[list[str], bool]:
         job = self._job(job_id)
         with self._lock:
             rnd = job.round
-            if rnd is None or rnd.number != round_number:
-                return [], False
+            if rnd is None or rnd.number != round_number:  # a worker with a redelivered task of a closed round
+                return list(job.closed_accepted.get(round_number, [])), False
             return sorted(rnd.accepted), not rnd.closed
 
     def receive_update(self, messages: Iterable[Any]) -> Receipt:
@@ -197,21 +230,23 @@ class RoundBook:
         if job is None:
             raise UploadRejected("unknown_job", f"unknown job {header.job_id!r}")
         with self._lock:
-            rnd = job.round
-            if header.round in job.closed_rounds or (rnd is not None and rnd.number == header.round and rnd.closed):
+            rnd = job.round if job.round is not None and job.round.number == header.round else None
+            if rnd is not None and header.worker_id in rnd.accepted:  # a retry, even after the close: first receipt
+                done = rnd.accepted[header.worker_id]
+                return Receipt(header.job_id, header.round, header.worker_id, True, done.bytes_received, done.sha256)
+            deadline = rnd.deadline if rnd is not None else job.closed_deadlines.get(header.round)
+            if (deadline is not None and self.clock() > deadline
+                    and (rnd is None or header.worker_id in rnd.participants)):
+                raise UploadRejected(  # a straggler, whether or not the round has closed at its deadline yet
+                    "late", f"worker {header.worker_id!r}: round {header.round} deadline passed; late update refused"
+                )
+            if header.round in job.closed_rounds or (rnd is not None and rnd.closed):
                 raise UploadRejected("round_closed", f"round {header.round} of job {header.job_id!r} is already closed")
-            if rnd is None or rnd.number != header.round:
+            if rnd is None:
                 raise UploadRejected("unknown_round", f"round {header.round} of job {header.job_id!r} is not open")
             if header.worker_id not in rnd.participants:
                 raise UploadRejected(
                     "unknown_worker", f"worker {header.worker_id!r} is not a participant of round {header.round}"
-                )
-            if header.worker_id in rnd.accepted:
-                done = rnd.accepted[header.worker_id]
-                return Receipt(header.job_id, header.round, header.worker_id, True, done.bytes_received, done.sha256)
-            if self.clock() > rnd.deadline:
-                raise UploadRejected(
-                    "late", f"worker {header.worker_id!r}: round {header.round} deadline passed; late update refused"
                 )
             if header.num_samples <= 0:
                 raise UploadRejected("bad_header", f"num_samples must be positive, got {header.num_samples}")
@@ -232,26 +267,33 @@ class RoundBook:
         )
         job = self._job(header.job_id)
         size = sum(arr.nbytes for arr in tensors.values())
-        with self._lock:
-            rnd = job.round
-            if rnd is None or rnd.number != header.round or rnd.closed:
-                raise UploadRejected("round_closed", f"round {header.round} of job {header.job_id!r} closed during the upload")
-            if header.worker_id in rnd.accepted:  # a concurrent retry won the race: count it once
-                done = rnd.accepted[header.worker_id]
-                return Receipt(header.job_id, header.round, header.worker_id, True, done.bytes_received, done.sha256)
-            try:
-                raw = float(rnd.algorithms.weighting.raw_weight(meta))
-            except ValueError as exc:
-                raise UploadRejected("bad_header", str(exc)) from exc
-            entry = _Accepted(header.worker_id, meta.num_samples, raw, digest, size, meta,
-                              epsilon=header.epsilon, train_loss=header.train_loss)
-            if rnd.mean is not None:
-                rnd.mean.add(tensors, raw)
-                if rnd.plain_mean is not None:
-                    rnd.plain_mean.add(tensors, 1.0)
-            else:
-                entry.tensors = tensors
-            rnd.accepted[header.worker_id] = entry
+        closed = UploadRejected("round_closed", f"round {header.round} of job {header.job_id!r} closed during the upload")
+        with self._accept_lock:
+            with self._lock:
+                rnd = job.round
+                if rnd is None or rnd.number != header.round or rnd.closed:
+                    raise closed
+                if header.worker_id in rnd.accepted:  # a concurrent retry won the race: count it once
+                    done = rnd.accepted[header.worker_id]
+                    return Receipt(header.job_id, header.round, header.worker_id, True, done.bytes_received, done.sha256)
+                try:
+                    raw = float(rnd.algorithms.weighting.raw_weight(meta))
+                except ValueError as exc:
+                    raise UploadRejected("bad_header", str(exc)) from exc
+                entry = _Accepted(header.worker_id, meta.num_samples, raw, digest, size, meta,
+                                  epsilon=header.epsilon, train_loss=header.train_loss)
+                seq = rnd.next_seq
+                rnd.next_seq += 1
+            spooled = None
+            if self._spool is not None:  # durable before the receipt: the worker acks its task on the receipt
+                spooled = self._spool.save_update(job.job_id, rnd.number, seq, dict(_entry_record(entry), seq=seq),
+                                                 tensors)
+            with self._lock:
+                if job.round is not rnd or rnd.closed:
+                    if spooled is not None:
+                        Spool.discard(spooled)
+                    raise closed
+                _fold(rnd, entry, tensors)
         return Receipt(header.job_id, header.round, header.worker_id, False, size, digest)
 
     def close(self, job_id: str, round_number: int) -> CloseResult:
@@ -259,18 +301,29 @@ class RoundBook:
         started = time.perf_counter()
         job = self._job(job_id)
         with self._lock:
+            if job.last_close is not None and job.last_close[0] == round_number:
+                return job.last_close[1]  # a repeated close (the coordinator lost our reply, or restarted)
             rnd = job.round
             if rnd is None or rnd.number != round_number:
                 raise NotFound(f"round {round_number} of job {job_id!r} is not open")
             if rnd.closed:
                 raise Conflict(f"round {round_number} of job {job_id!r} is already closed")
+            if not rnd.accepted:
+                raise Conflict(f"round {round_number} of job {job_id!r} cannot close with no accepted update")
             rnd.closed = True
-            job.closed_rounds.add(round_number)
             accepted = dict(rnd.accepted)
             current = job.versions[job.version]
             spec = job.spec
-        if not accepted:
-            raise Conflict(f"round {round_number} of job {job_id!r} closed with no accepted update")
+        try:
+            return self._close(job, rnd, accepted, current, spec, started)
+        except BaseException:
+            with self._lock:  # nothing changed: the round stays open and the coordinator may close it again
+                rnd.closed = False
+            raise
+
+    def _close(self, job: _Job, rnd: _Round, accepted: dict[str, _Accepted], current: dict[str, np.ndarray],
+               spec: ModelSpec, started: float) -> CloseResult:
+        round_number = rnd.number
         rng = np.random.default_rng([job.seed, round_number])
         stats: dict[str, float] = {"accepted": float(len(accepted))}
         if rnd.mean is not None:
@@ -285,14 +338,26 @@ class RoundBook:
             for w, a in sorted(accepted.items())
         ]
         stats["aggregated"] = float(len(chosen))
+        version = job.version + 1
+        new_spec_json = spec.to_json()
+        if self._spool is not None:
+            self._spool.save_global(job.job_id, version, new_spec_json, new_state)
+        seconds = time.perf_counter() - started
+        result = CloseResult(version, chosen, new_spec_json, stats, seconds, updates)
         with self._lock:
-            version = job.version + 1
             job.versions = {job.version: current, version: new_state}
             job.specs = {v: job.specs[v] for v in job.versions if v in job.specs}
             job.spec = spec
-            job.specs[version] = spec.to_json()
-        seconds = time.perf_counter() - started
-        return CloseResult(version, chosen, job.specs[version], stats, seconds, updates)
+            job.specs[version] = new_spec_json
+            job.closed_rounds.add(round_number)
+            job.closed_deadlines[round_number] = rnd.deadline
+            job.closed_accepted[round_number] = sorted(accepted)
+            for old in sorted(job.closed_accepted)[:-KEEP_CLOSED_ROUNDS]:
+                del job.closed_accepted[old]
+                job.closed_deadlines.pop(old, None)
+            job.last_close = (round_number, result)
+            self._commit(job)
+        return result
 
     def _incremental_result(self, rnd: _Round, accepted: dict[str, _Accepted],
                             stats: dict[str, float]) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -353,6 +418,60 @@ class RoundBook:
         width = max(len(r) for r in rows if r)
         return np.array([list(r or []) + [0] * (width - len(r or [])) for r in rows], dtype=np.float64)
 
+    # ----- the spool -----
+
+    def _commit(self, job: _Job) -> None:
+        """Write the job's record (under `_lock`); its global versions are on disk already."""
+        if self._spool is None:
+            return
+        rnd = job.round if job.round is not None and not job.round.closed else None
+        last = None
+        if job.last_close is not None:
+            n, r = job.last_close
+            last = {"round": n, "model_version": r.model_version, "aggregated": r.aggregated,
+                    "model_spec_json": r.model_spec_json, "stats": r.stats, "seconds": r.seconds,
+                    "updates": [vars(u) for u in r.updates]}
+        self._spool.save_record(job.job_id, {
+            "seed": job.seed,
+            "versions": sorted(job.versions),
+            "closed_rounds": sorted(job.closed_rounds),
+            "closed_accepted": {str(n): w for n, w in job.closed_accepted.items()},
+            "closed_deadlines": {str(n): d for n, d in job.closed_deadlines.items()},
+            "last_close": last,
+            "round": None if rnd is None else {
+                "number": rnd.number, "participants": sorted(rnd.participants), "deadline": rnd.deadline,
+                "aggregation": rnd.aggregation, "histograms": rnd.histograms,
+            },
+        })
+
+    def _restore(self, stored: StoredJob) -> _Job:
+        record = stored.record
+        versions = {v: tensors for v, (_, tensors) in stored.globals.items()}
+        specs = {v: spec_json for v, (spec_json, _) in stored.globals.items()}
+        job = _Job(record["job_id"], parse_model(json.loads(specs[max(specs)])), int(record["seed"]), versions, specs,
+                   closed_rounds={int(n) for n in record["closed_rounds"]},
+                   closed_accepted={int(n): list(w) for n, w in record.get("closed_accepted", {}).items()},
+                   closed_deadlines={int(n): float(d) for n, d in record.get("closed_deadlines", {}).items()})
+        last = record.get("last_close")
+        if last:
+            job.last_close = (int(last["round"]), CloseResult(
+                int(last["model_version"]), list(last["aggregated"]), last["model_spec_json"],
+                {k: float(v) for k, v in last["stats"].items()}, float(last["seconds"]),
+                [UpdateSummary(**u) for u in last["updates"]]))
+        r = record.get("round")
+        if r:
+            aggregation = dict(r["aggregation"])
+            job.round = _new_round(int(r["number"]), frozenset(r["participants"]), float(r["deadline"]),
+                                   build_algorithms(AggregationConfig(**aggregation)), aggregation,
+                                   {w: list(h) for w, h in r["histograms"].items()})
+            for meta, tensors in self._spool.updates(stored, job.round.number) if self._spool else ():
+                entry = _entry_from_record(meta)
+                job.round.next_seq = int(meta["seq"]) + 1
+                _fold(job.round, entry, tensors)
+            log.info("job %s: round %d reopened with %d accepted update(s) from the spool", job.job_id,
+                     job.round.number, len(job.round.accepted))
+        return job
+
     def _job(self, job_id: str) -> _Job:
         job = self._jobs.get(job_id)
         if job is None:
@@ -362,6 +481,49 @@ class RoundBook:
 
 class _Duplicate(Exception):
     """Internal: stop reading a stream whose update was already accepted."""
+
+
+def _new_round(number: int, members: frozenset[str], deadline: float, algorithms: Algorithms,
+               aggregation: dict[str, Any], histograms: dict[str, list[int]]) -> _Round:
+    return _Round(
+        number, members, deadline, algorithms,
+        mean=RunningWeightedMean() if algorithms.incremental else None,
+        plain_mean=RunningWeightedMean() if algorithms.incremental and not algorithms.weights_positive else None,
+        histograms=histograms, aggregation=aggregation,
+    )
+
+
+def _fold(rnd: _Round, entry: _Accepted, tensors: dict[str, np.ndarray]) -> None:
+    """Count an accepted update in its round (under the book's lock)."""
+    if rnd.mean is not None:
+        rnd.mean.add(tensors, entry.raw_weight)
+        if rnd.plain_mean is not None:
+            rnd.plain_mean.add(tensors, 1.0)
+    else:
+        entry.tensors = tensors
+    rnd.accepted[entry.worker_id] = entry
+
+
+def _entry_record(entry: _Accepted) -> dict[str, Any]:
+    m = entry.meta
+    return {"worker_id": entry.worker_id, "num_samples": entry.num_samples, "raw_weight": entry.raw_weight,
+            "sha256": entry.sha256, "bytes_received": entry.bytes_received, "epsilon": entry.epsilon,
+            "train_loss": entry.train_loss, "ish": m.ish, "loss": m.loss}
+
+
+def _entry_from_record(r: Mapping[str, Any]) -> _Accepted:
+    from aggregators.weighting import UpdateMeta
+
+    meta = UpdateMeta(worker_id=r["worker_id"], num_samples=int(r["num_samples"]), ish=r["ish"], loss=r["loss"])
+    return _Accepted(r["worker_id"], int(r["num_samples"]), float(r["raw_weight"]), r["sha256"],
+                     int(r["bytes_received"]), meta, epsilon=float(r["epsilon"]), train_loss=float(r["train_loss"]))
+
+
+def _same_model(job: _Job, version: int, spec_json: str, state: Mapping[str, np.ndarray]) -> bool:
+    held = job.versions.get(version)
+    if held is None or job.specs.get(version) != spec_json or held.keys() != state.keys():
+        return False
+    return all(np.array_equal(held[name], arr) for name, arr in state.items())
 
 
 def _flatten(tensors: Mapping[str, np.ndarray]) -> np.ndarray:

@@ -1,11 +1,17 @@
-"""The aggregation service over gRPC: a thin servicer that converts messages and maps errors."""
+"""The aggregation service over gRPC: a thin servicer that converts messages and maps errors.
+
+With a token table, every call is authenticated (fedbroker.auth): the coordinator runs rounds, a worker
+downloads global models and uploads updates under its own worker id only, and sees only itself in a
+round's status. With TLS settings the port speaks TLS (optionally mutual TLS).
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from concurrent import futures
-from typing import Any, Iterator
+from typing import Iterable, Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -13,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from aggregators import metrics
 from aggregators.rounds import RoundBook
 from fedbroker import codec
+from fedbroker.auth import ROLE_COORDINATOR, ROLE_WORKER, Identity, ServerAuth, ServerTLS, TokenTable, add_port
 from fedbroker.errors import UploadRejected
 from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.rpc import CHANNEL_OPTIONS, handle
@@ -22,11 +29,30 @@ from proto import fedbroker_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 SERVICE_NAME = "fedbroker.v1.Aggregation"
 
+# Who may call what when authentication is on (anything unlisted is refused to everyone).
+PERMISSIONS: dict[str, frozenset[str]] = {
+    "PutGlobalModel": frozenset({ROLE_COORDINATOR}),
+    "OpenRound": frozenset({ROLE_COORDINATOR}),
+    "CloseRound": frozenset({ROLE_COORDINATOR}),
+    "RoundStatus": frozenset({ROLE_COORDINATOR, ROLE_WORKER}),
+    "DownloadGlobalModel": frozenset({ROLE_COORDINATOR, ROLE_WORKER}),
+    "UploadUpdate": frozenset({ROLE_WORKER}),
+}
+
+
+def _count_refusal(method: str, reason: str) -> None:
+    if method == "UploadUpdate":
+        metrics.record_rejection(reason)
+
 
 class AggregationServicer(pb_grpc.AggregationServicer):
-    def __init__(self, book: RoundBook) -> None:
+    def __init__(self, book: RoundBook, auth: ServerAuth | None = None) -> None:
         self.book = book
+        self.auth = auth
         self._algorithms: dict[str, dict[str, str]] = {}  # job → algorithm names of its last opened round (labels)
+
+    def _caller(self, context: grpc.ServicerContext) -> Identity | None:
+        return self.auth.identity(context) if self.auth is not None else None
 
     def PutGlobalModel(self, request_iterator: Iterator[pb.ModelChunk], context: grpc.ServicerContext) -> pb.UploadReceipt:
         def run() -> pb.UploadReceipt:
@@ -50,9 +76,11 @@ class AggregationServicer(pb_grpc.AggregationServicer):
         return handle(context, run)
 
     def UploadUpdate(self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext) -> pb.UploadReceipt:
+        caller = self._caller(context)
+
         def run() -> pb.UploadReceipt:
             try:
-                r = self.book.receive_update(request_iterator)
+                r = self.book.receive_update(_own_uploads_only(request_iterator, caller))
             except UploadRejected as exc:
                 metrics.record_rejection(exc.reason)
                 raise
@@ -75,6 +103,9 @@ class AggregationServicer(pb_grpc.AggregationServicer):
 
     def RoundStatus(self, request: pb.RoundStatusRequest, context: grpc.ServicerContext) -> pb.RoundStatusReply:
         accepted, is_open = handle(context, lambda: self.book.status(request.job_id, request.round))
+        caller = self._caller(context)
+        if caller is not None and caller.role == ROLE_WORKER:  # a worker learns about itself, not its peers
+            accepted = [w for w in accepted if w == caller.name]
         return pb.RoundStatusReply(accepted=accepted, open=is_open)
 
     def CloseRound(self, request: pb.CloseRoundRequest, context: grpc.ServicerContext) -> pb.CloseRoundReply:
@@ -88,18 +119,41 @@ class AggregationServicer(pb_grpc.AggregationServicer):
                                            for u in result.updates])
 
 
-def serve(book: RoundBook, *, address: str = "127.0.0.1:0", max_workers: int = 16) -> tuple[grpc.Server, int]:
-    """Start the service (with standard gRPC health checking) and return it with its bound port."""
+def _own_uploads_only(messages: Iterable[pb.UpdateChunk], caller: Identity | None) -> Iterator[pb.UpdateChunk]:
+    """Refuse, before reading any tensor data, an upload whose header names another worker than the caller's."""
+    iterator = iter(messages)
+    first = next(iterator, None)
+    if first is None:
+        return iter(())
+    if caller is not None and first.WhichOneof("part") == "header" and first.header.worker_id != caller.name:
+        raise UploadRejected("permission_denied", f"worker {caller.name!r} may upload only its own update, not one "
+                                                  f"for worker {first.header.worker_id!r}")
+    return itertools.chain((first,), iterator)
+
+
+def serve(book: RoundBook, *, address: str = "127.0.0.1:0", max_workers: int = 16, tokens: TokenTable | None = None,
+          tls: ServerTLS | None = None) -> tuple[grpc.Server, int]:
+    """Start the service (with standard gRPC health checking) and return it with its bound port.
+
+    `tokens`: authenticate every call (None = authentication off); `tls`: serve TLS instead of plaintext.
+    """
+    interceptors: list[grpc.ServerInterceptor] = [GrpcMetricsInterceptor()]
+    auth = None
+    if tokens is not None:
+        auth = ServerAuth(tokens, PERMISSIONS, service=SERVICE_NAME, on_reject=_count_refusal)
+        interceptors.append(auth)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS,
-                         interceptors=[GrpcMetricsInterceptor()])
-    pb_grpc.add_AggregationServicer_to_server(AggregationServicer(book), server)
+                         interceptors=interceptors)
+    pb_grpc.add_AggregationServicer_to_server(AggregationServicer(book, auth), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(address)
+    port = add_port(server, address, tls)
     if port == 0:
         raise OSError(f"could not bind the aggregation service to {address}")
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("aggregation service listening on port %d", port)
+    log.info("aggregation service listening on port %d (%s, authentication %s)", port,
+             "TLS" + (" with client certificates" if tls and tls.client_ca else "") if tls else "plaintext",
+             "on" if auth else "off")
     return server, port

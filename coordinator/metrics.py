@@ -45,6 +45,13 @@ TASKS_PUBLISHED = Counter(
 TASK_OUTCOMES = Counter(
     "fedbroker_coordinator_task_outcomes_total", "Refusals and failures reported by workers, by status.",
     ["status"])
+JOBS_REJECTED = Counter(
+    "fedbroker_coordinator_jobs_rejected_total",
+    "Job submissions refused, by reason (invalid_config: the spec failed validation; unauthenticated, "
+    "permission_denied: the caller's token).", ["reason"])
+CONTROL_REJECTED = Counter(
+    "fedbroker_coordinator_control_messages_rejected_total",
+    "Control-queue messages dead-lettered because they could not be decoded, by reason.", ["reason"])
 STRAGGLERS = Counter(
     "fedbroker_coordinator_stragglers_total",
     "Selected workers that neither uploaded nor answered before their round closed, per job.", ["job_id"])

@@ -2,6 +2,12 @@
 
 One thread per running job. The coordinator never touches weights beyond checkpointing and evaluating
 the global model the aggregation service returns.
+
+Faults (deploy/RELIABILITY.md): a round is recorded in the store before it is opened anywhere, so a
+restarted coordinator resumes the open round with the same participants and deadline instead of
+starting it over; every call to the aggregation service is idempotent and retried through its outages;
+publishing retries through a broker outage until the round's deadline. A job whose round_timeout_s
+would let a worker hold its task past the broker's consumer_timeout is refused at submission.
 """
 
 from __future__ import annotations
@@ -11,9 +17,10 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import asdict
-from typing import Any, Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, TypeVar
 
+import grpc
 import numpy as np
 
 from aggregators.client import AggregatorClient
@@ -22,14 +29,20 @@ from coordinator.checkpoints import load_checkpoint, save_checkpoint
 from coordinator.state import StateStore
 from fedbroker import envelope
 from fedbroker.bus import Bus, Delivery
-from fedbroker.errors import FedbrokerError
+from fedbroker.errors import BusError, ConfigError, FedbrokerError
 from fedbroker.metrics import BUSES
+from fedbroker.rpc import RemoteError
 from fedbroker.spec import JobSpec, job_from_json, parse_model
 from proto import fedbroker_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 Evaluator = Callable[[JobSpec, str, dict[str, np.ndarray]], "tuple[float, float] | None"]
+T = TypeVar("T")
+
+# What a worker needs after its round's deadline to finish an upload it started before it (and to ack).
+CONSUMER_TIMEOUT_MARGIN_S = 60.0
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class JobFailed(FedbrokerError):
@@ -39,7 +52,11 @@ class JobFailed(FedbrokerError):
 class Coordinator:
     def __init__(self, *, bus: Bus, store: StateStore, aggregator: AggregatorClient, aggregator_target: str,
                  checkpoint_dir: str, heartbeat_timeout_s: float = 60.0, poll_interval_s: float = 0.2,
-                 evaluator: Evaluator | None = None) -> None:
+                 evaluator: Evaluator | None = None, broker_consumer_timeout_s: float | None = None,
+                 aggregator_outage_s: float = 300.0) -> None:
+        """`broker_consumer_timeout_s`: RabbitMQ's consumer_timeout on this deployment (None: no limit, e.g.
+        the in-process bus). `aggregator_outage_s`: how long a job waits for an unreachable aggregation
+        service before it fails."""
         self.bus = bus
         self.store = store
         self.aggregator = aggregator
@@ -48,6 +65,8 @@ class Coordinator:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.poll_interval_s = poll_interval_s
         self.evaluator = evaluator
+        self.broker_consumer_timeout_s = broker_consumer_timeout_s
+        self.aggregator_outage_s = aggregator_outage_s
         self._stop = threading.Event()
         self._threads: dict[str, threading.Thread] = {}
 
@@ -78,7 +97,29 @@ class Coordinator:
 
     # ----- intake -----
 
+    @property
+    def max_round_timeout_s(self) -> float | None:
+        """The longest schedule.round_timeout_s this deployment accepts (None: any)."""
+        timeout = self.broker_consumer_timeout_s
+        if timeout is None:
+            return None
+        return timeout - min(CONSUMER_TIMEOUT_MARGIN_S, 0.2 * timeout)
+
+    def check_job(self, job: JobSpec) -> None:
+        """A worker holds its task's delivery (unacked) until it has uploaded, and gives up at the round's
+        deadline: the broker must not reclaim the delivery before, or it closes the worker's channel."""
+        limit, timeout = self.max_round_timeout_s, self.broker_consumer_timeout_s
+        if limit is not None and timeout is not None and job.schedule.round_timeout_s > limit:
+            raise ConfigError(
+                "schedule.round_timeout_s",
+                f"must be at most {limit:g} s here, got {job.schedule.round_timeout_s:g}: a worker holds its task "
+                f"until the round's deadline, and the broker's consumer_timeout is {timeout:g} s (less "
+                f"{timeout - limit:g} s to finish an upload); raise the broker's consumer_timeout and "
+                f"broker.consumer_timeout_s together for longer rounds",
+            )
+
     def submit(self, job: JobSpec) -> str:
+        self.check_job(job)
         job_id = f"{job.name[:40]}-{secrets.token_hex(4)}"
         self.store.add_job(job_id, job.name, job.to_json(), job.training.rounds, job.model.to_json())
         self._launch(job_id)
@@ -89,6 +130,7 @@ class Coordinator:
             env = envelope.decode(delivery.body, expect=("registration", "heartbeat", "task_outcome"))
         except envelope.MalformedMessage as exc:
             log.warning("dead-lettering a control message: %s", exc)
+            metrics.CONTROL_REJECTED.labels(exc.reason).inc()
             delivery.nack(requeue=False)
             return
         kind = env.WhichOneof("message")
@@ -128,12 +170,16 @@ class Coordinator:
     def _run_job(self, job_id: str) -> None:
         try:
             self._drive(job_id)
+        except _Stopped:  # the job stays running in the store; the next start resumes it
+            log.info("job %s paused: the coordinator is stopping", job_id)
         except Exception as exc:  # a job's failure must be recorded, never lost in a thread
             log.exception("job %s failed", job_id)
             self.store.set_job_status(job_id, "failed", str(exc))
 
     def _drive(self, job_id: str) -> None:
         row = self.store.job(job_id)
+        if row is None:
+            raise JobFailed(f"job {job_id!r} is not in the coordinator's store")
         job = job_from_json(row["spec_json"])
         self._await_workers(job)
         self.store.set_job_status(job_id, "running")
@@ -148,12 +194,17 @@ class Coordinator:
             spec_json = job.model.to_json()
             tensors = initial_weights(job.model, seed=job.seed)
             version = 1
-        self.aggregator.put_global(job_id, version, spec_json, tensors)
+        run = _Run(job_id, job, version, spec_json, tensors)
+        # Idempotent at the service: after our own restart it keeps the open round and its uploads.
+        self._call(run, "install the global model", lambda: self.aggregator.put_global(job_id, version, spec_json,
+                                                                                        tensors))
         for round_number in range(done + 1, job.training.rounds + 1):
             if self._stop.is_set():
-                return
+                raise _Stopped
             try:
-                spec_json, version = self._round(job_id, job, round_number, spec_json)
+                self._round(run, round_number)
+            except _Stopped:
+                raise
             except Exception:
                 metrics.ROUNDS_FAILED.labels(job_id).inc()
                 metrics.ROUND_OPEN.labels(job_id).set(0)
@@ -166,7 +217,9 @@ class Coordinator:
             active = self.store.workers(job.category, seen_within_s=self.heartbeat_timeout_s)
             if len(active) >= job.schedule.min_workers:
                 return
-            if time.time() >= deadline or self._stop.is_set():
+            if self._stop.is_set():
+                raise _Stopped
+            if time.time() >= deadline:
                 raise JobFailed(
                     f"only {len(active)} active worker(s) of category {job.category!r} registered within "
                     f"{job.schedule.wait_for_workers_s:g}s; schedule.min_workers is {job.schedule.min_workers}"
@@ -192,60 +245,161 @@ class Coordinator:
             total[: len(h)] += h
         return (total / total.sum()).tolist() if total.sum() > 0 else []
 
-    def _round(self, job_id: str, job: JobSpec, round_number: int, spec_json: str) -> tuple[str, int]:
+    def _round(self, run: _Run, round_number: int) -> None:
+        job_id, job = run.job_id, run.job
+        row = self.store.round(job_id, round_number)
+        if row is not None and row["status"] == "open":
+            rnd, reply = self._resume_round(run, round_number, row)
+        else:
+            rnd, reply = self._new_round(run, round_number), None
+        metrics.ROUNDS_STARTED.labels(job_id).inc()
+        metrics.ROUND.labels(job_id).set(round_number)
+        metrics.ROUND_OPEN.labels(job_id).set(1)
+        metrics.ROUND_DEADLINE.labels(job_id).set(rnd.deadline)
+        metrics.ROUND_PARTICIPANTS.labels(job_id).set(len(rnd.participants))
+        if reply is None:
+            self._publish_tasks(run, rnd)
+            accepted = self._wait_for_quorum(run, rnd)
+            if self._stop.is_set():
+                raise _Stopped  # the round stays open in the store: a restarted coordinator resumes it
+            answered = self._answered(job_id, round_number)
+            stragglers = len(set(rnd.participants) - set(accepted) - answered)
+            if stragglers:
+                metrics.STRAGGLERS.labels(job_id).inc(stragglers)
+            if len(accepted) < job.schedule.min_clients:
+                self.store.fail_round(job_id, round_number, time.time() - rnd.started)
+                reasons = "; ".join(
+                    f"{p['worker_id']}: {p['status']}{' (' + p['reason'] + ')' if p['reason'] else ''}"
+                    for p in self.store.participants(job_id, round_number)
+                )
+                raise JobFailed(f"round {round_number}: {len(accepted)} upload(s), schedule.min_clients is "
+                                f"{job.schedule.min_clients} [{reasons}]")
+            # Idempotent at the service: a retry after a lost reply gets the same result back.
+            reply = self._call(run, f"close round {round_number}",
+                               lambda: self.aggregator.close_round(job_id, round_number))
+        self._finish_round(run, rnd, reply)
+
+    def _new_round(self, run: _Run, round_number: int) -> _OpenRound:
+        job_id, job = run.job_id, run.job
         started = time.time()
         participants = self._select(job, round_number)
         if len(participants) < job.schedule.min_clients:
             raise JobFailed(f"round {round_number}: {len(participants)} active worker(s), "
                             f"schedule.min_clients is {job.schedule.min_clients}")
-        deadline = started + job.schedule.round_timeout_s
-        aggregation = asdict(job.aggregation)
         histograms = {w.worker_id: w.histogram for w in self.store.workers(job.category) if w.worker_id in participants}
-        version = self.aggregator.open_round(job_id, round_number, participants, deadline, aggregation, seed=job.seed,
-                                             histograms=histograms)
-        self.store.open_round(job_id, round_number, participants)
-        metrics.ROUNDS_STARTED.labels(job_id).inc()
-        metrics.ROUND.labels(job_id).set(round_number)
-        metrics.ROUND_OPEN.labels(job_id).set(1)
-        metrics.ROUND_DEADLINE.labels(job_id).set(deadline)
-        metrics.ROUND_PARTICIPANTS.labels(job_id).set(len(participants))
+        rnd = _OpenRound(round_number, participants, started, started + job.schedule.round_timeout_s,
+                         asdict(job.aggregation), histograms)
+        # Recorded before the service hears of it: a coordinator that dies from here on resumes this round.
+        self.store.open_round(job_id, round_number, participants, deadline=rnd.deadline, started=started)
+        run.round = rnd
+        self._open_at_aggregator(run, rnd)
+        return rnd
+
+    def _resume_round(self, run: _Run, round_number: int, row: Any) -> tuple[_OpenRound, pb.CloseRoundReply | None]:
+        """The round that was open when this coordinator stopped: same participants, same deadline."""
+        job_id, job = run.job_id, run.job
+        participants = [p["worker_id"] for p in self.store.participants(job_id, round_number)]
+        started = float(row["started"])
+        deadline = float(row["deadline"]) if row["deadline"] is not None else started + job.schedule.round_timeout_s
+        histograms = {w.worker_id: w.histogram for w in self.store.workers(job.category) if w.worker_id in participants}
+        rnd = _OpenRound(round_number, participants, started, deadline, asdict(job.aggregation), histograms,
+                         resumed=True)
+        log.info("resuming round %d of %s (%d participant(s), deadline in %.0fs)", round_number, job_id,
+                 len(participants), deadline - time.time())
+        accepted, is_open = self._call(run, f"status of round {round_number}",
+                                       lambda: self.aggregator.status(job_id, round_number))
+        if not is_open:
+            # Either the service closed it before we died (the close is idempotent: we get its result back),
+            # or it never heard of it (we died before opening it there): then it is opened below.
+            try:
+                reply = self._call(run, f"close round {round_number}",
+                                   lambda: self.aggregator.close_round(job_id, round_number), reinstall=False)
+                log.info("round %d of %s had been closed by the aggregation service; recording it", round_number,
+                         job_id)
+                run.round = rnd
+                return rnd, reply
+            except RemoteError as exc:
+                if exc.code != grpc.StatusCode.NOT_FOUND:
+                    raise
+        if time.time() >= deadline and len(accepted) < job.schedule.min_clients:
+            rnd.deadline = time.time() + job.schedule.round_timeout_s  # it expired while we were away
+            self.store.set_round_deadline(job_id, round_number, rnd.deadline)
+            log.info("round %d of %s expired while the coordinator was down; deadline moved %.0fs ahead",
+                     round_number, job_id, job.schedule.round_timeout_s)
+        run.round = rnd
+        self._open_at_aggregator(run, rnd)
+        return rnd, None
+
+    def _open_at_aggregator(self, run: _Run, rnd: _OpenRound, *, reinstall: bool = True) -> None:
+        job_id = run.job_id
+        rnd.model_version = self._call(run, f"open round {rnd.number}", lambda: self.aggregator.open_round(
+            job_id, rnd.number, rnd.participants, rnd.deadline, rnd.aggregation, seed=run.job.seed,
+            histograms=rnd.histograms), reinstall=reinstall)
+
+    def _answered(self, job_id: str, round_number: int) -> set[str]:
+        return {p["worker_id"] for p in self.store.participants(job_id, round_number)
+                if p["status"] in ("refused", "failed")}
+
+    def _publish_tasks(self, run: _Run, rnd: _OpenRound, *, only_missing: bool | None = None) -> None:
+        """One task per participant; a resumed round re-sends the tasks of participants with no upload yet
+        (we may have died halfway through publishing; a worker that already has the task handles the copy
+        idempotently: it acks it without training once its update is accepted)."""
+        job_id, job = run.job_id, run.job
+        if time.time() >= rnd.deadline:  # a resumed round past its deadline: closes with what it has
+            rnd.published = True
+            return
         task = pb.RoundTask(
-            job_id=job_id, round=round_number, model_spec_json=spec_json,
-            training_json=json.dumps(asdict(job.training)), category=job.category, model_version=version,
-            aggregator_target=self.aggregator_target, deadline_unix=deadline,
-            population_distribution=self._population(job), participants=len(participants),
-            seed=job.seed, aggregation_json=json.dumps(aggregation),
+            job_id=job_id, round=rnd.number, model_spec_json=run.spec_json,
+            training_json=json.dumps(asdict(job.training)), category=job.category, model_version=rnd.model_version,
+            aggregator_target=self.aggregator_target, deadline_unix=rnd.deadline,
+            population_distribution=self._population(job), participants=len(rnd.participants),
+            seed=job.seed, aggregation_json=json.dumps(rnd.aggregation),
         )
-        for worker_id in participants:
-            self.bus.publish_task(worker_id, envelope.encode(round_task=task))
-            metrics.TASKS_PUBLISHED.inc()
-        log.info("round %d of %s published to %d worker(s)", round_number, job_id, len(participants))
-        accepted = self._wait_for_quorum(job_id, job, round_number, participants, deadline)
-        answered = {p["worker_id"] for p in self.store.participants(job_id, round_number)
-                    if p["status"] in ("refused", "failed")}
-        stragglers = len(set(participants) - set(accepted) - answered)
-        if stragglers:
-            metrics.STRAGGLERS.labels(job_id).inc(stragglers)
-        if len(accepted) < job.schedule.min_clients:
-            self.store.fail_round(job_id, round_number, time.time() - started)
-            reasons = "; ".join(
-                f"{p['worker_id']}: {p['status']}{' (' + p['reason'] + ')' if p['reason'] else ''}"
-                for p in self.store.participants(job_id, round_number)
-            )
-            raise JobFailed(f"round {round_number}: {len(accepted)} upload(s), schedule.min_clients is "
-                            f"{job.schedule.min_clients} [{reasons}]")
-        reply = self.aggregator.close_round(job_id, round_number)
-        new_version, new_spec_json, tensors = self.aggregator.download(job_id, reply.model_version)
+        body = envelope.encode(round_task=task)
+        recipients = list(rnd.participants)
+        if rnd.resumed if only_missing is None else only_missing:
+            accepted, _ = self._call(run, f"status of round {rnd.number}",
+                                     lambda: self.aggregator.status(job_id, rnd.number))
+            done = set(accepted) | self._answered(job_id, rnd.number)
+            recipients = [w for w in recipients if w not in done]
+        sent = sum(self._publish(worker_id, body, rnd.deadline) for worker_id in recipients)
+        rnd.published = True
+        log.info("round %d of %s published to %d worker(s)", rnd.number, job_id, sent)
+
+    def _publish(self, worker_id: str, body: bytes, deadline: float) -> bool:
+        """Persistent and confirmed by the bus; through a broker outage, retried until the round's deadline.
+        A task that cannot be sent by then makes its worker a straggler; the round's quorum rules decide."""
+        delay = 0.5
+        while time.time() < deadline:
+            try:
+                self.bus.publish_task(worker_id, body)
+                metrics.TASKS_PUBLISHED.inc()
+                return True
+            except BusError as exc:
+                if self._stop.is_set():
+                    raise _Stopped from exc
+                log.warning("task for %s not published (%s); retrying in %.1fs", worker_id, exc, delay)
+                self._stop.wait(min(delay, max(0.0, deadline - time.time())))
+                delay = min(2 * delay, 10.0)
+        log.error("task for %s not published before the round's deadline", worker_id)
+        return False
+
+    def _finish_round(self, run: _Run, rnd: _OpenRound, reply: pb.CloseRoundReply) -> None:
+        job_id, job, round_number = run.job_id, run.job, rnd.number
+        new_version, new_spec_json, tensors = self._call(
+            run, f"download global model {reply.model_version}",
+            lambda: self.aggregator.download(job_id, reply.model_version), reinstall=False)
         checkpoint = save_checkpoint(self.checkpoint_dir, job_id, round_number, tensors, new_spec_json)
         scores = self.evaluator(job, new_spec_json, tensors) if self.evaluator else None
         accuracy, loss = scores if scores else (None, None)
-        seconds = time.time() - started
+        seconds = time.time() - rnd.started
         self.store.close_round(
             job_id, round_number, model_version=new_version, aggregated=list(reply.aggregated),
             updates=[(u.worker_id, u.num_samples, u.epsilon, u.train_loss) for u in reply.updates],
             accuracy=accuracy, loss=loss, seconds=seconds, checkpoint=checkpoint, stats=dict(reply.stats),
             model_spec_json=new_spec_json,
         )
+        run.version, run.spec_json, run.tensors, run.round = new_version, new_spec_json, tensors, None
         metrics.ROUNDS_COMPLETED.labels(job_id).inc()
         metrics.ROUND_DURATION.observe(seconds)
         metrics.ROUND_OPEN.labels(job_id).set(0)
@@ -253,27 +407,107 @@ class Coordinator:
         if accuracy is not None and loss is not None:
             metrics.MODEL_ACCURACY.labels(job_id).set(accuracy)
             metrics.MODEL_LOSS.labels(job_id).set(loss)
-        self.bus.publish_event(envelope.encode(round_completed=pb.RoundCompleted(
-            job_id=job_id, round=round_number, model_version=new_version, aggregated=len(reply.aggregated),
-            accuracy=accuracy or 0.0, loss=loss or 0.0, final=round_number == job.training.rounds, seconds=seconds,
-        )))
+        try:  # a notification: the store is the truth, so a broker outage must not fail the job here
+            self.bus.publish_event(envelope.encode(round_completed=pb.RoundCompleted(
+                job_id=job_id, round=round_number, model_version=new_version, aggregated=len(reply.aggregated),
+                accuracy=accuracy or 0.0, loss=loss or 0.0, final=round_number == job.training.rounds,
+                seconds=seconds,
+            )))
+        except BusError as exc:
+            log.warning("RoundCompleted event of round %d of %s not published: %s", round_number, job_id, exc)
         log.info("round %d of %s closed: %d aggregated, accuracy %s, %.1fs", round_number, job_id,
                  len(reply.aggregated), f"{accuracy:.4f}" if accuracy is not None else "n/a", seconds)
         parse_model(json.loads(new_spec_json))
-        return new_spec_json, new_version
 
-    def _wait_for_quorum(self, job_id: str, job: JobSpec, round_number: int, participants: list[str],
-                         deadline: float) -> list[str]:
-        quorum = job.schedule.quorum or len(participants)
+    def _wait_for_quorum(self, run: _Run, rnd: _OpenRound) -> list[str]:
+        job_id, round_number = run.job_id, rnd.number
+        quorum = run.job.schedule.quorum or len(rnd.participants)
         accepted: list[str] = []
         while not self._stop.is_set():
-            accepted, _ = self.aggregator.status(job_id, round_number)
+            accepted, _ = self._call(run, f"status of round {round_number}",
+                                     lambda: self.aggregator.status(job_id, round_number))
             self.store.set_uploaded(job_id, round_number, accepted)
             if len(accepted) >= quorum:
                 break
-            answered = {p["worker_id"] for p in self.store.participants(job_id, round_number)
-                        if p["status"] in ("refused", "failed")}
-            if len(set(accepted) | answered) >= len(participants) or time.time() >= deadline:
+            answered = self._answered(job_id, round_number)
+            if len(set(accepted) | answered) >= len(rnd.participants) or time.time() >= rnd.deadline:
                 break
             time.sleep(self.poll_interval_s)
         return accepted
+
+    # ----- the aggregation service's outages -----
+
+    def _call(self, run: _Run, what: str, fn: Callable[[], T], *, reinstall: bool = True) -> T:
+        """Call the aggregation service, riding out its outages.
+
+        UNAVAILABLE (or a deadline) is retried with backoff for up to `aggregator_outage_s`. NOT_FOUND for
+        the job means the service restarted without its spool and lost our job: we install the global model
+        and the open round again, re-send the round's tasks (the uploads it had accepted are gone; their
+        workers acked their tasks) and give the round a fresh deadline, then repeat the call.
+        """
+        give_up = time.time() + self.aggregator_outage_s
+        delay = 0.5
+        reinstalled = False
+        while True:
+            try:
+                return fn()
+            except RemoteError as exc:
+                if self._stop.is_set():
+                    raise _Stopped from exc
+                if (reinstall and not reinstalled and exc.code == grpc.StatusCode.NOT_FOUND
+                        and "unknown job" in str(exc)):
+                    reinstalled = True
+                    self._reinstall(run, str(exc))
+                    continue
+                if exc.code not in _TRANSIENT or time.time() + delay > give_up:
+                    raise
+                log.warning("%s of %s: the aggregation service is unavailable (%s); retrying in %.1fs", what,
+                            run.job_id, exc, delay)
+                self._stop.wait(delay)
+                delay = min(2 * delay, 10.0)
+
+    def _reinstall(self, run: _Run, why: str) -> None:
+        job_id = run.job_id
+        log.warning("the aggregation service lost job %s (%s): installing global model %d again%s", job_id, why,
+                    run.version, f" and re-opening round {run.round.number}" if run.round else "")
+        self._call(run, "reinstall the global model",
+                   lambda: self.aggregator.put_global(job_id, run.version, run.spec_json, run.tensors),
+                   reinstall=False)
+        rnd = run.round
+        if rnd is None:
+            return
+        rnd.deadline = max(rnd.deadline, time.time() + run.job.schedule.round_timeout_s)
+        self.store.set_round_deadline(job_id, rnd.number, rnd.deadline)
+        self.store.reset_uploads(job_id, rnd.number)
+        self._open_at_aggregator(run, rnd, reinstall=False)
+        if rnd.published:  # else the round's own publishing comes next
+            self._publish_tasks(run, rnd, only_missing=True)
+
+
+class _Stopped(Exception):
+    """Internal: the coordinator is stopping; leave the job where it is, for the next start to resume."""
+
+
+@dataclass
+class _OpenRound:
+    number: int
+    participants: list[str]
+    started: float
+    deadline: float
+    aggregation: dict[str, Any]
+    histograms: dict[str, list[int]]
+    resumed: bool = False
+    model_version: int = 0
+    published: bool = False   # its tasks went out (a reinstall re-sends them)
+
+
+@dataclass
+class _Run:
+    """A running job's place: the global model it is at, and its open round (what a reinstall needs)."""
+
+    job_id: str
+    job: JobSpec
+    version: int
+    spec_json: str
+    tensors: dict[str, np.ndarray]
+    round: _OpenRound | None = None

@@ -1,4 +1,7 @@
-"""The coordinator over gRPC: job submission and status, a thin shell over Coordinator and StateStore."""
+"""The coordinator over gRPC: job submission and status, a thin shell over Coordinator and StateStore.
+
+With a token table (fedbroker.auth) a submitter's token may SubmitJob and Status, a viewer's only Status.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +11,27 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from coordinator import metrics
 from coordinator.scheduler import Coordinator
+from fedbroker.auth import ROLE_SUBMITTER, ROLE_VIEWER, ClientSecurity, ServerAuth, ServerTLS, TokenTable, add_port
+from fedbroker.errors import FedbrokerError
 from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.rpc import CHANNEL_OPTIONS, handle
-from fedbroker.spec import job_from_text
+from fedbroker.spec import JobSpec, job_from_text
 from proto import fedbroker_pb2 as pb
 from proto import fedbroker_pb2_grpc as pb_grpc
+
+
+SERVICE_NAME = "fedbroker.v1.Coordinator"
+PERMISSIONS: dict[str, frozenset[str]] = {
+    "SubmitJob": frozenset({ROLE_SUBMITTER}),
+    "Status": frozenset({ROLE_SUBMITTER, ROLE_VIEWER}),
+}
+
+
+def _count_refusal(method: str, reason: str) -> None:
+    if method == "SubmitJob":
+        metrics.JOBS_REJECTED.labels(reason).inc()
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -21,7 +39,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.coordinator = coordinator
 
     def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.ServicerContext) -> pb.SubmitJobReply:
-        return handle(context, lambda: pb.SubmitJobReply(job_id=self.coordinator.submit(job_from_text(request.job_yaml))))
+        def parse() -> JobSpec:
+            try:
+                return job_from_text(request.job_yaml)
+            except FedbrokerError as exc:
+                metrics.JOBS_REJECTED.labels(exc.reason).inc()
+                raise
+
+        job = handle(context, parse)
+        return handle(context, lambda: pb.SubmitJobReply(job_id=self.coordinator.submit(job)))
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         return status_reply(self.coordinator, request.job_id)
@@ -52,32 +78,40 @@ def status_reply(coordinator: Coordinator, job_id: str = "") -> pb.StatusReply:
     return reply
 
 
-def serve(coordinator: Coordinator, *, address: str = "127.0.0.1:0") -> tuple[grpc.Server, int]:
+def serve(coordinator: Coordinator, *, address: str = "127.0.0.1:0", tokens: TokenTable | None = None,
+          tls: ServerTLS | None = None) -> tuple[grpc.Server, int]:
+    """`tokens`: authenticate every call (None = authentication off); `tls`: serve TLS instead of plaintext."""
+    interceptors: list[grpc.ServerInterceptor] = [GrpcMetricsInterceptor()]
+    if tokens is not None:
+        interceptors.append(ServerAuth(tokens, PERMISSIONS, service=SERVICE_NAME, on_reject=_count_refusal))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS,
-                         interceptors=[GrpcMetricsInterceptor()])
+                         interceptors=interceptors)
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
     health_servicer = health.HealthServicer()  # Kubernetes' native gRPC probes ask this
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(address)
+    port = add_port(server, address, tls)
     if port == 0:
         raise OSError(f"could not bind the coordinator service to {address}")
     server.start()
-    for name in ("", "fedbroker.v1.Coordinator"):
+    for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port
 
 
 class CoordinatorClient:
-    def __init__(self, target: str, *, timeout_s: float = 30.0) -> None:
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    def __init__(self, target: str, *, timeout_s: float = 30.0, security: ClientSecurity | None = None) -> None:
+        security = security or ClientSecurity()
+        self._channel = security.channel(target, CHANNEL_OPTIONS)
+        self._md = security.metadata()
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self.timeout_s = timeout_s
 
     def submit(self, job_text: str) -> str:
-        return self._stub.SubmitJob(pb.SubmitJobRequest(job_yaml=job_text), timeout=self.timeout_s).job_id
+        return self._stub.SubmitJob(pb.SubmitJobRequest(job_yaml=job_text), timeout=self.timeout_s,
+                                    metadata=self._md).job_id
 
     def status(self, job_id: str = "") -> pb.StatusReply:
-        return self._stub.Status(pb.StatusRequest(job_id=job_id), timeout=self.timeout_s)
+        return self._stub.Status(pb.StatusRequest(job_id=job_id), timeout=self.timeout_s, metadata=self._md)
 
     def close(self) -> None:
         self._channel.close()

@@ -1,7 +1,8 @@
 """The coordinator's durable state in one embedded SQLite file: jobs, workers, rounds, participants.
 
 Every write commits at once (WAL mode), so a restarted coordinator finds each job where it stopped:
-the last closed round and its checkpoint.
+the last closed round and its checkpoint, and the round that was open (its participants and deadline),
+which it resumes instead of starting over.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ CREATE TABLE IF NOT EXISTS rounds (
     participants INTEGER NOT NULL, uploaded INTEGER NOT NULL DEFAULT 0, aggregated INTEGER NOT NULL DEFAULT 0,
     accuracy REAL, loss REAL, mean_train_loss REAL, seconds REAL, model_version INTEGER,
     checkpoint TEXT, stats_json TEXT NOT NULL DEFAULT '{}', started REAL NOT NULL, closed REAL,
+    deadline REAL,
     PRIMARY KEY (job_id, round)
 );
 CREATE TABLE IF NOT EXISTS participants (
@@ -63,6 +65,9 @@ class StateStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(SCHEMA)
+            columns = {r["name"] for r in self._db.execute("PRAGMA table_info(rounds)").fetchall()}
+            if "deadline" not in columns:  # a state file written before rounds kept their deadline
+                self._db.execute("ALTER TABLE rounds ADD COLUMN deadline REAL")
 
     def close(self) -> None:
         with self._lock:
@@ -136,19 +141,28 @@ class StateStore:
 
     # ----- rounds -----
 
-    def open_round(self, job_id: str, round_number: int, participants: Sequence[str]) -> None:
+    def open_round(self, job_id: str, round_number: int, participants: Sequence[str], *,
+                   deadline: float | None = None, started: float | None = None) -> None:
         with self._lock:
             self._db.execute("BEGIN")
             self._db.execute("DELETE FROM participants WHERE job_id = ? AND round = ?", (job_id, round_number))
             self._db.execute(
-                "INSERT OR REPLACE INTO rounds (job_id, round, status, participants, started) VALUES (?, ?, 'open', ?, ?)",
-                (job_id, round_number, len(participants), time.time()),
+                "INSERT OR REPLACE INTO rounds (job_id, round, status, participants, started, deadline)"
+                " VALUES (?, ?, 'open', ?, ?, ?)",
+                (job_id, round_number, len(participants), started if started is not None else time.time(), deadline),
             )
             self._db.executemany(
                 "INSERT INTO participants (job_id, round, worker_id, status) VALUES (?, ?, ?, 'published')",
                 [(job_id, round_number, w) for w in participants],
             )
             self._db.execute("COMMIT")
+
+    def round(self, job_id: str, round_number: int) -> sqlite3.Row | None:
+        rows = self._exec("SELECT * FROM rounds WHERE job_id = ? AND round = ?", (job_id, round_number))
+        return rows[0] if rows else None
+
+    def set_round_deadline(self, job_id: str, round_number: int, deadline: float) -> None:
+        self._exec("UPDATE rounds SET deadline = ? WHERE job_id = ? AND round = ?", (deadline, job_id, round_number))
 
     def set_uploaded(self, job_id: str, round_number: int, workers: Sequence[str]) -> None:
         with self._lock:
@@ -162,12 +176,17 @@ class StateStore:
                              (len(workers), job_id, round_number))
             self._db.execute("COMMIT")
 
+    def reset_uploads(self, job_id: str, round_number: int) -> None:
+        """The aggregation service lost the round's uploads (it restarted without its spool): wait for them again."""
+        self._exec("UPDATE participants SET status = 'published' WHERE job_id = ? AND round = ? AND status = 'uploaded'",
+                   (job_id, round_number))
+
     def record_outcome(self, job_id: str, round_number: int, worker_id: str, status: str, reason: str) -> bool:
         """A refusal or failure reported by a worker; False when (job, round, worker) was never asked."""
         with self._lock:
             cur = self._db.execute(
                 "UPDATE participants SET status = ?, reason = ? WHERE job_id = ? AND round = ? AND worker_id = ?"
-                " AND status IN ('published', 'failed')",
+                " AND status IN ('published', 'failed', 'missed')",  # a straggler may explain itself after the close
                 (status, reason, job_id, round_number, worker_id),
             )
             return cur.rowcount > 0

@@ -18,6 +18,7 @@ import os
 import random
 import re
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -168,6 +169,9 @@ _AMQP_ONLY_OPTIONS = {
     "heartbeat_s",
     "client_name",
     "settle_timeout_s",
+    "ca_file",
+    "cert_file",
+    "key_file",
 }
 
 
@@ -589,6 +593,26 @@ class _Call:
             raise self._error
 
 
+def _tls_context(url: str, *, ca_file: str, cert_file: str, key_file: str) -> ssl.SSLContext | None:
+    """The client TLS context of an amqps:// URL: the broker's CA (default: the system's), an optional client
+    certificate; host names are checked. TLS settings with a plaintext amqp:// URL are a mistake, not a no-op."""
+    if not (ca_file or cert_file or key_file):
+        return None
+    if urlsplit(url).scheme.lower() != "amqps":
+        raise ConfigError("broker.ca_file", "TLS settings (ca_file, cert_file, key_file) need an amqps:// URL")
+    if bool(cert_file) != bool(key_file):
+        raise ConfigError("broker.cert_file", "a client certificate needs both cert_file and key_file")
+    try:
+        context = ssl.create_default_context(cafile=ca_file or None)
+        if cert_file:
+            context.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError("broker.ca_file" if not cert_file else "broker.cert_file",
+                          f"cannot load the TLS files: {exc}") from None
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
 def _connection_errors() -> tuple[type[BaseException], ...]:
     import pika.exceptions as pex
 
@@ -618,6 +642,8 @@ class _Link:
         reconnect_max_s: float,
         on_connect: Callable[[Any], None],
         on_disconnect: Callable[[], None],
+        tls: ssl.SSLContext | None = None,
+        on_tick: Callable[[Any], None] | None = None,
     ) -> None:
         import pika
 
@@ -625,6 +651,10 @@ class _Link:
         self.masked_url = mask_url(url)
         params = pika.URLParameters(url)
         query = parse_qs(urlsplit(url).query)
+        if params.ssl_options is not None and "ssl_options" not in query:
+            # pika's own amqps:// default checks host names but gives no host name to check (every handshake
+            # fails): verify the broker's certificate for the URL's host, against our CA or the system's.
+            params.ssl_options = pika.SSLOptions(tls or ssl.create_default_context(), server_hostname=params.host)
         if "heartbeat" not in query:
             params.heartbeat = math.ceil(heartbeat_s)
         if "blocked_connection_timeout" not in query:
@@ -636,6 +666,7 @@ class _Link:
         self._max = reconnect_max_s
         self._on_connect = on_connect
         self._on_disconnect = on_disconnect
+        self._on_tick = on_tick  # called on the I/O thread after every round of I/O, with the connection
         self._calls: collections.deque[_Call] = collections.deque()
         self._calls_lock = threading.Lock()
         self._stop = threading.Event()
@@ -738,6 +769,8 @@ class _Link:
                 while not self._stop.is_set():
                     self._drain()
                     conn.process_data_events(time_limit=1.0)
+                    if self._on_tick is not None:
+                        self._on_tick(conn)
                 self._drain()  # acks and publishes handed over before close() still go out
             except _connection_errors() as exc:
                 delay = self._backoff(failures)
@@ -822,8 +855,9 @@ class AmqpBus:
     `reconnect_max_s` (backoff); `publish_timeout_s` (how long a publish retries through an outage
     before `BusError`; also pika's `blocked_connection_timeout`); `heartbeat_s` (unless the URL
     sets `heartbeat=`); `client_name` (prefix of the `connection_name` shown by RabbitMQ);
-    `settle_timeout_s` (how long `ack`/`nack` wait for the I/O thread). Credentials and TLS
-    (`amqps://`, `ssl_options=`) come from the URL; logs show it with the password masked.
+    `settle_timeout_s` (how long `ack`/`nack` wait for the I/O thread). Credentials come from the URL;
+    logs show it with the password masked. TLS: an `amqps://` URL, verified against `ca_file` (default:
+    the system's CAs) for the URL's host name, with `cert_file`/`key_file` as a client certificate.
     """
 
     def __init__(
@@ -838,6 +872,9 @@ class AmqpBus:
         heartbeat_s: float = 30.0,
         client_name: str | None = None,
         settle_timeout_s: float = 10.0,
+        ca_file: str = "",
+        cert_file: str = "",
+        key_file: str = "",
     ) -> None:
         import pika  # noqa: F401  (fail here, not in a thread, when pika is missing)
 
@@ -859,6 +896,7 @@ class AmqpBus:
             _check_name("client_name", client_name)
         self.masked_url = mask_url(url)
         link_options = dict(
+            tls=_tls_context(url, ca_file=ca_file, cert_file=cert_file, key_file=key_file),
             url=url,
             client_name=client_name,
             heartbeat_s=heartbeat,
@@ -885,6 +923,7 @@ class AmqpBus:
             role="consumer",
             on_connect=self._on_consumer_connect,
             on_disconnect=self._on_consumer_disconnect,
+            on_tick=self._revive_consumers,
             **link_options,
         )
 
@@ -1086,6 +1125,20 @@ class AmqpBus:
             ch.queue_bind(consumer.queue, self.topology.events_exchange)
         ch.basic_consume(consumer.queue, partial(self._on_message, consumer), auto_ack=False)
         consumer.channel = ch
+
+    def _revive_consumers(self, conn: Any) -> None:
+        """Consume again on a new channel when the broker closed a consumer's channel but not the connection:
+        RabbitMQ does so when a delivery stays unacked past its consumer_timeout (and redelivers it). Without
+        this the consumer would fall silent for good while its connection looks healthy."""
+        with self._lock:
+            consumers = list(self._consumers)
+        for consumer in consumers:
+            ch = consumer.channel
+            if ch is not None and not ch.is_open:
+                log.warning("bus consumer %s: the broker closed its channel (a delivery held past the broker's "
+                            "consumer_timeout?); consuming again on a new channel", consumer.dispatcher.name)
+                consumer.channel = None
+                self._start_consumer(consumer)
 
     def _on_consumer_disconnect(self) -> None:
         self._consuming.clear()

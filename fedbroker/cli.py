@@ -67,24 +67,31 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_submit(args: argparse.Namespace) -> int:
+def _coordinator_client(target: str) -> Any:
+    """A client with this user's token and TLS from FEDBROKER__CLIENT__* (TOKEN_FILE, CA_FILE, ...)."""
     from coordinator.service import CoordinatorClient
+    from fedbroker.config import load_config
+    from fedbroker.launch import client_security
+
+    return CoordinatorClient(target, security=client_security(load_config()))
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
     from fedbroker.spec import job_from_text
 
     with open(args.job, encoding="utf-8") as fh:
         text = fh.read()
     job_from_text(text)  # refuse a bad job here, before it travels
-    client = CoordinatorClient(args.coordinator)
+    client = _coordinator_client(args.coordinator)
     print(client.submit(text))
     client.close()
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from coordinator.service import CoordinatorClient
     from fedbroker.status import render
 
-    client = CoordinatorClient(args.coordinator)
+    client = _coordinator_client(args.coordinator)
     print(render(client.status(args.job or "")))
     client.close()
     return 0
@@ -115,6 +122,19 @@ def cmd_audit(args: argparse.Namespace) -> int:
                           partition=args.partition, dataset=args.dataset, broker=args.broker or "",
                           noise_multiplier=args.noise_multiplier, epsilon_budget=args.epsilon_budget, lr=args.lr)
     run_audit(options, Path(args.out) / f"audit-{options.run_id}")
+    return 0
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    from fedbroker.auth import TokenTable, generate_token, hash_token
+
+    token = generate_token()
+    entry = {args.identity: {"role": args.role, "sha256": hash_token(token)}}
+    TokenTable.from_mapping(entry)  # the identity and role are valid
+    print(f"# the token: give it to {args.identity} only (its FEDBROKER__CLIENT__TOKEN or client.token_file)")
+    print(token)
+    print("# its entry in the service's token table (tokens_file)")
+    print(f"{args.identity}:\n  role: {args.role}\n  sha256: {entry[args.identity]['sha256']}")
     return 0
 
 
@@ -182,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--coordinator", default="127.0.0.1:50052")
     status.add_argument("--job")
     status.set_defaults(run=cmd_status)
+
+    token = sub.add_parser("token", help="make a bearer token and its token-table entry")
+    token.add_argument("identity", help="who holds it: a worker's id, 'coordinator', a person")
+    token.add_argument("--role", required=True, choices=["coordinator", "worker", "submitter", "viewer"])
+    token.set_defaults(run=cmd_token)
     return parser
 
 

@@ -1,8 +1,10 @@
 """Process configuration: one YAML file, overridden by FEDBROKER__SECTION__KEY environment variables.
 
-Kubernetes mounts the file from a ConfigMap and injects secrets (the broker URL with its password) as
-environment variables, so nothing secret has to live in the file. Values are validated once, here,
-into frozen objects; an unknown key or a wrong type is an error naming it.
+Kubernetes mounts the file from a ConfigMap and injects secrets (the broker URL with its password, bearer
+tokens) as environment variables or mounted files (the `*_file` settings), so nothing secret has to live
+in the file. Secret fields are left out of the objects' repr, so a logged config shows none of them.
+Values are validated once, here, into frozen objects; an unknown key or a wrong type is an error naming it.
+An environment value for a text setting is taken verbatim (a token or an id such as 007 stays text).
 """
 
 from __future__ import annotations
@@ -23,10 +25,36 @@ ENV_PREFIX = "FEDBROKER__"
 
 @dataclass(frozen=True)
 class BrokerConfig:
-    url: str = ""                      # empty = the in-process bus (single process only)
+    url: str = field(default="", repr=False)  # amqp:// or amqps:// (TLS); empty = the in-process bus
+    url_file: str = ""                 # or read the URL (with its password) from this mounted secret file
+    ca_file: str = ""                  # amqps://: verify the broker against this CA (default: system CAs)
+    cert_file: str = ""                # amqps:// with a client certificate (RabbitMQ's EXTERNAL/mTLS)
+    key_file: str = ""
     namespace: str = "fedbroker"
     max_attempts: int = 5
     heartbeat_s: int = 30
+    consumer_timeout_s: float = 1800.0  # the broker's consumer_timeout (RabbitMQ's default): the coordinator
+                                        # refuses jobs whose round_timeout_s would outlast it; 0 = do not check
+
+
+@dataclass(frozen=True)
+class ServerTLSSection:
+    cert_file: str = ""                # PEM chain; with key_file, the gRPC port speaks TLS
+    key_file: str = ""
+    client_ca_file: str = ""           # set = mutual TLS: clients need a certificate signed by this CA
+
+
+@dataclass(frozen=True)
+class ClientSection:
+    """How this process calls the gRPC services (a worker or the coordinator → aggregator, the CLI →
+    coordinator): its bearer token and TLS."""
+
+    token: str = field(default="", repr=False)  # prefer token_file (a mounted Secret)
+    token_file: str = ""
+    ca_file: str = ""                  # set = TLS: verify the server against this CA
+    cert_file: str = ""                # mTLS: this process's certificate and key
+    key_file: str = ""
+    server_name: str = ""              # the name to check in the server certificate, if not the target host
 
 
 @dataclass(frozen=True)
@@ -35,7 +63,11 @@ class AggregatorConfig:
     target: str = "127.0.0.1:50051"   # how the coordinator and workers reach it
     max_update_bytes: int = 1 << 30
     selection_time_limit_s: float = 30.0
+    spool_dir: str = ""                # accepted updates and global models on disk before they are acknowledged,
+                                       # reloaded on restart (deploy/RELIABILITY.md); empty = memory only
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
+    tokens_file: str = ""              # the token table (fedbroker.auth); empty = authentication off
+    tls: ServerTLSSection = field(default_factory=ServerTLSSection)
 
 
 @dataclass(frozen=True)
@@ -45,6 +77,8 @@ class CoordinatorConfig:
     state_dir: str = "state"
     heartbeat_timeout_s: float = 60.0
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
+    tokens_file: str = ""              # who may SubmitJob/Status (fedbroker.auth); empty = authentication off
+    tls: ServerTLSSection = field(default_factory=ServerTLSSection)
 
 
 @dataclass(frozen=True)
@@ -89,6 +123,7 @@ class Config:
     aggregator: AggregatorConfig = field(default_factory=AggregatorConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     worker: WorkerSection = field(default_factory=WorkerSection)
+    client: ClientSection = field(default_factory=ClientSection)
     log_level: str = "INFO"
 
 
@@ -105,7 +140,7 @@ def load_config(path: str | None = None, *, environ: Mapping[str, str] | None = 
     for key, value in sorted((environ if environ is not None else os.environ).items()):
         if key.startswith(ENV_PREFIX):
             parts = [p.lower() for p in key[len(ENV_PREFIX):].split("__")]
-            _set(raw, parts, yaml.safe_load(value) if value.strip() else "")
+            _set(raw, parts, _EnvValue(value))
     for dotted, value in (overrides or {}).items():
         if value is not None:
             _set(raw, dotted.split("."), value)
@@ -120,7 +155,16 @@ def _set(tree: dict[str, Any], parts: list[str], value: Any) -> None:
     tree[parts[-1]] = value
 
 
+class _EnvValue(str):
+    """An environment variable's text: verbatim for a text setting, read as YAML for any other."""
+
+    def parsed(self) -> Any:
+        return yaml.safe_load(self) if self.strip() else ""
+
+
 def _build(cls: type, raw: Any, where: str) -> Any:
+    if isinstance(raw, _EnvValue):
+        raw = raw.parsed()
     if not isinstance(raw, Mapping):
         raise ConfigError(where or "config", f"must be a mapping, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
@@ -135,6 +179,8 @@ def _build(cls: type, raw: Any, where: str) -> Any:
 
 
 def _coerce(hint: Any, value: Any, at: str) -> Any:
+    if isinstance(value, _EnvValue):
+        value = str(value) if hint is str else value.parsed()
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, at)
     origin = typing.get_origin(hint)

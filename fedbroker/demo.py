@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -114,6 +115,37 @@ class Cluster:
         self.aggregator_target = f"127.0.0.1:{free_port()}"
         self.coordinator_target = f"127.0.0.1:{free_port()}"
         self.namespace = f"fedbroker-demo-{options.run_id}"
+        self.secrets = run_dir / "secrets"
+        self.tokens = self._make_tokens()
+
+    def _make_tokens(self) -> dict[str, str]:
+        """Authentication on, with tokens made for this run only: token tables for the two services, one token
+        file per identity (mode 600), deleted when the run stops."""
+        import yaml
+
+        from fedbroker.auth import generate_token, hash_token
+
+        workers = {f"worker-{i}": "worker" for i in range(self.options.workers)}
+        tokens = {name: generate_token() for name in ["coordinator", "demo", *workers]}
+        self.secrets.mkdir(mode=0o700, exist_ok=True)
+        tables = {"aggregator": {"coordinator": "coordinator", **workers}, "coordinator": {"demo": "submitter"}}
+        for service, identities in tables.items():
+            table = {name: {"role": role, "sha256": hash_token(tokens[name])} for name, role in identities.items()}
+            (self.secrets / f"{service}-tokens.yaml").write_text(yaml.safe_dump(table))
+        for name, token in tokens.items():
+            fd = os.open(self.secrets / f"{name}.token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(token)
+        return tokens
+
+    def token_file(self, identity: str) -> str:
+        return str(self.secrets / f"{identity}.token")
+
+    def client(self) -> Any:
+        from coordinator.service import CoordinatorClient
+        from fedbroker.auth import ClientSecurity
+
+        return CoordinatorClient(self.coordinator_target, security=ClientSecurity(token=self.tokens["demo"]))
 
     def env(self, **settings: Any) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER__")}
@@ -122,6 +154,8 @@ class Cluster:
             "aggregator.listen": self.aggregator_target, "aggregator.target": self.aggregator_target,
             "coordinator.listen": self.coordinator_target, "coordinator.target": self.coordinator_target,
             "coordinator.state_dir": str(self.run_dir / "coordinator"),
+            "aggregator.tokens_file": str(self.secrets / "aggregator-tokens.yaml"),
+            "coordinator.tokens_file": str(self.secrets / "coordinator-tokens.yaml"),
         }
         for key, value in {**base, **settings}.items():
             env["FEDBROKER__" + key.upper().replace(".", "__")] = json.dumps(value) if not isinstance(value, str) else value
@@ -137,6 +171,7 @@ class Cluster:
             "worker.dp.enabled": o.dp, "worker.dp.noise_multiplier": o.noise_multiplier,
             "worker.dp.max_grad_norm": o.max_grad_norm, "worker.dp.delta": o.delta,
             "worker.dp.epsilon_budget": o.epsilon_budget, "worker.heartbeat_s": 2.0,
+            "client.token_file": self.token_file(f"worker-{i}"),
         }
 
     def spawn(self, name: str, command: str, env: dict[str, str]) -> None:
@@ -151,20 +186,20 @@ class Cluster:
 
         self.spawn("aggregator", "aggregator", self.env())
         wait_healthy(self.aggregator_target)
+        coordinator_env = self.env(**{"client.token_file": self.token_file("coordinator")})
         if self.options.broker:
-            self.spawn("coordinator", "coordinator", self.env())
+            self.spawn("coordinator", "coordinator", coordinator_env)
             for i in range(self.options.workers):
                 self.spawn(f"worker-{i}", "worker", self.env(**self.worker_settings(i)))
             self._wait_coordinator()
         else:
-            self.in_process.append(start_coordinator(load_config(environ=self.env())))
+            self.in_process.append(start_coordinator(load_config(environ=coordinator_env)))
             for i in range(self.options.workers):
                 self.in_process.append(start_worker(load_config(environ=self.env(**self.worker_settings(i)))))
 
     def _wait_coordinator(self, timeout_s: float = 60.0) -> None:
-        from coordinator.service import CoordinatorClient
-
-        client = CoordinatorClient(self.coordinator_target, timeout_s=2)
+        client = self.client()
+        client.timeout_s = 2
         deadline = time.time() + timeout_s
         try:
             while True:
@@ -196,6 +231,7 @@ class Cluster:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        shutil.rmtree(self.secrets, ignore_errors=True)  # this run's tokens die with it
         if self.options.broker:  # this run's namespace is private to it: leave nothing behind on the broker
             from fedbroker.bus import delete_topology
 
@@ -222,7 +258,6 @@ def centralized_baseline(options: DemoOptions) -> float:
 def run_demo(options: DemoOptions) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from coordinator.service import CoordinatorClient
     from worker.data import load_dataset
 
     run_dir = Path(options.out) / options.run_id
@@ -238,7 +273,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     started = time.time()
     try:
         cluster.start()
-        client = CoordinatorClient(cluster.coordinator_target)
+        client = cluster.client()
         job_id = client.submit(json.dumps(job))
         status = follow(client, job_id, options, cluster, tqdm)
         client.close()

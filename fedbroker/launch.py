@@ -1,4 +1,8 @@
-"""Build each process's components from a Config: shared by the CLI and the demo, so both run the same code."""
+"""Build each process's components from a Config: shared by the CLI and the demo, so both run the same code.
+
+Secrets (the broker URL, bearer tokens, TLS keys) are read here from the config's values or mounted files,
+and never logged: the bus URL is logged masked, tokens not at all.
+"""
 
 from __future__ import annotations
 
@@ -9,29 +13,44 @@ from typing import Any
 
 import grpc
 
-from fedbroker.bus import Bus, mask_url, open_bus
+from fedbroker.auth import ClientSecurity, ServerTLS, load_table, read_secret
+from fedbroker.bus import Bus, InProcessBus, mask_url, open_bus
 from fedbroker.config import Config
 from fedbroker.metrics import start_exporter
 
 log = logging.getLogger(__name__)
 
 
+def broker_url(config: Config) -> str:
+    return read_secret(config.broker.url, config.broker.url_file, field="broker.url")
+
+
 def make_bus(config: Config) -> Bus:
     b = config.broker
-    log.info("bus: %s (namespace %s)", mask_url(b.url) if b.url else "in-process", b.namespace)
-    if not b.url:
+    url = broker_url(config)
+    log.info("bus: %s (namespace %s)", mask_url(url) if url else "in-process", b.namespace)
+    if not url:
         return open_bus(None, namespace=b.namespace, max_attempts=b.max_attempts)
-    return open_bus(b.url, namespace=b.namespace, max_attempts=b.max_attempts, heartbeat_s=b.heartbeat_s)
+    return open_bus(url, namespace=b.namespace, max_attempts=b.max_attempts, heartbeat_s=b.heartbeat_s,
+                    ca_file=b.ca_file, cert_file=b.cert_file, key_file=b.key_file)
+
+
+def client_security(config: Config, *, expected_target: str = "") -> ClientSecurity:
+    """This process's credentials for calling a gRPC service (`client` section)."""
+    return ClientSecurity.from_config(config.client, expected_target=expected_target)
 
 
 def start_aggregator(config: Config) -> tuple[grpc.Server, int]:
     from aggregators.rounds import RoundBook
-    from aggregators.service import serve
+    from aggregators.service import SERVICE_NAME, serve
 
-    book = RoundBook(max_update_bytes=config.aggregator.max_update_bytes,
-                     selection_time_limit_s=config.aggregator.selection_time_limit_s)
-    _export("aggregator", config.aggregator.metrics_port)
-    return serve(book, address=config.aggregator.listen)
+    a = config.aggregator
+    tokens = load_table(a.tokens_file, service=SERVICE_NAME)
+    tls = ServerTLS.from_files(a.tls.cert_file, a.tls.key_file, a.tls.client_ca_file, where="aggregator.tls")
+    book = RoundBook(max_update_bytes=a.max_update_bytes, selection_time_limit_s=a.selection_time_limit_s,
+                     spool_dir=a.spool_dir or None)
+    _export("aggregator", a.metrics_port)
+    return serve(book, address=a.listen, tokens=tokens, tls=tls)
 
 
 def _export(role: str, port: int) -> None:
@@ -61,22 +80,27 @@ def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorP
     from aggregators.client import AggregatorClient
     from coordinator.evaluation import evaluate_global
     from coordinator.scheduler import Coordinator
-    from coordinator.service import serve
+    from coordinator.service import SERVICE_NAME, serve
     from coordinator.state import StateStore
 
     c = config.coordinator
+    tokens = load_table(c.tokens_file, service=SERVICE_NAME)
+    tls = ServerTLS.from_files(c.tls.cert_file, c.tls.key_file, c.tls.client_ca_file, where="coordinator.tls")
+    security = client_security(config, expected_target=config.aggregator.target)
     _export("coordinator", c.metrics_port)
     os.makedirs(c.state_dir, exist_ok=True)
     bus = bus or make_bus(config)
     coordinator = Coordinator(
         bus=bus, store=StateStore(os.path.join(c.state_dir, "coordinator.sqlite")),
-        aggregator=AggregatorClient(config.aggregator.target), aggregator_target=config.aggregator.target,
+        aggregator=AggregatorClient(config.aggregator.target, security=security),
+        aggregator_target=config.aggregator.target,
         checkpoint_dir=os.path.join(c.state_dir, "checkpoints"), heartbeat_timeout_s=c.heartbeat_timeout_s,
         evaluator=evaluate_global,
+        broker_consumer_timeout_s=None if isinstance(bus, InProcessBus) else config.broker.consumer_timeout_s or None,
     )
     coordinator.start()
     bus.start()
-    server, port = serve(coordinator, address=c.listen)
+    server, port = serve(coordinator, address=c.listen, tokens=tokens, tls=tls)
     log.info("coordinator listening on port %d", port)
     return CoordinatorProcess(coordinator, server, port, bus)
 
@@ -100,6 +124,7 @@ def start_worker(config: Config, *, bus: Bus | None = None) -> Any:
                                       alpha=p.alpha, classes_per_client=p.classes_per_client, seed=p.seed),
             dp=dp, ledger_path=w.ledger_path, device=w.device, heartbeat_s=w.heartbeat_s,
             histogram_epsilon=w.histogram_epsilon or None,
+            aggregator_security=client_security(config, expected_target=config.aggregator.target),
         ),
         bus or make_bus(config),
     )

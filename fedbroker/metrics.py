@@ -19,7 +19,7 @@ import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import grpc
-from prometheus_client import REGISTRY, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import REGISTRY, Counter, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -34,6 +34,13 @@ GRPC_SERVER_HANDLING_SECONDS = Histogram(
     "Time a gRPC server spent on a call, from its start to its status, by method and status code.",
     ["grpc_service", "grpc_method", "grpc_code"],
     buckets=RPC_BUCKETS,
+)
+
+GRPC_SERVER_AUTH_FAILURES = Counter(
+    "fedbroker_grpc_server_auth_failures_total",
+    "Calls a gRPC server refused before running them: no or an unknown bearer token (unauthenticated), or a "
+    "role that may not call the method (permission_denied).",
+    ["grpc_service", "grpc_method", "reason"],
 )
 
 _exporters: dict[tuple[str, int], Any] = {}

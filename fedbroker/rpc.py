@@ -18,6 +18,7 @@ T = TypeVar("T")
 
 # A chunk is 2 MiB; leave room for the envelope. The size limit of a whole model is the service's own.
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+REASON_KEY = "fedbroker-reason"  # trailing metadata: the short reason code of a refusal
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -31,7 +32,12 @@ _UPLOAD_STATUS = {
     "unknown_round": grpc.StatusCode.FAILED_PRECONDITION,
     "unknown_job": grpc.StatusCode.NOT_FOUND,
     "unknown_worker": grpc.StatusCode.PERMISSION_DENIED,
+    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,   # a worker's token, another worker's id
+    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
 }
+# Status details travel in HTTP/2 trailers, which peers cap at a few KiB: a longer message (every problem of
+# a job with 128 bad layers) would turn a clear INVALID_ARGUMENT into an opaque transport error.
+MAX_DETAILS_CHARS = 2000
 _STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),
@@ -52,14 +58,20 @@ def status_for(exc: FedbrokerError) -> grpc.StatusCode:
 
 def abort(context: grpc.ServicerContext, exc: FedbrokerError) -> NoReturn:
     """End the call with the mapped status; the reason code rides in trailing metadata for clients and metrics."""
-    context.set_trailing_metadata((("fedbroker-reason", exc.reason),))
-    context.abort(status_for(exc), str(exc))
+    context.set_trailing_metadata(((REASON_KEY, exc.reason),))
+    context.abort(status_for(exc), short_details(str(exc)))
     raise AssertionError("unreachable")  # context.abort raises
+
+
+def short_details(message: str) -> str:
+    if len(message) <= MAX_DETAILS_CHARS:
+        return message
+    return f"{message[:MAX_DETAILS_CHARS]}… ({len(message) - MAX_DETAILS_CHARS} more characters)"
 
 
 def reason_of(error: grpc.RpcError) -> str:
     for key, value in error.trailing_metadata() or ():
-        if key == "fedbroker-reason":
+        if key == REASON_KEY:
             return str(value)
     return error.code().name.lower()
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import reprlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
@@ -20,6 +22,20 @@ MAX_LAYERS = 128
 MAX_PARAMETERS = 200_000_000
 MAX_SPEC_BYTES = 256 * 1024
 MAX_ROUNDS = 100_000
+MAX_DEPTH = 32
+# A job's name becomes part of its id, which names a checkpoint folder and a metric label: no path tricks.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_PLAIN_SCALARS = (str, int, float, bool, type(None))
+
+_short = reprlib.Repr()
+_short.maxstring = _short.maxother = 80
+_short.maxlist = _short.maxdict = _short.maxtuple = 6
+_short.maxlevel = 3
+
+
+def _show(value: Any) -> str:
+    """A bounded repr for error messages: a hostile value is never echoed back in full."""
+    return _short.repr(value)
 
 # layer type -> {parameter: (kind, required, default)}; kinds: "width", "kernel", "bool", "prob", "int0"
 LAYER_PARAMS: dict[str, dict[str, tuple[str, bool, Any]]] = {
@@ -147,20 +163,53 @@ def _is_int(value: Any) -> bool:
 def _check_param(errors: _Collector, where: str, kind: str, value: Any) -> Any:
     if kind == "width":
         if not _is_int(value) or not 1 <= value <= MAX_WIDTH:
-            errors.add(where, f"must be an integer in [1, {MAX_WIDTH}], got {value!r}")
+            errors.add(where, f"must be an integer in [1, {MAX_WIDTH}], got {_show(value)}")
     elif kind == "kernel":
         if value is not None and (not _is_int(value) or not 1 <= value <= 64):
-            errors.add(where, f"must be an integer in [1, 64], got {value!r}")
+            errors.add(where, f"must be an integer in [1, 64], got {_show(value)}")
     elif kind == "int0":
         if not _is_int(value) or not 0 <= value <= 64:
-            errors.add(where, f"must be an integer in [0, 64], got {value!r}")
+            errors.add(where, f"must be an integer in [0, 64], got {_show(value)}")
     elif kind == "bool":
         if not isinstance(value, bool):
-            errors.add(where, f"must be true or false, got {value!r}")
+            errors.add(where, f"must be true or false, got {_show(value)}")
     elif kind == "prob":
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
-            errors.add(where, f"must be a number in [0, 1), got {value!r}")
+            errors.add(where, f"must be a number in [0, 1), got {_show(value)}")
     return value
+
+
+def _check_plain(raw: Any, where: str) -> None:
+    """Refuse, before anything else reads it, a value that is not plain JSON data (text keys; no dates,
+    bytes or sets from YAML), nests deeper than MAX_DEPTH, or would encode to more than MAX_SPEC_BYTES.
+    The walk is iterative and stops at the size limit, so a YAML alias bomb (a few KiB of text that expand
+    to billions of nodes) costs at most MAX_SPEC_BYTES steps."""
+    size = 0
+    stack: list[tuple[Any, str, int]] = [(raw, where, 0)]
+    while stack:
+        value, at, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ConfigError(at, f"nests deeper than {MAX_DEPTH} levels")
+        if isinstance(value, Mapping):
+            size += 2
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise ConfigError(f"{at}.{_show(key)}", f"keys must be text, got {type(key).__name__}")
+                size += len(key) + 4
+                stack.append((item, f"{at}.{key}", depth + 1))
+        elif isinstance(value, (list, tuple)):
+            size += 2
+            stack.extend((item, f"{at}[{i}]", depth + 1) for i, item in enumerate(value))
+            size += len(value)
+        elif isinstance(value, str):
+            size += len(value) + 2
+        elif isinstance(value, _PLAIN_SCALARS):
+            size += 8
+        else:
+            raise ConfigError(at, f"must be plain data (text, number, boolean, list, mapping), got "
+                                  f"{type(value).__name__} {_show(value)}")
+        if size > MAX_SPEC_BYTES:
+            raise ConfigError(where, f"is larger than {MAX_SPEC_BYTES} bytes")
 
 
 def parse_model(raw: Any, *, errors: _Collector | None = None, where: str = "model") -> ModelSpec:
@@ -170,6 +219,8 @@ def parse_model(raw: Any, *, errors: _Collector | None = None, where: str = "mod
     if not isinstance(raw, Mapping):
         errors.add(where, f"must be a mapping with input_shape and layers, got {type(raw).__name__}")
         errors.raise_if_any()
+    if own:
+        _check_plain(raw, where)
     unknown = sorted(set(raw) - {"input_shape", "layers"})
     for key in unknown:
         errors.add(f"{where}.{key}", "unknown field; known: input_shape, layers")
@@ -177,23 +228,23 @@ def parse_model(raw: Any, *, errors: _Collector | None = None, where: str = "mod
     if not isinstance(shape, (list, tuple)) or not 1 <= len(shape) <= 3 or not all(
         _is_int(d) and 1 <= d <= MAX_WIDTH for d in shape
     ):
-        errors.add(f"{where}.input_shape", f"must be a list of 1 to 3 integers in [1, {MAX_WIDTH}], got {shape!r}")
+        errors.add(f"{where}.input_shape", f"must be a list of 1 to 3 integers in [1, {MAX_WIDTH}], got {_show(shape)}")
         shape = None
     layers_raw = raw.get("layers")
     layers: list[LayerSpec] = []
     if not isinstance(layers_raw, list) or not layers_raw:
-        errors.add(f"{where}.layers", f"must be a non-empty list of layers, got {layers_raw!r}")
+        errors.add(f"{where}.layers", f"must be a non-empty list of layers, got {_show(layers_raw)}")
     elif len(layers_raw) > MAX_LAYERS:
         errors.add(f"{where}.layers", f"has {len(layers_raw)} layers, more than the limit of {MAX_LAYERS}")
     else:
         for i, layer in enumerate(layers_raw):
             at = f"{where}.layers[{i}]"
             if not isinstance(layer, Mapping) or not isinstance(layer.get("type"), str):
-                errors.add(f"{at}.type", f"each layer must be a mapping with a string 'type', got {layer!r}")
+                errors.add(f"{at}.type", f"each layer must be a mapping with a string 'type', got {_show(layer)}")
                 continue
             kind = layer["type"]
             if kind not in LAYER_PARAMS:
-                errors.add(f"{at}.type", f"unknown layer type {kind!r}; allowed: {', '.join(sorted(LAYER_PARAMS))}")
+                errors.add(f"{at}.type", f"unknown layer type {_show(kind)}; allowed: {', '.join(sorted(LAYER_PARAMS))}")
                 continue
             allowed = LAYER_PARAMS[kind]
             params: dict[str, Any] = {}
@@ -320,7 +371,7 @@ def _section(errors: _Collector, raw: Mapping[str, Any], name: str, cls: type) -
     defaults = cls()
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
-        if not hasattr(defaults, key):
+        if key not in defaults.__dataclass_fields__:  # not hasattr: "__doc__" is an attribute, not a field
             known = ", ".join(f for f in defaults.__dataclass_fields__)
             errors.add(f"{name}.{key}", f"unknown field; known: {known}")
             continue
@@ -332,7 +383,7 @@ def _section(errors: _Collector, raw: Mapping[str, Any], name: str, cls: type) -
                 errors.add(f"{name}.{key}", f"must be a mapping, got {type(value).__name__}")
                 continue
         elif expected is int and not _is_int(value) or expected is not int and not isinstance(value, expected):
-            errors.add(f"{name}.{key}", f"must be {expected.__name__}, got {type(value).__name__} {value!r}")
+            errors.add(f"{name}.{key}", f"must be {expected.__name__}, got {type(value).__name__} {_show(value)}")
             continue
         kwargs[key] = value
     return cls(**{**{k: getattr(defaults, k) for k in defaults.__dataclass_fields__}, **kwargs})
@@ -340,7 +391,7 @@ def _section(errors: _Collector, raw: Mapping[str, Any], name: str, cls: type) -
 
 def _range(errors: _Collector, field_name: str, value: float, lo: float, hi: float) -> None:
     if not (lo <= value <= hi) or (isinstance(value, float) and not math.isfinite(value)):
-        errors.add(field_name, f"must be in [{lo}, {hi}], got {value!r}")
+        errors.add(field_name, f"must be in [{lo}, {hi}], got {_show(value)}")
 
 
 def parse_job(raw: Any) -> JobSpec:
@@ -348,14 +399,14 @@ def parse_job(raw: Any) -> JobSpec:
     errors = _Collector()
     if not isinstance(raw, Mapping):
         raise ConfigError("job", f"must be a mapping, got {type(raw).__name__}")
-    if len(json.dumps(raw, default=str)) > MAX_SPEC_BYTES:
-        raise ConfigError("job", f"is larger than {MAX_SPEC_BYTES} bytes")
+    _check_plain(raw, "job")
     for key in sorted(set(raw) - set(_SECTIONS)):
         errors.add(key, f"unknown field; known: {', '.join(_SECTIONS)}")
     for key in ("name", "category"):
         value = raw.get(key)
-        if not isinstance(value, str) or not value.strip() or len(value) > 128:
-            errors.add(key, f"is required: a non-empty string of at most 128 characters, got {value!r}")
+        if not isinstance(value, str) or not _NAME.match(value):
+            errors.add(key, f"is required: a non-empty string of 1-128 letters, digits, '_', '.' or '-' starting "
+                            f"with a letter or digit, got {_show(value)}")
     if "model" not in raw:
         errors.add("model", "is required")
         model = ModelSpec((), ())
@@ -367,7 +418,7 @@ def parse_job(raw: Any) -> JobSpec:
     evaluation = _section(errors, raw, "evaluation", EvaluationConfig)
     seed = raw.get("seed", 0)
     if not _is_int(seed) or not 0 <= seed < 2**32:
-        errors.add("seed", f"must be an integer in [0, 2^32), got {seed!r}")
+        errors.add("seed", f"must be an integer in [0, 2^32), got {_show(seed)}")
         seed = 0
 
     _range(errors, "training.rounds", training.rounds, 1, MAX_ROUNDS)
@@ -377,7 +428,7 @@ def parse_job(raw: Any) -> JobSpec:
     _range(errors, "training.momentum", training.momentum, 0.0, 0.999)
     _range(errors, "training.proximal_mu", training.proximal_mu, 0.0, 100.0)
     if training.optimizer not in ("sgd", "adam"):
-        errors.add("training.optimizer", f"must be 'sgd' or 'adam', got {training.optimizer!r}")
+        errors.add("training.optimizer", f"must be 'sgd' or 'adam', got {_show(training.optimizer)}")
     _range(errors, "schedule.clients_per_round", schedule.clients_per_round, 0, 100_000)
     _range(errors, "schedule.quorum", schedule.quorum, 0, 100_000)
     _range(errors, "schedule.min_clients", schedule.min_clients, 1, 100_000)
@@ -415,10 +466,16 @@ def job_from_text(text: str) -> JobSpec:
     """Parse YAML or JSON text (YAML's safe loader: no object construction) into a JobSpec."""
     import yaml
 
+    if len(text) > MAX_SPEC_BYTES:
+        raise ConfigError("job", f"is larger than {MAX_SPEC_BYTES} bytes")
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError("job", f"is not valid YAML/JSON: {exc}") from exc
+        raise ConfigError("job", f"is not valid YAML/JSON: {_short.repr(str(exc))[:300]}") from None
+    except ValueError as exc:  # a YAML timestamp that is no date (2024-02-30)
+        raise ConfigError("job", f"is not valid YAML/JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError("job", f"nests deeper than {MAX_DEPTH} levels") from None
     return parse_job(raw)
 
 

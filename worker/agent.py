@@ -3,6 +3,13 @@
 The AMQP message is acked only after the aggregation service's receipt, so a worker that dies mid-task
 gets the task redelivered; a redelivered task whose update was already accepted is acked without
 training again (no second privacy cost, no double count).
+
+The worker holds a task's delivery no longer than the round lasts: it refuses a task whose deadline has
+passed and abandons training when the deadline passes, so a deployment whose RabbitMQ consumer_timeout
+exceeds every job's round_timeout_s (the coordinator refuses other jobs) never has a channel closed
+under a training worker. Failures are classified in `on_task`: permanent ones are reported and acked
+(or dead-lettered when the task itself is unreadable), transient ones are retried with a backoff until
+the bus dead-letters the task after `max_attempts`.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import json
 import logging
 import math
 import os
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,8 +29,9 @@ import numpy as np
 from aggregators.client import AggregatorClient
 from aggregators.weighting import emd, ish, label_distribution, noisy_histogram
 from fedbroker import envelope
-from fedbroker.bus import Bus, Delivery
-from fedbroker.errors import BudgetExceeded, TaskRefused
+from fedbroker.auth import ClientSecurity
+from fedbroker.bus import Bus, BusError, Delivery
+from fedbroker.errors import BudgetExceeded, FedbrokerError, TaskRefused
 from fedbroker.metrics import BUSES
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.rpc import RemoteError
@@ -39,8 +48,11 @@ from worker.trainer import (
 log = logging.getLogger(__name__)
 
 # Failures that will not get better by retrying the same task: report them and drop the task.
-_FINAL_REASONS = {"late", "round_closed", "unknown_round", "unknown_worker", "unknown_job", "wrong_shape",
-                  "wrong_dtype", "unknown_tensor", "missing_tensor", "non_finite", "too_large", "bad_header"}
+# ("unknown_job" is not among them: a restarted aggregation service that lost its state learns the job again
+# from the coordinator, so the task is retried.)
+_FINAL_REASONS = {"late", "round_closed", "unknown_round", "unknown_worker", "wrong_shape",
+                  "wrong_dtype", "unknown_tensor", "missing_tensor", "non_finite", "too_large", "bad_header",
+                  "unauthenticated", "permission_denied"}
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,15 @@ class WorkerConfig:
     device: str = "auto"
     heartbeat_s: float = 10.0
     histogram_epsilon: float | None = None   # Laplace noise on the shared label histogram; None = exact counts
+    aggregator_security: ClientSecurity | None = None   # this worker's token (and TLS) for the aggregation service
+
+
+class _PoisonTask(FedbrokerError):
+    """Internal: a task no retry can run (its training config or model is invalid): dead-letter it."""
+
+
+class _DeadlinePassed(FedbrokerError):
+    """Internal: training outlived the round's deadline; the update is abandoned."""
 
 
 class WorkerAgent:
@@ -89,6 +110,9 @@ class WorkerAgent:
         self._state = "idle"
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._trained: dict[tuple[str, int, int], Any] = {}  # an update whose upload failed, kept for the retry
+        self.retry_initial_s = 1.0   # backoff before a failed task goes back to the queue
+        self.retry_max_s = 30.0
 
     # ----- lifecycle -----
 
@@ -136,6 +160,17 @@ class WorkerAgent:
     # ----- tasks -----
 
     def on_task(self, delivery: Delivery) -> None:
+        """Settle every task exactly once, by what went wrong (see the module docstring):
+
+        * done, or already done (our update was accepted before): ack;
+        * refused (category, deadline, budget) or failed for good (the service refused the update for a
+          reason a retry cannot change, or the round's deadline passed during training): report, ack;
+        * a task this worker cannot even read (malformed, an invalid training config or model): report,
+          dead-letter at once — a poison message is never retried;
+        * anything else (the service unreachable or restarting, a broker hiccup, an unexpected error in
+          training): requeue after a backoff, so the bus counts the attempt and dead-letters the task
+          after `max_attempts`; the last attempt reports the failure first, so the round does not wait.
+        """
         me = self.config.worker_id
         metrics.TASKS_RECEIVED.labels(me).inc()
         if delivery.redelivered:
@@ -152,67 +187,135 @@ class WorkerAgent:
         except TaskRefused as exc:
             outcome = "refused"
             self._report(task, pb.TaskOutcome.REFUSED, str(exc))
-        except RemoteError as exc:
-            if exc.reason not in _FINAL_REASONS:
-                log.warning("task %s/%d will be retried: %s", task.job_id, task.round, exc)
-                metrics.TASKS.labels(me, "requeued").inc()
-                delivery.nack(requeue=True)
+        except _PoisonTask as exc:
+            log.error("worker %s dead-letters task %s/%d: %s", me, task.job_id, task.round, exc)
+            self._report(task, pb.TaskOutcome.FAILED, str(exc))
+            metrics.TASKS.labels(me, "malformed").inc()
+            delivery.nack(requeue=False)
+            return
+        except (_DeadlinePassed, RemoteError) as exc:
+            if isinstance(exc, RemoteError) and exc.reason not in _FINAL_REASONS:
+                self._retry_later(delivery, task, exc)
                 return
             outcome = "failed"
+            self._forget(task)
             self._report(task, pb.TaskOutcome.FAILED, str(exc))
-        except Exception as exc:
-            outcome = "failed"
+        except Exception as exc:  # unexpected: maybe transient (memory, disk, a bug hit by one input); retried
             log.exception("task %s/%d failed on %s", task.job_id, task.round, me)
-            self._report(task, pb.TaskOutcome.FAILED, f"{type(exc).__name__}: {exc}")
+            self._retry_later(delivery, task, exc)
+            return
         finally:
             self._state = "idle"
         delivery.ack()
         metrics.TASKS.labels(me, outcome).inc()
         metrics.TASKS_ACKED.labels(me).inc()
 
-    def _report(self, task: pb.RoundTask, status: int, reason: str) -> None:
+    def _retry_later(self, delivery: Delivery, task: pb.RoundTask, exc: Exception) -> None:
+        me = self.config.worker_id
+        max_attempts = getattr(self.bus, "max_attempts", None)
+        if task.deadline_unix and time.time() >= task.deadline_unix:  # no round left to retry for
+            self._forget(task)
+            self._report(task, pb.TaskOutcome.FAILED, f"{type(exc).__name__}: {exc} (the round's deadline passed)")
+            delivery.ack()
+            metrics.TASKS.labels(me, "failed").inc()
+            metrics.TASKS_ACKED.labels(me).inc()
+            return
+        if max_attempts is not None and delivery.attempts >= max_attempts:
+            self._forget(task)
+            self._report(task, pb.TaskOutcome.FAILED, f"{type(exc).__name__}: {exc} (gave up after "
+                                                      f"{delivery.attempts} attempts; the task is dead-lettered)")
+        else:
+            # Backoff before the retry: it holds the delivery (prefetch 1), so it stays far below the broker's
+            # consumer_timeout, and it never runs past the round's deadline.
+            delay = min(self.retry_max_s, self.retry_initial_s * 2 ** (delivery.attempts - 1))
+            if task.deadline_unix:
+                delay = min(delay, max(0.0, task.deadline_unix - time.time()))
+            log.warning("task %s/%d on %s failed (attempt %d%s): %s; retrying in %.1fs", task.job_id, task.round, me,
+                        delivery.attempts, f" of {max_attempts}" if max_attempts else "", exc, delay)
+            self._stop.wait(random.uniform(0.5, 1.0) * delay)
+        metrics.TASKS.labels(me, "requeued").inc()
+        delivery.nack(requeue=True)
+
+    def _report(self, task: pb.RoundTask, status: pb.TaskOutcome.Status, reason: str) -> None:
         log.info("worker %s %s round %d of %s: %s", self.config.worker_id, pb.TaskOutcome.Status.Name(status).lower(),
                  task.round, task.job_id, reason)
-        self.bus.publish_control(envelope.encode(task_outcome=pb.TaskOutcome(
-            job_id=task.job_id, round=task.round, worker_id=self.config.worker_id, status=status, reason=reason)))
+        try:
+            self.bus.publish_control(envelope.encode(task_outcome=pb.TaskOutcome(
+                job_id=task.job_id, round=task.round, worker_id=self.config.worker_id, status=status,
+                reason=reason)))
+        except BusError as exc:  # the round's deadline still ends the wait for us
+            log.warning("outcome of task %s/%d not reported: %s", task.job_id, task.round, exc)
 
     def run_task(self, task: pb.RoundTask) -> pb.UploadReceipt | None:
+        """Train and upload one task; None when the round already holds our update (a redelivered task)."""
         if task.category not in self.config.categories:
             raise TaskRefused(f"category {task.category!r} is not one this worker serves ({list(self.config.categories)})")
         if task.deadline_unix and time.time() > task.deadline_unix:
             raise TaskRefused(f"the round's deadline passed {time.time() - task.deadline_unix:.0f}s before the task ran")
-        training = TrainingConfig(**json.loads(task.training_json))
-        config = TrainConfig(epochs=training.local_epochs, batch_size=training.batch_size, lr=training.lr,
-                             optimizer=training.optimizer, momentum=training.momentum,
-                             proximal_mu=training.proximal_mu)
+        try:
+            training = TrainingConfig(**json.loads(task.training_json))
+            config = TrainConfig(epochs=training.local_epochs, batch_size=training.batch_size, lr=training.lr,
+                                 optimizer=training.optimizer, momentum=training.momentum,
+                                 proximal_mu=training.proximal_mu)
+        except (ValueError, TypeError) as exc:  # ConfigError is a ValueError
+            raise _PoisonTask(f"invalid training config in the task: {exc}") from None
         self.check_budget(task.job_id, config)
-        with AggregatorClient(task.aggregator_target) as client:
-            accepted, _ = client.status(task.job_id, task.round)
+        key = (task.job_id, task.round, task.model_version)
+        with AggregatorClient(task.aggregator_target, security=self.config.aggregator_security) as client:
+            accepted, is_open = client.status(task.job_id, task.round)
             if self.config.worker_id in accepted:
                 log.info("round %d of %s already has our update: acking the redelivered task", task.round, task.job_id)
+                self._forget(task)
                 return None
-            self._state = "training"
-            version, spec_json, weights = client.download(task.job_id, task.model_version)
-            metrics.RECEIVED_BYTES.labels(self.config.worker_id).inc(sum(a.nbytes for a in weights.values()))
-            model = build_model(parse_model(json.loads(spec_json)))
-            load_numpy_state(model, weights)
-            result = train_local(model, self.x, self.y, config=config, dp=self.config.dp,
-                                 history=self.ledger.history(task.job_id), device=self.device,
-                                 seed=self._training_seed(task))
-            if result.epsilon is not None:  # spent once trained, whether or not the upload succeeds
-                self.ledger.record(task.job_id, history=result.history, epsilon=result.epsilon)
-            self._export_training(result)
+            if not is_open:
+                raise TaskRefused(f"round {task.round} of job {task.job_id} is no longer open")
+            result = self._trained.get(key)
+            if result is None:  # else: an upload that failed before; send the same update, spend no ε again
+                result = self._train(client, task, config)
+                self._trained = {key: result}
             self._state = "uploading"
-            receipt = client.upload(
-                job_id=task.job_id, round=task.round, worker_id=self.config.worker_id,
-                num_samples=result.num_samples, tensors=result.state, ish=self._ish(task),
-                epsilon=result.epsilon or 0.0, train_loss=result.train_loss,
-            )
+            receipt = self._upload(client, task, result)
+            self._trained.pop(key, None)
             metrics.SENT_BYTES.labels(self.config.worker_id).inc(sum(a.nbytes for a in result.state.values()))
         log.info("worker %s uploaded round %d of %s (loss %.4f, ε %s, %.1fs)", self.config.worker_id, task.round,
                  task.job_id, result.train_loss, f"{result.epsilon:.3f}" if result.epsilon is not None else "off",
                  result.seconds)
         return receipt
+
+    def _train(self, client: AggregatorClient, task: pb.RoundTask, config: TrainConfig) -> Any:
+        self._state = "training"
+        version, spec_json, weights = client.download(task.job_id, task.model_version)
+        metrics.RECEIVED_BYTES.labels(self.config.worker_id).inc(sum(a.nbytes for a in weights.values()))
+        try:
+            model = build_model(parse_model(json.loads(spec_json)))
+            load_numpy_state(model, weights)
+        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+            raise _PoisonTask(f"the global model {version} cannot be built: {exc}") from None
+
+        def give_up_at_deadline(step: int, total: int) -> None:
+            # Past the deadline the service refuses the update: stop holding the task (and the broker's
+            # delivery) for nothing. A model that is never released spends no privacy.
+            if task.deadline_unix and time.time() > task.deadline_unix:
+                raise _DeadlinePassed(f"the round's deadline passed during training (step {step} of {total}); "
+                                      f"update abandoned")
+
+        result = train_local(model, self.x, self.y, config=config, dp=self.config.dp,
+                             history=self.ledger.history(task.job_id), device=self.device,
+                             seed=self._training_seed(task), progress=give_up_at_deadline)
+        if result.epsilon is not None:  # spent once trained, whether or not the upload succeeds
+            self.ledger.record(task.job_id, history=result.history, epsilon=result.epsilon)
+        self._export_training(result)
+        return result
+
+    def _upload(self, client: AggregatorClient, task: pb.RoundTask, result: Any) -> pb.UploadReceipt:
+        return client.upload(
+            job_id=task.job_id, round=task.round, worker_id=self.config.worker_id,
+            num_samples=result.num_samples, tensors=result.state, ish=self._ish(task),
+            epsilon=result.epsilon or 0.0, train_loss=result.train_loss,
+        )
+
+    def _forget(self, task: pb.RoundTask) -> None:
+        self._trained.pop((task.job_id, task.round, task.model_version), None)
 
     def _export_training(self, result: Any) -> None:
         me = self.config.worker_id
