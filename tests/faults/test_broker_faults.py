@@ -1,0 +1,135 @@
+"""RabbitMQ restarted mid-job, and RabbitMQ's consumer_timeout shorter than a worker's training.
+
+These tests change the shared broker (its application is stopped and started; its consumer_timeout is
+lowered for a few seconds): every change is undone when the test ends, pass or fail, and the broker is
+waited for until it answers again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedbroker import envelope
+from fedbroker.errors import ConfigError
+from tests.faults.harness import (
+    Federation, Training, broker_answers, broker_env, changed_broker_env, ctl, job, rabbitmqctl, wait_for,
+)
+from worker.agent import WorkerAgent
+
+pytestmark = [pytest.mark.integration]
+
+
+@pytest.mark.timeout(150)
+def test_job_completes_across_a_broker_restart_and_no_task_is_lost(federation: Federation, broker: str,
+                                                                   training: Training) -> None:
+    fed = federation
+    rabbitmqctl()
+    training.step_delay.update({"w0": 0.05, "w1": 0.05})  # rounds of about a second: the outage falls mid-job
+    workers = [fed.add_worker(w, index=i, count=2) for i, w in enumerate(("w0", "w1"))]
+    rounds = 4
+    job_id = fed.submit(job(training={"rounds": rounds}))
+    wait_for(lambda: (r := fed.store.round(job_id, 2)) is not None and r["status"] == "open", 30, "round 2 to open")
+    ctl("stop_app")
+    try:
+        time.sleep(3)
+    finally:
+        ctl("start_app")
+    wait_for(lambda: broker_answers(broker), 60, "RabbitMQ to answer again", interval=0.5)
+    fed.wait_job(job_id, 120)
+    assert [r["aggregated"] for r in fed.store.rounds(job_id)] == [2] * rounds
+    assert fed.bus.reconnects >= 2 and all(w.bus.reconnects >= 2 for w in workers)  # both links of every bus
+    assert fed.dead_letters() == []
+    assert training.count == {"w0": rounds, "w1": rounds}  # a task redelivered after the outage is not retrained
+
+
+# ----- consumer_timeout ----------------------------------------------------------------------------
+
+CONSUMER_TIMEOUT_MS = 4000
+
+
+@pytest.fixture
+def short_consumer_timeout(rabbitmq_url: str) -> Iterator[None]:
+    """RabbitMQ 3.10 has one broker-wide consumer_timeout (no per-queue x-consumer-timeout before 3.12): lower
+    it, and the channel tick that enforces it (60 s by default), for channels opened during the test."""
+    rabbitmqctl()
+    yield from changed_broker_env({"consumer_timeout": CONSUMER_TIMEOUT_MS, "channel_tick_interval": 500})
+
+
+def read_consumer_timeout_s() -> float:
+    printed = broker_env("consumer_timeout")  # what a deployment's broker.consumer_timeout_s must say
+    assert printed.startswith("{ok,"), printed
+    return int(printed[4:-1]) / 1000
+
+
+@pytest.fixture
+def timed_federation(short_consumer_timeout: None, rabbitmq_url: str, tmp_path: Path) -> Iterator[Federation]:
+    fed = Federation(rabbitmq_url, tmp_path, start_coordinator=False)
+    try:
+        yield fed
+    finally:
+        fed.close()
+
+
+class Recorder(WorkerAgent):
+    deliveries: list[tuple[int, int]]
+
+    def on_task(self, delivery: Any) -> None:
+        self.deliveries.append((envelope.decode(delivery.body, expect=("round_task",)).round_task.round, delivery.attempts))
+        super().on_task(delivery)
+
+
+@pytest.mark.timeout(90)
+def test_training_longer_than_the_consumer_timeout_ends_at_the_round_deadline_and_keeps_the_channel(
+        timed_federation: Federation, training: Training, caplog: pytest.LogCaptureFixture) -> None:
+    fed = timed_federation
+    caplog.set_level(logging.WARNING, logger="fedbroker.bus")
+    fed.start_coordinator(broker_consumer_timeout_s=read_consumer_timeout_s())
+    assert fed.coordinator is not None and fed.coordinator.max_round_timeout_s == pytest.approx(3.2)
+    with pytest.raises(ConfigError, match=r"schedule.round_timeout_s: must be at most 3.2 s") as info:
+        fed.submit(job(schedule={"round_timeout_s": 10}))
+    assert "consumer_timeout is 4 s" in str(info.value)
+
+    Recorder.deliveries = []
+    training.step_delay["slow"] = 0.5  # 22 steps: 11 s of training, well past the 4 s consumer_timeout
+    fed.add_worker("fast", index=0, count=2)
+    slow = fed.add_worker("slow", index=1, count=2, agent_class=Recorder)
+    job_id = fed.submit(job(training={"rounds": 2}, schedule={"round_timeout_s": 3.0}))
+    fed.wait_job(job_id, 60)
+    def slow_failed() -> list[Any]:
+        return [p for p in fed.store.participants(job_id) if p["worker_id"] == "slow" and p["status"] == "failed"]
+
+    # It gave up at each round's deadline (when the round closes, with the fast worker's update).
+    rows = wait_for(lambda: len(slow_failed()) == 2 and slow_failed(), 5, "the slow worker to report both rounds")
+    assert all("deadline passed during training" in p["reason"] for p in rows)
+    assert [r["aggregated"] for r in fed.store.rounds(job_id)] == [1, 1]
+    assert isinstance(slow, Recorder) and slow.deliveries == [(1, 1), (2, 1)]  # each task delivered once
+    assert slow.bus.reconnects == 0 and "closed its channel" not in caplog.text
+    assert fed.dead_letters() == []
+
+
+@pytest.mark.timeout(90)
+def test_delivery_held_past_the_consumer_timeout_is_redelivered_and_handled_once(
+        timed_federation: Federation, training: Training, caplog: pytest.LogCaptureFixture) -> None:
+    """The safety net, for a deployment that did not tell the coordinator its broker's consumer_timeout: the
+    broker closes the slow worker's channel and requeues its task; the bus consumes again on a new channel,
+    and the redelivered copy is acked without training once the first training's update is accepted."""
+    fed = timed_federation
+    caplog.set_level(logging.WARNING, logger="fedbroker.bus")
+    fed.start_coordinator()  # knows no consumer_timeout: accepts a 30 s round
+    Recorder.deliveries = []
+    training.step_delay["slow"] = 0.3  # about 7 s of training against a 4 s consumer_timeout
+    fed.add_worker("fast", index=0, count=2)
+    slow = fed.add_worker("slow", index=1, count=2, agent_class=Recorder)
+    job_id = fed.submit(job(training={"rounds": 1}, schedule={"round_timeout_s": 30}))
+    fed.wait_job(job_id, 60)
+    assert fed.store.rounds(job_id)[0]["aggregated"] == 2
+    assert "closed its channel" in caplog.text
+    assert isinstance(slow, Recorder) and slow.deliveries[0] == (1, 1) and (1, 2) in slow.deliveries
+    assert training.count["slow"] == 1  # trained once: the copy found the update accepted
+    assert fed.dead_letters() == []
