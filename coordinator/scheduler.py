@@ -26,6 +26,7 @@ import numpy as np
 from aggregators.client import AggregatorClient
 from coordinator import metrics
 from coordinator.checkpoints import load_checkpoint, save_checkpoint
+from coordinator.participants import sample_participants
 from coordinator.state import StateStore
 from fedbroker import envelope
 from fedbroker.bus import Bus, Delivery
@@ -228,11 +229,7 @@ class Coordinator:
 
     def _select(self, job: JobSpec, round_number: int) -> list[str]:
         active = [w.worker_id for w in self.store.workers(job.category, seen_within_s=self.heartbeat_timeout_s)]
-        k = job.schedule.clients_per_round
-        if k and k < len(active):
-            rng = np.random.default_rng([job.seed, round_number, 1])
-            active = sorted(rng.choice(active, size=k, replace=False).tolist())
-        return active
+        return sample_participants(active, job.schedule.clients_per_round, seed=job.seed, round_number=round_number)
 
     def _population(self, job: JobSpec) -> list[float]:
         """P over every registered worker of the category (DWFed), from their label histograms."""

@@ -20,7 +20,7 @@ import numpy as np
 from torch import nn
 
 from aggregators.rounds import RoundBook
-from aggregators.weighting import emd, ish, label_distribution, population_distribution
+from aggregators.weighting import population_distribution, reported_ish
 from coordinator.participants import sample_participants
 from fedbroker import codec
 from fedbroker.errors import BudgetExceeded
@@ -160,7 +160,6 @@ def simulate(
     histograms = {w.worker_id: [int(c) for c in w.histogram] for w in workers}
     population = population_distribution([w.histogram for w in workers])
     aggregation = asdict(spec.aggregation)
-    ish_form = (aggregation.get("weighting_params") or {}).get("ish_form", "ratio")
     training = spec.training
     config = TrainConfig(epochs=training.local_epochs, batch_size=training.batch_size, lr=training.lr,
                          optimizer=training.optimizer, momentum=training.momentum, proximal_mu=training.proximal_mu)
@@ -198,7 +197,8 @@ def simulate(
                 continue
             ledgers[worker_id] = list(result.history)
             upload(book, JOB_ID, round_number=r, worker_id=worker_id, result=result,
-                   ish=_ish(worker, population, len(chosen), ish_form))
+                   ish=reported_ish(worker.histogram, population, participants=len(chosen),
+                                    aggregation=aggregation))
             losses.append(result.train_loss)
             counts.append(result.num_samples)
         if not losses:
@@ -238,7 +238,3 @@ def global_network(book: RoundBook, job_id: str) -> tuple[nn.Module, ModelSpec]:
     return model, spec
 
 
-def _ish(worker: VirtualWorker, population: np.ndarray, participants: int, form: str) -> float:
-    """The ISH a real worker reports (worker/agent.py): its label distribution's EMD to P, K = participants."""
-    mine = label_distribution(np.pad(worker.histogram, (0, max(0, len(population) - worker.num_classes))))
-    return ish(emd(mine[: len(population)], population), max(1, participants), form)

@@ -106,7 +106,7 @@ def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorP
 
 
 def start_worker(config: Config, *, bus: Bus | None = None) -> Any:
-    from worker.agent import PartitionConfig, WorkerAgent, WorkerConfig
+    from worker.agent import WorkerAgent, WorkerConfig
     from worker.trainer import DPPolicy
 
     w = config.worker
@@ -115,13 +115,11 @@ def start_worker(config: Config, *, bus: Bus | None = None) -> Any:
     if w.dp.enabled:
         dp = DPPolicy(noise_multiplier=w.dp.noise_multiplier, max_grad_norm=w.dp.max_grad_norm, delta=w.dp.delta,
                       epsilon_budget=w.dp.epsilon_budget)
-    p = w.partition
     agent = WorkerAgent(
         WorkerConfig(
             worker_id=w.id, categories=w.categories, dataset=w.dataset, idx_dir=w.idx_dir or None,
             test_fraction=w.test_fraction, split_seed=w.split_seed,
-            partition=PartitionConfig(scheme=p.scheme, num_clients=p.num_clients, client_index=p.client_index,
-                                      alpha=p.alpha, classes_per_client=p.classes_per_client, seed=p.seed),
+            partition=w.partition,
             dp=dp, ledger_path=w.ledger_path, device=w.device, heartbeat_s=w.heartbeat_s,
             histogram_epsilon=w.histogram_epsilon or None,
             aggregator_security=client_security(config, expected_target=config.aggregator.target),

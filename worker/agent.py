@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 
 from aggregators.client import AggregatorClient
-from aggregators.weighting import emd, ish, label_distribution, noisy_histogram
+from aggregators.weighting import noisy_histogram, reported_ish
 from fedbroker import envelope
+from fedbroker.config import PartitionSection as PartitionConfig  # the same settings the YAML config holds
 from fedbroker.auth import ClientSecurity
 from fedbroker.bus import Bus, BusError, Delivery
 from fedbroker.errors import BudgetExceeded, FedbrokerError, TaskRefused
@@ -55,14 +56,7 @@ _FINAL_REASONS = {"late", "round_closed", "unknown_round", "unknown_worker", "wr
                   "unauthenticated", "permission_denied"}
 
 
-@dataclass(frozen=True)
-class PartitionConfig:
-    scheme: str = "iid"
-    num_clients: int = 1
-    client_index: int = 0
-    alpha: float = 0.5
-    classes_per_client: int = 2
-    seed: int = 0
+REGISTER_EVERY_BEATS = 6
 
 
 @dataclass(frozen=True)
@@ -107,6 +101,12 @@ class WorkerAgent:
         self.x, self.y = train.x[index], train.y[index]
         self.num_classes = data.num_classes
         self.histogram = np.bincount(self.y, minlength=self.num_classes)
+        # What the coordinator sees. Noise is drawn once per worker lifetime: a fresh draw at every
+        # registration would let the coordinator average the noise away.
+        self.shared_histogram = self.histogram
+        if config.histogram_epsilon is not None:
+            self.shared_histogram = noisy_histogram(self.histogram, epsilon=config.histogram_epsilon,
+                                                    rng=np.random.default_rng())
         self._state = "idle"
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -135,14 +135,10 @@ class WorkerAgent:
                             budget=dp.epsilon_budget if dp is not None else None)
 
     def register(self) -> None:
-        shared = self.histogram
-        if self.config.histogram_epsilon is not None:
-            shared = noisy_histogram(self.histogram, epsilon=self.config.histogram_epsilon,
-                                     rng=np.random.default_rng())
         dp = self.config.dp
         registration = pb.Registration(
             worker_id=self.config.worker_id, categories=list(self.config.categories),
-            label_histogram=[int(c) for c in shared], dp_enabled=dp is not None,
+            label_histogram=[int(c) for c in self.shared_histogram], dp_enabled=dp is not None,
             dp_policy=pb.DPPolicy(noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
                                   delta=dp.delta, epsilon_budget=dp.epsilon_budget) if dp else None,
             epsilon_spent=self.ledger.total_epsilon(), device=self.device, num_samples=len(self.y),
@@ -150,8 +146,13 @@ class WorkerAgent:
         self.bus.publish_control(envelope.encode(registration=registration))
 
     def _beat(self) -> None:
+        beats = 0
         while not self._stop.wait(self.config.heartbeat_s):
+            beats += 1
             try:
+                if beats % REGISTER_EVERY_BEATS == 0:  # a coordinator that lost its state learns of us again
+                    self.register()
+                    continue
                 self.bus.publish_control(envelope.encode(heartbeat=pb.Heartbeat(
                     worker_id=self.config.worker_id, epsilon_spent=self.ledger.total_epsilon(), state=self._state)))
             except Exception as exc:  # the bus reconnects on its own; a missed beat is only logged
@@ -353,9 +354,5 @@ class WorkerAgent:
     def _ish(self, task: pb.RoundTask) -> float | None:
         if not task.population_distribution:
             return None
-        aggregation: dict[str, Any] = json.loads(task.aggregation_json or "{}")
-        form = (aggregation.get("weighting_params") or {}).get("ish_form", "ratio")
-        population = np.asarray(task.population_distribution)
-        mine = label_distribution(np.pad(self.histogram, (0, max(0, len(population) - len(self.histogram)))))
-        distance = emd(mine[: len(population)], population)
-        return ish(distance, max(1, task.participants), form)
+        return reported_ish(self.histogram, task.population_distribution, participants=task.participants,
+                            aggregation=json.loads(task.aggregation_json or "{}"))

@@ -8,6 +8,7 @@ from aggregators.weighting.dwfed import (
     ish,
     label_distribution,
     population_distribution,
+    reported_ish,
 )
 from aggregators.weighting.fedavg import FedAvgWeighting, UniformWeighting
 from aggregators.weighting.privacy import noisy_histogram
@@ -26,4 +27,5 @@ __all__ = [
     "noisy_histogram",
     "normalise_weights",
     "population_distribution",
+    "reported_ish",
 ]

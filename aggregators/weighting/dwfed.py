@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Mapping
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -83,6 +83,21 @@ def ish(distance: float, num_aggregated: int, form: str = "ratio") -> float:
     if form == "ratio":
         return (1.0 - d / k) / (1.0 + d)
     return 1.0 - (d / (1.0 + d)) / k
+
+
+def reported_ish(histogram: ArrayLike, population: ArrayLike, *, participants: int,
+                 aggregation: Mapping[str, Any]) -> float:
+    """The ISH a worker reports: EMD of its label distribution to the population P, and K the number of
+    updates this round aggregates (m under `random`/`ga` selection, every participant otherwise)."""
+    population = np.asarray(population, dtype=np.float64)
+    counts = np.asarray(histogram, dtype=np.float64)
+    counts = np.pad(counts, (0, max(0, len(population) - len(counts))))[: len(population)]
+    params = aggregation.get("selection_params") or {}
+    k = participants
+    if aggregation.get("selection") in ("random", "ga") and "m" in params:
+        k = min(k, int(params["m"]))
+    form = (aggregation.get("weighting_params") or {}).get("ish_form", "ratio")
+    return ish(emd(label_distribution(counts), population), max(1, k), form)
 
 
 @WEIGHTING.register("dwfed")
