@@ -350,7 +350,7 @@ def print_table(results: dict[str, Any]) -> None:
     workers = sorted({w for r in results["rounds"] for w in r["epsilon"]})
     head = ["round", "clients", "train loss", "test acc", *[f"ε {w}" for w in workers], "seconds"]
     rows = [[str(r["round"]), str(r["clients"]), f"{r['mean_train_loss']:.4f}", f"{r['accuracy']:.4f}",
-             *[f"{r['epsilon'].get(w, float('nan')):.3f}" for w in workers], f"{r['seconds']:.1f}"]
+             *[f"{r['epsilon'][w]:.3f}" if w in r["epsilon"] else "—" for w in workers], f"{r['seconds']:.1f}"]
             for r in results["rounds"]]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     line = "  ".join(h.rjust(w) for h, w in zip(head, widths))
