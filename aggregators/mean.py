@@ -99,7 +99,8 @@ def _axpy(group: np.ndarray, x: np.ndarray, w: np.float32, scratch: np.ndarray) 
         np.add(block, product, out=block)
 
 
-def weighted_mean(updates: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> dict[str, np.ndarray]:
+def weighted_mean(updates: Sequence[Mapping[str, np.ndarray]],
+                  weights: Sequence[float] | np.ndarray) -> dict[str, np.ndarray]:
     """The same mean over updates held in memory (selection and alignment need them all).
 
     Block by block across all updates, so each update is read once and nothing model-sized is
