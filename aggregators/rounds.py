@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from aggregators.mean import RunningWeightedMean, weighted_mean
+from aggregators.mean import ROWS, Layout, RunningWeightedMean, Slot, UpdateRows, weighted_mean_of_rows
 from aggregators.network import from_layers, to_layers
 from aggregators.registries import Algorithms, build_algorithms
 from aggregators.spool import Spool, StoredJob
@@ -80,6 +81,7 @@ class _Accepted:
     epsilon: float
     train_loss: float
     tensors: dict[str, np.ndarray] | None = None
+    slot: Slot | None = None     # the row of the round's `rows` that holds `tensors` (rounds that keep updates)
 
 
 @dataclass
@@ -88,9 +90,11 @@ class _Round:
     participants: frozenset[str]
     deadline: float
     algorithms: Algorithms
+    layout: Layout
     accepted: dict[str, _Accepted] = field(default_factory=dict)
     mean: RunningWeightedMean | None = None
-    plain_mean: RunningWeightedMean | None = None   # for a weighting that may give every update weight 0
+    plain_mean: RunningWeightedMean | None = None   # while every weight so far is 0 (then Σw = 0 falls back to it)
+    rows: UpdateRows | None = None                  # every accepted update, when selection or alignment needs them
     histograms: dict[str, list[int]] = field(default_factory=dict)
     closed: bool = False
     aggregation: dict[str, Any] = field(default_factory=dict)   # as opened (the spool re-builds algorithms from it)
@@ -196,7 +200,7 @@ class RoundBook:
                 raise Conflict(f"round {round_number} of job {job_id!r} is already closed")
             job.seed = seed
             job.round = _new_round(round_number, members, deadline, algorithms, dict(aggregation),
-                                   {w: [int(c) for c in h] for w, h in (histograms or {}).items()})
+                                   {w: [int(c) for c in h] for w, h in (histograms or {}).items()}, job.spec)
             self._commit(job)
             return job.version
 
@@ -218,12 +222,31 @@ class RoundBook:
                 duplicate.append(receipt)
                 raise _Duplicate
 
+        reserved: list[_Reserved] = []
+
+        def into(header: Any, nbytes: int) -> np.ndarray | None:
+            """A free row of the round's mean (or store) to receive into, so accepting it copies nothing."""
+            with self._lock:
+                rnd = self._jobs[header.job_id].round
+                if rnd is None or sys.byteorder != "little" or [t.name for t in header.tensors] != list(rnd.layout.shapes):
+                    return None  # tensors in another order: received apart and copied into a row on acceptance
+                slot = rnd.mean.reserve(rnd.layout) if rnd.mean is not None else rnd.rows.take() if rnd.rows else None
+                if slot is None:
+                    return None
+                reserved.append(_Reserved(rnd, slot))
+                return slot.bytes
+
         try:
-            header, tensors, digest = codec.receive(messages, max_bytes=self.max_update_bytes, on_header=check)
+            header, tensors, digest = codec.receive(messages, max_bytes=self.max_update_bytes, on_header=check,
+                                                    into=into)
+            _check_finite(tensors, who=f"worker {header.worker_id!r}")
+            return self._accept(header, tensors, digest, reserved[0] if reserved else None)
         except _Duplicate:
             return duplicate[0]
-        _check_finite(tensors, who=f"worker {header.worker_id!r}")
-        return self._accept(header, tensors, digest)
+        finally:
+            if reserved and not reserved[0].used:
+                with self._lock:
+                    _release(reserved[0].round, reserved[0].slot)
 
     def _check_header(self, header: Any) -> Receipt | None:
         job = self._jobs.get(header.job_id)
@@ -256,7 +279,8 @@ class RoundBook:
         _check_specs(wanted, got, who=f"worker {header.worker_id!r}")
         return None
 
-    def _accept(self, header: Any, tensors: dict[str, np.ndarray], digest: str) -> Receipt:
+    def _accept(self, header: Any, tensors: dict[str, np.ndarray], digest: str,
+                reserved: "_Reserved | None") -> Receipt:
         from aggregators.weighting import UpdateMeta
 
         meta = UpdateMeta(
@@ -293,7 +317,10 @@ class RoundBook:
                     if spooled is not None:
                         Spool.discard(spooled)
                     raise closed
-                _fold(rnd, entry, tensors)
+                slot = None
+                if reserved is not None and reserved.round is rnd:
+                    slot, reserved.used = reserved.slot, True
+                _fold(rnd, entry, tensors, slot)
         return Receipt(header.job_id, header.round, header.worker_id, False, size, digest)
 
     def close(self, job_id: str, round_number: int) -> CloseResult:
@@ -381,7 +408,7 @@ class RoundBook:
         vectors = selection.needs_vectors(rnd.number)
         ids = sorted(accepted)
         candidates = [
-            Candidate(worker_id=w, vector=_flatten(accepted[w].tensors or {}) if vectors else np.zeros(0),
+            Candidate(worker_id=w, vector=_vector(accepted[w]) if vectors else np.zeros(0),
                       num_samples=accepted[w].num_samples, reported_loss=accepted[w].meta.loss)
             for w in ids
         ]
@@ -401,7 +428,8 @@ class RoundBook:
                  rng: np.random.Generator, stats: dict[str, float]) -> tuple[ModelSpec, dict[str, np.ndarray]]:
         """The weighted mean, or the alignment's global network (whose widths may differ from `spec`)."""
         if rnd.algorithms.alignment_name == "none":
-            return spec, weighted_mean([u.tensors or {} for u in updates], weights)
+            assert rnd.rows is not None and all(u.slot is not None for u in updates)
+            return spec, dict(weighted_mean_of_rows(rnd.rows, [u.slot for u in updates if u.slot], weights, rnd.layout))
         clients = [to_layers(spec, u.tensors or {}) for u in updates]
         result = rnd.algorithms.alignment.align(
             clients, weights=weights, rng=rng, round_index=rnd.number, class_shares=self._class_shares(rnd, updates),
@@ -463,11 +491,11 @@ class RoundBook:
             aggregation = dict(r["aggregation"])
             job.round = _new_round(int(r["number"]), frozenset(r["participants"]), float(r["deadline"]),
                                    build_algorithms(AggregationConfig(**aggregation)), aggregation,
-                                   {w: list(h) for w, h in r["histograms"].items()})
+                                   {w: list(h) for w, h in r["histograms"].items()}, job.spec)
             for meta, tensors in self._spool.updates(stored, job.round.number) if self._spool else ():
                 entry = _entry_from_record(meta)
                 job.round.next_seq = int(meta["seq"]) + 1
-                _fold(job.round, entry, tensors)
+                _fold(job.round, entry, tensors, None)
             log.info("job %s: round %d reopened with %d accepted update(s) from the spool", job.job_id,
                      job.round.number, len(job.round.accepted))
         return job
@@ -483,25 +511,52 @@ class _Duplicate(Exception):
     """Internal: stop reading a stream whose update was already accepted."""
 
 
+@dataclass
+class _Reserved:
+    """The row an upload is being received into, and whether its acceptance took it."""
+
+    round: _Round
+    slot: Slot
+    used: bool = False
+
+
 def _new_round(number: int, members: frozenset[str], deadline: float, algorithms: Algorithms,
-               aggregation: dict[str, Any], histograms: dict[str, list[int]]) -> _Round:
+               aggregation: dict[str, Any], histograms: dict[str, list[int]], spec: ModelSpec) -> _Round:
+    layout = Layout(parameter_shapes(spec))
     return _Round(
-        number, members, deadline, algorithms,
-        mean=RunningWeightedMean() if algorithms.incremental else None,
-        plain_mean=RunningWeightedMean() if algorithms.incremental and not algorithms.weights_positive else None,
+        number, members, deadline, algorithms, layout,
+        mean=RunningWeightedMean(layout) if algorithms.incremental else None,
+        plain_mean=RunningWeightedMean(layout) if algorithms.incremental and not algorithms.weights_positive else None,
+        rows=None if algorithms.incremental else UpdateRows(layout.size, per_block=ROWS),
         histograms=histograms, aggregation=aggregation,
     )
 
 
-def _fold(rnd: _Round, entry: _Accepted, tensors: dict[str, np.ndarray]) -> None:
-    """Count an accepted update in its round (under the book's lock)."""
+def _fold(rnd: _Round, entry: _Accepted, tensors: dict[str, np.ndarray], slot: Slot | None) -> None:
+    """Count an accepted update in its round (under the book's lock); `slot` is the row it was received into."""
     if rnd.mean is not None:
-        rnd.mean.add(tensors, entry.raw_weight)
         if rnd.plain_mean is not None:
-            rnd.plain_mean.add(tensors, 1.0)
+            rnd.plain_mean.add(tensors, 1.0)  # copies: `slot` belongs to the weighted mean
+        rnd.mean.add(tensors, entry.raw_weight, slot=slot)
+        if entry.raw_weight > 0:  # Σw > 0 from now on: the unweighted fallback can no longer be needed
+            rnd.plain_mean = None
     else:
-        entry.tensors = tensors
+        assert rnd.rows is not None
+        if slot is None:  # restored from the spool, or sent in another tensor order: copy into a row
+            slot = rnd.rows.take()
+            assert slot is not None  # the store grows as needed
+            rnd.layout.write(tensors, slot.values)
+        entry.slot = slot
+        entry.tensors = rnd.layout.views(slot.values)
     rnd.accepted[entry.worker_id] = entry
+
+
+def _release(rnd: _Round, slot: Slot) -> None:
+    """Give back the row of an upload that was refused (or lost a race to a retry of itself)."""
+    if rnd.mean is not None:
+        rnd.mean.release(slot)
+    elif rnd.rows is not None:
+        rnd.rows.give_back(slot)
 
 
 def _entry_record(entry: _Accepted) -> dict[str, Any]:
@@ -524,6 +579,11 @@ def _same_model(job: _Job, version: int, spec_json: str, state: Mapping[str, np.
     if held is None or job.specs.get(version) != spec_json or held.keys() != state.keys():
         return False
     return all(np.array_equal(held[name], arr) for name, arr in state.items())
+
+
+def _vector(entry: _Accepted) -> np.ndarray:
+    """An update as one flat vector: its row when it has one (no copy)."""
+    return entry.slot.values if entry.slot is not None else _flatten(entry.tensors or {})
 
 
 def _flatten(tensors: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -553,7 +613,14 @@ def _check_matches(shapes: Mapping[str, tuple[int, ...]], tensors: Mapping[str, 
     )
 
 
+FINITE_BLOCK = 1 << 16  # values checked at a time: no model-sized boolean temporary
+
+
 def _check_finite(tensors: Mapping[str, np.ndarray], *, who: str) -> None:
+    flags = np.empty(FINITE_BLOCK, dtype=bool)
     for name, arr in tensors.items():
-        if not np.isfinite(arr).all():
-            raise UploadRejected("non_finite", f"{who}: tensor {name!r} contains NaN or Inf")
+        flat = np.asarray(arr).reshape(-1)
+        for start in range(0, flat.size, FINITE_BLOCK):
+            block = flat[start:start + FINITE_BLOCK]
+            if not np.isfinite(block, out=flags[: block.size]).all():
+                raise UploadRejected("non_finite", f"{who}: tensor {name!r} contains NaN or Inf")

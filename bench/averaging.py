@@ -2,21 +2,24 @@
 
 Measured in one process, on the same inputs: the memory-bandwidth floor (numpy reading the K·P·4
 bytes once, `np.add.reduce` per update), our incremental `RunningWeightedMean` (one update at a time,
-as the aggregation service folds uploads), our in-memory `weighted_mean` (selection/alignment rounds),
-the previous incremental implementation (whole-array temporaries) and Flower's
+as the aggregation service folds uploads), our in-memory `weighted_mean_of_rows` (selection/alignment
+rounds), a naive mean (model-sized float64 temporaries) and Flower's
 `flwr.server.strategy.aggregate.aggregate`. Updates are a pool of distinct buffers, together three
 times the L3 cache, handed out round-robin: every read comes from memory and K = 50 × 10M (2 GB of
-updates) needs only the pool. Peak memory is tracemalloc's peak during one call (numpy reports its
-allocations to tracemalloc), in units of one update (P·4 bytes).
+updates) needs only the pool. The service receives each upload into a row of the mean, so ours are
+timed on rows: each update is copied into the row (standing for the receive, untimed) and then read
+out of the cache (untimed) before the mean's calls are timed. Peak memory is tracemalloc's peak during
+one call (numpy reports its allocations to tracemalloc), in units of one update (P·4 bytes).
 
 Flower needs protobuf < 7 and fedbroker protobuf 7, so `python -m bench` runs this module with the
 interpreter of `.venv-bench` (`make bench-env`) when there is one; this module imports only numpy and
-`aggregators.mean`, which imports nothing else.
+`aggregators.mean`, which imports nothing else but numpy, scipy's BLAS and threadpoolctl.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import time
@@ -25,8 +28,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from aggregators.mean import RunningWeightedMean, weighted_mean
-from bench.harness import Goal, Section, Stat, repeat
+from aggregators.mean import ROWS, Layout, RunningWeightedMean, UpdateRows, weighted_mean_of_rows
+from bench.harness import Goal, Section, Stat
 
 GB = 1e9
 
@@ -41,8 +44,8 @@ def l3_bytes() -> int:
         return 32 << 20
 
 
-def previous_running_mean(updates: list[np.ndarray], weights: np.ndarray) -> np.ndarray:
-    """The incremental mean as it was before blocking (model-sized float64 temporaries), for comparison."""
+def naive_running_mean(updates: list[np.ndarray], weights: np.ndarray) -> np.ndarray:
+    """The incremental mean with model-sized float64 temporaries (our first version), for comparison."""
     acc = np.zeros(updates[0].shape, dtype=np.float64)
     for arr, w in zip(updates, weights):
         acc += np.multiply(arr, float(w), dtype=np.float64)
@@ -67,10 +70,23 @@ def interleaved(methods: list[tuple[str, Callable[[], Any]]], *, repeats: int, w
     out: dict[str, list[float]] = {name: [] for name, _ in methods}
     for i in range(warmup + repeats):
         for name, fn in methods:
-            elapsed = repeat(fn, repeats=1, warmup=0)[0]
+            elapsed = timed(fn)
             if i >= warmup:
                 out[name].append(elapsed)
     return out
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Wall-clock seconds of one call (gc off), or the seconds a self-timed method returns (a float)."""
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        result = fn()
+        elapsed = time.perf_counter() - start
+    finally:
+        gc.enable()
+    return result if isinstance(result, float) else elapsed
 
 
 def peak_traced(fn: Callable[[], Any]) -> int:
@@ -111,8 +127,8 @@ def run(*, quick: bool) -> Section:
         "Throughput of a weighted mean of K updates × P float32 parameters (GB/s of update data read), against "
         "the bandwidth floor (numpy `add.reduce` streaming the same K·P·4 bytes) and Flower's `aggregate` on the "
         "same inputs in the same process. `incremental` = `RunningWeightedMean` (the service's FedAvg/DWFed path, "
-        "one update at a time), `in-memory` = `weighted_mean` (rounds that keep every update), `previous` = the "
-        "incremental mean before this change. Peak memory = tracemalloc peak during the call ÷ one update (P·4 B).",
+        "one update at a time, received into its rows), `in-memory` = `weighted_mean_of_rows` (rounds that keep every "
+        "update), `naive` = float64 whole-array temporaries (the first version of the incremental mean). Peak memory = tracemalloc peak during the call ÷ one update (P·4 B).",
     )
     aggregate = flower_aggregate()
     if aggregate is None:
@@ -130,6 +146,12 @@ def run(*, quick: bool) -> Section:
                                                  "inmemory_flower": []}
     peaks: dict[tuple[str, int, int], float] = {}
     warmed = False
+    scratch = np.ones(3 * cache // 4, dtype=np.float32)
+
+    def evict() -> None:
+        """Read 3× the L3 cache of other data, so what was just written is read back from memory."""
+        np.add.reduce(scratch)
+
     for k, p in sizes:
         pool_n = max(2, math.ceil(3 * cache / (4 * p)))
         pool = [rng.standard_normal(p, dtype=np.float32) for _ in range(pool_n)]
@@ -155,24 +177,50 @@ def run(*, quick: bool) -> Section:
                 for u in batch():
                     np.add.reduce(u)
 
-            def incremental() -> dict[str, np.ndarray]:
+            layout = Layout({"w": (p,)})
+
+            def incremental() -> float:
+                """Seconds in the mean's own calls; each update is first copied into the row the mean
+                reserved (the upload's receive, untimed) and then pushed out of the cache (untimed)."""
+                spent = 0.0
                 mean = RunningWeightedMean()
                 for u, w in zip(batch(), weights):
-                    mean.add({"w": u}, float(w))
-                return mean.result()
+                    t0 = time.perf_counter()
+                    slot = mean.reserve(layout)
+                    spent += time.perf_counter() - t0
+                    assert slot is not None
+                    np.copyto(slot.values, u)
+                    evict()
+                    t0 = time.perf_counter()
+                    mean.add({"w": slot.values}, float(w), slot=slot)
+                    spent += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                mean.result()
+                return spent + time.perf_counter() - t0
 
-            def in_memory() -> dict[str, np.ndarray]:
-                return weighted_mean([{"w": u} for u in batch()], weights)
+            def in_memory() -> float:
+                """Seconds of `weighted_mean_of_rows` over K updates already received into rows (untimed)."""
+                rows = UpdateRows(p, per_block=ROWS)
+                slots = []
+                for u in batch():
+                    slot = rows.take()
+                    assert slot is not None
+                    np.copyto(slot.values, u)
+                    slots.append(slot)
+                evict()
+                t0 = time.perf_counter()
+                weighted_mean_of_rows(rows, slots, weights, layout)
+                return time.perf_counter() - t0
 
-            def previous() -> np.ndarray:
-                return previous_running_mean(batch(), weights)
+            def naive() -> np.ndarray:
+                return naive_running_mean(batch(), weights)
 
             def flower() -> Any:
                 assert aggregate is not None
                 return aggregate([([u], w) for u, w in zip(batch(), flower_weights)])
 
             methods: list[tuple[str, Callable[[], Any]]] = [
-                ("floor", floor), ("incremental", incremental), ("in-memory", in_memory), ("previous", previous),
+                ("floor", floor), ("incremental", incremental), ("in-memory", in_memory), ("naive", naive),
             ]
             if aggregate is not None:
                 methods.append(("flower", flower))
@@ -236,7 +284,8 @@ def run(*, quick: bool) -> Section:
     section.goals.append(Goal(
         "incremental peak memory independent of K (peak at the largest K ÷ peak at the smallest)",
         round(max(growth), 3) if growth and len(ks) > 1 else None, "≈ 1", (max(growth) < 1.1) if growth and len(ks) > 1 else None,
-        f"peak ≤ {inc_peak:.2f}× one update: float64 sums (2×), float32 group sum (1×), the result (1×)",
+        f"peak ≤ {inc_peak:.2f}× one update: the rows updates are received into (≤ {ROWS}, ≤ 512 MiB) and the "
+        "float32 sum, which becomes the result",
     ))
     if kept:
         section.notes.append("glibc keeps freed memory (M_TRIM_THRESHOLD 1 GiB, M_MMAP_THRESHOLD 32 MiB): the "

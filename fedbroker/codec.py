@@ -240,12 +240,14 @@ def expected_bytes(specs: Iterable[pb.TensorSpec], *, max_bytes: int) -> int:
 
 
 def receive(
-    messages: Iterable[Any], *, max_bytes: int, on_header: Callable[[Any], None] | None = None
+    messages: Iterable[Any], *, max_bytes: int, on_header: Callable[[Any], None] | None = None,
+    into: Callable[[Any, int], np.ndarray | None] | None = None,
 ) -> tuple[Any, dict[str, np.ndarray], str]:
     """Read header → chunks → trailer; return (header, tensors, sha256) or raise UploadRejected naming the fault.
 
     `on_header` sees the header before any data is read, so an unknown worker or a wrong shape is refused
-    without receiving the payload.
+    without receiving the payload. `into(header, nbytes)` may supply the uint8 buffer the payload is
+    written to (the aggregation service passes a row of its running mean); by default a new one.
     """
     iterator = iter(messages)
     first = next(iterator, None)
@@ -255,7 +257,11 @@ def receive(
     total = expected_bytes(header.tensors, max_bytes=max_bytes)
     if on_header is not None:
         on_header(header)
-    buffer = np.empty(total, dtype=np.uint8)  # not bytearray(total): zero-filling 400 MB cost 14% of an upload
+    buffer = into(header, total) if into is not None else None
+    if buffer is None:
+        buffer = np.empty(total, dtype=np.uint8)  # not bytearray(total): zero-filling 400 MB cost 14% of an upload
+    elif buffer.dtype != np.uint8 or buffer.shape != (total,) or not buffer.flags.c_contiguous:
+        raise ValueError(f"the receive buffer must be {total} contiguous bytes, got {buffer.dtype} {buffer.shape}")
     view = buffer.data
     hasher = _BackgroundHash() if total >= HASH_THREAD_BYTES else None
     sha = hashlib.sha256()

@@ -1,4 +1,4 @@
-"""The blocked weighted means: float32 products and group sums, float64 across groups, within the stated bound."""
+"""The row-wise weighted means: float32 folds (sgemv), float64 flushes, within the stated rounding bound."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aggregators import mean as mean_module
-from aggregators.mean import RunningWeightedMean, weighted_mean
+from aggregators.mean import Layout, RunningWeightedMean, UpdateRows, weighted_mean, weighted_mean_of_rows
 
 U = 2.0**-24  # float32 unit roundoff
 
@@ -30,7 +30,7 @@ def assert_within_bound(got, updates, weights):
     for name, want in exact.items():
         assert got[name].shape == want.shape and got[name].dtype == np.float32
         error = np.abs(got[name].astype(np.float64) - want)
-        bound = (mean_module.GROUP + 3) * U * scale[name] + U * np.abs(want)
+        bound = (mean_module.ROWS + mean_module.FLUSH + 3) * U * scale[name] + U * np.abs(want)
         assert np.all(error <= bound), float(np.max(error - bound))
 
 
@@ -43,38 +43,54 @@ def make_updates(seed, count, shapes):
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**31),
-    count=st.integers(1, 20),
+    count=st.integers(1, 40),
     shapes=st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple), min_size=1, max_size=3),
-    weights=st.lists(st.sampled_from([1.0, 0.5, 3.0, 1e-3, 250.0, 1437.0]), min_size=20, max_size=20),
-    block=st.sampled_from([1, 3, 7, 64]),
+    weights=st.lists(st.sampled_from([1.0, 0.5, 3.0, 1e-3, 250.0, 1437.0, 0.0]), min_size=40, max_size=40),
+    rows=st.sampled_from([1, 2, 3, 16]),
+    flush=st.sampled_from([1, 2, 8]),
 )
-def test_blocked_means_are_the_weighted_mean_within_the_rounding_bound(seed, count, shapes, weights, block):
+def test_every_path_is_the_weighted_mean_within_the_rounding_bound(seed, count, shapes, weights, rows, flush):
     updates = make_updates(seed, count, shapes)
     w = weights[:count]
-    old = mean_module.BLOCK
-    mean_module.BLOCK = block
+    if sum(w) <= 0:
+        w[0] = 1.0
+    layout = Layout.of(updates[0])
+    old = mean_module.FLUSH
+    mean_module.FLUSH = flush
     try:
-        running = RunningWeightedMean()
+        copied = RunningWeightedMean(max_rows=rows)       # tensors copied into its rows
         for update, weight in zip(updates, w):
-            running.add(update, weight)
-        incremental = running.result()
-        batch = weighted_mean(updates, w)
+            copied.add(update, weight)
+        received = RunningWeightedMean(layout, max_rows=rows)  # each update received into a reserved row
+        for update, weight in zip(updates, w):
+            slot = received.reserve(layout)
+            assert slot is not None
+            layout.write(update, slot.values)
+            received.add(layout.views(slot.values), weight, slot=slot)
+        store = UpdateRows(layout.size, per_block=rows)   # a round that keeps every update
+        slots = [store.take() for _ in updates]
+        for update, slot in zip(updates, slots):
+            layout.write(update, slot.values)
+        kept = weighted_mean_of_rows(store, slots, w, layout)
+        results = [copied.result(), received.result(), kept, weighted_mean(updates, w)]
     finally:
-        mean_module.BLOCK = old
-    assert_within_bound(incremental, updates, w)
-    assert_within_bound(batch, updates, w)
-    for name in incremental:  # both paths do the same arithmetic in the same order
-        np.testing.assert_array_equal(incremental[name], batch[name])
+        mean_module.FLUSH = old
+    for result in results:
+        assert_within_bound(result, updates, w)
+    for name in results[0]:  # the running mean does the same arithmetic however the rows were filled
+        np.testing.assert_array_equal(results[0][name], results[1][name])
 
 
 def test_error_does_not_grow_with_the_number_of_updates():
     x = np.full(1000, 0.1, dtype=np.float32)  # 0.1 is inexact: every float32 add rounds
-    count = 2000
+    count = 5000                              # 39 flushes of 8 folds of 16 rows
     running = RunningWeightedMean()
     for _ in range(count):
         running.add({"w": x}, 1.0)
     got = running.result()["w"].astype(np.float64)
-    assert np.all(np.abs(got - float(np.float32(0.1))) <= (mean_module.GROUP + 3) * U * 0.1)
+    bound = (mean_module.ROWS + mean_module.FLUSH + 3) * U * 0.1
+    assert np.all(np.abs(got - float(np.float32(0.1))) <= bound)
+    assert bound < count * U * 0.1 / 50  # far below what a plain float32 sum may drift
 
 
 def test_non_contiguous_and_float64_inputs_are_averaged_as_values():
@@ -106,18 +122,73 @@ def test_mismatched_tensors_are_refused_before_any_arithmetic():
     np.testing.assert_array_equal(running.result()["a"], [1.0, 1.0])  # the refused update left no trace
 
 
-def test_incremental_mean_allocates_no_model_sized_temporary():
+def test_a_released_row_leaves_no_trace_and_is_reused():
+    layout = Layout({"w": (4,)})
+    running = RunningWeightedMean(layout, max_rows=2)
+    refused = running.reserve(layout)
+    refused.values[:] = np.nan            # an upload that turned out to hold NaN, then was refused
+    running.release(refused)
+    for value, weight in [(1.0, 1.0), (4.0, 2.0), (7.0, 1.0)]:  # more updates than rows: folds in between
+        slot = running.reserve(layout)
+        slot.values[:] = value
+        running.add(layout.views(slot.values), weight, slot=slot)
+    np.testing.assert_array_equal(running.result()["w"], np.full(4, 4.0, np.float32))
+
+
+def test_uploads_in_flight_keep_their_rows_while_others_fold():
+    layout = Layout({"w": (3,)})
+    running = RunningWeightedMean(layout, max_rows=2)
+    in_flight = running.reserve(layout)   # still streaming
+    in_flight.values[:] = np.inf          # half-written garbage must never reach the sum
+    done = running.reserve(layout)
+    done.values[:] = 2.0
+    running.add(layout.views(done.values), 1.0, slot=done)
+    assert running.reserve(layout) is not None  # the committed row was folded and is free again
+    running.add({"w": np.full(3, 5.0, np.float32)}, 1.0)  # no free row: folded on its own
+    in_flight.values[:] = 8.0
+    running.add(layout.views(in_flight.values), 2.0, slot=in_flight)
+    np.testing.assert_array_equal(running.result()["w"], np.full(3, (2.0 + 5.0 + 16.0) / 4, np.float32))
+
+
+def test_a_reserved_row_is_refused_for_another_layout():
+    running = RunningWeightedMean(Layout({"a": (2,), "b": (3,)}))
+    assert running.reserve(Layout({"b": (3,), "a": (2,)})) is None  # other order: received apart, then copied
+
+
+def test_an_add_after_the_result_continues_the_sum():
+    running = RunningWeightedMean()
+    running.add({"w": np.full(3, 2.0, np.float32)}, 1.0)
+    np.testing.assert_array_equal(running.result()["w"], np.full(3, 2.0, np.float32))
+    running.add({"w": np.full(3, 5.0, np.float32)}, 2.0)
+    np.testing.assert_allclose(running.result()["w"], np.full(3, 4.0), rtol=4 * U)
+
+
+def test_running_mean_memory_is_its_rows_whatever_the_number_of_updates():
     import tracemalloc
 
-    size = 1 << 20
-    update = {"w": np.ones(size, np.float32)}
-    running = RunningWeightedMean()
-    running.add(update, 0.5)  # allocates the float64 sums and the float32 group sum
-    tracemalloc.start()
-    try:
-        for _ in range(2 * mean_module.GROUP):  # folds into the float64 sums twice
-            running.add(update, 0.25)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < size  # far below one float32 copy of the update (4 bytes per value)
+    size = 1 << 18
+    layout = Layout({"w": (size,)})
+    update = np.ones(size, np.float32)
+    peaks = []
+    for count in (mean_module.ROWS, 6 * mean_module.ROWS):
+        tracemalloc.start()
+        try:
+            running = RunningWeightedMean(layout)
+            for _ in range(count):
+                slot = running.reserve(layout)
+                np.copyto(slot.values, update)
+                running.add(layout.views(slot.values), 0.5, slot=slot)
+            running.result()
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+    rows_bytes = (mean_module.ROWS + 1) * size * 4  # the rows and the float32 sum
+    assert peaks[0] <= rows_bytes * 1.05 and peaks[1] <= rows_bytes * 1.05, peaks
+
+
+def test_rows_of_a_big_model_stay_within_the_buffer_budget():
+    layout = Layout({"w": (1000,)})
+    running = RunningWeightedMean(layout, buffer_bytes=3 * 4000 + 1)
+    assert running._rows.per_block == 3
+    tiny_budget = RunningWeightedMean(layout, buffer_bytes=10)
+    assert tiny_budget._rows.per_block == 1  # always one row, however big the model

@@ -153,3 +153,40 @@ def test_selection_and_weighting_plug_in_by_name(book):
     expected = np.mean([float(["w1", "w2", "w3"].index(w)) for w in result.aggregated])
     np.testing.assert_allclose(book.global_model("j")[2]["0.bias"], expected, rtol=1e-6)
     assert json.loads(result.model_spec_json) == SPEC.to_dict()
+
+
+def test_tensors_sent_in_another_order_are_averaged_by_name(book):
+    book.receive_update(stream(weights(1.0), worker="w1", n=10))
+    reordered = dict(reversed(list(weights(3.0).items())))  # received apart, then copied into a row by name
+    book.receive_update(stream(reordered, worker="w2", n=10))
+    book.close("j", 1)
+    state = book.global_model("j")[2]
+    for name in weights(0.0):
+        np.testing.assert_allclose(state[name], 2.0)
+
+
+def test_refused_uploads_give_back_the_rows_they_were_received_into(book):
+    mean = book._jobs["j"].round.mean
+    free = mean.free_rows
+    bad = weights(1.0)
+    bad["2.bias"] = np.array([1.0, np.nan], np.float32)
+    for _ in range(3 * free):  # more refusals than rows: a leaked row would run the mean out of rows
+        with pytest.raises(UploadRejected, match="NaN"):
+            book.receive_update(stream(bad, worker="w1"))
+    assert mean.free_rows == free
+    book.receive_update(stream(weights(5.0), worker="w1", n=10))
+    assert mean.free_rows == free - 1  # the accepted upload holds the row it was received into
+    book.close("j", 1)
+    np.testing.assert_allclose(book.global_model("j")[2]["0.weight"], 5.0)
+
+
+def test_a_round_that_keeps_every_update_averages_the_rows_it_received_them_into(book):
+    book.open_round("j", 2, ["w1", "w2", "w3"], 2000.0, {**AGG, "selection": "random", "selection_params": {"m": 3}},
+                    seed=1)
+    for i, w in enumerate(["w1", "w2", "w3"]):
+        book.receive_update(stream(weights(float(i + 1)), rnd=2, worker=w, n=10 * (i + 1)))
+    rnd = book._jobs["j"].round
+    assert all(e.slot is not None and np.shares_memory(e.tensors["0.weight"], e.slot.values)
+               for e in rnd.accepted.values())
+    book.close("j", 2)
+    np.testing.assert_allclose(book.global_model("j")[2]["2.weight"], (10 * 1 + 20 * 2 + 30 * 3) / 60, rtol=1e-6)
