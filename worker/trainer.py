@@ -5,19 +5,44 @@ privacy (`DPPolicy`) and nothing in a job can override it. The ε of a job compo
 the job's accountant history (noise multiplier, sample rate, steps) is restored into a fresh RDP
 accountant before each round's training, so ε after round t is the RDP composition of all rounds.
 
-Opacus details this module pins:
-- `grad_sample_mode="hooks"`. Measured on CPU (2 threads, digits, batch 32, 114 steps):
-  MLP 64-128-10: hooks 0.19 s, functorch 0.31 s, ew 0.16 s, ghost 0.18 s; small conv net with
-  GroupNorm: hooks 0.61 s, functorch 0.89 s, ew 0.68 s, ghost 0.59 s. "ew" (expanded weights)
-  fails on the empty batches that Poisson sampling produces, so it is not correct here; "ghost"
-  (fast gradient clipping) is no faster at this size, needs a wrapped criterion and only yields
-  per-sample norms, and "functorch" is slowest. Hooks computes exact per-sample gradients, handles
-  empty batches and is within noise of the fastest correct choice.
+Opacus is the DP engine: its per-sample gradients (`prepare_module`, mode `GRAD_SAMPLE_MODE`), its
+DPOptimizer's mechanism and its RDP accountant. Its `PrivacyEngine.make_private` is not used, for
+what it costs around them. Measured on CPU (1 torch thread, digits, batch 32, SGD, same process;
+samples/s with DP, slowdown against no DP in brackets), make_private → this design:
+MLP 64-64-10 22.8k (5.0×) → 40.8k (2.8×); small CNN with GroupNorm 7.0k (3.3×) → 10.5k (2.2×).
+Step by step (MLP, CNN; CPU time): tensor sampling and ε computed once 5.9× → 4.1×, 3.3× → 3.1×;
+`FlatDPOptimizer` → 3.6×, 2.9×; "ew" instead of "hooks" → 2.9×, 2.3×. `python -m bench --only
+dp_training` has the table.
+- Poisson sampling: Opacus's DPDataLoader fetches and collates each sample on its own, 10–14% of
+  a DP step. `poisson_batches` draws the same mask as its sampler (rand(N) < q per step) and
+  gathers a batch in one indexing operation. An empty batch still takes a step, noise only and
+  without a forward pass: the accountant counts every step, and skipping one would reveal the draw.
 - With Poisson sampling Opacus samples at q = 1/ceil(N/B) and takes int(1/q) steps per epoch,
   which is one step short of ceil(N/B) for some N/B (93, 99, 105, ...); its accountant then
-  records 1/(steps per epoch), slightly above the true rate (conservative). `dp_sample_rate` and
-  `planned_steps` copy those rules and training checks the loader agrees, so a task admitted on a
-  projected ε spends exactly that ε.
+  records 1/(steps per epoch), slightly above the true rate (conservative), and its optimizer
+  averages by int(N·that rate). `dp_sample_rate` and `planned_steps` copy those rules, and
+  training asks Opacus's own loader for them before any step and refuses if they differ, so a
+  task admitted on a projected ε spends exactly that ε. The accountant records each step through
+  Opacus's optimizer hook; when its history is the planned one (always, unless a rule changed),
+  the projection is the round's ε instead of a second 20 ms RDP computation.
+- `GRAD_SAMPLE_MODE = "ew"` (torch's ExpandedWeights through Opacus): MLP 2.8×, "hooks" 3.4×,
+  "functorch" 7.0×; CNN 2.2×, 2.7×, 4.9×. All three give the same per-sample gradients (a test
+  trains the same weights with each). "ew" cannot run an empty batch, which it is never given.
+  "ghost" (fast gradient clipping) is not a mode of this loop: it forms no per-sample gradients
+  and clips through a second backward pass. With the same batches it was slower at batch 32 (MLP
+  5.0×, CNN 3.5×) and faster only for the MLP at batch 512 (3.6× against "ew"'s 8–14×): the
+  mode to add if jobs train dense models on large batches.
+- The ≤2× goal is not met at batch 32. What remains per step is torch's and Opacus's own Python
+  work per layer (ExpandedWeights' functional_call and autograd functions), the per-sample norms
+  and the noise. Larger batches do not bring it under 2×: the CNN stays at 2.2–2.4× (batch 128,
+  512) and the MLP's slowdown grows (3.3–5.2×, 8–10×), as DP forms batch × parameters floats per
+  step where no DP forms one gradient.
+- Threads: torch defaults to one intra-op thread per core. A second thread gained nothing with DP
+  (MLP 41.4k against 40.8k samples/s, CNN 9.2k against 9.6k), and on a loaded machine 2 threads
+  have run 10–100× slower, with and without DP (OpenMP threads waiting for each other for whole
+  time slices). The count is the process's, so the worker process should set it
+  (`torch.set_num_threads(1)`), not this function, which several workers of one demo process
+  call at once.
 - FedProx under DP: the proximal gradient mu·(w − w_global) is added after Opacus has clipped and
   noised the data gradient (it touches no sample, so it is free post-processing); inside the loss
   it would never reach Opacus's per-sample gradients and would silently vanish.
@@ -28,10 +53,11 @@ Opacus details this module pins:
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,18 +67,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedbroker.errors import BudgetExceeded, ConfigError
 
-GRAD_SAMPLE_MODE = "hooks"
+GRAD_SAMPLE_MODE = "ew"
 OPTIMIZERS = ("sgd", "adam")
 _PREFIX = "_module."
 
 HistoryEntry = tuple[float, float, int]
 
-# Opacus's per-sample hooks make torch warn once per process that inputs need no gradient; that is
-# expected here and says nothing to a data owner. Only this module's instance is silenced.
+# Opacus's per-sample hooks (mode "hooks") make torch warn once per process that inputs need no
+# gradient; that is expected here and says nothing to a data owner. Only this module's instance is silenced.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed", category=UserWarning)
-# Opacus's secure_mode needs torchcsprng, which has no wheel for this torch; its reminder is said once in
-# the README instead of on every round.
-warnings.filterwarnings("ignore", message="Secure RNG turned off", category=UserWarning)
 
 
 @dataclass(frozen=True)
@@ -149,22 +172,34 @@ def project_epsilon(
     The new steps are merged into the history exactly as Opacus's RDP accountant merges them, so
     the projection equals the ε the accountant reports after training those steps.
     """
-    from opacus.accountants import RDPAccountant
-
     _check_positive("noise_multiplier", noise_multiplier)
     if not (isinstance(sample_rate, (int, float)) and 0.0 < sample_rate <= 1.0):
         raise ConfigError("sample_rate", f"must lie in (0, 1], got {sample_rate!r}")
     _check_int("steps", steps, low=0)
     if not (isinstance(delta, (int, float)) and 0.0 < delta < 1.0):
         raise ConfigError("delta", f"must lie strictly between 0 and 1, got {delta!r}")
-    entries = _normalise_history(history)
+    return _epsilon(_merge_steps(_normalise_history(history), noise_multiplier, sample_rate, steps), delta)
+
+
+def _merge_steps(
+    entries: list[HistoryEntry], noise_multiplier: float, sample_rate: float, steps: int
+) -> list[HistoryEntry]:
+    """`entries` plus `steps` DP-SGD steps, merged as Opacus's RDP accountant merges its step records."""
+    out = list(entries)
     if steps:
-        if entries and entries[-1][0] == noise_multiplier and entries[-1][1] == sample_rate:
-            entries[-1] = (entries[-1][0], entries[-1][1], entries[-1][2] + steps)
+        if out and out[-1][0] == noise_multiplier and out[-1][1] == sample_rate:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + steps)
         else:
-            entries.append((float(noise_multiplier), float(sample_rate), int(steps)))
+            out.append((float(noise_multiplier), float(sample_rate), int(steps)))
+    return out
+
+
+def _epsilon(history: list[HistoryEntry], delta: float) -> float:
+    """ε of `history` from a fresh Opacus RDP accountant."""
+    from opacus.accountants import RDPAccountant
+
     accountant = RDPAccountant()
-    accountant.history = entries
+    accountant.history = list(history)
     return float(accountant.get_epsilon(delta))
 
 
@@ -201,9 +236,8 @@ def train_local(
     total_steps = config.epochs * steps_per_epoch
     if dp is not None:
         _validate_for_dp(model)
-        projected = project_epsilon(
-            entries, noise_multiplier=dp.noise_multiplier, sample_rate=sample_rate, steps=total_steps, delta=dp.delta
-        )
+        planned = _merge_steps(entries, dp.noise_multiplier, sample_rate, total_steps)
+        projected = _epsilon(planned, dp.delta)
         if projected > dp.epsilon_budget:
             raise BudgetExceeded(
                 f"training {total_steps} steps would raise this job's epsilon to {projected:.4g} "
@@ -229,12 +263,15 @@ def train_local(
             )
             epsilon, out_history = None, entries
         else:
-            loss, seen, epsilon, out_history = _train_dp(
+            loss, seen, out_history = _train_dp(
                 work, optimizer, x_t, y_t, config=config, dp=dp, history=entries, sample_rate=sample_rate,
                 steps_per_epoch=steps_per_epoch, data_gen=data_gen,
                 noise_gen=torch.Generator(device=dev).manual_seed(noise_seed), device=dev, anchor=anchor,
                 progress=progress,
             )
+            # The projection already ran a fresh RDP accountant on exactly this history; only a history
+            # that differs from the plan (which training never produces) is worth a second computation.
+            epsilon = projected if out_history == planned else _epsilon(out_history, dp.delta)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         seconds = time.perf_counter() - start
@@ -335,37 +372,41 @@ def _train_dp(
     device: torch.device,
     anchor: list[torch.Tensor] | None,
     progress: Callable[[int, int], None] | None,
-) -> tuple[float, int, float, list[HistoryEntry]]:
-    from opacus import PrivacyEngine
+) -> tuple[float, int, list[HistoryEntry]]:
+    from opacus.accountants import RDPAccountant
+    from opacus.grad_sample import prepare_module
 
-    engine = PrivacyEngine(accountant="rdp")
-    engine.accountant.load_state_dict({"history": list(history), "mechanism": "rdp"})
-    loader = DataLoader(TensorDataset(x_t, y_t), batch_size=config.batch_size, generator=data_gen)
-    wrapped, dp_optimizer, dp_loader = engine.make_private(
-        module=work,
-        optimizer=optimizer,
-        data_loader=loader,
-        noise_multiplier=dp.noise_multiplier,
-        max_grad_norm=dp.max_grad_norm,
-        poisson_sampling=True,
-        noise_generator=noise_gen,
-        grad_sample_mode=GRAD_SAMPLE_MODE,
+    poisson_rate, expected_batch_size = _opacus_poisson_rule(len(y_t), config, steps_per_epoch, sample_rate)
+    wrapped = prepare_module(work, grad_sample_mode=GRAD_SAMPLE_MODE, batch_first=True, loss_reduction="mean")
+    wrapped.forbid_grad_accumulation()
+    dp_optimizer = flat_dp_optimizer_class()(
+        optimizer, noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
+        expected_batch_size=expected_batch_size, generator=noise_gen,
     )
-    if len(dp_loader) != steps_per_epoch or 1.0 / len(dp_loader) != sample_rate:
-        raise RuntimeError(
-            f"Opacus takes {len(dp_loader)} steps per epoch, the projection assumed {steps_per_epoch} "
-            f"at q={sample_rate}; this Opacus version changed its sampling rule"
-        )
+    accountant = RDPAccountant()
+    accountant.history = list(history)
+    dp_optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
+    params = dp_optimizer.params
+    x_d, y_d = x_t.to(device), y_t.to(device)
     total, done, seen = config.epochs * steps_per_epoch, 0, 0
     loss_sum, loss_n = 0.0, 0
     try:
         for _ in range(config.epochs):
             loss_sum, loss_n = 0.0, 0
-            for xb, yb in dp_loader:
-                xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+            for idx in poisson_batches(len(y_t), sample_rate=poisson_rate, steps=steps_per_epoch, generator=data_gen):
                 dp_optimizer.zero_grad(set_to_none=True)
-                loss = nn.functional.cross_entropy(wrapped(xb), yb)  # NaN on an empty batch: noise-only step
-                loss.backward()
+                if len(idx):
+                    idx = idx.to(device, non_blocking=True)
+                    xb, yb = x_d[idx], y_d[idx]
+                    loss = nn.functional.cross_entropy(wrapped(xb), yb)
+                    loss.backward()
+                    loss_sum += float(loss.detach()) * len(yb)
+                    loss_n += len(yb)
+                else:
+                    # An empty Poisson batch has no per-sample gradient: the step adds noise only (skipping it
+                    # would reveal the empty draw, and "ew" cannot run a forward pass on zero samples).
+                    for p in params:
+                        p.grad_sample = p.new_zeros((0, *p.shape))
                 if anchor is None:
                     dp_optimizer.step()
                 # The proximal gradient mu·(w − w_global) depends on no training sample, so it is
@@ -374,17 +415,100 @@ def _train_dp(
                 elif dp_optimizer.pre_step():
                     _add_proximal_grad(work, anchor, config.proximal_mu)
                     dp_optimizer.original_optimizer.step()
-                if len(yb):
-                    loss_sum += float(loss.detach()) * len(yb)
-                    loss_n += len(yb)
-                seen += len(yb)
+                seen += len(idx)
                 done += 1
                 if progress is not None:
                     progress(done, total)
     finally:
         wrapped.cleanup()  # remove Opacus's hooks and per-sample attributes from the throw-away copy
-    epsilon = float(engine.accountant.get_epsilon(delta=dp.delta))
-    return loss_sum / max(loss_n, 1), seen, epsilon, _normalise_history(engine.accountant.history)
+    return loss_sum / max(loss_n, 1), seen, _normalise_history(accountant.history)
+
+
+@functools.cache
+def flat_dp_optimizer_class() -> type:
+    """`FlatDPOptimizer`, defined on first use: importing Opacus takes seconds, so the trainer imports it lazily."""
+    from opacus.optimizers import DPOptimizer
+
+    class FlatDPOptimizer(DPOptimizer):
+        """Opacus's DPOptimizer with clipping, noising and averaging done on one flat vector.
+
+        The mechanism is Opacus's, unchanged: each sample's gradient over all parameters is scaled by
+        min(1, C / (‖g‖ + 1e-6)), the scaled gradients are summed, every coordinate gets N(0, (σ·C)²)
+        noise and the result is divided by the expected batch size. Opacus's phases each loop over
+        the parameters, rebuilding the parameter list several times and drawing noise per parameter,
+        which for the small models workers train costs more than the arithmetic. Here each
+        parameter costs one norm and one matrix-vector product (no copy of the n·P per-sample
+        gradients), and noise and averaging are one operation each on a flat vector. Virtual steps
+        (Opacus's BatchMemoryManager) are not supported: a Poisson batch is always one step.
+        """
+
+        def signal_skip_step(self, do_skip: bool = True) -> None:
+            raise RuntimeError("FlatDPOptimizer takes every Poisson batch in one step; virtual steps "
+                               "(Opacus's BatchMemoryManager) are not supported")
+
+        @property
+        def accumulated_iterations(self) -> int:
+            return 1  # one whole Poisson batch per step, never accumulated
+
+        def clip_and_accumulate(self) -> None:
+            grad_samples = self.grad_samples
+            for p in self.params:
+                p.grad_sample = None  # consumed: stepping again without a new backward pass raises
+            n = len(grad_samples[0])
+            flat = [g.reshape(n, math.prod(g.shape[1:])) for g in grad_samples]  # views: no copy of n·P floats
+            per_param = torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat], dim=1)
+            norms = torch.linalg.vector_norm(per_param, dim=1)
+            factor = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+            self._flat_sum = torch.cat([factor @ f for f in flat])  # zeros for an empty batch
+
+        def add_noise(self) -> None:
+            summed = self._flat_sum
+            noise = torch.normal(
+                0.0, self.noise_multiplier * self.max_grad_norm, size=summed.shape, generator=self.generator,
+                device=summed.device, dtype=summed.dtype,
+            )
+            self._flat_grad = summed + noise
+            params = self.params
+            for p, g in zip(params, self._flat_grad.split([p.numel() for p in params])):
+                p.grad = g.view_as(p)
+
+        def scale_grad(self) -> None:
+            self._flat_grad /= self.expected_batch_size  # the parameters' .grad are views of it
+
+    return FlatDPOptimizer
+
+
+def poisson_batches(
+    num_samples: int, *, sample_rate: float, steps: int, generator: torch.Generator
+) -> Iterator[torch.Tensor]:
+    """Indices of `steps` Poisson batches: every sample joins every batch independently with `sample_rate`.
+
+    The draw is Opacus's UniformWithReplacementSampler's (rand(N) < q per step, same generator, same
+    indices), kept as a tensor so a batch is one gather: Opacus's DPDataLoader fetches and collates
+    the samples one by one, which cost more than the forward pass of a small model.
+    """
+    for _ in range(steps):
+        yield (torch.rand(num_samples, generator=generator) < sample_rate).nonzero().squeeze(1)
+
+
+def _opacus_poisson_rule(
+    num_samples: int, config: TrainConfig, steps_per_epoch: int, sample_rate: float
+) -> tuple[float, int]:
+    """(rate to sample at, expected batch size) exactly as `PrivacyEngine.make_private` derives them.
+
+    Opacus's own loader is asked (it is built, never iterated) so that a change of its rules fails
+    here, before any step, instead of spending a different ε than `project_epsilon` promised.
+    """
+    from opacus.data_loader import DPDataLoader
+
+    dummy = TensorDataset(torch.empty(num_samples, 0))
+    dp_loader = DPDataLoader.from_data_loader(DataLoader(dummy, batch_size=config.batch_size))
+    if len(dp_loader) != steps_per_epoch or 1.0 / len(dp_loader) != sample_rate:
+        raise RuntimeError(
+            f"Opacus takes {len(dp_loader)} steps per epoch, the projection assumed {steps_per_epoch} "
+            f"at q={sample_rate}; this Opacus version changed its sampling rule"
+        )
+    return float(dp_loader.sample_rate), int(num_samples * sample_rate)
 
 
 def _add_proximal_grad(work: nn.Module, anchor: list[torch.Tensor] | None, mu: float) -> None:
