@@ -183,7 +183,8 @@ class RunningWeightedMean:
     `reserve` hands out a free row to receive an update into; `add(tensors, w, slot=...)` then commits it
     without a copy (`add` without a slot copies the tensors into a row). When no row is free the waiting
     rows are folded in one BLAS pass. `result` folds the rest, scaled by 1/Σw, into the running sum
-    itself; an `add` after it undoes the scaling (exact to float32 rounding) and goes on.
+    itself; an `add` after it goes on from a copy with the scaling undone (exact to float32 rounding), so
+    a result already handed out never changes.
     """
 
     def __init__(self, layout: Layout | None = None, *, buffer_bytes: int = BUFFER_BYTES, max_rows: int = ROWS) -> None:
@@ -267,8 +268,9 @@ class RunningWeightedMean:
             self._sum.flush()
 
     def _reopen(self) -> None:
+        """Undo the division into a new sum: the result handed out (maybe a served model) never changes."""
         if self._result is not None and self._sum is not None:
-            self._sum.y *= np.float32(self.total_weight)
+            self._sum.y = self._sum.y * np.float32(self.total_weight)
             self._result = None
 
     def result(self) -> dict[str, np.ndarray]:

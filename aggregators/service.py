@@ -10,10 +10,15 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import threading
+import weakref
+from collections import OrderedDict
 from concurrent import futures
-from typing import Iterable, Iterator
+from concurrent.futures import Future
+from typing import Any, Iterable, Iterator, Mapping
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from aggregators import metrics
@@ -50,6 +55,7 @@ class AggregationServicer(pb_grpc.AggregationServicer):
         self.book = book
         self.auth = auth
         self._algorithms: dict[str, dict[str, str]] = {}  # job → algorithm names of its last opened round (labels)
+        self._digests = DigestCache()
 
     def _caller(self, context: grpc.ServicerContext) -> Identity | None:
         return self.auth.identity(context) if self.auth is not None else None
@@ -94,11 +100,17 @@ class AggregationServicer(pb_grpc.AggregationServicer):
 
         return handle(context, run)
 
-    def DownloadGlobalModel(self, request: pb.GlobalModelRequest, context: grpc.ServicerContext) -> Iterator[pb.ModelChunk]:
+    def DownloadGlobalModel(self, request: pb.GlobalModelRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Serialized ModelChunk messages (the method is registered without a serializer, see `_add_servicer`).
+
+        Every worker of a round downloads the same version: its SHA-256 is computed once (`DigestCache`),
+        overlapped with sending it.
+        """
         version, spec_json, tensors = handle(context, lambda: self.book.global_model(request.job_id, request.version))
         header = pb.ModelHeader(job_id=request.job_id, version=version, model_spec_json=spec_json,
                                 tensors=codec.tensor_specs(tensors))
-        yield from codec.stream_messages(pb.ModelChunk, header, tensors)
+        digest = self._digests.digest((request.job_id, version), tensors)
+        yield from codec.encoded_stream(pb.ModelChunk, header, tensors, sha256=digest.result)
         metrics.SENT_BYTES.labels("DownloadGlobalModel").inc(sum(a.nbytes for a in tensors.values()))
 
     def RoundStatus(self, request: pb.RoundStatusRequest, context: grpc.ServicerContext) -> pb.RoundStatusReply:
@@ -119,6 +131,55 @@ class AggregationServicer(pb_grpc.AggregationServicer):
                                            for u in result.updates])
 
 
+class DigestCache:
+    """The SHA-256 of each global model version, hashed once for all of its downloads.
+
+    The first download of a version starts the hash in a helper thread and streams meanwhile; downloads that
+    start before it ends (every worker of a round fetches the new version at once) wait for the same hash at
+    their trailer instead of hashing again. A (job, version) may be installed again with other weights
+    (`put_global` after a coordinator restart), so an entry holds weak references to the arrays it hashed
+    and counts only while the book serves those very arrays: a re-installed, restored or freed model is
+    hashed afresh. The book never writes into a global model's arrays. Weak references keep no model alive;
+    the oldest entries go beyond `max_entries`.
+    """
+
+    def __init__(self, max_entries: int = 256) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[str, int], tuple[tuple[weakref.ref[np.ndarray], ...], Future[str]]] = \
+            OrderedDict()
+        self._lock = threading.Lock()
+
+    def digest(self, key: tuple[str, int], tensors: Mapping[str, np.ndarray]) -> Future[str]:
+        """The digest of `tensors`, done or under way."""
+        arrays = list(tensors.values())
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and _same_arrays(entry[0], arrays):
+                self._entries.move_to_end(key)
+                return entry[1]
+            future: Future[str] = Future()
+            self._entries[key] = (tuple(weakref.ref(arr) for arr in arrays), future)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        threading.Thread(target=self._hash, args=(key, dict(tensors), future), name="sha256-global",
+                         daemon=True).start()
+        return future
+
+    def _hash(self, key: tuple[str, int], tensors: dict[str, np.ndarray], future: Future[str]) -> None:
+        try:
+            future.set_result(codec.tensors_sha256(tensors))
+        except BaseException as exc:  # not kept: the next download of this version tries again
+            with self._lock:
+                if key in self._entries and self._entries[key][1] is future:
+                    del self._entries[key]
+            future.set_exception(exc)
+
+
+def _same_arrays(refs: tuple[weakref.ref[np.ndarray], ...], arrays: list[np.ndarray]) -> bool:
+    return len(refs) == len(arrays) and all(ref() is arr for ref, arr in zip(refs, arrays))
+
+
 def _own_uploads_only(messages: Iterable[pb.UpdateChunk], caller: Identity | None) -> Iterator[pb.UpdateChunk]:
     """Refuse, before reading any tensor data, an upload whose header names another worker than the caller's."""
     iterator = iter(messages)
@@ -129,6 +190,29 @@ def _own_uploads_only(messages: Iterable[pb.UpdateChunk], caller: Identity | Non
         raise UploadRejected("permission_denied", f"worker {caller.name!r} may upload only its own update, not one "
                                                   f"for worker {first.header.worker_id!r}")
     return itertools.chain((first,), iterator)
+
+
+def _add_servicer(servicer: AggregationServicer, server: grpc.Server) -> None:
+    """The generated registration, except that DownloadGlobalModel has no response serializer: it yields
+    messages already serialized by `codec.encoded_stream`, one copy of the model where a protobuf message
+    per chunk costs three (into a bytes, into the message, out by SerializeToString)."""
+    table: dict[str, grpc.RpcMethodHandler] = {}
+
+    class _Collect:  # stands in for the server to read the generated handler table
+        def add_generic_rpc_handlers(self, handlers: Any) -> None:
+            pass
+
+        def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+            table.update(handlers)
+
+    pb_grpc.add_AggregationServicer_to_server(servicer, _Collect())
+    missing = set(pb.DESCRIPTOR.services_by_name["Aggregation"].methods_by_name) - set(table)
+    if missing:  # a generator that registers no method handlers: extend `_Collect`
+        raise RuntimeError(f"the generated registration did not list {sorted(missing)}")
+    table["DownloadGlobalModel"] = grpc.unary_stream_rpc_method_handler(
+        servicer.DownloadGlobalModel, request_deserializer=pb.GlobalModelRequest.FromString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, table),))
+    server.add_registered_method_handlers(SERVICE_NAME, table)
 
 
 def serve(book: RoundBook, *, address: str = "127.0.0.1:0", max_workers: int = 16, tokens: TokenTable | None = None,
@@ -144,7 +228,7 @@ def serve(book: RoundBook, *, address: str = "127.0.0.1:0", max_workers: int = 1
         interceptors.append(auth)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS,
                          interceptors=interceptors)
-    pb_grpc.add_AggregationServicer_to_server(AggregationServicer(book, auth), server)
+    _add_servicer(AggregationServicer(book, auth), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = add_port(server, address, tls)

@@ -270,6 +270,10 @@ def run(*, quick: bool) -> Section:
         "Upload receiver memory excludes what the service keeps between uploads (the global model and the round's "
         "accumulator, 3× the model, allocated by the first upload): the peak is what one transfer adds."
     )
+    section.notes.append(
+        "The service hashes a global version once for all its downloads (every worker fetches the same one): the "
+        "warm-up download pays for it, overlapped with sending; the timed ones send the digest it computed."
+    )
     section.seconds = time.perf_counter() - started
     return section
 

@@ -106,9 +106,28 @@ class _BackgroundHash:
             self._thread.join()
 
 
-def _hashed_chunks(tensors: Mapping[str, np.ndarray], chunk_bytes: int, digest: list[str]) -> Iterator[memoryview | bytes]:
-    """The chunks to send; once they are all out, appends the SHA-256 of their bytes to `digest`."""
+def tensors_sha256(tensors: Mapping[str, np.ndarray]) -> str:
+    """The SHA-256 that a stream of `tensors` carries in its trailer (it does not depend on the chunk size)."""
+    sha = hashlib.sha256()
+    for arr in tensors.values():
+        arr = little_endian(arr)
+        if arr.size:
+            sha.update(arr.data.cast("B"))
+    return sha.hexdigest()
+
+
+def _hashed_chunks(tensors: Mapping[str, np.ndarray], chunk_bytes: int, digest: list[str],
+                   known: Callable[[], str] | None = None) -> Iterator[memoryview | bytes]:
+    """The chunks to send; once they are all out, appends the SHA-256 of their bytes to `digest`.
+
+    `known` gives that digest instead (hashed elsewhere, e.g. once for every download of a global model):
+    it is called after the last chunk, so it may wait for a hash that runs meanwhile.
+    """
     arrays = [little_endian(arr) for arr in tensors.values()]
+    if known is not None:
+        yield from _chunks(arrays, chunk_bytes)
+        digest.append(known())
+        return
     hasher = _BackgroundHash() if sum(arr.nbytes for arr in arrays) >= HASH_THREAD_BYTES else None
     sha = hashlib.sha256()
     try:
@@ -165,13 +184,18 @@ def _varint(value: int) -> bytes:
 
 
 def encoded_stream(
-    message_cls: Callable[..., Any], header: Any, tensors: Mapping[str, np.ndarray], chunk_bytes: int = CHUNK_BYTES
+    message_cls: Callable[..., Any], header: Any, tensors: Mapping[str, np.ndarray], chunk_bytes: int = CHUNK_BYTES,
+    *, sha256: Callable[[], str] | None = None,
 ) -> Iterator[bytes]:
-    """`stream_messages`, serialized: byte for byte what SerializeToString gives for each message."""
+    """`stream_messages`, serialized: byte for byte what SerializeToString gives for each message.
+
+    `sha256`: gives the digest of the tensors' bytes, computed elsewhere (see `_hashed_chunks`); None hashes
+    them here.
+    """
     yield message_cls(header=header).SerializeToString()
     digest: list[str] = []
     tag = bytes((DATA_TAG,))
-    for piece in _hashed_chunks(tensors, chunk_bytes, digest):
+    for piece in _hashed_chunks(tensors, chunk_bytes, digest, sha256):
         yield b"".join((tag, _varint(len(piece)), piece))
     yield message_cls(trailer=pb.Trailer(sha256=digest[0])).SerializeToString()
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import time
 
+import grpc
 import numpy as np
 import pytest
 
@@ -13,6 +14,8 @@ from aggregators.client import AggregatorClient
 from aggregators.rounds import RoundBook
 from aggregators.service import serve
 from fedbroker import codec
+from proto import fedbroker_pb2 as pb
+from proto import fedbroker_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -32,10 +35,11 @@ def test_put_download_upload_round_trip(client, width):
     model = {"0.weight": rng.standard_normal((width, width), dtype=np.float32),
              "0.bias": rng.standard_normal(width, dtype=np.float32)}
     client.put_global("j", 1, json.dumps(spec), model)
-    version, spec_json, got = client.download("j")
-    assert version == 1 and json.loads(spec_json) == spec
-    for name, arr in model.items():
-        np.testing.assert_array_equal(got[name], arr)
+    for _ in range(2):  # the second download sends the digest the first one computed
+        version, spec_json, got = client.download("j")
+        assert version == 1 and json.loads(spec_json) == spec
+        for name, arr in model.items():
+            np.testing.assert_array_equal(got[name], arr)
     client.open_round("j", 1, ["w1"], time.time() + 60, {}, seed=0)
     update = {name: arr + np.float32(1.0) for name, arr in model.items()}
     receipt = client.upload(job_id="j", round=1, worker_id="w1", num_samples=5, tensors=update)
@@ -45,3 +49,17 @@ def test_put_download_upload_round_trip(client, width):
     _, _, merged = client.download("j", 2)
     for name, arr in update.items():
         np.testing.assert_allclose(merged[name], arr, rtol=1e-6)
+
+
+def test_the_generated_stub_reads_the_pre_serialized_download(client):
+    """DownloadGlobalModel yields serialized messages with no response serializer: the wire stays protobuf."""
+    model = {"0.weight": np.arange(6, dtype=np.float32).reshape(2, 3), "0.bias": np.ones(2, np.float32)}
+    spec = {"input_shape": [3], "layers": [{"type": "Linear", "in_features": 3, "out_features": 2}]}
+    client.put_global("j", 4, json.dumps(spec), model)
+    with grpc.insecure_channel(client.target) as channel:
+        stub = pb_grpc.AggregationStub(channel)
+        messages = list(stub.DownloadGlobalModel(pb.GlobalModelRequest(job_id="j"), timeout=10))
+    header, got, digest = codec.receive(messages, max_bytes=1 << 20)
+    assert header.version == 4 and digest == hashlib.sha256(b"".join(codec.iter_chunks(model))).hexdigest()
+    for name, arr in model.items():
+        np.testing.assert_array_equal(got[name], arr)

@@ -83,3 +83,24 @@ def test_a_data_message_with_another_field_is_parsed_in_full():
         trailer=pb.Trailer(sha256="x")).SerializeToString()  # concatenated: the last oneof field wins
     (parsed,) = codec.decoded_stream([message], pb.UpdateChunk)
     assert parsed.WhichOneof("part") == "trailer"
+
+
+def test_tensors_sha256_is_the_trailer_digest(hash_threshold):
+    header = pb.ModelHeader(job_id="j", version=1, tensors=codec.tensor_specs(TENSORS))
+    raw = list(codec.encoded_stream(pb.ModelChunk, header, TENSORS, 7))
+    assert codec.tensors_sha256(TENSORS) == pb.ModelChunk.FromString(raw[-1]).trailer.sha256
+
+
+def test_a_digest_given_by_the_caller_sends_the_same_bytes_and_hashes_nothing(hash_threshold, monkeypatch):
+    header = pb.ModelHeader(job_id="j", version=1, tensors=codec.tensor_specs(TENSORS))
+    hashed = list(codec.encoded_stream(pb.ModelChunk, header, TENSORS, 7))
+    known = codec.tensors_sha256(TENSORS)
+
+    def no_hashing(*_: object) -> None:
+        raise AssertionError("a stream given its digest hashed")
+
+    monkeypatch.setattr(codec, "_BackgroundHash", no_hashing)
+    monkeypatch.setattr(codec.hashlib, "sha256", no_hashing)
+    asked: list[int] = []
+    given = list(codec.encoded_stream(pb.ModelChunk, header, TENSORS, 7, sha256=lambda: asked.append(1) or known))
+    assert given == hashed and asked == [1]

@@ -192,3 +192,12 @@ def test_rows_of_a_big_model_stay_within_the_buffer_budget():
     assert running._rows.per_block == 3
     tiny_budget = RunningWeightedMean(layout, buffer_bytes=10)
     assert tiny_budget._rows.per_block == 1  # always one row, however big the model
+
+
+def test_a_result_handed_out_never_changes():
+    running = RunningWeightedMean()
+    running.add({"w": np.full(3, 2.0, np.float32)}, 1.0)
+    first = running.result()["w"]
+    running.add({"w": np.full(3, 8.0, np.float32)}, 1.0)
+    running.result()
+    np.testing.assert_array_equal(first, np.full(3, 2.0, np.float32))  # e.g. a global model being served
