@@ -187,7 +187,8 @@ class RunningWeightedMean:
     a result already handed out never changes.
     """
 
-    def __init__(self, layout: Layout | None = None, *, buffer_bytes: int = BUFFER_BYTES, max_rows: int = ROWS) -> None:
+    def __init__(self, layout: Layout | None = None, *, buffer_bytes: int = BUFFER_BYTES, max_rows: int = ROWS,
+                 rows: UpdateRows | None = None) -> None:
         self.buffer_bytes = buffer_bytes
         self.max_rows = max_rows
         self.layout: Layout | None = None
@@ -198,13 +199,21 @@ class RunningWeightedMean:
         self.total_weight = 0.0
         self.count = 0
         if layout is not None:
-            self._start(layout)
+            self._start(layout, rows)
 
-    def _start(self, layout: Layout) -> None:
+    def _start(self, layout: Layout, rows: UpdateRows | None = None) -> None:
+        """`rows`: those of an earlier mean of the same model (memory already mapped: uploads fault no pages)."""
         self.layout = layout
-        rows = max(1, min(self.max_rows, self.buffer_bytes // max(4 * layout.size, 1)))
-        self._rows = UpdateRows(layout.size, per_block=rows, max_blocks=1)  # allocated by the first take
+        per_block = max(1, min(self.max_rows, self.buffer_bytes // max(4 * layout.size, 1)))
+        if rows is None or rows.size != layout.size or rows.per_block != per_block or rows.max_blocks != 1:
+            rows = UpdateRows(layout.size, per_block=per_block, max_blocks=1)  # allocated by the first take
+        self._rows = rows
         self._sum = _Sum(layout.size)
+
+    @property
+    def rows(self) -> UpdateRows | None:
+        """The rows, for the next mean of the same model once this one's result is taken."""
+        return self._rows
 
     def reserve(self, layout: Layout) -> Slot | None:
         """A free row for an update in `layout` (None if every row is in use, or the layout differs)."""

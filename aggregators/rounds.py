@@ -113,6 +113,7 @@ class _Job:
     last_close: tuple[int, CloseResult] | None = None   # (round, result): a repeated close returns it
     closed_deadlines: dict[int, float] = field(default_factory=dict)  # a late upload is "late", not "round_closed"
     closed_accepted: dict[int, list[str]] = field(default_factory=dict)  # recent rounds: who got in (status)
+    spare_rows: UpdateRows | None = None   # the last running mean's rows: the next round receives into them
 
     @property
     def version(self) -> int:
@@ -168,6 +169,7 @@ class RoundBook:
                 job.specs = {version: spec_json}
                 job.round = None
                 job.last_close = None
+                job.spare_rows = None  # the dropped round's uploads may still hold rows of them
             self._commit(job)
 
     def global_model(self, job_id: str, version: int = 0) -> tuple[int, str, dict[str, np.ndarray]]:
@@ -200,7 +202,8 @@ class RoundBook:
                 raise Conflict(f"round {round_number} of job {job_id!r} is already closed")
             job.seed = seed
             job.round = _new_round(round_number, members, deadline, algorithms, dict(aggregation),
-                                   {w: [int(c) for c in h] for w, h in (histograms or {}).items()}, job.spec)
+                                   {w: [int(c) for c in h] for w, h in (histograms or {}).items()}, job.spec,
+                                   job.spare_rows)
             self._commit(job)
             return job.version
 
@@ -377,6 +380,8 @@ class RoundBook:
             job.spec = spec
             job.specs[version] = new_spec_json
             job.closed_rounds.add(round_number)
+            if rnd.mean is not None:  # an upload still streaming into one of them keeps its row until refused
+                job.spare_rows = rnd.mean.rows
             job.closed_deadlines[round_number] = rnd.deadline
             job.closed_accepted[round_number] = sorted(accepted)
             for old in sorted(job.closed_accepted)[:-KEEP_CLOSED_ROUNDS]:
@@ -521,11 +526,12 @@ class _Reserved:
 
 
 def _new_round(number: int, members: frozenset[str], deadline: float, algorithms: Algorithms,
-               aggregation: dict[str, Any], histograms: dict[str, list[int]], spec: ModelSpec) -> _Round:
+               aggregation: dict[str, Any], histograms: dict[str, list[int]], spec: ModelSpec,
+               spare_rows: UpdateRows | None = None) -> _Round:
     layout = Layout(parameter_shapes(spec))
     return _Round(
         number, members, deadline, algorithms, layout,
-        mean=RunningWeightedMean(layout) if algorithms.incremental else None,
+        mean=RunningWeightedMean(layout, rows=spare_rows) if algorithms.incremental else None,
         plain_mean=RunningWeightedMean(layout) if algorithms.incremental and not algorithms.weights_positive else None,
         rows=None if algorithms.incremental else UpdateRows(layout.size, per_block=ROWS),
         histograms=histograms, aggregation=aggregation,

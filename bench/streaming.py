@@ -3,8 +3,8 @@
 The aggregation service (RoundBook + `serve` on port 0) runs in a child process, so the receiver's
 memory of an upload is the child's peak RSS and the receiver of a download is this process. The
 client is the real `AggregatorClient`. An upload is the whole `UploadUpdate` call: header checks,
-chunks, SHA-256 on both sides, the finite-values check and the fold into the round's running mean,
-i.e. everything a worker waits for before its receipt. The baseline is a raw TCP socket on loopback
+chunks into a row of the round's running mean, SHA-256 on both sides and the finite-values check,
+i.e. everything a worker waits for before its receipt, in a round after the first (as in a running job). The baseline is a raw TCP socket on loopback
 between this process and another child, with the same bytes sent with `sendall` and received with
 `recv_into` into a fresh buffer, timed the same way.
 
@@ -51,7 +51,9 @@ def cpu_seconds(pid: int | str = "self") -> float:
 def serve_child() -> None:
     from aggregators.rounds import RoundBook
     from aggregators.service import serve
+    from fedbroker.heap import keep_freed_memory
 
+    keep_freed_memory()  # as `fedbroker aggregator` does at start (fedbroker.launch.start_aggregator)
     server, port = serve(RoundBook(), max_workers=4)
     print(port, flush=True)
     _control_loop()  # until the parent closes our stdin
@@ -181,6 +183,9 @@ def run(*, quick: bool) -> Section:
     from aggregators.client import AggregatorClient
     from fedbroker import codec
 
+    from fedbroker.heap import keep_freed_memory
+
+    keep_freed_memory()  # this process is the worker's side (downloads land here), as `fedbroker worker` sets it
     started = time.perf_counter()
     section = Section(
         "streaming", "2. Weight streaming over gRPC (loopback)",
@@ -210,12 +215,19 @@ def run(*, quick: bool) -> Section:
             spec_json = json.dumps(model_spec(width))
             uploads = repeats + 1
             client.put_global(job, 1, spec_json, tensors)
-            client.open_round(job, 1, [f"w{i}" for i in range(uploads)], time.time() + 3600, {}, seed=0)
             flat = np.concatenate([a.reshape(-1) for a in tensors.values()]).view(np.uint8).data
-            counter = iter(range(uploads))
+            rounds = iter(range(1, uploads + 1))
+            current = [0]
 
-            def upload() -> None:
-                client.upload(job_id=job, round=1, worker_id=f"w{next(counter)}", num_samples=100, tensors=tensors)
+            def next_round(job: str = job) -> None:
+                """Untimed: close the last round and open the next, as a job's rounds follow one another."""
+                if current[0]:
+                    client.close_round(job, current[0])
+                current[0] = next(rounds)
+                client.open_round(job, current[0], ["w"], time.time() + 3600, {}, seed=0)
+
+            def upload(job: str = job) -> None:
+                client.upload(job_id=job, round=current[0], worker_id="w", num_samples=100, tensors=tensors)
 
             def download() -> None:
                 client.download(job)
@@ -231,6 +243,8 @@ def run(*, quick: bool) -> Section:
                 times, mems, cpus = [], [], []
                 child = raw if op.startswith("raw") else server
                 for i in range(repeats + 1):
+                    if op == "upload":
+                        next_round()
                     malloc_trim()
                     _trim(child)
                     ok = reset_peak_rss(receiver)
@@ -267,8 +281,10 @@ def run(*, quick: bool) -> Section:
     section.goals.append(Goal("receiver peak memory (× model)", round(high, 2), "≤ ~2×", high <= 2.2,
                               f"worst: {where_mem}"))
     section.notes.append(
-        "Upload receiver memory excludes what the service keeps between uploads (the global model and the round's "
-        "accumulator, 3× the model, allocated by the first upload): the peak is what one transfer adds."
+        "Each upload is the one upload of a new round of the job (the last round closed, untimed, before it): the "
+        "steady state of a job, whose rounds receive into the rows of the round before. Upload receiver memory "
+        "excludes what the service keeps between uploads (the global models, those rows and the running sum, "
+        "allocated by the first round): the peak is what one transfer adds."
     )
     section.notes.append(
         "The service hashes a global version once for all its downloads (every worker fetches the same one): the "

@@ -16,6 +16,7 @@ import grpc
 from fedbroker.auth import ClientSecurity, ServerTLS, load_table, read_secret
 from fedbroker.bus import Bus, InProcessBus, mask_url, open_bus
 from fedbroker.config import Config
+from fedbroker.heap import keep_freed_memory
 from fedbroker.metrics import start_exporter
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ def start_aggregator(config: Config) -> tuple[grpc.Server, int]:
     from aggregators.rounds import RoundBook
     from aggregators.service import SERVICE_NAME, serve
 
+    keep_freed_memory()  # every upload streams a model through the heap
     a = config.aggregator
     tokens = load_table(a.tokens_file, service=SERVICE_NAME)
     tls = ServerTLS.from_files(a.tls.cert_file, a.tls.key_file, a.tls.client_ca_file, where="aggregator.tls")
@@ -109,6 +111,7 @@ def start_worker(config: Config, *, bus: Bus | None = None) -> Any:
     from worker.agent import WorkerAgent, WorkerConfig
     from worker.trainer import DPPolicy
 
+    keep_freed_memory()  # every round streams the global model in and the update out
     w = config.worker
     _export("worker", w.metrics_port)
     dp = None

@@ -190,3 +190,15 @@ def test_a_round_that_keeps_every_update_averages_the_rows_it_received_them_into
                for e in rnd.accepted.values())
     book.close("j", 2)
     np.testing.assert_allclose(book.global_model("j")[2]["2.weight"], (10 * 1 + 20 * 2 + 30 * 3) / 60, rtol=1e-6)
+
+
+def test_the_next_round_receives_into_the_rows_of_the_last_one(book):
+    book.receive_update(stream(weights(1.0), worker="w1", n=10))
+    first = book._jobs["j"].round.mean.rows
+    book.close("j", 1)
+    book.open_round("j", 2, ["w1", "w2"], 2000.0, AGG)
+    book.receive_update(stream(weights(3.0), rnd=2, worker="w2", n=10))
+    assert book._jobs["j"].round.mean.rows is first  # memory already mapped: no page faults on upload
+    book.close("j", 2)
+    np.testing.assert_allclose(book.global_model("j")[2]["0.weight"], 3.0)
+    np.testing.assert_allclose(book.global_model("j", 2)[2]["0.weight"], 1.0)  # the kept version is untouched
