@@ -181,8 +181,8 @@ class RunningWeightedMean:
     """Σ w_k·x_k / Σ w_k, one update at a time, in memory O(model) whatever the number of workers.
 
     `reserve` hands out a free row to receive an update into; `add(tensors, w, slot=...)` then commits it
-    without a copy (`add` without a slot copies the tensors into a row). When no row is free the waiting
-    rows are folded in one BLAS pass. `result` folds the rest, scaled by 1/Σw, into the running sum
+    without a copy (`add` without a slot copies the tensors into a row). When a row is wanted and none is
+    free, the waiting rows are folded in one BLAS pass (not before: the last ones fold with the division). `result` folds the rest, scaled by 1/Σw, into the running sum
     itself; an `add` after it goes on from a copy with the scaling undone (exact to float32 rounding), so
     a result already handed out never changes.
     """
@@ -259,8 +259,6 @@ class RunningWeightedMean:
             self.layout.write(tensors, slot.values)
         self._waiting.append((slot, float(weight)))
         self._count(weight)
-        if self._rows.free == 0:
-            self._fold()
 
     def _count(self, weight: float) -> None:
         self.total_weight += float(weight)
