@@ -25,7 +25,7 @@ import numpy as np
 from scipy.linalg import blas
 from threadpoolctl import ThreadpoolController
 
-ROWS = 16                  # updates that wait in a running mean's rows before they are folded
+ROWS = 32                  # updates that wait in a running mean's rows before they are folded
 BUFFER_BYTES = 512 << 20   # a running mean's rows take at most this much (but always one row)
 FLUSH = 8                  # folds summed in float32 before the running sum is added into float64
 
