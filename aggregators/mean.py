@@ -5,7 +5,7 @@ the speed of reading the updates once. With the updates as rows of one matrix X 
 sgemv, y ← α·Xᵀw + β·y, which reads each update once at the speed of a plain streaming read (`make
 bench`). So the aggregation service receives each upload straight into a free row (`reserve`): the
 running mean folds its rows when all are taken; rounds that need every update (selection, alignment)
-keep theirs in `UpdateRows` and take the mean at the close.
+keep theirs in `UpdateRows` and take the mean at the close (`weighted_mean_of_rows`).
 
 Arithmetic: the products and the sum of one fold are float32 (sgemv, one BLAS thread: OpenBLAS's
 threads collapse when the cores are busy), the running sum is float32 and is added into a float64 sum
@@ -309,17 +309,3 @@ def weighted_mean_of_rows(rows: UpdateRows, slots: Sequence[Slot], weights: Sequ
         if acc.folds >= FLUSH:
             acc.flush()
     return layout.views(acc.finish(rows, slots[cut:], w[cut:], total))
-
-
-def weighted_mean(updates: Sequence[Mapping[str, np.ndarray]],
-                  weights: Sequence[float] | np.ndarray) -> dict[str, np.ndarray]:
-    """The same mean over updates given as separate arrays (copied into rows first)."""
-    if not len(updates):
-        raise ValueError("no positively weighted update to average")
-    layout = Layout.of(updates[0])
-    for update in updates[1:]:
-        layout.check(update)
-    mean = RunningWeightedMean()
-    for update, w in zip(updates, weights):
-        mean.add(update, float(w))
-    return mean.result()
