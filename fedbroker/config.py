@@ -112,6 +112,7 @@ class WorkerSection:
     dp: DPSection = field(default_factory=DPSection)
     ledger_path: str = "ledger.json"
     device: str = "auto"
+    torch_threads: int = 0             # torch intra-op threads for training; 0 = torch's default (one per core)
     heartbeat_s: float = 10.0
     histogram_epsilon: float = 0.0     # > 0: Laplace noise on the shared label histogram at this ε
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter

@@ -16,6 +16,7 @@ import grpc
 from fedbroker.auth import ClientSecurity, ServerTLS, load_table, read_secret
 from fedbroker.bus import Bus, InProcessBus, mask_url, open_bus
 from fedbroker.config import Config
+from fedbroker.errors import ConfigError
 from fedbroker.heap import keep_freed_memory
 from fedbroker.metrics import start_exporter
 
@@ -58,8 +59,6 @@ def start_aggregator(config: Config) -> tuple[grpc.Server, int]:
 def _export(role: str, port: int) -> None:
     """The Prometheus exporter of this process (once per port, shared by the demo's in-process parts)."""
     if port < 0 or port > 65535:
-        from fedbroker.errors import ConfigError
-
         raise ConfigError(f"{role}.metrics_port", f"must be between 0 (off) and 65535, got {port}")
     if start_exporter(port):
         log.info("%s metrics on http://0.0.0.0:%d/metrics", role, port)
@@ -107,12 +106,28 @@ def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorP
     return CoordinatorProcess(coordinator, server, port, bus)
 
 
+def set_torch_threads(threads: int) -> None:
+    """The process's torch intra-op thread count (0: torch's default).
+
+    Small models train fastest on one thread: a second never helped DP training here, and on a loaded
+    machine two threads ran 10-100x slower than one (OpenMP threads waiting on each other for whole
+    time slices; `make bench`, DP training).
+    """
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ConfigError("worker.torch_threads", f"must be a whole number >= 0 (0: torch's default), got {threads!r}")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def start_worker(config: Config, *, bus: Bus | None = None) -> Any:
     from worker.agent import WorkerAgent, WorkerConfig
     from worker.trainer import DPPolicy
 
     keep_freed_memory()  # every round streams the global model in and the update out
     w = config.worker
+    set_torch_threads(w.torch_threads)
     _export("worker", w.metrics_port)
     dp = None
     if w.dp.enabled:

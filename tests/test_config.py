@@ -31,3 +31,23 @@ def test_flags_override_the_environment():
 def test_bad_settings_name_the_field(key, value, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(environ={key: value})
+
+
+def test_worker_torch_threads_is_set_for_the_process_and_checked():
+    import torch
+
+    from fedbroker.errors import ConfigError
+    from fedbroker.launch import set_torch_threads
+
+    config = load_config(environ={"FEDBROKER__WORKER__TORCH_THREADS": "1"})
+    assert config.worker.torch_threads == 1
+    before = torch.get_num_threads()
+    try:
+        set_torch_threads(config.worker.torch_threads)
+        assert torch.get_num_threads() == 1
+        set_torch_threads(0)  # torch's default: left as it is
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ConfigError, match="worker.torch_threads"):
+        set_torch_threads(-2)
