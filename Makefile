@@ -13,7 +13,7 @@ DATASET ?= digits
 BROKER  ?=
 PARTITION ?= dirichlet
 
-.PHONY: venv demo test test-unit test-ops ops-tools proto clean bench bench-quick bench-env
+.PHONY: venv demo test lint test-unit test-ops ops-tools proto clean bench bench-quick bench-env
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +30,13 @@ demo: $(STAMP)
 		--partition $(PARTITION) --dataset $(DATASET) $(if $(filter off no false 0,$(DP)),--no-dp,--dp) \
 		$(if $(BROKER),--broker '$(BROKER)')
 
-test: $(STAMP) ops-tools security-tools
+test: $(STAMP) ops-tools security-tools lint
 	$(PY) -m pytest -q
+
+# ruff over the whole tree; mypy over the installed package (strict on the kernel and the algorithms: pyproject.toml)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check --no-cache .
+	$(VENV)/bin/mypy
 
 # promtool and prometheus for tests/ops (Debian's package; kubectl and the schemas come from requirements.txt)
 ops-tools:
@@ -74,7 +79,7 @@ experiment-weighting-selection: $(STAMP)
 	$(PY) -m experiments.weighting_selection
 
 proto: $(STAMP)
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/fedbroker.proto
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. fedbroker/proto/fedbroker.proto
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -9,15 +9,16 @@ transfer); every other call goes through the generated stub.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from fedbroker import codec
 from fedbroker.auth import ClientSecurity
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import CHANNEL_OPTIONS, call_with_retry
-from proto import fedbroker_pb2 as pb
-from proto import fedbroker_pb2_grpc as pb_grpc
 
 
 def _path(method: str) -> str:
@@ -48,7 +49,7 @@ class AggregatorClient:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "AggregatorClient":
+    def __enter__(self) -> AggregatorClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

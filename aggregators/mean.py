@@ -18,8 +18,8 @@ sum once more than ROWS·FLUSH updates arrived: independent of the number of wor
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 from scipy.linalg import blas
@@ -46,7 +46,7 @@ class Layout:
         self.size = size
 
     @classmethod
-    def of(cls, tensors: Mapping[str, np.ndarray]) -> "Layout":
+    def of(cls, tensors: Mapping[str, np.ndarray]) -> Layout:
         return cls({name: np.shape(arr) for name, arr in tensors.items()})
 
     def check(self, tensors: Mapping[str, np.ndarray]) -> None:

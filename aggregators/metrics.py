@@ -3,7 +3,7 @@ registry). No label names a job, a round or a worker: reasons and algorithm name
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from prometheus_client import Counter, Gauge, Histogram
 

@@ -3,11 +3,11 @@ list of Layers; and back, with the spec's widths updated when matching grows a l
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
-from aggregators.alignment import Layer
+from fedbroker.aggregators.alignment import Layer
 from fedbroker.spec import LayerSpec, ModelSpec, parse_model
 
 WEIGHTED = ("Linear", "Conv2d")

@@ -19,7 +19,7 @@ class Algorithms:
     @property
     def weights_positive(self) -> bool:
         """FedAvg and uniform weights are > 0 for every valid update; DWFed's may all be 0."""
-        from aggregators.weighting.fedavg import FedAvgWeighting, UniformWeighting
+        from fedbroker.aggregators.weighting.fedavg import FedAvgWeighting, UniformWeighting
 
         return isinstance(self.weighting, (FedAvgWeighting, UniformWeighting))
 
@@ -31,9 +31,9 @@ class Algorithms:
 
 def build_algorithms(config: Any) -> Algorithms:
     """`config` is an AggregationConfig (or anything with the same attributes)."""
-    from aggregators.alignment import ALIGNMENT
-    from aggregators.selection import SELECTION
-    from aggregators.weighting import WEIGHTING
+    from fedbroker.aggregators.alignment import ALIGNMENT
+    from fedbroker.aggregators.selection import SELECTION
+    from fedbroker.aggregators.weighting import WEIGHTING
 
     errors: list[ConfigError] = []
     built: dict[str, Any] = {}

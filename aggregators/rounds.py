@@ -22,16 +22,17 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from aggregators.mean import ROWS, Layout, RunningWeightedMean, Slot, UpdateRows, weighted_mean_of_rows
-from aggregators.network import from_layers, to_layers
-from aggregators.registries import Algorithms, build_algorithms
-from aggregators.spool import Spool, StoredJob
 from fedbroker import codec
+from fedbroker.aggregators.mean import ROWS, Layout, RunningWeightedMean, Slot, UpdateRows, weighted_mean_of_rows
+from fedbroker.aggregators.network import from_layers, to_layers
+from fedbroker.aggregators.registries import Algorithms, build_algorithms
+from fedbroker.aggregators.spool import Spool, StoredJob
 from fedbroker.errors import Conflict, NotFound, UploadRejected
 from fedbroker.spec import AggregationConfig, ModelSpec, parameter_shapes, parse_model
 
@@ -283,8 +284,8 @@ class RoundBook:
         return None
 
     def _accept(self, header: Any, tensors: dict[str, np.ndarray], digest: str,
-                reserved: "_Reserved | None") -> Receipt:
-        from aggregators.weighting import UpdateMeta
+                reserved: _Reserved | None) -> Receipt:
+        from fedbroker.aggregators.weighting import UpdateMeta
 
         meta = UpdateMeta(
             worker_id=header.worker_id,
@@ -407,7 +408,7 @@ class RoundBook:
     def _choose(self, rnd: _Round, accepted: dict[str, _Accepted], current: Mapping[str, np.ndarray],
                 rng: np.random.Generator, stats: dict[str, float]) -> tuple[list[str], np.ndarray]:
         """Selection picks which updates enter the mean; weighting gives their coefficients."""
-        from aggregators.selection import Candidate
+        from fedbroker.aggregators.selection import Candidate
 
         selection = rnd.algorithms.selection
         vectors = selection.needs_vectors(rnd.number)
@@ -573,7 +574,7 @@ def _entry_record(entry: _Accepted) -> dict[str, Any]:
 
 
 def _entry_from_record(r: Mapping[str, Any]) -> _Accepted:
-    from aggregators.weighting import UpdateMeta
+    from fedbroker.aggregators.weighting import UpdateMeta
 
     meta = UpdateMeta(worker_id=r["worker_id"], num_samples=int(r["num_samples"]), ish=r["ish"], loss=r["loss"])
     return _Accepted(r["worker_id"], int(r["num_samples"]), float(r["raw_weight"]), r["sha256"],

@@ -13,23 +13,24 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent import futures
 from concurrent.futures import Future
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from aggregators import metrics
-from aggregators.rounds import RoundBook
 from fedbroker import codec
+from fedbroker.aggregators import metrics
+from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.auth import ROLE_COORDINATOR, ROLE_WORKER, Identity, ServerAuth, ServerTLS, TokenTable, add_port
 from fedbroker.errors import UploadRejected
 from fedbroker.metrics import GrpcMetricsInterceptor
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import CHANNEL_OPTIONS, handle
-from proto import fedbroker_pb2 as pb
-from proto import fedbroker_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "fedbroker.v1.Aggregation"

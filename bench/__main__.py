@@ -17,7 +17,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 from bench.harness import Section, machine, write_results
 

@@ -28,7 +28,7 @@ PAPER = {  # (exponent in n, exponent in K, as the papers state the cost)
 
 
 def make_clients(k: int, n: int, d: int, rng: np.random.Generator) -> list[list[Any]]:
-    from aggregators.alignment import Layer
+    from fedbroker.aggregators.alignment import Layer
 
     w1 = rng.standard_normal((n, d)) / np.sqrt(d)
     b1 = rng.standard_normal(n) * 0.1
@@ -44,7 +44,7 @@ def make_clients(k: int, n: int, d: int, rng: np.random.Generator) -> list[list[
 
 
 def algorithm(name: str, n: int) -> Any:
-    from aggregators.alignment import ALIGNMENT
+    from fedbroker.aggregators.alignment import ALIGNMENT
 
     return ALIGNMENT.create(name, {"max_global_width": 2 * n} if name in ("pfnm", "nafi") else {})
 

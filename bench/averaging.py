@@ -24,12 +24,13 @@ import json
 import math
 import time
 import tracemalloc
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from aggregators.mean import ROWS, Layout, RunningWeightedMean, UpdateRows, weighted_mean_of_rows
 from bench.harness import Goal, Section, Stat
+from fedbroker.aggregators.mean import ROWS, Layout, RunningWeightedMean, UpdateRows, weighted_mean_of_rows
 from fedbroker.heap import keep_freed_memory
 
 GB = 1e9

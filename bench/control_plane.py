@@ -67,7 +67,7 @@ class Fleet:
 
     def start(self) -> None:
         from fedbroker import envelope
-        from proto import fedbroker_pb2 as pb
+        from fedbroker.proto import fedbroker_pb2 as pb
 
         for wid in self.ids:
             self.bus.declare_worker(wid)
@@ -83,7 +83,7 @@ class Fleet:
     def _beat(self) -> None:
         """Every worker heartbeats every HEARTBEAT_S, spread evenly over the interval."""
         from fedbroker import envelope
-        from proto import fedbroker_pb2 as pb
+        from fedbroker.proto import fedbroker_pb2 as pb
 
         gap = HEARTBEAT_S / max(1, len(self.ids))
         while not self._stop.is_set():
@@ -97,8 +97,8 @@ class Fleet:
                     self.failures.append(f"heartbeat {wid}: {exc}")
 
     def on_task(self, wid: str, delivery: Any) -> None:
-        from aggregators.client import AggregatorClient
         from fedbroker import envelope
+        from fedbroker.aggregators.client import AggregatorClient
 
         try:
             task = envelope.decode(delivery.body, expect=("round_task",)).round_task
@@ -135,11 +135,11 @@ def fleet_child(url: str, namespace: str, count: int) -> None:
 
 def run_ours(count: int, rounds: int, url: str | None, timeout_s: float) -> dict[str, Any]:
     """Rounds of a job with `count` stub workers; per-round seconds from the coordinator's own record."""
-    from aggregators.client import AggregatorClient
     from bench.streaming import _spawn, _stop
-    from coordinator.scheduler import Coordinator
-    from coordinator.state import StateStore
+    from fedbroker.aggregators.client import AggregatorClient
     from fedbroker.bus import delete_topology, open_bus
+    from fedbroker.coordinator.scheduler import Coordinator
+    from fedbroker.coordinator.state import StateStore
     from fedbroker.spec import parse_job
 
     namespace = f"fedbroker-bench-{uuid.uuid4().hex[:8]}"

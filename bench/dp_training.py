@@ -44,9 +44,16 @@ def run(*, quick: bool) -> Section:
 
     from fedbroker.model import build_model
     from fedbroker.spec import parse_model
-    from worker import trainer
-    from worker.data import load_dataset
-    from worker.trainer import DPPolicy, TrainConfig, dp_sample_rate, planned_steps, project_epsilon, train_local
+    from fedbroker.worker import trainer
+    from fedbroker.worker.data import load_dataset
+    from fedbroker.worker.trainer import (
+        DPPolicy,
+        TrainConfig,
+        dp_sample_rate,
+        planned_steps,
+        project_epsilon,
+        train_local,
+    )
 
     started = time.perf_counter()
     section = Section(

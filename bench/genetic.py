@@ -17,8 +17,8 @@ PARAMETERS = 64 * 64 + 64 + 64 * 10 + 10
 
 
 def run(*, quick: bool) -> Section:
-    from aggregators.selection import Candidate
-    from aggregators.selection.genetic import GeneticSelection
+    from fedbroker.aggregators.selection import Candidate
+    from fedbroker.aggregators.selection.genetic import GeneticSelection
 
     started = time.perf_counter()
     section = Section(

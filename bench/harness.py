@@ -15,8 +15,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -30,17 +31,17 @@ class Stat:
     n: int
 
     @classmethod
-    def of(cls, values: Iterable[float], unit: str) -> "Stat":
+    def of(cls, values: Iterable[float], unit: str) -> Stat:
         vals = [float(v) for v in values]
         if not vals:
             raise ValueError("no measurement")
         return cls(min(vals), statistics.median(vals), max(vals), unit, len(vals))
 
-    def scaled(self, factor: float, unit: str) -> "Stat":
+    def scaled(self, factor: float, unit: str) -> Stat:
         """The same numbers times `factor` (a positive factor keeps min/max in place)."""
         return Stat(self.min * factor, self.median * factor, self.max * factor, unit, self.n)
 
-    def inverse(self, numerator: float, unit: str) -> "Stat":
+    def inverse(self, numerator: float, unit: str) -> Stat:
         """numerator / value: seconds → throughput (the slowest run gives the min)."""
         return Stat(numerator / self.max, numerator / self.median, numerator / self.min, unit, self.n)
 
@@ -80,7 +81,7 @@ class Section:
         }
 
     @classmethod
-    def from_json(cls, key: str, data: dict[str, Any]) -> "Section":
+    def from_json(cls, key: str, data: dict[str, Any]) -> Section:
         rows = [{k: (Stat(**v) if isinstance(v, dict) and "median" in v else v) for k, v in row.items()}
                 for row in data.get("rows", [])]
         goals = [Goal(**g) for g in data.get("goals", [])]

@@ -49,11 +49,11 @@ def cpu_seconds(pid: int | str = "self") -> float:
 
 
 def serve_child() -> None:
-    from aggregators.rounds import RoundBook
-    from aggregators.service import serve
+    from fedbroker.aggregators.rounds import RoundBook
+    from fedbroker.aggregators.service import serve
     from fedbroker.heap import keep_freed_memory
 
-    keep_freed_memory()  # as `fedbroker aggregator` does at start (fedbroker.launch.start_aggregator)
+    keep_freed_memory()  # as `fedbroker aggregator` does at start (fedbroker.app.launch.start_aggregator)
     server, port = serve(RoundBook(), max_workers=4)
     print(port, flush=True)
     _control_loop()  # until the parent closes our stdin
@@ -180,9 +180,8 @@ def raw_download(port: int, size: int) -> bytearray:
 
 
 def run(*, quick: bool) -> Section:
-    from aggregators.client import AggregatorClient
     from fedbroker import codec
-
+    from fedbroker.aggregators.client import AggregatorClient
     from fedbroker.heap import keep_freed_memory
 
     keep_freed_memory()  # this process is the worker's side (downloads land here), as `fedbroker worker` sets it

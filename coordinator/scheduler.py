@@ -17,24 +17,25 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from aggregators.client import AggregatorClient
-from coordinator import metrics
-from coordinator.checkpoints import load_checkpoint, save_checkpoint
-from coordinator.participants import sample_participants
-from coordinator.state import StateStore
 from fedbroker import envelope
+from fedbroker.aggregators.client import AggregatorClient
 from fedbroker.bus import Bus, Delivery
+from fedbroker.coordinator import metrics
+from fedbroker.coordinator.checkpoints import load_checkpoint, save_checkpoint
+from fedbroker.coordinator.participants import sample_participants
+from fedbroker.coordinator.state import StateStore
 from fedbroker.errors import BusError, ConfigError, FedbrokerError
 from fedbroker.metrics import BUSES
+from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import JobSpec, job_from_json, parse_model
-from proto import fedbroker_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -11,16 +11,15 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from coordinator import metrics
-from coordinator.scheduler import Coordinator
 from fedbroker.auth import ROLE_SUBMITTER, ROLE_VIEWER, ClientSecurity, ServerAuth, ServerTLS, TokenTable, add_port
+from fedbroker.coordinator import metrics
+from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.errors import FedbrokerError
 from fedbroker.metrics import GrpcMetricsInterceptor
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import CHANNEL_OPTIONS, handle
 from fedbroker.spec import JobSpec, job_from_text
-from proto import fedbroker_pb2 as pb
-from proto import fedbroker_pb2_grpc as pb_grpc
-
 
 SERVICE_NAME = "fedbroker.v1.Coordinator"
 PERMISSIONS: dict[str, frozenset[str]] = {

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from aggregators.rounds import RoundBook
 from experiments.harness import (
     JOB_ID,
     classification_metrics,
@@ -36,9 +35,10 @@ from experiments.harness import (
     upload,
     widths_of,
 )
+from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.model import build_model, initial_weights, load_numpy_state
 from fedbroker.spec import JobSpec, parse_job
-from worker.trainer import TrainConfig, evaluate, train_local
+from fedbroker.worker.trainer import TrainConfig, evaluate, train_local
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -137,7 +137,7 @@ def one_shot(protocol: FusionProtocol, *, progress: bool = True) -> dict[str, An
             local_acc.append(evaluate(model, test.x, test.y)[0])
         row: dict[str, Any] = {"S": size, "seed": seed, "init": init, "local_accuracy": float(np.mean(local_acc)),
                                "local_accuracies": [float(a) for a in local_acc],
-                               "samples": [int(len(w.y)) for w in workers], "methods": {}}
+                               "samples": [len(w.y) for w in workers], "methods": {}}
         for name, aggregation in protocol.methods.items():
             started = time.perf_counter()
             book = RoundBook()

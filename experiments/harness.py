@@ -19,17 +19,17 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from torch import nn
 
-from aggregators.rounds import RoundBook
-from aggregators.weighting import population_distribution, reported_ish
-from coordinator.participants import sample_participants
 from fedbroker import codec
+from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.weighting import population_distribution, reported_ish
+from fedbroker.coordinator.participants import sample_participants
 from fedbroker.errors import BudgetExceeded
 from fedbroker.model import build_model, initial_weights, load_numpy_state
+from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import JobSpec, ModelSpec, parse_job, parse_model
-from proto import fedbroker_pb2 as pb
-from worker.data import Dataset, load_dataset, train_test_split
-from worker.partition import partition
-from worker.trainer import DPPolicy, HistoryEntry, TrainConfig, TrainResult, evaluate, train_local
+from fedbroker.worker.data import Dataset, load_dataset, train_test_split
+from fedbroker.worker.partition import partition
+from fedbroker.worker.trainer import DPPolicy, HistoryEntry, TrainConfig, TrainResult, evaluate, train_local
 
 Metrics = Callable[[nn.Module, Dataset], dict[str, float]]
 

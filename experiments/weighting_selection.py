@@ -143,8 +143,8 @@ def make_task_workers(task: Task) -> tuple[list[Any], Any]:
     min_size=2 (same test split, same partitioner, same worker ids as `make_workers`).
     """
     from experiments.harness import VirtualWorker, make_workers
-    from worker.data import load_dataset, train_test_split
-    from worker.partition import partition
+    from fedbroker.worker.data import load_dataset, train_test_split
+    from fedbroker.worker.partition import partition
 
     alpha = task.alpha or 0.5
     if task.min_size is None:
@@ -274,8 +274,14 @@ def dwfed_weight_spread(p: DWFedProtocol) -> dict[str, dict[str, float]]:
     are not): the mean total-variation distance
     between the two weight vectors per round, and DWFed's mean max/min weight ratio.
     """
-    from aggregators.weighting import DWFedWeighting, UpdateMeta, emd, label_distribution, population_distribution
-    from coordinator.participants import sample_participants
+    from fedbroker.aggregators.weighting import (
+        DWFedWeighting,
+        UpdateMeta,
+        emd,
+        label_distribution,
+        population_distribution,
+    )
+    from fedbroker.coordinator.participants import sample_participants
 
     out: dict[str, dict[str, float]] = {}
     for split in dwfed_splits(p):
@@ -294,7 +300,7 @@ def dwfed_weight_spread(p: DWFedProtocol) -> dict[str, dict[str, float]]:
                 for r in range(1, p.rounds + 1):
                     chosen = sample_participants(list(by_id), k, seed=seed, round_number=r)
                     n = np.array([len(by_id[w].y) for w in chosen], dtype=np.float64)
-                    raw = [dwfed.raw_weight(UpdateMeta(w, int(len(by_id[w].y)), ish=dwfed.ish_for(distance[w], k)))
+                    raw = [dwfed.raw_weight(UpdateMeta(w, len(by_id[w].y), ish=dwfed.ish_for(distance[w], k)))
                            for w in chosen]
                     a_dw, _ = dwfed.normalise(np.array(raw))
                     tv.append(0.5 * float(np.abs(a_dw - n / n.sum()).sum()))

@@ -1,5 +1,5 @@
 import sys
 
-from fedbroker.cli import main
+from fedbroker.app.cli import main
 
 sys.exit(main())

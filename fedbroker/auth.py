@@ -32,8 +32,9 @@ import logging
 import os
 import re
 import secrets
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import grpc
 
@@ -86,7 +87,7 @@ class TokenTable:
             raise ConfigError("tokens", "the token table is empty; leave the tokens file unset to turn auth off")
 
     @classmethod
-    def from_mapping(cls, raw: Any, *, where: str = "tokens") -> "TokenTable":
+    def from_mapping(cls, raw: Any, *, where: str = "tokens") -> TokenTable:
         if not isinstance(raw, Mapping):
             raise ConfigError(where, f"must be a mapping of identity → {{role, sha256 | token}}, got {type(raw).__name__}")
         entries: list[tuple[Identity, str]] = []
@@ -116,7 +117,7 @@ class TokenTable:
         return cls(entries)
 
     @classmethod
-    def from_file(cls, path: str) -> "TokenTable":
+    def from_file(cls, path: str) -> TokenTable:
         import yaml
 
         try:
@@ -282,7 +283,7 @@ class ServerTLS:
                                            require_client_auth=self.client_ca is not None)
 
     @classmethod
-    def from_files(cls, cert_file: str, key_file: str, client_ca_file: str = "", *, where: str) -> "ServerTLS | None":
+    def from_files(cls, cert_file: str, key_file: str, client_ca_file: str = "", *, where: str) -> ServerTLS | None:
         if not cert_file and not key_file:
             if client_ca_file:
                 raise ConfigError(f"{where}.client_ca_file", "mTLS needs TLS: set cert_file and key_file too")
@@ -351,7 +352,7 @@ class ClientSecurity:
         return grpc.secure_channel(target, credentials, options=options)
 
     @classmethod
-    def from_config(cls, client: Any, *, expected_target: str = "") -> "ClientSecurity":
+    def from_config(cls, client: Any, *, expected_target: str = "") -> ClientSecurity:
         """From a config's `client` section (fedbroker.config.ClientSection)."""
         if bool(client.cert_file) != bool(client.key_file):
             raise ConfigError("client.cert_file", "a client certificate needs both cert_file and key_file")

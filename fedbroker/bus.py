@@ -22,9 +22,10 @@ import ssl
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Literal, Protocol, Sequence
+from typing import Any, ClassVar, Literal, Protocol
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from fedbroker.errors import BusError, ConfigError
@@ -95,7 +96,7 @@ class Delivery:
     `finally: delivery.nack(...)` safety net cannot undo an ack.
     """
 
-    __slots__ = ("body", "routing_key", "redelivered", "attempts", "message_id", "_settle", "_lock", "_settled")
+    __slots__ = ("_lock", "_settle", "_settled", "attempts", "body", "message_id", "redelivered", "routing_key")
 
     def __init__(
         self,
@@ -306,7 +307,7 @@ class _MemQueue:
 class MemoryBroker:
     """The in-process stand-in for RabbitMQ; every `InProcessBus` with the same namespace shares one."""
 
-    _registry: dict[str, MemoryBroker] = {}
+    _registry: ClassVar[dict[str, MemoryBroker]] = {}
     _registry_lock = threading.Lock()
 
     def __init__(self, namespace: str) -> None:

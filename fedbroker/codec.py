@@ -17,12 +17,13 @@ import hashlib
 import math
 import queue
 import threading
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
 from fedbroker.errors import UploadRejected
-from proto import fedbroker_pb2 as pb
+from fedbroker.proto import fedbroker_pb2 as pb
 
 CHUNK_BYTES = 2 * 1024 * 1024
 HASH_THREAD_BYTES = 8 * 1024 * 1024
@@ -208,7 +209,7 @@ class _DataPart:
     def __init__(self, data: memoryview) -> None:
         self.data = data
 
-    def WhichOneof(self, _: str) -> str:  # noqa: N802 (protobuf's name)
+    def WhichOneof(self, _: str) -> str:
         return "data"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from google.protobuf.message import DecodeError
 
 from fedbroker.errors import FedbrokerError
-from proto import fedbroker_pb2 as pb
+from fedbroker.proto import fedbroker_pb2 as pb
 
 
 class MalformedMessage(FedbrokerError):

@@ -16,7 +16,8 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import grpc
 from prometheus_client import REGISTRY, Counter, Histogram, disable_created_metrics, start_http_server

@@ -5,12 +5,19 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Any, Callable, NoReturn, TypeVar
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
 
 import grpc
 
 from fedbroker.errors import (
-    BudgetExceeded, ConfigError, Conflict, FedbrokerError, NotFound, Unauthenticated, UploadRejected,
+    BudgetExceeded,
+    ConfigError,
+    Conflict,
+    FedbrokerError,
+    NotFound,
+    Unauthenticated,
+    UploadRejected,
 )
 
 log = logging.getLogger(__name__)

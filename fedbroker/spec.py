@@ -12,8 +12,9 @@ import json
 import math
 import re
 import reprlib
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from fedbroker.errors import ConfigError, ConfigErrors
 
@@ -382,7 +383,7 @@ def _section(errors: _Collector, raw: Mapping[str, Any], name: str, cls: type) -
             if not isinstance(value, Mapping):
                 errors.add(f"{name}.{key}", f"must be a mapping, got {type(value).__name__}")
                 continue
-        elif expected is int and not _is_int(value) or expected is not int and not isinstance(value, expected):
+        elif (expected is int and not _is_int(value)) or (expected is not int and not isinstance(value, expected)):
             errors.add(f"{name}.{key}", f"must be {expected.__name__}, got {type(value).__name__} {_show(value)}")
             continue
         kwargs[key] = value
@@ -448,8 +449,8 @@ def parse_job(raw: Any) -> JobSpec:
 
 def _check_algorithms(errors: _Collector, aggregation: AggregationConfig, model: ModelSpec) -> None:
     """Build each named algorithm once, so an unknown name or bad parameter fails at submission."""
-    from aggregators.network import alignment_problems
-    from aggregators.registries import build_algorithms
+    from fedbroker.aggregators.network import alignment_problems
+    from fedbroker.aggregators.registries import build_algorithms
 
     try:
         build_algorithms(aggregation)

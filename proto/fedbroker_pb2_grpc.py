@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import fedbroker_pb2 as proto_dot_fedbroker__pb2
+from fedbroker.proto import fedbroker_pb2 as fedbroker_dot_proto_dot_fedbroker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/fedbroker_pb2_grpc.py depends on'
+        + ' but the generated code in fedbroker/proto/fedbroker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,33 +36,33 @@ class AggregationStub:
         """
         self.PutGlobalModel = channel.stream_unary(
                 '/fedbroker.v1.Aggregation/PutGlobalModel',
-                request_serializer=proto_dot_fedbroker__pb2.ModelChunk.SerializeToString,
-                response_deserializer=proto_dot_fedbroker__pb2.UploadReceipt.FromString,
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.ModelChunk.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.UploadReceipt.FromString,
                 _registered_method=True)
         self.OpenRound = channel.unary_unary(
                 '/fedbroker.v1.Aggregation/OpenRound',
-                request_serializer=proto_dot_fedbroker__pb2.OpenRoundRequest.SerializeToString,
-                response_deserializer=proto_dot_fedbroker__pb2.OpenRoundReply.FromString,
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.OpenRoundRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.OpenRoundReply.FromString,
                 _registered_method=True)
         self.UploadUpdate = channel.stream_unary(
                 '/fedbroker.v1.Aggregation/UploadUpdate',
-                request_serializer=proto_dot_fedbroker__pb2.UpdateChunk.SerializeToString,
-                response_deserializer=proto_dot_fedbroker__pb2.UploadReceipt.FromString,
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.UpdateChunk.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.UploadReceipt.FromString,
                 _registered_method=True)
         self.DownloadGlobalModel = channel.unary_stream(
                 '/fedbroker.v1.Aggregation/DownloadGlobalModel',
-                request_serializer=proto_dot_fedbroker__pb2.GlobalModelRequest.SerializeToString,
-                response_deserializer=proto_dot_fedbroker__pb2.ModelChunk.FromString,
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.GlobalModelRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.ModelChunk.FromString,
                 _registered_method=True)
         self.RoundStatus = channel.unary_unary(
                 '/fedbroker.v1.Aggregation/RoundStatus',
-                request_serializer=proto_dot_fedbroker__pb2.RoundStatusRequest.SerializeToString,
-                response_deserializer=proto_dot_fedbroker__pb2.RoundStatusReply.FromString,
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.RoundStatusRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.RoundStatusReply.FromString,
                 _registered_method=True)
         self.CloseRound = channel.unary_unary(
                 '/fedbroker.v1.Aggregation/CloseRound',
-                request_serializer=proto_dot_fedbroker__pb2.CloseRoundRequest.SerializeToString,
-                response_deserializer=proto_dot_fedbroker__pb2.CloseRoundReply.FromString,
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.CloseRoundRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.CloseRoundReply.FromString,
                 _registered_method=True)
 
 
@@ -111,33 +111,33 @@ def add_AggregationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'PutGlobalModel': grpc.stream_unary_rpc_method_handler(
                     servicer.PutGlobalModel,
-                    request_deserializer=proto_dot_fedbroker__pb2.ModelChunk.FromString,
-                    response_serializer=proto_dot_fedbroker__pb2.UploadReceipt.SerializeToString,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.ModelChunk.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.UploadReceipt.SerializeToString,
             ),
             'OpenRound': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenRound,
-                    request_deserializer=proto_dot_fedbroker__pb2.OpenRoundRequest.FromString,
-                    response_serializer=proto_dot_fedbroker__pb2.OpenRoundReply.SerializeToString,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.OpenRoundRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.OpenRoundReply.SerializeToString,
             ),
             'UploadUpdate': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadUpdate,
-                    request_deserializer=proto_dot_fedbroker__pb2.UpdateChunk.FromString,
-                    response_serializer=proto_dot_fedbroker__pb2.UploadReceipt.SerializeToString,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.UpdateChunk.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.UploadReceipt.SerializeToString,
             ),
             'DownloadGlobalModel': grpc.unary_stream_rpc_method_handler(
                     servicer.DownloadGlobalModel,
-                    request_deserializer=proto_dot_fedbroker__pb2.GlobalModelRequest.FromString,
-                    response_serializer=proto_dot_fedbroker__pb2.ModelChunk.SerializeToString,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.GlobalModelRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.ModelChunk.SerializeToString,
             ),
             'RoundStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.RoundStatus,
-                    request_deserializer=proto_dot_fedbroker__pb2.RoundStatusRequest.FromString,
-                    response_serializer=proto_dot_fedbroker__pb2.RoundStatusReply.SerializeToString,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.RoundStatusRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.RoundStatusReply.SerializeToString,
             ),
             'CloseRound': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseRound,
-                    request_deserializer=proto_dot_fedbroker__pb2.CloseRoundRequest.FromString,
-                    response_serializer=proto_dot_fedbroker__pb2.CloseRoundReply.SerializeToString,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.CloseRoundRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.CloseRoundReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -165,8 +165,8 @@ class Aggregation:
             request_iterator,
             target,
             '/fedbroker.v1.Aggregation/PutGlobalModel',
-            proto_dot_fedbroker__pb2.ModelChunk.SerializeToString,
-            proto_dot_fedbroker__pb2.UploadReceipt.FromString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.ModelChunk.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.UploadReceipt.FromString,
             options,
             channel_credentials,
             insecure,
@@ -192,8 +192,8 @@ class Aggregation:
             request,
             target,
             '/fedbroker.v1.Aggregation/OpenRound',
-            proto_dot_fedbroker__pb2.OpenRoundRequest.SerializeToString,
-            proto_dot_fedbroker__pb2.OpenRoundReply.FromString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.OpenRoundRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.OpenRoundReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -219,8 +219,8 @@ class Aggregation:
             request_iterator,
             target,
             '/fedbroker.v1.Aggregation/UploadUpdate',
-            proto_dot_fedbroker__pb2.UpdateChunk.SerializeToString,
-            proto_dot_fedbroker__pb2.UploadReceipt.FromString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.UpdateChunk.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.UploadReceipt.FromString,
             options,
             channel_credentials,
             insecure,
@@ -246,8 +246,8 @@ class Aggregation:
             request,
             target,
             '/fedbroker.v1.Aggregation/DownloadGlobalModel',
-            proto_dot_fedbroker__pb2.GlobalModelRequest.SerializeToString,
-            proto_dot_fedbroker__pb2.ModelChunk.FromString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.GlobalModelRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.ModelChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -273,8 +273,8 @@ class Aggregation:
             request,
             target,
             '/fedbroker.v1.Aggregation/RoundStatus',
-            proto_dot_fedbroker__pb2.RoundStatusRequest.SerializeToString,
-            proto_dot_fedbroker__pb2.RoundStatusReply.FromString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.RoundStatusRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.RoundStatusReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -300,8 +300,8 @@ class Aggregation:
             request,
             target,
             '/fedbroker.v1.Aggregation/CloseRound',
-            proto_dot_fedbroker__pb2.CloseRoundRequest.SerializeToString,
-            proto_dot_fedbroker__pb2.CloseRoundReply.FromString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.CloseRoundRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.CloseRoundReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -324,13 +324,13 @@ class CoordinatorStub:
         """
         self.SubmitJob = channel.unary_unary(
                 '/fedbroker.v1.Coordinator/SubmitJob',
-                request_serializer=proto_dot_fedbroker__pb2.SubmitJobRequest.SerializeToString,
-                response_deserializer=proto_dot_fedbroker__pb2.SubmitJobReply.FromString,
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SubmitJobRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SubmitJobReply.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/fedbroker.v1.Coordinator/Status',
-                request_serializer=proto_dot_fedbroker__pb2.StatusRequest.SerializeToString,
-                response_deserializer=proto_dot_fedbroker__pb2.StatusReply.FromString,
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.StatusRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.StatusReply.FromString,
                 _registered_method=True)
 
 
@@ -354,13 +354,13 @@ def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'SubmitJob': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitJob,
-                    request_deserializer=proto_dot_fedbroker__pb2.SubmitJobRequest.FromString,
-                    response_serializer=proto_dot_fedbroker__pb2.SubmitJobReply.SerializeToString,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SubmitJobRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SubmitJobReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=proto_dot_fedbroker__pb2.StatusRequest.FromString,
-                    response_serializer=proto_dot_fedbroker__pb2.StatusReply.SerializeToString,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.StatusRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.StatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -388,8 +388,8 @@ class Coordinator:
             request,
             target,
             '/fedbroker.v1.Coordinator/SubmitJob',
-            proto_dot_fedbroker__pb2.SubmitJobRequest.SerializeToString,
-            proto_dot_fedbroker__pb2.SubmitJobReply.FromString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.SubmitJobRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.SubmitJobReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -415,8 +415,8 @@ class Coordinator:
             request,
             target,
             '/fedbroker.v1.Coordinator/Status',
-            proto_dot_fedbroker__pb2.StatusRequest.SerializeToString,
-            proto_dot_fedbroker__pb2.StatusReply.FromString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.StatusRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedbroker.audit import loss_threshold_auc, per_sample_loss
+from fedbroker.app.audit import loss_threshold_auc, per_sample_loss
 from fedbroker.model import initial_weights
 from fedbroker.spec import parse_model
 

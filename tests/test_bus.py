@@ -344,7 +344,7 @@ def test_messages_are_persistent_and_topology_is_durable(amqp: Harness) -> None:
     coordinator.publish_task("w1", b"task")
     t = amqp.topology
     with _raw_channel(amqp.url) as ch:
-        method, properties, body = ch.basic_get(t.worker_queue("w1"), auto_ack=True)
+        _method, properties, body = ch.basic_get(t.worker_queue("w1"), auto_ack=True)
         assert body == b"task" and properties.delivery_mode == 2
     # redeclaring as non-durable is refused (406) only when the broker holds them as durable
     for queue in (t.worker_queue("w1"), t.coordinator_queue, t.dead_queue):

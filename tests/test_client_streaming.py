@@ -10,12 +10,12 @@ import grpc
 import numpy as np
 import pytest
 
-from aggregators.client import AggregatorClient
-from aggregators.rounds import RoundBook
-from aggregators.service import serve
 from fedbroker import codec
-from proto import fedbroker_pb2 as pb
-from proto import fedbroker_pb2_grpc as pb_grpc
+from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.service import serve
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from fedbroker import codec
 from fedbroker.errors import UploadRejected
-from proto import fedbroker_pb2 as pb
+from fedbroker.proto import fedbroker_pb2 as pb
 
 
 def _stream(tensors, chunk_bytes=codec.CHUNK_BYTES):
@@ -23,7 +23,7 @@ def test_round_trip_preserves_names_shapes_dtypes_and_values():
     rng = np.random.default_rng(0)
     tensors = {"0.weight": rng.normal(size=(5, 3)).astype(np.float32), "0.bias": np.arange(5, dtype=np.float64),
                "steps": np.array([3], dtype=np.int64)}
-    header, out, digest = codec.receive(_stream(tensors, chunk_bytes=7), max_bytes=1 << 20)
+    _header, out, digest = codec.receive(_stream(tensors, chunk_bytes=7), max_bytes=1 << 20)
     assert list(out) == list(tensors)
     for name in tensors:
         assert out[name].dtype == tensors[name].dtype
@@ -72,7 +72,7 @@ def test_stream_missing_only_its_trailer_is_truncated():
 
 def test_oversized_header_is_refused_before_any_data():
     msgs = iter(_stream({"x": np.ones(1000, np.float32)}))
-    reason, message = _reason(msgs, max_bytes=3999)
+    reason, _message = _reason(msgs, max_bytes=3999)
     assert reason == "too_large"
     assert next(msgs).WhichOneof("part") == "data"  # nothing beyond the header was consumed
 

@@ -10,7 +10,7 @@ import pytest
 
 from fedbroker import codec
 from fedbroker.errors import UploadRejected
-from proto import fedbroker_pb2 as pb
+from fedbroker.proto import fedbroker_pb2 as pb
 
 
 @pytest.fixture(params=[0, 1 << 40], ids=["threaded", "inline"])

@@ -36,8 +36,8 @@ def test_bad_settings_name_the_field(key, value, field):
 def test_worker_torch_threads_is_set_for_the_process_and_checked():
     import torch
 
+    from fedbroker.app.launch import set_torch_threads
     from fedbroker.errors import ConfigError
-    from fedbroker.launch import set_torch_threads
 
     config = load_config(environ={"FEDBROKER__WORKER__TORCH_THREADS": "1"})
     assert config.worker.torch_threads == 1

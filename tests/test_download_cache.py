@@ -11,10 +11,10 @@ import weakref
 import numpy as np
 import pytest
 
-from aggregators.rounds import RoundBook
-from aggregators.service import AggregationServicer, DigestCache
 from fedbroker import codec
-from proto import fedbroker_pb2 as pb
+from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.service import AggregationServicer, DigestCache
+from fedbroker.proto import fedbroker_pb2 as pb
 
 WIDTH = 6
 SPEC = json.dumps({"input_shape": [WIDTH], "layers": [{"type": "Linear", "in_features": WIDTH, "out_features": WIDTH}]})

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregators import mean as mean_module
-from aggregators.mean import Layout, RunningWeightedMean, UpdateRows, weighted_mean_of_rows
+from fedbroker.aggregators import mean as mean_module
+from fedbroker.aggregators.mean import Layout, RunningWeightedMean, UpdateRows, weighted_mean_of_rows
 
 U = 2.0**-24  # float32 unit roundoff
 

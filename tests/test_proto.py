@@ -12,12 +12,12 @@ GENERATED = ["fedbroker_pb2.py", "fedbroker_pb2.pyi", "fedbroker_pb2_grpc.py"]
 
 
 def test_checked_in_protobuf_code_is_not_stale(tmp_path):
-    (tmp_path / "proto").mkdir()
-    shutil.copy(ROOT / "proto" / "fedbroker.proto", tmp_path / "proto")
+    (tmp_path / "fedbroker" / "proto").mkdir(parents=True)
+    shutil.copy(ROOT / "proto" / "fedbroker.proto", tmp_path / "fedbroker" / "proto")
     subprocess.run(
         [sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--pyi_out=.", "--grpc_python_out=.",
-         "proto/fedbroker.proto"], cwd=tmp_path, check=True,
+         "fedbroker/proto/fedbroker.proto"], cwd=tmp_path, check=True,
     )
     for name in GENERATED:
-        fresh = (tmp_path / "proto" / name).read_text()
+        fresh = (tmp_path / "fedbroker" / "proto" / name).read_text()
         assert (ROOT / "proto" / name).read_text() == fresh, f"proto/{name} is stale: run `make proto`"

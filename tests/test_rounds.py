@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from aggregators.rounds import RoundBook
 from fedbroker import codec
+from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.errors import Conflict, NotFound, UploadRejected
+from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import parse_model
-from proto import fedbroker_pb2 as pb
 
 SPEC = parse_model({"input_shape": [4], "layers": [
     {"type": "Linear", "in_features": 4, "out_features": 3}, {"type": "ReLU"},

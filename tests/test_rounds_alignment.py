@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from aggregators.rounds import RoundBook
 from fedbroker import codec
+from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.errors import ConfigError
 from fedbroker.model import build_model, load_numpy_state
+from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import parse_job, parse_model
-from proto import fedbroker_pb2 as pb
 
 SPEC = parse_model({"input_shape": [6], "layers": [
     {"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "ReLU"},

@@ -26,24 +26,30 @@ from typing import Any
 
 import numpy as np
 
-from aggregators.client import AggregatorClient
-from aggregators.weighting import noisy_histogram, reported_ish
 from fedbroker import envelope
-from fedbroker.config import PartitionSection as PartitionConfig  # the same settings the YAML config holds
+from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregators.weighting import noisy_histogram, reported_ish
 from fedbroker.auth import ClientSecurity
 from fedbroker.bus import Bus, BusError, Delivery
+from fedbroker.config import PartitionSection as PartitionConfig  # the same settings the YAML config holds
 from fedbroker.errors import BudgetExceeded, FedbrokerError, TaskRefused
 from fedbroker.metrics import BUSES
 from fedbroker.model import build_model, load_numpy_state
+from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import TrainingConfig, parse_model
-from proto import fedbroker_pb2 as pb
-from worker import metrics
-from worker.data import load_dataset, train_test_split
-from worker.ledger import PrivacyLedger
-from worker.partition import partition
-from worker.trainer import (
-    DPPolicy, TrainConfig, dp_sample_rate, pick_device, planned_steps, project_epsilon, train_local,
+from fedbroker.worker import metrics
+from fedbroker.worker.data import load_dataset, train_test_split
+from fedbroker.worker.ledger import PrivacyLedger
+from fedbroker.worker.partition import partition
+from fedbroker.worker.trainer import (
+    DPPolicy,
+    TrainConfig,
+    dp_sample_rate,
+    pick_device,
+    planned_steps,
+    project_epsilon,
+    train_local,
 )
 
 log = logging.getLogger(__name__)

@@ -94,7 +94,7 @@ def train_test_split(ds: Dataset, *, test_fraction: float = 0.2, seed: int = 0) 
     test_parts = []
     for c in range(ds.num_classes):
         members = np.flatnonzero(ds.y == c)
-        n_test = int(round(test_fraction * len(members)))
+        n_test = round(test_fraction * len(members))
         test_parts.append(rng.permutation(members)[:n_test])
     test_idx = np.sort(np.concatenate(test_parts)) if test_parts else np.zeros(0, dtype=np.int64)
     is_test = np.zeros(len(ds), dtype=bool)

@@ -4,13 +4,25 @@ Pure numpy/scipy: every algorithm takes the clients' networks (lists of `Layer`)
 and a seeded `np.random.Generator`, and returns an `AlignmentResult`.
 """
 
-from aggregators.alignment.base import Alignment, AlignmentResult, Layer, NoAlignment
-from aggregators.alignment.bn import fold_batchnorm, fold_batchnorm_layer
-from aggregators.alignment.feddna import FedDNA, TreeGrowth, grow_trees, grow_trees_from_distances, spanning_costs
-from aggregators.alignment.matching import LayerMatch, MatchingParams, assignment_cost, match_layer, match_neurons
-from aggregators.alignment.permute import apply_permutations, permute_units, scatter_inputs, scatter_outputs
-from aggregators.alignment.pfnm import NAFI, PFNM, RetrainFn, align_layerwise, match_network
-from aggregators.registry import Registry
+from fedbroker.aggregators.alignment.base import Alignment, AlignmentResult, Layer, NoAlignment
+from fedbroker.aggregators.alignment.bn import fold_batchnorm, fold_batchnorm_layer
+from fedbroker.aggregators.alignment.feddna import (
+    FedDNA,
+    TreeGrowth,
+    grow_trees,
+    grow_trees_from_distances,
+    spanning_costs,
+)
+from fedbroker.aggregators.alignment.matching import (
+    LayerMatch,
+    MatchingParams,
+    assignment_cost,
+    match_layer,
+    match_neurons,
+)
+from fedbroker.aggregators.alignment.permute import apply_permutations, permute_units, scatter_inputs, scatter_outputs
+from fedbroker.aggregators.alignment.pfnm import NAFI, PFNM, RetrainFn, align_layerwise, match_network
+from fedbroker.aggregators.registry import Registry
 
 ALIGNMENT: Registry[Alignment] = Registry("alignment")
 ALIGNMENT.register("none")(NoAlignment)

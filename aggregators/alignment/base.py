@@ -7,9 +7,10 @@ dense layer, `kh·kw` taps after a conv feeding a conv, `H·W` columns after a c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from aggregators.alignment.base import Layer
+from fedbroker.aggregators.alignment.base import Layer
 
 
 def fold_batchnorm(

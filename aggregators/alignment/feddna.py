@@ -11,13 +11,13 @@ member (eq. 4), `fixed` = to the seed (eq. 6), `random` = to a member drawn at e
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 from scipy.spatial.distance import cdist
 
-from aggregators.alignment.base import (
+from fedbroker.aggregators.alignment.base import (
     AlignmentResult,
     Layer,
     Network,
@@ -30,7 +30,7 @@ from aggregators.alignment.base import (
     weighted_mean_layers,
     widths_of,
 )
-from aggregators.alignment.permute import permute_units
+from fedbroker.aggregators.alignment.permute import permute_units
 
 VARIANTS = ("mst", "fixed", "random")
 GROWTHS = ("prim", "random_client")

@@ -18,13 +18,13 @@ Every matrix is built with matrix products over all (j, i) pairs at once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from aggregators.alignment.base import Layer, check_choice, check_int, check_real
+from fedbroker.aggregators.alignment.base import Layer, check_choice, check_int, check_real
 
 KL_MODES = ("exact", "reference")
 

@@ -9,11 +9,11 @@ flatten); the block is `in_columns / width_ℓ`, so reshaping to (out, width_ℓ
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from aggregators.alignment.base import Layer, Network
+from fedbroker.aggregators.alignment.base import Layer, Network
 
 
 def check_assignment(assignment: np.ndarray, n_units: int, width: int, what: str = "assignment") -> np.ndarray:

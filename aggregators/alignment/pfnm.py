@@ -13,12 +13,12 @@ weighted average of the retrained clients' output layers.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
 
 import numpy as np
 
-from aggregators.alignment.base import (
+from fedbroker.aggregators.alignment.base import (
     AlignmentResult,
     Layer,
     Network,
@@ -27,8 +27,8 @@ from aggregators.alignment.base import (
     validate_weights,
     widths_of,
 )
-from aggregators.alignment.matching import KL_MODES, LayerMatch, MatchingParams, match_layer, match_neurons
-from aggregators.alignment.permute import scatter_inputs, scatter_outputs
+from fedbroker.aggregators.alignment.matching import KL_MODES, LayerMatch, MatchingParams, match_layer, match_neurons
+from fedbroker.aggregators.alignment.permute import scatter_inputs, scatter_outputs
 
 RetrainFn = Callable[[int, list[Layer], list[Network]], Sequence[Sequence[Layer]]]
 """retrain(layer_index, frozen_global_prefix, starts) -> clients.

@@ -1,7 +1,7 @@
 """Which received updates to aggregate, chosen by registry name (`all`, `random`, `ga`)."""
 
-from aggregators.selection.base import SELECTION, Candidate, Selection, Selector, ValidationLoss
-from aggregators.selection.genetic import (
+from fedbroker.aggregators.selection.base import SELECTION, Candidate, Selection, Selector, ValidationLoss
+from fedbroker.aggregators.selection.genetic import (
     LOSS2_MODES,
     Evolution,
     GeneticSelection,
@@ -12,7 +12,7 @@ from aggregators.selection.genetic import (
     initial_population,
     mutate,
 )
-from aggregators.selection.simple import AllSelection, RandomSelection
+from fedbroker.aggregators.selection.simple import AllSelection, RandomSelection
 
 __all__ = [
     "LOSS2_MODES",

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from aggregators.registry import Registry
+from fedbroker.aggregators.registry import Registry
 
 
 @dataclass(frozen=True)

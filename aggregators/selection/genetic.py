@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aggregators.selection.base import (
+from fedbroker.aggregators.selection.base import (
     SELECTION,
     Candidate,
     Selection,

@@ -1,7 +1,7 @@
 """Per-update aggregation weights, chosen by registry name (`fedavg`, `uniform`, `dwfed`)."""
 
-from aggregators.weighting.base import WEIGHTING, UpdateMeta, Weighting, normalise_weights
-from aggregators.weighting.dwfed import (
+from fedbroker.aggregators.weighting.base import WEIGHTING, UpdateMeta, Weighting, normalise_weights
+from fedbroker.aggregators.weighting.dwfed import (
     ISH_FORMS,
     DWFedWeighting,
     emd,
@@ -10,8 +10,8 @@ from aggregators.weighting.dwfed import (
     population_distribution,
     reported_ish,
 )
-from aggregators.weighting.fedavg import FedAvgWeighting, UniformWeighting
-from aggregators.weighting.privacy import noisy_histogram
+from fedbroker.aggregators.weighting.fedavg import FedAvgWeighting, UniformWeighting
+from fedbroker.aggregators.weighting.privacy import noisy_histogram
 
 __all__ = [
     "ISH_FORMS",

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from aggregators.registry import Registry
+from fedbroker.aggregators.registry import Registry
 
 
 @dataclass(frozen=True)

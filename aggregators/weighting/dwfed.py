@@ -8,14 +8,14 @@ cannot recompute.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from aggregators.weighting.base import WEIGHTING, UpdateMeta, checked_num_samples, normalise_weights
+from fedbroker.aggregators.weighting.base import WEIGHTING, UpdateMeta, checked_num_samples, normalise_weights
 
 IshForm = Literal["ratio", "one_minus"]
 ISH_FORMS: tuple[str, ...] = ("ratio", "one_minus")

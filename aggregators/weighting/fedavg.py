@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aggregators.weighting.base import WEIGHTING, UpdateMeta, checked_num_samples, normalise_weights
+from fedbroker.aggregators.weighting.base import WEIGHTING, UpdateMeta, checked_num_samples, normalise_weights
 
 
 @WEIGHTING.register("fedavg")

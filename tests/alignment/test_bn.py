@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from aggregators.alignment import Layer, fold_batchnorm, fold_batchnorm_layer
+from fedbroker.aggregators.alignment import Layer, fold_batchnorm, fold_batchnorm_layer
 
 
 def _randomise_bn(bn: nn.modules.batchnorm._BatchNorm, gen: torch.Generator) -> None:

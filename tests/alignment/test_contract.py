@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -10,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import aggregators.alignment as alignment
-from aggregators.alignment import ALIGNMENT, AlignmentResult, Layer
+import fedbroker.aggregators.alignment as alignment
+from fedbroker.aggregators.alignment import ALIGNMENT, AlignmentResult, Layer
 from fedbroker.errors import ConfigError
 
 NAMES = ["feddna", "nafi", "none", "pfnm"]
@@ -19,7 +20,7 @@ SEEDS = {"feddna": {"layers": "all", "freeze_after": None}}  # exercise the most
 
 
 def mlp(rng: np.random.Generator, sizes: list[int]) -> list[Layer]:
-    return [Layer(rng.normal(size=(o, i)), rng.normal(size=o)) for i, o in zip(sizes[:-1], sizes[1:])]
+    return [Layer(rng.normal(size=(o, i)), rng.normal(size=o)) for i, o in itertools.pairwise(sizes)]
 
 
 def convnet(rng: np.random.Generator, c1: int, c2: int, hw: int = 4) -> list[Layer]:
@@ -40,7 +41,7 @@ def run(name: str, clients: list, seed: int = 0, **kwargs) -> AlignmentResult:
 def assert_consistent(result: AlignmentResult, clients: list) -> None:
     layers, widths = result.layers, result.widths
     assert len(layers) == len(widths) == len(clients[0])
-    assert [l.weight.shape[0] for l in layers] == widths
+    assert [layer.weight.shape[0] for layer in layers] == widths
     assert layers[0].weight.shape[1:] == clients[0][0].weight.shape[1:]
     assert widths[-1] == clients[0][-1].weight.shape[0]
     for ell in range(1, len(layers)):

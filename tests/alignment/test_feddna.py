@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregators.alignment import (
+from fedbroker.aggregators.alignment import (
     ALIGNMENT,
     FedDNA,
     Layer,
@@ -45,7 +47,7 @@ def forward(net: list[Layer], x: np.ndarray) -> np.ndarray:
 
 
 def mlp(rng: np.random.Generator, sizes: list[int]) -> list[Layer]:
-    return [Layer(rng.normal(size=(o, i)), rng.normal(size=o)) for i, o in zip(sizes[:-1], sizes[1:])]
+    return [Layer(rng.normal(size=(o, i)), rng.normal(size=o)) for i, o in itertools.pairwise(sizes)]
 
 
 def permuted_copies(rng: np.random.Generator, net: list[Layer], n_copies: int, n_permuted: int) -> tuple[list, list]:
@@ -153,7 +155,7 @@ def test_matched_distance_beats_static_alignment_on_noisy_permuted_copies() -> N
     rng = np.random.default_rng(10)
     net = mlp(rng, [12, 20, 3])
     clients, _ = permuted_copies(rng, net, 5, 1)
-    noisy = [[Layer(l.weight + 0.05 * rng.normal(size=l.weight.shape), l.bias) for l in c] for c in clients]
+    noisy = [[Layer(layer.weight + 0.05 * rng.normal(size=layer.weight.shape), layer.bias) for layer in c] for c in clients]
     result = FedDNA(static_fallback=False).align(noisy, weights=np.full(5, 0.2), rng=np.random.default_rng(3))
     assert result.stats["total_matched_distance"] < 0.1 * result.stats["identity_distance"]
 
@@ -201,7 +203,7 @@ def test_alignment_freezes_into_fedavg_after_freeze_after_rounds() -> None:
 def test_tree_means_are_plain_by_default_and_weighted_on_request() -> None:
     rng = np.random.default_rng(12)
     base = mlp(rng, [3, 4, 2])
-    other = [Layer(l.weight + 1e-3 * rng.normal(size=l.weight.shape), l.bias + 0.01) for l in base]
+    other = [Layer(layer.weight + 1e-3 * rng.normal(size=layer.weight.shape), layer.bias + 0.01) for layer in base]
     weights = np.array([0.75, 0.25])
     plain = FedDNA().align([base, other], weights=weights, rng=np.random.default_rng(0))
     weighted = FedDNA(weighted_means=True).align([base, other], weights=weights, rng=np.random.default_rng(0))

@@ -9,8 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregators.alignment import Layer, MatchingParams, apply_permutations, assignment_cost, match_layer, match_neurons
-from aggregators.alignment.matching import new_slot_count
+from fedbroker.aggregators.alignment import (
+    Layer,
+    MatchingParams,
+    apply_permutations,
+    assignment_cost,
+    match_layer,
+    match_neurons,
+)
+from fedbroker.aggregators.alignment.matching import new_slot_count
 
 UNIT = MatchingParams(sigma2=1.0, sigma0_2=1.0, gamma0=1.0, popularity_coef=1.0, count_clip=10)
 

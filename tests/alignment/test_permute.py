@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregators.alignment import Layer, apply_permutations, permute_units, scatter_inputs, scatter_outputs
+from fedbroker.aggregators.alignment import Layer, apply_permutations, permute_units, scatter_inputs, scatter_outputs
 
 
 def forward(net: list[Layer], x: np.ndarray) -> np.ndarray:
@@ -18,10 +20,7 @@ def forward(net: list[Layer], x: np.ndarray) -> np.ndarray:
     for ell, layer in enumerate(net):
         w = torch.from_numpy(layer.weight)
         b = None if layer.bias is None else torch.from_numpy(layer.bias)
-        if layer.weight.ndim == 4:
-            h = F.conv2d(h, w, b, padding="same")
-        else:
-            h = F.linear(h.flatten(1), w, b)
+        h = F.conv2d(h, w, b, padding="same") if layer.weight.ndim == 4 else F.linear(h.flatten(1), w, b)
         if ell < len(net) - 1:
             h = torch.relu(h)
     return h.numpy()
@@ -103,7 +102,7 @@ def test_inputs_not_a_multiple_of_the_moved_units_are_rejected() -> None:
 )
 def test_random_permutations_round_trip_and_keep_the_function(sizes: list[int], seed: int) -> None:
     rng = np.random.default_rng(seed)
-    net = [dense(rng, o, i) for i, o in zip(sizes[:-1], sizes[1:])]
+    net = [dense(rng, o, i) for i, o in itertools.pairwise(sizes)]
     perms = [rng.permutation(n) for n in sizes[1:-1]]
     moved = apply_permutations(net, perms)
     x = rng.normal(size=(4, sizes[0]))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregators.alignment import ALIGNMENT, NAFI, PFNM, Layer, apply_permutations
+from fedbroker.aggregators.alignment import ALIGNMENT, NAFI, PFNM, Layer, apply_permutations
 from fedbroker.errors import ConfigError
 
 SIGMA2, SIGMA0_2, MU_B = 0.5, 2.0, 0.1
@@ -15,13 +17,13 @@ TAU, TAU0 = 1 / SIGMA2, 1 / SIGMA0_2
 
 
 def mlp(rng: np.random.Generator, sizes: list[int], scale: float = 2.0) -> list[Layer]:
-    return [Layer(scale * rng.normal(size=(o, i)), rng.normal(size=o)) for i, o in zip(sizes[:-1], sizes[1:])]
+    return [Layer(scale * rng.normal(size=(o, i)), rng.normal(size=o)) for i, o in itertools.pairwise(sizes)]
 
 
 def permuted_copies(rng: np.random.Generator, net: list[Layer], n: int) -> tuple[list, list]:
     clients, perms = [], []
     for k in range(n):
-        p = [np.arange(l.weight.shape[0]) if k == 0 else rng.permutation(l.weight.shape[0]) for l in net[:-1]]
+        p = [np.arange(layer.weight.shape[0]) if k == 0 else rng.permutation(layer.weight.shape[0]) for layer in net[:-1]]
         clients.append(apply_permutations(net, p))
         perms.append(p)
     return clients, perms
@@ -37,7 +39,7 @@ def assert_shrunk_copy(result, net: list[Layer], perms: list, n: int) -> None:
     def output(v: np.ndarray, mu: float) -> np.ndarray:
         return (mu * TAU0 + TAU * v) / (TAU0 + TAU)
 
-    assert result.widths == [l.weight.shape[0] for l in net]
+    assert result.widths == [layer.weight.shape[0] for layer in net]
     for ell, (got, want) in enumerate(zip(result.layers, net)):
         last = ell == len(net) - 1
         np.testing.assert_allclose(got.weight, (output if last else hidden)(want.weight, 0.0), rtol=1e-10, atol=1e-12)

@@ -7,11 +7,11 @@ import copy
 import numpy as np
 import pytest
 
-from coordinator.participants import sample_participants
 from experiments.harness import make_workers, simulate, training_seed
+from fedbroker.coordinator.participants import sample_participants
 from fedbroker.model import build_model, initial_weights, load_numpy_state
 from fedbroker.spec import parse_job
-from worker.trainer import TrainConfig, evaluate, train_local
+from fedbroker.worker.trainer import TrainConfig, evaluate, train_local
 
 IDS = [f"w{i:02d}" for i in range(10)]
 

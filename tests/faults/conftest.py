@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import worker.agent
+import fedbroker.worker.agent
 from tests.faults.harness import Federation, Training, restore_broker
 
 
@@ -15,7 +15,7 @@ from tests.faults.harness import Federation, Training, restore_broker
 def training(monkeypatch: pytest.MonkeyPatch) -> Training:
     """Every worker's training in this test, counted per worker (and slowed down or failed on demand)."""
     hook = Training()
-    monkeypatch.setattr(worker.agent, "train_local", hook)
+    monkeypatch.setattr(fedbroker.worker.agent, "train_local", hook)
     return hook
 
 

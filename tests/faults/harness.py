@@ -12,22 +12,23 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
-import worker.agent
-from aggregators.client import AggregatorClient
-from aggregators.rounds import RoundBook
-from aggregators.service import serve
-from coordinator.scheduler import Coordinator
-from coordinator.state import StateStore
+import fedbroker.worker.agent
+from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.service import serve
 from fedbroker.bus import Topology, delete_topology, open_bus
+from fedbroker.coordinator.scheduler import Coordinator
+from fedbroker.coordinator.state import StateStore
 from fedbroker.spec import parse_job
-from worker.agent import PartitionConfig, WorkerAgent, WorkerConfig
-from worker.trainer import DPPolicy
+from fedbroker.worker.agent import PartitionConfig, WorkerAgent, WorkerConfig
+from fedbroker.worker.trainer import DPPolicy
 
 # Quick reconnects so an outage costs the test seconds, not the production backoff's half minute.
 BUS_OPTIONS: dict[str, Any] = {"reconnect_initial_s": 0.2, "reconnect_max_s": 2.0, "publish_timeout_s": 60.0}
@@ -71,14 +72,14 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
 
 
 class Training:
-    """Wraps worker.agent.train_local: counts trainings per worker and slows a worker's steps on demand.
+    """Wraps fedbroker.worker.agent.train_local: counts trainings per worker and slows a worker's steps on demand.
 
     Agents run their tasks on the bus's handler thread `bus-handler-tasks.<worker id>`, which is how a
     training is attributed to its worker.
     """
 
     def __init__(self) -> None:
-        self.real = worker.agent.train_local
+        self.real = fedbroker.worker.agent.train_local
         self.step_delay: dict[str, float] = {}
         self.fail: dict[str, BaseException] = {}
         self.count: dict[str, int] = {}
@@ -184,7 +185,7 @@ class Federation:
         return row
 
     def checkpoint(self, job_id: str) -> dict[str, np.ndarray]:
-        from coordinator.checkpoints import load_checkpoint
+        from fedbroker.coordinator.checkpoints import load_checkpoint
 
         return load_checkpoint(self.store.last_checkpoint(job_id)["checkpoint"])[0]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aggregators.rounds import RoundBook
-from aggregators.spool import Spool
+from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.spool import Spool
 from fedbroker.errors import UploadRejected
 from tests.faults.harness import Federation, Training, job, wait_for
 from tests.test_rounds import SPEC, stream, weights

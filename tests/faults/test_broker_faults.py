@@ -17,10 +17,18 @@ import pytest
 
 from fedbroker import envelope
 from fedbroker.errors import ConfigError
+from fedbroker.worker.agent import WorkerAgent
 from tests.faults.harness import (
-    Federation, Training, broker_answers, broker_env, changed_broker_env, ctl, job, rabbitmqctl, wait_for,
+    Federation,
+    Training,
+    broker_answers,
+    broker_env,
+    changed_broker_env,
+    ctl,
+    job,
+    rabbitmqctl,
+    wait_for,
 )
-from worker.agent import WorkerAgent
 
 pytestmark = [pytest.mark.integration]
 

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-import coordinator.scheduler
-from coordinator.service import CoordinatorClient
-from coordinator.state import StateStore
-from fedbroker.demo import free_port
+import fedbroker.coordinator.scheduler
+from fedbroker.app.demo import free_port
+from fedbroker.coordinator.service import CoordinatorClient
+from fedbroker.coordinator.state import StateStore
 from tests.faults.harness import Federation, Training, job, wait_for
 
 pytestmark = [pytest.mark.integration]
@@ -102,7 +102,7 @@ def test_coordinator_killed_mid_round_resumes_and_ends_with_the_uninterrupted_mo
     assert [r["status"] for r in store.rounds(job_id)] == ["closed"] * 3
     assert "resuming round 2" in log.read_text()
     assert training.count == {"w0": 3, "w1": 3}  # the resumed round was not trained again
-    from coordinator.checkpoints import load_checkpoint
+    from fedbroker.coordinator.checkpoints import load_checkpoint
 
     assert_same_model(load_checkpoint(store.last_checkpoint(job_id)["checkpoint"])[0], uninterrupted)
 
@@ -127,20 +127,20 @@ def test_coordinator_dying_after_the_service_closed_a_round_records_that_close_o
         monkeypatch: pytest.MonkeyPatch) -> None:
     fed = federation
     run_two_workers(fed)
-    real = coordinator.scheduler.save_checkpoint
+    real = fedbroker.coordinator.scheduler.save_checkpoint
 
     def dies_in_round_2(directory: str, job_id: str, round_number: int, *args: Any) -> str:
         if round_number == 2:
             raise Death("the coordinator dies after the service closed round 2, before recording it")
         return real(directory, job_id, round_number, *args)
 
-    monkeypatch.setattr(coordinator.scheduler, "save_checkpoint", dies_in_round_2)
+    monkeypatch.setattr(fedbroker.coordinator.scheduler, "save_checkpoint", dies_in_round_2)
     job_id = fed.submit(JOB)
     thread = fed.coordinator._threads[job_id]
     thread.join(60)
     assert not thread.is_alive()
     assert fed.store.round(job_id, 2)["status"] == "open" and fed.book.status(job_id, 2) == (["w0", "w1"], False)
-    monkeypatch.setattr(coordinator.scheduler, "save_checkpoint", real)
+    monkeypatch.setattr(fedbroker.coordinator.scheduler, "save_checkpoint", real)
     fed.stop_coordinator()
     fed.start_coordinator()  # resumes: the service answers round 2's close again, and the job goes on
     fed.wait_job(job_id, 60)

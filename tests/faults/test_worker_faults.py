@@ -16,11 +16,11 @@ import pytest
 from opacus.accountants import RDPAccountant
 
 from fedbroker import envelope
-from proto import fedbroker_pb2 as pb
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.worker.agent import WorkerAgent
+from fedbroker.worker.ledger import PrivacyLedger
+from fedbroker.worker.trainer import DPPolicy, TrainConfig, dp_sample_rate, planned_steps
 from tests.faults.harness import JOB, Federation, Training, close_connection, job, sample, wait_for
-from worker.agent import WorkerAgent
-from worker.ledger import PrivacyLedger
-from worker.trainer import DPPolicy, TrainConfig, dp_sample_rate, planned_steps
 
 pytestmark = [pytest.mark.integration]
 

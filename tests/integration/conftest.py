@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from aggregators.client import AggregatorClient
-from aggregators.rounds import RoundBook
-from aggregators.service import serve
-from coordinator.evaluation import evaluate_global
-from coordinator.scheduler import Coordinator
-from coordinator.state import StateStore
+from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.service import serve
 from fedbroker.bus import delete_topology, open_bus
-from worker.agent import PartitionConfig, WorkerAgent, WorkerConfig
-from worker.trainer import DPPolicy
+from fedbroker.coordinator.evaluation import evaluate_global
+from fedbroker.coordinator.scheduler import Coordinator
+from fedbroker.coordinator.state import StateStore
+from fedbroker.worker.agent import PartitionConfig, WorkerAgent, WorkerConfig
+from fedbroker.worker.trainer import DPPolicy
 
 
 @dataclass

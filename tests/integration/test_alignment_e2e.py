@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from coordinator.checkpoints import load_checkpoint
-from coordinator.evaluation import evaluate_global
+from fedbroker.coordinator.checkpoints import load_checkpoint
+from fedbroker.coordinator.evaluation import evaluate_global
 from fedbroker.model import build_model
 from fedbroker.spec import parse_job
-from worker.data import load_dataset, train_test_split
-from worker.trainer import TrainConfig, evaluate, train_local
+from fedbroker.worker.data import load_dataset, train_test_split
+from fedbroker.worker.trainer import TrainConfig, evaluate, train_local
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -9,7 +9,7 @@ import pytest
 from opacus.accountants import RDPAccountant
 
 from fedbroker.spec import parse_job
-from worker.trainer import DPPolicy, TrainConfig, dp_sample_rate, planned_steps
+from fedbroker.worker.trainer import DPPolicy, TrainConfig, dp_sample_rate, planned_steps
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-import aggregators.metrics  # noqa: F401  (registers the service's metrics before any round)
+import fedbroker.aggregators.metrics  # noqa: F401  (registers the service's metrics before any round)
+from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import parse_job
-from proto import fedbroker_pb2 as pb
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

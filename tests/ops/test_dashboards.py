@@ -10,9 +10,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-import aggregators.metrics  # importing a service's metrics module registers its metrics
-import coordinator.metrics
-import worker.metrics
 from fedbroker.metrics import exported_names
 from tests.ops.conftest import DEPLOY
 
@@ -121,7 +118,7 @@ def test_no_metric_has_a_per_round_or_per_sample_label():
     allowed = {"job_id", "worker_id", "client", "reason", "rpc", "status", "outcome", "alignment", "weighting",
                "selection", "grpc_service", "grpc_method", "grpc_code"}
     seen = 0
-    for module in (aggregators.metrics, coordinator.metrics, worker.metrics, fedbroker.metrics):
+    for module in (fedbroker.aggregators.metrics, fedbroker.coordinator.metrics, fedbroker.worker.metrics, fedbroker.metrics):
         for name, value in vars(module).items():
             if isinstance(value, MetricWrapperBase):
                 seen += 1

@@ -336,7 +336,7 @@ def _allowed(policies: list[dict[str, Any]], pod: Pod, direction: str, peer: Pod
     key, peers_key = (direction, "from" if direction == "ingress" else "to")
     for policy in selecting:
         for rule in policy["spec"].get(key, []):
-            peer_ok = "from" not in rule and "to" not in rule or any(
+            peer_ok = ("from" not in rule and "to" not in rule) or any(
                 _peer_matches(p, peer, namespace) for p in rule.get(peers_key, []))
             port_ok = "ports" not in rule or any(p.get("port") == port for p in rule["ports"])
             if peer_ok and port_ok:

@@ -12,18 +12,18 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from aggregators import metrics as agg_metrics
-from aggregators.client import AggregatorClient
-from aggregators.rounds import RoundBook
-from aggregators.service import serve
+from fedbroker.aggregators import metrics as agg_metrics
+from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.service import serve
 from fedbroker.bus import open_bus
 from fedbroker.config import load_config
 from fedbroker.errors import ConfigError
 from fedbroker.metrics import start_ephemeral_exporter, start_exporter
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import parse_model
-from worker.agent import PartitionConfig, WorkerAgent, WorkerConfig
-from worker.trainer import DPPolicy
+from fedbroker.worker.agent import PartitionConfig, WorkerAgent, WorkerConfig
+from fedbroker.worker.trainer import DPPolicy
 
 SPEC = parse_model({"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 2}]})
 AGG = {"alignment": "none", "weighting": "fedavg", "selection": "all"}
@@ -203,7 +203,7 @@ def test_the_exporter_serves_the_registry_once_per_port():
 
 
 def test_launch_refuses_an_impossible_metrics_port():
-    from fedbroker.launch import start_aggregator
+    from fedbroker.app.launch import start_aggregator
 
     config = load_config(environ={"FEDBROKER__AGGREGATOR__METRICS_PORT": "70000"})
     with pytest.raises(ConfigError, match=r"aggregator\.metrics_port"):

@@ -17,10 +17,10 @@ import pytest
 
 from fedbroker.metrics import start_ephemeral_exporter
 from fedbroker.spec import parse_job
+from fedbroker.worker.trainer import DPPolicy
 from tests.integration.conftest import Federation
 from tests.ops.conftest import DEPLOY, tool
 from tests.ops.test_dashboards import DASHBOARDS, panel_exprs
-from worker.trainer import DPPolicy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -54,7 +54,7 @@ class PrometheusServer:
             f"rule_files: ['{DEPLOY / 'prometheus' / 'alerts.yml'}']\n"
             "scrape_configs:\n"
             f"  - job_name: fedbroker-test\n    static_configs: [{{targets: ['{target}']}}]\n")
-        self.log = open(tmp / "prometheus.log", "wb")
+        self.log = open(tmp / "prometheus.log", "wb")  # noqa: SIM115 (prometheus writes it until stopped)
         self.proc = subprocess.Popen(
             [tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
@@ -153,6 +153,6 @@ def test_prometheus_sees_rounds_rise_and_each_workers_epsilon(watched_federation
         r["health"] == "ok" for g in prometheus.api("rules")["groups"] for r in g["rules"]))
 
     for path in DASHBOARDS:  # every panel's query is valid PromQL that this Prometheus evaluates
-        for title, expr in panel_exprs(json.loads(path.read_text())):
+        for _title, expr in panel_exprs(json.loads(path.read_text())):
             promql = re.sub(r"\$__rate_interval", "1m", expr).replace("$job_id", ".*").replace("$worker_id", ".*")
             prometheus.api("query", query=promql)

@@ -11,16 +11,16 @@ from typing import Any
 import pytest
 import yaml
 
-from aggregators.client import AggregatorClient
-from aggregators.rounds import RoundBook
-from aggregators.service import serve
-from coordinator.scheduler import Coordinator
-from coordinator.state import StateStore
+from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.service import serve
 from fedbroker.auth import ClientSecurity, ServerTLS, TokenTable, generate_token, hash_token
 from fedbroker.bus import delete_topology, open_bus
+from fedbroker.coordinator.scheduler import Coordinator
+from fedbroker.coordinator.state import StateStore
+from fedbroker.worker.agent import PartitionConfig, WorkerAgent, WorkerConfig
 from tests.security.pki import Authority, Pair
 from tests.security.tlsproxy import TlsProxy
-from worker.agent import PartitionConfig, WorkerAgent, WorkerConfig
 
 
 @dataclass(frozen=True)

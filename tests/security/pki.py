@@ -46,7 +46,7 @@ class Authority:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         self._key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         self._cert = (
             x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
             .public_key(self._key.public_key()).serial_number(x509.random_serial_number())
@@ -65,7 +65,7 @@ class Authority:
     def issue(self, stem: str, common_name: str, *, server: bool, hosts: tuple[str, ...] = ("localhost", "127.0.0.1")
               ) -> Pair:
         key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         builder = (
             x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(self._cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from aggregators.client import AggregatorClient
-from aggregators.rounds import RoundBook
-from aggregators.service import serve
+from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.service import serve
+from fedbroker.app.launch import broker_url, client_security, start_aggregator
 from fedbroker.auth import ClientSecurity, TokenTable, generate_token, hash_token
 from fedbroker.config import load_config
 from fedbroker.errors import ConfigError
-from fedbroker.launch import broker_url, client_security, start_aggregator
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import parse_model
 from tests.security.conftest import token_table, write_table
@@ -96,7 +96,7 @@ def service():
 
 @pytest.mark.integration
 def test_with_tokens_a_round_runs_and_each_worker_sees_only_itself(service):
-    target, c = service
+    _target, c = service
     c["coordinator"].put_global("j", 1, SPEC.to_json(), weights(0.0))
     c["coordinator"].open_round("j", 1, ["w1", "w2"], 4e9, AGG, seed=0)
     assert c["w1"].download("j")[0] == 1
@@ -119,7 +119,7 @@ def test_health_checks_need_no_token(service):
 @pytest.mark.integration
 def test_a_worker_refused_by_auth_gives_up_at_once(service):
     """unauthenticated/permission_denied are final: the worker reports the task instead of retrying it."""
-    from worker.agent import _FINAL_REASONS
+    from fedbroker.worker.agent import _FINAL_REASONS
 
     target, c = service
     c["coordinator"].put_global("k", 1, SPEC.to_json(), weights(0.0))
@@ -178,9 +178,9 @@ def test_the_aggregator_process_loads_its_token_table_and_tls_from_config(tmp_pa
         with AggregatorClient(target, timeout_s=5, security=client_security(good)) as client:
             client.put_global("j", 1, SPEC.to_json(), weights(0.0))
         anonymous = load_config(environ={"FEDBROKER__CLIENT__CA_FILE": str(pki.ca)})
-        with AggregatorClient(target, timeout_s=5, security=client_security(anonymous)) as client:
-            with pytest.raises(RemoteError, match="UNAUTHENTICATED"):
-                client.download("j")
+        with AggregatorClient(target, timeout_s=5, security=client_security(anonymous)) as client, \
+                pytest.raises(RemoteError, match="UNAUTHENTICATED"):
+            client.download("j")
     finally:
         server.stop(grace=0)
 

@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 
 from fedbroker import codec
 from fedbroker.errors import ConfigError, UploadRejected
+from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import job_from_text, parse_job
-from proto import fedbroker_pb2 as pb
+
 
 def fuzz(examples: int) -> settings:
     return settings(max_examples=examples, deadline=None, database=None,
@@ -98,7 +99,7 @@ def mutated_stream(draw: Any) -> list[pb.UpdateChunk]:
 
 def _receive(messages: list[pb.UpdateChunk], max_bytes: int) -> None:
     try:
-        header, tensors, digest = codec.receive(iter(messages), max_bytes=max_bytes)
+        header, tensors, _digest = codec.receive(iter(messages), max_bytes=max_bytes)
     except UploadRejected as exc:
         assert exc.reason and str(exc)
         return

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 import numpy as np
@@ -21,20 +22,20 @@ import pika
 import pytest
 from prometheus_client import REGISTRY
 
-from aggregators.client import AggregatorClient
-from aggregators.rounds import RoundBook
-from aggregators.service import serve as serve_aggregator
-from coordinator.scheduler import Coordinator
-from coordinator.service import serve as serve_coordinator
-from coordinator.state import StateStore
 from fedbroker import codec, envelope
+from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.service import serve as serve_aggregator
 from fedbroker.auth import ClientSecurity
 from fedbroker.bus import Topology, delete_topology, open_bus
+from fedbroker.coordinator.scheduler import Coordinator
+from fedbroker.coordinator.service import serve as serve_coordinator
+from fedbroker.coordinator.state import StateStore
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.spec import parse_model
-from proto import fedbroker_pb2 as pb
-from proto import fedbroker_pb2_grpc as pb_grpc
+from fedbroker.worker.agent import WorkerAgent, WorkerConfig
 from tests.security.conftest import token_table
-from worker.agent import WorkerAgent, WorkerConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

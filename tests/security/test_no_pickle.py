@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.checkpoints import SPEC_KEY, load_checkpoint, save_checkpoint
+from fedbroker.coordinator.checkpoints import SPEC_KEY, load_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 SKIP_DIRS = {"tests", ".git", ".hypothesis", "__pycache__", "build", "runs", "node_modules"}

@@ -14,9 +14,9 @@ import grpc
 import numpy as np
 import pytest
 
-from aggregators.client import AggregatorClient
-from aggregators.rounds import RoundBook
-from aggregators.service import serve
+from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.service import serve
 from fedbroker.auth import ClientSecurity, ServerTLS, TokenTable, generate_token, hash_token
 from fedbroker.bus import delete_topology, open_bus
 from fedbroker.errors import BusError, ConfigError
@@ -63,7 +63,7 @@ def secure_run(pki, tls_proxy, rabbitmq_url, tmp_path_factory):
         # a failing connection with a password of its own: error paths must not print it either
         leaky = open_bus("amqp://fedbroker:Sup3r-S3cret-Passw0rd@127.0.0.1:1/%2F", namespace=fed.namespace,
                          reconnect_initial_s=0.05, publish_timeout_s=0.5)
-        with pytest.raises(Exception):
+        with pytest.raises(BusError):
             leaky.publish_control(b"x")
         leaky.close()
         yield fed, job_id, "\n".join(records), tls_proxy.connections - connections
@@ -115,7 +115,7 @@ def _client(target, pki, *, ca=None, pair="coordinator", token="c" * 32):
 
 
 def test_mutual_tls_with_a_token_serves_the_coordinator(tls_service, pki):
-    target, book = tls_service
+    target, _book = tls_service
     with _client(target, pki) as client:
         client.put_global("j", 1, SPEC.to_json(), {"0.weight": np.zeros((2, 4), np.float32),
                                                    "0.bias": np.zeros(2, np.float32)})

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aggregators.selection import SELECTION, Candidate, Selection
+from fedbroker.aggregators.selection import SELECTION, Candidate, Selection
 from fedbroker.errors import ConfigError
 
 # the parameters each algorithm needs; a new registration must add itself here

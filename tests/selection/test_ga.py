@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from aggregators.selection import Candidate, GeneticSelection
-from aggregators.selection import genetic as genetic_module
+from fedbroker.aggregators.selection import Candidate, GeneticSelection
+from fedbroker.aggregators.selection import genetic as genetic_module
 
 
 def random_problem(seed: int, n: int = 8, dim: int = 20) -> tuple[np.ndarray, list[Candidate]]:

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregators.selection import breed, crossover, evolve, initial_population, mutate
+from fedbroker.aggregators.selection import breed, crossover, evolve, initial_population, mutate
 
 
 @st.composite

@@ -6,13 +6,12 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-
 from typing import Any
 
 import numpy as np
 import pytest
 
-from aggregators.weighting import WEIGHTING, UpdateMeta
+from fedbroker.aggregators.weighting import WEIGHTING, UpdateMeta
 from fedbroker.errors import ConfigError
 
 NAMES = WEIGHTING.names()

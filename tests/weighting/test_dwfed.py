@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregators.weighting import (
+from fedbroker.aggregators.weighting import (
     DWFedWeighting,
     UpdateMeta,
     emd,

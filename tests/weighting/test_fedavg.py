@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregators.weighting import FedAvgWeighting, UniformWeighting, UpdateMeta, normalise_weights
+from fedbroker.aggregators.weighting import FedAvgWeighting, UniformWeighting, UpdateMeta, normalise_weights
 
 
 @settings(max_examples=100, deadline=None)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedbroker.errors import ConfigError
-from worker.data import DATASETS, Dataset, load_dataset, load_idx, train_test_split
+from fedbroker.worker.data import DATASETS, Dataset, load_dataset, load_idx, train_test_split
 
 _TYPE_CODES = {np.dtype(np.uint8): 0x08, np.dtype(np.int16): 0x0B, np.dtype(np.int32): 0x0C, np.dtype(np.float32): 0x0D}
 
@@ -137,7 +137,7 @@ def test_idx_data_set_pools_train_and_test_scaled_to_unit_interval(tmp_path, nam
     _write_mnist_dir(tmp_path, gz=gz)
     ds = load_dataset(name, idx_dir=str(tmp_path))
     assert ds.x.shape == (8, 1, 28, 28) and ds.x.dtype == np.float32
-    assert 0.0 <= ds.x.min() and ds.x.max() <= 1.0
+    assert ds.x.min() >= 0.0 and ds.x.max() <= 1.0
     assert ds.y.dtype == np.int64 and ds.num_classes == 10 and ds.name == name
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fedbroker.errors import ConfigError
-from worker.ledger import PrivacyLedger
+from fedbroker.worker.ledger import PrivacyLedger
 
 
 def test_a_new_ledger_knows_no_jobs(tmp_path):

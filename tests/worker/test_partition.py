@@ -4,8 +4,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from fedbroker.errors import ConfigError
-from worker.data import load_dataset
-from worker.partition import partition
+from fedbroker.worker.data import load_dataset
+from fedbroker.worker.partition import partition
 
 
 def _labels(n: int, num_classes: int, seed: int) -> np.ndarray:

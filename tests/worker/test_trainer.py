@@ -8,8 +8,8 @@ from opacus.accountants import RDPAccountant
 from torch import nn
 
 from fedbroker.errors import BudgetExceeded, ConfigError
-from worker.data import load_dataset, train_test_split
-from worker.trainer import (
+from fedbroker.worker.data import load_dataset, train_test_split
+from fedbroker.worker.trainer import (
     DPPolicy,
     TrainConfig,
     dp_sample_rate,
@@ -147,7 +147,7 @@ def test_an_opacus_wrapped_model_is_refused_rather_than_wrapped_twice(small):
 
 
 def test_history_read_back_from_json_composes_like_the_original(small, tmp_path):
-    from worker.ledger import PrivacyLedger
+    from fedbroker.worker.ledger import PrivacyLedger
 
     x, y = small
     config = TrainConfig(epochs=1, batch_size=32)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from worker import trainer
-from worker.trainer import DPPolicy, TrainConfig, flat_dp_optimizer_class, poisson_batches, train_local
+from fedbroker.worker import trainer
+from fedbroker.worker.trainer import DPPolicy, TrainConfig, flat_dp_optimizer_class, poisson_batches, train_local
 
 POLICY = DPPolicy(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budget=100.0)
 
@@ -63,7 +63,7 @@ def test_trainer_samples_and_averages_exactly_as_opacus_make_private_would():
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
 
-    from worker.trainer import _opacus_poisson_rule, _steps_per_epoch, dp_sample_rate
+    from fedbroker.worker.trainer import _opacus_poisson_rule, _steps_per_epoch, dp_sample_rate
 
     for n, b in [(185, 2), (1797, 32), (300, 64), (50, 64)]:
         config = TrainConfig(batch_size=b)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ class DemoOptions:
     delta: float = 1e-5
     epsilon_budget: float = 10.0
     round_timeout_s: float = 300.0
-    run_id: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
+    run_id: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
 
 
 def demo_job(options: DemoOptions, input_shape: tuple[int, ...], num_classes: int) -> dict[str, Any]:
@@ -142,8 +142,8 @@ class Cluster:
         return str(self.secrets / f"{identity}.token")
 
     def client(self) -> Any:
-        from coordinator.service import CoordinatorClient
         from fedbroker.auth import ClientSecurity
+        from fedbroker.coordinator.service import CoordinatorClient
 
         return CoordinatorClient(self.coordinator_target, security=ClientSecurity(token=self.tokens["demo"]))
 
@@ -175,14 +175,14 @@ class Cluster:
         }
 
     def spawn(self, name: str, command: str, env: dict[str, str]) -> None:
-        log_file = open(self.logs / f"{name}.log", "wb")
+        log_file = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 (the child writes it until it stops)
         proc = subprocess.Popen([sys.executable, "-m", "fedbroker", command], env=env, stdout=log_file,
                                 stderr=subprocess.STDOUT)
         self.procs.append(proc)
 
     def start(self) -> None:
+        from fedbroker.app.launch import start_coordinator, start_worker
         from fedbroker.config import load_config
-        from fedbroker.launch import start_coordinator, start_worker
 
         self.spawn("aggregator", "aggregator", self.env())
         wait_healthy(self.aggregator_target)
@@ -242,8 +242,8 @@ def centralized_baseline(options: DemoOptions) -> float:
     """The same model trained on the pooled training data without DP: the ceiling federation aims at."""
     from fedbroker.model import build_model
     from fedbroker.spec import parse_model
-    from worker.data import load_dataset, train_test_split
-    from worker.trainer import TrainConfig, evaluate, train_local
+    from fedbroker.worker.data import load_dataset, train_test_split
+    from fedbroker.worker.trainer import TrainConfig, evaluate, train_local
 
     data = load_dataset(options.dataset)
     train, test = train_test_split(data, test_fraction=0.2, seed=0)
@@ -258,7 +258,7 @@ def centralized_baseline(options: DemoOptions) -> float:
 def run_demo(options: DemoOptions) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from worker.data import load_dataset
+    from fedbroker.worker.data import load_dataset
 
     run_dir = Path(options.out) / options.run_id
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -267,7 +267,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     (run_dir / "job.json").write_text(json.dumps(job, indent=2))
     print(f"fedbroker demo: {options.workers} workers, {options.rounds} rounds, {options.dataset} "
           f"({options.partition}{f' α={options.alpha}' if options.partition == 'dirichlet' else ''}), "
-          f"DP {'on (σ=%g, clip=%g, δ=%g)' % (options.noise_multiplier, options.max_grad_norm, options.delta) if options.dp else 'off'}, "
+          f"DP {f'on (σ={options.noise_multiplier:g}, clip={options.max_grad_norm:g}, δ={options.delta:g})' if options.dp else 'off'}, "
           f"bus: {'RabbitMQ' if options.broker else 'in-process'}; run folder {run_dir}")
     cluster = Cluster(options, run_dir)
     started = time.time()

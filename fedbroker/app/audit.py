@@ -39,8 +39,8 @@ def loss_threshold_auc(member_loss: np.ndarray, nonmember_loss: np.ndarray) -> f
 
 def attack_run(run_dir: Path) -> dict[str, Any]:
     """Attack the last checkpoint of a demo run: members are the training split the workers were dealt."""
-    from coordinator.checkpoints import load_checkpoint
-    from worker.data import load_dataset, train_test_split
+    from fedbroker.coordinator.checkpoints import load_checkpoint
+    from fedbroker.worker.data import load_dataset, train_test_split
 
     results = json.loads((run_dir / "results.json").read_text())
     checkpoints = sorted((run_dir / "coordinator" / "checkpoints" / results["job_id"]).glob("round-*.npz"))
@@ -62,7 +62,7 @@ def attack_run(run_dir: Path) -> dict[str, Any]:
 
 def run_audit(options: Any, out: Path) -> dict[str, Any]:
     """The same federation with and without DP, each attacked; writes audit.md and audit.json under `out`."""
-    from fedbroker.demo import run_demo
+    from fedbroker.app.demo import run_demo
 
     out.mkdir(parents=True, exist_ok=True)
     rows = {}

@@ -43,8 +43,8 @@ def client_security(config: Config, *, expected_target: str = "") -> ClientSecur
 
 
 def start_aggregator(config: Config) -> tuple[grpc.Server, int]:
-    from aggregators.rounds import RoundBook
-    from aggregators.service import SERVICE_NAME, serve
+    from fedbroker.aggregators.rounds import RoundBook
+    from fedbroker.aggregators.service import SERVICE_NAME, serve
 
     keep_freed_memory()  # every upload streams a model through the heap
     a = config.aggregator
@@ -78,11 +78,11 @@ class CoordinatorProcess:
 
 
 def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorProcess:
-    from aggregators.client import AggregatorClient
-    from coordinator.evaluation import evaluate_global
-    from coordinator.scheduler import Coordinator
-    from coordinator.service import SERVICE_NAME, serve
-    from coordinator.state import StateStore
+    from fedbroker.aggregators.client import AggregatorClient
+    from fedbroker.coordinator.evaluation import evaluate_global
+    from fedbroker.coordinator.scheduler import Coordinator
+    from fedbroker.coordinator.service import SERVICE_NAME, serve
+    from fedbroker.coordinator.state import StateStore
 
     c = config.coordinator
     tokens = load_table(c.tokens_file, service=SERVICE_NAME)
@@ -122,8 +122,8 @@ def set_torch_threads(threads: int) -> None:
 
 
 def start_worker(config: Config, *, bus: Bus | None = None) -> Any:
-    from worker.agent import WorkerAgent, WorkerConfig
-    from worker.trainer import DPPolicy
+    from fedbroker.worker.agent import WorkerAgent, WorkerConfig
+    from fedbroker.worker.trainer import DPPolicy
 
     keep_freed_memory()  # every round streams the global model in and the update out
     w = config.worker

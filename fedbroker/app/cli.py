@@ -7,7 +7,8 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -33,16 +34,16 @@ def _wait_for_signal() -> None:
 
 
 def cmd_aggregator(args: argparse.Namespace) -> int:
-    from fedbroker.launch import start_aggregator
+    from fedbroker.app.launch import start_aggregator
 
-    server, port = start_aggregator(_config(args, {"aggregator.listen": args.listen}))
+    server, _port = start_aggregator(_config(args, {"aggregator.listen": args.listen}))
     _wait_for_signal()
     server.stop(grace=5)
     return 0
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from fedbroker.launch import start_coordinator
+    from fedbroker.app.launch import start_coordinator
 
     process = start_coordinator(_config(args, {
         "broker.url": args.broker, "coordinator.listen": args.listen, "aggregator.target": args.aggregator,
@@ -54,7 +55,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from fedbroker.launch import start_worker
+    from fedbroker.app.launch import start_worker
 
     config = _config(args, {"broker.url": args.broker, "worker.id": args.id})
     if not config.broker.url:
@@ -69,9 +70,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def _coordinator_client(target: str) -> Any:
     """A client with this user's token and TLS from FEDBROKER__CLIENT__* (TOKEN_FILE, CA_FILE, ...)."""
-    from coordinator.service import CoordinatorClient
+    from fedbroker.app.launch import client_security
     from fedbroker.config import load_config
-    from fedbroker.launch import client_security
+    from fedbroker.coordinator.service import CoordinatorClient
 
     return CoordinatorClient(target, security=client_security(load_config()))
 
@@ -89,7 +90,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from fedbroker.status import render
+    from fedbroker.app.status import render
 
     client = _coordinator_client(args.coordinator)
     print(render(client.status(args.job or "")))
@@ -98,7 +99,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from fedbroker.demo import DemoOptions, run_demo
+    from fedbroker.app.demo import DemoOptions, run_demo
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = DemoOptions(
@@ -114,8 +115,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fedbroker.audit import run_audit
-    from fedbroker.demo import DemoOptions
+    from fedbroker.app.audit import run_audit
+    from fedbroker.app.demo import DemoOptions
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = DemoOptions(workers=args.workers, rounds=args.rounds, local_epochs=args.local_epochs, hidden=args.hidden,
@@ -139,7 +140,7 @@ def cmd_token(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fedbroker.demo import DemoOptions
+    from fedbroker.app.demo import DemoOptions
 
     d = DemoOptions()
     parser = argparse.ArgumentParser(prog="fedbroker", description=__doc__)

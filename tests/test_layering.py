@@ -1,0 +1,151 @@
+"""The house's walls: who may import whom, read from the source (every import, function-local ones too).
+
+- The kernel (`fedbroker/*.py`, `fedbroker/bus/`) imports no service and not the app: it is what the
+  services share, so a change in a service never ripples into it.
+- The services (`fedbroker.coordinator`, `.worker`, `.aggregators`) never import the app.
+- Nothing imports the top-level folders by their bare names (`import worker`): they are installed as
+  `fedbroker.worker` etc., and a second name for one module would give it two copies of its state.
+- No import cycles, counted over module files (a package's `__init__` importing its own submodules is
+  not a cycle).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "fedbroker"
+SERVICES = ("fedbroker.coordinator", "fedbroker.worker", "fedbroker.aggregators")
+APP = "fedbroker.app"
+BARE = {"coordinator", "worker", "aggregators", "proto", "app"}
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the installed package, by dotted name (the service folders are reached through
+    their links in fedbroker/, as the installed package holds them)."""
+    found: dict[str, Path] = {}
+    for folder, dirs, files in os.walk(PACKAGE, followlinks=True):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        rel = Path(folder).relative_to(ROOT)
+        for name in files:
+            if name.endswith(".py"):
+                parts = [*rel.parts, name[:-3]]
+                if parts[-1] == "__init__":
+                    parts.pop()
+                found[".".join(parts)] = Path(folder) / name
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> Iterator[tuple[str, int]]:
+    """(imported module, line) for every import in the file, resolved to a module of ours where possible."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                yield (candidate if candidate in MODULES else base), node.lineno
+
+
+def _internal_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {name: set() for name in MODULES}
+    for name, path in MODULES.items():
+        for target, _ in _imports(name, path):
+            if target in MODULES and target != name:
+                # a package importing its own submodules (its public face) is how packages are built
+                if path.name == "__init__.py" and target.startswith(name + "."):
+                    continue
+                graph[name].add(target)
+    return graph
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _is_kernel(module: str) -> bool:
+    return module.startswith("fedbroker") and not any(_in(module, p) for p in (*SERVICES, APP, "fedbroker.proto")) \
+        and module != "fedbroker.__main__"
+
+
+def test_the_kernel_imports_no_service_and_not_the_app() -> None:
+    bad = [f"{name} imports {target} (line {line})"
+           for name, path in MODULES.items() if _is_kernel(name)
+           for target, line in _imports(name, path)
+           if any(_in(target, p) for p in (*SERVICES, APP))]
+    assert not bad, "the kernel must not import services or the app:\n" + "\n".join(bad)
+
+
+def test_services_never_import_the_app() -> None:
+    bad = [f"{name} imports {target} (line {line})"
+           for name, path in MODULES.items() if any(_in(name, s) for s in SERVICES)
+           for target, line in _imports(name, path) if _in(target, APP)]
+    assert not bad, "\n".join(bad)
+
+
+def test_nothing_imports_the_top_level_folders_by_their_bare_names() -> None:
+    sources = [*MODULES.values(), *ROOT.glob("tests/**/*.py"), *ROOT.glob("bench/*.py"),
+               *ROOT.glob("experiments/*.py")]
+    bad = []
+    for path in sources:
+        rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        for target, line in _imports("", path):
+            if target.split(".")[0] in BARE:
+                bad.append(f"{rel}:{line} imports {target}; use fedbroker.{target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_there_are_no_import_cycles() -> None:
+    graph = _internal_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in sorted(graph[node]):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_walls_are_seen_by_this_test() -> None:
+    """The checks above read the right tree: every service and the app are found through fedbroker/."""
+    for package in (*SERVICES, APP, "fedbroker.proto", "fedbroker.spec"):
+        assert package in MODULES, f"{package} not found under {PACKAGE}"
+    assert "fedbroker.aggregators.alignment.feddna" in MODULES
