@@ -131,8 +131,8 @@ class _Sum:
             self.folds += 1
             return
         by_block: dict[int, list[tuple[int, float]]] = {}
-        for slot, w in zip(slots, weights):
-            by_block.setdefault(slot.block, []).append((slot.index, float(w)))
+        for slot, weight in zip(slots, weights):
+            by_block.setdefault(slot.block, []).append((slot.index, float(weight)))
         with _blas_threads.limit(limits=1, user_api="blas"):
             for b, pairs in sorted(by_block.items()):
                 pairs.sort()
@@ -143,8 +143,8 @@ class _Sum:
                         stop += 1
                     first, last = pairs[start][0], pairs[stop - 1][0]
                     matrix = rows.blocks[b][first:last + 1].T   # (size × rows), Fortran order: no copy
-                    w = np.array([p[1] for p in pairs[start:stop]], dtype=np.float32)
-                    blas.sgemv(alpha, matrix, w, beta=beta if self.y_holds else 0.0, y=self.y, overwrite_y=1)
+                    row_weights = np.array([p[1] for p in pairs[start:stop]], dtype=np.float32)
+                    blas.sgemv(alpha, matrix, row_weights, beta=beta if self.y_holds else 0.0, y=self.y, overwrite_y=1)
                     self.y_holds, beta = True, 1.0
                     start = stop
         self.folds += 1

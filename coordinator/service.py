@@ -106,11 +106,14 @@ class CoordinatorClient:
         self.timeout_s = timeout_s
 
     def submit(self, job_text: str) -> str:
-        return self._stub.SubmitJob(pb.SubmitJobRequest(job_yaml=job_text), timeout=self.timeout_s,
-                                    metadata=self._md).job_id
+        reply: pb.SubmitJobReply = self._stub.SubmitJob(pb.SubmitJobRequest(job_yaml=job_text),
+                                                        timeout=self.timeout_s, metadata=self._md)
+        return reply.job_id
 
     def status(self, job_id: str = "") -> pb.StatusReply:
-        return self._stub.Status(pb.StatusRequest(job_id=job_id), timeout=self.timeout_s, metadata=self._md)
+        reply: pb.StatusReply = self._stub.Status(pb.StatusRequest(job_id=job_id), timeout=self.timeout_s,
+                                                  metadata=self._md)
+        return reply
 
     def close(self) -> None:
         self._channel.close()

@@ -225,8 +225,8 @@ class ServerAuth(grpc.ServerInterceptor):
                     + (f"; it is for {', '.join(sorted(allowed))}" if allowed else ""))
         return None
 
-    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-                          handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+                          handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         full = handler_call_details.method
         if full.startswith(_OPEN_SERVICES):
             return continuation(handler_call_details)
@@ -245,7 +245,7 @@ class ServerAuth(grpc.ServerInterceptor):
         return _refusing(handler, code, reason, message)
 
 
-def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, reason: str, message: str) -> grpc.RpcMethodHandler:
+def _refusing(handler: grpc.RpcMethodHandler[Any, Any], code: grpc.StatusCode, reason: str, message: str) -> grpc.RpcMethodHandler[Any, Any]:
     """A handler of the same kind that ends the call at once, reading none of its request stream."""
 
     def refuse(_request: Any, context: grpc.ServicerContext) -> Any:

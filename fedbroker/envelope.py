@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from fedbroker.errors import FedbrokerError
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -24,5 +24,11 @@ def decode(body: bytes, *, expect: tuple[str, ...]) -> pb.Envelope:
     return envelope
 
 
-def encode(**message: object) -> bytes:
-    return pb.Envelope(**message).SerializeToString()
+def encode(**message: Message) -> bytes:
+    """One message in its Envelope, named by its field: `encode(heartbeat=pb.Heartbeat(...))`."""
+    if len(message) != 1:
+        raise TypeError(f"an envelope holds exactly one message, got {len(message)}")
+    ((kind, body),) = message.items()
+    envelope = pb.Envelope()
+    getattr(envelope, kind).CopyFrom(body)
+    return envelope.SerializeToString()

@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # `x_created` series double the series count for nothing the dashboards use.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # RPCs are short control calls (ms) or model transfers (seconds to minutes): cover both.
 RPC_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -87,8 +87,8 @@ class GrpcMetricsInterceptor(grpc.ServerInterceptor):
     last message was produced.
     """
 
-    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-                          handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+                          handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = continuation(handler_call_details)
         if handler is None:
             return None
@@ -105,6 +105,8 @@ class GrpcMetricsInterceptor(grpc.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 _timed_stream(handler.unary_stream, service, method),
                 request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        if handler.stream_stream is None:
+            return handler
         return grpc.stream_stream_rpc_method_handler(
             _timed_stream(handler.stream_stream, service, method),
             request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)

@@ -159,7 +159,8 @@ def grow_trees(
     metric = _METRICS[distance]
 
     def row(v: int, nodes: np.ndarray) -> np.ndarray:
-        return cdist(points[nodes], points[v : v + 1], metric)[:, 0]
+        distances: np.ndarray = cdist(points[nodes], points[v : v + 1], metric)[:, 0]
+        return distances
 
     return _grow(row, owner, variant=variant, growth=growth, rng=rng, seeds=seeds)
 

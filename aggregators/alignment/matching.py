@@ -69,7 +69,8 @@ class LayerMatch:
     @property
     def global_neurons(self) -> np.ndarray:
         """MAP estimate G/S of every global neuron."""
-        return self.natural_mean / self.precision
+        means: np.ndarray = self.natural_mean / self.precision
+        return means
 
     @property
     def width(self) -> int:
@@ -83,7 +84,8 @@ def new_slot_count(n_local: int, n_global: int, max_global_width: int) -> int:
 
 def _quadratic(x: np.ndarray, sq: np.ndarray, lin: np.ndarray, const: np.ndarray) -> np.ndarray:
     """Σ_d (x_jd²·sq_id + x_jd·lin_id) + const_i for every (j, i), as two matrix products."""
-    return (x * x) @ sq.T + x @ lin.T + const[None, :]
+    values: np.ndarray = (x * x) @ sq.T + x @ lin.T + const[None, :]
+    return values
 
 
 def _kl_exact(x: np.ndarray, tau: np.ndarray, g: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -92,7 +94,8 @@ def _kl_exact(x: np.ndarray, tau: np.ndarray, g: np.ndarray, s: np.ndarray) -> n
     sp = s + tau
     mean_shift = _quadratic(x, 1.0 / sp, -2.0 * tau * g / (s * sp), np.sum(tau**2 * g**2 / (s**2 * sp), axis=1))
     spread = np.sum(tau / s - np.log1p(tau / s), axis=1)
-    return 0.5 * (mean_shift + spread[None, :])
+    kl: np.ndarray = 0.5 * (mean_shift + spread[None, :])
+    return kl
 
 
 def _kl_reference_mean_shift(x: np.ndarray, tau: np.ndarray, g: np.ndarray, s: np.ndarray) -> np.ndarray:

@@ -212,7 +212,8 @@ def reported_loss2(candidates: Sequence[Candidate]) -> Fitness:
         w, chosen = sizes[pop], losses[pop]
         total = w.sum(axis=1)
         weighted = np.divide((w * chosen).sum(axis=1), total, out=np.zeros(pop.shape[0]), where=total > 0)
-        return np.where(total > 0, weighted, chosen.mean(axis=1))
+        mixed: np.ndarray = np.where(total > 0, weighted, chosen.mean(axis=1))
+        return mixed
 
     return loss2
 
@@ -289,7 +290,8 @@ class GeneticSelection:
         cos = cosine_to_global(candidates, global_vector)
 
         def loss1(pop: np.ndarray) -> np.ndarray:
-            return cos[pop].mean(axis=1)
+            mean_cosine: np.ndarray = cos[pop].mean(axis=1)
+            return mean_cosine
 
         if self.mu == 0.0:
             return loss1, loss1, None

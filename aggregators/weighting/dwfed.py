@@ -41,7 +41,8 @@ def label_distribution(histogram: ArrayLike) -> np.ndarray:
     total = h.sum()
     if total <= 0:
         raise ValueError("histogram has no samples; its label distribution is undefined")
-    return h / total
+    shares: np.ndarray = h / total
+    return shares
 
 
 def population_distribution(histograms: Sequence[ArrayLike]) -> np.ndarray:
