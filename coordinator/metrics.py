@@ -12,13 +12,14 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Protocol
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Metric
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 import fedbroker.metrics  # noqa: F401  (the shared gRPC and broker metrics belong to every process)
+from fedbroker.coordinator.state import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -64,32 +65,42 @@ MODEL_LOSS = Gauge(
     ["job_id"])
 
 
+class Registry(Protocol):
+    """What the collector reads of the bound coordinator: its store and heartbeat timeout."""
+
+    @property
+    def store(self) -> StateStore: ...
+
+    @property
+    def heartbeat_timeout_s(self) -> float: ...
+
+
 class RegistryCollector(Collector):
     """Workers registered/active and jobs by status, read from the bound coordinator's store per scrape."""
 
     def __init__(self) -> None:
-        self._coordinator: Any = None
+        self._coordinator: Registry | None = None
         self._lock = threading.Lock()
 
-    def bind(self, coordinator: Any) -> None:
+    def bind(self, coordinator: Registry) -> None:
         with self._lock:
             self._coordinator = coordinator
 
-    def unbind(self, coordinator: Any) -> None:
+    def unbind(self, coordinator: Registry) -> None:
         with self._lock:
             if self._coordinator is coordinator:
                 self._coordinator = None
 
-    def describe(self) -> Iterable[Any]:
+    def describe(self) -> Iterable[Metric]:
         return self._families()
 
-    def collect(self) -> Iterable[Any]:
+    def collect(self) -> Iterable[Metric]:
         with self._lock:
             coordinator = self._coordinator
         return self._families(coordinator)
 
     @staticmethod
-    def _families(coordinator: Any = None) -> list[Any]:
+    def _families(coordinator: Registry | None = None) -> list[Metric]:
         registered = GaugeMetricFamily("fedbroker_coordinator_workers_registered", "Workers that ever registered.")
         active = GaugeMetricFamily(
             "fedbroker_coordinator_workers_active", "Workers whose last heartbeat is within the heartbeat timeout.")

@@ -17,10 +17,19 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
+from wsgiref.simple_server import WSGIServer
 
 import grpc
-from prometheus_client import REGISTRY, Counter, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Metric,
+    disable_created_metrics,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -44,7 +53,7 @@ GRPC_SERVER_AUTH_FAILURES = Counter(
     ["grpc_service", "grpc_method", "reason"],
 )
 
-_exporters: dict[tuple[str, int], Any] = {}
+_exporters: dict[tuple[str, int], WSGIServer] = {}
 _exporters_lock = threading.Lock()
 
 
@@ -160,6 +169,15 @@ def _timed_stream(behaviour: Callable[[Any, grpc.ServicerContext], Iterable[Any]
 # ----- the broker -----------------------------------------------------------------------------------
 
 
+class WatchedBus(Protocol):
+    """What the collector reads of a bus (both bus implementations have it)."""
+
+    @property
+    def reconnects(self) -> int: ...
+
+    def wait_ready(self, timeout: float) -> bool: ...
+
+
 class BusCollector(Collector):
     """Reads each watched bus at scrape time: its `reconnects` count and whether it is consuming.
 
@@ -168,10 +186,10 @@ class BusCollector(Collector):
     """
 
     def __init__(self) -> None:
-        self._buses: dict[str, weakref.ref[Any]] = {}
+        self._buses: dict[str, weakref.ref[WatchedBus]] = {}
         self._lock = threading.Lock()
 
-    def watch(self, bus: Any, *, client: str) -> None:
+    def watch(self, bus: WatchedBus, *, client: str) -> None:
         with self._lock:
             self._buses[client] = weakref.ref(bus)
 
@@ -179,13 +197,13 @@ class BusCollector(Collector):
         with self._lock:
             self._buses.pop(client, None)
 
-    def describe(self) -> Iterable[Any]:
+    def describe(self) -> Iterable[Metric]:
         return self._families()
 
-    def collect(self) -> Iterable[Any]:
+    def collect(self) -> Iterable[Metric]:
         return self._families(sample=True)
 
-    def _families(self, sample: bool = False) -> list[Any]:
+    def _families(self, sample: bool = False) -> list[Metric]:
         reconnects = CounterMetricFamily(
             "fedbroker_broker_reconnects", "Broker connections re-established after a loss.", labels=["client"])
         connected = GaugeMetricFamily(
@@ -197,7 +215,7 @@ class BusCollector(Collector):
             for client, bus in buses:
                 if bus is None:
                     continue
-                reconnects.add_metric([client], float(getattr(bus, "reconnects", 0)))
+                reconnects.add_metric([client], float(bus.reconnects))
                 try:
                     ready = bool(bus.wait_ready(0))
                 except Exception:  # a closed bus raises: it is not connected
@@ -214,7 +232,7 @@ _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"),
              "stateset": ("",), "enum": ("",), "unknown": ("",), "gaugehistogram": ("_bucket", "_gcount", "_gsum")}
 
 
-def exported_names(registry: Any = REGISTRY) -> set[str]:
+def exported_names(registry: CollectorRegistry = REGISTRY) -> set[str]:
     """Every sample name the registry exports, suffixes included (`x_total`, `x_bucket`, `x_count`, ...),
     whether or not a labelled metric has a series yet: what a dashboard or alert rule may refer to."""
     names: set[str] = set()

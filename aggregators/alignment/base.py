@@ -50,26 +50,27 @@ Network = list[Layer]
 # ---------------------------------------------------------------- parameter checks (ValueError naming it)
 
 
-def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+def check_choice(name: str, value: object, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
-def check_bool(name: str, value: Any) -> None:
+def check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be true or false; got {value!r}")
 
 
-def check_real(name: str, value: Any, *, minimum: float, strict: bool) -> None:
-    ok = isinstance(value, Real) and not isinstance(value, bool) and np.isfinite(float(value))
-    if ok:
-        ok = float(value) > minimum if strict else float(value) >= minimum
+def check_real(name: str, value: object, *, minimum: float, strict: bool) -> None:
+    ok = False
+    if isinstance(value, Real) and not isinstance(value, bool):
+        number = float(value)
+        ok = bool(np.isfinite(number)) and (number > minimum if strict else number >= minimum)
     if not ok:
         relation = ">" if strict else ">="
         raise ValueError(f"{name} must be a finite number {relation} {minimum:g}; got {value!r}")
 
 
-def check_int(name: str, value: Any, *, minimum: int) -> None:
+def check_int(name: str, value: object, *, minimum: int) -> None:
     if not isinstance(value, Integral) or isinstance(value, bool) or int(value) < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
 
