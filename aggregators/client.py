@@ -1,6 +1,9 @@
 """A client of the aggregation service, used by workers and the coordinator: deadlines on every call,
 retries only where repeating is safe, and the caller's bearer token (and TLS) from its ClientSecurity.
 
+A call retries an unavailable service a few times (`rpc.call_with_retry`). A caller that rides out longer
+outages itself (the coordinator, for `aggregator_outage_s`) takes `without_retries()`, so retries never nest.
+
 The three model-streaming calls skip protobuf objects for the data chunks (`codec.encoded_stream` and
 `codec.decoded_stream`: the same bytes on the wire, two to three fewer copies of the model per
 transfer); every other call goes through the generated stub.
@@ -8,17 +11,18 @@ transfer); every other call goes through the generated stub.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
 
+import grpc
 import numpy as np
 
 from fedbroker import codec
 from fedbroker.auth import ClientSecurity
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
-from fedbroker.rpc import CHANNEL_OPTIONS, call_with_retry
+from fedbroker.rpc import CHANNEL_OPTIONS, RPC_ATTEMPTS, call_with_retry
 
 
 def _path(method: str) -> str:
@@ -29,22 +33,30 @@ def _path(method: str) -> str:
 
 class AggregatorClient:
     def __init__(self, target: str, *, timeout_s: float = 30.0, transfer_timeout_s: float = 600.0,
-                 max_model_bytes: int = 1 << 30, security: ClientSecurity | None = None) -> None:
+                 max_model_bytes: int = 1 << 30, security: ClientSecurity | None = None,
+                 attempts: int = RPC_ATTEMPTS) -> None:
         self.target = target
         self.timeout_s = timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self.max_model_bytes = max_model_bytes
+        self.attempts = attempts  # tries per call for the errors it is safe to repeat on
         security = security or ClientSecurity()
         self._channel = security.channel(target, CHANNEL_OPTIONS)
         self._md = security.metadata()  # sent with every call
         self._stub = pb_grpc.AggregationStub(self._channel)
         # the streaming methods with serialized messages in and out (no request serializer / deserializer)
-        self._put_global = self._channel.stream_unary(_path("PutGlobalModel"),
-                                                      response_deserializer=pb.UploadReceipt.FromString)
-        self._upload = self._channel.stream_unary(_path("UploadUpdate"),
-                                                  response_deserializer=pb.UploadReceipt.FromString)
-        self._download = self._channel.unary_stream(_path("DownloadGlobalModel"),
-                                                    request_serializer=pb.GlobalModelRequest.SerializeToString)
+        self._put_global: grpc.StreamUnaryMultiCallable[bytes, pb.UploadReceipt] = self._channel.stream_unary(
+            _path("PutGlobalModel"), response_deserializer=pb.UploadReceipt.FromString)
+        self._upload: grpc.StreamUnaryMultiCallable[bytes, pb.UploadReceipt] = self._channel.stream_unary(
+            _path("UploadUpdate"), response_deserializer=pb.UploadReceipt.FromString)
+        self._download: grpc.UnaryStreamMultiCallable[pb.GlobalModelRequest, bytes] = self._channel.unary_stream(
+            _path("DownloadGlobalModel"), request_serializer=pb.GlobalModelRequest.SerializeToString)
+
+    def without_retries(self) -> AggregatorClient:
+        """This client, on the same channel, calling once: for a caller that owns the retrying."""
+        once = copy.copy(self)
+        once.attempts = 1
+        return once
 
     def close(self) -> None:
         self._channel.close()
@@ -61,7 +73,7 @@ class AggregatorClient:
         call_with_retry(
             lambda: self._put_global(codec.encoded_stream(pb.ModelChunk, header, tensors),
                                      timeout=self.transfer_timeout_s, metadata=self._md),
-            what=f"put global model of job {job_id}", idempotent=True,
+            what=f"put global model of job {job_id}", idempotent=True, attempts=self.attempts,
         )
 
     def download(self, job_id: str, version: int = 0) -> tuple[int, str, dict[str, np.ndarray]]:
@@ -72,7 +84,8 @@ class AggregatorClient:
                                                max_bytes=self.max_model_bytes)
             return header.version, header.model_spec_json, tensors
 
-        return call_with_retry(run, what=f"download global model of job {job_id}", idempotent=True)
+        return call_with_retry(run, what=f"download global model of job {job_id}", idempotent=True,
+                               attempts=self.attempts)
 
     def upload(self, *, job_id: str, round: int, worker_id: str, num_samples: int, tensors: Mapping[str, np.ndarray],
                ish: float | None = None, epsilon: float = 0.0, train_loss: float = 0.0,
@@ -86,33 +99,36 @@ class AggregatorClient:
         return call_with_retry(
             lambda: self._upload(codec.encoded_stream(pb.UpdateChunk, header, tensors),
                                  timeout=self.transfer_timeout_s, metadata=self._md),
-            what=f"upload of {worker_id} for round {round}", idempotent=True,
+            what=f"upload of {worker_id} for round {round}", idempotent=True, attempts=self.attempts,
         )
 
     def open_round(self, job_id: str, round: int, participants: Sequence[str], deadline_unix: float,
-                   aggregation: Mapping[str, Any], *, seed: int,
+                   aggregation: Mapping[str, object], *, seed: int,
                    histograms: Mapping[str, Sequence[int]] | None = None) -> int:
         request = pb.OpenRoundRequest(
             job_id=job_id, round=round, participants=list(participants), deadline_unix=deadline_unix,
             aggregation_json=json.dumps(dict(aggregation)), seed=seed,
             histograms={w: pb.LabelHistogram(counts=list(h)) for w, h in (histograms or {}).items()},
         )
-        reply = call_with_retry(lambda: self._stub.OpenRound(request, timeout=self.timeout_s, metadata=self._md),
-                                what=f"open round {round}", idempotent=True)
+        reply: pb.OpenRoundReply = call_with_retry(
+            lambda: self._stub.OpenRound(request, timeout=self.timeout_s, metadata=self._md),
+            what=f"open round {round}", idempotent=True, attempts=self.attempts,
+        )
         return reply.model_version
 
     def status(self, job_id: str, round: int) -> tuple[list[str], bool]:
-        reply = call_with_retry(
+        reply: pb.RoundStatusReply = call_with_retry(
             lambda: self._stub.RoundStatus(pb.RoundStatusRequest(job_id=job_id, round=round), timeout=self.timeout_s,
                                            metadata=self._md),
-            what=f"status of round {round}", idempotent=True,
+            what=f"status of round {round}", idempotent=True, attempts=self.attempts,
         )
         return list(reply.accepted), reply.open
 
     def close_round(self, job_id: str, round: int, *, timeout_s: float = 600.0) -> pb.CloseRoundReply:
         # Not idempotent: a retry after a lost reply finds the round closed, so only UNAVAILABLE is retried.
-        return call_with_retry(
+        reply: pb.CloseRoundReply = call_with_retry(
             lambda: self._stub.CloseRound(pb.CloseRoundRequest(job_id=job_id, round=round), timeout=timeout_s,
                                           metadata=self._md),
-            what=f"close round {round}", idempotent=False,
+            what=f"close round {round}", idempotent=False, attempts=self.attempts,
         )
+        return reply

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -314,6 +316,17 @@ def test_open_bus_without_url_is_in_process_and_rejects_other_schemes() -> None:
         open_bus("http://localhost")
     with pytest.raises(ConfigError, match="max_attempts"):
         open_bus("", max_attempts=0)
+
+
+def test_the_in_process_bus_needs_no_pika_and_the_package_exports_its_api() -> None:
+    code = (
+        "import sys; sys.modules['pika'] = None\n"  # any import of pika now fails
+        "import fedbroker.bus as bus\n"
+        "missing = [name for name in bus.__all__ if not hasattr(bus, name)]\n"
+        "assert not missing, missing\n"
+        "b = bus.open_bus(None, namespace='fbtest-nopika'); b.start(); b.close()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
 
 
 def test_password_is_masked_in_urls_for_logs() -> None:

@@ -1,12 +1,7 @@
-"""Message bus for control messages (tasks, worker reports, round events); weights never ride on it.
+"""The bus on RabbitMQ (`AmqpBus`), through pika: durable topology, persistent messages, publisher confirms,
+manual acks, prefetch 1, dead-lettering of poison messages and reconnection with jittered backoff.
 
-Two implementations share one interface (`Bus`) and one behaviour:
-
-* `AmqpBus` talks to RabbitMQ with durable topology, persistent messages, publisher confirms, manual
-  acks, prefetch 1, dead-lettering of poison messages and reconnection with jittered backoff;
-* `InProcessBus` does the same inside one process (the embedded demo needs no broker).
-
-`open_bus(url)` picks one from the URL. Bodies are opaque bytes (serialized envelopes built elsewhere).
+pika is imported where it is used, so the in-process bus works without it.
 """
 
 from __future__ import annotations
@@ -15,7 +10,6 @@ import collections
 import logging
 import math
 import os
-import random
 import re
 import socket
 import ssl
@@ -25,145 +19,29 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar, Literal, Protocol
-from urllib.parse import parse_qs, urlsplit, urlunsplit
+from typing import Any, Literal
+from urllib.parse import parse_qs, urlsplit
 
+from fedbroker.bus.base import (
+    ATTEMPTS_HEADER,
+    CONTENT_TYPE,
+    CONTROL_ROUTING_KEY,
+    ROUTING_KEY_HEADER,
+    Action,
+    Delivery,
+    Dispatcher,
+    Handler,
+    Topology,
+    check_max_attempts,
+    check_name,
+    mask_url,
+)
 from fedbroker.errors import BusError, ConfigError
+from fedbroker.retry import Backoff
 
 log = logging.getLogger(__name__)
 
-# Header carrying how many earlier deliveries of this message failed (classic queues have no counter).
-ATTEMPTS_HEADER = "x-fedbroker-attempts"
-# Header keeping the routing key the publisher chose, since a retried copy is re-routed by queue name.
-ROUTING_KEY_HEADER = "x-fedbroker-routing-key"
-CONTROL_ROUTING_KEY = "coordinator"
-CONTENT_TYPE = "application/octet-stream"
-
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
-
-Action = Literal["ack", "requeue", "dead"]
-
-
-def _check_name(field: str, value: str) -> str:
-    if not isinstance(value, str) or not _NAME.match(value):
-        raise ConfigError(
-            field,
-            f"must be 1-128 characters of letters, digits, '_', '.', ':' or '-' "
-            f"starting with a letter or digit, got {value!r}",
-        )
-    return value
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Every broker name the bus uses, all prefixed by the namespace so deployments never collide."""
-
-    namespace: str
-
-    @property
-    def tasks_exchange(self) -> str:
-        return f"{self.namespace}.tasks"
-
-    @property
-    def control_exchange(self) -> str:
-        return f"{self.namespace}.control"
-
-    @property
-    def events_exchange(self) -> str:
-        return f"{self.namespace}.events"
-
-    @property
-    def dead_letter_exchange(self) -> str:
-        return f"{self.namespace}.dlx"
-
-    @property
-    def coordinator_queue(self) -> str:
-        return f"{self.namespace}.coordinator"
-
-    @property
-    def dead_queue(self) -> str:
-        return f"{self.namespace}.dead"
-
-    def worker_queue(self, worker_id: str) -> str:
-        return f"{self.namespace}.worker.{worker_id}"
-
-
-class Delivery:
-    """One delivered message, handed to a handler; settle it exactly once with `ack` or `nack`.
-
-    `ack`/`nack` may be called from any thread, long after the handler returned (training runs in
-    its own thread). The first settlement wins; later ones are ignored with a warning, so a
-    `finally: delivery.nack(...)` safety net cannot undo an ack.
-    """
-
-    __slots__ = ("_lock", "_settle", "_settled", "attempts", "body", "message_id", "redelivered", "routing_key")
-
-    def __init__(
-        self,
-        *,
-        body: bytes,
-        routing_key: str,
-        redelivered: bool,
-        attempts: int,
-        message_id: str | None,
-        settle: Callable[[Action], None],
-    ) -> None:
-        self.body = body
-        self.routing_key = routing_key
-        self.redelivered = redelivered  # True when this message was delivered before: handle idempotently
-        self.attempts = attempts  # 1 on the first delivery
-        self.message_id = message_id  # stable across redeliveries: a key for idempotent handling
-        self._settle = settle
-        self._lock = threading.Lock()
-        self._settled: Action | None = None
-
-    @property
-    def settled(self) -> bool:
-        return self._settled is not None
-
-    def ack(self) -> None:
-        """The work is done and its result is durable: the broker may forget the message."""
-        self._finish("ack")
-
-    def nack(self, *, requeue: bool) -> None:
-        """Give the message back: `requeue=True` retries it (counted), `False` dead-letters it now."""
-        self._finish("requeue" if requeue else "dead")
-
-    def _finish(self, action: Action) -> None:
-        with self._lock:
-            if self._settled is not None:
-                log.warning("message %s already settled (%s); ignoring %s", self.message_id, self._settled, action)
-                return
-            self._settled = action
-        self._settle(action)
-
-    def __repr__(self) -> str:
-        return (
-            f"Delivery(routing_key={self.routing_key!r}, attempts={self.attempts}, "
-            f"redelivered={self.redelivered}, message_id={self.message_id!r}, {len(self.body)} bytes)"
-        )
-
-
-Handler = Callable[[Delivery], None]
-
-
-class Bus(Protocol):
-    @property
-    def reconnects(self) -> int: ...
-
-    def publish_task(self, worker_id: str, body: bytes) -> None: ...
-    def publish_control(self, body: bytes) -> None: ...
-    def publish_event(self, body: bytes) -> None: ...
-    def consume_tasks(self, worker_id: str, handler: Handler) -> None: ...
-    def consume_control(self, handler: Handler) -> None: ...
-    def consume_events(self, handler: Handler) -> None: ...
-    def declare_worker(self, worker_id: str) -> None: ...
-    def start(self) -> None: ...
-    def wait_ready(self, timeout: float) -> bool: ...
-    def close(self) -> None: ...
-
-
-_AMQP_ONLY_OPTIONS = {
+AMQP_ONLY_OPTIONS = {
     "reconnect_initial_s",
     "reconnect_max_s",
     "publish_timeout_s",
@@ -176,377 +54,16 @@ _AMQP_ONLY_OPTIONS = {
 }
 
 
-def open_bus(url: str | None, *, namespace: str = "fedbroker", **options: Any) -> Bus:
-    """`None`/`""` → `InProcessBus`; `amqp://` or `amqps://` → `AmqpBus` (options: see `AmqpBus`).
-
-    AMQP-only options are accepted and ignored in process, so one config works for both.
-    """
-    if not url:
-        mem_options = {k: v for k, v in options.items() if k not in _AMQP_ONLY_OPTIONS}
-        return InProcessBus(namespace=namespace, **mem_options)
-    scheme = urlsplit(url).scheme.lower()
-    if scheme not in ("amqp", "amqps"):
-        raise ConfigError("broker_url", f"scheme must be amqp:// or amqps://, got {scheme or 'none'}://")
-    return AmqpBus(url, namespace=namespace, **options)
-
-
-def mask_url(url: str) -> str:
-    """The URL with its password replaced, safe for logs and error messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
-
-
-def _check_max_attempts(max_attempts: int) -> int:
-    if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
-        raise ConfigError("max_attempts", f"must be an integer >= 1, got {max_attempts!r}")
-    return max_attempts
-
-
 def _check_positive(field: str, value: float) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
         raise ConfigError(field, f"must be a number > 0, got {value!r}")
     return float(value)
 
 
-class _Dispatcher:
-    """One thread per consumer that runs the handler, one delivery at a time, off the I/O thread.
-
-    A handler that raises gets its (unsettled) delivery nacked with requeue, which counts an attempt.
-    """
-
-    def __init__(self, name: str, handler: Handler) -> None:
-        self.name = name
-        self._handler = handler
-        self._inbox: collections.deque[Delivery] = collections.deque()
-        self._cond = threading.Condition()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=f"bus-handler-{name}", daemon=True)
-        self._started = False
-
-    def start(self) -> None:
-        if not self._started:
-            self._started = True
-            self._thread.start()
-
-    def put(self, delivery: Delivery) -> None:
-        with self._cond:
-            self._inbox.append(delivery)
-            self._cond.notify()
-
-    def stop(self, timeout: float = 2.0) -> None:
-        """Drop undelivered items (the broker redelivers them) and let a busy handler finish."""
-        with self._cond:
-            self._stopping = True
-            self._inbox.clear()
-            self._cond.notify()
-        if self._started and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._inbox and not self._stopping:
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                delivery = self._inbox.popleft()
-            try:
-                self._handler(delivery)
-            except Exception:
-                log.exception("handler for %s failed on %r; the message will be retried", self.name, delivery)
-                if not delivery.settled:
-                    delivery.nack(requeue=True)
-
-
-# --------------------------------------------------------------------------------------------------
-# In process
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class DeadLetter:
-    """A message that was dead-lettered (poison, or nacked without requeue)."""
-
-    body: bytes
-    routing_key: str
-    queue: str
-    attempts: int
-    message_id: str | None
-
-
-@dataclass
-class _MemMessage:
-    body: bytes
-    routing_key: str
-    message_id: str
-    failures: int = 0  # earlier deliveries that did not end in an ack
-
-
-class _MemConsumer:
-    def __init__(self, dispatcher: _Dispatcher, max_attempts: int) -> None:
-        self.dispatcher = dispatcher
-        self.max_attempts = max_attempts
-        self.unacked: _MemMessage | None = None  # prefetch 1: at most one message in flight
-        self.active = False
-
-
-class _MemQueue:
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.ready: collections.deque[_MemMessage] = collections.deque()
-        self.consumers: list[_MemConsumer] = []
-
-
-class MemoryBroker:
-    """The in-process stand-in for RabbitMQ; every `InProcessBus` with the same namespace shares one."""
-
-    _registry: ClassVar[dict[str, MemoryBroker]] = {}
-    _registry_lock = threading.Lock()
-
-    def __init__(self, namespace: str) -> None:
-        self.topology = Topology(namespace)
-        self.lock = threading.RLock()
-        self.queues: dict[str, _MemQueue] = {}
-        self.event_queues: list[_MemQueue] = []
-        self.dead: list[DeadLetter] = []
-        self.declare(self.topology.coordinator_queue)
-
-    @classmethod
-    def for_namespace(cls, namespace: str) -> MemoryBroker:
-        with cls._registry_lock:
-            broker = cls._registry.get(namespace)
-            if broker is None:
-                broker = cls._registry[namespace] = cls(namespace)
-            return broker
-
-    @classmethod
-    def forget(cls, namespace: str) -> None:
-        """Drop a namespace's queues (tests and demos that reuse a process)."""
-        with cls._registry_lock:
-            cls._registry.pop(namespace, None)
-
-    def declare(self, name: str) -> _MemQueue:
-        with self.lock:
-            q = self.queues.get(name)
-            if q is None:
-                q = self.queues[name] = _MemQueue(name)
-            return q
-
-    def ready_count(self, queue: str) -> int:
-        """Messages waiting in `queue` (not counting the ones delivered and unacked)."""
-        with self.lock:
-            q = self.queues.get(queue)
-            return len(q.ready) if q else 0
-
-    def enqueue(self, q: _MemQueue, message: _MemMessage) -> None:
-        with self.lock:
-            q.ready.append(message)
-            self.pump(q)
-
-    def pump(self, q: _MemQueue) -> None:
-        """Hand ready messages to consumers that have no message in flight (prefetch 1)."""
-        with self.lock:
-            while q.ready:
-                consumer = next((c for c in q.consumers if c.active and c.unacked is None), None)
-                if consumer is None:
-                    return
-                q.consumers.remove(consumer)  # round robin: the served consumer goes to the back
-                q.consumers.append(consumer)
-                message = q.ready.popleft()
-                attempts = message.failures + 1
-                if attempts > consumer.max_attempts:
-                    self._dead_letter(q, message, message.failures)
-                    continue
-                consumer.unacked = message
-                consumer.dispatcher.put(
-                    Delivery(
-                        body=message.body,
-                        routing_key=message.routing_key,
-                        redelivered=message.failures > 0,
-                        attempts=attempts,
-                        message_id=message.message_id,
-                        settle=partial(self._settle, q, consumer, message),
-                    )
-                )
-
-    def _settle(self, q: _MemQueue, consumer: _MemConsumer, message: _MemMessage, action: Action) -> None:
-        with self.lock:
-            if consumer.unacked is not message:
-                log.warning(
-                    "late settlement of message %s ignored: it was already returned to %s",
-                    message.message_id,
-                    q.name,
-                )
-                return
-            consumer.unacked = None
-            if action == "dead":
-                self._dead_letter(q, message, message.failures + 1)
-            elif action == "requeue":
-                self.fail(q, message, consumer.max_attempts)
-            self.pump(q)
-
-    def fail(self, q: _MemQueue, message: _MemMessage, max_attempts: int) -> None:
-        """Count a failed delivery; retry at the back of the queue or dead-letter it when spent."""
-        with self.lock:
-            message.failures += 1
-            if message.failures >= max_attempts:
-                self._dead_letter(q, message, message.failures)
-            else:
-                q.ready.append(message)
-
-    def _dead_letter(self, q: _MemQueue, message: _MemMessage, attempts: int) -> None:
-        log.warning("dead-lettering message %s from %s after %d deliveries", message.message_id, q.name, attempts)
-        self.dead.append(DeadLetter(message.body, message.routing_key, q.name, attempts, message.message_id))
-
-
-class InProcessBus:
-    """The bus inside one process, with the same semantics as `AmqpBus`.
-
-    Buses opened with the same namespace share one `MemoryBroker`, as processes share RabbitMQ.
-    Each consumer has its own handler thread and at most one unacked message; nack with requeue
-    puts the message at the back of its queue with attempts + 1; after `max_attempts` deliveries
-    it goes to `dead` instead. Closing a bus returns its unacked messages to their queues (an
-    attempt is counted, as RabbitMQ redelivery is counted by `AmqpBus`).
-    """
-
-    def __init__(
-        self, *, namespace: str = "fedbroker", max_attempts: int = 5, broker: MemoryBroker | None = None
-    ) -> None:
-        self.topology = Topology(_check_name("namespace", namespace))
-        self.max_attempts = _check_max_attempts(max_attempts)
-        self.broker = broker or MemoryBroker.for_namespace(namespace)
-        self.reconnects = 0
-        self._lock = threading.Lock()
-        self._consumers: list[tuple[_MemQueue, _MemConsumer]] = []
-        self._own_event_queues: list[_MemQueue] = []
-        self._started = False
-        self._closed = False
-
-    @property
-    def dead(self) -> list[DeadLetter]:
-        return self.broker.dead
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BusError("bus is closed")
-
-    def _message(self, body: bytes, routing_key: str) -> _MemMessage:
-        if not isinstance(body, (bytes, bytearray, memoryview)):
-            raise TypeError(f"body must be bytes, got {type(body).__name__}")
-        return _MemMessage(bytes(body), routing_key, uuid.uuid4().hex)
-
-    def publish_task(self, worker_id: str, body: bytes) -> None:
-        self._check_open()
-        _check_name("worker_id", worker_id)
-        with self.broker.lock:
-            q = self.broker.queues.get(self.topology.worker_queue(worker_id))
-            if q is None:
-                raise BusError(
-                    f"task for worker {worker_id!r} is unroutable: no queue for that worker (declare_worker first)"
-                )
-            self.broker.enqueue(q, self._message(body, worker_id))
-
-    def publish_control(self, body: bytes) -> None:
-        self._check_open()
-        q = self.broker.declare(self.topology.coordinator_queue)
-        self.broker.enqueue(q, self._message(body, CONTROL_ROUTING_KEY))
-
-    def publish_event(self, body: bytes) -> None:
-        self._check_open()
-        message = self._message(body, "")
-        with self.broker.lock:
-            for q in list(self.broker.event_queues):
-                self.broker.enqueue(q, _MemMessage(message.body, "", message.message_id))
-
-    def declare_worker(self, worker_id: str) -> None:
-        self._check_open()
-        self.broker.declare(self.topology.worker_queue(_check_name("worker_id", worker_id)))
-
-    def consume_tasks(self, worker_id: str, handler: Handler) -> None:
-        self.declare_worker(worker_id)
-        self._consume(self.broker.declare(self.topology.worker_queue(worker_id)), handler)
-
-    def consume_control(self, handler: Handler) -> None:
-        self._check_open()
-        self._consume(self.broker.declare(self.topology.coordinator_queue), handler)
-
-    def consume_events(self, handler: Handler) -> None:
-        """Events published from now on reach this subscriber; its queue goes away on close."""
-        self._check_open()
-        q = _MemQueue(f"{self.topology.namespace}.events.{uuid.uuid4().hex[:12]}")
-        with self.broker.lock:
-            self.broker.event_queues.append(q)
-        self._own_event_queues.append(q)
-        self._consume(q, handler)
-
-    def _consume(self, q: _MemQueue, handler: Handler) -> None:
-        consumer = _MemConsumer(_Dispatcher(q.name, handler), self.max_attempts)
-        with self.broker.lock:
-            q.consumers.append(consumer)
-        with self._lock:
-            self._consumers.append((q, consumer))
-            started = self._started
-        if started:
-            self._activate(q, consumer)
-
-    def _activate(self, q: _MemQueue, consumer: _MemConsumer) -> None:
-        consumer.dispatcher.start()
-        with self.broker.lock:
-            consumer.active = True
-            self.broker.pump(q)
-
-    def start(self) -> None:
-        self._check_open()
-        with self._lock:
-            if self._started:
-                return
-            self._started = True
-            consumers = list(self._consumers)
-        for q, consumer in consumers:
-            self._activate(q, consumer)
-
-    def wait_ready(self, timeout: float) -> bool:
-        """Consumers are ready as soon as `start` returns (same method as `AmqpBus`)."""
-        return True
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            consumers, self._consumers = self._consumers, []
-        with self.broker.lock:
-            for q, consumer in consumers:
-                consumer.active = False
-                if consumer in q.consumers:
-                    q.consumers.remove(consumer)
-                message, consumer.unacked = consumer.unacked, None
-                if message is not None:
-                    self.broker.fail(q, message, consumer.max_attempts)
-                    self.broker.pump(q)
-            for q in self._own_event_queues:
-                if q in self.broker.event_queues:
-                    self.broker.event_queues.remove(q)
-        for _, consumer in consumers:
-            consumer.dispatcher.stop()
-
-
-# --------------------------------------------------------------------------------------------------
-# AMQP
-# --------------------------------------------------------------------------------------------------
-
-
 class _Call:
     """Work handed to a link's I/O thread; the caller waits for its result with a deadline."""
 
-    def __init__(self, fn: Callable[[], Any], *, deadline: float, what: str) -> None:
+    def __init__(self, fn: Callable[[], object], *, deadline: float, what: str) -> None:
         self.fn = fn
         self.deadline = deadline
         self.what = what
@@ -639,8 +156,7 @@ class _Link:
         client_name: str,
         heartbeat_s: float,
         blocked_timeout_s: float,
-        reconnect_initial_s: float,
-        reconnect_max_s: float,
+        reconnect: Backoff,
         on_connect: Callable[[Any], None],
         on_disconnect: Callable[[], None],
         tls: ssl.SSLContext | None = None,
@@ -663,8 +179,7 @@ class _Link:
         params.connection_attempts = 1  # retries are ours, with backoff and logging
         params.client_properties = {"connection_name": f"{client_name}.{role}", "product": "fedbroker"}
         self._params = params
-        self._initial = reconnect_initial_s
-        self._max = reconnect_max_s
+        self._reconnect = reconnect
         self._on_connect = on_connect
         self._on_disconnect = on_disconnect
         self._on_tick = on_tick  # called on the I/O thread after every round of I/O, with the connection
@@ -691,7 +206,7 @@ class _Link:
     def on_io_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
-    def call(self, fn: Callable[[], Any], *, timeout: float, what: str) -> None:
+    def call(self, fn: Callable[[], object], *, timeout: float, what: str) -> None:
         """Run `fn` on the I/O thread and wait; connection errors retry it until `timeout`."""
         if self.on_io_thread():
             fn()
@@ -742,10 +257,6 @@ class _Link:
                 if self._calls and self._calls[0] is call:
                     self._calls.popleft()
 
-    def _backoff(self, failures: int) -> float:
-        ceiling = min(self._max, self._initial * 2 ** min(failures, 30))
-        return random.uniform(ceiling / 2, ceiling)
-
     def _run(self) -> None:
         import pika
 
@@ -774,7 +285,7 @@ class _Link:
                         self._on_tick(conn)
                 self._drain()  # acks and publishes handed over before close() still go out
             except _connection_errors() as exc:
-                delay = self._backoff(failures)
+                delay = self._reconnect.delay(failures)
                 failures += 1
                 state = "lost" if self.connected.is_set() else "failed"
                 log.warning(
@@ -787,7 +298,7 @@ class _Link:
             except Exception:
                 log.exception("bus %s I/O thread failed unexpectedly; reconnecting", self.role)
                 self._teardown(conn)
-                self._stop.wait(self._backoff(failures))
+                self._stop.wait(self._reconnect.delay(failures))
                 failures += 1
                 continue
             self._teardown(conn)
@@ -811,7 +322,7 @@ def _noop() -> None:
 class _AmqpConsumer:
     kind: Literal["tasks", "control", "events"]
     queue: str  # "" for an events subscriber until the broker names its queue
-    dispatcher: _Dispatcher
+    dispatcher: Dispatcher
     channel: Any = None  # the channel of the current connection, None while disconnected
 
 
@@ -879,8 +390,8 @@ class AmqpBus:
     ) -> None:
         import pika  # noqa: F401  (fail here, not in a thread, when pika is missing)
 
-        self.topology = Topology(_check_name("namespace", namespace))
-        self.max_attempts = _check_max_attempts(max_attempts)
+        self.topology = Topology(check_name("namespace", namespace))
+        self.max_attempts = check_max_attempts(max_attempts)
         self.publish_timeout_s = _check_positive("publish_timeout_s", publish_timeout_s)
         self.settle_timeout_s = _check_positive("settle_timeout_s", settle_timeout_s)
         initial = _check_positive("reconnect_initial_s", reconnect_initial_s)
@@ -894,17 +405,17 @@ class AmqpBus:
             host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:60] or "host"
             client_name = f"{namespace}:{host}:{os.getpid()}"
         else:
-            _check_name("client_name", client_name)
+            check_name("client_name", client_name)
         self.masked_url = mask_url(url)
-        link_options = dict(
-            tls=_tls_context(url, ca_file=ca_file, cert_file=cert_file, key_file=key_file),
-            url=url,
-            client_name=client_name,
-            heartbeat_s=heartbeat,
-            blocked_timeout_s=self.publish_timeout_s,
-            reconnect_initial_s=initial,
-            reconnect_max_s=maximum,
-        )
+        tls = _tls_context(url, ca_file=ca_file, cert_file=cert_file, key_file=key_file)
+        reconnect = Backoff(initial_s=initial, max_s=maximum)
+
+        def link(role: str, on_connect: Callable[[Any], None], on_disconnect: Callable[[], None],
+                 on_tick: Callable[[Any], None] | None = None) -> _Link:
+            return _Link(role=role, url=url, client_name=client_name, heartbeat_s=heartbeat,
+                         blocked_timeout_s=self.publish_timeout_s, reconnect=reconnect, on_connect=on_connect,
+                         on_disconnect=on_disconnect, tls=tls, on_tick=on_tick)
+
         self._lock = threading.Lock()
         self._workers: set[str] = set()  # worker queues to re-declare on every connect
         self._consumers: list[_AmqpConsumer] = []
@@ -914,19 +425,9 @@ class AmqpBus:
         self._consuming = threading.Event()  # set while every registered consumer is consuming
         self._started = False
         self._closed = False
-        self._publisher = _Link(
-            role="publisher",
-            on_connect=self._on_publisher_connect,
-            on_disconnect=self._on_publisher_disconnect,
-            **link_options,
-        )
-        self._consumer = _Link(
-            role="consumer",
-            on_connect=self._on_consumer_connect,
-            on_disconnect=self._on_consumer_disconnect,
-            on_tick=self._revive_consumers,
-            **link_options,
-        )
+        self._publisher = link("publisher", self._on_publisher_connect, self._on_publisher_disconnect)
+        self._consumer = link("consumer", self._on_consumer_connect, self._on_consumer_disconnect,
+                              on_tick=self._revive_consumers)
 
     @property
     def reconnects(self) -> int:
@@ -1008,7 +509,7 @@ class AmqpBus:
 
     def publish_task(self, worker_id: str, body: bytes) -> None:
         """Persistent and confirmed; `BusError` when no queue exists for the worker (mandatory)."""
-        _check_name("worker_id", worker_id)
+        check_name("worker_id", worker_id)
         self._publish(
             self.topology.tasks_exchange, worker_id, body, mandatory=True, what=f"task for worker {worker_id!r}"
         )
@@ -1025,7 +526,7 @@ class AmqpBus:
     def declare_worker(self, worker_id: str) -> None:
         """Create the worker's durable queue now, so tasks published before it connects are kept."""
         self._check_open()
-        _check_name("worker_id", worker_id)
+        check_name("worker_id", worker_id)
         with self._lock:
             self._workers.add(worker_id)
 
@@ -1044,21 +545,21 @@ class AmqpBus:
     # -- consuming ------------------------------------------------------------------------------
 
     def consume_tasks(self, worker_id: str, handler: Handler) -> None:
-        _check_name("worker_id", worker_id)
+        check_name("worker_id", worker_id)
         self._check_open()
         with self._lock:
             self._workers.add(worker_id)
         queue = self.topology.worker_queue(worker_id)
-        self._add_consumer(_AmqpConsumer("tasks", queue, _Dispatcher(f"tasks.{worker_id}", handler)))
+        self._add_consumer(_AmqpConsumer("tasks", queue, Dispatcher(f"tasks.{worker_id}", handler)))
 
     def consume_control(self, handler: Handler) -> None:
         self._check_open()
         queue = self.topology.coordinator_queue
-        self._add_consumer(_AmqpConsumer("control", queue, _Dispatcher("control", handler)))
+        self._add_consumer(_AmqpConsumer("control", queue, Dispatcher("control", handler)))
 
     def consume_events(self, handler: Handler) -> None:
         self._check_open()
-        self._add_consumer(_AmqpConsumer("events", "", _Dispatcher("events", handler)))
+        self._add_consumer(_AmqpConsumer("events", "", Dispatcher("events", handler)))
 
     def _add_consumer(self, consumer: _AmqpConsumer) -> None:
         with self._lock:
@@ -1261,22 +762,6 @@ class AmqpBus:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-__all__ = [
-    "ATTEMPTS_HEADER",
-    "AmqpBus",
-    "Bus",
-    "BusError",
-    "DeadLetter",
-    "Delivery",
-    "Handler",
-    "InProcessBus",
-    "MemoryBroker",
-    "Topology",
-    "mask_url",
-    "open_bus",
-]
 
 
 def delete_topology(url: str, namespace: str, worker_ids: Sequence[str]) -> None:

@@ -1,0 +1,221 @@
+"""What both buses share: the `Bus` interface, `Delivery`, broker names, the attempts headers, the handler threads.
+
+Bodies are opaque bytes (serialized envelopes built elsewhere); weights never ride on the bus.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+from fedbroker.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Header carrying how many earlier deliveries of this message failed (classic queues have no counter).
+ATTEMPTS_HEADER = "x-fedbroker-attempts"
+# Header keeping the routing key the publisher chose, since a retried copy is re-routed by queue name.
+ROUTING_KEY_HEADER = "x-fedbroker-routing-key"
+CONTROL_ROUTING_KEY = "coordinator"
+CONTENT_TYPE = "application/octet-stream"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+
+Action = Literal["ack", "requeue", "dead"]
+
+
+def check_name(field: str, value: str) -> str:
+    """A namespace, worker id or client name, checked before it becomes part of a broker name."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ConfigError(
+            field,
+            f"must be 1-128 characters of letters, digits, '_', '.', ':' or '-' "
+            f"starting with a letter or digit, got {value!r}",
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Every broker name the bus uses, all prefixed by the namespace so deployments never collide."""
+
+    namespace: str
+
+    @property
+    def tasks_exchange(self) -> str:
+        return f"{self.namespace}.tasks"
+
+    @property
+    def control_exchange(self) -> str:
+        return f"{self.namespace}.control"
+
+    @property
+    def events_exchange(self) -> str:
+        return f"{self.namespace}.events"
+
+    @property
+    def dead_letter_exchange(self) -> str:
+        return f"{self.namespace}.dlx"
+
+    @property
+    def coordinator_queue(self) -> str:
+        return f"{self.namespace}.coordinator"
+
+    @property
+    def dead_queue(self) -> str:
+        return f"{self.namespace}.dead"
+
+    def worker_queue(self, worker_id: str) -> str:
+        return f"{self.namespace}.worker.{worker_id}"
+
+
+class Delivery:
+    """One delivered message, handed to a handler; settle it exactly once with `ack` or `nack`.
+
+    `ack`/`nack` may be called from any thread, long after the handler returned (training runs in
+    its own thread). The first settlement wins; later ones are ignored with a warning, so a
+    `finally: delivery.nack(...)` safety net cannot undo an ack.
+    """
+
+    __slots__ = ("_lock", "_settle", "_settled", "attempts", "body", "message_id", "redelivered", "routing_key")
+
+    def __init__(
+        self,
+        *,
+        body: bytes,
+        routing_key: str,
+        redelivered: bool,
+        attempts: int,
+        message_id: str | None,
+        settle: Callable[[Action], None],
+    ) -> None:
+        self.body = body
+        self.routing_key = routing_key
+        self.redelivered = redelivered  # True when this message was delivered before: handle idempotently
+        self.attempts = attempts  # 1 on the first delivery
+        self.message_id = message_id  # stable across redeliveries: a key for idempotent handling
+        self._settle = settle
+        self._lock = threading.Lock()
+        self._settled: Action | None = None
+
+    @property
+    def settled(self) -> bool:
+        return self._settled is not None
+
+    def ack(self) -> None:
+        """The work is done and its result is durable: the broker may forget the message."""
+        self._finish("ack")
+
+    def nack(self, *, requeue: bool) -> None:
+        """Give the message back: `requeue=True` retries it (counted), `False` dead-letters it now."""
+        self._finish("requeue" if requeue else "dead")
+
+    def _finish(self, action: Action) -> None:
+        with self._lock:
+            if self._settled is not None:
+                log.warning("message %s already settled (%s); ignoring %s", self.message_id, self._settled, action)
+                return
+            self._settled = action
+        self._settle(action)
+
+    def __repr__(self) -> str:
+        return (
+            f"Delivery(routing_key={self.routing_key!r}, attempts={self.attempts}, "
+            f"redelivered={self.redelivered}, message_id={self.message_id!r}, {len(self.body)} bytes)"
+        )
+
+
+Handler = Callable[[Delivery], None]
+
+
+class Bus(Protocol):
+    """What the services use of a bus; `InProcessBus` and `AmqpBus` keep the same semantics."""
+
+    @property
+    def reconnects(self) -> int: ...
+
+    def publish_task(self, worker_id: str, body: bytes) -> None: ...
+    def publish_control(self, body: bytes) -> None: ...
+    def publish_event(self, body: bytes) -> None: ...
+    def consume_tasks(self, worker_id: str, handler: Handler) -> None: ...
+    def consume_control(self, handler: Handler) -> None: ...
+    def consume_events(self, handler: Handler) -> None: ...
+    def declare_worker(self, worker_id: str) -> None: ...
+    def start(self) -> None: ...
+    def wait_ready(self, timeout: float) -> bool: ...
+    def close(self) -> None: ...
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password replaced, safe for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
+def check_max_attempts(max_attempts: int) -> int:
+    if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
+        raise ConfigError("max_attempts", f"must be an integer >= 1, got {max_attempts!r}")
+    return max_attempts
+
+
+class Dispatcher:
+    """One thread per consumer that runs the handler, one delivery at a time, off the I/O thread.
+
+    A handler that raises gets its (unsettled) delivery nacked with requeue, which counts an attempt.
+    """
+
+    def __init__(self, name: str, handler: Handler) -> None:
+        self.name = name
+        self._handler = handler
+        self._inbox: collections.deque[Delivery] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"bus-handler-{name}", daemon=True)
+        self._started = False
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._thread.start()
+
+    def put(self, delivery: Delivery) -> None:
+        with self._cond:
+            self._inbox.append(delivery)
+            self._cond.notify()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Drop undelivered items (the broker redelivers them) and let a busy handler finish."""
+        with self._cond:
+            self._stopping = True
+            self._inbox.clear()
+            self._cond.notify()
+        if self._started and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._inbox and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                delivery = self._inbox.popleft()
+            try:
+                self._handler(delivery)
+            except Exception:
+                log.exception("handler for %s failed on %r; the message will be retried", self.name, delivery)
+                if not delivery.settled:
+                    delivery.nack(requeue=True)

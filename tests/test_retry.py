@@ -1,0 +1,182 @@
+"""The one retry helper: backoff shape, jitter bounds, which errors it retries, and when it gives up.
+
+Time is fake (a clock that only `sleep` moves), so the tests are exact and take no wall time.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from fedbroker.errors import ConfigError
+from fedbroker.retry import Backoff, retry_call
+from fedbroker.rpc import RemoteError, call_with_retry
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+class Flaky(Exception):
+    pass
+
+
+class Failing:
+    """Raises `error(n)` on call n (from 1) until `succeed_on`, then returns "done"."""
+
+    def __init__(self, succeed_on: int | None = None, error: Callable[[int], Exception] = Flaky) -> None:
+        self.calls = 0
+        self.succeed_on = succeed_on
+        self.error = error
+
+    def __call__(self) -> str:
+        self.calls += 1
+        if self.succeed_on is not None and self.calls >= self.succeed_on:
+            return "done"
+        raise self.error(self.calls)
+
+
+def is_flaky(error: Exception) -> bool:
+    return isinstance(error, Flaky)
+
+
+def test_delays_grow_exponentially_and_stay_under_the_cap() -> None:
+    backoff, time = Backoff(initial_s=1.0, max_s=8.0), FakeTime()
+    with pytest.raises(Flaky):
+        retry_call(Failing(), backoff=backoff, retryable=is_flaky, attempts=8, sleep=time.sleep, clock=time.clock,
+                   rng=random.Random(1))
+    ceilings = [1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0]
+    assert [backoff.ceiling(i) for i in range(7)] == ceilings
+    assert len(time.sleeps) == 7
+    for slept, ceiling in zip(time.sleeps, ceilings):
+        assert ceiling / 2 <= slept <= ceiling <= backoff.max_s
+
+
+def test_jitter_stays_within_half_and_whole_ceiling_for_a_seeded_rng() -> None:
+    backoff = Backoff(initial_s=0.5, max_s=30.0)
+    draws = [backoff.delay(3, rng=random.Random(42 + i)) for i in range(500)]
+    assert all(2.0 <= d <= 4.0 for d in draws)  # ceiling 0.5 * 2**3 = 4
+    assert min(draws) < 2.2 and max(draws) > 3.8  # it spreads over the whole band, not one point
+    again = [backoff.delay(3, rng=random.Random(42 + i)) for i in range(500)]
+    assert draws == again  # a seeded rng makes it repeatable
+
+
+def test_a_wait_never_exceeds_at_most() -> None:
+    backoff = Backoff(initial_s=1.0, max_s=30.0)
+    rng = random.Random(3)
+    assert all(1.5 <= backoff.delay(5, rng=rng, at_most=3.0) <= 3.0 for _ in range(200))
+    assert backoff.delay(5, rng=rng, at_most=-1.0) == 0.0  # a deadline already passed: no wait at all
+
+
+def test_a_huge_retry_count_stays_at_the_cap() -> None:
+    assert Backoff(initial_s=0.1, max_s=5.0).ceiling(10_000) == 5.0
+
+
+def test_a_non_retryable_error_propagates_at_once() -> None:
+    fn, time = Failing(error=KeyError), FakeTime()
+    with pytest.raises(KeyError):
+        retry_call(fn, backoff=Backoff(initial_s=1.0, max_s=2.0), retryable=is_flaky, attempts=5,
+                   sleep=time.sleep, clock=time.clock)
+    assert fn.calls == 1 and time.sleeps == []
+
+
+def test_the_deadline_stops_retrying_and_is_never_slept_past() -> None:
+    fn, time = Failing(), FakeTime()
+    with pytest.raises(Flaky) as info:
+        retry_call(fn, backoff=Backoff(initial_s=1.0, max_s=100.0), retryable=is_flaky, deadline=20.0,
+                   sleep=time.sleep, clock=time.clock, rng=random.Random(5))
+    assert time.now <= 20.0 and sum(time.sleeps) == pytest.approx(time.now)
+    assert len(time.sleeps) >= 2  # it did retry before the deadline
+    assert info.value.args == (fn.calls,)  # the last error, after the last try
+
+
+def test_the_last_error_is_raised_when_attempts_run_out() -> None:
+    fn, time = Failing(), FakeTime()
+    with pytest.raises(Flaky) as info:
+        retry_call(fn, backoff=Backoff(initial_s=0.1, max_s=1.0), retryable=is_flaky, attempts=4,
+                   sleep=time.sleep, clock=time.clock)
+    assert fn.calls == 4 and len(time.sleeps) == 3
+    assert info.value.args == (4,)
+
+
+def test_a_call_that_recovers_returns_its_value_and_each_retry_is_announced() -> None:
+    fn, time = Failing(succeed_on=3), FakeTime()
+    told: list[tuple[int, int, float]] = []
+    result = retry_call(fn, backoff=Backoff(initial_s=0.1, max_s=1.0), retryable=is_flaky, attempts=5,
+                        on_retry=lambda error, retry, delay: told.append((error.args[0], retry, delay)),
+                        sleep=time.sleep, clock=time.clock)
+    assert result == "done" and fn.calls == 3
+    assert [(error, retry) for error, retry, _ in told] == [(1, 1), (2, 2)]
+    assert [delay for *_, delay in told] == time.sleeps
+
+
+def test_one_attempt_calls_once() -> None:
+    fn, time = Failing(), FakeTime()
+    with pytest.raises(Flaky):
+        retry_call(fn, backoff=Backoff(initial_s=0.1, max_s=1.0), retryable=is_flaky, attempts=1, sleep=time.sleep)
+    assert fn.calls == 1 and time.sleeps == []
+
+
+def test_a_retry_without_any_limit_is_refused() -> None:
+    with pytest.raises(ConfigError, match="attempts"):
+        retry_call(Failing(), backoff=Backoff(initial_s=0.1, max_s=1.0), retryable=is_flaky)
+    with pytest.raises(ConfigError, match="attempts: must be an integer >= 1"):
+        retry_call(Failing(), backoff=Backoff(initial_s=0.1, max_s=1.0), retryable=is_flaky, attempts=0)
+
+
+@pytest.mark.parametrize(("options", "field"), [
+    ({"initial_s": 0.0, "max_s": 1.0}, "initial_s"),
+    ({"initial_s": float("inf"), "max_s": float("inf")}, "initial_s"),
+    ({"initial_s": 2.0, "max_s": 1.0}, "max_s"),
+    ({"initial_s": 1.0, "max_s": float("nan")}, "max_s"),
+    ({"initial_s": 1.0, "max_s": 2.0, "multiplier": 0.5}, "multiplier"),
+])
+def test_a_backoff_names_the_setting_it_refuses(options: dict[str, float], field: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{field}: "):
+        Backoff(**options)
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, reason: str | None = None) -> None:
+        self._code, self._reason = code, reason
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "it went wrong"
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:  # type: ignore[override]
+        return (("fedbroker-reason", self._reason),) if self._reason else ()
+
+
+def test_an_rpc_refusal_becomes_a_remote_error_with_the_servers_reason_without_a_retry() -> None:
+    fn = Failing(error=lambda _: FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "round_closed"))
+    with pytest.raises(RemoteError) as info:
+        call_with_retry(fn, what="upload", idempotent=True)
+    assert fn.calls == 1
+    assert info.value.reason == "round_closed" and info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert str(info.value) == "upload: FAILED_PRECONDITION: it went wrong"
+
+
+def test_a_deadline_is_not_retried_where_repeating_is_unsafe_and_one_attempt_never_retries() -> None:
+    fn = Failing(error=lambda _: FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED))
+    with pytest.raises(RemoteError) as info:
+        call_with_retry(fn, what="close round 1", idempotent=False)
+    assert fn.calls == 1 and info.value.reason == "deadline_exceeded"
+    unavailable = Failing(error=lambda _: FakeRpcError(grpc.StatusCode.UNAVAILABLE))
+    with pytest.raises(RemoteError):
+        call_with_retry(unavailable, what="status", idempotent=True, attempts=1)
+    assert unavailable.calls == 1
