@@ -1,26 +1,38 @@
-"""Builds a job's algorithms by registry name, once, so a bad name or parameter fails at submission."""
+"""Builds a job's algorithms by registry name, once, so a bad name or parameter fails at submission.
+
+`accept_job` and `accept_job_text` are where a job is accepted (the coordinator's SubmitJob, the CLI): the
+kernel's parser plus the checks only the algorithm registries can make, every problem reported at once.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from fedbroker.aggregators.alignment import ALIGNMENT, Alignment
+from fedbroker.aggregators.network import alignment_problems
+from fedbroker.aggregators.registry import Registry
+from fedbroker.aggregators.selection import SELECTION, Selector
+from fedbroker.aggregators.weighting import WEIGHTING, Weighting
+from fedbroker.aggregators.weighting.fedavg import FedAvgWeighting, UniformWeighting
 from fedbroker.errors import ConfigError, ConfigErrors
+from fedbroker.spec import AggregationConfig, JobSpec, ModelSpec, job_from_text, parse_job
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Algorithms:
     alignment_name: str
-    alignment: Any
-    weighting: Any
+    alignment: Alignment
+    weighting: Weighting
     selection_name: str
-    selection: Any
+    selection: Selector
 
     @property
     def weights_positive(self) -> bool:
         """FedAvg and uniform weights are > 0 for every valid update; DWFed's may all be 0."""
-        from fedbroker.aggregators.weighting.fedavg import FedAvgWeighting, UniformWeighting
-
         return isinstance(self.weighting, (FedAvgWeighting, UniformWeighting))
 
     @property
@@ -29,25 +41,47 @@ class Algorithms:
         return self.alignment_name == "none" and self.selection_name == "all"
 
 
-def build_algorithms(config: Any) -> Algorithms:
-    """`config` is an AggregationConfig (or anything with the same attributes)."""
-    from fedbroker.aggregators.alignment import ALIGNMENT
-    from fedbroker.aggregators.selection import SELECTION
-    from fedbroker.aggregators.weighting import WEIGHTING
+def _create(registry: Registry[T], name: str, params: Mapping[str, Any], errors: list[ConfigError]) -> T | None:
+    try:
+        return registry.create(name, params)
+    except ConfigError as exc:
+        errors.append(exc)
+        return None
 
+
+def build_algorithms(config: AggregationConfig) -> Algorithms:
+    """Raises every bad name or parameter of the three algorithms at once."""
     errors: list[ConfigError] = []
-    built: dict[str, Any] = {}
-    for kind, registry in (("alignment", ALIGNMENT), ("weighting", WEIGHTING), ("selection", SELECTION)):
-        try:
-            built[kind] = registry.create(getattr(config, kind), getattr(config, f"{kind}_params"))
-        except ConfigError as exc:
-            errors.append(exc)
-    if errors:
+    alignment = _create(ALIGNMENT, config.alignment, config.alignment_params, errors)
+    weighting = _create(WEIGHTING, config.weighting, config.weighting_params, errors)
+    selection = _create(SELECTION, config.selection, config.selection_params, errors)
+    if alignment is None or weighting is None or selection is None:
         raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
-    return Algorithms(
-        alignment_name=config.alignment,
-        alignment=built["alignment"],
-        weighting=built["weighting"],
-        selection_name=config.selection,
-        selection=built["selection"],
-    )
+    return Algorithms(alignment_name=config.alignment, alignment=alignment, weighting=weighting,
+                      selection_name=config.selection, selection=selection)
+
+
+def job_problems(*, aggregation: AggregationConfig, model: ModelSpec) -> list[ConfigError]:
+    """What the algorithm registries refuse in a job: an unknown algorithm or parameter, or an alignment
+    that cannot align its model. A `fedbroker.spec.JobCheck`: parse_job reports these with its own."""
+    problems: list[ConfigError] = []
+    try:
+        build_algorithms(aggregation)
+    except ConfigErrors as exc:
+        problems.extend(exc.errors)
+    except ConfigError as exc:
+        problems.append(exc)
+    if aggregation.alignment != "none" and model.layers:
+        problems.extend(ConfigError("aggregation.alignment", f"{aggregation.alignment} cannot align this model: {p}")
+                        for p in alignment_problems(model))
+    return problems
+
+
+def accept_job(raw: object) -> JobSpec:
+    """A job given as a mapping (parsed YAML/JSON), validated in full; raises ConfigError(s) naming each bad field."""
+    return parse_job(raw, check=job_problems)
+
+
+def accept_job_text(text: str) -> JobSpec:
+    """A job given as YAML or JSON text, validated in full (see accept_job)."""
+    return job_from_text(text, check=job_problems)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedbroker.layers import LAYERS
 from fedbroker.spec import ModelSpec
 
 
@@ -17,32 +18,10 @@ def build_model(spec: ModelSpec, *, seed: int | None = None) -> nn.Sequential:
         torch.manual_seed(seed)
     layers: list[nn.Module] = []
     for layer in spec.layers:
-        p = dict(layer.params)
-        if layer.type == "Linear":
-            layers.append(nn.Linear(p["in_features"], p["out_features"], bias=p["bias"]))
-        elif layer.type == "Conv2d":
-            layers.append(
-                nn.Conv2d(p["in_channels"], p["out_channels"], p["kernel_size"], stride=p["stride"],
-                          padding=p["padding"], bias=p["bias"])
-            )
-        elif layer.type == "MaxPool2d":
-            layers.append(nn.MaxPool2d(p["kernel_size"], stride=p["stride"]))
-        elif layer.type == "AvgPool2d":
-            layers.append(nn.AvgPool2d(p["kernel_size"], stride=p["stride"]))
-        elif layer.type == "Flatten":
-            layers.append(nn.Flatten())
-        elif layer.type == "ReLU":
-            layers.append(nn.ReLU())
-        elif layer.type == "Tanh":
-            layers.append(nn.Tanh())
-        elif layer.type == "Sigmoid":
-            layers.append(nn.Sigmoid())
-        elif layer.type == "Dropout":
-            layers.append(nn.Dropout(p["p"]))
-        elif layer.type == "GroupNorm":
-            layers.append(nn.GroupNorm(p["num_groups"], p["num_channels"]))
-        else:  # parse_model refuses unknown types; reaching here means the allow-list and builder disagree
+        if layer.type not in LAYERS:  # parse_model refuses unknown types; a hand-built spec may not have
             raise ValueError(f"no builder for layer type {layer.type!r}")
+        torch_class: type[nn.Module] = getattr(nn, LAYERS[layer.type].torch_class)
+        layers.append(torch_class(**layer.params))
     return nn.Sequential(*layers)
 
 

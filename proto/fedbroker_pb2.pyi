@@ -98,10 +98,9 @@ class TaskOutcome(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., status: _Optional[_Union[TaskOutcome.Status, str]] = ..., reason: _Optional[str] = ..., epsilon: _Optional[float] = ..., train_loss: _Optional[float] = ..., seconds: _Optional[float] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class RoundTask(_message.Message):
-    __slots__ = ("job_id", "round", "model_spec_json", "training_json", "category", "model_version", "aggregator_target", "deadline_unix", "population_distribution", "participants", "seed", "aggregation_json")
+    __slots__ = ("job_id", "round", "training_json", "category", "model_version", "aggregator_target", "deadline_unix", "population_distribution", "participants", "seed", "aggregation_json")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
-    MODEL_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     TRAINING_JSON_FIELD_NUMBER: _ClassVar[int]
     CATEGORY_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -113,7 +112,6 @@ class RoundTask(_message.Message):
     AGGREGATION_JSON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
-    model_spec_json: str
     training_json: str
     category: str
     model_version: int
@@ -123,7 +121,7 @@ class RoundTask(_message.Message):
     participants: int
     seed: int
     aggregation_json: str
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_spec_json: _Optional[str] = ..., training_json: _Optional[str] = ..., category: _Optional[str] = ..., model_version: _Optional[int] = ..., aggregator_target: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., population_distribution: _Optional[_Iterable[float]] = ..., participants: _Optional[int] = ..., seed: _Optional[int] = ..., aggregation_json: _Optional[str] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., training_json: _Optional[str] = ..., category: _Optional[str] = ..., model_version: _Optional[int] = ..., aggregator_target: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., population_distribution: _Optional[_Iterable[float]] = ..., participants: _Optional[int] = ..., seed: _Optional[int] = ..., aggregation_json: _Optional[str] = ...) -> None: ...
 
 class RoundCompleted(_message.Message):
     __slots__ = ("job_id", "round", "model_version", "aggregated", "accuracy", "loss", "final", "seconds")

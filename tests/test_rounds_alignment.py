@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from fedbroker import codec
+from fedbroker.aggregators.registries import accept_job
 from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.errors import ConfigError
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import parse_job, parse_model
+from fedbroker.spec import parse_model
 
 SPEC = parse_model({"input_shape": [6], "layers": [
     {"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "ReLU"},
@@ -117,4 +118,4 @@ def test_alignment_of_a_group_norm_model_is_refused_at_submission():
             {"type": "GroupNorm", "num_groups": 2, "num_channels": 4}, {"type": "Flatten"},
             {"type": "Linear", "in_features": 144, "out_features": 10}]}}
     with pytest.raises(ConfigError, match="aggregation.alignment: feddna cannot align this model: layer 1 is GroupNorm"):
-        parse_job(job)
+        accept_job(job)

@@ -8,7 +8,9 @@ import json
 import pytest
 import torch
 
+from fedbroker.aggregators.registries import accept_job, accept_job_text
 from fedbroker.errors import ConfigError
+from fedbroker.layers import LAYERS
 from fedbroker.model import build_model
 from fedbroker.spec import job_from_text, output_shapes, parameter_shapes, parse_job, parse_model
 
@@ -95,7 +97,7 @@ BAD = [
 @pytest.mark.parametrize("path, value, field, text", BAD, ids=[b[2] + ":" + b[3] for b in BAD])
 def test_each_bad_spec_gets_an_error_naming_the_field(path, value, field, text):
     with pytest.raises(ConfigError) as info:
-        parse_job(_mutate(path, value))
+        accept_job(_mutate(path, value))
     message = str(info.value)
     assert field in message and text in message, message
 
@@ -106,6 +108,72 @@ def test_all_problems_are_reported_at_once():
     with pytest.raises(ConfigError) as info:
         parse_job(job)
     assert "training.rounds" in str(info.value) and "model.layers[1].type" in str(info.value)
+
+
+def test_parse_and_algorithm_problems_are_reported_together():
+    job = _mutate(("training", "rounds"), 0)
+    job["aggregation"]["weighting"] = "median"
+    with pytest.raises(ConfigError) as info:
+        accept_job(job)
+    assert "training.rounds" in str(info.value) and "aggregation.weighting" in str(info.value)
+    text = "name: j\ncategory: digits\nmodel: {input_shape: [4], layers: [{type: Linear, in_features: 4, " \
+           "out_features: 3}]}\naggregation: {selection: best}\n"
+    with pytest.raises(ConfigError, match="unknown selection algorithm"):
+        accept_job_text(text)
+
+
+def test_the_kernel_parser_leaves_algorithm_names_to_the_registries():
+    assert parse_job(_mutate(("aggregation", "weighting"), "median")).aggregation.weighting == "median"
+
+
+# One minimal model per layer type in fedbroker.layers.LAYERS (a new type needs an entry here too).
+LAYER_EXAMPLES = {
+    "Linear": [{"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 3}]},
+               {"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 3, "bias": False}]}],
+    "Conv2d": [{"input_shape": [2, 5, 5], "layers": [
+                   {"type": "Conv2d", "in_channels": 2, "out_channels": 3, "kernel_size": 3}, {"type": "Flatten"}]},
+               {"input_shape": [2, 5, 5], "layers": [
+                   {"type": "Conv2d", "in_channels": 2, "out_channels": 3, "kernel_size": 2, "stride": 2, "padding": 1,
+                    "bias": False}, {"type": "Flatten"}]}],
+    "MaxPool2d": [{"input_shape": [2, 5, 5], "layers": [{"type": "MaxPool2d", "kernel_size": 2}, {"type": "Flatten"}]},
+                  {"input_shape": [2, 5, 5], "layers": [{"type": "MaxPool2d", "kernel_size": 3, "stride": 1},
+                                                        {"type": "Flatten"}]}],
+    "AvgPool2d": [{"input_shape": [2, 5, 5], "layers": [{"type": "AvgPool2d", "kernel_size": 2}, {"type": "Flatten"}]}],
+    "Flatten": [{"input_shape": [2, 3], "layers": [{"type": "Flatten"}]}],
+    "ReLU": [{"input_shape": [4], "layers": [{"type": "ReLU"}]}],
+    "Tanh": [{"input_shape": [4], "layers": [{"type": "Tanh"}]}],
+    "Sigmoid": [{"input_shape": [4], "layers": [{"type": "Sigmoid"}]}],
+    "Dropout": [{"input_shape": [4], "layers": [{"type": "Dropout", "p": 0.25}]}],
+    "GroupNorm": [{"input_shape": [4, 3, 3], "layers": [{"type": "GroupNorm", "num_groups": 2, "num_channels": 4},
+                                                        {"type": "Flatten"}]}],
+}
+
+
+def test_every_layer_type_has_an_example():
+    assert set(LAYER_EXAMPLES) == set(LAYERS)
+
+
+@pytest.mark.parametrize("raw", [m for ms in LAYER_EXAMPLES.values() for m in ms],
+                         ids=[f"{t}-{i}" for t, ms in LAYER_EXAMPLES.items() for i in range(len(ms))])
+def test_the_layer_table_agrees_with_torch(raw):
+    """Shapes, parameter tensors and the builder read one table: what validation infers is what torch builds."""
+    spec = parse_model(raw)
+    model = build_model(spec, seed=0).eval()
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == parameter_shapes(spec)
+    out = model(torch.zeros(2, *spec.input_shape))
+    assert tuple(out.shape[1:]) == output_shapes(spec)[-1]
+    for layer in spec.layers:  # alignment reads a matched layer's widths from its weight's first two axes
+        layer_type = LAYERS[layer.type]
+        if layer_type.weighted:
+            weight = layer_type.tensors(layer.params)["weight"]
+            assert weight[:2] == (layer.params[layer_type.out_width], layer.params[layer_type.in_width])
+
+
+def test_an_unknown_layer_type_is_refused_naming_the_allowed_list():
+    with pytest.raises(ConfigError) as info:
+        parse_model({"input_shape": [4], "layers": [{"type": "Lambda", "fn": "os.system"}]})
+    assert str(info.value) == (f"model.layers[0].type: unknown layer type 'Lambda'; allowed: "
+                               f"{', '.join(sorted(LAYERS))}")
 
 
 def test_linear_after_conv_without_flatten_is_refused():
