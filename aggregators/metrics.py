@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from prometheus_client import Counter, Gauge, Histogram
 
 import fedbroker.metrics  # noqa: F401  (the shared gRPC and broker metrics belong to every process)
+from fedbroker.errors import Rejection
 
 UPLOADS_ACCEPTED = Counter(
     "fedbroker_aggregator_uploads_accepted_total", "Worker updates accepted into an open round.")
@@ -15,8 +16,8 @@ UPLOADS_DUPLICATE = Counter(
     "fedbroker_aggregator_uploads_duplicate_total",
     "Uploads of an update that was already accepted (a retry), answered with the first receipt.")
 UPLOADS_REJECTED = Counter(
-    "fedbroker_aggregator_uploads_rejected_total", "Uploads refused, by reason code (late, wrong_shape, ...).",
-    ["reason"])
+    "fedbroker_aggregator_uploads_rejected_total",
+    "Uploads refused, by reason code (fedbroker.errors.Rejection: late, wrong_shape, ...).", ["reason"])
 LATE_UPLOADS = Counter(
     "fedbroker_aggregator_late_uploads_total",
     "Uploads that arrived after their round's deadline or close (stragglers' updates), never mixed in.")
@@ -79,7 +80,14 @@ def record_close(algorithms: Mapping[str, str], seconds: float, aggregated: int,
         SELECTION_GA_RUNS.labels(selection).inc()
 
 
-def record_rejection(reason: str) -> None:
+# Refusals of updates that came too late: after their round's deadline, or after it closed early.
+_LATE = frozenset({Rejection.LATE, Rejection.ROUND_CLOSED})
+
+for _reason in Rejection:  # every reason's series exists from the start, at 0
+    UPLOADS_REJECTED.labels(_reason)
+
+
+def record_rejection(reason: Rejection) -> None:
     UPLOADS_REJECTED.labels(reason).inc()
-    if reason in ("late", "round_closed"):
+    if reason in _LATE:
         LATE_UPLOADS.inc()

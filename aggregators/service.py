@@ -26,7 +26,7 @@ from fedbroker import codec
 from fedbroker.aggregators import metrics
 from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.auth import ROLE_COORDINATOR, ROLE_WORKER, Identity, ServerAuth, ServerTLS, TokenTable, add_port
-from fedbroker.errors import UploadRejected
+from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
@@ -47,8 +47,9 @@ PERMISSIONS: dict[str, frozenset[str]] = {
 
 
 def _count_refusal(method: str, reason: str) -> None:
+    """The authentication interceptor's refusals (unauthenticated, permission_denied) of uploads."""
     if method == "UploadUpdate":
-        metrics.record_rejection(reason)
+        metrics.record_rejection(Rejection(reason))
 
 
 class AggregationServicer(pb_grpc.AggregationServicer):
@@ -188,8 +189,8 @@ def _own_uploads_only(messages: Iterable[pb.UpdateChunk], caller: Identity | Non
     if first is None:
         return iter(())
     if caller is not None and first.WhichOneof("part") == "header" and first.header.worker_id != caller.name:
-        raise UploadRejected("permission_denied", f"worker {caller.name!r} may upload only its own update, not one "
-                                                  f"for worker {first.header.worker_id!r}")
+        raise UploadRejected(Rejection.PERMISSION_DENIED, f"worker {caller.name!r} may upload only its own update, "
+                                                         f"not one for worker {first.header.worker_id!r}")
     return itertools.chain((first,), iterator)
 
 
@@ -197,13 +198,14 @@ def _add_servicer(servicer: AggregationServicer, server: grpc.Server) -> None:
     """The generated registration, except that DownloadGlobalModel has no response serializer: it yields
     messages already serialized by `codec.encoded_stream`, one copy of the model where a protobuf message
     per chunk costs three (into a bytes, into the message, out by SerializeToString)."""
-    table: dict[str, grpc.RpcMethodHandler] = {}
+    table: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
     class _Collect:  # stands in for the server to read the generated handler table
         def add_generic_rpc_handlers(self, handlers: Any) -> None:
             pass
 
-        def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        def add_registered_method_handlers(self, service: str,
+                                            handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]) -> None:
             table.update(handlers)
 
     pb_grpc.add_AggregationServicer_to_server(servicer, _Collect())

@@ -7,28 +7,38 @@ One folder per job (named from the job id, safe for any file system):
     global-<version>.npz     a global model: raw arrays + its model spec as UTF-8 bytes
     round-<n>/<seq>.npz      one accepted update of the open round: raw arrays + its metadata as UTF-8 JSON
 
-Every file is written to a temporary name in the same folder, fsynced, renamed over its final name and
-the folder fsynced, so a crash leaves the old file or the new one, never half of one. Files are numpy
-`.npz` archives of plain arrays, loaded with `allow_pickle=False`: nothing on disk is pickled.
+Every file is written atomically (`fedbroker.files.write_atomic`: a temporary name in the same folder,
+fsync, rename, fsync the folder), so a crash leaves the old file or the new one, never half of one. Files
+are numpy `.npz` archives of plain arrays, loaded with `allow_pickle=False`: nothing on disk is pickled.
 
 job.json is the single source of truth: a global file or a round folder it does not name (left by a
 crash between writing it and committing job.json) is ignored on load and deleted.
+
+`job_record`/`restore_job` translate between the book's state (`aggregators.state`) and these records.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
+
+from fedbroker.aggregators.registries import build_algorithms
+from fedbroker.aggregators.state import Accepted, CloseResult, Job, UpdateSummary, new_round
+from fedbroker.aggregators.weighting.base import UpdateMeta
+from fedbroker.files import TEMP_SUFFIX, write_atomic
+from fedbroker.spec import AggregationConfig, parse_model
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 META_KEY = "__fedbroker_meta_json__"
@@ -66,7 +76,7 @@ class Spool:
         folder = self.folder(job_id)
         folder.mkdir(parents=True, exist_ok=True)
         doc = {"format": FORMAT_VERSION, "job_id": job_id, **record}
-        _atomic_write(folder / "job.json", json.dumps(doc, sort_keys=True).encode())
+        write_atomic(folder / "job.json", json.dumps(doc, sort_keys=True).encode())
         self._prune(folder, doc)
 
     def save_update(self, job_id: str, round_number: int, seq: int, meta: Mapping[str, Any],
@@ -102,7 +112,7 @@ class Spool:
     def updates(self, stored: StoredJob, round_number: int) -> Iterator[tuple[dict[str, Any], dict[str, np.ndarray]]]:
         """The round's accepted updates in the order they were accepted (the running mean sums in that order)."""
         folder = stored.folder / f"round-{round_number}"
-        for path in folder.glob(".*.tmp"):  # an upload that crashed before its receipt: never acknowledged
+        for path in folder.glob(f".*{TEMP_SUFFIX}"):  # an upload that crashed before its receipt: never acknowledged
             path.unlink(missing_ok=True)
         for path in sorted(folder.glob("[0-9]*.npz")):
             tensors, meta = _read_npz(path)
@@ -121,7 +131,7 @@ class Spool:
                 path.unlink(missing_ok=True)
             elif path.is_dir() and name.startswith("round-") and name != f"round-{open_round}":
                 shutil.rmtree(path, ignore_errors=True)
-            elif name.startswith(".") and name.endswith(".tmp"):
+            elif name.startswith(".") and name.endswith(TEMP_SUFFIX):
                 path.unlink(missing_ok=True)
 
 
@@ -131,10 +141,10 @@ def _write_npz(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str,
     arrays: dict[str, Any] = {name: np.ascontiguousarray(arr) for name, arr in tensors.items()}
     arrays[META_KEY] = np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8)
 
-    def write(fh: Any) -> None:
+    def write(fh: BinaryIO) -> None:
         np.savez(fh, **arrays)
 
-    _atomic_write(path, write)
+    write_atomic(path, write)
 
 
 def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -144,26 +154,70 @@ def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     return tensors, meta
 
 
-def _atomic_write(path: Path, content: Any) -> None:
-    """`content`: bytes, or a function that writes to a binary file object."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            if isinstance(content, bytes):
-                fh.write(content)
-            else:
-                content(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    try:  # make the rename durable; not every platform lets a folder be opened
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+# ----- the book's state ↔ records -----
+
+
+def job_record(job: Job) -> dict[str, Any]:
+    """A job's commit record (its global versions are written apart, before it)."""
+    rnd = job.round if job.round is not None and not job.round.closed else None
+    last = None
+    if job.last_close is not None:
+        n, r = job.last_close
+        last = {"round": n, "model_version": r.model_version, "aggregated": r.aggregated,
+                "model_spec_json": r.model_spec_json, "stats": r.stats, "seconds": r.seconds,
+                "updates": [vars(u) for u in r.updates]}
+    return {
+        "seed": job.seed,
+        "versions": sorted(job.versions),
+        "closed_rounds": sorted(job.closed_rounds),
+        "closed_accepted": {str(n): w for n, w in job.closed_accepted.items()},
+        "closed_deadlines": {str(n): d for n, d in job.closed_deadlines.items()},
+        "last_close": last,
+        "round": None if rnd is None else {
+            "number": rnd.number, "participants": sorted(rnd.participants), "deadline": rnd.deadline,
+            "aggregation": rnd.aggregation, "histograms": rnd.histograms,
+        },
+    }
+
+
+def update_record(entry: Accepted, seq: int) -> dict[str, Any]:
+    """An accepted update's metadata; `seq` is its acceptance order (the running mean sums in that order)."""
+    m = entry.meta
+    return {"worker_id": entry.worker_id, "num_samples": entry.num_samples, "raw_weight": entry.raw_weight,
+            "sha256": entry.sha256, "bytes_received": entry.bytes_received, "epsilon": entry.epsilon,
+            "train_loss": entry.train_loss, "ish": m.ish, "loss": m.loss, "seq": seq}
+
+
+def restore_job(spool: Spool, stored: StoredJob) -> Job:
+    """A job as committed, with its open round refilled from the spooled updates in their acceptance order."""
+    record = stored.record
+    versions = {v: tensors for v, (_, tensors) in stored.globals.items()}
+    specs = {v: spec_json for v, (spec_json, _) in stored.globals.items()}
+    job = Job(record["job_id"], parse_model(json.loads(specs[max(specs)])), int(record["seed"]), versions, specs,
+              closed_rounds={int(n) for n in record["closed_rounds"]},
+              closed_accepted={int(n): list(w) for n, w in record.get("closed_accepted", {}).items()},
+              closed_deadlines={int(n): float(d) for n, d in record.get("closed_deadlines", {}).items()})
+    last = record.get("last_close")
+    if last:
+        job.last_close = (int(last["round"]), CloseResult(
+            int(last["model_version"]), list(last["aggregated"]), last["model_spec_json"],
+            {k: float(v) for k, v in last["stats"].items()}, float(last["seconds"]),
+            [UpdateSummary(**u) for u in last["updates"]]))
+    r = record.get("round")
+    if r:
+        aggregation = dict(r["aggregation"])
+        job.round = new_round(int(r["number"]), frozenset(r["participants"]), float(r["deadline"]),
+                              build_algorithms(AggregationConfig(**aggregation)), aggregation,
+                              {w: list(h) for w, h in r["histograms"].items()}, job.spec)
+        for meta, tensors in spool.updates(stored, job.round.number):
+            job.round.next_seq = int(meta["seq"]) + 1
+            job.round.accept(_accepted_from_record(meta), tensors, None)
+        log.info("job %s: round %d reopened with %d accepted update(s) from the spool", job.job_id,
+                 job.round.number, len(job.round.accepted))
+    return job
+
+
+def _accepted_from_record(r: Mapping[str, Any]) -> Accepted:
+    meta = UpdateMeta(worker_id=r["worker_id"], num_samples=int(r["num_samples"]), ish=r["ish"], loss=r["loss"])
+    return Accepted(r["worker_id"], int(r["num_samples"]), float(r["raw_weight"]), r["sha256"],
+                    int(r["bytes_received"]), meta, epsilon=float(r["epsilon"]), train_loss=float(r["train_loss"]))

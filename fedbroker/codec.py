@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from fedbroker.errors import UploadRejected
+from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 
 CHUNK_BYTES = 2 * 1024 * 1024
@@ -237,52 +237,61 @@ def expected_bytes(specs: Iterable[pb.TensorSpec], *, max_bytes: int) -> int:
     names: set[str] = set()
     specs = list(specs)
     if not specs:
-        raise UploadRejected("malformed_stream", "the header lists no tensors")
+        raise UploadRejected(Rejection.MALFORMED_STREAM, "the header lists no tensors")
     if len(specs) > MAX_TENSORS:
-        raise UploadRejected("malformed_stream", f"the header lists {len(specs)} tensors, more than {MAX_TENSORS}")
+        raise UploadRejected(Rejection.MALFORMED_STREAM, f"the header lists {len(specs)} tensors, more than {MAX_TENSORS}")
     for spec in specs:
         if not spec.name or spec.name in names:
-            raise UploadRejected("malformed_stream", f"tensor name {spec.name!r} is empty or repeated")
+            raise UploadRejected(Rejection.MALFORMED_STREAM, f"tensor name {spec.name!r} is empty or repeated")
         names.add(spec.name)
         if spec.dtype not in ALLOWED_DTYPES:
             raise UploadRejected(
-                "wrong_dtype", f"tensor {spec.name!r}: dtype {spec.dtype!r} is not one of {sorted(ALLOWED_DTYPES)}"
+                Rejection.WRONG_DTYPE, f"tensor {spec.name!r}: dtype {spec.dtype!r} is not one of {sorted(ALLOWED_DTYPES)}"
             )
         if len(spec.shape) > MAX_RANK or any(d < 0 for d in spec.shape):
-            raise UploadRejected("wrong_shape", f"tensor {spec.name!r}: shape {list(spec.shape)} is not a valid shape")
+            raise UploadRejected(Rejection.WRONG_SHAPE, f"tensor {spec.name!r}: shape {list(spec.shape)} is not a valid shape")
         count = 1
         for d in spec.shape:
             count *= d
             if count * 8 > max_bytes:
                 break
         if count == 0 and math.prod(d for d in spec.shape if d) > max_bytes:  # numpy cannot even shape it
-            raise UploadRejected("wrong_shape", f"tensor {spec.name!r}: shape {list(spec.shape)} is empty but has "
+            raise UploadRejected(Rejection.WRONG_SHAPE, f"tensor {spec.name!r}: shape {list(spec.shape)} is empty but has "
                                                 f"dimensions beyond the {max_bytes}-byte limit")
         total += count * np.dtype(spec.dtype).itemsize
         if total > max_bytes:
-            raise UploadRejected("too_large", f"the model announces more than the {max_bytes}-byte limit")
+            raise UploadRejected(Rejection.TOO_LARGE, f"the model announces more than the {max_bytes}-byte limit")
     return total
 
 
-def receive(
-    messages: Iterable[Any], *, max_bytes: int, on_header: Callable[[Any], None] | None = None,
-    into: Callable[[Any, int], np.ndarray | None] | None = None,
-) -> tuple[Any, dict[str, np.ndarray], str]:
-    """Read header → chunks → trailer; return (header, tensors, sha256) or raise UploadRejected naming the fault.
+def receive(messages: Iterable[Any], *, max_bytes: int) -> tuple[Any, dict[str, np.ndarray], str]:
+    """Read header → chunks → trailer; return (header, tensors, sha256) or raise UploadRejected naming the fault."""
+    stream = iter(messages)
+    header, total = receive_header(stream, max_bytes=max_bytes)
+    tensors, digest = receive_payload(stream, header, total)
+    return header, tensors, digest
 
-    `on_header` sees the header before any data is read, so an unknown worker or a wrong shape is refused
-    without receiving the payload. `into(header, nbytes)` may supply the uint8 buffer the payload is
-    written to (the aggregation service passes a row of its running mean); by default a new one.
+
+def receive_header(messages: Iterator[Any], *, max_bytes: int) -> tuple[Any, int]:
+    """Read the header alone and return it with the byte count it announces.
+
+    Nothing else of the stream is read, so a receiver can refuse an unknown worker or a wrong shape before
+    any payload arrives, and choose the buffer that `receive_payload` fills.
     """
-    iterator = iter(messages)
-    first = next(iterator, None)
+    first = next(messages, None)
     if first is None or first.WhichOneof("part") != "header":
-        raise UploadRejected("malformed_stream", "the stream must start with a header message")
+        raise UploadRejected(Rejection.MALFORMED_STREAM, "the stream must start with a header message")
     header = first.header
-    total = expected_bytes(header.tensors, max_bytes=max_bytes)
-    if on_header is not None:
-        on_header(header)
-    buffer = into(header, total) if into is not None else None
+    return header, expected_bytes(header.tensors, max_bytes=max_bytes)
+
+
+def receive_payload(messages: Iterator[Any], header: Any, total: int, *,
+                    buffer: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], str]:
+    """Read the rest of a stream after its header: (tensors as views of the buffer, sha256).
+
+    `buffer`: the `total` contiguous uint8 bytes to receive into (the aggregation service passes a row of
+    its running mean); by default a new one.
+    """
     if buffer is None:
         buffer = np.empty(total, dtype=np.uint8)  # not bytearray(total): zero-filling 400 MB cost 14% of an upload
     elif buffer.dtype != np.uint8 or buffer.shape != (total,) or not buffer.flags.c_contiguous:
@@ -293,16 +302,16 @@ def receive(
     filled = 0
     trailer = None
     try:
-        for message in iterator:
+        for message in messages:
             part = message.WhichOneof("part")
             if trailer is not None:
-                raise UploadRejected("malformed_stream", "a message arrived after the trailer")
+                raise UploadRejected(Rejection.MALFORMED_STREAM, "a message arrived after the trailer")
             if part == "data":
                 data = message.data
                 end = filled + len(data)
                 if end > total:
                     raise UploadRejected(
-                        "too_large", f"the stream carries more than the {total} bytes its header announced"
+                        Rejection.TOO_LARGE, f"the stream carries more than the {total} bytes its header announced"
                     )
                 view[filled:end] = data
                 if hasher is not None:
@@ -313,17 +322,17 @@ def receive(
             elif part == "trailer":
                 trailer = message.trailer
             else:
-                raise UploadRejected("malformed_stream", f"unexpected {part or 'empty'} message inside the stream")
+                raise UploadRejected(Rejection.MALFORMED_STREAM, f"unexpected {part or 'empty'} message inside the stream")
         if trailer is None or filled != total:
-            raise UploadRejected("truncated", f"the stream ended after {filled} of {total} bytes (no trailer)"
+            raise UploadRejected(Rejection.TRUNCATED, f"the stream ended after {filled} of {total} bytes (no trailer)"
                                  if trailer is None else f"the stream ended after {filled} of {total} bytes")
         digest = hasher.hexdigest() if hasher is not None else sha.hexdigest()
     finally:
         if hasher is not None:
             hasher.close(abort=True)  # a no-op after hexdigest; on an error, stop hashing at once
     if trailer.sha256 != digest:
-        raise UploadRejected("digest_mismatch", "the SHA-256 in the trailer does not match the bytes received")
-    return header, decode(header.tensors, buffer), trailer.sha256
+        raise UploadRejected(Rejection.DIGEST_MISMATCH, "the SHA-256 in the trailer does not match the bytes received")
+    return decode(header.tensors, buffer), trailer.sha256
 
 
 def decode(specs: Iterable[pb.TensorSpec], buffer: bytearray | np.ndarray) -> dict[str, np.ndarray]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 
 class FedbrokerError(Exception):
     """Base of every error this project raises on purpose."""
@@ -30,10 +32,61 @@ class ConfigErrors(ConfigError):
         self.problem = errors[0].problem
 
 
-class UploadRejected(FedbrokerError):
-    """An update failed validation; `reason` is a short, low-cardinality code for metrics."""
+class Rejection(StrEnum):
+    """Why the aggregation service refused an upload (or a call): the code on the wire and in metric labels.
 
-    def __init__(self, reason: str, message: str) -> None:
+    Each member knows its gRPC status and whether it is final for a worker: a final refusal will not get
+    better by retrying the same task, so the worker reports it and drops the task; any other reason (and any
+    code that is not a member, such as a transport's) is retried. `unknown_job` is retried on purpose: a
+    restarted aggregation service that lost its state learns the job again from the coordinator.
+    deploy/SECURITY.md lists every member for operators (a test holds the table to this enum).
+    """
+
+    final: bool
+    status: str  # the name of a grpc.StatusCode (this module imports no transport)
+
+    def __new__(cls, value: str, final: bool = False, status: str = "INVALID_ARGUMENT") -> Rejection:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.final = final
+        member.status = status
+        return member
+
+    # the stream itself (fedbroker.codec)
+    MALFORMED_STREAM = "malformed_stream", False
+    TRUNCATED = "truncated", False
+    DIGEST_MISMATCH = "digest_mismatch", False
+    TOO_LARGE = "too_large", True, "RESOURCE_EXHAUSTED"
+    # who may upload what, and when
+    UNAUTHENTICATED = "unauthenticated", True, "UNAUTHENTICATED"
+    PERMISSION_DENIED = "permission_denied", True, "PERMISSION_DENIED"
+    UNKNOWN_JOB = "unknown_job", False, "NOT_FOUND"
+    UNKNOWN_ROUND = "unknown_round", True, "FAILED_PRECONDITION"
+    UNKNOWN_WORKER = "unknown_worker", True, "PERMISSION_DENIED"
+    LATE = "late", True, "FAILED_PRECONDITION"
+    ROUND_CLOSED = "round_closed", True, "FAILED_PRECONDITION"
+    BAD_HEADER = "bad_header", True
+    BAD_REQUEST = "bad_request", False
+    # the update against the global model
+    UNKNOWN_TENSOR = "unknown_tensor", True
+    MISSING_TENSOR = "missing_tensor", True
+    WRONG_SHAPE = "wrong_shape", True
+    WRONG_DTYPE = "wrong_dtype", True
+    NON_FINITE = "non_finite", True
+
+    @classmethod
+    def is_final(cls, reason: str) -> bool:
+        """Whether a refusal with this code (as a client reads it off the wire) is final for a worker."""
+        member = cls._value2member_map_.get(reason)
+        return isinstance(member, Rejection) and member.final
+
+
+class UploadRejected(FedbrokerError):
+    """An update (or a call to the aggregation service) failed validation; `reason` says why."""
+
+    reason: Rejection
+
+    def __init__(self, reason: Rejection, message: str) -> None:
         self.reason = reason
         super().__init__(message)
 
@@ -47,7 +100,7 @@ class Conflict(FedbrokerError):
 
 
 class Unauthenticated(FedbrokerError):
-    reason = "unauthenticated"
+    reason = Rejection.UNAUTHENTICATED
 
 
 class TaskRefused(FedbrokerError):

@@ -166,7 +166,7 @@ def test_tensors_sent_in_another_order_are_averaged_by_name(book):
 
 
 def test_refused_uploads_give_back_the_rows_they_were_received_into(book):
-    mean = book._jobs["j"].round.mean
+    mean = book._jobs["j"].round.rows.mean
     free = mean.free_rows
     bad = weights(1.0)
     bad["2.bias"] = np.array([1.0, np.nan], np.float32)
@@ -194,11 +194,11 @@ def test_a_round_that_keeps_every_update_averages_the_rows_it_received_them_into
 
 def test_the_next_round_receives_into_the_rows_of_the_last_one(book):
     book.receive_update(stream(weights(1.0), worker="w1", n=10))
-    first = book._jobs["j"].round.mean.rows
+    first = book._jobs["j"].round.rows.mean.rows
     book.close("j", 1)
     book.open_round("j", 2, ["w1", "w2"], 2000.0, AGG)
     book.receive_update(stream(weights(3.0), rnd=2, worker="w2", n=10))
-    assert book._jobs["j"].round.mean.rows is first  # memory already mapped: no page faults on upload
+    assert book._jobs["j"].round.rows.mean.rows is first  # memory already mapped: no page faults on upload
     book.close("j", 2)
     np.testing.assert_allclose(book.global_model("j")[2]["0.weight"], 3.0)
     np.testing.assert_allclose(book.global_model("j", 2)[2]["0.weight"], 1.0)  # the kept version is untouched

@@ -1,7 +1,7 @@
 """The worker's privacy ledger: ε spent and accountant history per job, kept across restarts.
 
-Stored as one JSON file (never pickle), rewritten atomically (temp file in the same directory,
-fsync, os.replace), so a crash leaves either the old or the new ledger, never half of one. A
+Stored as one JSON file (never pickle), rewritten atomically (`fedbroker.files.write_atomic`), so a
+crash leaves either the old or the new ledger, never half of one. A
 ledger that cannot be read raises instead of starting empty: forgetting spent ε would let the
 worker overspend its budget.
 """
@@ -12,13 +12,15 @@ import json
 import math
 import numbers
 import os
-import tempfile
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from fedbroker.errors import ConfigError
+from fedbroker.files import write_atomic
 
 FORMAT_VERSION = 1
+_Entry = dict[str, Any]  # {"epsilon": float, "history": [[noise_multiplier, sample_rate, steps], ...]}
 
 
 class PrivacyLedger:
@@ -27,13 +29,13 @@ class PrivacyLedger:
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._jobs: dict[str, dict] = self._load()
+        self._jobs: dict[str, _Entry] = self._load()
 
     def history(self, job_id: str) -> list[tuple[float, float, int]]:
         """The job's accountant history, to restore before its next round (empty for a new job)."""
         with self._lock:
             entry = self._jobs.get(job_id)
-            return [tuple(e) for e in entry["history"]] if entry else []  # type: ignore[misc]
+            return [(float(e[0]), float(e[1]), int(e[2])) for e in entry["history"]] if entry else []
 
     def epsilon(self, job_id: str) -> float:
         """ε spent on this worker's data by the job so far (0.0 for a new job)."""
@@ -78,7 +80,7 @@ class PrivacyLedger:
         with self._lock:
             return {job: float(e["epsilon"]) for job, e in self._jobs.items()}
 
-    def _load(self) -> dict[str, dict]:
+    def _load(self) -> dict[str, _Entry]:
         try:
             with open(self.path, encoding="utf-8") as fh:
                 doc = json.load(fh)
@@ -88,7 +90,7 @@ class PrivacyLedger:
             raise ConfigError(self.path, f"privacy ledger is unreadable ({exc}); refusing to start from zero") from None
         if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION or not isinstance(doc.get("jobs"), dict):
             raise ConfigError(self.path, f"not a privacy ledger of format version {FORMAT_VERSION}")
-        jobs: dict[str, dict] = {}
+        jobs: dict[str, _Entry] = {}
         for job_id, e in doc["jobs"].items():
             try:
                 eps = float(e["epsilon"])
@@ -98,34 +100,14 @@ class PrivacyLedger:
             jobs[job_id] = {"epsilon": eps, "history": entries}
         return jobs
 
-    def _write(self, jobs: dict[str, dict]) -> None:
+    def _write(self, jobs: dict[str, _Entry]) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
         doc = {"version": FORMAT_VERSION, "jobs": jobs}
-        fd, tmp = tempfile.mkstemp(prefix=".ledger-", suffix=".json.tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(doc, fh, indent=1, sort_keys=True)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        try:  # make the rename itself durable; not every platform lets a directory be opened
-            dir_fd = os.open(directory, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomic(self.path, json.dumps(doc, indent=1, sort_keys=True).encode())
 
 
-def _entry(i: int, e: Sequence[float]) -> list:
+def _entry(i: int, e: Sequence[float]) -> list[float | int]:
     if len(e) != 3:
         raise ConfigError(f"history[{i}]", f"must be (noise_multiplier, sample_rate, steps), got {e!r}")
     nm, q, steps = float(e[0]), float(e[1]), e[2]

@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from fedbroker.app.demo import DemoOptions
 
 
 def per_sample_loss(spec_json: str, tensors: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -39,11 +42,11 @@ def loss_threshold_auc(member_loss: np.ndarray, nonmember_loss: np.ndarray) -> f
 
 def attack_run(run_dir: Path) -> dict[str, Any]:
     """Attack the last checkpoint of a demo run: members are the training split the workers were dealt."""
-    from fedbroker.coordinator.checkpoints import load_checkpoint
+    from fedbroker.coordinator.checkpoints import checkpoints_of, load_checkpoint
     from fedbroker.worker.data import load_dataset, train_test_split
 
     results = json.loads((run_dir / "results.json").read_text())
-    checkpoints = sorted((run_dir / "coordinator" / "checkpoints" / results["job_id"]).glob("round-*.npz"))
+    checkpoints = checkpoints_of(run_dir / "coordinator" / "checkpoints", results["job_id"])
     if not checkpoints:
         raise FileNotFoundError(f"no checkpoint under {run_dir}/coordinator/checkpoints")
     tensors, spec_json = load_checkpoint(checkpoints[-1])
@@ -60,7 +63,7 @@ def attack_run(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def run_audit(options: Any, out: Path) -> dict[str, Any]:
+def run_audit(options: DemoOptions, out: Path) -> dict[str, Any]:
     """The same federation with and without DP, each attacked; writes audit.md and audit.json under `out`."""
     from fedbroker.app.demo import run_demo
 

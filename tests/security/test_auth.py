@@ -16,7 +16,7 @@ from fedbroker.aggregators.service import serve
 from fedbroker.app.launch import broker_url, client_security, start_aggregator
 from fedbroker.auth import ClientSecurity, TokenTable, generate_token, hash_token
 from fedbroker.config import load_config
-from fedbroker.errors import ConfigError
+from fedbroker.errors import ConfigError, Rejection
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import parse_model
 from tests.security.conftest import token_table, write_table
@@ -119,15 +119,13 @@ def test_health_checks_need_no_token(service):
 @pytest.mark.integration
 def test_a_worker_refused_by_auth_gives_up_at_once(service):
     """unauthenticated/permission_denied are final: the worker reports the task instead of retrying it."""
-    from fedbroker.worker.agent import _FINAL_REASONS
-
     target, c = service
     c["coordinator"].put_global("k", 1, SPEC.to_json(), weights(0.0))
     bad = AggregatorClient(target, timeout_s=5, security=ClientSecurity(token=generate_token()))
     with pytest.raises(RemoteError) as info:
         bad.download("k")
-    assert info.value.reason == "unauthenticated" and info.value.reason in _FINAL_REASONS
-    assert "permission_denied" in _FINAL_REASONS
+    assert info.value.reason == "unauthenticated" and Rejection.is_final(info.value.reason)
+    assert Rejection.is_final("permission_denied")
 
 
 # ----- credentials from the environment and files, kept out of reprs and logs -----------------------

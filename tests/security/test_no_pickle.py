@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedbroker.coordinator.checkpoints import SPEC_KEY, load_checkpoint, save_checkpoint
+from fedbroker.coordinator.checkpoints import load_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 SKIP_DIRS = {"tests", ".git", ".hypothesis", "__pycache__", "build", "runs", "node_modules"}
@@ -117,15 +117,20 @@ class _Payload:
 
 def test_a_checkpoint_with_a_pickled_object_array_is_refused_and_runs_nothing(tmp_path):
     good = save_checkpoint(tmp_path, "job", 1, {"0.weight": np.ones((2, 2), np.float32)}, '{"layers": []}')
-    assert load_checkpoint(good)[0]["0.weight"].shape == (2, 2)
+    assert good.endswith(".safetensors") and load_checkpoint(good)[0]["0.weight"].shape == (2, 2)
     marker = tmp_path / "pwned"
-    crafted = tmp_path / "job" / "round-00002.npz"
     payload = np.empty(1, dtype=object)
     payload[0] = _Payload(marker)
+    crafted = tmp_path / "job" / "round-00002.npz"  # numpy's archive, which can carry pickled objects
     with open(crafted, "wb") as fh:
-        np.savez(fh, **{SPEC_KEY: np.frombuffer(b'{"layers": []}', np.uint8), "0.weight": payload})
-    with pytest.raises(ValueError, match="allow_pickle"):
+        np.savez(fh, **{"0.weight": payload})
+    with pytest.raises(ValueError, match="not a safetensors checkpoint"):
         load_checkpoint(crafted)
+    assert not marker.exists()
+    disguised = tmp_path / "job" / "round-00003.safetensors"  # the same archive under a checkpoint's name
+    disguised.write_bytes(crafted.read_bytes())
+    with pytest.raises(ValueError, match="not a safetensors checkpoint"):
+        load_checkpoint(disguised)
     assert not marker.exists()
     with np.load(crafted, allow_pickle=True) as data:  # the payload is live: loading it unsafely runs it
         data["0.weight"]

@@ -1,0 +1,87 @@
+"""Whether an upload may enter its round: pure checks that raise `UploadRejected` naming the reason.
+
+The header is judged before any tensor data is read (membership, timing, sample count, tensor specs), the
+values once they have arrived (finite). The caller snapshots what its state says about the round
+(`Standing`); nothing here holds state or takes a lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedbroker.errors import Rejection, UploadRejected
+from fedbroker.proto import fedbroker_pb2 as pb
+
+FINITE_BLOCK = 1 << 16  # values checked at a time: no model-sized boolean temporary
+TensorSpecs = Mapping[str, tuple[tuple[int, ...], str]]  # name → (shape, dtype)
+
+
+@dataclass(frozen=True)
+class Standing:
+    """What the book knows of the round an upload names when its header arrives."""
+
+    participants: frozenset[str] | None  # None: not the job's current round (closed long ago, or never opened)
+    deadline: float | None               # the current round's, else a recently closed round's, else None
+    closed: bool
+
+
+def check_membership(header: pb.UpdateHeader, standing: Standing, *, now: float) -> None:
+    """A straggler is `late` (whether or not its round has closed at its deadline yet); then closed, unknown."""
+    current = standing.participants
+    if standing.deadline is not None and now > standing.deadline and (current is None or header.worker_id in current):
+        raise UploadRejected(
+            Rejection.LATE, f"worker {header.worker_id!r}: round {header.round} deadline passed; late update refused"
+        )
+    if standing.closed:
+        raise UploadRejected(Rejection.ROUND_CLOSED, f"round {header.round} of job {header.job_id!r} is already closed")
+    if current is None:
+        raise UploadRejected(Rejection.UNKNOWN_ROUND, f"round {header.round} of job {header.job_id!r} is not open")
+    if header.worker_id not in current:
+        raise UploadRejected(
+            Rejection.UNKNOWN_WORKER, f"worker {header.worker_id!r} is not a participant of round {header.round}"
+        )
+
+
+def check_header(header: pb.UpdateHeader, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """The sample count, and the announced tensors against the global model's (float32) shapes."""
+    if header.num_samples <= 0:
+        raise UploadRejected(Rejection.BAD_HEADER, f"num_samples must be positive, got {header.num_samples}")
+    check_specs({name: (shape, "float32") for name, shape in shapes.items()},
+                {t.name: (tuple(t.shape), t.dtype) for t in header.tensors}, who=f"worker {header.worker_id!r}")
+
+
+def check_specs(wanted: TensorSpecs, got: TensorSpecs, *, who: str) -> None:
+    unknown = sorted(set(got) - set(wanted))
+    if unknown:
+        raise UploadRejected(Rejection.UNKNOWN_TENSOR,
+                             f"{who}: unknown tensor {unknown[0]!r}; the model has {sorted(wanted)}")
+    missing = sorted(set(wanted) - set(got))
+    if missing:
+        raise UploadRejected(Rejection.MISSING_TENSOR, f"{who}: tensor {missing[0]!r} is missing")
+    for name, (shape, dtype) in wanted.items():
+        got_shape, got_dtype = got[name]
+        if got_shape != shape:
+            raise UploadRejected(Rejection.WRONG_SHAPE,
+                                 f"{who}: tensor {name!r} has shape {list(got_shape)}, expected {list(shape)}")
+        if got_dtype != dtype:
+            raise UploadRejected(Rejection.WRONG_DTYPE, f"{who}: tensor {name!r} has dtype {got_dtype}, expected {dtype}")
+
+
+def check_global_model(shapes: Mapping[str, tuple[int, ...]], tensors: Mapping[str, np.ndarray]) -> None:
+    """A global model being installed must match its spec exactly and hold finite values only."""
+    check_specs({n: (s, "float32") for n, s in shapes.items()},
+                {n: (tuple(a.shape), "float32") for n, a in tensors.items()}, who="the global model")
+    check_finite(tensors, who="the global model")
+
+
+def check_finite(tensors: Mapping[str, np.ndarray], *, who: str) -> None:
+    flags = np.empty(FINITE_BLOCK, dtype=bool)
+    for name, arr in tensors.items():
+        flat = np.asarray(arr).reshape(-1)
+        for start in range(0, flat.size, FINITE_BLOCK):
+            block = flat[start:start + FINITE_BLOCK]
+            if not np.isfinite(block, out=flags[: block.size]).all():
+                raise UploadRejected(Rejection.NON_FINITE, f"{who}: tensor {name!r} contains NaN or Inf")

@@ -1,0 +1,118 @@
+"""A closing round's accepted updates → the next global model: selection, weighting, then the mean or alignment.
+
+Pure given the round: no I/O, no locks (the round is CLOSING, so nothing is added meanwhile).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedbroker.aggregators.mean import weighted_mean_of_rows
+from fedbroker.aggregators.network import from_layers, to_layers
+from fedbroker.aggregators.selection.base import Candidate
+from fedbroker.aggregators.state import Accepted, Round
+from fedbroker.errors import Conflict
+from fedbroker.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Combined:
+    chosen: list[str]           # the workers whose updates went in
+    weights: np.ndarray         # their coefficients, in `chosen`'s order
+    spec: ModelSpec             # the new global model's spec (alignment may change widths)
+    state: dict[str, np.ndarray]
+    stats: dict[str, float]
+
+
+def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray], spec: ModelSpec, *,
+            seed: int, selection_time_limit_s: float) -> Combined:
+    rng = np.random.default_rng([seed, rnd.number])
+    stats: dict[str, float] = {"accepted": float(len(accepted))}
+    if rnd.rows.mean is not None:
+        chosen = sorted(accepted)
+        state, weights = _running_result(rnd, accepted, stats)
+    else:
+        chosen, weights = _choose(rnd, accepted, current, rng, stats, selection_time_limit_s)
+        spec, state = _combine(rnd, spec, [accepted[w] for w in chosen], weights, rng, stats)
+    stats["aggregated"] = float(len(chosen))
+    return Combined(chosen, weights, spec, state, stats)
+
+
+def _running_result(rnd: Round, accepted: Mapping[str, Accepted],
+                    stats: dict[str, float]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    rows = rnd.rows
+    assert rows.mean is not None
+    raw = np.array([accepted[w].raw_weight for w in sorted(accepted)])
+    weights, fell_back = rnd.algorithms.weighting.normalise(raw)
+    stats["weighting_fallback"] = float(fell_back)
+    if fell_back:
+        if rows.plain_mean is None:  # only weightings whose raw weights are always > 0 skip the plain mean
+            raise Conflict("every update of this round has weight zero and no unweighted mean was kept")
+        log.warning("round %d: every weight is zero; falling back to the unweighted mean", rnd.number)
+        return rows.plain_mean.result(), weights
+    return rows.mean.result(), weights
+
+
+def _choose(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray],
+            rng: np.random.Generator, stats: dict[str, float],
+            selection_time_limit_s: float) -> tuple[list[str], np.ndarray]:
+    """Selection picks which updates enter the mean; weighting gives their coefficients."""
+    selection = rnd.algorithms.selection
+    vectors = selection.needs_vectors(rnd.number)
+    ids = sorted(accepted)
+    candidates = [
+        Candidate(worker_id=w, vector=_vector(accepted[w]) if vectors else np.zeros(0),
+                  num_samples=accepted[w].num_samples, reported_loss=accepted[w].meta.loss)
+        for w in ids
+    ]
+    chosen_by = selection.choose(
+        candidates, round_index=rnd.number, global_vector=_flatten(current) if vectors else np.zeros(0),
+        rng=rng, deadline=time.monotonic() + selection_time_limit_s,
+    )
+    if chosen_by.reason:
+        log.warning("selection for round %d fell back: %s", rnd.number, chosen_by.reason)
+    stats.update({f"selection_{k}": float(v) for k, v in chosen_by.stats.items()})
+    chosen = list(chosen_by.chosen)
+    weights, fell_back = rnd.algorithms.weighting.normalise(np.array([accepted[w].raw_weight for w in chosen]))
+    stats["weighting_fallback"] = float(fell_back)
+    return chosen, weights
+
+
+def _combine(rnd: Round, spec: ModelSpec, updates: list[Accepted], weights: np.ndarray,
+             rng: np.random.Generator, stats: dict[str, float]) -> tuple[ModelSpec, dict[str, np.ndarray]]:
+    """The weighted mean, or the alignment's global network (whose widths may differ from `spec`)."""
+    if rnd.algorithms.alignment_name == "none":
+        assert rnd.rows.kept is not None and all(u.slot is not None for u in updates)
+        return spec, dict(weighted_mean_of_rows(rnd.rows.kept, [u.slot for u in updates if u.slot], weights,
+                                                rnd.rows.layout))
+    clients = [to_layers(spec, u.tensors or {}) for u in updates]
+    result = rnd.algorithms.alignment.align(
+        clients, weights=weights, rng=rng, round_index=rnd.number, class_shares=_class_shares(rnd, updates),
+    )
+    stats.update({f"alignment_{k}": float(v) for k, v in result.stats.items()})
+    return from_layers(spec, result.layers)
+
+
+def _class_shares(rnd: Round, updates: list[Accepted]) -> np.ndarray | None:
+    """Each chosen worker's label counts (clients × classes), when every one of them sent a histogram."""
+    rows = [rnd.histograms.get(u.worker_id) for u in updates]
+    if not rows or any(not r for r in rows):
+        return None
+    width = max(len(r) for r in rows if r)
+    return np.array([list(r or []) + [0] * (width - len(r or [])) for r in rows], dtype=np.float64)
+
+
+def _vector(entry: Accepted) -> np.ndarray:
+    """An update as one flat vector: its row when it has one (no copy)."""
+    return entry.slot.values if entry.slot is not None else _flatten(entry.tensors or {})
+
+
+def _flatten(tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+    return np.concatenate([np.ravel(a) for a in tensors.values()]) if tensors else np.zeros(0)

@@ -1,0 +1,235 @@
+"""A job's rounds as a state machine, with no I/O and no locks (the book holds its lock around every call).
+
+A round is OPEN (receiving uploads), CLOSING (aggregating: uploads are refused; back to OPEN if the
+aggregation fails) or CLOSED. Every transition is idempotent for the coordinator, who may repeat any call
+after a restart on either side, and an upload is idempotent per (job, round, worker): a retry of an
+accepted update gets the first receipt, even after the close.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from fedbroker.aggregators.admission import Standing
+from fedbroker.aggregators.mean import Layout, Slot, UpdateRows
+from fedbroker.aggregators.registries import Algorithms
+from fedbroker.aggregators.rows import Rows
+from fedbroker.aggregators.weighting.base import UpdateMeta
+from fedbroker.errors import Conflict, NotFound
+from fedbroker.spec import ModelSpec, parameter_shapes
+
+KEEP_CLOSED_ROUNDS = 16  # closed rounds whose accepted workers and deadline are remembered (redeliveries, stragglers)
+
+
+class Phase(Enum):
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class Receipt:
+    job_id: str
+    round: int
+    worker_id: str
+    duplicate: bool
+    bytes_received: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class UpdateSummary:
+    worker_id: str
+    num_samples: int
+    epsilon: float
+    train_loss: float
+    weight: float
+
+
+@dataclass(frozen=True)
+class CloseResult:
+    model_version: int
+    aggregated: list[str]
+    model_spec_json: str
+    stats: dict[str, float]
+    seconds: float
+    updates: list[UpdateSummary]
+
+
+@dataclass
+class Accepted:
+    worker_id: str
+    num_samples: int
+    raw_weight: float
+    sha256: str
+    bytes_received: int
+    meta: UpdateMeta
+    epsilon: float
+    train_loss: float
+    tensors: dict[str, np.ndarray] | None = None
+    slot: Slot | None = None     # the row of the round's kept updates that holds `tensors`
+
+
+@dataclass
+class Round:
+    number: int
+    participants: frozenset[str]
+    deadline: float
+    algorithms: Algorithms
+    rows: Rows
+    aggregation: dict[str, Any]                  # as opened (the spool re-builds algorithms from it)
+    histograms: dict[str, list[int]]
+    accepted: dict[str, Accepted] = field(default_factory=dict)
+    phase: Phase = Phase.OPEN
+    next_seq: int = 0                            # acceptance order of the spooled updates
+
+    @property
+    def closed(self) -> bool:
+        return self.phase is not Phase.OPEN
+
+    def receipt(self, job_id: str, worker_id: str) -> Receipt | None:
+        """The first receipt of the worker's accepted update (a retry is answered with it), else None."""
+        done = self.accepted.get(worker_id)
+        if done is None:
+            return None
+        return Receipt(job_id, self.number, worker_id, True, done.bytes_received, done.sha256)
+
+    def take_seq(self) -> int:
+        seq = self.next_seq
+        self.next_seq += 1
+        return seq
+
+    def accept(self, entry: Accepted, tensors: Mapping[str, np.ndarray], slot: Slot | None) -> None:
+        """Count an accepted update; `slot` is the row it was received into, if any."""
+        entry.slot = self.rows.add(tensors, entry.raw_weight, slot)
+        if entry.slot is not None:
+            entry.tensors = self.rows.layout.views(entry.slot.values)
+        self.accepted[entry.worker_id] = entry
+
+
+def new_round(number: int, members: frozenset[str], deadline: float, algorithms: Algorithms,
+              aggregation: dict[str, Any], histograms: dict[str, list[int]], spec: ModelSpec,
+              spare_rows: UpdateRows | None = None) -> Round:
+    rows = Rows(Layout(parameter_shapes(spec)), incremental=algorithms.incremental,
+                weights_positive=algorithms.weights_positive, spare=spare_rows)
+    return Round(number, members, deadline, algorithms, rows, aggregation, histograms)
+
+
+@dataclass
+class Job:
+    job_id: str
+    spec: ModelSpec
+    seed: int
+    versions: dict[int, dict[str, np.ndarray]]
+    specs: dict[int, str]
+    round: Round | None = None
+    closed_rounds: set[int] = field(default_factory=set)
+    last_close: tuple[int, CloseResult] | None = None   # (round, result): a repeated close returns it
+    closed_deadlines: dict[int, float] = field(default_factory=dict)  # a late upload is "late", not "round_closed"
+    closed_accepted: dict[int, list[str]] = field(default_factory=dict)  # recent rounds: who got in (status)
+    spare_rows: UpdateRows | None = None   # the last running mean's rows: the next round receives into them
+
+    @property
+    def version(self) -> int:
+        return max(self.versions)
+
+    # ----- the global model -----
+
+    def holds(self, version: int, spec_json: str, state: Mapping[str, np.ndarray]) -> bool:
+        """Whether this exact model is installed already (a restarted coordinator re-installing it)."""
+        held = self.versions.get(version)
+        if held is None or self.specs.get(version) != spec_json or held.keys() != state.keys():
+            return False
+        return all(np.array_equal(held[name], arr) for name, arr in state.items())
+
+    def install(self, version: int, spec: ModelSpec, spec_json: str, state: dict[str, np.ndarray]) -> None:
+        """Replace the global model; the open round and its uploads go with the old one."""
+        self.spec = spec
+        self.versions = {version: state}
+        self.specs = {version: spec_json}
+        self.round = None
+        self.last_close = None
+        self.spare_rows = None  # the dropped round's uploads may still hold rows of them
+
+    # ----- rounds -----
+
+    def current(self, round_number: int) -> Round | None:
+        """The job's round if it is the one numbered `round_number` (open, closing or just closed)."""
+        return self.round if self.round is not None and self.round.number == round_number else None
+
+    def standing(self, round_number: int) -> Standing:
+        rnd = self.current(round_number)
+        return Standing(
+            participants=rnd.participants if rnd is not None else None,
+            deadline=rnd.deadline if rnd is not None else self.closed_deadlines.get(round_number),
+            closed=round_number in self.closed_rounds or (rnd is not None and rnd.closed),
+        )
+
+    def status(self, round_number: int) -> tuple[list[str], bool]:
+        rnd = self.current(round_number)
+        if rnd is None:  # a worker with a redelivered task of a closed round
+            return list(self.closed_accepted.get(round_number, [])), False
+        return sorted(rnd.accepted), not rnd.closed
+
+    def open(self, number: int, participants: frozenset[str], deadline: float, *, seed: int,
+             build: Callable[[], Round]) -> bool:
+        """Open round `number`, or confirm that it is open (idempotent); True when the state changed."""
+        rnd = self.round
+        if rnd is not None and rnd.number == number and rnd.phase is Phase.OPEN:
+            if rnd.participants != participants:
+                raise Conflict(f"round {number} of job {self.job_id!r} is already open with other participants")
+            if deadline > rnd.deadline:  # a resumed coordinator gives a round more time, never less
+                rnd.deadline = deadline
+                return True
+            return False  # a coordinator retrying after a lost reply, or restarted
+        if number in self.closed_rounds:
+            raise Conflict(f"round {number} of job {self.job_id!r} is already closed")
+        self.seed = seed
+        self.round = build()
+        return True
+
+    def repeated_close(self, number: int) -> CloseResult | None:
+        """The result of closing round `number` when that was the last close (the coordinator lost our reply)."""
+        return self.last_close[1] if self.last_close is not None and self.last_close[0] == number else None
+
+    def begin_close(self, number: int) -> Round:
+        """OPEN → CLOSING: uploads are refused from now on."""
+        rnd = self.round
+        if rnd is None or rnd.number != number:
+            raise NotFound(f"round {number} of job {self.job_id!r} is not open")
+        if rnd.closed:
+            raise Conflict(f"round {number} of job {self.job_id!r} is already closed")
+        if not rnd.accepted:
+            raise Conflict(f"round {number} of job {self.job_id!r} cannot close with no accepted update")
+        rnd.phase = Phase.CLOSING
+        return rnd
+
+    @staticmethod
+    def abort_close(rnd: Round) -> None:
+        """CLOSING → OPEN: nothing changed, and the coordinator may close the round again."""
+        rnd.phase = Phase.OPEN
+
+    def finish_close(self, rnd: Round, result: CloseResult, current: dict[str, np.ndarray],
+                     new_state: dict[str, np.ndarray], spec: ModelSpec) -> None:
+        """CLOSING → CLOSED: the new global version is in, the old one kept for late downloads."""
+        version = result.model_version
+        self.versions = {self.version: current, version: new_state}
+        self.specs = {v: self.specs[v] for v in self.versions if v in self.specs}
+        self.spec = spec
+        self.specs[version] = result.model_spec_json
+        self.closed_rounds.add(rnd.number)
+        spare = rnd.rows.spare()
+        if spare is not None:  # an upload still streaming into one of them keeps its row until refused
+            self.spare_rows = spare
+        self.closed_deadlines[rnd.number] = rnd.deadline
+        self.closed_accepted[rnd.number] = sorted(rnd.accepted)
+        for old in sorted(self.closed_accepted)[:-KEEP_CLOSED_ROUNDS]:
+            del self.closed_accepted[old]
+            self.closed_deadlines.pop(old, None)
+        self.last_close = (rnd.number, result)
+        rnd.phase = Phase.CLOSED
