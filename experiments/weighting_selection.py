@@ -74,7 +74,7 @@ class DWFedProtocol:
 @dataclass(frozen=True)
 class GAProtocol:
     """Base-model selection §5.1 (Table 1: 50 clients, 10 aggregated, population 100, keep 50 %, mutation 0.1,
-    GA every 10 rounds) on digits; generations 20 and μ=0.2 are ALGORITHMS.md's defaults, Loss2 the workers'
+    GA every 10 rounds) on digits; generations 20 and μ=0.2 are the `ga` defaults (docs/algorithms.md), Loss2 the workers'
     reported losses (the service holds no data). E=2 (not 5) keeps 50 trainings per round in the time budget;
     FedProx μ=0.01 is fixed, not searched. Each worker holds at least 2 samples (Dir(0.1) over 50 workers of
     digits leaves some with only a handful)."""

@@ -31,7 +31,7 @@ KL_MODES = ("exact", "reference")
 
 @dataclass(frozen=True, kw_only=True)
 class MatchingParams:
-    """Hyper-parameters of the engine; defaults follow the public PFNM code (see ALGORITHMS.md)."""
+    """Hyper-parameters of the engine; defaults follow the public PFNM code (see docs/algorithms.md, `pfnm`)."""
 
     sigma2: float = 1.0
     sigma0_2: float = 1.0

@@ -247,7 +247,7 @@ class GeneticSelection:
     """Minimise Loss1 + μ·Loss2 over m-subsets every `ga_gap`-th round; m at random otherwise.
 
     Loss1 = mean cosine similarity of the chosen updates to the global model; Loss2 = reported losses
-    (default) or a loss on a validation set the service holds (eqs. 31–32 are lost; see ALGORITHMS.md).
+    (default) or a loss on a validation set the service holds (eqs. 31–32 are lost; see docs/algorithms.md, `ga`).
     """
 
     m: int

@@ -66,7 +66,7 @@ def emd(p: ArrayLike, population: ArrayLike) -> float:
 
 
 def ish(distance: float, num_aggregated: int, form: str = "ratio") -> float:
-    """ISH_k from D_k and K (eq. 12, garbled in the source; ALGORITHMS.md gives both readings).
+    """ISH_k from D_k and K (eq. 12, garbled in the source; docs/algorithms.md, `dwfed`, gives both readings).
 
     ratio:     (1 − D/K) / (1 + D)
     one_minus: 1 − (1/K) · D / (1 + D)

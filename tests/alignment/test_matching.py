@@ -71,7 +71,7 @@ def test_hand_computed_exact_kl_cost_on_a_two_neuron_state() -> None:
 
 
 def _literal_cost(w, tau, g, s, c, mu0, tau0, n_clients, p: MatchingParams) -> np.ndarray:
-    """ALGORITHMS.md and Lemma 5.1 / the NAFI code, written entry by entry."""
+    """docs/algorithms.md (`pfnm`, `nafi`) and Lemma 5.1 / the NAFI code, written entry by entry."""
     m0 = mu0 * tau0
     n_local, n_global = w.shape[0], g.shape[0]
     n_new = new_slot_count(n_local, n_global, p.max_global_width)

@@ -26,7 +26,7 @@ WORKERS = 4
 M = 2
 GA_GAP = 2
 ROUNDS = 2 * GA_GAP  # GA in rounds 2 and 4, random selection in rounds 1 and 3
-ISH_K = M  # K in eq. 12 (ALGORITHMS.md): the number of updates aggregated this round, m under ga or random
+ISH_K = M  # K in eq. 12 (docs/algorithms.md, `dwfed`): the number of updates aggregated this round, m under ga or random
 
 JOB: dict[str, Any] = {
     "name": "dwfed-ga",
