@@ -1,10 +1,10 @@
 """Benchmark 6: local training speed with and without Opacus DP-SGD on the worker's real training path.
 
-`worker.trainer.train_local` on the digits data set (1,797 samples, SGD), for the demo MLP (64-64-10)
+`worker.training.train_local` on the digits data set (1,797 samples, SGD), for the demo MLP (64-64-10)
 and a small CNN (two 3×3 conv + GroupNorm + max-pool blocks, then a linear layer). Samples/s is the
 trainer's own `samples_per_second` (samples seen ÷ seconds of its training loop, Opacus's wrapping
 included). The goal is checked at the worker's configuration, batch 32, with the trainer's pinned
-grad-sample mode; its other modes are run by switching `worker.trainer.GRAD_SAMPLE_MODE`. Two kinds
+grad-sample mode; its other modes are run by switching `worker.training.GRAD_SAMPLE_MODE`. Two kinds
 of rows only inform: the previous trainer design (Opacus's `PrivacyEngine.make_private`: DPDataLoader,
 stock DPOptimizer, hooks, ε computed after training; not the worker's path any more), kept to show
 the change in the same run, and the worker's path at batches 128 and 512, to show how the cost
@@ -18,9 +18,13 @@ import copy
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.harness import Goal, Section, Stat
+
+if TYPE_CHECKING:
+    from fedbroker.config import DPPolicy
+    from fedbroker.spec import TrainingConfig
 
 MODES = ("ew", "hooks", "functorch")  # grad-sample modes whose per-sample gradients the trainer clips
 LARGE_BATCHES = (128, 512)
@@ -42,18 +46,13 @@ MODELS: dict[str, dict[str, Any]] = {
 def run(*, quick: bool) -> Section:
     import torch
 
+    from fedbroker.config import DPPolicy
     from fedbroker.model import build_model
-    from fedbroker.spec import parse_model
-    from fedbroker.worker import trainer
+    from fedbroker.spec import TrainingConfig, parse_model
+    from fedbroker.worker import training
+    from fedbroker.worker.accounting import dp_sample_rate, planned_steps, project_epsilon
     from fedbroker.worker.data import load_dataset
-    from fedbroker.worker.trainer import (
-        DPPolicy,
-        TrainConfig,
-        dp_sample_rate,
-        planned_steps,
-        project_epsilon,
-        train_local,
-    )
+    from fedbroker.worker.training import train_local
 
     started = time.perf_counter()
     section = Section(
@@ -66,7 +65,7 @@ def run(*, quick: bool) -> Section:
     epochs = 1 if quick else 2
     repeats = 2 if quick else 4
     policy = DPPolicy(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, epsilon_budget=1e9)
-    pinned = trainer.GRAD_SAMPLE_MODE
+    pinned = training.GRAD_SAMPLE_MODE
     default_threads = torch.get_num_threads()
     thread_counts = [1] if quick else sorted({default_threads, 1})  # 1 first: the others are checked against it
     section.notes.append(
@@ -74,12 +73,12 @@ def run(*, quick: bool) -> Section:
         f"samples per run, {repeats} runs per cell after one warm-up; the worker trains with torch's default "
         "thread count" + (", so both counts are shown." if len(thread_counts) > 1 else " (quick mode: 1 thread only)."))
 
-    def rate(model: Any, config: Any, dp: Any, mode: str, seed: int) -> float:
-        trainer.GRAD_SAMPLE_MODE = mode
+    def rate(model: Any, config: TrainingConfig, dp: DPPolicy | None, mode: str, seed: int) -> float:
+        training.GRAD_SAMPLE_MODE = mode
         try:
             return train_local(model, x, y, config=config, dp=dp, seed=seed).samples_per_second
         finally:
-            trainer.GRAD_SAMPLE_MODE = pinned
+            training.GRAD_SAMPLE_MODE = pinned
 
     def measure(variants: dict[str, Callable[[int], float]]) -> dict[str, Stat]:
         values: dict[str, list[float]] = {name: [] for name in variants}
@@ -105,7 +104,7 @@ def run(*, quick: bool) -> Section:
     try:
         for model_name, spec in MODELS.items():
             model = build_model(parse_model(spec), seed=0)
-            config = TrainConfig(epochs=epochs, batch_size=32, lr=0.05)
+            config = TrainingConfig(local_epochs=epochs, batch_size=32, lr=0.05)
             one_thread_plain = one_thread_slowdown = 0.0
             for threads in thread_counts:
                 torch.set_num_threads(threads)
@@ -140,7 +139,7 @@ def run(*, quick: bool) -> Section:
                 torch.set_num_threads(1)
                 by_batch = [f"{one_thread_slowdown:.2f}× at 32"]
                 for batch in LARGE_BATCHES:
-                    big = TrainConfig(epochs=epochs, batch_size=batch, lr=0.05)
+                    big = TrainingConfig(local_epochs=epochs, batch_size=batch, lr=0.05)
                     _, large = add_rows(model_name, batch, 1, measure({
                         "no DP": lambda i, c=big: rate(model, c, None, pinned, i),
                         pinned_label: lambda i, c=big: rate(model, c, policy, pinned, i),
@@ -152,9 +151,9 @@ def run(*, quick: bool) -> Section:
                     "sample (batch × parameters floats per step) where no DP forms one per batch.")
     finally:
         torch.set_num_threads(default_threads)
-        trainer.GRAD_SAMPLE_MODE = pinned
+        training.GRAD_SAMPLE_MODE = pinned
 
-    config = TrainConfig(epochs=epochs, batch_size=32)
+    config = TrainingConfig(local_epochs=epochs, batch_size=32)
     t0 = time.perf_counter()
     project_epsilon([], noise_multiplier=policy.noise_multiplier, sample_rate=dp_sample_rate(len(y), config),
                     steps=planned_steps(len(y), config), delta=policy.delta)
@@ -164,13 +163,13 @@ def run(*, quick: bool) -> Section:
         "when the accountant recorded exactly the planned steps, instead of computing it a second time.")
     section.notes.append(
         "Opacus's \"ghost\" mode (fast gradient clipping) is not a trainer mode, so it has no row: it never forms "
-        "per-sample gradients (it clips by a second backward pass through a wrapped criterion); the trainer's "
-        "module docstring records how it compared.")
+        "per-sample gradients (it clips by a second backward pass through a wrapped criterion); the docstring of "
+        "fedbroker.worker.training records how it compared.")
     section.seconds = time.perf_counter() - started
     return section
 
 
-def _make_private_rate(model: Any, x: Any, y: Any, *, config: Any, dp: Any, seed: int) -> float:
+def _make_private_rate(model: Any, x: Any, y: Any, *, config: TrainingConfig, dp: DPPolicy, seed: int) -> float:
     """Samples/s of the previous trainer design, timed as that trainer timed itself.
 
     Opacus's `PrivacyEngine.make_private` (Poisson DPDataLoader over a TensorDataset, stock
@@ -197,7 +196,7 @@ def _make_private_rate(model: Any, x: Any, y: Any, *, config: Any, dp: Any, seed
         max_grad_norm=dp.max_grad_norm, poisson_sampling=True, grad_sample_mode="hooks",
         noise_generator=torch.Generator().manual_seed(seed + 1))
     seen = 0
-    for _ in range(config.epochs):
+    for _ in range(config.local_epochs):
         for xb, yb in dp_loader:
             dp_optimizer.zero_grad(set_to_none=True)
             loss = nn.functional.cross_entropy(wrapped(xb), yb)

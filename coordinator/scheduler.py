@@ -26,16 +26,18 @@ import numpy as np
 
 from fedbroker import envelope
 from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregators.registries import job_problems
 from fedbroker.bus import Bus, Delivery
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.checkpoints import load_checkpoint, save_checkpoint
 from fedbroker.coordinator.participants import sample_participants
 from fedbroker.coordinator.state import StateStore
-from fedbroker.errors import BusError, ConfigError, FedbrokerError
+from fedbroker.errors import BusError, ConfigError, ConfigErrors, FedbrokerError
 from fedbroker.metrics import BUSES
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.retry import Backoff, retry_call
 from fedbroker.rpc import RemoteError
-from fedbroker.spec import JobSpec, job_from_json, parse_model
+from fedbroker.spec import JobSpec, job_from_json
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ T = TypeVar("T")
 # What a worker needs after its round's deadline to finish an upload it started before it (and to ack).
 CONSUMER_TIMEOUT_MARGIN_S = 60.0
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Between tries through an aggregation-service or broker outage.
+_OUTAGE_BACKOFF = Backoff(initial_s=0.5, max_s=10.0)
 
 
 class JobFailed(FedbrokerError):
@@ -61,7 +65,7 @@ class Coordinator:
         service before it fails."""
         self.bus = bus
         self.store = store
-        self.aggregator = aggregator
+        self.aggregator = aggregator.without_retries()  # `_call` owns the retrying, so retries never nest
         self.aggregator_target = aggregator_target
         self.checkpoint_dir = checkpoint_dir
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -109,7 +113,14 @@ class Coordinator:
 
     def check_job(self, job: JobSpec) -> None:
         """A worker holds its task's delivery (unacked) until it has uploaded, and gives up at the round's
-        deadline: the broker must not reclaim the delivery before, or it closes the worker's channel."""
+        deadline: the broker must not reclaim the delivery before, or it closes the worker's channel.
+        The algorithm registries check the job's aggregation too, so an in-process caller that parsed the
+        job without them (`parse_job`) cannot start rounds that the aggregation service would refuse."""
+        problems = job_problems(aggregation=job.aggregation, model=job.model)
+        if len(problems) == 1:
+            raise problems[0]
+        if problems:
+            raise ConfigErrors(problems)
         limit, timeout = self.max_round_timeout_s, self.broker_consumer_timeout_s
         if limit is not None and timeout is not None and job.schedule.round_timeout_s > limit:
             raise ConfigError(
@@ -124,7 +135,7 @@ class Coordinator:
         self.check_job(job)
         job_id = f"{job.name[:40]}-{secrets.token_hex(4)}"
         self.store.add_job(job_id, job.name, job.to_json(), job.training.rounds, job.model.to_json())
-        self._launch(job_id)
+        self._launch(job_id, job)
         return job_id
 
     def on_control(self, delivery: Delivery) -> None:
@@ -164,25 +175,27 @@ class Coordinator:
 
     # ----- the round loop -----
 
-    def _launch(self, job_id: str) -> None:
-        thread = threading.Thread(target=self._run_job, args=(job_id,), name=f"job-{job_id}", daemon=True)
+    def _launch(self, job_id: str, job: JobSpec | None = None) -> None:
+        """`job`: the spec SubmitJob parsed; None for a job resumed from the store (parsed there, once)."""
+        thread = threading.Thread(target=self._run_job, args=(job_id, job), name=f"job-{job_id}", daemon=True)
         self._threads[job_id] = thread
         thread.start()
 
-    def _run_job(self, job_id: str) -> None:
+    def _run_job(self, job_id: str, job: JobSpec | None) -> None:
         try:
-            self._drive(job_id)
+            self._drive(job_id, job)
         except _Stopped:  # the job stays running in the store; the next start resumes it
             log.info("job %s paused: the coordinator is stopping", job_id)
         except Exception as exc:  # a job's failure must be recorded, never lost in a thread
             log.exception("job %s failed", job_id)
             self.store.set_job_status(job_id, "failed", str(exc))
 
-    def _drive(self, job_id: str) -> None:
+    def _drive(self, job_id: str, job: JobSpec | None) -> None:
         row = self.store.job(job_id)
         if row is None:
             raise JobFailed(f"job {job_id!r} is not in the coordinator's store")
-        job = job_from_json(row["spec_json"])
+        if job is None:  # resumed: the store holds the job's one wire form
+            job = job_from_json(row["spec_json"])
         self._await_workers(job)
         self.store.set_job_status(job_id, "running")
         done = row["rounds_done"]
@@ -347,7 +360,7 @@ class Coordinator:
             rnd.published = True
             return
         task = pb.RoundTask(
-            job_id=job_id, round=rnd.number, model_spec_json=run.spec_json,
+            job_id=job_id, round=rnd.number,
             training_json=json.dumps(asdict(job.training)), category=job.category, model_version=rnd.model_version,
             aggregator_target=self.aggregator_target, deadline_unix=rnd.deadline,
             population_distribution=self._population(job), participants=len(rnd.participants),
@@ -367,20 +380,30 @@ class Coordinator:
     def _publish(self, worker_id: str, body: bytes, deadline: float) -> bool:
         """Persistent and confirmed by the bus; through a broker outage, retried until the round's deadline.
         A task that cannot be sent by then makes its worker a straggler; the round's quorum rules decide."""
-        delay = 0.5
-        while time.time() < deadline:
+
+        def publish() -> None:
             try:
                 self.bus.publish_task(worker_id, body)
-                metrics.TASKS_PUBLISHED.inc()
-                return True
             except BusError as exc:
                 if self._stop.is_set():
                     raise _Stopped from exc
-                log.warning("task for %s not published (%s); retrying in %.1fs", worker_id, exc, delay)
-                self._stop.wait(min(delay, max(0.0, deadline - time.time())))
-                delay = min(2 * delay, 10.0)
-        log.error("task for %s not published before the round's deadline", worker_id)
-        return False
+                raise
+
+        def log_retry(exc: Exception, retry: int, delay: float) -> None:
+            log.warning("task for %s not published (%s); retrying in %.1fs", worker_id, exc, delay)
+
+        left = deadline - time.time()
+        if left <= 0:
+            log.error("task for %s not published before the round's deadline", worker_id)
+            return False
+        try:
+            retry_call(publish, backoff=_OUTAGE_BACKOFF, retryable=lambda exc: isinstance(exc, BusError),
+                       deadline=time.monotonic() + left, on_retry=log_retry, sleep=self._stop.wait)
+        except BusError as exc:
+            log.error("task for %s not published before the round's deadline (%s)", worker_id, exc)
+            return False
+        metrics.TASKS_PUBLISHED.inc()
+        return True
 
     def _finish_round(self, run: _Run, rnd: _OpenRound, reply: pb.CloseRoundReply) -> None:
         job_id, job, round_number = run.job_id, run.job, rnd.number
@@ -415,7 +438,6 @@ class Coordinator:
             log.warning("RoundCompleted event of round %d of %s not published: %s", round_number, job_id, exc)
         log.info("round %d of %s closed: %d aggregated, accuracy %s, %.1fs", round_number, job_id,
                  len(reply.aggregated), f"{accuracy:.4f}" if accuracy is not None else "n/a", seconds)
-        parse_model(json.loads(new_spec_json))
 
     def _wait_for_quorum(self, run: _Run, rnd: _OpenRound) -> list[str]:
         job_id, round_number = run.job_id, rnd.number
@@ -436,33 +458,40 @@ class Coordinator:
     # ----- the aggregation service's outages -----
 
     def _call(self, run: _Run, what: str, fn: Callable[[], T], *, reinstall: bool = True) -> T:
-        """Call the aggregation service, riding out its outages.
+        """Call the aggregation service, riding out its outages (the only layer that retries: our client
+        calls once).
 
         UNAVAILABLE (or a deadline) is retried with backoff for up to `aggregator_outage_s`. NOT_FOUND for
         the job means the service restarted without its spool and lost our job: we install the global model
         and the open round again, re-send the round's tasks (the uploads it had accepted are gone; their
         workers acked their tasks) and give the round a fresh deadline, then repeat the call.
         """
-        give_up = time.time() + self.aggregator_outage_s
-        delay = 0.5
-        reinstalled = False
-        while True:
+        give_up = time.monotonic() + self.aggregator_outage_s
+
+        def attempt() -> T:
             try:
                 return fn()
             except RemoteError as exc:
                 if self._stop.is_set():
                     raise _Stopped from exc
-                if (reinstall and not reinstalled and exc.code == grpc.StatusCode.NOT_FOUND
-                        and "unknown job" in str(exc)):
-                    reinstalled = True
-                    self._reinstall(run, str(exc))
-                    continue
-                if exc.code not in _TRANSIENT or time.time() + delay > give_up:
-                    raise
-                log.warning("%s of %s: the aggregation service is unavailable (%s); retrying in %.1fs", what,
-                            run.job_id, exc, delay)
-                self._stop.wait(delay)
-                delay = min(2 * delay, 10.0)
+                raise
+
+        def log_retry(exc: Exception, retry: int, delay: float) -> None:
+            log.warning("%s of %s: the aggregation service is unavailable (%s); retrying in %.1fs", what,
+                        run.job_id, exc, delay)
+
+        def call() -> T:
+            return retry_call(attempt, backoff=_OUTAGE_BACKOFF, deadline=give_up, on_retry=log_retry,
+                              retryable=lambda exc: isinstance(exc, RemoteError) and exc.code in _TRANSIENT,
+                              sleep=self._stop.wait)
+
+        try:
+            return call()
+        except RemoteError as exc:
+            if not (reinstall and exc.code == grpc.StatusCode.NOT_FOUND and "unknown job" in str(exc)):
+                raise
+            self._reinstall(run, str(exc))
+        return call()
 
     def _reinstall(self, run: _Run, why: str) -> None:
         job_id = run.job_id

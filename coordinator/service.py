@@ -11,6 +11,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from fedbroker.aggregators.registries import accept_job_text
 from fedbroker.auth import ROLE_SUBMITTER, ROLE_VIEWER, ClientSecurity, ServerAuth, ServerTLS, TokenTable, add_port
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.scheduler import Coordinator
@@ -19,7 +20,7 @@ from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import CHANNEL_OPTIONS, handle
-from fedbroker.spec import JobSpec, job_from_text
+from fedbroker.spec import JobSpec
 
 SERVICE_NAME = "fedbroker.v1.Coordinator"
 PERMISSIONS: dict[str, frozenset[str]] = {
@@ -40,7 +41,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.ServicerContext) -> pb.SubmitJobReply:
         def parse() -> JobSpec:
             try:
-                return job_from_text(request.job_yaml)
+                return accept_job_text(request.job_yaml)
             except FedbrokerError as exc:
                 metrics.JOBS_REJECTED.labels(exc.reason).inc()
                 raise

@@ -4,7 +4,7 @@
     python -m experiments.alignment --quick    # smoke run (~1 min) into a temporary folder unless --out
 
 Every fusion goes through `aggregators.rounds.RoundBook` (the service's code path) and every local model
-through `worker.trainer.train_local`. Hyper-parameters are fixed here, up front, and printed in each
+through `worker.training.train_local`. Hyper-parameters are fixed here, up front, and printed in each
 table's caption; nothing is tuned per method.
 """
 
@@ -37,8 +37,8 @@ from experiments.harness import (
 )
 from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.model import build_model, initial_weights, load_numpy_state
-from fedbroker.spec import JobSpec, parse_job
-from fedbroker.worker.trainer import TrainConfig, evaluate, train_local
+from fedbroker.spec import JobSpec, TrainingConfig, parse_job
+from fedbroker.worker.training import evaluate, train_local
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -125,8 +125,8 @@ def one_shot(protocol: FusionProtocol, *, progress: bool = True) -> dict[str, An
         spec = parse_job({"name": "fusion", "category": protocol.dataset, "seed": seed,
                           "model": mlp(test.input_shape, [protocol.hidden], test.num_classes)})
         start = initial_weights(spec.model, seed=seed)
-        config = TrainConfig(epochs=protocol.epochs, batch_size=protocol.batch_size, lr=protocol.lr,
-                             optimizer=protocol.optimizer)
+        config = TrainingConfig(local_epochs=protocol.epochs, batch_size=protocol.batch_size, lr=protocol.lr,
+                                optimizer=protocol.optimizer)
         results, local_acc = [], []
         for i, w in enumerate(workers):
             model = build_model(spec.model)

@@ -1,6 +1,6 @@
 """In-process federated simulation over the service's own code paths, for research experiments.
 
-Many virtual workers train with `worker.trainer.train_local` and upload through
+Many virtual workers train with `worker.training.train_local` and upload through
 `aggregators.rounds.RoundBook.receive_update`, fed by `fedbroker.codec.stream_messages` exactly as the
 gRPC servicer feeds it; rounds are opened and closed as the coordinator does (participants from
 `coordinator.participants.sample_participants`, histograms for class shares, a population label
@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 from torch import nn
@@ -22,14 +23,17 @@ from torch import nn
 from fedbroker import codec
 from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.aggregators.weighting import population_distribution, reported_ish
+from fedbroker.config import DPPolicy
 from fedbroker.coordinator.participants import sample_participants
 from fedbroker.errors import BudgetExceeded
+from fedbroker.layers import LAYERS
 from fedbroker.model import build_model, initial_weights, load_numpy_state
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import JobSpec, ModelSpec, parse_job, parse_model
+from fedbroker.worker.accounting import HistoryEntry
 from fedbroker.worker.data import Dataset, load_dataset, train_test_split
 from fedbroker.worker.partition import partition
-from fedbroker.worker.trainer import DPPolicy, HistoryEntry, TrainConfig, TrainResult, evaluate, train_local
+from fedbroker.worker.training import TrainResult, evaluate, train_local
 
 Metrics = Callable[[nn.Module, Dataset], dict[str, float]]
 
@@ -123,9 +127,9 @@ def classification_metrics(model: nn.Module, test: Dataset) -> dict[str, float]:
 
 
 def widths_of(spec: ModelSpec) -> list[int]:
-    """Output width of every Linear / Conv2d layer, in order (the last one is the number of classes)."""
-    return [int(layer.params["out_features"] if layer.type == "Linear" else layer.params["out_channels"])
-            for layer in spec.layers if layer.type in ("Linear", "Conv2d")]
+    """Output width of every layer alignment matches (Linear, Conv2d), in order (the last one is the number of
+    classes)."""
+    return [int(layer.params[LAYERS[layer.type].out_width]) for layer in spec.layers if LAYERS[layer.type].weighted]
 
 
 def training_seed(job_seed: int, round_number: int, worker_index: int) -> int:
@@ -134,7 +138,7 @@ def training_seed(job_seed: int, round_number: int, worker_index: int) -> int:
 
 
 def simulate(
-    job: Mapping | JobSpec,
+    job: Mapping[str, Any] | JobSpec,
     workers: Sequence[VirtualWorker],
     test: Dataset,
     *,
@@ -161,8 +165,6 @@ def simulate(
     population = population_distribution([w.histogram for w in workers])
     aggregation = asdict(spec.aggregation)
     training = spec.training
-    config = TrainConfig(epochs=training.local_epochs, batch_size=training.batch_size, lr=training.lr,
-                         optimizer=training.optimizer, momentum=training.momentum, proximal_mu=training.proximal_mu)
 
     book = RoundBook()
     state = initial_state if initial_state is not None else initial_weights(spec.model, seed=spec.seed)
@@ -191,7 +193,7 @@ def simulate(
             model = build_model(model_spec)
             load_numpy_state(model, weights)
             try:
-                result = train_local(model, worker.x, worker.y, config=config, dp=dp, history=ledgers[worker_id],
+                result = train_local(model, worker.x, worker.y, config=training, dp=dp, history=ledgers[worker_id],
                                      seed=training_seed(spec.seed, r, index[worker_id]))
             except BudgetExceeded:
                 continue

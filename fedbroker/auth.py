@@ -38,7 +38,7 @@ from typing import Any
 
 import grpc
 
-from fedbroker.errors import ConfigError
+from fedbroker.errors import ConfigError, Rejection
 from fedbroker.metrics import GRPC_SERVER_AUTH_FAILURES
 from fedbroker.rpc import REASON_KEY
 
@@ -212,15 +212,15 @@ class ServerAuth(grpc.ServerInterceptor):
     def check(self, method: str, token: str | None) -> tuple[grpc.StatusCode, str, str] | None:
         """None when the call may proceed, else (status, reason, message)."""
         if token is None:
-            return (grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
+            return (grpc.StatusCode.UNAUTHENTICATED, Rejection.UNAUTHENTICATED,
                     f"{self.service}/{method} needs a bearer token: send 'authorization: Bearer <token>' metadata")
         identity = self.table.identify(token) if token else None
         if identity is None:
-            return (grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
+            return (grpc.StatusCode.UNAUTHENTICATED, Rejection.UNAUTHENTICATED,
                     f"{self.service}/{method}: the bearer token is not valid for this service")
         allowed = self.permissions.get(method, frozenset())
         if identity.role not in allowed:
-            return (grpc.StatusCode.PERMISSION_DENIED, "permission_denied",
+            return (grpc.StatusCode.PERMISSION_DENIED, Rejection.PERMISSION_DENIED,
                     f"{identity.name!r} (role {identity.role}) may not call {method}"
                     + (f"; it is for {', '.join(sorted(allowed))}" if allowed else ""))
         return None

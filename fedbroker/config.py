@@ -15,13 +15,17 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
-from fedbroker.errors import ConfigError
+from fedbroker.errors import ConfigError, ConfigErrors
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 ENV_PREFIX = "FEDBROKER__"
+_D = TypeVar("_D", bound="DataclassInstance")
 
 
 @dataclass(frozen=True)
@@ -93,29 +97,59 @@ class PartitionSection:
 
 
 @dataclass(frozen=True)
-class DPSection:
+class DPPolicy:
+    """The data owner's privacy policy, the worker's `dp` section; nothing in a job can override it.
+
+    Enabled, the worker trains with DP-SGD at this noise and clipping, and refuses a task whose projected
+    ε for its job (with the other jobs' ε on its ledger) would exceed `epsilon_budget` at this `delta`.
+    A disabled policy's numbers are not used, so they are not checked either.
+    """
+
     enabled: bool = True
     noise_multiplier: float = 1.0
     max_grad_norm: float = 1.0
     delta: float = 1e-5
     epsilon_budget: float = 10.0
 
+    def __post_init__(self) -> None:
+        problems = self.problems() if self.enabled else []
+        if len(problems) == 1:
+            raise problems[0]
+        if problems:
+            raise ConfigErrors(problems)
+
+    def problems(self) -> list[ConfigError]:
+        out = [ConfigError(f"dp.{name}", f"must be a number > 0, got {value!r}")
+               for name, value in (("noise_multiplier", self.noise_multiplier), ("max_grad_norm", self.max_grad_norm))
+               if not _is_number(value) or not value > 0]
+        if not _is_number(self.delta) or not 0.0 < self.delta < 1.0:
+            out.append(ConfigError("dp.delta", f"must lie strictly between 0 and 1, got {self.delta!r}"))
+        if not _is_number(self.epsilon_budget) or not self.epsilon_budget > 0:
+            out.append(ConfigError("dp.epsilon_budget", f"must be > 0, got {self.epsilon_budget!r}"))
+        return out
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
 
 @dataclass(frozen=True)
-class WorkerSection:
+class WorkerConfig:
+    """A worker process: who it is, the data it holds, and the owner's privacy policy for them."""
+
     id: str = "worker-0"
     categories: tuple[str, ...] = ("digits",)
     dataset: str = "digits"
-    idx_dir: str = ""
+    idx_dir: str = ""                  # the folder of the IDX files mnist/fashion_mnist need; "" = none
     test_fraction: float = 0.2
     split_seed: int = 0
     partition: PartitionSection = field(default_factory=PartitionSection)
-    dp: DPSection = field(default_factory=DPSection)
+    dp: DPPolicy = field(default_factory=DPPolicy)
     ledger_path: str = "ledger.json"
     device: str = "auto"
     torch_threads: int = 0             # torch intra-op threads for training; 0 = torch's default (one per core)
     heartbeat_s: float = 10.0
-    histogram_epsilon: float = 0.0     # > 0: Laplace noise on the shared label histogram at this ε
+    histogram_epsilon: float = 0.0     # > 0: Laplace noise on the shared label histogram at this ε; 0 = exact counts
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
 
 
@@ -124,7 +158,7 @@ class Config:
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     aggregator: AggregatorConfig = field(default_factory=AggregatorConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
-    worker: WorkerSection = field(default_factory=WorkerSection)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
     client: ClientSection = field(default_factory=ClientSection)
     log_level: str = "INFO"
 
@@ -164,7 +198,7 @@ class _EnvValue(str):
         return yaml.safe_load(self) if self.strip() else ""
 
 
-def _build(cls: type, raw: Any, where: str) -> Any:
+def _build(cls: type[_D], raw: Any, where: str) -> _D:
     if isinstance(raw, _EnvValue):
         raw = raw.parsed()
     if not isinstance(raw, Mapping):
@@ -183,7 +217,7 @@ def _build(cls: type, raw: Any, where: str) -> Any:
 def _coerce(hint: Any, value: Any, at: str) -> Any:
     if isinstance(value, _EnvValue):
         value = str(value) if hint is str else value.parsed()
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, at)
     origin = typing.get_origin(hint)
     if origin is tuple:

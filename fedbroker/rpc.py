@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import logging
-import random
-import time
-from collections.abc import Callable
-from typing import NoReturn, TypeVar
+from collections.abc import Callable, Iterable
+from typing import NoReturn, TypeVar, cast
 
 import grpc
 
@@ -19,6 +17,7 @@ from fedbroker.errors import (
     Unauthenticated,
     UploadRejected,
 )
+from fedbroker.retry import Backoff, retry_call
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -32,16 +31,6 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
 ]
 
-_UPLOAD_STATUS = {
-    "too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "late": grpc.StatusCode.FAILED_PRECONDITION,
-    "round_closed": grpc.StatusCode.FAILED_PRECONDITION,
-    "unknown_round": grpc.StatusCode.FAILED_PRECONDITION,
-    "unknown_job": grpc.StatusCode.NOT_FOUND,
-    "unknown_worker": grpc.StatusCode.PERMISSION_DENIED,
-    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,   # a worker's token, another worker's id
-    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
-}
 # Status details travel in HTTP/2 trailers, which peers cap at a few KiB: a longer message (every problem of
 # a job with 128 bad layers) would turn a clear INVALID_ARGUMENT into an opaque transport error.
 MAX_DETAILS_CHARS = 2000
@@ -56,7 +45,7 @@ _STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
 
 def status_for(exc: FedbrokerError) -> grpc.StatusCode:
     if isinstance(exc, UploadRejected):
-        return _UPLOAD_STATUS.get(exc.reason, grpc.StatusCode.INVALID_ARGUMENT)
+        return grpc.StatusCode[exc.reason.status]
     for cls, code in _STATUS:
         if isinstance(exc, cls):
             return code
@@ -77,7 +66,9 @@ def short_details(message: str) -> str:
 
 
 def reason_of(error: grpc.RpcError) -> str:
-    for key, value in error.trailing_metadata() or ():
+    # The stubs type these as objects with .key/.value; grpc gives (key, value) pairs (namedtuples at most).
+    metadata = cast("Iterable[tuple[str, str | bytes]]", error.trailing_metadata() or ())
+    for key, value in metadata:
         if key == REASON_KEY:
             return str(value)
     return error.code().name.lower()
@@ -92,22 +83,30 @@ class RemoteError(FedbrokerError):
         super().__init__(message)
 
 
-def call_with_retry(fn: Callable[[], T], *, what: str, idempotent: bool, attempts: int = 5,
-                    initial_s: float = 0.2, max_s: float = 5.0) -> T:
-    """Retry on UNAVAILABLE (and DEADLINE_EXCEEDED when safe to repeat) with jittered exponential backoff."""
-    delay = initial_s
-    for attempt in range(1, attempts + 1):
-        try:
-            return fn()
-        except grpc.RpcError as error:
-            code = error.code()
-            retryable = code == grpc.StatusCode.UNAVAILABLE or (idempotent and code == grpc.StatusCode.DEADLINE_EXCEEDED)
-            if not retryable or attempt == attempts:
-                raise RemoteError(reason_of(error), f"{what}: {code.name}: {error.details()}", code) from None
-            log.info("%s: %s, retry %d/%d in %.2fs", what, code.name, attempt, attempts - 1, delay)
-            time.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(max_s, delay * 2)
-    raise AssertionError("unreachable")
+# The default for a client call: a few quick tries, enough to ride out a restart of the peer's listener.
+RPC_ATTEMPTS = 5
+RPC_BACKOFF = Backoff(initial_s=0.2, max_s=5.0)
+
+
+def call_with_retry(fn: Callable[[], T], *, what: str, idempotent: bool, attempts: int = RPC_ATTEMPTS) -> T:
+    """Retry on UNAVAILABLE (and DEADLINE_EXCEEDED when safe to repeat) with jittered exponential backoff;
+    a failure for good becomes `RemoteError`. `attempts=1` calls once, for a caller that retries itself."""
+
+    def retryable(error: Exception) -> bool:
+        if not isinstance(error, grpc.RpcError):
+            return False
+        code = error.code()
+        return code == grpc.StatusCode.UNAVAILABLE or (idempotent and code == grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    def log_retry(error: Exception, retry: int, delay: float) -> None:
+        code = error.code().name if isinstance(error, grpc.RpcError) else type(error).__name__
+        log.info("%s: %s, retry %d/%d in %.2fs", what, code, retry, attempts - 1, delay)
+
+    try:
+        return retry_call(fn, backoff=RPC_BACKOFF, retryable=retryable, attempts=attempts, on_retry=log_retry)
+    except grpc.RpcError as error:
+        code = error.code()
+        raise RemoteError(reason_of(error), f"{what}: {code.name}: {error.details()}", code) from None
 
 
 def handle(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:

@@ -8,15 +8,17 @@ All problems are reported at once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
 import reprlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from fedbroker.errors import ConfigError, ConfigErrors
+from fedbroker.layers import LAYERS, ParamKind, ShapeProblem
 
 MAX_WIDTH = 65_536
 MAX_LAYERS = 128
@@ -37,28 +39,6 @@ _short.maxlevel = 3
 def _show(value: Any) -> str:
     """A bounded repr for error messages: a hostile value is never echoed back in full."""
     return _short.repr(value)
-
-# layer type -> {parameter: (kind, required, default)}; kinds: "width", "kernel", "bool", "prob", "int0"
-LAYER_PARAMS: dict[str, dict[str, tuple[str, bool, Any]]] = {
-    "Linear": {"in_features": ("width", True, None), "out_features": ("width", True, None), "bias": ("bool", False, True)},
-    "Conv2d": {
-        "in_channels": ("width", True, None),
-        "out_channels": ("width", True, None),
-        "kernel_size": ("kernel", True, None),
-        "stride": ("kernel", False, 1),
-        "padding": ("int0", False, 0),
-        "bias": ("bool", False, True),
-    },
-    "MaxPool2d": {"kernel_size": ("kernel", True, None), "stride": ("kernel", False, None)},
-    "AvgPool2d": {"kernel_size": ("kernel", True, None), "stride": ("kernel", False, None)},
-    "Flatten": {},
-    "ReLU": {},
-    "Tanh": {},
-    "Sigmoid": {},
-    "Dropout": {"p": ("prob", False, 0.5)},
-    "GroupNorm": {"num_groups": ("width", True, None), "num_channels": ("width", True, None)},
-}
-
 
 @dataclass(frozen=True)
 class LayerSpec:
@@ -85,8 +65,56 @@ class ModelSpec:
         return output_shapes(self)[-1][-1]
 
 
+class _Section:
+    """A job section that checks itself when it is built, so `parse_job` and direct Python construction
+    share one set of types and limits. `problems()` names every problem at once (`<SECTION>.<field>`);
+    construction raises them as one ConfigError(s). A field's type is its default's (an int is accepted,
+    and kept as a float, where a float is expected); a field without a default holds a mapping."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+    SECTION: ClassVar[str]
+    LIMITS: ClassVar[Mapping[str, tuple[float, float]]] = {}   # field -> [lo, hi], both included
+    CHOICES: ClassVar[Mapping[str, tuple[str, ...]]] = {}       # field -> the allowed texts
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if type(f.default) is float and _is_int(value):
+                try:
+                    object.__setattr__(self, f.name, float(value))
+                except OverflowError:  # no float holds it: left as it is, for the limit check to refuse
+                    pass
+        _raise_all(self.problems())
+
+    def problems(self) -> list[ConfigError]:
+        out: list[ConfigError] = []
+        for f in dataclasses.fields(self):
+            where, value = f"{self.SECTION}.{f.name}", getattr(self, f.name)
+            if f.default is dataclasses.MISSING:
+                if not isinstance(value, Mapping):
+                    out.append(ConfigError(where, f"must be a mapping, got {type(value).__name__}"))
+                continue
+            expected = type(f.default)
+            if not (_is_int(value) if expected is int else isinstance(value, expected)):
+                out.append(ConfigError(where, f"must be {expected.__name__}, got {type(value).__name__} {_show(value)}"))
+            elif f.name in self.LIMITS:
+                lo, hi = self.LIMITS[f.name]
+                if not lo <= value <= hi or (isinstance(value, float) and not math.isfinite(value)):
+                    out.append(ConfigError(where, f"must be in [{lo}, {hi}], got {_show(value)}"))
+            elif f.name in self.CHOICES and value not in self.CHOICES[f.name]:
+                allowed = " or ".join(repr(c) for c in self.CHOICES[f.name])
+                out.append(ConfigError(where, f"must be {allowed}, got {_show(value)}"))
+        return out
+
+
+OPTIMIZERS = ("sgd", "adam")
+
+
 @dataclass(frozen=True)
-class TrainingConfig:
+class TrainingConfig(_Section):
+    """The job's local training settings, the only ones a worker trains with. `proximal_mu` > 0 turns
+    FedAvg local training into FedProx; `momentum` applies to sgd only."""
+
     rounds: int = 5
     local_epochs: int = 1
     batch_size: int = 32
@@ -95,9 +123,23 @@ class TrainingConfig:
     momentum: float = 0.0
     proximal_mu: float = 0.0
 
+    SECTION: ClassVar[str] = "training"
+    LIMITS: ClassVar[Mapping[str, tuple[float, float]]] = {
+        "rounds": (1, MAX_ROUNDS), "local_epochs": (1, 1000), "batch_size": (1, 65_536), "lr": (1e-8, 10.0),
+        "momentum": (0.0, 0.999), "proximal_mu": (0.0, 100.0),
+    }
+    CHOICES: ClassVar[Mapping[str, tuple[str, ...]]] = {"optimizer": OPTIMIZERS}
+
+    def problems(self) -> list[ConfigError]:
+        out = super().problems()
+        if (not any(e.field in ("training.optimizer", "training.momentum") for e in out)
+                and self.momentum and self.optimizer != "sgd"):
+            out.append(ConfigError("training.momentum", f"applies to sgd only, not {self.optimizer}"))
+        return out
+
 
 @dataclass(frozen=True)
-class AggregationConfig:
+class AggregationConfig(_Section):
     alignment: str = "none"
     alignment_params: Mapping[str, Any] = field(default_factory=dict)
     weighting: str = "fedavg"
@@ -105,9 +147,11 @@ class AggregationConfig:
     selection: str = "all"
     selection_params: Mapping[str, Any] = field(default_factory=dict)
 
+    SECTION: ClassVar[str] = "aggregation"
+
 
 @dataclass(frozen=True)
-class ScheduleConfig:
+class ScheduleConfig(_Section):
     clients_per_round: int = 0      # 0 = every registered worker of the category
     quorum: int = 0                 # uploads that close a round early; 0 = every selected worker
     min_clients: int = 1            # the fewest uploads a round may close with at its deadline
@@ -115,12 +159,29 @@ class ScheduleConfig:
     round_timeout_s: float = 600.0
     wait_for_workers_s: float = 120.0
 
+    SECTION: ClassVar[str] = "schedule"
+    LIMITS: ClassVar[Mapping[str, tuple[float, float]]] = {
+        "clients_per_round": (0, 100_000), "quorum": (0, 100_000), "min_clients": (1, 100_000),
+        "min_workers": (1, 100_000), "round_timeout_s": (0.1, 7 * 86400), "wait_for_workers_s": (0.0, 7 * 86400),
+    }
+
+    def problems(self) -> list[ConfigError]:
+        out = super().problems()
+        if (not any(e.field in ("schedule.clients_per_round", "schedule.min_clients") for e in out)
+                and self.clients_per_round and self.min_clients > self.clients_per_round):
+            out.append(ConfigError("schedule.min_clients",
+                                   f"{self.min_clients} exceeds clients_per_round {self.clients_per_round}"))
+        return out
+
 
 @dataclass(frozen=True)
-class EvaluationConfig:
+class EvaluationConfig(_Section):
     dataset: str = ""               # "" = the coordinator holds no evaluation set
     test_fraction: float = 0.2
     split_seed: int = 0
+
+    SECTION: ClassVar[str] = "evaluation"
+    LIMITS: ClassVar[Mapping[str, tuple[float, float]]] = {"test_fraction": (0.01, 0.9)}
 
 
 @dataclass(frozen=True)
@@ -133,6 +194,9 @@ class JobSpec:
     schedule: ScheduleConfig
     evaluation: EvaluationConfig
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        _raise_all(_identity_problems(self.name, self.category, self.seed))
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -161,22 +225,20 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_param(errors: _Collector, where: str, kind: str, value: Any) -> Any:
+def _check_param(errors: _Collector, where: str, kind: ParamKind, value: Any) -> Any:
     if kind == "width":
-        if not _is_int(value) or not 1 <= value <= MAX_WIDTH:
-            errors.add(where, f"must be an integer in [1, {MAX_WIDTH}], got {_show(value)}")
+        ok, limit = _is_int(value) and 1 <= value <= MAX_WIDTH, f"an integer in [1, {MAX_WIDTH}]"
     elif kind == "kernel":
-        if value is not None and (not _is_int(value) or not 1 <= value <= 64):
-            errors.add(where, f"must be an integer in [1, 64], got {_show(value)}")
+        ok, limit = value is None or (_is_int(value) and 1 <= value <= 64), "an integer in [1, 64]"
     elif kind == "int0":
-        if not _is_int(value) or not 0 <= value <= 64:
-            errors.add(where, f"must be an integer in [0, 64], got {_show(value)}")
+        ok, limit = _is_int(value) and 0 <= value <= 64, "an integer in [0, 64]"
     elif kind == "bool":
-        if not isinstance(value, bool):
-            errors.add(where, f"must be true or false, got {_show(value)}")
-    elif kind == "prob":
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
-            errors.add(where, f"must be a number in [0, 1), got {_show(value)}")
+        ok, limit = isinstance(value, bool), "true or false"
+    else:  # "prob"
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < 1.0
+        limit = "a number in [0, 1)"
+    if not ok:
+        errors.add(where, f"must be {limit}, got {_show(value)}")
     return value
 
 
@@ -244,21 +306,21 @@ def parse_model(raw: Any, *, errors: _Collector | None = None, where: str = "mod
                 errors.add(f"{at}.type", f"each layer must be a mapping with a string 'type', got {_show(layer)}")
                 continue
             kind = layer["type"]
-            if kind not in LAYER_PARAMS:
-                errors.add(f"{at}.type", f"unknown layer type {_show(kind)}; allowed: {', '.join(sorted(LAYER_PARAMS))}")
+            if kind not in LAYERS:
+                errors.add(f"{at}.type", f"unknown layer type {_show(kind)}; allowed: {', '.join(sorted(LAYERS))}")
                 continue
-            allowed = LAYER_PARAMS[kind]
+            allowed = LAYERS[kind].params
             params: dict[str, Any] = {}
             for key in sorted(set(layer) - {"type"} - set(allowed)):
                 errors.add(f"{at}.{key}", f"unknown parameter for {kind}; allowed: {', '.join(allowed) or 'none'}")
-            for key, (pkind, required, default) in allowed.items():
+            for key, param in allowed.items():
                 if key not in layer:
-                    if required:
+                    if param.required:
                         errors.add(f"{at}.{key}", f"is required for {kind}")
                         continue
-                    params[key] = default
+                    params[key] = param.default
                 else:
-                    params[key] = _check_param(errors, f"{at}.{key}", pkind, layer[key])
+                    params[key] = _check_param(errors, f"{at}.{key}", param.kind, layer[key])
             layers.append(LayerSpec(kind, params))
     if own:
         errors.raise_if_any()
@@ -279,57 +341,20 @@ def output_shapes(spec: ModelSpec) -> list[tuple[int, ...]]:
 
 
 def _check_shapes(spec: ModelSpec, errors: _Collector, where: str) -> list[tuple[int, ...]]:
+    """Every layer's output shape, from the input shape; stops at the first layer that cannot take its input
+    (later layers' problems would only echo it) or once the model holds more than MAX_PARAMETERS."""
     shape = tuple(spec.input_shape)
     shapes: list[tuple[int, ...]] = []
     params_total = 0
     for i, layer in enumerate(spec.layers):
         at = f"{where}.layers[{i}]"
-        p = layer.params
-        t = layer.type
-        if t == "Linear":
-            if len(shape) != 1:
-                errors.add(at, f"Linear needs a flat input but receives shape {list(shape)}; add a Flatten before it")
-                return shapes
-            if p["in_features"] != shape[0]:
-                errors.add(f"{at}.in_features", f"is {p['in_features']} but the previous layer outputs {shape[0]}")
-                return shapes
-            params_total += p["in_features"] * p["out_features"] + (p["out_features"] if p["bias"] else 0)
-            shape = (p["out_features"],)
-        elif t == "Conv2d":
-            if len(shape) != 3:
-                errors.add(at, f"Conv2d needs a (channels, height, width) input but receives {list(shape)}")
-                return shapes
-            if p["in_channels"] != shape[0]:
-                errors.add(f"{at}.in_channels", f"is {p['in_channels']} but the input has {shape[0]} channels")
-                return shapes
-            k, s, pad = p["kernel_size"], p["stride"], p["padding"]
-            h, w = (shape[1] + 2 * pad - k) // s + 1, (shape[2] + 2 * pad - k) // s + 1
-            if h < 1 or w < 1:
-                errors.add(f"{at}.kernel_size", f"{k} is larger than the padded input {list(shape[1:])}")
-                return shapes
-            params_total += p["out_channels"] * p["in_channels"] * k * k + (p["out_channels"] if p["bias"] else 0)
-            shape = (p["out_channels"], h, w)
-        elif t in ("MaxPool2d", "AvgPool2d"):
-            if len(shape) != 3:
-                errors.add(at, f"{t} needs a (channels, height, width) input but receives {list(shape)}")
-                return shapes
-            k = p["kernel_size"]
-            s = p["stride"] or k
-            h, w = (shape[1] - k) // s + 1, (shape[2] - k) // s + 1
-            if h < 1 or w < 1:
-                errors.add(f"{at}.kernel_size", f"{k} is larger than the input {list(shape[1:])}")
-                return shapes
-            shape = (shape[0], h, w)
-        elif t == "Flatten":
-            shape = (math.prod(shape),)
-        elif t == "GroupNorm":
-            if p["num_channels"] != shape[0]:
-                errors.add(f"{at}.num_channels", f"is {p['num_channels']} but the input has {shape[0]} channels")
-                return shapes
-            if p["num_channels"] % p["num_groups"]:
-                errors.add(f"{at}.num_groups", f"{p['num_groups']} does not divide num_channels {p['num_channels']}")
-                return shapes
-            params_total += 2 * p["num_channels"]
+        layer_type = LAYERS[layer.type]
+        out = layer_type.output_shape(layer.params, shape)
+        if isinstance(out, ShapeProblem):
+            errors.add(f"{at}.{out.param}" if out.param else at, out.problem)
+            return shapes
+        shape = out
+        params_total += layer_type.parameter_count(layer.params)
         shapes.append(shape)
         if params_total > MAX_PARAMETERS:
             errors.add(where, f"has more than {MAX_PARAMETERS} parameters")
@@ -341,61 +366,67 @@ def _check_shapes(spec: ModelSpec, errors: _Collector, where: str) -> list[tuple
 
 def parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """The tensors an nn.Sequential built from `spec` holds, by state_dict name, without importing torch."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for i, layer in enumerate(spec.layers):
-        p = layer.params
-        if layer.type == "Linear":
-            shapes[f"{i}.weight"] = (p["out_features"], p["in_features"])
-            if p["bias"]:
-                shapes[f"{i}.bias"] = (p["out_features"],)
-        elif layer.type == "Conv2d":
-            k = p["kernel_size"]
-            shapes[f"{i}.weight"] = (p["out_channels"], p["in_channels"], k, k)
-            if p["bias"]:
-                shapes[f"{i}.bias"] = (p["out_channels"],)
-        elif layer.type == "GroupNorm":
-            shapes[f"{i}.weight"] = (p["num_channels"],)
-            shapes[f"{i}.bias"] = (p["num_channels"],)
-    return shapes
+    return {f"{i}.{suffix}": shape
+            for i, layer in enumerate(spec.layers)
+            for suffix, shape in LAYERS[layer.type].tensors(layer.params).items()}
 
 
 _SECTIONS = ("name", "category", "model", "training", "aggregation", "schedule", "evaluation", "seed")
 
 
-def _section(errors: _Collector, raw: Mapping[str, Any], name: str, cls: type) -> Any:
+_S = TypeVar("_S", bound=_Section)
+
+
+def _section(errors: _Collector, raw: Mapping[str, Any], name: str, cls: type[_S]) -> _S:
+    """Section `name` of `raw` as a `cls`; its problems go to `errors` (and the defaults come back)."""
     values = raw.get(name, {})
     if values is None:
         values = {}
     if not isinstance(values, Mapping):
         errors.add(name, f"must be a mapping, got {type(values).__name__}")
         return cls()
-    defaults = cls()
+    known = [f.name for f in dataclasses.fields(cls)]
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
-        if key not in defaults.__dataclass_fields__:  # not hasattr: "__doc__" is an attribute, not a field
-            known = ", ".join(f for f in defaults.__dataclass_fields__)
-            errors.add(f"{name}.{key}", f"unknown field; known: {known}")
-            continue
-        expected = type(getattr(defaults, key))
-        if expected is float and _is_int(value):
-            value = float(value)
-        if expected in (dict,) or isinstance(getattr(defaults, key), Mapping):
-            if not isinstance(value, Mapping):
-                errors.add(f"{name}.{key}", f"must be a mapping, got {type(value).__name__}")
-                continue
-        elif (expected is int and not _is_int(value)) or (expected is not int and not isinstance(value, expected)):
-            errors.add(f"{name}.{key}", f"must be {expected.__name__}, got {type(value).__name__} {_show(value)}")
-            continue
-        kwargs[key] = value
-    return cls(**{**{k: getattr(defaults, k) for k in defaults.__dataclass_fields__}, **kwargs})
+        if key in known:
+            kwargs[key] = value
+        else:
+            errors.add(f"{name}.{key}", f"unknown field; known: {', '.join(known)}")
+    try:
+        return cls(**kwargs)
+    except ConfigErrors as exc:
+        errors.errors.extend(exc.errors)
+    except ConfigError as exc:
+        errors.errors.append(exc)
+    return cls()
 
 
-def _range(errors: _Collector, field_name: str, value: float, lo: float, hi: float) -> None:
-    if not (lo <= value <= hi) or (isinstance(value, float) and not math.isfinite(value)):
-        errors.add(field_name, f"must be in [{lo}, {hi}], got {_show(value)}")
+def _identity_problems(name: object, category: object, seed: object) -> list[ConfigError]:
+    out = [ConfigError(key, f"is required: a non-empty string of 1-128 letters, digits, '_', '.' or '-' starting "
+                            f"with a letter or digit, got {_show(value)}")
+           for key, value in (("name", name), ("category", category))
+           if not isinstance(value, str) or not _NAME.match(value)]
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32):
+        out.append(ConfigError("seed", f"must be an integer in [0, 2^32), got {_show(seed)}"))
+    return out
 
 
-def parse_job(raw: Any) -> JobSpec:
+def _raise_all(problems: list[ConfigError]) -> None:
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ConfigErrors(problems)
+
+
+class JobCheck(Protocol):
+    """A check the kernel cannot make itself (the algorithm registries: see
+    fedbroker.aggregators.registries.accept_job). It gets the aggregation section and the model as parsed
+    so far; parse_job reports its problems together with its own."""
+
+    def __call__(self, *, aggregation: AggregationConfig, model: ModelSpec) -> list[ConfigError]: ...
+
+
+def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     """Validate a job given as a mapping (parsed YAML/JSON); raise ConfigError(s) naming each bad field."""
     errors = _Collector()
     if not isinstance(raw, Mapping):
@@ -403,11 +434,8 @@ def parse_job(raw: Any) -> JobSpec:
     _check_plain(raw, "job")
     for key in sorted(set(raw) - set(_SECTIONS)):
         errors.add(key, f"unknown field; known: {', '.join(_SECTIONS)}")
-    for key in ("name", "category"):
-        value = raw.get(key)
-        if not isinstance(value, str) or not _NAME.match(value):
-            errors.add(key, f"is required: a non-empty string of 1-128 letters, digits, '_', '.' or '-' starting "
-                            f"with a letter or digit, got {_show(value)}")
+    seed = raw.get("seed", 0)
+    errors.errors.extend(_identity_problems(raw.get("name"), raw.get("category"), seed))
     if "model" not in raw:
         errors.add("model", "is required")
         model = ModelSpec((), ())
@@ -417,29 +445,8 @@ def parse_job(raw: Any) -> JobSpec:
     aggregation = _section(errors, raw, "aggregation", AggregationConfig)
     schedule = _section(errors, raw, "schedule", ScheduleConfig)
     evaluation = _section(errors, raw, "evaluation", EvaluationConfig)
-    seed = raw.get("seed", 0)
-    if not _is_int(seed) or not 0 <= seed < 2**32:
-        errors.add("seed", f"must be an integer in [0, 2^32), got {_show(seed)}")
-        seed = 0
-
-    _range(errors, "training.rounds", training.rounds, 1, MAX_ROUNDS)
-    _range(errors, "training.local_epochs", training.local_epochs, 1, 1000)
-    _range(errors, "training.batch_size", training.batch_size, 1, 65_536)
-    _range(errors, "training.lr", training.lr, 1e-8, 10.0)
-    _range(errors, "training.momentum", training.momentum, 0.0, 0.999)
-    _range(errors, "training.proximal_mu", training.proximal_mu, 0.0, 100.0)
-    if training.optimizer not in ("sgd", "adam"):
-        errors.add("training.optimizer", f"must be 'sgd' or 'adam', got {_show(training.optimizer)}")
-    _range(errors, "schedule.clients_per_round", schedule.clients_per_round, 0, 100_000)
-    _range(errors, "schedule.quorum", schedule.quorum, 0, 100_000)
-    _range(errors, "schedule.min_clients", schedule.min_clients, 1, 100_000)
-    _range(errors, "schedule.min_workers", schedule.min_workers, 1, 100_000)
-    _range(errors, "schedule.round_timeout_s", schedule.round_timeout_s, 0.1, 7 * 86400)
-    _range(errors, "schedule.wait_for_workers_s", schedule.wait_for_workers_s, 0.0, 7 * 86400)
-    if schedule.clients_per_round and schedule.min_clients > schedule.clients_per_round:
-        errors.add("schedule.min_clients", f"{schedule.min_clients} exceeds clients_per_round {schedule.clients_per_round}")
-    _range(errors, "evaluation.test_fraction", evaluation.test_fraction, 0.01, 0.9)
-    _check_algorithms(errors, aggregation, model)
+    if check is not None:
+        errors.errors.extend(check(aggregation=aggregation, model=model))
     errors.raise_if_any()
     return JobSpec(
         name=raw["name"], category=raw["category"], model=model, training=training,
@@ -447,23 +454,7 @@ def parse_job(raw: Any) -> JobSpec:
     )
 
 
-def _check_algorithms(errors: _Collector, aggregation: AggregationConfig, model: ModelSpec) -> None:
-    """Build each named algorithm once, so an unknown name or bad parameter fails at submission."""
-    from fedbroker.aggregators.network import alignment_problems
-    from fedbroker.aggregators.registries import build_algorithms
-
-    try:
-        build_algorithms(aggregation)
-    except ConfigErrors as exc:
-        errors.errors.extend(exc.errors)
-    except ConfigError as exc:
-        errors.errors.append(exc)
-    if aggregation.alignment != "none" and model.layers:
-        for problem in alignment_problems(model):
-            errors.add("aggregation.alignment", f"{aggregation.alignment} cannot align this model: {problem}")
-
-
-def job_from_text(text: str) -> JobSpec:
+def job_from_text(text: str, *, check: JobCheck | None = None) -> JobSpec:
     """Parse YAML or JSON text (YAML's safe loader: no object construction) into a JobSpec."""
     import yaml
 
@@ -477,8 +468,18 @@ def job_from_text(text: str) -> JobSpec:
         raise ConfigError("job", f"is not valid YAML/JSON: {exc}") from None
     except RecursionError:
         raise ConfigError("job", f"nests deeper than {MAX_DEPTH} levels") from None
-    return parse_job(raw)
+    return parse_job(raw, check=check)
 
 
 def job_from_json(text: str) -> JobSpec:
+    """A job from its one wire form, `JobSpec.to_json` (the coordinator's store)."""
     return parse_job(json.loads(text))
+
+
+def training_from_json(text: str) -> TrainingConfig:
+    """The training section a round task carries (a JSON object of its fields), checked again by the worker
+    that receives it: every problem named, an unknown field included."""
+    errors = _Collector()
+    training = _section(errors, {"training": json.loads(text)}, "training", TrainingConfig)
+    errors.raise_if_any()
+    return training

@@ -33,6 +33,13 @@ def test_bad_settings_name_the_field(key, value, field):
         load_config(environ={key: value})
 
 
+def test_the_worker_dp_policy_is_checked_when_it_is_on_and_only_then():
+    with pytest.raises(ConfigError, match=r"dp\.delta: must lie strictly between 0 and 1"):
+        load_config(environ={"FEDBROKER__WORKER__DP__DELTA": "2"})
+    config = load_config(environ={"FEDBROKER__WORKER__DP__DELTA": "2", "FEDBROKER__WORKER__DP__ENABLED": "false"})
+    assert not config.worker.dp.enabled and config.worker.dp.delta == 2.0
+
+
 def test_worker_torch_threads_is_set_for_the_process_and_checked():
     import torch
 

@@ -18,11 +18,8 @@ import json
 import logging
 import math
 import os
-import random
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -31,55 +28,25 @@ from fedbroker.aggregators.client import AggregatorClient
 from fedbroker.aggregators.weighting import noisy_histogram, reported_ish
 from fedbroker.auth import ClientSecurity
 from fedbroker.bus import Bus, BusError, Delivery
-from fedbroker.config import PartitionSection as PartitionConfig  # the same settings the YAML config holds
-from fedbroker.errors import BudgetExceeded, FedbrokerError, TaskRefused
+from fedbroker.config import DPPolicy, WorkerConfig
+from fedbroker.errors import BudgetExceeded, FedbrokerError, Rejection, TaskRefused
 from fedbroker.metrics import BUSES
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.retry import Backoff
 from fedbroker.rpc import RemoteError
-from fedbroker.spec import TrainingConfig, parse_model
+from fedbroker.spec import TrainingConfig, parse_model, training_from_json
 from fedbroker.worker import metrics
+from fedbroker.worker.accounting import dp_sample_rate, planned_steps, project_epsilon
 from fedbroker.worker.data import load_dataset, train_test_split
 from fedbroker.worker.ledger import PrivacyLedger
 from fedbroker.worker.partition import partition
-from fedbroker.worker.trainer import (
-    DPPolicy,
-    TrainConfig,
-    dp_sample_rate,
-    pick_device,
-    planned_steps,
-    project_epsilon,
-    train_local,
-)
+from fedbroker.worker.training import TrainResult, pick_device, train_local
 
 log = logging.getLogger(__name__)
 
-# Failures that will not get better by retrying the same task: report them and drop the task.
-# ("unknown_job" is not among them: a restarted aggregation service that lost its state learns the job again
-# from the coordinator, so the task is retried.)
-_FINAL_REASONS = {"late", "round_closed", "unknown_round", "unknown_worker", "wrong_shape",
-                  "wrong_dtype", "unknown_tensor", "missing_tensor", "non_finite", "too_large", "bad_header",
-                  "unauthenticated", "permission_denied"}
-
 
 REGISTER_EVERY_BEATS = 6
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    worker_id: str
-    categories: tuple[str, ...] = ("digits",)
-    dataset: str = "digits"
-    idx_dir: str | None = None
-    test_fraction: float = 0.2
-    split_seed: int = 0
-    partition: PartitionConfig = field(default_factory=PartitionConfig)
-    dp: DPPolicy | None = None
-    ledger_path: str = "ledger.json"
-    device: str = "auto"
-    heartbeat_s: float = 10.0
-    histogram_epsilon: float | None = None   # Laplace noise on the shared label histogram; None = exact counts
-    aggregator_security: ClientSecurity | None = None   # this worker's token (and TLS) for the aggregation service
 
 
 class _PoisonTask(FedbrokerError):
@@ -91,12 +58,15 @@ class _DeadlinePassed(FedbrokerError):
 
 
 class WorkerAgent:
-    def __init__(self, config: WorkerConfig, bus: Bus) -> None:
+    def __init__(self, config: WorkerConfig, bus: Bus, *, security: ClientSecurity | None = None) -> None:
+        """`security`: this worker's token (and TLS) for the aggregation service, read from its secrets."""
         self.config = config
         self.bus = bus
+        self.security = security
+        self.dp: DPPolicy | None = config.dp if config.dp.enabled else None
         self.ledger = PrivacyLedger(config.ledger_path)
         self.device = pick_device() if config.device == "auto" else config.device
-        data = load_dataset(config.dataset, idx_dir=config.idx_dir)
+        data = load_dataset(config.dataset, idx_dir=config.idx_dir or None)
         train, _ = train_test_split(data, test_fraction=config.test_fraction, seed=config.split_seed)
         p = config.partition
         shards = partition(train.y, scheme=p.scheme, num_clients=p.num_clients, seed=p.seed, alpha=p.alpha,
@@ -110,40 +80,40 @@ class WorkerAgent:
         # What the coordinator sees. Noise is drawn once per worker lifetime: a fresh draw at every
         # registration would let the coordinator average the noise away.
         self.shared_histogram = self.histogram
-        if config.histogram_epsilon is not None:
+        if config.histogram_epsilon:
             self.shared_histogram = noisy_histogram(self.histogram, epsilon=config.histogram_epsilon,
                                                     rng=np.random.default_rng())
         self._state = "idle"
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
-        self._trained: dict[tuple[str, int, int], Any] = {}  # an update whose upload failed, kept for the retry
+        self._trained: dict[tuple[str, int, int], TrainResult] = {}  # an update whose upload failed, kept for the retry
         self.retry_initial_s = 1.0   # backoff before a failed task goes back to the queue
         self.retry_max_s = 30.0
 
     # ----- lifecycle -----
 
     def start(self) -> None:
-        BUSES.watch(self.bus, client=self.config.worker_id)
+        BUSES.watch(self.bus, client=self.config.id)
         self._export_privacy()
-        self.bus.declare_worker(self.config.worker_id)
+        self.bus.declare_worker(self.config.id)
         self.register()
-        self.bus.consume_tasks(self.config.worker_id, self.on_task)
-        self._heartbeat = threading.Thread(target=self._beat, name=f"heartbeat-{self.config.worker_id}", daemon=True)
+        self.bus.consume_tasks(self.config.id, self.on_task)
+        self._heartbeat = threading.Thread(target=self._beat, name=f"heartbeat-{self.config.id}", daemon=True)
         self._heartbeat.start()
 
     def stop(self) -> None:
         self._stop.set()
-        BUSES.unwatch(self.config.worker_id)
+        BUSES.unwatch(self.config.id)
 
     def _export_privacy(self) -> None:
-        dp = self.config.dp
-        metrics.set_privacy(self.config.worker_id, spent=self.ledger.total_epsilon(),
+        dp = self.dp
+        metrics.set_privacy(self.config.id, spent=self.ledger.total_epsilon(),
                             budget=dp.epsilon_budget if dp is not None else None)
 
     def register(self) -> None:
-        dp = self.config.dp
+        dp = self.dp
         registration = pb.Registration(
-            worker_id=self.config.worker_id, categories=list(self.config.categories),
+            worker_id=self.config.id, categories=list(self.config.categories),
             label_histogram=[int(c) for c in self.shared_histogram], dp_enabled=dp is not None,
             dp_policy=pb.DPPolicy(noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
                                   delta=dp.delta, epsilon_budget=dp.epsilon_budget) if dp else None,
@@ -160,9 +130,9 @@ class WorkerAgent:
                     self.register()
                     continue
                 self.bus.publish_control(envelope.encode(heartbeat=pb.Heartbeat(
-                    worker_id=self.config.worker_id, epsilon_spent=self.ledger.total_epsilon(), state=self._state)))
+                    worker_id=self.config.id, epsilon_spent=self.ledger.total_epsilon(), state=self._state)))
             except Exception as exc:  # the bus reconnects on its own; a missed beat is only logged
-                log.warning("heartbeat of %s not sent: %s", self.config.worker_id, exc)
+                log.warning("heartbeat of %s not sent: %s", self.config.id, exc)
 
     # ----- tasks -----
 
@@ -178,7 +148,7 @@ class WorkerAgent:
           training): requeue after a backoff, so the bus counts the attempt and dead-letters the task
           after `max_attempts`; the last attempt reports the failure first, so the round does not wait.
         """
-        me = self.config.worker_id
+        me = self.config.id
         metrics.TASKS_RECEIVED.labels(me).inc()
         if delivery.redelivered:
             metrics.TASKS_REDELIVERED.labels(me).inc()
@@ -201,7 +171,7 @@ class WorkerAgent:
             delivery.nack(requeue=False)
             return
         except (_DeadlinePassed, RemoteError) as exc:
-            if isinstance(exc, RemoteError) and exc.reason not in _FINAL_REASONS:
+            if isinstance(exc, RemoteError) and not Rejection.is_final(exc.reason):  # retried: it may get better
                 self._retry_later(delivery, task, exc)
                 return
             outcome = "failed"
@@ -218,7 +188,7 @@ class WorkerAgent:
         metrics.TASKS_ACKED.labels(me).inc()
 
     def _retry_later(self, delivery: Delivery, task: pb.RoundTask, exc: Exception) -> None:
-        me = self.config.worker_id
+        me = self.config.id
         max_attempts = getattr(self.bus, "max_attempts", None)
         if task.deadline_unix and time.time() >= task.deadline_unix:  # no round left to retry for
             self._forget(task)
@@ -234,21 +204,21 @@ class WorkerAgent:
         else:
             # Backoff before the retry: it holds the delivery (prefetch 1), so it stays far below the broker's
             # consumer_timeout, and it never runs past the round's deadline.
-            delay = min(self.retry_max_s, self.retry_initial_s * 2 ** (delivery.attempts - 1))
-            if task.deadline_unix:
-                delay = min(delay, max(0.0, task.deadline_unix - time.time()))
+            backoff = Backoff(initial_s=self.retry_initial_s, max_s=self.retry_max_s)
+            delay = backoff.delay(delivery.attempts - 1,
+                                  at_most=task.deadline_unix - time.time() if task.deadline_unix else None)
             log.warning("task %s/%d on %s failed (attempt %d%s): %s; retrying in %.1fs", task.job_id, task.round, me,
                         delivery.attempts, f" of {max_attempts}" if max_attempts else "", exc, delay)
-            self._stop.wait(random.uniform(0.5, 1.0) * delay)
+            self._stop.wait(delay)
         metrics.TASKS.labels(me, "requeued").inc()
         delivery.nack(requeue=True)
 
     def _report(self, task: pb.RoundTask, status: pb.TaskOutcome.Status, reason: str) -> None:
-        log.info("worker %s %s round %d of %s: %s", self.config.worker_id, pb.TaskOutcome.Status.Name(status).lower(),
+        log.info("worker %s %s round %d of %s: %s", self.config.id, pb.TaskOutcome.Status.Name(status).lower(),
                  task.round, task.job_id, reason)
         try:
             self.bus.publish_control(envelope.encode(task_outcome=pb.TaskOutcome(
-                job_id=task.job_id, round=task.round, worker_id=self.config.worker_id, status=status,
+                job_id=task.job_id, round=task.round, worker_id=self.config.id, status=status,
                 reason=reason)))
         except BusError as exc:  # the round's deadline still ends the wait for us
             log.warning("outcome of task %s/%d not reported: %s", task.job_id, task.round, exc)
@@ -260,17 +230,14 @@ class WorkerAgent:
         if task.deadline_unix and time.time() > task.deadline_unix:
             raise TaskRefused(f"the round's deadline passed {time.time() - task.deadline_unix:.0f}s before the task ran")
         try:
-            training = TrainingConfig(**json.loads(task.training_json))
-            config = TrainConfig(epochs=training.local_epochs, batch_size=training.batch_size, lr=training.lr,
-                                 optimizer=training.optimizer, momentum=training.momentum,
-                                 proximal_mu=training.proximal_mu)
-        except (ValueError, TypeError) as exc:  # ConfigError is a ValueError
+            config = training_from_json(task.training_json)
+        except (ValueError, TypeError) as exc:  # ConfigError and a JSON error are ValueErrors
             raise _PoisonTask(f"invalid training config in the task: {exc}") from None
         self.check_budget(task.job_id, config)
         key = (task.job_id, task.round, task.model_version)
-        with AggregatorClient(task.aggregator_target, security=self.config.aggregator_security) as client:
+        with AggregatorClient(task.aggregator_target, security=self.security) as client:
             accepted, is_open = client.status(task.job_id, task.round)
-            if self.config.worker_id in accepted:
+            if self.config.id in accepted:
                 log.info("round %d of %s already has our update: acking the redelivered task", task.round, task.job_id)
                 self._forget(task)
                 return None
@@ -283,16 +250,16 @@ class WorkerAgent:
             self._state = "uploading"
             receipt = self._upload(client, task, result)
             self._trained.pop(key, None)
-            metrics.SENT_BYTES.labels(self.config.worker_id).inc(sum(a.nbytes for a in result.state.values()))
-        log.info("worker %s uploaded round %d of %s (loss %.4f, ε %s, %.1fs)", self.config.worker_id, task.round,
+            metrics.SENT_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in result.state.values()))
+        log.info("worker %s uploaded round %d of %s (loss %.4f, ε %s, %.1fs)", self.config.id, task.round,
                  task.job_id, result.train_loss, f"{result.epsilon:.3f}" if result.epsilon is not None else "off",
                  result.seconds)
         return receipt
 
-    def _train(self, client: AggregatorClient, task: pb.RoundTask, config: TrainConfig) -> Any:
+    def _train(self, client: AggregatorClient, task: pb.RoundTask, config: TrainingConfig) -> TrainResult:
         self._state = "training"
         version, spec_json, weights = client.download(task.job_id, task.model_version)
-        metrics.RECEIVED_BYTES.labels(self.config.worker_id).inc(sum(a.nbytes for a in weights.values()))
+        metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in weights.values()))
         try:
             model = build_model(parse_model(json.loads(spec_json)))
             load_numpy_state(model, weights)
@@ -306,7 +273,7 @@ class WorkerAgent:
                 raise _DeadlinePassed(f"the round's deadline passed during training (step {step} of {total}); "
                                       f"update abandoned")
 
-        result = train_local(model, self.x, self.y, config=config, dp=self.config.dp,
+        result = train_local(model, self.x, self.y, config=config, dp=self.dp,
                              history=self.ledger.history(task.job_id), device=self.device,
                              seed=self._training_seed(task), progress=give_up_at_deadline)
         if result.epsilon is not None:  # spent once trained, whether or not the upload succeeds
@@ -314,9 +281,9 @@ class WorkerAgent:
         self._export_training(result)
         return result
 
-    def _upload(self, client: AggregatorClient, task: pb.RoundTask, result: Any) -> pb.UploadReceipt:
+    def _upload(self, client: AggregatorClient, task: pb.RoundTask, result: TrainResult) -> pb.UploadReceipt:
         return client.upload(
-            job_id=task.job_id, round=task.round, worker_id=self.config.worker_id,
+            job_id=task.job_id, round=task.round, worker_id=self.config.id,
             num_samples=result.num_samples, tensors=result.state, ish=self._ish(task),
             epsilon=result.epsilon or 0.0, train_loss=result.train_loss,
         )
@@ -324,8 +291,8 @@ class WorkerAgent:
     def _forget(self, task: pb.RoundTask) -> None:
         self._trained.pop((task.job_id, task.round, task.model_version), None)
 
-    def _export_training(self, result: Any) -> None:
-        me = self.config.worker_id
+    def _export_training(self, result: TrainResult) -> None:
+        me = self.config.id
         metrics.TRAINING_SECONDS.labels(me).observe(result.seconds)
         if math.isfinite(result.samples_per_second):
             metrics.TRAINED_SAMPLES.labels(me).inc(round(result.samples_per_second * result.seconds))
@@ -337,13 +304,13 @@ class WorkerAgent:
         """Without DP the job's seed makes runs repeatable. With DP the seed also drives the Gaussian noise,
         and anyone who knows it (the coordinator, the data scientist) could regenerate and subtract that
         noise: so a DP worker draws its seed from the operating system, never from the job."""
-        if self.config.dp is not None:
+        if self.dp is not None:
             return int.from_bytes(os.urandom(8), "little") >> 1
         return int(task.seed) * 1000 + task.round
 
-    def check_budget(self, job_id: str, config: TrainConfig) -> None:
+    def check_budget(self, job_id: str, config: TrainingConfig) -> None:
         """Refuse before training if this round's steps would take the owner past its own ε budget."""
-        dp = self.config.dp
+        dp = self.dp
         if dp is None:
             return
         n = len(self.y)

@@ -78,11 +78,11 @@ def _coordinator_client(target: str) -> Any:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from fedbroker.spec import job_from_text
+    from fedbroker.aggregators.registries import accept_job_text
 
     with open(args.job, encoding="utf-8") as fh:
         text = fh.read()
-    job_from_text(text)  # refuse a bad job here, before it travels
+    accept_job_text(text)  # refuse a bad job here, before it travels
     client = _coordinator_client(args.coordinator)
     print(client.submit(text))
     client.close()

@@ -15,15 +15,22 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedbroker.errors import FedbrokerError
+from fedbroker.spec import JobSpec, ModelSpec, TrainingConfig, parse_job
+
+if TYPE_CHECKING:
+    from fedbroker.app.launch import CoordinatorProcess
+    from fedbroker.coordinator.service import CoordinatorClient
+    from fedbroker.proto import fedbroker_pb2 as pb
+    from fedbroker.worker.agent import WorkerAgent
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +118,7 @@ class Cluster:
         self.logs = run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.in_process: list[Any] = []
+        self.in_process: list[CoordinatorProcess | WorkerAgent] = []
         self.aggregator_target = f"127.0.0.1:{free_port()}"
         self.coordinator_target = f"127.0.0.1:{free_port()}"
         self.namespace = f"fedbroker-demo-{options.run_id}"
@@ -141,7 +148,7 @@ class Cluster:
     def token_file(self, identity: str) -> str:
         return str(self.secrets / f"{identity}.token")
 
-    def client(self) -> Any:
+    def client(self) -> CoordinatorClient:
         from fedbroker.auth import ClientSecurity
         from fedbroker.coordinator.service import CoordinatorClient
 
@@ -217,7 +224,8 @@ class Cluster:
     def check_alive(self) -> None:
         for proc in self.procs:
             if proc.poll() is not None:
-                name = Path(proc.args[-1]).name
+                command = proc.args[-1] if isinstance(proc.args, list) else proc.args
+                name = Path(str(command)).name
                 raise RuntimeError(f"a {name} process exited with code {proc.returncode}; see {self.logs}")
 
     def stop(self) -> None:
@@ -238,20 +246,21 @@ class Cluster:
             delete_topology(self.options.broker, self.namespace, [f"worker-{i}" for i in range(self.options.workers)])
 
 
-def centralized_baseline(options: DemoOptions) -> float:
+def baseline_training(job: JobSpec) -> TrainingConfig:
+    """The job's training settings for one pooled run as long as all its rounds together."""
+    return replace(job.training, local_epochs=job.training.rounds * job.training.local_epochs)
+
+
+def centralized_baseline(options: DemoOptions, model_spec: ModelSpec, training: TrainingConfig) -> float:
     """The same model trained on the pooled training data without DP: the ceiling federation aims at."""
     from fedbroker.model import build_model
-    from fedbroker.spec import parse_model
     from fedbroker.worker.data import load_dataset, train_test_split
-    from fedbroker.worker.trainer import TrainConfig, evaluate, train_local
+    from fedbroker.worker.training import evaluate, train_local
 
     data = load_dataset(options.dataset)
     train, test = train_test_split(data, test_fraction=0.2, seed=0)
-    job = demo_job(options, data.input_shape, data.num_classes)
-    model = build_model(parse_model(job["model"]), seed=options.seed)
-    train_local(model, train.x, train.y, dp=None, seed=options.seed,
-                config=TrainConfig(epochs=options.rounds * options.local_epochs, batch_size=options.batch_size,
-                                   lr=options.lr))
+    model = build_model(model_spec, seed=options.seed)
+    train_local(model, train.x, train.y, dp=None, seed=options.seed, config=training)
     return evaluate(model, test.x, test.y)[0]
 
 
@@ -264,6 +273,8 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     data = load_dataset(options.dataset)
     job = demo_job(options, data.input_shape, data.num_classes)
+    spec = parse_job(job)  # the options checked before anything starts (the coordinator checks what it receives)
+    pooled = baseline_training(spec)  # checked now too, though it trains only once the federation is done
     (run_dir / "job.json").write_text(json.dumps(job, indent=2))
     print(f"fedbroker demo: {options.workers} workers, {options.rounds} rounds, {options.dataset} "
           f"({options.partition}{f' α={options.alpha}' if options.partition == 'dirichlet' else ''}), "
@@ -281,7 +292,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         cluster.stop()
     job_row = status.jobs[0]
     print("training the centralised (pooled data, no DP) baseline ...")
-    baseline = centralized_baseline(options)
+    baseline = centralized_baseline(options, spec.model, pooled)
     results = collect_results(status, job_id, options, baseline, time.time() - started)
     (run_dir / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, run_dir / "accuracy.png")
@@ -292,7 +303,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     return results
 
 
-def follow(client: Any, job_id: str, options: DemoOptions, cluster: Cluster, tqdm: Any) -> Any:
+def follow(client: CoordinatorClient, job_id: str, options: DemoOptions, cluster: Cluster, tqdm: Any) -> pb.StatusReply:
     """Poll the coordinator: one progress bar per round (uploads received of participants)."""
     bars: dict[int, Any] = {}
     while True:
@@ -319,8 +330,8 @@ def follow(client: Any, job_id: str, options: DemoOptions, cluster: Cluster, tqd
         time.sleep(0.25)
 
 
-def collect_results(status: Any, job_id: str, options: DemoOptions, baseline: float, seconds: float) -> dict[str, Any]:
-    rounds = []
+def collect_results(status: pb.StatusReply, job_id: str, options: DemoOptions, baseline: float, seconds: float) -> dict[str, Any]:
+    rounds: list[dict[str, Any]] = []
     for r in (r for r in status.rounds if r.status == "closed"):
         epsilon = {p.worker_id: round(p.epsilon, 4) for p in status.participants
                    if p.round == r.round and p.status in ("aggregated", "uploaded") and options.dp}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -19,6 +19,10 @@ from fedbroker.config import Config
 from fedbroker.errors import ConfigError
 from fedbroker.heap import keep_freed_memory
 from fedbroker.metrics import start_exporter
+
+if TYPE_CHECKING:
+    from fedbroker.coordinator.scheduler import Coordinator
+    from fedbroker.worker.agent import WorkerAgent
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +70,7 @@ def _export(role: str, port: int) -> None:
 
 @dataclass
 class CoordinatorProcess:
-    coordinator: Any
+    coordinator: Coordinator
     server: grpc.Server
     port: int
     bus: Bus
@@ -121,29 +125,15 @@ def set_torch_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def start_worker(config: Config, *, bus: Bus | None = None) -> Any:
-    from fedbroker.worker.agent import WorkerAgent, WorkerConfig
-    from fedbroker.worker.trainer import DPPolicy
+def start_worker(config: Config, *, bus: Bus | None = None) -> WorkerAgent:
+    from fedbroker.worker.agent import WorkerAgent
 
     keep_freed_memory()  # every round streams the global model in and the update out
     w = config.worker
     set_torch_threads(w.torch_threads)
     _export("worker", w.metrics_port)
-    dp = None
-    if w.dp.enabled:
-        dp = DPPolicy(noise_multiplier=w.dp.noise_multiplier, max_grad_norm=w.dp.max_grad_norm, delta=w.dp.delta,
-                      epsilon_budget=w.dp.epsilon_budget)
-    agent = WorkerAgent(
-        WorkerConfig(
-            worker_id=w.id, categories=w.categories, dataset=w.dataset, idx_dir=w.idx_dir or None,
-            test_fraction=w.test_fraction, split_seed=w.split_seed,
-            partition=w.partition,
-            dp=dp, ledger_path=w.ledger_path, device=w.device, heartbeat_s=w.heartbeat_s,
-            histogram_epsilon=w.histogram_epsilon or None,
-            aggregator_security=client_security(config, expected_target=config.aggregator.target),
-        ),
-        bus or make_bus(config),
-    )
+    agent = WorkerAgent(w, bus or make_bus(config),
+                        security=client_security(config, expected_target=config.aggregator.target))
     agent.start()
     agent.bus.start()
     return agent

@@ -10,8 +10,8 @@ import pytest
 from experiments.harness import make_workers, simulate, training_seed
 from fedbroker.coordinator.participants import sample_participants
 from fedbroker.model import build_model, initial_weights, load_numpy_state
-from fedbroker.spec import parse_job
-from fedbroker.worker.trainer import TrainConfig, evaluate, train_local
+from fedbroker.spec import TrainingConfig, parse_job
+from fedbroker.worker.training import evaluate, train_local
 
 IDS = [f"w{i:02d}" for i in range(10)]
 
@@ -72,7 +72,7 @@ def test_fedavg_simulation_improves_and_equals_a_replay_of_the_same_updates(digi
 
     # replay: the same trainer and seeds, then a sample-weighted mean written out by hand
     spec = parse_job(job)
-    config = TrainConfig(epochs=2, batch_size=32, lr=0.2)
+    config = TrainingConfig(local_epochs=2, batch_size=32, lr=0.2)
     state = initial_weights(spec.model, seed=spec.seed)
     for r in (1, 2, 3):
         states, sizes = [], []

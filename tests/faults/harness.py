@@ -24,11 +24,11 @@ from fedbroker.aggregators.client import AggregatorClient
 from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.bus import Topology, delete_topology, open_bus
+from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.state import StateStore
 from fedbroker.spec import parse_job
-from fedbroker.worker.agent import PartitionConfig, WorkerAgent, WorkerConfig
-from fedbroker.worker.trainer import DPPolicy
+from fedbroker.worker.agent import WorkerAgent
 
 # Quick reconnects so an outage costs the test seconds, not the production backoff's half minute.
 BUS_OPTIONS: dict[str, Any] = {"reconnect_initial_s": 0.2, "reconnect_max_s": 2.0, "publish_timeout_s": 60.0}
@@ -145,8 +145,8 @@ class Federation:
             self.coordinator = None
 
     def worker_config(self, worker_id: str, *, index: int, count: int, dp: DPPolicy | None = None) -> WorkerConfig:
-        return WorkerConfig(worker_id=worker_id, partition=PartitionConfig(num_clients=count, client_index=index),
-                            dp=dp, ledger_path=str(self.tmp / f"{worker_id}-ledger.json"), device="cpu",
+        return WorkerConfig(id=worker_id, partition=PartitionSection(num_clients=count, client_index=index),
+                            dp=dp or DPPolicy(enabled=False), ledger_path=str(self.tmp / f"{worker_id}-ledger.json"), device="cpu",
                             heartbeat_s=0.5)
 
     def add_worker(self, worker_id: str, *, index: int, count: int, dp: DPPolicy | None = None,

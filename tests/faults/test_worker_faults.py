@@ -16,10 +16,12 @@ import pytest
 from opacus.accountants import RDPAccountant
 
 from fedbroker import envelope
+from fedbroker.config import DPPolicy
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.spec import TrainingConfig
+from fedbroker.worker.accounting import dp_sample_rate, planned_steps
 from fedbroker.worker.agent import WorkerAgent
 from fedbroker.worker.ledger import PrivacyLedger
-from fedbroker.worker.trainer import DPPolicy, TrainConfig, dp_sample_rate, planned_steps
 from tests.faults.harness import JOB, Federation, Training, close_connection, job, sample, wait_for
 
 pytestmark = [pytest.mark.integration]
@@ -28,7 +30,7 @@ DP = DPPolicy(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budge
 
 
 def accountant_epsilon(num_samples: int, rounds: int, epochs: int, policy: DPPolicy = DP) -> float:
-    config = TrainConfig(epochs=epochs, batch_size=JOB["training"]["batch_size"], lr=JOB["training"]["lr"])
+    config = TrainingConfig(local_epochs=epochs, batch_size=JOB["training"]["batch_size"], lr=JOB["training"]["lr"])
     accountant = RDPAccountant()
     steps = rounds * planned_steps(num_samples, config)
     accountant.history = [(policy.noise_multiplier, dp_sample_rate(num_samples, config), steps)]

@@ -14,11 +14,11 @@ from fedbroker.aggregators.client import AggregatorClient
 from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.bus import delete_topology, open_bus
+from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.evaluation import evaluate_global
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.state import StateStore
-from fedbroker.worker.agent import PartitionConfig, WorkerAgent, WorkerConfig
-from fedbroker.worker.trainer import DPPolicy
+from fedbroker.worker.agent import WorkerAgent
 
 
 @dataclass
@@ -46,9 +46,8 @@ class Federation:
                    dp: DPPolicy | None = None, alpha: float = 0.5) -> WorkerAgent:
         bus = open_bus(self.url, namespace=self.namespace)
         agent = WorkerAgent(WorkerConfig(
-            worker_id=worker_id, partition=PartitionConfig(scheme=scheme, num_clients=count, client_index=index,
-                                                           alpha=alpha),
-            dp=dp, ledger_path=str(self.tmp / f"{worker_id}-ledger.json"), device="cpu", heartbeat_s=1.0,
+            id=worker_id, partition=PartitionSection(scheme=scheme, num_clients=count, client_index=index, alpha=alpha),
+            dp=dp or DPPolicy(enabled=False), ledger_path=str(self.tmp / f"{worker_id}-ledger.json"), device="cpu", heartbeat_s=1.0,
         ), bus)
         agent.start()
         bus.start()

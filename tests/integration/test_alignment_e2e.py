@@ -10,9 +10,9 @@ import pytest
 from fedbroker.coordinator.checkpoints import load_checkpoint
 from fedbroker.coordinator.evaluation import evaluate_global
 from fedbroker.model import build_model
-from fedbroker.spec import parse_job
+from fedbroker.spec import TrainingConfig, parse_job
 from fedbroker.worker.data import load_dataset, train_test_split
-from fedbroker.worker.trainer import TrainConfig, evaluate, train_local
+from fedbroker.worker.training import evaluate, train_local
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -51,6 +51,6 @@ def test_aligned_global_model_beats_every_worker_training_alone(federation, alig
     for agent in federation.workers.values():  # the same model and total epochs, on one worker's data only
         model = build_model(job.model, seed=job.seed)
         train_local(model, agent.x, agent.y, dp=None, seed=0,
-                    config=TrainConfig(epochs=3 * 2, batch_size=32, lr=0.2))
+                    config=TrainingConfig(local_epochs=3 * 2, batch_size=32, lr=0.2))
         alone.append(evaluate(model, test.x, test.y)[0])
     assert federated >= max(alone), (federated, alone)

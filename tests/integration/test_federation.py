@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from opacus.accountants import RDPAccountant
 
-from fedbroker.spec import parse_job
-from fedbroker.worker.trainer import DPPolicy, TrainConfig, dp_sample_rate, planned_steps
+from fedbroker.config import DPPolicy
+from fedbroker.spec import TrainingConfig, parse_job
+from fedbroker.worker.accounting import dp_sample_rate, planned_steps
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -53,7 +54,7 @@ def test_dp_epsilon_per_worker_equals_the_opacus_accountant(federation):
     job = copy.deepcopy(JOB)
     job["training"]["rounds"] = 2
     job_id = run(federation, job)
-    config = TrainConfig(epochs=2, batch_size=32, lr=0.2)
+    config = TrainingConfig(local_epochs=2, batch_size=32, lr=0.2)
     for worker_id, agent in federation.workers.items():
         n = len(agent.y)
         accountant = RDPAccountant()

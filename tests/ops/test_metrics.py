@@ -17,13 +17,12 @@ from fedbroker.aggregators.client import AggregatorClient
 from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.bus import open_bus
-from fedbroker.config import load_config
+from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig, load_config
 from fedbroker.errors import ConfigError
 from fedbroker.metrics import start_ephemeral_exporter, start_exporter
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import parse_model
-from fedbroker.worker.agent import PartitionConfig, WorkerAgent, WorkerConfig
-from fedbroker.worker.trainer import DPPolicy
+from fedbroker.worker.agent import WorkerAgent
 
 SPEC = parse_model({"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 2}]})
 AGG = {"alignment": "none", "weighting": "fedavg", "selection": "all"}
@@ -134,7 +133,7 @@ def test_two_worker_agents_in_one_process_export_their_own_series(tmp_path):
     for i, budget in enumerate((8.0, 4.0)):
         bus = open_bus(None, namespace=namespace)
         agent = WorkerAgent(WorkerConfig(
-            worker_id=f"m{i}", partition=PartitionConfig(num_clients=2, client_index=i),
+            id=f"m{i}", partition=PartitionSection(num_clients=2, client_index=i),
             dp=DPPolicy(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, epsilon_budget=budget),
             ledger_path=str(tmp_path / f"m{i}.json"), device="cpu", heartbeat_s=60), bus)
         agent.start()
@@ -155,8 +154,8 @@ def test_two_worker_agents_in_one_process_export_their_own_series(tmp_path):
 def test_a_malformed_task_is_counted_and_dead_lettered(tmp_path):
     namespace = f"metrics-{uuid.uuid4().hex[:8]}"
     bus = open_bus(None, namespace=namespace)
-    agent = WorkerAgent(WorkerConfig(worker_id="mal", ledger_path=str(tmp_path / "l.json"), device="cpu",
-                                     heartbeat_s=60), bus)
+    agent = WorkerAgent(WorkerConfig(id="mal", ledger_path=str(tmp_path / "l.json"), device="cpu",
+                                     heartbeat_s=60, dp=DPPolicy(enabled=False)), bus)
     agent.start()
     bus.start()
     try:

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from fedbroker.config import DPPolicy
 from fedbroker.metrics import start_ephemeral_exporter
 from fedbroker.spec import parse_job
-from fedbroker.worker.trainer import DPPolicy
 from tests.integration.conftest import Federation
 from tests.ops.conftest import DEPLOY, tool
 from tests.ops.test_dashboards import DASHBOARDS, panel_exprs

@@ -16,9 +16,10 @@ from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.auth import ClientSecurity, ServerTLS, TokenTable, generate_token, hash_token
 from fedbroker.bus import delete_topology, open_bus
+from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.state import StateStore
-from fedbroker.worker.agent import PartitionConfig, WorkerAgent, WorkerConfig
+from fedbroker.worker.agent import WorkerAgent
 from tests.security.pki import Authority, Pair
 from tests.security.tlsproxy import TlsProxy
 
@@ -103,10 +104,10 @@ class SecureFederation:
         for i, worker_id in enumerate(self.worker_ids):
             bus = open_bus(self.url, namespace=self.namespace, ca_file=str(self.ca_file))
             agent = WorkerAgent(WorkerConfig(
-                worker_id=worker_id, partition=PartitionConfig(num_clients=len(self.worker_ids), client_index=i),
-                ledger_path=str(self.tmp / f"{worker_id}-ledger.json"), device="cpu", heartbeat_s=1.0,
-                aggregator_security=self.security(worker_id, self.pki.worker),
-            ), bus)
+                id=worker_id, partition=PartitionSection(num_clients=len(self.worker_ids), client_index=i),
+                dp=DPPolicy(enabled=False), ledger_path=str(self.tmp / f"{worker_id}-ledger.json"), device="cpu",
+                heartbeat_s=1.0,
+            ), bus, security=self.security(worker_id, self.pki.worker))
             agent.start()
             bus.start()
             self.workers[worker_id] = agent

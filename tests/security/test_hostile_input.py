@@ -28,13 +28,14 @@ from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.aggregators.service import serve as serve_aggregator
 from fedbroker.auth import ClientSecurity
 from fedbroker.bus import Topology, delete_topology, open_bus
+from fedbroker.config import DPPolicy, WorkerConfig
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.service import serve as serve_coordinator
 from fedbroker.coordinator.state import StateStore
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.spec import parse_model
-from fedbroker.worker.agent import WorkerAgent, WorkerConfig
+from fedbroker.worker.agent import WorkerAgent
 from tests.security.conftest import token_table
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -92,8 +93,8 @@ class Services:
         self.coord_server, cport = serve_coordinator(self.coordinator, tokens=coord_table)
         self.coord = pb_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{cport}"))
         self.worker_bus = open_bus(self.rabbitmq_url, namespace=self.namespace)
-        self.worker = WorkerAgent(WorkerConfig(worker_id="wq", ledger_path=str(self.tmp / "wq.json"), device="cpu",
-                                               heartbeat_s=60), self.worker_bus)
+        self.worker = WorkerAgent(WorkerConfig(id="wq", ledger_path=str(self.tmp / "wq.json"), device="cpu",
+                                               heartbeat_s=60, dp=DPPolicy(enabled=False)), self.worker_bus)
         self.worker.start()
         self.worker_bus.start()
         self.sender = open_bus(self.rabbitmq_url, namespace=self.namespace)  # an intruder with broker access

@@ -10,8 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from fedbroker.worker import trainer
-from fedbroker.worker.trainer import DPPolicy, TrainConfig, flat_dp_optimizer_class, poisson_batches, train_local
+from fedbroker.config import DPPolicy
+from fedbroker.spec import TrainingConfig
+from fedbroker.worker import training
+from fedbroker.worker.dp_optimizer import FlatDPOptimizer
+from fedbroker.worker.training import poisson_batches, train_local
 
 POLICY = DPPolicy(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budget=100.0)
 
@@ -63,20 +66,21 @@ def test_trainer_samples_and_averages_exactly_as_opacus_make_private_would():
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
 
-    from fedbroker.worker.trainer import _opacus_poisson_rule, _steps_per_epoch, dp_sample_rate
+    from fedbroker.worker.accounting import dp_sample_rate, steps_per_epoch
+    from fedbroker.worker.training import _opacus_poisson_rule
 
     for n, b in [(185, 2), (1797, 32), (300, 64), (50, 64)]:
-        config = TrainConfig(batch_size=b)
+        config = TrainingConfig(batch_size=b)
         module = nn.Linear(3, 2)
         loader = DataLoader(TensorDataset(torch.zeros(n, 3), torch.zeros(n, dtype=torch.int64)), batch_size=b)
         _, optimizer, dp_loader = PrivacyEngine().make_private(
             module=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1), data_loader=loader,
             noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=True,
         )
-        rate, expected_batch = _opacus_poisson_rule(n, config, _steps_per_epoch(n, config), dp_sample_rate(n, config))
+        rate, expected_batch = _opacus_poisson_rule(n, config, steps_per_epoch(n, config), dp_sample_rate(n, config))
         assert rate == dp_loader.batch_sampler.sample_rate
         assert expected_batch == optimizer.expected_batch_size
-        assert len(dp_loader) == _steps_per_epoch(n, config)
+        assert len(dp_loader) == steps_per_epoch(n, config)
 
 
 def _params_with_grad_samples(grad_samples: list[torch.Tensor]) -> list[nn.Parameter]:
@@ -95,7 +99,7 @@ def test_flat_optimizer_clips_sums_and_averages_like_opacus_dp_optimizer(n):
     shapes = [(5, 4), (5,), (2, 3, 3)]
     grad_samples = [torch.randn(n, *s, generator=rng) * scale.view(-1, *[1] * len(s)) for s in shapes]
     grads = []
-    for cls in (DPOptimizer, flat_dp_optimizer_class()):
+    for cls in (DPOptimizer, FlatDPOptimizer):
         params = _params_with_grad_samples(grad_samples)
         # noise 0 isolates clipping, summing and averaging (a policy never allows it; the optimizer does)
         opt = cls(torch.optim.SGD(params, lr=1.0), noise_multiplier=0.0, max_grad_norm=1.5, expected_batch_size=4)
@@ -109,7 +113,7 @@ def test_flat_optimizer_clips_sums_and_averages_like_opacus_dp_optimizer(n):
 def test_flat_optimizer_noise_has_std_sigma_times_clip_over_the_expected_batch_and_an_empty_batch_still_steps():
     params = _params_with_grad_samples([torch.zeros(0, 100, 100), torch.zeros(0, 100)])
     before = [p.detach().clone() for p in params]
-    opt = flat_dp_optimizer_class()(
+    opt = FlatDPOptimizer(
         torch.optim.SGD(params, lr=1.0), noise_multiplier=1.3, max_grad_norm=2.0, expected_batch_size=8,
         generator=torch.Generator().manual_seed(0),
     )
@@ -124,7 +128,7 @@ def test_flat_optimizer_noise_has_std_sigma_times_clip_over_the_expected_batch_a
 
 def test_flat_optimizer_refuses_to_step_twice_on_the_same_per_sample_gradients():
     params = _params_with_grad_samples([torch.randn(4, 3)])
-    opt = flat_dp_optimizer_class()(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
+    opt = FlatDPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
                                     expected_batch_size=4)
     opt.step()
     with pytest.raises(ValueError, match="Per sample gradient"):
@@ -136,7 +140,7 @@ def test_flat_optimizer_refuses_to_step_twice_on_the_same_per_sample_gradients()
 def test_dp_training_with_many_empty_poisson_batches_gives_finite_weights_and_full_accounting():
     # N=60, B=1: q=1/60, so about a third of the 60 batches are empty (noise-only steps, no forward pass).
     x, y = _data(60)
-    config = TrainConfig(epochs=1, batch_size=1, lr=0.05)
+    config = TrainingConfig(local_epochs=1, batch_size=1, lr=0.05)
     empty = sum(len(idx) == 0 for idx in poisson_batches(60, sample_rate=1 / 60, steps=60,
                                                          generator=torch.Generator().manual_seed(1)))
     assert empty > 10
@@ -148,9 +152,9 @@ def test_dp_training_with_many_empty_poisson_batches_gives_finite_weights_and_fu
 @pytest.mark.parametrize("mode", ["hooks", "functorch"])
 def test_every_grad_sample_mode_trains_the_same_weights_from_the_same_seed(monkeypatch, mode):
     x, y = _data()
-    config = TrainConfig(epochs=1, batch_size=16, lr=0.05, proximal_mu=0.5)
+    config = TrainingConfig(local_epochs=1, batch_size=16, lr=0.05, proximal_mu=0.5)
     pinned = train_local(_cnn(), x, y, config=config, dp=POLICY, seed=9).state
-    monkeypatch.setattr(trainer, "GRAD_SAMPLE_MODE", mode)
+    monkeypatch.setattr(training, "GRAD_SAMPLE_MODE", mode)
     other = train_local(_cnn(), x, y, config=config, dp=POLICY, seed=9).state
     for key in pinned:  # same batches, same noise: only float rounding of the per-sample gradients differs
         np.testing.assert_allclose(other[key], pinned[key], rtol=1e-4, atol=1e-5)
@@ -158,7 +162,7 @@ def test_every_grad_sample_mode_trains_the_same_weights_from_the_same_seed(monke
 
 def test_same_seed_gives_the_same_dp_weights_for_a_conv_net_and_another_seed_different_ones():
     x, y = _data()
-    config = TrainConfig(epochs=1, batch_size=16, lr=0.05)
+    config = TrainingConfig(local_epochs=1, batch_size=16, lr=0.05)
     a, b, c = (train_local(_cnn(), x, y, config=config, dp=POLICY, seed=s).state for s in (2, 2, 3))
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert not all(np.array_equal(a[k], c[k]) for k in a)

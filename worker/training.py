@@ -1,9 +1,9 @@
 """Local training on a worker, with Opacus DP-SGD under the data owner's own policy.
 
-The job chooses the model and the optimisation settings (`TrainConfig`); the data owner chooses the
-privacy (`DPPolicy`) and nothing in a job can override it. The ε of a job composes across rounds:
-the job's accountant history (noise multiplier, sample rate, steps) is restored into a fresh RDP
-accountant before each round's training, so ε after round t is the RDP composition of all rounds.
+The job chooses the model and the optimisation settings (`fedbroker.spec.TrainingConfig`); the data
+owner chooses the privacy (`fedbroker.config.DPPolicy`) and nothing in a job can override it. The ε
+arithmetic (sampling rule, planned steps, projection, history) is `fedbroker.worker.accounting`; the
+clip-noise-average step is `fedbroker.worker.dp_optimizer.FlatDPOptimizer`.
 
 Opacus is the DP engine: its per-sample gradients (`prepare_module`, mode `GRAD_SAMPLE_MODE`), its
 DPOptimizer's mechanism and its RDP accountant. Its `PrivacyEngine.make_private` is not used, for
@@ -17,14 +17,7 @@ dp_training` has the table.
   a DP step. `poisson_batches` draws the same mask as its sampler (rand(N) < q per step) and
   gathers a batch in one indexing operation. An empty batch still takes a step, noise only and
   without a forward pass: the accountant counts every step, and skipping one would reveal the draw.
-- With Poisson sampling Opacus samples at q = 1/ceil(N/B) and takes int(1/q) steps per epoch,
-  which is one step short of ceil(N/B) for some N/B (93, 99, 105, ...); its accountant then
-  records 1/(steps per epoch), slightly above the true rate (conservative), and its optimizer
-  averages by int(N·that rate). `dp_sample_rate` and `planned_steps` copy those rules, and
-  training asks Opacus's own loader for them before any step and refuses if they differ, so a
-  task admitted on a projected ε spends exactly that ε. The accountant records each step through
-  Opacus's optimizer hook; when its history is the planned one (always, unless a rule changed),
-  the projection is the round's ε instead of a second 20 ms RDP computation.
+  The rate and step count are Opacus's (see `accounting`), checked against its own loader before any step.
 - `GRAD_SAMPLE_MODE = "ew"` (torch's ExpandedWeights through Opacus): MLP 2.8×, "hooks" 3.4×,
   "functorch" 7.0×; CNN 2.2×, 2.7×, 4.9×. All three give the same per-sample gradients (a test
   trains the same weights with each). "ew" cannot run an empty batch, which it is never given.
@@ -53,8 +46,6 @@ dp_training` has the table.
 from __future__ import annotations
 
 import copy
-import functools
-import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -65,64 +56,25 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from fedbroker.config import DPPolicy
 from fedbroker.errors import BudgetExceeded, ConfigError
+from fedbroker.spec import TrainingConfig
+from fedbroker.worker.accounting import (
+    HistoryEntry,
+    check_int,
+    dp_sample_rate,
+    epsilon_of,
+    merge_steps,
+    normalise_history,
+    steps_per_epoch,
+)
 
 GRAD_SAMPLE_MODE = "ew"
-OPTIMIZERS = ("sgd", "adam")
 _PREFIX = "_module."
-
-HistoryEntry = tuple[float, float, int]
 
 # Opacus's per-sample hooks (mode "hooks") make torch warn once per process that inputs need no
 # gradient; that is expected here and says nothing to a data owner. Only this module's instance is silenced.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed", category=UserWarning)
-
-
-@dataclass(frozen=True)
-class DPPolicy:
-    """The data owner's privacy policy; a job can never override it.
-
-    `train_local` refuses a task whose projected ε for its job would exceed `epsilon_budget` (at
-    this `delta`); a caller holding the ledger may also count the other jobs' ε against it.
-    """
-
-    noise_multiplier: float
-    max_grad_norm: float
-    delta: float
-    epsilon_budget: float
-
-    def __post_init__(self) -> None:
-        _check_positive("dp.noise_multiplier", self.noise_multiplier)
-        _check_positive("dp.max_grad_norm", self.max_grad_norm)
-        if not (isinstance(self.delta, (int, float)) and 0.0 < self.delta < 1.0):
-            raise ConfigError("dp.delta", f"must lie strictly between 0 and 1, got {self.delta!r}")
-        if not (isinstance(self.epsilon_budget, (int, float)) and self.epsilon_budget > 0):
-            raise ConfigError("dp.epsilon_budget", f"must be > 0, got {self.epsilon_budget!r}")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """The job's local training settings. `proximal_mu` > 0 turns FedAvg local training into FedProx."""
-
-    epochs: int = 1
-    batch_size: int = 32
-    lr: float = 0.1
-    optimizer: str = "sgd"
-    momentum: float = 0.0
-    proximal_mu: float = 0.0
-
-    def __post_init__(self) -> None:
-        _check_int("training.epochs", self.epochs, low=1)
-        _check_int("training.batch_size", self.batch_size, low=1)
-        _check_positive("training.lr", self.lr, allow_inf=False)
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError("training.optimizer", f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
-        if not (isinstance(self.momentum, (int, float)) and 0.0 <= self.momentum < 1.0):
-            raise ConfigError("training.momentum", f"must lie in [0, 1), got {self.momentum!r}")
-        if self.momentum and self.optimizer != "sgd":
-            raise ConfigError("training.momentum", f"applies to sgd only, not {self.optimizer}")
-        if not (isinstance(self.proximal_mu, (int, float)) and 0.0 <= self.proximal_mu < math.inf):
-            raise ConfigError("training.proximal_mu", f"must be a finite number >= 0, got {self.proximal_mu!r}")
 
 
 @dataclass(frozen=True)
@@ -145,99 +97,45 @@ class TrainResult:
     history: list[HistoryEntry]
 
 
-def dp_sample_rate(num_samples: int, config: TrainConfig) -> float:
-    """Sample rate Opacus's RDP accountant records for a loader of `config.batch_size`.
-
-    That is 1/(steps per epoch): 1/ceil(N/B) except where float rounding makes Opacus take one step
-    fewer, then a hair above the rate it samples at. Pass it to `project_epsilon`.
-    """
-    return 1.0 / _steps_per_epoch(num_samples, config)
-
-
-def planned_steps(num_samples: int, config: TrainConfig) -> int:
-    """Optimizer steps `train_local` takes, with or without DP: epochs · int(1/(1/ceil(N/B)))."""
-    return config.epochs * _steps_per_epoch(num_samples, config)
-
-
-def _steps_per_epoch(num_samples: int, config: TrainConfig) -> int:
-    _check_int("num_samples", num_samples, low=1)
-    return int(1.0 / (1.0 / math.ceil(num_samples / config.batch_size)))  # Opacus's DPDataLoader rule
-
-
-def project_epsilon(
-    history: Sequence[Sequence[float]], *, noise_multiplier: float, sample_rate: float, steps: int, delta: float
-) -> float:
-    """ε a job would have spent after `steps` more DP-SGD steps; used to refuse a task *before* training.
-
-    The new steps are merged into the history exactly as Opacus's RDP accountant merges them, so
-    the projection equals the ε the accountant reports after training those steps.
-    """
-    _check_positive("noise_multiplier", noise_multiplier)
-    if not (isinstance(sample_rate, (int, float)) and 0.0 < sample_rate <= 1.0):
-        raise ConfigError("sample_rate", f"must lie in (0, 1], got {sample_rate!r}")
-    _check_int("steps", steps, low=0)
-    if not (isinstance(delta, (int, float)) and 0.0 < delta < 1.0):
-        raise ConfigError("delta", f"must lie strictly between 0 and 1, got {delta!r}")
-    return _epsilon(_merge_steps(_normalise_history(history), noise_multiplier, sample_rate, steps), delta)
-
-
-def _merge_steps(
-    entries: list[HistoryEntry], noise_multiplier: float, sample_rate: float, steps: int
-) -> list[HistoryEntry]:
-    """`entries` plus `steps` DP-SGD steps, merged as Opacus's RDP accountant merges its step records."""
-    out = list(entries)
-    if steps:
-        if out and out[-1][0] == noise_multiplier and out[-1][1] == sample_rate:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + steps)
-        else:
-            out.append((float(noise_multiplier), float(sample_rate), int(steps)))
-    return out
-
-
-def _epsilon(history: list[HistoryEntry], delta: float) -> float:
-    """ε of `history` from a fresh Opacus RDP accountant."""
-    from opacus.accountants import RDPAccountant
-
-    accountant = RDPAccountant()
-    accountant.history = list(history)
-    return float(accountant.get_epsilon(delta))
-
-
 def train_local(
     model: nn.Module,
     x: np.ndarray,
     y: np.ndarray,
     *,
-    config: TrainConfig,
+    config: TrainingConfig,
     dp: DPPolicy | None,
     history: Sequence[Sequence[float]] = (),
     device: str = "cpu",
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> TrainResult:
-    """Train `model` on (x, y) for `config.epochs`; with `dp`, as DP-SGD under the owner's policy.
+    """Train `model` on (x, y) for `config.local_epochs`; with an enabled `dp`, as DP-SGD under the owner's policy.
 
     The caller's module is never wrapped: training runs on a deep copy and the trained weights are
     copied back into `model` at the end (so `evaluate(model, ...)` sees them). With DP, a task
     whose projected ε exceeds `dp.epsilon_budget` raises BudgetExceeded before any step, and a
-    module Opacus cannot train (BatchNorm, ...) raises ConfigError listing every problem.
+    module Opacus cannot train (BatchNorm, ...) raises ConfigError listing every problem. A policy
+    with `enabled` false is the owner's choice of no DP, the same as None.
 
     `seed` fixes the batch sampling, the DP noise and any dropout, so one seed gives one result on
     CPU. With DP the seed must stay the worker's secret (never taken from a job): whoever knows it
     can regenerate and subtract the noise. Production workers should draw it from os.urandom.
     """
+    if dp is not None and not dp.enabled:
+        dp = None
     _refuse_wrapped(model)
-    _check_int("seed", seed, low=0)
+    check_int("seed", seed, low=0)
     x_t, y_t = _as_tensors(x, y)
     n = len(y_t)
-    entries = _normalise_history(history)
+    entries = normalise_history(history)
     sample_rate = dp_sample_rate(n, config)
-    steps_per_epoch = _steps_per_epoch(n, config)
-    total_steps = config.epochs * steps_per_epoch
+    per_epoch = steps_per_epoch(n, config)
+    total_steps = config.local_epochs * per_epoch
     if dp is not None:
         _validate_for_dp(model)
-        planned = _merge_steps(entries, dp.noise_multiplier, sample_rate, total_steps)
-        projected = _epsilon(planned, dp.delta)
+        planned = merge_steps(entries, noise_multiplier=dp.noise_multiplier, sample_rate=sample_rate,
+                              steps=total_steps)
+        projected = epsilon_of(planned, delta=dp.delta)
         if projected > dp.epsilon_budget:
             raise BudgetExceeded(
                 f"training {total_steps} steps would raise this job's epsilon to {projected:.4g} "
@@ -258,20 +156,20 @@ def train_local(
         start = time.perf_counter()
         if dp is None:
             loss, seen = _train_plain(
-                work, optimizer, x_t, y_t, config=config, steps_per_epoch=steps_per_epoch, generator=data_gen,
+                work, optimizer, x_t, y_t, config=config, steps_per_epoch=per_epoch, generator=data_gen,
                 device=dev, anchor=anchor, progress=progress,
             )
             epsilon, out_history = None, entries
         else:
             loss, seen, out_history = _train_dp(
                 work, optimizer, x_t, y_t, config=config, dp=dp, history=entries, sample_rate=sample_rate,
-                steps_per_epoch=steps_per_epoch, data_gen=data_gen,
+                steps_per_epoch=per_epoch, data_gen=data_gen,
                 noise_gen=torch.Generator(device=dev).manual_seed(noise_seed), device=dev, anchor=anchor,
                 progress=progress,
             )
             # The projection already ran a fresh RDP accountant on exactly this history; only a history
             # that differs from the plan (which training never produces) is worth a second computation.
-            epsilon = projected if out_history == planned else _epsilon(out_history, dp.delta)
+            epsilon = projected if out_history == planned else epsilon_of(out_history, delta=dp.delta)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         seconds = time.perf_counter() - start
@@ -294,7 +192,7 @@ def evaluate(
     model: nn.Module, x: np.ndarray, y: np.ndarray, *, device: str = "cpu", batch_size: int = 512
 ) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) of `model` on (x, y); moves `model` to `device`, restores its mode."""
-    _check_int("batch_size", batch_size, low=1)
+    check_int("batch_size", batch_size, low=1)
     x_t, y_t = _as_tensors(x, y)
     dev = torch.device(device)
     was_training = model.training
@@ -323,7 +221,7 @@ def _train_plain(
     x_t: torch.Tensor,
     y_t: torch.Tensor,
     *,
-    config: TrainConfig,
+    config: TrainingConfig,
     steps_per_epoch: int,
     generator: torch.Generator,
     device: torch.device,
@@ -333,10 +231,10 @@ def _train_plain(
     # Shuffled batches of B; the last step of an epoch takes the remainder, so every sample is seen
     # once per epoch in exactly int(1/q) steps, the same count as the DP path.
     x_d, y_d = x_t.to(device), y_t.to(device)
-    total, done, seen = config.epochs * steps_per_epoch, 0, 0
+    total, done, seen = config.local_epochs * steps_per_epoch, 0, 0
     loss_sum, loss_n = 0.0, 0
     bs = config.batch_size
-    for _ in range(config.epochs):
+    for _ in range(config.local_epochs):
         perm = torch.randperm(len(y_t), generator=generator).to(device)
         loss_sum, loss_n = 0.0, 0
         for s in range(steps_per_epoch):
@@ -362,7 +260,7 @@ def _train_dp(
     x_t: torch.Tensor,
     y_t: torch.Tensor,
     *,
-    config: TrainConfig,
+    config: TrainingConfig,
     dp: DPPolicy,
     history: list[HistoryEntry],
     sample_rate: float,
@@ -376,10 +274,12 @@ def _train_dp(
     from opacus.accountants import RDPAccountant
     from opacus.grad_sample import prepare_module
 
+    from fedbroker.worker.dp_optimizer import FlatDPOptimizer
+
     poisson_rate, expected_batch_size = _opacus_poisson_rule(len(y_t), config, steps_per_epoch, sample_rate)
     wrapped = prepare_module(work, grad_sample_mode=GRAD_SAMPLE_MODE, batch_first=True, loss_reduction="mean")
     wrapped.forbid_grad_accumulation()
-    dp_optimizer = flat_dp_optimizer_class()(
+    dp_optimizer = FlatDPOptimizer(
         optimizer, noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
         expected_batch_size=expected_batch_size, generator=noise_gen,
     )
@@ -388,10 +288,10 @@ def _train_dp(
     dp_optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
     params = dp_optimizer.params
     x_d, y_d = x_t.to(device), y_t.to(device)
-    total, done, seen = config.epochs * steps_per_epoch, 0, 0
+    total, done, seen = config.local_epochs * steps_per_epoch, 0, 0
     loss_sum, loss_n = 0.0, 0
     try:
-        for _ in range(config.epochs):
+        for _ in range(config.local_epochs):
             loss_sum, loss_n = 0.0, 0
             for idx in poisson_batches(len(y_t), sample_rate=poisson_rate, steps=steps_per_epoch, generator=data_gen):
                 dp_optimizer.zero_grad(set_to_none=True)
@@ -421,61 +321,7 @@ def _train_dp(
                     progress(done, total)
     finally:
         wrapped.cleanup()  # remove Opacus's hooks and per-sample attributes from the throw-away copy
-    return loss_sum / max(loss_n, 1), seen, _normalise_history(accountant.history)
-
-
-@functools.cache
-def flat_dp_optimizer_class() -> type:
-    """`FlatDPOptimizer`, defined on first use: importing Opacus takes seconds, so the trainer imports it lazily."""
-    from opacus.optimizers import DPOptimizer
-
-    class FlatDPOptimizer(DPOptimizer):
-        """Opacus's DPOptimizer with clipping, noising and averaging done on one flat vector.
-
-        The mechanism is Opacus's, unchanged: each sample's gradient over all parameters is scaled by
-        min(1, C / (‖g‖ + 1e-6)), the scaled gradients are summed, every coordinate gets N(0, (σ·C)²)
-        noise and the result is divided by the expected batch size. Opacus's phases each loop over
-        the parameters, rebuilding the parameter list several times and drawing noise per parameter,
-        which for the small models workers train costs more than the arithmetic. Here each
-        parameter costs one norm and one matrix-vector product (no copy of the n·P per-sample
-        gradients), and noise and averaging are one operation each on a flat vector. Virtual steps
-        (Opacus's BatchMemoryManager) are not supported: a Poisson batch is always one step.
-        """
-
-        def signal_skip_step(self, do_skip: bool = True) -> None:
-            raise RuntimeError("FlatDPOptimizer takes every Poisson batch in one step; virtual steps "
-                               "(Opacus's BatchMemoryManager) are not supported")
-
-        @property
-        def accumulated_iterations(self) -> int:
-            return 1  # one whole Poisson batch per step, never accumulated
-
-        def clip_and_accumulate(self) -> None:
-            grad_samples = self.grad_samples
-            for p in self.params:
-                p.grad_sample = None  # consumed: stepping again without a new backward pass raises
-            n = len(grad_samples[0])
-            flat = [g.reshape(n, math.prod(g.shape[1:])) for g in grad_samples]  # views: no copy of n·P floats
-            per_param = torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat], dim=1)
-            norms = torch.linalg.vector_norm(per_param, dim=1)
-            factor = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-            self._flat_sum = torch.cat([factor @ f for f in flat])  # zeros for an empty batch
-
-        def add_noise(self) -> None:
-            summed = self._flat_sum
-            noise = torch.normal(
-                0.0, self.noise_multiplier * self.max_grad_norm, size=summed.shape, generator=self.generator,
-                device=summed.device, dtype=summed.dtype,
-            )
-            self._flat_grad = summed + noise
-            params = self.params
-            for p, g in zip(params, self._flat_grad.split([p.numel() for p in params])):
-                p.grad = g.view_as(p)
-
-        def scale_grad(self) -> None:
-            self._flat_grad /= self.expected_batch_size  # the parameters' .grad are views of it
-
-    return FlatDPOptimizer
+    return loss_sum / max(loss_n, 1), seen, normalise_history(accountant.history)
 
 
 def poisson_batches(
@@ -492,7 +338,7 @@ def poisson_batches(
 
 
 def _opacus_poisson_rule(
-    num_samples: int, config: TrainConfig, steps_per_epoch: int, sample_rate: float
+    num_samples: int, config: TrainingConfig, steps_per_epoch: int, sample_rate: float
 ) -> tuple[float, int]:
     """(rate to sample at, expected batch size) exactly as `PrivacyEngine.make_private` derives them.
 
@@ -523,7 +369,7 @@ def _add_proximal_grad(work: nn.Module, anchor: list[torch.Tensor] | None, mu: f
                 p.grad.add_(p - p0, alpha=mu)
 
 
-def _make_optimizer(work: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+def _make_optimizer(work: nn.Module, config: TrainingConfig) -> torch.optim.Optimizer:
     if config.optimizer == "adam":
         return torch.optim.Adam(work.parameters(), lr=config.lr)
     return torch.optim.SGD(work.parameters(), lr=config.lr, momentum=config.momentum)
@@ -555,23 +401,6 @@ def _as_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tenso
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), torch.from_numpy(y.astype(np.int64))
 
 
-def _normalise_history(history: Sequence[Sequence[float]]) -> list[HistoryEntry]:
-    """Entries as (noise_multiplier, sample_rate, steps) tuples; accepts the lists JSON gives back."""
-    out: list[HistoryEntry] = []
-    for i, entry in enumerate(history):
-        if len(entry) != 3:
-            raise ConfigError(f"history[{i}]", f"must be (noise_multiplier, sample_rate, steps), got {entry!r}")
-        nm, q, steps = entry
-        try:
-            valid = float(nm) > 0 and 0 < float(q) <= 1 and int(steps) == steps and int(steps) >= 0
-        except (TypeError, ValueError):
-            valid = False
-        if not valid:
-            raise ConfigError(f"history[{i}]", f"invalid accountant entry {entry!r}")
-        out.append((float(nm), float(q), int(steps)))
-    return out
-
-
 def _strip(name: str) -> str:
     while name.startswith(_PREFIX):
         name = name[len(_PREFIX) :]
@@ -589,14 +418,3 @@ def _refuse_wrapped(model: nn.Module) -> None:
             "model",
             "is already wrapped by Opacus; pass the plain module (the trainer wraps its own copy, never twice)",
         )
-
-
-def _check_int(field: str, value: object, *, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ConfigError(field, f"must be an integer >= {low}, got {value!r}")
-
-
-def _check_positive(field: str, value: object, *, allow_inf: bool = True) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-    if not ok or (not allow_inf and not math.isfinite(float(value))):  # type: ignore[arg-type]
-        raise ConfigError(field, f"must be a {'' if allow_inf else 'finite '}number > 0, got {value!r}")
