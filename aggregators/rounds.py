@@ -46,7 +46,7 @@ from fedbroker.aggregators.state import (
     new_round,
 )
 from fedbroker.aggregators.weighting.base import UpdateMeta
-from fedbroker.errors import NotFound, Rejection, UploadRejected
+from fedbroker.errors import NotFound, Rejection, UnknownJob, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import AggregationConfig, ModelSpec, parameter_shapes, parse_model
 
@@ -267,7 +267,7 @@ class RoundBook:
     def _job(self, job_id: str) -> Job:
         job = self._jobs.get(job_id)
         if job is None:
-            raise NotFound(f"unknown job {job_id!r}")
+            raise UnknownJob(f"unknown job {job_id!r}")
         return job
 
 

@@ -32,7 +32,7 @@ from fedbroker.coordinator import metrics
 from fedbroker.coordinator.checkpoints import load_checkpoint, save_checkpoint
 from fedbroker.coordinator.participants import sample_participants
 from fedbroker.coordinator.state import StateStore
-from fedbroker.errors import BusError, ConfigError, ConfigErrors, FedbrokerError
+from fedbroker.errors import BusError, ConfigError, ConfigErrors, FedbrokerError, Rejection
 from fedbroker.metrics import BUSES
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff, retry_call
@@ -488,7 +488,7 @@ class Coordinator:
         try:
             return call()
         except RemoteError as exc:
-            if not (reinstall and exc.code == grpc.StatusCode.NOT_FOUND and "unknown job" in str(exc)):
+            if not (reinstall and exc.reason == Rejection.UNKNOWN_JOB):
                 raise
             self._reinstall(run, str(exc))
         return call()

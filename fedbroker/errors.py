@@ -95,6 +95,13 @@ class NotFound(FedbrokerError):
     reason = "not_found"
 
 
+class UnknownJob(NotFound):
+    """The aggregation service holds no such job: after a restart without its spool, the coordinator
+    installs the job again when a call comes back with this reason."""
+
+    reason = Rejection.UNKNOWN_JOB
+
+
 class Conflict(FedbrokerError):
     reason = "conflict"
 
