@@ -47,10 +47,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 raise
 
         job = handle(context, parse)
+        # A job the store could not record gets no id: StateUnavailable → UNAVAILABLE, naming the store's error.
         return handle(context, lambda: pb.SubmitJobReply(job_id=self.coordinator.submit(job)))
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
-        return status_reply(self.coordinator, request.job_id)
+        # A store that cannot be read answers UNAVAILABLE with its error (StateUnavailable), not UNKNOWN.
+        return handle(context, lambda: status_reply(self.coordinator, request.job_id))
 
 
 def status_reply(coordinator: Coordinator, job_id: str = "") -> pb.StatusReply:

@@ -3,17 +3,111 @@
 Every write commits at once (WAL mode), so a restarted coordinator finds each job where it stopped:
 the last closed round and its checkpoint, and the round that was open (its participants and deadline),
 which it resumes instead of starting over.
+
+Every write is one transaction (`BEGIN IMMEDIATE` … `COMMIT`) that is rolled back on any error (a lock
+held past the busy timeout, a full disk, an I/O error): the connection never stays inside an open
+transaction, and the error reaches the caller as `StateUnavailable` (gRPC UNAVAILABLE). A job's thread
+rides such an outage out (`retrying_writes`); intake (SubmitJob, the control queue) fails at once, so a
+submission that could not be written gets no job id.
+
+`StateStore.in_directory` is how a coordinator process opens its state: the folder (0700) is locked
+(`coordinator.lock`, flock) so a second coordinator on it is refused, naming the holder's pid, and the
+SQLite file is created 0600 like the checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
+import os
 import sqlite3
+import stat
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+from fedbroker.errors import ConfigError, Unavailable
+from fedbroker.retry import Backoff, retry_call
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DB_FILE = "coordinator.sqlite"
+LOCK_FILE = "coordinator.lock"
+# Between tries of a write that a job's thread rides out (a lock held elsewhere, a full disk).
+WRITE_BACKOFF = Backoff(initial_s=0.2, max_s=10.0)
+
+
+class StateUnavailable(Unavailable):
+    """A read or write of the state store failed (and was rolled back): nothing of it was recorded."""
+
+    reason = "state_unavailable"
+
+
+class StateDirInUse(ConfigError):
+    """Another coordinator holds this state directory's lock."""
+
+    reason = "state_dir_in_use"
+
+
+class StateDirLock:
+    """An exclusive `flock` on `<state_dir>/coordinator.lock`, holding this process's pid.
+
+    Two coordinators on one state directory would both write the SQLite file and the checkpoints and resume
+    the same jobs twice. The kernel drops the lock when the process dies, however it dies, so a stale lock
+    file never blocks a restart.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.path = os.path.join(directory, LOCK_FILE)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise StateDirInUse(
+                "coordinator.state_dir",
+                f"{directory} is in use by another coordinator (pid {holder}, which holds {self.path}); two "
+                f"coordinators on one state directory would overwrite each other's state: stop that one, or "
+                f"give this one its own state_dir",
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def _owner_only(path: str, mode: int) -> None:
+    """Create `path`'s file (or tighten an existing one) to `mode`: the state holds every job and worker."""
+    if not os.path.exists(path):
+        return
+    current = stat.S_IMODE(os.stat(path).st_mode)
+    if current & 0o077:
+        try:
+            os.chmod(path, mode)
+        except OSError as exc:
+            log.warning("%s is readable by others (mode %o) and could not be tightened: %s", path, current, exc)
+
+
+@dataclass(frozen=True)
+class _RetryPolicy:
+    for_s: float                       # how long one failing write is tried again before it is given up
+    sleep: Callable[[float], object]
+    stopping: Callable[[], bool]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -57,39 +151,143 @@ class WorkerRecord:
 
 
 class StateStore:
-    def __init__(self, path: str) -> None:
+    """`busy_timeout_s`: how long a write waits for a lock another connection holds before it fails."""
+
+    def __init__(self, path: str, *, busy_timeout_s: float = 5.0, lock: StateDirLock | None = None) -> None:
         self.path = path
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
+        self.busy_timeout_s = busy_timeout_s
+        self._dir_lock = lock
+        self._local = threading.local()  # the calling thread's write-retry policy (retrying_writes)
         self._lock = threading.Lock()
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(SCHEMA)
-            columns = {r["name"] for r in self._db.execute("PRAGMA table_info(rounds)").fetchall()}
-            if "deadline" not in columns:  # a state file written before rounds kept their deadline
-                self._db.execute("ALTER TABLE rounds ADD COLUMN deadline REAL")
+        if path != ":memory:":
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))  # SQLite keeps the mode
+            for name in (path, f"{path}-wal", f"{path}-shm"):          # and gives it to -wal and -shm
+                _owner_only(name, 0o600)
+        self._db = self._connect()
+        self._write("create its tables", self._migrate)
+
+    @classmethod
+    def in_directory(cls, state_dir: str, *, busy_timeout_s: float = 5.0) -> StateStore:
+        """A coordinator's state: `state_dir` (created 0700) locked for this process, its SQLite file in it.
+        `StateDirInUse` when another coordinator holds it; `close()` releases it."""
+        os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        _owner_only(state_dir, 0o700)
+        lock = StateDirLock(state_dir)
+        try:
+            return cls(os.path.join(state_dir, DB_FILE), busy_timeout_s=busy_timeout_s, lock=lock)
+        except BaseException:
+            lock.release()
+            raise
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
+                                 timeout=self.busy_timeout_s)
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+        except sqlite3.Error as exc:
+            raise StateUnavailable(f"the coordinator's state store {self.path} could not be opened: {exc}") from exc
+        return db
+
+    @staticmethod
+    def _migrate(db: sqlite3.Connection) -> None:
+        for statement in SCHEMA.split(";"):
+            if statement.strip():
+                db.execute(statement)
+        columns = {r["name"] for r in db.execute("PRAGMA table_info(rounds)").fetchall()}
+        if "deadline" not in columns:  # a state file written before rounds kept their deadline
+            db.execute("ALTER TABLE rounds ADD COLUMN deadline REAL")
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            if self._dir_lock is not None:
+                self._dir_lock.release()
+                self._dir_lock = None
+
+    @contextlib.contextmanager
+    def retrying_writes(self, *, for_s: float, sleep: Callable[[float], object] = time.sleep,
+                        stopping: Callable[[], bool] = lambda: False) -> Iterator[None]:
+        """Within this block, a write from the calling thread that fails (rolled back) is tried again with
+        backoff for up to `for_s` seconds (each write), then `StateUnavailable` propagates; `stopping()` true ends the
+        retrying at once. For a job's thread, which must ride a store outage out rather than die in it;
+        other threads (SubmitJob) keep failing at once."""
+        previous = getattr(self._local, "retry", None)
+        self._local.retry = _RetryPolicy(for_s, sleep, stopping)
+        try:
+            yield
+        finally:
+            self._local.retry = previous
+
+    def _write(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """`fn(connection)` in one transaction, committed, or rolled back and raised as `StateUnavailable`."""
+        policy: _RetryPolicy | None = getattr(self._local, "retry", None)
+        if policy is None:
+            return self._transaction(what, fn)
+
+        def log_retry(exc: Exception, retry: int, delay: float) -> None:
+            log.error("%s; retrying in %.1fs", exc, delay)
+
+        return retry_call(lambda: self._transaction(what, fn), backoff=WRITE_BACKOFF,
+                          deadline=time.monotonic() + policy.for_s,
+                          retryable=lambda exc: isinstance(exc, StateUnavailable) and not policy.stopping(),
+                          on_retry=log_retry, sleep=policy.sleep)
+
+    def _transaction(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")  # the write lock now, not halfway through
+                result = fn(self._db)
+                self._db.execute("COMMIT")
+                return result
+            except sqlite3.Error as exc:
+                self._abandon()
+                raise StateUnavailable(f"the coordinator's state store {self.path} could not {what}: {exc} "
+                                       f"(rolled back: nothing of it was recorded)") from exc
+            except BaseException:
+                self._abandon()
+                raise
+
+    def _abandon(self) -> None:
+        """Leave no transaction open (SQLite rolls some failures back itself); a connection that cannot
+        roll back is replaced, so it can never keep the write lock or swallow later writes."""
+        try:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            log.error("state store %s: rollback failed (%s); reopening the connection", self.path, exc)
+        if self._db.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.close()
+            self._db = self._connect()
 
     def _exec(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        """A read (one statement, no transaction left open)."""
         with self._lock:
-            return self._db.execute(sql, args).fetchall()
+            try:
+                return self._db.execute(sql, args).fetchall()
+            except sqlite3.Error as exc:
+                raise StateUnavailable(f"the coordinator's state store {self.path} could not be read: {exc}") from exc
+
+    def _run(self, what: str, sql: str, args: Sequence[Any] = ()) -> int:
+        """One write statement in its own transaction; the number of rows it changed."""
+        return self._write(what, lambda db: db.execute(sql, args).rowcount)
 
     # ----- jobs -----
 
     def add_job(self, job_id: str, name: str, spec_json: str, rounds_total: int, model_spec_json: str) -> None:
         now = time.time()
-        self._exec(
+        self._run(
+            f"record job {job_id!r}",
             "INSERT INTO jobs (job_id, name, spec_json, status, rounds_total, model_spec_json, created, updated)"
             " VALUES (?, ?, ?, 'pending', ?, ?, ?, ?)",
             (job_id, name, spec_json, rounds_total, model_spec_json, now, now),
         )
 
     def set_job_status(self, job_id: str, status: str, error: str = "") -> None:
-        self._exec("UPDATE jobs SET status = ?, error = ?, updated = ? WHERE job_id = ?", (status, error, time.time(), job_id))
+        self._run(f"record job {job_id!r} as {status}", "UPDATE jobs SET status = ?, error = ?, updated = ? WHERE job_id = ?",
+                  (status, error, time.time(), job_id))
 
     def job(self, job_id: str) -> sqlite3.Row | None:
         rows = self._exec("SELECT * FROM jobs WHERE job_id = ?", (job_id,))
@@ -105,24 +303,30 @@ class StateStore:
     def upsert_worker(self, *, worker_id: str, categories: Iterable[str], histogram: Iterable[int], dp_enabled: bool,
                       dp: dict[str, float], epsilon_spent: float, device: str, num_samples: int) -> None:
         now = time.time()
-        self._exec(
+        self._run(
+            f"record the registration of worker {worker_id!r}",
             "INSERT INTO workers (worker_id, categories_json, histogram_json, dp_enabled, dp_json, epsilon_spent,"
             " device, num_samples, registered, last_seen) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT(worker_id) DO UPDATE SET categories_json=excluded.categories_json,"
             " histogram_json=excluded.histogram_json, dp_enabled=excluded.dp_enabled, dp_json=excluded.dp_json,"
-            " epsilon_spent=excluded.epsilon_spent, device=excluded.device, num_samples=excluded.num_samples,"
+            " epsilon_spent=MAX(workers.epsilon_spent, excluded.epsilon_spent), device=excluded.device, num_samples=excluded.num_samples,"
             " last_seen=excluded.last_seen",
             (worker_id, json.dumps(list(categories)), json.dumps([int(c) for c in histogram]), int(dp_enabled),
              json.dumps(dp), epsilon_spent, device, num_samples, now, now),
         )
 
     def touch_worker(self, worker_id: str, *, epsilon_spent: float, state: str) -> bool:
-        with self._lock:
-            cur = self._db.execute(
-                "UPDATE workers SET last_seen = ?, epsilon_spent = ?, state = ? WHERE worker_id = ?",
-                (time.time(), epsilon_spent, state, worker_id),
-            )
-            return cur.rowcount > 0
+        return self._run(
+            f"record a heartbeat of worker {worker_id!r}",
+            "UPDATE workers SET last_seen = ?, epsilon_spent = MAX(epsilon_spent, ?), state = ? WHERE worker_id = ?",
+            (time.time(), epsilon_spent, state, worker_id),
+        ) > 0
+
+    def recorded_epsilon(self, worker_id: str) -> float | None:
+        """The ε recorded for a worker (None: unknown worker). It never falls: registrations and heartbeats
+        keep the highest ε a worker ever reported (a lower one means a lost or replaced ledger)."""
+        rows = self._exec("SELECT epsilon_spent FROM workers WHERE worker_id = ?", (worker_id,))
+        return float(rows[0]["epsilon_spent"]) if rows else None
 
     def workers(self, category: str | None = None, *, seen_within_s: float | None = None) -> list[WorkerRecord]:
         rows = self._exec("SELECT * FROM workers ORDER BY worker_id")
@@ -144,53 +348,53 @@ class StateStore:
 
     def open_round(self, job_id: str, round_number: int, participants: Sequence[str], *,
                    deadline: float | None = None, started: float | None = None) -> None:
-        with self._lock:
-            self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM participants WHERE job_id = ? AND round = ?", (job_id, round_number))
-            self._db.execute(
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM participants WHERE job_id = ? AND round = ?", (job_id, round_number))
+            db.execute(
                 "INSERT OR REPLACE INTO rounds (job_id, round, status, participants, started, deadline)"
                 " VALUES (?, ?, 'open', ?, ?, ?)",
                 (job_id, round_number, len(participants), started if started is not None else time.time(), deadline),
             )
-            self._db.executemany(
+            db.executemany(
                 "INSERT INTO participants (job_id, round, worker_id, status) VALUES (?, ?, ?, 'published')",
                 [(job_id, round_number, w) for w in participants],
             )
-            self._db.execute("COMMIT")
+
+        self._write(f"open round {round_number} of job {job_id!r}", write)
 
     def round(self, job_id: str, round_number: int) -> sqlite3.Row | None:
         rows = self._exec("SELECT * FROM rounds WHERE job_id = ? AND round = ?", (job_id, round_number))
         return rows[0] if rows else None
 
     def set_round_deadline(self, job_id: str, round_number: int, deadline: float) -> None:
-        self._exec("UPDATE rounds SET deadline = ? WHERE job_id = ? AND round = ?", (deadline, job_id, round_number))
+        self._run(f"move the deadline of round {round_number} of job {job_id!r}",
+                  "UPDATE rounds SET deadline = ? WHERE job_id = ? AND round = ?", (deadline, job_id, round_number))
 
     def set_uploaded(self, job_id: str, round_number: int, workers: Sequence[str]) -> None:
-        with self._lock:
-            self._db.execute("BEGIN")
-            self._db.executemany(
+        def write(db: sqlite3.Connection) -> None:
+            db.executemany(
                 "UPDATE participants SET status = 'uploaded' WHERE job_id = ? AND round = ? AND worker_id = ?"
                 " AND status = 'published'",
                 [(job_id, round_number, w) for w in workers],
             )
-            self._db.execute("UPDATE rounds SET uploaded = ? WHERE job_id = ? AND round = ?",
-                             (len(workers), job_id, round_number))
-            self._db.execute("COMMIT")
+            db.execute("UPDATE rounds SET uploaded = ? WHERE job_id = ? AND round = ?", (len(workers), job_id, round_number))
+
+        self._write(f"record the uploads of round {round_number} of job {job_id!r}", write)
 
     def reset_uploads(self, job_id: str, round_number: int) -> None:
         """The aggregation service lost the round's uploads (it restarted without its spool): wait for them again."""
-        self._exec("UPDATE participants SET status = 'published' WHERE job_id = ? AND round = ? AND status = 'uploaded'",
-                   (job_id, round_number))
+        self._run(f"reset the uploads of round {round_number} of job {job_id!r}",
+                  "UPDATE participants SET status = 'published' WHERE job_id = ? AND round = ? AND status = 'uploaded'",
+                  (job_id, round_number))
 
     def record_outcome(self, job_id: str, round_number: int, worker_id: str, status: str, reason: str) -> bool:
         """A refusal or failure reported by a worker; False when (job, round, worker) was never asked."""
-        with self._lock:
-            cur = self._db.execute(
-                "UPDATE participants SET status = ?, reason = ? WHERE job_id = ? AND round = ? AND worker_id = ?"
-                " AND status IN ('published', 'failed', 'missed')",  # a straggler may explain itself after the close
-                (status, reason, job_id, round_number, worker_id),
-            )
-            return cur.rowcount > 0
+        return self._run(
+            f"record the outcome of worker {worker_id!r} in round {round_number} of job {job_id!r}",
+            "UPDATE participants SET status = ?, reason = ? WHERE job_id = ? AND round = ? AND worker_id = ?"
+            " AND status IN ('published', 'failed', 'missed')",  # a straggler may explain itself after the close
+            (status, reason, job_id, round_number, worker_id),
+        ) > 0
 
     def participants(self, job_id: str, round_number: int | None = None) -> list[sqlite3.Row]:
         if round_number is None:
@@ -205,34 +409,35 @@ class StateStore:
         updates = list(updates)
         mean_loss = sum(u[3] for u in updates) / len(updates) if updates else None
         chosen = set(aggregated)
-        with self._lock:
-            self._db.execute("BEGIN")
+        def write(db: sqlite3.Connection) -> None:
             for worker_id, num_samples, epsilon, train_loss in updates:
-                self._db.execute(
+                db.execute(
                     "UPDATE participants SET status = ?, epsilon = ?, train_loss = ?, num_samples = ?"
                     " WHERE job_id = ? AND round = ? AND worker_id = ?",
                     ("aggregated" if worker_id in chosen else "uploaded", epsilon, train_loss, num_samples,
                      job_id, round_number, worker_id),
                 )
-            self._db.execute(
+            db.execute(
                 "UPDATE participants SET status = 'missed', reason = 'no upload before the round closed'"
                 " WHERE job_id = ? AND round = ? AND status = 'published'", (job_id, round_number),
             )
-            self._db.execute(
+            db.execute(
                 "UPDATE rounds SET status = 'closed', uploaded = ?, aggregated = ?, accuracy = ?, loss = ?,"
                 " mean_train_loss = ?, seconds = ?, model_version = ?, checkpoint = ?, stats_json = ?, closed = ?"
                 " WHERE job_id = ? AND round = ?",
                 (len(updates), len(chosen), accuracy, loss, mean_loss, seconds, model_version, checkpoint,
                  json.dumps(stats), time.time(), job_id, round_number),
             )
-            self._db.execute(
+            db.execute(
                 "UPDATE jobs SET rounds_done = ?, model_spec_json = ?, updated = ? WHERE job_id = ?",
                 (round_number, model_spec_json, time.time(), job_id),
             )
-            self._db.execute("COMMIT")
+
+        self._write(f"record the close of round {round_number} of job {job_id!r}", write)
 
     def fail_round(self, job_id: str, round_number: int, seconds: float) -> None:
-        self._exec("UPDATE rounds SET status = 'failed', seconds = ?, closed = ? WHERE job_id = ? AND round = ?",
+        self._run(f"record round {round_number} of job {job_id!r} as failed",
+                  "UPDATE rounds SET status = 'failed', seconds = ?, closed = ? WHERE job_id = ? AND round = ?",
                    (seconds, time.time(), job_id, round_number))
 
     def rounds(self, job_id: str | None = None) -> list[sqlite3.Row]:

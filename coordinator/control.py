@@ -1,0 +1,128 @@
+"""What the coordinator accepts on its control queue: registrations, heartbeats and task outcomes, checked
+before any of them reaches the store.
+
+Anyone with the broker's credentials can publish there, so a message is input like a job: a worker id must
+be a name the bus can route to (a stored id it cannot route would fail the job that selects it), and every
+count and number is bounded. A message that fails is dead-lettered with a reason
+(`fedbroker_coordinator_control_messages_rejected_total{reason}`), never stored, and never reaches a job.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from fedbroker.bus.base import check_name
+from fedbroker.config import DPPolicy
+from fedbroker.errors import ConfigError, FedbrokerError
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.spec import MAX_WIDTH
+
+MAX_CATEGORIES = 64
+MAX_CLASSES = MAX_WIDTH            # a label histogram has a count per output of the widest layer, at most
+MAX_SAMPLES = 1_000_000_000        # a worker's data set, and any one count of its histogram
+MAX_REASON_CHARS = 2000            # a worker's free-text reason is kept, cut to this length
+MAX_JOB_COSTS = 4096               # jobs one heartbeat may price (a worker's ledger and recent tasks)
+WORKER_STATES = frozenset({"idle", "training", "uploading"})
+_CATEGORY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")   # a job's `category` (fedbroker.spec)
+_DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")     # cpu, cuda, cuda:1, mps
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")     # a job's name, '-' and 8 hex digits
+
+# The rejection reasons of the control queue's messages (metric label values).
+INVALID_REASONS = {"registration": "invalid_registration", "heartbeat": "invalid_heartbeat",
+                   "task_outcome": "invalid_task_outcome"}
+
+
+class InvalidControlMessage(FedbrokerError):
+    """A control message that decoded but is not one a worker may send; `reason` names its kind."""
+
+    def __init__(self, kind: str, problems: list[str]) -> None:
+        self.reason = INVALID_REASONS[kind]
+        super().__init__(f"{kind} refused: {'; '.join(problems)}")
+
+
+def check_control(env: pb.Envelope) -> None:
+    """Raise `InvalidControlMessage` naming every problem of a decoded registration, heartbeat or outcome."""
+    kind = env.WhichOneof("message")
+    if kind == "registration":
+        problems = _registration_problems(env.registration)
+    elif kind == "heartbeat":
+        problems = _heartbeat_problems(env.heartbeat)
+    elif kind == "task_outcome":
+        problems = _outcome_problems(env.task_outcome)
+    else:
+        return
+    if problems:
+        raise InvalidControlMessage(kind, problems)
+
+
+def _worker_id_problems(worker_id: str) -> list[str]:
+    try:
+        check_name("worker_id", worker_id)
+    except ConfigError as exc:
+        return [str(exc)]
+    return []
+
+
+def _epsilon_problems(field: str, value: float) -> list[str]:
+    return [] if math.isfinite(value) and value >= 0 else [f"{field}: must be a finite number >= 0, got {value!r}"]
+
+
+def _registration_problems(r: pb.Registration) -> list[str]:
+    out = _worker_id_problems(r.worker_id)
+    if not 1 <= len(r.categories) <= MAX_CATEGORIES:
+        out.append(f"categories: must list 1 to {MAX_CATEGORIES} categories, got {len(r.categories)}")
+    out += [f"categories[{i}]: must be 1-128 letters, digits, '_', '.' or '-' starting with a letter or digit, "
+            f"got {c[:140]!r}" for i, c in enumerate(r.categories[:MAX_CATEGORIES]) if not _CATEGORY.fullmatch(c)]
+    if len(r.label_histogram) > MAX_CLASSES:
+        out.append(f"label_histogram: at most {MAX_CLASSES} classes, got {len(r.label_histogram)}")
+    elif any(not 0 <= c <= MAX_SAMPLES for c in r.label_histogram):
+        out.append(f"label_histogram: every count must lie in [0, {MAX_SAMPLES}]")
+    if not 1 <= r.num_samples <= MAX_SAMPLES:
+        out.append(f"num_samples: must lie in [1, {MAX_SAMPLES}], got {r.num_samples}")
+    out += _epsilon_problems("epsilon_spent", r.epsilon_spent)
+    if not _DEVICE.fullmatch(r.device):
+        out.append(f"device: must be 1-64 letters, digits, '_', '.', ':' or '-', got {r.device[:80]!r}")
+    if r.dp_enabled:
+        p = r.dp_policy
+        numbers = (p.noise_multiplier, p.max_grad_norm, p.delta, p.epsilon_budget)
+        if not all(math.isfinite(x) for x in numbers):
+            out.append(f"dp_policy: every number must be finite, got {list(numbers)}")
+        else:
+            policy = DPPolicy(enabled=False, noise_multiplier=p.noise_multiplier, max_grad_norm=p.max_grad_norm,
+                              delta=p.delta, epsilon_budget=p.epsilon_budget)
+            out += [str(e) for e in policy.problems()]
+    return out
+
+
+def _heartbeat_problems(h: pb.Heartbeat) -> list[str]:
+    out = _worker_id_problems(h.worker_id) + _epsilon_problems("epsilon_spent", h.epsilon_spent)
+    if h.state not in WORKER_STATES:
+        out.append(f"state: must be one of {', '.join(sorted(WORKER_STATES))}, got {h.state[:40]!r}")
+    # what it can afford decides whether a round opens with it (participants.why_unaffordable): a NaN would
+    # compare as affordable
+    if not math.isfinite(h.epsilon_left):
+        out.append(f"epsilon_left: must be a finite number, got {h.epsilon_left!r}")
+    if len(h.job_costs) > MAX_JOB_COSTS:
+        out.append(f"job_costs: at most {MAX_JOB_COSTS} jobs, got {len(h.job_costs)}")
+    else:
+        out += [f"job_costs[{i}].job_id: must be a job id, got {c.job_id[:140]!r}"
+                for i, c in enumerate(h.job_costs) if not _JOB_ID.fullmatch(c.job_id)]
+        out += _epsilon_problems("job_costs[].next_round_epsilon", next(
+            (c.next_round_epsilon for c in h.job_costs
+             if not (math.isfinite(c.next_round_epsilon) and c.next_round_epsilon >= 0)), 0.0))
+    return out
+
+
+def _outcome_problems(o: pb.TaskOutcome) -> list[str]:
+    out = _worker_id_problems(o.worker_id)
+    if not _JOB_ID.fullmatch(o.job_id):
+        out.append(f"job_id: not a job id, got {o.job_id[:140]!r}")
+    if o.round < 1:
+        out.append(f"round: must be >= 1, got {o.round}")
+    if o.status not in (pb.TaskOutcome.REFUSED, pb.TaskOutcome.FAILED, pb.TaskOutcome.UPLOADED):
+        out.append(f"status: must be REFUSED, FAILED or UPLOADED, got {o.status}")
+    out += _epsilon_problems("epsilon", o.epsilon)
+    if not 0 <= o.num_samples <= MAX_SAMPLES:
+        out.append(f"num_samples: must lie in [0, {MAX_SAMPLES}], got {o.num_samples}")
+    return out

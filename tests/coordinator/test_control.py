@@ -1,0 +1,66 @@
+"""Publishing a task to a worker with no task queue (issue 12, item 4), on the in-process bus: an accepted
+registration declares the worker's queue, and a task that is still unroutable is not retried as if the
+broker were down; its worker is a straggler at once, and the tasks after it go out."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedbroker import envelope
+from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.bus import InProcessBus
+from fedbroker.coordinator.scheduler import Coordinator
+from fedbroker.coordinator.state import StateStore
+from fedbroker.proto import fedbroker_pb2 as pb
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class CountingBus(InProcessBus):
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.published: list[str] = []
+
+    def publish_task(self, worker_id: str, body: bytes) -> None:
+        self.published.append(worker_id)
+        super().publish_task(worker_id, body)
+
+
+def coordinator(tmp_path: Path, bus: InProcessBus) -> Coordinator:
+    return Coordinator(bus=bus, store=StateStore(str(tmp_path / "coordinator.sqlite")),
+                       aggregator=AggregatorClient("127.0.0.1:1"), aggregator_target="127.0.0.1:1",
+                       checkpoint_dir=str(tmp_path / "ck"), poll_interval_s=0.02)
+
+
+def test_an_unroutable_task_is_not_retried_until_the_deadline(tmp_path: Path) -> None:
+    bus = CountingBus(namespace="control-test")
+    c = coordinator(tmp_path, bus)
+    bus.declare_worker("w1")
+    try:
+        sent = [c._publish(w, b"task", time.time() + 3600) for w in ("ghost", "w1")]
+    finally:
+        bus.close()
+    assert sent == [False, True]
+    assert bus.published == ["ghost", "w1"]  # one try for the ghost, then the next worker's task
+
+
+def test_an_accepted_registration_declares_the_workers_task_queue(tmp_path: Path) -> None:
+    bus = InProcessBus(namespace="control-test")
+    c = coordinator(tmp_path, bus)
+    c.start()
+    bus.start()
+    try:
+        bus.publish_control(envelope.encode(registration=pb.Registration(
+            worker_id="ghost", categories=["digits"], num_samples=10, device="cpu")))
+        deadline = time.monotonic() + 30
+        while not any(w.worker_id == "ghost" for w in c.store.workers()):
+            assert time.monotonic() < deadline, "the registration was not stored"
+            time.sleep(0.02)
+        bus.publish_task("ghost", b"task")  # routable: the task waits in the ghost's queue
+    finally:
+        c.stop()
+        bus.close()
