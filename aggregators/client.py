@@ -1,8 +1,10 @@
 """A client of the aggregation service, used by workers and the coordinator: deadlines on every call,
 retries only where repeating is safe, and the caller's bearer token (and TLS) from its ClientSecurity.
 
-A call retries an unavailable service a few times (`rpc.call_with_retry`). A caller that rides out longer
-outages itself (the coordinator, for `aggregator_outage_s`) takes `without_retries()`, so retries never nest.
+A call retries an unavailable service a few times (`rpc.call_with_retry`). A caller whose calls are worth
+making until a deadline (a worker: its round's) takes `until(deadline_unix)`, and every call retries until
+then. A caller that rides out longer outages itself (the coordinator, for `aggregator_outage_s`) takes
+`without_retries()`, so retries never nest.
 
 The three model-streaming calls skip protobuf objects for the data chunks (`codec.encoded_stream` and
 `codec.decoded_stream`: the same bytes on the wire, two to three fewer copies of the model per
@@ -13,7 +15,8 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -23,6 +26,8 @@ from fedbroker.auth import ClientSecurity
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import CHANNEL_OPTIONS, RPC_ATTEMPTS, call_with_retry
+
+T = TypeVar("T")
 
 
 def _path(method: str) -> str:
@@ -40,6 +45,7 @@ class AggregatorClient:
         self.transfer_timeout_s = transfer_timeout_s
         self.max_model_bytes = max_model_bytes
         self.attempts = attempts  # tries per call for the errors it is safe to repeat on
+        self.deadline_unix: float | None = None  # set: retry until then instead (see `until`)
         security = security or ClientSecurity()
         self._channel = security.channel(target, CHANNEL_OPTIONS)
         self._md = security.metadata()  # sent with every call
@@ -55,8 +61,20 @@ class AggregatorClient:
     def without_retries(self) -> AggregatorClient:
         """This client, on the same channel, calling once: for a caller that owns the retrying."""
         once = copy.copy(self)
-        once.attempts = 1
+        once.attempts, once.deadline_unix = 1, None
         return once
+
+    def until(self, deadline_unix: float | None) -> AggregatorClient:
+        """This client, on the same channel, retrying every call until `deadline_unix` (a Unix time) instead
+        of `attempts` times: for a caller whose calls are worth making until then and no longer (a worker's
+        status, download and upload until its round's deadline). None or 0: no deadline, `attempts` tries."""
+        bounded = copy.copy(self)
+        bounded.deadline_unix = deadline_unix or None
+        return bounded
+
+    def _retry(self, fn: Callable[[], T], *, what: str, idempotent: bool) -> T:
+        return call_with_retry(fn, what=what, idempotent=idempotent, attempts=self.attempts,
+                               deadline_unix=self.deadline_unix)
 
     def close(self) -> None:
         self._channel.close()
@@ -70,10 +88,10 @@ class AggregatorClient:
     def put_global(self, job_id: str, version: int, spec_json: str, tensors: Mapping[str, np.ndarray]) -> None:
         header = pb.ModelHeader(job_id=job_id, version=version, model_spec_json=spec_json,
                                 tensors=codec.tensor_specs(tensors))
-        call_with_retry(
+        self._retry(
             lambda: self._put_global(codec.encoded_stream(pb.ModelChunk, header, tensors),
                                      timeout=self.transfer_timeout_s, metadata=self._md),
-            what=f"put global model of job {job_id}", idempotent=True, attempts=self.attempts,
+            what=f"put global model of job {job_id}", idempotent=True,
         )
 
     def download(self, job_id: str, version: int = 0) -> tuple[int, str, dict[str, np.ndarray]]:
@@ -84,8 +102,7 @@ class AggregatorClient:
                                                max_bytes=self.max_model_bytes)
             return header.version, header.model_spec_json, tensors
 
-        return call_with_retry(run, what=f"download global model of job {job_id}", idempotent=True,
-                               attempts=self.attempts)
+        return self._retry(run, what=f"download global model of job {job_id}", idempotent=True)
 
     def upload(self, *, job_id: str, round: int, worker_id: str, num_samples: int, tensors: Mapping[str, np.ndarray],
                ish: float | None = None, epsilon: float = 0.0, train_loss: float = 0.0,
@@ -96,39 +113,44 @@ class AggregatorClient:
             ish=ish or 0.0, has_ish=ish is not None, epsilon=epsilon, train_loss=train_loss,
             validation_loss=validation_loss, tensors=codec.tensor_specs(tensors),
         )
-        return call_with_retry(
+        return self._retry(
             lambda: self._upload(codec.encoded_stream(pb.UpdateChunk, header, tensors),
                                  timeout=self.transfer_timeout_s, metadata=self._md),
-            what=f"upload of {worker_id} for round {round}", idempotent=True, attempts=self.attempts,
+            what=f"upload of {worker_id} for round {round}", idempotent=True,
         )
 
     def open_round(self, job_id: str, round: int, participants: Sequence[str], deadline_unix: float,
                    aggregation: Mapping[str, object], *, seed: int,
-                   histograms: Mapping[str, Sequence[int]] | None = None) -> int:
+                   histograms: Mapping[str, Sequence[int]] | None = None,
+                   num_samples: Mapping[str, int] | None = None) -> int:
+        """`num_samples`: each participant's registered sample count, the most an upload of it may claim."""
         request = pb.OpenRoundRequest(
             job_id=job_id, round=round, participants=list(participants), deadline_unix=deadline_unix,
             aggregation_json=json.dumps(dict(aggregation)), seed=seed,
             histograms={w: pb.LabelHistogram(counts=list(h)) for w, h in (histograms or {}).items()},
+            num_samples=dict(num_samples or {}),
         )
-        reply: pb.OpenRoundReply = call_with_retry(
+        reply: pb.OpenRoundReply = self._retry(
             lambda: self._stub.OpenRound(request, timeout=self.timeout_s, metadata=self._md),
-            what=f"open round {round}", idempotent=True, attempts=self.attempts,
+            what=f"open round {round}", idempotent=True,
         )
         return reply.model_version
 
     def status(self, job_id: str, round: int) -> tuple[list[str], bool]:
-        reply: pb.RoundStatusReply = call_with_retry(
+        reply: pb.RoundStatusReply = self._retry(
             lambda: self._stub.RoundStatus(pb.RoundStatusRequest(job_id=job_id, round=round), timeout=self.timeout_s,
                                            metadata=self._md),
-            what=f"status of round {round}", idempotent=True, attempts=self.attempts,
+            what=f"status of round {round}", idempotent=True,
         )
         return list(reply.accepted), reply.open
 
     def close_round(self, job_id: str, round: int, *, timeout_s: float = 600.0) -> pb.CloseRoundReply:
-        # Not idempotent: a retry after a lost reply finds the round closed, so only UNAVAILABLE is retried.
-        reply: pb.CloseRoundReply = call_with_retry(
+        # Safe to repeat: a retry while the close runs waits for it, one after it gets the same result back
+        # (RoundBook.close). DEADLINE_EXCEEDED is still not retried here: a close that outlived `timeout_s`
+        # is the caller's to judge (the coordinator retries it within aggregator_outage_s).
+        reply: pb.CloseRoundReply = self._retry(
             lambda: self._stub.CloseRound(pb.CloseRoundRequest(job_id=job_id, round=round), timeout=timeout_s,
                                           metadata=self._md),
-            what=f"close round {round}", idempotent=False, attempts=self.attempts,
+            what=f"close round {round}", idempotent=False,
         )
         return reply

@@ -71,8 +71,9 @@ def retry_call(
 ) -> T:
     """`fn()`, tried again after a backoff while it raises an exception that `retryable` accepts.
 
-    Stops at `attempts` calls in all, or when the next wait would end past `deadline` (a `clock()` time,
-    monotonic by default): it never sleeps past the deadline. Then, as for an exception `retryable`
+    Stops at `attempts` calls in all, or at `deadline` (a `clock()` time, monotonic by default): a wait that
+    would end past the deadline is shortened to end at it, and that last try decides, so a caller retries
+    for as long as its deadline allows and never sleeps past it. Then, as for an exception `retryable`
     refuses, the last exception propagates unchanged. `on_retry(error, retry, delay)` is told of each
     retry before its wait (for logging; `retry` counts from 1). `sleep` may return early (e.g. a stop
     event's `wait`); a caller that must stop retrying then says so through `retryable`.
@@ -89,8 +90,11 @@ def retry_call(
             if not retryable(error) or (attempts is not None and retry + 1 >= attempts):
                 raise
             delay = backoff.delay(retry, rng=rng)
-            if deadline is not None and clock() + delay > deadline:
-                raise
+            if deadline is not None:
+                left = deadline - clock()
+                if left <= 0:
+                    raise
+                delay = min(delay, left)  # the last wait ends at the deadline, for a last try there
             retry += 1
             if on_retry is not None:
                 on_retry(error, retry, delay)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import NoReturn, TypeVar, cast
 
@@ -15,6 +16,7 @@ from fedbroker.errors import (
     FedbrokerError,
     NotFound,
     Unauthenticated,
+    Unavailable,
     UploadRejected,
 )
 from fedbroker.retry import Backoff, retry_call
@@ -25,10 +27,23 @@ T = TypeVar("T")
 # A chunk is 2 MiB; leave room for the envelope. The size limit of a whole model is the service's own.
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 REASON_KEY = "fedbroker-reason"  # trailing metadata: the short reason code of a refusal
+# Keepalive, one list for clients and servers (each side ignores the other's keys), so the two agree: a
+# client pings every KEEPALIVE_MS, also while a long unary call (a CloseRound aggregating for minutes) sends
+# no data. gRPC servers by default accept a ping without data only every 5 minutes and answer the third
+# early one with GOAWAY "too_many_pings", which cut such a close after ~3.5 minutes; ours accept one every
+# MIN_PING_INTERVAL_MS (< KEEPALIVE_MS), with or without calls in flight.
+KEEPALIVE_MS = 30_000
+MIN_PING_INTERVAL_MS = 10_000
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
+    # client side
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # server side
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),  # faster still strikes (flood)
 ]
 
 # Status details travel in HTTP/2 trailers, which peers cap at a few KiB: a longer message (every problem of
@@ -40,6 +55,7 @@ _STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
     (Conflict, grpc.StatusCode.FAILED_PRECONDITION),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (BudgetExceeded, grpc.StatusCode.FAILED_PRECONDITION),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
 ]
 
 
@@ -83,14 +99,22 @@ class RemoteError(FedbrokerError):
         super().__init__(message)
 
 
-# The default for a client call: a few quick tries, enough to ride out a restart of the peer's listener.
+# The default for a client call: a few quick tries, enough to ride out a restart of the peer's listener. A
+# caller whose result has a deadline (a worker's upload: its round's) retries until then instead.
 RPC_ATTEMPTS = 5
 RPC_BACKOFF = Backoff(initial_s=0.2, max_s=5.0)
 
 
-def call_with_retry(fn: Callable[[], T], *, what: str, idempotent: bool, attempts: int = RPC_ATTEMPTS) -> T:
+def call_with_retry(fn: Callable[[], T], *, what: str, idempotent: bool, attempts: int = RPC_ATTEMPTS,
+                    deadline_unix: float | None = None, backoff: Backoff | None = None,
+                    clock: Callable[[], float] = time.time, sleep: Callable[[float], object] = time.sleep) -> T:
     """Retry on UNAVAILABLE (and DEADLINE_EXCEEDED when safe to repeat) with jittered exponential backoff;
-    a failure for good becomes `RemoteError`. `attempts=1` calls once, for a caller that retries itself."""
+    a failure for good becomes `RemoteError`. `attempts=1` calls once, for a caller that retries itself.
+
+    `deadline_unix` (a `clock()` time, wall clock by default): retry until then, whatever `attempts` says,
+    with a last try at the deadline: for as long as the caller can still use the result. UNAVAILABLE
+    includes a service whose spool disk is full (reason `spool_full`), so that too is retried."""
+    wait = backoff or RPC_BACKOFF
 
     def retryable(error: Exception) -> bool:
         if not isinstance(error, grpc.RpcError):
@@ -100,10 +124,15 @@ def call_with_retry(fn: Callable[[], T], *, what: str, idempotent: bool, attempt
 
     def log_retry(error: Exception, retry: int, delay: float) -> None:
         code = error.code().name if isinstance(error, grpc.RpcError) else type(error).__name__
-        log.info("%s: %s, retry %d/%d in %.2fs", what, code, retry, attempts - 1, delay)
+        reason = reason_of(error) if isinstance(error, grpc.RpcError) else code
+        limit = f"until the deadline, {deadline_unix - clock():.1f}s away" if deadline_unix else f"of {attempts - 1}"
+        log.info("%s: %s (%s), retry %d %s in %.2fs", what, code, reason, retry, limit, delay)
 
     try:
-        return retry_call(fn, backoff=RPC_BACKOFF, retryable=retryable, attempts=attempts, on_retry=log_retry)
+        if deadline_unix:
+            return retry_call(fn, backoff=wait, retryable=retryable, deadline=deadline_unix, on_retry=log_retry,
+                              clock=clock, sleep=sleep)
+        return retry_call(fn, backoff=wait, retryable=retryable, attempts=attempts, on_retry=log_retry, sleep=sleep)
     except grpc.RpcError as error:
         code = error.code()
         raise RemoteError(reason_of(error), f"{what}: {code.name}: {error.details()}", code) from None

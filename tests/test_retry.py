@@ -180,3 +180,34 @@ def test_a_deadline_is_not_retried_where_repeating_is_unsafe_and_one_attempt_nev
     with pytest.raises(RemoteError):
         call_with_retry(unavailable, what="status", idempotent=True, attempts=1)
     assert unavailable.calls == 1
+
+
+def test_the_last_wait_before_a_deadline_is_shortened_for_a_last_try_at_the_deadline() -> None:
+    fn, time = Failing(), FakeTime()
+    with pytest.raises(Flaky):
+        retry_call(fn, backoff=Backoff(initial_s=3.0, max_s=3.0), retryable=is_flaky, deadline=10.0,
+                   sleep=time.sleep, clock=time.clock, rng=random.Random(0))
+    assert time.now == pytest.approx(10.0)  # it gave up at the deadline, not up to one wait before it
+    assert 0 < time.sleeps[-1] <= 3.0 and fn.calls == len(time.sleeps) + 1
+
+
+def test_a_call_with_a_deadline_outlasts_the_attempt_budget_and_gives_up_exactly_at_the_deadline() -> None:
+    """A worker's upload while the service is down (or its spool disk full): retried until the round's deadline,
+    not RPC_ATTEMPTS times."""
+    from fedbroker.rpc import RPC_ATTEMPTS
+
+    fn, time = Failing(error=lambda _: FakeRpcError(grpc.StatusCode.UNAVAILABLE, "spool_full")), FakeTime()
+    time.now = 1000.0
+    with pytest.raises(RemoteError) as info:
+        call_with_retry(fn, what="upload", idempotent=True, deadline_unix=1045.0, clock=time.clock, sleep=time.sleep)
+    assert fn.calls > RPC_ATTEMPTS and time.now == pytest.approx(1045.0)
+    assert info.value.reason == "spool_full" and info.value.code == grpc.StatusCode.UNAVAILABLE
+    back, time = Failing(succeed_on=20, error=lambda _: FakeRpcError(grpc.StatusCode.UNAVAILABLE)), FakeTime()
+    assert call_with_retry(back, what="upload", idempotent=True, deadline_unix=600.0, clock=time.clock,
+                           sleep=time.sleep) == "done"
+    assert back.calls == 20 and time.now < 600.0
+    final = Failing(error=lambda _: FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "late"))
+    with pytest.raises(RemoteError):
+        call_with_retry(final, what="upload", idempotent=True, deadline_unix=600.0, clock=time.clock,
+                        sleep=time.sleep)
+    assert final.calls == 1

@@ -4,23 +4,58 @@ Stored as one JSON file (never pickle), rewritten atomically (`fedbroker.files.w
 crash leaves either the old or the new ledger, never half of one. A
 ledger that cannot be read raises instead of starting empty: forgetting spent ε would let the
 worker overspend its budget.
+
+Besides the jobs' training, the ledger charges one-off releases about the data (`record_release`): the
+noised label histogram a worker shares at registration is a pure ε-DP release, drawn once and kept here
+so that a restart re-sends the same release instead of drawing (and spending) again. The total is the
+plain sum (basic composition): jobs' (ε_job, δ) and releases' (ε_release, 0) compose to (Σε, δ).
+
+Next to the ledger, a mark file (`<ledger>.mark`) holds the highest total ever written. A ledger whose
+total is below its mark (an older copy restored, an edit), or a missing ledger whose mark says ε was
+spent, is refused at load: ε never falls silently. Losing both is what the coordinator catches: a task
+carries the ε it recorded for the worker, and the worker refuses to train below it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
 import numbers
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fedbroker.errors import ConfigError
 from fedbroker.files import write_atomic
 
+log = logging.getLogger(__name__)
+
 FORMAT_VERSION = 1
+MARK_SUFFIX = ".mark"
 _Entry = dict[str, Any]  # {"epsilon": float, "history": [[noise_multiplier, sample_rate, steps], ...]}
+# A release: {"epsilon": ε spent on all its draws, "draw_epsilon": ε of the kept draw, "value": [...],
+#             "source_sha256": digest of what it was drawn from (stays on the owner's disk)}
+_Release = dict[str, Any]
+# Totals are sums of floats in dict order, which a reload may change: compare them with this slack.
+_SLACK = 1e-9
+
+
+def below(total: float, other: float) -> bool:
+    """Whether ε `total` is below `other` by more than float summation order can explain."""
+    return total < other - _SLACK * max(1.0, abs(other))
+
+
+@dataclass(frozen=True)
+class Release:
+    """A kept release (e.g. the noised label histogram): what was published and the ε of that draw."""
+
+    value: list[int]
+    draw_epsilon: float
+    source_sha256: str
 
 
 class PrivacyLedger:
@@ -28,8 +63,11 @@ class PrivacyLedger:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.mark_path = path + MARK_SUFFIX
         self._lock = threading.Lock()
+        self._releases: dict[str, _Release] = {}
         self._jobs: dict[str, _Entry] = self._load()
+        self._check_mark()
 
     def history(self, job_id: str) -> list[tuple[float, float, int]]:
         """The job's accountant history, to restore before its next round (empty for a new job)."""
@@ -50,7 +88,7 @@ class PrivacyLedger:
         number at one δ, but jobs may use different δ); a data owner can cap it safely.
         """
         with self._lock:
-            return float(sum(e["epsilon"] for e in self._jobs.values()))
+            return _total(self._jobs, self._releases)
 
     def record(self, job_id: str, *, history: Sequence[Sequence[float]], epsilon: float) -> None:
         """Store the job's full history and total ε after a round; refuses to lower a job's ε.
@@ -72,8 +110,28 @@ class PrivacyLedger:
                 )
             jobs = dict(self._jobs)
             jobs[job_id] = {"epsilon": float(epsilon), "history": entries}
-            self._write(jobs)
+            self._write(jobs, self._releases)
             self._jobs = jobs
+
+    def release(self, name: str) -> Release | None:
+        """The kept draw of a one-off release (None: never released)."""
+        with self._lock:
+            r = self._releases.get(name)
+            return Release(list(r["value"]), float(r["draw_epsilon"]), str(r["source_sha256"])) if r else None
+
+    def record_release(self, name: str, *, value: Sequence[int], epsilon: float, source: Sequence[int]) -> None:
+        """Charge a new ε-DP release of `source` (published as `value`) and keep it for later restarts.
+
+        A release replaced by a new draw still counts: its ε is added to what the name spent before."""
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 < epsilon < math.inf:
+            raise ConfigError("epsilon", f"must be a finite number > 0, got {epsilon!r}")
+        with self._lock:
+            spent = float(self._releases[name]["epsilon"]) if name in self._releases else 0.0
+            releases = dict(self._releases)
+            releases[name] = {"epsilon": spent + float(epsilon), "draw_epsilon": float(epsilon),
+                              "value": [int(v) for v in value], "source_sha256": source_digest(source)}
+            self._write(self._jobs, releases)
+            self._releases = releases
 
     def jobs(self) -> dict[str, float]:
         """Job id → ε spent, for registration messages and metrics."""
@@ -85,6 +143,8 @@ class PrivacyLedger:
             with open(self.path, encoding="utf-8") as fh:
                 doc = json.load(fh)
         except FileNotFoundError:
+            log.warning("no privacy ledger at %s: starting a new one (a worker with history is refused by its "
+                        "mark file, or by the ε its coordinator recorded)", self.path)
             return {}
         except (OSError, ValueError) as exc:
             raise ConfigError(self.path, f"privacy ledger is unreadable ({exc}); refusing to start from zero") from None
@@ -98,13 +158,54 @@ class PrivacyLedger:
             except (KeyError, TypeError, ValueError) as exc:
                 raise ConfigError(self.path, f"job {job_id!r} has a malformed ledger entry ({exc})") from None
             jobs[job_id] = {"epsilon": eps, "history": entries}
+        releases = doc.get("releases", {})
+        if not isinstance(releases, dict):
+            raise ConfigError(self.path, "releases must be a mapping")
+        for name, r in releases.items():
+            try:
+                self._releases[name] = {"epsilon": float(r["epsilon"]), "draw_epsilon": float(r["draw_epsilon"]),
+                                        "value": [int(v) for v in r["value"]],
+                                        "source_sha256": str(r["source_sha256"])}
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ConfigError(self.path, f"release {name!r} has a malformed ledger entry ({exc})") from None
         return jobs
 
-    def _write(self, jobs: dict[str, _Entry]) -> None:
+    def _check_mark(self) -> None:
+        """Refuse a ledger whose total is below the highest total written next to it (see the module)."""
+        try:
+            with open(self.mark_path, encoding="utf-8") as fh:
+                marked = float(json.load(fh)["total_epsilon"])
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(self.mark_path, f"privacy ledger mark is unreadable ({exc}); refusing to start") from None
+        total = _total(self._jobs, self._releases)
+        if not os.path.exists(self.path) and marked > 0:
+            raise ConfigError(self.path, f"privacy ledger is missing, but its mark {self.mark_path} says ε {marked:.6g} "
+                                         f"was spent; restore the ledger (refusing to start from zero)")
+        if below(total, marked):
+            raise ConfigError(self.path, f"privacy ledger holds ε {total:.6g}, below the {marked:.6g} its mark "
+                                         f"{self.mark_path} recorded: an older or edited ledger; restore the latest "
+                                         f"one (refusing to start from less than was spent)")
+
+    def _write(self, jobs: dict[str, _Entry], releases: dict[str, _Release]) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
-        doc = {"version": FORMAT_VERSION, "jobs": jobs}
+        doc: dict[str, Any] = {"version": FORMAT_VERSION, "jobs": jobs}
+        if releases:
+            doc["releases"] = releases
         write_atomic(self.path, json.dumps(doc, indent=1, sort_keys=True).encode())
+        # After the ledger: a crash in between leaves a mark below the ledger, which is allowed.
+        write_atomic(self.mark_path, json.dumps({"total_epsilon": _total(jobs, releases)}).encode())
+
+
+def _total(jobs: dict[str, _Entry], releases: dict[str, _Release]) -> float:
+    return float(sum(e["epsilon"] for e in jobs.values()) + sum(r["epsilon"] for r in releases.values()))
+
+
+def source_digest(counts: Sequence[int]) -> str:
+    """Identifies what a release was drawn from, so a changed data set draws (and pays for) a new one."""
+    return hashlib.sha256(json.dumps([int(c) for c in counts]).encode()).hexdigest()
 
 
 def _entry(i: int, e: Sequence[float]) -> list[float | int]:

@@ -40,7 +40,9 @@ def test_ledger_file_is_plain_json(tmp_path):
     PrivacyLedger(str(path)).record("job", history=[(1.0, 0.5, 3)], epsilon=0.75)
     doc = json.loads(path.read_text(encoding="utf-8"))
     assert doc == {"version": 1, "jobs": {"job": {"epsilon": 0.75, "history": [[1.0, 0.5, 3]]}}}
-    assert [p.name for p in tmp_path.iterdir()] == ["ledger.json"]  # no temp files left behind
+    # no temp files left behind; the mark holds the highest total written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger.json", "ledger.json.mark"]
+    assert json.loads((tmp_path / "ledger.json.mark").read_text(encoding="utf-8")) == {"total_epsilon": 0.75}
 
 
 def test_recording_a_lower_epsilon_is_refused_and_changes_nothing(tmp_path):
@@ -76,3 +78,39 @@ def test_bad_records_name_the_field(tmp_path, kwargs, field):
     with pytest.raises(ConfigError) as info:
         ledger.record("job", **args)
     assert info.value.field == field
+
+
+def test_a_ledger_below_its_mark_is_refused_at_load(tmp_path):
+    """An older ledger restored over the latest one (or an edit) would hand back spent ε: refused, naming both."""
+    path = tmp_path / "ledger.json"
+    ledger = PrivacyLedger(str(path))
+    ledger.record("job", history=[(1.0, 0.1, 10)], epsilon=1.0)
+    older = path.read_bytes()
+    ledger.record("job", history=[(1.0, 0.1, 20)], epsilon=2.0)
+    path.write_bytes(older)
+    with pytest.raises(ConfigError, match=r"holds ε 1, below the 2 its mark .*ledger.json.mark"):
+        PrivacyLedger(str(path))
+
+
+def test_a_missing_ledger_whose_mark_says_epsilon_was_spent_is_refused_at_load(tmp_path):
+    path = tmp_path / "ledger.json"
+    PrivacyLedger(str(path)).record("job", history=[(1.0, 0.1, 10)], epsilon=1.5)
+    path.unlink()
+    with pytest.raises(ConfigError, match="missing, but its mark .* says ε 1.5 was spent"):
+        PrivacyLedger(str(path))
+    (tmp_path / "ledger.json.mark").unlink()  # both gone: only the coordinator's record can tell
+    assert PrivacyLedger(str(path)).total_epsilon() == 0.0
+
+
+def test_a_release_is_charged_once_kept_across_restarts_and_a_new_draw_adds_its_epsilon(tmp_path):
+    path = str(tmp_path / "ledger.json")
+    ledger = PrivacyLedger(path)
+    ledger.record("job", history=[(1.0, 0.1, 10)], epsilon=2.0)
+    ledger.record_release("label_histogram", value=[3, 0, 5], epsilon=1.0, source=[2, 1, 5])
+    assert ledger.total_epsilon() == pytest.approx(3.0)
+    again = PrivacyLedger(path)
+    kept = again.release("label_histogram")
+    assert kept is not None and kept.value == [3, 0, 5] and kept.draw_epsilon == 1.0
+    assert again.total_epsilon() == pytest.approx(3.0) and again.jobs() == {"job": 2.0}
+    again.record_release("label_histogram", value=[1, 1, 1], epsilon=0.5, source=[1, 1, 1])
+    assert PrivacyLedger(path).total_epsilon() == pytest.approx(3.5)  # both draws were published: both count
