@@ -26,6 +26,7 @@ from fedbroker import codec
 from fedbroker.aggregators import metrics
 from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.auth import ROLE_COORDINATOR, ROLE_WORKER, Identity, ServerAuth, ServerTLS, TokenTable, add_port
+from fedbroker.callguard import CallGuard, CallLimits
 from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -77,7 +78,8 @@ class AggregationServicer(pb_grpc.AggregationServicer):
             aggregation = json.loads(request.aggregation_json or "{}")
             version = self.book.open_round(request.job_id, request.round, request.participants,
                                            request.deadline_unix, aggregation, seed=request.seed,
-                                           histograms={w: list(h.counts) for w, h in request.histograms.items()})
+                                           histograms={w: list(h.counts) for w, h in request.histograms.items()},
+                                           num_samples=dict(request.num_samples))
             self._algorithms[request.job_id] = metrics.algorithm_labels(aggregation)
             return pb.OpenRoundReply(model_version=version)
 
@@ -218,18 +220,23 @@ def _add_servicer(servicer: AggregationServicer, server: grpc.Server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, table)
 
 
-def serve(book: RoundBook, *, address: str = "127.0.0.1:0", max_workers: int = 16, tokens: TokenTable | None = None,
-          tls: ServerTLS | None = None) -> tuple[grpc.Server, int]:
+def serve(book: RoundBook, *, address: str = "127.0.0.1:0", limits: CallLimits | None = None,
+          tokens: TokenTable | None = None, tls: ServerTLS | None = None) -> tuple[grpc.Server, int]:
     """Start the service (with standard gRPC health checking) and return it with its bound port.
 
+    `limits`: how its threads are shared out (`fedbroker.callguard`: health checks keep threads of their
+    own, workers' transfers are capped in all and per worker, a stream idle on its client is ended);
     `tokens`: authenticate every call (None = authentication off); `tls`: serve TLS instead of plaintext.
     """
+    limits = limits or CallLimits()
     interceptors: list[grpc.ServerInterceptor] = [GrpcMetricsInterceptor()]
     auth = None
     if tokens is not None:
         auth = ServerAuth(tokens, PERMISSIONS, service=SERVICE_NAME, on_reject=_count_refusal)
         interceptors.append(auth)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS,
+    interceptors.append(CallGuard(limits, service=SERVICE_NAME, identify=auth.identity if auth else None,
+                                  trusted_roles=frozenset({ROLE_COORDINATOR}), on_refuse=_count_refusal))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads), options=CHANNEL_OPTIONS,
                          interceptors=interceptors)
     _add_servicer(AggregationServicer(book, auth), server)
     health_servicer = health.HealthServicer()

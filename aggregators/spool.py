@@ -19,30 +19,53 @@ crash between writing it and committing job.json) is ignored on load and deleted
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
+from fedbroker.aggregators import metrics
 from fedbroker.aggregators.registries import build_algorithms
 from fedbroker.aggregators.state import Accepted, CloseResult, Job, UpdateSummary, new_round
 from fedbroker.aggregators.weighting.base import UpdateMeta
+from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.files import TEMP_SUFFIX, write_atomic
-from fedbroker.spec import AggregationConfig, parse_model
+from fedbroker.spec import AggregationConfig, parameter_shapes, parse_model
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+QUARANTINE_DIR = "quarantine"   # records that do not load, moved aside at start (never a job folder's name)
 META_KEY = "__fedbroker_meta_json__"
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+@contextlib.contextmanager
+def _disk_full_is_an_outage(what: str) -> Generator[None, None, None]:
+    """A full spool disk refuses the call with `spool_full` (UNAVAILABLE): nothing was accepted, and every
+    client retries it as it retries a restarting service, instead of failing on an opaque UNKNOWN.
+    `write_atomic` has removed its temporary file, so the spool holds what it held before."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _DISK_FULL:
+            raise
+        log.error("the spool disk is full: %s refused (%s)", what, exc)
+        raise UploadRejected(Rejection.SPOOL_FULL, f"the aggregation service's spool disk is full "
+                                                   f"({os.strerror(exc.errno)}); {what} not accepted, retry later"
+                             ) from exc
 
 
 @dataclass
@@ -67,24 +90,27 @@ class Spool:
     # ----- writes -----
 
     def save_global(self, job_id: str, version: int, spec_json: str, tensors: Mapping[str, np.ndarray]) -> None:
-        folder = self.folder(job_id)
-        folder.mkdir(parents=True, exist_ok=True)
-        _write_npz(folder / f"global-{version}.npz", tensors, {"version": version, "spec_json": spec_json})
+        with _disk_full_is_an_outage(f"global model {version} of job {job_id!r}"):
+            folder = self.folder(job_id)
+            folder.mkdir(parents=True, exist_ok=True)
+            _write_npz(folder / f"global-{version}.npz", tensors, {"version": version, "spec_json": spec_json})
 
     def save_record(self, job_id: str, record: Mapping[str, Any]) -> None:
         """Commit a job's state; global files and the round folder it names must already be on disk."""
         folder = self.folder(job_id)
         folder.mkdir(parents=True, exist_ok=True)
         doc = {"format": FORMAT_VERSION, "job_id": job_id, **record}
-        write_atomic(folder / "job.json", json.dumps(doc, sort_keys=True).encode())
+        with _disk_full_is_an_outage(f"the record of job {job_id!r}"):
+            write_atomic(folder / "job.json", json.dumps(doc, sort_keys=True).encode())
         self._prune(folder, doc)
 
     def save_update(self, job_id: str, round_number: int, seq: int, meta: Mapping[str, Any],
                     tensors: Mapping[str, np.ndarray]) -> Path:
         folder = self.folder(job_id) / f"round-{round_number}"
-        folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{seq:06d}.npz"
-        _write_npz(path, tensors, dict(meta))
+        with _disk_full_is_an_outage(f"an update for round {round_number} of job {job_id!r}"):
+            folder.mkdir(parents=True, exist_ok=True)
+            _write_npz(path, tensors, dict(meta))
         return path
 
     @staticmethod
@@ -97,26 +123,69 @@ class Spool:
     # ----- reads -----
 
     def load(self) -> Iterator[StoredJob]:
+        """Every job folder's committed record and global models; a folder that does not load is quarantined
+        (`quarantine`) and the others are still yielded. Use `restore_jobs`, which also quarantines a job
+        whose record loads but does not restore."""
         for record_path in sorted(self.root.glob("*/job.json")):
             folder = record_path.parent
-            record = json.loads(record_path.read_text(encoding="utf-8"))
-            if record.get("format") != FORMAT_VERSION:
-                raise ValueError(f"{record_path}: not a spool record of format {FORMAT_VERSION}")
-            globals_: dict[int, tuple[str, dict[str, np.ndarray]]] = {}
-            for version in record["versions"]:
-                tensors, meta = _read_npz(folder / f"global-{int(version)}.npz")
-                globals_[int(version)] = (str(meta["spec_json"]), tensors)
-            self._prune(folder, record)
-            yield StoredJob(record, globals_, folder)
+            try:
+                stored = self._load_job(folder)
+            except Exception as exc:  # whatever a damaged file raises: one bad record never stops the others
+                self.quarantine(folder, exc)
+                continue
+            yield stored
 
-    def updates(self, stored: StoredJob, round_number: int) -> Iterator[tuple[dict[str, Any], dict[str, np.ndarray]]]:
-        """The round's accepted updates in the order they were accepted (the running mean sums in that order)."""
+    def _load_job(self, folder: Path) -> StoredJob:
+        record = json.loads((folder / "job.json").read_text(encoding="utf-8"))
+        if not isinstance(record, dict) or record.get("format") != FORMAT_VERSION:
+            raise ValueError(f"not a spool record of format {FORMAT_VERSION}")
+        job_id = record.get("job_id")
+        if not isinstance(job_id, str) or self.folder(job_id) != folder:
+            raise ValueError(f"names job {job_id!r}, whose folder is not this one")
+        versions = record.get("versions")
+        if not isinstance(versions, list) or not versions:
+            raise ValueError("names no global model version")
+        globals_: dict[int, tuple[str, dict[str, np.ndarray]]] = {}
+        for version in versions:
+            tensors, meta = _read_npz(folder / f"global-{int(version)}.npz")
+            globals_[int(version)] = (str(meta["spec_json"]), tensors)
+        return StoredJob(record, globals_, folder)
+
+    def updates(self, stored: StoredJob, round_number: int) -> Iterator[tuple[Path, dict[str, Any], dict[str, np.ndarray]]]:
+        """The round's accepted updates in the order they were accepted (the running mean sums in that order),
+        each with its file; a file that does not load is quarantined and skipped."""
         folder = stored.folder / f"round-{round_number}"
         for path in folder.glob(f".*{TEMP_SUFFIX}"):  # an upload that crashed before its receipt: never acknowledged
             path.unlink(missing_ok=True)
         for path in sorted(folder.glob("[0-9]*.npz")):
-            tensors, meta = _read_npz(path)
-            yield meta, tensors
+            try:
+                tensors, meta = _read_npz(path)
+            except Exception as exc:  # truncated, not a zip, no metadata
+                self.quarantine(path, exc)
+                continue
+            yield path, meta, tensors
+
+    def quarantine(self, path: Path, error: BaseException) -> None:
+        """Move a job folder or an update file that does not load out of the way, into `quarantine/` inside
+        the spool (kept for a person to look at, never read again), with a log line and a metric."""
+        kind = "job" if path.is_dir() else "update"
+        name = path.name if kind == "job" else f"{path.parent.parent.name}.{path.parent.name}.{path.name}"
+        target = self.root / QUARANTINE_DIR / f"{name}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        n = 1
+        while target.exists():
+            n += 1
+            target = target.with_name(f"{target.name.split('~')[0]}~{n}")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+        except OSError as exc:
+            log.error("spool: %s does not load (%s: %s) and could not be quarantined (%s); skipped this time",
+                      path, type(error).__name__, error, exc)
+        else:
+            log.error("spool: %s does not load (%s: %s); moved to %s%s", path, type(error).__name__, error, target,
+                      "; the service goes on with every other job" if kind == "job"
+                      else "; its job is restored without that update")
+        metrics.SPOOL_QUARANTINED.labels(kind).inc()
 
     # ----- housekeeping -----
 
@@ -175,7 +244,7 @@ def job_record(job: Job) -> dict[str, Any]:
         "last_close": last,
         "round": None if rnd is None else {
             "number": rnd.number, "participants": sorted(rnd.participants), "deadline": rnd.deadline,
-            "aggregation": rnd.aggregation, "histograms": rnd.histograms,
+            "aggregation": rnd.aggregation, "histograms": rnd.histograms, "num_samples": rnd.sample_limits,
         },
     }
 
@@ -193,6 +262,8 @@ def restore_job(spool: Spool, stored: StoredJob) -> Job:
     record = stored.record
     versions = {v: tensors for v, (_, tensors) in stored.globals.items()}
     specs = {v: spec_json for v, (spec_json, _) in stored.globals.items()}
+    for v, tensors in versions.items():
+        _check_tensors(tensors, parameter_shapes(parse_model(json.loads(specs[v]))))
     job = Job(record["job_id"], parse_model(json.loads(specs[max(specs)])), int(record["seed"]), versions, specs,
               closed_rounds={int(n) for n in record["closed_rounds"]},
               closed_accepted={int(n): list(w) for n, w in record.get("closed_accepted", {}).items()},
@@ -208,13 +279,45 @@ def restore_job(spool: Spool, stored: StoredJob) -> Job:
         aggregation = dict(r["aggregation"])
         job.round = new_round(int(r["number"]), frozenset(r["participants"]), float(r["deadline"]),
                               build_algorithms(AggregationConfig(**aggregation)), aggregation,
-                              {w: list(h) for w, h in r["histograms"].items()}, job.spec)
-        for meta, tensors in spool.updates(stored, job.round.number):
-            job.round.next_seq = int(meta["seq"]) + 1
-            job.round.accept(_accepted_from_record(meta), tensors, None)
+                              {w: list(h) for w, h in r["histograms"].items()}, job.spec,
+                              sample_limits={w: int(n) for w, n in (r.get("num_samples") or {}).items()})
+        shapes = parameter_shapes(job.spec)
+        for path, meta, tensors in spool.updates(stored, job.round.number):
+            try:
+                entry = _accepted_from_record(meta)
+                seq = int(meta["seq"])
+                _check_tensors(tensors, shapes)
+            except Exception as exc:  # a damaged update: quarantined, the round goes on with the others
+                spool.quarantine(path, exc)
+                continue
+            job.round.next_seq = seq + 1
+            job.round.accept(entry, tensors, None)
         log.info("job %s: round %d reopened with %d accepted update(s) from the spool", job.job_id,
                  job.round.number, len(job.round.accepted))
     return job
+
+
+def restore_jobs(spool: Spool) -> Iterator[Job]:
+    """Every job the spool holds, restored; a job whose record or global models do not load or restore is
+    quarantined (`Spool.quarantine`), so one damaged record never stops the service or another job."""
+    for stored in spool.load():
+        try:
+            job = restore_job(spool, stored)
+        except Exception as exc:
+            spool.quarantine(stored.folder, exc)
+            continue
+        spool._prune(stored.folder, stored.record)
+        yield job
+
+
+def _check_tensors(tensors: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """An update file holds exactly the model's float32 tensors (it was checked on arrival; a file may rot)."""
+    got = {name: tuple(arr.shape) for name, arr in tensors.items()}
+    if got != {name: tuple(shape) for name, shape in shapes.items()}:
+        raise ValueError(f"its tensors {got} are not the model's {dict(shapes)}")
+    for name, arr in tensors.items():
+        if arr.dtype != np.float32:
+            raise ValueError(f"tensor {name!r} is {arr.dtype}, not float32")
 
 
 def _accepted_from_record(r: Mapping[str, Any]) -> Accepted:

@@ -54,7 +54,7 @@ def serve_child() -> None:
     from fedbroker.heap import keep_freed_memory
 
     keep_freed_memory()  # as `fedbroker aggregator` does at start (fedbroker.app.launch.start_aggregator)
-    server, port = serve(RoundBook(), max_workers=4)
+    server, port = serve(RoundBook())  # the deployment's thread budget (fedbroker.callguard.CallLimits)
     print(port, flush=True)
     _control_loop()  # until the parent closes our stdin
     server.stop(grace=0)

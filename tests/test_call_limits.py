@@ -1,0 +1,185 @@
+"""The aggregation service's thread budget (fedbroker.callguard) against a real gRPC server on port 0: one
+worker token cannot freeze the service. Its silent streams beyond `max_streams_per_worker` are refused at
+once, those it holds are ended after `stream_idle_timeout_s`, and meanwhile health checks, the coordinator's
+control calls and another worker's upload go through."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY
+
+from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.service import SERVICE_NAME, serve
+from fedbroker.auth import ClientSecurity
+from fedbroker.callguard import CallLimits
+from fedbroker.errors import ConfigError, ConfigErrors
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
+from fedbroker.spec import parse_model
+from tests.security.conftest import token_table
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+SPEC = parse_model({"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 2}]})
+IDLE_S = 2.0
+
+
+def weights(value: float) -> dict[str, np.ndarray]:
+    return {"0.weight": np.full((2, 4), value, np.float32), "0.bias": np.full(2, value, np.float32)}
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:g}s waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
+def streams_open() -> float:
+    return REGISTRY.get_sample_value("fedbroker_grpc_server_streams", {"grpc_service": SERVICE_NAME}) or 0.0
+
+
+def refused(method: str, reason: str) -> float:
+    return REGISTRY.get_sample_value("fedbroker_grpc_server_calls_refused_total",
+                                     {"grpc_service": SERVICE_NAME, "grpc_method": method, "reason": reason}) or 0.0
+
+
+def uploads_rejected(reason: str) -> float:
+    return REGISTRY.get_sample_value("fedbroker_aggregator_uploads_rejected_total", {"reason": reason}) or 0.0
+
+
+def reason_of(error: grpc.RpcError) -> str | None:
+    return dict(error.trailing_metadata() or ()).get("fedbroker-reason")
+
+
+@pytest.fixture
+def service():
+    table, tokens = token_table({"coordinator": "coordinator", "w1": "worker", "w2": "worker"})
+    book = RoundBook()
+    server, port = serve(book, tokens=table, limits=CallLimits(stream_idle_timeout_s=IDLE_S))
+    target = f"127.0.0.1:{port}"
+    channel = grpc.insecure_channel(target)
+    clients = {name: AggregatorClient(target, timeout_s=10, security=ClientSecurity(token=token))
+               for name, token in tokens.items()}
+    clients["coordinator"].put_global("job", 1, SPEC.to_json(), weights(0.0))
+    clients["coordinator"].open_round("job", 1, ["w1", "w2"], time.time() + 600,
+                                      {"alignment": "none", "weighting": "fedavg", "selection": "all"}, seed=0)
+    release = threading.Event()
+    yield {"tokens": tokens, "clients": clients, "channel": channel, "release": release, "target": target}
+    release.set()
+    for client in clients.values():
+        client.close()
+    channel.close()
+    server.stop(grace=0)
+
+
+def silent(release: threading.Event) -> Iterator[pb.UpdateChunk]:
+    """An upload that sends nothing until the test ends."""
+    release.wait()
+    return
+    yield  # pragma: no cover
+
+
+def test_one_workers_silent_streams_cannot_starve_health_checks_control_calls_or_other_workers(service):
+    tokens, clients, release = service["tokens"], service["clients"], service["release"]
+    stub = pb_grpc.AggregationStub(service["channel"])
+    baseline = streams_open()
+    idle_before = refused("UploadUpdate", "idle_stream")
+    rejected_before = uploads_rejected("idle_stream"), uploads_rejected("too_many_streams")
+    calls = [stub.UploadUpdate.future(silent(release), metadata=(("authorization", f"Bearer {tokens['w1']}"),),
+                                      timeout=60) for _ in range(24)]   # more than the service's 16 threads
+
+    # every stream beyond the worker's two is refused at once, reading nothing
+    def refusals() -> list[Any]:
+        return [c for c in calls if c.done() and c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
+
+    wait_for(lambda: len(refusals()) >= 22, "22 of the 24 silent streams to be refused")
+    for call in refusals():
+        assert reason_of(call) == "too_many_streams"
+        assert "max_streams_per_worker" in call.details()
+
+    # meanwhile: a health check, the coordinator's control calls and another worker's upload, promptly
+    health = health_pb2_grpc.HealthStub(service["channel"])
+    assert health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5).status == \
+        health_pb2.HealthCheckResponse.SERVING
+    assert clients["coordinator"].status("job", 1) == ([], True)
+    receipt = clients["w2"].upload(job_id="job", round=1, worker_id="w2", num_samples=3, tensors=weights(2.0))
+    assert not receipt.duplicate
+
+    # the two streams it held waited on their client for the idle timeout: ended, their threads free
+    wait_for(lambda: all(c.done() for c in calls), "the two held streams to be ended", timeout=IDLE_S + 30)
+    held = [c for c in calls if c.code() != grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(held) == 2
+    for call in held:
+        assert call.code() == grpc.StatusCode.DEADLINE_EXCEEDED, (call.code(), call.details())
+        assert call.details().startswith("idle_stream:")
+    wait_for(lambda: streams_open() == baseline, "the idle streams' slots to be given back")
+    assert refused("UploadUpdate", "idle_stream") == idle_before + 2
+    # each counted once (the handler counts an ended upload as it unwinds, a moment after the call ended)
+    wait_for(lambda: uploads_rejected("idle_stream") >= rejected_before[0] + 2, "the idle uploads to be counted")
+    time.sleep(0.2)
+    assert (uploads_rejected("idle_stream"), uploads_rejected("too_many_streams")) == \
+        (rejected_before[0] + 2, rejected_before[1] + 22)
+
+    # and the worker itself may upload again
+    receipt = clients["w1"].upload(job_id="job", round=1, worker_id="w1", num_samples=3, tensors=weights(4.0))
+    assert not receipt.duplicate
+    assert sorted(clients["coordinator"].close_round("job", 1).aggregated) == ["w1", "w2"]
+
+
+def test_a_download_the_client_does_not_read_is_ended_after_the_idle_timeout(service):
+    """A response stream blocks its thread in gRPC's flow control once the client stops reading: it is ended
+    as an upload that sends nothing is."""
+    clients = service["clients"]
+    big = parse_model({"input_shape": [4096], "layers": [{"type": "Linear", "in_features": 4096,
+                                                          "out_features": 1024}]})
+    tensors = {"0.weight": np.zeros((1024, 4096), np.float32), "0.bias": np.zeros(1024, np.float32)}  # 16 MiB
+    clients["coordinator"].put_global("big", 1, big.to_json(), tensors)
+    # no BDP probing: the client's flow-control window stays small, so the unread model cannot all fit in it
+    channel = grpc.insecure_channel(service["target"], options=[("grpc.http2.bdp_probe", 0)])
+    stub = pb_grpc.AggregationStub(channel)
+    baseline = streams_open()
+    stream = stub.DownloadGlobalModel(pb.GlobalModelRequest(job_id="big"), timeout=60,
+                                      metadata=(("authorization", f"Bearer {service['tokens']['w1']}"),))
+    next(stream)   # the header; then the client reads no more
+    wait_for(lambda: streams_open() == baseline, "the unread download to be ended", timeout=IDLE_S + 30)
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in stream:
+            pass
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    channel.close()
+    _, _, got = clients["w1"].download("big")   # a reader gets the whole model
+    assert got["0.weight"].shape == (1024, 4096)
+
+
+@pytest.mark.parametrize("limits, field", [
+    (dict(threads=10, health_threads=2, max_streams=8), "aggregator.max_streams"),
+    (dict(max_streams=4, max_streams_per_worker=5), "aggregator.max_streams_per_worker"),
+    (dict(health_threads=0), "aggregator.health_threads"),
+    (dict(stream_idle_timeout_s=0), "aggregator.stream_idle_timeout_s"),
+    (dict(stream_idle_timeout_s=float("nan")), "aggregator.stream_idle_timeout_s"),
+])
+def test_limits_that_leave_control_calls_or_health_checks_no_thread_are_a_config_error(limits, field):
+    with pytest.raises(ConfigError) as info:
+        CallLimits(**limits)
+    fields = [e.field for e in info.value.errors] if isinstance(info.value, ConfigErrors) else [info.value.field]
+    assert field in fields
+
+
+def test_the_aggregator_process_takes_its_thread_budget_from_its_config():
+    from fedbroker.app.launch import start_aggregator
+    from fedbroker.config import load_config
+
+    config = load_config(environ={"FEDBROKER__AGGREGATOR__MAX_STREAMS": "15"})
+    with pytest.raises(ConfigError, match=r"aggregator\.max_streams: .* must be below threads \(16\)"):
+        start_aggregator(config)
