@@ -8,7 +8,7 @@ values once they have arrived (finite). The caller snapshots what its state says
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,6 +26,7 @@ class Standing:
     participants: frozenset[str] | None  # None: not the job's current round (closed long ago, or never opened)
     deadline: float | None               # the current round's, else a recently closed round's, else None
     closed: bool
+    sample_limits: Mapping[str, int] = field(default_factory=dict)  # participants' registered sample counts
 
 
 def check_membership(header: pb.UpdateHeader, standing: Standing, *, now: float) -> None:
@@ -45,10 +46,17 @@ def check_membership(header: pb.UpdateHeader, standing: Standing, *, now: float)
         )
 
 
-def check_header(header: pb.UpdateHeader, shapes: Mapping[str, tuple[int, ...]]) -> None:
-    """The sample count, and the announced tensors against the global model's (float32) shapes."""
+def check_header(header: pb.UpdateHeader, shapes: Mapping[str, tuple[int, ...]], *,
+                 max_samples: int | None = None) -> None:
+    """The sample count (positive, and at most `max_samples`, what the worker registered: a FedAvg weight is
+    a sample count, so an unbounded claim would let one upload set the global model), and the announced
+    tensors against the global model's (float32) shapes."""
     if header.num_samples <= 0:
         raise UploadRejected(Rejection.BAD_HEADER, f"num_samples must be positive, got {header.num_samples}")
+    if max_samples is not None and header.num_samples > max_samples:
+        raise UploadRejected(Rejection.TOO_MANY_SAMPLES,
+                             f"worker {header.worker_id!r} claims {header.num_samples} samples, more than the "
+                             f"{max_samples} it registered")
     check_specs({name: (shape, "float32") for name, shape in shapes.items()},
                 {t.name: (tuple(t.shape), t.dtype) for t in header.tensors}, who=f"worker {header.worker_id!r}")
 

@@ -1,6 +1,12 @@
 """A closing round's accepted updates → the next global model: selection, weighting, then the mean or alignment.
 
 Pure given the round: no I/O, no locks (the round is CLOSING, so nothing is added meanwhile).
+
+Every stage has a cooperative time limit, so a close ends within minutes whatever the job asked for:
+selection past `selection_time_limit_s` falls back to a random choice (the GA says why); an alignment past
+`alignment_time_limit_s` stops and the round's model is the plain weighted mean of the chosen updates
+(FedAvg of the same coefficients: every update has the global model's shapes), logged and recorded as
+`alignment_fallback = 1` in the close's stats.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedbroker.aggregators.alignment import DeadlinePassed
 from fedbroker.aggregators.mean import weighted_mean_of_rows
 from fedbroker.aggregators.network import from_layers, to_layers
 from fedbroker.aggregators.selection.base import Candidate
@@ -32,7 +39,7 @@ class Combined:
 
 
 def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray], spec: ModelSpec, *,
-            seed: int, selection_time_limit_s: float) -> Combined:
+            seed: int, selection_time_limit_s: float, alignment_time_limit_s: float = 120.0) -> Combined:
     rng = np.random.default_rng([seed, rnd.number])
     stats: dict[str, float] = {"accepted": float(len(accepted))}
     if rnd.rows.mean is not None:
@@ -40,7 +47,8 @@ def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, 
         state, weights = _running_result(rnd, accepted, stats)
     else:
         chosen, weights = _choose(rnd, accepted, current, rng, stats, selection_time_limit_s)
-        spec, state = _combine(rnd, spec, [accepted[w] for w in chosen], weights, rng, stats)
+        spec, state = _combine(rnd, spec, [accepted[w] for w in chosen], weights, rng, stats,
+                               deadline=time.monotonic() + alignment_time_limit_s)
     stats["aggregated"] = float(len(chosen))
     return Combined(chosen, weights, spec, state, stats)
 
@@ -86,18 +94,33 @@ def _choose(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, 
 
 
 def _combine(rnd: Round, spec: ModelSpec, updates: list[Accepted], weights: np.ndarray,
-             rng: np.random.Generator, stats: dict[str, float]) -> tuple[ModelSpec, dict[str, np.ndarray]]:
-    """The weighted mean, or the alignment's global network (whose widths may differ from `spec`)."""
-    if rnd.algorithms.alignment_name == "none":
-        assert rnd.rows.kept is not None and all(u.slot is not None for u in updates)
-        return spec, dict(weighted_mean_of_rows(rnd.rows.kept, [u.slot for u in updates if u.slot], weights,
-                                                rnd.rows.layout))
+             rng: np.random.Generator, stats: dict[str, float], *,
+             deadline: float) -> tuple[ModelSpec, dict[str, np.ndarray]]:
+    """The weighted mean, or the alignment's global network (whose widths may differ from `spec`); an
+    alignment that passes `deadline` gives way to the weighted mean."""
+    name = rnd.algorithms.alignment_name
+    if name == "none":
+        return spec, _mean(rnd, updates, weights)
     clients = [to_layers(spec, u.tensors or {}) for u in updates]
-    result = rnd.algorithms.alignment.align(
-        clients, weights=weights, rng=rng, round_index=rnd.number, class_shares=_class_shares(rnd, updates),
-    )
+    try:
+        result = rnd.algorithms.alignment.align(
+            clients, weights=weights, rng=rng, round_index=rnd.number, class_shares=_class_shares(rnd, updates),
+            deadline=deadline,
+        )
+    except DeadlinePassed as exc:
+        log.warning("round %d: %s alignment stopped (%s); the round's model is the weighted mean of its %d "
+                    "update(s) instead", rnd.number, name, exc, len(updates))
+        stats["alignment_fallback"] = 1.0
+        return spec, _mean(rnd, updates, weights)
     stats.update({f"alignment_{k}": float(v) for k, v in result.stats.items()})
+    stats["alignment_fallback"] = 0.0
     return from_layers(spec, result.layers)
+
+
+def _mean(rnd: Round, updates: list[Accepted], weights: np.ndarray) -> dict[str, np.ndarray]:
+    """The weighted mean of the chosen updates, from the rows that hold them (one pass)."""
+    assert rnd.rows.kept is not None and all(u.slot is not None for u in updates)
+    return dict(weighted_mean_of_rows(rnd.rows.kept, [u.slot for u in updates if u.slot], weights, rnd.rows.layout))
 
 
 def _class_shares(rnd: Round, updates: list[Accepted]) -> np.ndarray | None:

@@ -15,6 +15,12 @@ UPLOADS_ACCEPTED = Counter(
 UPLOADS_DUPLICATE = Counter(
     "fedbroker_aggregator_uploads_duplicate_total",
     "Uploads of an update that was already accepted (a retry), answered with the first receipt.")
+SPOOL_QUARANTINED = Counter(
+    "fedbroker_aggregator_spool_quarantined_total",
+    "Spool records that did not load at start (a truncated job.json, a damaged update file), moved to the "
+    "spool's quarantine/ folder; kind: job (the whole job folder) or update (one update file).", ["kind"])
+for _kind in ("job", "update"):
+    SPOOL_QUARANTINED.labels(_kind)
 UPLOADS_REJECTED = Counter(
     "fedbroker_aggregator_uploads_rejected_total",
     "Uploads refused, by reason code (fedbroker.errors.Rejection: late, wrong_shape, ...).", ["reason"])

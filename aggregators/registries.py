@@ -37,8 +37,9 @@ class Algorithms:
 
     @property
     def incremental(self) -> bool:
-        """True when every accepted update can be folded into a running mean and then dropped."""
-        return self.alignment_name == "none" and self.selection_name == "all"
+        """True when every accepted update can be folded into a running mean and then dropped (not when a
+        `max_share` cap makes the coefficients depend on the whole round)."""
+        return self.alignment_name == "none" and self.selection_name == "all" and self.weighting.proportional
 
 
 def _create(registry: Registry[T], name: str, params: Mapping[str, Any], errors: list[ConfigError]) -> T | None:

@@ -11,7 +11,9 @@ global model and the open round's definition before the coordinator's call retur
 the same folder (a restarted service) reloads all of it, so no acknowledged upload is lost. Every call
 the coordinator makes is idempotent, so it may repeat any of them after a restart on either side:
 `put_global` of a version the book already holds keeps the open round, `open_round` of the open round
-returns its version, `close` of the last closed round returns that close's result again.
+returns its version, `close` of the last closed round returns that close's result again, and a `close`
+repeated while the first is still aggregating (a client that lost its connection) waits for that close
+and returns its result: it is never told "already closed".
 
 The book is the thin coordinator of its parts: `admission` (may this upload enter?), `state` (the rounds'
 state machine), `rows` (which update lives in which row), `combine` (the close's aggregation) and `spool`
@@ -35,7 +37,7 @@ from fedbroker.aggregators import admission
 from fedbroker.aggregators.combine import combine
 from fedbroker.aggregators.registries import build_algorithms
 from fedbroker.aggregators.rows import Reservation
-from fedbroker.aggregators.spool import Spool, job_record, restore_job, update_record
+from fedbroker.aggregators.spool import Spool, job_record, restore_jobs, update_record
 from fedbroker.aggregators.state import (
     Accepted,
     CloseResult,
@@ -61,19 +63,21 @@ class RoundBook:
         *,
         max_update_bytes: int = DEFAULT_MAX_UPDATE_BYTES,
         selection_time_limit_s: float = 30.0,
+        alignment_time_limit_s: float = 120.0,
         clock: Callable[[], float] = time.time,
         spool_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.max_update_bytes = max_update_bytes
         self.selection_time_limit_s = selection_time_limit_s
+        self.alignment_time_limit_s = alignment_time_limit_s  # then the close falls back to the weighted mean
         self.clock = clock
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
+        self._closed = threading.Condition(self._lock)  # notified whenever a close ends, done or not
         self._accept_lock = threading.Lock()  # one accept at a time; status and downloads go on meanwhile
         self._spool = Spool(spool_dir) if spool_dir else None
         if self._spool is not None:
-            for stored in self._spool.load():
-                job = restore_job(self._spool, stored)
+            for job in restore_jobs(self._spool):  # a record that does not load is quarantined, not fatal
                 self._jobs[job.job_id] = job
             if self._jobs:
                 log.info("restored %d job(s) from the spool %s", len(self._jobs), spool_dir)
@@ -113,16 +117,21 @@ class RoundBook:
 
     def open_round(self, job_id: str, round_number: int, participants: Iterable[str], deadline: float,
                    aggregation: Mapping[str, Any], *, seed: int = 0,
-                   histograms: Mapping[str, Sequence[int]] | None = None) -> int:
+                   histograms: Mapping[str, Sequence[int]] | None = None,
+                   num_samples: Mapping[str, int] | None = None) -> int:
+        """Open round `round_number` (idempotent). `num_samples`: each participant's registered sample count,
+        the most its upload may claim (a participant not in it is unbounded)."""
         job = self._job(job_id)
         members = frozenset(participants)
         if not members:
             raise UploadRejected(Rejection.BAD_REQUEST, f"round {round_number} of job {job_id!r} has no participants")
         algorithms = build_algorithms(AggregationConfig(**aggregation))
         counts = {w: [int(c) for c in h] for w, h in (histograms or {}).items()}
+        limits = {w: int(n) for w, n in (num_samples or {}).items()}
         with self._lock:
             changed = job.open(round_number, members, deadline, seed=seed, build=lambda: new_round(
-                round_number, members, deadline, algorithms, dict(aggregation), counts, job.spec, job.spare_rows))
+                round_number, members, deadline, algorithms, dict(aggregation), counts, job.spec, job.spare_rows,
+                sample_limits=limits))
             if changed:
                 self._commit(job)
             return job.version
@@ -164,9 +173,10 @@ class RoundBook:
             first = rnd.receipt(header.job_id, header.worker_id) if rnd is not None else None
             if first is not None:  # a retry, even after the close: first receipt
                 return first
-            admission.check_membership(header, job.standing(header.round), now=self.clock())
+            standing = job.standing(header.round)
+            admission.check_membership(header, standing, now=self.clock())
             shapes = parameter_shapes(job.spec)
-        admission.check_header(header, shapes)
+        admission.check_header(header, shapes, max_samples=standing.sample_limits.get(header.worker_id))
         return None
 
     def _reserve(self, header: pb.UpdateHeader) -> Reservation | None:
@@ -219,13 +229,22 @@ class RoundBook:
         return rnd
 
     def close(self, job_id: str, round_number: int) -> CloseResult:
-        """Aggregate what was accepted into the next global version."""
+        """Aggregate what was accepted into the next global version.
+
+        Safe to repeat: a close of a round that is being closed waits for that close and returns its result
+        (or, if it failed and the round is open again, closes it itself); a close of the last closed round
+        returns its result again.
+        """
         started = time.perf_counter()
         job = self._job(job_id)
-        with self._lock:
-            repeated = job.repeated_close(round_number)
-            if repeated is not None:
-                return repeated  # a repeated close (the coordinator lost our reply, or restarted)
+        with self._closed:
+            while True:
+                repeated = job.repeated_close(round_number)
+                if repeated is not None:
+                    return repeated  # a repeated close (the coordinator lost our reply, or restarted)
+                if not job.closing(round_number):
+                    break
+                self._closed.wait()  # the first close is aggregating: its result is ours too
             rnd = job.begin_close(round_number)
             accepted = dict(rnd.accepted)
             current = job.versions[job.version]
@@ -236,11 +255,15 @@ class RoundBook:
             with self._lock:  # nothing changed: the round stays open and the coordinator may close it again
                 job.abort_close(rnd)
             raise
+        finally:
+            with self._closed:  # a repeated close waiting for this one: its result (or the round) is there
+                self._closed.notify_all()
 
     def _close(self, job: Job, rnd: Round, accepted: dict[str, Accepted], current: dict[str, np.ndarray],
                spec: ModelSpec, started: float) -> CloseResult:
         combined = combine(rnd, accepted, current, spec, seed=job.seed,
-                           selection_time_limit_s=self.selection_time_limit_s)
+                           selection_time_limit_s=self.selection_time_limit_s,
+                           alignment_time_limit_s=self.alignment_time_limit_s)
         coefficient = dict(zip(combined.chosen, combined.weights))
         updates = [
             UpdateSummary(w, a.num_samples, a.epsilon, a.train_loss, float(coefficient.get(w, 0.0)))

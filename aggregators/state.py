@@ -86,6 +86,7 @@ class Round:
     histograms: dict[str, list[int]]
     accepted: dict[str, Accepted] = field(default_factory=dict)
     phase: Phase = Phase.OPEN
+    sample_limits: dict[str, int] = field(default_factory=dict)  # registered sample counts: no upload claims more
     next_seq: int = 0                            # acceptance order of the spooled updates
 
     @property
@@ -114,10 +115,12 @@ class Round:
 
 def new_round(number: int, members: frozenset[str], deadline: float, algorithms: Algorithms,
               aggregation: dict[str, Any], histograms: dict[str, list[int]], spec: ModelSpec,
-              spare_rows: UpdateRows | None = None) -> Round:
+              spare_rows: UpdateRows | None = None, *, sample_limits: Mapping[str, int] | None = None) -> Round:
+    """`sample_limits`: each participant's registered sample count (a participant not in it is unbounded)."""
     rows = Rows(Layout(parameter_shapes(spec)), incremental=algorithms.incremental,
                 weights_positive=algorithms.weights_positive, spare=spare_rows)
-    return Round(number, members, deadline, algorithms, rows, aggregation, histograms)
+    return Round(number, members, deadline, algorithms, rows, aggregation, histograms,
+                 sample_limits={w: int(n) for w, n in (sample_limits or {}).items()})
 
 
 @dataclass
@@ -168,6 +171,7 @@ class Job:
             participants=rnd.participants if rnd is not None else None,
             deadline=rnd.deadline if rnd is not None else self.closed_deadlines.get(round_number),
             closed=round_number in self.closed_rounds or (rnd is not None and rnd.closed),
+            sample_limits=rnd.sample_limits if rnd is not None else {},
         )
 
     def status(self, round_number: int) -> tuple[list[str], bool]:
@@ -196,6 +200,11 @@ class Job:
     def repeated_close(self, number: int) -> CloseResult | None:
         """The result of closing round `number` when that was the last close (the coordinator lost our reply)."""
         return self.last_close[1] if self.last_close is not None and self.last_close[0] == number else None
+
+    def closing(self, number: int) -> bool:
+        """Whether round `number` is being aggregated right now (a repeated close waits for its result)."""
+        rnd = self.round
+        return rnd is not None and rnd.number == number and rnd.phase is Phase.CLOSING
 
     def begin_close(self, number: int) -> Round:
         """OPEN → CLOSING: uploads are refused from now on."""

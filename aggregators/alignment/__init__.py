@@ -4,7 +4,7 @@ Pure numpy/scipy: every algorithm takes the clients' networks (lists of `Layer`)
 and a seeded `np.random.Generator`, and returns an `AlignmentResult`.
 """
 
-from fedbroker.aggregators.alignment.base import Alignment, AlignmentResult, Layer, NoAlignment
+from fedbroker.aggregators.alignment.base import Alignment, AlignmentResult, DeadlinePassed, Layer, NoAlignment
 from fedbroker.aggregators.alignment.bn import fold_batchnorm, fold_batchnorm_layer
 from fedbroker.aggregators.alignment.feddna import (
     FedDNA,
@@ -36,6 +36,7 @@ __all__ = [
     "PFNM",
     "Alignment",
     "AlignmentResult",
+    "DeadlinePassed",
     "FedDNA",
     "Layer",
     "LayerMatch",

@@ -7,6 +7,7 @@ dense layer, `kh·kw` taps after a conv feeding a conv, `H·W` columns after a c
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -30,7 +31,11 @@ class AlignmentResult:
 
 
 class Alignment(Protocol):
-    """What the aggregation service calls; every registered alignment is a frozen kw-only dataclass."""
+    """What the aggregation service calls; every registered alignment is a frozen kw-only dataclass.
+
+    `deadline` (a time.monotonic() value) is cooperative: an alignment checks it inside its loops and raises
+    `DeadlinePassed` once it has passed; the service then falls back to the plain weighted mean.
+    """
 
     def align(
         self,
@@ -41,6 +46,7 @@ class Alignment(Protocol):
         round_index: int = 1,
         class_shares: np.ndarray | None = None,
         spatial: Sequence[int | None] | None = None,
+        deadline: float | None = None,
     ) -> AlignmentResult: ...
 
 
@@ -60,19 +66,36 @@ def check_bool(name: str, value: object) -> None:
         raise ValueError(f"{name} must be true or false; got {value!r}")
 
 
-def check_real(name: str, value: object, *, minimum: float, strict: bool) -> None:
+def check_real(name: str, value: object, *, minimum: float, strict: bool, maximum: float = np.inf) -> None:
+    """A finite number above `minimum` (strictly or not) and at most `maximum`: every parameter is bounded
+    at submission, so no job can ask for a close that runs for hours."""
     ok = False
     if isinstance(value, Real) and not isinstance(value, bool):
         number = float(value)
-        ok = bool(np.isfinite(number)) and (number > minimum if strict else number >= minimum)
+        ok = bool(np.isfinite(number)) and (number > minimum if strict else number >= minimum) and number <= maximum
     if not ok:
         relation = ">" if strict else ">="
-        raise ValueError(f"{name} must be a finite number {relation} {minimum:g}; got {value!r}")
+        upper = f" and <= {maximum:g}" if np.isfinite(maximum) else ""
+        raise ValueError(f"{name} must be a finite number {relation} {minimum:g}{upper}; got {value!r}")
 
 
-def check_int(name: str, value: object, *, minimum: int) -> None:
-    if not isinstance(value, Integral) or isinstance(value, bool) or int(value) < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+def check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
+    """An integer in [minimum, maximum] (no upper bound when maximum is None)."""
+    if (not isinstance(value, Integral) or isinstance(value, bool) or int(value) < minimum
+            or (maximum is not None and int(value) > maximum)):
+        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an integer {allowed}; got {value!r}")
+
+
+class DeadlinePassed(RuntimeError):
+    """An alignment ran past its cooperative deadline and stopped; the caller falls back (see combine)."""
+
+
+def check_deadline(deadline: float | None, what: str) -> None:
+    """Raise DeadlinePassed when `deadline` (a time.monotonic() value) has passed: the algorithms call this
+    inside their loops, so a close stops within one step of its time limit."""
+    if deadline is not None and time.monotonic() > deadline:
+        raise DeadlinePassed(f"{what} passed its time limit")
 
 
 # ---------------------------------------------------------------- input checks
@@ -244,10 +267,11 @@ class NoAlignment:
         round_index: int = 1,
         class_shares: np.ndarray | None = None,
         spatial: Sequence[int | None] | None = None,
+        deadline: float | None = None,
     ) -> AlignmentResult:
         nets = validate_clients(clients, same_widths=True, spatial=spatial)
         w = validate_weights(weights, len(nets))
-        layers = weighted_mean_layers(nets, w)
+        layers = weighted_mean_layers(nets, w)  # one pass, no loop worth a deadline
         return AlignmentResult(
             layers=layers,
             permutations=identity_permutations(nets, len(layers) - 1),

@@ -23,6 +23,7 @@ from fedbroker.aggregators.alignment.base import (
     Network,
     check_bool,
     check_choice,
+    check_deadline,
     check_int,
     identity_permutations,
     validate_clients,
@@ -37,6 +38,7 @@ GROWTHS = ("prim", "random_client")
 DISTANCES = ("manhattan", "euclidean")
 LAYER_CHOICES = ("first", "all")
 _METRICS = {"manhattan": "cityblock", "euclidean": "euclidean"}
+MAX_FREEZE_AFTER = 100_000  # a job's most rounds (fedbroker.spec.MAX_ROUNDS): beyond it means "never"
 
 
 @dataclass(frozen=True)
@@ -67,9 +69,10 @@ def _grow(
     growth: str,
     rng: np.random.Generator,
     seeds: Sequence[int] | None,
+    deadline: float | None = None,
 ) -> TreeGrowth:
     """Algorithm 1. `row(v, nodes)` gives the distances from node v to `nodes`; only the nodes that can
-    still join the current tree are ever measured."""
+    still join the current tree are ever measured. `deadline` is checked at every growth step."""
     n_nodes = owner.shape[0]
     n_clients = int(owner.max()) + 1
     sizes = np.bincount(owner, minlength=n_clients)
@@ -99,6 +102,7 @@ def _grow(
         rows: dict[int, np.ndarray] = {}  # member → distances to the nodes open when it was measured
         to_tree = _measured(row, rows, seed, open_nodes, n_nodes).copy()  # mst: min over members; fixed: seed
         for _ in range(n_clients - 1):
+            check_deadline(deadline, "feddna tree growth")
             if variant == "random":
                 dist = _measured(row, rows, tree[int(rng.integers(len(tree)))], open_nodes, n_nodes)
             else:
@@ -151,6 +155,7 @@ def grow_trees(
     growth: str = "prim",
     distance: str = "manhattan",
     seeds: Sequence[int] | None = None,
+    deadline: float | None = None,
 ) -> TreeGrowth:
     """Trees over the clients' node vectors (`vectors[k]` is (n, m)); nodes are numbered client-major."""
     check_choice("distance", distance, DISTANCES)
@@ -162,7 +167,7 @@ def grow_trees(
         distances: np.ndarray = cdist(points[nodes], points[v : v + 1], metric)[:, 0]
         return distances
 
-    return _grow(row, owner, variant=variant, growth=growth, rng=rng, seeds=seeds)
+    return _grow(row, owner, variant=variant, growth=growth, rng=rng, seeds=seeds, deadline=deadline)
 
 
 def spanning_costs(vectors: Sequence[np.ndarray], local_members: np.ndarray, distance: str) -> np.ndarray:
@@ -219,7 +224,7 @@ class FedDNA:
         check_bool("weighted_means", self.weighted_means)
         check_bool("static_fallback", self.static_fallback)
         if self.freeze_after is not None:
-            check_int("freeze_after", self.freeze_after, minimum=0)
+            check_int("freeze_after", self.freeze_after, minimum=0, maximum=MAX_FREEZE_AFTER)
 
     def node_vectors(self, layer: Layer) -> np.ndarray:
         v = layer.weight.reshape(layer.weight.shape[0], -1)
@@ -236,6 +241,7 @@ class FedDNA:
         round_index: int = 1,
         class_shares: np.ndarray | None = None,
         spatial: Sequence[int | None] | None = None,
+        deadline: float | None = None,
     ) -> AlignmentResult:
         nets = validate_clients(clients, same_widths=True, spatial=spatial)
         w = validate_weights(weights, len(nets))
@@ -254,7 +260,7 @@ class FedDNA:
         perms: list[list[np.ndarray]] = [[] for _ in nets]
         total = identity_total = 0.0
         for ell in aligned:
-            perm_per_client, matched, identity, fell_back = self._align_layer(nets, ell, rng)
+            perm_per_client, matched, identity, fell_back = self._align_layer(nets, ell, rng, deadline)
             for k, perm in enumerate(perm_per_client):
                 nets[k] = permute_units(nets[k], ell, perm)
                 perms[k].append(perm)
@@ -273,12 +279,13 @@ class FedDNA:
         return AlignmentResult(layers=layers, permutations=perms, widths=widths_of(layers), stats=stats)
 
     def _align_layer(
-        self, nets: list[Network], ell: int, rng: np.random.Generator
+        self, nets: list[Network], ell: int, rng: np.random.Generator, deadline: float | None = None
     ) -> tuple[list[np.ndarray], float, float, bool]:
         """Per-client maps node j → global node, the matched and identity distances, whether it fell back."""
         vectors = [self.node_vectors(net[ell]) for net in nets]
         n = vectors[0].shape[0]
-        grown = grow_trees(vectors, rng=rng, variant=self.variant, growth=self.growth, distance=self.distance)
+        grown = grow_trees(vectors, rng=rng, variant=self.variant, growth=self.growth, distance=self.distance,
+                           deadline=deadline)
         local = grown.members - n * np.arange(len(nets))[None, :]
         identity = np.repeat(np.arange(n)[:, None], len(nets), axis=1)
         identity_cost = float(spanning_costs(vectors, identity, self.distance).sum())

@@ -24,9 +24,16 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from fedbroker.aggregators.alignment.base import Layer, check_choice, check_int, check_real
+from fedbroker.aggregators.alignment.base import Layer, check_choice, check_deadline, check_int, check_real
 
 KL_MODES = ("exact", "reference")
+# Upper bounds, checked at submission: a close stays within minutes on one core, and no value overflows.
+MAX_ITERATIONS = 100            # re-assignment sweeps; each solves one assignment per client
+MAX_GLOBAL_WIDTH = 65_536       # a model layer's widest (fedbroker.spec.MAX_WIDTH)
+MAX_COUNT_CLIP = 100_000
+MAX_VARIANCE = 1e6              # sigma2, sigma0_2 (and gamma0): below it the precisions stay representable
+MIN_VARIANCE = 1e-6
+MAX_COEFFICIENT = 1e3           # popularity_coef, lam, |bias_prior_mean|
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,15 +52,16 @@ class MatchingParams:
     kl_mode: str = "exact"
 
     def __post_init__(self) -> None:
-        check_real("sigma2", self.sigma2, minimum=0.0, strict=True)
-        check_real("sigma0_2", self.sigma0_2, minimum=0.0, strict=True)
-        check_real("gamma0", self.gamma0, minimum=0.0, strict=True)
-        check_int("iterations", self.iterations, minimum=0)
-        check_real("popularity_coef", self.popularity_coef, minimum=0.0, strict=False)
-        check_int("count_clip", self.count_clip, minimum=1)
-        check_int("max_global_width", self.max_global_width, minimum=1)
-        check_real("bias_prior_mean", self.bias_prior_mean, minimum=-np.inf, strict=True)
-        check_real("lam", self.lam, minimum=0.0, strict=False)
+        check_real("sigma2", self.sigma2, minimum=MIN_VARIANCE, strict=False, maximum=MAX_VARIANCE)
+        check_real("sigma0_2", self.sigma0_2, minimum=MIN_VARIANCE, strict=False, maximum=MAX_VARIANCE)
+        check_real("gamma0", self.gamma0, minimum=MIN_VARIANCE, strict=False, maximum=MAX_VARIANCE)
+        check_int("iterations", self.iterations, minimum=0, maximum=MAX_ITERATIONS)
+        check_real("popularity_coef", self.popularity_coef, minimum=0.0, strict=False, maximum=MAX_COEFFICIENT)
+        check_int("count_clip", self.count_clip, minimum=1, maximum=MAX_COUNT_CLIP)
+        check_int("max_global_width", self.max_global_width, minimum=1, maximum=MAX_GLOBAL_WIDTH)
+        check_real("bias_prior_mean", self.bias_prior_mean, minimum=-MAX_COEFFICIENT, strict=False,
+                   maximum=MAX_COEFFICIENT)
+        check_real("lam", self.lam, minimum=0.0, strict=False, maximum=MAX_COEFFICIENT)
         check_choice("kl_mode", self.kl_mode, KL_MODES)
 
 
@@ -229,8 +237,11 @@ def match_neurons(
     prior_precision: np.ndarray,
     params: MatchingParams,
     rng: np.random.Generator,
+    deadline: float | None = None,
 ) -> LayerMatch:
-    """Match every client's neurons (`vectors[s]` is (J_s, D)) to a common, inferred set of global neurons."""
+    """Match every client's neurons (`vectors[s]` is (J_s, D)) to a common, inferred set of global neurons.
+
+    `deadline` (time.monotonic()) is checked before every client's assignment: DeadlinePassed past it."""
     n_clients = len(vectors)
     ws = [np.asarray(v, dtype=np.float64) for v in vectors]
     taus = [np.broadcast_to(np.asarray(t, dtype=np.float64), (w.shape[1],)) for t, w in zip(precisions, ws)]
@@ -240,6 +251,7 @@ def match_neurons(
     state = _State(n_clients, mu0 * tau0, tau0)
 
     def place(client: int) -> None:
+        check_deadline(deadline, "neuron matching")
         cost = assignment_cost(
             ws[client],
             taus[client],

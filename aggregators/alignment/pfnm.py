@@ -62,9 +62,11 @@ def _posterior(values: Sequence[np.ndarray], precisions: Sequence[np.ndarray], m
 
 
 def match_network(
-    nets: Sequence[Network], *, params: MatchingParams, shares: np.ndarray, rng: np.random.Generator
+    nets: Sequence[Network], *, params: MatchingParams, shares: np.ndarray, rng: np.random.Generator,
+    deadline: float | None = None,
 ) -> tuple[Network, list[LayerMatch]]:
-    """One-shot PFNM/NAFI over validated networks; the global network and each hidden layer's match."""
+    """One-shot PFNM/NAFI over validated networks; the global network and each hidden layer's match.
+    `deadline` (time.monotonic()) is checked before every client's assignment (DeadlinePassed)."""
     n_layers = len(nets[0])
     tau, tau0 = 1.0 / params.sigma2, 1.0 / params.sigma0_2
     has_bias = [layer.bias is not None for layer in nets[0]]
@@ -102,6 +104,7 @@ def match_network(
             prior_precision=np.full(prior_mean.shape[0], tau0),
             params=params,
             rng=rng,
+            deadline=deadline,
         )
         theta = match.global_neurons
         if c == 0:
@@ -159,11 +162,13 @@ class PFNM:
         round_index: int = 1,
         class_shares: np.ndarray | None = None,
         spatial: Sequence[int | None] | None = None,
+        deadline: float | None = None,
     ) -> AlignmentResult:
         nets = validate_clients(clients, same_widths=False, spatial=spatial)
         w = validate_weights(weights, len(nets))
         shares = validate_class_shares(class_shares, w, nets[0][-1].weight.shape[0])
-        layers, matches = match_network(nets, params=self.matching_params(), shares=shares, rng=rng)
+        layers, matches = match_network(nets, params=self.matching_params(), shares=shares, rng=rng,
+                                        deadline=deadline)
         permutations = [[m.assignments[k] for m in matches] for k in range(len(nets))]
         return AlignmentResult(
             layers=layers, permutations=permutations, widths=widths_of(layers), stats=_width_stats(matches)

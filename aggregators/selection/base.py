@@ -49,14 +49,17 @@ class Selector(Protocol):
 
 
 SELECTION: Registry[Selector] = Registry("selection")
+MAX_M = 100_000  # the most updates a round may choose: the most clients it may have (schedule.clients_per_round)
 
 
-def require_int(name: str, value: Any, minimum: int) -> None:
-    """Raise ValueError naming the parameter unless it is an integer >= minimum (bools are not counts)."""
+def require_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    """Raise ValueError naming the parameter unless it is an integer in [minimum, maximum] (bools are not
+    counts; maximum None = unbounded, for arguments that are not job parameters)."""
+    allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be an integer {allowed}, got {value}")
 
 
 def check_candidates(candidates: Sequence[Candidate], *, round_index: int) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedbroker.aggregators.selection.base import (
+    MAX_M,
     SELECTION,
     Candidate,
     Selection,
@@ -26,6 +27,14 @@ from fedbroker.aggregators.selection.base import (
 )
 
 LOSS2_MODES: tuple[str, ...] = ("reported", "server_validation")
+# Upper bounds, checked at submission, so a GA round closes within minutes on one core whatever the job says:
+# at most MAX_POPULATION · MAX_GENERATIONS children, each O(m), and one (population × m) array at a time.
+MAX_POPULATION = 1_000
+MAX_GENERATIONS = 1_000
+MAX_POPULATION_TIMES_M = 10_000_000
+MAX_GA_GAP = 100_000            # a job's most rounds
+MAX_MU = 1e3
+CHECK_EVERY = 64                # children bred (or chromosomes evaluated) between two looks at the deadline
 
 Fitness = Callable[[np.ndarray], np.ndarray]
 """(P, m) chromosomes of candidate indices -> (P,) values to minimise."""
@@ -98,24 +107,45 @@ def _adjacent_pairs(count: int) -> Iterator[tuple[int, int]]:
 
 
 def breed(
-    survivors: np.ndarray, count: int, num_candidates: int, mutation_rate: float, rng: np.random.Generator
+    survivors: np.ndarray, count: int, num_candidates: int, mutation_rate: float, rng: np.random.Generator,
+    *, deadline: float | None = None,
 ) -> np.ndarray:
     """`count` children: crossover of adjacent survivors (best first), each then mutated with probability
-    `mutation_rate`."""
+    `mutation_rate`. Raises `GenerationOverrun` once `deadline` (time.monotonic()) has passed."""
     m = survivors.shape[1]
     children = np.empty((count, m), dtype=np.int64)
     filled = 0
     pairs = _adjacent_pairs(survivors.shape[0])
     while filled < count:
+        if filled % CHECK_EVERY == 0 and _overrun(deadline):
+            raise GenerationOverrun(filled)
         i, j = next(pairs)
         for child in crossover(survivors[i], survivors[j], rng):
             if filled < count:
                 children[filled] = child
                 filled += 1
     flips = rng.random(count) < mutation_rate
-    for idx in np.flatnonzero(flips):
+    for done, idx in enumerate(np.flatnonzero(flips)):
+        if done % CHECK_EVERY == 0 and _overrun(deadline):
+            raise GenerationOverrun(count)
         children[idx] = mutate(children[idx], num_candidates, rng)
     return children
+
+
+class GenerationOverrun(Exception):
+    """The deadline passed inside a generation: `evolve` keeps the last complete generation's best."""
+
+
+def _evaluate(fitness: Fitness, pop: np.ndarray, deadline: float | None) -> np.ndarray:
+    """fitness(pop) in blocks of CHECK_EVERY chromosomes, looking at the deadline between blocks."""
+    if deadline is None:
+        return np.asarray(fitness(pop), dtype=np.float64)
+    out = np.empty(pop.shape[0], dtype=np.float64)
+    for start in range(0, pop.shape[0], CHECK_EVERY):
+        if _overrun(deadline):
+            raise GenerationOverrun(start)
+        out[start:start + CHECK_EVERY] = np.asarray(fitness(pop[start:start + CHECK_EVERY]), dtype=np.float64)
+    return out
 
 
 @dataclass(frozen=True)
@@ -143,26 +173,31 @@ def evolve(
     """Minimise `fitness` over m-subsets of range(num_candidates).
 
     Each generation keeps the best `survival` share (elitism: the best never gets worse) and refills the
-    population with children. `deadline` (a time.monotonic() value) is checked before the first fitness
-    evaluation and before each generation; an overrun stops early with completed=False and the best
-    found so far (fitness NaN if nothing was evaluated).
+    population with children. `deadline` (a time.monotonic() value) is checked inside every generation too
+    (every CHECK_EVERY children bred or chromosomes evaluated), so one huge generation cannot overrun it by
+    much; an overrun stops early with completed=False and the best of the last complete generation
+    (fitness NaN if nothing was evaluated).
     """
     survivors_n = min(population - 1, max(1, round(population * survival)))
     pop = initial_population(num_candidates, m, population, rng)
-    if _overrun(deadline):
+    try:
+        fit = _evaluate(fitness, pop, deadline)
+    except GenerationOverrun:
         return Evolution(best=np.sort(pop[0]), best_fitness=math.nan, generations_run=0, completed=False)
-    fit = np.asarray(fitness(pop), dtype=np.float64)
     ran = 0
     completed = True
     for _ in range(generations):
-        if _overrun(deadline):
-            completed = False
-            break
         order = np.argsort(fit, kind="stable")[:survivors_n]
         survivors, survivor_fit = pop[order], fit[order]
-        children = breed(survivors, population - survivors_n, num_candidates, mutation_rate, rng)
+        try:
+            children = breed(survivors, population - survivors_n, num_candidates, mutation_rate, rng,
+                             deadline=deadline)
+            children_fit = _evaluate(fitness, children, deadline)
+        except GenerationOverrun:
+            completed = False
+            break
         pop = np.concatenate([survivors, children])
-        fit = np.concatenate([survivor_fit, np.asarray(fitness(children), dtype=np.float64)])
+        fit = np.concatenate([survivor_fit, children_fit])
         ran += 1
     best = int(np.argmin(fit))
     return Evolution(best=np.sort(pop[best]), best_fitness=float(fit[best]), generations_run=ran, completed=completed)
@@ -260,16 +295,18 @@ class GeneticSelection:
     loss2: str = "reported"
 
     def __post_init__(self) -> None:
-        require_int("m", self.m, 1)
-        require_int("population", self.population, 2)
-        require_int("generations", self.generations, 1)
-        require_int("ga_gap", self.ga_gap, 1)
+        require_int("m", self.m, 1, MAX_M)
+        require_int("population", self.population, 2, MAX_POPULATION)
+        require_int("generations", self.generations, 1, MAX_GENERATIONS)
+        require_int("ga_gap", self.ga_gap, 1, MAX_GA_GAP)
+        if self.population * self.m > MAX_POPULATION_TIMES_M:
+            raise ValueError(f"population × m must be <= {MAX_POPULATION_TIMES_M}, got {self.population} × {self.m}")
         if not _is_real(self.survival) or not 0.0 < self.survival < 1.0:
             raise ValueError(f"survival must be a number in (0, 1), got {self.survival!r}")
         if not _is_real(self.mutation_rate) or not 0.0 <= self.mutation_rate <= 1.0:
             raise ValueError(f"mutation_rate must be a number in [0, 1], got {self.mutation_rate!r}")
-        if not _is_real(self.mu) or not 0.0 <= self.mu < math.inf:
-            raise ValueError(f"mu must be a finite number >= 0, got {self.mu!r}")
+        if not _is_real(self.mu) or not 0.0 <= self.mu <= MAX_MU:
+            raise ValueError(f"mu must be a number in [0, {MAX_MU:g}], got {self.mu!r}")
         if self.loss2 not in LOSS2_MODES:
             raise ValueError(f"loss2 must be one of {', '.join(LOSS2_MODES)}, got {self.loss2!r}")
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedbroker.aggregators.selection.base import (
+    MAX_M,
     SELECTION,
     Candidate,
     Selection,
@@ -48,7 +49,7 @@ class RandomSelection:
     m: int
 
     def __post_init__(self) -> None:
-        require_int("m", self.m, 1)
+        require_int("m", self.m, 1, MAX_M)  # the most clients a round may have
 
     def needs_vectors(self, round_index: int) -> bool:
         return False

@@ -30,6 +30,12 @@ class Weighting(Protocol):
 
     def normalise(self, raw: np.ndarray) -> tuple[np.ndarray, bool]: ...
 
+    @property
+    def proportional(self) -> bool:
+        """Whether the normalised weights are raw / Σ raw, so a running Σ raw·x / Σ raw is the round's mean
+        (False under a `max_share` cap: the close needs every update's row)."""
+        ...
+
 
 WEIGHTING: Registry[Weighting] = Registry("weighting")
 
@@ -44,8 +50,44 @@ def checked_num_samples(meta: UpdateMeta) -> int:
     return int(n)
 
 
-def normalise_weights(raw: np.ndarray) -> tuple[np.ndarray, bool]:
-    """Weights that sum to 1, and whether they fell back to uniform because Σ raw <= 0.
+def check_max_share(value: object) -> None:
+    """`max_share` (the largest coefficient any one update may get) must be a number in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not 0.0 < float(value) <= 1.0:
+        raise ValueError(f"max_share must be a number in (0, 1], got {value!r}")
+
+
+def cap_shares(weights: np.ndarray, max_share: float) -> np.ndarray:
+    """Weights summing to 1 with none above `max_share`: the capped ones are set to the cap and the rest
+    rescaled in proportion (repeated until none exceeds it), so one update, whatever it claims, moves the
+    model by at most that share. When fewer than 1/max_share updates are aggregated the cap cannot hold and
+    the weights are uniform (the fairest split there is); mass left over for updates weighted 0 is shared
+    equally among them.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    n = w.size
+    if max_share >= 1.0 or n == 0:
+        return w
+    if n * max_share <= 1.0:
+        return np.full(n, 1.0 / n)
+    capped = np.zeros(n, dtype=bool)
+    while True:
+        free_mass = 1.0 - max_share * capped.sum()
+        free_total = float(w[~capped].sum())
+        out = np.full(n, max_share)
+        if free_total > 0:
+            out[~capped] = w[~capped] * (free_mass / free_total)
+        else:
+            out[~capped] = free_mass / (~capped).sum()
+        over = ~capped & (out > max_share)
+        if not over.any():
+            return out
+        capped |= over
+
+
+def normalise_weights(raw: np.ndarray, *, max_share: float = 1.0) -> tuple[np.ndarray, bool]:
+    """Weights that sum to 1 (none above `max_share`, see cap_shares), and whether they fell back to uniform
+    because Σ raw <= 0.
 
     A zero total (every update weighted 0, e.g. all sample counts 0) still has to give a model, and
     uniform is the only choice that favours nobody; the flag lets the service say so in a metric.
@@ -60,4 +102,4 @@ def normalise_weights(raw: np.ndarray) -> tuple[np.ndarray, bool]:
     total = float(w.sum())
     if total <= 0.0 or not math.isfinite(total):
         return np.full(w.size, 1.0 / w.size), True
-    return w / total, False
+    return cap_shares(w / total, max_share), False

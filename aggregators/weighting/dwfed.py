@@ -15,7 +15,13 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import ArrayLike
 
-from fedbroker.aggregators.weighting.base import WEIGHTING, UpdateMeta, checked_num_samples, normalise_weights
+from fedbroker.aggregators.weighting.base import (
+    WEIGHTING,
+    UpdateMeta,
+    check_max_share,
+    checked_num_samples,
+    normalise_weights,
+)
 
 IshForm = Literal["ratio", "one_minus"]
 ISH_FORMS: tuple[str, ...] = ("ratio", "one_minus")
@@ -104,13 +110,20 @@ def reported_ish(histogram: ArrayLike, population: ArrayLike, *, participants: i
 @WEIGHTING.register("dwfed")
 @dataclass(frozen=True, kw_only=True)
 class DWFedWeighting:
-    """α_k = ISH_k / Σ ISH (eq. 13); no data-size factor, so IID workers weigh the same."""
+    """α_k = ISH_k / Σ ISH (eq. 13); no data-size factor, so IID workers weigh the same. With `max_share`
+    < 1 no α_k exceeds it."""
 
     ish_form: str = "ratio"
+    max_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.ish_form not in ISH_FORMS:
             raise ValueError(f"ish_form must be one of {', '.join(ISH_FORMS)}, got {self.ish_form!r}")
+        check_max_share(self.max_share)
+
+    @property
+    def proportional(self) -> bool:
+        return self.max_share >= 1.0
 
     def ish_for(self, distance: float, num_aggregated: int) -> float:
         """The ISH a worker should report under this job's form."""
@@ -131,4 +144,4 @@ class DWFedWeighting:
         return min(max(value, 0.0), 1.0)
 
     def normalise(self, raw: np.ndarray) -> tuple[np.ndarray, bool]:
-        return normalise_weights(raw)
+        return normalise_weights(raw, max_share=float(self.max_share))

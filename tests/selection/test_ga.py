@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import math
 import time
-import types
 from collections.abc import Sequence
 
 import numpy as np
@@ -139,17 +138,50 @@ def test_deadline_in_the_past_falls_back_to_random_with_a_reason() -> None:
     assert len(selection.chosen) == len(set(selection.chosen)) == 3
 
 
+class _RowClock:
+    """A fake time.monotonic that jumps past every deadline once the fitness has evaluated `after` rows."""
+
+    def __init__(self, after: int) -> None:
+        self.after, self.rows, self.now = after, 0, 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wrap(self, fitness: genetic_module.Fitness) -> genetic_module.Fitness:
+        def counted(pop: np.ndarray) -> np.ndarray:
+            self.rows += pop.shape[0]
+            if self.rows > self.after:
+                self.now = 10.0
+            return fitness(pop)
+        return counted
+
+
 def test_deadline_overrun_mid_run_reports_the_generations_done(monkeypatch: pytest.MonkeyPatch) -> None:
-    # each look at the clock is one second later: t=0 start, t=1 before the first fitness evaluation,
-    # t=2, 3, 4 before generations 1-3, t=5 > 4.5 stops before generation 4
-    clock = itertools.count()
-    monkeypatch.setattr(genetic_module, "time", types.SimpleNamespace(monotonic=lambda: float(next(clock))))
+    # population 100 keeps 50 and breeds 50 children a generation: the time passes while generation 3's
+    # children are evaluated (rows 201-250), so generation 4 is never bred
+    clock = _RowClock(after=100 + 2 * 50)
+    monkeypatch.setattr(genetic_module, "time", clock)
+    algo = GeneticSelection(m=3)
+    fitness_for = algo.fitness_for
+    monkeypatch.setattr(GeneticSelection, "fitness_for",
+                        lambda self, *a, **k: tuple(clock.wrap(f) if f else f for f in fitness_for(*a, **k)))
     g, candidates = random_problem(0)
-    selection = GeneticSelection(m=3).choose(
-        candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0), deadline=4.5
-    )
+    selection = algo.choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0), deadline=5.0)
     assert selection.stats["fallback"] == 1
     assert "after 3/20 generations" in selection.reason
+
+
+def test_the_deadline_is_checked_inside_a_generation_not_only_between_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one huge generation (1,000 chromosomes: 500 children) must not run to its end past the deadline: the
+    # time passes on the first block of generation 1's children, and no further chromosome is evaluated
+    clock = _RowClock(after=1000)
+    monkeypatch.setattr(genetic_module, "time", clock)
+    fitness = clock.wrap(lambda pop: pop.sum(axis=1).astype(np.float64))
+    result = genetic_module.evolve(fitness, num_candidates=50, m=5, population=1000, generations=20,
+                                   rng=np.random.default_rng(0), deadline=5.0)
+    assert not result.completed and result.generations_run == 0
+    assert clock.rows == 1000 + genetic_module.CHECK_EVERY  # the block that crossed the deadline, then no more
+    assert np.isfinite(result.best_fitness)  # the best of the last complete population
 
 
 def test_same_seed_gives_the_same_choice() -> None:
