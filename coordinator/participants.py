@@ -1,4 +1,5 @@
-"""Which registered workers take part in a round: a pure, seeded choice shared by the scheduler and the simulator.
+"""Which registered workers take part in a round: a pure, seeded choice shared by the scheduler and the simulator,
+among the workers that can afford the round (`why_unaffordable`).
 
 The same (ids, k, seed, round) gives the same participants on every machine, so a research simulation
 and the running service sample identical rounds from one job seed.
@@ -6,9 +7,17 @@ and the running service sample identical rounds from one job seed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from fedbroker.coordinator.state import WorkerRecord
+from fedbroker.errors import ConfigError
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.spec import TrainingConfig
+from fedbroker.worker.accounting import job_epsilon_after_round
 
 
 def sample_participants(worker_ids: Sequence[str], k: int, *, seed: int, round_number: int) -> list[str]:
@@ -25,3 +34,62 @@ def sample_participants(worker_ids: Sequence[str], k: int, *, seed: int, round_n
         return ids
     rng = np.random.default_rng([seed, round_number, 1])
     return sorted(str(w) for w in rng.choice(ids, size=int(k), replace=False).tolist())
+
+
+@dataclass(frozen=True)
+class WorkerBudget:
+    """What a worker's last heartbeat said it can afford: `left` is its owner's budget less every job's ε on
+    its ledger (None: no budget, DP off); `costs` maps each job it knows to the ε its next round would add
+    (None: on its ledger, but the worker has not seen the job's settings since it started)."""
+
+    left: float | None
+    costs: Mapping[str, float | None] = field(default_factory=dict)
+
+
+def budget_from_heartbeat(heartbeat: pb.Heartbeat) -> WorkerBudget:
+    if not heartbeat.budget_limited:
+        return WorkerBudget(None)
+    return WorkerBudget(heartbeat.epsilon_left, {c.job_id: c.next_round_epsilon if c.known else None
+                                                 for c in heartbeat.job_costs})
+
+
+def why_unaffordable(worker: WorkerRecord, budget: WorkerBudget | None, *, job_id: str,
+                     training: TrainingConfig) -> str:
+    """Why `worker` cannot afford `job_id`'s next round ("" when it can), so that a round is opened only
+    with workers that will train it: a refusal after opening would leave the others' ε spent on a round
+    that fails on min_clients.
+
+    From the worker's own report where it has one (its heartbeat's cost for the job). A job the worker
+    does not list has no history on its ledger, so its cost is the first round's, computed here from the
+    policy and sample count the worker registered; the same when no heartbeat came yet (a budget known
+    only from the registration). A cost the worker could not compute (it restarted and has not seen the
+    job's settings since) leaves the decision to the worker, which refuses by itself, before training.
+    """
+    if budget is None:  # no heartbeat yet: the budget the registration gave
+        if not worker.dp_enabled:
+            return ""
+        left = float(worker.dp["epsilon_budget"]) - worker.epsilon_spent
+    elif budget.left is None:
+        return ""
+    else:
+        left = budget.left
+    if budget is not None and job_id in budget.costs:
+        cost = budget.costs[job_id]
+    else:
+        cost = _first_round_cost(float(worker.dp["noise_multiplier"]), float(worker.dp["delta"]),
+                                 int(worker.num_samples), training)
+    if cost is None:
+        return "" if left > 0 else f"its ε budget is spent ({left:.3f} left)"
+    if cost > left + 1e-9:
+        return f"the round would cost ε {cost:.3f}, {left:.3f} left of its budget"
+    return ""
+
+
+@functools.lru_cache(maxsize=1024)
+def _first_round_cost(noise_multiplier: float, delta: float, num_samples: int,
+                      training: TrainingConfig) -> float | None:
+    try:
+        return job_epsilon_after_round([], num_samples=num_samples, config=training,
+                                       noise_multiplier=noise_multiplier, delta=delta)
+    except ConfigError:  # a registration the accountant cannot use (no samples): the worker decides
+        return None

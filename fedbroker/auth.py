@@ -52,8 +52,8 @@ ROLES = frozenset({ROLE_COORDINATOR, ROLE_WORKER, ROLE_SUBMITTER, ROLE_VIEWER})
 
 METADATA_KEY = "authorization"
 MIN_TOKEN_CHARS = 16
-_IDENTITY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")   # the bus's worker-id rule
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_IDENTITY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")   # the bus's worker-id rule
+_HEX64 = re.compile(r"[0-9a-f]{64}")   # both used with fullmatch: `$` passes a trailing newline
 _OPEN_SERVICES = ("/grpc.health.v1.Health/",)                   # Kubernetes probes carry no token
 
 
@@ -93,7 +93,7 @@ class TokenTable:
         entries: list[tuple[Identity, str]] = []
         for name, entry in raw.items():
             at = f"{where}.{name}"
-            if not isinstance(name, str) or not _IDENTITY.match(name):
+            if not isinstance(name, str) or not _IDENTITY.fullmatch(name):
                 raise ConfigError(at, "an identity is 1-128 letters, digits, '_', '.', ':' or '-' (a worker's is its id)")
             if not isinstance(entry, Mapping) or set(entry) - {"role", "sha256", "token"}:
                 raise ConfigError(at, "must be a mapping with 'role' and one of 'sha256' or 'token'")
@@ -110,7 +110,7 @@ class TokenTable:
             else:
                 value = entry["sha256"]
                 digests = value if isinstance(value, list) else [value]
-                if not digests or not all(isinstance(d, str) and _HEX64.match(d.lower()) for d in digests):
+                if not digests or not all(isinstance(d, str) and _HEX64.fullmatch(d.lower()) for d in digests):
                     raise ConfigError(f"{at}.sha256", "must be a hex SHA-256 digest (64 characters) or a list of them")
                 digests = [d.lower() for d in digests]
             entries.extend((Identity(name, role), d) for d in digests)

@@ -17,14 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import yaml
-
 from fedbroker.errors import ConfigError, ConfigErrors
+from fedbroker.yamltext import load_yaml
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 ENV_PREFIX = "FEDBROKER__"
+MAX_CONFIG_BYTES = 1 << 20   # a config file is read (bounded: fedbroker.yamltext) only up to this size
 _D = TypeVar("_D", bound="DataclassInstance")
 
 
@@ -68,9 +68,18 @@ class AggregatorConfig:
     target: str = "127.0.0.1:50051"   # how the coordinator and workers reach it
     max_update_bytes: int = 1 << 30
     selection_time_limit_s: float = 30.0
+    alignment_time_limit_s: float = 120.0  # then a close falls back to the weighted mean (aggregators/combine.py)
+    # the gRPC thread budget (fedbroker.callguard, deploy/SECURITY.md): no caller can take every thread
+    threads: int = 16                  # the server's thread pool
+    health_threads: int = 2            # kept for health checks: every other call together holds the rest
+    max_streams: int = 8               # workers' uploads and downloads at once (the coordinator's are exempt)
+    max_streams_per_worker: int = 2    # one worker identity's uploads and downloads at once
+    stream_idle_timeout_s: float = 60.0  # a stream that waits this long on its client is ended, freeing its thread
     spool_dir: str = ""                # accepted updates and global models on disk before they are acknowledged,
                                        # reloaded on restart (deploy/RELIABILITY.md); empty = memory only
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
+    metrics_addr: str = "0.0.0.0"     # the exporter's bind address: 0.0.0.0 for a container scraped from
+                                       # outside; 127.0.0.1 on a shared host (no /metrics for the network)
     tokens_file: str = ""              # the token table (fedbroker.auth); empty = authentication off
     tls: ServerTLSSection = field(default_factory=ServerTLSSection)
 
@@ -79,9 +88,12 @@ class AggregatorConfig:
 class CoordinatorConfig:
     listen: str = "0.0.0.0:50052"
     target: str = "127.0.0.1:50052"
-    state_dir: str = "state"
+    state_dir: str = "state"           # one coordinator's (locked while it runs; created 0700)
     heartbeat_timeout_s: float = 60.0
+    max_running_jobs: int = 16         # jobs driven at once (a thread each); more wait `pending`, in order
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
+    metrics_addr: str = "0.0.0.0"     # the exporter's bind address: 0.0.0.0 for a container scraped from
+                                       # outside; 127.0.0.1 on a shared host (no /metrics for the network)
     tokens_file: str = ""              # who may SubmitJob/Status (fedbroker.auth); empty = authentication off
     tls: ServerTLSSection = field(default_factory=ServerTLSSection)
 
@@ -151,6 +163,8 @@ class WorkerConfig:
     heartbeat_s: float = 10.0
     histogram_epsilon: float = 0.0     # > 0: Laplace noise on the shared label histogram at this ε; 0 = exact counts
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
+    metrics_addr: str = "0.0.0.0"     # the exporter's bind address: 0.0.0.0 for a container scraped from
+                                       # outside; 127.0.0.1 on a shared host (no /metrics for the network)
 
 
 @dataclass(frozen=True)
@@ -168,8 +182,9 @@ def load_config(path: str | None = None, *, environ: Mapping[str, str] | None = 
     """File (optional) < environment < explicit overrides (command-line flags)."""
     raw: dict[str, Any] = {}
     if path:
-        with open(path, encoding="utf-8") as fh:
-            loaded = yaml.safe_load(fh) or {}
+        with open(path, "rb") as fh:
+            text = fh.read(MAX_CONFIG_BYTES + 1)
+        loaded = load_yaml(text, where=path, max_bytes=MAX_CONFIG_BYTES) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(path, "the config file must hold a mapping")
         raw = loaded
@@ -194,13 +209,13 @@ def _set(tree: dict[str, Any], parts: list[str], value: Any) -> None:
 class _EnvValue(str):
     """An environment variable's text: verbatim for a text setting, read as YAML for any other."""
 
-    def parsed(self) -> Any:
-        return yaml.safe_load(self) if self.strip() else ""
+    def parsed(self, where: str) -> Any:
+        return load_yaml(str(self), where=where, max_bytes=MAX_CONFIG_BYTES) if self.strip() else ""
 
 
 def _build(cls: type[_D], raw: Any, where: str) -> _D:
     if isinstance(raw, _EnvValue):
-        raw = raw.parsed()
+        raw = raw.parsed(where or "config")
     if not isinstance(raw, Mapping):
         raise ConfigError(where or "config", f"must be a mapping, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
@@ -216,7 +231,7 @@ def _build(cls: type[_D], raw: Any, where: str) -> _D:
 
 def _coerce(hint: Any, value: Any, at: str) -> Any:
     if isinstance(value, _EnvValue):
-        value = str(value) if hint is str else value.parsed()
+        value = str(value) if hint is str else value.parsed(at)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, at)
     origin = typing.get_origin(hint)

@@ -25,6 +25,7 @@ from prometheus_client import (
     REGISTRY,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     Metric,
     disable_created_metrics,
@@ -32,6 +33,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from fedbroker.errors import ConfigError
 
 # `x_created` series double the series count for nothing the dashboards use.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -53,6 +56,19 @@ GRPC_SERVER_AUTH_FAILURES = Counter(
     ["grpc_service", "grpc_method", "reason"],
 )
 
+GRPC_SERVER_CALLS_REFUSED = Counter(
+    "fedbroker_grpc_server_calls_refused_total",
+    "Calls a gRPC server's thread budget refused or ended (fedbroker.callguard): server_busy, too_many_streams "
+    "(one caller's streams), idle_stream (a stream that waited on its client past stream_idle_timeout_s).",
+    ["grpc_service", "grpc_method", "reason"],
+)
+
+GRPC_SERVER_STREAMS = Gauge(
+    "fedbroker_grpc_server_streams",
+    "Streaming calls (model uploads and downloads) holding a thread of a gRPC server now.",
+    ["grpc_service"],
+)
+
 _exporters: dict[tuple[str, int], WSGIServer] = {}
 _exporters_lock = threading.Lock()
 
@@ -61,13 +77,19 @@ def start_exporter(port: int, *, addr: str = "0.0.0.0") -> int:
     """Serve the default registry on http://addr:port/metrics; 0 disables it and returns 0.
 
     Idempotent per (addr, port) within a process, so the in-process demo can hand the same port to the
-    coordinator and to every worker. Returns the bound port.
+    coordinator and to every worker. Returns the bound port. `addr` is each process's `metrics_addr`
+    setting: 0.0.0.0 (the default, for a container scraped over its pod IP) or 127.0.0.1 on a shared host,
+    where anyone on the network could otherwise read job ids, worker ids and ε. An address that cannot be
+    bound is a ConfigError naming it.
     """
     if port == 0:
         return 0
     with _exporters_lock:
         if (addr, port) not in _exporters:
-            server, _thread = start_http_server(port, addr=addr)
+            try:
+                server, _thread = start_http_server(port, addr=addr)
+            except OSError as exc:  # an unknown host name, an address not on this machine, a port taken
+                raise ConfigError("metrics_addr", f"cannot serve /metrics on {addr}:{port}: {exc}") from None
             _exporters[(addr, port)] = server
         return port
 

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.layers import LAYERS, ParamKind, ShapeProblem
+from fedbroker.yamltext import load_yaml
 
 MAX_WIDTH = 65_536
 MAX_LAYERS = 128
@@ -26,8 +27,18 @@ MAX_PARAMETERS = 200_000_000
 MAX_SPEC_BYTES = 256 * 1024
 MAX_ROUNDS = 100_000
 MAX_DEPTH = 32
+# What one training step may ask of a worker's memory, in bytes: batch_size × (the input, every layer's
+# output, and, for DP-SGD, one gradient per parameter per sample), 4 bytes each. Without it a 0.8 M-parameter
+# model with a large batch asked workers for 170 GB and failed every round after admission.
+MAX_STEP_BYTES = 8 << 30
+# The data sets the coordinator can evaluate a global model on, with one sample's shape and the number of
+# classes (fedbroker.worker.data loads them; tests/test_submission_limits.py checks this table against it).
+# The IDX sets (mnist, fashion_mnist) need files only the workers hold, so they are not evaluation sets.
+EVALUATION_SETS: Mapping[str, tuple[tuple[int, ...], int]] = {
+    "digits": ((1, 8, 8), 10), "breast_cancer": ((30,), 2), "wine": ((13,), 3), "iris": ((4,), 3),
+}
 # A job's name becomes part of its id, which names a checkpoint folder and a metric label: no path tricks.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # fullmatch: `$` would pass a trailing newline
 _PLAIN_SCALARS = (str, int, float, bool, type(None))
 
 _short = reprlib.Repr()
@@ -176,12 +187,16 @@ class ScheduleConfig(_Section):
 
 @dataclass(frozen=True)
 class EvaluationConfig(_Section):
+    """The coordinator's held-out test split. Checked at submission (with the model: `cross_section_problems`),
+    so a job that could never be evaluated is refused before any worker spends ε on it."""
+
     dataset: str = ""               # "" = the coordinator holds no evaluation set
     test_fraction: float = 0.2
     split_seed: int = 0
 
     SECTION: ClassVar[str] = "evaluation"
-    LIMITS: ClassVar[Mapping[str, tuple[float, float]]] = {"test_fraction": (0.01, 0.9)}
+    LIMITS: ClassVar[Mapping[str, tuple[float, float]]] = {"test_fraction": (0.01, 0.9), "split_seed": (0, 2**32 - 1)}
+    CHOICES: ClassVar[Mapping[str, tuple[str, ...]]] = {"dataset": ("", *EVALUATION_SETS)}
 
 
 @dataclass(frozen=True)
@@ -196,7 +211,8 @@ class JobSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _raise_all(_identity_problems(self.name, self.category, self.seed))
+        _raise_all(_identity_problems(self.name, self.category, self.seed)
+                   or cross_section_problems(model=self.model, training=self.training, evaluation=self.evaluation))
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -314,8 +330,8 @@ def parse_model(raw: Any, *, errors: _Collector | None = None, where: str = "mod
             for key in sorted(set(layer) - {"type"} - set(allowed)):
                 errors.add(f"{at}.{key}", f"unknown parameter for {kind}; allowed: {', '.join(allowed) or 'none'}")
             for key, param in allowed.items():
-                if key not in layer:
-                    if param.required:
+                if key not in layer or (layer[key] is None and param.required):
+                    if param.required:  # None stands for "the default" (a pool's stride), never for a value
                         errors.add(f"{at}.{key}", f"is required for {kind}")
                         continue
                     params[key] = param.default
@@ -405,9 +421,45 @@ def _identity_problems(name: object, category: object, seed: object) -> list[Con
     out = [ConfigError(key, f"is required: a non-empty string of 1-128 letters, digits, '_', '.' or '-' starting "
                             f"with a letter or digit, got {_show(value)}")
            for key, value in (("name", name), ("category", category))
-           if not isinstance(value, str) or not _NAME.match(value)]
+           if not isinstance(value, str) or not _NAME.fullmatch(value)]
     if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32):
         out.append(ConfigError("seed", f"must be an integer in [0, 2^32), got {_show(seed)}"))
+    return out
+
+
+def step_bytes(*, model: ModelSpec, training: TrainingConfig) -> int:
+    """The memory one training step needs at most, by the layer table's shapes: batch_size × (the input,
+    every layer's output, and one per-sample gradient per parameter, as DP-SGD keeps them) × 4 bytes."""
+    shapes = output_shapes(model)
+    per_sample = math.prod(model.input_shape) + sum(math.prod(shape) for shape in shapes)
+    per_sample += sum(math.prod(shape) for shape in parameter_shapes(model).values())
+    return 4 * training.batch_size * per_sample
+
+
+def cross_section_problems(*, model: ModelSpec, training: TrainingConfig, evaluation: EvaluationConfig) -> list[ConfigError]:
+    """What no section can see alone: one training step's memory (MAX_STEP_BYTES), and whether the
+    evaluation set fits the model (its sample shape is the model's input, its classes the model's outputs)."""
+    out: list[ConfigError] = []
+    try:
+        shapes = output_shapes(model)
+    except ConfigError:  # the model's own problems are reported where it is parsed
+        return out
+    if not shapes:
+        return out
+    need = step_bytes(model=model, training=training)
+    if need > MAX_STEP_BYTES:
+        out.append(ConfigError("training.batch_size", (
+            f"{training.batch_size} makes one training step need {need / 2**30:.1f} GiB (activations and DP "
+            f"per-sample gradients of this model), above the limit of {MAX_STEP_BYTES / 2**30:g} GiB; "
+            f"use a batch of at most {max(1, training.batch_size * MAX_STEP_BYTES // need)}")))
+    if evaluation.dataset in EVALUATION_SETS:
+        sample, classes = EVALUATION_SETS[evaluation.dataset]
+        if tuple(model.input_shape) != sample:
+            out.append(ConfigError("evaluation.dataset", f"{evaluation.dataset!r} has samples of shape {list(sample)} "
+                                                         f"but model.input_shape is {list(model.input_shape)}"))
+        elif len(shapes[-1]) == 1 and shapes[-1][0] < classes:
+            out.append(ConfigError("evaluation.dataset", f"{evaluation.dataset!r} has {classes} classes but the "
+                                                         f"model outputs {shapes[-1][0]} scores"))
     return out
 
 
@@ -445,6 +497,8 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     aggregation = _section(errors, raw, "aggregation", AggregationConfig)
     schedule = _section(errors, raw, "schedule", ScheduleConfig)
     evaluation = _section(errors, raw, "evaluation", EvaluationConfig)
+    if not errors.errors:  # across sections: only meaningful once each section is valid on its own
+        errors.errors.extend(cross_section_problems(model=model, training=training, evaluation=evaluation))
     if check is not None:
         errors.errors.extend(check(aggregation=aggregation, model=model))
     errors.raise_if_any()
@@ -455,20 +509,10 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
 
 
 def job_from_text(text: str, *, check: JobCheck | None = None) -> JobSpec:
-    """Parse YAML or JSON text (YAML's safe loader: no object construction) into a JobSpec."""
-    import yaml
-
-    if len(text) > MAX_SPEC_BYTES:
-        raise ConfigError("job", f"is larger than {MAX_SPEC_BYTES} bytes")
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError("job", f"is not valid YAML/JSON: {_short.repr(str(exc))[:300]}") from None
-    except ValueError as exc:  # a YAML timestamp that is no date (2024-02-30)
-        raise ConfigError("job", f"is not valid YAML/JSON: {exc}") from None
-    except RecursionError:
-        raise ConfigError("job", f"nests deeper than {MAX_DEPTH} levels") from None
-    return parse_job(raw, check=check)
+    """Parse YAML or JSON text into a JobSpec: the size is checked before the parser runs, and the YAML
+    loader is the safe one (no object construction) with a bound on aliases and merge keys
+    (fedbroker.yamltext), so no text under the size limit can cost more than a few milliseconds."""
+    return parse_job(load_yaml(text, where="job", max_bytes=MAX_SPEC_BYTES), check=check)
 
 
 def job_from_json(text: str) -> JobSpec:

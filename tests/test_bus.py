@@ -336,6 +336,28 @@ def test_password_is_masked_in_urls_for_logs() -> None:
     assert mask_url("amqp://localhost/") == "amqp://localhost/"
 
 
+@pytest.mark.parametrize("password", ["p#ss", "a/b", "wh?t", "p@ss", "x:y", "#/?@:", "%23enc"])
+def test_a_password_with_url_delimiters_is_never_shown_by_mask_url(password: str) -> None:
+    """urlsplit ends the authority at an unescaped '#', '/' or '?': the rest of the password was logged."""
+    url = f"amqp://fl:{password}@rabbit.example:5672/%2F?heartbeat=30"
+    masked = mask_url(url)
+    assert password not in masked and masked == "amqp://fl:***@rabbit.example:5672/%2F?heartbeat=30"
+    assert mask_url(f"fl:{password}@rabbit.example") == "fl:***@rabbit.example"   # no scheme
+
+
+def test_a_broker_url_whose_password_needs_escaping_is_refused_without_showing_it() -> None:
+    from fedbroker.bus.base import check_url
+
+    for url in ("amqp://fl:p#ss@h/", "amqp://fl:a/b@h/", "amqp://fl:wh?t@h/"):
+        with pytest.raises(ConfigError, match="percent-encode") as info:
+            check_url(url)
+        assert "p#ss" not in str(info.value) and "a/b" not in str(info.value) and "wh?t" not in str(info.value)
+        assert "amqp://fl:***@h/" in str(info.value)
+        with pytest.raises(ConfigError, match="percent-encode"):
+            AmqpBus(url, namespace="fbtest-url")
+    assert check_url("amqp://fl:p%23ss@h:5672/%2F?heartbeat=30") == "amqp://fl:p%23ss@h:5672/%2F?heartbeat=30"
+
+
 # -- RabbitMQ only ----------------------------------------------------------------------------------
 
 

@@ -196,3 +196,10 @@ def test_oversized_spec_is_refused():
     job["training"]["padding"] = "y" * 300_000
     with pytest.raises(ConfigError, match="larger than"):
         parse_job(job)
+
+
+def test_a_required_layer_parameter_given_as_null_is_refused_not_taken_as_its_default():
+    """Found by the fuzzer: `kernel_size: null` on a pool passed validation and crashed shape inference."""
+    model = {"input_shape": [1, 8, 8], "layers": [{"type": "MaxPool2d", "kernel_size": None}, {"type": "Flatten"}]}
+    with pytest.raises(ConfigError, match=r"model\.layers\[0\]\.kernel_size: is required for MaxPool2d"):
+        parse_model(model)

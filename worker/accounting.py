@@ -116,3 +116,13 @@ def _check_positive(field: str, value: object) -> None:
     """Refuse anything but a number > 0 (bool not)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigError(field, f"must be a number > 0, got {value!r}")
+
+
+def job_epsilon_after_round(history: Sequence[Sequence[float]], *, num_samples: int, config: TrainingConfig,
+                            noise_multiplier: float, delta: float) -> float:
+    """A job's ε after one more round of `config` on `num_samples` samples: what a worker checks against its
+    budget before training, and what it (or, for a job it never trained, the coordinator from its registered
+    policy) reports so that a round opens only with workers that can afford it."""
+    return project_epsilon(history, noise_multiplier=noise_multiplier,
+                           sample_rate=dp_sample_rate(num_samples, config),
+                           steps=planned_steps(num_samples, config), delta=delta)

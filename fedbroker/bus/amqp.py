@@ -34,9 +34,10 @@ from fedbroker.bus.base import (
     Topology,
     check_max_attempts,
     check_name,
+    check_url,
     mask_url,
 )
-from fedbroker.errors import BusError, ConfigError
+from fedbroker.errors import BusError, ConfigError, Unroutable
 from fedbroker.retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -406,7 +407,7 @@ class AmqpBus:
             client_name = f"{namespace}:{host}:{os.getpid()}"
         else:
             check_name("client_name", client_name)
-        self.masked_url = mask_url(url)
+        self.masked_url = mask_url(check_url(url))
         tls = _tls_context(url, ca_file=ca_file, cert_file=cert_file, key_file=key_file)
         reconnect = Backoff(initial_s=initial, max_s=maximum)
 
@@ -498,7 +499,7 @@ class AmqpBus:
             try:
                 ch.basic_publish(exchange, routing_key, payload, properties, mandatory=mandatory)
             except pex.UnroutableError as exc:
-                raise BusError(
+                raise Unroutable(
                     f"{what} is unroutable: no queue bound for routing key {routing_key!r} on {exchange}"
                 ) from exc
             except pex.NackError as exc:
@@ -541,6 +542,24 @@ class AmqpBus:
         self._publisher.start()
         what = f"declaring the queue of worker {worker_id!r}"
         self._publisher.call(declare, timeout=self.publish_timeout_s, what=what)
+
+    def dead_letter_count(self, *, timeout_s: float = 2.0) -> int:
+        """Messages waiting in `<ns>.dead`, by a passive declare: read-only, it creates nothing. Bounded by
+        `timeout_s` (a metrics scrape must not hang on a broker outage): `BusError` after it."""
+        self._check_open()
+        counts: list[int] = []
+
+        def count() -> None:
+            import pika.exceptions as pex
+
+            ch = self._pub_channel
+            if ch is None:
+                raise pex.ChannelWrongStateError("publisher channel not open")
+            counts.append(int(ch.queue_declare(self.topology.dead_queue, passive=True).method.message_count))
+
+        self._publisher.start()
+        self._publisher.call(count, timeout=timeout_s, what="reading the dead-letter queue's depth")
+        return counts[-1]
 
     # -- consuming ------------------------------------------------------------------------------
 

@@ -12,7 +12,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
-from urllib.parse import urlsplit, urlunsplit
 
 from fedbroker.errors import ConfigError
 
@@ -25,14 +24,14 @@ ROUTING_KEY_HEADER = "x-fedbroker-routing-key"
 CONTROL_ROUTING_KEY = "coordinator"
 CONTENT_TYPE = "application/octet-stream"
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")  # fullmatch: `$` would pass a trailing newline
 
 Action = Literal["ack", "requeue", "dead"]
 
 
 def check_name(field: str, value: str) -> str:
     """A namespace, worker id or client name, checked before it becomes part of a broker name."""
-    if not isinstance(value, str) or not _NAME.match(value):
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise ConfigError(
             field,
             f"must be 1-128 characters of letters, digits, '_', '.', ':' or '-' "
@@ -147,22 +146,44 @@ class Bus(Protocol):
     def consume_control(self, handler: Handler) -> None: ...
     def consume_events(self, handler: Handler) -> None: ...
     def declare_worker(self, worker_id: str) -> None: ...
+    def dead_letter_count(self, *, timeout_s: float = 2.0) -> int: ...
     def start(self) -> None: ...
     def wait_ready(self, timeout: float) -> bool: ...
     def close(self) -> None: ...
 
 
 def mask_url(url: str) -> str:
-    """The URL with its password replaced, safe for logs and error messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
+    """The URL with its password replaced, safe for logs and error messages.
+
+    Parsed by hand, not with urlsplit: a password holding an unescaped '#', '/' or '?' ends urlsplit's
+    authority early and would leave the rest of the password in the "path" or "fragment", in clear.
+    The userinfo ends at the LAST '@' (a password may hold '@' too); everything before it after the
+    first ':' is masked. An '@' later in the URL (a vhost) only masks more than needed, never less.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    at = rest.rfind("@")
+    if at < 0:
         return url
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+    user, colon, _password = rest[:at].partition(":")
+    if not colon:  # a user name without a password
+        return url
+    return f"{scheme}{sep}{user}:***@{rest[at + 1:]}"
+
+
+def check_url(url: str) -> str:
+    """A broker URL whose user name and password the URL parsers read as written: an unescaped '#', '/'
+    or '?' in them would end the authority early (the broker would see a truncated password, or a port
+    made of its tail), so it is refused here, naming the fix and never showing the password."""
+    _scheme, sep, rest = url.partition("://")
+    userinfo = rest[: rest.rfind("@")] if sep and "@" in rest else ""
+    bad = sorted({c for c in userinfo if c in "#/?"})
+    if bad:
+        raise ConfigError("broker.url", f"{mask_url(url)}: the user name or password holds unescaped "
+                                        f"{' '.join(repr(c) for c in bad)}; percent-encode them (e.g. '#' as %23, "
+                                        f"'/' as %2F, '?' as %3F)")
+    return url
 
 
 def check_max_attempts(max_attempts: int) -> int:

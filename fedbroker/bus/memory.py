@@ -24,7 +24,7 @@ from fedbroker.bus.base import (
     check_max_attempts,
     check_name,
 )
-from fedbroker.errors import BusError
+from fedbroker.errors import BusError, Unroutable
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,11 @@ class InProcessBus:
     def dead(self) -> list[DeadLetter]:
         return self.broker.dead
 
+    def dead_letter_count(self, *, timeout_s: float = 2.0) -> int:
+        """Messages in the dead-letter queue (read-only; `timeout_s` is for `AmqpBus`'s sake)."""
+        with self.broker.lock:
+            return len(self.broker.dead)
+
     def _check_open(self) -> None:
         if self._closed:
             raise BusError("bus is closed")
@@ -207,7 +212,7 @@ class InProcessBus:
         with self.broker.lock:
             q = self.broker.queues.get(self.topology.worker_queue(worker_id))
             if q is None:
-                raise BusError(
+                raise Unroutable(
                     f"task for worker {worker_id!r} is unroutable: no queue for that worker (declare_worker first)"
                 )
             self.broker.enqueue(q, self._message(body, worker_id))
