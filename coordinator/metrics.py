@@ -4,10 +4,15 @@ Round counters carry a `job_id` label: jobs are few and submitted by people, unl
 which never become labels (the round number is a gauge's value). The label is `job_id`, not `job`,
 which Prometheus reserves for the scrape job. Worker and job counts are read from the state store at
 scrape time, so "active" is always judged against the current clock.
+
+Every labelled counter has its series at 0 from the moment its label value is known (`job_started`; fixed
+label sets at import): a series that first appears at 1 hides its first increase from `increase()` and
+`rate()`, so an alert on it could never fire.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -19,7 +24,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 import fedbroker.metrics  # noqa: F401  (the shared gRPC and broker metrics belong to every process)
+from fedbroker.coordinator.control import INVALID_REASONS
 from fedbroker.coordinator.state import StateStore
+from fedbroker.proto import fedbroker_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,12 @@ JOBS_REJECTED = Counter(
 CONTROL_REJECTED = Counter(
     "fedbroker_coordinator_control_messages_rejected_total",
     "Control-queue messages dead-lettered because they could not be decoded, by reason.", ["reason"])
+EPSILON_DECREASES = Counter(
+    "fedbroker_coordinator_epsilon_decreases_total",
+    "Registrations and heartbeats that reported a lower ε than recorded for their worker (a lost or replaced "
+    "ledger; the higher ε is kept), by message.", ["message"])
+for _message in ("registration", "heartbeat"):
+    EPSILON_DECREASES.labels(_message)
 STRAGGLERS = Counter(
     "fedbroker_coordinator_stragglers_total",
     "Selected workers that neither uploaded nor answered before their round closed, per job.", ["job_id"])
@@ -64,15 +77,52 @@ MODEL_LOSS = Gauge(
     "fedbroker_coordinator_model_loss", "Mean loss of the job's latest global model on its evaluation set.",
     ["job_id"])
 
+# Counters labelled by job, given a 0 series when a job starts (or resumes) in this process.
+JOB_COUNTERS = (ROUNDS_STARTED, ROUNDS_COMPLETED, ROUNDS_FAILED, STRAGGLERS)
+# Label values known in advance: the outcomes a worker reports, the refusal reasons of SubmitJob and the
+# control queue.
+TASK_STATUSES = tuple(name.lower() for name, number in pb.TaskOutcome.Status.items() if number)
+JOB_REJECTION_REASONS = ("invalid_config", "unauthenticated", "permission_denied")
+CONTROL_REJECTION_REASONS = ("malformed_message", *INVALID_REASONS.values())
+# How long a scrape waits for the broker's count of dead letters before it leaves the series out.
+DEAD_LETTER_TIMEOUT_S = 2.0
+
+
+def job_started(job_id: str) -> None:
+    """Create the job's counter series at 0, so its first round counted is an increase Prometheus sees."""
+    for counter in JOB_COUNTERS:
+        counter.labels(job_id)
+
+
+def _initialise_fixed_labels() -> None:
+    for status in TASK_STATUSES:
+        TASK_OUTCOMES.labels(status)
+    for reason in JOB_REJECTION_REASONS:
+        JOBS_REJECTED.labels(reason)
+    for reason in CONTROL_REJECTION_REASONS:
+        CONTROL_REJECTED.labels(reason)
+
+
+_initialise_fixed_labels()
+
+
+class DeadLetters(Protocol):
+    """What the collector reads of the coordinator's bus."""
+
+    def dead_letter_count(self, *, timeout_s: float = ...) -> int: ...
+
 
 class Registry(Protocol):
-    """What the collector reads of the bound coordinator: its store and heartbeat timeout."""
+    """What the collector reads of the bound coordinator: its store, heartbeat timeout and bus."""
 
     @property
     def store(self) -> StateStore: ...
 
     @property
     def heartbeat_timeout_s(self) -> float: ...
+
+    @property
+    def bus(self) -> DeadLetters: ...
 
 
 class RegistryCollector(Collector):
@@ -105,21 +155,48 @@ class RegistryCollector(Collector):
         active = GaugeMetricFamily(
             "fedbroker_coordinator_workers_active", "Workers whose last heartbeat is within the heartbeat timeout.")
         jobs = GaugeMetricFamily("fedbroker_coordinator_jobs", "Jobs by status.", labels=["status"])
-        if coordinator is not None:
-            try:
-                now = time.time()
-                workers = coordinator.store.workers()
-                counts = {status: 0 for status in ("pending", "running", "completed", "failed")}
-                for row in coordinator.store.jobs():
-                    counts[row["status"]] = counts.get(row["status"], 0) + 1
-            except Exception as exc:  # a closed store: report nothing rather than fail the whole scrape
-                log.debug("coordinator metrics unavailable: %s", exc)
-                return [registered, active, jobs]
-            registered.add_metric([], float(len(workers)))
-            active.add_metric([], float(sum(now - w.last_seen <= coordinator.heartbeat_timeout_s for w in workers)))
-            for status, count in counts.items():
-                jobs.add_metric([status], float(count))
-        return [registered, active, jobs]
+        category_active = GaugeMetricFamily(
+            "fedbroker_coordinator_category_workers_active",
+            "Active workers serving each data category that a worker serves or a pending or running job needs "
+            "(0 for a category jobs wait on and no worker serves).", labels=["category"])
+        category_jobs = GaugeMetricFamily(
+            "fedbroker_coordinator_category_jobs", "Pending and running jobs by data category.",
+            labels=["category", "status"])
+        dead = GaugeMetricFamily(
+            "fedbroker_coordinator_dead_letter_messages",
+            "Messages in the broker's dead-letter queue (<namespace>.dead): tasks and control messages that "
+            "failed on every attempt or could not be read. Left out when the broker does not answer.")
+        families: list[Metric] = [registered, active, jobs, category_active, category_jobs, dead]
+        if coordinator is None:
+            return families
+        try:
+            now = time.time()
+            workers = coordinator.store.workers()
+            counts = {status: 0 for status in ("pending", "running", "completed", "failed")}
+            waiting: dict[tuple[str, str], int] = {}
+            for row in coordinator.store.jobs():
+                counts[row["status"]] = counts.get(row["status"], 0) + 1
+                if row["status"] in ("pending", "running"):
+                    category = str(json.loads(row["spec_json"]).get("category", ""))
+                    waiting[(category, row["status"])] = waiting.get((category, row["status"]), 0) + 1
+        except Exception as exc:  # a closed store: report nothing rather than fail the whole scrape
+            log.debug("coordinator metrics unavailable: %s", exc)
+            return families
+        live = [w for w in workers if now - w.last_seen <= coordinator.heartbeat_timeout_s]
+        registered.add_metric([], float(len(workers)))
+        active.add_metric([], float(len(live)))
+        for status, count in counts.items():
+            jobs.add_metric([status], float(count))
+        categories = {c for w in workers for c in w.categories} | {category for category, _ in waiting}
+        for category in sorted(categories):
+            category_active.add_metric([category], float(sum(category in w.categories for w in live)))
+            for status in ("pending", "running"):
+                category_jobs.add_metric([category, status], float(waiting.get((category, status), 0)))
+        try:
+            dead.add_metric([], float(coordinator.bus.dead_letter_count(timeout_s=DEAD_LETTER_TIMEOUT_S)))
+        except Exception as exc:  # a broker outage: no sample, and FedbrokerBrokerConnectionLost says why
+            log.debug("dead-letter queue depth unavailable: %s", exc)
+        return families
 
 
 REGISTRY_COLLECTOR = RegistryCollector()

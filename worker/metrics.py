@@ -3,6 +3,9 @@
 Every series carries `worker_id`: in a cluster each pod has one worker, and in the in-process demo several
 agents share these objects, told apart by that label. Workers are few and long-lived (one per data
 owner), so the label stays bounded; a job, round or sample never becomes a label.
+
+A worker's counters get their series at 0 when it starts (`worker_started`): a series that first appears
+at 1 hides that increase from `increase()` and `rate()`.
 """
 
 from __future__ import annotations
@@ -39,6 +42,17 @@ EPSILON_BUDGET = Gauge("fedbroker_worker_epsilon_budget", "The data owner's tota
 EPSILON_REMAINING = Gauge(
     "fedbroker_worker_epsilon_budget_remaining", "ε the data owner can still spend (budget minus spent, at least 0).",
     ["worker_id"])
+NEXT_ROUND_EPSILON = Gauge(
+    "fedbroker_worker_epsilon_next_round_cost",
+    "ε the worker's next round would add to its spending, as last projected when it checked a task against "
+    "its budget (a round like that one: same job, same training settings). Above the budget remaining, the "
+    "worker refuses such rounds.", ["worker_id"])
+TASKS_REFUSED = Counter(
+    "fedbroker_worker_tasks_refused_total",
+    "Tasks refused before training, by reason: task_refused (category, deadline, round closed), "
+    "privacy_budget_exceeded, ledger_behind (the ledger holds less ε than the coordinator recorded: it was lost "
+    "or replaced; the worker trains no more until it is restored).", ["worker_id", "reason"])
+REFUSAL_REASONS = ("task_refused", "privacy_budget_exceeded", "ledger_behind")
 SENT_BYTES = Counter("fedbroker_worker_sent_bytes_total", "Tensor bytes uploaded to the aggregation service.",
                      ["worker_id"])
 RECEIVED_BYTES = Counter(
@@ -52,3 +66,23 @@ def set_privacy(worker_id: str, *, spent: float, budget: float | None) -> None:
     EPSILON_SPENT.labels(worker_id).set(spent)
     EPSILON_BUDGET.labels(worker_id).set(budget)
     EPSILON_REMAINING.labels(worker_id).set(max(0.0, budget - spent))
+
+
+# The outcomes `TASKS` counts, each given a 0 series when a worker starts.
+TASK_OUTCOMES = ("uploaded", "already_uploaded", "refused", "failed", "requeued", "malformed")
+
+
+def worker_started(worker_id: str) -> None:
+    """Create every counter (and the training-time histogram) of this worker at 0."""
+    for counter in (TASKS_RECEIVED, TASKS_REDELIVERED, TASKS_ACKED, TRAINED_SAMPLES, SENT_BYTES, RECEIVED_BYTES):
+        counter.labels(worker_id)
+    for outcome in TASK_OUTCOMES:
+        TASKS.labels(worker_id, outcome)
+    for reason in REFUSAL_REASONS:
+        TASKS_REFUSED.labels(worker_id, reason)
+    TRAINING_SECONDS.labels(worker_id)
+
+
+def set_next_round_cost(worker_id: str, *, epsilon: float) -> None:
+    """The projected ε of the worker's next round, for the alert "cannot afford the next round"."""
+    NEXT_ROUND_EPSILON.labels(worker_id).set(max(0.0, epsilon))

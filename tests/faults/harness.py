@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -101,6 +101,34 @@ class Training:
                 progress(step, total)
 
         return self.real(*args, progress=slow, **kwargs)
+
+
+class HoldsRound(WorkerAgent):
+    """Holds its task of round `held_round` (delivery unacked, nothing trained) until `release` is set, and
+    adds its id to `holding` meanwhile: a fault injected while every worker holds falls mid-job by
+    construction, not by timing. A redelivered copy after the release runs at once. `HoldsRound.at(n)` makes
+    a subclass with its own event and set, one per test."""
+
+    held_round = 0
+    release = threading.Event()
+    holding: ClassVar[set[str]] = set()
+
+    @classmethod
+    def at(cls, round_number: int) -> type[HoldsRound]:
+        attributes = {"held_round": round_number, "release": threading.Event(), "holding": set()}
+        return type(f"HoldsRound{round_number}", (cls,), attributes)
+
+    def on_task(self, delivery: Any) -> None:
+        from fedbroker import envelope
+
+        try:
+            round_number = envelope.decode(delivery.body, expect=("round_task",)).round_task.round
+        except envelope.MalformedMessage:
+            round_number = -1
+        if round_number == self.held_round and not self.release.is_set():
+            self.holding.add(self.config.id)
+            self.release.wait(120)
+        super().on_task(delivery)
 
 
 # ----- the federation ------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.aggregators.spool import Spool
 from fedbroker.errors import UploadRejected
-from tests.faults.harness import Federation, Training, job, wait_for
+from tests.faults.harness import Federation, HoldsRound, Training, job, wait_for
 from tests.test_rounds import SPEC, stream, weights
 
 pytestmark = [pytest.mark.integration]
@@ -100,25 +100,26 @@ def test_reopening_the_open_round_keeps_its_uploads_across_a_restart(tmp_path: P
     assert restarted.status("j", 1) == (["w1"], True)
 
 
-def slow_round(fed: Federation, training: Training) -> str:
-    """Two workers, the second slow: returns the job once the fast one's round-1 update is accepted."""
-    training.step_delay["slow"] = 0.08
+def slow_round(fed: Federation) -> tuple[str, type[HoldsRound]]:
+    """Two workers, the second holding its round-1 task (untrained) until the test releases it: returns the job
+    once the fast one's round-1 update is accepted, so a restart falls mid-round by construction."""
+    held = HoldsRound.at(1)
     fed.add_worker("fast", index=0, count=2)
-    fed.add_worker("slow", index=1, count=2)
+    fed.add_worker("slow", index=1, count=2, agent_class=held)
     job_id = fed.submit(job(training={"rounds": 2}))
-    wait_for(lambda: fed.store.round(job_id, 1) is not None and fed.book.status(job_id, 1)[0] == ["fast"], 30,
-             "the fast worker's round-1 update")
-    assert training.count.get("slow") == 1  # still training
-    return job_id
+    wait_for(lambda: fed.store.round(job_id, 1) is not None and fed.book.status(job_id, 1)[0] == ["fast"]
+             and held.holding == {"slow"}, 30, "the fast worker's round-1 update, the slow one holding its task")
+    return job_id, held
 
 
 @pytest.mark.timeout(90)
 def test_service_restarted_mid_round_keeps_the_uploads_it_acknowledged(federation: Federation,
                                                                        training: Training) -> None:
     fed = federation
-    job_id = slow_round(fed, training)
+    job_id, held = slow_round(fed)
     fed.stop_aggregator()
     fed.start_aggregator(spool=True)  # same port, same spool
+    held.release.set()
     fed.wait_job(job_id, 60)
     assert [r["aggregated"] for r in fed.store.rounds(job_id)] == [2, 2]
     assert training.count == {"fast": 2, "slow": 2}  # nobody trained a round twice
@@ -127,9 +128,10 @@ def test_service_restarted_mid_round_keeps_the_uploads_it_acknowledged(federatio
 @pytest.mark.timeout(90)
 def test_coordinator_reinstalls_a_service_that_lost_its_state(federation: Federation, training: Training) -> None:
     fed = federation
-    job_id = slow_round(fed, training)
+    job_id, held = slow_round(fed)
     fed.stop_aggregator()
     fed.start_aggregator(spool=False)  # no spool: the job, its model and round 1's uploads are gone
+    held.release.set()
     fed.wait_job(job_id, 60)
     assert [r["aggregated"] for r in fed.store.rounds(job_id)] == [2, 2]
     # The coordinator installed the model and round 1 again and re-sent its tasks: the fast worker, whose

@@ -24,16 +24,17 @@ import fedbroker.coordinator.scheduler
 from fedbroker.app.demo import free_port
 from fedbroker.coordinator.service import CoordinatorClient
 from fedbroker.coordinator.state import StateStore
-from tests.faults.harness import Federation, Training, job, wait_for
+from fedbroker.worker.agent import WorkerAgent
+from tests.faults.harness import Federation, HoldsRound, Training, job, wait_for
 
 pytestmark = [pytest.mark.integration]
 
 JOB = job(training={"rounds": 3})
 
 
-def run_two_workers(fed: Federation) -> None:
-    fed.add_worker("w0", index=0, count=2)
-    fed.add_worker("w1", index=1, count=2)
+def run_two_workers(fed: Federation, agent_class: type[WorkerAgent] = WorkerAgent) -> None:
+    fed.add_worker("w0", index=0, count=2, agent_class=agent_class)
+    fed.add_worker("w1", index=1, count=2, agent_class=agent_class)
 
 
 @pytest.fixture(scope="module")
@@ -81,19 +82,20 @@ def outside(rabbitmq_url: str, tmp_path: Path) -> Iterator[Federation]:
 def test_coordinator_killed_mid_round_resumes_and_ends_with_the_uninterrupted_model(
         outside: Federation, training: Training, uninterrupted: dict[str, np.ndarray]) -> None:
     fed = outside
-    training.step_delay.update({"w0": 0.03, "w1": 0.03})  # a round lasts about a second
-    run_two_workers(fed)
+    held = HoldsRound.at(2)  # round 2 cannot end before the kill: the workers hold its tasks until released
+    run_two_workers(fed, held)
     listen, log = f"127.0.0.1:{free_port()}", fed.tmp / "coordinator.log"
     process = spawn_coordinator(fed, listen, log)
     try:
         client = CoordinatorClient(listen, timeout_s=5)
         job_id = wait_for(lambda: _submit(client, JOB), 60, "the coordinator to accept the job", interval=0.3)
         store = StateStore(str(fed.tmp / "state" / "coordinator.sqlite"))
-        wait_for(lambda: (r := store.round(job_id, 2)) is not None and r["status"] == "open", 60, "round 2 to open")
+        wait_for(lambda: held.holding == {"w0", "w1"}, 60, "both workers to hold round 2's task")
         process.send_signal(signal.SIGKILL)
         process.wait(10)
         assert store.job(job_id)["status"] == "running" and store.job(job_id)["rounds_done"] == 1
         process = spawn_coordinator(fed, listen, log)  # same state folder: it resumes the open round 2
+        held.release.set()
         wait_for(lambda: store.job(job_id)["status"] in ("completed", "failed"), 90, "the job to end", interval=0.2)
         assert store.job(job_id)["status"] == "completed", store.job(job_id)["error"]
     finally:

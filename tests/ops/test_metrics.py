@@ -7,6 +7,7 @@ import socket
 import time
 import urllib.request
 import uuid
+from typing import Any
 
 import numpy as np
 import pytest
@@ -207,3 +208,183 @@ def test_launch_refuses_an_impossible_metrics_port():
     config = load_config(environ={"FEDBROKER__AGGREGATOR__METRICS_PORT": "70000"})
     with pytest.raises(ConfigError, match=r"aggregator\.metrics_port"):
         start_aggregator(config)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_every_process_binds_its_exporter_to_its_metrics_addr():
+    """The port bound 0.0.0.0 whatever the config said: a host's /metrics was open to the network."""
+    from fedbroker import metrics as kernel_metrics
+    from fedbroker.app.launch import start_aggregator
+
+    assert load_config(environ={}).worker.metrics_addr == "0.0.0.0"   # the container default is unchanged
+    port = _free_port()
+    config = load_config(environ={"FEDBROKER__AGGREGATOR__METRICS_PORT": str(port),
+                                  "FEDBROKER__AGGREGATOR__METRICS_ADDR": "127.0.0.1",
+                                  "FEDBROKER__AGGREGATOR__LISTEN": "127.0.0.1:0"})
+    server, _ = start_aggregator(config)
+    try:
+        exporter = kernel_metrics._exporters[("127.0.0.1", port)]
+        assert exporter.server_address[0] == "127.0.0.1"
+        assert ("0.0.0.0", port) not in kernel_metrics._exporters
+        assert "fedbroker_" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        server.stop(grace=0)
+    with pytest.raises(ConfigError, match=r"metrics_addr: cannot serve /metrics on 192\.0\.2\.1"):
+        start_exporter(_free_port(), addr="192.0.2.1")   # an address not on this machine (TEST-NET-1)
+
+
+# ----- series that exist before their first increase (issue 12, item 13) -----------------------------------
+
+
+def sample(name: str, **labels: str) -> float | None:
+    """The sample's value, or None when the series does not exist (unlike `value`, which reads 0)."""
+    return REGISTRY.get_sample_value(name, labels)
+
+
+def collected(name: str) -> dict[tuple[str, ...], float]:
+    """The samples of one family the bound coordinator's collector exports, keyed by label values."""
+    from fedbroker.coordinator.metrics import REGISTRY_COLLECTOR
+
+    return {tuple(s.labels.values()): s.value for family in REGISTRY_COLLECTOR.collect() for s in family.samples
+            if s.name == name}
+
+
+@pytest.fixture
+def idle_coordinator(tmp_path):
+    """A coordinator on the in-process bus whose jobs wait for workers (none come), so no round ever runs."""
+    from fedbroker.coordinator.scheduler import Coordinator
+    from fedbroker.coordinator.state import StateStore
+
+    bus = open_bus(None, namespace=f"metrics-{uuid.uuid4().hex[:8]}")
+    store = StateStore(str(tmp_path / "coordinator.sqlite"))
+    coordinator = Coordinator(bus=bus, store=store, aggregator=AggregatorClient("127.0.0.1:9", timeout_s=1),
+                              aggregator_target="127.0.0.1:9", checkpoint_dir=str(tmp_path / "checkpoints"),
+                              poll_interval_s=0.05, heartbeat_timeout_s=60)
+    coordinator.start()
+    bus.start()
+    yield coordinator
+    coordinator.stop()
+    bus.close()
+    store.close()
+
+
+def waiting_job(category: str) -> Any:
+    from fedbroker.spec import parse_job
+
+    return parse_job({"name": "waits", "category": category,
+                      "model": {"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 2}]},
+                      "schedule": {"min_workers": 1, "wait_for_workers_s": 600}})
+
+
+def test_a_jobs_round_counters_exist_at_zero_from_when_it_starts(idle_coordinator):
+    """`increase()` sees a counter's first increment only if the series was scraped at 0 before it: a job's
+    counters exist from its start, before its first round is counted."""
+    job_id = idle_coordinator.submit(waiting_job("digits"))
+    for name in ("fedbroker_coordinator_rounds_failed_total", "fedbroker_coordinator_rounds_started_total",
+                 "fedbroker_coordinator_rounds_completed_total", "fedbroker_coordinator_stragglers_total"):
+        deadline = time.time() + 30
+        while sample(name, job_id=job_id) is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert sample(name, job_id=job_id) == 0.0, name
+    for status in ("refused", "failed", "uploaded"):
+        assert sample("fedbroker_coordinator_task_outcomes_total", status=status) is not None, status
+    assert sample("fedbroker_coordinator_control_messages_rejected_total", reason="malformed_message") is not None
+    assert sample("fedbroker_coordinator_jobs_rejected_total", reason="invalid_config") is not None
+
+
+def test_a_workers_counters_exist_at_zero_from_when_it_starts(tmp_path):
+    bus = open_bus(None, namespace=f"metrics-{uuid.uuid4().hex[:8]}")
+    worker_id = f"z{uuid.uuid4().hex[:6]}"
+    agent = WorkerAgent(WorkerConfig(id=worker_id, ledger_path=str(tmp_path / "l.json"), device="cpu",
+                                     heartbeat_s=60, dp=DPPolicy(enabled=False)), bus)
+    agent.start()
+    bus.start()
+    try:
+        for outcome in ("uploaded", "already_uploaded", "refused", "failed", "requeued", "malformed"):
+            assert sample("fedbroker_worker_tasks_total", worker_id=worker_id, outcome=outcome) == 0.0, outcome
+        for name in ("fedbroker_worker_tasks_received_total", "fedbroker_worker_tasks_redelivered_total",
+                     "fedbroker_worker_tasks_acked_total", "fedbroker_worker_trained_samples_total",
+                     "fedbroker_worker_sent_bytes_total", "fedbroker_worker_received_bytes_total",
+                     "fedbroker_worker_training_seconds_count"):
+            assert sample(name, worker_id=worker_id) == 0.0, name
+    finally:
+        agent.stop()
+        bus.close()
+
+
+def test_a_worker_exports_the_projected_cost_of_its_next_round_and_refuses_what_it_cannot_afford(tmp_path):
+    """The alert "cannot afford the next round" compares this gauge with the budget remaining."""
+    from fedbroker.errors import BudgetExceeded
+    from fedbroker.spec import TrainingConfig
+
+    worker_id = f"c{uuid.uuid4().hex[:6]}"
+    agent = WorkerAgent(WorkerConfig(
+        id=worker_id, partition=PartitionSection(num_clients=2, client_index=0),
+        dp=DPPolicy(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, epsilon_budget=1000.0),
+        ledger_path=str(tmp_path / "l.json"), device="cpu", heartbeat_s=60), open_bus(None, namespace="unused"))
+    config = TrainingConfig(local_epochs=1, batch_size=32)
+    assert sample("fedbroker_worker_epsilon_next_round_cost", worker_id=worker_id) is None  # no round projected yet
+    agent.check_budget("job-a", config)
+    cost = sample("fedbroker_worker_epsilon_next_round_cost", worker_id=worker_id)
+    assert cost is not None and 0 < cost < 1000.0
+
+    agent.dp = DPPolicy(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, epsilon_budget=cost * 0.5)
+    agent._export_privacy()
+    with pytest.raises(BudgetExceeded):
+        agent.check_budget("job-a", config)
+    assert sample("fedbroker_worker_epsilon_next_round_cost", worker_id=worker_id) == pytest.approx(cost)
+    assert cost > sample("fedbroker_worker_epsilon_budget_remaining", worker_id=worker_id)  # what the alert compares
+
+
+def test_the_coordinator_exports_active_workers_and_waiting_jobs_per_category(idle_coordinator):
+    """A job waiting on a category that no worker serves shows as 0 active workers of that category, even
+    while workers of another category are active."""
+    store = idle_coordinator.store
+    store.upsert_worker(worker_id="d1", categories=["digits"], histogram=[1, 2], dp_enabled=False, dp={},
+                        epsilon_spent=0.0, device="cpu", num_samples=3)
+    idle_coordinator.submit(waiting_job("xray"))
+    idle_coordinator.submit(waiting_job("xray"))
+    deadline = time.time() + 30
+    while collected("fedbroker_coordinator_category_jobs").get(("xray", "pending")) != 2 and time.time() < deadline:
+        time.sleep(0.05)
+    assert collected("fedbroker_coordinator_category_workers_active") == {("digits",): 1.0, ("xray",): 0.0}
+    jobs = collected("fedbroker_coordinator_category_jobs")
+    assert jobs[("xray", "pending")] == 2.0 and jobs[("xray", "running")] == 0.0
+    assert jobs[("digits", "pending")] == jobs[("digits", "running")] == 0.0
+    assert collected("fedbroker_coordinator_workers_active") == {(): 1.0}
+
+
+def test_the_coordinator_exports_the_dead_letter_queues_depth(idle_coordinator):
+    assert collected("fedbroker_coordinator_dead_letter_messages") == {(): 0.0}
+    idle_coordinator.bus.publish_control(b"not an envelope")  # the coordinator dead-letters it
+    deadline = time.time() + 30
+    while collected("fedbroker_coordinator_dead_letter_messages") != {(): 1.0} and time.time() < deadline:
+        time.sleep(0.05)
+    assert collected("fedbroker_coordinator_dead_letter_messages") == {(): 1.0}
+
+
+@pytest.mark.integration
+def test_the_amqp_bus_reads_the_dead_letter_queues_depth_without_changing_it(rabbitmq_url):
+    from fedbroker.bus import delete_topology
+
+    namespace = f"metrics-{uuid.uuid4().hex[:8]}"
+    bus = open_bus(rabbitmq_url, namespace=namespace)
+    try:
+        bus.consume_control(lambda delivery: delivery.nack(requeue=False))
+        bus.start()
+        assert bus.dead_letter_count() == 0
+        bus.publish_control(b"poison")
+        bus.publish_control(b"poison")
+        deadline = time.time() + 30
+        while bus.dead_letter_count() < 2 and time.time() < deadline:
+            time.sleep(0.1)
+        assert bus.dead_letter_count() == 2
+        assert bus.dead_letter_count() == 2  # reading it consumed nothing
+    finally:
+        bus.close()
+        delete_topology(rabbitmq_url, namespace, [])

@@ -141,14 +141,29 @@ def test_prometheus_sees_rounds_rise_and_each_workers_epsilon(watched_federation
     remaining = prometheus.scalar('fedbroker_worker_epsilon_budget_remaining{worker_id="p0"}')
     assert remaining == pytest.approx(POLICY.epsilon_budget - later["p0"], rel=1e-6)
     accuracy = fed.store.rounds(second)[-1]["accuracy"]
-    assert prometheus.scalar(f'fedbroker_coordinator_model_accuracy{{job_id="{second}"}}') == pytest.approx(accuracy)
-    assert prometheus.scalar("fedbroker_coordinator_workers_active") >= 2
-    assert prometheus.scalar('fedbroker_broker_connected{client="coordinator"}') == 1
+    # Each value is waited for, not read once: the last scrape may predate the gauge's update by a second.
+    prometheus.wait_for("the second job's accuracy", lambda: prometheus.scalar(
+        f'fedbroker_coordinator_model_accuracy{{job_id="{second}"}}') == pytest.approx(accuracy))
+    prometheus.wait_for("both workers active", lambda: (prometheus.scalar("fedbroker_coordinator_workers_active")
+                                                        or 0) >= 2)
+    prometheus.wait_for("the coordinator's bus connected",
+                        lambda: prometheus.scalar('fedbroker_broker_connected{client="coordinator"}') == 1)
+    # Counters exist at 0 from the job's start, so increase() and the RoundsFailing alert can see a first failure.
+    assert prometheus.scalar(f'fedbroker_coordinator_rounds_failed_total{{job_id="{second}"}}') == 0
+    # The per-category view the NoActiveWorkers alert reads, the dead-letter depth, the next round's ε cost.
+    prometheus.wait_for("the category's workers", lambda: prometheus.scalar(
+        'fedbroker_coordinator_category_workers_active{category="digits"}') == len(WORKERS))
+    prometheus.wait_for("the dead-letter depth", lambda: prometheus.scalar(
+        "fedbroker_coordinator_dead_letter_messages") == 0)
+    cost = prometheus.wait_for("the next round's ε cost", lambda: prometheus.scalar(
+        'fedbroker_worker_epsilon_next_round_cost{worker_id="p0"}'))
+    assert 0 < cost < POLICY.epsilon_budget
 
     rules = prometheus.api("rules")["groups"]
     loaded = {r["name"]: r["health"] for g in rules for r in g["rules"]}
-    assert {"FedbrokerRoundStalled", "FedbrokerWorkerPrivacyBudgetNearlyExhausted", "FedbrokerNoActiveWorkers",
-            "FedbrokerUploadRejectionRateHigh", "FedbrokerBrokerConnectionLost"} <= set(loaded)
+    assert {"FedbrokerRoundStalled", "FedbrokerWorkerCannotAffordNextRound", "FedbrokerNoActiveWorkers",
+            "FedbrokerUploadRejectionRateHigh", "FedbrokerBrokerConnectionLost", "FedbrokerRoundsFailing",
+            "FedbrokerDeadLetters"} <= set(loaded)
     prometheus.wait_for("rules evaluated", lambda: all(
         r["health"] == "ok" for g in prometheus.api("rules")["groups"] for r in g["rules"]))
 
