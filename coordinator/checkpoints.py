@@ -25,7 +25,8 @@ def save_checkpoint(directory: str | os.PathLike[str], job_id: str, round_number
                     tensors: Mapping[str, np.ndarray], model_spec_json: str) -> str:
     """Write atomically (`write_atomic`) so a crash never leaves a half checkpoint behind; returns its path."""
     folder = Path(directory) / job_id
-    folder.mkdir(parents=True, exist_ok=True)
+    Path(directory).mkdir(mode=0o700, parents=True, exist_ok=True)  # owner-only, like the files (0600)
+    folder.mkdir(mode=0o700, exist_ok=True)
     path = folder / f"round-{round_number:05d}{SUFFIX}"
     metadata = {"format": FORMAT, "job_id": job_id, "round": str(round_number),
                 "model_spec_json": model_spec_json, "tensors": json.dumps(list(tensors))}

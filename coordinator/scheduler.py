@@ -1,6 +1,7 @@
 """The round loop: select → open at the aggregator → publish tasks → wait for quorum or deadline → close.
 
-One thread per running job. The coordinator never touches weights beyond checkpointing and evaluating
+One thread per running job, at most `max_running_jobs` of them; later jobs wait `pending`, in submission
+order. The coordinator never touches weights beyond checkpointing and evaluating
 the global model the aggregation service returns.
 
 Faults (deploy/RELIABILITY.md): a round is recorded in the store before it is opened anywhere, so a
@@ -12,8 +13,10 @@ would let a worker hold its task past the broker's consumer_timeout is refused a
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -30,9 +33,15 @@ from fedbroker.aggregators.registries import job_problems
 from fedbroker.bus import Bus, Delivery
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.checkpoints import load_checkpoint, save_checkpoint
-from fedbroker.coordinator.participants import sample_participants
-from fedbroker.coordinator.state import StateStore
-from fedbroker.errors import BusError, ConfigError, ConfigErrors, FedbrokerError, Rejection
+from fedbroker.coordinator.control import MAX_REASON_CHARS, InvalidControlMessage, check_control
+from fedbroker.coordinator.participants import (
+    WorkerBudget,
+    budget_from_heartbeat,
+    sample_participants,
+    why_unaffordable,
+)
+from fedbroker.coordinator.state import StateStore, StateUnavailable
+from fedbroker.errors import BusError, ConfigError, ConfigErrors, FedbrokerError, Rejection, Unroutable
 from fedbroker.metrics import BUSES
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff, retry_call
@@ -59,10 +68,15 @@ class Coordinator:
     def __init__(self, *, bus: Bus, store: StateStore, aggregator: AggregatorClient, aggregator_target: str,
                  checkpoint_dir: str, heartbeat_timeout_s: float = 60.0, poll_interval_s: float = 0.2,
                  evaluator: Evaluator | None = None, broker_consumer_timeout_s: float | None = None,
-                 aggregator_outage_s: float = 300.0) -> None:
+                 aggregator_outage_s: float = 300.0, store_outage_s: float = 300.0,
+                 max_running_jobs: int = 16) -> None:
         """`broker_consumer_timeout_s`: RabbitMQ's consumer_timeout on this deployment (None: no limit, e.g.
         the in-process bus). `aggregator_outage_s`: how long a job waits for an unreachable aggregation
-        service before it fails."""
+        service before it fails; `store_outage_s` likewise for a state store that cannot be written (a lock
+        held elsewhere, a full disk). `max_running_jobs`: jobs driven at once, one thread each; later jobs
+        wait `pending`, first submitted first started."""
+        if isinstance(max_running_jobs, bool) or not isinstance(max_running_jobs, int) or max_running_jobs < 1:
+            raise ConfigError("coordinator.max_running_jobs", f"must be an integer >= 1, got {max_running_jobs!r}")
         self.bus = bus
         self.store = store
         self.aggregator = aggregator.without_retries()  # `_call` owns the retrying, so retries never nest
@@ -73,8 +87,15 @@ class Coordinator:
         self.evaluator = evaluator
         self.broker_consumer_timeout_s = broker_consumer_timeout_s
         self.aggregator_outage_s = aggregator_outage_s
+        self.store_outage_s = store_outage_s
+        self.max_running_jobs = max_running_jobs
         self._stop = threading.Event()
-        self._threads: dict[str, threading.Thread] = {}
+        self._budgets: dict[str, WorkerBudget] = {}   # by worker: what its last heartbeat said it can afford
+        self._budgets_lock = threading.Lock()
+        self._jobs_lock = threading.Lock()
+        self._threads: dict[str, threading.Thread] = {}  # the running jobs' threads
+        self._queue: collections.deque[tuple[str, JobSpec | None]] = collections.deque()  # jobs waiting for one
+        self._done: dict[str, threading.Event] = {}  # set when a job launched here ends (or stop() drops it)
 
     # ----- lifecycle -----
 
@@ -89,15 +110,20 @@ class Coordinator:
 
     def stop(self) -> None:
         self._stop.set()
-        for thread in list(self._threads.values()):
+        with self._jobs_lock:  # queued jobs stay pending in the store: the next start runs them
+            for job_id, _ in self._queue:
+                self._done[job_id].set()
+            self._queue.clear()
+            threads = list(self._threads.values())
+        for thread in threads:
             thread.join(timeout=10)
         metrics.REGISTRY_COLLECTOR.unbind(self)
         BUSES.unwatch("coordinator")
 
     def wait(self, job_id: str, timeout: float | None = None) -> str:
-        thread = self._threads.get(job_id)
-        if thread is not None:
-            thread.join(timeout)
+        done = self._done.get(job_id)
+        if done is not None:
+            done.wait(timeout)
         row = self.store.job(job_id)
         return row["status"] if row else "unknown"
 
@@ -146,9 +172,20 @@ class Coordinator:
             metrics.CONTROL_REJECTED.labels(exc.reason).inc()
             delivery.nack(requeue=False)
             return
+        try:
+            check_control(env)  # never stored, never selected: a job never meets a worker id it cannot route
+        except InvalidControlMessage as exc:
+            log.warning("dead-lettering a control message: %s", exc)
+            metrics.CONTROL_REJECTED.labels(exc.reason).inc()
+            delivery.nack(requeue=False)
+            return
         kind = env.WhichOneof("message")
         if kind == "registration":
             r = env.registration
+            # Its task queue exists before any task is published to it: a worker that registered but never
+            # consumes holds its task there and is a straggler, instead of an unroutable publish.
+            self.bus.declare_worker(r.worker_id)
+            self._note_epsilon(r.worker_id, r.epsilon_spent, "registration")
             self.store.upsert_worker(
                 worker_id=r.worker_id, categories=r.categories, histogram=r.label_histogram,
                 dp_enabled=r.dp_enabled, dp={
@@ -161,34 +198,96 @@ class Coordinator:
                      list(r.categories))
         elif kind == "heartbeat":
             h = env.heartbeat
+            self._note_epsilon(h.worker_id, h.epsilon_spent, "heartbeat")
             if not self.store.touch_worker(h.worker_id, epsilon_spent=h.epsilon_spent, state=h.state):
                 log.warning("heartbeat from unknown worker %r ignored", h.worker_id)
+            else:
+                with self._budgets_lock:
+                    self._budgets[h.worker_id] = budget_from_heartbeat(h)
         else:
             o = env.task_outcome
             status = pb.TaskOutcome.Status.Name(o.status).lower()
             metrics.TASK_OUTCOMES.labels(status).inc()
-            if not self.store.record_outcome(o.job_id, o.round, o.worker_id, status, o.reason):
+            if not self.store.record_outcome(o.job_id, o.round, o.worker_id, status, o.reason[:MAX_REASON_CHARS]):
                 log.warning("outcome from %r for unknown task (%s, round %d) ignored", o.worker_id, o.job_id, o.round)
             else:
                 log.info("worker %s %s round %d of %s: %s", o.worker_id, status, o.round, o.job_id, o.reason)
         delivery.ack()
 
+    def _note_epsilon(self, worker_id: str, reported: float, message: str) -> None:
+        """ε never falls silently: the store keeps the highest ε a worker reported (its tasks carry it, and a
+        worker whose ledger total is below refuses to train); a lower report is logged and counted here."""
+        recorded = self.store.recorded_epsilon(worker_id)
+        if recorded is not None and reported < recorded - 1e-9 * max(1.0, recorded):
+            metrics.EPSILON_DECREASES.labels(message).inc()
+            log.error("worker %s reported ε %.6g in a %s, below the %.6g recorded for it: its privacy ledger was "
+                      "lost or replaced; keeping %.6g, and its tasks will be refused until its ledger is restored",
+                      worker_id, reported, message, recorded, recorded)
+
     # ----- the round loop -----
 
     def _launch(self, job_id: str, job: JobSpec | None = None) -> None:
-        """`job`: the spec SubmitJob parsed; None for a job resumed from the store (parsed there, once)."""
-        thread = threading.Thread(target=self._run_job, args=(job_id, job), name=f"job-{job_id}", daemon=True)
-        self._threads[job_id] = thread
-        thread.start()
+        """`job`: the spec SubmitJob parsed; None for a job resumed from the store (parsed there, once).
+        Queued; it starts at once while fewer than `max_running_jobs` jobs run."""
+        with self._jobs_lock:
+            if job_id in self._done and not self._done[job_id].is_set():
+                return  # already queued or running
+            self._done[job_id] = threading.Event()
+            self._queue.append((job_id, job))
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Start queued jobs, oldest first, into free slots (the caller holds `_jobs_lock`)."""
+        while self._queue and len(self._threads) < self.max_running_jobs and not self._stop.is_set():
+            job_id, job = self._queue.popleft()
+            thread = threading.Thread(target=self._run_job, args=(job_id, job), name=f"job-{job_id}", daemon=True)
+            self._threads[job_id] = thread
+            thread.start()
 
     def _run_job(self, job_id: str, job: JobSpec | None) -> None:
         try:
-            self._drive(job_id, job)
-        except _Stopped:  # the job stays running in the store; the next start resumes it
-            log.info("job %s paused: the coordinator is stopping", job_id)
-        except Exception as exc:  # a job's failure must be recorded, never lost in a thread
-            log.exception("job %s failed", job_id)
-            self.store.set_job_status(job_id, "failed", str(exc))
+            metrics.job_started(job_id)  # its counters exist at 0 before the first round can count
+            try:
+                # A store that cannot be written for a while (a lock held elsewhere, a full disk) is ridden
+                # out like an aggregation-service outage; past store_outage_s the job fails, visibly.
+                with self.store.retrying_writes(for_s=self.store_outage_s, sleep=self._stop.wait,
+                                                stopping=self._stop.is_set):
+                    self._drive(job_id, job)
+            except _Stopped:  # the job stays running in the store; the next start resumes it
+                log.info("job %s paused: the coordinator is stopping", job_id)
+            except StateUnavailable as exc:
+                if self._stop.is_set():
+                    log.info("job %s paused: the coordinator is stopping (%s)", job_id, exc)
+                else:
+                    log.error("job %s failed: %s", job_id, exc)
+                    self._record_failure(job_id, str(exc))
+            except JobFailed as exc:  # the job's own rules ended it (budgets, too few uploads): no traceback
+                log.error("job %s failed: %s", job_id, exc)
+                self._record_failure(job_id, str(exc))
+            except Exception as exc:  # a job's failure must be recorded, never lost in a thread
+                log.exception("job %s failed", job_id)
+                self._record_failure(job_id, str(exc))
+        finally:
+            with self._jobs_lock:
+                self._threads.pop(job_id, None)
+                self._done[job_id].set()
+                self._dispatch()
+
+    def _record_failure(self, job_id: str, error: str) -> None:
+        """Record the job as failed, retrying through a store outage for as long as it lasts: a job whose
+        thread ended must not stay `running` in the store. Only a stopping coordinator gives up (the job is
+        then still `running` in the store, and the next start resumes it)."""
+
+        def log_retry(exc: Exception, retry: int, delay: float) -> None:
+            log.error("job %s failed, and that could not be recorded yet (%s); retrying in %.1fs", job_id, exc, delay)
+
+        try:
+            retry_call(lambda: self.store.set_job_status(job_id, "failed", error), backoff=_OUTAGE_BACKOFF,
+                       deadline=math.inf, on_retry=log_retry, sleep=self._stop.wait,
+                       retryable=lambda exc: isinstance(exc, StateUnavailable) and not self._stop.is_set())
+        except StateUnavailable as exc:
+            log.error("job %s failed (%s) but the coordinator stopped before that could be recorded (%s); the next "
+                      "start resumes it", job_id, error, exc)
 
     def _drive(self, job_id: str, job: JobSpec | None) -> None:
         row = self.store.job(job_id)
@@ -241,9 +340,31 @@ class Coordinator:
                 )
             time.sleep(self.poll_interval_s)
 
-    def _select(self, job: JobSpec, round_number: int) -> list[str]:
-        active = [w.worker_id for w in self.store.workers(job.category, seen_within_s=self.heartbeat_timeout_s)]
-        return sample_participants(active, job.schedule.clients_per_round, seed=job.seed, round_number=round_number)
+    def _select(self, job_id: str, job: JobSpec, round_number: int) -> list[str]:
+        """The round's participants, drawn among the active workers that can afford it (by their heartbeats'
+        budgets and costs: participants.why_unaffordable). Fewer than min_clients of them: no round is opened,
+        so no worker spends ε on a round that would fail; the job waits up to wait_for_workers_s (a worker
+        may register, or an owner raise its budget), then fails naming each worker's reason."""
+        deadline = time.time() + job.schedule.wait_for_workers_s
+        while True:
+            active = self.store.workers(job.category, seen_within_s=self.heartbeat_timeout_s)
+            with self._budgets_lock:
+                budgets = dict(self._budgets)
+            why = {w.worker_id: why_unaffordable(w, budgets.get(w.worker_id), job_id=job_id, training=job.training)
+                   for w in active}
+            able = [w for w, reason in why.items() if not reason]
+            if len(able) >= job.schedule.min_clients:
+                return sample_participants(able, job.schedule.clients_per_round, seed=job.seed,
+                                           round_number=round_number)
+            if self._stop.is_set():
+                raise _Stopped
+            if time.time() >= deadline:
+                reasons = "; ".join(f"{w}: {reason}" for w, reason in why.items() if reason)
+                raise JobFailed(
+                    f"round {round_number} not opened: {len(able)} of {len(active)} active worker(s) of category "
+                    f"{job.category!r} can afford it, schedule.min_clients is {job.schedule.min_clients}"
+                    f"{' [' + reasons + ']' if reasons else ''}; no worker trained (no ε spent)")
+            time.sleep(self.poll_interval_s)
 
     def _population(self, job: JobSpec) -> list[float]:
         """P over every registered worker of the category (DWFed), from their label histograms."""
@@ -292,11 +413,8 @@ class Coordinator:
 
     def _new_round(self, run: _Run, round_number: int) -> _OpenRound:
         job_id, job = run.job_id, run.job
+        participants = self._select(job_id, job, round_number)  # may wait for workers that can afford it
         started = time.time()
-        participants = self._select(job, round_number)
-        if len(participants) < job.schedule.min_clients:
-            raise JobFailed(f"round {round_number}: {len(participants)} active worker(s), "
-                            f"schedule.min_clients is {job.schedule.min_clients}")
         histograms = {w.worker_id: w.histogram for w in self.store.workers(job.category) if w.worker_id in participants}
         rnd = _OpenRound(round_number, participants, started, started + job.schedule.round_timeout_s,
                          asdict(job.aggregation), histograms)
@@ -343,9 +461,12 @@ class Coordinator:
 
     def _open_at_aggregator(self, run: _Run, rnd: _OpenRound, *, reinstall: bool = True) -> None:
         job_id = run.job_id
+        # what each participant registered bounds the sample count its upload may claim (its FedAvg weight)
+        members = set(rnd.participants)
+        registered = {w.worker_id: w.num_samples for w in self.store.workers() if w.worker_id in members}
         rnd.model_version = self._call(run, f"open round {rnd.number}", lambda: self.aggregator.open_round(
             job_id, rnd.number, rnd.participants, rnd.deadline, rnd.aggregation, seed=run.job.seed,
-            histograms=rnd.histograms), reinstall=reinstall)
+            histograms=rnd.histograms, num_samples=registered), reinstall=reinstall)
 
     def _answered(self, job_id: str, round_number: int) -> set[str]:
         return {p["worker_id"] for p in self.store.participants(job_id, round_number)
@@ -366,20 +487,27 @@ class Coordinator:
             population_distribution=self._population(job), participants=len(rnd.participants),
             seed=job.seed, aggregation_json=json.dumps(rnd.aggregation),
         )
-        body = envelope.encode(round_task=task)
         recipients = list(rnd.participants)
         if rnd.resumed if only_missing is None else only_missing:
             accepted, _ = self._call(run, f"status of round {rnd.number}",
                                      lambda: self.aggregator.status(job_id, rnd.number))
             done = set(accepted) | self._answered(job_id, rnd.number)
             recipients = [w for w in recipients if w not in done]
-        sent = sum(self._publish(worker_id, body, rnd.deadline) for worker_id in recipients)
+        # Each worker's task carries the ε recorded for it: a worker whose ledger holds less refuses to train.
+        recorded = {w.worker_id: w.epsilon_spent for w in self.store.workers()}
+
+        def body_for(worker_id: str) -> bytes:
+            task.recorded_epsilon_spent = recorded.get(worker_id, 0.0)
+            return envelope.encode(round_task=task)
+
+        sent = sum(self._publish(worker_id, body_for(worker_id), rnd.deadline) for worker_id in recipients)
         rnd.published = True
         log.info("round %d of %s published to %d worker(s)", rnd.number, job_id, sent)
 
     def _publish(self, worker_id: str, body: bytes, deadline: float) -> bool:
         """Persistent and confirmed by the bus; through a broker outage, retried until the round's deadline.
-        A task that cannot be sent by then makes its worker a straggler; the round's quorum rules decide."""
+        A task that cannot be sent by then, or that is unroutable (no queue for the worker: no retry makes
+        one), makes its worker a straggler at once; the round's quorum rules decide."""
 
         def publish() -> None:
             try:
@@ -397,10 +525,11 @@ class Coordinator:
             log.error("task for %s not published before the round's deadline", worker_id)
             return False
         try:
-            retry_call(publish, backoff=_OUTAGE_BACKOFF, retryable=lambda exc: isinstance(exc, BusError),
+            retry_call(publish, backoff=_OUTAGE_BACKOFF,
+                       retryable=lambda exc: isinstance(exc, BusError) and not isinstance(exc, Unroutable),
                        deadline=time.monotonic() + left, on_retry=log_retry, sleep=self._stop.wait)
         except BusError as exc:
-            log.error("task for %s not published before the round's deadline (%s)", worker_id, exc)
+            log.error("task for %s not published (%s): it is a straggler of this round", worker_id, exc)
             return False
         metrics.TASKS_PUBLISHED.inc()
         return True

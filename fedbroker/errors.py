@@ -66,7 +66,15 @@ class Rejection(StrEnum):
     LATE = "late", True, "FAILED_PRECONDITION"
     ROUND_CLOSED = "round_closed", True, "FAILED_PRECONDITION"
     BAD_HEADER = "bad_header", True
+    TOO_MANY_SAMPLES = "too_many_samples", True  # more samples claimed than the worker registered
     BAD_REQUEST = "bad_request", False
+    # the service itself: UNAVAILABLE, which every client already rides out (a worker until its task's
+    # deadline, the coordinator for aggregator_outage_s), so a full disk is an outage, never UNKNOWN
+    SPOOL_FULL = "spool_full", False, "UNAVAILABLE"
+    # the service's thread budget (fedbroker.callguard): no caller may hold every thread
+    SERVER_BUSY = "server_busy", False, "UNAVAILABLE"
+    TOO_MANY_STREAMS = "too_many_streams", False, "RESOURCE_EXHAUSTED"
+    IDLE_STREAM = "idle_stream", False, "DEADLINE_EXCEEDED"
     # the update against the global model
     UNKNOWN_TENSOR = "unknown_tensor", True
     MISSING_TENSOR = "missing_tensor", True
@@ -106,6 +114,13 @@ class Conflict(FedbrokerError):
     reason = "conflict"
 
 
+class Unavailable(FedbrokerError):
+    """Something this process needs (its state store, a disk) failed for now, and nothing of the call was
+    done: the caller may try again later (gRPC UNAVAILABLE)."""
+
+    reason = "unavailable"
+
+
 class Unauthenticated(FedbrokerError):
     reason = Rejection.UNAUTHENTICATED
 
@@ -122,7 +137,21 @@ class BudgetExceeded(TaskRefused):
     reason = "privacy_budget_exceeded"
 
 
+class LedgerBehind(TaskRefused):
+    """A worker's privacy ledger holds less ε than the coordinator recorded for it: the ledger was lost or
+    replaced, and training from it would spend the owner's budget again."""
+
+    reason = "ledger_behind"
+
+
 class BusError(FedbrokerError):
     """The message bus could not deliver or confirm a message."""
 
     reason = "bus_error"
+
+
+class Unroutable(BusError):
+    """The broker has no queue for a message's routing key (a worker without a task queue): no retry makes
+    one appear, so a publisher treats it as final, not as an outage."""
+
+    reason = "unroutable"

@@ -56,14 +56,30 @@ class Registration(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., categories: _Optional[_Iterable[str]] = ..., label_histogram: _Optional[_Iterable[int]] = ..., dp_policy: _Optional[_Union[DPPolicy, _Mapping]] = ..., dp_enabled: _Optional[bool] = ..., epsilon_spent: _Optional[float] = ..., device: _Optional[str] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("worker_id", "epsilon_spent", "state")
+    __slots__ = ("worker_id", "epsilon_spent", "state", "budget_limited", "epsilon_left", "job_costs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_LIMITED_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_LEFT_FIELD_NUMBER: _ClassVar[int]
+    JOB_COSTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epsilon_spent: float
     state: str
-    def __init__(self, worker_id: _Optional[str] = ..., epsilon_spent: _Optional[float] = ..., state: _Optional[str] = ...) -> None: ...
+    budget_limited: bool
+    epsilon_left: float
+    job_costs: _containers.RepeatedCompositeFieldContainer[JobCost]
+    def __init__(self, worker_id: _Optional[str] = ..., epsilon_spent: _Optional[float] = ..., state: _Optional[str] = ..., budget_limited: _Optional[bool] = ..., epsilon_left: _Optional[float] = ..., job_costs: _Optional[_Iterable[_Union[JobCost, _Mapping]]] = ...) -> None: ...
+
+class JobCost(_message.Message):
+    __slots__ = ("job_id", "known", "next_round_epsilon")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ROUND_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    known: bool
+    next_round_epsilon: float
+    def __init__(self, job_id: _Optional[str] = ..., known: _Optional[bool] = ..., next_round_epsilon: _Optional[float] = ...) -> None: ...
 
 class TaskOutcome(_message.Message):
     __slots__ = ("job_id", "round", "worker_id", "status", "reason", "epsilon", "train_loss", "seconds", "num_samples")
@@ -98,7 +114,7 @@ class TaskOutcome(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., status: _Optional[_Union[TaskOutcome.Status, str]] = ..., reason: _Optional[str] = ..., epsilon: _Optional[float] = ..., train_loss: _Optional[float] = ..., seconds: _Optional[float] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class RoundTask(_message.Message):
-    __slots__ = ("job_id", "round", "training_json", "category", "model_version", "aggregator_target", "deadline_unix", "population_distribution", "participants", "seed", "aggregation_json")
+    __slots__ = ("job_id", "round", "training_json", "category", "model_version", "aggregator_target", "deadline_unix", "population_distribution", "participants", "seed", "aggregation_json", "recorded_epsilon_spent")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TRAINING_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +126,7 @@ class RoundTask(_message.Message):
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_JSON_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     training_json: str
@@ -121,7 +138,8 @@ class RoundTask(_message.Message):
     participants: int
     seed: int
     aggregation_json: str
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., training_json: _Optional[str] = ..., category: _Optional[str] = ..., model_version: _Optional[int] = ..., aggregator_target: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., population_distribution: _Optional[_Iterable[float]] = ..., participants: _Optional[int] = ..., seed: _Optional[int] = ..., aggregation_json: _Optional[str] = ...) -> None: ...
+    recorded_epsilon_spent: float
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., training_json: _Optional[str] = ..., category: _Optional[str] = ..., model_version: _Optional[int] = ..., aggregator_target: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., population_distribution: _Optional[_Iterable[float]] = ..., participants: _Optional[int] = ..., seed: _Optional[int] = ..., aggregation_json: _Optional[str] = ..., recorded_epsilon_spent: _Optional[float] = ...) -> None: ...
 
 class RoundCompleted(_message.Message):
     __slots__ = ("job_id", "round", "model_version", "aggregated", "accuracy", "loss", "final", "seconds")
@@ -238,7 +256,7 @@ class GlobalModelRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class OpenRoundRequest(_message.Message):
-    __slots__ = ("job_id", "round", "participants", "deadline_unix", "aggregation_json", "seed", "histograms")
+    __slots__ = ("job_id", "round", "participants", "deadline_unix", "aggregation_json", "seed", "histograms", "num_samples")
     class HistogramsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +264,13 @@ class OpenRoundRequest(_message.Message):
         key: str
         value: LabelHistogram
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[LabelHistogram, _Mapping]] = ...) -> None: ...
+    class NumSamplesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +278,7 @@ class OpenRoundRequest(_message.Message):
     AGGREGATION_JSON_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     HISTOGRAMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     participants: _containers.RepeatedScalarFieldContainer[str]
@@ -260,7 +286,8 @@ class OpenRoundRequest(_message.Message):
     aggregation_json: str
     seed: int
     histograms: _containers.MessageMap[str, LabelHistogram]
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., deadline_unix: _Optional[float] = ..., aggregation_json: _Optional[str] = ..., seed: _Optional[int] = ..., histograms: _Optional[_Mapping[str, LabelHistogram]] = ...) -> None: ...
+    num_samples: _containers.ScalarMap[str, int]
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., deadline_unix: _Optional[float] = ..., aggregation_json: _Optional[str] = ..., seed: _Optional[int] = ..., histograms: _Optional[_Mapping[str, LabelHistogram]] = ..., num_samples: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class LabelHistogram(_message.Message):
     __slots__ = ("counts",)

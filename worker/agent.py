@@ -7,13 +7,18 @@ training again (no second privacy cost, no double count).
 The worker holds a task's delivery no longer than the round lasts: it refuses a task whose deadline has
 passed and abandons training when the deadline passes, so a deployment whose RabbitMQ consumer_timeout
 exceeds every job's round_timeout_s (the coordinator refuses other jobs) never has a channel closed
-under a training worker. Failures are classified in `on_task`: permanent ones are reported and acked
-(or dead-lettered when the task itself is unreadable), transient ones are retried with a backoff until
-the bus dead-letters the task after `max_attempts`.
+under a training worker. Calls to the aggregation service retry an outage until the task's deadline: for
+as long as the round can still use the update. Other failures are classified in `on_task`: permanent ones
+are reported and acked (or dead-lettered when the task itself is unreadable), transient ones are retried
+with a backoff until the bus dead-letters the task after `max_attempts`.
+
+A worker never trains from a ledger that holds less ε than the coordinator recorded for it (a lost or
+replaced ledger): it refuses the task (`check_ledger`).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -29,17 +34,17 @@ from fedbroker.aggregators.weighting import noisy_histogram, reported_ish
 from fedbroker.auth import ClientSecurity
 from fedbroker.bus import Bus, BusError, Delivery
 from fedbroker.config import DPPolicy, WorkerConfig
-from fedbroker.errors import BudgetExceeded, FedbrokerError, Rejection, TaskRefused
+from fedbroker.errors import BudgetExceeded, ConfigError, FedbrokerError, LedgerBehind, Rejection, TaskRefused
 from fedbroker.metrics import BUSES
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff
 from fedbroker.rpc import RemoteError
-from fedbroker.spec import TrainingConfig, parse_model, training_from_json
+from fedbroker.spec import ModelSpec, TrainingConfig, parse_model, training_from_json
 from fedbroker.worker import metrics
-from fedbroker.worker.accounting import dp_sample_rate, planned_steps, project_epsilon
+from fedbroker.worker.accounting import dp_sample_rate, job_epsilon_after_round, planned_steps, project_epsilon
 from fedbroker.worker.data import load_dataset, train_test_split
-from fedbroker.worker.ledger import PrivacyLedger
+from fedbroker.worker.ledger import PrivacyLedger, below, source_digest
 from fedbroker.worker.partition import partition
 from fedbroker.worker.training import TrainResult, pick_device, train_local
 
@@ -47,6 +52,10 @@ log = logging.getLogger(__name__)
 
 
 REGISTER_EVERY_BEATS = 6
+JOB_COSTS_KEPT = 256   # jobs whose training settings a worker keeps for its heartbeats' cost reports
+JOB_COSTS_REPORTED = 1024   # jobs one heartbeat lists (the coordinator takes up to 4096): the latest ledger
+                            # entries; a job left out is priced by the coordinator at its first round's cost
+HISTOGRAM_RELEASE = "label_histogram"  # the ledger's name for the noised label histogram
 
 
 class _PoisonTask(FedbrokerError):
@@ -55,6 +64,11 @@ class _PoisonTask(FedbrokerError):
 
 class _DeadlinePassed(FedbrokerError):
     """Internal: training outlived the round's deadline; the update is abandoned."""
+
+
+class _DataMismatch(FedbrokerError):
+    """Internal: the job's model cannot take this worker's data; no retry can change that, so the task is
+    reported as failed with the reason and acked, never retried into the dead-letter queue."""
 
 
 class WorkerAgent:
@@ -77,16 +91,16 @@ class WorkerAgent:
         self.x, self.y = train.x[index], train.y[index]
         self.num_classes = data.num_classes
         self.histogram = np.bincount(self.y, minlength=self.num_classes)
-        # What the coordinator sees. Noise is drawn once per worker lifetime: a fresh draw at every
-        # registration would let the coordinator average the noise away.
-        self.shared_histogram = self.histogram
-        if config.histogram_epsilon:
-            self.shared_histogram = noisy_histogram(self.histogram, epsilon=config.histogram_epsilon,
-                                                    rng=np.random.default_rng())
+        # What the coordinator sees, and all that DWFed's ISH is computed from (never the exact counts).
+        self.shared_histogram = self._release_histogram(config.histogram_epsilon)
         self._state = "idle"
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._trained: dict[tuple[str, int, int], TrainResult] = {}  # an update whose upload failed, kept for the retry
+        # The training settings of the jobs whose tasks this worker received (the latest JOB_COSTS_KEPT), so its
+        # heartbeats can say what each job's next round would cost; `_costs` caches the projections.
+        self._job_configs: collections.OrderedDict[str, TrainingConfig] = collections.OrderedDict()
+        self._costs: dict[tuple[str, tuple[tuple[float, float, int], ...], TrainingConfig], float] = {}
         self.retry_initial_s = 1.0   # backoff before a failed task goes back to the queue
         self.retry_max_s = 30.0
 
@@ -94,9 +108,11 @@ class WorkerAgent:
 
     def start(self) -> None:
         BUSES.watch(self.bus, client=self.config.id)
+        metrics.worker_started(self.config.id)
         self._export_privacy()
         self.bus.declare_worker(self.config.id)
         self.register()
+        self.send_heartbeat()  # at once: the coordinator opens rounds only with workers that reported a budget
         self.bus.consume_tasks(self.config.id, self.on_task)
         self._heartbeat = threading.Thread(target=self._beat, name=f"heartbeat-{self.config.id}", daemon=True)
         self._heartbeat.start()
@@ -104,6 +120,31 @@ class WorkerAgent:
     def stop(self) -> None:
         self._stop.set()
         BUSES.unwatch(self.config.id)
+
+    def _release_histogram(self, epsilon: float) -> np.ndarray:
+        """The label histogram this worker shares: exact with `histogram_epsilon` 0, else a Laplace draw at
+        that ε, charged to the ledger (a pure ε-DP release composing with training by basic composition).
+
+        Noise is drawn once per data set, not per registration: fresh draws would let the coordinator
+        average the noise away. The ledger keeps the draw, so a restart re-sends it at no new cost; a
+        changed data set or ε draws (and pays for) a new one, refused if it would pass the owner's budget."""
+        if not epsilon:
+            return self.histogram
+        kept = self.ledger.release(HISTOGRAM_RELEASE)
+        if (kept is not None and kept.draw_epsilon == epsilon and len(kept.value) == len(self.histogram)
+                and kept.source_sha256 == source_digest([int(c) for c in self.histogram])):
+            return np.asarray(kept.value, dtype=np.int64)
+        dp = self.dp
+        if dp is not None and self.ledger.total_epsilon() + epsilon > dp.epsilon_budget:
+            raise ConfigError("worker.histogram_epsilon",
+                              f"releasing the label histogram at ε {epsilon:g} would bring ε to "
+                              f"{self.ledger.total_epsilon() + epsilon:.3f}, above the owner's budget "
+                              f"{dp.epsilon_budget:g}")
+        released = noisy_histogram(self.histogram, epsilon=epsilon, rng=np.random.default_rng())
+        self.ledger.record_release(HISTOGRAM_RELEASE, value=[int(c) for c in released], epsilon=epsilon,
+                                   source=[int(c) for c in self.histogram])
+        log.info("worker %s released its label histogram at ε %g (charged to its ledger)", self.config.id, epsilon)
+        return released
 
     def _export_privacy(self) -> None:
         dp = self.dp
@@ -129,10 +170,49 @@ class WorkerAgent:
                 if beats % REGISTER_EVERY_BEATS == 0:  # a coordinator that lost its state learns of us again
                     self.register()
                     continue
-                self.bus.publish_control(envelope.encode(heartbeat=pb.Heartbeat(
-                    worker_id=self.config.id, epsilon_spent=self.ledger.total_epsilon(), state=self._state)))
+                self.bus.publish_control(envelope.encode(heartbeat=self.heartbeat()))
             except Exception as exc:  # the bus reconnects on its own; a missed beat is only logged
                 log.warning("heartbeat of %s not sent: %s", self.config.id, exc)
+
+    def send_heartbeat(self) -> None:
+        """A heartbeat now, outside the beat (at start, and when the ledger changed); never raises."""
+        try:
+            self.bus.publish_control(envelope.encode(heartbeat=self.heartbeat()))
+        except Exception as exc:
+            log.warning("heartbeat of %s not sent: %s", self.config.id, exc)
+
+    def heartbeat(self) -> pb.Heartbeat:
+        """This worker's state and what it can still afford: the ε left of its owner's budget and, for every
+        job on its ledger or whose task it received, the ε the job's next round would add. The coordinator
+        opens a round only with workers that can afford it (coordinator/participants.py), so that no worker
+        spends ε on a round the others' refusals would make fail."""
+        spent = self.ledger.total_epsilon()
+        message = pb.Heartbeat(worker_id=self.config.id, epsilon_spent=spent, state=self._state)
+        dp = self.dp
+        if dp is None:
+            return message
+        message.budget_limited, message.epsilon_left = True, dp.epsilon_budget - spent
+        on_ledger = list(self.ledger.jobs())[-(JOB_COSTS_REPORTED - len(self._job_configs)):]
+        for job_id in sorted(set(on_ledger) | set(self._job_configs)):
+            config = self._job_configs.get(job_id)
+            cost = self._next_round_cost(job_id, config, dp) if config is not None else None
+            message.job_costs.add(job_id=job_id, known=cost is not None, next_round_epsilon=cost or 0.0)
+        return message
+
+    def _next_round_cost(self, job_id: str, config: TrainingConfig, dp: DPPolicy) -> float | None:
+        """The ε the job's next round of `config` would add to this worker's total (the check_budget projection)."""
+        history = tuple(self.ledger.history(job_id))
+        key = (job_id, history, config)
+        if key not in self._costs:
+            try:
+                after = job_epsilon_after_round(list(history), num_samples=len(self.y), config=config,
+                                                noise_multiplier=dp.noise_multiplier, delta=dp.delta)
+            except ConfigError:  # no samples: nothing it could train
+                return None
+            if len(self._costs) > 4 * JOB_COSTS_KEPT:
+                self._costs.clear()
+            self._costs[key] = max(0.0, after - self.ledger.epsilon(job_id))
+        return self._costs[key]
 
     # ----- tasks -----
 
@@ -144,9 +224,11 @@ class WorkerAgent:
           reason a retry cannot change, or the round's deadline passed during training): report, ack;
         * a task this worker cannot even read (malformed, an invalid training config or model): report,
           dead-letter at once — a poison message is never retried;
-        * anything else (the service unreachable or restarting, a broker hiccup, an unexpected error in
-          training): requeue after a backoff, so the bus counts the attempt and dead-letters the task
-          after `max_attempts`; the last attempt reports the failure first, so the round does not wait.
+        * the service unreachable, restarting or out of spool space: each call already retried until the
+          round's deadline (`AggregatorClient.until`), so the round cannot use the update any more: report, ack;
+        * anything else (a service that lost the job, a broker hiccup, an unexpected error in training):
+          requeue after a backoff, so the bus counts the attempt and dead-letters the task after
+          `max_attempts`; the last attempt reports the failure first, so the round does not wait.
         """
         me = self.config.id
         metrics.TASKS_RECEIVED.labels(me).inc()
@@ -163,6 +245,7 @@ class WorkerAgent:
             outcome = "uploaded" if self.run_task(task) is not None else "already_uploaded"
         except TaskRefused as exc:
             outcome = "refused"
+            metrics.TASKS_REFUSED.labels(me, exc.reason).inc()
             self._report(task, pb.TaskOutcome.REFUSED, str(exc))
         except _PoisonTask as exc:
             log.error("worker %s dead-letters task %s/%d: %s", me, task.job_id, task.round, exc)
@@ -170,7 +253,7 @@ class WorkerAgent:
             metrics.TASKS.labels(me, "malformed").inc()
             delivery.nack(requeue=False)
             return
-        except (_DeadlinePassed, RemoteError) as exc:
+        except (_DeadlinePassed, _DataMismatch, RemoteError) as exc:
             if isinstance(exc, RemoteError) and not Rejection.is_final(exc.reason):  # retried: it may get better
                 self._retry_later(delivery, task, exc)
                 return
@@ -233,9 +316,16 @@ class WorkerAgent:
             config = training_from_json(task.training_json)
         except (ValueError, TypeError) as exc:  # ConfigError and a JSON error are ValueErrors
             raise _PoisonTask(f"invalid training config in the task: {exc}") from None
+        self._job_configs[task.job_id] = config  # what its next round costs, for the heartbeats
+        self._job_configs.move_to_end(task.job_id)
+        while len(self._job_configs) > JOB_COSTS_KEPT:
+            self._job_configs.popitem(last=False)
+        self.check_ledger(task.recorded_epsilon_spent)
         self.check_budget(task.job_id, config)
         key = (task.job_id, task.round, task.model_version)
-        with AggregatorClient(task.aggregator_target, security=self.security) as client:
+        with AggregatorClient(task.aggregator_target, security=self.security) as channel:
+            # Every call retries through an outage (or a full spool) for as long as the round can use it.
+            client = channel.until(task.deadline_unix)
             accepted, is_open = client.status(task.job_id, task.round)
             if self.config.id in accepted:
                 log.info("round %d of %s already has our update: acking the redelivered task", task.round, task.job_id)
@@ -261,10 +351,12 @@ class WorkerAgent:
         version, spec_json, weights = client.download(task.job_id, task.model_version)
         metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in weights.values()))
         try:
-            model = build_model(parse_model(json.loads(spec_json)))
+            spec = parse_model(json.loads(spec_json))
+            model = build_model(spec)
             load_numpy_state(model, weights)
         except (ValueError, TypeError, KeyError, RuntimeError) as exc:
             raise _PoisonTask(f"the global model {version} cannot be built: {exc}") from None
+        self.check_data_fits(spec)
 
         def give_up_at_deadline(step: int, total: int) -> None:
             # Past the deadline the service refuses the update: stop holding the task (and the broker's
@@ -278,6 +370,7 @@ class WorkerAgent:
                              seed=self._training_seed(task), progress=give_up_at_deadline)
         if result.epsilon is not None:  # spent once trained, whether or not the upload succeeds
             self.ledger.record(task.job_id, history=result.history, epsilon=result.epsilon)
+            self.send_heartbeat()  # the coordinator's picture of our budget, fresh before this round closes
         self._export_training(result)
         return result
 
@@ -308,6 +401,28 @@ class WorkerAgent:
             return int.from_bytes(os.urandom(8), "little") >> 1
         return int(task.seed) * 1000 + task.round
 
+    def check_data_fits(self, spec: ModelSpec) -> None:
+        """Refuse a model whose input or output does not fit this worker's data before any training step:
+        torch would fail on the first batch, and retrying would fail the same way."""
+        sample_shape = tuple(int(d) for d in self.x.shape[1:])
+        if tuple(spec.input_shape) != sample_shape:
+            raise _DataMismatch(f"model.input_shape {list(spec.input_shape)} does not fit this worker's data, whose "
+                                f"samples have shape {list(sample_shape)}")
+        if spec.num_outputs < self.num_classes:
+            raise _DataMismatch(f"the model outputs {spec.num_outputs} class scores but this worker's data has "
+                                f"{self.num_classes} classes")
+
+    def check_ledger(self, recorded: float) -> None:
+        """Refuse to train when the ledger holds less ε than the coordinator recorded for this worker: the
+        ledger was lost or replaced (its history is the coordinator's), and training from it would spend the
+        owner's budget again. The worker never starts a new ledger over a history; an operator restores it."""
+        total = self.ledger.total_epsilon()
+        if below(total, recorded):
+            raise LedgerBehind(
+                f"privacy ledger {self.ledger.path} holds ε {total:.6g}, below the {recorded:.6g} the coordinator "
+                f"recorded for worker {self.config.id}: the ledger was lost or replaced; restore it (this worker "
+                f"trains no more until then)")
+
     def check_budget(self, job_id: str, config: TrainingConfig) -> None:
         """Refuse before training if this round's steps would take the owner past its own ε budget."""
         dp = self.dp
@@ -318,6 +433,7 @@ class WorkerAgent:
                                     sample_rate=dp_sample_rate(n, config), steps=planned_steps(n, config),
                                     delta=dp.delta)
         others = self.ledger.total_epsilon() - self.ledger.epsilon(job_id)
+        metrics.set_next_round_cost(self.config.id, epsilon=projected - self.ledger.epsilon(job_id))
         if projected + others > dp.epsilon_budget:
             raise BudgetExceeded(
                 f"privacy budget exceeded: this round would bring ε to {projected + others:.3f} "
@@ -327,5 +443,5 @@ class WorkerAgent:
     def _ish(self, task: pb.RoundTask) -> float | None:
         if not task.population_distribution:
             return None
-        return reported_ish(self.histogram, task.population_distribution, participants=task.participants,
+        return reported_ish(self.shared_histogram, task.population_distribution, participants=task.participants,
                             aggregation=json.loads(task.aggregation_json or "{}"))

@@ -78,7 +78,7 @@ def demo_job(options: DemoOptions, input_shape: tuple[int, ...], num_classes: in
         "training": {"rounds": options.rounds, "local_epochs": options.local_epochs,
                      "batch_size": options.batch_size, "lr": options.lr},
         "aggregation": {"alignment": "none", "weighting": "fedavg", "selection": "all"},
-        "schedule": {"min_workers": options.workers, "min_clients": 1, "wait_for_workers_s": 120,
+        "schedule": {"min_workers": options.workers, "min_clients": 1, "wait_for_workers_s": 30,
                      "round_timeout_s": options.round_timeout_s},
         "evaluation": {"dataset": options.dataset},
     }
@@ -347,6 +347,7 @@ def collect_results(status: pb.StatusReply, job_id: str, options: DemoOptions, b
         "refusals": refusals,
         "summary": {
             "status": status.jobs[0].status if status.jobs else "unknown",
+            "error": status.jobs[0].error if status.jobs else "",
             "final_accuracy": rounds[-1]["accuracy"] if rounds else None,
             "centralized_accuracy": round(baseline, 4),
             "broker": "rabbitmq" if options.broker else "in-process",

@@ -15,6 +15,7 @@ import grpc
 
 from fedbroker.auth import ClientSecurity, ServerTLS, load_table, read_secret
 from fedbroker.bus import Bus, InProcessBus, mask_url, open_bus
+from fedbroker.callguard import CallLimits
 from fedbroker.config import Config
 from fedbroker.errors import ConfigError
 from fedbroker.heap import keep_freed_memory
@@ -55,17 +56,21 @@ def start_aggregator(config: Config) -> tuple[grpc.Server, int]:
     tokens = load_table(a.tokens_file, service=SERVICE_NAME)
     tls = ServerTLS.from_files(a.tls.cert_file, a.tls.key_file, a.tls.client_ca_file, where="aggregator.tls")
     book = RoundBook(max_update_bytes=a.max_update_bytes, selection_time_limit_s=a.selection_time_limit_s,
-                     spool_dir=a.spool_dir or None)
-    _export("aggregator", a.metrics_port)
-    return serve(book, address=a.listen, tokens=tokens, tls=tls)
+                     alignment_time_limit_s=a.alignment_time_limit_s, spool_dir=a.spool_dir or None)
+    _export("aggregator", a.metrics_port, a.metrics_addr)
+    limits = CallLimits(threads=a.threads, health_threads=a.health_threads, max_streams=a.max_streams,
+                        max_streams_per_worker=a.max_streams_per_worker,
+                        stream_idle_timeout_s=a.stream_idle_timeout_s)
+    return serve(book, address=a.listen, limits=limits, tokens=tokens, tls=tls)
 
 
-def _export(role: str, port: int) -> None:
-    """The Prometheus exporter of this process (once per port, shared by the demo's in-process parts)."""
+def _export(role: str, port: int, addr: str) -> None:
+    """The Prometheus exporter of this process (once per address and port, shared by the demo's in-process
+    parts), bound to the role's `metrics_addr`."""
     if port < 0 or port > 65535:
         raise ConfigError(f"{role}.metrics_port", f"must be between 0 (off) and 65535, got {port}")
-    if start_exporter(port):
-        log.info("%s metrics on http://0.0.0.0:%d/metrics", role, port)
+    if start_exporter(port, addr=addr):
+        log.info("%s metrics on http://%s:%d/metrics", role, addr, port)
 
 
 @dataclass
@@ -79,6 +84,7 @@ class CoordinatorProcess:
         self.coordinator.stop()
         self.server.stop(grace=1)
         self.bus.close()
+        self.coordinator.store.close()  # releases the state directory's lock
 
 
 def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorProcess:
@@ -92,16 +98,17 @@ def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorP
     tokens = load_table(c.tokens_file, service=SERVICE_NAME)
     tls = ServerTLS.from_files(c.tls.cert_file, c.tls.key_file, c.tls.client_ca_file, where="coordinator.tls")
     security = client_security(config, expected_target=config.aggregator.target)
-    _export("coordinator", c.metrics_port)
-    os.makedirs(c.state_dir, exist_ok=True)
+    _export("coordinator", c.metrics_port, c.metrics_addr)
+    store = StateStore.in_directory(c.state_dir)  # refused while another coordinator holds it
     bus = bus or make_bus(config)
     coordinator = Coordinator(
-        bus=bus, store=StateStore(os.path.join(c.state_dir, "coordinator.sqlite")),
+        bus=bus, store=store,
         aggregator=AggregatorClient(config.aggregator.target, security=security),
         aggregator_target=config.aggregator.target,
         checkpoint_dir=os.path.join(c.state_dir, "checkpoints"), heartbeat_timeout_s=c.heartbeat_timeout_s,
         evaluator=evaluate_global,
         broker_consumer_timeout_s=None if isinstance(bus, InProcessBus) else config.broker.consumer_timeout_s or None,
+        max_running_jobs=c.max_running_jobs,
     )
     coordinator.start()
     bus.start()
@@ -131,7 +138,7 @@ def start_worker(config: Config, *, bus: Bus | None = None) -> WorkerAgent:
     keep_freed_memory()  # every round streams the global model in and the update out
     w = config.worker
     set_torch_threads(w.torch_threads)
-    _export("worker", w.metrics_port)
+    _export("worker", w.metrics_port, w.metrics_addr)
     agent = WorkerAgent(w, bus or make_bus(config),
                         security=client_security(config, expected_target=config.aggregator.target))
     agent.start()

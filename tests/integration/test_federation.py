@@ -66,7 +66,7 @@ def test_dp_epsilon_per_worker_equals_the_opacus_accountant(federation):
         assert agent.ledger.epsilon(job_id) == pytest.approx(expected, rel=1e-9)
 
 
-def test_worker_over_budget_refuses_and_the_coordinator_records_why(federation):
+def test_a_worker_that_cannot_afford_the_round_is_not_selected_and_spends_nothing(federation):
     generous = DPPolicy(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budget=100.0)
     stingy = DPPolicy(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budget=0.05)
     federation.add_worker("rich0", index=0, count=3, dp=generous)
@@ -76,7 +76,45 @@ def test_worker_over_budget_refuses_and_the_coordinator_records_why(federation):
     job["training"]["rounds"] = 1
     job_id = run(federation, job)
     rows = {p["worker_id"]: p for p in federation.store.participants(job_id, 1)}
-    assert rows["poor"]["status"] == "refused"
-    assert "privacy budget exceeded" in rows["poor"]["reason"] and "0.05" in rows["poor"]["reason"]
+    assert set(rows) == {"rich0", "rich1"}  # the round opened with the workers that can afford it
     assert rows["rich0"]["status"] == rows["rich1"]["status"] == "aggregated"
     assert federation.workers["poor"].ledger.epsilon(job_id) == 0.0
+
+
+def test_no_round_opens_and_no_worker_trains_when_fewer_than_min_clients_can_afford_it(federation):
+    """Two of three workers cannot afford round 1 and min_clients is 2: the round is never opened, so the one
+    worker that could afford it does not train either (no ε spent anywhere), and the job says why."""
+    generous = DPPolicy(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budget=100.0)
+    stingy = DPPolicy(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budget=0.05)
+    federation.add_worker("rich", index=0, count=3, dp=generous)
+    federation.add_worker("poor0", index=1, count=3, dp=stingy)
+    federation.add_worker("poor1", index=2, count=3, dp=stingy)
+    job = copy.deepcopy(JOB)
+    job["training"]["rounds"] = 1
+    job["schedule"].update(min_clients=2, wait_for_workers_s=3)
+    job_id = federation.coordinator.submit(parse_job(job))
+    assert federation.coordinator.wait(job_id, timeout=120) == "failed"
+    error = federation.store.job(job_id)["error"]
+    assert "round 1 not opened: 1 of 3 active worker(s)" in error and "min_clients is 2" in error, error
+    assert "poor0: the round would cost ε" in error and "poor1: the round would cost ε" in error, error
+    assert federation.store.participants(job_id) == [] and federation.store.rounds(job_id) == []
+    for agent in federation.workers.values():
+        assert agent.ledger.total_epsilon() == 0.0 and agent.ledger.jobs() == {}
+
+
+def test_a_model_that_does_not_fit_a_workers_data_is_reported_as_failed_not_retried(federation):
+    """A model whose input is flat while the worker's digits are (1, 8, 8) cannot train on that data: the
+    worker reports the task failed, naming the shapes, and acks it (no retries into the dead-letter queue)."""
+    agent = federation.add_worker("w0", index=0, count=1)
+    job = copy.deepcopy(JOB)
+    job["model"] = {"input_shape": [64], "layers": [{"type": "Linear", "in_features": 64, "out_features": 10}]}
+    job["training"]["rounds"] = 1
+    job["schedule"].update(min_workers=1, round_timeout_s=60)
+    job.pop("evaluation")
+    job_id = federation.coordinator.submit(parse_job(job))
+    assert federation.coordinator.wait(job_id, timeout=120) == "failed"
+    (row,) = federation.store.participants(job_id, 1)
+    assert row["status"] == "failed", dict(row)
+    assert "model.input_shape [64] does not fit this worker's data, whose samples have shape [1, 8, 8]" in row["reason"]
+    assert agent.ledger.jobs() == {}
+    assert federation.bus.dead_letter_count() == 0

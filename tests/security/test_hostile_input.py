@@ -10,6 +10,7 @@ model; a job submitted before is still there, unchanged; the consumers still con
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -46,6 +47,7 @@ SPEC = parse_model({"input_shape": [4], "layers": [
 AGG = {"alignment": "none", "weighting": "fedavg", "selection": "all"}
 MAX_UPDATE_BYTES = 10_000
 PARTICIPANTS = ["w1", "w2", "w3"]
+REGISTERED_SAMPLES = 100  # what each participant registered with the coordinator: the most an upload may claim
 REJECTED = "fedbroker_aggregator_uploads_rejected_total"
 AUTH_FAILED = "fedbroker_grpc_server_auth_failures_total"
 JOB_REJECTED = "fedbroker_coordinator_jobs_rejected_total"
@@ -123,7 +125,8 @@ class Services:
             bus.close()
         self.coord_server.stop(grace=0)
         self.agg_server.stop(grace=0)
-        delete_topology(self.rabbitmq_url, self.namespace, ["wq"])
+        # every accepted registration declared its worker's task queue
+        delete_topology(self.rabbitmq_url, self.namespace, ["wq", *(w.worker_id for w in self.store.workers())])
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +172,14 @@ def alias_bomb(levels: int = 9) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge_key_chain(target_bytes: int) -> str:
+    lines = ["name: chain", "category: digits", "k0: &k0 {a0: 0}"]
+    while sum(len(line) + 1 for line in lines) < target_bytes:
+        i = len(lines) - 2
+        lines.append(f"k{i}: &k{i} {{<<: *k{i - 1}, a{i}: {i}}}")
+    return "\n".join(lines) + "\n"
+
+
 JOB_CASES = [
     job_case("unknown-layer-type", good_job(model=model_with({"type": "Lambda", "fn": "os.system"})),
              "model.layers[0].type: unknown layer type 'Lambda'"),
@@ -185,7 +196,19 @@ JOB_CASES = [
     job_case("nan-learning-rate", "name: j\ncategory: digits\nmodel: " + json.dumps(SPEC.to_dict())
              + "\ntraining: {lr: .nan}\n", "training.lr: must be in"),
     job_case("oversized", good_job(category="digits", padding="x" * 300_000), "job: is larger than 262144 bytes"),
-    job_case("alias-bomb", alias_bomb(), "job: is larger than 262144 bytes"),
+    job_case("alias-bomb", alias_bomb(), "job: uses more than 64 YAML aliases"),
+    job_case("merge-key-chain", merge_key_chain(249_000), "job: uses more than 16 YAML merge keys"),  # was 52 s, 933 MB
+    job_case("name-with-trailing-newline", good_job(name="j\n"), "name: is required"),
+    job_case("unknown-evaluation-set", good_job(evaluation={"dataset": "nope"}),
+             "evaluation.dataset: must be '' or 'digits'"),
+    job_case("negative-split-seed", good_job(evaluation={"split_seed": -1}),
+             "evaluation.split_seed: must be in [0, 4294967295], got -1"),
+    job_case("evaluation-set-the-model-cannot-take", good_job(evaluation={"dataset": "digits"}),
+             "evaluation.dataset: 'digits' has samples of shape [1, 8, 8] but model.input_shape is [4]"),
+    job_case("huge-training-step", good_job(model={"input_shape": [4], "layers": [
+        {"type": "Linear", "in_features": 4, "out_features": 60000}, {"type": "ReLU"},
+        {"type": "Linear", "in_features": 60000, "out_features": 2}]}, training={"batch_size": 65536}),
+             "training.batch_size: 65536 makes one training step need"),
     job_case("deep-nesting", "name: j\ncategory: digits\nmodel: " + "[" * 5000 + "]" * 5000 + "\n",
              "nests deeper than"),
     job_case("not-a-mapping", "[1, 2, 3]", "job: must be a mapping, got list"),
@@ -247,6 +270,31 @@ def close_then_upload(svc: Services, job: str) -> Any:
 def late(svc: Services, job: str) -> Any:
     time.sleep(max(0.0, svc.deadlines[job] - time.time()) + 0.05)
     return upload(svc, stream(job, weights(1.0)))
+
+
+def silent(release: threading.Event) -> Any:
+    """An upload stream that sends nothing until `release` is set."""
+    release.wait()
+    return
+    yield  # pragma: no cover
+
+
+def beyond_the_stream_cap(svc: Services, job: str) -> Any:
+    """w1 holds two silent uploads (its max_streams_per_worker), then tries a third, real one."""
+    def streams() -> float:
+        return metric("fedbroker_grpc_server_streams", grpc_service="fedbroker.v1.Aggregation")
+
+    before = streams()
+    release = threading.Event()
+    held = [svc.agg.UploadUpdate.future(silent(release), metadata=bearer(svc.tokens["w1"]), timeout=30)
+            for _ in range(2)]
+    try:
+        _wait(lambda: streams() == before + 2, "two silent streams to hold their threads")
+        return upload(svc, stream(job, weights(1.0)))
+    finally:
+        for call in held:
+            call.cancel()
+        release.set()
 
 
 def upload_case(id: str, attack: Callable[[Services, str], Any], code: grpc.StatusCode | None, text: str,
@@ -312,6 +360,10 @@ UPLOAD_CASES = [
                 S.INVALID_ARGUMENT, "num_samples must be positive, got 0", "bad_header"),
     upload_case("negative-samples", lambda s, j: upload(s, stream(j, weights(1.0), n=-40)),
                 S.INVALID_ARGUMENT, "num_samples must be positive, got -40", "bad_header"),
+    upload_case("more-samples-than-registered",  # one claim of 10^15 samples set the global model (issue 12 #6)
+                lambda s, j: upload(s, stream(j, weights(1000.0), n=10 ** 15)),
+                S.INVALID_ARGUMENT, "claims 1000000000000000 samples, more than the 100 it registered",
+                "too_many_samples"),
     upload_case("duplicate-upload", lambda s, j: upload(s, stream(j, weights(100.0), worker="w2"), token="w2"),
                 None, "duplicate", counter=("fedbroker_aggregator_uploads_duplicate_total", {})),
     upload_case("closed-round", close_then_upload, S.FAILED_PRECONDITION, "round 1 of job", "round_closed"),
@@ -336,6 +388,8 @@ UPLOAD_CASES = [
     upload_case("coordinator-token-uploads",
                 lambda s, j: upload(s, stream(j, weights(1.0), worker="coordinator"), token="coordinator"),
                 S.PERMISSION_DENIED, "'coordinator' (role coordinator) may not call UploadUpdate", "permission_denied"),
+    upload_case("more-streams-than-a-worker-may-hold", beyond_the_stream_cap, S.RESOURCE_EXHAUSTED,
+                "'w1' already has 2 streams open", "too_many_streams"),
     auth_case("worker-opens-a-round",
               lambda s, j: s.agg.OpenRound(pb.OpenRoundRequest(job_id=j, round=2, participants=["w1"],
                                                                deadline_unix=4e9, aggregation_json="{}"),
@@ -355,6 +409,13 @@ UPLOAD_CASES = [
               "DownloadGlobalModel", S.UNAUTHENTICATED, "needs a bearer token", "unauthenticated"),
 ]
 
+def valid_registration(**fields: Any) -> pb.Registration:
+    """A registration a worker could send, with `fields` replaced."""
+    values: dict[str, Any] = {"worker_id": "wr", "categories": ["x"], "label_histogram": [3, 4], "device": "cpu",
+                              "num_samples": 7, **fields}
+    return pb.Registration(**values)
+
+
 AMQP_CASES = [
     Case("control-garbage", "amqp", ("control", b"\xff\x00 not a protobuf"), None, "is not a fedbroker Envelope",
          ("fedbroker_coordinator_control_messages_rejected_total", {"reason": "malformed_message"})),
@@ -362,6 +423,46 @@ AMQP_CASES = [
          ("fedbroker_coordinator_control_messages_rejected_total", {"reason": "malformed_message"})),
     Case("control-wrong-kind", "amqp", ("control", envelope.encode(round_task=pb.RoundTask(job_id="x"))), None,
          "got round_task", ("fedbroker_coordinator_control_messages_rejected_total", {"reason": "malformed_message"})),
+    *(Case(f"control-{name}", "amqp", ("control", envelope.encode(**{kind: message})), None, text,
+           ("fedbroker_coordinator_control_messages_rejected_total", {"reason": f"invalid_{kind}"}))
+      for name, kind, message, text in [
+          # issue 12 #4: a stored 'evil id' failed a running job when it was selected and its task unroutable
+          ("registration-unroutable-worker-id", "registration", valid_registration(worker_id="evil id"),
+           "worker_id: must be 1-128 characters"),
+          ("registration-worker-id-with-trailing-newline", "registration", valid_registration(worker_id="w1\n"),
+           "worker_id: must be 1-128 characters"),
+          ("registration-10e15-samples", "registration", valid_registration(num_samples=10**15),
+           "num_samples: must lie in [1, 1000000000], got 1000000000000000"),
+          ("registration-negative-label-count", "registration", valid_registration(label_histogram=[5, -3]),
+           "label_histogram: every count must lie in [0, 1000000000]"),
+          ("registration-huge-histogram", "registration", valid_registration(label_histogram=[1] * 70_000),
+           "label_histogram: at most 65536 classes, got 70000"),
+          ("registration-nan-epsilon-budget", "registration", valid_registration(
+              dp_enabled=True, dp_policy=pb.DPPolicy(noise_multiplier=1, max_grad_norm=1, delta=1e-5,
+                                                     epsilon_budget=float("nan"))),
+           "dp_policy: every number must be finite"),
+          ("registration-no-category", "registration", valid_registration(categories=[]),
+           "categories: must list 1 to 64 categories, got 0"),
+          ("heartbeat-nan-epsilon", "heartbeat", pb.Heartbeat(worker_id="wq", epsilon_spent=float("nan"), state="idle"),
+           "epsilon_spent: must be a finite number >= 0, got nan"),
+          ("heartbeat-unknown-state", "heartbeat", pb.Heartbeat(worker_id="wq", state="x" * 500),
+           "state: must be one of idle, training, uploading"),
+          ("heartbeat-nan-epsilon-left", "heartbeat", pb.Heartbeat(worker_id="wq", state="idle", budget_limited=True,
+                                                                   epsilon_left=float("nan")),
+           "epsilon_left: must be a finite number, got nan"),   # a NaN would compare as affordable
+          ("heartbeat-negative-round-cost", "heartbeat", pb.Heartbeat(
+              worker_id="wq", state="idle", budget_limited=True, epsilon_left=1.0,
+              job_costs=[pb.JobCost(job_id="j-1", known=True, next_round_epsilon=-1.0)]),
+           "job_costs[].next_round_epsilon: must be a finite number >= 0, got -1.0"),
+          ("heartbeat-bad-job-id-in-costs", "heartbeat", pb.Heartbeat(
+              worker_id="wq", state="idle", job_costs=[pb.JobCost(job_id="../x\n")]),
+           "job_costs[0].job_id: must be a job id"),
+          ("outcome-without-status", "task_outcome", pb.TaskOutcome(job_id="j-1", round=1, worker_id="wq"),
+           "status: must be REFUSED, FAILED or UPLOADED, got 0"),
+          ("outcome-round-zero", "task_outcome", pb.TaskOutcome(job_id="j-1", round=0, worker_id="wq",
+                                                                 status=pb.TaskOutcome.FAILED),
+           "round: must be >= 1, got 0"),
+      ]),
     Case("task-garbage", "amqp", ("task", b"\x08\x96\x01 truncated \xff"), None, "not a fedbroker Envelope",
          ("fedbroker_worker_tasks_total", {"worker_id": "wq", "outcome": "malformed"})),
     Case("task-wrong-kind", "amqp", ("task", envelope.encode(heartbeat=pb.Heartbeat(worker_id="wq"))), None,
@@ -408,7 +509,8 @@ def _upload(svc: Services, case: Case, caplog: Any) -> None:
     deadline = time.time() + (0.5 if case.id == "late" else 60)
     svc.deadlines[job] = deadline
     svc.as_coordinator.put_global(job, 1, SPEC.to_json(), weights(0.0))
-    svc.as_coordinator.open_round(job, 1, PARTICIPANTS, deadline, AGG, seed=0)
+    svc.as_coordinator.open_round(job, 1, PARTICIPANTS, deadline, AGG, seed=0,
+                                  num_samples={w: REGISTERED_SAMPLES for w in PARTICIPANTS})
     accepted = svc.client("w2").upload(job_id=job, round=1, worker_id="w2", num_samples=5, tensors=weights(2.0))
     assert not accepted.duplicate
     reply = _expect(case, lambda: case.attack(svc, job))
@@ -443,7 +545,8 @@ def _amqp(svc: Services, case: Case, caplog: Any) -> None:
         assert metric("fedbroker_worker_tasks_received_total", worker_id="wq") == received + 1
     # the consumers still consume: a registration reaches the registry, a task the worker
     probe = f"probe-{uuid.uuid4().hex[:6]}"
-    svc.sender.publish_control(envelope.encode(registration=pb.Registration(worker_id=probe, categories=["x"])))
+    svc.sender.publish_control(envelope.encode(registration=pb.Registration(worker_id=probe, categories=["x"], num_samples=10,
+                                                                            device="cpu")))
     _wait(lambda: any(w.worker_id == probe for w in svc.store.workers()), "the coordinator to register a probe")
     refused = metric("fedbroker_worker_tasks_total", worker_id="wq", outcome="refused")
     svc.sender.publish_task("wq", envelope.encode(round_task=pb.RoundTask(job_id="probe", round=1, category="nope")))
@@ -456,3 +559,22 @@ def _wait(condition: Callable[[], bool], what: str, timeout: float = 15.0) -> No
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("message", ["registration", "heartbeat"])
+def test_a_control_message_reporting_less_epsilon_is_counted_and_never_lowers_the_record(services, message):
+    """Issue 12 #7: a worker's recorded ε fell from 3.93 to 2.85 without a word (a lost ledger, or anyone who
+    can publish on the control queue). The record keeps the highest ε; the lower report is logged and counted."""
+    svc = services
+    worker_id = f"victim-{message}-{uuid.uuid4().hex[:6]}"
+    svc.sender.publish_control(envelope.encode(registration=pb.Registration(
+        worker_id=worker_id, categories=["x"], epsilon_spent=3.93, num_samples=10, device="cpu")))
+    _wait(lambda: svc.store.recorded_epsilon(worker_id) == 3.93, "the worker's registration")
+    counter = ("fedbroker_coordinator_epsilon_decreases_total", {"message": message})
+    before = metric(counter[0], **counter[1])
+    lower = (pb.Registration(worker_id=worker_id, categories=["x"], epsilon_spent=2.85, num_samples=10,
+                                     device="cpu") if message == "registration"
+             else pb.Heartbeat(worker_id=worker_id, epsilon_spent=2.85, state="idle"))
+    svc.sender.publish_control(envelope.encode(**{message: lower}))
+    _wait(lambda: metric(counter[0], **counter[1]) == before + 1, "the lower ε to be counted")
+    assert svc.store.recorded_epsilon(worker_id) == 3.93
