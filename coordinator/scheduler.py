@@ -325,46 +325,52 @@ class Coordinator:
                 raise
         self.store.set_job_status(job_id, "completed")
 
-    def _await_workers(self, job: JobSpec) -> None:
-        deadline = time.time() + job.schedule.wait_for_workers_s
+    def _poll(self, check: Callable[[], tuple[bool, T]], *, within_s: float) -> tuple[bool, T]:
+        """`check()` every poll interval until it says done or `within_s` passes; its last answer either way.
+        A stopping coordinator ends the wait at once (_Stopped)."""
+        deadline = time.monotonic() + within_s
         while True:
-            active = self.store.workers(job.category, seen_within_s=self.heartbeat_timeout_s)
-            if len(active) >= job.schedule.min_workers:
-                return
-            if self._stop.is_set():
+            done, value = check()
+            if done or time.monotonic() >= deadline:
+                return done, value
+            if self._stop.wait(self.poll_interval_s):
                 raise _Stopped
-            if time.time() >= deadline:
-                raise JobFailed(
-                    f"only {len(active)} active worker(s) of category {job.category!r} registered within "
-                    f"{job.schedule.wait_for_workers_s:g}s; schedule.min_workers is {job.schedule.min_workers}"
-                )
-            time.sleep(self.poll_interval_s)
+
+    def _await_workers(self, job: JobSpec) -> None:
+        def enough() -> tuple[bool, int]:
+            active = self.store.workers(job.category, seen_within_s=self.heartbeat_timeout_s)
+            return len(active) >= job.schedule.min_workers, len(active)
+
+        done, active = self._poll(enough, within_s=job.schedule.wait_for_workers_s)
+        if not done:
+            raise JobFailed(
+                f"only {active} active worker(s) of category {job.category!r} registered within "
+                f"{job.schedule.wait_for_workers_s:g}s; schedule.min_workers is {job.schedule.min_workers}"
+            )
 
     def _select(self, job_id: str, job: JobSpec, round_number: int) -> list[str]:
         """The round's participants, drawn among the active workers that can afford it (by their heartbeats'
         budgets and costs: participants.why_unaffordable). Fewer than min_clients of them: no round is opened,
         so no worker spends ε on a round that would fail; the job waits up to wait_for_workers_s (a worker
         may register, or an owner raise its budget), then fails naming each worker's reason."""
-        deadline = time.time() + job.schedule.wait_for_workers_s
-        while True:
+        def affordability() -> tuple[bool, dict[str, str]]:
+            """Each active worker's reason it cannot afford the round ("" when it can)."""
             active = self.store.workers(job.category, seen_within_s=self.heartbeat_timeout_s)
             with self._budgets_lock:
                 budgets = dict(self._budgets)
             why = {w.worker_id: why_unaffordable(w, budgets.get(w.worker_id), job_id=job_id, training=job.training)
                    for w in active}
-            able = [w for w, reason in why.items() if not reason]
-            if len(able) >= job.schedule.min_clients:
-                return sample_participants(able, job.schedule.clients_per_round, seed=job.seed,
-                                           round_number=round_number)
-            if self._stop.is_set():
-                raise _Stopped
-            if time.time() >= deadline:
-                reasons = "; ".join(f"{w}: {reason}" for w, reason in why.items() if reason)
-                raise JobFailed(
-                    f"round {round_number} not opened: {len(able)} of {len(active)} active worker(s) of category "
-                    f"{job.category!r} can afford it, schedule.min_clients is {job.schedule.min_clients}"
-                    f"{' [' + reasons + ']' if reasons else ''}; no worker trained (no ε spent)")
-            time.sleep(self.poll_interval_s)
+            return sum(not reason for reason in why.values()) >= job.schedule.min_clients, why
+
+        done, why = self._poll(affordability, within_s=job.schedule.wait_for_workers_s)
+        able = [w for w, reason in why.items() if not reason]
+        if not done:
+            reasons = "; ".join(f"{w}: {reason}" for w, reason in why.items() if reason)
+            raise JobFailed(
+                f"round {round_number} not opened: {len(able)} of {len(why)} active worker(s) of category "
+                f"{job.category!r} can afford it, schedule.min_clients is {job.schedule.min_clients}"
+                f"{' [' + reasons + ']' if reasons else ''}; no worker trained (no ε spent)")
+        return sample_participants(able, job.schedule.clients_per_round, seed=job.seed, round_number=round_number)
 
     def _population(self, job: JobSpec) -> list[float]:
         """P over every registered worker of the category (DWFed), from their label histograms."""
