@@ -21,6 +21,7 @@ from fedbroker.spec import MAX_WIDTH
 MAX_CATEGORIES = 64
 MAX_CLASSES = MAX_WIDTH            # a label histogram has a count per output of the widest layer, at most
 MAX_SAMPLES = 1_000_000_000        # a worker's data set, and any one count of its histogram
+MAX_SAMPLE_DIMS = 8                # the sizes in one sample's shape (a model takes 1 to 3)
 MAX_REASON_CHARS = 2000            # a worker's free-text reason is kept, cut to this length
 MAX_JOB_COSTS = 4096               # jobs one heartbeat may price (a worker's ledger and recent tasks)
 WORKER_STATES = frozenset({"idle", "training", "uploading"})
@@ -80,6 +81,10 @@ def _registration_problems(r: pb.Registration) -> list[str]:
         out.append(f"label_histogram: every count must lie in [0, {MAX_SAMPLES}]")
     if not 1 <= r.num_samples <= MAX_SAMPLES:
         out.append(f"num_samples: must lie in [1, {MAX_SAMPLES}], got {r.num_samples}")
+    if len(r.input_shape) > MAX_SAMPLE_DIMS or any(not 1 <= d <= MAX_WIDTH for d in r.input_shape):
+        out.append(f"input_shape: at most {MAX_SAMPLE_DIMS} sizes in [1, {MAX_WIDTH}], got {list(r.input_shape)[:16]}")
+    if not 0 <= r.num_classes <= MAX_CLASSES:
+        out.append(f"num_classes: must lie in [0, {MAX_CLASSES}], got {r.num_classes}")
     out += _epsilon_problems("epsilon_spent", r.epsilon_spent)
     if not _DEVICE.fullmatch(r.device):
         out.append(f"device: must be 1-64 letters, digits, '_', '.', ':' or '-', got {r.device[:80]!r}")

@@ -16,7 +16,7 @@ import numpy as np
 from fedbroker.coordinator.state import WorkerRecord
 from fedbroker.errors import ConfigError
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import TrainingConfig
+from fedbroker.spec import ModelSpec, TrainingConfig
 from fedbroker.worker.accounting import job_epsilon_after_round
 
 
@@ -93,3 +93,32 @@ def _first_round_cost(noise_multiplier: float, delta: float, num_samples: int,
                                        noise_multiplier=noise_multiplier, delta=delta)
     except ConfigError:  # a registration the accountant cannot use (no samples): the worker decides
         return None
+
+
+def data_fit_problems(model: ModelSpec, workers: Sequence[WorkerRecord], *, category: str) -> list[ConfigError]:
+    """What in a job's model does not fit the data its category's workers reported at registration (one
+    sample's shape, the number of classes), each naming the model's field: such a job would only fail inside
+    every worker's training. Workers that reported neither (older than the fields) are not judged."""
+    problems = []
+    wrong_shape = sorted((w for w in workers if w.input_shape and tuple(w.input_shape) != tuple(model.input_shape)),
+                         key=lambda w: w.worker_id)
+    if wrong_shape:
+        shapes = sorted({tuple(w.input_shape) for w in wrong_shape})
+        problems.append(ConfigError("model.input_shape", (
+            f"is {list(model.input_shape)} but the samples of {_some(wrong_shape)} (category {category!r}) have "
+            f"shape {' or '.join(str(list(s)) for s in shapes)}")))
+    outputs = model.num_outputs
+    too_many = sorted((w for w in workers if w.num_classes > outputs), key=lambda w: w.worker_id)
+    if too_many:
+        last = max((i for i, layer in enumerate(model.layers) if "out_features" in layer.params), default=None)
+        field = f"model.layers[{last}].out_features" if last is not None else "model.layers"
+        problems.append(ConfigError(field, (
+            f"the model outputs {outputs} class scores but the data of {_some(too_many)} (category {category!r}) "
+            f"has {max(w.num_classes for w in too_many)} classes")))
+    return problems
+
+
+def _some(workers: Sequence[WorkerRecord], shown: int = 5) -> str:
+    ids = [w.worker_id for w in workers]
+    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+    return f"worker{'s' if len(ids) > 1 else ''} {', '.join(ids[:shown])}{more}"

@@ -37,6 +37,7 @@ from fedbroker.coordinator.control import MAX_REASON_CHARS, InvalidControlMessag
 from fedbroker.coordinator.participants import (
     WorkerBudget,
     budget_from_heartbeat,
+    data_fit_problems,
     sample_participants,
     why_unaffordable,
 )
@@ -143,6 +144,10 @@ class Coordinator:
         The algorithm registries check the job's aggregation too, so an in-process caller that parsed the
         job without them (`parse_job`) cannot start rounds that the aggregation service would refuse."""
         problems = job_problems(aggregation=job.aggregation, model=job.model)
+        # The data its category's active workers reported: a model that cannot take it is refused here, before
+        # any round, instead of failing inside every worker's training.
+        problems += data_fit_problems(job.model, self.store.workers(job.category, seen_within_s=self.heartbeat_timeout_s),
+                                      category=job.category)
         if len(problems) == 1:
             raise problems[0]
         if problems:
@@ -193,6 +198,7 @@ class Coordinator:
                     "delta": r.dp_policy.delta, "epsilon_budget": r.dp_policy.epsilon_budget,
                 },
                 epsilon_spent=r.epsilon_spent, device=r.device, num_samples=r.num_samples,
+                input_shape=r.input_shape, num_classes=r.num_classes,
             )
             log.info("worker %s registered (%s, %d samples, categories %s)", r.worker_id, r.device, r.num_samples,
                      list(r.categories))

@@ -118,7 +118,8 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE TABLE IF NOT EXISTS workers (
     worker_id TEXT PRIMARY KEY, categories_json TEXT NOT NULL, histogram_json TEXT NOT NULL,
     dp_enabled INTEGER NOT NULL, dp_json TEXT NOT NULL, epsilon_spent REAL NOT NULL, device TEXT NOT NULL,
-    num_samples INTEGER NOT NULL, registered REAL NOT NULL, last_seen REAL NOT NULL, state TEXT NOT NULL DEFAULT 'idle'
+    num_samples INTEGER NOT NULL, registered REAL NOT NULL, last_seen REAL NOT NULL, state TEXT NOT NULL DEFAULT 'idle',
+    input_shape_json TEXT NOT NULL DEFAULT '[]', num_classes INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS rounds (
     job_id TEXT NOT NULL, round INTEGER NOT NULL, status TEXT NOT NULL,
@@ -148,6 +149,8 @@ class WorkerRecord:
     num_samples: int
     last_seen: float
     state: str
+    input_shape: tuple[int, ...] = ()  # one sample's shape; () = not reported (a worker older than the field)
+    num_classes: int = 0               # 0 = not reported
 
 
 class StateStore:
@@ -198,6 +201,10 @@ class StateStore:
         columns = {r["name"] for r in db.execute("PRAGMA table_info(rounds)").fetchall()}
         if "deadline" not in columns:  # a state file written before rounds kept their deadline
             db.execute("ALTER TABLE rounds ADD COLUMN deadline REAL")
+        columns = {r["name"] for r in db.execute("PRAGMA table_info(workers)").fetchall()}
+        if "input_shape_json" not in columns:  # a state file written before workers reported their data's shape
+            db.execute("ALTER TABLE workers ADD COLUMN input_shape_json TEXT NOT NULL DEFAULT '[]'")
+            db.execute("ALTER TABLE workers ADD COLUMN num_classes INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         with self._lock:
@@ -301,18 +308,21 @@ class StateStore:
     # ----- workers -----
 
     def upsert_worker(self, *, worker_id: str, categories: Iterable[str], histogram: Iterable[int], dp_enabled: bool,
-                      dp: dict[str, float], epsilon_spent: float, device: str, num_samples: int) -> None:
+                      dp: dict[str, float], epsilon_spent: float, device: str, num_samples: int,
+                      input_shape: Iterable[int] = (), num_classes: int = 0) -> None:
         now = time.time()
         self._run(
             f"record the registration of worker {worker_id!r}",
             "INSERT INTO workers (worker_id, categories_json, histogram_json, dp_enabled, dp_json, epsilon_spent,"
-            " device, num_samples, registered, last_seen) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " device, num_samples, registered, last_seen, input_shape_json, num_classes)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT(worker_id) DO UPDATE SET categories_json=excluded.categories_json,"
             " histogram_json=excluded.histogram_json, dp_enabled=excluded.dp_enabled, dp_json=excluded.dp_json,"
             " epsilon_spent=MAX(workers.epsilon_spent, excluded.epsilon_spent), device=excluded.device, num_samples=excluded.num_samples,"
-            " last_seen=excluded.last_seen",
+            " last_seen=excluded.last_seen, input_shape_json=excluded.input_shape_json, num_classes=excluded.num_classes",
             (worker_id, json.dumps(list(categories)), json.dumps([int(c) for c in histogram]), int(dp_enabled),
-             json.dumps(dp), epsilon_spent, device, num_samples, now, now),
+             json.dumps(dp), epsilon_spent, device, num_samples, now, now, json.dumps([int(d) for d in input_shape]),
+             num_classes),
         )
 
     def touch_worker(self, worker_id: str, *, epsilon_spent: float, state: str) -> bool:
@@ -336,6 +346,7 @@ class StateStore:
             record = WorkerRecord(
                 r["worker_id"], json.loads(r["categories_json"]), json.loads(r["histogram_json"]), bool(r["dp_enabled"]),
                 json.loads(r["dp_json"]), r["epsilon_spent"], r["device"], r["num_samples"], r["last_seen"], r["state"],
+                tuple(json.loads(r["input_shape_json"])), r["num_classes"],
             )
             if category is not None and category not in record.categories:
                 continue

@@ -146,13 +146,32 @@ def _is_number(value: object) -> bool:
 
 
 @dataclass(frozen=True)
+class DataSection:
+    """A data owner's own file (`worker.dataset` csv, npz or parquet), read on the worker and never sent.
+
+    Labels are class indices 0..K-1, or any values listed in `classes` (in class order, so every owner of a
+    category numbers the classes alike). Standardisation uses this worker's own mean and std per feature.
+    """
+
+    path: str = ""
+    label_column: str = "label"        # csv, parquet: the column of class labels
+    feature_columns: tuple[str, ...] = ()  # csv, parquet: the feature columns in order; empty = all but the label
+    features_key: str = "x"            # npz: the samples, shape (N, ...)
+    labels_key: str = "y"              # npz: the labels, shape (N,)
+    classes: tuple[str, ...] = ()      # the label values in class order; empty = the labels are 0..K-1 already
+    num_classes: int = 0               # the category's number of classes; 0 = the largest label + 1
+    standardize: bool = False          # z-score each feature with this worker's own mean and std
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """A worker process: who it is, the data it holds, and the owner's privacy policy for them."""
 
     id: str = "worker-0"
     categories: tuple[str, ...] = ("digits",)
     dataset: str = "digits"
-    idx_dir: str = ""                  # the folder of the IDX files mnist/fashion_mnist need; "" = none
+    idx_dir: str = ""                  # the folder of the IDX files mnist/fashion_mnist/idx need; "" = none
+    data: DataSection = field(default_factory=DataSection)  # dataset csv | npz | parquet (and idx's num_classes)
     test_fraction: float = 0.2
     split_seed: int = 0
     partition: PartitionSection = field(default_factory=PartitionSection)

@@ -36,7 +36,7 @@ class DPPolicy(_message.Message):
     def __init__(self, noise_multiplier: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., delta: _Optional[float] = ..., epsilon_budget: _Optional[float] = ...) -> None: ...
 
 class Registration(_message.Message):
-    __slots__ = ("worker_id", "categories", "label_histogram", "dp_policy", "dp_enabled", "epsilon_spent", "device", "num_samples")
+    __slots__ = ("worker_id", "categories", "label_histogram", "dp_policy", "dp_enabled", "epsilon_spent", "device", "num_samples", "input_shape", "num_classes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CATEGORIES_FIELD_NUMBER: _ClassVar[int]
     LABEL_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,8 @@ class Registration(_message.Message):
     EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     categories: _containers.RepeatedScalarFieldContainer[str]
     label_histogram: _containers.RepeatedScalarFieldContainer[int]
@@ -53,7 +55,9 @@ class Registration(_message.Message):
     epsilon_spent: float
     device: str
     num_samples: int
-    def __init__(self, worker_id: _Optional[str] = ..., categories: _Optional[_Iterable[str]] = ..., label_histogram: _Optional[_Iterable[int]] = ..., dp_policy: _Optional[_Union[DPPolicy, _Mapping]] = ..., dp_enabled: _Optional[bool] = ..., epsilon_spent: _Optional[float] = ..., device: _Optional[str] = ..., num_samples: _Optional[int] = ...) -> None: ...
+    input_shape: _containers.RepeatedScalarFieldContainer[int]
+    num_classes: int
+    def __init__(self, worker_id: _Optional[str] = ..., categories: _Optional[_Iterable[str]] = ..., label_histogram: _Optional[_Iterable[int]] = ..., dp_policy: _Optional[_Union[DPPolicy, _Mapping]] = ..., dp_enabled: _Optional[bool] = ..., epsilon_spent: _Optional[float] = ..., device: _Optional[str] = ..., num_samples: _Optional[int] = ..., input_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("worker_id", "epsilon_spent", "state", "budget_limited", "epsilon_left", "job_costs")

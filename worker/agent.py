@@ -43,7 +43,7 @@ from fedbroker.rpc import RemoteError
 from fedbroker.spec import ModelSpec, TrainingConfig, parse_model, training_from_json
 from fedbroker.worker import metrics
 from fedbroker.worker.accounting import dp_sample_rate, job_epsilon_after_round, planned_steps, project_epsilon
-from fedbroker.worker.data import load_dataset, train_test_split
+from fedbroker.worker.data import load_worker_data, train_test_split
 from fedbroker.worker.ledger import PrivacyLedger, below, source_digest
 from fedbroker.worker.partition import partition
 from fedbroker.worker.training import TrainResult, pick_device, train_local
@@ -71,6 +71,9 @@ class _DataMismatch(FedbrokerError):
     reported as failed with the reason and acked, never retried into the dead-letter queue."""
 
 
+_FAILURE_REASONS: dict[type[Exception], str] = {_DataMismatch: "data_mismatch", _DeadlinePassed: "deadline_passed"}
+
+
 class WorkerAgent:
     def __init__(self, config: WorkerConfig, bus: Bus, *, security: ClientSecurity | None = None) -> None:
         """`security`: this worker's token (and TLS) for the aggregation service, read from its secrets."""
@@ -80,7 +83,7 @@ class WorkerAgent:
         self.dp: DPPolicy | None = config.dp if config.dp.enabled else None
         self.ledger = PrivacyLedger(config.ledger_path)
         self.device = pick_device() if config.device == "auto" else config.device
-        data = load_dataset(config.dataset, idx_dir=config.idx_dir or None)
+        data = load_worker_data(config)
         train, _ = train_test_split(data, test_fraction=config.test_fraction, seed=config.split_seed)
         p = config.partition
         shards = partition(train.y, scheme=p.scheme, num_clients=p.num_clients, seed=p.seed, alpha=p.alpha,
@@ -159,6 +162,7 @@ class WorkerAgent:
             dp_policy=pb.DPPolicy(noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
                                   delta=dp.delta, epsilon_budget=dp.epsilon_budget) if dp else None,
             epsilon_spent=self.ledger.total_epsilon(), device=self.device, num_samples=len(self.y),
+            input_shape=[int(d) for d in self.x.shape[1:]], num_classes=self.num_classes,
         )
         self.bus.publish_control(envelope.encode(registration=registration))
 
@@ -258,6 +262,7 @@ class WorkerAgent:
                 self._retry_later(delivery, task, exc)
                 return
             outcome = "failed"
+            metrics.TASKS_FAILED.labels(me, _FAILURE_REASONS.get(type(exc), "update_refused")).inc()
             self._forget(task)
             self._report(task, pb.TaskOutcome.FAILED, str(exc))
         except Exception as exc:  # unexpected: maybe transient (memory, disk, a bug hit by one input); retried

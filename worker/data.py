@@ -1,22 +1,32 @@
-"""A worker's local data: scikit-learn's bundled sets or MNIST-style IDX files, never a download.
+"""A worker's local data: scikit-learn's bundled sets, IDX files, or the owner's own CSV, .npz or Parquet
+file; never a download.
 
 Every worker must turn the same raw data into the same arrays (a federation of workers holding
-differently scaled features would average nonsense), so the scaling here is fixed per data set and
-uses statistics of the *whole bundled set*, not of a worker's share.
+differently scaled features would average nonsense), so the scaling of the bundled sets is fixed per data
+set and uses statistics of the *whole bundled set*, not of a worker's share. An owner's own file is
+scaled as the owner declares (`worker.data.standardize`: its own mean and std, computed here, on the
+worker); owners whose features differ in scale should agree on it, or standardise beforehand.
 """
 
 from __future__ import annotations
 
+import csv
 import gzip
+import math
 import os
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from fedbroker.config import DataSection, WorkerConfig
 from fedbroker.errors import ConfigError
+from fedbroker.spec import MAX_WIDTH
 
 DATASETS = ("digits", "breast_cancer", "wine", "iris", "mnist", "fashion_mnist")
+OWN_FORMATS = ("idx", "csv", "npz", "parquet")   # an owner's own files (worker.idx_dir, worker.data)
+MAX_CLASSES = MAX_WIDTH                          # the coordinator accepts no more classes in a registration
 
 _TABULAR = ("breast_cancer", "wine", "iris")
 _IDX_SETS = ("mnist", "fashion_mnist")
@@ -80,6 +90,25 @@ def load_dataset(name: str, *, idx_dir: str | None = None) -> Dataset:
     x = ((data - data.mean(axis=0)) / std).astype(np.float32)
     y = bunch.target.astype(np.int64)
     return Dataset(x=x, y=y, num_classes=int(y.max()) + 1, name=name)
+
+
+def load_worker_data(config: WorkerConfig) -> Dataset:
+    """The data a worker trains on: a bundled set by name, or the owner's own files (`OWN_FORMATS`)."""
+    name = config.dataset
+    if name in DATASETS:
+        return load_dataset(name, idx_dir=config.idx_dir or None)
+    if name == "idx":
+        if not config.idx_dir:
+            raise ConfigError("worker.idx_dir", "dataset idx needs the folder of the IDX files (worker.idx_dir)")
+        return _load_idx_pairs("idx", config.idx_dir, require_all=False, num_classes=config.data.num_classes)
+    if name in ("csv", "npz", "parquet"):
+        source = config.data
+        if not source.path:
+            raise ConfigError("worker.data.path", f"dataset {name} needs the file to read (worker.data.path)")
+        if not os.path.isfile(source.path):
+            raise ConfigError("worker.data.path", f"{source.path} is not a file")
+        return {"csv": _load_csv, "npz": _load_npz, "parquet": _load_parquet}[name](source)
+    raise ConfigError("worker.dataset", f"unknown data set {name!r}; known: {', '.join(DATASETS + OWN_FORMATS)}")
 
 
 def train_test_split(ds: Dataset, *, test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset]:
@@ -164,10 +193,18 @@ def _find_idx_file(idx_dir: str, stem: str) -> str:
 
 
 def _load_idx_set(name: str, idx_dir: str) -> Dataset:
+    return _load_idx_pairs(name, idx_dir, require_all=True, num_classes=10)
+
+
+def _load_idx_pairs(name: str, idx_dir: str, *, require_all: bool, num_classes: int) -> Dataset:
+    """Images (N, H, W) of unsigned bytes and labels (N,) from the standard file names: both pairs for
+    mnist/fashion_mnist; for an owner's `idx` set, whichever pairs are there (the train pair alone will do)."""
     if not os.path.isdir(idx_dir):
         raise ConfigError("idx_dir", f"{idx_dir} is not a directory")
     xs, ys = [], []
     for image_stem, label_stem in _IDX_FILES:
+        if not require_all and not _has_idx_file(idx_dir, image_stem) and not _has_idx_file(idx_dir, label_stem):
+            continue
         image_path = _find_idx_file(idx_dir, image_stem)
         label_path = _find_idx_file(idx_dir, label_stem)
         images, labels = load_idx(image_path), load_idx(label_path)
@@ -181,11 +218,166 @@ def _load_idx_set(name: str, idx_dir: str) -> Dataset:
             raise ConfigError(label_path, f"{len(labels)} labels for {len(images)} images in {image_path}")
         xs.append(images)
         ys.append(labels)
-    if xs[0].shape[1:] != xs[1].shape[1:]:
+    if not xs:
+        raise ConfigError("idx_dir", f"no IDX files in {idx_dir} (needs {_expected_names()})")
+    if any(x.shape[1:] != xs[0].shape[1:] for x in xs):
         raise ConfigError("idx_dir", f"train images are {xs[0].shape[1:]} but test images are {xs[1].shape[1:]}")
     images = np.concatenate(xs)
     y = np.concatenate(ys).astype(np.int64)
-    if len(y) and (y.min() < 0 or y.max() > 9):
-        raise ConfigError("idx_dir", f"{name} labels must lie in 0..9, found {y.min()}..{y.max()}")
+    classes = num_classes or (int(y.max()) + 1 if len(y) else 1)
+    if len(y) and (y.min() < 0 or y.max() >= classes):
+        raise ConfigError("idx_dir", f"{name} labels must lie in 0..{classes - 1}, found {y.min()}..{y.max()}")
     x = (images.astype(np.float32) / np.float32(255.0))[:, None, :, :]
-    return Dataset(x=x, y=y, num_classes=10, name=name)
+    return Dataset(x=x, y=y, num_classes=classes, name=name)
+
+
+def _has_idx_file(idx_dir: str, stem: str) -> bool:
+    try:
+        _find_idx_file(idx_dir, stem)
+    except ConfigError:
+        return False
+    return True
+
+
+# ----- an owner's own table or arrays -----
+
+
+def _load_csv(source: DataSection) -> Dataset:
+    with open(source.path, newline="", encoding="utf-8-sig") as fh:
+        rows = list(csv.reader(fh))
+    if not rows:
+        raise ConfigError("worker.data.path", f"{source.path} is empty: it needs a header row naming the columns")
+    header = [name.strip() for name in rows[0]]
+    features, label = _columns(header, source, where=source.path)
+    body = [(line, row) for line, row in enumerate(rows[1:], start=2) if any(cell.strip() for cell in row)]
+    x = np.empty((len(body), len(features)), dtype=np.float64)
+    raw_labels = []
+    for i, (line, row) in enumerate(body):
+        if len(row) != len(header):
+            raise ConfigError("worker.data.path", f"{source.path} line {line}: {len(row)} fields, the header has "
+                                                  f"{len(header)}")
+        for j, column in enumerate(features):
+            x[i, j] = _number(row[header.index(column)], f"{source.path} line {line}, column {column!r}")
+        raw_labels.append(row[header.index(label)].strip())
+    return _own_dataset(x, raw_labels, source, name="csv")
+
+
+def _load_parquet(source: DataSection) -> Dataset:
+    import pyarrow as pa  # imported lazily: only a Parquet owner needs it
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(source.path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ConfigError("worker.data.path", f"{source.path} is not a readable Parquet file: {exc}") from None
+    features, label = _columns(list(schema.names), source, where=source.path)
+    table = pq.read_table(source.path, columns=[*features, label])
+    columns = []
+    for name in features:
+        column = table.column(name)
+        kind = column.type
+        if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
+            raise ConfigError("worker.data.feature_columns", f"{source.path} column {name!r} holds {kind}, not numbers")
+        if column.null_count:
+            raise ConfigError("worker.data.path", f"{source.path} column {name!r} has {column.null_count} missing values")
+        columns.append(column.to_numpy().astype(np.float64))
+    labels = table.column(label)
+    if labels.null_count:
+        raise ConfigError("worker.data.label_column", f"{source.path} column {label!r} has {labels.null_count} "
+                                                      f"missing labels")
+    x = np.stack(columns, axis=1) if columns else np.zeros((len(table), 0))
+    return _own_dataset(x, [str(v) for v in labels.to_pylist()], source, name="parquet")
+
+
+def _load_npz(source: DataSection) -> Dataset:
+    try:
+        archive = np.load(source.path, allow_pickle=False)  # object arrays would need pickle: refused
+    except (OSError, ValueError) as exc:
+        raise ConfigError("worker.data.path", f"{source.path} is not a readable .npz file: {exc}") from None
+    with archive:
+        for setting, key in (("features_key", source.features_key), ("labels_key", source.labels_key)):
+            if key not in archive.files:
+                raise ConfigError(f"worker.data.{setting}", f"{source.path} holds no array {key!r}; it holds "
+                                                            f"{', '.join(archive.files) or 'none'}")
+        try:
+            x, labels = archive[source.features_key], archive[source.labels_key]
+        except ValueError as exc:  # an object array: it would need pickle
+            raise ConfigError("worker.data.path", f"{source.path}: {exc}") from None
+    if x.dtype.kind not in "biuf" or x.ndim < 2:
+        raise ConfigError("worker.data.features_key", f"{source.features_key!r} must be numbers shaped (N, ...), got "
+                                                      f"{x.dtype} {list(x.shape)}")
+    if labels.ndim != 1 or len(labels) != len(x):
+        raise ConfigError("worker.data.labels_key", f"{source.labels_key!r} must be one label per sample ({len(x)}), "
+                                                    f"got shape {list(labels.shape)}")
+    if labels.dtype.kind not in "biuU":
+        raise ConfigError("worker.data.labels_key", f"{source.labels_key!r} must hold integers or text, got {labels.dtype}")
+    if not np.isfinite(x).all():
+        raise ConfigError("worker.data.path", f"{source.path}: {source.features_key!r} holds NaN or infinite values")
+    return _own_dataset(x.astype(np.float64), [str(v) for v in labels.tolist()], source, name="npz")
+
+
+def _columns(header: Sequence[str], source: DataSection, *, where: str) -> tuple[list[str], str]:
+    """The feature columns (in the declared order) and the label column, each checked against the header."""
+    if source.label_column not in header:
+        raise ConfigError("worker.data.label_column", f"{where} has no column {source.label_column!r}; its columns: "
+                                                      f"{', '.join(header)}")
+    features = list(source.feature_columns) or [c for c in header if c != source.label_column]
+    missing = [c for c in features if c not in header]
+    if missing:
+        raise ConfigError("worker.data.feature_columns", f"{where} has no column {', '.join(map(repr, missing))}; "
+                                                         f"its columns: {', '.join(header)}")
+    if source.label_column in features:
+        raise ConfigError("worker.data.feature_columns", f"lists the label column {source.label_column!r}")
+    if not features:
+        raise ConfigError("worker.data.feature_columns", f"{where} has no feature column besides the label")
+    return features, source.label_column
+
+
+def _number(cell: str, where: str) -> float:
+    try:
+        value = float(cell)
+    except ValueError:
+        raise ConfigError("worker.data.path", f"{where}: {cell!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ConfigError("worker.data.path", f"{where}: {cell!r} is not a finite number")
+    return value
+
+
+def _class_index(label: str, where: str) -> int:
+    try:
+        value = float(label)
+    except ValueError:
+        value = -1.0
+    if not (value.is_integer() and value >= 0):
+        raise ConfigError("worker.data.classes", f"{where}: label {label!r} is not a class index 0..K-1; list the "
+                                                 f"label values in worker.data.classes")
+    return int(value)
+
+
+def _own_dataset(x: np.ndarray, raw_labels: list[str], source: DataSection, *, name: str) -> Dataset:
+    """Class indices from the labels as declared, and (if asked) this worker's own standardisation."""
+    if not raw_labels:
+        raise ConfigError("worker.data.path", f"{source.path} holds no samples")
+    if source.classes:
+        index = {c: i for i, c in enumerate(source.classes)}
+        unknown = sorted({v for v in raw_labels if v not in index})
+        if unknown:
+            raise ConfigError("worker.data.classes", f"{source.path} has labels {unknown[:5]} that are not among the "
+                                                     f"declared classes {list(source.classes)}")
+        y = np.array([index[v] for v in raw_labels], dtype=np.int64)
+        num_classes = len(source.classes)
+    else:
+        y = np.array([_class_index(v, source.path) for v in raw_labels], dtype=np.int64)
+        num_classes = source.num_classes or int(y.max()) + 1
+    if source.num_classes and source.num_classes != num_classes:
+        raise ConfigError("worker.data.num_classes", f"is {source.num_classes} but worker.data.classes lists "
+                                                     f"{num_classes}")
+    if not 1 <= num_classes <= MAX_CLASSES or y.max() >= num_classes:
+        raise ConfigError("worker.data.num_classes", f"labels reach {int(y.max())}, so there must be 1 to "
+                                                     f"{MAX_CLASSES} classes above it, got {num_classes}")
+    if source.standardize:
+        mean = x.mean(axis=0)
+        std = x.std(axis=0)
+        std[std == 0] = 1.0  # a constant feature stays 0 instead of becoming NaN
+        x = (x - mean) / std
+    return Dataset(x=np.ascontiguousarray(x, dtype=np.float32), y=y, num_classes=num_classes, name=name)

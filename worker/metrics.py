@@ -53,6 +53,12 @@ TASKS_REFUSED = Counter(
     "privacy_budget_exceeded, ledger_behind (the ledger holds less ε than the coordinator recorded: it was lost "
     "or replaced; the worker trains no more until it is restored).", ["worker_id", "reason"])
 REFUSAL_REASONS = ("task_refused", "privacy_budget_exceeded", "ledger_behind")
+TASKS_FAILED = Counter(
+    "fedbroker_worker_tasks_failed_total",
+    "Tasks failed for good and acked (never retried), by reason: data_mismatch (the job's model does not fit "
+    "this worker's data), deadline_passed (training outlived the round), update_refused (the aggregation "
+    "service refused the update for good).",
+    ["worker_id", "reason"])
 SENT_BYTES = Counter("fedbroker_worker_sent_bytes_total", "Tensor bytes uploaded to the aggregation service.",
                      ["worker_id"])
 RECEIVED_BYTES = Counter(

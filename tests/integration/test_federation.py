@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import numpy as np
 import pytest
 from opacus.accountants import RDPAccountant
+from prometheus_client import REGISTRY
 
 from fedbroker.config import DPPolicy
+from fedbroker.errors import ConfigError
 from fedbroker.spec import TrainingConfig, parse_job
 from fedbroker.worker.accounting import dp_sample_rate, planned_steps
 
@@ -104,17 +107,44 @@ def test_no_round_opens_and_no_worker_trains_when_fewer_than_min_clients_can_aff
 
 def test_a_model_that_does_not_fit_a_workers_data_is_reported_as_failed_not_retried(federation):
     """A model whose input is flat while the worker's digits are (1, 8, 8) cannot train on that data: the
-    worker reports the task failed, naming the shapes, and acks it (no retries into the dead-letter queue)."""
-    agent = federation.add_worker("w0", index=0, count=1)
+    worker reports the task failed, naming the shapes, and acks it (no retries into the dead-letter queue).
+    The job is submitted before the worker registers, so the submission's own check cannot see its data."""
     job = copy.deepcopy(JOB)
     job["model"] = {"input_shape": [64], "layers": [{"type": "Linear", "in_features": 64, "out_features": 10}]}
     job["training"]["rounds"] = 1
     job["schedule"].update(min_workers=1, round_timeout_s=60)
     job.pop("evaluation")
     job_id = federation.coordinator.submit(parse_job(job))
+    agent = federation.add_worker("w0", index=0, count=1)
     assert federation.coordinator.wait(job_id, timeout=120) == "failed"
     (row,) = federation.store.participants(job_id, 1)
     assert row["status"] == "failed", dict(row)
     assert "model.input_shape [64] does not fit this worker's data, whose samples have shape [1, 8, 8]" in row["reason"]
     assert agent.ledger.jobs() == {}
     assert federation.bus.dead_letter_count() == 0
+    assert REGISTRY.get_sample_value("fedbroker_worker_tasks_failed_total",
+                                     {"worker_id": "w0", "reason": "data_mismatch"}) == 1
+
+
+def test_a_model_that_does_not_fit_the_registered_workers_data_is_refused_at_submission(federation):
+    """Once a worker of the category has registered its data's shape and classes, a job whose model cannot take
+    them is refused when it is submitted, naming the model's field and the worker; a fitting job is accepted."""
+    federation.add_worker("w0", index=0, count=1)
+    deadline = time.monotonic() + 60
+    while not federation.store.workers("digits") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (record,) = federation.store.workers("digits")
+    assert record.input_shape == (1, 8, 8) and record.num_classes == 10 and record.num_samples > 0
+    flat = copy.deepcopy(JOB)
+    flat["model"] = {"input_shape": [64], "layers": [{"type": "Linear", "in_features": 64, "out_features": 10}]}
+    flat.pop("evaluation")
+    with pytest.raises(ConfigError, match=r"model.input_shape: is \[64\] but the samples of worker w0 "
+                                          r"\(category 'digits'\) have shape \[1, 8, 8\]"):
+        federation.coordinator.submit(parse_job(flat))
+    narrow = copy.deepcopy(JOB)
+    narrow["model"]["layers"][-1]["out_features"] = 5
+    narrow.pop("evaluation")
+    with pytest.raises(ConfigError, match=r"model.layers\[3\].out_features: the model outputs 5 class scores but "
+                                          r"the data of worker w0 \(category 'digits'\) has 10 classes"):
+        federation.coordinator.submit(parse_job(narrow))
+    assert federation.store.jobs() == []  # nothing of a refused job is kept
