@@ -204,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--job")
     status.set_defaults(run=cmd_status)
 
+    from fedbroker.app.simulate_cli import add_simulate
+
+    add_simulate(sub)
+
     token = sub.add_parser("token", help="make a bearer token and its token-table entry")
     token.add_argument("identity", help="who holds it: a worker's id, 'coordinator', a person")
     token.add_argument("--role", required=True, choices=["coordinator", "worker", "submitter", "viewer"])

@@ -380,7 +380,7 @@ def print_table(results: dict[str, Any]) -> None:
         print(f"round {r['round']}: {r['worker']} {r['status']}: {r['reason']}")
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
+def plot(results: dict[str, Any], path: Path, *, title: str | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -405,7 +405,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         twin.set_ylabel("ε spent (δ fixed)")
         twin.legend(loc="lower right", fontsize=7)
     ax.legend(loc="lower center", fontsize=8)
-    ax.set_title(f"fedbroker demo: {results['options']['dataset']}, {results['options']['workers']} workers")
+    ax.set_title(title or f"fedbroker demo: {results['options']['dataset']}, {results['options']['workers']} workers")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
