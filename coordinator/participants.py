@@ -8,7 +8,7 @@ and the running service sample identical rounds from one job seed.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -95,17 +95,20 @@ def _first_round_cost(noise_multiplier: float, delta: float, num_samples: int,
         return None
 
 
-def data_fit_problems(model: ModelSpec, workers: Sequence[WorkerRecord], *, category: str) -> list[ConfigError]:
+def data_fit_problems(model: ModelSpec, workers: Sequence[WorkerRecord], *, category: str,
+                      who: Callable[[Sequence[WorkerRecord]], str] | None = None) -> list[ConfigError]:
     """What in a job's model does not fit the data its category's workers reported at registration (one
     sample's shape, the number of classes), each naming the model's field: such a job would only fail inside
-    every worker's training. Workers that reported neither (older than the fields) are not judged."""
+    every worker's training. Workers that reported neither (older than the fields) are not judged. `who`
+    names the workers at fault in the message (default: their ids)."""
+    who = who or _some
     problems = []
     wrong_shape = sorted((w for w in workers if w.input_shape and tuple(w.input_shape) != tuple(model.input_shape)),
                          key=lambda w: w.worker_id)
     if wrong_shape:
         shapes = sorted({tuple(w.input_shape) for w in wrong_shape})
         problems.append(ConfigError("model.input_shape", (
-            f"is {list(model.input_shape)} but the samples of {_some(wrong_shape)} (category {category!r}) have "
+            f"is {list(model.input_shape)} but the samples of {who(wrong_shape)} (category {category!r}) have "
             f"shape {' or '.join(str(list(s)) for s in shapes)}")))
     outputs = model.num_outputs
     too_many = sorted((w for w in workers if w.num_classes > outputs), key=lambda w: w.worker_id)
@@ -113,7 +116,7 @@ def data_fit_problems(model: ModelSpec, workers: Sequence[WorkerRecord], *, cate
         last = max((i for i, layer in enumerate(model.layers) if "out_features" in layer.params), default=None)
         field = f"model.layers[{last}].out_features" if last is not None else "model.layers"
         problems.append(ConfigError(field, (
-            f"the model outputs {outputs} class scores but the data of {_some(too_many)} (category {category!r}) "
+            f"the model outputs {outputs} class scores but the data of {who(too_many)} (category {category!r}) "
             f"has {max(w.num_classes for w in too_many)} classes")))
     return problems
 

@@ -72,5 +72,5 @@ def test_every_third_party_import_of_the_package_is_a_runtime_requirement():
 def test_the_fedbroker_command_lists_its_verbs():
     done = subprocess.run([sys.executable, "-m", "fedbroker", "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    for verb in ("demo", "worker", "coordinator", "aggregator", "submit", "status"):
+    for verb in ("demo", "worker", "coordinator", "aggregator", "submit", "status", "simulate"):
         assert verb in done.stdout, verb

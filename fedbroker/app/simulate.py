@@ -94,8 +94,8 @@ def check_simulation(options: SimulateOptions, job: JobSpec, data: Any) -> None:
     from fedbroker.coordinator.state import WorkerRecord
 
     problems = data_fit_problems(job.model, [WorkerRecord(
-        "(the simulated data)", [job.category], [], False, {}, 0.0, "cpu", len(data), 0.0, "idle",
-        data.input_shape, data.num_classes)], category=job.category)
+        "simulated", [job.category], [], False, {}, 0.0, "cpu", len(data), 0.0, "idle", data.input_shape,
+        data.num_classes)], category=job.category, who=lambda _: "the simulated workers")
     if not 1 <= options.workers <= 64:
         problems.append(ConfigError("--workers", f"must lie in [1, 64], got {options.workers}"))
     elif job.schedule.min_workers > options.workers:
@@ -153,7 +153,7 @@ def run_simulation(options: SimulateOptions) -> dict[str, Any]:
     results["summary"]["final_accuracy"] = results["rounds"][-1]["accuracy"] if results["rounds"] else None
     (run_dir / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, run_dir / "accuracy.png",
-         title=f"fedbroker simulate: {job.name}, {label}, {options.workers} workers")
+         title=f"{job.name}: {options.workers} workers on {Path(label).name}")
     print_table(results)
     print(f"results: {run_dir / 'results.json'}   plot: {run_dir / 'accuracy.png'}")
     row = status.jobs[0]
