@@ -81,9 +81,9 @@ class WorkerAgent:
         self.bus = bus
         self.security = security
         self.dp: DPPolicy | None = config.dp if config.dp.enabled else None
+        data = load_worker_data(config)  # first: a data owner's bad file is named before anything else happens
         self.ledger = PrivacyLedger(config.ledger_path)
         self.device = pick_device() if config.device == "auto" else config.device
-        data = load_worker_data(config)
         train, _ = train_test_split(data, test_fraction=config.test_fraction, seed=config.split_seed)
         p = config.partition
         shards = partition(train.y, scheme=p.scheme, num_clients=p.num_clients, seed=p.seed, alpha=p.alpha,
