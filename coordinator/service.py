@@ -15,7 +15,7 @@ from fedbroker.aggregators.registries import accept_job_text
 from fedbroker.auth import ROLE_SUBMITTER, ROLE_VIEWER, ClientSecurity, ServerAuth, ServerTLS, TokenTable, add_port
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.scheduler import Coordinator
-from fedbroker.errors import FedbrokerError
+from fedbroker.errors import ConfigError, FedbrokerError
 from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
@@ -46,9 +46,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 metrics.JOBS_REJECTED.labels(exc.reason).inc()
                 raise
 
+        def record() -> pb.SubmitJobReply:
+            try:
+                return pb.SubmitJobReply(job_id=self.coordinator.submit(job))
+            except ConfigError as exc:  # the coordinator's own checks: its workers' data, the broker's timeout
+                metrics.JOBS_REJECTED.labels(exc.reason).inc()
+                raise
+
         job = handle(context, parse)
         # A job the store could not record gets no id: StateUnavailable → UNAVAILABLE, naming the store's error.
-        return handle(context, lambda: pb.SubmitJobReply(job_id=self.coordinator.submit(job)))
+        return handle(context, record)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         # A store that cannot be read answers UNAVAILABLE with its error (StateUnavailable), not UNKNOWN.

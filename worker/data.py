@@ -251,14 +251,16 @@ def _load_csv(source: DataSection) -> Dataset:
     features, label = _columns(header, source, where=source.path)
     body = [(line, row) for line, row in enumerate(rows[1:], start=2) if any(cell.strip() for cell in row)]
     x = np.empty((len(body), len(features)), dtype=np.float64)
+    columns = [(j, header.index(column), column) for j, column in enumerate(features)]
+    at_label = header.index(label)
     raw_labels = []
     for i, (line, row) in enumerate(body):
         if len(row) != len(header):
             raise ConfigError("worker.data.path", f"{source.path} line {line}: {len(row)} fields, the header has "
                                                   f"{len(header)}")
-        for j, column in enumerate(features):
-            x[i, j] = _number(row[header.index(column)], f"{source.path} line {line}, column {column!r}")
-        raw_labels.append(row[header.index(label)].strip())
+        for j, at, column in columns:
+            x[i, j] = _number(row[at], f"{source.path} line {line}, column {column!r}")
+        raw_labels.append(row[at_label].strip())
     return _own_dataset(x, raw_labels, source, name="csv")
 
 
@@ -294,6 +296,9 @@ def _load_npz(source: DataSection) -> Dataset:
         archive = np.load(source.path, allow_pickle=False)  # object arrays would need pickle: refused
     except (OSError, ValueError) as exc:
         raise ConfigError("worker.data.path", f"{source.path} is not a readable .npz file: {exc}") from None
+    if not isinstance(archive, np.lib.npyio.NpzFile):  # a lone .npy array: no names to find x and y by
+        raise ConfigError("worker.data.path", f"{source.path} is a single .npy array, not an .npz archive of named "
+                                              f"arrays (np.savez(path, x=..., y=...))")
     with archive:
         for setting, key in (("features_key", source.features_key), ("labels_key", source.labels_key)):
             if key not in archive.files:
@@ -318,6 +323,10 @@ def _load_npz(source: DataSection) -> Dataset:
 
 def _columns(header: Sequence[str], source: DataSection, *, where: str) -> tuple[list[str], str]:
     """The feature columns (in the declared order) and the label column, each checked against the header."""
+    repeated = sorted({c for c in header if list(header).count(c) > 1})
+    if repeated:
+        raise ConfigError("worker.data.path", f"{where} names the columns {', '.join(map(repr, repeated))} more "
+                                              f"than once: which one is meant is ambiguous")
     if source.label_column not in header:
         raise ConfigError("worker.data.label_column", f"{where} has no column {source.label_column!r}; its columns: "
                                                       f"{', '.join(header)}")

@@ -74,6 +74,7 @@ def test_csv_text_labels_are_numbered_by_the_declared_classes(tmp_path):
     ("a,label\n", {}, "worker.data.path", "holds no samples"),
     ("a,label\n1,-1\n", {}, "worker.data.classes", "label '-1' is not a class index"),
     ("a,label\n1,4\n", {"num_classes": 3}, "worker.data.num_classes", "labels reach 4"),
+    ("a,a,label\n1,2,0\n", {}, "worker.data.path", "names the columns 'a' more than once"),
 ])
 def test_a_bad_csv_is_refused_naming_the_setting_and_the_place(tmp_path, text, options, field, message):
     path = write_csv(tmp_path / "t.csv", text)
@@ -135,6 +136,14 @@ def test_npz_object_arrays_are_refused_without_unpickling(tmp_path):
     with pytest.raises(ConfigError, match="pickle") as info:
         load_worker_data(worker("npz", path=str(path)))
     assert info.value.field == "worker.data.path"
+
+
+def test_a_lone_npy_array_is_not_taken_for_an_archive(tmp_path):
+    path = tmp_path / "d.npz"
+    with open(path, "wb") as fh:
+        np.save(fh, np.zeros((3, 2)))
+    with pytest.raises(ConfigError, match="single .npy array, not an .npz archive"):
+        load_worker_data(worker("npz", path=str(path)))
 
 
 def test_npz_labels_must_match_the_samples(tmp_path):
