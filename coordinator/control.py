@@ -85,6 +85,8 @@ def _registration_problems(r: pb.Registration) -> list[str]:
         out.append(f"input_shape: at most {MAX_SAMPLE_DIMS} sizes in [1, {MAX_WIDTH}], got {list(r.input_shape)[:16]}")
     if not 0 <= r.num_classes <= MAX_CLASSES:
         out.append(f"num_classes: must lie in [0, {MAX_CLASSES}], got {r.num_classes}")
+    elif r.num_classes and r.label_histogram and len(r.label_histogram) != r.num_classes:
+        out.append(f"num_classes: is {r.num_classes} but label_histogram has {len(r.label_histogram)} counts")
     out += _epsilon_problems("epsilon_spent", r.epsilon_spent)
     if not _DEVICE.fullmatch(r.device):
         out.append(f"device: must be 1-64 letters, digits, '_', '.', ':' or '-', got {r.device[:80]!r}")

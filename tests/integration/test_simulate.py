@@ -72,3 +72,14 @@ def test_simulate_runs_a_job_on_the_users_own_parquet_file(tmp_path):
     assert results["rounds"][-1]["accuracy"] > 0.6, results["rounds"]  # separable labels; chance is about 0.4
     assert (run_dir / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "round  clients  train loss  test acc" in proc.stdout
+
+
+def test_simulate_over_rabbitmq_runs_every_component_as_a_process(tmp_path, rabbitmq_url):
+    proc = simulate(tmp_path, JOB, "--workers", "2", "--no-dp", "--broker", rabbitmq_url)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["summary"]["broker"] == "rabbitmq" and results["summary"]["status"] == "completed"
+    assert [r["clients"] for r in results["rounds"]] == [2, 2]
+    assert {p.name for p in (run_dir / "logs").iterdir()} == {"aggregator.log", "coordinator.log", "worker-0.log",
+                                                             "worker-1.log"}

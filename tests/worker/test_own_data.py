@@ -224,13 +224,14 @@ def test_a_registration_with_an_impossible_shape_or_class_count_is_refused():
                          num_classes=10)
     check_control(pb.Envelope(registration=ok))
     for bad, problem in (({"input_shape": [0]}, "input_shape"), ({"input_shape": [2] * 9}, "input_shape"),
-                         ({"num_classes": -1}, "num_classes"), ({"num_classes": 10**6}, "num_classes")):
+                         ({"num_classes": -1}, "num_classes"), ({"num_classes": 10**6}, "num_classes"),
+                         ({"num_classes": 3, "label_histogram": [1, 2]}, "num_classes: is 3 but label_histogram has 2")):
         message = pb.Registration()
         message.CopyFrom(ok)
         for key, value in bad.items():
-            if key == "input_shape":
-                del message.input_shape[:]
-                message.input_shape.extend(value)
+            if key in ("input_shape", "label_histogram"):
+                del getattr(message, key)[:]
+                getattr(message, key).extend(value)
             else:
                 setattr(message, key, value)
         with pytest.raises(InvalidControlMessage, match=problem):
