@@ -10,6 +10,7 @@ worker); owners whose features differ in scale should agree on it, or standardis
 
 from __future__ import annotations
 
+import collections
 import csv
 import gzip
 import math
@@ -314,8 +315,8 @@ def _load_npz(source: DataSection) -> Dataset:
     if labels.ndim != 1 or len(labels) != len(x):
         raise ConfigError("worker.data.labels_key", f"{source.labels_key!r} must be one label per sample ({len(x)}), "
                                                     f"got shape {list(labels.shape)}")
-    if labels.dtype.kind not in "biuU":
-        raise ConfigError("worker.data.labels_key", f"{source.labels_key!r} must hold integers or text, got {labels.dtype}")
+    if labels.dtype.kind not in "biufU":
+        raise ConfigError("worker.data.labels_key", f"{source.labels_key!r} must hold numbers or text, got {labels.dtype}")
     if not np.isfinite(x).all():
         raise ConfigError("worker.data.path", f"{source.path}: {source.features_key!r} holds NaN or infinite values")
     return _own_dataset(x.astype(np.float64), [str(v) for v in labels.tolist()], source, name="npz")
@@ -323,7 +324,7 @@ def _load_npz(source: DataSection) -> Dataset:
 
 def _columns(header: Sequence[str], source: DataSection, *, where: str) -> tuple[list[str], str]:
     """The feature columns (in the declared order) and the label column, each checked against the header."""
-    repeated = sorted({c for c in header if list(header).count(c) > 1})
+    repeated = sorted(c for c, n in collections.Counter(header).items() if n > 1)
     if repeated:
         raise ConfigError("worker.data.path", f"{where} names the columns {', '.join(map(repr, repeated))} more "
                                               f"than once: which one is meant is ambiguous")
@@ -381,9 +382,15 @@ def _own_dataset(x: np.ndarray, raw_labels: list[str], source: DataSection, *, n
     if source.num_classes and source.num_classes != num_classes:
         raise ConfigError("worker.data.num_classes", f"is {source.num_classes} but worker.data.classes lists "
                                                      f"{num_classes}")
-    if not 1 <= num_classes <= MAX_CLASSES or y.max() >= num_classes:
-        raise ConfigError("worker.data.num_classes", f"labels reach {int(y.max())}, so there must be 1 to "
-                                                     f"{MAX_CLASSES} classes above it, got {num_classes}")
+    if not 1 <= num_classes <= MAX_CLASSES:
+        raise ConfigError("worker.data.num_classes", f"must lie in [1, {MAX_CLASSES}], got {num_classes}")
+    if y.max() >= num_classes:
+        raise ConfigError("worker.data.num_classes", f"is {num_classes} but the labels reach {int(y.max())} (class "
+                                                     f"indices are 0..num_classes-1)")
+    sample = x.shape[1:]
+    if not 1 <= len(sample) <= 3 or not all(1 <= d <= MAX_WIDTH for d in sample):
+        raise ConfigError("worker.data.path", f"{source.path}: one sample's shape {list(sample)} cannot be a model's "
+                                              f"input (1 to 3 sizes, each in [1, {MAX_WIDTH}])")
     if source.standardize:
         mean = x.mean(axis=0)
         std = x.std(axis=0)

@@ -4,6 +4,7 @@ and every bad file is refused with an error naming the setting to fix."""
 from __future__ import annotations
 
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -73,12 +74,13 @@ def test_csv_text_labels_are_numbered_by_the_declared_classes(tmp_path):
     ("a,label\n1,0\n2\n", {}, "worker.data.path", "line 3: 1 fields, the header has 2"),
     ("a,label\n", {}, "worker.data.path", "holds no samples"),
     ("a,label\n1,-1\n", {}, "worker.data.classes", "label '-1' is not a class index"),
-    ("a,label\n1,4\n", {"num_classes": 3}, "worker.data.num_classes", "labels reach 4"),
+    ("a,label\n1,4\n", {"num_classes": 3}, "worker.data.num_classes", "is 3 but the labels reach 4"),
+    ("a,label\n1,4\n", {"num_classes": 70000}, "worker.data.num_classes", "must lie in [1, 65536], got 70000"),
     ("a,a,label\n1,2,0\n", {}, "worker.data.path", "names the columns 'a' more than once"),
 ])
 def test_a_bad_csv_is_refused_naming_the_setting_and_the_place(tmp_path, text, options, field, message):
     path = write_csv(tmp_path / "t.csv", text)
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
         load_worker_data(worker("csv", path=path, **options))
     assert info.value.field == field
 
@@ -116,7 +118,7 @@ def test_the_data_section_comes_from_the_environment_as_kubernetes_sets_it(tmp_p
 def test_npz_reads_the_named_arrays_keeping_the_sample_shape(tmp_path):
     path = tmp_path / "d.npz"
     images = np.arange(5 * 16, dtype=np.uint8).reshape(5, 1, 4, 4)
-    np.savez(path, pixels=images, target=np.array([0, 1, 2, 1, 0]), extra=np.zeros(3))
+    np.savez(path, pixels=images, target=np.array([0.0, 1.0, 2.0, 1.0, 0.0]), extra=np.zeros(3))
     ds = load_worker_data(worker("npz", path=str(path), features_key="pixels", labels_key="target"))
     assert ds.x.shape == (5, 1, 4, 4) and ds.input_shape == (1, 4, 4) and ds.x.dtype == np.float32
     assert ds.x[1, 0, 0, 0] == 16.0 and ds.y.tolist() == [0, 1, 2, 1, 0] and ds.num_classes == 3
@@ -143,6 +145,13 @@ def test_a_lone_npy_array_is_not_taken_for_an_archive(tmp_path):
     with open(path, "wb") as fh:
         np.save(fh, np.zeros((3, 2)))
     with pytest.raises(ConfigError, match="single .npy array, not an .npz archive"):
+        load_worker_data(worker("npz", path=str(path)))
+
+
+def test_npz_samples_no_model_can_take_are_refused(tmp_path):
+    path = tmp_path / "d.npz"
+    np.savez(path, x=np.zeros((2, 1, 1, 2, 2)), y=np.zeros(2, dtype=np.int64))
+    with pytest.raises(ConfigError, match=r"one sample's shape \[1, 1, 2, 2\] cannot be a model's input"):
         load_worker_data(worker("npz", path=str(path)))
 
 
