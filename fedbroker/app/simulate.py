@@ -98,9 +98,12 @@ def check_simulation(options: SimulateOptions, job: JobSpec, data: Any) -> None:
         data.num_classes)], category=job.category, who=lambda _: "the simulated workers")
     if not 1 <= options.workers <= 64:
         problems.append(ConfigError("--workers", f"must lie in [1, 64], got {options.workers}"))
-    elif job.schedule.min_workers > options.workers:
-        problems.append(ConfigError("--workers", f"is {options.workers} but the job's schedule.min_workers is "
-                                                 f"{job.schedule.min_workers}: simulate at least that many"))
+    else:
+        needed = max(job.schedule.min_workers, job.schedule.min_clients)
+        if needed > options.workers:
+            which = "min_workers" if job.schedule.min_workers == needed else "min_clients"
+            problems.append(ConfigError("--workers", f"is {options.workers} but the job's schedule.{which} is "
+                                                     f"{needed}: simulate at least that many"))
     if len(problems) == 1:
         raise problems[0]
     if problems:

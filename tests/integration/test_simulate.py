@@ -42,6 +42,9 @@ def simulate(tmp_path: Path, job: dict, *args: str) -> subprocess.CompletedProce
     ({"model": {**JOB["model"], "layers": [{"type": "Linear", "in_features": 4, "out_features": 2}]}, "evaluation": {}},
      ["--dataset", "iris"], "model.layers[0].out_features: the model outputs 2 class scores"),
     ({}, ["--workers", "1"], "--workers: is 1 but the job's schedule.min_workers is 2"),
+    ({"schedule": {**JOB["schedule"], "min_clients": 3}}, ["--workers", "2"],
+     "--workers: is 2 but the job's schedule.min_clients is 3"),
+    ({}, ["--workers", "0"], "--workers: must lie in [1, 64], got 0"),
     ({"evaluation": {}}, [], "--dataset: the job names no evaluation set"),
     ({"training": {**JOB["training"], "rounds": 0}}, [], "training.rounds"),
 ])
