@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +30,9 @@ from fedbroker.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
+ProbeLoader = Callable[[str, int, int], tuple[np.ndarray, np.ndarray]]
+"""(dataset, size, seed) -> (x, y) of a probe set the service holds."""
+
 
 @dataclass(frozen=True)
 class Combined:
@@ -41,14 +44,15 @@ class Combined:
 
 
 def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray], spec: ModelSpec, *,
-            seed: int, selection_time_limit_s: float, alignment_time_limit_s: float = 120.0) -> Combined:
+            seed: int, selection_time_limit_s: float, alignment_time_limit_s: float = 120.0,
+            probe_sets: ProbeLoader = probe_arrays) -> Combined:
     rng = np.random.default_rng([seed, rnd.number])
     stats: dict[str, float] = {"accepted": float(len(accepted))}
     if rnd.rows.mean is not None:
         chosen = sorted(accepted)
         state, weights = _running_result(rnd, accepted, stats)
     else:
-        chosen, weights = _choose(rnd, accepted, current, spec, rng, stats, selection_time_limit_s)
+        chosen, weights = _choose(rnd, accepted, current, spec, rng, stats, selection_time_limit_s, probe_sets)
         spec, state = _combine(rnd, spec, [accepted[w] for w in chosen], weights, rng, stats,
                                deadline=time.monotonic() + alignment_time_limit_s)
     stats["aggregated"] = float(len(chosen))
@@ -72,7 +76,7 @@ def _running_result(rnd: Round, accepted: Mapping[str, Accepted],
 
 def _choose(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray], spec: ModelSpec,
             rng: np.random.Generator, stats: dict[str, float],
-            selection_time_limit_s: float) -> tuple[list[str], np.ndarray]:
+            selection_time_limit_s: float, probe_sets: ProbeLoader) -> tuple[list[str], np.ndarray]:
     """Selection picks which updates enter the mean; weighting gives their coefficients."""
     selection = rnd.algorithms.selection
     vectors = selection.needs_vectors(rnd.number)
@@ -87,7 +91,7 @@ def _choose(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, 
     deadline = time.monotonic() + selection_time_limit_s  # loading the probe set counts against the limit
     chosen_by = selection.choose(
         candidates, round_index=rnd.number, global_vector=_flatten(current, names) if vectors else np.zeros(0),
-        rng=rng, deadline=deadline, probe=_probe(rnd, spec),
+        rng=rng, deadline=deadline, probe=_probe(rnd, spec, probe_sets),
     )
     if chosen_by.reason:
         log.warning("selection for round %d fell back: %s", rnd.number, chosen_by.reason)
@@ -137,12 +141,12 @@ def _class_shares(rnd: Round, updates: list[Accepted]) -> np.ndarray | None:
     return np.array([list(r or []) + [0] * (width - len(r or [])) for r in rows], dtype=np.float64)
 
 
-def _probe(rnd: Round, spec: ModelSpec) -> Probe | None:
+def _probe(rnd: Round, spec: ModelSpec, probe_sets: ProbeLoader) -> Probe | None:
     """The probe set this round's selection asks for, with the job's weighting as the aggregate's coefficients."""
     request = rnd.algorithms.selection.probe_request(rnd.number)
     if request is None:
         return None
-    x, y = probe_arrays(request.dataset, request.size, request.seed)
+    x, y = probe_sets(request.dataset, request.size, request.seed)
     weighting = rnd.algorithms.weighting
     return Probe(spec, x, y, coefficients=lambda raw: weighting.normalise(raw)[0])
 
