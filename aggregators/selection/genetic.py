@@ -370,12 +370,13 @@ class GeneticSelection:
         probe: Probe | None = None,
     ) -> tuple[Fitness, Fitness, Fitness | None]:
         """(fitness, loss1, loss2) over chromosomes of indices into `candidates`; loss2 is None when μ = 0."""
+        vectors = None
         if self.fitness == "probe":
             if probe is None:
                 raise ValueError("fitness 'probe' needs the probe set from the service")
             vectors = candidate_matrix(candidates, probe.size)
-            cos = probe.feature_cosine(vectors, candidate_matrix(
-                [Candidate("global model", np.asarray(global_vector), 0)], probe.size)[0])
+            own = candidate_matrix([Candidate("global model", np.asarray(global_vector), 0)], probe.size)[0]
+            cos = probe.feature_cosine(vectors, own)
         else:
             cos = cosine_to_global(candidates, global_vector)
 
@@ -385,8 +386,8 @@ class GeneticSelection:
 
         if self.mu == 0.0:
             return loss1, loss1, None
-        loss2 = aggregate_loss2(candidates, vectors, probe) if probe is not None and self.fitness == "probe" \
-            else reported_loss2(candidates)
+        loss2 = reported_loss2(candidates) if vectors is None or probe is None \
+            else aggregate_loss2(candidates, vectors, probe)
         mu = float(self.mu)
 
         def fitness(pop: np.ndarray) -> np.ndarray:
