@@ -630,14 +630,14 @@ def run(out: str, *, quick: bool = False, progress: bool = True, jobs: int | Non
 def write_reports(out: str, env: Mapping[str, Any], dwfed: Mapping[str, Any], ga: Mapping[str, Any]) -> None:
     """Tables and plots from the raw numbers (also `--tables-only`, which rereads the JSON)."""
     total, jobs = env["total_seconds"], env["processes"]
-    footer = (f"\n\nWall time of the whole script {total:.0f} s ({jobs} processes on {env['cpus']} CPU cores); "
+    footer = (f"\n\nWall time of the whole script {{:.0f}} s ({jobs} processes on {env['cpus']} CPU cores); "
               f"simulation time of these runs {{:.0f}} s (sum over runs).\n")
     with open(os.path.join(out, f"{PREFIX}_dwfed.md"), "w") as fh:
         fh.write("# DWFed vs FedAvg (DWFed paper §4 protocol)\n\n" + dwfed_table(dwfed)
-                 + footer.format(env["run_seconds_dwfed"]))
+                 + footer.format(env.get("total_seconds_dwfed_run", total), env["run_seconds_dwfed"]))
     with open(os.path.join(out, f"{PREFIX}_ga.md"), "w") as fh:
         fh.write("# GA base-model selection vs random selection (base-model paper §5 protocol)\n\n" + ga_table(ga)
-                 + footer.format(env["run_seconds_ga"]))
+                 + footer.format(total, env["run_seconds_ga"]))
     plot_dwfed(dwfed, os.path.join(out, f"{PREFIX}_dwfed.png"))
     plot_ga(ga, os.path.join(out, f"{PREFIX}_ga.png"))
 
