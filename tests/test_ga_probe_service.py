@@ -85,3 +85,29 @@ def test_a_ga_job_whose_probe_set_the_model_cannot_read_is_refused_at_submission
            "aggregation": {"selection": "ga", "selection_params": {"m": 2, "probe_dataset": "iris"}}}
     with pytest.raises(ConfigError, match=r"aggregation\.selection_params\.probe_dataset.*shape"):
         accept_job(job)
+
+
+def test_the_service_reads_the_probe_set_the_job_names_from_its_loader():
+    """RoundBook(probe_sets=...) is where a deployment plugs in its own public or synthetic probe data."""
+    asked: list[tuple[str, int, int]] = []
+    rng = np.random.default_rng(0)
+
+    def loader(dataset: str, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        asked.append((dataset, size, seed))
+        return rng.normal(size=(size, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, size=size)
+
+    from fedbroker import codec
+    from fedbroker.proto import fedbroker_pb2 as pb
+
+    book = RoundBook(probe_sets=loader)
+    book.put_global("j", 1, SPEC.to_json(), state_of(build_model(SPEC, seed=0)))
+    params = dict(AGGREGATION["selection_params"], probe_size=17, probe_seed=5)
+    workers = ["a", "b", "c"]
+    book.open_round("j", 1, workers, deadline=1e12, aggregation={"selection": "ga", "selection_params": params})
+    for k, w in enumerate(workers):
+        state = state_of(build_model(SPEC, seed=10 + k))
+        header = pb.UpdateHeader(job_id="j", round=1, worker_id=w, num_samples=10, tensors=codec.tensor_specs(state))
+        book.receive_update(codec.stream_messages(pb.UpdateChunk, header, state))
+    result = book.close("j", 1)
+    assert asked == [("digits", 17, 5)]
+    assert result.stats["selection_ga_ran"] == 1.0 and len(result.aggregated) == 2
