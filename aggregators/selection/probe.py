@@ -19,7 +19,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from scipy.special import expit
 
 from fedbroker.layers import LAYERS
-from fedbroker.spec import LayerSpec, ModelSpec, parameter_shapes
+from fedbroker.spec import LayerSpec, ModelSpec, output_shapes, parameter_shapes
 
 GROUP_NORM_EPS = 1e-5  # torch.nn.GroupNorm's default
 PROBE_BYTES = 1 << 28  # activations of one forward chunk (float64), so a big model goes in smaller stacks
@@ -111,10 +111,16 @@ class Probe:
         return max(i for i, layer in enumerate(self.spec.layers) if LAYERS[layer.type].weighted)
 
     def _chunk(self) -> int:
-        """How many models one forward stacks, so that the widest activation stays under PROBE_BYTES."""
-        widest = max(math.prod(self.spec.input_shape), *(math.prod(s) for s in self.shapes.values()))
-        per_model = 8 * self.x.shape[0] * widest
-        return int(max(1, PROBE_BYTES // max(per_model, 1)))
+        """How many models one forward stacks, so that the largest array a layer makes (its output, its
+        weights, or a convolution's unfolded windows) stays under PROBE_BYTES."""
+        widest = math.prod(self.spec.input_shape)
+        for layer, out in zip(self.spec.layers, output_shapes(self.spec)):
+            sizes = [math.prod(out), *(math.prod(s) for s in LAYERS[layer.type].tensors(layer.params).values())]
+            if layer.type == "Conv2d":  # the windows einsum may unfold: C_in·k² values per output position
+                k = int(layer.params["kernel_size"])
+                sizes.append(int(layer.params["in_channels"]) * k * k * math.prod(out[1:]))
+            widest = max(widest, *sizes)
+        return int(max(1, PROBE_BYTES // (8 * self.x.shape[0] * widest)))
 
     def forward(self, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(features (P, B, D), outputs (P, B, C)) of the P models whose flat parameters are `vectors`'
@@ -123,8 +129,9 @@ class Probe:
         if v.ndim != 2 or v.shape[1] != self.size:
             raise ValueError(f"expected (models, {self.size}) parameters, got {v.shape}")
         feats, outs = [], []
-        for start in range(0, v.shape[0], self._chunk()):
-            f, o = self._forward(v[start:start + self._chunk()])
+        chunk = self._chunk()
+        for start in range(0, v.shape[0], chunk):
+            f, o = self._forward(v[start:start + chunk])
             feats.append(f)
             outs.append(o)
         return np.concatenate(feats), np.concatenate(outs)

@@ -152,3 +152,18 @@ def test_probe_fitness_without_a_probe_set_is_an_error() -> None:
 def test_a_probe_set_the_model_cannot_read_is_refused() -> None:
     with pytest.raises(ValueError, match="shape"):
         Probe(MLP, np.zeros((3, 5)), np.zeros(3, dtype=np.int64))
+
+
+def test_a_forward_split_into_chunks_gives_the_same_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Big models go through the stack in chunks (PROBE_BYTES): the chunking must not change any number."""
+    from fedbroker.aggregators.selection import probe as probe_module
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(5, 2, 7, 7))
+    stack = np.stack([flat(CONV, random_state(CONV, rng)) for _ in range(5)])
+    whole = Probe(CONV, x, np.zeros(5, dtype=np.int64)).forward(stack)
+    monkeypatch.setattr(probe_module, "PROBE_BYTES", 1)  # one model per chunk
+    assert Probe(CONV, x, np.zeros(5, dtype=np.int64))._chunk() == 1
+    chunked = Probe(CONV, x, np.zeros(5, dtype=np.int64)).forward(stack)
+    for a, b in zip(whole, chunked):
+        np.testing.assert_array_equal(a, b)
