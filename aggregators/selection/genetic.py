@@ -260,10 +260,12 @@ def reported_loss2(candidates: Sequence[Candidate]) -> Fitness:
 
 
 def candidate_matrix(candidates: Sequence[Candidate], size: int) -> np.ndarray:
-    """The candidates' flat parameter vectors as rows (N, size), each checked for shape and finiteness."""
-    out = np.empty((len(candidates), size))
+    """The candidates' flat parameter vectors as rows (N, size), each checked for shape and finiteness;
+    float32 when every update is (as uploads are), so the stack costs no more than the updates themselves."""
+    wide = any(np.asarray(c.vector).dtype != np.float32 for c in candidates)
+    out = np.empty((len(candidates), size), dtype=np.float64 if wide else np.float32)
     for k, c in enumerate(candidates):
-        v = np.asarray(c.vector, dtype=np.float64).ravel()
+        v = np.asarray(c.vector).ravel()
         if v.shape != (size,):
             raise ValueError(f"worker {c.worker_id!r}: update has {v.size} parameters, the model {size}")
         if not np.all(np.isfinite(v)):
@@ -288,7 +290,9 @@ def aggregate_loss2(candidates: Sequence[Candidate], vectors: np.ndarray, probe:
             for r, key in enumerate(todo):
                 idx = np.array(key)
                 coef[r, idx] = probe.coefficients(raw[idx])
-            values = probe.cross_entropy(coef @ vectors)
+            step = probe.models_per_forward  # aggregates are built a stack at a time: memory stays bounded
+            values = np.concatenate([probe.cross_entropy(coef[a:a + step].astype(vectors.dtype) @ vectors)
+                                     for a in range(0, len(todo), step)])
             for key, value in zip(todo, values):
                 if not math.isfinite(float(value)):
                     raise ValueError(f"the probe cross-entropy of candidates {list(key)} is {value!r}")

@@ -110,9 +110,15 @@ class Probe:
     def _last_weighted(self) -> int:
         return max(i for i, layer in enumerate(self.spec.layers) if LAYERS[layer.type].weighted)
 
+    @property
+    def models_per_forward(self) -> int:
+        """How many models one forward stacks: their float64 parameters, and the largest array a layer
+        makes for them, each stay under PROBE_BYTES."""
+        return min(self._chunk(), max(1, PROBE_BYTES // (8 * self.size)))
+
     def _chunk(self) -> int:
-        """How many models one forward stacks, so that the largest array a layer makes (its output, its
-        weights, or a convolution's unfolded windows) stays under PROBE_BYTES."""
+        """How many models' largest layer array (its output, its weights, or a convolution's unfolded
+        windows) fits in PROBE_BYTES."""
         widest = math.prod(self.spec.input_shape)
         for layer, out in zip(self.spec.layers, output_shapes(self.spec)):
             sizes = [math.prod(out), *(math.prod(s) for s in LAYERS[layer.type].tensors(layer.params).values())]
@@ -125,13 +131,13 @@ class Probe:
     def forward(self, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(features (P, B, D), outputs (P, B, C)) of the P models whose flat parameters are `vectors`'
         rows (state-dict order of `parameter_shapes`); features are the last weighted layer's inputs."""
-        v = np.asarray(vectors, dtype=np.float64)
+        v = np.asarray(vectors)
         if v.ndim != 2 or v.shape[1] != self.size:
             raise ValueError(f"expected (models, {self.size}) parameters, got {v.shape}")
         feats, outs = [], []
-        chunk = self._chunk()
+        chunk = self.models_per_forward
         for start in range(0, v.shape[0], chunk):
-            f, o = self._forward(v[start:start + chunk])
+            f, o = self._forward(np.asarray(v[start:start + chunk], dtype=np.float64))
             feats.append(f)
             outs.append(o)
         return np.concatenate(feats), np.concatenate(outs)
