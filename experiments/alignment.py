@@ -96,7 +96,8 @@ class RoundsProtocol:
 
 @dataclass(frozen=True)
 class PaperScaleProtocol:
-    """NAFI's deeper FCNN runs (2 and 3 hidden layers, S = 15…30) with its authors' hyper-parameters: σ0² = 0.5,
+    """NAFI's FCNN runs (Table 2: one hidden layer with S = 15…30, 2 and 3 hidden layers with S = 10) and 2–3
+    hidden layers at S = 15…30, with the NAFI authors' hyper-parameters: σ0² = 0.5,
     γ0 = 10, σ² = 1, output layer matched without class-share weights (`output_weighting: plain`). λ is chosen
     per (depth, S, seed) on a validation split carved out of the training data (never the test set) from
     `lams`; the best λ on the *test* set is reported apart, labelled, as the optimistic best-of-grid number.
@@ -105,8 +106,10 @@ class PaperScaleProtocol:
     S = 30 with 3 hidden layers takes tens of seconds); the seed noise is therefore not measured."""
 
     dataset: str = "digits"
-    depths: tuple[int, ...] = (2, 3)
-    sizes: tuple[int, ...] = (15, 20, 25, 30)
+    # (hidden layers, S): the paper's Table 2 cells (one hidden layer at S = 15…30; 2 and 3 at S = 10), then
+    # 2 and 3 hidden layers at S = 15…30
+    cells: tuple[tuple[int, int], ...] = ((1, 15), (1, 20), (1, 25), (1, 30), (2, 10), (3, 10)) + tuple(
+        (d, s) for d in (2, 3) for s in (15, 20, 25, 30))
     seeds: tuple[int, ...] = (0,)
     hidden: int = 100
     alpha: float = 0.5
@@ -343,7 +346,7 @@ def paper_scale(protocol: PaperScaleProtocol, *, progress: bool = True) -> dict[
     from fedbroker.worker.partition import partition
 
     runs: list[dict[str, Any]] = []
-    cells = [(d, s, seed) for d in protocol.depths for s in protocol.sizes for seed in protocol.seeds]
+    cells = [(d, s, seed) for d, s in protocol.cells for seed in protocol.seeds]
     for depth, size, seed in tqdm(cells, desc="paper-scale fusion", disable=not progress):
         train, test = train_test_split(load_dataset(protocol.dataset), test_fraction=0.2, seed=seed)
         train, val = train_test_split(train, test_fraction=protocol.validation_fraction, seed=seed + 1)
@@ -388,7 +391,7 @@ def paper_scale_table(result: Mapping[str, Any]) -> str:
     p = result["protocol"]
     caption = (
         f"**PFNM and NAFI at the papers' scale, {p['dataset']}.** S local MLPs with {p['hidden']}-unit hidden "
-        f"layers (2 or 3), each from its own initialisation, trained on a Dirichlet(α={p['alpha']}) partition "
+        f"layers (1, 2 or 3; the first six rows are the cells of NAFI's Table 2), each from its own initialisation, trained on a Dirichlet(α={p['alpha']}) partition "
         f"({p['optimizer']} lr {p['lr']}, batch {p['batch_size']}, {p['epochs']} epochs, no DP) and fused once "
         f"through the service's RoundBook. PFNM/NAFI with the NAFI authors' hyper-parameters "
         f"({', '.join(f'{k}={v}' for k, v in p['bayes'].items())}), exact KL. **NAFI (λ by validation)**: λ "
@@ -401,11 +404,9 @@ def paper_scale_table(result: Mapping[str, Any]) -> str:
     head = ("| hidden layers | S | Local NN | FedAvg | PFNM | NAFI (λ by validation) | λ chosen | "
             "NAFI best-of-grid on test (test-selected) | NAFI − PFNM (validation λ) |\n|---|---|---|---|---|---|---|---|---|\n")
     body = ""
-    for depth in p["depths"]:
-        for size in p["sizes"]:
-            rows = [r for r in result["runs"] if r["depth"] == depth and r["S"] == size]
-            if not rows:
-                continue
+    for depth, size in p["cells"]:
+        rows = [r for r in result["runs"] if r["depth"] == depth and r["S"] == size]
+        if rows:
             picks = [_nafi_picks(r) for r in rows]
             val_acc = [100 * r["methods"][v]["test"] for r, (v, _) in zip(rows, picks)]
             test_acc = [100 * r["methods"][t]["test"] for r, (_, t) in zip(rows, picks)]
@@ -427,9 +428,11 @@ def plot_paper_scale(result: Mapping[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     p = result["protocol"]
-    fig, axes = plt.subplots(1, len(p["depths"]), figsize=(5.5 * len(p["depths"]), 4), squeeze=False, sharey=True)
-    for depth, ax in zip(p["depths"], axes.ravel()):
+    depths = sorted({d for d, _ in p["cells"]})
+    fig, axes = plt.subplots(1, len(depths), figsize=(5.5 * len(depths), 4), squeeze=False, sharey=True)
+    for depth, ax in zip(depths, axes.ravel()):
         rows = [r for r in result["runs"] if r["depth"] == depth]
+        sizes = sorted({r["S"] for r in rows})
         series = {
             "FedAvg": lambda r: r["methods"]["FedAvg"]["test"],
             "PFNM": lambda r: r["methods"]["PFNM"]["test"],
@@ -437,13 +440,13 @@ def plot_paper_scale(result: Mapping[str, Any], path: str) -> None:
             "Local NN (mean)": lambda r: r["local_accuracy"],
         }
         for k, (name, get) in enumerate(series.items()):
-            mean = [100 * np.mean([get(r) for r in rows if r["S"] == s]) for s in p["sizes"]]
-            std = [100 * np.std([get(r) for r in rows if r["S"] == s]) for s in p["sizes"]]
-            ax.errorbar(np.array(p["sizes"]) + 0.3 * (k - 1.5), mean, yerr=std, marker="o", capsize=3, label=name,
+            mean = [100 * np.mean([get(r) for r in rows if r["S"] == s]) for s in sizes]
+            std = [100 * np.std([get(r) for r in rows if r["S"] == s]) for s in sizes]
+            ax.errorbar(np.array(sizes) + 0.3 * (k - 1.5), mean, yerr=std, marker="o", capsize=3, label=name,
                         linestyle="--" if name.startswith("Local") else "-")
-        ax.set_title(f"{depth} hidden layers", fontsize=10)
+        ax.set_title(f"{depth} hidden layer{'s' if depth > 1 else ''}", fontsize=10)
         ax.set_xlabel("number of local models S")
-        ax.set_xticks(p["sizes"])
+        ax.set_xticks(sizes)
         ax.grid(alpha=0.3)
     axes.ravel()[0].set_ylabel("global test accuracy (%)")
     axes.ravel()[0].legend(fontsize=8)
@@ -661,7 +664,7 @@ def run_part(out: str, part: str, *, quick: bool = False, progress: bool = True)
     started = time.perf_counter()
     try:
         if part == "paper-scale":
-            protocol = PaperScaleProtocol(sizes=(15,), seeds=(0,), depths=(2,), epochs=3) if quick else PaperScaleProtocol()
+            protocol = PaperScaleProtocol(cells=((2, 15),), epochs=3) if quick else PaperScaleProtocol()
             result = paper_scale(protocol, progress=progress)
             table, title, plot = paper_scale_table(result), "PFNM and NAFI at the papers' scale", plot_paper_scale
         else:
