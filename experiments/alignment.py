@@ -450,7 +450,8 @@ def plot_paper_scale(result: Mapping[str, Any], path: str) -> None:
         ax.grid(alpha=0.3)
     axes.ravel()[0].set_ylabel("global test accuracy (%)")
     axes.ravel()[0].legend(fontsize=8)
-    fig.suptitle(f"One-shot fusion at paper scale, {p['dataset']}, independent inits, {len(p['seeds'])} seeds",
+    n = len(p["seeds"])
+    fig.suptitle(f"One-shot fusion at paper scale, {p['dataset']}, independent inits, {n} seed{'s' * (n > 1)}",
                  fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
