@@ -75,6 +75,8 @@ test-unit: $(STAMP)
 .PHONY: experiment-alignment
 experiment-alignment: $(STAMP)
 	$(PY) -m experiments.alignment
+	$(PY) -m experiments.alignment --part paper-scale
+	$(PY) -m experiments.alignment --part init
 
 .PHONY: experiment-weighting-selection
 experiment-weighting-selection: $(STAMP)

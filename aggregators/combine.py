@@ -1,6 +1,7 @@
 """A closing round's accepted updates → the next global model: selection, weighting, then the mean or alignment.
 
-Pure given the round: no I/O, no locks (the round is CLOSING, so nothing is added meanwhile).
+Pure given the round: no locks (the round is CLOSING, so nothing is added meanwhile), and no I/O but
+reading the bundled probe set a GA round with `fitness: probe` asks for (`aggregators.probes`, cached).
 
 Every stage has a cooperative time limit, so a close ends within minutes whatever the job asked for:
 selection past `selection_time_limit_s` falls back to a random choice (the GA says why); an alignment past
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,12 +22,16 @@ import numpy as np
 from fedbroker.aggregators.alignment import DeadlinePassed
 from fedbroker.aggregators.mean import weighted_mean_of_rows
 from fedbroker.aggregators.network import from_layers, to_layers
-from fedbroker.aggregators.selection.base import Candidate
+from fedbroker.aggregators.probes import probe_arrays
+from fedbroker.aggregators.selection import Candidate, Probe
 from fedbroker.aggregators.state import Accepted, Round
 from fedbroker.errors import Conflict
 from fedbroker.spec import ModelSpec
 
 log = logging.getLogger(__name__)
+
+ProbeLoader = Callable[[str, int, int], tuple[np.ndarray, np.ndarray]]
+"""(dataset, size, seed) -> (x, y) of a probe set the service holds."""
 
 
 @dataclass(frozen=True)
@@ -39,14 +44,15 @@ class Combined:
 
 
 def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray], spec: ModelSpec, *,
-            seed: int, selection_time_limit_s: float, alignment_time_limit_s: float = 120.0) -> Combined:
+            seed: int, selection_time_limit_s: float, alignment_time_limit_s: float = 120.0,
+            probe_sets: ProbeLoader = probe_arrays) -> Combined:
     rng = np.random.default_rng([seed, rnd.number])
     stats: dict[str, float] = {"accepted": float(len(accepted))}
     if rnd.rows.mean is not None:
         chosen = sorted(accepted)
         state, weights = _running_result(rnd, accepted, stats)
     else:
-        chosen, weights = _choose(rnd, accepted, current, rng, stats, selection_time_limit_s)
+        chosen, weights = _choose(rnd, accepted, current, spec, rng, stats, selection_time_limit_s, probe_sets)
         spec, state = _combine(rnd, spec, [accepted[w] for w in chosen], weights, rng, stats,
                                deadline=time.monotonic() + alignment_time_limit_s)
     stats["aggregated"] = float(len(chosen))
@@ -68,21 +74,24 @@ def _running_result(rnd: Round, accepted: Mapping[str, Accepted],
     return rows.mean.result(), weights
 
 
-def _choose(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray],
+def _choose(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray], spec: ModelSpec,
             rng: np.random.Generator, stats: dict[str, float],
-            selection_time_limit_s: float) -> tuple[list[str], np.ndarray]:
+            selection_time_limit_s: float, probe_sets: ProbeLoader) -> tuple[list[str], np.ndarray]:
     """Selection picks which updates enter the mean; weighting gives their coefficients."""
     selection = rnd.algorithms.selection
     vectors = selection.needs_vectors(rnd.number)
+    names = list(rnd.rows.layout.shapes)
     ids = sorted(accepted)
     candidates = [
-        Candidate(worker_id=w, vector=_vector(accepted[w]) if vectors else np.zeros(0),
-                  num_samples=accepted[w].num_samples, reported_loss=accepted[w].meta.loss)
+        Candidate(worker_id=w, vector=_vector(accepted[w], names) if vectors else np.zeros(0),
+                  num_samples=accepted[w].num_samples, reported_loss=accepted[w].meta.loss,
+                  raw_weight=accepted[w].raw_weight)
         for w in ids
     ]
+    deadline = time.monotonic() + selection_time_limit_s  # loading the probe set counts against the limit
     chosen_by = selection.choose(
-        candidates, round_index=rnd.number, global_vector=_flatten(current) if vectors else np.zeros(0),
-        rng=rng, deadline=time.monotonic() + selection_time_limit_s,
+        candidates, round_index=rnd.number, global_vector=_flatten(current, names) if vectors else np.zeros(0),
+        rng=rng, deadline=deadline, probe=_probe(rnd, spec, probe_sets),
     )
     if chosen_by.reason:
         log.warning("selection for round %d fell back: %s", rnd.number, chosen_by.reason)
@@ -132,10 +141,20 @@ def _class_shares(rnd: Round, updates: list[Accepted]) -> np.ndarray | None:
     return np.array([list(r or []) + [0] * (width - len(r or [])) for r in rows], dtype=np.float64)
 
 
-def _vector(entry: Accepted) -> np.ndarray:
-    """An update as one flat vector: its row when it has one (no copy)."""
-    return entry.slot.values if entry.slot is not None else _flatten(entry.tensors or {})
+def _probe(rnd: Round, spec: ModelSpec, probe_sets: ProbeLoader) -> Probe | None:
+    """The probe set this round's selection asks for, with the job's weighting as the aggregate's coefficients."""
+    request = rnd.algorithms.selection.probe_request(rnd.number)
+    if request is None:
+        return None
+    x, y = probe_sets(request.dataset, request.size, request.seed)
+    weighting = rnd.algorithms.weighting
+    return Probe(spec, x, y, coefficients=lambda raw: weighting.normalise(raw)[0])
 
 
-def _flatten(tensors: Mapping[str, np.ndarray]) -> np.ndarray:
-    return np.concatenate([np.ravel(a) for a in tensors.values()]) if tensors else np.zeros(0)
+def _vector(entry: Accepted, names: list[str]) -> np.ndarray:
+    """An update as one flat vector in the round's layout order: its row when it has one (no copy)."""
+    return entry.slot.values if entry.slot is not None else _flatten(entry.tensors or {}, names)
+
+
+def _flatten(tensors: Mapping[str, np.ndarray], names: list[str]) -> np.ndarray:
+    return np.concatenate([np.ravel(tensors[n]) for n in names]) if tensors else np.zeros(0)

@@ -50,6 +50,12 @@ SELECTION_FITNESS = Gauge(
 SELECTION_FALLBACKS = Counter(
     "fedbroker_aggregator_selection_fallbacks_total",
     "Selections that fell back to a random choice (e.g. the GA ran out of time).", ["selection"])
+SELECTION_SECONDS = Histogram(
+    "fedbroker_aggregator_selection_seconds",
+    "Seconds per genetic-algorithm call (its fitness evaluations included), by selection; bounded by the "
+    "service's selection_time_limit_s.", ["selection"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0),
+)
 SELECTION_GA_RUNS = Counter(
     "fedbroker_aggregator_selection_ga_runs_total", "Rounds whose subset the genetic algorithm chose.", ["selection"]
 )
@@ -80,6 +86,8 @@ def record_close(algorithms: Mapping[str, str], seconds: float, aggregated: int,
             break
     if "selection_fitness" in stats:
         SELECTION_FITNESS.labels(selection).set(float(stats["selection_fitness"]))
+    if "selection_seconds" in stats:
+        SELECTION_SECONDS.labels(selection).observe(float(stats["selection_seconds"]))
     if stats.get("selection_fallback", 0.0) > 0:
         SELECTION_FALLBACKS.labels(selection).inc()
     if stats.get("selection_ga_ran", 0.0) > 0:

@@ -13,11 +13,19 @@ from typing import Any, TypeVar
 from fedbroker.aggregators.alignment import ALIGNMENT, Alignment
 from fedbroker.aggregators.network import alignment_problems
 from fedbroker.aggregators.registry import Registry
-from fedbroker.aggregators.selection import SELECTION, Selector
+from fedbroker.aggregators.selection import SELECTION, GeneticSelection, Selector
 from fedbroker.aggregators.weighting import WEIGHTING, Weighting
 from fedbroker.aggregators.weighting.fedavg import FedAvgWeighting, UniformWeighting
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.spec import AggregationConfig, JobSpec, ModelSpec, job_from_text, parse_job
+from fedbroker.spec import (
+    EVALUATION_SETS,
+    AggregationConfig,
+    JobSpec,
+    ModelSpec,
+    job_from_text,
+    output_shapes,
+    parse_job,
+)
 
 T = TypeVar("T")
 
@@ -67,15 +75,37 @@ def job_problems(*, aggregation: AggregationConfig, model: ModelSpec) -> list[Co
     that cannot align its model. A `fedbroker.spec.JobCheck`: parse_job reports these with its own."""
     problems: list[ConfigError] = []
     try:
-        build_algorithms(aggregation)
+        algorithms = build_algorithms(aggregation)
     except ConfigErrors as exc:
         problems.extend(exc.errors)
     except ConfigError as exc:
         problems.append(exc)
+    else:
+        problems.extend(_probe_problems(algorithms.selection, model))
     if aggregation.alignment != "none" and model.layers:
         problems.extend(ConfigError("aggregation.alignment", f"{aggregation.alignment} cannot align this model: {p}")
                         for p in alignment_problems(model))
     return problems
+
+
+def _probe_problems(selection: Selector, model: ModelSpec) -> list[ConfigError]:
+    """A probe set the model cannot read (its samples are not the model's input, or it has more classes
+    than the model has outputs) would fail every GA round: refuse it at submission."""
+    dataset = selection.probe_dataset if isinstance(selection, GeneticSelection) else ""
+    if not dataset or not model.layers:
+        return []
+    try:
+        shapes = output_shapes(model)
+    except ConfigError:  # the model's own problems are reported where it is parsed
+        return []
+    sample, classes = EVALUATION_SETS[dataset]
+    field = "aggregation.selection_params.probe_dataset"
+    if tuple(model.input_shape) != sample:
+        return [ConfigError(field, f"{dataset!r} has samples of shape {list(sample)} but model.input_shape is "
+                                   f"{list(model.input_shape)}")]
+    if shapes and (len(shapes[-1]) != 1 or shapes[-1][0] < classes):
+        return [ConfigError(field, f"{dataset!r} has {classes} classes but the model outputs {list(shapes[-1])}")]
+    return []
 
 
 def accept_job(raw: object) -> JobSpec:

@@ -34,7 +34,8 @@ import numpy as np
 
 from fedbroker import codec
 from fedbroker.aggregators import admission
-from fedbroker.aggregators.combine import combine
+from fedbroker.aggregators.combine import ProbeLoader, combine
+from fedbroker.aggregators.probes import probe_arrays
 from fedbroker.aggregators.registries import build_algorithms
 from fedbroker.aggregators.rows import Reservation
 from fedbroker.aggregators.spool import Spool, job_record, restore_jobs, update_record
@@ -66,8 +67,10 @@ class RoundBook:
         alignment_time_limit_s: float = 120.0,
         clock: Callable[[], float] = time.time,
         spool_dir: str | os.PathLike[str] | None = None,
+        probe_sets: ProbeLoader = probe_arrays,
     ) -> None:
         self.max_update_bytes = max_update_bytes
+        self.probe_sets = probe_sets  # (dataset, size, seed) -> (x, y): the probe sets the GA's fitness reads
         self.selection_time_limit_s = selection_time_limit_s
         self.alignment_time_limit_s = alignment_time_limit_s  # then the close falls back to the weighted mean
         self.clock = clock
@@ -263,7 +266,7 @@ class RoundBook:
                spec: ModelSpec, started: float) -> CloseResult:
         combined = combine(rnd, accepted, current, spec, seed=job.seed,
                            selection_time_limit_s=self.selection_time_limit_s,
-                           alignment_time_limit_s=self.alignment_time_limit_s)
+                           alignment_time_limit_s=self.alignment_time_limit_s, probe_sets=self.probe_sets)
         coefficient = dict(zip(combined.chosen, combined.weights))
         updates = [
             UpdateSummary(w, a.num_samples, a.epsilon, a.train_loss, float(coefficient.get(w, 0.0)))

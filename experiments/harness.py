@@ -146,11 +146,17 @@ def simulate(
     initial_state: dict[str, np.ndarray] | None = None,
     progress: bool = True,
     metrics: Metrics | None = None,
+    probe: Dataset | None = None,
+    first_states: Mapping[str, dict[str, np.ndarray]] | None = None,
 ) -> Simulation:
     """Play the coordinator's round loop in-process and evaluate the global model on `test` after each round.
 
     `initial_state` (default: the job seed's initial weights) lets several methods start from the same
-    weights. `metrics` adds extras to each round's record; None means `classification_metrics`.
+    weights. `metrics` adds extras to each round's record; None means `classification_metrics`. `probe`: the
+    probe set the service holds for a GA `fitness: probe` job (its first `probe_size` samples), in place of
+    the bundled one, so an experiment can keep it apart from both the workers' data and the test set.
+    `first_states`: a worker's own starting weights for round 1 (independent initialisation), in place of
+    the global model; from round 2 on every worker starts from the global model.
     A worker whose DP budget would be exceeded refuses the round, as a real one does; a round nobody
     uploads to ends the simulation early.
     """
@@ -166,7 +172,8 @@ def simulate(
     aggregation = asdict(spec.aggregation)
     training = spec.training
 
-    book = RoundBook()
+    book = RoundBook() if probe is None else RoundBook(probe_sets=lambda _name, size, _seed: (probe.x[:size],
+                                                                                         probe.y[:size]))
     state = initial_state if initial_state is not None else initial_weights(spec.model, seed=spec.seed)
     book.put_global(JOB_ID, 1, spec.model.to_json(), state)
     ledgers: dict[str, list[HistoryEntry]] = {w: [] for w in ids}
@@ -191,7 +198,8 @@ def simulate(
         for worker_id in chosen:
             worker = by_id[worker_id]
             model = build_model(model_spec)
-            load_numpy_state(model, weights)
+            own = first_states.get(worker_id) if first_states is not None and r == 1 else None
+            load_numpy_state(model, weights if own is None else own)
             try:
                 result = train_local(model, worker.x, worker.y, config=training, dp=dp, history=ledgers[worker_id],
                                      seed=training_seed(spec.seed, r, index[worker_id]))

@@ -74,26 +74,32 @@ class DWFedProtocol:
 @dataclass(frozen=True)
 class GAProtocol:
     """Base-model selection §5.1 (Table 1: 50 clients, 10 aggregated, population 100, keep 50 %, mutation 0.1,
-    GA every 10 rounds) on digits; generations 20 and μ=0.2 are the `ga` defaults (docs/algorithms.md), Loss2 the workers'
-    reported losses (the service holds no data). E=2 (not 5) keeps 50 trainings per round in the time budget;
-    FedProx μ=0.01 is fixed, not searched. Each worker holds at least 2 samples (Dir(0.1) over 50 workers of
-    digits leaves some with only a handful)."""
+    GA every 10 rounds) on digits; generations 20 and μ=0.2 are the `ga` defaults (docs/algorithms.md). Two GA
+    arms: `fitness: probe` (the paper's reading: feature cosine + the aggregate's cross-entropy on a probe set)
+    and `fitness: reported_loss` (parameter cosine + reported train losses). The probe set is `probe_size`
+    samples (stratified) taken out of the training split before it is partitioned, in every arm, so it is
+    no worker's data and not the test set. E=2 (not 5) keeps 50 trainings per round in the time budget; FedAvg
+    local training only, 30 rounds (GA in rounds 10, 20, 30) and the two Dirichlet splits, to fit ~10 min
+    on 2 shared cores. Each worker holds at least 2 samples (Dir(0.1) over 50 workers of digits leaves some
+    with only a handful)."""
 
     dataset: str = "digits"
     workers: int = 50
     m: int = 10
-    partitions: tuple[tuple[str, float], ...] = (("dirichlet", 0.1), ("dirichlet", 0.5), ("iid", 0.0))
+    partitions: tuple[tuple[str, float], ...] = (("dirichlet", 0.1), ("dirichlet", 0.5))
     seeds: tuple[int, ...] = (0, 1, 2)
-    rounds: int = 50
+    rounds: int = 30
     ga_gap: int = 10
     population: int = 100
     generations: int = 20
     mu: float = 0.2
+    fitnesses: tuple[str, ...] = ("probe", "reported_loss")
+    probe_size: int = 100
     hidden: int = 32
     lr: float = 0.1
     batch_size: int = 10
     epochs: int = 2
-    frameworks: Mapping[str, float] = field(default_factory=lambda: {"FedAvg": 0.0, "FedProx": 0.01})
+    frameworks: Mapping[str, float] = field(default_factory=lambda: {"FedAvg": 0.0})
     targets: tuple[float, ...] = (0.8, 0.9)
     tail: int = 10
     min_size: int = 2  # samples per worker at least; Dir(0.1) over 50 workers cannot give every one 10
@@ -103,7 +109,7 @@ def quick_protocols() -> tuple[DWFedProtocol, GAProtocol]:
     return (DWFedProtocol(classes_per_client=(2,), clients_per_round=(10,), seeds=(0,), rounds=5, tail=3,
                           iid_reference=False),
             GAProtocol(partitions=(("dirichlet", 0.5),), seeds=(0,), rounds=6, ga_gap=3, population=20,
-                       generations=5, frameworks={"FedAvg": 0.0}, tail=3))
+                       generations=5, tail=3))
 
 
 # ---------------------------------------------------------------- one run (in a pool process)
@@ -127,6 +133,7 @@ class Task:
     job: Mapping[str, Any]
     cost: float  # trainings, to start the longest runs first
     min_size: int | None = None  # None: the harness's default split
+    probe_size: int = 0  # samples taken out of the training split for the service's probe set (0: none)
 
 
 def _init_pool() -> None:
@@ -136,7 +143,14 @@ def _init_pool() -> None:
 
 
 def make_task_workers(task: Task) -> tuple[list[Any], Any]:
-    """The task's virtual workers: the harness's own split, except that `min_size` can be lowered.
+    """The task's virtual workers and test set (see `make_task_split`)."""
+    workers, test, _ = make_task_split(task)
+    return workers, test
+
+
+def make_task_split(task: Task) -> tuple[list[Any], Any, Any]:
+    """The task's virtual workers, test set and probe set (None unless `probe_size`): the harness's own
+    split, except that `min_size` can be lowered and a probe set can be taken out of the training split.
 
     The harness asks every worker for at least 10 samples; no Dirichlet(0.1) draw over 50 workers (nor many
     Dirichlet(0.5) draws over 100) of digits' 1,437 training samples satisfies that, so the Dirichlet splits fix
@@ -147,15 +161,19 @@ def make_task_workers(task: Task) -> tuple[list[Any], Any]:
     from fedbroker.worker.partition import partition
 
     alpha = task.alpha or 0.5
-    if task.min_size is None:
-        return make_workers("digits", num_workers=task.workers, scheme=task.scheme, seed=task.seed, alpha=alpha,
-                            classes_per_client=task.classes_per_client)
+    if task.min_size is None and not task.probe_size:
+        workers, test = make_workers("digits", num_workers=task.workers, scheme=task.scheme, seed=task.seed,
+                                     alpha=alpha, classes_per_client=task.classes_per_client)
+        return workers, test, None
     train, test = train_test_split(load_dataset("digits"), test_fraction=0.2, seed=task.seed)
+    probe = None
+    if task.probe_size:
+        train, probe = train_test_split(train, test_fraction=task.probe_size / len(train), seed=task.seed + 1)
     parts = partition(train.y, scheme=task.scheme, num_clients=task.workers, seed=task.seed, alpha=alpha,
-                      classes_per_client=task.classes_per_client, min_size=task.min_size)
+                      classes_per_client=task.classes_per_client, min_size=task.min_size or 10)
     width = max(2, len(str(task.workers - 1)))
     return [VirtualWorker(f"w{i:0{width}d}", train.x[idx], train.y[idx], train.num_classes)
-            for i, idx in enumerate(parts)], test
+            for i, idx in enumerate(parts)], test, probe
 
 
 def run_task(task: Task) -> dict[str, Any]:
@@ -169,9 +187,9 @@ def run_task(task: Task) -> dict[str, Any]:
 def _run_task(task: Task) -> dict[str, Any]:
     from experiments.harness import simulate
 
-    workers, test = make_task_workers(task)
+    workers, test, probe = make_task_split(task)
     started = time.perf_counter()
-    sim = simulate(dict(task.job), workers, test, progress=False, metrics=lambda model, data: {})
+    sim = simulate(dict(task.job), workers, test, progress=False, metrics=lambda model, data: {}, probe=probe)
     keep = ("selection_ga_ran", "selection_seconds", "selection_fitness", "selection_loss1", "selection_loss2",
             "selection_fallback", "weighting_fallback", "aggregated")
     return {
@@ -245,20 +263,29 @@ def dwfed_tasks(p: DWFedProtocol) -> list[Task]:
     return tasks
 
 
+def ga_arms(p: GAProtocol) -> list[str]:
+    return ["random"] + [f"ga ({f})" for f in p.fitnesses]
+
+
 def ga_tasks(p: GAProtocol) -> list[Task]:
     tasks = []
     for framework, mu in p.frameworks.items():
         for scheme, alpha in p.partitions:
             for seed in p.seeds:
-                for selection in ("random", "ga"):
+                for arm in ga_arms(p):
                     params: dict[str, Any] = {"m": p.m}
+                    selection = "random" if arm == "random" else "ga"
                     if selection == "ga":
-                        params.update(ga_gap=p.ga_gap, population=p.population, generations=p.generations, mu=p.mu)
+                        fitness = arm[len("ga ("):-1]
+                        params.update(ga_gap=p.ga_gap, population=p.population, generations=p.generations, mu=p.mu,
+                                      fitness=fitness)
+                        if fitness == "probe":
+                            params.update(probe_dataset=p.dataset, probe_size=p.probe_size)
                     job = _job("ga", seed, hidden=p.hidden, rounds=p.rounds, lr=p.lr, batch_size=p.batch_size,
                                epochs=p.epochs, clients_per_round=0, proximal_mu=mu,
                                aggregation={"selection": selection, "selection_params": params})
-                    tasks.append(Task((framework, _partition_name(scheme, alpha), selection), seed, scheme,
-                                      p.workers, alpha, 2, job, p.rounds * p.workers, p.min_size))
+                    tasks.append(Task((framework, _partition_name(scheme, alpha), arm), seed, scheme,
+                                      p.workers, alpha, 2, job, p.rounds * p.workers, p.min_size, p.probe_size))
     return tasks
 
 
@@ -431,10 +458,12 @@ def ga_table(result: Mapping[str, Any]) -> str:
         [f"rounds to {t:g}" for t in targets] + \
         ["Δ final vs random (paired)", f"Δ mean last {tail} vs random (paired)", "Δ acc in GA rounds (paired)",
          "GA s/call", "GA calls/run",
-         "Loss1 of chosen (GA rounds)", "Loss2 of chosen / mean reported loss of all 50 (GA rounds)"]
+         "Loss1 of chosen (GA rounds)", "Loss2 of chosen (GA rounds)",
+         f"mean reported train loss of all {p['workers']} (GA rounds)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     order = {name: i for i, name in enumerate(_partition_name(s, a) for s, a in p["partitions"])}
-    for key in sorted(cells, key=lambda k: (list(p["frameworks"]).index(k[0]), order[k[1]], k[2] == "ga")):
+    arms = ["random"] + [f"ga ({f})" for f in p.get("fitnesses", ("reported_loss",))]
+    for key in sorted(cells, key=lambda k: (list(p["frameworks"]).index(k[0]), order[k[1]], arms.index(k[2]))):
         framework, part, selection = key
         s = [run_summary(r, targets, tail) for r in cells[key]]
         base = (framework, part, "random")
@@ -442,23 +471,27 @@ def ga_table(result: Mapping[str, Any]) -> str:
         row += [_rounds_cell([x[f"rounds_to_{t:g}"] for x in s], horizon) for t in targets]
         row += [_paired(cells, key, base, "final", targets, tail), _paired(cells, key, base, f"mean_last{tail}", targets, tail),
                 _ga_round_dip(cells, key, base)]
-        if selection == "ga":
+        if selection != "random":
             row += [_pm([x["ga_seconds_mean"] for x in s]), f"{np.mean([x['ga_calls'] for x in s]):g}",
-                    _pm([x["ga_loss1_mean"] for x in s], 4),
-                    f"{np.mean([x['ga_loss2_mean'] for x in s]):.3f} / {np.mean([x['ga_all_loss_mean'] for x in s]):.3f}"]
+                    _pm([x["ga_loss1_mean"] for x in s], 4), _pm([x["ga_loss2_mean"] for x in s]),
+                    f"{np.mean([x['ga_all_loss_mean'] for x in s]):.3f}"]
         else:
-            row += ["—", "0", "—", "—"]
+            row += ["—", "0", "—", "—", "—"]
         lines.append("| " + " | ".join(row) + " |")
     caption = (f"Base-model protocol on {p['dataset']}: {p['workers']} workers (≥{p['min_size']} samples each) all train every round, {p['m']} "
                f"aggregated (FedAvg weights) — chosen by the GA every {p['ga_gap']} rounds (random otherwise) or at "
                f"random every round; GA population {p['population']}, {p['generations']} generations, keep 50 %, "
-               f"mutation 0.1, μ={p['mu']}, Loss2 = reported train losses; MLP 64-{p['hidden']}-10, SGD lr {p['lr']}, "
+               f"mutation 0.1, μ={p['mu']}; `ga (probe)`: Loss1 = mean cosine between the penultimate features of "
+               f"the global and each chosen model on a {p.get('probe_size', 0)}-sample probe set (taken out of the "
+               f"training split before partitioning, in every arm), Loss2 = the probe cross-entropy of the chosen "
+               f"updates' FedAvg aggregate; `ga (reported_loss)`: Loss1 = mean cosine of the chosen parameter "
+               f"vectors to the global one, Loss2 = their size-weighted reported train loss; "
+               f"MLP 64-{p['hidden']}-10, SGD lr {p['lr']}, "
                f"B={p['batch_size']}, E={p['epochs']}, {p['rounds']} rounds; FedProx = proximal μ "
                f"{dict(p['frameworks']).get('FedProx', '—')}; mean ± std over seeds {list(p['seeds'])}; targets "
-               f"{list(targets)} fixed in advance. GA s/call = `selection_seconds` from the round stats. Loss1 = mean "
-               f"cosine of the chosen models to the global one; Loss2 = their size-weighted reported train loss, "
-               f"next to the same mean over all {p['workers']} workers in those rounds. Within a seed the GA and "
-               f"random runs draw the same random subsets, so their curves coincide until round {p['ga_gap']}.")
+               f"{list(targets)} fixed in advance. GA s/call = `selection_seconds` from the round stats (seconds per "
+               f"GA call). Within a seed every arm sees the same partition and draws the same random subsets, so "
+               f"the curves coincide until round {p['ga_gap']}.")
     return f"*{caption}*\n\n" + "\n".join(lines) + "\n"
 
 
@@ -527,9 +560,9 @@ def plot_ga(result: Mapping[str, Any], path: str) -> None:
     for i, framework in enumerate(frameworks):
         for j, part in enumerate(parts):
             ax = axes[i, j]
-            for selection, label in (("random", "random m"), ("ga", "GA every gap")):
-                if (framework, part, selection) in cells:
-                    _curves(ax, cells[(framework, part, selection)], label)
+            for arm in ["random"] + [f"ga ({f})" for f in p.get("fitnesses", ("reported_loss",))]:
+                if (framework, part, arm) in cells:
+                    _curves(ax, cells[(framework, part, arm)], "random m" if arm == "random" else f"{arm} every gap")
             for r in range(p["ga_gap"], p["rounds"] + 1, p["ga_gap"]):
                 ax.axvline(r, color="k", lw=0.5, ls=":", alpha=0.5)
             ax.set_title(f"{framework}, {part}", fontsize=10)
@@ -557,25 +590,37 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
-def run(out: str, *, quick: bool = False, progress: bool = True, jobs: int | None = None) -> dict[str, Any]:
-    """Run both protocols and write tables (.md), plots (.png) and every raw number (.json) into `out`."""
+def run(out: str, *, quick: bool = False, progress: bool = True, jobs: int | None = None,
+        only_ga: bool = False) -> dict[str, Any]:
+    """Run both protocols (or, `only_ga`, the GA protocol, keeping the DWFed results already in `out`) and write
+    tables (.md), plots (.png) and every raw number (.json) into `out`."""
     os.makedirs(out, exist_ok=True)
     dwfed_p, ga_p = quick_protocols() if quick else (DWFedProtocol(), GAProtocol())
     jobs = jobs or max(1, min(2, os.cpu_count() or 1))
     started = time.perf_counter()
-    d_tasks, g_tasks = dwfed_tasks(dwfed_p), ga_tasks(ga_p)
+    saved: dict[str, Any] = {}
+    if only_ga:
+        with open(os.path.join(out, f"{PREFIX}.json")) as fh:
+            saved = json.load(fh)
+    d_tasks, g_tasks = ([] if only_ga else dwfed_tasks(dwfed_p)), ga_tasks(ga_p)
     runs = run_all(d_tasks + g_tasks, jobs=jobs, progress=progress)
     d_keys = {t.key for t in d_tasks}
-    dwfed = {"protocol": asdict(dwfed_p), "runs": [r for r in runs if tuple(r["key"]) in d_keys],
-             "weight_spread": dwfed_weight_spread(dwfed_p)}
+    dwfed = saved["dwfed"] if only_ga else {
+        "protocol": asdict(dwfed_p), "runs": [r for r in runs if tuple(r["key"]) in d_keys],
+        "weight_spread": dwfed_weight_spread(dwfed_p)}
     ga = {"protocol": asdict(ga_p), "runs": [r for r in runs if tuple(r["key"]) not in d_keys]}
     total = time.perf_counter() - started
     import torch
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "processes": jobs,
            "cpus": os.cpu_count(), "quick": quick, "total_seconds": total,
-           "run_seconds_dwfed": sum(r["seconds"] for r in dwfed["runs"]),
+           "run_seconds_dwfed": saved["environment"]["run_seconds_dwfed"] if only_ga
+           else sum(r["seconds"] for r in dwfed["runs"]),
            "run_seconds_ga": sum(r["seconds"] for r in ga["runs"])}
+    if only_ga:
+        env["dwfed_from"] = "an earlier run (--only-ga)"
+        env["total_seconds_dwfed_run"] = saved["environment"].get("total_seconds_dwfed_run",
+                                                                  saved["environment"]["total_seconds"])
     with open(os.path.join(out, f"{PREFIX}.json"), "w") as fh:
         json.dump(_jsonable({"environment": env, "dwfed": dwfed, "ga": ga}), fh, indent=1)
     write_reports(out, env, dwfed, ga)
@@ -585,14 +630,14 @@ def run(out: str, *, quick: bool = False, progress: bool = True, jobs: int | Non
 def write_reports(out: str, env: Mapping[str, Any], dwfed: Mapping[str, Any], ga: Mapping[str, Any]) -> None:
     """Tables and plots from the raw numbers (also `--tables-only`, which rereads the JSON)."""
     total, jobs = env["total_seconds"], env["processes"]
-    footer = (f"\n\nWall time of the whole script {total:.0f} s ({jobs} processes on {env['cpus']} CPU cores); "
+    footer = (f"\n\nWall time of the whole script {{:.0f}} s ({jobs} processes on {env['cpus']} CPU cores); "
               f"simulation time of these runs {{:.0f}} s (sum over runs).\n")
     with open(os.path.join(out, f"{PREFIX}_dwfed.md"), "w") as fh:
         fh.write("# DWFed vs FedAvg (DWFed paper §4 protocol)\n\n" + dwfed_table(dwfed)
-                 + footer.format(env["run_seconds_dwfed"]))
+                 + footer.format(env.get("total_seconds_dwfed_run", total), env["run_seconds_dwfed"]))
     with open(os.path.join(out, f"{PREFIX}_ga.md"), "w") as fh:
         fh.write("# GA base-model selection vs random selection (base-model paper §5 protocol)\n\n" + ga_table(ga)
-                 + footer.format(env["run_seconds_ga"]))
+                 + footer.format(total, env["run_seconds_ga"]))
     plot_dwfed(dwfed, os.path.join(out, f"{PREFIX}_dwfed.png"))
     plot_ga(ga, os.path.join(out, f"{PREFIX}_ga.png"))
 
@@ -603,6 +648,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", help=f"output folder (default {RESULTS}; a temporary folder with --quick)")
     parser.add_argument("--jobs", type=int, default=None, help="worker processes (default: min(2, CPUs))")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--only-ga", action="store_true",
+                        help=f"run only the GA protocol; the DWFed results are kept from OUT/{PREFIX}.json")
     parser.add_argument("--tables-only", action="store_true",
                         help=f"rebuild the tables and plots from OUT/{PREFIX}.json without simulating")
     args = parser.parse_args(argv)
@@ -614,7 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rewrote the tables and plots in {out}", file=sys.stderr)
         return 0
     out = args.out or (tempfile.mkdtemp(prefix=f"{PREFIX}-quick-") if args.quick else RESULTS)
-    result = run(out, quick=args.quick, progress=not args.no_progress, jobs=args.jobs)
+    result = run(out, quick=args.quick, progress=not args.no_progress, jobs=args.jobs, only_ga=args.only_ga)
     print(f"wrote {out} in {result['environment']['total_seconds']:.0f} s", file=sys.stderr)
     return 0
 

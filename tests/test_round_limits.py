@@ -61,6 +61,7 @@ def _job(**aggregation: Any) -> dict[str, Any]:
     ({"selection": "ga", "selection_params": {"m": 50_000, "population": 1000}}, "population × m"),
     ({"selection": "ga", "selection_params": {"m": 2, "ga_gap": 10 ** 9}}, "ga_gap"),
     ({"selection": "ga", "selection_params": {"m": 2, "mu": 1e300}}, "mu"),
+    ({"selection": "ga", "selection_params": {"m": 2, "probe_size": 10 ** 9}}, "probe_size"),
     ({"selection": "random", "selection_params": {"m": 10 ** 9}}, "m must be an integer in [1, 100000]"),
     ({"alignment": "pfnm", "alignment_params": {"iterations": 10 ** 9}}, "iterations must be an integer in [0, 100]"),
     ({"alignment": "pfnm", "alignment_params": {"max_global_width": 10 ** 9}}, "max_global_width"),
@@ -82,7 +83,8 @@ def test_a_parameter_beyond_its_bound_is_refused_at_submission_naming_it(aggrega
 
 
 def test_parameters_at_their_bounds_are_accepted() -> None:
-    accept_job(_job(selection="ga", selection_params={"m": 2, "population": 1000, "generations": 1000}))
+    accept_job(_job(selection="ga", selection_params={"m": 2, "population": 1000, "generations": 1000,
+                                                      "fitness": "reported_loss"}))
     accept_job(_job(alignment="pfnm", alignment_params={"iterations": 100, "max_global_width": 65536}))
     accept_job(_job(weighting="fedavg", weighting_params={"max_share": 1.0}))
 

@@ -12,7 +12,8 @@ linear sum assignment over the existing global neurons and "new neuron" slots:
 
 (a = popularity_coef, c̃ = min(c, count_clip), J = number of clients). PFNM minimises −score; NAFI adds
 λ·KL(p(θ_i | others) ‖ p(θ_i | others, w_j)) (the prior in place of "others" for a new slot), exact by
-Lemma 5.1 or as the public NAFI code computes it (`kl_mode="reference"`).
+Lemma 5.1 or as the public NAFI code computes it (`kl_mode="reference"`, whose count-weighted term clips
+counts at its own `kl_count_clip`: the authors' code clips there and not in the base cost).
 Every matrix is built with matrix products over all (j, i) pairs at once.
 """
 
@@ -27,6 +28,7 @@ from scipy.optimize import linear_sum_assignment
 from fedbroker.aggregators.alignment.base import Layer, check_choice, check_deadline, check_int, check_real
 
 KL_MODES = ("exact", "reference")
+OUTPUT_WEIGHTINGS = ("class_share", "plain")
 # Upper bounds, checked at submission: a close stays within minutes on one core, and no value overflows.
 MAX_ITERATIONS = 100            # re-assignment sweeps; each solves one assignment per client
 MAX_GLOBAL_WIDTH = 65_536       # a model layer's widest (fedbroker.spec.MAX_WIDTH)
@@ -50,6 +52,7 @@ class MatchingParams:
     bias_prior_mean: float = 0.1
     lam: float = 0.0
     kl_mode: str = "exact"
+    kl_count_clip: int = 10
 
     def __post_init__(self) -> None:
         check_real("sigma2", self.sigma2, minimum=MIN_VARIANCE, strict=False, maximum=MAX_VARIANCE)
@@ -63,6 +66,7 @@ class MatchingParams:
                    maximum=MAX_COEFFICIENT)
         check_real("lam", self.lam, minimum=0.0, strict=False, maximum=MAX_COEFFICIENT)
         check_choice("kl_mode", self.kl_mode, KL_MODES)
+        check_int("kl_count_clip", self.kl_count_clip, minimum=1, maximum=MAX_COUNT_CLIP)
 
 
 @dataclass(frozen=True)
@@ -86,8 +90,10 @@ class LayerMatch:
 
 
 def new_slot_count(n_local: int, n_global: int, max_global_width: int) -> int:
-    """New-neuron slots offered: up to the width cap, never fewer than needed to place every local neuron."""
-    return min(n_local, max(max_global_width - n_global, n_local - n_global, 0))
+    """New-neuron slots offered: up to the width cap, and like the public PFNM code at least one past it
+    (`max(cap − L, 1)`), so a neuron unlike every global one can still start its own; never fewer than
+    needed to place every local neuron (the reference code would drop the rest)."""
+    return min(n_local, max(max_global_width - n_global, n_local - n_global, 1))
 
 
 def _quadratic(x: np.ndarray, sq: np.ndarray, lin: np.ndarray, const: np.ndarray) -> np.ndarray:
@@ -181,7 +187,7 @@ def assignment_cost(
             kl_existing = _kl_exact(x, tau, g, s)
             kl_new = _kl_exact(x, tau, m0[None, :], tau0[None, :])[:, 0]
         else:
-            kl_existing, kl_new = _kl_reference(x, tau, g, s, counts, m0, tau0, params.count_clip)
+            kl_existing, kl_new = _kl_reference(x, tau, g, s, counts, m0, tau0, params.kl_count_clip)
         cost += params.lam * np.hstack([kl_existing, np.repeat(kl_new[:, None], n_new, axis=1)])
     return cost
 

@@ -4,7 +4,8 @@ One-shot (`align`), from the top hidden layer down: a neuron of hidden layer c i
 outgoing weights re-indexed into the already-matched layer c+1's global order (zeros where the client
 lacks a global neuron); layer 0 also carries its incoming weights. Outgoing weights into the output layer
 get precision share/σ² per class (each client's share of that class), so the output layer and its bias
-are per-class weighted posteriors. Global widths are inferred and may exceed every client's.
+are per-class weighted posteriors; `output_weighting="plain"` gives every client precision 1/σ² there
+instead (what the NAFI authors' runs do). Global widths are inferred and may exceed every client's.
 
 Layer-wise (`align_layerwise`): match layer ℓ on incoming weights + bias, hand the frozen global prefix to
 the caller's `retrain` (clients retrain the layers above), repeat; the output layer is the class-share
@@ -22,12 +23,20 @@ from fedbroker.aggregators.alignment.base import (
     AlignmentResult,
     Layer,
     Network,
+    check_choice,
     validate_class_shares,
     validate_clients,
     validate_weights,
     widths_of,
 )
-from fedbroker.aggregators.alignment.matching import KL_MODES, LayerMatch, MatchingParams, match_layer, match_neurons
+from fedbroker.aggregators.alignment.matching import (
+    KL_MODES,
+    OUTPUT_WEIGHTINGS,
+    LayerMatch,
+    MatchingParams,
+    match_layer,
+    match_neurons,
+)
 from fedbroker.aggregators.alignment.permute import scatter_inputs, scatter_outputs
 
 RetrainFn = Callable[[int, list[Layer], list[Network]], Sequence[Sequence[Layer]]]
@@ -61,11 +70,21 @@ def _posterior(values: Sequence[np.ndarray], precisions: Sequence[np.ndarray], m
     return np.asarray(num / den)
 
 
+def output_shares(shares: np.ndarray, output_weighting: str, *, normalised: bool) -> np.ndarray:
+    """Each client's weight per class in the output layer: its class shares, or under "plain" the same for
+    every client (1, a full precision 1/σ², for the one-shot posterior; 1/J for the layer-wise average)."""
+    check_choice("output_weighting", output_weighting, OUTPUT_WEIGHTINGS)
+    if output_weighting == "class_share":
+        return shares
+    return np.full_like(shares, 1.0 / shares.shape[0] if normalised else 1.0)
+
+
 def match_network(
     nets: Sequence[Network], *, params: MatchingParams, shares: np.ndarray, rng: np.random.Generator,
     deadline: float | None = None,
 ) -> tuple[Network, list[LayerMatch]]:
     """One-shot PFNM/NAFI over validated networks; the global network and each hidden layer's match.
+    `shares[k, c]` scales client k's precision for class c in the output layer (see `output_shares`).
     `deadline` (time.monotonic()) is checked before every client's assignment (DeadlinePassed)."""
     n_layers = len(nets[0])
     tau, tau0 = 1.0 / params.sigma2, 1.0 / params.sigma0_2
@@ -137,9 +156,11 @@ class PFNM:
     count_clip: int = 10
     max_global_width: int = 700
     bias_prior_mean: float = 0.1
+    output_weighting: str = "class_share"
 
     def __post_init__(self) -> None:
         self.matching_params()
+        check_choice("output_weighting", self.output_weighting, OUTPUT_WEIGHTINGS)
 
     def matching_params(self) -> MatchingParams:
         return MatchingParams(
@@ -167,6 +188,7 @@ class PFNM:
         nets = validate_clients(clients, same_widths=False, spatial=spatial)
         w = validate_weights(weights, len(nets))
         shares = validate_class_shares(class_shares, w, nets[0][-1].weight.shape[0])
+        shares = output_shares(shares, self.output_weighting, normalised=False)
         layers, matches = match_network(nets, params=self.matching_params(), shares=shares, rng=rng,
                                         deadline=deadline)
         permutations = [[m.assignments[k] for m in matches] for k in range(len(nets))]
@@ -196,6 +218,7 @@ class PFNM:
             rng=rng,
             class_shares=class_shares,
             spatial=spatial,
+            output_weighting=self.output_weighting,
         )
 
 
@@ -205,9 +228,11 @@ class NAFI(PFNM):
 
     lam: float = 0.01
     kl_mode: str = "exact"
+    kl_count_clip: int = 10
 
     def matching_params(self) -> MatchingParams:
-        return replace(super().matching_params(), lam=self.lam, kl_mode=self.kl_mode)
+        return replace(super().matching_params(), lam=self.lam, kl_mode=self.kl_mode,
+                       kl_count_clip=self.kl_count_clip)
 
 
 def _width_stats(matches: Sequence[LayerMatch]) -> dict[str, float]:
@@ -225,12 +250,14 @@ def align_layerwise(
     rng: np.random.Generator,
     class_shares: np.ndarray | None = None,
     spatial: Sequence[int | None] | None = None,
+    output_weighting: str = "class_share",
 ) -> AlignmentResult:
     """FedMA / NAFI Algorithm 2: match one layer, freeze it, let the clients retrain the rest, repeat."""
     nets = validate_clients(clients, same_widths=False, spatial=spatial)
     n_clients, n_layers = len(nets), len(nets[0])
     w = validate_weights(weights, n_clients)
     shares = validate_class_shares(class_shares, w, nets[0][-1].weight.shape[0])
+    shares = output_shares(shares, output_weighting, normalised=True)
     prefix: list[Layer] = []
     matches: list[LayerMatch] = []
     for ell in range(n_layers - 1):
@@ -252,7 +279,8 @@ def align_layerwise(
                         f"client {k} layer {i}: retrain({ell}) returned shape {net[i].weight.shape},"
                         f" the frozen global layer has {frozen.weight.shape}"
                     )
-    # output layer: per-class weighted average by each client's share of that class (Algorithm 2, line 7)
+    # output layer: per-class weighted average by each client's share of that class (Algorithm 2, line 7),
+    # or the plain mean
     row_shape = (-1,) + (1,) * (nets[0][-1].weight.ndim - 1)
     out_w = sum(shares[k].reshape(row_shape) * net[-1].weight for k, net in enumerate(nets))
     out_b = None
@@ -263,4 +291,5 @@ def align_layerwise(
     return AlignmentResult(layers=layers, permutations=permutations, widths=widths_of(layers), stats=_width_stats(matches))
 
 
-__all__ = ["KL_MODES", "NAFI", "PFNM", "RetrainFn", "align_layerwise", "match_network"]
+__all__ = ["KL_MODES", "NAFI", "OUTPUT_WEIGHTINGS", "PFNM", "RetrainFn", "align_layerwise", "match_network",
+           "output_shares"]

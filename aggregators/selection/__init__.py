@@ -1,8 +1,8 @@
 """Which received updates to aggregate, chosen by registry name (`all`, `random`, `ga`)."""
 
-from fedbroker.aggregators.selection.base import SELECTION, Candidate, Selection, Selector, ValidationLoss
+from fedbroker.aggregators.selection.base import SELECTION, Candidate, ProbeRequest, Selection, Selector
 from fedbroker.aggregators.selection.genetic import (
-    LOSS2_MODES,
+    FITNESS_MODES,
     Evolution,
     GeneticSelection,
     breed,
@@ -12,19 +12,21 @@ from fedbroker.aggregators.selection.genetic import (
     initial_population,
     mutate,
 )
+from fedbroker.aggregators.selection.probe import Probe
 from fedbroker.aggregators.selection.simple import AllSelection, RandomSelection
 
 __all__ = [
-    "LOSS2_MODES",
+    "FITNESS_MODES",
     "SELECTION",
     "AllSelection",
     "Candidate",
     "Evolution",
     "GeneticSelection",
+    "Probe",
+    "ProbeRequest",
     "RandomSelection",
     "Selection",
     "Selector",
-    "ValidationLoss",
     "breed",
     "cosine_to_global",
     "crossover",

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from fedbroker.aggregators.registry import Registry
+from fedbroker.aggregators.selection.probe import Probe
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class Candidate:
     vector: np.ndarray
     num_samples: int
     reported_loss: float | None = None
+    raw_weight: float = 1.0     # the job's weighting's raw weight of this update (for candidate aggregates)
 
 
 @dataclass(frozen=True)
@@ -30,11 +32,20 @@ class Selection:
     reason: str = ""
 
 
-ValidationLoss = Callable[[Sequence[str]], float]
+@dataclass(frozen=True)
+class ProbeRequest:
+    """The probe set a selector needs the service to load: a named data set, how many samples, which."""
+
+    dataset: str
+    size: int
+    seed: int
 
 
 class Selector(Protocol):
     def needs_vectors(self, round_index: int) -> bool: ...
+
+    def probe_request(self, round_index: int) -> ProbeRequest | None:
+        """The probe set this round's choice evaluates models on (None: it needs none)."""
 
     def choose(
         self,
@@ -44,7 +55,7 @@ class Selector(Protocol):
         global_vector: np.ndarray,
         rng: np.random.Generator,
         deadline: float | None = None,
-        validation_loss: ValidationLoss | None = None,
+        probe: Probe | None = None,
     ) -> Selection: ...
 
 

@@ -1,7 +1,8 @@
 """Genetic base-model selection (Wang, Zhong & Wang 2025, Algorithm 1).
 
 Every `ga_gap`-th round a genetic algorithm picks the m of N updates whose aggregate should teach the
-global model most: updates near-orthogonal to it (Loss1) that still classify well (Loss2). Other rounds
+global model most: updates whose features are near-orthogonal to the global model's (Loss1) and whose
+aggregate classifies a probe set well (Loss2). Other rounds
 pick m at random. A chromosome is m distinct candidate indices; gene order carries no meaning except
 that mutation replaces a contiguous block of positions.
 """
@@ -19,14 +20,19 @@ from fedbroker.aggregators.selection.base import (
     MAX_M,
     SELECTION,
     Candidate,
+    ProbeRequest,
     Selection,
-    ValidationLoss,
     check_candidates,
     random_choice,
     require_int,
 )
+from fedbroker.aggregators.selection.probe import Probe
+from fedbroker.errors import ConfigError
+from fedbroker.spec import EVALUATION_SETS
 
-LOSS2_MODES: tuple[str, ...] = ("reported", "server_validation")
+FITNESS_MODES: tuple[str, ...] = ("probe", "reported_loss")
+MAX_PROBE_SIZE = 10_000         # probe samples: one forward of a population chunk stays small
+MAX_PROBE_SEED = 2**32 - 1
 # Upper bounds, checked at submission, so a GA round closes within minutes on one core whatever the job says:
 # at most MAX_POPULATION · MAX_GENERATIONS children, each O(m), and one (population × m) array at a time.
 MAX_POPULATION = 1_000
@@ -238,7 +244,7 @@ def reported_loss2(candidates: Sequence[Candidate]) -> Fitness:
     for k, c in enumerate(candidates):
         if c.reported_loss is None or not math.isfinite(float(c.reported_loss)):
             raise ValueError(
-                f"worker {c.worker_id!r}: loss2='reported' needs a finite reported loss, got {c.reported_loss!r}"
+                f"worker {c.worker_id!r}: fitness 'reported_loss' needs a finite reported loss, got {c.reported_loss!r}"
             )
         losses[k] = float(c.reported_loss)
     sizes = np.array([float(c.num_samples) for c in candidates])
@@ -253,22 +259,45 @@ def reported_loss2(candidates: Sequence[Candidate]) -> Fitness:
     return loss2
 
 
-def server_loss2(candidates: Sequence[Candidate], validation_loss: ValidationLoss) -> Fitness:
-    """Loss2 per chromosome from the service's validation set, asked once per distinct set of workers."""
-    ids = [c.worker_id for c in candidates]
+def candidate_matrix(candidates: Sequence[Candidate], size: int) -> np.ndarray:
+    """The candidates' flat parameter vectors as rows (N, size), each checked for shape and finiteness;
+    float32 when every update is (as uploads are), so the stack costs no more than the updates themselves."""
+    wide = any(np.asarray(c.vector).dtype != np.float32 for c in candidates)
+    out = np.empty((len(candidates), size), dtype=np.float64 if wide else np.float32)
+    for k, c in enumerate(candidates):
+        v = np.asarray(c.vector).ravel()
+        if v.shape != (size,):
+            raise ValueError(f"worker {c.worker_id!r}: update has {v.size} parameters, the model {size}")
+        if not np.all(np.isfinite(v)):
+            raise ValueError(f"worker {c.worker_id!r}: update holds non-finite values")
+        out[k] = v
+    return out
+
+
+def aggregate_loss2(candidates: Sequence[Candidate], vectors: np.ndarray, probe: Probe) -> Fitness:
+    """Loss2 per chromosome: the probe set's cross-entropy of the aggregate Σ α_k w_k of the chosen updates,
+    α the job's coefficients for that set (`probe.coefficients` of their raw weights). Every chromosome
+    of a call is one row of a coefficient matrix, so the call's aggregates are one product and one
+    batched forward; a set already scored is not scored again."""
+    raw = np.array([float(c.raw_weight) for c in candidates])
     cache: dict[tuple[int, ...], float] = {}
 
-    def one(row: np.ndarray) -> float:
-        key = tuple(sorted(int(i) for i in row))
-        if key not in cache:
-            value = float(validation_loss([ids[i] for i in key]))
-            if not math.isfinite(value):
-                raise ValueError(f"validation_loss returned {value!r} for workers {[ids[i] for i in key]}")
-            cache[key] = value
-        return cache[key]
-
     def loss2(pop: np.ndarray) -> np.ndarray:
-        return np.array([one(row) for row in pop])
+        keys = [tuple(sorted(int(i) for i in row)) for row in pop]
+        todo = sorted({k for k in keys if k not in cache})
+        if todo:
+            coef = np.zeros((len(todo), len(candidates)))
+            for r, key in enumerate(todo):
+                idx = np.array(key)
+                coef[r, idx] = probe.coefficients(raw[idx])
+            step = probe.models_per_forward  # aggregates are built a stack at a time: memory stays bounded
+            values = np.concatenate([probe.cross_entropy(coef[a:a + step].astype(vectors.dtype) @ vectors)
+                                     for a in range(0, len(todo), step)])
+            for key, value in zip(todo, values):
+                if not math.isfinite(float(value)):
+                    raise ValueError(f"the probe cross-entropy of candidates {list(key)} is {value!r}")
+                cache[key] = float(value)
+        return np.array([cache[k] for k in keys])
 
     return loss2
 
@@ -281,8 +310,10 @@ def server_loss2(candidates: Sequence[Candidate], validation_loss: ValidationLos
 class GeneticSelection:
     """Minimise Loss1 + μ·Loss2 over m-subsets every `ga_gap`-th round; m at random otherwise.
 
-    Loss1 = mean cosine similarity of the chosen updates to the global model; Loss2 = reported losses
-    (default) or a loss on a validation set the service holds (eqs. 31–32 are lost; see docs/algorithms.md, `ga`).
+    `fitness: probe` (the paper's reading, eq. 33 and §4): Loss1 = mean cosine between the penultimate-layer
+    features the global model and each chosen model produce on a probe set the service holds; Loss2 = the
+    probe cross-entropy of the chosen updates' aggregate. `fitness: reported_loss`: Loss1 on raw parameter
+    vectors, Loss2 from the workers' reported losses (no probe set). See docs/algorithms.md, `ga`.
     """
 
     m: int
@@ -292,13 +323,18 @@ class GeneticSelection:
     generations: int = 20
     mu: float = 0.2
     ga_gap: int = 10
-    loss2: str = "reported"
+    fitness: str = "probe"
+    probe_dataset: str = ""
+    probe_size: int = 256
+    probe_seed: int = 0
 
     def __post_init__(self) -> None:
         require_int("m", self.m, 1, MAX_M)
         require_int("population", self.population, 2, MAX_POPULATION)
         require_int("generations", self.generations, 1, MAX_GENERATIONS)
         require_int("ga_gap", self.ga_gap, 1, MAX_GA_GAP)
+        require_int("probe_size", self.probe_size, 1, MAX_PROBE_SIZE)
+        require_int("probe_seed", self.probe_seed, 0, MAX_PROBE_SEED)
         if self.population * self.m > MAX_POPULATION_TIMES_M:
             raise ValueError(f"population × m must be <= {MAX_POPULATION_TIMES_M}, got {self.population} × {self.m}")
         if not _is_real(self.survival) or not 0.0 < self.survival < 1.0:
@@ -307,8 +343,17 @@ class GeneticSelection:
             raise ValueError(f"mutation_rate must be a number in [0, 1], got {self.mutation_rate!r}")
         if not _is_real(self.mu) or not 0.0 <= self.mu <= MAX_MU:
             raise ValueError(f"mu must be a number in [0, {MAX_MU:g}], got {self.mu!r}")
-        if self.loss2 not in LOSS2_MODES:
-            raise ValueError(f"loss2 must be one of {', '.join(LOSS2_MODES)}, got {self.loss2!r}")
+        if self.fitness not in FITNESS_MODES:
+            raise ValueError(f"fitness must be one of {', '.join(FITNESS_MODES)}, got {self.fitness!r}")
+        field = "aggregation.selection_params.probe_dataset"
+        known = ", ".join(EVALUATION_SETS)
+        if self.fitness == "probe" and not self.probe_dataset:
+            raise ConfigError(field, f"fitness 'probe' needs a probe set the aggregation service holds (public or "
+                                     f"synthetic data, never a worker's): one of {known}; or set fitness: reported_loss")
+        if self.probe_dataset and self.probe_dataset not in EVALUATION_SETS:
+            raise ConfigError(field, f"unknown probe set {self.probe_dataset!r}; the service holds {known}")
+        if self.probe_dataset and self.fitness != "probe":
+            raise ConfigError(field, f"is only read with fitness 'probe', not {self.fitness!r}; remove it")
 
     def is_ga_round(self, round_index: int) -> bool:
         """Rounds ga_gap, 2·ga_gap, … (1-based): the GA runs only after some federated iterations."""
@@ -317,14 +362,27 @@ class GeneticSelection:
     def needs_vectors(self, round_index: int) -> bool:
         return self.is_ga_round(round_index)
 
+    def probe_request(self, round_index: int) -> ProbeRequest | None:
+        if self.fitness != "probe" or not self.is_ga_round(round_index):
+            return None
+        return ProbeRequest(self.probe_dataset, self.probe_size, self.probe_seed)
+
     def fitness_for(
         self,
         candidates: Sequence[Candidate],
         global_vector: np.ndarray,
-        validation_loss: ValidationLoss | None = None,
+        probe: Probe | None = None,
     ) -> tuple[Fitness, Fitness, Fitness | None]:
         """(fitness, loss1, loss2) over chromosomes of indices into `candidates`; loss2 is None when μ = 0."""
-        cos = cosine_to_global(candidates, global_vector)
+        vectors = None
+        if self.fitness == "probe":
+            if probe is None:
+                raise ValueError("fitness 'probe' needs the probe set from the service")
+            vectors = candidate_matrix(candidates, probe.size)
+            own = candidate_matrix([Candidate("global model", np.asarray(global_vector), 0)], probe.size)[0]
+            cos = probe.feature_cosine(vectors, own)
+        else:
+            cos = cosine_to_global(candidates, global_vector)
 
         def loss1(pop: np.ndarray) -> np.ndarray:
             mean_cosine: np.ndarray = cos[pop].mean(axis=1)
@@ -332,12 +390,8 @@ class GeneticSelection:
 
         if self.mu == 0.0:
             return loss1, loss1, None
-        if self.loss2 == "server_validation":
-            if validation_loss is None:
-                raise ValueError("loss2='server_validation' needs a validation_loss callable from the service")
-            loss2 = server_loss2(candidates, validation_loss)
-        else:
-            loss2 = reported_loss2(candidates)
+        loss2 = reported_loss2(candidates) if vectors is None or probe is None \
+            else aggregate_loss2(candidates, vectors, probe)
         mu = float(self.mu)
 
         def fitness(pop: np.ndarray) -> np.ndarray:
@@ -353,7 +407,7 @@ class GeneticSelection:
         global_vector: np.ndarray,
         rng: np.random.Generator,
         deadline: float | None = None,
-        validation_loss: ValidationLoss | None = None,
+        probe: Probe | None = None,
     ) -> Selection:
         check_candidates(candidates, round_index=round_index)
         if self.m >= len(candidates):
@@ -363,7 +417,7 @@ class GeneticSelection:
             return Selection(chosen=chosen, stats={"ga_ran": 0.0, "fallback": 0.0})
 
         started = time.monotonic()
-        fitness, loss1, loss2 = self.fitness_for(candidates, global_vector, validation_loss)
+        fitness, loss1, loss2 = self.fitness_for(candidates, global_vector, probe)
         result = evolve(
             fitness,
             num_candidates=len(candidates),

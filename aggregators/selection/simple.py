@@ -11,12 +11,13 @@ from fedbroker.aggregators.selection.base import (
     MAX_M,
     SELECTION,
     Candidate,
+    ProbeRequest,
     Selection,
-    ValidationLoss,
     check_candidates,
     random_choice,
     require_int,
 )
+from fedbroker.aggregators.selection.probe import Probe
 
 
 @SELECTION.register("all")
@@ -27,6 +28,9 @@ class AllSelection:
     def needs_vectors(self, round_index: int) -> bool:
         return False
 
+    def probe_request(self, round_index: int) -> ProbeRequest | None:
+        return None
+
     def choose(
         self,
         candidates: Sequence[Candidate],
@@ -35,7 +39,7 @@ class AllSelection:
         global_vector: np.ndarray,
         rng: np.random.Generator,
         deadline: float | None = None,
-        validation_loss: ValidationLoss | None = None,
+        probe: Probe | None = None,
     ) -> Selection:
         check_candidates(candidates, round_index=round_index)
         return Selection(chosen=[c.worker_id for c in candidates], stats={"ga_ran": 0.0, "fallback": 0.0})
@@ -54,6 +58,9 @@ class RandomSelection:
     def needs_vectors(self, round_index: int) -> bool:
         return False
 
+    def probe_request(self, round_index: int) -> ProbeRequest | None:
+        return None
+
     def choose(
         self,
         candidates: Sequence[Candidate],
@@ -62,7 +69,7 @@ class RandomSelection:
         global_vector: np.ndarray,
         rng: np.random.Generator,
         deadline: float | None = None,
-        validation_loss: ValidationLoss | None = None,
+        probe: Probe | None = None,
     ) -> Selection:
         check_candidates(candidates, round_index=round_index)
         return Selection(chosen=random_choice(candidates, self.m, rng), stats={"ga_ran": 0.0, "fallback": 0.0})

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from math import log
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy.optimize import linear_sum_assignment
 
 from fedbroker.aggregators.alignment import (
     Layer,
@@ -101,7 +103,7 @@ def _literal_kl(x, tau, g, s, count, m0, tau0, p: MatchingParams, *, new: bool) 
     shift = sum(((gd + xd) / (sd + td) - gd / sd) ** 2 / (sd + td) for xd, td, gd, sd in zip(x, tau, g, s))
     if new:
         return shift + sum(td * (xd - md) ** 2 / (t0 + td) ** 2 for xd, td, md, t0 in zip(x, tau, m0, tau0)) + const
-    ct = min(count, p.count_clip)
+    ct = min(count, p.kl_count_clip)  # the KL term's own clip (the base cost uses count_clip)
     h = g - count * m0
     first = sum(td * (xd - md + hd) ** 2 / (td + sd) ** 2 for xd, td, md, hd, sd in zip(x, tau, m0, h, s))
     second = sum(td * hd**2 / sd**2 for td, hd, sd in zip(tau, h, s))
@@ -118,15 +120,16 @@ def _literal_kl(x, tau, g, s, count, m0, tau0, p: MatchingParams, *, new: bool) 
     kl_mode=st.sampled_from(["exact", "reference"]),
     popularity_coef=st.sampled_from([1.0, 2.0]),
     cap=st.integers(1, 9),
+    kl_count_clip=st.sampled_from([2, 5, 100]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_vectorised_cost_equals_the_formulas_written_entry_by_entry(
-    n_local, n_global, dim, n_clients, lam, kl_mode, popularity_coef, cap, seed
+    n_local, n_global, dim, n_clients, lam, kl_mode, popularity_coef, cap, kl_count_clip, seed
 ) -> None:
     rng = np.random.default_rng(seed)
     p = MatchingParams(
         sigma2=0.7, sigma0_2=1.3, gamma0=0.8, popularity_coef=popularity_coef, count_clip=3,
-        max_global_width=cap, lam=lam, kl_mode=kl_mode,
+        max_global_width=cap, lam=lam, kl_mode=kl_mode, kl_count_clip=kl_count_clip,
     )
     tau = rng.uniform(0.2, 2.0, size=dim)
     tau[rng.random(dim) < 0.25] = 0.0  # a class the client never saw carries no precision
@@ -146,7 +149,43 @@ def test_new_slots_stop_at_the_width_cap_but_always_fit_every_local_neuron() -> 
     assert new_slot_count(4, 3, 700) == 4
     assert new_slot_count(4, 3, 5) == 2
     assert new_slot_count(4, 3, 3) == 1  # one neuron must start a global neuron: only 3 exist
-    assert new_slot_count(2, 3, 3) == 0
+    assert new_slot_count(5, 3, 3) == 2  # every local neuron must find a place
+
+
+def test_past_the_width_cap_one_new_slot_is_still_offered_as_in_the_reference_code() -> None:
+    """The public PFNM code offers max(cap − L, 1) new slots: at or past the cap, one."""
+    assert new_slot_count(2, 3, 3) == 1
+    assert new_slot_count(2, 9, 3) == 1
+    # a state already at the cap: a local neuron far from both global neurons still starts its own
+    far = np.array([[40.0, -40.0], [1.0, 0.0]])
+    cost = assignment_cost(far, np.ones(2), params=MatchingParams(max_global_width=2), **STATE)
+    assert cost.shape == (2, 3)
+    rows, cols = linear_sum_assignment(cost)
+    assert cols[list(rows).index(0)] == 2  # the new slot
+
+
+def test_nafi_reference_kl_term_clips_counts_on_its_own_not_with_the_base_cost() -> None:
+    """With 15 clients on a neuron, count_clip (base cost) and kl_count_clip (KL term) act separately:
+    the authors' code leaves the base cost unclipped and clips the KL term's counts at 10."""
+    state = dict(STATE, counts=np.array([15, 14]), n_clients=17)
+    authors = MatchingParams(lam=0.5, kl_mode="reference", count_clip=100_000, kl_count_clip=10)
+    base = MatchingParams(count_clip=100_000)
+    kl = (assignment_cost(LOCAL, np.ones(2), params=authors, **state)
+          - assignment_cost(LOCAL, np.ones(2), params=base, **state)) / 0.5
+    clipped_kl = (assignment_cost(LOCAL, np.ones(2), params=replace(authors, kl_count_clip=100_000), **state)
+                  - assignment_cost(LOCAL, np.ones(2), params=base, **state)) / 0.5
+    assert not np.allclose(kl[:, :2], clipped_kl[:, :2])  # the KL term sees counts 10, not 15 and 14
+    np.testing.assert_allclose(kl[:, 2:], clipped_kl[:, 2:])  # a new slot has no count to clip
+    # the base cost is untouched by kl_count_clip: λ = 0 gives the same matrix whatever it is
+    np.testing.assert_array_equal(
+        assignment_cost(LOCAL, np.ones(2), params=replace(base, kl_count_clip=3), **state),
+        assignment_cost(LOCAL, np.ones(2), params=base, **state),
+    )
+    g, s = state["natural_mean"], state["precision"]
+    for j, x in enumerate(LOCAL):
+        for i in range(2):
+            want = _literal_kl(x, np.ones(2), g[i], s[i], state["counts"][i], np.zeros(2), np.ones(2), authors, new=False)
+            assert kl[j, i] == pytest.approx(want, rel=1e-12)
 
 
 @settings(max_examples=30, deadline=None)
@@ -167,21 +206,25 @@ def test_posterior_width_is_never_below_the_largest_clients_width(widths, dim, s
         prior_precision=np.ones(dim), params=p, rng=rng,
     )
     assert match.width >= max(widths)
-    assert match.width <= max(cap, max(widths))
+    # past the cap each placement may still open one neuron (the reference code's max(cap − L, 1))
+    assert match.width <= max(cap, max(widths)) + len(widths) * (p.iterations + 1)
     for a, n in zip(match.assignments, widths):
         assert a.shape == (n,) and np.unique(a).size == n and a.max() < match.width
     np.testing.assert_array_equal(match.counts, np.bincount(np.concatenate(match.assignments), minlength=match.width))
     assert match.counts.min() >= 1
 
 
-def test_width_cap_bounds_the_global_layer() -> None:
+def test_width_cap_bounds_the_global_layer_to_one_new_neuron_per_placement_past_it() -> None:
     rng = np.random.default_rng(0)
-    vectors = [rng.normal(size=(5, 3)) * 10 for _ in range(4)]  # unrelated neurons: PFNM wants many globals
-    kwargs = dict(precisions=[np.ones(3)] * 4, prior_mean=np.zeros(3), prior_precision=np.ones(3))
-    free = match_neurons(vectors, params=MatchingParams(), rng=np.random.default_rng(1), **kwargs)
-    capped = match_neurons(vectors, params=MatchingParams(max_global_width=7), rng=np.random.default_rng(1), **kwargs)
-    assert free.width > 7
-    assert capped.width == 7
+    vectors = [rng.normal(size=(5, 3)) * 100 for _ in range(8)]  # unrelated neurons: PFNM wants many globals
+    kwargs = dict(precisions=[np.ones(3)] * 8, prior_mean=np.zeros(3), prior_precision=np.ones(3))
+    free = match_neurons(vectors, params=MatchingParams(iterations=0), rng=np.random.default_rng(1), **kwargs)
+    capped = match_neurons(vectors, params=MatchingParams(max_global_width=5, iterations=0),
+                           rng=np.random.default_rng(1), **kwargs)
+    assert free.width > 5 + 1
+    # the first client fills the cap; each of the 7 others may open one neuron past it, no more
+    assert 5 < capped.width <= 5 + 7
+    assert capped.width < free.width
 
 
 def test_single_layer_matching_recovers_permuted_copies_shrunk_by_the_prior() -> None:

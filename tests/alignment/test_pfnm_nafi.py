@@ -118,6 +118,46 @@ def test_class_shares_decide_whose_output_weights_form_each_class() -> None:
     np.testing.assert_allclose(result.layers[1].bias, [(0.1 + net[1].bias[0]) / 2, (0.1 + other[1].bias[1]) / 2])
 
 
+def test_plain_output_weighting_gives_every_client_the_full_precision_whatever_its_class_shares() -> None:
+    rng = np.random.default_rng(4)
+    net = mlp(rng, [5, 6, 2])
+    other = [net[0], Layer(net[1].weight + 1.0, net[1].bias - 1.0)]
+    shares = np.array([[1.0, 0.0], [0.0, 1.0]])
+    plain = PFNM(output_weighting="plain")
+    result = plain.align([net, other], weights=np.full(2, 0.5), rng=np.random.default_rng(0), class_shares=shares)
+    # both clients' output rows with precision τ = 1 each and the prior τ0 = 1: (0·1 + w + w')/(1 + 2)
+    np.testing.assert_allclose(result.layers[1].weight, (net[1].weight + other[1].weight) / 3, rtol=1e-12)
+    np.testing.assert_allclose(result.layers[1].bias, (0.1 + net[1].bias + other[1].bias) / 3, rtol=1e-12)
+    # the class shares do not matter any more
+    flipped = plain.align([net, other], weights=np.full(2, 0.5), rng=np.random.default_rng(0),
+                          class_shares=shares[::-1])
+    np.testing.assert_array_equal(flipped.layers[1].weight, result.layers[1].weight)
+
+
+def test_plain_output_weighting_averages_the_retrained_output_layers_in_the_layerwise_driver() -> None:
+    rng = np.random.default_rng(6)
+    clients = [mlp(rng, [4, 5, 3]) for _ in range(3)]
+    shares = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+
+    def keep(_: int, prefix: list, starts: list) -> list:
+        return starts
+
+    results = {mode: PFNM(output_weighting=mode).align_layerwise(
+        clients, keep, weights=np.full(3, 1 / 3), rng=np.random.default_rng(0), class_shares=shares)
+        for mode in ("plain", "class_share")}
+    for mode, result in results.items():
+        # each client's output layer, its input columns moved into the matched global order
+        moved = []
+        for k in range(3):
+            m = np.zeros((3, result.widths[0]))
+            m[:, result.permutations[k][0]] = clients[k][1].weight
+            moved.append(m)
+        if mode == "plain":
+            np.testing.assert_allclose(result.layers[1].weight, sum(moved) / 3, rtol=1e-12)
+        else:  # client k alone holds class k: row k is client k's
+            np.testing.assert_allclose(result.layers[1].weight, np.stack([moved[k][k] for k in range(3)]), rtol=1e-12)
+
+
 def test_layerwise_driver_freezes_each_matched_layer_and_lets_clients_retrain_the_rest() -> None:
     rng = np.random.default_rng(5)
     net = mlp(rng, [6, 9, 7, 3])
@@ -177,6 +217,9 @@ def test_single_layer_matching_is_exposed_on_the_algorithm() -> None:
         ("pfnm", {"lam": 0.1}, "lam"),  # PFNM has no λ
         ("nafi", {"lam": -1.0}, "lam"),
         ("nafi", {"kl_mode": "approximate"}, "kl_mode"),
+        ("nafi", {"kl_count_clip": 0}, "kl_count_clip"),
+        ("pfnm", {"kl_count_clip": 10}, "kl_count_clip"),  # PFNM has no KL term
+        ("pfnm", {"output_weighting": "weighted"}, "output_weighting"),
     ],
 )
 def test_invalid_bayesian_parameters_are_config_errors_naming_the_parameter(name: str, params: dict, field: str) -> None:

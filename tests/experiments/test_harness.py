@@ -130,3 +130,22 @@ def test_quick_alignment_experiment_writes_tables_plots_and_raw_numbers(tmp_path
     table = (tmp_path / "alignment_fusion.md").read_text()
     assert "| 5 | shared |" in table and "PFNM" in table and "NAFI" in table
     assert "FedDNA_random" in (tmp_path / "alignment_rounds.md").read_text()
+
+
+def test_first_states_start_each_worker_from_its_own_weights_in_round_one_only(digits_iid):
+    workers, test = digits_iid
+    spec = parse_job(digits_job(rounds=1))
+    own = {w.worker_id: initial_weights(spec.model, seed=50 + i) for i, w in enumerate(workers)}
+    sim = simulate(digits_job(rounds=1), workers, test, progress=False, first_states=copy.deepcopy(own))
+    config = TrainingConfig(local_epochs=2, batch_size=32, lr=0.2)
+    states, sizes = [], []
+    for i, w in enumerate(workers):
+        model = build_model(spec.model)
+        load_numpy_state(model, own[w.worker_id])
+        result = train_local(model, w.x, w.y, config=config, dp=None, seed=training_seed(spec.seed, 1, i))
+        states.append(result.state)
+        sizes.append(result.num_samples)
+    share = np.array(sizes, dtype=np.float64) / sum(sizes)
+    for name in states[0]:
+        want = sum(s[name].astype(np.float64) * a for s, a in zip(states, share))
+        np.testing.assert_allclose(sim.final_state[name], want, rtol=1e-5, atol=1e-6)

@@ -38,7 +38,8 @@ JOB: dict[str, Any] = {
     "training": {"rounds": ROUNDS, "local_epochs": 1, "batch_size": 32, "lr": 0.2},
     "aggregation": {
         "weighting": "dwfed", "weighting_params": {"ish_form": "ratio"},
-        "selection": "ga", "selection_params": {"m": M, "ga_gap": GA_GAP, "population": 20, "generations": 5},
+        "selection": "ga", "selection_params": {"m": M, "ga_gap": GA_GAP, "population": 20, "generations": 5,
+                                                "probe_dataset": "digits", "probe_size": 128},
     },
     "schedule": {"min_workers": WORKERS, "wait_for_workers_s": 30, "round_timeout_s": 60},
     "evaluation": {"dataset": "digits"},

@@ -112,9 +112,13 @@ def test_close_and_grpc_calls_are_timed_by_algorithm_method_and_code(aggregator)
 
 def test_close_stats_become_the_alignment_cost_and_the_selection_fitness():
     fallbacks = value("fedbroker_aggregator_selection_fallbacks_total", selection="ga")
+    ga_calls = value("fedbroker_aggregator_selection_seconds_count", selection="ga")
+    ga_seconds = value("fedbroker_aggregator_selection_seconds_sum", selection="ga")
     agg_metrics.record_close({"alignment": "feddna", "weighting": "dwfed", "selection": "ga"}, 0.2, 3,
                              {"alignment_total_matched_distance": 12.5, "selection_fitness": 0.75,
-                              "selection_fallback": 1.0})
+                              "selection_fallback": 1.0, "selection_seconds": 1.5})
+    assert value("fedbroker_aggregator_selection_seconds_count", selection="ga") == ga_calls + 1
+    assert value("fedbroker_aggregator_selection_seconds_sum", selection="ga") == pytest.approx(ga_seconds + 1.5)
     assert value("fedbroker_aggregator_alignment_matched_distance", alignment="feddna") == 12.5
     assert value("fedbroker_aggregator_selection_fitness", selection="ga") == 0.75
     assert value("fedbroker_aggregator_selection_fallbacks_total", selection="ga") == fallbacks + 1

@@ -14,7 +14,8 @@ from fedbroker.aggregators.selection import SELECTION, Candidate, Selection
 from fedbroker.errors import ConfigError
 
 # the parameters each algorithm needs; a new registration must add itself here
-PARAMS: dict[str, dict[str, Any]] = {"all": {}, "random": {"m": 3}, "ga": {"m": 3, "population": 20, "generations": 5}}
+PARAMS: dict[str, dict[str, Any]] = {"all": {}, "random": {"m": 3}, "ga": {"m": 3, "population": 20, "generations": 5,
+                                                                                 "fitness": "reported_loss"}}
 EXPECTED_SIZE = {"all": 7, "random": 3, "ga": 3}
 
 
@@ -100,7 +101,12 @@ def test_unknown_selection_is_a_config_error_listing_the_known_ones() -> None:
         ("ga", {"m": 3, "generations": 0}, "generations"),
         ("ga", {"m": 3, "mu": -0.1}, "mu"),
         ("ga", {"m": 3, "ga_gap": 0}, "ga_gap"),
-        ("ga", {"m": 3, "loss2": "test_set"}, "loss2"),
+        ("ga", {"m": 3, "fitness": "test_set"}, "fitness"),
+        ("ga", {"m": 3}, "probe_dataset"),  # the default fitness needs a probe set
+        ("ga", {"m": 3, "probe_dataset": "cifar10"}, "probe_dataset"),
+        ("ga", {"m": 3, "fitness": "reported_loss", "probe_dataset": "digits"}, "probe_dataset"),
+        ("ga", {"m": 3, "probe_dataset": "digits", "probe_size": 0}, "probe_size"),
+        ("ga", {"m": 3, "probe_dataset": "digits", "probe_seed": -1}, "probe_seed"),
         ("ga", {"m": True}, "m"),
         ("ga", {"m": 3, "crossover_rate": 1}, "crossover_rate"),
         ("all", {"m": 3}, "m"),

@@ -1,11 +1,11 @@
-"""GA base-model selection end to end: the schedule, the fitness, the optimum, the deadline fallback."""
+"""GA base-model selection end to end: the schedule, the `reported_loss` fitness, the optimum, the deadline fallback
+(the probe fitness: test_probe_fitness.py)."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import time
-from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -38,7 +38,7 @@ def brute_force(algo: GeneticSelection, candidates: list[Candidate], g: np.ndarr
 
 
 def test_ga_runs_every_ga_gap_rounds_counting_from_one() -> None:
-    algo = GeneticSelection(m=2, ga_gap=10)
+    algo = GeneticSelection(fitness="reported_loss", m=2, ga_gap=10)
     assert [r for r in range(1, 31) if algo.is_ga_round(r)] == [10, 20, 30]
     g, candidates = random_problem(0)
     assert algo.choose(candidates, round_index=9, global_vector=g, rng=np.random.default_rng(0)).stats["ga_ran"] == 0
@@ -49,7 +49,7 @@ def test_ga_runs_every_ga_gap_rounds_counting_from_one() -> None:
 @pytest.mark.parametrize("ga_seed", [0, 1, 2])
 def test_ga_finds_the_brute_force_optimum_for_8_candidates_choose_3(problem_seed: int, ga_seed: int) -> None:
     g, candidates = random_problem(problem_seed)
-    algo = GeneticSelection(m=3)
+    algo = GeneticSelection(fitness="reported_loss", m=3)
     expected, best = brute_force(algo, candidates, g)
     selection = algo.choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(ga_seed))
     assert selection.chosen == expected
@@ -68,7 +68,7 @@ def test_with_mu_zero_the_chosen_set_minimises_mean_cosine_to_the_global_model()
     }
     # no reported losses: with μ = 0 Loss2 is never needed
     candidates = [Candidate(worker_id=k, vector=np.array(v), num_samples=1) for k, v in vectors.items()]
-    selection = GeneticSelection(m=2, mu=0.0).choose(
+    selection = GeneticSelection(fitness="reported_loss", m=2, mu=0.0).choose(
         candidates, round_index=10, global_vector=e1, rng=np.random.default_rng(0)
     )
     assert selection.chosen == ["ortho", "near"]
@@ -82,55 +82,29 @@ def test_reported_loss2_is_the_data_size_weighted_mean() -> None:
         Candidate(worker_id="b", vector=np.array([0.0, 2.0]), num_samples=3, reported_loss=2.0),
         Candidate(worker_id="c", vector=np.array([1.0, 0.0]), num_samples=5, reported_loss=9.0),
     ]
-    algo = GeneticSelection(m=2, mu=1.0)
+    algo = GeneticSelection(fitness="reported_loss", m=2, mu=1.0)
     selection = algo.choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0))
     assert selection.chosen == ["a", "b"]
     assert selection.stats["loss2"] == pytest.approx((1 * 1.0 + 3 * 2.0) / 4)
-
-
-def test_server_validation_loss2_asks_the_service_once_per_distinct_set() -> None:
-    g, candidates = random_problem(7, n=6)
-    target = {"w1", "w4"}
-    asked: list[tuple[str, ...]] = []
-
-    def validation_loss(ids: Sequence[str]) -> float:
-        asked.append(tuple(ids))
-        return 0.0 if set(ids) == target else 10.0
-
-    algo = GeneticSelection(m=2, mu=5.0, loss2="server_validation")
-    selection = algo.choose(
-        candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0), validation_loss=validation_loss
-    )
-    assert selection.chosen == ["w1", "w4"]
-    assert len(asked) == len(set(asked)) <= math.comb(6, 2)
-    assert all(list(ids) == sorted(ids, key=lambda w: int(w[1:])) for ids in asked)
-
-
-def test_server_validation_without_a_validation_loss_is_an_error() -> None:
-    g, candidates = random_problem(0)
-    with pytest.raises(ValueError, match="validation_loss"):
-        GeneticSelection(m=3, loss2="server_validation").choose(
-            candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0)
-        )
 
 
 def test_missing_reported_loss_names_the_worker() -> None:
     g, candidates = random_problem(0)
     candidates[5] = Candidate(worker_id="quiet", vector=candidates[5].vector, num_samples=3)
     with pytest.raises(ValueError, match="quiet"):
-        GeneticSelection(m=3).choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0))
+        GeneticSelection(fitness="reported_loss", m=3).choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0))
 
 
 def test_update_of_the_wrong_size_names_the_worker_in_a_ga_round() -> None:
     g, candidates = random_problem(0)
     candidates[2] = Candidate(worker_id="short", vector=np.zeros(3), num_samples=3, reported_loss=1.0)
     with pytest.raises(ValueError, match="short"):
-        GeneticSelection(m=3).choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0))
+        GeneticSelection(fitness="reported_loss", m=3).choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0))
 
 
 def test_deadline_in_the_past_falls_back_to_random_with_a_reason() -> None:
     g, candidates = random_problem(0)
-    selection = GeneticSelection(m=3).choose(
+    selection = GeneticSelection(fitness="reported_loss", m=3).choose(
         candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0), deadline=time.monotonic() - 1.0
     )
     assert selection.stats["fallback"] == 1 and selection.stats["ga_ran"] == 0
@@ -161,7 +135,7 @@ def test_deadline_overrun_mid_run_reports_the_generations_done(monkeypatch: pyte
     # children are evaluated (rows 201-250), so generation 4 is never bred
     clock = _RowClock(after=100 + 2 * 50)
     monkeypatch.setattr(genetic_module, "time", clock)
-    algo = GeneticSelection(m=3)
+    algo = GeneticSelection(fitness="reported_loss", m=3)
     fitness_for = algo.fitness_for
     monkeypatch.setattr(GeneticSelection, "fitness_for",
                         lambda self, *a, **k: tuple(clock.wrap(f) if f else f for f in fitness_for(*a, **k)))
@@ -186,7 +160,7 @@ def test_the_deadline_is_checked_inside_a_generation_not_only_between_them(monke
 
 def test_same_seed_gives_the_same_choice() -> None:
     g, candidates = random_problem(11, n=30)
-    algo = GeneticSelection(m=6, population=40, generations=10)
+    algo = GeneticSelection(fitness="reported_loss", m=6, population=40, generations=10)
     for round_index in (3, 10):
         a = algo.choose(candidates, round_index=round_index, global_vector=g, rng=np.random.default_rng(99))
         b = algo.choose(candidates, round_index=round_index, global_vector=g, rng=np.random.default_rng(99))
@@ -195,7 +169,7 @@ def test_same_seed_gives_the_same_choice() -> None:
 
 def test_ga_beats_almost_every_random_subset_on_a_larger_problem() -> None:
     g, candidates = random_problem(3, n=30)
-    algo = GeneticSelection(m=6)
+    algo = GeneticSelection(fitness="reported_loss", m=6)
     fitness, _, _ = algo.fitness_for(candidates, g)
     rng = np.random.default_rng(0)
     random_sets = np.array([rng.choice(30, size=6, replace=False) for _ in range(2000)])
@@ -205,5 +179,5 @@ def test_ga_beats_almost_every_random_subset_on_a_larger_problem() -> None:
 
 def test_m_at_least_the_number_of_candidates_chooses_everyone() -> None:
     g, candidates = random_problem(0, n=4)
-    selection = GeneticSelection(m=4).choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0))
+    selection = GeneticSelection(fitness="reported_loss", m=4).choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0))
     assert selection.chosen == ["w0", "w1", "w2", "w3"] and selection.stats["ga_ran"] == 0
