@@ -227,6 +227,8 @@ class Job:
             if self.last_close is not None and self.last_close[0] == number:
                 raise Conflict(f"round {number} of job {self.job_id!r} is already closed: its version stands")
             return []
+        if rnd.phase is Phase.CLOSED:
+            raise Conflict(f"round {number} of job {self.job_id!r} is already closed: its version stands")
         if rnd.phase is not Phase.OPEN:
             raise Conflict(f"round {number} of job {self.job_id!r} is {rnd.phase.value}: it cannot be abandoned")
         dropped = list(rnd.accepted.values())

@@ -53,9 +53,6 @@ FOLLOW_STREAM_S = 300.0     # one following stream's life; the client resumes af
 EVENT_POLL_S = 0.5          # how often a following stream looks for new events
 
 
-class PermissionDenied(FedbrokerError):
-    reason = Rejection.PERMISSION_DENIED
-
 
 def _count_refusal(method: str, reason: str) -> None:
     if method == "SubmitJob":
@@ -78,8 +75,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise NotFound(f"no job {job_id!r}")
         caller = self._caller(context)
         if caller is not None and caller.name != row["submitter"]:
-            raise PermissionDenied(f"only the identity that submitted job {job_id!r} may {action} it; "
-                                   f"{caller.name!r} did not")
+            raise UploadRejected(Rejection.PERMISSION_DENIED, f"only the identity that submitted job {job_id!r} "
+                                                              f"may {action} it; {caller.name!r} did not")
         return row
 
     def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.ServicerContext) -> pb.SubmitJobReply:
