@@ -210,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from fedbroker.app.jobs import add_parser as add_jobs_parser
     add_jobs_parser(sub)
+    from fedbroker.app.provision import add_parser as add_provision_parser
+    add_provision_parser(sub)
 
     token = sub.add_parser("token", help="make a bearer token and its token-table entry")
     token.add_argument("identity", help="who holds it: a worker's id, 'coordinator', a person")
