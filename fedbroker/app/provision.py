@@ -138,7 +138,7 @@ def parse_project(raw: Any) -> Project:
     sites: list[Site] = []
     raw_sites = raw.get("sites")
     if need(isinstance(raw_sites, list) and bool(raw_sites), "sites", "must list at least one data-owner site"):
-        for i, s in enumerate(raw_sites):
+        for i, s in enumerate(raw_sites or []):
             where = f"sites[{i}]"
             if not need(isinstance(s, Mapping), where, "must be a mapping with a name"):
                 continue
