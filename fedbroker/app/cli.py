@@ -56,10 +56,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from fedbroker.app.launch import start_worker
+    from fedbroker.app.launch import broker_url, start_worker
 
     config = _config(args, {"broker.url": args.broker, "worker.id": args.id})
-    if not config.broker.url:
+    if not broker_url(config):  # broker.url or broker.url_file (a kit's secrets/broker-url)
         raise ConfigError("broker.url", "a worker process needs a broker (amqp://...); the in-process bus "
                                         "only works inside `fedbroker demo`")
     agent = start_worker(config)

@@ -289,6 +289,7 @@ def provision(project: Project, out: str | os.PathLike[str]) -> dict[str, Path]:
 
     tokens = {"coordinator": generate_token(), **{s.name: generate_token() for s in project.sites},
               **{p.name: generate_token() for p in project.scientists}}
+    # one broker user per participant, named for the project too (several projects may share a broker)
     broker_passwords = {"coordinator": secrets.token_urlsafe(24), **{s.name: secrets.token_urlsafe(24)
                                                                       for s in project.sites}}
     kits = {"ca": ca_kit.root, "server": _server_kit(project, root / "server", ca, tokens, broker_passwords)}
@@ -299,6 +300,10 @@ def provision(project: Project, out: str | os.PathLike[str]) -> dict[str, Path]:
         kits[f"scientist:{person.name}"] = _scientist_kit(project, root / "scientists" / person.name, ca,
                                                           tokens[person.name])
     return kits
+
+
+def broker_user(project: Project, who: str) -> str:
+    return f"{project.name}-{who}"
 
 
 def _broker_url(user: str, password: str, host: str, port: int) -> str:
@@ -334,7 +339,7 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
     kit.write("secrets/coordinator.token", tokens["coordinator"] + "\n", secret=True)
     aggregator_target = _target(project.host, project.aggregator_port)
     kit.write("secrets/broker-url",
-              _broker_url("coordinator", passwords["coordinator"], project.host, project.broker_port) + "\n",
+              _broker_url(broker_user(project, "coordinator"), passwords["coordinator"], project.host, project.broker_port) + "\n",
               secret=True)
     kit.yaml("aggregator.yaml", {
         "aggregator": {"listen": _target(project.listen, project.aggregator_port), "target": aggregator_target,
@@ -353,7 +358,7 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
               "# tell the sites' workers where to upload, and each worker only sends its token there.\n")
     for name in ("aggregator.yaml", "coordinator.yaml"):
         _check_config(folder, name)
-    users = {"coordinator": passwords["coordinator"], **{s.name: passwords[s.name] for s in project.sites}}
+    users = {broker_user(project, who): password for who, password in passwords.items()}
     kit.write("rabbitmq/definitions.json", json.dumps(_definitions(users), indent=2) + "\n", secret=True)
     kit.write("rabbitmq/rabbitmq.conf", _rabbitmq_conf(tls_dir="/etc/rabbitmq-tls",
                                                        definitions="/etc/rabbitmq-auth/definitions.json"))
@@ -424,7 +429,7 @@ def _site_kit(project: Project, folder: Path, ca: Authority, site: Site, token: 
     kit = _Kit(folder)
     kit.write("ca.crt", ca.cert_pem())
     kit.write("secrets/token", token + "\n", secret=True)
-    kit.write("secrets/broker-url", _broker_url(site.name, password, project.host, project.broker_port) + "\n",
+    kit.write("secrets/broker-url", _broker_url(broker_user(project, site.name), password, project.host, project.broker_port) + "\n",
               secret=True)
     worker = {"ledger_path": "state/ledger.json", **site.worker, "id": site.name, "categories": list(site.categories)}
     kit.yaml("worker.yaml", {
@@ -500,7 +505,7 @@ def _k8s_overlay(project: Project, kit: _Kit, broker_password: str, coordinator_
         "client": {"ca_file": f"{tls}/ca.crt"},
     })
     kit.write("k8s/coordinator.env", (
-        f"FEDBROKER__BROKER__URL={_broker_url('coordinator', broker_password, 'rabbitmq', 5671)}\n"
+        f"FEDBROKER__BROKER__URL={_broker_url(broker_user(project, 'coordinator'), broker_password, 'rabbitmq', 5671)}\n"
         f"FEDBROKER__CLIENT__TOKEN={coordinator_token}\n"), secret=True)
     kit.write("k8s/auth.conf", "load_definitions = /etc/rabbitmq-auth/definitions.json\n")
     kit.write("k8s/public.yaml", yaml.safe_dump_all(_public_objects(), sort_keys=False))
@@ -599,7 +604,7 @@ def _server_readme(project: Project) -> str:
         f"and a LoadBalancer Service per port; `kubectl apply -k .` applies it. Point `{project.host}` at the "
         f"balancers' addresses (`kubectl -n {K8S_NAMESPACE} get svc -l app.kubernetes.io/part-of=fedbroker`).\n\n"
         f"## On a host\n\n"
-        f"1. RabbitMQ 3.13+ with `rabbitmq/rabbitmq.conf` (point its `ssl_options` and `load_definitions` at "
+        f"1. RabbitMQ (3.8 or later) with `rabbitmq/rabbitmq.conf` (point its `ssl_options` and `load_definitions` at "
         f"this kit's `ca.crt`, `tls/broker.*` and `rabbitmq/definitions.json`), listening on "
         f"{project.broker_port}.\n"
         f"2. `./start.sh` starts the aggregation service and the coordinator (or `start-aggregator.sh` and "
