@@ -36,6 +36,8 @@ PROJECT = {
     "scientists": [{"name": "alice"}, {"name": "carol", "role": "viewer"}],
 }
 
+SECRETS = {"rabbitmq/definitions.json", "k8s/coordinator.env"}  # password hashes; the coordinator's broker URL
+
 
 @pytest.fixture(scope="module")
 def kits(tmp_path_factory):
@@ -58,11 +60,10 @@ def test_private_keys_live_only_in_the_server_kit_and_the_ca_folder_and_are_owne
     for kit in [kits / "server", *(kits / "sites").iterdir(), *(kits / "scientists").iterdir()]:
         assert stat.S_IMODE(kit.stat().st_mode) == 0o700, kit
         for name, path in files(kit).items():
-            secret = (name.startswith(("secrets/", "tls/") ) and name.endswith((".key", "token", "broker-url"))) or \
-                name.startswith("tokens/") or name in ("rabbitmq/definitions.json", "k8s/coordinator.env")
-            if secret:
+            if name.startswith(("secrets/", "tokens/")) or name.endswith(".key") or name in SECRETS:
                 assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
             assert "ca.key" not in name
+    assert stat.S_IMODE((kits / "ca/ca.key").stat().st_mode) == 0o600
 
 
 def test_each_kit_holds_its_own_token_and_the_server_holds_only_their_digests(kits):
