@@ -358,8 +358,8 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
               "# tell the sites' workers where to upload, and each worker only sends its token there.\n")
     for name in ("aggregator.yaml", "coordinator.yaml"):
         _check_config(folder, name)
-    users = {broker_user(project, who): password for who, password in passwords.items()}
-    kit.write("rabbitmq/definitions.json", json.dumps(_definitions(users), indent=2) + "\n", secret=True)
+    kit.write("rabbitmq/definitions.json", json.dumps(_definitions(project, passwords), indent=2) + "\n",
+              secret=True)
     kit.write("rabbitmq/rabbitmq.conf", _rabbitmq_conf(tls_dir="/etc/rabbitmq-tls",
                                                        definitions="/etc/rabbitmq-auth/definitions.json"))
     for role in ("aggregator", "coordinator"):
@@ -370,15 +370,27 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
     return folder
 
 
-def _definitions(users: Mapping[str, str]) -> dict[str, Any]:
-    """RabbitMQ definitions: one user per participant (revoked one at a time), each allowed the project's
-    vhost only."""
-    return {
-        "users": [{"name": u, "password_hash": rabbitmq_password_hash(p),
-                   "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": []} for u, p in users.items()],
-        "vhosts": [{"name": "/"}],
-        "permissions": [{"user": u, "vhost": "/", "configure": ".*", "write": ".*", "read": ".*"} for u in users],
-    }
+def _definitions(project: Project, passwords: Mapping[str, str]) -> dict[str, Any]:
+    """RabbitMQ definitions: one user per participant, so one site is revoked alone. Everyone is confined to
+    the project's broker names; a site reads no other site's task queue. Every bus declares the shared
+    topology, and RabbitMQ lets a queue with a dead-letter exchange be declared only by a user who may read
+    it and write the exchange: so a site may still read the coordinator's queue (deploy/SECURITY.md)."""
+    ns = re.escape(project.namespace)
+    everything = f"^{ns}\\..*$"
+    users, permissions = [], []
+    for who, password in passwords.items():
+        user = broker_user(project, who)
+        users.append({"name": user, "password_hash": rabbitmq_password_hash(password),
+                      "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": []})
+        if who == "coordinator":
+            allowed = {"configure": everything, "write": everything, "read": everything}
+        else:
+            own = f"worker\\.{re.escape(who)}"
+            allowed = {"configure": f"^{ns}\\.(tasks|control|events|dlx|dead|coordinator|{own})$",
+                       "write": f"^{ns}\\.(tasks|control|dlx|dead|coordinator|{own})$",
+                       "read": f"^{ns}\\.(tasks|control|events|dlx|coordinator|{own})$"}
+        permissions.append({"user": user, "vhost": "/", **allowed})
+    return {"users": users, "vhosts": [{"name": "/"}], "permissions": permissions}
 
 
 def _rabbitmq_conf(*, tls_dir: str, definitions: str) -> str:

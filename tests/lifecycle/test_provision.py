@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import grpc
+import pika
 import pytest
 import yaml
 from cryptography import x509
@@ -258,6 +260,11 @@ def test_a_round_runs_over_tls_from_the_kits_alone(rabbitmq_url, tmp_path, monke
             channel.close()
         url = urlsplit((out / "sites/site0/secrets/broker-url").read_text().strip())
         assert url.scheme == "amqps" and url.username == f"{name}-site0"
+        # the site's broker user reads its own task queue only: another site's is refused
+        _declare(rabbitmq_url, f"fedbroker-{name}.worker.ghost")
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="ACCESS_REFUSED"):
+            _basic_get((out / "sites/site0/secrets/broker-url").read_text().strip(), out / "sites/site0/ca.crt",
+                       f"fedbroker-{name}.worker.ghost")
     finally:
         for p in reversed(processes):
             p.terminate()
@@ -271,8 +278,25 @@ def test_a_round_runs_over_tls_from_the_kits_alone(rabbitmq_url, tmp_path, monke
             rabbitmqctl("delete_user", user)
         from fedbroker.bus import delete_topology
 
-        delete_topology(rabbitmq_url, f"fedbroker-{name}", ["site0"])
+        delete_topology(rabbitmq_url, f"fedbroker-{name}", ["site0", "ghost"])
 
 
 def _logs(folder: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(folder.glob("*.log")))
+
+
+def _declare(url: str, queue: str) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    connection.channel().queue_declare(queue, durable=True)
+    connection.close()
+
+
+def _basic_get(url: str, ca: Path, queue: str) -> None:
+    params = pika.URLParameters(url)
+    params.ssl_options = pika.SSLOptions(ssl.create_default_context(cafile=str(ca)), "localhost")
+    connection = pika.BlockingConnection(params)
+    try:
+        connection.channel().basic_get(queue)
+    finally:
+        if connection.is_open:
+            connection.close()
