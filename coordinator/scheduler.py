@@ -296,7 +296,10 @@ class Coordinator:
                                                 stopping=self._stop.is_set):
                     self._drive(job_id, job)
             except _Cancelled:
-                self._cancel_job(job_id)
+                try:
+                    self._cancel_job(job_id)
+                except StateUnavailable as exc:  # still `running` in the store: a restart resumes it
+                    log.error("job %s: its cancellation could not be recorded (%s); cancel it again", job_id, exc)
             except _Stopped:  # the job stays running in the store; the next start resumes it
                 log.info("job %s paused: the coordinator is stopping", job_id)
             except StateUnavailable as exc:

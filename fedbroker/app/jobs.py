@@ -18,13 +18,13 @@ import safetensors.numpy
 from google.protobuf import json_format
 
 from fedbroker.app.status import render, table
+from fedbroker.coordinator.scheduler import FINISHED
 from fedbroker.files import write_atomic
 
 MODEL_FILE = "model.safetensors"
 SPEC_FILE = "model_spec.json"
 JOB_FILE = "job.json"
 README_FILE = "README.md"
-FINISHED = frozenset({"completed", "failed", "cancelled"})
 
 # What `jobs download` writes next to the weights; tests run it as it is written.
 LOAD_SNIPPET = '''\
