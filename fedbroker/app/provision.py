@@ -11,8 +11,10 @@ network with nothing but its kit (the role NVFlare's provisioning plays).
                                  start.sh
     DIR/scientists/<name>/       a data scientist: the CA certificate, its token, fedbroker.yaml for the CLI
 
-A kit holds only what its participant needs: no private key but the server's own ones in the server kit;
-every secret file is 0600 and every kit folder 0700. Paths inside a kit's configs are relative to the kit
+Every participant proves who it is twice: its bearer token, and the client certificate it presents for
+mutual TLS (the services and the broker refuse a connection without one the project CA signed). A kit
+holds only what its participant needs: its own private keys and no one else's (the CA's key stays in
+DIR/ca); every secret file is 0600 and every kit folder 0700. Paths inside a kit's configs are relative to the kit
 (its start script changes into it first). The project file is checked whole before anything is written,
 every problem named by its field.
 """
@@ -215,29 +217,38 @@ class Authority:
 
     def server(self, common_name: str, names: Iterable[str]) -> tuple[bytes, bytes]:
         """(certificate PEM, private key PEM) of a TLS server known by `names` (DNS names and IP addresses)."""
+        return self._issue(common_name, names, ExtendedKeyUsageOID.SERVER_AUTH)
+
+    def client(self, identity: str) -> tuple[bytes, bytes]:
+        """(certificate PEM, private key PEM) a participant presents for mutual TLS, its identity as its CN."""
+        return self._issue(identity, [], ExtendedKeyUsageOID.CLIENT_AUTH)
+
+    def _issue(self, common_name: str, names: Iterable[str], usage: x509.ObjectIdentifier) -> tuple[bytes, bytes]:
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
-        alt: list[x509.GeneralName] = []
-        for n in dict.fromkeys(names):
-            try:
-                alt.append(x509.IPAddress(ipaddress.ip_address(n)))
-            except ValueError:
-                alt.append(x509.DNSName(n))
-        cert = (
+        builder = (
             x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
             .issuer_name(self.cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=self.days))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .add_extension(x509.SubjectAlternativeName(alt), critical=False)
-            .sign(self.key, hashes.SHA256())
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         )
-        return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+        alt = [_general_name(n) for n in dict.fromkeys(names)]
+        if alt:
+            builder = builder.add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        return builder.sign(self.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM), _key_pem(key)
 
     def cert_pem(self) -> bytes:
         return self.cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _general_name(name: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -298,7 +309,7 @@ def provision(project: Project, out: str | os.PathLike[str]) -> dict[str, Path]:
                                               broker_passwords[site.name])
     for person in project.scientists:
         kits[f"scientist:{person.name}"] = _scientist_kit(project, root / "scientists" / person.name, ca,
-                                                          tokens[person.name])
+                                                          person.name, tokens[person.name])
     return kits
 
 
@@ -308,6 +319,11 @@ def broker_user(project: Project, who: str) -> str:
 
 def _broker_url(user: str, password: str, host: str, port: int) -> str:
     return f"amqps://{quote(user, safe='')}:{quote(password, safe='')}@{host}:{port}/%2F"
+
+
+def _client_pair(stem: str) -> dict[str, str]:
+    """A config's cert_file/key_file for the client certificate `<stem>.crt`/`<stem>.key`."""
+    return {"cert_file": f"{stem}.crt", "key_file": f"{stem}.key"}
 
 
 def _target(host: str, port: int) -> str:
@@ -330,6 +346,9 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
                                                          f"{svc}.{K8S_NAMESPACE}.svc.cluster.local"])
         kit.write(f"tls/{role}.crt", cert)
         kit.write(f"tls/{role}.key", key, secret=True)
+    cert, key = ca.client("coordinator")  # what the coordinator presents to the aggregation service and the broker
+    kit.write("tls/coordinator-client.crt", cert)
+    kit.write("tls/coordinator-client.key", key, secret=True)
     aggregator_table = {"coordinator": {"role": ROLE_COORDINATOR, "sha256": hash_token(tokens["coordinator"])},
                         **{s.name: {"role": ROLE_WORKER, "sha256": hash_token(tokens[s.name])} for s in project.sites}}
     coordinator_table = {p.name: {"role": p.role, "sha256": hash_token(tokens[p.name])} for p in project.scientists}
@@ -344,16 +363,20 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
     kit.yaml("aggregator.yaml", {
         "aggregator": {"listen": _target(project.listen, project.aggregator_port), "target": aggregator_target,
                        "tokens_file": "tokens/aggregator.yaml", "spool_dir": "state/spool",
-                       "tls": {"cert_file": "tls/aggregator.crt", "key_file": "tls/aggregator.key"}},
-    }, header="# The aggregation service (start-aggregator.sh): gRPC over TLS, every call authenticated.\n")
+                       "tls": {"cert_file": "tls/aggregator.crt", "key_file": "tls/aggregator.key",
+                               "client_ca_file": "ca.crt"}},
+    }, header="# The aggregation service (start-aggregator.sh): gRPC over mutual TLS, every call authenticated.\n")
     kit.yaml("coordinator.yaml", {
-        "broker": {"url_file": "secrets/broker-url", "ca_file": "ca.crt", "namespace": project.namespace},
+        "broker": {"url_file": "secrets/broker-url", "ca_file": "ca.crt", "namespace": project.namespace,
+                   **_client_pair("tls/coordinator-client")},
         "aggregator": {"target": aggregator_target},
         "coordinator": {"listen": _target(project.listen, project.coordinator_port),
                         "target": _target(project.host, project.coordinator_port), "state_dir": "state/coordinator",
                         "tokens_file": "tokens/coordinator.yaml",
-                        "tls": {"cert_file": "tls/coordinator.crt", "key_file": "tls/coordinator.key"}},
-        "client": {"token_file": "secrets/coordinator.token", "ca_file": "ca.crt"},
+                        "tls": {"cert_file": "tls/coordinator.crt", "key_file": "tls/coordinator.key",
+                                "client_ca_file": "ca.crt"}},
+        "client": {"token_file": "secrets/coordinator.token", "ca_file": "ca.crt",
+                   **_client_pair("tls/coordinator-client")},
     }, header="# The coordinator (start-coordinator.sh). aggregator.target is the public name: the tasks it sends\n"
               "# tell the sites' workers where to upload, and each worker only sends its token there.\n")
     for name in ("aggregator.yaml", "coordinator.yaml"):
@@ -401,8 +424,9 @@ def _rabbitmq_conf(*, tls_dir: str, definitions: str) -> str:
         f"ssl_options.cacertfile = {tls_dir}/ca.crt\n"
         f"ssl_options.certfile = {tls_dir}/broker.crt\n"
         f"ssl_options.keyfile = {tls_dir}/broker.key\n"
-        "ssl_options.verify = verify_none\n"
-        "ssl_options.fail_if_no_peer_cert = false\n"
+        "# mutual TLS: every participant presents its kit's client certificate (and logs in with its user)\n"
+        "ssl_options.verify = verify_peer\n"
+        "ssl_options.fail_if_no_peer_cert = true\n"
         "management.tcp.port = 15672\n"
         "prometheus.tcp.port = 15692\n"
         "log.console = true\n"
@@ -443,11 +467,15 @@ def _site_kit(project: Project, folder: Path, ca: Authority, site: Site, token: 
     kit.write("secrets/token", token + "\n", secret=True)
     kit.write("secrets/broker-url", _broker_url(broker_user(project, site.name), password, project.host, project.broker_port) + "\n",
               secret=True)
+    cert, key = ca.client(site.name)
+    kit.write("tls/client.crt", cert)
+    kit.write("tls/client.key", key, secret=True)
     worker = {"ledger_path": "state/ledger.json", **site.worker, "id": site.name, "categories": list(site.categories)}
     kit.yaml("worker.yaml", {
-        "broker": {"url_file": "secrets/broker-url", "ca_file": "ca.crt", "namespace": project.namespace},
+        "broker": {"url_file": "secrets/broker-url", "ca_file": "ca.crt", "namespace": project.namespace,
+                   **_client_pair("tls/client")},
         "aggregator": {"target": _target(project.host, project.aggregator_port)},
-        "client": {"token_file": "secrets/token", "ca_file": "ca.crt"},
+        "client": {"token_file": "secrets/token", "ca_file": "ca.crt", **_client_pair("tls/client")},
         "worker": worker,
     }, header=f"# The worker of {site.name} (start.sh). Your data, your DP policy: edit the worker section.\n"
               f"# Keep state/ledger.json (your privacy ledger) across restarts and upgrades.\n")
@@ -461,18 +489,22 @@ def _site_kit(project: Project, folder: Path, ca: Authority, site: Site, token: 
         f"broker at {_target(project.host, project.broker_port)} (AMQPS) and the aggregation service at "
         f"{_target(project.host, project.aggregator_port)} (gRPC over TLS), both verified against `ca.crt`; "
         f"nothing connects in.\n"
-        f"3. Keep `secrets/` private (0600): `secrets/token` is your identity, `secrets/broker-url` your broker "
-        f"login. Keep `state/ledger.json`: it records the privacy you have spent.\n"))
+        f"3. Keep `secrets/` and `tls/client.key` private (0600): `secrets/token` and `tls/client.*` are your "
+        f"identity, `secrets/broker-url` your broker login. Keep `state/ledger.json`: it records the privacy "
+        f"you have spent.\n"))
     return folder
 
 
-def _scientist_kit(project: Project, folder: Path, ca: Authority, token: str) -> Path:
+def _scientist_kit(project: Project, folder: Path, ca: Authority, name: str, token: str) -> Path:
     kit = _Kit(folder)
     kit.write("ca.crt", ca.cert_pem())
     kit.write("secrets/token", token + "\n", secret=True)
+    cert, key = ca.client(name)
+    kit.write("tls/client.crt", cert)
+    kit.write("tls/client.key", key, secret=True)
     kit.yaml("fedbroker.yaml", {
         "coordinator": {"target": _target(project.host, project.coordinator_port)},
-        "client": {"token_file": "secrets/token", "ca_file": "ca.crt"},
+        "client": {"token_file": "secrets/token", "ca_file": "ca.crt", **_client_pair("tls/client")},
     }, header="# The CLI's config: run `fedbroker <command> --config fedbroker.yaml` in this folder.\n")
     _check_config(folder, "fedbroker.yaml")
     kit.write("README.md", (
@@ -505,16 +537,18 @@ def _k8s_overlay(project: Project, kit: _Kit, broker_password: str, coordinator_
     kit.yaml("k8s/config.yaml", {
         "log_level": "INFO",
         "broker": {"namespace": project.namespace, "heartbeat_s": 30, "consumer_timeout_s": 14400,
-                   "ca_file": f"{tls}/ca.crt"},
+                   "ca_file": f"{tls}/ca.crt", **_client_pair(f"{tls}/coordinator-client")},
         "aggregator": {"listen": "0.0.0.0:50051", "target": _target(project.host, project.aggregator_port),
                        "metrics_port": 9400, "tokens_file": "/etc/fedbroker-tokens/tokens.yaml",
                        "spool_dir": "/var/lib/fedbroker-spool",
-                       "tls": {"cert_file": f"{tls}/aggregator.crt", "key_file": f"{tls}/aggregator.key"}},
+                       "tls": {"cert_file": f"{tls}/aggregator.crt", "key_file": f"{tls}/aggregator.key",
+                               "client_ca_file": f"{tls}/ca.crt"}},
         "coordinator": {"listen": "0.0.0.0:50052", "target": _target(project.host, project.coordinator_port),
                         "state_dir": "/var/lib/fedbroker", "metrics_port": 9400,
                         "tokens_file": "/etc/fedbroker-tokens/tokens.yaml",
-                        "tls": {"cert_file": f"{tls}/coordinator.crt", "key_file": f"{tls}/coordinator.key"}},
-        "client": {"ca_file": f"{tls}/ca.crt"},
+                        "tls": {"cert_file": f"{tls}/coordinator.crt", "key_file": f"{tls}/coordinator.key",
+                                "client_ca_file": f"{tls}/ca.crt"}},
+        "client": {"ca_file": f"{tls}/ca.crt", **_client_pair(f"{tls}/coordinator-client")},
     })
     kit.write("k8s/coordinator.env", (
         f"FEDBROKER__BROKER__URL={_broker_url(broker_user(project, 'coordinator'), broker_password, 'rabbitmq', 5671)}\n"
@@ -530,7 +564,7 @@ def _k8s_overlay(project: Project, kit: _Kit, broker_password: str, coordinator_
         "secretGenerator": [
             {"name": "fedbroker-server-tls", "files": [
                 "ca.crt", "tls/aggregator.crt", "tls/aggregator.key", "tls/coordinator.crt", "tls/coordinator.key",
-                "tls/broker.crt", "tls/broker.key"]},
+                "tls/broker.crt", "tls/broker.key", "tls/coordinator-client.crt", "tls/coordinator-client.key"]},
             {"name": "fedbroker-aggregator-tokens", "behavior": "replace", "files": ["tokens.yaml=tokens/aggregator.yaml"]},
             {"name": "fedbroker-coordinator-tokens", "behavior": "replace",
              "files": ["tokens.yaml=tokens/coordinator.yaml"]},

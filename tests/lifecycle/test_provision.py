@@ -56,9 +56,11 @@ def is_private_key(path: Path) -> bool:
     return b"PRIVATE KEY" in path.read_bytes()
 
 
-def test_private_keys_live_only_in_the_server_kit_and_the_ca_folder_and_are_owner_only(kits):
+def test_each_kit_holds_only_its_own_private_keys_owner_only(kits):
     keys = sorted(str(p.relative_to(kits)) for p in kits.rglob("*") if p.is_file() and is_private_key(p))
-    assert keys == ["ca/ca.key", "server/tls/aggregator.key", "server/tls/broker.key", "server/tls/coordinator.key"]
+    assert keys == ["ca/ca.key", "scientists/alice/tls/client.key", "scientists/carol/tls/client.key",
+                    "server/tls/aggregator.key", "server/tls/broker.key", "server/tls/coordinator-client.key",
+                    "server/tls/coordinator.key", "sites/hospital-a/tls/client.key", "sites/hospital-b/tls/client.key"]
     for kit in [kits / "server", *(kits / "sites").iterdir(), *(kits / "scientists").iterdir()]:
         assert stat.S_IMODE(kit.stat().st_mode) == 0o700, kit
         for name, path in files(kit).items():
@@ -76,7 +78,6 @@ def test_each_kit_holds_its_own_token_and_the_server_holds_only_their_digests(ki
         token = (kits / "sites" / site / "secrets/token").read_text().strip()
         assert table.identify(token).name == site and table.identify(token).role == "worker"
         assert token not in (kits / "server/tokens/aggregator.yaml").read_text()
-        assert not (kits / "sites" / site / "tls").exists()
     coordinator_table = TokenTable.from_file(str(kits / "server/tokens/coordinator.yaml"))
     assert coordinator_table.identify((kits / "scientists/carol/secrets/token").read_text().strip()).role == "viewer"
     alice = (kits / "scientists/alice/secrets/token").read_text().strip()
@@ -100,6 +101,14 @@ def test_server_certificates_name_the_public_host_and_the_in_cluster_services(ki
         assert f"{service}.fedbroker.svc" in san.get_values_for_type(x509.DNSName)
         assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["203.0.113.7"]
     assert (kits / "sites/hospital-a/ca.crt").read_bytes() == (kits / "ca/ca.crt").read_bytes()
+    for folder, identity in (("sites/hospital-a", "hospital-a"), ("scientists/alice", "alice"),
+                             ("server", "coordinator")):
+        name = "tls/coordinator-client.crt" if folder == "server" else "tls/client.crt"
+        cert = x509.load_pem_x509_certificate((kits / folder / name).read_bytes())
+        cert.verify_directly_issued_by(ca)
+        assert cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == identity
+        usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert list(usage) == [x509.ExtendedKeyUsageOID.CLIENT_AUTH]  # it cannot pose as a server
 
 
 def test_the_server_overlay_renders_validates_and_exposes_amqps_and_grpc_over_tls(kits):
@@ -188,9 +197,11 @@ def start(script: Path, logs: Path) -> subprocess.Popen:
 @pytest.mark.timeout(420)
 def test_a_round_runs_over_tls_from_the_kits_alone(rabbitmq_url, tmp_path, monkeypatch, capsys):
     """The aggregation service, the coordinator and one worker start from their kits' scripts, the scientist
-    submits with its kit's config; gRPC is TLS end to end (a plaintext call is refused), and the broker leg is
-    AMQPS with the kit's users and CA: the local RabbitMQ listens on plain 5672 only, so a TLS terminator
-    holding the kit's broker certificate stands where the kit's RabbitMQ would listen on 5671."""
+    submits with its kit's config; gRPC is mutual TLS end to end (plaintext, or TLS without a client
+    certificate, is refused), and the broker leg is AMQPS with the kit's users, CA and client certificates:
+    the local RabbitMQ listens on plain 5672 only, so a TLS terminator holding the kit's broker certificate
+    stands where the kit's RabbitMQ would listen on 5671 (it does not demand the client certificates the
+    kit's rabbitmq.conf does: that leg of mutual TLS is not exercised here)."""
     if shutil.which("rabbitmqctl") is None or rabbitmqctl("status").returncode != 0:
         from tests.ops.conftest import missing
 
@@ -252,18 +263,21 @@ def test_a_round_runs_over_tls_from_the_kits_alone(rabbitmq_url, tmp_path, monke
         assert [(r["round"], r["status"], r["aggregated"]) for r in shown["rounds"]] == [(1, "closed", 1)]
         assert proxy.connections >= 2  # the coordinator and the worker came in over AMQPS
 
-        # gRPC is TLS only: a plaintext call to either port fails, even with a valid token
+        # gRPC is mutual TLS only: a plaintext connection to either port fails, and so does TLS with the
+        # project CA but no client certificate
+        ca = (out / "sites/site0/ca.crt").read_bytes()
         for port in (ports["coordinator_port"], ports["aggregator_port"]):
-            channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-            with pytest.raises(grpc.FutureTimeoutError):
-                grpc.channel_ready_future(channel).result(timeout=3)
-            channel.close()
+            for channel in (grpc.insecure_channel(f"127.0.0.1:{port}"),
+                            grpc.secure_channel(f"localhost:{port}", grpc.ssl_channel_credentials(ca))):
+                with pytest.raises(grpc.FutureTimeoutError):
+                    grpc.channel_ready_future(channel).result(timeout=3)
+                channel.close()
         url = urlsplit((out / "sites/site0/secrets/broker-url").read_text().strip())
         assert url.scheme == "amqps" and url.username == f"{name}-site0"
         # the site's broker user reads its own task queue only: another site's is refused
         _declare(rabbitmq_url, f"fedbroker-{name}.worker.ghost")
         with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="ACCESS_REFUSED"):
-            _basic_get((out / "sites/site0/secrets/broker-url").read_text().strip(), out / "sites/site0/ca.crt",
+            _basic_get((out / "sites/site0/secrets/broker-url").read_text().strip(), out / "sites/site0",
                        f"fedbroker-{name}.worker.ghost")
     finally:
         for p in reversed(processes):
@@ -291,9 +305,11 @@ def _declare(url: str, queue: str) -> None:
     connection.close()
 
 
-def _basic_get(url: str, ca: Path, queue: str) -> None:
+def _basic_get(url: str, kit: Path, queue: str) -> None:
     params = pika.URLParameters(url)
-    params.ssl_options = pika.SSLOptions(ssl.create_default_context(cafile=str(ca)), "localhost")
+    context = ssl.create_default_context(cafile=str(kit / "ca.crt"))
+    context.load_cert_chain(str(kit / "tls/client.crt"), str(kit / "tls/client.key"))
+    params.ssl_options = pika.SSLOptions(context, "localhost")
     connection = pika.BlockingConnection(params)
     try:
         connection.channel().basic_get(queue)
