@@ -601,6 +601,14 @@ def _public_objects() -> list[dict[str, Any]]:
                     "spec": {"podSelector": {"matchLabels": selector}, "policyTypes": ["Ingress"],
                              "ingress": [{"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}],
                                           "ports": [{"protocol": "TCP", "port": port}]}]}})
+    # the coordinator calls the aggregation service by its public name (the one its tasks hand the sites)
+    out.append({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                "metadata": {"name": "coordinator-public-aggregator-egress"},
+                "spec": {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "fedbroker",
+                                                         "app.kubernetes.io/component": "coordinator"}},
+                         "policyTypes": ["Egress"],
+                         "egress": [{"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}],
+                                     "ports": [{"protocol": "TCP", "port": 50051}]}]}})
     return out
 
 
@@ -636,6 +644,8 @@ def _patches() -> list[dict[str, Any]]:
                                                                  "targetPort": "amqps"}}])})
     out.append({"target": {"kind": "NetworkPolicy", "name": "rabbitmq-ingress"}, "patch": yaml.safe_dump([
         {"op": "replace", "path": "/spec/ingress/0/ports/0/port", "value": 5671}])})
+    out.append({"target": {"kind": "NetworkPolicy", "name": "broker-and-aggregator-egress"}, "patch": yaml.safe_dump([
+        {"op": "replace", "path": "/spec/egress/0/ports/0/port", "value": 5671}])})
     return out
 
 

@@ -139,8 +139,14 @@ def test_the_server_overlay_renders_validates_and_exposes_amqps_and_grpc_over_tl
             assert "grpc" not in container["readinessProbe"] and "tcpSocket" in container["readinessProbe"]
     secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "fedbroker-coordinator")
     assert set(secret["data"]) == {"FEDBROKER__BROKER__URL", "FEDBROKER__CLIENT__TOKEN"}
-    policies = {d["metadata"]["name"] for d in docs if d["kind"] == "NetworkPolicy"}
-    assert {"public-broker-ingress", "public-aggregator-ingress", "public-coordinator-ingress"} <= policies
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    assert {"public-broker-ingress", "public-aggregator-ingress", "public-coordinator-ingress"} <= set(policies)
+    # inside the cluster too, the broker is reached on AMQPS only, and the coordinator may reach the
+    # aggregation service's public address (its tasks name it)
+    assert policies["rabbitmq-ingress"]["spec"]["ingress"][0]["ports"][0]["port"] == 5671
+    assert policies["broker-and-aggregator-egress"]["spec"]["egress"][0]["ports"][0]["port"] == 5671
+    egress = policies["coordinator-public-aggregator-egress"]["spec"]["egress"][0]
+    assert egress["ports"] == [{"protocol": "TCP", "port": 50051}]
 
 
 @pytest.mark.parametrize("change, field", [
