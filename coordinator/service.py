@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -37,7 +37,7 @@ from fedbroker.errors import FedbrokerError, NotFound, Rejection, UploadRejected
 from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
-from fedbroker.rpc import CHANNEL_OPTIONS, handle
+from fedbroker.rpc import CHANNEL_OPTIONS, abort, handle
 from fedbroker.spec import JobSpec
 
 SERVICE_NAME = "fedbroker.v1.Coordinator"
@@ -111,10 +111,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         ends, the client goes, or FOLLOW_STREAM_S passes (the client then asks again from its last event)."""
         store = self.coordinator.store
         if handle(context, lambda: store.job(request.job_id)) is None:
-            handle(context, lambda: _raise(NotFound(f"no job {request.job_id!r}")))
+            abort(context, NotFound(f"no job {request.job_id!r}"))
         if request.follow and not self._followers.acquire(blocking=False):
-            handle(context, lambda: _raise(UploadRejected(
-                Rejection.TOO_MANY_STREAMS, f"{MAX_FOLLOWERS} event streams are open already; try again later")))
+            abort(context, UploadRejected(Rejection.TOO_MANY_STREAMS,
+                                          f"{MAX_FOLLOWERS} event streams are open already; try again later"))
         try:
             after, ends = request.after, time.monotonic() + FOLLOW_STREAM_S
             finished = False
@@ -258,6 +258,3 @@ class CoordinatorClient:
     def close(self) -> None:
         self._channel.close()
 
-
-def _raise(exc: FedbrokerError) -> NoReturn:
-    raise exc

@@ -261,3 +261,45 @@ def test_logs_follow_prints_events_as_they_happen_and_ends_with_the_job(served):
         assert kind in kinds, kinds
     assert kinds.count("round_closed") == 2
     assert [e.seq for e in seen] == sorted({e.seq for e in seen})  # each once, in order
+
+
+def test_following_streams_are_capped_so_they_cannot_hold_every_server_thread(served):
+    from fedbroker.coordinator.service import MAX_FOLLOWERS
+    from fedbroker.proto import fedbroker_pb2 as pb
+    from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
+
+    job = dict(JOB, schedule=dict(JOB["schedule"], min_workers=5, wait_for_workers_s=600))
+    job_id = submit(served, "alice", job)
+    channel = grpc.insecure_channel(served.target)
+    stub = pb_grpc.CoordinatorStub(channel)
+    md = (("authorization", f"Bearer {served.tokens['carol']}"),)
+    calls = [stub.JobEvents(pb.JobEventsRequest(job_id=job_id, follow=True), metadata=md, timeout=120)
+             for _ in range(MAX_FOLLOWERS)]
+    assert all(next(call).kind == "submitted" for call in calls)  # each is open and following
+    with pytest.raises(grpc.RpcError) as refused:
+        next(stub.JobEvents(pb.JobEventsRequest(job_id=job_id, follow=True), metadata=md, timeout=30))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # a plain read is never refused, and a follower that goes frees its place
+    assert [e.kind for e in stub.JobEvents(pb.JobEventsRequest(job_id=job_id), metadata=md, timeout=30)] == [
+        "submitted"]
+    calls[0].cancel()
+    until(lambda: _opens(stub, job_id, md), what="a follower's place freed")
+    for call in calls[1:]:
+        call.cancel()
+    channel.close()
+    c = served.client("alice")
+    assert c.cancel(job_id) == "cancelled"
+    c.close()
+
+
+def _opens(stub, job_id, md) -> bool:
+    from fedbroker.proto import fedbroker_pb2 as pb
+
+    call = stub.JobEvents(pb.JobEventsRequest(job_id=job_id, follow=True), metadata=md, timeout=30)
+    try:
+        next(call)
+        return True
+    except grpc.RpcError:
+        return False
+    finally:
+        call.cancel()
