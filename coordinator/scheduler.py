@@ -117,6 +117,9 @@ class Coordinator:
         metrics.REGISTRY_COLLECTOR.bind(self)
         BUSES.watch(self.bus, client="coordinator")
         self.bus.consume_control(self.on_control)
+        for row in self.store.jobs(status="cancelling"):  # asked to cancel before we stopped: finish that
+            self._cancels[row["job_id"]] = row["submitter"]
+            self._launch(row["job_id"])
         for row in self.store.jobs(status="running") + self.store.jobs(status="pending"):
             log.info("resuming job %s after round %d", row["job_id"], row["rounds_done"])
             self._launch(row["job_id"])
@@ -200,10 +203,10 @@ class Coordinator:
         if not running:  # never started here (queued, or left pending by a stopped run): no round to abandon
             self.store.cancel_job(job_id, by=by)
             return "cancelled"
+        self.store.request_cancel(job_id, by=by)  # durable: a restart before the thread acts finishes it
         self._done[job_id].wait(wait_s)
         after = self.store.job(job_id)
-        status = str(after["status"]) if after is not None else "cancelled"
-        return "cancelling" if status in ("running", "pending") else status
+        return str(after["status"]) if after is not None else "cancelled"
 
     def on_control(self, delivery: Delivery) -> None:
         try:
@@ -360,6 +363,9 @@ class Coordinator:
                     retryable=lambda exc: isinstance(exc, RemoteError) and exc.code in _TRANSIENT
                     and not self._stop.is_set())
             except RemoteError as exc:  # a service that lost the job holds no round to abandon
+                if self._stop.is_set():  # still `cancelling` in the store: the next start finishes it
+                    log.info("job %s: cancel left to the next start (the coordinator is stopping)", job_id)
+                    return
                 if exc.reason != Rejection.UNKNOWN_JOB:
                     log.error("round %d of cancelled job %s could not be abandoned at the aggregation service "
                               "(%s): it is never closed, so no version comes of it", round_number, job_id, exc)

@@ -301,14 +301,29 @@ class StateStore:
         self._write(f"record job {job_id!r}", write)
 
     def set_job_status(self, job_id: str, status: str, error: str = "") -> None:
+        """A job asked to cancel never goes back to `running` (a restarted coordinator finishes the cancel)."""
         def write(db: sqlite3.Connection) -> None:
             before = db.execute("SELECT status FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            if before is None or (status == "running" and before["status"] == "cancelling"):
+                return
             db.execute("UPDATE jobs SET status = ?, error = ?, updated = ? WHERE job_id = ?",
                        (status, error, time.time(), job_id))
-            if before is not None and (before["status"] != status or error):
+            if before["status"] != status or error:
                 _event(db, job_id, status, message=error)
 
         self._write(f"record job {job_id!r} as {status}", write)
+
+    def request_cancel(self, job_id: str, *, by: str) -> bool:
+        """Mark a pending or running job `cancelling` (durably: a coordinator that stops before its thread
+        acts on it cancels it when it starts again); False when it had ended already."""
+        def write(db: sqlite3.Connection) -> bool:
+            changed = db.execute("UPDATE jobs SET status = 'cancelling', updated = ? WHERE job_id = ?"
+                                 " AND status IN ('pending', 'running')", (time.time(), job_id)).rowcount > 0
+            if changed:
+                _event(db, job_id, "cancelling", message=f"cancel requested{' by ' + by if by else ''}")
+            return changed
+
+        return self._write(f"record a cancel of job {job_id!r}", write)
 
     def cancel_job(self, job_id: str, *, by: str, round_number: int | None = None,
                    discarded: Iterable[tuple[str, int, float, float]] = ()) -> None:
