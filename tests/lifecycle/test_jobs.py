@@ -127,7 +127,7 @@ def test_cancel_mid_round_abandons_it_and_the_workers_go_on_serving_other_jobs(s
     job = dict(JOB, schedule=dict(JOB["schedule"], min_workers=2))
     job_id = submit(served, "alice", job)
     until(lambda: [p["status"] for p in served.fed.store.participants(job_id, 1) if p["worker_id"] == "w0"]
-          == ["uploaded"], what=f"w0 upload in round 1: {[dict(e) for e in served.fed.store.events(job_id)]}")
+          == ["uploaded"], what="w0 upload in round 1")
 
     code, out, err = cli(capsys, "jobs", "cancel", job_id, "--config", served.config("alice"))
     assert code == 0 and f"job {job_id} cancelled" in out, (out, err)
@@ -303,3 +303,15 @@ def _opens(stub, job_id, md) -> bool:
         return False
     finally:
         call.cancel()
+
+
+def test_a_job_waiting_for_workers_is_cancelled_before_any_round_opens(served):
+    job = dict(JOB, schedule=dict(JOB["schedule"], min_workers=3, wait_for_workers_s=600))
+    job_id = submit(served, "alice", job)
+    until(lambda: served.fed.store.job(job_id)["status"] == "pending", what="the job waiting for workers")
+    c = served.client("alice")
+    assert c.cancel(job_id) == "cancelled"
+    c.close()
+    assert served.fed.coordinator.wait(job_id, timeout=60) == "cancelled"
+    assert served.fed.store.rounds(job_id) == [] and served.fed.store.job(job_id)["error"] == "cancelled by alice"
+    assert [e["kind"] for e in served.fed.store.events(job_id)] == ["submitted", "cancelling", "cancelled"]
