@@ -18,7 +18,6 @@ import safetensors.numpy
 from google.protobuf import json_format
 
 from fedbroker.app.status import render, table
-from fedbroker.coordinator.scheduler import FINISHED
 from fedbroker.files import write_atomic
 
 MODEL_FILE = "model.safetensors"
@@ -138,6 +137,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def follow_events(c: Any, job_id: str, *, follow: bool) -> Iterator[Any]:
     """The job's events; when following, across the server's stream limit, until the job has ended."""
+    from fedbroker.coordinator.scheduler import FINISHED
+
     after = 0
     while True:
         for event in c.events(job_id, after=after, follow=follow):
