@@ -154,3 +154,12 @@ class AggregatorClient:
             what=f"close round {round}", idempotent=False,
         )
         return reply
+
+    def abandon_round(self, job_id: str, round: int) -> list[pb.UpdateSummary]:
+        """Drop a cancelled job's open round, unaggregated; the uploads it discarded. Idempotent."""
+        reply: pb.AbandonRoundReply = self._retry(
+            lambda: self._stub.AbandonRound(pb.AbandonRoundRequest(job_id=job_id, round=round),
+                                            timeout=self.timeout_s, metadata=self._md),
+            what=f"abandon round {round}", idempotent=True,
+        )
+        return list(reply.discarded)

@@ -262,6 +262,17 @@ class RoundBook:
             with self._closed:  # a repeated close waiting for this one: its result (or the round) is there
                 self._closed.notify_all()
 
+    def abandon(self, job_id: str, round_number: int) -> list[UpdateSummary]:
+        """Drop a cancelled job's open round without aggregating it (`Job.abandon`); the discarded uploads.
+        A close under way is waited for first, so an abandon never cuts an aggregation in half."""
+        job = self._job(job_id)
+        with self._closed:
+            while job.closing(round_number):
+                self._closed.wait()
+            dropped = job.abandon(round_number)
+            self._commit(job)  # the record no longer names the round: the spool prunes its uploads
+        return [UpdateSummary(a.worker_id, a.num_samples, a.epsilon, a.train_loss, 0.0) for a in dropped]
+
     def _close(self, job: Job, rnd: Round, accepted: dict[str, Accepted], current: dict[str, np.ndarray],
                spec: ModelSpec, started: float) -> CloseResult:
         combined = combine(rnd, accepted, current, spec, seed=job.seed,

@@ -41,6 +41,7 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "PutGlobalModel": frozenset({ROLE_COORDINATOR}),
     "OpenRound": frozenset({ROLE_COORDINATOR}),
     "CloseRound": frozenset({ROLE_COORDINATOR}),
+    "AbandonRound": frozenset({ROLE_COORDINATOR}),
     "RoundStatus": frozenset({ROLE_COORDINATOR, ROLE_WORKER}),
     "DownloadGlobalModel": frozenset({ROLE_COORDINATOR, ROLE_WORKER}),
     "UploadUpdate": frozenset({ROLE_WORKER}),
@@ -133,6 +134,12 @@ class AggregationServicer(pb_grpc.AggregationServicer):
                                   updates=[pb.UpdateSummary(worker_id=u.worker_id, num_samples=u.num_samples,
                                                             epsilon=u.epsilon, train_loss=u.train_loss, weight=u.weight)
                                            for u in result.updates])
+
+    def AbandonRound(self, request: pb.AbandonRoundRequest, context: grpc.ServicerContext) -> pb.AbandonRoundReply:
+        dropped = handle(context, lambda: self.book.abandon(request.job_id, request.round))
+        return pb.AbandonRoundReply(discarded=[pb.UpdateSummary(worker_id=u.worker_id, num_samples=u.num_samples,
+                                                                epsilon=u.epsilon, train_loss=u.train_loss)
+                                               for u in dropped])
 
 
 class DigestCache:

@@ -218,6 +218,27 @@ class Job:
         rnd.phase = Phase.CLOSING
         return rnd
 
+    def abandon(self, number: int) -> list[Accepted]:
+        """OPEN → gone, with no new version: a cancelled job's round. Its uploads are returned (to be
+        reported) and dropped; a later upload is refused as `round_closed`, a later open or close as closed.
+        Idempotent: a round abandoned before gives nothing back; a round that was closed cannot be undone."""
+        rnd = self.round
+        if rnd is None or rnd.number != number:
+            if self.last_close is not None and self.last_close[0] == number:
+                raise Conflict(f"round {number} of job {self.job_id!r} is already closed: its version stands")
+            return []
+        if rnd.phase is Phase.CLOSED:
+            raise Conflict(f"round {number} of job {self.job_id!r} is already closed: its version stands")
+        if rnd.phase is not Phase.OPEN:
+            raise Conflict(f"round {number} of job {self.job_id!r} is {rnd.phase.value}: it cannot be abandoned")
+        dropped = list(rnd.accepted.values())
+        self.closed_rounds.add(number)
+        self.closed_deadlines[number] = rnd.deadline
+        self.closed_accepted[number] = sorted(rnd.accepted)
+        rnd.phase = Phase.CLOSED
+        self.round = None
+        return dropped
+
     @staticmethod
     def abort_close(rnd: Round) -> None:
         """CLOSING → OPEN: nothing changed, and the coordinator may close the round again."""

@@ -172,7 +172,8 @@ class RegistryCollector(Collector):
         try:
             now = time.time()
             workers = coordinator.store.workers()
-            counts = {status: 0 for status in ("pending", "running", "completed", "failed")}
+            counts = {status: 0 for status in ("pending", "running", "cancelling", "completed", "failed",
+                                                       "cancelled")}
             waiting: dict[tuple[str, str], int] = {}
             for row in coordinator.store.jobs():
                 counts[row["status"]] = counts.get(row["status"], 0) + 1

@@ -42,7 +42,16 @@ from fedbroker.coordinator.participants import (
     why_unaffordable,
 )
 from fedbroker.coordinator.state import StateStore, StateUnavailable
-from fedbroker.errors import BusError, ConfigError, ConfigErrors, FedbrokerError, Rejection, Unroutable
+from fedbroker.errors import (
+    BusError,
+    ConfigError,
+    ConfigErrors,
+    Conflict,
+    FedbrokerError,
+    NotFound,
+    Rejection,
+    Unroutable,
+)
 from fedbroker.metrics import BUSES
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff, retry_call
@@ -57,6 +66,8 @@ T = TypeVar("T")
 # What a worker needs after its round's deadline to finish an upload it started before it (and to ack).
 CONSUMER_TIMEOUT_MARGIN_S = 60.0
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# A job in one of these has ended: nothing more happens to it (a cancel is refused).
+FINISHED = frozenset({"completed", "failed", "cancelled"})
 # Between tries through an aggregation-service or broker outage.
 _OUTAGE_BACKOFF = Backoff(initial_s=0.5, max_s=10.0)
 
@@ -97,6 +108,8 @@ class Coordinator:
         self._threads: dict[str, threading.Thread] = {}  # the running jobs' threads
         self._queue: collections.deque[tuple[str, JobSpec | None]] = collections.deque()  # jobs waiting for one
         self._done: dict[str, threading.Event] = {}  # set when a job launched here ends (or stop() drops it)
+        self._cancels: dict[str, str] = {}  # running jobs to cancel → who asked (their threads act on it)
+        self._local = threading.local()     # a job's thread knows its job (`_halt_if_cancelled`)
 
     # ----- lifecycle -----
 
@@ -105,6 +118,9 @@ class Coordinator:
         metrics.REGISTRY_COLLECTOR.bind(self)
         BUSES.watch(self.bus, client="coordinator")
         self.bus.consume_control(self.on_control)
+        for row in self.store.jobs(status="cancelling"):  # asked to cancel before we stopped: finish that
+            self._cancels[row["job_id"]] = row["submitter"]
+            self._launch(row["job_id"])
         for row in self.store.jobs(status="running") + self.store.jobs(status="pending"):
             log.info("resuming job %s after round %d", row["job_id"], row["rounds_done"])
             self._launch(row["job_id"])
@@ -162,12 +178,40 @@ class Coordinator:
                 f"broker.consumer_timeout_s together for longer rounds",
             )
 
-    def submit(self, job: JobSpec) -> str:
+    def submit(self, job: JobSpec, *, submitter: str = "") -> str:
+        """`submitter`: the identity whose token submitted it (the only one that may cancel or download it)."""
         self.check_job(job)
         job_id = f"{job.name[:40]}-{secrets.token_hex(4)}"
-        self.store.add_job(job_id, job.name, job.to_json(), job.training.rounds, job.model.to_json())
+        self.store.add_job(job_id, job.name, job.to_json(), job.training.rounds, job.model.to_json(),
+                           submitter=submitter)
         self._launch(job_id, job)
         return job_id
+
+    def cancel(self, job_id: str, *, by: str = "", wait_s: float = 30.0) -> str:
+        """Cancel a job; its status after up to `wait_s` (`cancelled`, or `cancelling` while its thread is
+        still on its way to the next point where it waits). A queued job is dropped at once; a running one
+        stops at that point: its open round is abandoned at the aggregation service, never closed, so no
+        half-gathered round becomes a version (`_cancel_job`). A close already under way finishes first."""
+        row = self.store.job(job_id)
+        if row is None:
+            raise NotFound(f"no job {job_id!r}")
+        if row["status"] in FINISHED:
+            raise Conflict(f"job {job_id!r} is already {row['status']}: there is nothing to cancel")
+        with self._jobs_lock:
+            queued = [entry for entry in self._queue if entry[0] == job_id]
+            running = job_id in self._threads
+            for entry in queued:
+                self._queue.remove(entry)
+                self._done[job_id].set()
+            if running:
+                self._cancels[job_id] = by
+        if not running:  # never started here (queued, or left pending by a stopped run): no round to abandon
+            self.store.cancel_job(job_id, by=by)
+            return "cancelled"
+        self.store.request_cancel(job_id, by=by)  # durable: a restart before the thread acts finishes it
+        self._done[job_id].wait(wait_s)
+        after = self.store.job(job_id)
+        return str(after["status"]) if after is not None else "cancelled"
 
     def on_control(self, delivery: Delivery) -> None:
         try:
@@ -251,6 +295,7 @@ class Coordinator:
             thread.start()
 
     def _run_job(self, job_id: str, job: JobSpec | None) -> None:
+        self._local.job_id = job_id
         try:
             metrics.job_started(job_id)  # its counters exist at 0 before the first round can count
             try:
@@ -259,6 +304,11 @@ class Coordinator:
                 with self.store.retrying_writes(for_s=self.store_outage_s, sleep=self._stop.wait,
                                                 stopping=self._stop.is_set):
                     self._drive(job_id, job)
+            except _Cancelled:
+                try:
+                    self._cancel_job(job_id)
+                except StateUnavailable as exc:  # still `running` in the store: a restart resumes it
+                    log.error("job %s: its cancellation could not be recorded (%s); cancel it again", job_id, exc)
             except _Stopped:  # the job stays running in the store; the next start resumes it
                 log.info("job %s paused: the coordinator is stopping", job_id)
             except StateUnavailable as exc:
@@ -276,6 +326,7 @@ class Coordinator:
         finally:
             with self._jobs_lock:
                 self._threads.pop(job_id, None)
+                self._cancels.pop(job_id, None)
                 self._done[job_id].set()
                 self._dispatch()
 
@@ -294,6 +345,42 @@ class Coordinator:
         except StateUnavailable as exc:
             log.error("job %s failed (%s) but the coordinator stopped before that could be recorded (%s); the next "
                       "start resumes it", job_id, error, exc)
+
+    def _halt_if_cancelled(self) -> None:
+        """In a job's thread, wherever the round loop waits: end the job there if it was cancelled."""
+        job_id = getattr(self._local, "job_id", None)
+        if job_id is not None and job_id in self._cancels:
+            raise _Cancelled
+
+    def _cancel_job(self, job_id: str) -> None:
+        """Abandon the job's open round at the aggregation service (its uploads are dropped, never
+        aggregated: no version comes of it; a worker still training gets `round_closed` for its upload,
+        and a worker yet to start finds the round closed and trains nothing) and record the job cancelled,
+        with the ε the discarded uploads cost their workers."""
+        by = self._cancels.get(job_id, "")
+        open_rounds = [r["round"] for r in self.store.rounds(job_id) if r["status"] == "open"]
+        round_number = open_rounds[-1] if open_rounds else None
+        discarded: list[pb.UpdateSummary] = []
+        if round_number is not None:
+            try:
+                discarded = retry_call(
+                    lambda: self.aggregator.abandon_round(job_id, round_number), backoff=_OUTAGE_BACKOFF,
+                    deadline=time.monotonic() + self.aggregator_outage_s, sleep=self._stop.wait,
+                    retryable=lambda exc: isinstance(exc, RemoteError) and exc.code in _TRANSIENT
+                    and not self._stop.is_set())
+            except RemoteError as exc:  # a service that lost the job holds no round to abandon
+                if self._stop.is_set():  # still `cancelling` in the store: the next start finishes it
+                    log.info("job %s: cancel left to the next start (the coordinator is stopping)", job_id)
+                    return
+                if exc.reason != Rejection.UNKNOWN_JOB:
+                    log.error("round %d of cancelled job %s could not be abandoned at the aggregation service "
+                              "(%s): it is never closed, so no version comes of it", round_number, job_id, exc)
+        self.store.cancel_job(job_id, by=by, round_number=round_number,
+                              discarded=[(u.worker_id, u.num_samples, u.epsilon, u.train_loss) for u in discarded])
+        metrics.ROUND_OPEN.labels(job_id).set(0)
+        log.info("job %s cancelled%s%s", job_id, f" by {by}" if by else "",
+                 f"; round {round_number} abandoned ({len(discarded)} upload(s) discarded)"
+                 if round_number is not None else "")
 
     def _drive(self, job_id: str, job: JobSpec | None) -> None:
         row = self.store.job(job_id)
@@ -321,6 +408,7 @@ class Coordinator:
         for round_number in range(done + 1, job.training.rounds + 1):
             if self._stop.is_set():
                 raise _Stopped
+            self._halt_if_cancelled()
             try:
                 self._round(run, round_number)
             except _Stopped:
@@ -341,6 +429,7 @@ class Coordinator:
                 return done, value
             if self._stop.wait(self.poll_interval_s):
                 raise _Stopped
+            self._halt_if_cancelled()
 
     def _await_workers(self, job: JobSpec) -> None:
         def enough() -> tuple[bool, int]:
@@ -406,6 +495,7 @@ class Coordinator:
             accepted = self._wait_for_quorum(run, rnd)
             if self._stop.is_set():
                 raise _Stopped  # the round stays open in the store: a restarted coordinator resumes it
+            self._halt_if_cancelled()
             answered = self._answered(job_id, round_number)
             stragglers = len(set(rnd.participants) - set(accepted) - answered)
             if stragglers:
@@ -594,6 +684,7 @@ class Coordinator:
             if len(set(accepted) | answered) >= len(rnd.participants) or time.time() >= rnd.deadline:
                 break
             time.sleep(self.poll_interval_s)
+            self._halt_if_cancelled()  # before the close: a cancelled job's round is abandoned, not closed
         return accepted
 
     # ----- the aggregation service's outages -----
@@ -654,6 +745,10 @@ class Coordinator:
 
 class _Stopped(Exception):
     """Internal: the coordinator is stopping; leave the job where it is, for the next start to resume."""
+
+
+class _Cancelled(_Stopped):
+    """Internal: the job was cancelled (`Coordinator.cancel`); its thread abandons it where it waits."""
 
 
 @dataclass

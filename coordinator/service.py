@@ -1,32 +1,57 @@
-"""The coordinator over gRPC: job submission and status, a thin shell over Coordinator and StateStore.
+"""The coordinator over gRPC: a job's whole life cycle (submit, status, cancel, events, download), a thin
+shell over Coordinator and StateStore.
 
-With a token table (fedbroker.auth) a submitter's token may SubmitJob and Status, a viewer's only Status.
+With a token table (fedbroker.auth) a submitter's token may submit jobs and read everything; a viewer's may
+read (Status, JobEvents). Only the identity that submitted a job may cancel it or download its models: the
+job records its submitter. Without a table (authentication off) anyone may.
 """
 
 from __future__ import annotations
 
+import json
+import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from fedbroker import codec
 from fedbroker.aggregators.registries import accept_job_text
-from fedbroker.auth import ROLE_SUBMITTER, ROLE_VIEWER, ClientSecurity, ServerAuth, ServerTLS, TokenTable, add_port
+from fedbroker.auth import (
+    ROLE_SUBMITTER,
+    ROLE_VIEWER,
+    ClientSecurity,
+    Identity,
+    ServerAuth,
+    ServerTLS,
+    TokenTable,
+    add_port,
+)
 from fedbroker.coordinator import metrics
-from fedbroker.coordinator.scheduler import Coordinator
-from fedbroker.errors import ConfigError, FedbrokerError
+from fedbroker.coordinator.checkpoints import load_checkpoint
+from fedbroker.coordinator.scheduler import FINISHED, Coordinator
+from fedbroker.errors import ConfigError, FedbrokerError, NotFound, Rejection, UploadRejected
 from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
-from fedbroker.rpc import CHANNEL_OPTIONS, handle
+from fedbroker.rpc import CHANNEL_OPTIONS, abort, handle
 from fedbroker.spec import JobSpec
 
 SERVICE_NAME = "fedbroker.v1.Coordinator"
 PERMISSIONS: dict[str, frozenset[str]] = {
     "SubmitJob": frozenset({ROLE_SUBMITTER}),
     "Status": frozenset({ROLE_SUBMITTER, ROLE_VIEWER}),
+    "JobEvents": frozenset({ROLE_SUBMITTER, ROLE_VIEWER}),
+    "CancelJob": frozenset({ROLE_SUBMITTER}),       # and only the job's own submitter (`_own_job`)
+    "DownloadModel": frozenset({ROLE_SUBMITTER}),   # likewise
 }
+MAX_FOLLOWERS = 4           # JobEvents streams held open at once: each holds one of the server's 8 threads
+FOLLOW_STREAM_S = 300.0     # one following stream's life; the client resumes after its last event
+EVENT_POLL_S = 0.5          # how often a following stream looks for new events
+
 
 
 def _count_refusal(method: str, reason: str) -> None:
@@ -35,8 +60,24 @@ def _count_refusal(method: str, reason: str) -> None:
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, auth: ServerAuth | None = None) -> None:
         self.coordinator = coordinator
+        self.auth = auth
+        self._followers = threading.BoundedSemaphore(MAX_FOLLOWERS)
+
+    def _caller(self, context: grpc.ServicerContext) -> Identity | None:
+        return self.auth.identity(context) if self.auth is not None else None
+
+    def _own_job(self, context: grpc.ServicerContext, job_id: str, action: str) -> Any:
+        """The job's row, if the caller submitted it (or authentication is off); else NotFound/PermissionDenied."""
+        row = self.coordinator.store.job(job_id)
+        if row is None:
+            raise NotFound(f"no job {job_id!r}")
+        caller = self._caller(context)
+        if caller is not None and caller.name != row["submitter"]:
+            raise UploadRejected(Rejection.PERMISSION_DENIED, f"only the identity that submitted job {job_id!r} "
+                                                              f"may {action} it; {caller.name!r} did not")
+        return row
 
     def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.ServicerContext) -> pb.SubmitJobReply:
         def parse() -> JobSpec:
@@ -48,12 +89,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
         def record() -> pb.SubmitJobReply:
             try:
-                return pb.SubmitJobReply(job_id=self.coordinator.submit(job))
+                return pb.SubmitJobReply(job_id=self.coordinator.submit(
+                    job, submitter=caller.name if caller is not None else ""))
             except ConfigError as exc:  # the coordinator's own checks: its workers' data, the broker's timeout
                 metrics.JOBS_REJECTED.labels(exc.reason).inc()
                 raise
 
         job = handle(context, parse)
+        caller = self._caller(context)
         # A job the store could not record gets no id: StateUnavailable → UNAVAILABLE, naming the store's error.
         return handle(context, record)
 
@@ -61,15 +104,88 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # A store that cannot be read answers UNAVAILABLE with its error (StateUnavailable), not UNKNOWN.
         return handle(context, lambda: status_reply(self.coordinator, request.job_id))
 
+    def CancelJob(self, request: pb.CancelJobRequest, context: grpc.ServicerContext) -> pb.CancelJobReply:
+        def run() -> pb.CancelJobReply:
+            self._own_job(context, request.job_id, "cancel")
+            caller = self._caller(context)
+            status = self.coordinator.cancel(request.job_id, by=caller.name if caller is not None else "")
+            return pb.CancelJobReply(job_id=request.job_id, status=status)
+
+        return handle(context, run)
+
+    def JobEvents(self, request: pb.JobEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
+        """The job's stored events after `after`; with `follow`, new ones as they are recorded, until the job
+        ends, the client goes, or FOLLOW_STREAM_S passes (the client then asks again from its last event)."""
+        store = self.coordinator.store
+        if handle(context, lambda: store.job(request.job_id)) is None:
+            abort(context, NotFound(f"no job {request.job_id!r}"))
+        if request.follow and not self._followers.acquire(blocking=False):
+            abort(context, UploadRejected(Rejection.TOO_MANY_STREAMS,
+                                          f"{MAX_FOLLOWERS} event streams are open already; try again later"))
+        try:
+            after, ends = request.after, time.monotonic() + FOLLOW_STREAM_S
+            finished = False
+            while True:
+                since = after
+                rows = handle(context, lambda: store.events(request.job_id, after=since))  # noqa: B023
+                for r in rows:
+                    after = r["seq"]
+                    yield pb.JobEvent(seq=r["seq"], job_id=r["job_id"], time_unix=r["time"], kind=r["kind"],
+                                      round=r["round"], worker_id=r["worker_id"], message=r["message"])
+                if rows:
+                    continue  # a long history comes in pages: read on before deciding to wait
+                if not request.follow or finished or not context.is_active() or time.monotonic() >= ends:
+                    return
+                # its last events were written with its final status: one more read after seeing it
+                row = handle(context, lambda: store.job(request.job_id))
+                finished = row is None or row["status"] in FINISHED
+                if not finished:
+                    time.sleep(EVENT_POLL_S)
+        finally:
+            if request.follow:
+                self._followers.release()
+
+    def DownloadModel(self, request: pb.DownloadModelRequest, context: grpc.ServicerContext) -> Iterator[pb.ModelChunk]:
+        """A closed round's global model (default: the last one) from the coordinator's checkpoint."""
+        def locate() -> tuple[Any, dict[str, Any], str]:
+            self._own_job(context, request.job_id, "download the models of")
+            store = self.coordinator.store
+            if request.round:
+                row = store.round(request.job_id, request.round)
+                if row is None or row["status"] != "closed" or not row["checkpoint"]:
+                    closed = [r["round"] for r in store.rounds(request.job_id) if r["status"] == "closed"]
+                    raise NotFound(f"round {request.round} of job {request.job_id!r} has no model "
+                                   f"({'status ' + row['status'] if row is not None else 'no such round'}); "
+                                   f"rounds with a model: {closed or 'none yet'}")
+            else:
+                row = store.last_checkpoint(request.job_id)
+                if row is None:
+                    raise NotFound(f"job {request.job_id!r} has no closed round yet: no model to download")
+            tensors, spec_json = load_checkpoint(row["checkpoint"])
+            return row, tensors, spec_json
+
+        row, tensors, spec_json = handle(context, locate)
+        header = pb.ModelHeader(job_id=request.job_id, version=row["model_version"] or 0,
+                                model_spec_json=spec_json, tensors=codec.tensor_specs(tensors), round=row["round"])
+        yield from codec.stream_messages(pb.ModelChunk, header, tensors)
+
 
 def status_reply(coordinator: Coordinator, job_id: str = "") -> pb.StatusReply:
     store = coordinator.store
-    jobs = [j for j in store.jobs() if not job_id or j["job_id"] == job_id]
+    if job_id:
+        one = store.job(job_id)
+        if one is None:
+            raise NotFound(f"no job {job_id!r}")
+        jobs = [one]
+    else:
+        jobs = store.jobs()
     reply = pb.StatusReply()
     now = time.time()
     for j in jobs:
         reply.jobs.add(job_id=j["job_id"], status=j["status"], rounds_done=j["rounds_done"],
-                       rounds_total=j["rounds_total"], error=j["error"])
+                       rounds_total=j["rounds_total"], error=j["error"], submitter=j["submitter"], name=j["name"],
+                       category=json.loads(j["spec_json"]).get("category", ""), created_unix=j["created"],
+                       updated_unix=j["updated"], spec_json=j["spec_json"])
         for r in store.rounds(j["job_id"]):
             reply.rounds.add(job_id=r["job_id"], round=r["round"], status=r["status"], participants=r["participants"],
                              uploaded=r["uploaded"], aggregated=r["aggregated"], accuracy=r["accuracy"] or 0.0,
@@ -91,11 +207,13 @@ def serve(coordinator: Coordinator, *, address: str = "127.0.0.1:0", tokens: Tok
           tls: ServerTLS | None = None) -> tuple[grpc.Server, int]:
     """`tokens`: authenticate every call (None = authentication off); `tls`: serve TLS instead of plaintext."""
     interceptors: list[grpc.ServerInterceptor] = [GrpcMetricsInterceptor()]
+    auth = None
     if tokens is not None:
-        interceptors.append(ServerAuth(tokens, PERMISSIONS, service=SERVICE_NAME, on_reject=_count_refusal))
+        auth = ServerAuth(tokens, PERMISSIONS, service=SERVICE_NAME, on_reject=_count_refusal)
+        interceptors.append(auth)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS,
                          interceptors=interceptors)
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator, auth), server)
     health_servicer = health.HealthServicer()  # Kubernetes' native gRPC probes ask this
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = add_port(server, address, tls)
@@ -125,5 +243,25 @@ class CoordinatorClient:
                                                   metadata=self._md)
         return reply
 
+    def cancel(self, job_id: str) -> str:
+        reply: pb.CancelJobReply = self._stub.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=self.timeout_s + 30,
+                                                        metadata=self._md)
+        return reply.status
+
+    def events(self, job_id: str, *, after: int = 0, follow: bool = False) -> Iterator[pb.JobEvent]:
+        """The job's events; a following stream lives FOLLOW_STREAM_S at most (the caller asks again)."""
+        timeout = FOLLOW_STREAM_S + self.timeout_s if follow else self.timeout_s
+        yield from self._stub.JobEvents(pb.JobEventsRequest(job_id=job_id, after=after, follow=follow),
+                                        timeout=timeout, metadata=self._md)
+
+    def download(self, job_id: str, round_number: int = 0, *,
+                 max_bytes: int = 1 << 30) -> tuple[pb.ModelHeader, dict[str, Any]]:
+        """(header: version, round, model spec; tensors in the model's order), digest-checked."""
+        stream = self._stub.DownloadModel(pb.DownloadModelRequest(job_id=job_id, round=round_number),
+                                          timeout=max(self.timeout_s, 600.0), metadata=self._md)
+        header, tensors, _ = codec.receive(stream, max_bytes=max_bytes)
+        return header, tensors
+
     def close(self) -> None:
         self._channel.close()
+

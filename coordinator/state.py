@@ -129,6 +129,11 @@ CREATE TABLE IF NOT EXISTS rounds (
     deadline REAL,
     PRIMARY KEY (job_id, round)
 );
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, time REAL NOT NULL, kind TEXT NOT NULL,
+    round INTEGER NOT NULL DEFAULT 0, worker_id TEXT NOT NULL DEFAULT '', message TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, seq);
 CREATE TABLE IF NOT EXISTS participants (
     job_id TEXT NOT NULL, round INTEGER NOT NULL, worker_id TEXT NOT NULL, status TEXT NOT NULL,
     reason TEXT NOT NULL DEFAULT '', epsilon REAL, train_loss REAL, num_samples INTEGER,
@@ -205,6 +210,9 @@ class StateStore:
         if "input_shape_json" not in columns:  # a state file written before workers reported their data's shape
             db.execute("ALTER TABLE workers ADD COLUMN input_shape_json TEXT NOT NULL DEFAULT '[]'")
             db.execute("ALTER TABLE workers ADD COLUMN num_classes INTEGER NOT NULL DEFAULT 0")
+        job_columns = {r["name"] for r in db.execute("PRAGMA table_info(jobs)").fetchall()}
+        if "submitter" not in job_columns:  # a state file written before jobs kept who submitted them
+            db.execute("ALTER TABLE jobs ADD COLUMN submitter TEXT NOT NULL DEFAULT ''")
 
     def close(self) -> None:
         with self._lock:
@@ -283,18 +291,79 @@ class StateStore:
 
     # ----- jobs -----
 
-    def add_job(self, job_id: str, name: str, spec_json: str, rounds_total: int, model_spec_json: str) -> None:
+    def add_job(self, job_id: str, name: str, spec_json: str, rounds_total: int, model_spec_json: str, *,
+                submitter: str = "") -> None:
+        """`submitter`: the identity whose token submitted it, the only one that may cancel or download it."""
         now = time.time()
-        self._run(
-            f"record job {job_id!r}",
-            "INSERT INTO jobs (job_id, name, spec_json, status, rounds_total, model_spec_json, created, updated)"
-            " VALUES (?, ?, ?, 'pending', ?, ?, ?, ?)",
-            (job_id, name, spec_json, rounds_total, model_spec_json, now, now),
-        )
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT INTO jobs (job_id, name, spec_json, status, rounds_total, model_spec_json, created, updated,"
+                " submitter) VALUES (?, ?, ?, 'pending', ?, ?, ?, ?, ?)",
+                (job_id, name, spec_json, rounds_total, model_spec_json, now, now, submitter),
+            )
+            _event(db, job_id, "submitted", message=f"{rounds_total} round(s)"
+                   + (f", by {submitter}" if submitter else ""))
+
+        self._write(f"record job {job_id!r}", write)
 
     def set_job_status(self, job_id: str, status: str, error: str = "") -> None:
-        self._run(f"record job {job_id!r} as {status}", "UPDATE jobs SET status = ?, error = ?, updated = ? WHERE job_id = ?",
-                  (status, error, time.time(), job_id))
+        """A job asked to cancel never goes back to `running` (a restarted coordinator finishes the cancel)."""
+        def write(db: sqlite3.Connection) -> None:
+            before = db.execute("SELECT status FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            if before is None or (status == "running" and before["status"] == "cancelling"):
+                return
+            db.execute("UPDATE jobs SET status = ?, error = ?, updated = ? WHERE job_id = ?",
+                       (status, error, time.time(), job_id))
+            if before["status"] != status or error:
+                _event(db, job_id, status, message=error)
+
+        self._write(f"record job {job_id!r} as {status}", write)
+
+    def request_cancel(self, job_id: str, *, by: str) -> bool:
+        """Mark a pending or running job `cancelling` (durably: a coordinator that stops before its thread
+        acts on it cancels it when it starts again); False when it had ended already."""
+        def write(db: sqlite3.Connection) -> bool:
+            changed = db.execute("UPDATE jobs SET status = 'cancelling', updated = ? WHERE job_id = ?"
+                                 " AND status IN ('pending', 'running')", (time.time(), job_id)).rowcount > 0
+            if changed:
+                _event(db, job_id, "cancelling", message=f"cancel requested{' by ' + by if by else ''}")
+            return changed
+
+        return self._write(f"record a cancel of job {job_id!r}", write)
+
+    def cancel_job(self, job_id: str, *, by: str, round_number: int | None = None,
+                   discarded: Iterable[tuple[str, int, float, float]] = ()) -> None:
+        """Record a cancelled job in one transaction: its open round (if any) abandoned, never closed; the
+        uploads the aggregation service discarded kept with the ε their workers spent on them; the
+        participants that had not uploaded marked cancelled."""
+        why = f"cancelled by {by}" if by else "cancelled"
+
+        def write(db: sqlite3.Connection) -> None:
+            if round_number is not None:
+                for worker_id, num_samples, epsilon, train_loss in discarded:
+                    db.execute(
+                        "UPDATE participants SET status = 'discarded', reason = ?, epsilon = ?, train_loss = ?,"
+                        " num_samples = ? WHERE job_id = ? AND round = ? AND worker_id = ?",
+                        (f"uploaded, then discarded unaggregated: the job was {why}", epsilon, train_loss,
+                         num_samples, job_id, round_number, worker_id))
+                db.execute("UPDATE participants SET status = 'cancelled', reason = ? WHERE job_id = ? AND round = ?"
+                           " AND status IN ('published', 'uploaded')", (f"the job was {why}", job_id, round_number))
+                db.execute("UPDATE rounds SET status = 'abandoned', closed = ?, seconds = ? - started"
+                           " WHERE job_id = ? AND round = ? AND status = 'open'",
+                           (time.time(), time.time(), job_id, round_number))
+                _event(db, job_id, "round_abandoned", round_number=round_number,
+                       message="abandoned at the aggregation service: no new version")
+            db.execute("UPDATE jobs SET status = 'cancelled', error = ?, updated = ? WHERE job_id = ?",
+                       (why, time.time(), job_id))
+            _event(db, job_id, "cancelled", message=why)
+
+        self._write(f"record job {job_id!r} as cancelled", write)
+
+    def events(self, job_id: str, *, after: int = 0, limit: int = 1000) -> list[sqlite3.Row]:
+        """A job's events in the order they happened, those with seq > `after`, at most `limit`."""
+        return self._exec("SELECT * FROM events WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+                          (job_id, after, limit))
 
     def job(self, job_id: str) -> sqlite3.Row | None:
         rows = self._exec("SELECT * FROM jobs WHERE job_id = ?", (job_id,))
@@ -370,6 +439,8 @@ class StateStore:
                 "INSERT INTO participants (job_id, round, worker_id, status) VALUES (?, ?, ?, 'published')",
                 [(job_id, round_number, w) for w in participants],
             )
+            _event(db, job_id, "round_opened", round_number=round_number,
+                   message=f"{len(participants)} participant(s): {', '.join(participants)}")
 
         self._write(f"open round {round_number} of job {job_id!r}", write)
 
@@ -383,11 +454,11 @@ class StateStore:
 
     def set_uploaded(self, job_id: str, round_number: int, workers: Sequence[str]) -> None:
         def write(db: sqlite3.Connection) -> None:
-            db.executemany(
-                "UPDATE participants SET status = 'uploaded' WHERE job_id = ? AND round = ? AND worker_id = ?"
-                " AND status = 'published'",
-                [(job_id, round_number, w) for w in workers],
-            )
+            for w in workers:
+                if db.execute("UPDATE participants SET status = 'uploaded' WHERE job_id = ? AND round = ?"
+                              " AND worker_id = ? AND status = 'published'", (job_id, round_number, w)).rowcount:
+                    _event(db, job_id, "uploaded", round_number=round_number, worker_id=w,
+                           message="update accepted by the aggregation service")
             db.execute("UPDATE rounds SET uploaded = ? WHERE job_id = ? AND round = ?", (len(workers), job_id, round_number))
 
         self._write(f"record the uploads of round {round_number} of job {job_id!r}", write)
@@ -400,12 +471,17 @@ class StateStore:
 
     def record_outcome(self, job_id: str, round_number: int, worker_id: str, status: str, reason: str) -> bool:
         """A refusal or failure reported by a worker; False when (job, round, worker) was never asked."""
-        return self._run(
-            f"record the outcome of worker {worker_id!r} in round {round_number} of job {job_id!r}",
-            "UPDATE participants SET status = ?, reason = ? WHERE job_id = ? AND round = ? AND worker_id = ?"
-            " AND status IN ('published', 'failed', 'missed')",  # a straggler may explain itself after the close
-            (status, reason, job_id, round_number, worker_id),
-        ) > 0
+        def write(db: sqlite3.Connection) -> bool:
+            changed = db.execute(
+                "UPDATE participants SET status = ?, reason = ? WHERE job_id = ? AND round = ? AND worker_id = ?"
+                " AND status IN ('published', 'failed', 'missed')",  # a straggler may explain itself after the close
+                (status, reason, job_id, round_number, worker_id)).rowcount > 0
+            if changed:
+                _event(db, job_id, status, round_number=round_number, worker_id=worker_id, message=reason)
+            return changed
+
+        return self._write(f"record the outcome of worker {worker_id!r} in round {round_number} of job {job_id!r}",
+                           write)
 
     def participants(self, job_id: str, round_number: int | None = None) -> list[sqlite3.Row]:
         if round_number is None:
@@ -443,13 +519,20 @@ class StateStore:
                 "UPDATE jobs SET rounds_done = ?, model_spec_json = ?, updated = ? WHERE job_id = ?",
                 (round_number, model_spec_json, time.time(), job_id),
             )
+            _event(db, job_id, "round_closed", round_number=round_number,
+                   message=f"version {model_version}: {len(chosen)} of {len(updates)} update(s) aggregated"
+                           + (f", accuracy {accuracy:.4f}" if accuracy is not None else "")
+                           + (f", loss {loss:.4f}" if loss is not None else ""))
 
         self._write(f"record the close of round {round_number} of job {job_id!r}", write)
 
     def fail_round(self, job_id: str, round_number: int, seconds: float) -> None:
-        self._run(f"record round {round_number} of job {job_id!r} as failed",
-                  "UPDATE rounds SET status = 'failed', seconds = ?, closed = ? WHERE job_id = ? AND round = ?",
-                   (seconds, time.time(), job_id, round_number))
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("UPDATE rounds SET status = 'failed', seconds = ?, closed = ? WHERE job_id = ? AND round = ?",
+                       (seconds, time.time(), job_id, round_number))
+            _event(db, job_id, "round_failed", round_number=round_number, message="too few uploads to close it")
+
+        self._write(f"record round {round_number} of job {job_id!r} as failed", write)
 
     def rounds(self, job_id: str | None = None) -> list[sqlite3.Row]:
         if job_id:
@@ -461,3 +544,10 @@ class StateStore:
             "SELECT * FROM rounds WHERE job_id = ? AND status = 'closed' ORDER BY round DESC LIMIT 1", (job_id,)
         )
         return rows[0] if rows else None
+
+
+def _event(db: sqlite3.Connection, job_id: str, kind: str, *, round_number: int = 0, worker_id: str = "",
+           message: str = "") -> None:
+    """One line of a job's history (`fedbroker jobs logs`), written in the transaction of what it reports."""
+    db.execute("INSERT INTO events (job_id, time, kind, round, worker_id, message) VALUES (?, ?, ?, ?, ?, ?)",
+               (job_id, time.time(), kind, round_number, worker_id, message))

@@ -230,16 +230,18 @@ class UploadReceipt(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., duplicate: _Optional[bool] = ..., bytes_received: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class ModelHeader(_message.Message):
-    __slots__ = ("job_id", "version", "model_spec_json", "tensors")
+    __slots__ = ("job_id", "version", "model_spec_json", "tensors", "round")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     version: int
     model_spec_json: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., model_spec_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    round: int
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ..., model_spec_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., round: _Optional[int] = ...) -> None: ...
 
 class ModelChunk(_message.Message):
     __slots__ = ("header", "data", "trailer")
@@ -445,18 +447,30 @@ class WorkerRow(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., epsilon_spent: _Optional[float] = ..., epsilon_budget: _Optional[float] = ..., last_seen_seconds_ago: _Optional[float] = ..., active: _Optional[bool] = ...) -> None: ...
 
 class JobRow(_message.Message):
-    __slots__ = ("job_id", "status", "rounds_done", "rounds_total", "error")
+    __slots__ = ("job_id", "status", "rounds_done", "rounds_total", "error", "submitter", "name", "category", "created_unix", "updated_unix", "spec_json")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_DONE_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     status: str
     rounds_done: int
     rounds_total: int
     error: str
-    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[str] = ..., rounds_done: _Optional[int] = ..., rounds_total: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    submitter: str
+    name: str
+    category: str
+    created_unix: float
+    updated_unix: float
+    spec_json: str
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[str] = ..., rounds_done: _Optional[int] = ..., rounds_total: _Optional[int] = ..., error: _Optional[str] = ..., submitter: _Optional[str] = ..., name: _Optional[str] = ..., category: _Optional[str] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., spec_json: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("jobs", "rounds", "workers", "participants")
@@ -469,3 +483,67 @@ class StatusReply(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerRow]
     participants: _containers.RepeatedCompositeFieldContainer[ParticipantRow]
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobRow, _Mapping]]] = ..., rounds: _Optional[_Iterable[_Union[RoundRow, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerRow, _Mapping]]] = ..., participants: _Optional[_Iterable[_Union[ParticipantRow, _Mapping]]] = ...) -> None: ...
+
+class AbandonRoundRequest(_message.Message):
+    __slots__ = ("job_id", "round")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class AbandonRoundReply(_message.Message):
+    __slots__ = ("discarded",)
+    DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    discarded: _containers.RepeatedCompositeFieldContainer[UpdateSummary]
+    def __init__(self, discarded: _Optional[_Iterable[_Union[UpdateSummary, _Mapping]]] = ...) -> None: ...
+
+class CancelJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class CancelJobReply(_message.Message):
+    __slots__ = ("job_id", "status")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    status: str
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[str] = ...) -> None: ...
+
+class JobEventsRequest(_message.Message):
+    __slots__ = ("job_id", "after", "follow")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    after: int
+    follow: bool
+    def __init__(self, job_id: _Optional[str] = ..., after: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("seq", "job_id", "time_unix", "kind", "round", "worker_id", "message")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    job_id: str
+    time_unix: float
+    kind: str
+    round: int
+    worker_id: str
+    message: str
+    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., time_unix: _Optional[float] = ..., kind: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DownloadModelRequest(_message.Message):
+    __slots__ = ("job_id", "round")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...

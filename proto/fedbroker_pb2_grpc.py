@@ -64,6 +64,11 @@ class AggregationStub:
                 request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.CloseRoundRequest.SerializeToString,
                 response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.CloseRoundReply.FromString,
                 _registered_method=True)
+        self.AbandonRound = channel.unary_unary(
+                '/fedbroker.v1.Aggregation/AbandonRound',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.AbandonRoundRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.AbandonRoundReply.FromString,
+                _registered_method=True)
 
 
 class AggregationServicer:
@@ -106,6 +111,13 @@ class AggregationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbandonRound(self, request, context):
+        """A cancelled job's open round: its uploads are discarded, never aggregated; later uploads are refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +150,11 @@ def add_AggregationServicer_to_server(servicer, server):
                     servicer.CloseRound,
                     request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.CloseRoundRequest.FromString,
                     response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.CloseRoundReply.SerializeToString,
+            ),
+            'AbandonRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbandonRound,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.AbandonRoundRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.AbandonRoundReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -312,6 +329,33 @@ class Aggregation:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def AbandonRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Aggregation/AbandonRound',
+            fedbroker_dot_proto_dot_fedbroker__pb2.AbandonRoundRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.AbandonRoundReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class CoordinatorStub:
     """Missing associated documentation comment in .proto file."""
@@ -332,6 +376,21 @@ class CoordinatorStub:
                 request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.StatusRequest.SerializeToString,
                 response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.CancelJob = channel.unary_unary(
+                '/fedbroker.v1.Coordinator/CancelJob',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.CancelJobRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.CancelJobReply.FromString,
+                _registered_method=True)
+        self.JobEvents = channel.unary_stream(
+                '/fedbroker.v1.Coordinator/JobEvents',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.JobEventsRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.JobEvent.FromString,
+                _registered_method=True)
+        self.DownloadModel = channel.unary_stream(
+                '/fedbroker.v1.Coordinator/DownloadModel',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.DownloadModelRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.ModelChunk.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -349,6 +408,24 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JobEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DownloadModel(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -361,6 +438,21 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.StatusRequest.FromString,
                     response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.StatusReply.SerializeToString,
+            ),
+            'CancelJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelJob,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.CancelJobRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.CancelJobReply.SerializeToString,
+            ),
+            'JobEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.JobEvents,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.JobEventsRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.JobEvent.SerializeToString,
+            ),
+            'DownloadModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadModel,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.DownloadModelRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.ModelChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -417,6 +509,87 @@ class Coordinator:
             '/fedbroker.v1.Coordinator/Status',
             fedbroker_dot_proto_dot_fedbroker__pb2.StatusRequest.SerializeToString,
             fedbroker_dot_proto_dot_fedbroker__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Coordinator/CancelJob',
+            fedbroker_dot_proto_dot_fedbroker__pb2.CancelJobRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.CancelJobReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JobEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fedbroker.v1.Coordinator/JobEvents',
+            fedbroker_dot_proto_dot_fedbroker__pb2.JobEventsRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.JobEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fedbroker.v1.Coordinator/DownloadModel',
+            fedbroker_dot_proto_dot_fedbroker__pb2.DownloadModelRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.ModelChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,8 +1,9 @@
-"""The one command line: `fedbroker demo | aggregator | coordinator | worker | submit | status`."""
+"""The one command line: `fedbroker demo | aggregator | coordinator | worker | submit | status | jobs`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -55,10 +56,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from fedbroker.app.launch import start_worker
+    from fedbroker.app.launch import broker_url, start_worker
 
     config = _config(args, {"broker.url": args.broker, "worker.id": args.id})
-    if not config.broker.url:
+    if not broker_url(config):  # broker.url or broker.url_file (a kit's secrets/broker-url)
         raise ConfigError("broker.url", "a worker process needs a broker (amqp://...); the in-process bus "
                                         "only works inside `fedbroker demo`")
     agent = start_worker(config)
@@ -68,13 +69,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _coordinator_client(target: str) -> Any:
-    """A client with this user's token and TLS from FEDBROKER__CLIENT__* (TOKEN_FILE, CA_FILE, ...)."""
-    from fedbroker.app.launch import client_security
-    from fedbroker.config import load_config
-    from fedbroker.coordinator.service import CoordinatorClient
+def _coordinator_client(args: argparse.Namespace) -> Any:
+    """A client with this user's token and TLS from --config or FEDBROKER__CLIENT__* (TOKEN_FILE, CA_FILE, ...)."""
+    from fedbroker.app.jobs import client
 
-    return CoordinatorClient(target, security=client_security(load_config()))
+    return client(args)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -83,18 +82,20 @@ def cmd_submit(args: argparse.Namespace) -> int:
     with open(args.job, encoding="utf-8") as fh:
         text = fh.read()
     accept_job_text(text)  # refuse a bad job here, before it travels
-    client = _coordinator_client(args.coordinator)
+    client = _coordinator_client(args)
     print(client.submit(text))
     client.close()
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from fedbroker.app.jobs import as_dict
     from fedbroker.app.status import render
 
-    client = _coordinator_client(args.coordinator)
-    print(render(client.status(args.job or "")))
+    client = _coordinator_client(args)
+    status = client.status(args.job or "")  # an unknown --job is NOT_FOUND: exit 1, naming it
     client.close()
+    print(json.dumps(as_dict(status), indent=2) if args.json else render(status))
     return 0
 
 
@@ -196,17 +197,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     submit = sub.add_parser("submit", help="submit a job (YAML or JSON file)")
     submit.add_argument("job")
-    submit.add_argument("--coordinator", default="127.0.0.1:50052")
+    submit.add_argument("--coordinator", help="host:port (default: coordinator.target, 127.0.0.1:50052)")
+    submit.add_argument("--config", help="YAML config with the client section (token, CA) and coordinator.target")
     submit.set_defaults(run=cmd_submit)
 
     status = sub.add_parser("status", help="jobs, rounds and workers in a table")
-    status.add_argument("--coordinator", default="127.0.0.1:50052")
+    status.add_argument("--coordinator", help="host:port (default: coordinator.target, 127.0.0.1:50052)")
+    status.add_argument("--config", help="YAML config with the client section (token, CA) and coordinator.target")
     status.add_argument("--job")
+    status.add_argument("--json", action="store_true", help="print JSON instead of tables")
     status.set_defaults(run=cmd_status)
 
     from fedbroker.app.simulate_cli import add_simulate
 
     add_simulate(sub)
+    from fedbroker.app.jobs import add_parser as add_jobs_parser
+    add_jobs_parser(sub)
+    from fedbroker.app.provision import add_parser as add_provision_parser
+    add_provision_parser(sub)
 
     token = sub.add_parser("token", help="make a bearer token and its token-table entry")
     token.add_argument("identity", help="who holds it: a worker's id, 'coordinator', a person")

@@ -10,8 +10,11 @@ from pathlib import Path
 
 
 class TlsProxy:
-    def __init__(self, cert: Path, key: Path, *, upstream: tuple[str, int] = ("127.0.0.1", 5672)) -> None:
+    def __init__(self, cert: Path, key: Path, *, upstream: tuple[str, int] = ("127.0.0.1", 5672),
+                 port: int = 0) -> None:
+        """`port`: where to listen on loopback (0: any free port)."""
         self.upstream = upstream
+        self._port = port
         self.connections = 0
         self.handshake_failures = 0
         self._context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -25,7 +28,7 @@ class TlsProxy:
         self.port = int(self._server.sockets[0].getsockname()[1])
 
     async def _start(self) -> asyncio.AbstractServer:
-        return await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self._context,
+        return await asyncio.start_server(self._handle, "127.0.0.1", self._port, ssl=self._context,
                                           ssl_handshake_timeout=5)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -1,0 +1,237 @@
+"""`fedbroker jobs list | show | cancel | logs | download`: a data scientist's view of a job's whole life.
+
+Every read verb prints a table by default and JSON with `--json` (one document; `logs` prints one JSON
+object per event, so `--follow` can be piped). An unknown job id exits 1 with the coordinator's message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.numpy
+from google.protobuf import json_format
+
+from fedbroker.app.status import render, table
+from fedbroker.files import write_atomic
+
+MODEL_FILE = "model.safetensors"
+SPEC_FILE = "model_spec.json"
+JOB_FILE = "job.json"
+README_FILE = "README.md"
+
+# What `jobs download` writes next to the weights; tests run it as it is written.
+LOAD_SNIPPET = '''\
+import json
+
+from safetensors.torch import load_file
+
+from fedbroker.model import build_model
+from fedbroker.spec import parse_model
+
+with open("{spec}", encoding="utf-8") as fh:
+    spec = parse_model(json.load(fh))
+model = build_model(spec)
+model.load_state_dict(load_file("{model}"))
+model.eval()
+'''
+
+
+def client(args: argparse.Namespace) -> Any:
+    """A coordinator client from `--config` (or FEDBROKER__* variables): the target (`--coordinator`, else
+    coordinator.target), this user's token and TLS from the `client` section."""
+    from fedbroker.app.launch import client_security
+    from fedbroker.config import load_config
+    from fedbroker.coordinator.service import CoordinatorClient
+
+    config = load_config(getattr(args, "config", None))
+    target = getattr(args, "coordinator", None) or config.coordinator.target
+    return CoordinatorClient(target, security=client_security(config))
+
+
+def as_dict(message: Any) -> dict[str, Any]:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
+
+
+def _job_dict(row: Any) -> dict[str, Any]:
+    out = as_dict(row)
+    spec = out.pop("spec_json", "")
+    out["spec"] = json.loads(spec) if spec else None
+    return out
+
+
+def _when(unix: float) -> str:
+    return datetime.datetime.fromtimestamp(unix, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S") if unix else ""
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    c = client(args)
+    try:
+        jobs = list(c.status("").jobs)
+    finally:
+        c.close()
+    if args.json:
+        print(json.dumps([_job_dict(j) for j in jobs], indent=2))
+    else:
+        print(table(["job", "name", "status", "rounds", "submitter", "submitted (UTC)"],
+                    [[j.job_id, j.name, j.status, f"{j.rounds_done}/{j.rounds_total}", j.submitter or "-",
+                      _when(j.created_unix)] for j in jobs]))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    c = client(args)
+    try:
+        status = c.status(args.job_id)
+    finally:
+        c.close()
+    (job,) = status.jobs
+    if args.json:
+        doc = _job_dict(job)
+        doc["rounds"] = [as_dict(r) for r in status.rounds]
+        doc["participants"] = [as_dict(p) for p in status.participants]
+        print(json.dumps(doc, indent=2))
+        return 0
+    facts = [("job", job.job_id), ("name", job.name), ("status", job.status), ("category", job.category),
+             ("rounds", f"{job.rounds_done}/{job.rounds_total}"), ("submitter", job.submitter or "-"),
+             ("submitted", _when(job.created_unix) + " UTC"), ("updated", _when(job.updated_unix) + " UTC")]
+    if job.error:
+        facts.append(("error", job.error))
+    width = max(len(k) for k, _ in facts)
+    print("\n".join(f"{k.ljust(width)}  {v}" for k, v in facts))
+    print()
+    print(render(_without_workers(status)))
+    return 0
+
+
+def _without_workers(status: Any) -> Any:
+    """`show` is about one job: the registry's workers belong to `fedbroker status`."""
+    from fedbroker.proto import fedbroker_pb2 as pb
+
+    out = pb.StatusReply()
+    out.CopyFrom(status)
+    del out.workers[:]
+    return out
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    c = client(args)
+    try:
+        status = c.cancel(args.job_id)
+    finally:
+        c.close()
+    if args.json:
+        print(json.dumps({"job_id": args.job_id, "status": status}))
+    elif status == "cancelled":
+        print(f"job {args.job_id} cancelled")
+    else:
+        print(f"job {args.job_id}: {status} (`fedbroker jobs logs {args.job_id} --follow` shows when it stops)")
+    return 0
+
+
+def follow_events(c: Any, job_id: str, *, follow: bool) -> Iterator[Any]:
+    """The job's events; when following, across the server's stream limit, until the job has ended."""
+    from fedbroker.coordinator.scheduler import FINISHED
+
+    after = 0
+    while True:
+        for event in c.events(job_id, after=after, follow=follow):
+            after = event.seq
+            yield event
+        if not follow:
+            return
+        (job,) = c.status(job_id).jobs
+        if job.status in FINISHED:
+            for event in c.events(job_id, after=after):  # anything written with its final status
+                after = event.seq
+                yield event
+            return
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    c = client(args)
+    try:
+        for e in follow_events(c, args.job_id, follow=args.follow):
+            if args.json:
+                print(json.dumps(as_dict(e)), flush=True)
+            else:
+                where = f"round {e.round}" if e.round else ""
+                who = e.worker_id or ""
+                print(f"{_when(e.time_unix)}  {e.kind:<16} {where:<9} {who:<16} {e.message}".rstrip(), flush=True)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        c.close()
+    return 0
+
+
+def write_model(out: Path, header: Any, tensors: dict[str, np.ndarray], job_spec_json: str) -> dict[str, str]:
+    """The model as safetensors, its spec, the job and a README whose snippet loads it; the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    metadata = {"job_id": header.job_id, "round": str(header.round), "model_version": str(header.version),
+                "model_spec_json": header.model_spec_json}
+    files = {"model": out / MODEL_FILE, "model_spec": out / SPEC_FILE, "job": out / JOB_FILE,
+             "readme": out / README_FILE}
+    write_atomic(files["model"], safetensors.numpy.save(
+        {name: np.ascontiguousarray(arr) for name, arr in tensors.items()}, metadata=metadata))
+    write_atomic(files["model_spec"], (json.dumps(json.loads(header.model_spec_json), indent=2) + "\n").encode())
+    write_atomic(files["job"], (json.dumps(json.loads(job_spec_json), indent=2) + "\n").encode())
+    snippet = LOAD_SNIPPET.format(spec=SPEC_FILE, model=MODEL_FILE)
+    write_atomic(files["readme"], (
+        f"# {header.job_id}, round {header.round} (global model version {header.version})\n\n"
+        f"- `{MODEL_FILE}`: the weights (safetensors; tensor names are the model's `state_dict` keys)\n"
+        f"- `{SPEC_FILE}`: the model spec the weights belong to (alignment may have grown a layer)\n"
+        f"- `{JOB_FILE}`: the job as it was submitted\n\n"
+        f"Load it into a torch model (run this in this folder, with the `fedbroker` package installed):\n\n"
+        f"```python\n{snippet}```\n").encode())
+    return {k: str(v) for k, v in files.items()}
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    c = client(args)
+    try:
+        header, tensors = c.download(args.job_id, args.round or 0)
+        (job,) = c.status(args.job_id).jobs
+    finally:
+        c.close()
+    files = write_model(Path(args.out), header, tensors, job.spec_json)
+    if args.json:
+        print(json.dumps({"job_id": header.job_id, "round": header.round, "model_version": header.version,
+                          "files": files}, indent=2))
+    else:
+        print(f"round {header.round} of {header.job_id} (version {header.version}) written to {args.out}: "
+              f"{MODEL_FILE}, {SPEC_FILE}, {JOB_FILE}, {README_FILE}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """`fedbroker jobs ...` under the main parser's subcommands."""
+    jobs = sub.add_parser("jobs", help="list, show, cancel, follow and download your jobs")
+    verbs = jobs.add_subparsers(dest="verb", required=True)
+
+    def verb(name: str, fn: Any, help_text: str, *, job_id: bool = True, read: bool = True) -> Any:
+        p = verbs.add_parser(name, help=help_text)
+        if job_id:
+            p.add_argument("job_id", metavar="ID")
+        p.add_argument("--coordinator", help="host:port of the coordinator (default: coordinator.target)")
+        p.add_argument("--config", help="YAML config with the client section (token, CA) and coordinator.target")
+        if read:
+            p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        p.set_defaults(run=fn)
+        return p
+
+    verb("list", cmd_list, "every job: status, rounds, submitter", job_id=False)
+    verb("show", cmd_show, "one job: its settings, rounds and participants")
+    verb("cancel", cmd_cancel, "cancel a job you submitted (its open round is abandoned, never closed)")
+    logs = verb("logs", cmd_logs, "the job's events (round opened, uploads, refusals, closes, the end)")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep printing events until the job ends")
+    download = verb("download", cmd_download, "a round's (default: the last) global model, as safetensors")
+    download.add_argument("--round", type=int, default=0, help="the round (default: the last closed one)")
+    download.add_argument("--out", required=True, help="folder to write the model, its spec and a README into")
+

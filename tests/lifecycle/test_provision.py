@@ -1,0 +1,324 @@
+"""`fedbroker provision`: what each kit holds (and does not), the server overlay renders and validates, and a
+federation started from the kits alone runs a round over TLS on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import ssl
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import grpc
+import pika
+import pytest
+import yaml
+from cryptography import x509
+
+from fedbroker.app.cli import main
+from fedbroker.app.provision import parse_project, provision
+from fedbroker.errors import ConfigError
+from tests.ops.conftest import tool
+from tests.security.tlsproxy import TlsProxy
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT = {
+    "name": "study",
+    "server": {"host": "fl.example.org", "sans": ["203.0.113.7"]},
+    "sites": [{"name": "hospital-a", "worker": {"dataset": "digits", "dp": {"enabled": False}}},
+              {"name": "hospital-b", "categories": ["digits", "scans"]}],
+    "scientists": [{"name": "alice"}, {"name": "carol", "role": "viewer"}],
+}
+
+SECRETS = {"rabbitmq/definitions.json", "k8s/coordinator.env"}  # password hashes; the coordinator's broker URL
+
+
+@pytest.fixture(scope="module")
+def kits(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kits") / "out"
+    provision(parse_project(PROJECT), out)
+    return out
+
+
+def files(folder: Path) -> dict[str, Path]:
+    return {str(p.relative_to(folder)): p for p in folder.rglob("*") if p.is_file()}
+
+
+def is_private_key(path: Path) -> bool:
+    return b"PRIVATE KEY" in path.read_bytes()
+
+
+def test_each_kit_holds_only_its_own_private_keys_owner_only(kits):
+    keys = sorted(str(p.relative_to(kits)) for p in kits.rglob("*") if p.is_file() and is_private_key(p))
+    assert keys == ["ca/ca.key", "scientists/alice/tls/client.key", "scientists/carol/tls/client.key",
+                    "server/tls/aggregator.key", "server/tls/broker.key", "server/tls/coordinator-client.key",
+                    "server/tls/coordinator.key", "sites/hospital-a/tls/client.key", "sites/hospital-b/tls/client.key"]
+    for kit in [kits / "server", *(kits / "sites").iterdir(), *(kits / "scientists").iterdir()]:
+        assert stat.S_IMODE(kit.stat().st_mode) == 0o700, kit
+        for name, path in files(kit).items():
+            if name.startswith(("secrets/", "tokens/")) or name.endswith(".key") or name in SECRETS:
+                assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+            assert "ca.key" not in name
+    assert stat.S_IMODE((kits / "ca/ca.key").stat().st_mode) == 0o600
+
+
+def test_each_kit_holds_its_own_token_and_the_server_holds_only_their_digests(kits):
+    from fedbroker.auth import TokenTable
+
+    table = TokenTable.from_file(str(kits / "server/tokens/aggregator.yaml"))
+    for site in ("hospital-a", "hospital-b"):
+        token = (kits / "sites" / site / "secrets/token").read_text().strip()
+        assert table.identify(token).name == site and table.identify(token).role == "worker"
+        assert token not in (kits / "server/tokens/aggregator.yaml").read_text()
+    coordinator_table = TokenTable.from_file(str(kits / "server/tokens/coordinator.yaml"))
+    assert coordinator_table.identify((kits / "scientists/carol/secrets/token").read_text().strip()).role == "viewer"
+    alice = (kits / "scientists/alice/secrets/token").read_text().strip()
+    assert coordinator_table.identify(alice).role == "submitter"
+    assert table.identify(alice) is None  # a scientist's token opens nothing on the aggregation service
+    worker = yaml.safe_load((kits / "sites/hospital-b/worker.yaml").read_text())
+    assert worker["worker"]["id"] == "hospital-b" and worker["worker"]["categories"] == ["digits", "scans"]
+    assert worker["aggregator"]["target"] == "fl.example.org:50051"
+    assert (kits / "sites/hospital-a/secrets/broker-url").read_text().startswith(
+        "amqps://study-hospital-a:")
+
+
+def test_server_certificates_name_the_public_host_and_the_in_cluster_services(kits):
+    ca = x509.load_pem_x509_certificate((kits / "ca/ca.crt").read_bytes())
+    for role, service in (("coordinator", "fedbroker-coordinator"), ("aggregator", "fedbroker-aggregator"),
+                          ("broker", "rabbitmq")):
+        cert = x509.load_pem_x509_certificate((kits / f"server/tls/{role}.crt").read_bytes())
+        cert.verify_directly_issued_by(ca)
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert "fl.example.org" in san.get_values_for_type(x509.DNSName)
+        assert f"{service}.fedbroker.svc" in san.get_values_for_type(x509.DNSName)
+        assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["203.0.113.7"]
+    assert (kits / "sites/hospital-a/ca.crt").read_bytes() == (kits / "ca/ca.crt").read_bytes()
+    for folder, identity in (("sites/hospital-a", "hospital-a"), ("scientists/alice", "alice"),
+                             ("server", "coordinator")):
+        name = "tls/coordinator-client.crt" if folder == "server" else "tls/client.crt"
+        cert = x509.load_pem_x509_certificate((kits / folder / name).read_bytes())
+        cert.verify_directly_issued_by(ca)
+        assert cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == identity
+        usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert list(usage) == [x509.ExtendedKeyUsageOID.CLIENT_AUTH]  # it cannot pose as a server
+
+
+def test_the_server_overlay_renders_validates_and_exposes_amqps_and_grpc_over_tls(kits):
+    result = subprocess.run([tool("kubectl"), "kustomize", str(kits / "server")], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    try:
+        import kubernetes_validate as kv
+    except ImportError:
+        from tests.ops.conftest import missing
+
+        missing("kubernetes-validate is not installed: pip install -r requirements.txt")
+    for doc in docs:
+        kv.validate(doc, "1.37.0", strict=True)
+    public = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service" and d["spec"].get("type") == "LoadBalancer"}
+    assert {n: [p["port"] for p in d["spec"]["ports"]] for n, d in public.items()} == {
+        "fedbroker-public-broker": [5671], "fedbroker-public-aggregator": [50051], "fedbroker-public-coordinator": [50052]}
+    assert not [d for d in docs if d["kind"] == "Deployment" and "worker" in d["metadata"]["name"]]
+    config = yaml.safe_load(next(d for d in docs if d["metadata"]["name"] == "fedbroker-config")["data"]["config.yaml"])
+    assert config["aggregator"]["tls"]["cert_file"] == "/etc/fedbroker-tls/aggregator.crt"
+    assert config["coordinator"]["tls"]["key_file"] == "/etc/fedbroker-tls/coordinator.key"
+    rabbit = next(d for d in docs if d["metadata"]["name"] == "rabbitmq-config")["data"]["rabbitmq.conf"]
+    assert "listeners.tcp = none" in rabbit and "listeners.ssl.default = 5671" in rabbit
+    for d in docs:
+        if d["kind"] == "Deployment":  # kubelet's gRPC probes speak no TLS: TCP probes on TLS ports
+            container = d["spec"]["template"]["spec"]["containers"][0]
+            assert "grpc" not in container["readinessProbe"] and "tcpSocket" in container["readinessProbe"]
+    secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "fedbroker-coordinator")
+    assert set(secret["data"]) == {"FEDBROKER__BROKER__URL", "FEDBROKER__CLIENT__TOKEN"}
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    assert {"public-broker-ingress", "public-aggregator-ingress", "public-coordinator-ingress"} <= set(policies)
+    # inside the cluster too, the broker is reached on AMQPS only, and the coordinator may reach the
+    # aggregation service's public address (its tasks name it)
+    assert policies["rabbitmq-ingress"]["spec"]["ingress"][0]["ports"][0]["port"] == 5671
+    assert policies["broker-and-aggregator-egress"]["spec"]["egress"][0]["ports"][0]["port"] == 5671
+    egress = policies["coordinator-public-aggregator-egress"]["spec"]["egress"][0]
+    assert egress["ports"] == [{"protocol": "TCP", "port": 50051}]
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"server": {"host": "not a host!"}}, "server.host"),
+    ({"sites": []}, "sites"),
+    ({"sites": [{"name": "a/b"}]}, "sites[0].name"),
+    ({"sites": [{"name": "a", "worker": {"id": "b"}}]}, "sites[0].worker.id"),
+    ({"scientists": [{"name": "x", "role": "coordinator"}]}, "scientists[0].role"),
+    ({"scientists": [{"name": "hospital-a"}]}, "sites/scientists"),
+    ({"server": {"host": "h", "broker_port": 70000}}, "server.broker_port"),
+])
+def test_a_bad_project_is_refused_naming_the_field_and_nothing_is_written(tmp_path, change, field):
+    with pytest.raises(ConfigError) as refused:
+        provision(parse_project({**PROJECT, **change}), tmp_path / "out")
+    assert field in str(refused.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_site_setting_that_does_not_load_is_refused_at_provision_time(tmp_path):
+    project = {**PROJECT, "sites": [{"name": "a", "worker": {"datset": "digits"}}]}
+    with pytest.raises(ConfigError, match=r"worker\.datset: unknown setting"):
+        provision(parse_project(project), tmp_path / "out")
+
+
+def test_kits_are_never_written_over(tmp_path, kits):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep").write_text("x")
+    with pytest.raises(ConfigError, match="not empty"):
+        provision(parse_project(PROJECT), tmp_path / "out")
+
+
+# ----- a federation from its kits, over TLS on loopback -----
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rabbitmqctl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=120)
+
+
+def start(script: Path, logs: Path) -> subprocess.Popen:
+    """A kit's start script as its participant runs it: the kit's own files only, no FEDBROKER__ settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER__")}
+    env.update(FEDBROKER=f"{sys.executable} -m fedbroker", PYTHONPATH=str(ROOT))  # as if `pip install`ed
+    log = open(logs / f"{script.parent.name}-{script.stem}.log", "wb")  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen([str(script)], cwd=logs, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(420)
+def test_a_round_runs_over_tls_from_the_kits_alone(rabbitmq_url, tmp_path, monkeypatch, capsys):
+    """The aggregation service, the coordinator and one worker start from their kits' scripts, the scientist
+    submits with its kit's config; gRPC is mutual TLS end to end (plaintext, or TLS without a client
+    certificate, is refused), and the broker leg is AMQPS with the kit's users, CA and client certificates:
+    the local RabbitMQ listens on plain 5672 only, so a TLS terminator holding the kit's broker certificate
+    stands where the kit's RabbitMQ would listen on 5671 (it does not demand the client certificates the
+    kit's rabbitmq.conf does: that leg of mutual TLS is not exercised here)."""
+    if shutil.which("rabbitmqctl") is None or rabbitmqctl("status").returncode != 0:
+        from tests.ops.conftest import missing
+
+        missing("rabbitmqctl cannot manage the local RabbitMQ: the kit's broker users cannot be created")
+    name = f"loop{uuid.uuid4().hex[:6]}"
+    ports = {"coordinator_port": free_port(), "aggregator_port": free_port(), "broker_port": free_port()}
+    project = parse_project({
+        "name": name,
+        "server": {"host": "localhost", "listen": "127.0.0.1", "namespace": f"fedbroker-{name}", **ports},
+        "sites": [{"name": "site0", "worker": {"dp": {"enabled": False}, "heartbeat_s": 1, "device": "cpu",
+                                                 "torch_threads": 1}}],
+        "scientists": [{"name": "sci"}],
+    })
+    out = tmp_path / "kits"
+    provision(project, out)
+    definitions = out / "server/rabbitmq/definitions.json"
+    # the kit's own definitions (users with RabbitMQ password hashes), as the server's broker loads them; a
+    # copy the broker's own user may read (rabbitmqctl runs as it; the kit is its owner's only)
+    readable = Path(tempfile.mkdtemp(prefix="defs-"))
+    readable.chmod(0o755)
+    shutil.copy(definitions, readable / "definitions.json")
+    (readable / "definitions.json").chmod(0o644)
+    imported = rabbitmqctl("import_definitions", str(readable / "definitions.json"))
+    shutil.rmtree(readable)
+    assert imported.returncode == 0, imported.stderr
+    users = [u["name"] for u in json.loads(definitions.read_text())["users"]]
+    proxy = TlsProxy(out / "server/tls/broker.crt", out / "server/tls/broker.key", port=ports["broker_port"])
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    processes: list[subprocess.Popen] = []
+    try:
+        processes.append(start(out / "server/start-aggregator.sh", logs))
+        processes.append(start(out / "server/start-coordinator.sh", logs))
+        processes.append(start(out / "sites/site0/start.sh", logs))
+        monkeypatch.chdir(out / "scientists/sci")
+        job = tmp_path / "job.yaml"
+        job.write_text(yaml.safe_dump({
+            "name": "tls", "category": "digits", "seed": 0,
+            "model": {"input_shape": [1, 8, 8], "layers": [{"type": "Flatten"},
+                                                           {"type": "Linear", "in_features": 64, "out_features": 10}]},
+            "training": {"rounds": 1, "local_epochs": 1, "batch_size": 32, "lr": 0.1},
+            "schedule": {"min_workers": 1, "wait_for_workers_s": 240, "round_timeout_s": 240},
+        }))
+        deadline = time.monotonic() + 240
+        while main(["jobs", "list", "--config", "fedbroker.yaml"]) != 0:  # the coordinator is still starting
+            assert time.monotonic() < deadline and all(p.poll() is None for p in processes), _logs(logs)
+            time.sleep(1)
+        capsys.readouterr()
+        assert main(["submit", str(job), "--config", "fedbroker.yaml"]) == 0
+        job_id = capsys.readouterr().out.strip()
+        status = ""
+        while status not in ("completed", "failed"):
+            assert time.monotonic() < deadline + 120 and all(p.poll() is None for p in processes), _logs(logs)
+            time.sleep(1)
+            assert main(["jobs", "show", job_id, "--json", "--config", "fedbroker.yaml"]) == 0
+            shown = json.loads(capsys.readouterr().out)
+            status = shown["status"]
+        assert status == "completed", (shown, _logs(logs))
+        assert [(r["round"], r["status"], r["aggregated"]) for r in shown["rounds"]] == [(1, "closed", 1)]
+        assert proxy.connections >= 2  # the coordinator and the worker came in over AMQPS
+
+        # gRPC is mutual TLS only: a plaintext connection to either port fails, and so does TLS with the
+        # project CA but no client certificate
+        ca = (out / "sites/site0/ca.crt").read_bytes()
+        for port in (ports["coordinator_port"], ports["aggregator_port"]):
+            for channel in (grpc.insecure_channel(f"127.0.0.1:{port}"),
+                            grpc.secure_channel(f"localhost:{port}", grpc.ssl_channel_credentials(ca))):
+                with pytest.raises(grpc.FutureTimeoutError):
+                    grpc.channel_ready_future(channel).result(timeout=3)
+                channel.close()
+        url = urlsplit((out / "sites/site0/secrets/broker-url").read_text().strip())
+        assert url.scheme == "amqps" and url.username == f"{name}-site0"
+        # the site's broker user reads its own task queue only: another site's is refused
+        _declare(rabbitmq_url, f"fedbroker-{name}.worker.ghost")
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="ACCESS_REFUSED"):
+            _basic_get((out / "sites/site0/secrets/broker-url").read_text().strip(), out / "sites/site0",
+                       f"fedbroker-{name}.worker.ghost")
+    finally:
+        for p in reversed(processes):
+            p.terminate()
+        for p in processes:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        proxy.close()
+        for user in users:
+            rabbitmqctl("delete_user", user)
+        from fedbroker.bus import delete_topology
+
+        delete_topology(rabbitmq_url, f"fedbroker-{name}", ["site0", "ghost"])
+
+
+def _logs(folder: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(folder.glob("*.log")))
+
+
+def _declare(url: str, queue: str) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    connection.channel().queue_declare(queue, durable=True)
+    connection.close()
+
+
+def _basic_get(url: str, kit: Path, queue: str) -> None:
+    params = pika.URLParameters(url)
+    context = ssl.create_default_context(cafile=str(kit / "ca.crt"))
+    context.load_cert_chain(str(kit / "tls/client.crt"), str(kit / "tls/client.key"))
+    params.ssl_options = pika.SSLOptions(context, "localhost")
+    connection = pika.BlockingConnection(params)
+    try:
+        connection.channel().basic_get(queue)
+    finally:
+        if connection.is_open:
+            connection.close()
