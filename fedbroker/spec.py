@@ -340,9 +340,12 @@ def parse_model(raw: Any, *, errors: _Collector | None = None, where: str = "mod
             layers.append(LayerSpec(kind, params))
     if own:
         errors.raise_if_any()
+    if len(errors.errors) != errors_before:
+        # A model with bad fields is reported as such; its half-parsed layers must never reach a later
+        # check (shapes, alignment, a GA probe set), which would trip over them instead of naming them.
+        return ModelSpec((), ())
     spec = ModelSpec(tuple(shape or ()), tuple(layers))
-    if len(errors.errors) == errors_before:  # shapes are only meaningful once every layer parsed cleanly
-        _check_shapes(spec, errors, where)
+    _check_shapes(spec, errors, where)
     if own:
         errors.raise_if_any()
     return spec
