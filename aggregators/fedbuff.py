@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fedbroker.errors import ConfigError
+from fedbroker.spec import STALENESS_FUNCTIONS
 
-STALENESS_FUNCTIONS = ("constant", "polynomial", "hinge")
+__all__ = ["STALENESS_FUNCTIONS", "Buffer", "StaleUpdate", "Staleness", "fedbuff_version", "staleness_function"]
 # The defaults of each function's parameters (FedAsync's experiments).
 STALENESS_DEFAULTS: dict[str, dict[str, float]] = {
     "constant": {},

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fedbroker.aggregators.alignment import ALIGNMENT, Alignment
+from fedbroker.aggregators.fedbuff import staleness_function
 from fedbroker.aggregators.network import alignment_problems
 from fedbroker.aggregators.registry import Registry
 from fedbroker.aggregators.selection import SELECTION, Selector
 from fedbroker.aggregators.weighting import WEIGHTING, Weighting
 from fedbroker.aggregators.weighting.fedavg import FedAvgWeighting, UniformWeighting
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.spec import AggregationConfig, JobSpec, ModelSpec, job_from_text, parse_job
+from fedbroker.spec import AggregationConfig, JobSpec, ModelSpec, ScheduleConfig, job_from_text, parse_job
 
 T = TypeVar("T")
 
@@ -80,9 +81,19 @@ def job_problems(*, aggregation: AggregationConfig, model: ModelSpec) -> list[Co
 
 def accept_job(raw: object) -> JobSpec:
     """A job given as a mapping (parsed YAML/JSON), validated in full; raises ConfigError(s) naming each bad field."""
-    return parse_job(raw, check=job_problems)
+    job = parse_job(raw, check=job_problems)
+    schedule_problem(job.schedule)
+    return job
+
+
+def schedule_problem(schedule: ScheduleConfig) -> None:
+    """An async job's staleness function and its parameters (raises the ConfigError naming the field)."""
+    if schedule.mode == "async":
+        staleness_function(schedule.staleness, schedule.staleness_params)
 
 
 def accept_job_text(text: str) -> JobSpec:
     """A job given as YAML or JSON text, validated in full (see accept_job)."""
-    return job_from_text(text, check=job_problems)
+    job = job_from_text(text, check=job_problems)
+    schedule_problem(job.schedule)
+    return job

@@ -465,3 +465,98 @@ class StatusReply(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerRow]
     participants: _containers.RepeatedCompositeFieldContainer[ParticipantRow]
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobRow, _Mapping]]] = ..., rounds: _Optional[_Iterable[_Union[RoundRow, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerRow, _Mapping]]] = ..., participants: _Optional[_Iterable[_Union[ParticipantRow, _Mapping]]] = ...) -> None: ...
+
+class OpenBufferRequest(_message.Message):
+    __slots__ = ("job_id", "aggregation_json", "buffer_size", "max_staleness", "staleness", "staleness_params_json", "server_lr", "seed", "num_samples")
+    class NumSamplesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_JSON_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    SERVER_LR_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    aggregation_json: str
+    buffer_size: int
+    max_staleness: int
+    staleness: str
+    staleness_params_json: str
+    server_lr: float
+    seed: int
+    num_samples: _containers.ScalarMap[str, int]
+    def __init__(self, job_id: _Optional[str] = ..., aggregation_json: _Optional[str] = ..., buffer_size: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness: _Optional[str] = ..., staleness_params_json: _Optional[str] = ..., server_lr: _Optional[float] = ..., seed: _Optional[int] = ..., num_samples: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class OpenBufferReply(_message.Message):
+    __slots__ = ("model_version",)
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_version: int
+    def __init__(self, model_version: _Optional[int] = ...) -> None: ...
+
+class IssueTasksRequest(_message.Message):
+    __slots__ = ("job_id", "workers")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., workers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class IssuedTask(_message.Message):
+    __slots__ = ("worker_id", "task", "base_version")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    task: int
+    base_version: int
+    def __init__(self, worker_id: _Optional[str] = ..., task: _Optional[int] = ..., base_version: _Optional[int] = ...) -> None: ...
+
+class IssueTasksReply(_message.Message):
+    __slots__ = ("tasks",)
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[IssuedTask]
+    def __init__(self, tasks: _Optional[_Iterable[_Union[IssuedTask, _Mapping]]] = ...) -> None: ...
+
+class VersionRow(_message.Message):
+    __slots__ = ("version", "updates", "staleness", "created_unix")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    updates: _containers.RepeatedCompositeFieldContainer[UpdateSummary]
+    staleness: _containers.RepeatedScalarFieldContainer[int]
+    created_unix: float
+    def __init__(self, version: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[UpdateSummary, _Mapping]]] = ..., staleness: _Optional[_Iterable[int]] = ..., created_unix: _Optional[float] = ...) -> None: ...
+
+class BufferStatusRequest(_message.Message):
+    __slots__ = ("job_id", "since_version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    since_version: int
+    def __init__(self, job_id: _Optional[str] = ..., since_version: _Optional[int] = ...) -> None: ...
+
+class BufferStatusReply(_message.Message):
+    __slots__ = ("model_version", "buffered", "buffer_size", "outstanding", "versions", "refused_stale")
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_STALE_FIELD_NUMBER: _ClassVar[int]
+    model_version: int
+    buffered: int
+    buffer_size: int
+    outstanding: _containers.RepeatedCompositeFieldContainer[IssuedTask]
+    versions: _containers.RepeatedCompositeFieldContainer[VersionRow]
+    refused_stale: int
+    def __init__(self, model_version: _Optional[int] = ..., buffered: _Optional[int] = ..., buffer_size: _Optional[int] = ..., outstanding: _Optional[_Iterable[_Union[IssuedTask, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionRow, _Mapping]]] = ..., refused_stale: _Optional[int] = ...) -> None: ...

@@ -426,3 +426,161 @@ class Coordinator:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AsyncAggregationStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.OpenBuffer = channel.unary_unary(
+                '/fedbroker.v1.AsyncAggregation/OpenBuffer',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.OpenBufferRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.OpenBufferReply.FromString,
+                _registered_method=True)
+        self.IssueTasks = channel.unary_unary(
+                '/fedbroker.v1.AsyncAggregation/IssueTasks',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.IssueTasksRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.IssueTasksReply.FromString,
+                _registered_method=True)
+        self.BufferStatus = channel.unary_unary(
+                '/fedbroker.v1.AsyncAggregation/BufferStatus',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusReply.FromString,
+                _registered_method=True)
+
+
+class AsyncAggregationServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def OpenBuffer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IssueTasks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BufferStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AsyncAggregationServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'OpenBuffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBuffer,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.OpenBufferRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.OpenBufferReply.SerializeToString,
+            ),
+            'IssueTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.IssueTasks,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.IssueTasksRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.IssueTasksReply.SerializeToString,
+            ),
+            'BufferStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.BufferStatus,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'fedbroker.v1.AsyncAggregation', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('fedbroker.v1.AsyncAggregation', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class AsyncAggregation:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def OpenBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.AsyncAggregation/OpenBuffer',
+            fedbroker_dot_proto_dot_fedbroker__pb2.OpenBufferRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.OpenBufferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IssueTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.AsyncAggregation/IssueTasks',
+            fedbroker_dot_proto_dot_fedbroker__pb2.IssueTasksRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.IssueTasksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BufferStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.AsyncAggregation/BufferStatus',
+            fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
