@@ -29,9 +29,10 @@ import numpy as np
 
 from fedbroker import envelope
 from fedbroker.aggregators.client import AggregatorClient
-from fedbroker.aggregators.registries import job_problems
+from fedbroker.aggregators.registries import job_problems, schedule_problem
 from fedbroker.bus import Bus, Delivery
 from fedbroker.coordinator import metrics
+from fedbroker.coordinator.asynchronous import AsyncJob
 from fedbroker.coordinator.checkpoints import load_checkpoint, save_checkpoint
 from fedbroker.coordinator.control import MAX_REASON_CHARS, InvalidControlMessage, check_control
 from fedbroker.coordinator.participants import (
@@ -96,6 +97,7 @@ class Coordinator:
         self._threads: dict[str, threading.Thread] = {}  # the running jobs' threads
         self._queue: collections.deque[tuple[str, JobSpec | None]] = collections.deque()  # jobs waiting for one
         self._done: dict[str, threading.Event] = {}  # set when a job launched here ends (or stop() drops it)
+        self._async_jobs: dict[str, AsyncJob] = {}  # running asynchronous jobs: their task outcomes go to them
 
     # ----- lifecycle -----
 
@@ -142,6 +144,7 @@ class Coordinator:
         deadline: the broker must not reclaim the delivery before, or it closes the worker's channel.
         The algorithm registries check the job's aggregation too, so an in-process caller that parsed the
         job without them (`parse_job`) cannot start rounds that the aggregation service would refuse."""
+        schedule_problem(job.schedule)  # an async job's staleness settings
         problems = job_problems(aggregation=job.aggregation, model=job.model)
         if len(problems) == 1:
             raise problems[0]
@@ -208,7 +211,10 @@ class Coordinator:
             o = env.task_outcome
             status = pb.TaskOutcome.Status.Name(o.status).lower()
             metrics.TASK_OUTCOMES.labels(status).inc()
-            if not self.store.record_outcome(o.job_id, o.round, o.worker_id, status, o.reason[:MAX_REASON_CHARS]):
+            driver = self._async_jobs.get(o.job_id)
+            if driver is not None:  # an asynchronous job's task: round is the task number
+                driver.outcome(o.worker_id, o.round, status, o.reason[:MAX_REASON_CHARS])
+            elif not self.store.record_outcome(o.job_id, o.round, o.worker_id, status, o.reason[:MAX_REASON_CHARS]):
                 log.warning("outcome from %r for unknown task (%s, round %d) ignored", o.worker_id, o.job_id, o.round)
             else:
                 log.info("worker %s %s round %d of %s: %s", o.worker_id, status, o.round, o.job_id, o.reason)
@@ -309,6 +315,10 @@ class Coordinator:
             tensors = initial_weights(job.model, seed=job.seed)
             version = 1
         run = _Run(job_id, job, version, spec_json, tensors)
+        if job.schedule.mode == "async":  # no rounds: coordinator/asynchronous.py
+            self._drive_async(run)
+            self.store.set_job_status(job_id, "completed")
+            return
         # Idempotent at the service: after our own restart it keeps the open round and its uploads.
         self._call(run, "install the global model", lambda: self.aggregator.put_global(job_id, version, spec_json,
                                                                                         tensors))
@@ -324,6 +334,16 @@ class Coordinator:
                 metrics.ROUND_OPEN.labels(job_id).set(0)
                 raise
         self.store.set_job_status(job_id, "completed")
+
+    def _drive_async(self, run: _Run) -> None:
+        driver = AsyncJob(self, run, stopped=_Stopped, failed=JobFailed)
+        with self._jobs_lock:
+            self._async_jobs[run.job_id] = driver
+        try:
+            driver.drive()
+        finally:
+            with self._jobs_lock:
+                self._async_jobs.pop(run.job_id, None)
 
     def _poll(self, check: Callable[[], tuple[bool, T]], *, within_s: float) -> tuple[bool, T]:
         """`check()` every poll interval until it says done or `within_s` passes; its last answer either way.
