@@ -83,6 +83,7 @@ class AsyncState:
     folded: list[Folded] = field(default_factory=list)            # the buffer's updates, in acceptance order
     summaries: list[VersionSummary] = field(default_factory=list)
     refused_stale: int = 0
+    closed: bool = False              # the job ended: no task is issued, every upload is refused
 
     @property
     def max_staleness(self) -> int:
@@ -152,7 +153,7 @@ def copy_for_status(state: AsyncState, since_version: int) -> AsyncState:
     """What BufferStatus reports, copied under the book's lock (the buffer itself is not copied)."""
     return AsyncState(state.config, state.algorithms, state.buffer, dict(state.sample_limits), dict(state.issued),
                       dict(state.accepted), state.next_task, list(state.folded),
-                      [v for v in state.summaries if v.version > since_version], state.refused_stale)
+                      [v for v in state.summaries if v.version > since_version], state.refused_stale, state.closed)
 
 
 def folded_record(entry: Folded, seq: int) -> dict[str, Any]:
@@ -177,6 +178,7 @@ def state_record(state: AsyncState) -> dict[str, Any]:
         "summaries": [{"version": s.version, "updates": [vars(u) for u in s.updates], "total_weight": s.total_weight,
                        "created": s.created} for s in state.summaries],
         "refused_stale": state.refused_stale,
+        "closed": state.closed,
     }
 
 
@@ -188,3 +190,4 @@ def restore_fields(state: AsyncState, record: Mapping[str, Any]) -> None:
     state.summaries = [VersionSummary(int(s["version"]), [folded_from_record(u) for u in s["updates"]],
                                       float(s["total_weight"]), float(s["created"])) for s in record["summaries"]]
     state.refused_stale = int(record.get("refused_stale", 0))
+    state.closed = bool(record.get("closed", False))

@@ -186,3 +186,10 @@ class AggregatorClient:
                                                   timeout=self.timeout_s, metadata=self._md),
             what=f"buffer status of job {job_id}", idempotent=True)
         return reply
+
+    def close_buffer(self, job_id: str) -> int:
+        reply: pb.CloseBufferReply = self._retry(
+            lambda: self._async_stub.CloseBuffer(pb.CloseBufferRequest(job_id=job_id), timeout=self.timeout_s,
+                                                 metadata=self._md),
+            what=f"close the buffer of job {job_id}", idempotent=True)
+        return reply.model_version

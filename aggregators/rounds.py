@@ -325,9 +325,24 @@ class RoundBook:
             raise UploadRejected(Rejection.BAD_REQUEST, "workers must be distinct, non-empty ids")
         with self._lock:
             state = self._async(job)
+            if state.closed:
+                raise Conflict(f"the buffer of job {job_id!r} is closed: the job ended")
             issued = state.issue(list(workers), job.version)
             self._commit(job)
             return issued
+
+    def close_buffer(self, job_id: str) -> int:
+        """The job ended (idempotent): outstanding tasks end, and nothing more is issued or accepted."""
+        job = self._job(job_id)
+        with self._accept_lock, self._lock:
+            state = self._async(job)
+            if not state.closed:
+                state.closed = True
+                state.issued = {}
+                metrics.BUFFER_CAPACITY.dec(state.buffer.buffer_size)
+                metrics.BUFFERED.dec(len(state.folded))
+                self._commit(job)
+            return job.version
 
     def buffer_status(self, job_id: str, since_version: int = 0) -> tuple[int, AsyncState]:
         """The newest version and the async state (read under the lock; the caller copies what it needs)."""
@@ -370,6 +385,8 @@ class RoundBook:
     @staticmethod
     def _outstanding(state: AsyncState, header: pb.UpdateHeader) -> Issued:
         issued = state.outstanding(header.worker_id, header.round)
+        if state.closed:
+            raise UploadRejected(Rejection.ROUND_CLOSED, f"job {header.job_id!r} has ended: its buffer is closed")
         if issued is None:
             raise UploadRejected(Rejection.ROUND_CLOSED, f"task {header.round} of job {header.job_id!r} is not worker "
                                                          f"{header.worker_id!r}'s outstanding task")

@@ -47,6 +47,7 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "OpenBuffer": frozenset({ROLE_COORDINATOR}),
     "IssueTasks": frozenset({ROLE_COORDINATOR}),
     "BufferStatus": frozenset({ROLE_COORDINATOR}),
+    "CloseBuffer": frozenset({ROLE_COORDINATOR}),
 }
 
 
@@ -159,6 +160,9 @@ class AsyncAggregationServicer(pb_grpc.AsyncAggregationServicer):
         issued = handle(context, lambda: self.book.issue_tasks(request.job_id, list(request.workers)))
         return pb.IssueTasksReply(tasks=[pb.IssuedTask(worker_id=w, task=i.task, base_version=i.base)
                                          for w, i in issued])
+
+    def CloseBuffer(self, request: pb.CloseBufferRequest, context: grpc.ServicerContext) -> pb.CloseBufferReply:
+        return pb.CloseBufferReply(model_version=handle(context, lambda: self.book.close_buffer(request.job_id)))
 
     def BufferStatus(self, request: pb.BufferStatusRequest, context: grpc.ServicerContext) -> pb.BufferStatusReply:
         version, state = handle(context, lambda: self.book.buffer_status(request.job_id, request.since_version))

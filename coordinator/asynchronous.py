@@ -84,6 +84,8 @@ class AsyncJob:
                 status = self._status()
                 self._record_versions(status)
                 if self._done(started):
+                    self.c._call(self.run, "close the buffer", lambda: self.c.aggregator.close_buffer(job_id),
+                                 reinstall=False)
                     break
                 self._settle(status)
                 idle, why = self._idle_workers()

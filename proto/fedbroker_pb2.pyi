@@ -560,3 +560,15 @@ class BufferStatusReply(_message.Message):
     versions: _containers.RepeatedCompositeFieldContainer[VersionRow]
     refused_stale: int
     def __init__(self, model_version: _Optional[int] = ..., buffered: _Optional[int] = ..., buffer_size: _Optional[int] = ..., outstanding: _Optional[_Iterable[_Union[IssuedTask, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionRow, _Mapping]]] = ..., refused_stale: _Optional[int] = ...) -> None: ...
+
+class CloseBufferRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class CloseBufferReply(_message.Message):
+    __slots__ = ("model_version",)
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_version: int
+    def __init__(self, model_version: _Optional[int] = ...) -> None: ...

@@ -452,6 +452,11 @@ class AsyncAggregationStub:
                 request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusRequest.SerializeToString,
                 response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusReply.FromString,
                 _registered_method=True)
+        self.CloseBuffer = channel.unary_unary(
+                '/fedbroker.v1.AsyncAggregation/CloseBuffer',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.CloseBufferRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.CloseBufferReply.FromString,
+                _registered_method=True)
 
 
 class AsyncAggregationServicer:
@@ -475,6 +480,13 @@ class AsyncAggregationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CloseBuffer(self, request, context):
+        """The job is done: outstanding tasks end (their uploads are refused, `round_closed`), no task is issued.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AsyncAggregationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -492,6 +504,11 @@ def add_AsyncAggregationServicer_to_server(servicer, server):
                     servicer.BufferStatus,
                     request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusRequest.FromString,
                     response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusReply.SerializeToString,
+            ),
+            'CloseBuffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseBuffer,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.CloseBufferRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.CloseBufferReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -575,6 +592,33 @@ class AsyncAggregation:
             '/fedbroker.v1.AsyncAggregation/BufferStatus',
             fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusRequest.SerializeToString,
             fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.AsyncAggregation/CloseBuffer',
+            fedbroker_dot_proto_dot_fedbroker__pb2.CloseBufferRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.CloseBufferReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -132,3 +132,15 @@ def test_open_buffer_is_idempotent_and_refuses_alignment_naming_the_field() -> N
     assert info.value.field == "schedule.staleness"
     with pytest.raises(Conflict):
         other.issue_tasks("j", ["w1"])  # not in asynchronous mode
+
+
+def test_a_closed_buffer_refuses_uploads_and_issues_nothing(tmp_path) -> None:
+    book = opened(RoundBook(max_update_bytes=10_000, spool_dir=tmp_path))
+    t = tasks(book, "w1")
+    assert book.close_buffer("j") == 1 and book.close_buffer("j") == 1  # idempotent
+    restarted = RoundBook(max_update_bytes=10_000, spool_dir=tmp_path)  # and durable
+    with pytest.raises(UploadRejected) as info:
+        restarted.receive_update(stream(weights(1.0), rnd=t["w1"], worker="w1"))
+    assert info.value.reason is Rejection.ROUND_CLOSED and "ended" in str(info.value)
+    with pytest.raises(Conflict):
+        restarted.issue_tasks("j", ["w1"])
