@@ -381,7 +381,7 @@ class StatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class RoundRow(_message.Message):
-    __slots__ = ("job_id", "round", "status", "participants", "aggregated", "accuracy", "loss", "seconds", "mean_train_loss", "uploaded")
+    __slots__ = ("job_id", "round", "status", "participants", "aggregated", "accuracy", "loss", "seconds", "mean_train_loss", "uploaded", "model_version", "mean_staleness")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -392,6 +392,8 @@ class RoundRow(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEAN_TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
     UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     status: str
@@ -402,7 +404,9 @@ class RoundRow(_message.Message):
     seconds: float
     mean_train_loss: float
     uploaded: int
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., status: _Optional[str] = ..., participants: _Optional[int] = ..., aggregated: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., mean_train_loss: _Optional[float] = ..., uploaded: _Optional[int] = ...) -> None: ...
+    model_version: int
+    mean_staleness: float
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., status: _Optional[str] = ..., participants: _Optional[int] = ..., aggregated: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., mean_train_loss: _Optional[float] = ..., uploaded: _Optional[int] = ..., model_version: _Optional[int] = ..., mean_staleness: _Optional[float] = ...) -> None: ...
 
 class ParticipantRow(_message.Message):
     __slots__ = ("job_id", "round", "worker_id", "status", "reason", "epsilon", "train_loss", "num_samples")
@@ -441,18 +445,20 @@ class WorkerRow(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., epsilon_spent: _Optional[float] = ..., epsilon_budget: _Optional[float] = ..., last_seen_seconds_ago: _Optional[float] = ..., active: _Optional[bool] = ...) -> None: ...
 
 class JobRow(_message.Message):
-    __slots__ = ("job_id", "status", "rounds_done", "rounds_total", "error")
+    __slots__ = ("job_id", "status", "rounds_done", "rounds_total", "error", "mode")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_DONE_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     status: str
     rounds_done: int
     rounds_total: int
     error: str
-    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[str] = ..., rounds_done: _Optional[int] = ..., rounds_total: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    mode: str
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[str] = ..., rounds_done: _Optional[int] = ..., rounds_total: _Optional[int] = ..., error: _Optional[str] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("jobs", "rounds", "workers", "participants")

@@ -7,7 +7,9 @@ import copy
 
 import pytest
 
+from fedbroker.app.status import render
 from fedbroker.config import DPPolicy
+from fedbroker.coordinator.service import status_reply
 from fedbroker.spec import parse_job
 from tests.integration.conftest import Federation
 
@@ -59,7 +61,10 @@ def test_async_job_publishes_its_versions_with_dp_and_learns(federation):
     for worker_id, agent in federation.workers.items():
         assert agent.ledger.epsilon(job_id) > 0, worker_id
     status = federation.book.buffer_status(job_id)[1]
-    assert status.refused_stale == 0
+    assert status.refused_stale == 0 and status.closed and not status.issued  # the ended job's tasks ended
+    table = render(status_reply(federation.coordinator, job_id))
+    assert "VERSIONS (asynchronous jobs)" in table and "async" in table
+    assert f"{rows[-1]['model_version']}" in table.split("VERSIONS")[1]
 
 
 def test_a_worker_over_budget_stops_receiving_tasks(federation):
