@@ -302,6 +302,7 @@ class AsyncJob:
         deadline = time.time() + job.schedule.round_timeout_s
         recorded = {w.worker_id: w.epsilon_spent for w in self.c.store.workers()}
         population = self.c._population(job)
+        batch = []
         for issued in tasks:
             task = pb.RoundTask(
                 job_id=run.job_id, round=issued.task, training_json=json.dumps(asdict(job.training)),
@@ -310,7 +311,10 @@ class AsyncJob:
                 seed=job.seed, aggregation_json=json.dumps(asdict(job.aggregation)),
                 recorded_epsilon_spent=recorded.get(issued.worker_id, 0.0))
             self.held[issued.worker_id] = _Held(issued.task, deadline)
-            if not self.c._publish(issued.worker_id, envelope.encode(round_task=task), deadline):
-                self.held[issued.worker_id].deadline = 0.0  # never sent: reissued after a rest
+            batch.append((issued.worker_id, envelope.encode(round_task=task)))
+        sent = self.c._publish_batch(batch, deadline)
+        for worker_id, _ in batch:
+            if worker_id not in sent:
+                self.held[worker_id].deadline = 0.0  # never sent: reissued after a rest
         log.debug("asynchronous job %s: %d task(s) published", run.job_id, len(tasks))
 

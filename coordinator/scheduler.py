@@ -42,7 +42,7 @@ from fedbroker.coordinator.participants import (
     why_unaffordable,
 )
 from fedbroker.coordinator.state import StateStore, StateUnavailable
-from fedbroker.errors import BusError, ConfigError, ConfigErrors, FedbrokerError, Rejection, Unroutable
+from fedbroker.errors import BusError, ConfigError, ConfigErrors, FedbrokerError, Rejection
 from fedbroker.metrics import BUSES
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff, retry_call
@@ -526,39 +526,46 @@ class Coordinator:
             task.recorded_epsilon_spent = recorded.get(worker_id, 0.0)
             return envelope.encode(round_task=task)
 
-        sent = sum(self._publish(worker_id, body_for(worker_id), rnd.deadline) for worker_id in recipients)
+        sent = self._publish_batch([(worker_id, body_for(worker_id)) for worker_id in recipients], rnd.deadline)
         rnd.published = True
-        log.info("round %d of %s published to %d worker(s)", rnd.number, job_id, sent)
+        log.info("round %d of %s published to %d worker(s)", rnd.number, job_id, len(sent))
 
-    def _publish(self, worker_id: str, body: bytes, deadline: float) -> bool:
-        """Persistent and confirmed by the bus; through a broker outage, retried until the round's deadline.
-        A task that cannot be sent by then, or that is unroutable (no queue for the worker: no retry makes
-        one), makes its worker a straggler at once; the round's quorum rules decide."""
+    def _publish_batch(self, tasks: list[tuple[str, bytes]], deadline: float) -> set[str]:
+        """Persistent tasks with one wait for the broker (`Bus.publish_tasks`); through a broker outage the
+        whole batch is retried until `deadline` (a worker that gets a task twice acks the copy once its update
+        is in). A task that cannot be sent by then, or that is unroutable (no queue for the worker: no retry
+        makes one), makes its worker a straggler at once; the round's quorum rules decide. Returns the worker
+        ids whose task went out."""
+        if not tasks:
+            return set()
+        unroutable: list[str] = []
 
         def publish() -> None:
             try:
-                self.bus.publish_task(worker_id, body)
+                unroutable[:] = self.bus.publish_tasks(tasks)
             except BusError as exc:
                 if self._stop.is_set():
                     raise _Stopped from exc
                 raise
 
         def log_retry(exc: Exception, retry: int, delay: float) -> None:
-            log.warning("task for %s not published (%s); retrying in %.1fs", worker_id, exc, delay)
+            log.warning("%d task(s) not published (%s); retrying in %.1fs", len(tasks), exc, delay)
 
         left = deadline - time.time()
         if left <= 0:
-            log.error("task for %s not published before the round's deadline", worker_id)
-            return False
+            log.error("%d task(s) not published before the deadline", len(tasks))
+            return set()
         try:
-            retry_call(publish, backoff=_OUTAGE_BACKOFF,
-                       retryable=lambda exc: isinstance(exc, BusError) and not isinstance(exc, Unroutable),
+            retry_call(publish, backoff=_OUTAGE_BACKOFF, retryable=lambda exc: isinstance(exc, BusError),
                        deadline=time.monotonic() + left, on_retry=log_retry, sleep=self._stop.wait)
         except BusError as exc:
-            log.error("task for %s not published (%s): it is a straggler of this round", worker_id, exc)
-            return False
-        metrics.TASKS_PUBLISHED.inc()
-        return True
+            log.error("%d task(s) not published (%s): their workers are stragglers", len(tasks), exc)
+            return set()
+        for worker_id in unroutable:
+            log.error("task for %s is unroutable (no queue for it): it is a straggler", worker_id)
+        sent = {worker_id for worker_id, _ in tasks} - set(unroutable)
+        metrics.TASKS_PUBLISHED.inc(len(sent))
+        return sent
 
     def _finish_round(self, run: _Run, rnd: _OpenRound, reply: pb.CloseRoundReply) -> None:
         job_id, job, round_number = run.job_id, run.job, rnd.number
