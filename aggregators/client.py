@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 import grpc
@@ -51,6 +51,7 @@ class AggregatorClient:
         self._md = security.metadata()  # sent with every call
         self._stub = pb_grpc.AggregationStub(self._channel)
         self._async_stub = pb_grpc.AsyncAggregationStub(self._channel)
+        self._events_stub = pb_grpc.AggregationEventsStub(self._channel)
         # the streaming methods with serialized messages in and out (no request serializer / deserializer)
         self._put_global: grpc.StreamUnaryMultiCallable[bytes, pb.UploadReceipt] = self._channel.stream_unary(
             _path("PutGlobalModel"), response_deserializer=pb.UploadReceipt.FromString)
@@ -193,3 +194,9 @@ class AggregatorClient:
                                                  metadata=self._md),
             what=f"close the buffer of job {job_id}", idempotent=True)
         return reply.model_version
+
+    def watch(self) -> Iterator[pb.JobEvents]:
+        """The service's job events, until the stream breaks (the caller reconnects; no retry here). The
+        first message names every job; `cancel()` on the returned call ends it."""
+        stream: Iterator[pb.JobEvents] = self._events_stub.Watch(pb.WatchRequest(), metadata=self._md)
+        return stream

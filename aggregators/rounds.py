@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -77,6 +78,9 @@ class RoundBook:
         self._lock = threading.Lock()
         self._closed = threading.Condition(self._lock)  # notified whenever a close ends, done or not
         self._accept_lock = threading.Lock()  # one accept at a time; status and downloads go on meanwhile
+        self._watchers = threading.Condition(self._lock)  # notified whenever a job changes (`watch`)
+        self._generation = 0                              # counts the changes
+        self._changed_at: dict[str, int] = {}             # job → the generation of its last change
         self._spool = Spool(spool_dir) if spool_dir else None
         if self._spool is not None:
             for job in restore_jobs(self._spool):  # a record that does not load is quarantined, not fatal
@@ -234,6 +238,7 @@ class RoundBook:
                         Spool.discard(spooled)
                     raise _closed_during_upload(header)
                 rnd.accept(entry, tensors, reservation.take(rnd.rows) if reservation is not None else None)
+                self._touch(job)
         return Receipt(header.job_id, header.round, header.worker_id, False, size, digest)
 
     @staticmethod
@@ -435,6 +440,7 @@ class RoundBook:
                 self._spool.save_buffered(job.job_id, job.version, seq, folded_record(entry, seq), tensors)
             with self._lock:
                 state.fold(entry, tensors, base)
+                self._touch(job)
             metrics.STALENESS.observe(tau)
             metrics.BUFFERED.inc()
             if state.buffer.full:
@@ -464,15 +470,48 @@ class RoundBook:
     # ----- the spool -----
 
     def _commit(self, job: Job) -> None:
-        """Write the job's record (under `_lock`); its global versions are on disk already."""
+        """Write the job's record (under `_lock`); its global versions are on disk already. Watchers hear of it."""
         if self._spool is not None:
             self._spool.save_record(job.job_id, job_record(job))
+        self._touch(job)
+
+    # ----- events -----
+
+    def _touch(self, job: Job) -> None:
+        """The job changed (under `_lock`): wake the watchers."""
+        self._generation += 1
+        self._changed_at[job.job_id] = self._generation
+        self._watchers.notify_all()
+
+    def watch(self, after: int, timeout: float) -> tuple[int, list[JobSnapshot]]:
+        """Wait up to `timeout` for a change after generation `after` (0: everything); the generation reached
+        and a snapshot of every job that changed since `after` (none on a timeout)."""
+        with self._watchers:
+            self._watchers.wait_for(lambda: self._generation > after, timeout)
+            changed = [self._jobs[j] for j, g in self._changed_at.items() if g > after and j in self._jobs]
+            return self._generation, [_snapshot(job) for job in changed]
 
     def _job(self, job_id: str) -> Job:
         job = self._jobs.get(job_id)
         if job is None:
             raise UnknownJob(f"unknown job {job_id!r}")
         return job
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    job_id: str
+    round: int
+    accepted: int
+    open: bool
+    version: int
+    buffered: int
+
+
+def _snapshot(job: Job) -> JobSnapshot:
+    rnd, state = job.round, job.asynchronous
+    return JobSnapshot(job.job_id, rnd.number if rnd is not None else 0, len(rnd.accepted) if rnd is not None else 0,
+                       rnd is not None and not rnd.closed, job.version, len(state.folded) if state is not None else 0)
 
 
 def _closed_during_upload(header: pb.UpdateHeader) -> UploadRejected:

@@ -48,7 +48,9 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "IssueTasks": frozenset({ROLE_COORDINATOR}),
     "BufferStatus": frozenset({ROLE_COORDINATOR}),
     "CloseBuffer": frozenset({ROLE_COORDINATOR}),
+    "Watch": frozenset({ROLE_COORDINATOR}),
 }
+WATCH_KEEPALIVE_S = 5.0  # an empty JobEvents this often: the stream is never idle
 
 
 def _count_refusal(method: str, reason: str) -> None:
@@ -177,6 +179,21 @@ class AsyncAggregationServicer(pb_grpc.AsyncAggregationServicer):
             refused_stale=state.refused_stale)
 
 
+class EventsServicer(pb_grpc.AggregationEventsServicer):
+    """Tells the coordinator the moment a job changes (an upload accepted, a round or version done)."""
+
+    def __init__(self, book: RoundBook, keepalive_s: float = WATCH_KEEPALIVE_S) -> None:
+        self.book = book
+        self.keepalive_s = keepalive_s
+
+    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.JobEvents]:
+        after = 0
+        while context.is_active():
+            after, changed = self.book.watch(after, self.keepalive_s)
+            yield pb.JobEvents(jobs=[pb.JobSnapshot(job_id=j.job_id, round=j.round, accepted=j.accepted, open=j.open,
+                                                    model_version=j.version, buffered=j.buffered) for j in changed])
+
+
 class DigestCache:
     """The SHA-256 of each global model version, hashed once for all of its downloads.
 
@@ -282,6 +299,7 @@ def serve(book: RoundBook, *, address: str = "127.0.0.1:0", limits: CallLimits |
                          interceptors=interceptors)
     _add_servicer(AggregationServicer(book, auth), server)
     pb_grpc.add_AsyncAggregationServicer_to_server(AsyncAggregationServicer(book), server)
+    pb_grpc.add_AggregationEventsServicer_to_server(EventsServicer(book), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = add_port(server, address, tls)

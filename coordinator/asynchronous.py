@@ -99,7 +99,10 @@ class AsyncJob:
                         raise self._failed(f"no worker of category {job.category!r} can take a task of this "
                                         f"asynchronous job after {job.schedule.wait_for_workers_s:g}s"
                                         f"{' [' + reasons + ']' if reasons else ''}")
-                if self.c._stop.wait(self.c.poll_interval_s):
+                # the next accepted update (or a refusal) wakes us at once; a held task's deadline, a new worker
+                # or a lost event within the safety poll
+                self.c.events.wait(job_id, self.c.safety_poll_s)
+                if self.c._stop.is_set():
                     raise self._stopped
         finally:
             metrics.ASYNC_RUNNING.labels(job_id).set(0)

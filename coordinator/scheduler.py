@@ -35,6 +35,7 @@ from fedbroker.coordinator import metrics
 from fedbroker.coordinator.asynchronous import AsyncJob
 from fedbroker.coordinator.checkpoints import load_checkpoint, save_checkpoint
 from fedbroker.coordinator.control import MAX_REASON_CHARS, InvalidControlMessage, check_control
+from fedbroker.coordinator.events import JobWatcher
 from fedbroker.coordinator.participants import (
     WorkerBudget,
     budget_from_heartbeat,
@@ -70,12 +71,14 @@ class Coordinator:
                  checkpoint_dir: str, heartbeat_timeout_s: float = 60.0, poll_interval_s: float = 0.2,
                  evaluator: Evaluator | None = None, broker_consumer_timeout_s: float | None = None,
                  aggregator_outage_s: float = 300.0, store_outage_s: float = 300.0,
-                 max_running_jobs: int = 16) -> None:
+                 max_running_jobs: int = 16, safety_poll_s: float = 2.0) -> None:
         """`broker_consumer_timeout_s`: RabbitMQ's consumer_timeout on this deployment (None: no limit, e.g.
         the in-process bus). `aggregator_outage_s`: how long a job waits for an unreachable aggregation
         service before it fails; `store_outage_s` likewise for a state store that cannot be written (a lock
         held elsewhere, a full disk). `max_running_jobs`: jobs driven at once, one thread each; later jobs
-        wait `pending`, first submitted first started."""
+        wait `pending`, first submitted first started. `safety_poll_s`: a round (or an async job) waits on the
+        aggregation service's events (coordinator/events.py) and looks at its status at least this often,
+        in case an event was lost; `poll_interval_s`: how often waits for workers look at the registry."""
         if isinstance(max_running_jobs, bool) or not isinstance(max_running_jobs, int) or max_running_jobs < 1:
             raise ConfigError("coordinator.max_running_jobs", f"must be an integer >= 1, got {max_running_jobs!r}")
         self.bus = bus
@@ -90,6 +93,8 @@ class Coordinator:
         self.aggregator_outage_s = aggregator_outage_s
         self.store_outage_s = store_outage_s
         self.max_running_jobs = max_running_jobs
+        self.safety_poll_s = safety_poll_s
+        self.events = JobWatcher(self.aggregator)
         self._stop = threading.Event()
         self._budgets: dict[str, WorkerBudget] = {}   # by worker: what its last heartbeat said it can afford
         self._budgets_lock = threading.Lock()
@@ -105,6 +110,7 @@ class Coordinator:
         """Consume control messages and resume every job that was running when we last stopped."""
         metrics.REGISTRY_COLLECTOR.bind(self)
         BUSES.watch(self.bus, client="coordinator")
+        self.events.start()
         self.bus.consume_control(self.on_control)
         for row in self.store.jobs(status="running") + self.store.jobs(status="pending"):
             log.info("resuming job %s after round %d", row["job_id"], row["rounds_done"])
@@ -119,6 +125,7 @@ class Coordinator:
             threads = list(self._threads.values())
         for thread in threads:
             thread.join(timeout=10)
+        self.events.stop()
         metrics.REGISTRY_COLLECTOR.unbind(self)
         BUSES.unwatch("coordinator")
 
@@ -218,6 +225,7 @@ class Coordinator:
                 log.warning("outcome from %r for unknown task (%s, round %d) ignored", o.worker_id, o.job_id, o.round)
             else:
                 log.info("worker %s %s round %d of %s: %s", o.worker_id, status, o.round, o.job_id, o.reason)
+            self.events.poke(o.job_id)  # the round (or async job) waiting on it looks again now
         delivery.ack()
 
     def _note_epsilon(self, worker_id: str, reported: float, message: str) -> None:
@@ -614,8 +622,24 @@ class Coordinator:
             answered = self._answered(job_id, round_number)
             if len(set(accepted) | answered) >= len(rnd.participants) or time.time() >= rnd.deadline:
                 break
-            time.sleep(self.poll_interval_s)
+            self._await_round_event(job_id, round_number, rnd.deadline,
+                                    enough=quorum, everyone=len(rnd.participants) - len(answered))
         return accepted
+
+    def _await_round_event(self, job_id: str, round_number: int, deadline: float, *, enough: int,
+                           everyone: int) -> None:
+        """Until the service's events say the round has `enough` uploads (or `everyone` who can still
+        upload has), a worker's refusal comes in, the deadline (a one-shot timer) or the safety poll."""
+        until = min(deadline, time.time() + self.safety_poll_s)
+        while not self._stop.is_set():
+            left = until - time.time()
+            if left <= 0 or not self.events.wait(job_id, left):
+                return
+            snapshot = self.events.latest(job_id)
+            if snapshot is None or snapshot.round != round_number or not snapshot.open:
+                return  # a poke (a refusal), or the round is no longer the one we wait on
+            if snapshot.accepted >= min(enough, everyone):
+                return
 
     # ----- the aggregation service's outages -----
 

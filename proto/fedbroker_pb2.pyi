@@ -578,3 +578,29 @@ class CloseBufferReply(_message.Message):
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     model_version: int
     def __init__(self, model_version: _Optional[int] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class JobSnapshot(_message.Message):
+    __slots__ = ("job_id", "round", "accepted", "open", "model_version", "buffered")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    accepted: int
+    open: bool
+    model_version: int
+    buffered: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., open: _Optional[bool] = ..., model_version: _Optional[int] = ..., buffered: _Optional[int] = ...) -> None: ...
+
+class JobEvents(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobSnapshot]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobSnapshot, _Mapping]]] = ...) -> None: ...

@@ -628,3 +628,78 @@ class AsyncAggregation:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AggregationEventsStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Watch = channel.unary_stream(
+                '/fedbroker.v1.AggregationEvents/Watch',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.WatchRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.JobEvents.FromString,
+                _registered_method=True)
+
+
+class AggregationEventsServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Watch(self, request, context):
+        """One stream per coordinator: a message whenever an upload is accepted, a round opens or closes, or a
+        version is published; an empty one every few seconds keeps the stream alive. A lost stream loses
+        nothing that matters: the coordinator reconnects, and its safety poll asks RoundStatus meanwhile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AggregationEventsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.WatchRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.JobEvents.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'fedbroker.v1.AggregationEvents', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('fedbroker.v1.AggregationEvents', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class AggregationEvents:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fedbroker.v1.AggregationEvents/Watch',
+            fedbroker_dot_proto_dot_fedbroker__pb2.WatchRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.JobEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
