@@ -243,13 +243,17 @@ def _confirms_outstanding(url: str, exchange: str, ids: list[str], body: bytes) 
     """Publish one persistent message per id on a confirm channel without waiting, then wait for every ack."""
     import pika
 
-    state: dict[str, Any] = {"acked": 0, "started": 0.0, "seconds": None, "channel": None, "connection": None}
+    state: dict[str, Any] = {"started": 0.0, "seconds": None, "channel": None, "connection": None}
+    pending = set(range(1, len(ids) + 1))  # delivery tags not confirmed yet (acks come in any order)
     properties = pika.BasicProperties(delivery_mode=pika.DeliveryMode.Persistent)
 
     def on_confirm(frame: Any) -> None:
         method = frame.method
-        state["acked"] = method.delivery_tag if method.multiple else state["acked"] + 1
-        if state["acked"] >= len(ids) and state["seconds"] is None:
+        if method.multiple:
+            pending.difference_update([t for t in pending if t <= method.delivery_tag])
+        else:
+            pending.discard(method.delivery_tag)
+        if not pending and state["seconds"] is None:
             state["seconds"] = time.perf_counter() - state["started"]
             state["connection"].close()
 
@@ -268,7 +272,7 @@ def _confirms_outstanding(url: str, exchange: str, ids: list[str], body: bytes) 
     state["connection"] = connection
     connection.ioloop.start()
     if state["seconds"] is None:
-        raise RuntimeError(f"only {state['acked']} of {len(ids)} confirms came back")
+        raise RuntimeError(f"{len(pending)} of {len(ids)} confirms did not come back")
     return float(state["seconds"])
 
 
