@@ -223,12 +223,14 @@ class AsyncJob:
         scores = self.c.evaluator(self.job, spec_json, tensors) if self.c.evaluator and tensors else None
         accuracy, loss = scores if scores else (None, None)
         last = {u.worker_id: u for u in row.updates}  # a fast worker may be in one buffer twice: its last update
-        previous = self.c.store.round(job_id, number - 1)
-        started = float(previous["closed"]) if previous is not None and previous["closed"] else row.created_unix
+        previous = self.c.store.round(job_id, number - 1)  # seconds: between the service's publications
+        started = (float(json.loads(previous["stats_json"] or "{}").get("created_unix", previous["started"]))
+                   if previous is not None else float(self.c.store.job(job_id)["created"]))
         seconds = max(0.0, row.created_unix - started)
         self.c.store.open_round(job_id, number, sorted(last), started=started)
         stats = {"mean_staleness": sum(row.staleness) / len(row.staleness) if row.staleness else 0.0,
-                 "max_staleness": float(max(row.staleness, default=0)), "updates": float(len(row.updates))}
+                 "max_staleness": float(max(row.staleness, default=0)), "updates": float(len(row.updates)),
+                 "created_unix": row.created_unix}
         self.c.store.close_round(
             job_id, number, model_version=row.version, aggregated=sorted(last),
             updates=[(u.worker_id, u.num_samples, u.epsilon, u.train_loss) for u in last.values()],
