@@ -93,7 +93,9 @@ class Coordinator:
         self.aggregator_outage_s = aggregator_outage_s
         self.store_outage_s = store_outage_s
         self.max_running_jobs = max_running_jobs
-        self.safety_poll_s = safety_poll_s
+        if isinstance(safety_poll_s, bool) or not isinstance(safety_poll_s, (int, float)) or not 0 < safety_poll_s <= 3600:
+            raise ConfigError("coordinator.safety_poll_s", f"must be a number of seconds in (0, 3600], got {safety_poll_s!r}")
+        self.safety_poll_s = float(safety_poll_s)
         self.events = JobWatcher(self.aggregator)
         self._stop = threading.Event()
         self._budgets: dict[str, WorkerBudget] = {}   # by worker: what its last heartbeat said it can afford
