@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from prometheus_client import REGISTRY
 
 from fedbroker.app.status import render
 from fedbroker.config import DPPolicy
@@ -47,10 +48,22 @@ def run(federation: Federation, job: dict) -> str:
     return job_id
 
 
+def sample(name: str, labels: dict[str, str] | None = None) -> float:
+    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+
 def test_async_job_publishes_its_versions_with_dp_and_learns(federation):
     for i in range(3):
         federation.add_worker(f"w{i}", index=i, count=3, dp=GENEROUS)
+    versions_before = sample("fedbroker_aggregator_versions_published_total")
+    staleness_before = sample("fedbroker_aggregator_update_staleness_versions_count")
     job_id = run(federation, JOB)
+    # the metrics move: versions (service and per job), the staleness of every accepted update, the alert's clock
+    assert sample("fedbroker_aggregator_versions_published_total") - versions_before >= 6
+    assert sample("fedbroker_aggregator_update_staleness_versions_count") - staleness_before >= 12
+    assert sample("fedbroker_coordinator_versions_total", {"job_id": job_id}) == 6
+    assert sample("fedbroker_coordinator_last_version_timestamp_seconds", {"job_id": job_id}) > 0
+    assert sample("fedbroker_coordinator_async_job_running", {"job_id": job_id}) == 0  # it ended
     rows = federation.store.rounds(job_id)
     assert len(rows) == 6 and all(r["status"] == "closed" and r["checkpoint"] for r in rows)
     versions = [r["model_version"] for r in rows]
