@@ -79,6 +79,11 @@ experiment-alignment: $(STAMP)
 experiment-weighting-selection: $(STAMP)
 	$(PY) -m experiments.weighting_selection
 
+# sync rounds vs asynchronous FedBuff in wall-clock time, DP workers of 10x different speeds (~8 minutes)
+.PHONY: experiment-async
+experiment-async: $(STAMP)
+	$(PY) -m experiments.async_fedbuff
+
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. fedbroker/proto/fedbroker.proto
 
