@@ -294,7 +294,8 @@ def serve(book: RoundBook, *, address: str = "127.0.0.1:0", limits: CallLimits |
         auth = ServerAuth(tokens, PERMISSIONS, service=SERVICE_NAME, on_reject=_count_refusal)
         interceptors.append(auth)
     interceptors.append(CallGuard(limits, service=SERVICE_NAME, identify=auth.identity if auth else None,
-                                  trusted_roles=frozenset({ROLE_COORDINATOR}), on_refuse=_count_refusal))
+                                  trusted_roles=frozenset({ROLE_COORDINATOR}), on_refuse=_count_refusal,
+                                  uncapped=frozenset({"Watch"})))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads), options=CHANNEL_OPTIONS,
                          interceptors=interceptors)
     _add_servicer(AggregationServicer(book, auth), server)
