@@ -126,8 +126,7 @@ def run_once(mode: str, seed: int, rounds: int, workers: int) -> dict[str, Any]:
         if status != "completed":
             raise RuntimeError(f"{mode} seed {seed}: job {status}: {store.job(job_id)['error']}")
         rows = store.rounds(job_id)
-        first = float(store.round(job_id, 1)["started"]) if mode == "sync" else submitted
-        curve = [(float(r["closed"]) - first, float(r["accuracy"])) for r in rows]
+        curve = [(float(r["closed"]) - submitted, float(r["accuracy"])) for r in rows]  # both from the submission
         trainings = sum(1 for p in store.participants(job_id) if p["status"] in ("aggregated", "uploaded"))
         return {"mode": mode, "seed": seed, "curve": curve, "final_accuracy": curve[-1][1],
                 "seconds": curve[-1][0], "rows": len(rows), "recorded_updates": trainings,
