@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-# demo options (see README): make demo WORKERS=5 ROUNDS=10 ALPHA=0.1 DP=off DATASET=wine BROKER=amqp://...
+# demo options (see README): make demo WORKERS=5 ROUNDS=10 ALPHA=0.1 DP=off DATASET=wine BROKER=amqp://... MODE=async
 WORKERS ?= 3
 ROUNDS  ?= 5
 ALPHA   ?= 0.5
@@ -12,6 +12,7 @@ DP      ?= on
 DATASET ?= digits
 BROKER  ?=
 PARTITION ?= dirichlet
+MODE    ?= sync
 
 .PHONY: venv demo test lint test-unit test-ops ops-tools proto clean bench bench-quick bench-env
 
@@ -30,7 +31,7 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m fedbroker demo --workers $(WORKERS) --rounds $(ROUNDS) --alpha $(ALPHA) \
 		--partition $(PARTITION) --dataset $(DATASET) $(if $(filter off no false 0,$(DP)),--no-dp,--dp) \
-		$(if $(BROKER),--broker '$(BROKER)')
+		$(if $(BROKER),--broker '$(BROKER)') --mode $(MODE)
 
 test: $(STAMP) ops-tools security-tools lint
 	$(PY) -m pytest -q
@@ -81,6 +82,11 @@ experiment-alignment: $(STAMP)
 .PHONY: experiment-weighting-selection
 experiment-weighting-selection: $(STAMP)
 	$(PY) -m experiments.weighting_selection
+
+# sync rounds vs asynchronous FedBuff in wall-clock time, DP workers of 10x different speeds (~8 minutes)
+.PHONY: experiment-async
+experiment-async: $(STAMP)
+	$(PY) -m experiments.async_fedbuff
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. fedbroker/proto/fedbroker.proto

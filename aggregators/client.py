@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 import grpc
@@ -50,6 +50,8 @@ class AggregatorClient:
         self._channel = security.channel(target, CHANNEL_OPTIONS)
         self._md = security.metadata()  # sent with every call
         self._stub = pb_grpc.AggregationStub(self._channel)
+        self._async_stub = pb_grpc.AsyncAggregationStub(self._channel)
+        self._events_stub = pb_grpc.AggregationEventsStub(self._channel)
         # the streaming methods with serialized messages in and out (no request serializer / deserializer)
         self._put_global: grpc.StreamUnaryMultiCallable[bytes, pb.UploadReceipt] = self._channel.stream_unary(
             _path("PutGlobalModel"), response_deserializer=pb.UploadReceipt.FromString)
@@ -163,3 +165,46 @@ class AggregatorClient:
             what=f"abandon round {round}", idempotent=True,
         )
         return list(reply.discarded)
+    # ----- asynchronous mode (FedBuff) -----
+
+    def open_buffer(self, job_id: str, *, aggregation: Mapping[str, object], buffer_size: int, max_staleness: int,
+                    staleness: str, staleness_params: Mapping[str, object], server_lr: float, seed: int,
+                    num_samples: Mapping[str, int] | None = None) -> int:
+        """Put the job in asynchronous mode (idempotent); returns the newest global version."""
+        request = pb.OpenBufferRequest(
+            job_id=job_id, aggregation_json=json.dumps(dict(aggregation)), buffer_size=buffer_size,
+            max_staleness=max_staleness, staleness=staleness, staleness_params_json=json.dumps(dict(staleness_params)),
+            server_lr=server_lr, seed=seed, num_samples=dict(num_samples or {}))
+        reply: pb.OpenBufferReply = self._retry(
+            lambda: self._async_stub.OpenBuffer(request, timeout=self.timeout_s, metadata=self._md),
+            what=f"open the buffer of job {job_id}", idempotent=True)
+        return reply.model_version
+
+    def issue_tasks(self, job_id: str, workers: Sequence[str]) -> list[pb.IssuedTask]:
+        """New tasks on the newest version; repeating it supersedes the tasks of the first call (safe: a task
+        is published only after its reply)."""
+        request = pb.IssueTasksRequest(job_id=job_id, workers=list(workers))
+        reply: pb.IssueTasksReply = self._retry(
+            lambda: self._async_stub.IssueTasks(request, timeout=self.timeout_s, metadata=self._md),
+            what=f"issue tasks of job {job_id}", idempotent=True)
+        return list(reply.tasks)
+
+    def buffer_status(self, job_id: str, since_version: int = 0) -> pb.BufferStatusReply:
+        reply: pb.BufferStatusReply = self._retry(
+            lambda: self._async_stub.BufferStatus(pb.BufferStatusRequest(job_id=job_id, since_version=since_version),
+                                                  timeout=self.timeout_s, metadata=self._md),
+            what=f"buffer status of job {job_id}", idempotent=True)
+        return reply
+
+    def close_buffer(self, job_id: str) -> int:
+        reply: pb.CloseBufferReply = self._retry(
+            lambda: self._async_stub.CloseBuffer(pb.CloseBufferRequest(job_id=job_id), timeout=self.timeout_s,
+                                                 metadata=self._md),
+            what=f"close the buffer of job {job_id}", idempotent=True)
+        return reply.model_version
+
+    def watch(self) -> Iterator[pb.JobEvents]:
+        """The service's job events, until the stream breaks (the caller reconnects; no retry here). The
+        first message names every job; `cancel()` on the returned call ends it."""
+        stream: Iterator[pb.JobEvents] = self._events_stub.Watch(pb.WatchRequest(), metadata=self._md)
+        return stream

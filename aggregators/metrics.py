@@ -61,6 +61,18 @@ SELECTION_GA_RUNS = Counter(
 )
 UPDATES_AGGREGATED = Counter(
     "fedbroker_aggregator_updates_aggregated_total", "Updates that went into a new global version.")
+# Asynchronous mode (FedBuff); refused stale updates are uploads_rejected_total{reason="stale"}.
+STALENESS = Histogram(
+    "fedbroker_aggregator_update_staleness_versions",
+    "Staleness τ of accepted asynchronous updates: global versions published since the update's base version.",
+    buckets=(0, 1, 2, 3, 4, 5, 6, 8, 10, 15, 20, 50, 100))
+BUFFERED = Gauge(
+    "fedbroker_aggregator_buffered_updates", "Updates waiting in the asynchronous jobs' buffers (all jobs).")
+BUFFER_CAPACITY = Gauge(
+    "fedbroker_aggregator_buffer_capacity_updates",
+    "The asynchronous jobs' buffer sizes, summed: buffered_updates / this is the buffers' fill.")
+VERSIONS = Counter(
+    "fedbroker_aggregator_versions_published_total", "Global versions published by asynchronous buffers.")
 
 # Which CloseRound stats carry the alignment cost and the GA's fitness (with or without a prefix).
 _DISTANCE_KEYS = ("alignment_total_matched_distance", "total_matched_distance")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fedbroker.aggregators.alignment import ALIGNMENT, Alignment
+from fedbroker.aggregators.fedbuff import staleness_function
 from fedbroker.aggregators.network import alignment_problems
 from fedbroker.aggregators.registry import Registry
 from fedbroker.aggregators.selection import SELECTION, GeneticSelection, Selector
@@ -22,6 +23,7 @@ from fedbroker.spec import (
     AggregationConfig,
     JobSpec,
     ModelSpec,
+    ScheduleConfig,
     job_from_text,
     output_shapes,
     parse_job,
@@ -110,9 +112,19 @@ def _probe_problems(selection: Selector, model: ModelSpec) -> list[ConfigError]:
 
 def accept_job(raw: object) -> JobSpec:
     """A job given as a mapping (parsed YAML/JSON), validated in full; raises ConfigError(s) naming each bad field."""
-    return parse_job(raw, check=job_problems)
+    job = parse_job(raw, check=job_problems)
+    schedule_problem(job.schedule)
+    return job
+
+
+def schedule_problem(schedule: ScheduleConfig) -> None:
+    """An async job's staleness function and its parameters (raises the ConfigError naming the field)."""
+    if schedule.mode == "async":
+        staleness_function(schedule.staleness, schedule.staleness_params)
 
 
 def accept_job_text(text: str) -> JobSpec:
     """A job given as YAML or JSON text, validated in full (see accept_job)."""
-    return job_from_text(text, check=job_problems)
+    job = job_from_text(text, check=job_problems)
+    schedule_problem(job.schedule)
+    return job

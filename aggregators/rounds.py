@@ -28,13 +28,16 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from fedbroker import codec
-from fedbroker.aggregators import admission
+from fedbroker.aggregators import admission, metrics
+from fedbroker.aggregators.buffered import AsyncState, Folded, Issued, copy_for_status, folded_record, new_async_state
 from fedbroker.aggregators.combine import ProbeLoader, combine
+from fedbroker.aggregators.fedbuff import StaleUpdate
 from fedbroker.aggregators.probes import probe_arrays
 from fedbroker.aggregators.registries import build_algorithms
 from fedbroker.aggregators.rows import Reservation
@@ -49,7 +52,7 @@ from fedbroker.aggregators.state import (
     new_round,
 )
 from fedbroker.aggregators.weighting.base import UpdateMeta
-from fedbroker.errors import NotFound, Rejection, UnknownJob, UploadRejected
+from fedbroker.errors import Conflict, NotFound, Rejection, UnknownJob, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import AggregationConfig, ModelSpec, parameter_shapes, parse_model
 
@@ -78,12 +81,17 @@ class RoundBook:
         self._lock = threading.Lock()
         self._closed = threading.Condition(self._lock)  # notified whenever a close ends, done or not
         self._accept_lock = threading.Lock()  # one accept at a time; status and downloads go on meanwhile
+        self._watchers = threading.Condition(self._lock)  # notified whenever a job changes (`watch`)
+        self._generation = 0                              # counts the changes
+        self._changed_at: dict[str, int] = {}             # job → the generation of its last change
         self._spool = Spool(spool_dir) if spool_dir else None
         if self._spool is not None:
             for job in restore_jobs(self._spool):  # a record that does not load is quarantined, not fatal
                 self._jobs[job.job_id] = job
             if self._jobs:
                 log.info("restored %d job(s) from the spool %s", len(self._jobs), spool_dir)
+            for job in self._jobs.values():
+                self._restored_buffer(job)
 
     # ----- global model -----
 
@@ -140,8 +148,14 @@ class RoundBook:
             return job.version
 
     def status(self, job_id: str, round_number: int) -> tuple[list[str], bool]:
+        """Who got in, and whether the round is open; in async mode `round_number` is a task number: its
+        worker if that task's update was accepted, and open while the task is outstanding."""
         job = self._job(job_id)
         with self._lock:
+            state = job.asynchronous
+            if state is not None:
+                return ([w for w, r in state.accepted.items() if r.task == round_number],
+                        any(i.task == round_number for i in state.issued.values()))
             return job.status(round_number)
 
     def receive_update(self, messages: Iterable[pb.UpdateChunk]) -> Receipt:
@@ -155,6 +169,10 @@ class RoundBook:
         first = self._admit(header)
         if first is not None:
             return first
+        if self._jobs[header.job_id].asynchronous is not None:
+            tensors, digest = codec.receive_payload(stream, header, size, buffer=None)
+            admission.check_finite(tensors, who=f"worker {header.worker_id!r}")
+            return self._accept_async(header, tensors, digest)
         reservation = self._reserve(header)
         try:
             tensors, digest = codec.receive_payload(stream, header, size,
@@ -171,6 +189,8 @@ class RoundBook:
         job = self._jobs.get(header.job_id)
         if job is None:
             raise UploadRejected(Rejection.UNKNOWN_JOB, f"unknown job {header.job_id!r}")
+        if job.asynchronous is not None:
+            return self._admit_async(job, header)
         with self._lock:
             rnd = job.current(header.round)
             first = rnd.receipt(header.job_id, header.worker_id) if rnd is not None else None
@@ -221,6 +241,7 @@ class RoundBook:
                         Spool.discard(spooled)
                     raise _closed_during_upload(header)
                 rnd.accept(entry, tensors, reservation.take(rnd.rows) if reservation is not None else None)
+                self._touch(job)
         return Receipt(header.job_id, header.round, header.worker_id, False, size, digest)
 
     @staticmethod
@@ -294,18 +315,217 @@ class RoundBook:
             self._commit(job)
         return result
 
+    # ----- asynchronous mode (FedBuff) -----
+
+    def open_buffer(self, job_id: str, config: Mapping[str, Any], *,
+                    num_samples: Mapping[str, int] | None = None) -> int:
+        """Put the job in asynchronous mode (idempotent: a job already in it keeps its buffer and tasks).
+        `config`: aggregation, buffer_size, max_staleness, staleness, staleness_params, server_lr, seed."""
+        job = self._job(job_id)
+        state = new_async_state(dict(config), {w: int(n) for w, n in (num_samples or {}).items()})
+        with self._lock:
+            if job.asynchronous is not None:
+                job.asynchronous.sample_limits.update(state.sample_limits)  # workers registered since
+                self._commit(job)
+                return job.version
+            if job.round is not None and not job.round.closed:
+                raise Conflict(f"job {job_id!r} has an open round: it is not in asynchronous mode")
+            job.asynchronous = state
+            job.seed = int(config.get("seed", 0))
+            metrics.BUFFER_CAPACITY.inc(state.buffer.buffer_size)
+            self._commit(job)
+            return job.version
+
+    def issue_tasks(self, job_id: str, workers: Sequence[str]) -> list[tuple[str, Issued]]:
+        """A new task on the newest version for each worker, on disk before the reply (the coordinator
+        publishes the tasks only then); a worker's previous task is superseded."""
+        job = self._job(job_id)
+        if len(set(workers)) != len(workers) or not all(isinstance(w, str) and w for w in workers):
+            raise UploadRejected(Rejection.BAD_REQUEST, "workers must be distinct, non-empty ids")
+        with self._lock:
+            state = self._async(job)
+            if state.closed:
+                raise Conflict(f"the buffer of job {job_id!r} is closed: the job ended")
+            issued = state.issue(list(workers), job.version)
+            self._commit(job)
+            return issued
+
+    def close_buffer(self, job_id: str) -> int:
+        """The job ended (idempotent): outstanding tasks end, and nothing more is issued or accepted."""
+        job = self._job(job_id)
+        with self._accept_lock, self._lock:
+            state = self._async(job)
+            if not state.closed:
+                state.closed = True
+                state.issued = {}
+                metrics.BUFFER_CAPACITY.dec(state.buffer.buffer_size)
+                metrics.BUFFERED.dec(len(state.folded))
+                self._commit(job)
+            return job.version
+
+    def buffer_status(self, job_id: str, since_version: int = 0) -> tuple[int, AsyncState]:
+        """The newest version and the async state (read under the lock; the caller copies what it needs)."""
+        job = self._job(job_id)
+        with self._lock:
+            state = self._async(job)
+            return job.version, copy_for_status(state, since_version)
+
+    def _restored_buffer(self, job: Job) -> None:
+        """A restored async job: its buffer counts in the metrics, and a buffer that was full when the service
+        died (every update's receipt sent, the version not yet committed) becomes that version now."""
+        state = job.asynchronous
+        if state is None:
+            return
+        metrics.BUFFER_CAPACITY.inc(state.buffer.buffer_size)
+        metrics.BUFFERED.inc(len(state.folded))
+        if state.buffer.full:
+            with self._accept_lock:
+                self._publish_version(job, state)
+
+    def _async(self, job: Job) -> AsyncState:
+        if job.asynchronous is None:
+            raise Conflict(f"job {job.job_id!r} is not in asynchronous mode (OpenBuffer first)")
+        return job.asynchronous
+
+    def _admit_async(self, job: Job, header: pb.UpdateHeader) -> Receipt | None:
+        with self._lock:
+            state = self._async(job)
+            first = state.receipt(header.worker_id, header.round)
+            if first is not None:  # a retry of an accepted upload: its first receipt, counted once
+                return Receipt(header.job_id, header.round, header.worker_id, True, first.bytes_received,
+                               first.sha256)
+            issued = self._outstanding(state, header)
+            self._check_fresh(job, state, issued, header)
+            shapes = parameter_shapes(job.spec)
+            limit = state.sample_limits.get(header.worker_id)
+        admission.check_header(header, shapes, max_samples=limit)
+        return None
+
+    @staticmethod
+    def _outstanding(state: AsyncState, header: pb.UpdateHeader) -> Issued:
+        issued = state.outstanding(header.worker_id, header.round)
+        if state.closed:
+            raise UploadRejected(Rejection.ROUND_CLOSED, f"job {header.job_id!r} has ended: its buffer is closed")
+        if issued is None:
+            raise UploadRejected(Rejection.ROUND_CLOSED, f"task {header.round} of job {header.job_id!r} is not worker "
+                                                         f"{header.worker_id!r}'s outstanding task")
+        return issued
+
+    @staticmethod
+    def _check_fresh(job: Job, state: AsyncState, issued: Issued, header: pb.UpdateHeader) -> int:
+        tau = job.version - issued.base
+        try:
+            state.buffer.check(tau)
+        except StaleUpdate as exc:
+            state.refused_stale += 1
+            raise UploadRejected(Rejection.STALE, f"worker {header.worker_id!r}, task {header.round}: trained from "
+                                                  f"version {issued.base}, the newest is {job.version}: {exc}") from None
+        if issued.base not in job.versions:  # kept for as long as max_staleness allows
+            raise UploadRejected(Rejection.STALE, f"version {issued.base} of job {header.job_id!r} is no longer kept")
+        return tau
+
+    def _accept_async(self, header: pb.UpdateHeader, tensors: dict[str, np.ndarray], digest: str) -> Receipt:
+        """Fold an update into the buffer: its file is on disk before the receipt goes back; a buffer that
+        fills makes the next version, on disk (global model, then the record) before the receipt too."""
+        job = self._job(header.job_id)
+        size = sum(arr.nbytes for arr in tensors.values())
+        meta = UpdateMeta(worker_id=header.worker_id, num_samples=int(header.num_samples),
+                          ish=header.ish if header.has_ish else None, loss=header.validation_loss or header.train_loss)
+        with self._accept_lock:  # one accept at a time: the buffer and the versions change only here
+            with self._lock:
+                state = self._async(job)
+                first = state.receipt(header.worker_id, header.round)
+                if first is not None:
+                    return Receipt(header.job_id, header.round, header.worker_id, True, first.bytes_received,
+                                   first.sha256)
+                issued = self._outstanding(state, header)
+                tau = self._check_fresh(job, state, issued, header)
+                try:
+                    raw = float(state.algorithms.weighting.raw_weight(meta))
+                except ValueError as exc:
+                    raise UploadRejected(Rejection.BAD_HEADER, str(exc)) from exc
+                if not (raw > 0 and np.isfinite(raw)):
+                    raise UploadRejected(Rejection.BAD_HEADER, f"the update's weight must be positive, got {raw:g}")
+                entry = Folded(header.worker_id, header.round, issued.base, tau, raw, state.buffer.staleness(tau),
+                               meta.num_samples, header.epsilon, header.train_loss, digest, size)
+                base = job.versions[issued.base]
+                seq = len(state.folded)
+            if self._spool is not None:
+                self._spool.save_buffered(job.job_id, job.version, seq, folded_record(entry, seq), tensors)
+            with self._lock:
+                state.fold(entry, tensors, base)
+                self._touch(job)
+            metrics.STALENESS.observe(tau)
+            metrics.BUFFERED.inc()
+            if state.buffer.full:
+                self._publish_version(job, state)
+        return Receipt(header.job_id, header.round, header.worker_id, False, size, digest)
+
+    def _publish_version(self, job: Job, state: AsyncState) -> None:
+        """The full buffer becomes the next global version (the caller holds `_accept_lock`)."""
+        version = job.version + 1
+        new_state = state.buffer.apply(job.versions[job.version])
+        spec_json = job.specs[job.version]
+        if self._spool is not None:
+            self._spool.save_global(job.job_id, version, spec_json, new_state)
+        with self._lock:
+            job.versions[version] = new_state
+            job.specs[version] = spec_json
+            for old in [v for v in job.versions if v < version - max(state.max_staleness, 1)]:
+                del job.versions[old]
+                job.specs.pop(old, None)
+            state.publish(version, self.clock())
+            self._commit(job)
+        metrics.VERSIONS.inc()
+        metrics.BUFFERED.dec(state.buffer.buffer_size)
+        log.info("job %s: version %d published from %d buffered update(s)", job.job_id, version,
+                 state.buffer.buffer_size)
+
     # ----- the spool -----
 
     def _commit(self, job: Job) -> None:
-        """Write the job's record (under `_lock`); its global versions are on disk already."""
+        """Write the job's record (under `_lock`); its global versions are on disk already. Watchers hear of it."""
         if self._spool is not None:
             self._spool.save_record(job.job_id, job_record(job))
+        self._touch(job)
+
+    # ----- events -----
+
+    def _touch(self, job: Job) -> None:
+        """The job changed (under `_lock`): wake the watchers."""
+        self._generation += 1
+        self._changed_at[job.job_id] = self._generation
+        self._watchers.notify_all()
+
+    def watch(self, after: int, timeout: float) -> tuple[int, list[JobSnapshot]]:
+        """Wait up to `timeout` for a change after generation `after` (0: everything); the generation reached
+        and a snapshot of every job that changed since `after` (none on a timeout)."""
+        with self._watchers:
+            self._watchers.wait_for(lambda: self._generation > after, timeout)
+            changed = [self._jobs[j] for j, g in self._changed_at.items() if g > after and j in self._jobs]
+            return self._generation, [_snapshot(job) for job in changed]
 
     def _job(self, job_id: str) -> Job:
         job = self._jobs.get(job_id)
         if job is None:
             raise UnknownJob(f"unknown job {job_id!r}")
         return job
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    job_id: str
+    round: int
+    accepted: int
+    open: bool
+    version: int
+    buffered: int
+
+
+def _snapshot(job: Job) -> JobSnapshot:
+    rnd, state = job.round, job.asynchronous
+    return JobSnapshot(job.job_id, rnd.number if rnd is not None else 0, len(rnd.accepted) if rnd is not None else 0,
+                       rnd is not None and not rnd.closed, job.version, len(state.folded) if state is not None else 0)
 
 
 def _closed_during_upload(header: pb.UpdateHeader) -> UploadRejected:

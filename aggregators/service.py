@@ -45,7 +45,13 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "RoundStatus": frozenset({ROLE_COORDINATOR, ROLE_WORKER}),
     "DownloadGlobalModel": frozenset({ROLE_COORDINATOR, ROLE_WORKER}),
     "UploadUpdate": frozenset({ROLE_WORKER}),
+    "OpenBuffer": frozenset({ROLE_COORDINATOR}),
+    "IssueTasks": frozenset({ROLE_COORDINATOR}),
+    "BufferStatus": frozenset({ROLE_COORDINATOR}),
+    "CloseBuffer": frozenset({ROLE_COORDINATOR}),
+    "Watch": frozenset({ROLE_COORDINATOR}),
 }
+WATCH_KEEPALIVE_S = 5.0  # an empty JobEvents this often: the stream is never idle
 
 
 def _count_refusal(method: str, reason: str) -> None:
@@ -140,6 +146,59 @@ class AggregationServicer(pb_grpc.AggregationServicer):
         return pb.AbandonRoundReply(discarded=[pb.UpdateSummary(worker_id=u.worker_id, num_samples=u.num_samples,
                                                                 epsilon=u.epsilon, train_loss=u.train_loss)
                                                for u in dropped])
+
+
+class AsyncAggregationServicer(pb_grpc.AsyncAggregationServicer):
+    """Asynchronous mode (FedBuff): the coordinator opens a job's buffer, issues tasks, reads the versions."""
+
+    def __init__(self, book: RoundBook) -> None:
+        self.book = book
+
+    def OpenBuffer(self, request: pb.OpenBufferRequest, context: grpc.ServicerContext) -> pb.OpenBufferReply:
+        def run() -> pb.OpenBufferReply:
+            config = {"aggregation": json.loads(request.aggregation_json or "{}"), "buffer_size": request.buffer_size,
+                      "max_staleness": request.max_staleness, "staleness": request.staleness,
+                      "staleness_params": json.loads(request.staleness_params_json or "{}"),
+                      "server_lr": request.server_lr, "seed": request.seed}
+            return pb.OpenBufferReply(model_version=self.book.open_buffer(request.job_id, config,
+                                                                          num_samples=dict(request.num_samples)))
+
+        return handle(context, run)
+
+    def IssueTasks(self, request: pb.IssueTasksRequest, context: grpc.ServicerContext) -> pb.IssueTasksReply:
+        issued = handle(context, lambda: self.book.issue_tasks(request.job_id, list(request.workers)))
+        return pb.IssueTasksReply(tasks=[pb.IssuedTask(worker_id=w, task=i.task, base_version=i.base)
+                                         for w, i in issued])
+
+    def CloseBuffer(self, request: pb.CloseBufferRequest, context: grpc.ServicerContext) -> pb.CloseBufferReply:
+        return pb.CloseBufferReply(model_version=handle(context, lambda: self.book.close_buffer(request.job_id)))
+
+    def BufferStatus(self, request: pb.BufferStatusRequest, context: grpc.ServicerContext) -> pb.BufferStatusReply:
+        version, state = handle(context, lambda: self.book.buffer_status(request.job_id, request.since_version))
+        return pb.BufferStatusReply(
+            model_version=version, buffered=len(state.folded), buffer_size=state.buffer.buffer_size,
+            outstanding=[pb.IssuedTask(worker_id=w, task=i.task, base_version=i.base) for w, i in state.issued.items()],
+            versions=[pb.VersionRow(version=v.version, created_unix=v.created, staleness=[u.tau for u in v.updates],
+                                    updates=[pb.UpdateSummary(worker_id=u.worker_id, num_samples=u.num_samples,
+                                                              epsilon=u.epsilon, train_loss=u.train_loss,
+                                                              weight=v.coefficient(u)) for u in v.updates])
+                      for v in state.summaries],
+            refused_stale=state.refused_stale)
+
+
+class EventsServicer(pb_grpc.AggregationEventsServicer):
+    """Tells the coordinator the moment a job changes (an upload accepted, a round or version done)."""
+
+    def __init__(self, book: RoundBook, keepalive_s: float = WATCH_KEEPALIVE_S) -> None:
+        self.book = book
+        self.keepalive_s = keepalive_s
+
+    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.JobEvents]:
+        after = 0
+        while context.is_active():
+            after, changed = self.book.watch(after, self.keepalive_s)
+            yield pb.JobEvents(jobs=[pb.JobSnapshot(job_id=j.job_id, round=j.round, accepted=j.accepted, open=j.open,
+                                                    model_version=j.version, buffered=j.buffered) for j in changed])
 
 
 class DigestCache:
@@ -242,10 +301,13 @@ def serve(book: RoundBook, *, address: str = "127.0.0.1:0", limits: CallLimits |
         auth = ServerAuth(tokens, PERMISSIONS, service=SERVICE_NAME, on_reject=_count_refusal)
         interceptors.append(auth)
     interceptors.append(CallGuard(limits, service=SERVICE_NAME, identify=auth.identity if auth else None,
-                                  trusted_roles=frozenset({ROLE_COORDINATOR}), on_refuse=_count_refusal))
+                                  trusted_roles=frozenset({ROLE_COORDINATOR}), on_refuse=_count_refusal,
+                                  uncapped=frozenset({"Watch"})))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads), options=CHANNEL_OPTIONS,
                          interceptors=interceptors)
     _add_servicer(AggregationServicer(book, auth), server)
+    pb_grpc.add_AsyncAggregationServicer_to_server(AsyncAggregationServicer(book), server)
+    pb_grpc.add_AggregationEventsServicer_to_server(EventsServicer(book), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = add_port(server, address, tls)

@@ -36,6 +36,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from fedbroker.aggregators import metrics
+from fedbroker.aggregators.buffered import folded_from_record, new_async_state, restore_fields, state_record
 from fedbroker.aggregators.registries import build_algorithms
 from fedbroker.aggregators.state import Accepted, CloseResult, Job, UpdateSummary, new_round
 from fedbroker.aggregators.weighting.base import UpdateMeta
@@ -113,6 +114,16 @@ class Spool:
             _write_npz(path, tensors, dict(meta))
         return path
 
+    def save_buffered(self, job_id: str, version: int, seq: int, meta: Mapping[str, Any],
+                      tensors: Mapping[str, np.ndarray]) -> Path:
+        """An update accepted into the asynchronous buffer that builds on `version` (the version it will follow)."""
+        folder = self.folder(job_id) / f"buffer-{version}"
+        path = folder / f"{seq:06d}.npz"
+        with _disk_full_is_an_outage(f"an update for the buffer of job {job_id!r}"):
+            folder.mkdir(parents=True, exist_ok=True)
+            _write_npz(path, tensors, dict(meta))
+        return path
+
     @staticmethod
     def discard(path: Path) -> None:
         try:
@@ -151,10 +162,12 @@ class Spool:
             globals_[int(version)] = (str(meta["spec_json"]), tensors)
         return StoredJob(record, globals_, folder)
 
-    def updates(self, stored: StoredJob, round_number: int) -> Iterator[tuple[Path, dict[str, Any], dict[str, np.ndarray]]]:
-        """The round's accepted updates in the order they were accepted (the running mean sums in that order),
-        each with its file; a file that does not load is quarantined and skipped."""
-        folder = stored.folder / f"round-{round_number}"
+    def updates(self, stored: StoredJob, round_number: int, *,
+                kind: str = "round") -> Iterator[tuple[Path, dict[str, Any], dict[str, np.ndarray]]]:
+        """The round's (kind "round") or a version's buffer's (kind "buffer") accepted updates in the order they
+        were accepted (the running mean sums in that order), each with its file; a file that does not load is
+        quarantined and skipped."""
+        folder = stored.folder / f"{kind}-{round_number}"
         for path in folder.glob(f".*{TEMP_SUFFIX}"):  # an upload that crashed before its receipt: never acknowledged
             path.unlink(missing_ok=True)
         for path in sorted(folder.glob("[0-9]*.npz")):
@@ -194,11 +207,12 @@ class Spool:
         """Delete what the committed record no longer names: older global versions, closed rounds' folders."""
         keep_globals = {f"global-{int(v)}.npz" for v in record.get("versions", [])}
         open_round = (record.get("round") or {}).get("number")
+        buffer = f"buffer-{max(record.get('versions') or [0])}" if record.get("async") else None
         for path in folder.iterdir():
             name = path.name
             if name.startswith("global-") and name.endswith(".npz") and name not in keep_globals:
                 path.unlink(missing_ok=True)
-            elif path.is_dir() and name.startswith("round-") and name != f"round-{open_round}":
+            elif (path.is_dir() and name.startswith("round-") and name != f"round-{open_round}") or (path.is_dir() and name.startswith("buffer-") and name != buffer):
                 shutil.rmtree(path, ignore_errors=True)
             elif name.startswith(".") and name.endswith(TEMP_SUFFIX):
                 path.unlink(missing_ok=True)
@@ -242,6 +256,7 @@ def job_record(job: Job) -> dict[str, Any]:
         "closed_accepted": {str(n): w for n, w in job.closed_accepted.items()},
         "closed_deadlines": {str(n): d for n, d in job.closed_deadlines.items()},
         "last_close": last,
+        "async": None if job.asynchronous is None else state_record(job.asynchronous),
         "round": None if rnd is None else {
             "number": rnd.number, "participants": sorted(rnd.participants), "deadline": rnd.deadline,
             "aggregation": rnd.aggregation, "histograms": rnd.histograms, "num_samples": rnd.sample_limits,
@@ -294,7 +309,30 @@ def restore_job(spool: Spool, stored: StoredJob) -> Job:
             job.round.accept(entry, tensors, None)
         log.info("job %s: round %d reopened with %d accepted update(s) from the spool", job.job_id,
                  job.round.number, len(job.round.accepted))
+    if record.get("async"):
+        _restore_async(spool, stored, job, record["async"])
     return job
+
+
+def _restore_async(spool: Spool, stored: StoredJob, job: Job, record: Mapping[str, Any]) -> None:
+    """The async state as committed, its buffer refilled by replaying the spooled updates in acceptance order
+    (the buffer sums in that order, so the next version is the one the service would have published)."""
+    state = new_async_state(dict(record["config"]), {w: int(n) for w, n in record["num_samples"].items()})
+    restore_fields(state, record)
+    shapes = parameter_shapes(job.spec)
+    for path, meta, tensors in spool.updates(stored, job.version, kind="buffer"):
+        try:
+            entry = folded_from_record(meta)
+            _check_tensors(tensors, shapes)
+            base = job.versions[entry.base]
+        except Exception as exc:  # a damaged update: quarantined, the buffer goes on with the others
+            spool.quarantine(path, exc)
+            continue
+        state.fold(entry, tensors, base)
+    job.asynchronous = state
+    if state.folded:
+        log.info("job %s: asynchronous buffer on version %d reopened with %d update(s) from the spool", job.job_id,
+                 job.version, len(state.folded))
 
 
 def restore_jobs(spool: Spool) -> Iterator[Job]:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from fedbroker.aggregators.admission import Standing
+from fedbroker.aggregators.buffered import AsyncState
 from fedbroker.aggregators.mean import Layout, Slot, UpdateRows
 from fedbroker.aggregators.registries import Algorithms
 from fedbroker.aggregators.rows import Rows
@@ -136,6 +137,7 @@ class Job:
     closed_deadlines: dict[int, float] = field(default_factory=dict)  # a late upload is "late", not "round_closed"
     closed_accepted: dict[int, list[str]] = field(default_factory=dict)  # recent rounds: who got in (status)
     spare_rows: UpdateRows | None = None   # the last running mean's rows: the next round receives into them
+    asynchronous: AsyncState | None = None  # schedule.mode async: the FedBuff buffer and the issued tasks
 
     @property
     def version(self) -> int:
@@ -158,6 +160,7 @@ class Job:
         self.round = None
         self.last_close = None
         self.spare_rows = None  # the dropped round's uploads may still hold rows of them
+        self.asynchronous = None  # its tasks' base versions went with the old model
 
     # ----- rounds -----
 

@@ -206,6 +206,76 @@ def run_ours(count: int, rounds: int, url: str | None, timeout_s: float) -> dict
         tmp.cleanup()
 
 
+def publish_times(url: str, count: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds to publish `count` persistent tasks, three ways: one confirm wait per task (the bus's
+    `publish_task` in a loop, the old round), one AMQP transaction (`publish_tasks`, what a round does
+    now), and a confirm channel with every task outstanding (pika's SelectConnection, the third option)."""
+    from fedbroker.bus import Topology, delete_topology, open_bus
+
+    namespace = f"fedbroker-bench-pub-{uuid.uuid4().hex[:8]}"
+    ids = [f"pub{i:04d}" for i in range(count)]
+    bus = open_bus(url, namespace=namespace)
+    out: dict[str, list[float]] = {"confirm each": [], "transaction": [], "confirms outstanding": []}
+    try:
+        for wid in ids:
+            bus.declare_worker(wid)
+        body = b"x" * 200  # about a RoundTask's size
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for wid in ids:
+                bus.publish_task(wid, body)
+            out["confirm each"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            unroutable = bus.publish_tasks([(wid, body) for wid in ids])
+            out["transaction"].append(time.perf_counter() - started)
+            assert not unroutable
+            out["confirms outstanding"].append(_confirms_outstanding(url, Topology(namespace).tasks_exchange, ids, body))
+    finally:
+        bus.close()
+        try:
+            delete_topology(url, namespace, ids)
+        except Exception:
+            pass
+    return out
+
+
+def _confirms_outstanding(url: str, exchange: str, ids: list[str], body: bytes) -> float:
+    """Publish one persistent message per id on a confirm channel without waiting, then wait for every ack."""
+    import pika
+
+    state: dict[str, Any] = {"started": 0.0, "seconds": None, "channel": None, "connection": None}
+    pending = set(range(1, len(ids) + 1))  # delivery tags not confirmed yet (acks come in any order)
+    properties = pika.BasicProperties(delivery_mode=pika.DeliveryMode.Persistent)
+
+    def on_confirm(frame: Any) -> None:
+        method = frame.method
+        if method.multiple:
+            pending.difference_update([t for t in pending if t <= method.delivery_tag])
+        else:
+            pending.discard(method.delivery_tag)
+        if not pending and state["seconds"] is None:
+            state["seconds"] = time.perf_counter() - state["started"]
+            state["connection"].close()
+
+    def on_confirm_mode(_frame: Any) -> None:
+        state["started"] = time.perf_counter()
+        for wid in ids:
+            state["channel"].basic_publish(exchange, wid, body, properties, mandatory=True)
+
+    def on_channel(ch: Any) -> None:
+        state["channel"] = ch
+        ch.confirm_delivery(on_confirm, callback=on_confirm_mode)
+
+    connection = pika.SelectConnection(
+        pika.URLParameters(url), on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
+        on_close_callback=lambda *_: state["connection"].ioloop.stop())
+    state["connection"] = connection
+    connection.ioloop.start()
+    if state["seconds"] is None:
+        raise RuntimeError(f"{len(pending)} of {len(ids)} confirms did not come back")
+    return float(state["seconds"])
+
+
 def run_flower(count: int, rounds: int, timeout_s: float) -> dict[str, Any] | str:
     """Flower's simulation in .venv-bench: per-round seconds, or why it could not run."""
     from bench.flower_env import bench_python
@@ -269,6 +339,19 @@ def run(*, quick: bool) -> Section:
         })
     if quick:
         section.notes.append("Quick mode: N = 10 only, no Flower simulation (Ray's start alone takes ~15 s).")
+    for row in (r for r in section.rows if r["system"].startswith("fedbroker")):
+        budget = 20 + 2 * row["N workers"]
+        ms = row["s / round"].median * 1000
+        section.goals.append(Goal(f"N={row['N workers']}: ms per synchronous round", round(ms, 1),
+                                  f"<= {budget} ms (20 + 2/worker)", ms <= budget))
+    if url and not quick:
+        publish = publish_times(url, 1000, repeats=3)
+        for method, times in publish.items():
+            section.notes.append(f"publishing 1000 persistent tasks, {method}: "
+                                 f"{Stat.of(times, 's').median * 1000:.0f} ms (median of {len(times)})")
+        batch = Stat.of(publish["transaction"], "s").median
+        section.goals.append(Goal("publish 1000 persistent tasks (s), one transaction", round(batch, 3), "< 0.1",
+                                  batch < 0.1))
     ours_rows = [r for r in section.rows if r["system"].startswith("fedbroker")]
     for row in ours_rows:
         theirs = [r for r in section.rows if r["N workers"] == row["N workers"] and r is not row]

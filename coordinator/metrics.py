@@ -78,6 +78,18 @@ MODEL_LOSS = Gauge(
     ["job_id"])
 
 # Counters labelled by job, given a 0 series when a job starts (or resumes) in this process.
+# Asynchronous mode (schedule.mode async): versions instead of rounds.
+VERSIONS = Counter("fedbroker_coordinator_versions_total",
+                   "Global versions an asynchronous job's buffer published (and the coordinator checkpointed), per job.",
+                   ["job_id"])
+LAST_VERSION_TIME = Gauge(
+    "fedbroker_coordinator_last_version_timestamp_seconds",
+    "Unix time of the asynchronous job's newest version (or of its start): the no-progress alert reads it.",
+    ["job_id"])
+BUFFER_FILL = Gauge("fedbroker_coordinator_buffer_fill_ratio",
+                    "Updates in the asynchronous job's buffer over its buffer_size, at the last look.", ["job_id"])
+ASYNC_RUNNING = Gauge("fedbroker_coordinator_async_job_running", "1 while an asynchronous job runs, else 0.",
+                      ["job_id"])
 JOB_COUNTERS = (ROUNDS_STARTED, ROUNDS_COMPLETED, ROUNDS_FAILED, STRAGGLERS)
 # Label values known in advance: the outcomes a worker reports, the refusal reasons of SubmitJob and the
 # control queue.

@@ -29,11 +29,13 @@ import numpy as np
 
 from fedbroker import envelope
 from fedbroker.aggregators.client import AggregatorClient
-from fedbroker.aggregators.registries import job_problems
+from fedbroker.aggregators.registries import job_problems, schedule_problem
 from fedbroker.bus import Bus, Delivery
 from fedbroker.coordinator import metrics
+from fedbroker.coordinator.asynchronous import AsyncJob
 from fedbroker.coordinator.checkpoints import load_checkpoint, save_checkpoint
 from fedbroker.coordinator.control import MAX_REASON_CHARS, InvalidControlMessage, check_control
+from fedbroker.coordinator.events import JobWatcher
 from fedbroker.coordinator.participants import (
     WorkerBudget,
     budget_from_heartbeat,
@@ -50,7 +52,6 @@ from fedbroker.errors import (
     FedbrokerError,
     NotFound,
     Rejection,
-    Unroutable,
 )
 from fedbroker.metrics import BUSES
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -81,12 +82,14 @@ class Coordinator:
                  checkpoint_dir: str, heartbeat_timeout_s: float = 60.0, poll_interval_s: float = 0.2,
                  evaluator: Evaluator | None = None, broker_consumer_timeout_s: float | None = None,
                  aggregator_outage_s: float = 300.0, store_outage_s: float = 300.0,
-                 max_running_jobs: int = 16) -> None:
+                 max_running_jobs: int = 16, safety_poll_s: float = 2.0) -> None:
         """`broker_consumer_timeout_s`: RabbitMQ's consumer_timeout on this deployment (None: no limit, e.g.
         the in-process bus). `aggregator_outage_s`: how long a job waits for an unreachable aggregation
         service before it fails; `store_outage_s` likewise for a state store that cannot be written (a lock
         held elsewhere, a full disk). `max_running_jobs`: jobs driven at once, one thread each; later jobs
-        wait `pending`, first submitted first started."""
+        wait `pending`, first submitted first started. `safety_poll_s`: a round (or an async job) waits on the
+        aggregation service's events (coordinator/events.py) and looks at its status at least this often,
+        in case an event was lost; `poll_interval_s`: how often waits for workers look at the registry."""
         if isinstance(max_running_jobs, bool) or not isinstance(max_running_jobs, int) or max_running_jobs < 1:
             raise ConfigError("coordinator.max_running_jobs", f"must be an integer >= 1, got {max_running_jobs!r}")
         self.bus = bus
@@ -101,6 +104,10 @@ class Coordinator:
         self.aggregator_outage_s = aggregator_outage_s
         self.store_outage_s = store_outage_s
         self.max_running_jobs = max_running_jobs
+        if isinstance(safety_poll_s, bool) or not isinstance(safety_poll_s, (int, float)) or not 0 < safety_poll_s <= 3600:
+            raise ConfigError("coordinator.safety_poll_s", f"must be a number of seconds in (0, 3600], got {safety_poll_s!r}")
+        self.safety_poll_s = float(safety_poll_s)
+        self.events = JobWatcher(self.aggregator)
         self._stop = threading.Event()
         self._budgets: dict[str, WorkerBudget] = {}   # by worker: what its last heartbeat said it can afford
         self._budgets_lock = threading.Lock()
@@ -110,6 +117,7 @@ class Coordinator:
         self._done: dict[str, threading.Event] = {}  # set when a job launched here ends (or stop() drops it)
         self._cancels: dict[str, str] = {}  # running jobs to cancel → who asked (their threads act on it)
         self._local = threading.local()     # a job's thread knows its job (`_halt_if_cancelled`)
+        self._async_jobs: dict[str, AsyncJob] = {}  # running asynchronous jobs: their task outcomes go to them
 
     # ----- lifecycle -----
 
@@ -117,6 +125,7 @@ class Coordinator:
         """Consume control messages and resume every job that was running when we last stopped."""
         metrics.REGISTRY_COLLECTOR.bind(self)
         BUSES.watch(self.bus, client="coordinator")
+        self.events.start()
         self.bus.consume_control(self.on_control)
         for row in self.store.jobs(status="cancelling"):  # asked to cancel before we stopped: finish that
             self._cancels[row["job_id"]] = row["submitter"]
@@ -134,6 +143,7 @@ class Coordinator:
             threads = list(self._threads.values())
         for thread in threads:
             thread.join(timeout=10)
+        self.events.stop()
         metrics.REGISTRY_COLLECTOR.unbind(self)
         BUSES.unwatch("coordinator")
 
@@ -159,6 +169,7 @@ class Coordinator:
         deadline: the broker must not reclaim the delivery before, or it closes the worker's channel.
         The algorithm registries check the job's aggregation too, so an in-process caller that parsed the
         job without them (`parse_job`) cannot start rounds that the aggregation service would refuse."""
+        schedule_problem(job.schedule)  # an async job's staleness settings
         problems = job_problems(aggregation=job.aggregation, model=job.model)
         # The data its category's active workers reported: a model that cannot take it is refused here, before
         # any round, instead of failing inside every worker's training.
@@ -258,10 +269,14 @@ class Coordinator:
             o = env.task_outcome
             status = pb.TaskOutcome.Status.Name(o.status).lower()
             metrics.TASK_OUTCOMES.labels(status).inc()
-            if not self.store.record_outcome(o.job_id, o.round, o.worker_id, status, o.reason[:MAX_REASON_CHARS]):
+            driver = self._async_jobs.get(o.job_id)
+            if driver is not None:  # an asynchronous job's task: round is the task number
+                driver.outcome(o.worker_id, o.round, status, o.reason[:MAX_REASON_CHARS])
+            elif not self.store.record_outcome(o.job_id, o.round, o.worker_id, status, o.reason[:MAX_REASON_CHARS]):
                 log.warning("outcome from %r for unknown task (%s, round %d) ignored", o.worker_id, o.job_id, o.round)
             else:
                 log.info("worker %s %s round %d of %s: %s", o.worker_id, status, o.round, o.job_id, o.reason)
+            self.events.poke(o.job_id)  # the round (or async job) waiting on it looks again now
         delivery.ack()
 
     def _note_epsilon(self, worker_id: str, reported: float, message: str) -> None:
@@ -402,6 +417,10 @@ class Coordinator:
             tensors = initial_weights(job.model, seed=job.seed)
             version = 1
         run = _Run(job_id, job, version, spec_json, tensors)
+        if job.schedule.mode == "async":  # no rounds: coordinator/asynchronous.py
+            self._drive_async(run)
+            self.store.set_job_status(job_id, "completed")
+            return
         # Idempotent at the service: after our own restart it keeps the open round and its uploads.
         self._call(run, "install the global model", lambda: self.aggregator.put_global(job_id, version, spec_json,
                                                                                         tensors))
@@ -418,6 +437,16 @@ class Coordinator:
                 metrics.ROUND_OPEN.labels(job_id).set(0)
                 raise
         self.store.set_job_status(job_id, "completed")
+
+    def _drive_async(self, run: _Run) -> None:
+        driver = AsyncJob(self, run, stopped=_Stopped, failed=JobFailed)
+        with self._jobs_lock:
+            self._async_jobs[run.job_id] = driver
+        try:
+            driver.drive()
+        finally:
+            with self._jobs_lock:
+                self._async_jobs.pop(run.job_id, None)
 
     def _poll(self, check: Callable[[], tuple[bool, T]], *, within_s: float) -> tuple[bool, T]:
         """`check()` every poll interval until it says done or `within_s` passes; its last answer either way.
@@ -602,39 +631,46 @@ class Coordinator:
             task.recorded_epsilon_spent = recorded.get(worker_id, 0.0)
             return envelope.encode(round_task=task)
 
-        sent = sum(self._publish(worker_id, body_for(worker_id), rnd.deadline) for worker_id in recipients)
+        sent = self._publish_batch([(worker_id, body_for(worker_id)) for worker_id in recipients], rnd.deadline)
         rnd.published = True
-        log.info("round %d of %s published to %d worker(s)", rnd.number, job_id, sent)
+        log.info("round %d of %s published to %d worker(s)", rnd.number, job_id, len(sent))
 
-    def _publish(self, worker_id: str, body: bytes, deadline: float) -> bool:
-        """Persistent and confirmed by the bus; through a broker outage, retried until the round's deadline.
-        A task that cannot be sent by then, or that is unroutable (no queue for the worker: no retry makes
-        one), makes its worker a straggler at once; the round's quorum rules decide."""
+    def _publish_batch(self, tasks: list[tuple[str, bytes]], deadline: float) -> set[str]:
+        """Persistent tasks with one wait for the broker (`Bus.publish_tasks`); through a broker outage the
+        whole batch is retried until `deadline` (a worker that gets a task twice acks the copy once its update
+        is in). A task that cannot be sent by then, or that is unroutable (no queue for the worker: no retry
+        makes one), makes its worker a straggler at once; the round's quorum rules decide. Returns the worker
+        ids whose task went out."""
+        if not tasks:
+            return set()
+        unroutable: list[str] = []
 
         def publish() -> None:
             try:
-                self.bus.publish_task(worker_id, body)
+                unroutable[:] = self.bus.publish_tasks(tasks)
             except BusError as exc:
                 if self._stop.is_set():
                     raise _Stopped from exc
                 raise
 
         def log_retry(exc: Exception, retry: int, delay: float) -> None:
-            log.warning("task for %s not published (%s); retrying in %.1fs", worker_id, exc, delay)
+            log.warning("%d task(s) not published (%s); retrying in %.1fs", len(tasks), exc, delay)
 
         left = deadline - time.time()
         if left <= 0:
-            log.error("task for %s not published before the round's deadline", worker_id)
-            return False
+            log.error("%d task(s) not published before the deadline", len(tasks))
+            return set()
         try:
-            retry_call(publish, backoff=_OUTAGE_BACKOFF,
-                       retryable=lambda exc: isinstance(exc, BusError) and not isinstance(exc, Unroutable),
+            retry_call(publish, backoff=_OUTAGE_BACKOFF, retryable=lambda exc: isinstance(exc, BusError),
                        deadline=time.monotonic() + left, on_retry=log_retry, sleep=self._stop.wait)
         except BusError as exc:
-            log.error("task for %s not published (%s): it is a straggler of this round", worker_id, exc)
-            return False
-        metrics.TASKS_PUBLISHED.inc()
-        return True
+            log.error("%d task(s) not published (%s): their workers are stragglers", len(tasks), exc)
+            return set()
+        for worker_id in unroutable:
+            log.error("task for %s is unroutable (no queue for it): it is a straggler", worker_id)
+        sent = {worker_id for worker_id, _ in tasks} - set(unroutable)
+        metrics.TASKS_PUBLISHED.inc(len(sent))
+        return sent
 
     def _finish_round(self, run: _Run, rnd: _OpenRound, reply: pb.CloseRoundReply) -> None:
         job_id, job, round_number = run.job_id, run.job, rnd.number
@@ -683,9 +719,25 @@ class Coordinator:
             answered = self._answered(job_id, round_number)
             if len(set(accepted) | answered) >= len(rnd.participants) or time.time() >= rnd.deadline:
                 break
-            time.sleep(self.poll_interval_s)
+            self._await_round_event(job_id, round_number, rnd.deadline,
+                                    enough=quorum, everyone=len(rnd.participants) - len(answered))
             self._halt_if_cancelled()  # before the close: a cancelled job's round is abandoned, not closed
         return accepted
+
+    def _await_round_event(self, job_id: str, round_number: int, deadline: float, *, enough: int,
+                           everyone: int) -> None:
+        """Until the service's events say the round has `enough` uploads (or `everyone` who can still
+        upload has), a worker's refusal comes in, the deadline (a one-shot timer) or the safety poll."""
+        until = min(deadline, time.time() + self.safety_poll_s)
+        while not self._stop.is_set():
+            left = until - time.time()
+            if left <= 0 or not self.events.wait(job_id, left):
+                return
+            snapshot = self.events.latest(job_id)
+            if snapshot is None or snapshot.round != round_number or not snapshot.open:
+                return  # a poke (a refusal), or the round is no longer the one we wait on
+            if snapshot.accepted >= min(enough, everyone):
+                return
 
     # ----- the aggregation service's outages -----
 

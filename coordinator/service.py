@@ -185,12 +185,13 @@ def status_reply(coordinator: Coordinator, job_id: str = "") -> pb.StatusReply:
         reply.jobs.add(job_id=j["job_id"], status=j["status"], rounds_done=j["rounds_done"],
                        rounds_total=j["rounds_total"], error=j["error"], submitter=j["submitter"], name=j["name"],
                        category=json.loads(j["spec_json"]).get("category", ""), created_unix=j["created"],
-                       updated_unix=j["updated"], spec_json=j["spec_json"])
+                       updated_unix=j["updated"], spec_json=j["spec_json"], mode=_mode(j["spec_json"]))
         for r in store.rounds(j["job_id"]):
             reply.rounds.add(job_id=r["job_id"], round=r["round"], status=r["status"], participants=r["participants"],
                              uploaded=r["uploaded"], aggregated=r["aggregated"], accuracy=r["accuracy"] or 0.0,
                              loss=r["loss"] or 0.0, seconds=r["seconds"] or 0.0,
-                             mean_train_loss=r["mean_train_loss"] or 0.0)
+                             mean_train_loss=r["mean_train_loss"] or 0.0, model_version=r["model_version"] or 0,
+                             mean_staleness=float(json.loads(r["stats_json"] or "{}").get("mean_staleness", 0.0)))
         for p in store.participants(j["job_id"]):
             reply.participants.add(job_id=p["job_id"], round=p["round"], worker_id=p["worker_id"], status=p["status"],
                                    reason=p["reason"], epsilon=p["epsilon"] or 0.0, train_loss=p["train_loss"] or 0.0,
@@ -201,6 +202,14 @@ def status_reply(coordinator: Coordinator, job_id: str = "") -> pb.StatusReply:
                           last_seen_seconds_ago=now - w.last_seen,
                           active=now - w.last_seen <= coordinator.heartbeat_timeout_s)
     return reply
+
+
+def _mode(spec_json: str) -> str:
+    """schedule.mode of a stored job (a job stored before the field existed is synchronous)."""
+    try:
+        return str(json.loads(spec_json).get("schedule", {}).get("mode", "sync"))
+    except (ValueError, AttributeError):
+        return "sync"
 
 
 def serve(coordinator: Coordinator, *, address: str = "127.0.0.1:0", tokens: TokenTable | None = None,

@@ -112,13 +112,16 @@ class CallGuard(grpc.ServerInterceptor):
     def __init__(self, limits: CallLimits, *, service: str,
                  identify: Callable[[grpc.ServicerContext], Identity | None] | None = None,
                  trusted_roles: frozenset[str] = frozenset(), on_refuse: Refused | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, uncapped: frozenset[str] = frozenset()) -> None:
+        """`uncapped`: methods whose streams do not count against the stream caps (the coordinator's one
+        long-lived event stream: it would otherwise take a transfer slot from the workers for good)."""
         self.limits = limits
         self.service = service
         self.identify = identify
         self.trusted_roles = trusted_roles
         self.on_refuse = on_refuse
         self.clock = clock
+        self.uncapped = uncapped
         self._lock = threading.Condition()
         self._running: set[_Ticket] = set()
         self._watchdog: threading.Thread | None = None
@@ -143,7 +146,7 @@ class CallGuard(grpc.ServerInterceptor):
     def _admit(self, method: str, context: grpc.ServicerContext, stream: bool) -> _Ticket:
         """A ticket for this call, or the call ended at once (context.abort raises)."""
         identity = self.identify(context) if stream and self.identify is not None else None
-        if not stream or (identity is not None and identity.role in self.trusted_roles):
+        if not stream or method in self.uncapped or (identity is not None and identity.role in self.trusted_roles):
             key: str | None = ""          # "": not counted against the stream caps
         else:
             key = identity.name if identity is not None else None

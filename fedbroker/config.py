@@ -91,6 +91,7 @@ class CoordinatorConfig:
     state_dir: str = "state"           # one coordinator's (locked while it runs; created 0700)
     heartbeat_timeout_s: float = 60.0
     max_running_jobs: int = 16         # jobs driven at once (a thread each); more wait `pending`, in order
+    safety_poll_s: float = 2.0         # rounds wait on the aggregation service's events; a status look at least this often
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
     metrics_addr: str = "0.0.0.0"     # the exporter's bind address: 0.0.0.0 for a container scraped from
                                        # outside; 127.0.0.1 on a shared host (no /metrics for the network)

@@ -81,6 +81,8 @@ class Rejection(StrEnum):
     WRONG_SHAPE = "wrong_shape", True
     WRONG_DTYPE = "wrong_dtype", True
     NON_FINITE = "non_finite", True
+    # asynchronous mode (FedBuff): the update's base version is more than max_staleness versions behind
+    STALE = "stale", True, "FAILED_PRECONDITION"
 
     @classmethod
     def is_final(cls, reason: str) -> bool:

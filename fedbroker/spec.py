@@ -161,6 +161,10 @@ class AggregationConfig(_Section):
     SECTION: ClassVar[str] = "aggregation"
 
 
+SCHEDULE_MODES = ("sync", "async")
+STALENESS_FUNCTIONS = ("constant", "polynomial", "hinge")   # their parameters: fedbroker.aggregators.fedbuff
+
+
 @dataclass(frozen=True)
 class ScheduleConfig(_Section):
     clients_per_round: int = 0      # 0 = every registered worker of the category
@@ -169,12 +173,23 @@ class ScheduleConfig(_Section):
     min_workers: int = 1            # registered workers needed before round 1 starts
     round_timeout_s: float = 600.0
     wait_for_workers_s: float = 120.0
+    # Asynchronous mode (FedBuff, docs/algorithms.md): training.rounds counts global versions instead.
+    mode: str = "sync"              # sync | async
+    buffer_size: int = 0            # async: updates per new version; 0 = every worker the job starts with
+    max_staleness: int = 10         # async: versions an update may lag before it is refused (`stale`)
+    staleness: str = "polynomial"   # async: constant | polynomial | hinge
+    staleness_params: Mapping[str, Any] = field(default_factory=dict)
+    server_lr: float = 1.0          # async: η_g
+    time_budget_s: float = 0.0      # async: the job ends after this much wall-clock time (0 = no limit)
 
     SECTION: ClassVar[str] = "schedule"
     LIMITS: ClassVar[Mapping[str, tuple[float, float]]] = {
         "clients_per_round": (0, 100_000), "quorum": (0, 100_000), "min_clients": (1, 100_000),
         "min_workers": (1, 100_000), "round_timeout_s": (0.1, 7 * 86400), "wait_for_workers_s": (0.0, 7 * 86400),
+        "buffer_size": (0, 100_000), "max_staleness": (0, 1000), "server_lr": (1e-6, 100.0),
+        "time_budget_s": (0.0, 365 * 86400),
     }
+    CHOICES: ClassVar[Mapping[str, tuple[str, ...]]] = {"mode": SCHEDULE_MODES, "staleness": STALENESS_FUNCTIONS}
 
     def problems(self) -> list[ConfigError]:
         out = super().problems()
@@ -212,7 +227,8 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         _raise_all(_identity_problems(self.name, self.category, self.seed)
-                   or cross_section_problems(model=self.model, training=self.training, evaluation=self.evaluation))
+                   or cross_section_problems(model=self.model, training=self.training, evaluation=self.evaluation)
+                   or mode_problems(schedule=self.schedule, aggregation=self.aggregation))
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -430,6 +446,21 @@ def _identity_problems(name: object, category: object, seed: object) -> list[Con
     return out
 
 
+def mode_problems(*, schedule: ScheduleConfig, aggregation: AggregationConfig) -> list[ConfigError]:
+    """Asynchronous mode folds one update at a time into a buffer: alignment (FedDNA, PFNM, NAFI) and
+    selection (random, GA) need a set of updates at once, so an async job that names them is refused."""
+    if schedule.mode != "async":
+        return []
+    out = []
+    if aggregation.alignment != "none":
+        out.append(ConfigError("aggregation.alignment", f"must be 'none' with schedule.mode async (it aligns a set of "
+                                                        f"updates at once), got {aggregation.alignment!r}"))
+    if aggregation.selection != "all":
+        out.append(ConfigError("aggregation.selection", f"must be 'all' with schedule.mode async (it chooses among a "
+                                                        f"set of updates at once), got {aggregation.selection!r}"))
+    return out
+
+
 def step_bytes(*, model: ModelSpec, training: TrainingConfig) -> int:
     """The memory one training step needs at most, by the layer table's shapes: batch_size × (the input,
     every layer's output, and one per-sample gradient per parameter, as DP-SGD keeps them) × 4 bytes."""
@@ -502,6 +533,7 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     evaluation = _section(errors, raw, "evaluation", EvaluationConfig)
     if not errors.errors:  # across sections: only meaningful once each section is valid on its own
         errors.errors.extend(cross_section_problems(model=model, training=training, evaluation=evaluation))
+        errors.errors.extend(mode_problems(schedule=schedule, aggregation=aggregation))
     if check is not None:
         errors.errors.extend(check(aggregation=aggregation, model=model))
     errors.raise_if_any()

@@ -387,7 +387,7 @@ class StatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class RoundRow(_message.Message):
-    __slots__ = ("job_id", "round", "status", "participants", "aggregated", "accuracy", "loss", "seconds", "mean_train_loss", "uploaded")
+    __slots__ = ("job_id", "round", "status", "participants", "aggregated", "accuracy", "loss", "seconds", "mean_train_loss", "uploaded", "model_version", "mean_staleness")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +398,8 @@ class RoundRow(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEAN_TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
     UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     status: str
@@ -408,7 +410,9 @@ class RoundRow(_message.Message):
     seconds: float
     mean_train_loss: float
     uploaded: int
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., status: _Optional[str] = ..., participants: _Optional[int] = ..., aggregated: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., mean_train_loss: _Optional[float] = ..., uploaded: _Optional[int] = ...) -> None: ...
+    model_version: int
+    mean_staleness: float
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., status: _Optional[str] = ..., participants: _Optional[int] = ..., aggregated: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., mean_train_loss: _Optional[float] = ..., uploaded: _Optional[int] = ..., model_version: _Optional[int] = ..., mean_staleness: _Optional[float] = ...) -> None: ...
 
 class ParticipantRow(_message.Message):
     __slots__ = ("job_id", "round", "worker_id", "status", "reason", "epsilon", "train_loss", "num_samples")
@@ -447,7 +451,7 @@ class WorkerRow(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., epsilon_spent: _Optional[float] = ..., epsilon_budget: _Optional[float] = ..., last_seen_seconds_ago: _Optional[float] = ..., active: _Optional[bool] = ...) -> None: ...
 
 class JobRow(_message.Message):
-    __slots__ = ("job_id", "status", "rounds_done", "rounds_total", "error", "submitter", "name", "category", "created_unix", "updated_unix", "spec_json")
+    __slots__ = ("job_id", "status", "rounds_done", "rounds_total", "error", "submitter", "name", "category", "created_unix", "updated_unix", "spec_json", "mode")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_DONE_FIELD_NUMBER: _ClassVar[int]
@@ -459,6 +463,7 @@ class JobRow(_message.Message):
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     status: str
     rounds_done: int
@@ -470,7 +475,8 @@ class JobRow(_message.Message):
     created_unix: float
     updated_unix: float
     spec_json: str
-    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[str] = ..., rounds_done: _Optional[int] = ..., rounds_total: _Optional[int] = ..., error: _Optional[str] = ..., submitter: _Optional[str] = ..., name: _Optional[str] = ..., category: _Optional[str] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., spec_json: _Optional[str] = ...) -> None: ...
+    mode: str
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[str] = ..., rounds_done: _Optional[int] = ..., rounds_total: _Optional[int] = ..., error: _Optional[str] = ..., submitter: _Optional[str] = ..., name: _Optional[str] = ..., category: _Optional[str] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., spec_json: _Optional[str] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("jobs", "rounds", "workers", "participants")
@@ -547,3 +553,136 @@ class DownloadModelRequest(_message.Message):
     job_id: str
     round: int
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class OpenBufferRequest(_message.Message):
+    __slots__ = ("job_id", "aggregation_json", "buffer_size", "max_staleness", "staleness", "staleness_params_json", "server_lr", "seed", "num_samples")
+    class NumSamplesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_JSON_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    SERVER_LR_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    aggregation_json: str
+    buffer_size: int
+    max_staleness: int
+    staleness: str
+    staleness_params_json: str
+    server_lr: float
+    seed: int
+    num_samples: _containers.ScalarMap[str, int]
+    def __init__(self, job_id: _Optional[str] = ..., aggregation_json: _Optional[str] = ..., buffer_size: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness: _Optional[str] = ..., staleness_params_json: _Optional[str] = ..., server_lr: _Optional[float] = ..., seed: _Optional[int] = ..., num_samples: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class OpenBufferReply(_message.Message):
+    __slots__ = ("model_version",)
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_version: int
+    def __init__(self, model_version: _Optional[int] = ...) -> None: ...
+
+class IssueTasksRequest(_message.Message):
+    __slots__ = ("job_id", "workers")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., workers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class IssuedTask(_message.Message):
+    __slots__ = ("worker_id", "task", "base_version")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    task: int
+    base_version: int
+    def __init__(self, worker_id: _Optional[str] = ..., task: _Optional[int] = ..., base_version: _Optional[int] = ...) -> None: ...
+
+class IssueTasksReply(_message.Message):
+    __slots__ = ("tasks",)
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[IssuedTask]
+    def __init__(self, tasks: _Optional[_Iterable[_Union[IssuedTask, _Mapping]]] = ...) -> None: ...
+
+class VersionRow(_message.Message):
+    __slots__ = ("version", "updates", "staleness", "created_unix")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    updates: _containers.RepeatedCompositeFieldContainer[UpdateSummary]
+    staleness: _containers.RepeatedScalarFieldContainer[int]
+    created_unix: float
+    def __init__(self, version: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[UpdateSummary, _Mapping]]] = ..., staleness: _Optional[_Iterable[int]] = ..., created_unix: _Optional[float] = ...) -> None: ...
+
+class BufferStatusRequest(_message.Message):
+    __slots__ = ("job_id", "since_version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    since_version: int
+    def __init__(self, job_id: _Optional[str] = ..., since_version: _Optional[int] = ...) -> None: ...
+
+class BufferStatusReply(_message.Message):
+    __slots__ = ("model_version", "buffered", "buffer_size", "outstanding", "versions", "refused_stale")
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_STALE_FIELD_NUMBER: _ClassVar[int]
+    model_version: int
+    buffered: int
+    buffer_size: int
+    outstanding: _containers.RepeatedCompositeFieldContainer[IssuedTask]
+    versions: _containers.RepeatedCompositeFieldContainer[VersionRow]
+    refused_stale: int
+    def __init__(self, model_version: _Optional[int] = ..., buffered: _Optional[int] = ..., buffer_size: _Optional[int] = ..., outstanding: _Optional[_Iterable[_Union[IssuedTask, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionRow, _Mapping]]] = ..., refused_stale: _Optional[int] = ...) -> None: ...
+
+class CloseBufferRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class CloseBufferReply(_message.Message):
+    __slots__ = ("model_version",)
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_version: int
+    def __init__(self, model_version: _Optional[int] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class JobSnapshot(_message.Message):
+    __slots__ = ("job_id", "round", "accepted", "open", "model_version", "buffered")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    accepted: int
+    open: bool
+    model_version: int
+    buffered: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., open: _Optional[bool] = ..., model_version: _Optional[int] = ..., buffered: _Optional[int] = ...) -> None: ...
+
+class JobEvents(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobSnapshot]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobSnapshot, _Mapping]]] = ...) -> None: ...

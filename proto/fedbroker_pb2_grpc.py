@@ -599,3 +599,280 @@ class Coordinator:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AsyncAggregationStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.OpenBuffer = channel.unary_unary(
+                '/fedbroker.v1.AsyncAggregation/OpenBuffer',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.OpenBufferRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.OpenBufferReply.FromString,
+                _registered_method=True)
+        self.IssueTasks = channel.unary_unary(
+                '/fedbroker.v1.AsyncAggregation/IssueTasks',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.IssueTasksRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.IssueTasksReply.FromString,
+                _registered_method=True)
+        self.BufferStatus = channel.unary_unary(
+                '/fedbroker.v1.AsyncAggregation/BufferStatus',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusReply.FromString,
+                _registered_method=True)
+        self.CloseBuffer = channel.unary_unary(
+                '/fedbroker.v1.AsyncAggregation/CloseBuffer',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.CloseBufferRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.CloseBufferReply.FromString,
+                _registered_method=True)
+
+
+class AsyncAggregationServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def OpenBuffer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IssueTasks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BufferStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseBuffer(self, request, context):
+        """The job is done: outstanding tasks end (their uploads are refused, `round_closed`), no task is issued.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AsyncAggregationServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'OpenBuffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBuffer,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.OpenBufferRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.OpenBufferReply.SerializeToString,
+            ),
+            'IssueTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.IssueTasks,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.IssueTasksRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.IssueTasksReply.SerializeToString,
+            ),
+            'BufferStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.BufferStatus,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusReply.SerializeToString,
+            ),
+            'CloseBuffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseBuffer,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.CloseBufferRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.CloseBufferReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'fedbroker.v1.AsyncAggregation', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('fedbroker.v1.AsyncAggregation', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class AsyncAggregation:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def OpenBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.AsyncAggregation/OpenBuffer',
+            fedbroker_dot_proto_dot_fedbroker__pb2.OpenBufferRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.OpenBufferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IssueTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.AsyncAggregation/IssueTasks',
+            fedbroker_dot_proto_dot_fedbroker__pb2.IssueTasksRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.IssueTasksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BufferStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.AsyncAggregation/BufferStatus',
+            fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.BufferStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.AsyncAggregation/CloseBuffer',
+            fedbroker_dot_proto_dot_fedbroker__pb2.CloseBufferRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.CloseBufferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class AggregationEventsStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Watch = channel.unary_stream(
+                '/fedbroker.v1.AggregationEvents/Watch',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.WatchRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.JobEvents.FromString,
+                _registered_method=True)
+
+
+class AggregationEventsServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Watch(self, request, context):
+        """One stream per coordinator: a message whenever an upload is accepted, a round opens or closes, or a
+        version is published; an empty one every few seconds keeps the stream alive. A lost stream loses
+        nothing that matters: the coordinator reconnects, and its safety poll asks RoundStatus meanwhile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AggregationEventsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.WatchRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.JobEvents.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'fedbroker.v1.AggregationEvents', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('fedbroker.v1.AggregationEvents', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class AggregationEvents:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fedbroker.v1.AggregationEvents/Watch',
+            fedbroker_dot_proto_dot_fedbroker__pb2.WatchRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.JobEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -176,6 +176,22 @@ def test_task_published_before_worker_consumes_is_delivered_later(harness: Harne
 
 
 @pytest.mark.timeout(60)
+def test_a_batch_of_tasks_is_delivered_persistent_and_names_the_unroutable(harness: Harness) -> None:
+    coordinator = harness.open()
+    coordinator.declare_worker("w1")  # w2 has no queue
+    unroutable = coordinator.publish_tasks([("w1", b"one"), ("w2", b"lost"), ("w1", b"two")])
+    assert unroutable == ["w2"]
+    assert wait_for(lambda: harness.ready_count(harness.topology.worker_queue("w1")) == 2)
+    worker, inbox = harness.open(), Inbox()
+    worker.consume_tasks("w1", inbox)
+    worker.start()
+    assert [d.body for d in inbox.wait(2)] == [b"one", b"two"]
+    assert coordinator.publish_tasks([]) == []
+    assert coordinator.publish_tasks([("w1", b"three")]) == []  # the batch channel is reused
+    assert [d.body for d in inbox.wait(3)][-1] == b"three"
+
+
+@pytest.mark.timeout(60)
 def test_unacked_message_is_redelivered_after_consumer_closes(harness: Harness) -> None:
     coordinator = harness.open()
     coordinator.declare_worker("w1")

@@ -183,3 +183,23 @@ def test_the_aggregator_process_takes_its_thread_budget_from_its_config():
     config = load_config(environ={"FEDBROKER__AGGREGATOR__MAX_STREAMS": "15"})
     with pytest.raises(ConfigError, match=r"aggregator\.max_streams: .* must be below threads \(16\)"):
         start_aggregator(config)
+
+
+def test_the_coordinators_event_stream_takes_no_transfer_slot_from_the_workers():
+    book = RoundBook()
+    server, port = serve(book, limits=CallLimits(threads=6, health_threads=1, max_streams=1, max_streams_per_worker=1))
+    client = AggregatorClient(f"127.0.0.1:{port}", timeout_s=10)
+    try:
+        client.put_global("job", 1, SPEC.to_json(), weights(0.0))
+        client.open_round("job", 1, ["w1"], time.time() + 600,
+                          {"alignment": "none", "weighting": "fedavg", "selection": "all"}, seed=0)
+        events = client.watch()
+        first = next(events)  # the stream is open, holding its thread
+        assert [j.job_id for j in first.jobs] == ["job"]
+        # the one transfer slot is still the workers': an upload goes through, and the stream hears of it
+        assert not client.upload(job_id="job", round=1, worker_id="w1", num_samples=3, tensors=weights(1.0)).duplicate
+        assert next(events).jobs[0].accepted == 1
+        events.cancel()
+    finally:
+        client.close()
+        server.stop(grace=0)

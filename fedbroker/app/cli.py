@@ -107,7 +107,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         workers=args.workers, rounds=args.rounds, alpha=args.alpha, partition=args.partition, dp=args.dp,
         dataset=args.dataset, broker=args.broker or "", out=args.out, seed=args.seed,
         local_epochs=args.local_epochs, lr=args.lr, noise_multiplier=args.noise_multiplier,
-        max_grad_norm=args.max_grad_norm, epsilon_budget=args.epsilon_budget,
+        max_grad_norm=args.max_grad_norm, epsilon_budget=args.epsilon_budget, mode=args.mode,
     )
     run_demo(options)
     return 0
@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run a whole private federation on this machine")
     demo.add_argument("--workers", type=int, default=d.workers)
     demo.add_argument("--rounds", type=int, default=d.rounds)
+    demo.add_argument("--mode", choices=["sync", "async"], default=d.mode,
+                      help="synchronous rounds, or asynchronous FedBuff (its table shows versions)")
     demo.add_argument("--alpha", type=float, default=d.alpha, help="Dirichlet α of the non-IID split")
     demo.add_argument("--partition", choices=["iid", "dirichlet", "classes"], default=d.partition)
     demo.add_argument("--dp", action=argparse.BooleanOptionalAction, default=d.dp, help="train with Opacus DP")

@@ -55,6 +55,7 @@ class DemoOptions:
     delta: float = 1e-5
     epsilon_budget: float = 10.0
     round_timeout_s: float = 300.0
+    mode: str = "sync"   # sync (rounds) | async (FedBuff: `rounds` × workers / buffer updates, as versions)
     run_id: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
 
 
@@ -75,13 +76,33 @@ def demo_job(options: DemoOptions, input_shape: tuple[int, ...], num_classes: in
                 {"type": "Linear", "in_features": options.hidden, "out_features": num_classes},
             ],
         },
-        "training": {"rounds": options.rounds, "local_epochs": options.local_epochs,
+        "training": {"rounds": demo_versions(options), "local_epochs": options.local_epochs,
                      "batch_size": options.batch_size, "lr": options.lr},
         "aggregation": {"alignment": "none", "weighting": "fedavg", "selection": "all"},
         "schedule": {"min_workers": options.workers, "min_clients": 1, "wait_for_workers_s": 30,
-                     "round_timeout_s": options.round_timeout_s},
+                     "round_timeout_s": options.round_timeout_s, **async_schedule(options)},
         "evaluation": {"dataset": options.dataset},
     }
+
+
+def async_schedule(options: DemoOptions) -> dict[str, Any]:
+    """In async mode: a buffer of half the workers, and as many versions as make the same number of local
+    trainings as `rounds` synchronous rounds would (training.rounds counts versions then)."""
+    if options.mode != "async":
+        return {}
+    return {"mode": "async", "buffer_size": demo_buffer_size(options), "max_staleness": 10,
+            "staleness": "polynomial"}
+
+
+def demo_buffer_size(options: DemoOptions) -> int:
+    return max(1, options.workers // 2)
+
+
+def demo_versions(options: DemoOptions) -> int:
+    """The rounds of the job: synchronous rounds, or (async) versions worth the same number of trainings."""
+    if options.mode != "async":
+        return options.rounds
+    return max(1, options.rounds * options.workers // demo_buffer_size(options))
 
 
 def free_port() -> int:
@@ -276,7 +297,8 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     spec = parse_job(job)  # the options checked before anything starts (the coordinator checks what it receives)
     pooled = baseline_training(spec)  # checked now too, though it trains only once the federation is done
     (run_dir / "job.json").write_text(json.dumps(job, indent=2))
-    print(f"fedbroker demo: {options.workers} workers, {options.rounds} rounds, {options.dataset} "
+    unit = "versions (async)" if options.mode == "async" else "rounds"
+    print(f"fedbroker demo: {options.workers} workers, {demo_versions(options)} {unit}, {options.dataset} "
           f"({options.partition}{f' α={options.alpha}' if options.partition == 'dirichlet' else ''}), "
           f"DP {f'on (σ={options.noise_multiplier:g}, clip={options.max_grad_norm:g}, δ={options.delta:g})' if options.dp else 'off'}, "
           f"bus: {'RabbitMQ' if options.broker else 'in-process'}; run folder {run_dir}")
@@ -304,12 +326,21 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
 
 
 def follow(client: CoordinatorClient, job_id: str, options: DemoOptions, cluster: Cluster, tqdm: Any) -> pb.StatusReply:
-    """Poll the coordinator: one progress bar per round (uploads received of participants)."""
+    """Poll the coordinator: one progress bar per round (uploads received of participants); in async mode
+    one bar of versions."""
     bars: dict[int, Any] = {}
+    versions = None
+    if options.mode == "async":
+        versions = tqdm(total=demo_versions(options), desc="versions", unit="version", dynamic_ncols=True)
     while True:
         cluster.check_alive()
         status = client.status(job_id)
-        for r in status.rounds:
+        if versions is not None:
+            done = [r for r in status.rounds if r.status == "closed"]
+            if len(done) != versions.n:
+                versions.update(len(done) - versions.n)
+                versions.set_postfix_str(f"accuracy {done[-1].accuracy:.3f}, staleness {done[-1].mean_staleness:.2f}")
+        for r in status.rounds if versions is None else ():
             bar = bars.get(r.round)
             if bar is None:
                 bar = bars[r.round] = tqdm(total=r.participants, desc=f"round {r.round}/{options.rounds}",
@@ -326,6 +357,8 @@ def follow(client: CoordinatorClient, job_id: str, options: DemoOptions, cluster
         if job is not None and job.status in ("completed", "failed"):
             for bar in bars.values():
                 bar.close()
+            if versions is not None:
+                versions.close()
             return status
         time.sleep(0.25)
 
@@ -337,7 +370,8 @@ def collect_results(status: pb.StatusReply, job_id: str, options: DemoOptions, b
                    if p.round == r.round and p.status in ("aggregated", "uploaded") and options.dp}
         rounds.append({"round": r.round, "clients": r.aggregated, "mean_train_loss": round(r.mean_train_loss, 4),
                        "accuracy": round(r.accuracy, 4), "loss": round(r.loss, 4), "epsilon": epsilon,
-                       "seconds": round(r.seconds, 2)})
+                       "seconds": round(r.seconds, 2), "model_version": r.model_version,
+                       "mean_staleness": round(r.mean_staleness, 2)})
     refusals = [{"round": p.round, "worker": p.worker_id, "status": p.status, "reason": p.reason}
                 for p in status.participants if p.status in ("refused", "failed", "missed")]
     return {
@@ -345,6 +379,7 @@ def collect_results(status: pb.StatusReply, job_id: str, options: DemoOptions, b
         "options": {k: v for k, v in vars(options).items() if k != "broker"},
         "rounds": rounds,
         "refusals": refusals,
+        "unit": "version" if options.mode == "async" else "round",
         "summary": {
             "status": status.jobs[0].status if status.jobs else "unknown",
             "error": status.jobs[0].error if status.jobs else "",
@@ -360,9 +395,13 @@ def collect_results(status: pb.StatusReply, job_id: str, options: DemoOptions, b
 
 def print_table(results: dict[str, Any]) -> None:
     workers = sorted({w for r in results["rounds"] for w in r["epsilon"]})
-    head = ["round", "clients", "train loss", "test acc", *[f"ε {w}" for w in workers], "seconds"]
-    rows = [[str(r["round"]), str(r["clients"]), f"{r['mean_train_loss']:.4f}", f"{r['accuracy']:.4f}",
-             *[f"{r['epsilon'][w]:.3f}" if w in r["epsilon"] else "—" for w in workers], f"{r['seconds']:.1f}"]
+    versions = results.get("unit") == "version"  # async: a row per global version, with its staleness
+    head = ["version" if versions else "round", "clients", *(["staleness"] if versions else []), "train loss",
+            "test acc", *[f"ε {w}" for w in workers], "seconds"]
+    rows = [[str(r["model_version"] if versions else r["round"]), str(r["clients"]),
+             *([f"{r['mean_staleness']:.2f}"] if versions else []), f"{r['mean_train_loss']:.4f}",
+             f"{r['accuracy']:.4f}", *[f"{r['epsilon'][w]:.3f}" if w in r["epsilon"] else "—" for w in workers],
+             f"{r['seconds']:.1f}"]
             for r in results["rounds"]]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     line = "  ".join(h.rjust(w) for h, w in zip(head, widths))
@@ -377,7 +416,7 @@ def print_table(results: dict[str, Any]) -> None:
     print(f"final federated accuracy {final}  |  centralised no-DP baseline "
           f"{s['centralized_accuracy']:.4f}  |  bus {s['broker']}  |  {s['seconds']:.0f}s")
     for r in results["refusals"]:
-        print(f"round {r['round']}: {r['worker']} {r['status']}: {r['reason']}")
+        print(f"{results.get('unit', 'round')} {r['round']}: {r['worker']} {r['status']}: {r['reason']}")
 
 
 def plot(results: dict[str, Any], path: Path, *, title: str | None = None) -> None:
@@ -392,10 +431,11 @@ def plot(results: dict[str, Any], path: Path, *, title: str | None = None) -> No
             label="federated" + (" (DP)" if results["summary"]["dp"] else ""))
     ax.axhline(results["summary"]["centralized_accuracy"], color="grey", linestyle="--",
                label="centralised, no DP")
-    ax.set_xlabel("round")
+    ax.set_xlabel(results.get("unit", "round"))
     ax.set_ylabel("global test accuracy")
     ax.set_ylim(0, 1)
-    ax.set_xticks(rounds)
+    if len(rounds) <= 30:
+        ax.set_xticks(rounds)
     ax.grid(alpha=0.3)
     if results["summary"]["dp"] and results["rounds"] and results["rounds"][-1]["epsilon"]:
         twin = ax.twinx()

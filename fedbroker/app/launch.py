@@ -108,7 +108,7 @@ def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorP
         checkpoint_dir=os.path.join(c.state_dir, "checkpoints"), heartbeat_timeout_s=c.heartbeat_timeout_s,
         evaluator=evaluate_global,
         broker_consumer_timeout_s=None if isinstance(bus, InProcessBus) else config.broker.consumer_timeout_s or None,
-        max_running_jobs=c.max_running_jobs,
+        max_running_jobs=c.max_running_jobs, safety_poll_s=c.safety_poll_s,
     )
     coordinator.start()
     bus.start()

@@ -15,12 +15,21 @@ def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def render(status: Any) -> str:
-    parts = ["JOBS", table(["job", "status", "rounds", "error"],
-                           [[j.job_id, j.status, f"{j.rounds_done}/{j.rounds_total}", j.error[:80]] for j in status.jobs])]
+    asynchronous = {j.job_id for j in status.jobs if j.mode == "async"}
+    parts = ["JOBS", table(["job", "status", "mode", "rounds/versions", "error"],
+                           [[j.job_id, j.status, j.mode or "sync", f"{j.rounds_done}/{j.rounds_total}", j.error[:80]]
+                            for j in status.jobs])]
     parts += ["", "ROUNDS", table(
         ["job", "round", "status", "uploaded", "aggregated", "accuracy", "loss", "train loss", "seconds"],
         [[r.job_id, r.round, r.status, f"{r.uploaded}/{r.participants}", r.aggregated, f"{r.accuracy:.4f}",
-          f"{r.loss:.4f}", f"{r.mean_train_loss:.4f}", f"{r.seconds:.1f}"] for r in status.rounds])]
+          f"{r.loss:.4f}", f"{r.mean_train_loss:.4f}", f"{r.seconds:.1f}"]
+         for r in status.rounds if r.job_id not in asynchronous])]
+    if asynchronous:  # asynchronous jobs have no rounds: a row per global version its buffer published
+        parts += ["", "VERSIONS (asynchronous jobs)", table(
+            ["job", "version", "workers", "mean staleness", "accuracy", "loss", "train loss", "seconds"],
+            [[r.job_id, r.model_version, r.aggregated, f"{r.mean_staleness:.2f}", f"{r.accuracy:.4f}",
+              f"{r.loss:.4f}", f"{r.mean_train_loss:.4f}", f"{r.seconds:.1f}"]
+             for r in status.rounds if r.job_id in asynchronous])]
     parts += ["", "WORKERS", table(
         ["worker", "device", "active", "ε spent", "ε budget", "last seen"],
         [[w.worker_id, w.device, "yes" if w.active else "no", f"{w.epsilon_spent:.3f}",

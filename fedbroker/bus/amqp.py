@@ -421,6 +421,9 @@ class AmqpBus:
         self._workers: set[str] = set()  # worker queues to re-declare on every connect
         self._consumers: list[_AmqpConsumer] = []
         self._pub_channel: Any = None
+        self._batch_channel: Any = None
+        self._pub_conn: Any = None
+        self._returned: list[str] = []  # routing keys of tasks a batch got back unroutable (I/O thread only)
         self._retry_channel: Any = None
         self._consumer_conn: Any = None
         self._consuming = threading.Event()  # set while every registered consumer is consuming
@@ -468,28 +471,39 @@ class AmqpBus:
         ch.confirm_delivery()
         self._declare_topology(ch)
         self._pub_channel = ch
+        batch = conn.channel()  # publish_tasks: a transaction, committed once per batch
+        batch.tx_select()
+        batch.add_on_return_callback(lambda _ch, method, _props, _body: self._returned.append(method.routing_key))
+        self._batch_channel = batch
+        self._pub_conn = conn
 
     def _on_publisher_disconnect(self) -> None:
         self._pub_channel = None
+        self._batch_channel = None
+        self._pub_conn = None
 
     def _check_open(self) -> None:
         if self._closed:
             raise BusError("bus is closed")
 
-    def _publish(self, exchange: str, routing_key: str, body: bytes, *, mandatory: bool, what: str) -> None:
+    def _properties(self) -> Any:
         import pika
-        import pika.exceptions as pex
 
-        self._check_open()
-        if not isinstance(body, (bytes, bytearray, memoryview)):
-            raise TypeError(f"body must be bytes, got {type(body).__name__}")
-        properties = pika.BasicProperties(
+        return pika.BasicProperties(
             delivery_mode=pika.DeliveryMode.Persistent,
             content_type=CONTENT_TYPE,
             message_id=uuid.uuid4().hex,
             timestamp=int(time.time()),
             app_id=self.topology.namespace,
         )
+
+    def _publish(self, exchange: str, routing_key: str, body: bytes, *, mandatory: bool, what: str) -> None:
+        import pika.exceptions as pex
+
+        self._check_open()
+        if not isinstance(body, (bytes, bytearray, memoryview)):
+            raise TypeError(f"body must be bytes, got {type(body).__name__}")
+        properties = self._properties()
         payload = bytes(body)
 
         def publish() -> None:
@@ -514,6 +528,37 @@ class AmqpBus:
         self._publish(
             self.topology.tasks_exchange, worker_id, body, mandatory=True, what=f"task for worker {worker_id!r}"
         )
+
+    def publish_tasks(self, tasks: Sequence[tuple[str, bytes]]) -> list[str]:
+        """Persistent tasks published in one AMQP transaction: N publishes and one tx.commit, so the
+        broker's answer is awaited once for the batch instead of once per task (one confirm each). The
+        commit returns when the broker has taken every message (persistent ones written to disk, as a
+        confirm would wait for); unroutable ones come back as basic.return frames before commit-ok.
+        `bench/control_plane.py` measures this against a confirm channel with all the batch outstanding."""
+        import pika.exceptions as pex
+
+        self._check_open()
+        for worker_id, _ in tasks:
+            check_name("worker_id", worker_id)
+        messages = [(worker_id, bytes(body), self._properties()) for worker_id, body in tasks]
+        unroutable: list[str] = []
+
+        def publish() -> None:
+            ch, conn = self._batch_channel, self._pub_conn
+            if ch is None or conn is None:
+                raise pex.ChannelWrongStateError("publisher channel not open")
+            self._returned.clear()
+            for worker_id, payload, properties in messages:
+                ch.basic_publish(self.topology.tasks_exchange, worker_id, payload, properties, mandatory=True)
+            ch.tx_commit()
+            conn.process_data_events(time_limit=0)  # dispatches the basic.return callbacks
+            unroutable[:] = sorted(set(self._returned))
+            self._returned.clear()
+
+        if messages:
+            self._publisher.start()
+            self._publisher.call(publish, timeout=self.publish_timeout_s, what=f"publishing {len(messages)} task(s)")
+        return unroutable
 
     def publish_control(self, body: bytes) -> None:
         self._publish(

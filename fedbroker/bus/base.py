@@ -9,7 +9,7 @@ import collections
 import logging
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -140,6 +140,10 @@ class Bus(Protocol):
     def reconnects(self) -> int: ...
 
     def publish_task(self, worker_id: str, body: bytes) -> None: ...
+    def publish_tasks(self, tasks: Sequence[tuple[str, bytes]]) -> list[str]:
+        """Every (worker id, body) task persistent, with ONE wait for the broker to take them all; returns
+        the worker ids whose task was unroutable (no queue). BusError: none of them may be taken; retry all."""
+        ...
     def publish_control(self, body: bytes) -> None: ...
     def publish_event(self, body: bytes) -> None: ...
     def consume_tasks(self, worker_id: str, handler: Handler) -> None: ...

@@ -10,6 +10,7 @@ import collections
 import logging
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar
@@ -216,6 +217,17 @@ class InProcessBus:
                     f"task for worker {worker_id!r} is unroutable: no queue for that worker (declare_worker first)"
                 )
             self.broker.enqueue(q, self._message(body, worker_id))
+
+    def publish_tasks(self, tasks: Sequence[tuple[str, bytes]]) -> list[str]:
+        """Each task queued (the in-process broker takes them as they come); the unroutable ones' worker ids."""
+        self._check_open()
+        unroutable = []
+        for worker_id, body in tasks:
+            try:
+                self.publish_task(worker_id, body)
+            except Unroutable:
+                unroutable.append(worker_id)
+        return unroutable
 
     def publish_control(self, body: bytes) -> None:
         self._check_open()

@@ -5,6 +5,7 @@ broker were down; its worker is a straggler at once, and the tasks after it go o
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,9 @@ class CountingBus(InProcessBus):
         super().__init__(**options)
         self.published: list[str] = []
 
-    def publish_task(self, worker_id: str, body: bytes) -> None:
-        self.published.append(worker_id)
-        super().publish_task(worker_id, body)
+    def publish_tasks(self, tasks: Sequence[tuple[str, bytes]]) -> list[str]:
+        self.published.append(",".join(w for w, _ in tasks))
+        return super().publish_tasks(tasks)
 
 
 def coordinator(tmp_path: Path, bus: InProcessBus) -> Coordinator:
@@ -41,11 +42,11 @@ def test_an_unroutable_task_is_not_retried_until_the_deadline(tmp_path: Path) ->
     c = coordinator(tmp_path, bus)
     bus.declare_worker("w1")
     try:
-        sent = [c._publish(w, b"task", time.time() + 3600) for w in ("ghost", "w1")]
+        sent = c._publish_batch([(w, b"task") for w in ("ghost", "w1")], time.time() + 3600)
     finally:
         bus.close()
-    assert sent == [False, True]
-    assert bus.published == ["ghost", "w1"]  # one try for the ghost, then the next worker's task
+    assert sent == {"w1"}
+    assert bus.published == ["ghost,w1"]  # one batch, one try: the ghost is a straggler at once
 
 
 def test_an_accepted_registration_declares_the_workers_task_queue(tmp_path: Path) -> None:

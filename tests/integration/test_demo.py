@@ -48,3 +48,16 @@ def test_demo_with_dp_on_the_in_process_bus(tmp_path):
 def test_demo_over_rabbitmq_as_separate_processes(tmp_path, rabbitmq_url):
     results, stdout = run_demo(tmp_path, "--broker", rabbitmq_url, "--no-dp", "--partition", "iid")
     check(results, stdout, broker="rabbitmq", dp=False)
+
+
+@pytest.mark.parametrize("bus", ["in-process", "rabbitmq"])
+def test_demo_in_async_mode_shows_versions(tmp_path, bus, request):
+    extra = ["--broker", request.getfixturevalue("rabbitmq_url")] if bus == "rabbitmq" else []
+    results, stdout = run_demo(tmp_path, "--mode", "async", *extra)
+    assert results["unit"] == "version" and results["summary"]["status"] == "completed"
+    assert len(results["rounds"]) == 6  # 2 rounds' worth of trainings: 3 workers × 2 / buffer 1
+    versions = [r["model_version"] for r in results["rounds"]]
+    assert versions == sorted(versions) and len(set(versions)) == 6
+    table = stdout.split("training the centralised")[1]
+    assert "version" in table.splitlines()[2] and "staleness" in table and "round" not in table.splitlines()[2]
+    assert results["summary"]["broker"] == bus

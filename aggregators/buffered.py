@@ -1,0 +1,193 @@
+"""A job's asynchronous state in the aggregation service (schedule.mode async): no transport, no disk.
+
+No round barrier: the coordinator asks the service to issue a worker a task (`issue`), the service names
+the task (a job-wide number) and its base version (always the newest), and the worker's upload is admitted
+only for its one outstanding task. Each accepted update is folded into the FedBuff buffer at once
+(`aggregators.fedbuff`); every `buffer_size` updates make a new global version. The book (`rounds.py`)
+holds the locks and writes the spool before each reply; this module only says what changes.
+
+Idempotence is per (job, worker, task): a task number names its base version, so a retry of an accepted
+upload (same worker, same task) gets its first receipt back and counts once, and an upload for a task
+that is no longer the worker's outstanding one is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedbroker.aggregators.fedbuff import Buffer, staleness_function
+from fedbroker.aggregators.registries import Algorithms, build_algorithms
+from fedbroker.errors import ConfigError
+from fedbroker.spec import AggregationConfig, ScheduleConfig, mode_problems
+
+KEEP_VERSION_ROWS = 64   # the newest versions' summaries (the coordinator records each one)
+
+
+@dataclass(frozen=True)
+class Issued:
+    task: int
+    base: int
+
+
+@dataclass(frozen=True)
+class Folded:
+    """One update accepted into the buffer of the version being built."""
+
+    worker_id: str
+    task: int
+    base: int
+    tau: int
+    raw_weight: float
+    factor: float
+    num_samples: int
+    epsilon: float
+    train_loss: float
+    sha256: str
+    bytes_received: int
+
+
+@dataclass(frozen=True)
+class FirstReceipt:
+    """What a retry of an accepted upload is answered with."""
+
+    task: int
+    bytes_received: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class VersionSummary:
+    version: int
+    updates: list[Folded]
+    total_weight: float
+    created: float
+
+    def coefficient(self, update: Folded) -> float:
+        """The update's share of the step: w·s(τ) / Σ w."""
+        return update.raw_weight * update.factor / self.total_weight
+
+
+@dataclass
+class AsyncState:
+    config: dict[str, Any]            # as opened (the spool re-builds the algorithms and buffer from it)
+    algorithms: Algorithms
+    buffer: Buffer
+    sample_limits: dict[str, int]
+    issued: dict[str, Issued] = field(default_factory=dict)       # worker → its outstanding task
+    accepted: dict[str, FirstReceipt] = field(default_factory=dict)  # worker → its last accepted update
+    next_task: int = 1
+    folded: list[Folded] = field(default_factory=list)            # the buffer's updates, in acceptance order
+    summaries: list[VersionSummary] = field(default_factory=list)
+    refused_stale: int = 0
+    closed: bool = False              # the job ended: no task is issued, every upload is refused
+
+    @property
+    def max_staleness(self) -> int:
+        return self.buffer.max_staleness
+
+    def receipt(self, worker_id: str, task: int) -> FirstReceipt | None:
+        """The first receipt of this worker's update for `task`, when that was its last accepted one."""
+        done = self.accepted.get(worker_id)
+        return done if done is not None and done.task == task else None
+
+    def outstanding(self, worker_id: str, task: int) -> Issued | None:
+        issued = self.issued.get(worker_id)
+        return issued if issued is not None and issued.task == task else None
+
+    def issue(self, workers: list[str], version: int) -> list[tuple[str, Issued]]:
+        """A new task on `version` for each worker, replacing the one it had (whose upload is then refused)."""
+        out = []
+        for worker_id in workers:
+            issued = Issued(self.next_task, version)
+            self.next_task += 1
+            self.issued[worker_id] = issued
+            out.append((worker_id, issued))
+        return out
+
+    def fold(self, entry: Folded, update: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray],
+             ) -> None:
+        """Count an accepted update: into the buffer, and its task is done."""
+        self.buffer.add(update, base, weight=entry.raw_weight, tau=entry.tau)
+        self.folded.append(entry)
+        self.accepted[entry.worker_id] = FirstReceipt(entry.task, entry.bytes_received, entry.sha256)
+        if self.issued.get(entry.worker_id) == Issued(entry.task, entry.base):
+            del self.issued[entry.worker_id]
+
+    def publish(self, version: int, created: float) -> VersionSummary:
+        """The buffer became version `version`: summarise what went in, and empty it."""
+        summary = VersionSummary(version, list(self.folded), self.buffer.total_weight, created)
+        self.summaries = [*self.summaries, summary][-KEEP_VERSION_ROWS:]
+        self.folded = []
+        self.buffer.reset()
+        return summary
+
+
+CONFIG_KEYS = ("aggregation", "buffer_size", "max_staleness", "staleness", "staleness_params", "server_lr", "seed")
+
+
+def new_async_state(config: dict[str, Any], sample_limits: dict[str, int]) -> AsyncState:
+    """A job's async state from what OpenBuffer sent, checked as at submission (ConfigError names the field)."""
+    missing = [k for k in CONFIG_KEYS if k not in config]
+    if missing:
+        raise ConfigError(f"schedule.{missing[0]}", "is required to open an asynchronous buffer")
+    aggregation = AggregationConfig(**dict(config["aggregation"]))
+    schedule = ScheduleConfig(mode="async", max_staleness=config["max_staleness"], staleness=config["staleness"],
+                              staleness_params=dict(config["staleness_params"]), server_lr=config["server_lr"],
+                              buffer_size=config["buffer_size"])
+    problems = mode_problems(schedule=schedule, aggregation=aggregation)
+    if problems:
+        raise problems[0]
+    if schedule.buffer_size < 1:
+        raise ConfigError("schedule.buffer_size", f"must be at least 1 when the buffer opens, got {schedule.buffer_size}")
+    staleness = staleness_function(schedule.staleness, schedule.staleness_params)
+    buffer = Buffer(buffer_size=schedule.buffer_size, max_staleness=schedule.max_staleness, staleness=staleness,
+                    server_lr=schedule.server_lr)
+    return AsyncState(config, build_algorithms(aggregation), buffer, sample_limits)
+
+
+def copy_for_status(state: AsyncState, since_version: int) -> AsyncState:
+    """What BufferStatus reports, copied under the book's lock (the buffer itself is not copied)."""
+    return AsyncState(state.config, state.algorithms, state.buffer, dict(state.sample_limits), dict(state.issued),
+                      dict(state.accepted), state.next_task, list(state.folded),
+                      [v for v in state.summaries if v.version > since_version], state.refused_stale, state.closed)
+
+
+def folded_record(entry: Folded, seq: int) -> dict[str, Any]:
+    return {**vars(entry), "seq": seq}
+
+
+def folded_from_record(record: Mapping[str, Any]) -> Folded:
+    return Folded(str(record["worker_id"]), int(record["task"]), int(record["base"]), int(record["tau"]),
+                  float(record["raw_weight"]), float(record["factor"]), int(record["num_samples"]),
+                  float(record["epsilon"]), float(record["train_loss"]), str(record["sha256"]),
+                  int(record["bytes_received"]))
+
+
+def state_record(state: AsyncState) -> dict[str, Any]:
+    """What job.json holds of the async state (the buffer's updates are files of their own)."""
+    return {
+        "config": state.config,
+        "num_samples": state.sample_limits,
+        "issued": {w: [i.task, i.base] for w, i in state.issued.items()},
+        "accepted": {w: [r.task, r.bytes_received, r.sha256] for w, r in state.accepted.items()},
+        "next_task": state.next_task,
+        "summaries": [{"version": s.version, "updates": [vars(u) for u in s.updates], "total_weight": s.total_weight,
+                       "created": s.created} for s in state.summaries],
+        "refused_stale": state.refused_stale,
+        "closed": state.closed,
+    }
+
+
+def restore_fields(state: AsyncState, record: Mapping[str, Any]) -> None:
+    """Fill a freshly built state from `state_record`'s output (the buffer is replayed by the spool)."""
+    state.issued = {w: Issued(int(t), int(b)) for w, (t, b) in record["issued"].items()}
+    state.accepted = {w: FirstReceipt(int(t), int(n), str(sha)) for w, (t, n, sha) in record["accepted"].items()}
+    state.next_task = int(record["next_task"])
+    state.summaries = [VersionSummary(int(s["version"]), [folded_from_record(u) for u in s["updates"]],
+                                      float(s["total_weight"]), float(s["created"])) for s in record["summaries"]]
+    state.refused_stale = int(record.get("refused_stale", 0))
+    state.closed = bool(record.get("closed", False))
