@@ -44,7 +44,8 @@ class JobWatcher:
         call = self._call
         if call is not None:
             call.cancel()
-        self._thread.join(timeout=10)
+        if self._thread.ident is not None:  # a coordinator stopped without being started has no stream
+            self._thread.join(timeout=10)
 
     def latest(self, job_id: str) -> pb.JobSnapshot | None:
         with self._lock:
