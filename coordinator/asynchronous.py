@@ -104,6 +104,7 @@ class AsyncJob:
                 self.c.events.wait(job_id, self.c.safety_poll_s)
                 if self.c._stop.is_set():
                     raise self._stopped
+                self.c._halt_if_cancelled()  # the buffer is closed, never folded into a version (_cancel_job)
         finally:
             metrics.ASYNC_RUNNING.labels(job_id).set(0)
 

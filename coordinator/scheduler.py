@@ -216,6 +216,7 @@ class Coordinator:
                 self._done[job_id].set()
             if running:
                 self._cancels[job_id] = by
+                self.events.poke(job_id)  # a loop waiting on the service's events acts now, not at its safety poll
         if not running:  # never started here (queued, or left pending by a stopped run): no round to abandon
             self.store.cancel_job(job_id, by=by)
             return "cancelled"
@@ -361,6 +362,24 @@ class Coordinator:
             log.error("job %s failed (%s) but the coordinator stopped before that could be recorded (%s); the next "
                       "start resumes it", job_id, error, exc)
 
+    def _cancel_async_job(self, job_id: str, by: str) -> None:
+        """An asynchronous job has no round to abandon: its buffer is closed at the service, so outstanding
+        tasks end, late uploads are refused and the updates still in the buffer never become a version."""
+        try:
+            retry_call(lambda: self.aggregator.close_buffer(job_id), backoff=_OUTAGE_BACKOFF,
+                       deadline=time.monotonic() + self.aggregator_outage_s, sleep=self._stop.wait,
+                       retryable=lambda exc: isinstance(exc, RemoteError) and exc.code in _TRANSIENT
+                       and not self._stop.is_set())
+        except RemoteError as exc:
+            if self._stop.is_set():  # still `cancelling` in the store: the next start finishes it
+                log.info("job %s: cancel left to the next start (the coordinator is stopping)", job_id)
+                return
+            if exc.reason != Rejection.UNKNOWN_JOB:
+                log.error("the buffer of cancelled job %s could not be closed at the aggregation service (%s): "
+                          "no version is recorded for it from now on", job_id, exc)
+        self.store.cancel_job(job_id, by=by)
+        metrics.ROUND_OPEN.labels(job_id).set(0)
+
     def _halt_if_cancelled(self) -> None:
         """In a job's thread, wherever the round loop waits: end the job there if it was cancelled."""
         job_id = getattr(self._local, "job_id", None)
@@ -373,6 +392,10 @@ class Coordinator:
         and a worker yet to start finds the round closed and trains nothing) and record the job cancelled,
         with the ε the discarded uploads cost their workers."""
         by = self._cancels.get(job_id, "")
+        row = self.store.job(job_id)
+        if row is not None and json.loads(row["spec_json"]).get("schedule", {}).get("mode") == "async":
+            self._cancel_async_job(job_id, by)
+            return
         open_rounds = [r["round"] for r in self.store.rounds(job_id) if r["status"] == "open"]
         round_number = open_rounds[-1] if open_rounds else None
         discarded: list[pb.UpdateSummary] = []

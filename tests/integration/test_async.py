@@ -108,3 +108,25 @@ def test_alignment_in_async_mode_is_refused_at_submission_naming_the_field():
         accept_job(job)
     assert info.value.field == "schedule.staleness_params.a"
 
+
+
+def test_cancelling_an_async_job_closes_its_buffer_and_makes_no_further_version(federation):
+    import time
+
+    for i in range(3):
+        federation.add_worker(f"w{i}", index=i, count=3, dp=GENEROUS)
+    job = copy.deepcopy(JOB)
+    job["training"]["rounds"] = 500  # far more versions than it will get to make
+    job_id = federation.coordinator.submit(parse_job(job))
+    deadline = time.monotonic() + 240
+    while not federation.store.rounds(job_id):  # wait on a condition: at least one version recorded
+        assert time.monotonic() < deadline, "no version within 240 s"
+        time.sleep(0.05)
+    assert federation.coordinator.cancel(job_id, by="alice", wait_s=120) == "cancelled"
+    status = federation.book.buffer_status(job_id)
+    assert status[1].closed and not status[1].issued  # outstanding tasks ended at the service
+    version, recorded = status[0], len(federation.store.rounds(job_id))
+    time.sleep(1.0)  # workers still training find their uploads refused: nothing moves after the cancel
+    assert federation.book.buffer_status(job_id)[0] == version
+    assert len(federation.store.rounds(job_id)) == recorded < 500
+    assert federation.store.job(job_id)["status"] == "cancelled"
