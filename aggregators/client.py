@@ -203,8 +203,8 @@ class AggregatorClient:
             what=f"close the buffer of job {job_id}", idempotent=True)
         return reply.model_version
 
-    def watch(self) -> Iterator[pb.JobEvents]:
+    def watch(self) -> Iterator[pb.JobChanges]:
         """The service's job events, until the stream breaks (the caller reconnects; no retry here). The
         first message names every job; `cancel()` on the returned call ends it."""
-        stream: Iterator[pb.JobEvents] = self._events_stub.Watch(pb.WatchRequest(), metadata=self._md)
+        stream: Iterator[pb.JobChanges] = self._events_stub.Watch(pb.WatchRequest(), metadata=self._md)
         return stream

@@ -51,7 +51,7 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "CloseBuffer": frozenset({ROLE_COORDINATOR}),
     "Watch": frozenset({ROLE_COORDINATOR}),
 }
-WATCH_KEEPALIVE_S = 5.0  # an empty JobEvents this often: the stream is never idle
+WATCH_KEEPALIVE_S = 5.0  # an empty JobChanges this often: the stream is never idle
 
 
 def _count_refusal(method: str, reason: str) -> None:
@@ -193,11 +193,11 @@ class EventsServicer(pb_grpc.AggregationEventsServicer):
         self.book = book
         self.keepalive_s = keepalive_s
 
-    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.JobEvents]:
+    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.JobChanges]:
         after = 0
         while context.is_active():
             after, changed = self.book.watch(after, self.keepalive_s)
-            yield pb.JobEvents(jobs=[pb.JobSnapshot(job_id=j.job_id, round=j.round, accepted=j.accepted, open=j.open,
+            yield pb.JobChanges(jobs=[pb.JobSnapshot(job_id=j.job_id, round=j.round, accepted=j.accepted, open=j.open,
                                                     model_version=j.version, buffered=j.buffered) for j in changed])
 
 

@@ -681,7 +681,7 @@ class JobSnapshot(_message.Message):
     buffered: int
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., open: _Optional[bool] = ..., model_version: _Optional[int] = ..., buffered: _Optional[int] = ...) -> None: ...
 
-class JobEvents(_message.Message):
+class JobChanges(_message.Message):
     __slots__ = ("jobs",)
     JOBS_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobSnapshot]

@@ -815,7 +815,7 @@ class AggregationEventsStub:
         self.Watch = channel.unary_stream(
                 '/fedbroker.v1.AggregationEvents/Watch',
                 request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.WatchRequest.SerializeToString,
-                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.JobEvents.FromString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.JobChanges.FromString,
                 _registered_method=True)
 
 
@@ -837,7 +837,7 @@ def add_AggregationEventsServicer_to_server(servicer, server):
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
                     request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.WatchRequest.FromString,
-                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.JobEvents.SerializeToString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.JobChanges.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -866,7 +866,7 @@ class AggregationEvents:
             target,
             '/fedbroker.v1.AggregationEvents/Watch',
             fedbroker_dot_proto_dot_fedbroker__pb2.WatchRequest.SerializeToString,
-            fedbroker_dot_proto_dot_fedbroker__pb2.JobEvents.FromString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.JobChanges.FromString,
             options,
             channel_credentials,
             insecure,
