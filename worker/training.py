@@ -46,10 +46,12 @@ dp_training` has the table.
 from __future__ import annotations
 
 import copy
+import logging
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,7 +72,15 @@ from fedbroker.worker.accounting import (
 )
 
 GRAD_SAMPLE_MODE = "ew"
+CLIPPING_MODES = ("auto", "ghost", "ew")
+# Layers Opacus's fast gradient clipping handles with its own samplers (norms of Linear's per-sample
+# gradients without forming them; Conv2d's and GroupNorm's formed one layer at a time and dropped).
+GHOST_LAYERS = (nn.Linear, nn.Conv2d, nn.GroupNorm)
+# "ghost" pays once "ew" would form this many per-sample gradient floats of Linear layers per step
+# (expected batch × Linear parameters); below it, its second backward pass and hooks cost more.
+GHOST_MIN_FLOATS = 1 << 18
 _PREFIX = "_module."
+log = logging.getLogger(__name__)
 
 # Opacus's per-sample hooks (mode "hooks") make torch warn once per process that inputs need no
 # gradient; that is expected here and says nothing to a data owner. Only this module's instance is silenced.
@@ -84,7 +94,8 @@ class TrainResult:
     `state` has the keys and order of `model.state_dict()` (buffers included). `train_loss` is the
     sample-weighted mean loss of the last epoch's batches (before each step; no proximal term).
     `epsilon` is the job's total ε on this worker after this training (None without DP) and
-    `history` the job's full accountant history to store for the next round.
+    `history` the job's full accountant history to store for the next round. `clipping` is how the
+    per-sample gradients were clipped ("ghost" or "ew", see `clipping_mode`; None without DP).
     """
 
     state: dict[str, np.ndarray]
@@ -95,6 +106,7 @@ class TrainResult:
     samples_per_second: float
     epsilon: float | None
     history: list[HistoryEntry]
+    clipping: str | None = None
 
 
 def train_local(
@@ -108,6 +120,8 @@ def train_local(
     device: str = "cpu",
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    clipping: str = "auto",
+    physical_batch_size: int | None = None,
 ) -> TrainResult:
     """Train `model` on (x, y) for `config.local_epochs`; with an enabled `dp`, as DP-SGD under the owner's policy.
 
@@ -120,11 +134,26 @@ def train_local(
     `seed` fixes the batch sampling, the DP noise and any dropout, so one seed gives one result on
     CPU. With DP the seed must stay the worker's secret (never taken from a job): whoever knows it
     can regenerate and subtract the noise. Production workers should draw it from os.urandom.
+
+    `clipping` picks how DP clips ("auto": `clipping_mode(model)`). `physical_batch_size` bounds the
+    samples of one forward/backward pass: a larger Poisson batch is trained in chunks (Opacus's
+    virtual steps) whose clipped gradients are summed and noised once, the same update and the same ε
+    as one pass, for a batch that does not fit in memory. Neither changes training without DP.
     """
     if dp is not None and not dp.enabled:
         dp = None
     _refuse_wrapped(model)
     check_int("seed", seed, low=0)
+    if physical_batch_size is not None:
+        check_int("physical_batch_size", physical_batch_size, low=1)
+    if clipping not in CLIPPING_MODES:
+        raise ConfigError("clipping", f"must be one of {', '.join(CLIPPING_MODES)}, got {clipping!r}")
+    mode = None
+    if dp is not None:
+        mode = clipping if clipping != "auto" else clipping_mode(model, expected_batch_size=config.batch_size)
+        if mode == "ghost" and not ghost_supported(model):
+            raise ConfigError("clipping", "ghost clipping needs a model whose parameters all sit in unshared "
+                              f"{', '.join(t.__name__ for t in GHOST_LAYERS)} layers")
     x_t, y_t = _as_tensors(x, y)
     n = len(y_t)
     entries = normalise_history(history)
@@ -161,11 +190,14 @@ def train_local(
             )
             epsilon, out_history = None, entries
         else:
+            assert mode is not None
+            log.info("DP training with %s clipping (%s)", mode,
+                     "chosen for the model and batch size" if clipping == "auto" else "asked for")
             loss, seen, out_history = _train_dp(
                 work, optimizer, x_t, y_t, config=config, dp=dp, history=entries, sample_rate=sample_rate,
                 steps_per_epoch=per_epoch, data_gen=data_gen,
                 noise_gen=torch.Generator(device=dev).manual_seed(noise_seed), device=dev, anchor=anchor,
-                progress=progress,
+                progress=progress, clipping=mode, physical_batch_size=physical_batch_size,
             )
             # The projection already ran a fresh RDP accountant on exactly this history; only a history
             # that differs from the plan (which training never produces) is worth a second computation.
@@ -185,6 +217,7 @@ def train_local(
         samples_per_second=seen / seconds if seconds > 0 else float("inf"),
         epsilon=epsilon,
         history=out_history,
+        clipping=mode,
     )
 
 
@@ -208,6 +241,36 @@ def evaluate(
     finally:
         model.train(was_training)
     return correct / len(y_t), loss_sum / len(y_t)
+
+
+def clipping_mode(model: nn.Module, *, expected_batch_size: int) -> str:
+    """How DP training clips `model`'s per-sample gradients at `expected_batch_size`: "ghost" or "ew".
+
+    "ghost" is Opacus's fast gradient clipping: per-sample gradient norms without keeping per-sample
+    gradients (Linear layers: from activations and output gradients alone), then a second backward
+    pass of the loss reweighted by each sample's clip factor. "ew" forms every per-sample gradient
+    (torch's ExpandedWeights through Opacus) and clips them. Both give the same clipped sum. "ghost"
+    is chosen where it runs and pays: every parameter in an unshared Linear, Conv2d or GroupNorm
+    layer, and at least GHOST_MIN_FLOATS per-sample Linear gradient floats per step that "ew" would
+    form (Opacus forms Conv2d's and GroupNorm's per-sample gradients in both modes).
+    """
+    if not ghost_supported(model):
+        return "ew"
+    linear = sum(p.numel() for m in model.modules() if type(m) is nn.Linear for p in m.parameters() if p.requires_grad)
+    return "ghost" if expected_batch_size * linear >= GHOST_MIN_FLOATS else "ew"
+
+
+def ghost_supported(model: nn.Module) -> bool:
+    """True when every trainable parameter sits in an unshared Linear, Conv2d or GroupNorm layer
+    (Opacus's fast gradient clipping refuses tied parameters and has no samplers for other layers)."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if any(p.requires_grad for p in own) and type(module) not in GHOST_LAYERS:
+            return False
+        for p in own:
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return all(count == 1 for count in owners.values())
 
 
 def pick_device() -> str:
@@ -270,19 +333,41 @@ def _train_dp(
     device: torch.device,
     anchor: list[torch.Tensor] | None,
     progress: Callable[[int, int], None] | None,
+    clipping: str,
+    physical_batch_size: int | None,
 ) -> tuple[float, int, list[HistoryEntry]]:
     from opacus.accountants import RDPAccountant
-    from opacus.grad_sample import prepare_module
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping, prepare_module
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
-    from fedbroker.worker.dp_optimizer import FlatDPOptimizer
+    from fedbroker.worker.dp_optimizer import FlatDPOptimizer, FlatGhostDPOptimizer
 
     poisson_rate, expected_batch_size = _opacus_poisson_rule(len(y_t), config, steps_per_epoch, sample_rate)
-    wrapped = prepare_module(work, grad_sample_mode=GRAD_SAMPLE_MODE, batch_first=True, loss_reduction="mean")
-    wrapped.forbid_grad_accumulation()
-    dp_optimizer = FlatDPOptimizer(
-        optimizer, noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
-        expected_batch_size=expected_batch_size, generator=noise_gen,
-    )
+    noise = {"noise_multiplier": dp.noise_multiplier, "max_grad_norm": dp.max_grad_norm,
+             "expected_batch_size": expected_batch_size, "generator": noise_gen}
+    wrapped: Any  # an Opacus GradSampleModule (Opacus ships no type information)
+    if clipping == "ghost":
+        wrapped = GradSampleModuleFastGradientClipping(work, batch_first=True, loss_reduction="mean",
+                                                       max_grad_norm=dp.max_grad_norm, use_ghost_clipping=True)
+        dp_optimizer = FlatGhostDPOptimizer(optimizer, loss_reduction="mean", **noise)
+        # Opacus's criterion: backward() takes the per-sample norms, then backpropagates each sample's
+        # loss times its clip factor, leaving the sum of clipped per-sample gradients in .grad.
+        criterion = DPLossFastGradientClipping(wrapped, dp_optimizer, nn.CrossEntropyLoss(), loss_reduction="mean")
+
+        def backward(xb: torch.Tensor, yb: torch.Tensor) -> float:
+            loss = criterion(wrapped(xb), yb)
+            loss.backward()
+            return float(loss.detach())
+    else:
+        wrapped = prepare_module(work, grad_sample_mode=GRAD_SAMPLE_MODE, batch_first=True, loss_reduction="mean")
+        wrapped.forbid_grad_accumulation()
+        dp_optimizer = FlatDPOptimizer(optimizer, **noise)
+
+        def backward(xb: torch.Tensor, yb: torch.Tensor) -> float:
+            loss = nn.functional.cross_entropy(wrapped(xb), yb)
+            loss.backward()
+            return float(loss.detach())
+
     accountant = RDPAccountant()
     accountant.history = list(history)
     dp_optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
@@ -297,16 +382,22 @@ def _train_dp(
                 dp_optimizer.zero_grad(set_to_none=True)
                 if len(idx):
                     idx = idx.to(device, non_blocking=True)
-                    xb, yb = x_d[idx], y_d[idx]
-                    loss = nn.functional.cross_entropy(wrapped(xb), yb)
-                    loss.backward()
-                    loss_sum += float(loss.detach()) * len(yb)
-                    loss_n += len(yb)
-                else:
+                    chunks = idx.split(physical_batch_size) if physical_batch_size else (idx,)
+                    for i, chunk in enumerate(chunks):
+                        if i:
+                            # Virtual step: the previous chunk's clipped sum is kept (Opacus's skip
+                            # step), added to by this one, and the whole batch is noised once.
+                            dp_optimizer.signal_skip_step(do_skip=True)
+                            dp_optimizer.step()
+                            dp_optimizer.zero_grad(set_to_none=True)
+                        loss_sum += backward(x_d[chunk], y_d[chunk]) * len(chunk)
+                        loss_n += len(chunk)
+                elif clipping == "ew":
                     # An empty Poisson batch has no per-sample gradient: the step adds noise only (skipping it
                     # would reveal the empty draw, and "ew" cannot run a forward pass on zero samples).
                     for p in params:
                         p.grad_sample = p.new_zeros((0, *p.shape))
+                # (ghost: no forward pass, no .grad, and FlatGhostDPOptimizer sums zeros: noise only.)
                 if anchor is None:
                     dp_optimizer.step()
                 # The proximal gradient mu·(w − w_global) depends on no training sample, so it is
