@@ -337,37 +337,11 @@ def _train_dp(
     physical_batch_size: int | None,
 ) -> tuple[float, int, list[HistoryEntry]]:
     from opacus.accountants import RDPAccountant
-    from opacus.grad_sample import GradSampleModuleFastGradientClipping, prepare_module
-    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
-
-    from fedbroker.worker.dp_optimizer import FlatDPOptimizer, FlatGhostDPOptimizer
 
     poisson_rate, expected_batch_size = _opacus_poisson_rule(len(y_t), config, steps_per_epoch, sample_rate)
-    noise = {"noise_multiplier": dp.noise_multiplier, "max_grad_norm": dp.max_grad_norm,
-             "expected_batch_size": expected_batch_size, "generator": noise_gen}
-    wrapped: Any  # an Opacus GradSampleModule (Opacus ships no type information)
-    if clipping == "ghost":
-        wrapped = GradSampleModuleFastGradientClipping(work, batch_first=True, loss_reduction="mean",
-                                                       max_grad_norm=dp.max_grad_norm, use_ghost_clipping=True)
-        dp_optimizer = FlatGhostDPOptimizer(optimizer, loss_reduction="mean", **noise)
-        # Opacus's criterion: backward() takes the per-sample norms, then backpropagates each sample's
-        # loss times its clip factor, leaving the sum of clipped per-sample gradients in .grad.
-        criterion = DPLossFastGradientClipping(wrapped, dp_optimizer, nn.CrossEntropyLoss(), loss_reduction="mean")
-
-        def backward(xb: torch.Tensor, yb: torch.Tensor) -> float:
-            loss = criterion(wrapped(xb), yb)
-            loss.backward()
-            return float(loss.detach())
-    else:
-        wrapped = prepare_module(work, grad_sample_mode=GRAD_SAMPLE_MODE, batch_first=True, loss_reduction="mean")
-        wrapped.forbid_grad_accumulation()
-        dp_optimizer = FlatDPOptimizer(optimizer, **noise)
-
-        def backward(xb: torch.Tensor, yb: torch.Tensor) -> float:
-            loss = nn.functional.cross_entropy(wrapped(xb), yb)
-            loss.backward()
-            return float(loss.detach())
-
+    wrapped, dp_optimizer, backward = dp_engine(
+        work, optimizer, clipping=clipping, noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
+        expected_batch_size=expected_batch_size, generator=noise_gen)
     accountant = RDPAccountant()
     accountant.history = list(history)
     dp_optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
@@ -413,6 +387,55 @@ def _train_dp(
     finally:
         wrapped.cleanup()  # remove Opacus's hooks and per-sample attributes from the throw-away copy
     return loss_sum / max(loss_n, 1), seen, normalise_history(accountant.history)
+
+
+def dp_engine(
+    work: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    clipping: str,
+    noise_multiplier: float,
+    max_grad_norm: float,
+    expected_batch_size: int,
+    generator: torch.Generator | None,
+) -> tuple[Any, Any, Callable[[torch.Tensor, torch.Tensor], float]]:
+    """Opacus's wrapping of `work` for `clipping` ("ghost" or "ew"): (wrapped module, DP optimizer, backward).
+
+    `backward(x, y)` runs the forward and backward passes of one (physical) batch and returns its mean
+    loss; afterwards the optimizer's `step` clips (ew), noises and averages. What `train_local` runs,
+    exposed so that tests can switch the noise off, which a DPPolicy never allows.
+    """
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping, prepare_module
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    from fedbroker.worker.dp_optimizer import FlatDPOptimizer, FlatGhostDPOptimizer
+
+    noise = {"noise_multiplier": noise_multiplier, "max_grad_norm": max_grad_norm,
+             "expected_batch_size": expected_batch_size, "generator": generator}
+    if clipping == "ghost":
+        wrapped = GradSampleModuleFastGradientClipping(work, batch_first=True, loss_reduction="mean",
+                                                       max_grad_norm=max_grad_norm, use_ghost_clipping=True)
+        dp_optimizer = FlatGhostDPOptimizer(optimizer, loss_reduction="mean", **noise)
+        # Opacus's criterion: backward() takes the per-sample norms, then backpropagates each sample's
+        # loss times its clip factor, leaving the sum of clipped per-sample gradients in .grad.
+        criterion = DPLossFastGradientClipping(wrapped, dp_optimizer, nn.CrossEntropyLoss(), loss_reduction="mean")
+
+        def backward(xb: torch.Tensor, yb: torch.Tensor) -> float:
+            loss = criterion(wrapped(xb), yb)
+            loss.backward()
+            return float(loss.detach())
+    elif clipping == "ew":
+        wrapped = prepare_module(work, grad_sample_mode=GRAD_SAMPLE_MODE, batch_first=True, loss_reduction="mean")
+        wrapped.forbid_grad_accumulation()
+        dp_optimizer = FlatDPOptimizer(optimizer, **noise)
+
+        def backward(xb: torch.Tensor, yb: torch.Tensor) -> float:
+            loss = nn.functional.cross_entropy(wrapped(xb), yb)
+            loss.backward()
+            return float(loss.detach())
+    else:
+        raise ConfigError("clipping", f"must be ghost or ew, got {clipping!r}")
+    return wrapped, dp_optimizer, backward
 
 
 def poisson_batches(
