@@ -425,14 +425,17 @@ def dp_engine(
             loss.backward()
             return float(loss.detach())
     elif clipping == "ew":
-        wrapped = prepare_module(work, grad_sample_mode=GRAD_SAMPLE_MODE, batch_first=True, loss_reduction="mean")
+        # The summed loss's per-sample gradients are the per-sample gradients themselves; the mean loss's
+        # would be multiplied back by the batch size, one more pass over batch × parameters floats.
+        # FlatDPOptimizer averages by the expected batch size either way.
+        wrapped = prepare_module(work, grad_sample_mode=GRAD_SAMPLE_MODE, batch_first=True, loss_reduction="sum")
         wrapped.forbid_grad_accumulation()
         dp_optimizer = FlatDPOptimizer(optimizer, **noise)
 
         def backward(xb: torch.Tensor, yb: torch.Tensor) -> float:
-            loss = nn.functional.cross_entropy(wrapped(xb), yb)
+            loss = nn.functional.cross_entropy(wrapped(xb), yb, reduction="sum")
             loss.backward()
-            return float(loss.detach())
+            return float(loss.detach()) / len(yb)
     else:
         raise ConfigError("clipping", f"must be ghost or ew, got {clipping!r}")
     return wrapped, dp_optimizer, backward
