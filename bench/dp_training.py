@@ -219,7 +219,7 @@ def run(*, quick: bool) -> Section:
                     "" if device == "cuda" else f"not judged: no GPU in this run ({device})"))
         section.notes.append(
             f"{RESNET}: {sum(p.numel() for p in resnet.parameters()):,} parameters, synthetic 1×28×28 inputs "
-            "(timing only), 1 epoch of max(512, 4 × batch) samples per run, built in torch by bench/dp_training.py "
+            "(timing only), 1 epoch of max(512, 4 × batch) samples per run (quick: 2 × batch), built in torch here "
             "(the model spec has no residual connection).")
     finally:
         torch.set_num_threads(default_threads)

@@ -78,7 +78,7 @@ CLIPPING_MODES = ("auto", "ghost", "ew")
 GHOST_LAYERS = (nn.Linear, nn.Conv2d, nn.GroupNorm)
 # "ghost" pays once "ew" would form this many per-sample gradient floats of Linear layers per step
 # (expected batch × Linear parameters); below it, its second backward pass and hooks cost more.
-GHOST_MIN_FLOATS = 1 << 18
+GHOST_MIN_FLOATS = 1 << 20
 _PREFIX = "_module."
 log = logging.getLogger(__name__)
 
@@ -148,20 +148,19 @@ def train_local(
         check_int("physical_batch_size", physical_batch_size, low=1)
     if clipping not in CLIPPING_MODES:
         raise ConfigError("clipping", f"must be one of {', '.join(CLIPPING_MODES)}, got {clipping!r}")
-    mode = None
-    if dp is not None:
-        mode = clipping if clipping != "auto" else clipping_mode(model, expected_batch_size=config.batch_size)
-        if mode == "ghost" and not ghost_supported(model):
-            raise ConfigError("clipping", "ghost clipping needs a model whose parameters all sit in unshared "
-                              f"{', '.join(t.__name__ for t in GHOST_LAYERS)} layers")
     x_t, y_t = _as_tensors(x, y)
     n = len(y_t)
     entries = normalise_history(history)
     sample_rate = dp_sample_rate(n, config)
     per_epoch = steps_per_epoch(n, config)
     total_steps = config.local_epochs * per_epoch
+    mode = None
     if dp is not None:
         _validate_for_dp(model)
+        mode = clipping if clipping != "auto" else clipping_mode(model, expected_batch_size=int(n * sample_rate))
+        if mode == "ghost" and not ghost_supported(model):
+            raise ConfigError("clipping", "ghost clipping needs a model whose parameters all sit in unshared "
+                              f"{', '.join(t.__name__ for t in GHOST_LAYERS)} layers")
         planned = merge_steps(entries, noise_multiplier=dp.noise_multiplier, sample_rate=sample_rate,
                               steps=total_steps)
         projected = epsilon_of(planned, delta=dp.delta)

@@ -144,10 +144,10 @@ def test_automatic_choice_is_ghost_only_where_it_runs_and_forms_enough_per_sampl
 
 
 def test_training_reports_the_automatic_choice_and_none_without_dp():
-    x, y = _data()
+    x, y = _data(1000)
     small = train_local(_mlp(), x, y, config=TrainingConfig(local_epochs=1, batch_size=8), dp=POLICY)
-    large = train_local(_mlp(), x, y, config=TrainingConfig(local_epochs=1, batch_size=128), dp=POLICY)
-    plain = train_local(_mlp(), x, y, config=TrainingConfig(local_epochs=1, batch_size=128), dp=None)
+    large = train_local(_mlp(), x, y, config=TrainingConfig(local_epochs=1, batch_size=500), dp=POLICY)
+    plain = train_local(_mlp(), x, y, config=TrainingConfig(local_epochs=1, batch_size=500), dp=None)
     assert (small.clipping, large.clipping, plain.clipping) == ("ew", "ghost", None)
 
 
