@@ -3,33 +3,40 @@
 The job chooses the model and the optimisation settings (`fedbroker.spec.TrainingConfig`); the data
 owner chooses the privacy (`fedbroker.config.DPPolicy`) and nothing in a job can override it. The ε
 arithmetic (sampling rule, planned steps, projection, history) is `fedbroker.worker.accounting`; the
-clip-noise-average step is `fedbroker.worker.dp_optimizer.FlatDPOptimizer`.
+noise-average step is `fedbroker.worker.dp_optimizer`.
 
-Opacus is the DP engine: its per-sample gradients (`prepare_module`, mode `GRAD_SAMPLE_MODE`), its
-DPOptimizer's mechanism and its RDP accountant. Its `PrivacyEngine.make_private` is not used, for
-what it costs around them. Measured on CPU (1 torch thread, digits, batch 32, SGD, same process;
-samples/s with DP, slowdown against no DP in brackets), make_private → this design:
-MLP 64-64-10 22.8k (5.0×) → 40.8k (2.8×); small CNN with GroupNorm 7.0k (3.3×) → 10.5k (2.2×).
-Step by step (MLP, CNN; CPU time): tensor sampling and ε computed once 5.9× → 4.1×, 3.3× → 3.1×;
-`FlatDPOptimizer` → 3.6×, 2.9×; "ew" instead of "hooks" → 2.9×, 2.3×. `python -m bench --only
+Opacus is the DP engine: its per-sample gradients or norms, its DPOptimizers' mechanism and its RDP
+accountant. Its `PrivacyEngine.make_private` is not used, for what it costs around them. Measured on
+CPU (1 torch thread, digits, batch 32, SGD, same process; slowdown against no DP), make_private →
+this design: MLP 64-64-10 5.0× → 2.8×; small CNN with GroupNorm 3.3× → 2.2× (tensor sampling and ε
+computed once, then `FlatDPOptimizer`, then "ew" instead of "hooks"). `python -m bench --only
 dp_training` has the table.
 - Poisson sampling: Opacus's DPDataLoader fetches and collates each sample on its own, 10–14% of
   a DP step. `poisson_batches` draws the same mask as its sampler (rand(N) < q per step) and
   gathers a batch in one indexing operation. An empty batch still takes a step, noise only and
   without a forward pass: the accountant counts every step, and skipping one would reveal the draw.
   The rate and step count are Opacus's (see `accounting`), checked against its own loader before any step.
-- `GRAD_SAMPLE_MODE = "ew"` (torch's ExpandedWeights through Opacus): MLP 2.8×, "hooks" 3.4×,
-  "functorch" 7.0×; CNN 2.2×, 2.7×, 4.9×. All three give the same per-sample gradients (a test
-  trains the same weights with each). "ew" cannot run an empty batch, which it is never given.
-  "ghost" (fast gradient clipping) is not a mode of this loop: it forms no per-sample gradients
-  and clips through a second backward pass. With the same batches it was slower at batch 32 (MLP
-  5.0×, CNN 3.5×) and faster only for the MLP at batch 512 (3.6× against "ew"'s 8–14×): the
-  mode to add if jobs train dense models on large batches.
-- The ≤2× goal is not met at batch 32. What remains per step is torch's and Opacus's own Python
-  work per layer (ExpandedWeights' functional_call and autograd functions), the per-sample norms
-  and the noise. Larger batches do not bring it under 2×: the CNN stays at 2.2–2.4× (batch 128,
-  512) and the MLP's slowdown grows (3.3–5.2×, 8–10×), as DP forms batch × parameters floats per
-  step where no DP forms one gradient.
+- Two clipping modes, one mechanism (`clipping_mode` picks per model and expected batch, logged and
+  reported as `TrainResult.clipping`). "ew" forms every per-sample gradient (torch's ExpandedWeights
+  through Opacus, `GRAD_SAMPLE_MODE`; "hooks" and "functorch" give the same gradients, slower) and
+  `FlatDPOptimizer` clips them. "ghost" is Opacus's fast gradient clipping
+  (`GradSampleModuleFastGradientClipping` + `DPLossFastGradientClipping`): per-sample norms from a
+  first backward pass, Linear layers' without forming their per-sample gradients, then a second
+  backward pass of Σ_i c_i·loss_i with c_i = min(1, C/(‖g_i‖+1e-6)), which leaves the clipped sum
+  in .grad. Both then add the same N(0, (σC)²) noise and divide by the expected batch: the released
+  update is the same function of the batch (a test checks both against Opacus's materialised
+  per-sample clipping with the noise off), so the accountant's ε is the same. "ghost" pays only
+  where "ew" would form many per-sample floats: MLP 64-64-10 ghost 4.5× against ew 3.3× at batch
+  32, 2.3× against 3.3× at 256; a 784-256-10 MLP 4.7× against 9.5× at 32. Opacus has no norm
+  sampler for Conv2d, so for CNNs "ghost" forms the per-sample gradients layer by layer and adds
+  a backward pass (ResNet-style CNN 4.6–5.1× against ew's 2.7×).
+- "ew" backpropagates the summed loss: ExpandedWeights' per-sample gradients of a mean loss are
+  rescaled by the batch size, one more pass over batch × parameters floats (ResNet 4.2× → 2.7×).
+- Virtual steps (`physical_batch_size`): a Poisson batch larger than memory allows is trained in
+  chunks; each chunk's clipped sum is accumulated (Opacus's skip step) and the batch is noised
+  once, so the update and the one accountant step are those of a single pass.
+- The ≤2× goal is not met at batch 32 on CPU for the MLP: what remains per step is torch's and
+  Opacus's own Python work per layer, the per-sample norms and the noise.
 - Threads: torch defaults to one intra-op thread per core. A second thread gained nothing with DP
   (MLP 41.4k against 40.8k samples/s, CNN 9.2k against 9.6k), and on a loaded machine 2 threads
   have run 10–100× slower, with and without DP (OpenMP threads waiting for each other for whole

@@ -184,3 +184,15 @@ def test_ghost_optimizer_noise_only_step_has_std_sigma_times_clip_over_the_expec
     assert noise.numel() == 10_100
     assert noise.std().item() == pytest.approx(1.3 * 2.0 / 8, rel=0.03)
     torch.testing.assert_close(torch.cat([p.detach().flatten() for p in params]), -noise)
+
+
+def test_worker_physical_batch_size_comes_from_config_and_a_negative_one_is_refused(tmp_path):
+    from fedbroker.bus import open_bus
+    from fedbroker.config import WorkerConfig, load_config
+    from fedbroker.worker.agent import WorkerAgent
+
+    assert load_config(environ={"FEDBROKER__WORKER__PHYSICAL_BATCH_SIZE": "64"}).worker.physical_batch_size == 64
+    assert load_config(environ={}).worker.physical_batch_size == 0  # default: the whole Poisson batch at once
+    config = WorkerConfig(ledger_path=str(tmp_path / "ledger.json"), device="cpu", physical_batch_size=-1)
+    with pytest.raises(ConfigError, match="worker.physical_batch_size"):
+        WorkerAgent(config, open_bus(None, namespace=f"clipping-{tmp_path.name}"))
