@@ -86,6 +86,10 @@ GHOST_LAYERS = (nn.Linear, nn.Conv2d, nn.GroupNorm)
 # "ghost" pays once "ew" would form this many per-sample gradient floats of Linear layers per step
 # (expected batch × Linear parameters); below it, its second backward pass and hooks cost more.
 GHOST_MIN_FLOATS = 1 << 20
+# "ew" trains a Poisson batch in chunks of at most this many per-sample gradient floats (256 MiB):
+# beyond it the per-sample gradients fall out of cache and the pass slows (ResNet-style CNN, 1.2 M
+# parameters, batch 256 on CPU: 2.4× in one pass, 1.6× in chunks of 32–64).
+EW_MAX_FLOATS = 1 << 26
 _PREFIX = "_module."
 log = logging.getLogger(__name__)
 
@@ -348,6 +352,9 @@ def _train_dp(
     wrapped, dp_optimizer, backward = dp_engine(
         work, optimizer, clipping=clipping, noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
         expected_batch_size=expected_batch_size, generator=noise_gen)
+    if clipping == "ew":  # virtual steps: the same update, in passes whose per-sample gradients fit in cache
+        per_pass = max(1, EW_MAX_FLOATS // sum(p.numel() for p in dp_optimizer.params))
+        physical_batch_size = per_pass if physical_batch_size is None else min(physical_batch_size, per_pass)
     accountant = RDPAccountant()
     accountant.history = list(history)
     dp_optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=sample_rate))

@@ -196,3 +196,26 @@ def test_worker_physical_batch_size_comes_from_config_and_a_negative_one_is_refu
     config = WorkerConfig(ledger_path=str(tmp_path / "ledger.json"), device="cpu", physical_batch_size=-1)
     with pytest.raises(ConfigError, match="worker.physical_batch_size"):
         WorkerAgent(config, open_bus(None, namespace=f"clipping-{tmp_path.name}"))
+
+
+def test_ew_splits_batches_whose_per_sample_gradients_exceed_its_limit_into_virtual_steps(monkeypatch):
+    from fedbroker.worker import training
+
+    x, y = _data()
+    config = TrainingConfig(local_epochs=1, batch_size=32, lr=0.05)
+    whole = train_local(_cnn(), x, y, config=config, dp=POLICY, seed=4, clipping="ew")
+    passes: list[int] = []
+    real_engine = training.dp_engine
+
+    def counting_engine(*args, **kwargs):
+        wrapped, optimizer, backward = real_engine(*args, **kwargs)
+        return wrapped, optimizer, lambda xb, yb: passes.append(len(yb)) or backward(xb, yb)
+
+    params = sum(p.numel() for p in _cnn().parameters())
+    monkeypatch.setattr(training, "EW_MAX_FLOATS", 5 * params)  # at most 5 samples per pass
+    monkeypatch.setattr(training, "dp_engine", counting_engine)
+    split = train_local(_cnn(), x, y, config=config, dp=POLICY, seed=4, clipping="ew")
+    assert max(passes) == 5 and len(passes) > 4 * split.steps  # batches of ~32 went in several passes each
+    assert split.history == whole.history and split.epsilon == whole.epsilon
+    for key in whole.state:
+        np.testing.assert_allclose(split.state[key], whole.state[key], rtol=1e-4, atol=1e-5)
