@@ -237,7 +237,9 @@ def run(*, quick: bool) -> Section:
         "Clipping modes: \"ghost\" is Opacus's fast gradient clipping (per-sample norms without forming Linear "
         "layers' per-sample gradients, then a second backward pass); \"ew\" forms every per-sample gradient. The "
         "trainer picks ghost where every parameter sits in a Linear, Conv2d or GroupNorm layer and ew would form at "
-        f"least {training.GHOST_MIN_FLOATS:,} per-sample Linear gradient floats per step (batch × Linear parameters).")
+        f"least {training.GHOST_MIN_FLOATS:,} per-sample Linear gradient floats per step (batch × Linear parameters). "
+        f"ew trains a Poisson batch in virtual steps of at most {training.EW_MAX_FLOATS:,} per-sample gradient floats "
+        f"({training.EW_MAX_FLOATS // sum(p.numel() for p in resnet.parameters())} samples of the ResNet), the same update as one pass.")
     section.seconds = time.perf_counter() - started
     return section
 
