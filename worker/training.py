@@ -37,8 +37,9 @@ dp_training` has the table.
 - Virtual steps (`physical_batch_size`): a Poisson batch larger than memory allows is trained in
   chunks; each chunk's clipped sum is accumulated (Opacus's skip step) and the batch is noised
   once, so the update and the one accountant step are those of a single pass.
-- The ≤2× goal is not met at batch 32 on CPU for the MLP: what remains per step is torch's and
-  Opacus's own Python work per layer, the per-sample norms and the noise.
+- The ≤2× goal is not met at batch 32 on CPU (bench runs under load: MLP 3.3–3.7×, small CNN
+  1.9–2.6×, ResNet-style CNN 2.6–3.5×): what remains per step is torch's and Opacus's own Python
+  work per layer, the per-sample gradient products and norms, and the noise.
 - Threads: torch defaults to one intra-op thread per core. A second thread gained nothing with DP
   (MLP 41.4k against 40.8k samples/s, CNN 9.2k against 9.6k), and on a loaded machine 2 threads
   have run 10–100× slower, with and without DP (OpenMP threads waiting for each other for whole
@@ -148,7 +149,7 @@ def train_local(
     CPU. With DP the seed must stay the worker's secret (never taken from a job): whoever knows it
     can regenerate and subtract the noise. Production workers should draw it from os.urandom.
 
-    `clipping` picks how DP clips ("auto": `clipping_mode(model)`). `physical_batch_size` bounds the
+    `clipping` picks how DP clips ("auto": `clipping_mode` at the expected batch size). `physical_batch_size` bounds the
     samples of one forward/backward pass: a larger Poisson batch is trained in chunks (Opacus's
     virtual steps) whose clipped gradients are summed and noised once, the same update and the same ε
     as one pass, for a batch that does not fit in memory. Neither changes training without DP.
