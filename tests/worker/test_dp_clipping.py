@@ -219,3 +219,12 @@ def test_ew_splits_batches_whose_per_sample_gradients_exceed_its_limit_into_virt
     assert split.history == whole.history and split.epsilon == whole.epsilon
     for key in whole.state:
         np.testing.assert_allclose(split.state[key], whole.state[key], rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_ew_training_forms_conv_per_sample_gradients_by_unfold_at_every_batch_size():
+    from torch.nn.utils._expanded_weights import conv_utils
+
+    x, y = _data(40)
+    result = train_local(_cnn(), x, y, config=TrainingConfig(local_epochs=1, batch_size=8), dp=POLICY,
+                         clipping="ew")
+    assert result.clipping == "ew" and conv_utils.THRESHOLD == 0  # never the grouped convolution over the batch
