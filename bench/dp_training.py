@@ -1,15 +1,19 @@
 """Benchmark 6: local training speed with and without Opacus DP-SGD on the worker's real training path.
 
-`worker.training.train_local` on the digits data set (1,797 samples, SGD), for the demo MLP (64-64-10)
-and a small CNN (two 3×3 conv + GroupNorm + max-pool blocks, then a linear layer). Samples/s is the
-trainer's own `samples_per_second` (samples seen ÷ seconds of its training loop, Opacus's wrapping
-included). The goal is checked at the worker's configuration, batch 32, with the trainer's pinned
-grad-sample mode; its other modes are run by switching `worker.training.GRAD_SAMPLE_MODE`. Two kinds
-of rows only inform: the previous trainer design (Opacus's `PrivacyEngine.make_private`: DPDataLoader,
-stock DPOptimizer, hooks, ε computed after training; not the worker's path any more), kept to show
-the change in the same run, and the worker's path at batches 128 and 512, to show how the cost
-scales. Every variant of a row group runs once per repeat, interleaved, so load from other work on
-the machine hits them alike.
+`worker.training.train_local` on the digits data set (1,797 samples, SGD) for the demo MLP (64-64-10)
+and a small CNN (two 3×3 conv + GroupNorm + max-pool blocks, then a linear layer), and on synthetic
+28×28 tensors for a ResNet-style CNN of 1.2 M parameters (GroupNorm, three residual stages), a model
+of the size a data owner trains. The ResNet is built in torch here: the model spec's layer table
+(`fedbroker.layers`) is sequential and has no residual connection. Samples/s is the trainer's own
+`samples_per_second` (samples seen ÷ seconds of its training loop, Opacus's wrapping included), on the
+device the worker would pick (`pick_device`: CUDA when present), named in every row.
+
+Every DP row group shows the trainer's automatic clipping choice ("DP (auto: …)", `clipping_mode`)
+beside the other mode, forced. At batch 32 on CPU three more rows only inform: the "ew" path's other
+grad-sample modes (switching `worker.training.GRAD_SAMPLE_MODE`) and the previous trainer design
+(Opacus's `PrivacyEngine.make_private`: DPDataLoader, stock DPOptimizer, hooks, ε computed after
+training; not the worker's path any more), to show the change in the same run. Every variant of a
+row group runs once per repeat, interleaved, so load from other work on the machine hits them alike.
 """
 
 from __future__ import annotations
@@ -23,11 +27,17 @@ from typing import TYPE_CHECKING, Any
 from bench.harness import Goal, Section, Stat
 
 if TYPE_CHECKING:
+    import numpy as np
+    from torch import nn
+
     from fedbroker.config import DPPolicy
     from fedbroker.spec import TrainingConfig
 
-MODES = ("ew", "hooks", "functorch")  # grad-sample modes whose per-sample gradients the trainer clips
-LARGE_BATCHES = (128, 512)
+MODES = ("ew", "hooks", "functorch")  # grad-sample modes of the "ew" path (per-sample gradients formed)
+MLP_BATCHES = (128, 256, 512)  # beyond 32: how the slowdown scales with the batch
+CNN_BATCHES = (128, 512)
+RESNET_BATCHES = (32, 64, 256)
+RESNET = "ResNet-style CNN"
 MODELS: dict[str, dict[str, Any]] = {
     "MLP 64-64-10": {"input_shape": [1, 8, 8], "layers": [
         {"type": "Flatten"}, {"type": "Linear", "in_features": 64, "out_features": 64}, {"type": "ReLU"},
@@ -43,7 +53,32 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
+def resnet_gn(seed: int = 0) -> nn.Module:
+    """ResNet-style CNN for 1×28×28 inputs, 10 classes: a 3×3 stem (32 channels), three residual blocks
+    (64, 128, 256 channels, each halving the resolution), global average pooling, a linear head. GroupNorm
+    throughout (BatchNorm mixes the samples of a batch, which DP-SGD cannot allow); 1,209,834 parameters."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, cin: int, cout: int) -> None:
+            super().__init__()
+            self.conv1, self.norm1 = nn.Conv2d(cin, cout, 3, 2, 1, bias=False), nn.GroupNorm(8, cout)
+            self.conv2, self.norm2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.GroupNorm(8, cout)
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, 2, bias=False), nn.GroupNorm(8, cout))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.norm1(self.conv1(x)))
+            return torch.relu(self.norm2(self.conv2(h)) + self.shortcut(x))
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(1, 32, 3, 1, 1, bias=False), nn.GroupNorm(8, 32), nn.ReLU(),
+                         Block(32, 64), Block(64, 128), Block(128, 256),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(256, 10))
+
+
 def run(*, quick: bool) -> Section:
+    import numpy as np
     import torch
 
     from fedbroker.config import DPPolicy
@@ -52,121 +87,171 @@ def run(*, quick: bool) -> Section:
     from fedbroker.worker import training
     from fedbroker.worker.accounting import dp_sample_rate, planned_steps, project_epsilon
     from fedbroker.worker.data import load_dataset
-    from fedbroker.worker.training import train_local
+    from fedbroker.worker.training import clipping_mode, pick_device, train_local
 
     started = time.perf_counter()
+    device = pick_device()
     section = Section(
         "dp_training", "6. DP training cost",
-        "Worker training throughput (samples/s) on digits with SGD, without DP and with Opacus DP-SGD "
+        f"Worker training throughput (samples/s) on {device.upper()}, SGD, without DP and with Opacus DP-SGD "
         "(noise 1.0, clip 1.0, Poisson sampling); slowdown = samples/s without DP ÷ with DP in the same row group.",
     )
-    data = load_dataset("digits")
-    x, y = data.x, data.y
+    digits = load_dataset("digits")
     epochs = 1 if quick else 2
     repeats = 2 if quick else 4
     policy = DPPolicy(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, epsilon_budget=1e9)
     pinned = training.GRAD_SAMPLE_MODE
     default_threads = torch.get_num_threads()
-    thread_counts = [1] if quick else sorted({default_threads, 1})  # 1 first: the others are checked against it
+    on_cpu = device == "cpu"
+    thread_counts = [1] if quick or not on_cpu else sorted({default_threads, 1})  # 1 first: others checked against it
     section.notes.append(
-        f"torch {torch.__version__} (default {default_threads} intra-op threads), {epochs} epoch(s) of {len(y)} "
-        f"samples per run, {repeats} runs per cell after one warm-up; the worker trains with torch's default "
-        "thread count" + (", so both counts are shown." if len(thread_counts) > 1 else " (quick mode: 1 thread only)."))
+        f"torch {torch.__version__} on {_device_name(device)} (default {default_threads} intra-op threads); digits: "
+        f"{epochs} epoch(s) of {len(digits.y)} samples per run, {repeats} runs per cell after one warm-up; the "
+        "worker trains with torch's default thread count" + (", so both counts are shown at batch 32; larger "
+        "batches and the ResNet run on 1 thread." if len(thread_counts) > 1 else "; this run used 1 thread."))
 
-    def rate(model: Any, config: TrainingConfig, dp: DPPolicy | None, mode: str, seed: int) -> float:
+    def rate(model: Any, x: np.ndarray, y: np.ndarray, config: TrainingConfig, dp: DPPolicy | None,
+             clipping: str, seed: int, mode: str = pinned) -> float:
         training.GRAD_SAMPLE_MODE = mode
         try:
-            return train_local(model, x, y, config=config, dp=dp, seed=seed).samples_per_second
+            return train_local(model, x, y, config=config, dp=dp, seed=seed, device=device,
+                               clipping=clipping).samples_per_second
         finally:
             training.GRAD_SAMPLE_MODE = pinned
 
-    def measure(variants: dict[str, Callable[[int], float]]) -> dict[str, Stat]:
+    def measure(variants: dict[str, Callable[[int], float]], runs: int) -> dict[str, Stat]:
         values: dict[str, list[float]] = {name: [] for name in variants}
-        for i in range(repeats + 1):  # the first round warms up torch and Opacus
+        for i in range(runs + 1):  # the first round warms up torch and Opacus
             for name, fn in variants.items():
                 value = fn(i)
                 if i:
                     values[name].append(value)
         return {name: Stat.of(v, "samples/s") for name, v in values.items()}
 
-    def add_rows(model_name: str, batch: int, threads: int, stats: dict[str, Stat]) -> tuple[float, dict[str, float]]:
+    def group(model_name: str, model: Any, x: np.ndarray, y: np.ndarray, batch: int, threads: int,
+              runs: int, extra: bool = False) -> tuple[float, float, str]:
+        """One row group: no DP, DP with the automatic choice, DP with the other mode; (plain, slowdown, mode)."""
+        config = TrainingConfig(local_epochs=epochs if x is digits.x else 1, batch_size=batch, lr=0.05)
+        auto = clipping_mode(model, expected_batch_size=batch)
+        other = "ew" if auto == "ghost" else "ghost"
+        auto_label = f"DP (auto: {auto})"
+        variants: dict[str, Callable[[int], float]] = {
+            "no DP": lambda i: rate(model, x, y, config, None, "auto", i),
+            auto_label: lambda i: rate(model, x, y, config, policy, auto, i),
+            f"DP ({other})": lambda i: rate(model, x, y, config, policy, other, i),
+        }
+        if extra:  # informative only: the ew path's other grad-sample modes, the previous design
+            if threads == 1:
+                for mode in MODES:
+                    if mode != pinned:
+                        variants[f"DP (ew, grad-sample mode {mode})"] = (
+                            lambda i, m=mode: rate(model, x, y, config, policy, "ew", i, m))
+            variants["DP, previous design (make_private, hooks)"] = (
+                lambda i: _make_private_rate(model, x, y, config=config, dp=policy, seed=i))
+        stats = measure(variants, runs)
         plain = stats.pop("no DP")
-        section.rows.append({"model": model_name, "batch": batch, "torch threads": threads, "training": "no DP",
-                             "samples/s": plain, "slowdown ×": 1.0})
+        base = {"model": model_name, "batch": batch, "device": device, "torch threads": threads}
+        section.rows.append({**base, "training": "no DP", "samples/s": plain, "slowdown ×": 1.0})
         slowdowns = {}
         for name, stat in stats.items():
             slowdowns[name] = plain.median / stat.median
-            section.rows.append({"model": model_name, "batch": batch, "torch threads": threads, "training": name,
-                                 "samples/s": stat, "slowdown ×": round(slowdowns[name], 2)})
-        return plain.median, slowdowns
+            section.rows.append({**base, "training": name, "samples/s": stat, "slowdown ×": round(slowdowns[name], 2)})
+        previous = slowdowns.get("DP, previous design (make_private, hooks)")
+        if previous is not None:
+            section.notes.append(f"{model_name}, batch {batch}, {threads} thread(s): DP slowdown {previous:.2f}× "
+                                 f"with the previous design, {slowdowns[auto_label]:.2f}× now.")
+        return plain.median, slowdowns[auto_label], auto
 
-    pinned_label = f"DP ({pinned}, pinned)"
+    def goal_at_32(model_name: str, threads: int, plain: float, one_thread_plain: float, slowdown: float,
+                   mode: str) -> None:
+        # With other work on the cores, torch's OpenMP threads can wait on each other for whole time
+        # slices; a baseline slowed that way says nothing about DP, so its goal is not judged.
+        collapsed = plain < 0.5 * one_thread_plain
+        section.goals.append(Goal(
+            f"{model_name}, batch 32, {threads} torch thread(s): DP slowdown ({mode}, automatic)",
+            round(slowdown, 2), "≤ 2×", None if collapsed else slowdown <= 2.0,
+            f"not judged: no DP ran at {plain / one_thread_plain:.0%} of its 1-thread speed (CPU contention)"
+            if collapsed else ""))
+
     try:
         for model_name, spec in MODELS.items():
             model = build_model(parse_model(spec), seed=0)
-            config = TrainingConfig(local_epochs=epochs, batch_size=32, lr=0.05)
-            one_thread_plain = one_thread_slowdown = 0.0
+            one_thread_plain = 0.0
+            by_batch: list[tuple[int, float, str]] = []
             for threads in thread_counts:
                 torch.set_num_threads(threads)
-                variants: dict[str, Callable[[int], float]] = {
-                    "no DP": lambda i: rate(model, config, None, pinned, i),
-                    pinned_label: lambda i: rate(model, config, policy, pinned, i),
-                }
-                if not quick:
-                    if threads == 1:
-                        for mode in MODES:
-                            if mode != pinned:
-                                variants[f"DP ({mode})"] = lambda i, m=mode: rate(model, config, policy, m, i)
-                    variants["DP, previous design (make_private, hooks)"] = (
-                        lambda i: _make_private_rate(model, x, y, config=config, dp=policy, seed=i))
-                plain, slowdowns = add_rows(model_name, 32, threads, measure(variants))
-                slowdown = slowdowns[pinned_label]
-                if threads == 1:
-                    one_thread_plain, one_thread_slowdown = plain, slowdown
-                # With other work on the cores, torch's OpenMP threads can wait on each other for whole time
-                # slices; a baseline slowed that way says nothing about DP, so its goal is not judged.
-                collapsed = plain < 0.5 * one_thread_plain
-                section.goals.append(Goal(
-                    f"{model_name}, batch 32, {threads} torch thread(s): DP slowdown ({pinned})",
-                    round(slowdown, 2), "≤ 2×", None if collapsed else slowdown <= 2.0,
-                    f"not judged: no DP ran at {plain / one_thread_plain:.0%} of its 1-thread speed (CPU contention)"
-                    if collapsed else ""))
-                previous = slowdowns.get("DP, previous design (make_private, hooks)")
-                if previous is not None:
-                    section.notes.append(f"{model_name}, {threads} thread(s): DP slowdown {previous:.2f}× with the "
-                                         f"previous design, {slowdown:.2f}× now.")
+                plain, slowdown, mode = group(model_name, model, digits.x, digits.y, 32, threads, repeats,
+                                              extra=not quick and on_cpu)
+                if threads == thread_counts[0]:
+                    one_thread_plain = plain
+                    by_batch.append((32, slowdown, mode))
+                goal_at_32(model_name, threads, plain, one_thread_plain, slowdown, mode)
             if not quick:
-                torch.set_num_threads(1)
-                by_batch = [f"{one_thread_slowdown:.2f}× at 32"]
-                for batch in LARGE_BATCHES:
-                    big = TrainingConfig(local_epochs=epochs, batch_size=batch, lr=0.05)
-                    _, large = add_rows(model_name, batch, 1, measure({
-                        "no DP": lambda i, c=big: rate(model, c, None, pinned, i),
-                        pinned_label: lambda i, c=big: rate(model, c, policy, pinned, i),
-                    }))
-                    by_batch.append(f"{large[pinned_label]:.2f}× at {batch}")
-                section.notes.append(
-                    f"{model_name}, 1 thread, DP slowdown by batch size: {', '.join(by_batch)}. A larger batch spreads "
-                    "the per-step overhead for both paths, but DP still forms, measures and clips one gradient per "
-                    "sample (batch × parameters floats per step) where no DP forms one per batch.")
+                torch.set_num_threads(thread_counts[0])
+                for batch in MLP_BATCHES if model_name.startswith("MLP") else CNN_BATCHES:
+                    _, slowdown, mode = group(model_name, model, digits.x, digits.y, batch, thread_counts[0], repeats)
+                    by_batch.append((batch, slowdown, mode))
+                section.notes.append(f"{model_name}, DP slowdown by batch size (automatic clipping): " + ", ".join(
+                    f"{s:.2f}× at {b} ({m})" for b, s, m in by_batch) + ".")
+            if model_name.startswith("MLP") and len(by_batch) > 1:
+                growth = by_batch[-1][1] / by_batch[0][1]
+                section.goals.append(Goal(
+                    f"{model_name}: DP slowdown at batch {by_batch[-1][0]} ÷ at batch 32 (no growth with the batch)",
+                    round(growth, 2), "≤ 1.1", growth <= 1.1))
+
+        torch.set_num_threads(thread_counts[0])
+        resnet = resnet_gn()
+        rng = np.random.default_rng(0)
+        resnet_runs = 1 if quick else 2  # seconds per run, not milliseconds: fewer repeats
+        for batch in (64,) if quick else RESNET_BATCHES:
+            n = 2 * batch if quick else max(512, 4 * batch)
+            x = rng.normal(size=(n, 1, 28, 28)).astype(np.float32)
+            y = rng.integers(0, 10, size=n)
+            plain, slowdown, mode = group(RESNET, resnet, x, y, batch, thread_counts[0], resnet_runs)
+            if batch == 32:
+                goal_at_32(RESNET, thread_counts[0], plain, plain, slowdown, mode)
+            if batch == 256:
+                section.goals.append(Goal(f"{RESNET}, batch 256: DP slowdown ({mode}, automatic)",
+                                          round(slowdown, 2), "≤ 1.5×", slowdown <= 1.5))
+                section.goals.append(Goal(
+                    f"{RESNET}, batch 256, GPU: DP throughput ÷ no DP", round(1 / slowdown, 2), "≥ 0.5",
+                    1 / slowdown >= 0.5 if device == "cuda" else None,
+                    "" if device == "cuda" else f"not judged: no GPU in this run ({device})"))
+        section.notes.append(
+            f"{RESNET}: {sum(p.numel() for p in resnet.parameters()):,} parameters, synthetic 1×28×28 inputs "
+            "(timing only), 1 epoch of max(512, 4 × batch) samples per run (quick: 2 × batch), built in torch here "
+            "(the model spec has no residual connection).")
     finally:
         torch.set_num_threads(default_threads)
         training.GRAD_SAMPLE_MODE = pinned
 
     config = TrainingConfig(local_epochs=epochs, batch_size=32)
     t0 = time.perf_counter()
-    project_epsilon([], noise_multiplier=policy.noise_multiplier, sample_rate=dp_sample_rate(len(y), config),
-                    steps=planned_steps(len(y), config), delta=policy.delta)
+    project_epsilon([], noise_multiplier=policy.noise_multiplier, sample_rate=dp_sample_rate(len(digits.y), config),
+                    steps=planned_steps(len(digits.y), config), delta=policy.delta)
     section.notes.append(
         f"Not in samples/s: the ε projection each DP round makes before training (Opacus's RDP accountant, "
         f"{1e3 * (time.perf_counter() - t0):.0f} ms here); the trainer reports that projection as the round's ε "
         "when the accountant recorded exactly the planned steps, instead of computing it a second time.")
     section.notes.append(
-        "Opacus's \"ghost\" mode (fast gradient clipping) is not a trainer mode, so it has no row: it never forms "
-        "per-sample gradients (it clips by a second backward pass through a wrapped criterion); the docstring of "
-        "fedbroker.worker.training records how it compared.")
+        "Clipping modes: \"ghost\" is Opacus's fast gradient clipping (per-sample norms without forming Linear "
+        "layers' per-sample gradients, then a second backward pass); \"ew\" forms every per-sample gradient. The "
+        "trainer picks ghost where every parameter sits in a Linear, Conv2d or GroupNorm layer and ew would form at "
+        f"least {training.GHOST_MIN_FLOATS:,} per-sample Linear gradient floats per step (batch × Linear parameters). "
+        f"ew trains a Poisson batch in virtual steps of at most {training.EW_MAX_FLOATS:,} per-sample gradient floats "
+        f"({training.EW_MAX_FLOATS // sum(p.numel() for p in resnet.parameters())} samples of the ResNet), the same update as one pass.")
     section.seconds = time.perf_counter() - started
     return section
+
+
+def _device_name(device: str) -> str:
+    import platform
+
+    import torch
+
+    if device == "cuda":
+        return f"CUDA ({torch.cuda.get_device_name()})"
+    return f"CPU ({platform.processor() or platform.machine()}; no GPU in this run)"
 
 
 def _make_private_rate(model: Any, x: Any, y: Any, *, config: TrainingConfig, dp: DPPolicy, seed: int) -> float:

@@ -180,6 +180,8 @@ class WorkerConfig:
     ledger_path: str = "ledger.json"
     device: str = "auto"
     torch_threads: int = 0             # torch intra-op threads for training; 0 = torch's default (one per core)
+    physical_batch_size: int = 0       # DP: most samples per forward/backward pass, a larger Poisson batch runs
+                                       # as virtual steps (same update, same ε); 0 = the whole batch in one pass
     heartbeat_s: float = 10.0
     histogram_epsilon: float = 0.0     # > 0: Laplace noise on the shared label histogram at this ε; 0 = exact counts
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter

@@ -84,6 +84,9 @@ class WorkerAgent:
         data = load_worker_data(config)  # first: a data owner's bad file is named before anything else happens
         self.ledger = PrivacyLedger(config.ledger_path)
         self.device = pick_device() if config.device == "auto" else config.device
+        if isinstance(config.physical_batch_size, bool) or config.physical_batch_size < 0:
+            raise ConfigError("worker.physical_batch_size",
+                              f"must be a whole number >= 0 (0: the whole batch), got {config.physical_batch_size!r}")
         train, _ = train_test_split(data, test_fraction=config.test_fraction, seed=config.split_seed)
         p = config.partition
         shards = partition(train.y, scheme=p.scheme, num_clients=p.num_clients, seed=p.seed, alpha=p.alpha,
@@ -372,7 +375,8 @@ class WorkerAgent:
 
         result = train_local(model, self.x, self.y, config=config, dp=self.dp,
                              history=self.ledger.history(task.job_id), device=self.device,
-                             seed=self._training_seed(task), progress=give_up_at_deadline)
+                             seed=self._training_seed(task), progress=give_up_at_deadline,
+                             physical_batch_size=self.config.physical_batch_size or None)
         if result.epsilon is not None:  # spent once trained, whether or not the upload succeeds
             self.ledger.record(task.job_id, history=result.history, epsilon=result.epsilon)
             self.send_heartbeat()  # the coordinator's picture of our budget, fresh before this round closes

@@ -7,17 +7,79 @@ Measured in CPU time (1 torch thread, digits, batch 32, SGD, grad-sample mode "h
 against no DP for the MLP 64-64-10 and a small CNN with GroupNorm), both with the trainer's bulk
 Poisson sampling and ε computed once: Opacus's DPOptimizer 4.1× and 3.1×, `FlatDPOptimizer` 3.6× and
 2.9×. `python -m bench --only dp_training` has the table.
+
+Two optimizers, one per clipping mode of the trainer, share the flat noise and averaging:
+`FlatDPOptimizer` clips materialised per-sample gradients (Opacus's DPOptimizer), `FlatGhostDPOptimizer`
+receives the sum of clipped per-sample gradients that Opacus's fast gradient clipping formed by a
+second backward pass (Opacus's DPOptimizerFastGradientClipping). Both accumulate virtual steps
+(a Poisson batch trained in several physical chunks, `signal_skip_step`) into one sum, noised once.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
-from opacus.optimizers import DPOptimizer
+from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 
-class FlatDPOptimizer(DPOptimizer):  # type: ignore[misc]  # Opacus ships no type information
+class _FlatNoise:
+    """Noise and averaging on one flat vector, and the accumulation of virtual steps into it.
+
+    `_flat_sum` plays the part of Opacus's `p.summed_grad`: kept across `zero_grad` while the last
+    step was skipped (a virtual step), dropped otherwise, and marked processed once noised, so a
+    sum is never noised and released twice.
+    """
+
+    _flat_sum: torch.Tensor | None = None
+    _flat_grad: torch.Tensor
+    _is_last_step_skipped: bool
+    expected_batch_size: int
+    generator: torch.Generator | None
+    max_grad_norm: float
+    noise_multiplier: float
+    params: list[Any]  # Opacus's DPOptimizer property, which every subclass also derives from
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        if not self._is_last_step_skipped:
+            self._flat_sum = None
+
+    @property
+    def accumulated_iterations(self) -> int:
+        # The accountant multiplies the sample rate by this: a Poisson batch is one draw at rate q however
+        # many physical chunks (virtual steps) it is trained in.
+        return 1
+
+    def _accumulate(self, chunk_sum: torch.Tensor) -> None:
+        if self._flat_sum is None:
+            self._flat_sum = chunk_sum
+        else:
+            _check_processed_flag(self._flat_sum)  # stepping again without zero_grad: never a second release
+            self._flat_sum = self._flat_sum + chunk_sum
+
+    def add_noise(self) -> None:
+        summed = self._flat_sum
+        if summed is None:
+            raise ValueError("no clipped gradient to noise: call backward (or step on an empty batch) first")
+        _check_processed_flag(summed)
+        noise = torch.normal(
+            0.0, self.noise_multiplier * self.max_grad_norm, size=summed.shape, generator=self.generator,
+            device=summed.device, dtype=summed.dtype,
+        )
+        _mark_as_processed(summed)
+        self._flat_grad = summed + noise
+        params = self.params
+        for p, g in zip(params, torch.split(self._flat_grad, [p.numel() for p in params])):
+            p.grad = g.view_as(p)
+
+    def scale_grad(self) -> None:
+        self._flat_grad /= self.expected_batch_size  # the parameters' .grad are views of it
+
+
+class FlatDPOptimizer(_FlatNoise, DPOptimizer):  # type: ignore[misc]  # Opacus ships no type information
     """Opacus's DPOptimizer with clipping, noising and averaging done on one flat vector.
 
     The mechanism is Opacus's, unchanged: each sample's gradient over all parameters is scaled by
@@ -26,17 +88,8 @@ class FlatDPOptimizer(DPOptimizer):  # type: ignore[misc]  # Opacus ships no typ
     the parameters, rebuilding the parameter list several times and drawing noise per parameter,
     which for the small models workers train costs more than the arithmetic. Here each
     parameter costs one norm and one matrix-vector product (no copy of the n·P per-sample
-    gradients), and noise and averaging are one operation each on a flat vector. Virtual steps
-    (Opacus's BatchMemoryManager) are not supported: a Poisson batch is always one step.
+    gradients), and noise and averaging are one operation each on a flat vector.
     """
-
-    def signal_skip_step(self, do_skip: bool = True) -> None:
-        raise RuntimeError("FlatDPOptimizer takes every Poisson batch in one step; virtual steps "
-                           "(Opacus's BatchMemoryManager) are not supported")
-
-    @property
-    def accumulated_iterations(self) -> int:
-        return 1  # one whole Poisson batch per step, never accumulated
 
     def clip_and_accumulate(self) -> None:
         grad_samples = self.grad_samples
@@ -47,18 +100,20 @@ class FlatDPOptimizer(DPOptimizer):  # type: ignore[misc]  # Opacus ships no typ
         per_param = torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat], dim=1)
         norms = torch.linalg.vector_norm(per_param, dim=1)
         factor = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-        self._flat_sum = torch.cat([factor @ f for f in flat])  # zeros for an empty batch
+        self._accumulate(torch.cat([factor @ f for f in flat]))  # zeros for an empty batch
 
-    def add_noise(self) -> None:
-        summed = self._flat_sum
-        noise = torch.normal(
-            0.0, self.noise_multiplier * self.max_grad_norm, size=summed.shape, generator=self.generator,
-            device=summed.device, dtype=summed.dtype,
-        )
-        self._flat_grad = summed + noise
-        params = self.params
-        for p, g in zip(params, torch.split(self._flat_grad, [p.numel() for p in params])):
-            p.grad = g.view_as(p)
 
-    def scale_grad(self) -> None:
-        self._flat_grad /= self.expected_batch_size  # the parameters' .grad are views of it
+class FlatGhostDPOptimizer(_FlatNoise, DPOptimizerFastGradientClipping):  # type: ignore[misc]
+    """Opacus's DPOptimizerFastGradientClipping with noising and averaging done on one flat vector.
+
+    Under fast gradient clipping (`opacus.utils.fast_gradient_clipping_utils.DPLossFastGradientClipping`)
+    `p.grad` already holds Σ_i min(1, C / (‖g_i‖ + 1e-6))·g_i, formed by Opacus's second backward pass
+    with the per-sample norms of its first: the same clipped sum `FlatDPOptimizer` forms from
+    materialised per-sample gradients. What follows is the same noise and averaging. A parameter
+    without a gradient (an empty Poisson batch, which has no forward pass) contributes zeros.
+    """
+
+    def accumulate(self) -> None:
+        self._accumulate(torch.cat([
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params
+        ]))

@@ -295,7 +295,10 @@ def test_pick_device_matches_cuda_availability():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_dp_training_runs_on_cuda_and_returns_host_arrays(small):
+@pytest.mark.parametrize("clipping", ["ew", "ghost"])
+def test_dp_training_runs_on_cuda_and_returns_host_arrays(small, clipping):
     x, y = small
-    result = train_local(_mlp(), x, y, config=TrainingConfig(local_epochs=1), dp=POLICY, device="cuda")
+    result = train_local(_mlp(), x, y, config=TrainingConfig(local_epochs=1), dp=POLICY, device="cuda",
+                         clipping=clipping, physical_batch_size=16)
     assert all(isinstance(v, np.ndarray) for v in result.state.values()) and result.epsilon > 0
+    assert result.clipping == clipping

@@ -1,0 +1,230 @@
+"""The trainer's two clipping modes ("ghost": Opacus's fast gradient clipping; "ew": materialised per-sample
+gradients) and its virtual steps: each must release exactly the update of Opacus's reference DP-SGD step.
+
+With the noise switched off (which a DPPolicy never allows, so the engine is driven directly), the update
+is compared with Opacus's own per-sample clipping: GradSampleModule's materialised per-sample gradients
+clipped, summed and averaged by Opacus's stock DPOptimizer.
+"""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedbroker.config import DPPolicy
+from fedbroker.errors import ConfigError
+from fedbroker.spec import TrainingConfig
+from fedbroker.worker.accounting import dp_sample_rate, epsilon_of, planned_steps
+from fedbroker.worker.dp_optimizer import FlatDPOptimizer, FlatGhostDPOptimizer
+from fedbroker.worker.training import GHOST_MIN_FLOATS, clipping_mode, dp_engine, ghost_supported, train_local
+
+POLICY = DPPolicy(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budget=100.0)
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def _cnn(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 16, 10),
+    )
+
+
+MODELS = {"mlp": _mlp, "cnn": _cnn}
+
+
+def _data(n: int = 200, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, size=n)
+
+
+def _reference_update(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip: float, expected: int):
+    """Opacus's reference: materialised per-sample gradients (hooks), its DPOptimizer's clip, sum and mean."""
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    wrapped = GradSampleModule(model, batch_first=True, loss_reduction="mean")
+    optimizer = DPOptimizer(torch.optim.SGD(wrapped.parameters(), lr=1.0), noise_multiplier=0.0,
+                            max_grad_norm=clip, expected_batch_size=expected)
+    nn.functional.cross_entropy(wrapped(x), y).backward()
+    per_sample = torch.stack([p.grad_sample.flatten(1).norm(dim=1) for p in optimizer.params], dim=1).norm(dim=1)
+    assert optimizer.pre_step()
+    update = torch.cat([p.grad.flatten() for p in optimizer.params])
+    wrapped.cleanup()
+    return update, per_sample
+
+
+def _engine_update(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clipping: str, clip: float,
+                   expected: int, physical: int | None) -> torch.Tensor:
+    """The trainer's engine on one Poisson batch, noise off, in chunks of `physical` (virtual steps) when given."""
+    wrapped, optimizer, backward = dp_engine(model, torch.optim.SGD(model.parameters(), lr=1.0), clipping=clipping,
+                                             noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=expected,
+                                             generator=None)
+    chunks = torch.arange(len(y)).split(physical or len(y))
+    optimizer.zero_grad(set_to_none=True)
+    for i, chunk in enumerate(chunks):
+        if i:
+            optimizer.signal_skip_step(do_skip=True)
+            assert optimizer.pre_step() is False  # a virtual step: accumulated, not released
+            optimizer.zero_grad(set_to_none=True)
+        backward(x[chunk], y[chunk])
+    assert optimizer.pre_step()
+    update = torch.cat([p.grad.flatten() for p in optimizer.params])
+    wrapped.cleanup()
+    return update
+
+
+@pytest.mark.parametrize("physical", [None, 4], ids=["one pass", "virtual steps of 4"])
+@pytest.mark.parametrize("clipping", ["ghost", "ew"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_noise_free_update_equals_opacus_reference_per_sample_clipping(name, clipping, physical):
+    x_np, y_np = _data(11, seed=3)
+    x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
+    _, norms = _reference_update(MODELS[name](), x, y, clip=1e9, expected=8)
+    clip = float(norms.median())  # about half the samples are clipped, half pass unchanged
+    assert (norms > clip * 1.01).sum() >= 3 and (norms < clip * 0.99).sum() >= 3
+    reference, _ = _reference_update(MODELS[name](), x, y, clip=clip, expected=8)
+    ours = _engine_update(MODELS[name](), x, y, clipping=clipping, clip=clip, expected=8, physical=physical)
+    torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-6)
+    unclipped, _ = _reference_update(MODELS[name](), x, y, clip=1e9, expected=8)
+    assert not torch.allclose(ours, unclipped, rtol=1e-2)  # the clipping did bite
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ghost_and_ew_train_the_same_weights_and_spend_the_same_epsilon_from_the_same_seed(name):
+    x, y = _data()
+    config = TrainingConfig(local_epochs=2, batch_size=16, lr=0.05, proximal_mu=0.5)
+    runs = {clipping: train_local(MODELS[name](), x, y, config=config, dp=POLICY, seed=9, clipping=clipping)
+            for clipping in ("ghost", "ew")}
+    chunked = train_local(MODELS[name](), x, y, config=config, dp=POLICY, seed=9, clipping="ghost",
+                          physical_batch_size=3)
+    assert (runs["ghost"].clipping, runs["ew"].clipping, chunked.clipping) == ("ghost", "ew", "ghost")
+    planned = [(POLICY.noise_multiplier, dp_sample_rate(len(y), config), planned_steps(len(y), config))]
+    for result in (*runs.values(), chunked):  # one accountant step per Poisson batch, however it was trained
+        assert result.history == planned
+        assert result.epsilon == epsilon_of(planned, delta=POLICY.delta)
+    for key in runs["ew"].state:  # same batches, same noise: only float rounding of the clipped sums differs
+        np.testing.assert_allclose(runs["ghost"].state[key], runs["ew"].state[key], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(chunked.state[key], runs["ghost"].state[key], rtol=1e-4, atol=1e-5)
+    assert not all(np.allclose(runs["ew"].state[k], MODELS[name]().state_dict()[k]) for k in runs["ew"].state)
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "ew"])
+def test_virtual_steps_with_many_empty_poisson_batches_still_noise_every_step(clipping):
+    x, y = _data(60)
+    config = TrainingConfig(local_epochs=1, batch_size=2, lr=0.05)
+    result = train_local(_cnn(), x, y, config=config, dp=POLICY, seed=3, clipping=clipping, physical_batch_size=1)
+    assert result.steps == 30 and result.history == [(POLICY.noise_multiplier, 1 / 30, 30)]
+    assert all(np.isfinite(v).all() for v in result.state.values())
+
+
+def test_automatic_choice_is_ghost_only_where_it_runs_and_forms_enough_per_sample_floats():
+    mlp_params = 64 * 32 + 32 + 32 * 10 + 10
+    small_batch, large_batch = GHOST_MIN_FLOATS // mlp_params, GHOST_MIN_FLOATS // mlp_params + 1
+    assert clipping_mode(_mlp(), expected_batch_size=small_batch) == "ew"
+    assert clipping_mode(_mlp(), expected_batch_size=large_batch) == "ghost"
+    assert clipping_mode(_cnn(), expected_batch_size=4096) == "ghost"
+    # A layer Opacus cannot ghost-clip, or a parameter shared by two layers, keeps "ew" at any batch.
+    with_layer_norm = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 10))
+    tied = _mlp()
+    tied.append(nn.Linear(10, 10))
+    tied[-1].weight = nn.Parameter(torch.zeros(10, 10))
+    tied.append(nn.Linear(10, 10))
+    tied[-1].weight = tied[-2].weight
+    frozen_norm = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 10))
+    frozen_norm[2].requires_grad_(False)
+    assert not ghost_supported(with_layer_norm) and not ghost_supported(tied)
+    assert ghost_supported(frozen_norm)  # a layer with nothing to train needs no per-sample norm
+    for model in (with_layer_norm, tied):
+        assert clipping_mode(model, expected_batch_size=1 << 20) == "ew"
+
+
+def test_training_reports_the_automatic_choice_and_none_without_dp():
+    x, y = _data(1000)
+    small = train_local(_mlp(), x, y, config=TrainingConfig(local_epochs=1, batch_size=8), dp=POLICY)
+    large = train_local(_mlp(), x, y, config=TrainingConfig(local_epochs=1, batch_size=500), dp=POLICY)
+    plain = train_local(_mlp(), x, y, config=TrainingConfig(local_epochs=1, batch_size=500), dp=None)
+    assert (small.clipping, large.clipping, plain.clipping) == ("ew", "ghost", None)
+
+
+def test_bad_clipping_arguments_are_refused_naming_the_field():
+    x, y = _data()
+    layer_norm = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 10))
+    with pytest.raises(ConfigError, match="clipping.*ghost clipping needs"):
+        train_local(layer_norm, x, y, config=TrainingConfig(local_epochs=1), dp=POLICY, clipping="ghost")
+    with pytest.raises(ConfigError, match="clipping.*auto, ghost, ew"):
+        train_local(_mlp(), x, y, config=TrainingConfig(local_epochs=1), dp=POLICY, clipping="fast")
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ConfigError, match="physical_batch_size"):
+            train_local(_mlp(), x, y, config=TrainingConfig(local_epochs=1), dp=POLICY, physical_batch_size=bad)
+
+
+@pytest.mark.parametrize("cls", [FlatDPOptimizer, FlatGhostDPOptimizer])
+def test_a_clipped_sum_is_never_noised_and_released_twice(cls):
+    param = nn.Parameter(torch.zeros(3))
+    opt = cls(torch.optim.SGD([param], lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
+    param.grad_sample = torch.randn(4, 3)
+    param.grad = torch.randn(3)
+    assert opt.pre_step()
+    with pytest.raises(ValueError):  # no zero_grad and no new backward pass in between
+        opt.pre_step()
+
+
+def test_ghost_optimizer_noise_only_step_has_std_sigma_times_clip_over_the_expected_batch():
+    params = [nn.Parameter(torch.zeros(100, 100)), nn.Parameter(torch.zeros(100))]
+    opt = FlatGhostDPOptimizer(torch.optim.SGD(params, lr=1.0), noise_multiplier=1.3, max_grad_norm=2.0,
+                               expected_batch_size=8, generator=torch.Generator().manual_seed(0))
+    opt.zero_grad(set_to_none=True)
+    opt.step()  # an empty Poisson batch: no backward pass, no .grad, noise only
+    noise = torch.cat([p.grad.flatten() for p in params])
+    assert noise.numel() == 10_100
+    assert noise.std().item() == pytest.approx(1.3 * 2.0 / 8, rel=0.03)
+    torch.testing.assert_close(torch.cat([p.detach().flatten() for p in params]), -noise)
+
+
+def test_worker_physical_batch_size_comes_from_config_and_a_negative_one_is_refused(tmp_path):
+    from fedbroker.bus import open_bus
+    from fedbroker.config import WorkerConfig, load_config
+    from fedbroker.worker.agent import WorkerAgent
+
+    assert load_config(environ={"FEDBROKER__WORKER__PHYSICAL_BATCH_SIZE": "64"}).worker.physical_batch_size == 64
+    assert load_config(environ={}).worker.physical_batch_size == 0  # default: the whole Poisson batch at once
+    config = WorkerConfig(ledger_path=str(tmp_path / "ledger.json"), device="cpu", physical_batch_size=-1)
+    with pytest.raises(ConfigError, match="worker.physical_batch_size"):
+        WorkerAgent(config, open_bus(None, namespace=f"clipping-{tmp_path.name}"))
+
+
+def test_ew_splits_batches_whose_per_sample_gradients_exceed_its_limit_into_virtual_steps(monkeypatch):
+    from fedbroker.worker import training
+
+    x, y = _data()
+    config = TrainingConfig(local_epochs=1, batch_size=32, lr=0.05)
+    whole = train_local(_cnn(), x, y, config=config, dp=POLICY, seed=4, clipping="ew")
+    passes: list[int] = []
+    real_engine = training.dp_engine
+
+    def counting_engine(*args, **kwargs):
+        wrapped, optimizer, backward = real_engine(*args, **kwargs)
+        return wrapped, optimizer, lambda xb, yb: passes.append(len(yb)) or backward(xb, yb)
+
+    params = sum(p.numel() for p in _cnn().parameters())
+    monkeypatch.setattr(training, "EW_MAX_FLOATS", 5 * params)  # at most 5 samples per pass
+    monkeypatch.setattr(training, "dp_engine", counting_engine)
+    split = train_local(_cnn(), x, y, config=config, dp=POLICY, seed=4, clipping="ew")
+    assert max(passes) == 5 and len(passes) > 4 * split.steps  # batches of ~32 went in several passes each
+    assert split.history == whole.history and split.epsilon == whole.epsilon
+    for key in whole.state:
+        np.testing.assert_allclose(split.state[key], whole.state[key], rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_ew_training_forms_conv_per_sample_gradients_by_unfold_at_every_batch_size():
+    from torch.nn.utils._expanded_weights import conv_utils
+
+    x, y = _data(40)
+    result = train_local(_cnn(), x, y, config=TrainingConfig(local_epochs=1, batch_size=8), dp=POLICY,
+                         clipping="ew")
+    assert result.clipping == "ew" and conv_utils.THRESHOLD == 0  # never the grouped convolution over the batch
