@@ -37,8 +37,8 @@ dp_training` has the table.
 - Virtual steps (`physical_batch_size`): a Poisson batch larger than memory allows is trained in
   chunks; each chunk's clipped sum is accumulated (Opacus's skip step) and the batch is noised
   once, so the update and the one accountant step are those of a single pass.
-- The ≤2× goal is not met at batch 32 on CPU (bench runs under load: MLP 3.3–3.7×, small CNN
-  1.9–2.6×, ResNet-style CNN 2.6–3.5×): what remains per step is torch's and Opacus's own Python
+- The ≤2× goal is not met at batch 32 on CPU (two bench runs of this code, 1 thread: MLP 2.5–2.8×,
+  small CNN 1.98–1.99×, ResNet-style CNN 2.2–2.3×): what remains per step is torch's and Opacus's own Python
   work per layer, the per-sample gradient products and norms, and the noise.
 - Threads: torch defaults to one intra-op thread per core. A second thread gained nothing with DP
   (MLP 41.4k against 40.8k samples/s, CNN 9.2k against 9.6k), and on a loaded machine 2 threads
