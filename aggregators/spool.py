@@ -107,19 +107,20 @@ class Spool:
 
     def save_update(self, job_id: str, round_number: int, seq: int, meta: Mapping[str, Any],
                     tensors: Mapping[str, np.ndarray]) -> Path:
-        folder = self.folder(job_id) / f"round-{round_number}"
-        path = folder / f"{seq:06d}.npz"
-        with _disk_full_is_an_outage(f"an update for round {round_number} of job {job_id!r}"):
-            folder.mkdir(parents=True, exist_ok=True)
-            _write_npz(path, tensors, dict(meta))
-        return path
+        return self._save(self.folder(job_id) / f"round-{round_number}", seq, meta, tensors,
+                          what=f"an update for round {round_number} of job {job_id!r}")
 
     def save_buffered(self, job_id: str, version: int, seq: int, meta: Mapping[str, Any],
                       tensors: Mapping[str, np.ndarray]) -> Path:
         """An update accepted into the asynchronous buffer that builds on `version` (the version it will follow)."""
-        folder = self.folder(job_id) / f"buffer-{version}"
+        return self._save(self.folder(job_id) / f"buffer-{version}", seq, meta, tensors,
+                          what=f"an update for the buffer of job {job_id!r}")
+
+    @staticmethod
+    def _save(folder: Path, seq: int, meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *,
+              what: str) -> Path:
         path = folder / f"{seq:06d}.npz"
-        with _disk_full_is_an_outage(f"an update for the buffer of job {job_id!r}"):
+        with _disk_full_is_an_outage(what):
             folder.mkdir(parents=True, exist_ok=True)
             _write_npz(path, tensors, dict(meta))
         return path
