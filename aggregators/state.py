@@ -21,7 +21,7 @@ from fedbroker.aggregators.mean import Layout, Slot, UpdateRows
 from fedbroker.aggregators.registries import Algorithms
 from fedbroker.aggregators.rows import Rows
 from fedbroker.aggregators.weighting.base import UpdateMeta
-from fedbroker.errors import Conflict, NotFound
+from fedbroker.errors import Conflict, NotFound, Rejection, UploadRejected
 from fedbroker.spec import ModelSpec, parameter_shapes
 
 KEEP_CLOSED_ROUNDS = 16  # closed rounds whose accepted workers and deadline are remembered (redeliveries, stragglers)
@@ -179,6 +179,11 @@ class Job:
 
     def status(self, round_number: int) -> tuple[list[str], bool]:
         rnd = self.current(round_number)
+        if rnd is None and round_number not in self.closed_rounds and (
+                self.round is None or round_number > self.round.number):
+            # Not open *yet*: a service that restarted without its spool learns the job's model before its
+            # round, and a worker asking in between must retry, not give its task up as "closed".
+            raise UploadRejected(Rejection.UNKNOWN_ROUND, f"round {round_number} of job {self.job_id!r} is not open")
         if rnd is None:  # a worker with a redelivered task of a closed round
             return list(self.closed_accepted.get(round_number, [])), False
         return sorted(rnd.accepted), not rnd.closed

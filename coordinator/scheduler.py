@@ -589,8 +589,13 @@ class Coordinator:
                          resumed=True)
         log.info("resuming round %d of %s (%d participant(s), deadline in %.0fs)", round_number, job_id,
                  len(participants), deadline - time.time())
-        accepted, is_open = self._call(run, f"status of round {round_number}",
-                                       lambda: self.aggregator.status(job_id, round_number))
+        try:
+            accepted, is_open = self._call(run, f"status of round {round_number}",
+                                           lambda: self.aggregator.status(job_id, round_number))
+        except RemoteError as exc:
+            if exc.reason != Rejection.UNKNOWN_ROUND:
+                raise
+            accepted, is_open = [], True  # we died before opening it there: opened below
         if not is_open:
             # Either the service closed it before we died (the close is idempotent: we get its result back),
             # or it never heard of it (we died before opening it there): then it is opened below.

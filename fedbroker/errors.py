@@ -61,7 +61,9 @@ class Rejection(StrEnum):
     UNAUTHENTICATED = "unauthenticated", True, "UNAUTHENTICATED"
     PERMISSION_DENIED = "permission_denied", True, "PERMISSION_DENIED"
     UNKNOWN_JOB = "unknown_job", False, "NOT_FOUND"
-    UNKNOWN_ROUND = "unknown_round", True, "FAILED_PRECONDITION"
+    # not final: a service that restarted without its spool learns the job before the round (put_global, then
+    # open_round), and an upload between the two must be retried, not given up on
+    UNKNOWN_ROUND = "unknown_round", False, "FAILED_PRECONDITION"
     UNKNOWN_WORKER = "unknown_worker", True, "PERMISSION_DENIED"
     LATE = "late", True, "FAILED_PRECONDITION"
     ROUND_CLOSED = "round_closed", True, "FAILED_PRECONDITION"

@@ -42,7 +42,8 @@ def test_the_wire_codes_are_unchanged():
 def test_what_a_worker_gives_up_on_comes_from_the_enum():
     final = {r.value for r in Rejection if r.final}
     assert {"late", "round_closed", "wrong_shape", "non_finite", "unauthenticated", "permission_denied"} <= final
-    assert not {"unknown_job", "truncated", "digest_mismatch"} & final  # a restarted service, a broken stream
+    # a restarted service (it learns the job, then its round), a broken stream
+    assert not {"unknown_job", "unknown_round", "truncated", "digest_mismatch"} & final
     assert all(Rejection.is_final(r) for r in final)
     assert not Rejection.is_final("unavailable") and not Rejection.is_final("")  # not a refusal: retried
 

@@ -3,7 +3,9 @@ receipt), and the coordinator copes with a service that comes back, with its spo
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -137,3 +139,38 @@ def test_coordinator_reinstalls_a_service_that_lost_its_state(federation: Federa
     # The coordinator installed the model and round 1 again and re-sent its tasks: the fast worker, whose
     # acknowledged update was lost with the service, trained round 1 again (the price of running without a spool).
     assert training.count["fast"] == 3 and training.count["slow"] in (2, 3)
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_asking_between_the_reinstalled_model_and_its_round_retries(federation: Federation,
+                                                                             training: Training) -> None:
+    """A reinstall is two calls (the model, then the round): a worker that asks about its round in between
+    must hear "not open yet" and retry, not give its task up. Forced here: the first model install waits
+    for the held worker's question before the coordinator may open the round."""
+    fed = federation
+    job_id, held = slow_round(fed)
+    fed.stop_aggregator()
+    fed.start_aggregator(spool=False)
+    book = fed.book
+    installed, asked = threading.Event(), threading.Event()
+    put_global, status = book.put_global, book.status
+
+    def asking(job: str, round_number: int) -> tuple[list[str], bool]:
+        if round_number == 1 and installed.is_set():
+            asked.set()
+        return status(job, round_number)
+
+    def installing(*args: Any, **kwargs: Any) -> Any:
+        result = put_global(*args, **kwargs)
+        if not installed.is_set():
+            installed.set()
+            held.release.set()
+            assert asked.wait(30), "the held worker never asked about its round"
+        return result
+
+    book.status = asking  # type: ignore[method-assign]
+    book.put_global = installing  # type: ignore[method-assign]
+    fed.wait_job(job_id, 60)
+    assert asked.is_set()
+    assert [r["aggregated"] for r in fed.store.rounds(job_id)] == [2, 2]
+    assert not {p["status"] for p in fed.store.participants(job_id, 1)} & {"refused", "failed"}
