@@ -102,7 +102,8 @@ class Fleet:
 
         try:
             task = envelope.decode(delivery.body, expect=("round_task",)).round_task
-            with AggregatorClient(task.aggregator_target) as client:
+            with AggregatorClient(task.aggregator_target) as channel:
+                client = channel.until(task.deadline_unix)  # as a worker: retried for as long as the round lasts
                 accepted, _ = client.status(task.job_id, task.round)
                 if wid not in accepted:
                     _, _, weights = client.download(task.job_id, task.model_version)

@@ -9,7 +9,8 @@ interceptor, budgets the pool (`CallLimits`):
   other call together holds at most `threads - health_threads`, beyond which a call is refused at once
   with UNAVAILABLE (reason `server_busy`, retried by every client);
 - the streams of untrusted callers (workers, or anyone when authentication is off) hold at most
-  `max_streams` threads together (beyond: `server_busy`), so unary control calls and the trusted
+  `max_streams` threads together (beyond: `server_busy`, with a retry-after that queues the refused
+  callers up: a herd of workers comes back spread out), so unary control calls and the trusted
   coordinator's transfers always have `threads - health_threads - max_streams`;
 - one identity holds at most `max_streams_per_worker` streams; its next one is refused at once with
   RESOURCE_EXHAUSTED (reason `too_many_streams`), reading none of it;
@@ -38,11 +39,13 @@ import grpc
 from fedbroker.auth import Identity
 from fedbroker.errors import ConfigError, ConfigErrors, Rejection, UploadRejected
 from fedbroker.metrics import GRPC_SERVER_CALLS_REFUSED, GRPC_SERVER_STREAMS
-from fedbroker.rpc import REASON_KEY
+from fedbroker.rpc import REASON_KEY, RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_MIN_TRANSFER_S = 0.002   # before any transfer has ended (and the least a transfer is assumed to take)
+_MAX_RETRY_AFTER_S = 5.0  # RPC_BACKOFF's cap: a hint never asks for a longer wait than an outage would
 
 Refused = Callable[[str, str], None]   # (method, reason) → count it
 
@@ -51,9 +54,9 @@ Refused = Callable[[str, str], None]   # (method, reason) → count it
 class CallLimits:
     """How a server's `threads` are shared out (see the module docstring); checked on creation."""
 
-    threads: int = 16
+    threads: int = 48
     health_threads: int = 2
-    max_streams: int = 8
+    max_streams: int = 32
     max_streams_per_worker: int = 2
     stream_idle_timeout_s: float = 60.0
 
@@ -88,10 +91,12 @@ class CallLimits:
 class _Ticket:
     """One running call's hold on the budget; for a stream, when it started waiting on its client."""
 
-    __slots__ = ("context", "cut", "identity", "method", "released", "stream", "waiting_since")
+    __slots__ = ("context", "cut", "identity", "method", "released", "started", "stream", "waiting_since")
 
-    def __init__(self, method: str, context: grpc.ServicerContext, stream: bool, identity: str | None) -> None:
+    def __init__(self, method: str, context: grpc.ServicerContext, stream: bool, identity: str | None,
+                 started: float) -> None:
         self.method = method
+        self.started = started
         self.context = context
         self.stream = stream
         self.identity = identity          # counted against max_streams_per_worker; None = not capped
@@ -125,6 +130,8 @@ class CallGuard(grpc.ServerInterceptor):
         self._lock = threading.Condition()
         self._running: set[_Ticket] = set()
         self._watchdog: threading.Thread | None = None
+        self._transfer_s = 0.0     # how long a capped stream lasts (moving average): a refusal's retry-after
+        self._queue_end = 0.0      # when the last refused caller was told a slot would be free
 
     # ----- counting -----
 
@@ -150,11 +157,12 @@ class CallGuard(grpc.ServerInterceptor):
             key: str | None = ""          # "": not counted against the stream caps
         else:
             key = identity.name if identity is not None else None
-        ticket = _Ticket(method, context, stream, key)
+        ticket = _Ticket(method, context, stream, key, self.clock())
         lim = self.limits
         with self._lock:
             running, streams, per = self._counts()
             refusal: tuple[grpc.StatusCode, str, str] | None = None
+            retry_after = 0.0
             if running >= lim.threads - lim.health_threads:
                 refusal = (grpc.StatusCode.UNAVAILABLE, Rejection.SERVER_BUSY,
                            f"the service is busy ({running} calls running); retry later")
@@ -170,13 +178,28 @@ class CallGuard(grpc.ServerInterceptor):
                 if stream:
                     GRPC_SERVER_STREAMS.labels(self.service).inc()
                     self._start_watchdog()
+            if refusal is not None and refusal[1] == Rejection.SERVER_BUSY:
+                retry_after = self._retry_after()
         if refusal is not None:
             code, reason, message = refusal
             self._refused(method, reason, message)
-            context.set_trailing_metadata(((REASON_KEY, reason),))
+            if reason == Rejection.SERVER_BUSY:
+                context.set_trailing_metadata(((REASON_KEY, reason), (RETRY_AFTER_KEY, f"{retry_after * 1000:.1f}")))
+            else:
+                context.set_trailing_metadata(((REASON_KEY, reason),))
             context.abort(code, message)
         context.add_callback(lambda: self._release(ticket))   # also when the call ends while not running
         return ticket
+
+    def _retry_after(self) -> float:
+        """Seconds until a refused caller may expect a free slot: refused callers queue up virtually, each
+        one slot-turnover (a transfer's length / max_streams) behind the last. Told so, a herd of workers
+        that started their transfers together comes back spread out, in about the order it was refused,
+        instead of retrying together and being refused again (N=100 stub workers: 3 refusals each)."""
+        now = self.clock()
+        turnover = max(self._transfer_s, _MIN_TRANSFER_S) / self.limits.max_streams
+        self._queue_end = max(now, self._queue_end) + turnover
+        return min(self._queue_end - now, _MAX_RETRY_AFTER_S)
 
     def _release(self, ticket: _Ticket) -> None:
         with self._lock:
@@ -186,10 +209,15 @@ class CallGuard(grpc.ServerInterceptor):
             self._running.discard(ticket)
             if ticket.stream:
                 GRPC_SERVER_STREAMS.labels(self.service).dec()
+                if ticket.identity != "":  # a capped transfer: how long the next refused caller should wait
+                    seconds = self.clock() - ticket.started
+                    self._transfer_s = seconds if not self._transfer_s else 0.8 * self._transfer_s + 0.2 * seconds
             self._lock.notify_all()
 
     def _refused(self, method: str, reason: str, message: str, *, tell_service: bool = True) -> None:
-        log.warning("%s/%s %s: %s", self.service, method, "refused" if tell_service else "ended", message)
+        # load shedding is routine under a herd of small transfers (counted in the metric); the rest is not
+        level = logging.DEBUG if reason == Rejection.SERVER_BUSY else logging.WARNING
+        log.log(level, "%s/%s %s: %s", self.service, method, "refused" if tell_service else "ended", message)
         GRPC_SERVER_CALLS_REFUSED.labels(self.service, method, reason).inc()
         if tell_service and self.on_refuse is not None:
             self.on_refuse(method, reason)

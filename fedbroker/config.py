@@ -70,9 +70,9 @@ class AggregatorConfig:
     selection_time_limit_s: float = 30.0
     alignment_time_limit_s: float = 120.0  # then a close falls back to the weighted mean (aggregators/combine.py)
     # the gRPC thread budget (fedbroker.callguard, deploy/SECURITY.md): no caller can take every thread
-    threads: int = 16                  # the server's thread pool
+    threads: int = 48                  # the server's thread pool (idle threads cost nothing)
     health_threads: int = 2            # kept for health checks: every other call together holds the rest
-    max_streams: int = 8               # workers' uploads and downloads at once (the coordinator's are exempt)
+    max_streams: int = 32              # workers' uploads and downloads at once (the coordinator's are exempt)
     max_streams_per_worker: int = 2    # one worker identity's uploads and downloads at once
     stream_idle_timeout_s: float = 60.0  # a stream that waits this long on its client is ended, freeing its thread
     spool_dir: str = ""                # accepted updates and global models on disk before they are acknowledged,

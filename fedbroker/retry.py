@@ -68,6 +68,7 @@ def retry_call(
     sleep: Callable[[float], object] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
     rng: random.Random | None = None,
+    backoff_for: Callable[[Exception], Backoff] | None = None,
 ) -> T:
     """`fn()`, tried again after a backoff while it raises an exception that `retryable` accepts.
 
@@ -76,7 +77,8 @@ def retry_call(
     for as long as its deadline allows and never sleeps past it. Then, as for an exception `retryable`
     refuses, the last exception propagates unchanged. `on_retry(error, retry, delay)` is told of each
     retry before its wait (for logging; `retry` counts from 1). `sleep` may return early (e.g. a stop
-    event's `wait`); a caller that must stop retrying then says so through `retryable`.
+    event's `wait`); a caller that must stop retrying then says so through `retryable`. `backoff_for(error)`,
+    when given, picks the backoff by the error (a peer shedding load is retried sooner than one that is down).
     """
     if attempts is None and deadline is None:
         raise ConfigError("attempts", "a retry needs an attempt limit or a deadline, got neither")
@@ -89,7 +91,7 @@ def retry_call(
         except Exception as error:
             if not retryable(error) or (attempts is not None and retry + 1 >= attempts):
                 raise
-            delay = backoff.delay(retry, rng=rng)
+            delay = (backoff_for(error) if backoff_for is not None else backoff).delay(retry, rng=rng)
             if deadline is not None:
                 left = deadline - clock()
                 if left <= 0:

@@ -15,6 +15,7 @@ from fedbroker.errors import (
     Conflict,
     FedbrokerError,
     NotFound,
+    Rejection,
     Unauthenticated,
     Unavailable,
     UploadRejected,
@@ -27,6 +28,7 @@ T = TypeVar("T")
 # A chunk is 2 MiB; leave room for the envelope. The size limit of a whole model is the service's own.
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 REASON_KEY = "fedbroker-reason"  # trailing metadata: the short reason code of a refusal
+RETRY_AFTER_KEY = "fedbroker-retry-after-ms"  # and, with `server_busy`, when the service expects a free slot
 # Keepalive, one list for clients and servers (each side ignores the other's keys), so the two agree: a
 # client pings every KEEPALIVE_MS, also while a long unary call (a CloseRound aggregating for minutes) sends
 # no data. gRPC servers by default accept a ping without data only every 5 minutes and answer the third
@@ -90,6 +92,19 @@ def reason_of(error: grpc.RpcError) -> str:
     return error.code().name.lower()
 
 
+def retry_after_of(error: grpc.RpcError) -> float | None:
+    """The seconds a `server_busy` refusal asks the caller to wait (RETRY_AFTER_KEY), if it says."""
+    metadata = cast("Iterable[tuple[str, str | bytes]]", error.trailing_metadata() or ())
+    for key, value in metadata:
+        if key == RETRY_AFTER_KEY:
+            try:
+                seconds = float(value) / 1000
+            except ValueError:
+                return None
+            return seconds if 0 <= seconds < float("inf") else None
+    return None
+
+
 class RemoteError(FedbrokerError):
     """A call to another service failed for good; `reason` is the server's reason code."""
 
@@ -103,6 +118,11 @@ class RemoteError(FedbrokerError):
 # caller whose result has a deadline (a worker's upload: its round's) retries until then instead.
 RPC_ATTEMPTS = 5
 RPC_BACKOFF = Backoff(initial_s=0.2, max_s=5.0)
+# A `server_busy` refusal is not an outage but load shedding: the service was running its `max_streams`
+# transfers, and one of them may end within milliseconds (a small model's download takes ~1 ms). Waiting an
+# outage's 0.2 s after it made every round of 10 stub workers wait 0.2 s for the two refused; this wait starts
+# at the length of a short transfer and grows to the outage's cap for a service busy with large ones.
+BUSY_BACKOFF = Backoff(initial_s=0.01, max_s=5.0)
 
 
 def call_with_retry(fn: Callable[[], T], *, what: str, idempotent: bool, attempts: int = RPC_ATTEMPTS,
@@ -115,6 +135,16 @@ def call_with_retry(fn: Callable[[], T], *, what: str, idempotent: bool, attempt
     with a last try at the deadline: for as long as the caller can still use the result. UNAVAILABLE
     includes a service whose spool disk is full (reason `spool_full`), so that too is retried."""
     wait = backoff or RPC_BACKOFF
+
+    def backoff_for(error: Exception) -> Backoff:
+        if not (isinstance(error, grpc.RpcError) and reason_of(error) == Rejection.SERVER_BUSY):
+            return wait
+        hint = retry_after_of(error)
+        if hint is None:
+            return BUSY_BACKOFF
+        # the service's estimate of its queue, jittered around it ([0.625, 1.25] × the hint)
+        ceiling = min(max(1.25 * hint, 1e-3), BUSY_BACKOFF.max_s)
+        return Backoff(initial_s=ceiling, max_s=ceiling)
 
     def retryable(error: Exception) -> bool:
         if not isinstance(error, grpc.RpcError):
@@ -131,8 +161,9 @@ def call_with_retry(fn: Callable[[], T], *, what: str, idempotent: bool, attempt
     try:
         if deadline_unix:
             return retry_call(fn, backoff=wait, retryable=retryable, deadline=deadline_unix, on_retry=log_retry,
-                              clock=clock, sleep=sleep)
-        return retry_call(fn, backoff=wait, retryable=retryable, attempts=attempts, on_retry=log_retry, sleep=sleep)
+                              clock=clock, sleep=sleep, backoff_for=backoff_for)
+        return retry_call(fn, backoff=wait, retryable=retryable, attempts=attempts, on_retry=log_retry, sleep=sleep,
+                          backoff_for=backoff_for)
     except grpc.RpcError as error:
         code = error.code()
         raise RemoteError(reason_of(error), f"{what}: {code.name}: {error.details()}", code) from None

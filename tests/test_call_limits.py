@@ -66,7 +66,8 @@ def reason_of(error: grpc.RpcError) -> str | None:
 def service():
     table, tokens = token_table({"coordinator": "coordinator", "w1": "worker", "w2": "worker"})
     book = RoundBook()
-    server, port = serve(book, tokens=table, limits=CallLimits(stream_idle_timeout_s=IDLE_S))
+    server, port = serve(book, tokens=table, limits=CallLimits(threads=16, max_streams=8,
+                                                                 stream_idle_timeout_s=IDLE_S))
     target = f"127.0.0.1:{port}"
     channel = grpc.insecure_channel(target)
     clients = {name: AggregatorClient(target, timeout_s=10, security=ClientSecurity(token=token))
@@ -180,8 +181,8 @@ def test_the_aggregator_process_takes_its_thread_budget_from_its_config():
     from fedbroker.app.launch import start_aggregator
     from fedbroker.config import load_config
 
-    config = load_config(environ={"FEDBROKER__AGGREGATOR__MAX_STREAMS": "15"})
-    with pytest.raises(ConfigError, match=r"aggregator\.max_streams: .* must be below threads \(16\)"):
+    config = load_config(environ={"FEDBROKER__AGGREGATOR__MAX_STREAMS": "47"})
+    with pytest.raises(ConfigError, match=r"aggregator\.max_streams: .* must be below threads \(48\)"):
         start_aggregator(config)
 
 
@@ -202,4 +203,53 @@ def test_the_coordinators_event_stream_takes_no_transfer_slot_from_the_workers()
         events.cancel()
     finally:
         client.close()
+        server.stop(grace=0)
+
+
+def test_a_busy_refusal_tells_each_caller_when_to_come_back_and_the_client_waits_that_long():
+    """Past `max_streams` a transfer is refused at once (`server_busy`) with a retry-after that queues the
+    refused callers up virtually (each one slot-turnover behind the last), so a herd comes back spread out;
+    `AggregatorClient` waits that long, not an outage's backoff, and gets through once the slot is free."""
+    table, tokens = token_table({"coordinator": "coordinator", "w1": "worker", "w2": "worker"})
+    book = RoundBook()
+    server, port = serve(book, tokens=table, limits=CallLimits(threads=4, health_threads=1, max_streams=1,
+                                                               max_streams_per_worker=1))
+    target = f"127.0.0.1:{port}"
+    channel = grpc.insecure_channel(target)
+    coordinator = AggregatorClient(target, timeout_s=10, security=ClientSecurity(token=tokens["coordinator"]))
+    release = threading.Event()
+    try:
+        coordinator.put_global("job", 1, SPEC.to_json(), weights(0.0))
+        coordinator.open_round("job", 1, ["w1", "w2"], time.time() + 600,
+                               {"alignment": "none", "weighting": "fedavg", "selection": "all"}, seed=0)
+        stub = pb_grpc.AggregationStub(channel)
+        w1 = (("authorization", f"Bearer {tokens['w1']}"),)
+        # a transfer that lasts 1.5 s: what the service expects the next ones to take
+        slow = threading.Event()
+        threading.Timer(1.5, slow.set).start()
+        with pytest.raises(grpc.RpcError):
+            stub.UploadUpdate(silent(slow), metadata=w1, timeout=60)  # ends without a header: refused, timed
+        held = stub.UploadUpdate.future(silent(release), metadata=w1, timeout=60)
+        wait_for(lambda: streams_open() >= 1, "w1's silent upload to hold the one transfer slot")
+        hints = []
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.DownloadGlobalModel(pb.GlobalModelRequest(job_id="job"), timeout=10,
+                                              metadata=(("authorization", f"Bearer {tokens['w2']}"),)))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and reason_of(info.value) == "server_busy"
+            hints.append(float(dict(info.value.trailing_metadata())["fedbroker-retry-after-ms"]))
+        # each refused caller is one slot-turnover (1.5 s / 1 slot) behind the last, never past RPC_BACKOFF's cap
+        assert 1000 < hints[0] < hints[1] < hints[2] <= 5000, hints
+
+        # a client told to come back retries after about that long (not 0.2 s) and gets in once w1's slot is free
+        w2 = AggregatorClient(target, timeout_s=10, security=ClientSecurity(token=tokens["w2"])).until(time.time() + 30)
+        threading.Timer(0.3, release.set).start()
+        version, _, got = w2.download("job")
+        assert version == 1 and got["0.weight"].shape == (2, 4)
+        held.exception(timeout=30)
+        w2.close()
+    finally:
+        release.set()
+        coordinator.close()
+        channel.close()
         server.stop(grace=0)

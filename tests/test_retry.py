@@ -149,8 +149,8 @@ def test_a_backoff_names_the_setting_it_refuses(options: dict[str, float], field
 
 
 class FakeRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, reason: str | None = None) -> None:
-        self._code, self._reason = code, reason
+    def __init__(self, code: grpc.StatusCode, reason: str | None = None, retry_after_ms: str | None = None) -> None:
+        self._code, self._reason, self._retry_after = code, reason, retry_after_ms
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -159,7 +159,8 @@ class FakeRpcError(grpc.RpcError):
         return "it went wrong"
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:  # type: ignore[override]
-        return (("fedbroker-reason", self._reason),) if self._reason else ()
+        reason = (("fedbroker-reason", self._reason),) if self._reason else ()
+        return reason + ((("fedbroker-retry-after-ms", self._retry_after),) if self._retry_after else ())
 
 
 def test_an_rpc_refusal_becomes_a_remote_error_with_the_servers_reason_without_a_retry() -> None:
@@ -211,3 +212,45 @@ def test_a_call_with_a_deadline_outlasts_the_attempt_budget_and_gives_up_exactly
         call_with_retry(final, what="upload", idempotent=True, deadline_unix=600.0, clock=time.clock,
                         sleep=time.sleep)
     assert final.calls == 1
+
+
+def test_a_busy_service_is_retried_within_milliseconds_and_an_outage_after_the_outage_backoff() -> None:
+    """`server_busy` is load shedding (a transfer slot frees within a small model's transfer time), not an
+    outage: its first waits are BUSY_BACKOFF's, growing to the same cap; a service that is down keeps
+    RPC_BACKOFF's. The error of each retry decides its wait."""
+    from fedbroker.rpc import BUSY_BACKOFF, RPC_BACKOFF
+
+    def run(reasons: list[str | None]) -> list[float]:
+        time = FakeTime()
+        fn = Failing(succeed_on=len(reasons) + 1,
+                     error=lambda n: FakeRpcError(grpc.StatusCode.UNAVAILABLE, reasons[n - 1]))
+        assert call_with_retry(fn, what="download", idempotent=True, deadline_unix=1e9, clock=time.clock,
+                               sleep=time.sleep) == "done"
+        return time.sleeps
+
+    busy = run(["server_busy"] * 4)
+    assert [BUSY_BACKOFF.ceiling(i) / 2 <= wait <= BUSY_BACKOFF.ceiling(i) for i, wait in enumerate(busy)] == [True] * 4
+    assert sum(busy) <= 0.15 < RPC_BACKOFF.initial_s
+    down = run([None, None])
+    assert all(RPC_BACKOFF.ceiling(i) / 2 <= wait for i, wait in enumerate(down))
+    mixed = run(["server_busy", None, "server_busy"])
+    assert mixed[0] <= BUSY_BACKOFF.initial_s and mixed[1] >= RPC_BACKOFF.ceiling(1) / 2 and mixed[2] <= 0.04
+
+
+def test_a_backoff_can_be_chosen_by_the_error() -> None:
+    fn, time = Failing(succeed_on=3), FakeTime()
+    short, long = Backoff(initial_s=0.001, max_s=0.001), Backoff(initial_s=100.0, max_s=100.0)
+    assert retry_call(fn, backoff=long, retryable=is_flaky, attempts=5, sleep=time.sleep, clock=time.clock,
+                      backoff_for=lambda error: short) == "done"
+    assert time.sleeps and max(time.sleeps) <= 0.001
+
+
+@pytest.mark.parametrize("hint, low, high", [("400", 0.25, 0.5), ("1e9", 2.5, 5.0), ("nan", 0.005, 0.01),
+                                             ("soon", 0.005, 0.01), ("-3", 0.005, 0.01)])
+def test_a_busy_refusal_is_retried_after_the_wait_the_service_asks_for(hint: str, low: float, high: float) -> None:
+    """The service's retry-after, jittered to [0.625, 1.25] of it and capped at 5 s; one that is not a
+    number of milliseconds >= 0 is ignored (BUSY_BACKOFF's first wait instead)."""
+    time = FakeTime()
+    fn = Failing(succeed_on=2, error=lambda _: FakeRpcError(grpc.StatusCode.UNAVAILABLE, "server_busy", hint))
+    call_with_retry(fn, what="download", idempotent=True, deadline_unix=1e9, clock=time.clock, sleep=time.sleep)
+    assert low <= time.sleeps[0] <= high
