@@ -4,11 +4,11 @@ Three processes on one machine: the aggregation service (child, `bench.streaming
 N stub workers (child, `python -m bench.control_plane --fleet`) and the real `Coordinator` (this
 process, SQLite state in a temporary directory). A stub worker is a thread per worker (the bus's
 consumer thread): it registers like a worker, heartbeats every 10 s like a worker, and answers each
-RoundTask exactly as `WorkerAgent.run_task` does minus the training: a new `AggregatorClient`, round
-status, download of the global model, upload of that model + 0.01 (10 float32 parameters), then the
-ack. With training at zero, a round's duration is all control plane: selection, `OpenRound`, publishing
-N confirmed persistent tasks, N downloads and uploads, quorum polling, `CloseRound`, the checkpoint
-and the `RoundCompleted` event.
+RoundTask exactly as `WorkerAgent.run_task` does minus the training: on its `AggregatorClient` (one per
+worker, kept across tasks), round status, download of the global model, upload of that model + 0.01 (10
+float32 parameters), then the ack. With training at zero, a round's duration is all control plane:
+selection, `OpenRound`, publishing N persistent tasks in one transaction, N downloads and uploads, the
+wait for the quorum event, `CloseRound`, the checkpoint and the `RoundCompleted` event.
 
 The baseline is Flower's simulation (`flwr.simulation.run_simulation`, Ray backend, FedAvg) of the same
 number of trivial clients, run in `.venv-bench`; its first round includes Ray's start and is reported
@@ -62,6 +62,7 @@ class Fleet:
         self.ids = [f"{prefix}{i:04d}" for i in range(count)]
         self.tasks = 0
         self.failures: list[str] = []
+        self._channels: dict[str, Any] = {}  # worker id → its AggregatorClient (each touched by its own thread)
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -102,14 +103,16 @@ class Fleet:
 
         try:
             task = envelope.decode(delivery.body, expect=("round_task",)).round_task
-            with AggregatorClient(task.aggregator_target) as channel:
-                client = channel.until(task.deadline_unix)  # as a worker: retried for as long as the round lasts
-                accepted, _ = client.status(task.job_id, task.round)
-                if wid not in accepted:
-                    _, _, weights = client.download(task.job_id, task.model_version)
-                    update = {name: arr + np.float32(0.01) for name, arr in weights.items()}
-                    client.upload(job_id=task.job_id, round=task.round, worker_id=wid, num_samples=100,
-                                  tensors=update, train_loss=0.5)
+            channel = self._channels.get(wid)
+            if channel is None:  # as a worker: one channel, kept from task to task
+                channel = self._channels[wid] = AggregatorClient(task.aggregator_target)
+            client = channel.until(task.deadline_unix)  # as a worker: retried for as long as the round lasts
+            accepted, _ = client.status(task.job_id, task.round)
+            if wid not in accepted:
+                _, _, weights = client.download(task.job_id, task.model_version)
+                update = {name: arr + np.float32(0.01) for name, arr in weights.items()}
+                client.upload(job_id=task.job_id, round=task.round, worker_id=wid, num_samples=100,
+                              tensors=update, train_loss=0.5)
             with self._lock:
                 self.tasks += 1
         except Exception as exc:
@@ -119,6 +122,8 @@ class Fleet:
 
     def stop(self) -> None:
         self._stop.set()
+        for channel in self._channels.values():
+            channel.close()
 
 
 def fleet_child(url: str, namespace: str, count: int) -> None:

@@ -44,6 +44,11 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # a channel lives as long as its client (a worker keeps one across tasks, the coordinator one for its life):
+    # after a peer's outage, gRPC's own reconnect backoff (1 s, growing to 120 s) would leave it down for up to
+    # two minutes after the peer is back; capped like our retries (RPC_BACKOFF)
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
     # server side
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),  # faster still strikes (flood)
 ]
