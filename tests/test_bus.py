@@ -454,3 +454,36 @@ def test_consumption_and_publishing_resume_after_broker_closes_the_connections(
     assert wait_for(lambda: bus.reconnects == 2, 10), bus.reconnects
     assert "reconnected" in caplog.text
     assert "guest:guest@" not in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_an_ack_that_outwaits_a_busy_connection_thread_is_still_sent_and_the_next_task_comes(amqp: Harness) -> None:
+    """A consumer's connection thread busy for longer than `settle_timeout_s` (1,000 stub workers on one
+    connection did it in the bench): the handler stops waiting for its ack, but the ack is still sent once the
+    thread is free. Dropped, it left the delivery unacked on a live channel, and with prefetch 1 the worker
+    never got another task (a round of the bench waited for its deadline)."""
+    bus, inbox = amqp.open(settle_timeout_s=0.2), Inbox(auto_ack=False)
+    bus.declare_worker("w1")
+    bus.consume_tasks("w1", inbox)
+    bus.start()
+    bus.publish_task("w1", b"one")
+    (first,) = inbox.wait(1)
+    busy, free = threading.Event(), threading.Event()
+
+    def hold_the_thread() -> None:
+        busy.set()
+        free.wait(20)
+
+    blocker = threading.Thread(target=lambda: bus._consumer.call(hold_the_thread, timeout=30, what="holding"))
+    blocker.start()
+    assert busy.wait(10)
+    first.ack()  # waits settle_timeout_s, then returns: the ack stays queued behind the busy thread
+    bus.publish_task("w1", b"two")
+    time.sleep(0.5)
+    assert inbox.bodies == [b"one"]  # prefetch 1: "two" waits for the ack
+    free.set()
+    blocker.join(10)
+    inbox.wait(2)
+    assert inbox.bodies == [b"one", b"two"]
+    inbox.deliveries[1].ack()
+    assert wait_for(lambda: amqp.ready_count(amqp.topology.worker_queue("w1")) == 0, 10)

@@ -129,8 +129,9 @@ class WorkerAgent:
     def stop(self) -> None:
         self._stop.set()
         BUSES.unwatch(self.config.id)
-        if self._channel is not None:  # a task still running fails, and its delivery goes back to the queue
-            self._channel.close()
+        channel, self._channel = self._channel, None
+        if channel is not None:  # a task still running fails, and its delivery goes back to the queue
+            channel.close()
 
     def _aggregator(self, target: str) -> AggregatorClient:
         """The channel to the service a task names; a task naming another one replaces it. Tasks run one at

@@ -62,12 +62,15 @@ def _check_positive(field: str, value: float) -> float:
 
 
 class _Call:
-    """Work handed to a link's I/O thread; the caller waits for its result with a deadline."""
+    """Work handed to a link's I/O thread; the caller waits for its result with a deadline. Past it, a call
+    that `expires` is abandoned (never run); one that does not stays queued and runs when the thread gets to
+    it (an ack: dropping it would leave its delivery unacked on a live channel for good)."""
 
-    def __init__(self, fn: Callable[[], object], *, deadline: float, what: str) -> None:
+    def __init__(self, fn: Callable[[], object], *, deadline: float, what: str, expires: bool = True) -> None:
         self.fn = fn
         self.deadline = deadline
         self.what = what
+        self.expires = expires
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._state = "pending"  # → running → done, or pending → abandoned
@@ -75,7 +78,7 @@ class _Call:
 
     def claim(self) -> bool:
         with self._lock:
-            if self._state == "pending" and time.monotonic() > self.deadline:
+            if self._state == "pending" and self.expires and time.monotonic() > self.deadline:
                 self._state = "abandoned"
                 self._error = BusError(f"timed out {self.what}")
                 self._done.set()
@@ -106,8 +109,11 @@ class _Call:
 
     def wait(self, timeout_error: Callable[[], BaseException]) -> None:
         while not self._done.wait(min(0.25, max(0.01, self.deadline - time.monotonic()))):
-            if time.monotonic() >= self.deadline and self.abandon(timeout_error()):
-                break
+            if time.monotonic() >= self.deadline:
+                if not self.expires:
+                    raise timeout_error()  # the caller stops waiting; the call still runs
+                if self.abandon(timeout_error()):
+                    break
         if self._error is not None:
             raise self._error
 
@@ -207,14 +213,15 @@ class _Link:
     def on_io_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
-    def call(self, fn: Callable[[], object], *, timeout: float, what: str) -> None:
-        """Run `fn` on the I/O thread and wait; connection errors retry it until `timeout`."""
+    def call(self, fn: Callable[[], object], *, timeout: float, what: str, expires: bool = True) -> None:
+        """Run `fn` on the I/O thread and wait; connection errors retry it until `timeout`. `expires=False`:
+        past `timeout` the caller stops waiting (BusError) but `fn` still runs, late (see `_Call`)."""
         if self.on_io_thread():
             fn()
             return
         if self._stop.is_set():
             raise BusError(f"bus is closed; not {what}")
-        call = _Call(fn, deadline=time.monotonic() + timeout, what=what)
+        call = _Call(fn, deadline=time.monotonic() + timeout, what=what, expires=expires)
         with self._calls_lock:
             self._calls.append(call)
         self._wake()
@@ -801,9 +808,12 @@ class AmqpBus:
             return
         try:
             what = f"settling message {props.message_id} ({action})"
-            self._consumer.call(settle, timeout=self.settle_timeout_s, what=what)
+            # Never abandoned: an ack dropped on a live channel would hold its delivery (prefetch 1: the
+            # consumer's every later one) until the channel closed. A busy I/O thread settles it late.
+            self._consumer.call(settle, timeout=self.settle_timeout_s, what=what, expires=False)
         except BusError as exc:
-            log.warning("%s; the broker redelivers the message", exc)
+            log.warning("%s; it runs once the connection's thread is free (if the connection is lost first, the "
+                        "broker redelivers the message)", exc)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
