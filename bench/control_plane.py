@@ -182,7 +182,8 @@ def run_ours(count: int, rounds: int, url: str | None, timeout_s: float) -> dict
         total = time.perf_counter() - setup_started
         row = store.job(job_id)
         if row is None or status != "completed":
-            raise RuntimeError(f"job ended {status}: {row['error'] if row else '?'}")
+            raise RuntimeError(f"job ended {status}: {row['error'] if row else '?'}; stub fleet: "
+                               f"{_fleet_report(fleet_proc) if fleet_proc else fleet.failures[:5] if fleet else '?'}")
         per_round = [float(r["seconds"]) for r in store.rounds(job_id)]
         aggregated = [int(r["aggregated"]) for r in store.rounds(job_id)]
         first_round_started = min(float(r["started"]) for r in store.rounds(job_id))
@@ -191,13 +192,8 @@ def run_ours(count: int, rounds: int, url: str | None, timeout_s: float) -> dict
                 "registration_s": first_round_started - created}
     finally:
         coordinator.stop()
-        if fleet_proc is not None:
-            try:
-                assert fleet_proc.stdin is not None
-                fleet_proc.stdin.close()
-                fleet_proc.wait(timeout=30)
-            except Exception:
-                fleet_proc.kill()
+        if fleet_proc is not None and fleet_proc.poll() is None:
+            _fleet_report(fleet_proc)
         if fleet is not None:
             fleet.stop()
             fleet.bus.close()
@@ -210,6 +206,16 @@ def run_ours(count: int, rounds: int, url: str | None, timeout_s: float) -> dict
             except Exception:
                 pass
         tmp.cleanup()
+
+
+def _fleet_report(proc: subprocess.Popen[str]) -> str:
+    """Stop the stub fleet; what it printed last (tasks handled, its first failures)."""
+    try:
+        out, _ = proc.communicate(input="", timeout=30)
+        return out.strip().splitlines()[-1] if out.strip() else "no report"
+    except Exception as exc:
+        proc.kill()
+        return f"no report ({type(exc).__name__})"
 
 
 def publish_times(url: str, count: int, repeats: int) -> dict[str, list[float]]:
