@@ -273,7 +273,8 @@ class Coordinator:
             driver = self._async_jobs.get(o.job_id)
             if driver is not None:  # an asynchronous job's task: round is the task number
                 driver.outcome(o.worker_id, o.round, status, o.reason[:MAX_REASON_CHARS])
-            elif not self.store.record_outcome(o.job_id, o.round, o.worker_id, status, o.reason[:MAX_REASON_CHARS]):
+            elif not self.store.record_outcome(o.job_id, o.round, o.worker_id, status, o.reason[:MAX_REASON_CHARS],
+                                               epsilon=o.epsilon if math.isfinite(o.epsilon) else 0.0):
                 log.warning("outcome from %r for unknown task (%s, round %d) ignored", o.worker_id, o.job_id, o.round)
             else:
                 log.info("worker %s %s round %d of %s: %s", o.worker_id, status, o.round, o.job_id, o.reason)

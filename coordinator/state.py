@@ -469,13 +469,23 @@ class StateStore:
                   "UPDATE participants SET status = 'published' WHERE job_id = ? AND round = ? AND status = 'uploaded'",
                   (job_id, round_number))
 
-    def record_outcome(self, job_id: str, round_number: int, worker_id: str, status: str, reason: str) -> bool:
-        """A refusal or failure reported by a worker; False when (job, round, worker) was never asked."""
+    def record_outcome(self, job_id: str, round_number: int, worker_id: str, status: str, reason: str, *,
+                       epsilon: float = 0.0) -> bool:
+        """A refusal or failure reported by a worker; False when (job, round, worker) was never asked.
+        `epsilon` > 0: the worker trained before it failed (its upload refused), so the ε is spent and kept,
+        also for a participant of a cancelled job's abandoned round (it was still training at the cancel)."""
+        spent = epsilon if epsilon > 0 else None
+
         def write(db: sqlite3.Connection) -> bool:
             changed = db.execute(
-                "UPDATE participants SET status = ?, reason = ? WHERE job_id = ? AND round = ? AND worker_id = ?"
-                " AND status IN ('published', 'failed', 'missed')",  # a straggler may explain itself after the close
-                (status, reason, job_id, round_number, worker_id)).rowcount > 0
+                "UPDATE participants SET status = ?, reason = ?, epsilon = COALESCE(?, epsilon) WHERE job_id = ?"
+                " AND round = ? AND worker_id = ? AND status IN ('published', 'failed', 'missed')",  # a straggler
+                (status, reason, spent, job_id, round_number, worker_id)).rowcount > 0  # may explain itself late
+            if not changed and spent is not None:
+                changed = db.execute(
+                    "UPDATE participants SET epsilon = ?, reason = reason || '; ' || ? WHERE job_id = ? AND round = ?"
+                    " AND worker_id = ? AND status = 'cancelled' AND epsilon IS NULL",
+                    (spent, reason, job_id, round_number, worker_id)).rowcount > 0
             if changed:
                 _event(db, job_id, status, round_number=round_number, worker_id=worker_id, message=reason)
             return changed

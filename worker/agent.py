@@ -281,8 +281,7 @@ class WorkerAgent:
                 return
             outcome = "failed"
             metrics.TASKS_FAILED.labels(me, _FAILURE_REASONS.get(type(exc), "update_refused")).inc()
-            self._forget(task)
-            self._report(task, pb.TaskOutcome.FAILED, str(exc))
+            self._report(task, pb.TaskOutcome.FAILED, str(exc), spent=self._forget(task))
         except Exception as exc:  # unexpected: maybe transient (memory, disk, a bug hit by one input); retried
             log.exception("task %s/%d failed on %s", task.job_id, task.round, me)
             self._retry_later(delivery, task, exc)
@@ -297,16 +296,16 @@ class WorkerAgent:
         me = self.config.id
         max_attempts = getattr(self.bus, "max_attempts", None)
         if task.deadline_unix and time.time() >= task.deadline_unix:  # no round left to retry for
-            self._forget(task)
-            self._report(task, pb.TaskOutcome.FAILED, f"{type(exc).__name__}: {exc} (the round's deadline passed)")
+            self._report(task, pb.TaskOutcome.FAILED, f"{type(exc).__name__}: {exc} (the round's deadline passed)",
+                         spent=self._forget(task))
             delivery.ack()
             metrics.TASKS.labels(me, "failed").inc()
             metrics.TASKS_ACKED.labels(me).inc()
             return
         if max_attempts is not None and delivery.attempts >= max_attempts:
-            self._forget(task)
             self._report(task, pb.TaskOutcome.FAILED, f"{type(exc).__name__}: {exc} (gave up after "
-                                                      f"{delivery.attempts} attempts; the task is dead-lettered)")
+                                                      f"{delivery.attempts} attempts; the task is dead-lettered)",
+                         spent=self._forget(task))
         else:
             # Backoff before the retry: it holds the delivery (prefetch 1), so it stays far below the broker's
             # consumer_timeout, and it never runs past the round's deadline.
@@ -319,13 +318,19 @@ class WorkerAgent:
         metrics.TASKS.labels(me, "requeued").inc()
         delivery.nack(requeue=True)
 
-    def _report(self, task: pb.RoundTask, status: pb.TaskOutcome.Status, reason: str) -> None:
+    def _report(self, task: pb.RoundTask, status: pb.TaskOutcome.Status, reason: str, *,
+                spent: TrainResult | None = None) -> None:
+        """`spent`: the update trained for this task and never accepted: its ε is spent all the same, and the
+        job's record must say so (a cancelled job's round refuses the upload of a worker still training)."""
+        epsilon = spent.epsilon if spent is not None and spent.epsilon is not None else 0.0
+        if epsilon:
+            reason = f"{reason} (trained first: ε {epsilon:.4g} spent)"
         log.info("worker %s %s round %d of %s: %s", self.config.id, pb.TaskOutcome.Status.Name(status).lower(),
                  task.round, task.job_id, reason)
         try:
             self.bus.publish_control(envelope.encode(task_outcome=pb.TaskOutcome(
                 job_id=task.job_id, round=task.round, worker_id=self.config.id, status=status,
-                reason=reason)))
+                reason=reason, epsilon=epsilon, train_loss=spent.train_loss if spent is not None else 0.0)))
         except BusError as exc:  # the round's deadline still ends the wait for us
             log.warning("outcome of task %s/%d not reported: %s", task.job_id, task.round, exc)
 
@@ -404,8 +409,9 @@ class WorkerAgent:
             epsilon=result.epsilon or 0.0, train_loss=result.train_loss,
         )
 
-    def _forget(self, task: pb.RoundTask) -> None:
-        self._trained.pop((task.job_id, task.round, task.model_version), None)
+    def _forget(self, task: pb.RoundTask) -> TrainResult | None:
+        """Drop the update kept for this task's retry; the dropped one, if any."""
+        return self._trained.pop((task.job_id, task.round, task.model_version), None)
 
     def _export_training(self, result: TrainResult) -> None:
         me = self.config.id

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 from fedbroker.worker.agent import WorkerAgent
-from tests.faults.harness import Federation, HoldsRound, Training, job, wait_for
+from tests.faults.harness import Federation, Training, job, wait_for
 
 pytestmark = [pytest.mark.integration]
 
@@ -55,14 +55,43 @@ def counted(fed: Federation, job_id: str) -> Counter[tuple[str, int]]:
     return Counter((u.worker_id, u.task) for u in folded)
 
 
-def start(fed: Federation) -> tuple[str, type[HoldsRound]]:
-    held = HoldsRound.at(2)  # IssueTasks numbers the sorted idle workers: fast gets task 1, slow task 2
+class HoldsNth(WorkerAgent):
+    """Holds the n-th task it receives (unacked, untrained) until `release` is set; `holding` maps its worker
+    to that task's number. Which number a worker's task gets depends on the order in which the coordinator
+    hears the workers' heartbeats (one connection each: no order between them), so nothing assumes it.
+    `HoldsNth.nth(n)` makes a subclass with its own event and dict, one per worker and test."""
+
+    n = 1
+    release = threading.Event()
+    holding: ClassVar[dict[str, int]] = {}  # replaced per subclass by `nth`
+    received = 0
+
+    @classmethod
+    def nth(cls, n: int) -> type[HoldsNth]:
+        return type(f"Holds{n}", (cls,), {"n": n, "release": threading.Event(), "holding": {}, "received": 0})
+
+    def on_task(self, delivery: Any) -> None:
+        from fedbroker import envelope
+
+        cls = type(self)
+        cls.received += 1
+        if cls.received == self.n and not self.release.is_set():
+            task = envelope.decode(delivery.body, expect=("round_task",)).round_task.round
+            self.holding[self.config.id] = task
+            self.release.wait(120)
+        super().on_task(delivery)
+
+
+def start(fed: Federation, receipts: Receipts) -> tuple[str, type[HoldsNth], int]:
+    """The job, the slow worker's holder, and the fast worker's first task (its update accepted)."""
+    held = HoldsNth.nth(1)
     fed.add_worker("fast", index=0, count=2)
     fed.add_worker("slow", index=1, count=2, agent_class=held)
     job_id = fed.submit(ASYNC_JOB)
-    wait_for(lambda: held.holding == {"slow"} and fed.book.status(job_id, 1)[0] == ["fast"], 60,
+    wait_for(lambda: "slow" in held.holding and any(w == "fast" for w, _ in receipts.first()), 60,
              "the fast worker's first update, the slow one holding its task")
-    return job_id, held
+    (fast_task,) = sorted(t for w, t in receipts.first() if w == "fast")[:1]
+    return job_id, held, fast_task
 
 
 def assert_each_receipt_counted_once(fed: Federation, job_id: str, receipts: Receipts) -> None:
@@ -77,20 +106,20 @@ def assert_each_receipt_counted_once(fed: Federation, job_id: str, receipts: Rec
 def test_async_service_restart_loses_no_accepted_update(federation: Federation, training: Training,
                                                          receipts: Receipts) -> None:
     fed = federation
-    job_id, held = start(fed)
+    job_id, held, fast_task = start(fed, receipts)
     fed.stop_aggregator()
     fed.start_aggregator(spool=True)  # same port, same spool
     held.release.set()
     fed.wait_job(job_id, 90)
     assert_each_receipt_counted_once(fed, job_id, receipts)
-    assert ("fast", 1) in counted(fed, job_id)  # accepted before the crash, counted after it
+    assert ("fast", fast_task) in counted(fed, job_id)  # accepted before the crash, counted after it
 
 
 @pytest.mark.timeout(120)
 def test_async_coordinator_restart_resumes_without_double_counting(federation: Federation, training: Training,
                                                                    receipts: Receipts) -> None:
     fed = federation
-    job_id, held = start(fed)
+    job_id, held, _ = start(fed, receipts)
     fed.stop_coordinator()
     fed.start_coordinator()  # resumes the job: asks the service where it is, re-sends outstanding tasks
     held.release.set()
@@ -102,16 +131,17 @@ def test_async_coordinator_restart_resumes_without_double_counting(federation: F
 def test_async_worker_crash_mid_task_gets_its_task_again(federation: Federation, training: Training,
                                                           receipts: Receipts) -> None:
     fed = federation
-    fast, slow = HoldsRound.at(3), HoldsRound.at(2)  # fast holds its second task until slow's redelivered one is in
+    fast, slow = HoldsNth.nth(2), HoldsNth.nth(1)  # fast holds its second task until slow's redelivered one is in
     fed.add_worker("fast", index=0, count=2, agent_class=fast)
     fed.add_worker("slow", index=1, count=2, agent_class=slow)
     job_id = fed.submit(ASYNC_JOB)
-    wait_for(lambda: slow.holding == {"slow"} and fast.holding == {"fast"}, 60, "both workers holding a task")
-    fed.stop_worker("slow")  # dies holding task 2, unacked: the broker redelivers it to the next consumer
+    wait_for(lambda: "slow" in slow.holding and "fast" in fast.holding, 60, "both workers holding a task")
+    task = slow.holding["slow"]
+    fed.stop_worker("slow")  # dies holding its task, unacked: the broker redelivers it to the next consumer
     fed.add_worker("slow", index=1, count=2)
-    wait_for(lambda: fed.book.status(job_id, 2)[0] == ["slow"], 60, "the redelivered task's update")
+    wait_for(lambda: fed.book.status(job_id, task)[0] == ["slow"], 60, "the redelivered task's update")
     fast.release.set()
     fed.wait_job(job_id, 90)
     slow.release.set()  # the dead agent's thread wakes after the job ended: its upload is refused
     assert_each_receipt_counted_once(fed, job_id, receipts)
-    assert counted(fed, job_id)[("slow", 2)] == 1
+    assert counted(fed, job_id)[("slow", task)] == 1
