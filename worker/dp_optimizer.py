@@ -18,6 +18,7 @@ second backward pass (Opacus's DPOptimizerFastGradientClipping). Both accumulate
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -117,3 +118,22 @@ class FlatGhostDPOptimizer(_FlatNoise, DPOptimizerFastGradientClipping):  # type
         self._accumulate(torch.cat([
             (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params
         ]))
+
+
+class FlatSumDPOptimizer(_FlatNoise, DPOptimizerFastGradientClipping):  # type: ignore[misc]
+    """Opacus's DPOptimizerFastGradientClipping fed the clipped sum as one flat vector.
+
+    `source` (set by the trainer) returns the sum of clipped per-sample gradients that the last backward
+    pass formed (`fedbroker.worker.bookkeeping`), flat in the order of `params`, once; None when no
+    backward pass ran (an empty Poisson batch), which contributes zeros. What follows is the same noise
+    and averaging as in `FlatDPOptimizer`.
+    """
+
+    source: Callable[[], torch.Tensor | None] = staticmethod(lambda: None)
+
+    def accumulate(self) -> None:
+        flat = self.source()
+        if flat is None:
+            params = self.params
+            flat = torch.zeros(sum(p.numel() for p in params), device=params[0].device, dtype=params[0].dtype)
+        self._accumulate(flat)
