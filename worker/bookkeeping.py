@@ -68,16 +68,25 @@ class BookkeepingClipper:
                              + ", ".join(t.__name__ for t in LAYERS) + " layer")
         self.model = model
         self.max_grad_norm = max_grad_norm
-        self.layers = [m for m in model.modules()
-                       if type(m) in LAYERS and any(p.requires_grad for p in m.parameters(recurse=False))]
-        owned = {id(p) for m in self.layers for p in m.parameters(recurse=False) if p.requires_grad}
-        if {id(p) for p in params} != owned:
-            raise ValueError("the optimizer's parameters are not the model's trainable ones")
         self.params = list(params)
-        self._records: dict[nn.Module, list[list[Any]]] = {m: [] for m in self.layers}
+        # Per trainable layer: (module, its trained weight or None, its trained bias or None, calls this pass).
+        self._layers: list[tuple[nn.Module, torch.Tensor | None, torch.Tensor | None, list[list[Any]]]] = []
+        for m in model.modules():
+            weight, bias = (p if isinstance(p, torch.Tensor) and p.requires_grad else None
+                            for p in (getattr(m, "weight", None), getattr(m, "bias", None)))
+            if type(m) in LAYERS and (weight is not None or bias is not None):
+                self._layers.append((m, weight, bias, []))
+        order = [p for _, weight, bias, _ in self._layers for p in (weight, bias) if p is not None]
+        if sorted(map(id, order)) != sorted(map(id, self.params)):
+            raise ValueError("the optimizer's parameters are not the model's trainable ones")
+        # Where each layer's sums go in `params` order (None: the orders agree, one concatenation suffices).
+        position = {id(p): i for i, p in enumerate(self.params)}
+        self._reorder = None if [position[id(p)] for p in order] == list(range(len(order))) else [
+            position[id(p)] for p in order]
+        self._calls = {id(m): calls for m, _, _, calls in self._layers}
         self._root: torch.Tensor | None = None  # set during a forward pass: the graph's one leaf
         self._clipped: torch.Tensor | None = None
-        self._handles = [m.register_forward_hook(self._forward_hook) for m in self.layers]
+        self._handles = [m.register_forward_hook(self._forward_hook) for m, _, _, _ in self._layers]
 
     def cleanup(self) -> None:
         for handle in self._handles:
@@ -98,7 +107,7 @@ class BookkeepingClipper:
             # the output itself, may be modified in place by the next layer.
             output = output + self._root
         record = [inputs[0].detach(), None]
-        self._records[module].append(record)
+        self._calls[id(module)].append(record)
 
         def keep(grad: torch.Tensor) -> None:
             record[1] = grad
@@ -121,29 +130,35 @@ class BookkeepingClipper:
             loss = F.cross_entropy(self.model(x), y, reduction="sum")
             if loss.requires_grad:
                 torch.autograd.grad(loss, self._root)
+            self._clipped = self._clip(len(y), x.device, x.dtype)
         finally:
             self._root = None
             for p in self.params:
                 p.requires_grad_(True)
-        try:
-            self._clipped = self._clip(len(y), x.device, x.dtype)
-        finally:
-            for records in self._records.values():
-                records.clear()
+            for _, _, _, calls in self._layers:
+                calls.clear()
         return float(loss.detach()) / len(y)
 
     def _clip(self, n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         norms2 = torch.zeros(n, device=device, dtype=dtype)
-        finishers: list[Callable[[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]] = []
-        for module in self.layers:
-            calls = [(a, g) for a, g in self._records[module] if g is not None]
-            if isinstance(module, nn.Linear | nn.Conv2d):
-                finishers.append(_matmul_layer(module, calls, n, norms2))
-            elif isinstance(module, nn.GroupNorm | nn.LayerNorm):
-                finishers.append(_norm_layer(module, calls, n, norms2))
-        factor = (self.max_grad_norm / (norms2.sqrt_() + 1e-6)).clamp_(max=1.0)
-        sums = {id(p): value for finish in finishers for p, value in finish(factor)}
-        return torch.cat([sums[id(p)].reshape(-1) for p in self.params])
+        finishers: list[Finisher] = []
+        for module, weight, bias, records in self._layers:
+            # (input, output gradient) per call that reached the loss; records are [input, gradient] lists
+            calls = cast(list[tuple[torch.Tensor, torch.Tensor]], records) if len(records) == 1 and records[0][1] \
+                is not None else [(a, g) for a, g in records if g is not None]
+            if isinstance(module, nn.GroupNorm | nn.LayerNorm):
+                finishers.append(_norm_layer(module, weight, bias, calls, n, norms2))
+            elif isinstance(module, nn.Linear | nn.Conv2d):
+                finishers.append(_matmul_layer(module, weight, bias, calls, n, norms2))
+        # Opacus's clip factor min(1, C / (‖g_i‖ + 1e-6)), in place (C / t is t.reciprocal() * C in torch too)
+        factor = norms2.sqrt_().add_(1e-6).reciprocal_().mul_(self.max_grad_norm).clamp_(max=1.0)
+        sums = [t.view(-1) for finish in finishers for t in finish(factor)]
+        if self._reorder is not None:
+            ordered: list[torch.Tensor] = [sums[0]] * len(sums)
+            for i, t in zip(self._reorder, sums):
+                ordered[i] = t
+            sums = ordered
+        return torch.cat(sums)
 
 
 def ghost_norm_cheaper(positions: int, out_dim: int, in_dim: int) -> bool:
@@ -152,40 +167,42 @@ def ghost_norm_cheaper(positions: int, out_dim: int, in_dim: int) -> bool:
     return positions * (out_dim + in_dim) < out_dim * in_dim
 
 
-Finisher = Callable[[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]
+# Forms a layer's clipped sums from the clip factors: one tensor per trained parameter, weight before bias.
+Finisher = Callable[[torch.Tensor], list[torch.Tensor]]
 
 
-def _trained(*params: torch.Tensor | None) -> list[torch.Tensor]:
-    return [p for p in params if p is not None and p.requires_grad]
+def _matmul_layer(module: nn.Linear | nn.Conv2d, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                  calls: list[tuple[torch.Tensor, torch.Tensor]], n: int, norms2: torch.Tensor) -> Finisher:
+    """Adds a Linear/Conv2d layer's per-sample squared norms to `norms2`; returns what forms its clipped sums.
 
-
-def _matmul_layer(module: nn.Linear | nn.Conv2d, calls: list[tuple[torch.Tensor, torch.Tensor]], n: int,
-                  norms2: torch.Tensor) -> Finisher:
-    """Adds a Linear/Conv2d layer's per-sample squared norms to `norms2`; returns what forms its clipped sums."""
-    weight, bias = module.weight, module.bias
+    `weight` and `bias` are the trained ones (None: frozen or absent)."""
     if not calls:  # the layer never reached the loss: every per-sample gradient is zero
-        return lambda factor: [(p, torch.zeros_like(p)) for p in _trained(weight, bias)]
-    if isinstance(module, nn.Linear) and len(calls) == 1 and calls[0][0].dim() == 2:
+        return lambda factor: [torch.zeros_like(p) for p in (weight, bias) if p is not None]
+    if len(calls) == 1 and calls[0][0].dim() == 2 and isinstance(module, nn.Linear):
         a, g = calls[0]  # rank one per sample: ‖g_i a_iᵀ‖ = ‖g_i‖·‖a_i‖, and the bias's is ‖g_i‖
-        g2 = g.square().sum(1)
-        a2 = a.square().sum(1) if weight.requires_grad else torch.zeros_like(g2)
-        norms2.add_(g2 * (a2 + 1) if bias is not None and bias.requires_grad else g2 * a2)
+        g2 = torch.linalg.vecdot(g, g)
+        if weight is None:
+            norms2.add_(g2)
+        else:
+            a2 = torch.linalg.vecdot(a, a)
+            norms2.addcmul_(g2, a2 if bias is None else a2.add_(1))
 
-        def finish_rank_one(factor: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-            gc = g * factor.unsqueeze(1)
-            return [(p, gc.t() @ a if p is weight else gc.sum(0)) for p in _trained(weight, bias)]
+        def finish_rank_one(factor: torch.Tensor) -> list[torch.Tensor]:
+            g_t = g.t()
+            sums = [] if weight is None else [torch.mm(g_t * factor, a)]
+            return sums if bias is None else [*sums, torch.mv(g_t, factor)]
         return finish_rank_one
     # Positions last: A (n, D, T) inputs (unfolded for Conv2d), G (n, O, T) output gradients; formed in
     # chunks of samples so that the unfolded inputs stay in cache.
     conv = module if isinstance(module, nn.Conv2d) else None
     padding = cast(tuple[int, ...], conv.padding) if conv else (0,)  # numeric: `supported` refuses the others
-    out_dim = weight.shape[0]
-    in_dim = weight[0].numel()
+    shape = module.weight.shape
+    out_dim, in_dim = shape[0], math.prod(shape[1:])
     positions = sum(g[0].numel() // out_dim for _, g in calls)
     ghost = ghost_norm_cheaper(positions, out_dim, in_dim)
     step = max(1, CHUNK_FLOATS // (positions * in_dim))
     per_sample: list[torch.Tensor] = []
-    if weight.requires_grad:
+    if weight is not None:
         for lo in range(0, n, step):
             a_parts, g_parts = [], []
             for a, g in calls:
@@ -206,34 +223,33 @@ def _matmul_layer(module: nn.Linear | nn.Conv2d, calls: list[tuple[torch.Tensor,
                 norms2[lo : lo + step] += chunk.square().sum(1)
                 per_sample.append(chunk)
     g_sum: torch.Tensor | None = None
-    if bias is not None and bias.requires_grad:
+    if bias is not None:
         g_sum = torch.stack([g.reshape(n, out_dim, -1).sum(2) if conv else g.reshape(n, -1, out_dim).sum(1)
                              for _, g in calls]).sum(0)
         norms2.add_(g_sum.square().sum(1))
 
-    def finish(factor: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        sums: list[tuple[torch.Tensor, torch.Tensor]] = []
+    def finish(factor: torch.Tensor) -> list[torch.Tensor]:
+        sums: list[torch.Tensor] = []
         if per_sample:
-            sums.append((weight, factor @ (per_sample[0] if len(per_sample) == 1 else torch.cat(per_sample))))
-        elif weight.requires_grad:  # Σ_i c_i g_i a_iᵀ is the weight gradient of the factor-scaled output gradients
+            sums.append(factor @ (per_sample[0] if len(per_sample) == 1 else torch.cat(per_sample)))
+        elif weight is not None:  # Σ_i c_i g_i a_iᵀ is the weight gradient of the factor-scaled output gradients
             total = torch.zeros_like(weight)
             for a, g in calls:
                 gc = g * factor.view(-1, *[1] * (g.dim() - 1))
                 if conv:
-                    total += conv2d_weight(a, weight.shape, gc, conv.stride, padding, conv.dilation)
+                    total += conv2d_weight(a, shape, gc, conv.stride, padding, conv.dilation)
                 else:
                     total += gc.reshape(-1, out_dim).t() @ a.reshape(-1, in_dim)
-            sums.append((weight, total))
-        if g_sum is not None and bias is not None:
-            sums.append((bias, factor @ g_sum))
+            sums.append(total)
+        if g_sum is not None:
+            sums.append(factor @ g_sum)
         return sums
     return finish
 
 
-def _norm_layer(module: nn.GroupNorm | nn.LayerNorm, calls: list[tuple[torch.Tensor, torch.Tensor]], n: int,
-                norms2: torch.Tensor) -> Finisher:
+def _norm_layer(module: nn.GroupNorm | nn.LayerNorm, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                calls: list[tuple[torch.Tensor, torch.Tensor]], n: int, norms2: torch.Tensor) -> Finisher:
     """GroupNorm/LayerNorm: per-sample gradients Σ g·x̂ (weight) and Σ g (bias), (n, features), summed over calls."""
-    weight, bias = module.weight, module.bias
     gw: torch.Tensor | None = None
     gb: torch.Tensor | None = None
     for a, g in calls:
@@ -250,11 +266,10 @@ def _norm_layer(module: nn.GroupNorm | nn.LayerNorm, calls: list[tuple[torch.Ten
             gb_call = g.reshape(n, -1, features).sum(1)
         gw = gw_call if gw is None else gw + gw_call
         gb = gb_call if gb is None else gb + gb_call
-    grads = []
-    for p, per_sample in ((weight, gw), (bias, gb)):
-        if p is not None and p.requires_grad:
-            if per_sample is None:
-                per_sample = torch.zeros((n, p.numel()), device=p.device, dtype=p.dtype)
-            norms2.add_(per_sample.square().sum(1))
-            grads.append((p, per_sample))
-    return lambda factor: [(p, factor @ per_sample) for p, per_sample in grads]
+    per_sample = []
+    for p, grads in ((weight, gw), (bias, gb)):
+        if p is not None:
+            grads = torch.zeros((n, p.numel()), device=p.device, dtype=p.dtype) if grads is None else grads
+            norms2.add_(grads.square().sum(1))
+            per_sample.append(grads)
+    return lambda factor: [factor @ grads for grads in per_sample]

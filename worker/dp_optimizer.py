@@ -66,12 +66,10 @@ class _FlatNoise:
         if summed is None:
             raise ValueError("no clipped gradient to noise: call backward (or step on an empty batch) first")
         _check_processed_flag(summed)
-        noise = torch.normal(
-            0.0, self.noise_multiplier * self.max_grad_norm, size=summed.shape, generator=self.generator,
-            device=summed.device, dtype=summed.dtype,
-        )
+        # summed + N(0, (σC)²) per coordinate, drawn in one operation (the same values as drawing the noise
+        # from the generator and adding it)
+        self._flat_grad = torch.normal(summed, self.noise_multiplier * self.max_grad_norm, generator=self.generator)
         _mark_as_processed(summed)
-        self._flat_grad = summed + noise
         params = self.params
         for p, g in zip(params, torch.split(self._flat_grad, [p.numel() for p in params])):
             p.grad = g.view_as(p)

@@ -98,6 +98,7 @@ EW_MAX_FLOATS = 1 << 26
 # activations and unfolded inputs (ResNet-style CNN at batch 256: 1.46–1.62× in one pass, 1.29–1.32× in
 # passes of 64–128 samples; the MLP and the small CNN are never split).
 BK_MAX_FLOATS = 1 << 27
+POISSON_BLOCK_FLOATS = 1 << 20
 _PREFIX = "_module."
 log = logging.getLogger(__name__)
 
@@ -384,7 +385,7 @@ def _train_dp(
                 dp_optimizer.zero_grad(set_to_none=True)
                 if len(idx):
                     idx = idx.to(device, non_blocking=True)
-                    chunks = idx.split(physical_batch_size) if physical_batch_size else (idx,)
+                    chunks = idx.split(physical_batch_size) if physical_batch_size and len(idx) > physical_batch_size else (idx,)
                     for i, chunk in enumerate(chunks):
                         if i:
                             # Virtual step: the previous chunk's clipped sum is kept (Opacus's skip
@@ -502,8 +503,12 @@ def poisson_batches(
     indices), kept as a tensor so a batch is one gather: Opacus's DPDataLoader fetches and collates
     the samples one by one, which cost more than the forward pass of a small model.
     """
-    for _ in range(steps):
-        yield (torch.rand(num_samples, generator=generator) < sample_rate).nonzero().squeeze(1)
+    # Several steps' draws at once (one rand(steps, N) is the same stream as steps × rand(N)), at most
+    # POISSON_BLOCK_FLOATS at a time: per step, four small operations cost more than the draw itself.
+    rows = max(1, POISSON_BLOCK_FLOATS // max(num_samples, 1))
+    for first in range(0, steps, rows):
+        mask = torch.rand(min(rows, steps - first), num_samples, generator=generator) < sample_rate
+        yield from mask.nonzero()[:, 1].split(mask.sum(1).tolist())
 
 
 def _opacus_poisson_rule(
