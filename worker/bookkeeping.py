@@ -85,6 +85,7 @@ class BookkeepingClipper:
             position[id(p)] for p in order]
         self._calls = {id(m): calls for m, _, _, calls in self._layers}
         self._root: torch.Tensor | None = None  # set during a forward pass: the graph's one leaf
+        self._leaf: torch.Tensor | None = None  # that leaf, kept between passes (autograd.grad never fills its .grad)
         self._clipped: torch.Tensor | None = None
         self._handles = [m.register_forward_hook(self._forward_hook) for m, _, _, _ in self._layers]
 
@@ -125,7 +126,9 @@ class BookkeepingClipper:
             raise RuntimeError("the previous batch's clipped sum was never taken by the optimizer")
         for p in self.params:
             p.requires_grad_(False)
-        self._root = torch.zeros((), device=x.device, dtype=x.dtype, requires_grad=True)
+        if self._leaf is None or self._leaf.device != x.device or self._leaf.dtype != x.dtype:
+            self._leaf = torch.zeros((), device=x.device, dtype=x.dtype, requires_grad=True)
+        self._root = self._leaf
         try:
             loss = F.cross_entropy(self.model(x), y, reduction="sum")
             if loss.requires_grad:

@@ -71,8 +71,8 @@ class _FlatNoise:
         self._flat_grad = torch.normal(summed, self.noise_multiplier * self.max_grad_norm, generator=self.generator)
         _mark_as_processed(summed)
         params = self.params
-        for p, g in zip(params, torch.split(self._flat_grad, [p.numel() for p in params])):
-            p.grad = g.view_as(p)
+        for p, g in zip(params, self._flat_grad.split([p.numel() for p in params])):
+            p.grad = g.view(p.shape)
 
     def scale_grad(self) -> None:
         self._flat_grad /= self.expected_batch_size  # the parameters' .grad are views of it
@@ -128,6 +128,35 @@ class FlatSumDPOptimizer(_FlatNoise, DPOptimizerFastGradientClipping):  # type: 
     """
 
     source: Callable[[], torch.Tensor | None] = staticmethod(lambda: None)
+    _buffer: torch.Tensor | None = None
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        # Nothing writes a parameter's .grad on this path but `add_noise`, which overwrites all of it, so the
+        # .grad views of the last noised gradient stay (Opacus's loops over `summed_grad` and .grad: skipped).
+        if not self._is_last_step_skipped:
+            self._flat_sum = None
+
+    def add_noise(self) -> None:
+        """The noise of `_FlatNoise.add_noise`, drawn into one buffer of which the parameters' .grad are views,
+        set once (assigning .grad costs more per parameter than the arithmetic of a small model's step)."""
+        summed = self._flat_sum
+        if summed is None:
+            raise ValueError("no clipped gradient to noise: call backward (or step on an empty batch) first")
+        _check_processed_flag(summed)
+        params = self.params
+        if self._buffer is None or self._buffer.shape != summed.shape or self._buffer.device != summed.device:
+            self._buffer = torch.empty_like(summed)
+        buffer = self._buffer
+        torch.normal(summed, self.noise_multiplier * self.max_grad_norm, generator=self.generator, out=buffer)
+        _mark_as_processed(summed)
+        self._flat_grad = buffer
+        offset = 0
+        for p in params:
+            size = p.numel()
+            grad = p.grad
+            if grad is None or grad.data_ptr() != buffer.data_ptr() + offset * buffer.element_size():
+                p.grad = buffer[offset : offset + size].view(p.shape)
+            offset += size
 
     def accumulate(self) -> None:
         flat = self.source()

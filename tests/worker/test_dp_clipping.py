@@ -347,3 +347,17 @@ def test_cpu_ew_training_forms_conv_per_sample_gradients_by_unfold_at_every_batc
     result = train_local(_cnn(), x, y, config=TrainingConfig(local_epochs=1, batch_size=8), dp=POLICY,
                          clipping="ew")
     assert result.clipping == "ew" and conv_utils.THRESHOLD == 0  # never the grouped convolution over the batch
+
+
+def test_flat_sum_optimizer_overwrites_the_gradient_views_each_step_and_never_accumulates():
+    params = [nn.Parameter(torch.zeros(2, 3)), nn.Parameter(torch.zeros(3))]
+    opt = FlatSumDPOptimizer(torch.optim.SGD(params, lr=1.0), noise_multiplier=0.0, max_grad_norm=1.0,
+                             expected_batch_size=2, loss_reduction="mean")
+    for step, flat in enumerate([torch.arange(9.0), torch.ones(9), None]):
+        pending = [] if flat is None else [flat]
+        opt.source = lambda: pending.pop() if pending else None
+        opt.zero_grad(set_to_none=True)
+        assert opt.pre_step()
+        expected = torch.zeros(9) if flat is None else flat / 2  # an empty batch (no source): zeros
+        torch.testing.assert_close(torch.cat([p.grad.flatten() for p in params]), expected, msg=f"step {step}")
+    assert params[1].grad.data_ptr() == params[0].grad.data_ptr() + 6 * 4  # views of one buffer
