@@ -8,11 +8,13 @@ against no DP for the MLP 64-64-10 and a small CNN with GroupNorm), both with th
 Poisson sampling and ε computed once: Opacus's DPOptimizer 4.1× and 3.1×, `FlatDPOptimizer` 3.6× and
 2.9×. `python -m bench --only dp_training` has the table.
 
-Two optimizers, one per clipping mode of the trainer, share the flat noise and averaging:
-`FlatDPOptimizer` clips materialised per-sample gradients (Opacus's DPOptimizer), `FlatGhostDPOptimizer`
-receives the sum of clipped per-sample gradients that Opacus's fast gradient clipping formed by a
-second backward pass (Opacus's DPOptimizerFastGradientClipping). Both accumulate virtual steps
-(a Poisson batch trained in several physical chunks, `signal_skip_step`) into one sum, noised once.
+Three optimizers, one per clipping mode of the trainer, share the flat noise and averaging:
+`FlatDPOptimizer` clips materialised per-sample gradients (Opacus's DPOptimizer, mode "ew"),
+`FlatGhostDPOptimizer` receives the sum of clipped per-sample gradients that Opacus's fast gradient
+clipping formed by a second backward pass (Opacus's DPOptimizerFastGradientClipping, "ghost"), and
+`FlatSumDPOptimizer` receives that sum as one flat vector from `fedbroker.worker.bookkeeping` ("bk").
+All accumulate virtual steps (a Poisson batch trained in several physical chunks, `signal_skip_step`)
+into one sum, noised once.
 """
 
 from __future__ import annotations
