@@ -9,7 +9,8 @@ of the size a data owner trains. The ResNet is built in torch here: the model sp
 device the worker would pick (`pick_device`: CUDA when present), named in every row.
 
 Every DP row group shows the trainer's automatic clipping choice ("DP (auto: …)", `clipping_mode`)
-beside the other mode, forced. At batch 32 on CPU three more rows only inform: the "ew" path's other
+beside the other modes, forced (the ResNet's without "ghost", which ran at about 4× in earlier runs and
+would take minutes). At batch 32 on CPU three more rows only inform: the "ew" path's other
 grad-sample modes (switching `worker.training.GRAD_SAMPLE_MODE`) and the previous trainer design
 (Opacus's `PrivacyEngine.make_private`: DPDataLoader, stock DPOptimizer, hooks, ε computed after
 training; not the worker's path any more), to show the change in the same run. Every variant of a
@@ -129,17 +130,18 @@ def run(*, quick: bool) -> Section:
         return {name: Stat.of(v, "samples/s") for name, v in values.items()}
 
     def group(model_name: str, model: Any, x: np.ndarray, y: np.ndarray, batch: int, threads: int,
-              runs: int, extra: bool = False) -> tuple[float, float, str]:
-        """One row group: no DP, DP with the automatic choice, DP with the other mode; (plain, slowdown, mode)."""
+              runs: int, extra: bool = False, modes: tuple[str, ...] = ("bk", "ew", "ghost")) -> tuple[float, float, str]:
+        """One row group: no DP, DP with the automatic choice, DP with the other `modes`; (plain, slowdown, mode)."""
         config = TrainingConfig(local_epochs=epochs if x is digits.x else 1, batch_size=batch, lr=0.05)
         auto = clipping_mode(model, expected_batch_size=batch)
-        other = "ew" if auto == "ghost" else "ghost"
         auto_label = f"DP (auto: {auto})"
         variants: dict[str, Callable[[int], float]] = {
             "no DP": lambda i: rate(model, x, y, config, None, "auto", i),
             auto_label: lambda i: rate(model, x, y, config, policy, auto, i),
-            f"DP ({other})": lambda i: rate(model, x, y, config, policy, other, i),
         }
+        for other in modes:
+            if other != auto:
+                variants[f"DP ({other})"] = lambda i, m=other: rate(model, x, y, config, policy, m, i)
         if extra:  # informative only: the ew path's other grad-sample modes, the previous design
             if threads == 1:
                 for mode in MODES:
@@ -207,7 +209,7 @@ def run(*, quick: bool) -> Section:
             n = 2 * batch if quick else max(512, 4 * batch)
             x = rng.normal(size=(n, 1, 28, 28)).astype(np.float32)
             y = rng.integers(0, 10, size=n)
-            plain, slowdown, mode = group(RESNET, resnet, x, y, batch, thread_counts[0], resnet_runs)
+            plain, slowdown, mode = group(RESNET, resnet, x, y, batch, thread_counts[0], resnet_runs, modes=("bk", "ew"))
             if batch == 32:
                 goal_at_32(RESNET, thread_counts[0], plain, plain, slowdown, mode)
             if batch == 256:
@@ -234,12 +236,17 @@ def run(*, quick: bool) -> Section:
         f"{1e3 * (time.perf_counter() - t0):.0f} ms here); the trainer reports that projection as the round's ε "
         "when the accountant recorded exactly the planned steps, instead of computing it a second time.")
     section.notes.append(
-        "Clipping modes: \"ghost\" is Opacus's fast gradient clipping (per-sample norms without forming Linear "
-        "layers' per-sample gradients, then a second backward pass); \"ew\" forms every per-sample gradient. The "
-        "trainer picks ghost where every parameter sits in a Linear, Conv2d or GroupNorm layer and ew would form at "
-        f"least {training.GHOST_MIN_FLOATS:,} per-sample Linear gradient floats per step (batch × Linear parameters). "
-        f"ew trains a Poisson batch in virtual steps of at most {training.EW_MAX_FLOATS:,} per-sample gradient floats "
-        f"({training.EW_MAX_FLOATS // sum(p.numel() for p in resnet.parameters())} samples of the ResNet), the same update as one pass.")
+        "Clipping modes: \"bk\" (book-keeping, `fedbroker.worker.bookkeeping`) takes per-sample norms from each layer's "
+        "input and output gradient in one backward pass that forms no weight gradient (Linear: ‖g‖·‖a‖; Conv2d: ghost "
+        "norm or per-sample gradient, whichever is cheaper per layer; GroupNorm/LayerNorm: per-sample gradients), then "
+        "the clipped sum by one product per layer; \"ghost\" is Opacus's fast gradient clipping (per-sample norms, then "
+        "a second backward pass); \"ew\" forms every per-sample gradient. The trainer picks bk where every trained "
+        "layer is a Linear, Conv2d (ungrouped), GroupNorm or LayerNorm, else ghost where Opacus can and ew would form "
+        f"at least {training.GHOST_MIN_FLOATS:,} per-sample Linear gradient floats per step, else ew. bk trains a "
+        f"Poisson batch in virtual steps of at most {training.BK_MAX_FLOATS:,} samples × parameters "
+        f"({training.BK_MAX_FLOATS // sum(p.numel() for p in resnet.parameters())} samples of the ResNet), ew of at most "
+        f"{training.EW_MAX_FLOATS:,} per-sample gradient floats "
+        f"({training.EW_MAX_FLOATS // sum(p.numel() for p in resnet.parameters())} samples), the same update as one pass.")
     section.seconds = time.perf_counter() - started
     return section
 

@@ -8,16 +8,19 @@ against no DP for the MLP 64-64-10 and a small CNN with GroupNorm), both with th
 Poisson sampling and ε computed once: Opacus's DPOptimizer 4.1× and 3.1×, `FlatDPOptimizer` 3.6× and
 2.9×. `python -m bench --only dp_training` has the table.
 
-Two optimizers, one per clipping mode of the trainer, share the flat noise and averaging:
-`FlatDPOptimizer` clips materialised per-sample gradients (Opacus's DPOptimizer), `FlatGhostDPOptimizer`
-receives the sum of clipped per-sample gradients that Opacus's fast gradient clipping formed by a
-second backward pass (Opacus's DPOptimizerFastGradientClipping). Both accumulate virtual steps
-(a Poisson batch trained in several physical chunks, `signal_skip_step`) into one sum, noised once.
+Three optimizers, one per clipping mode of the trainer, share the flat noise and averaging:
+`FlatDPOptimizer` clips materialised per-sample gradients (Opacus's DPOptimizer, mode "ew"),
+`FlatGhostDPOptimizer` receives the sum of clipped per-sample gradients that Opacus's fast gradient
+clipping formed by a second backward pass (Opacus's DPOptimizerFastGradientClipping, "ghost"), and
+`FlatSumDPOptimizer` receives that sum as one flat vector from `fedbroker.worker.bookkeeping` ("bk").
+All accumulate virtual steps (a Poisson batch trained in several physical chunks, `signal_skip_step`)
+into one sum, noised once.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,15 +68,13 @@ class _FlatNoise:
         if summed is None:
             raise ValueError("no clipped gradient to noise: call backward (or step on an empty batch) first")
         _check_processed_flag(summed)
-        noise = torch.normal(
-            0.0, self.noise_multiplier * self.max_grad_norm, size=summed.shape, generator=self.generator,
-            device=summed.device, dtype=summed.dtype,
-        )
+        # summed + N(0, (σC)²) per coordinate, drawn in one operation (the same values as drawing the noise
+        # from the generator and adding it)
+        self._flat_grad = torch.normal(summed, self.noise_multiplier * self.max_grad_norm, generator=self.generator)
         _mark_as_processed(summed)
-        self._flat_grad = summed + noise
         params = self.params
-        for p, g in zip(params, torch.split(self._flat_grad, [p.numel() for p in params])):
-            p.grad = g.view_as(p)
+        for p, g in zip(params, self._flat_grad.split([p.numel() for p in params])):
+            p.grad = g.view(p.shape)
 
     def scale_grad(self) -> None:
         self._flat_grad /= self.expected_batch_size  # the parameters' .grad are views of it
@@ -117,3 +118,51 @@ class FlatGhostDPOptimizer(_FlatNoise, DPOptimizerFastGradientClipping):  # type
         self._accumulate(torch.cat([
             (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params
         ]))
+
+
+class FlatSumDPOptimizer(_FlatNoise, DPOptimizerFastGradientClipping):  # type: ignore[misc]
+    """Opacus's DPOptimizerFastGradientClipping fed the clipped sum as one flat vector.
+
+    `source` (set by the trainer) returns the sum of clipped per-sample gradients that the last backward
+    pass formed (`fedbroker.worker.bookkeeping`), flat in the order of `params`, once; None when no
+    backward pass ran (an empty Poisson batch), which contributes zeros. What follows is the same noise
+    and averaging as in `FlatDPOptimizer`.
+    """
+
+    source: Callable[[], torch.Tensor | None] = staticmethod(lambda: None)
+    _buffer: torch.Tensor | None = None
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        # Nothing writes a parameter's .grad on this path but `add_noise`, which overwrites all of it, so the
+        # .grad views of the last noised gradient stay (Opacus's loops over `summed_grad` and .grad: skipped).
+        if not self._is_last_step_skipped:
+            self._flat_sum = None
+
+    def add_noise(self) -> None:
+        """The noise of `_FlatNoise.add_noise`, drawn into one buffer of which the parameters' .grad are views,
+        set once (assigning .grad costs more per parameter than the arithmetic of a small model's step)."""
+        summed = self._flat_sum
+        if summed is None:
+            raise ValueError("no clipped gradient to noise: call backward (or step on an empty batch) first")
+        _check_processed_flag(summed)
+        params = self.params
+        if self._buffer is None or self._buffer.shape != summed.shape or self._buffer.device != summed.device:
+            self._buffer = torch.empty_like(summed)
+        buffer = self._buffer
+        torch.normal(summed, self.noise_multiplier * self.max_grad_norm, generator=self.generator, out=buffer)
+        _mark_as_processed(summed)
+        self._flat_grad = buffer
+        offset = 0
+        for p in params:
+            size = p.numel()
+            grad = p.grad
+            if grad is None or grad.data_ptr() != buffer.data_ptr() + offset * buffer.element_size():
+                p.grad = buffer[offset : offset + size].view(p.shape)
+            offset += size
+
+    def accumulate(self) -> None:
+        flat = self.source()
+        if flat is None:
+            params = self.params
+            flat = torch.zeros(sum(p.numel() for p in params), device=params[0].device, dtype=params[0].dtype)
+        self._accumulate(flat)

@@ -5,27 +5,39 @@ owner chooses the privacy (`fedbroker.config.DPPolicy`) and nothing in a job can
 arithmetic (sampling rule, planned steps, projection, history) is `fedbroker.worker.accounting`; the
 noise-average step is `fedbroker.worker.dp_optimizer`.
 
-Opacus is the DP engine: its per-sample gradients or norms, its DPOptimizers' mechanism and its RDP
-accountant. Its `PrivacyEngine.make_private` is not used, for what it costs around them. Measured on
-CPU (1 torch thread, digits, batch 32, SGD, same process; slowdown against no DP), make_private →
-this design: MLP 64-64-10 5.0× → 2.8×; small CNN with GroupNorm 3.3× → 2.2× (tensor sampling and ε
-computed once, then `FlatDPOptimizer`, then "ew" instead of "hooks"). `python -m bench --only
-dp_training` has the table.
+Opacus is the DP engine: its DPOptimizers' mechanism (noise, averaging) and its RDP accountant, and
+in two of the three clipping modes its per-sample gradients or norms. Its `PrivacyEngine.make_private`
+is not used, for what it costs around them. Measured on
+CPU (1 torch thread, digits, batch 32, SGD, same process; slowdown against no DP; two bench runs on
+2026-11-25, 2 cores shared with other work), make_private → this design: MLP 64-64-10 5.4–6.6× →
+1.63–1.68×; small CNN with GroupNorm 3.1–3.5× → 1.83–1.85× (tensor sampling and ε computed once, the
+flat DP optimizers, then "ew" instead of "hooks", then "bk"). `python -m bench --only dp_training`
+has the table.
 - Poisson sampling: Opacus's DPDataLoader fetches and collates each sample on its own, 10–14% of
   a DP step. `poisson_batches` draws the same mask as its sampler (rand(N) < q per step) and
   gathers a batch in one indexing operation. An empty batch still takes a step, noise only and
   without a forward pass: the accountant counts every step, and skipping one would reveal the draw.
   The rate and step count are Opacus's (see `accounting`), checked against its own loader before any step.
-- Two clipping modes, one mechanism (`clipping_mode` picks per model and expected batch, logged and
-  reported as `TrainResult.clipping`). "ew" forms every per-sample gradient (torch's ExpandedWeights
+  Several steps' masks are drawn at once (one rand(steps, N), the same stream as per-step draws).
+- Three clipping modes, one mechanism (`clipping_mode` picks per model and expected batch, logged and
+  reported as `TrainResult.clipping`). "bk" (book-keeping, `fedbroker.worker.bookkeeping`, ours): one
+  forward and one backward pass with the parameters' requires_grad off, so autograd forms no weight
+  gradient; hooks keep each layer's input a and output gradient g, from which come the per-sample norms
+  (Linear: ‖g_i‖·‖a_i‖; Conv2d: ghost norm or per-sample gradient, whichever is cheaper per layer;
+  GroupNorm/LayerNorm: per-sample gradients) and then the clipped sum, one product per layer;
+  `FlatSumDPOptimizer` noises it. "ew" forms every per-sample gradient (torch's ExpandedWeights
   through Opacus, `GRAD_SAMPLE_MODE`; "hooks" and "functorch" give the same gradients, slower) and
   `FlatDPOptimizer` clips them. "ghost" is Opacus's fast gradient clipping
   (`GradSampleModuleFastGradientClipping` + `DPLossFastGradientClipping`): per-sample norms from a
   first backward pass, Linear layers' without forming their per-sample gradients, then a second
   backward pass of Σ_i c_i·loss_i with c_i = min(1, C/(‖g_i‖+1e-6)), which leaves the clipped sum
-  in .grad. Both then add the same N(0, (σC)²) noise and divide by the expected batch: the released
-  update is the same function of the batch (a test checks both against Opacus's materialised
-  per-sample clipping with the noise off), so the accountant's ε is the same. "ghost" pays only
+  in .grad. All three then add the same N(0, (σC)²) noise and divide by the expected batch: the
+  released update is the same function of the batch (tests check each against Opacus's materialised
+  per-sample clipping with the noise off; "bk" on five models with residual connections,
+  shared and frozen layers and in-place activations), so the accountant's ε is the same. "bk" is
+  chosen wherever it runs: two bench runs of this code (2026-11-25, 2 shared cores, 1 torch thread),
+  batch 32: MLP 64-64-10 1.63–1.68× (ew 2.5–4.1×), small CNN 1.83–1.85× (ew 2.0–2.1×), ResNet-style
+  CNN 1.37–1.50× (ew 2.2–2.4×); ResNet at 256 1.26–1.34× (ew 1.8–1.9×). Before it, "ghost" paid only
   where "ew" would form many per-sample floats: MLP 64-64-10 ghost 4.5× against ew 3.3× at batch
   32, 2.3× against 3.3× at 256; a 784-256-10 MLP 4.7× against 9.5× at 32. Opacus has no norm
   sampler for Conv2d, so for CNNs "ghost" forms the per-sample gradients layer by layer and adds
@@ -37,9 +49,13 @@ dp_training` has the table.
 - Virtual steps (`physical_batch_size`): a Poisson batch larger than memory allows is trained in
   chunks; each chunk's clipped sum is accumulated (Opacus's skip step) and the batch is noised
   once, so the update and the one accountant step are those of a single pass.
-- The ≤2× goal is not met at batch 32 on CPU (two bench runs of this code, 1 thread: MLP 2.5–2.8×,
-  small CNN 1.98–1.99×, ResNet-style CNN 2.2–2.3×): what remains per step is torch's and Opacus's own Python
-  work per layer, the per-sample gradient products and norms, and the noise.
+- "bk" trains a batch in virtual steps of at most `BK_MAX_FLOATS` samples × parameters (ResNet-style
+  CNN at 256: 1.46–1.62× in one pass, 1.29–1.32× in passes of 64–128 samples, measured while developing).
+- What remains per step at batch 32, measured with a profiler: the per-sample norms and clipped sums
+  (MLP: about 20 small tensor operations, 75 µs of a 400 µs step against 235 µs without DP; small
+  CNN: unfolding the convolutions' inputs and the ghost layer's weight gradient, ~40% of its step),
+  the noise (20 µs for the MLP's 4,810 parameters) and Opacus's step around it. The MLP's slowdown no
+  longer grows with the batch (1.55× at 512 in both runs).
 - Threads: torch defaults to one intra-op thread per core. A second thread gained nothing with DP
   (MLP 41.4k against 40.8k samples/s, CNN 9.2k against 9.6k), and on a loaded machine 2 threads
   have run 10–100× slower, with and without DP (OpenMP threads waiting for each other for whole
@@ -71,6 +87,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedbroker.config import DPPolicy
 from fedbroker.errors import BudgetExceeded, ConfigError
 from fedbroker.spec import TrainingConfig
+from fedbroker.worker import bookkeeping
 from fedbroker.worker.accounting import (
     HistoryEntry,
     check_int,
@@ -82,8 +99,8 @@ from fedbroker.worker.accounting import (
 )
 
 GRAD_SAMPLE_MODE = "ew"
-CLIPPING_MODES = ("auto", "ghost", "ew")
-# Layers Opacus's fast gradient clipping handles with its own samplers (norms of Linear's per-sample
+CLIPPING_MODES = ("auto", "bk", "ghost", "ew")
+# "ghost" (for models "bk" cannot clip): layers Opacus's fast gradient clipping handles with its own samplers (norms of Linear's per-sample
 # gradients without forming them; Conv2d's and GroupNorm's formed one layer at a time and dropped).
 GHOST_LAYERS = (nn.Linear, nn.Conv2d, nn.GroupNorm)
 # "ghost" pays once "ew" would form this many per-sample gradient floats of Linear layers per step
@@ -93,6 +110,11 @@ GHOST_MIN_FLOATS = 1 << 20
 # beyond it the per-sample gradients fall out of cache and the pass slows (ResNet-style CNN, 1.2 M
 # parameters, batch 256 on CPU: 2.4× in one pass, 1.6× in chunks of 32–64).
 EW_MAX_FLOATS = 1 << 26
+# "bk" trains a Poisson batch in passes of at most this many samples × parameters, a proxy for its
+# activations and unfolded inputs (ResNet-style CNN at batch 256: 1.46–1.62× in one pass, 1.29–1.32× in
+# passes of 64–128 samples; the MLP and the small CNN are never split).
+BK_MAX_FLOATS = 1 << 27
+POISSON_BLOCK_FLOATS = 1 << 20
 _PREFIX = "_module."
 log = logging.getLogger(__name__)
 
@@ -109,7 +131,7 @@ class TrainResult:
     sample-weighted mean loss of the last epoch's batches (before each step; no proximal term).
     `epsilon` is the job's total ε on this worker after this training (None without DP) and
     `history` the job's full accountant history to store for the next round. `clipping` is how the
-    per-sample gradients were clipped ("ghost" or "ew", see `clipping_mode`; None without DP).
+    per-sample gradients were clipped ("bk", "ghost" or "ew", see `clipping_mode`; None without DP).
     """
 
     state: dict[str, np.ndarray]
@@ -172,6 +194,10 @@ def train_local(
     if dp is not None:
         _validate_for_dp(model)
         mode = clipping if clipping != "auto" else clipping_mode(model, expected_batch_size=int(n * sample_rate))
+        if mode == "bk" and not bookkeeping.supported(model):
+            raise ConfigError("clipping", "bk clipping needs a model whose parameters all sit in unshared "
+                              f"{', '.join(t.__name__ for t in bookkeeping.LAYERS)} layers (Conv2d: ungrouped, "
+                              "zero-padded)")
         if mode == "ghost" and not ghost_supported(model):
             raise ConfigError("clipping", "ghost clipping needs a model whose parameters all sit in unshared "
                               f"{', '.join(t.__name__ for t in GHOST_LAYERS)} layers")
@@ -257,16 +283,18 @@ def evaluate(
 
 
 def clipping_mode(model: nn.Module, *, expected_batch_size: int) -> str:
-    """How DP training clips `model`'s per-sample gradients at `expected_batch_size`: "ghost" or "ew".
+    """How DP training clips `model`'s per-sample gradients at `expected_batch_size`: "bk", "ghost" or "ew".
 
-    "ghost" is Opacus's fast gradient clipping: per-sample gradient norms without keeping per-sample
-    gradients (Linear layers: from activations and output gradients alone), then a second backward
-    pass of the loss reweighted by each sample's clip factor. "ew" forms every per-sample gradient
-    (torch's ExpandedWeights through Opacus) and clips them. Both give the same clipped sum. "ghost"
-    is chosen where it runs and pays: every parameter in an unshared Linear, Conv2d or GroupNorm
+    "bk" (`fedbroker.worker.bookkeeping`) wherever it runs: every trained parameter in an unshared
+    Linear, Conv2d (ungrouped, zero-padded), GroupNorm or LayerNorm layer; it is the fastest of the
+    three on every model and batch the bench measures. Otherwise "ghost", Opacus's fast gradient
+    clipping, where it runs and pays: every parameter in an unshared Linear, Conv2d or GroupNorm
     layer, and at least GHOST_MIN_FLOATS per-sample Linear gradient floats per step that "ew" would
-    form (Opacus forms Conv2d's and GroupNorm's per-sample gradients in both modes).
+    form; else "ew" (per-sample gradients formed by torch's ExpandedWeights through Opacus). All three
+    give the same clipped sum.
     """
+    if bookkeeping.supported(model):
+        return "bk"
     if not ghost_supported(model):
         return "ew"
     linear = sum(p.numel() for m in model.modules() if type(m) is nn.Linear for p in m.parameters() if p.requires_grad)
@@ -355,8 +383,9 @@ def _train_dp(
     wrapped, dp_optimizer, backward = dp_engine(
         work, optimizer, clipping=clipping, noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
         expected_batch_size=expected_batch_size, generator=noise_gen)
-    if clipping == "ew":  # virtual steps: the same update, in passes whose per-sample gradients fit in cache
-        per_pass = max(1, EW_MAX_FLOATS // sum(p.numel() for p in dp_optimizer.params))
+    pass_floats = {"ew": EW_MAX_FLOATS, "bk": BK_MAX_FLOATS}.get(clipping)
+    if pass_floats is not None:  # virtual steps: the same update, in passes whose intermediates fit in cache
+        per_pass = max(1, pass_floats // sum(p.numel() for p in dp_optimizer.params))
         physical_batch_size = per_pass if physical_batch_size is None else min(physical_batch_size, per_pass)
     accountant = RDPAccountant()
     accountant.history = list(history)
@@ -372,7 +401,7 @@ def _train_dp(
                 dp_optimizer.zero_grad(set_to_none=True)
                 if len(idx):
                     idx = idx.to(device, non_blocking=True)
-                    chunks = idx.split(physical_batch_size) if physical_batch_size else (idx,)
+                    chunks = idx.split(physical_batch_size) if physical_batch_size and len(idx) > physical_batch_size else (idx,)
                     for i, chunk in enumerate(chunks):
                         if i:
                             # Virtual step: the previous chunk's clipped sum is kept (Opacus's skip
@@ -415,19 +444,27 @@ def dp_engine(
     expected_batch_size: int,
     generator: torch.Generator | None,
 ) -> tuple[Any, Any, Callable[[torch.Tensor, torch.Tensor], float]]:
-    """Opacus's wrapping of `work` for `clipping` ("ghost" or "ew"): (wrapped module, DP optimizer, backward).
+    """The wrapping of `work` for `clipping` ("bk", "ghost" or "ew"): (wrapped module, DP optimizer, backward).
 
     `backward(x, y)` runs the forward and backward passes of one (physical) batch and returns its mean
-    loss; afterwards the optimizer's `step` clips (ew), noises and averages. What `train_local` runs,
+    loss; afterwards the optimizer's `step` clips (ew), noises and averages. `wrapped.cleanup()` removes
+    the hooks. What `train_local` runs,
     exposed so that tests can switch the noise off, which a DPPolicy never allows.
     """
     from opacus.grad_sample import GradSampleModuleFastGradientClipping, prepare_module
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
-    from fedbroker.worker.dp_optimizer import FlatDPOptimizer, FlatGhostDPOptimizer
+    from fedbroker.worker.dp_optimizer import FlatDPOptimizer, FlatGhostDPOptimizer, FlatSumDPOptimizer
 
     noise = {"noise_multiplier": noise_multiplier, "max_grad_norm": max_grad_norm,
              "expected_batch_size": expected_batch_size, "generator": generator}
+    if clipping == "bk":
+        from fedbroker.worker.bookkeeping import BookkeepingClipper
+
+        sum_optimizer = FlatSumDPOptimizer(optimizer, loss_reduction="mean", **noise)
+        clipper = BookkeepingClipper(work, max_grad_norm=max_grad_norm, params=sum_optimizer.params)
+        sum_optimizer.source = clipper.take_clipped_sum
+        return clipper, sum_optimizer, clipper.backward
     if clipping == "ghost":
         wrapped = GradSampleModuleFastGradientClipping(work, batch_first=True, loss_reduction="mean",
                                                        max_grad_norm=max_grad_norm, use_ghost_clipping=True)
@@ -483,8 +520,12 @@ def poisson_batches(
     indices), kept as a tensor so a batch is one gather: Opacus's DPDataLoader fetches and collates
     the samples one by one, which cost more than the forward pass of a small model.
     """
-    for _ in range(steps):
-        yield (torch.rand(num_samples, generator=generator) < sample_rate).nonzero().squeeze(1)
+    # Several steps' draws at once (one rand(steps, N) is the same stream as steps × rand(N)), at most
+    # POISSON_BLOCK_FLOATS at a time: per step, four small operations cost more than the draw itself.
+    rows = max(1, POISSON_BLOCK_FLOATS // max(num_samples, 1))
+    for first in range(0, steps, rows):
+        mask = torch.rand(min(rows, steps - first), num_samples, generator=generator) < sample_rate
+        yield from mask.nonzero()[:, 1].split(mask.sum(1).tolist())
 
 
 def _opacus_poisson_rule(
