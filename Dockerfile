@@ -25,6 +25,8 @@ COPY proto /src/proto
 COPY coordinator /src/coordinator
 COPY worker /src/worker
 COPY aggregators /src/aggregators
+# fedbroker/k8s_base links here: the base `fedbroker provision` copies into a server kit
+COPY deploy/k8s/base /src/deploy/k8s/base
 RUN pip install --no-deps /src
 
 FROM ${PYTHON_IMAGE}

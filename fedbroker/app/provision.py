@@ -53,7 +53,9 @@ _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([
 K8S_NAMESPACE = "fedbroker"
 # the base manifests' in-cluster Service names: each server certificate also carries them
 IN_CLUSTER = {"coordinator": "fedbroker-coordinator", "aggregator": "fedbroker-aggregator", "broker": "rabbitmq"}
-BASE = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "base"
+# deploy/k8s/base, shipped in the package (fedbroker/k8s_base links to it in the source tree, and a wheel or
+# the image holds its files): a kit is provisioned from an installed fedbroker, not only from a checkout
+BASE = Path(__file__).resolve().parents[1] / "k8s_base"
 WORKER_MANIFESTS = ("workers.yaml", "worker-hospital-a.yaml", "worker-hospital-b.yaml")
 
 
@@ -157,6 +159,8 @@ def parse_project(raw: Any) -> Project:
             if need(isinstance(worker, Mapping), f"{where}.worker", "must be a mapping of worker settings"):
                 for key in ("id", "categories"):
                     need(key not in worker, f"{where}.worker.{key}", f"is set by the kit: use {where}.name/categories")
+                if "id" not in worker and "categories" not in worker:
+                    problems += _load_problems(where, {"worker": dict(worker)}, site=str(sname))
             sites.append(Site(str(sname), tuple(str(c) for c in cats) if isinstance(cats, list) else (),
                               dict(worker) if isinstance(worker, Mapping) else {}))
     people: list[Person] = []
@@ -292,7 +296,27 @@ def provision(project: Project, out: str | os.PathLike[str]) -> dict[str, Path]:
     root = Path(out)
     if root.exists() and any(root.iterdir()):
         raise ConfigError("--out", f"{root} is not empty: provision into a new folder (kits are never overwritten)")
+    if not (BASE / "kustomization.yaml").is_file():
+        raise ConfigError("provision", f"the Kubernetes base the server kit needs is missing from this "
+                                       f"installation ({BASE}): reinstall fedbroker from its source (pip install .)")
+    problems = _kit_config_problems(project)
+    if problems:
+        raise problems[0] if len(problems) == 1 else ConfigErrors(problems)
+    created = not root.exists()
     root.mkdir(parents=True, mode=0o700, exist_ok=True)
+    try:
+        return _write_kits(project, root)
+    except BaseException:
+        # nothing half-written stays behind (a CA key, tokens): the folder was new or empty
+        if created:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            for child in root.iterdir():
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        raise
+
+
+def _write_kits(project: Project, root: Path) -> dict[str, Path]:
     ca = Authority(project.name, project.validity_days)
     ca_kit = _Kit(root / "ca")
     ca_kit.write("ca.crt", ca.cert_pem())
@@ -330,9 +354,32 @@ def _target(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _check_config(kit: Path, relative: str) -> None:
-    """Every config a kit holds loads (a typo in a site's worker settings is caught here, not on site)."""
-    load_config(str(kit / relative))
+def _kit_config_problems(project: Project) -> list[ConfigError]:
+    """Every config the kits will hold, loaded as its process will load it, before anything is written: a typo
+    or a bad value in a site's worker settings is named by its site here, not found on site."""
+    problems = _load_problems("server (aggregator.yaml)", _aggregator_doc(project))
+    problems += _load_problems("server (coordinator.yaml)", _coordinator_doc(project))
+    problems += _load_problems("scientists (fedbroker.yaml)", _scientist_doc(project))
+    for i, site in enumerate(project.sites):
+        problems += _load_problems(f"sites[{i}]", _worker_doc(project, site), site=site.name)
+    return problems
+
+
+def _load_problems(where: str, doc: Mapping[str, Any], *, site: str = "") -> list[ConfigError]:
+    """What load_config refuses in `doc`, each problem named where it comes from in project.yaml
+    (`sites[0].worker.dp.epsilon_budget`, and the site's name)."""
+    try:
+        load_config(None, environ={}, overrides=doc)  # the operator's FEDBROKER__ variables are not the kit's
+        return []
+    except ConfigErrors as errors:
+        found = errors.errors
+    except ConfigError as error:
+        found = [error]
+    if not site:
+        return [ConfigError(f"{where}: {e.field}", e.problem) for e in found]
+    # a DP policy names its fields from its own section (dp.epsilon_budget): they are the worker's
+    return [ConfigError(f"{where}.{e.field if e.field.startswith('worker.') else 'worker.' + e.field}",
+                        f"{e.problem} (site {site!r})") for e in found]
 
 
 def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str, str],
@@ -356,31 +403,14 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
     kit.yaml("tokens/aggregator.yaml", aggregator_table, header=note, secret=True)
     kit.yaml("tokens/coordinator.yaml", coordinator_table or {}, header=note, secret=True)
     kit.write("secrets/coordinator.token", tokens["coordinator"] + "\n", secret=True)
-    aggregator_target = _target(project.host, project.aggregator_port)
     kit.write("secrets/broker-url",
               _broker_url(broker_user(project, "coordinator"), passwords["coordinator"], project.host, project.broker_port) + "\n",
               secret=True)
-    kit.yaml("aggregator.yaml", {
-        "aggregator": {"listen": _target(project.listen, project.aggregator_port), "target": aggregator_target,
-                       "tokens_file": "tokens/aggregator.yaml", "spool_dir": "state/spool",
-                       "tls": {"cert_file": "tls/aggregator.crt", "key_file": "tls/aggregator.key",
-                               "client_ca_file": "ca.crt"}},
-    }, header="# The aggregation service (start-aggregator.sh): gRPC over mutual TLS, every call authenticated.\n")
-    kit.yaml("coordinator.yaml", {
-        "broker": {"url_file": "secrets/broker-url", "ca_file": "ca.crt", "namespace": project.namespace,
-                   **_client_pair("tls/coordinator-client")},
-        "aggregator": {"target": aggregator_target},
-        "coordinator": {"listen": _target(project.listen, project.coordinator_port),
-                        "target": _target(project.host, project.coordinator_port), "state_dir": "state/coordinator",
-                        "tokens_file": "tokens/coordinator.yaml",
-                        "tls": {"cert_file": "tls/coordinator.crt", "key_file": "tls/coordinator.key",
-                                "client_ca_file": "ca.crt"}},
-        "client": {"token_file": "secrets/coordinator.token", "ca_file": "ca.crt",
-                   **_client_pair("tls/coordinator-client")},
-    }, header="# The coordinator (start-coordinator.sh). aggregator.target is the public name: the tasks it sends\n"
-              "# tell the sites' workers where to upload, and each worker only sends its token there.\n")
-    for name in ("aggregator.yaml", "coordinator.yaml"):
-        _check_config(folder, name)
+    kit.yaml("aggregator.yaml", _aggregator_doc(project),
+             header="# The aggregation service (start-aggregator.sh): gRPC over mutual TLS, every call authenticated.\n")
+    kit.yaml("coordinator.yaml", _coordinator_doc(project),
+             header="# The coordinator (start-coordinator.sh). aggregator.target is the public name: the tasks it sends\n"
+                    "# tell the sites' workers where to upload, and each worker only sends its token there.\n")
     kit.write("rabbitmq/definitions.json", json.dumps(_definitions(project, passwords), indent=2) + "\n",
               secret=True)
     kit.write("rabbitmq/rabbitmq.conf", _rabbitmq_conf(tls_dir="/etc/rabbitmq-tls",
@@ -391,6 +421,45 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
     _k8s_overlay(project, kit, passwords["coordinator"], tokens["coordinator"])
     kit.write("README.md", _server_readme(project))
     return folder
+
+
+def _aggregator_doc(project: Project) -> dict[str, Any]:
+    return {"aggregator": {"listen": _target(project.listen, project.aggregator_port),
+                           "target": _target(project.host, project.aggregator_port),
+                           "tokens_file": "tokens/aggregator.yaml", "spool_dir": "state/spool",
+                           "tls": {"cert_file": "tls/aggregator.crt", "key_file": "tls/aggregator.key",
+                                   "client_ca_file": "ca.crt"}}}
+
+
+def _coordinator_doc(project: Project) -> dict[str, Any]:
+    return {
+        "broker": {"url_file": "secrets/broker-url", "ca_file": "ca.crt", "namespace": project.namespace,
+                   **_client_pair("tls/coordinator-client")},
+        "aggregator": {"target": _target(project.host, project.aggregator_port)},
+        "coordinator": {"listen": _target(project.listen, project.coordinator_port),
+                        "target": _target(project.host, project.coordinator_port), "state_dir": "state/coordinator",
+                        "tokens_file": "tokens/coordinator.yaml",
+                        "tls": {"cert_file": "tls/coordinator.crt", "key_file": "tls/coordinator.key",
+                                "client_ca_file": "ca.crt"}},
+        "client": {"token_file": "secrets/coordinator.token", "ca_file": "ca.crt",
+                   **_client_pair("tls/coordinator-client")},
+    }
+
+
+def _worker_doc(project: Project, site: Site) -> dict[str, Any]:
+    worker = {"ledger_path": "state/ledger.json", **site.worker, "id": site.name, "categories": list(site.categories)}
+    return {
+        "broker": {"url_file": "secrets/broker-url", "ca_file": "ca.crt", "namespace": project.namespace,
+                   **_client_pair("tls/client")},
+        "aggregator": {"target": _target(project.host, project.aggregator_port)},
+        "client": {"token_file": "secrets/token", "ca_file": "ca.crt", **_client_pair("tls/client")},
+        "worker": worker,
+    }
+
+
+def _scientist_doc(project: Project) -> dict[str, Any]:
+    return {"coordinator": {"target": _target(project.host, project.coordinator_port)},
+            "client": {"token_file": "secrets/token", "ca_file": "ca.crt", **_client_pair("tls/client")}}
 
 
 def _definitions(project: Project, passwords: Mapping[str, str]) -> dict[str, Any]:
@@ -449,16 +518,32 @@ def _script(what: str, args: str) -> str:
     )
 
 
-_START_SERVER = """#!/bin/sh
-# Start the aggregation service and the coordinator from this kit; Ctrl-C stops both.
+_START_SERVER = """#!/usr/bin/env bash
+# Start the aggregation service and the coordinator from this kit; Ctrl-C stops both, and so does either one
+# exiting (a config error, a crash): this script then exits non-zero, so a supervisor sees the server down.
 # The broker (RabbitMQ with rabbitmq/rabbitmq.conf and rabbitmq/definitions.json) runs beside them: see README.md.
-set -eu
+# bash 4.3 or later (wait -n).
+set -u
 cd "$(dirname "$0")"
 ./start-aggregator.sh & aggregator=$!
 ./start-coordinator.sh & coordinator=$!
-trap 'kill $coordinator $aggregator 2>/dev/null' INT TERM
+stopping=""
+trap 'stopping=1; kill $coordinator $aggregator 2>/dev/null' INT TERM
+wait -n
+status=$?
+kill $coordinator $aggregator 2>/dev/null
 wait
+if [ -z "$stopping" ]; then
+    echo "start.sh: a server process exited (status $status): both are stopped" >&2
+fi
+exit $(( status == 0 ? 1 : status ))
 """
+
+
+# fedbroker is installed from its source, as the project's README says (it is not on a package index)
+_INSTALL = ("Install fedbroker from the source release your operator names (it is not published on PyPI): "
+            "`pip install torch==2.13.0` first (the CPU or the CUDA build you need; pinned, so nothing pulls "
+            "another), then `pip install .` in the source folder. That gives you the `fedbroker` command.")
 
 
 def _site_kit(project: Project, folder: Path, ca: Authority, site: Site, token: str, password: str) -> Path:
@@ -470,20 +555,12 @@ def _site_kit(project: Project, folder: Path, ca: Authority, site: Site, token: 
     cert, key = ca.client(site.name)
     kit.write("tls/client.crt", cert)
     kit.write("tls/client.key", key, secret=True)
-    worker = {"ledger_path": "state/ledger.json", **site.worker, "id": site.name, "categories": list(site.categories)}
-    kit.yaml("worker.yaml", {
-        "broker": {"url_file": "secrets/broker-url", "ca_file": "ca.crt", "namespace": project.namespace,
-                   **_client_pair("tls/client")},
-        "aggregator": {"target": _target(project.host, project.aggregator_port)},
-        "client": {"token_file": "secrets/token", "ca_file": "ca.crt", **_client_pair("tls/client")},
-        "worker": worker,
-    }, header=f"# The worker of {site.name} (start.sh). Your data, your DP policy: edit the worker section.\n"
+    kit.yaml("worker.yaml", _worker_doc(project, site), header=f"# The worker of {site.name} (start.sh). Your data, your DP policy: edit the worker section.\n"
               f"# Keep state/ledger.json (your privacy ledger) across restarts and upgrades.\n")
-    _check_config(folder, "worker.yaml")
     kit.write("start.sh", _script(f"the worker of {site.name}", "worker --config worker.yaml"), executable=True)
     kit.write("README.md", (
         f"# {site.name}: your kit for the {project.name} federation\n\n"
-        f"1. Install fedbroker (`pip install fedbroker`), then edit the `worker` section of `worker.yaml`: your data "
+        f"1. {_INSTALL} Then edit the `worker` section of `worker.yaml`: your data "
         f"set and your differential-privacy policy (`dp`), which no job can override.\n"
         f"2. Start it: `./start.sh` (or `FEDBROKER='python -m fedbroker' ./start.sh`). It connects out to the "
         f"broker at {_target(project.host, project.broker_port)} (AMQPS) and the aggregation service at "
@@ -502,20 +579,23 @@ def _scientist_kit(project: Project, folder: Path, ca: Authority, name: str, tok
     cert, key = ca.client(name)
     kit.write("tls/client.crt", cert)
     kit.write("tls/client.key", key, secret=True)
-    kit.yaml("fedbroker.yaml", {
-        "coordinator": {"target": _target(project.host, project.coordinator_port)},
-        "client": {"token_file": "secrets/token", "ca_file": "ca.crt", **_client_pair("tls/client")},
-    }, header="# The CLI's config: run `fedbroker <command> --config fedbroker.yaml` in this folder.\n")
-    _check_config(folder, "fedbroker.yaml")
+    kit.yaml("fedbroker.yaml", _scientist_doc(project), header="# The CLI's config: run `fedbroker <command> --config fedbroker.yaml` in this folder.\n")
     kit.write("README.md", (
         f"# Your kit for the {project.name} federation\n\n"
+        f"{_INSTALL}\n\n"
         f"In this folder:\n\n"
         f"```sh\n"
         f"fedbroker submit job.yaml --config fedbroker.yaml\n"
         f"fedbroker jobs list --config fedbroker.yaml\n"
         f"fedbroker jobs logs JOB_ID --follow --config fedbroker.yaml\n"
         f"fedbroker jobs download JOB_ID --out model --config fedbroker.yaml\n"
-        f"```\n\n`secrets/token` is your identity: only you can cancel or download the jobs you submit.\n"))
+        f"```\n\n`secrets/token` is your identity: only you can cancel or download the jobs you submit.\n\n"
+        f"Without `--config fedbroker.yaml` (elsewhere, or with `--coordinator "
+        f"{_target(project.host, project.coordinator_port)}`), give the CLI this kit's files by their absolute "
+        f"paths: `FEDBROKER__CLIENT__TOKEN_FILE` (`secrets/token`), `FEDBROKER__CLIENT__CA_FILE` (`ca.crt`), "
+        f"`FEDBROKER__CLIENT__CERT_FILE` (`tls/client.crt`) and `FEDBROKER__CLIENT__KEY_FILE` "
+        f"(`tls/client.key`). The coordinator speaks mutual TLS only: a call without the CA and the client "
+        f"certificate fails with `UNAVAILABLE` (`Socket closed`), whatever the token.\n"))
     return folder
 
 
@@ -562,7 +642,8 @@ def _k8s_overlay(project: Project, kit: _Kit, broker_password: str, coordinator_
         "resources": ["k8s/base", "k8s/public.yaml"],
         "generatorOptions": {"disableNameSuffixHash": True},
         "secretGenerator": [
-            {"name": "fedbroker-server-tls", "files": [
+            {"name": "fedbroker-server-tls", "options": {"labels": {"app.kubernetes.io/part-of": "fedbroker"}},
+             "files": [
                 "ca.crt", "tls/aggregator.crt", "tls/aggregator.key", "tls/coordinator.crt", "tls/coordinator.key",
                 "tls/broker.crt", "tls/broker.key", "tls/coordinator-client.crt", "tls/coordinator-client.key"]},
             {"name": "fedbroker-aggregator-tokens", "behavior": "replace", "files": ["tokens.yaml=tokens/aggregator.yaml"]},
@@ -584,7 +665,10 @@ def _k8s_overlay(project: Project, kit: _Kit, broker_password: str, coordinator_
 
 def _public_objects() -> list[dict[str, Any]]:
     """A LoadBalancer Service per port the sites reach (TLS ends in the pods: the balancer passes TCP through)
-    and a NetworkPolicy letting the outside reach exactly that port."""
+    and a NetworkPolicy letting the outside reach exactly that port. They carry the labels the base gives its
+    objects (its part-of comes from its kustomization, which these are not in), so
+    `kubectl get svc -l app.kubernetes.io/part-of=fedbroker` lists the balancers."""
+    part_of = {"app.kubernetes.io/part-of": "fedbroker"}
     out: list[dict[str, Any]] = []
     for name, selector, port in (("broker", {"app.kubernetes.io/name": "rabbitmq"}, 5671),
                                  ("aggregator", {"app.kubernetes.io/name": "fedbroker",
@@ -592,18 +676,19 @@ def _public_objects() -> list[dict[str, Any]]:
                                  ("coordinator", {"app.kubernetes.io/name": "fedbroker",
                                                   "app.kubernetes.io/component": "coordinator"}, 50052)):
         out.append({"apiVersion": "v1", "kind": "Service",
-                    "metadata": {"name": f"fedbroker-public-{name}", "labels": {"app.kubernetes.io/component": name}},
+                    "metadata": {"name": f"fedbroker-public-{name}",
+                                 "labels": {**selector, "app.kubernetes.io/component": name, **part_of}},
                     "spec": {"type": "LoadBalancer", "externalTrafficPolicy": "Local", "selector": selector,
                              "ports": [{"name": "amqps" if name == "broker" else "grpc-tls", "port": port,
                                         "targetPort": port, "protocol": "TCP"}]}})
         out.append({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-                    "metadata": {"name": f"public-{name}-ingress"},
+                    "metadata": {"name": f"public-{name}-ingress", "labels": part_of},
                     "spec": {"podSelector": {"matchLabels": selector}, "policyTypes": ["Ingress"],
                              "ingress": [{"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}],
                                           "ports": [{"protocol": "TCP", "port": port}]}]}})
     # the coordinator calls the aggregation service by its public name (the one its tasks hand the sites)
     out.append({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-                "metadata": {"name": "coordinator-public-aggregator-egress"},
+                "metadata": {"name": "coordinator-public-aggregator-egress", "labels": part_of},
                 "spec": {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "fedbroker",
                                                          "app.kubernetes.io/component": "coordinator"}},
                          "policyTypes": ["Egress"],
@@ -660,7 +745,7 @@ def _server_readme(project: Project) -> str:
         f"and a LoadBalancer Service per port; `kubectl apply -k .` applies it. Point `{project.host}` at the "
         f"balancers' addresses (`kubectl -n {K8S_NAMESPACE} get svc -l app.kubernetes.io/part-of=fedbroker`).\n\n"
         f"## On a host\n\n"
-        f"1. RabbitMQ (3.8 or later) with `rabbitmq/rabbitmq.conf` (point its `ssl_options` and `load_definitions` at "
+        f"1. RabbitMQ 3.10 or later (the Kubernetes base runs 4.1) with `rabbitmq/rabbitmq.conf` (point its `ssl_options` and `load_definitions` at "
         f"this kit's `ca.crt`, `tls/broker.*` and `rabbitmq/definitions.json`), listening on "
         f"{project.broker_port}.\n"
         f"2. `./start.sh` starts the aggregation service and the coordinator (or `start-aggregator.sh` and "

@@ -23,8 +23,9 @@ import pytest
 import yaml
 from cryptography import x509
 
+from fedbroker.app import provision as provision_module
 from fedbroker.app.cli import main
-from fedbroker.app.provision import parse_project, provision
+from fedbroker.app.provision import Project, Site, parse_project, provision
 from fedbroker.errors import ConfigError
 from tests.ops.conftest import tool
 from tests.security.tlsproxy import TlsProxy
@@ -128,6 +129,13 @@ def test_the_server_overlay_renders_validates_and_exposes_amqps_and_grpc_over_tl
     assert {n: [p["port"] for p in d["spec"]["ports"]] for n, d in public.items()} == {
         "fedbroker-public-broker": [5671], "fedbroker-public-aggregator": [50051], "fedbroker-public-coordinator": [50052]}
     assert not [d for d in docs if d["kind"] == "Deployment" and "worker" in d["metadata"]["name"]]
+    # the README's `kubectl get svc -l app.kubernetes.io/part-of=fedbroker` lists the balancers too
+    part_of = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"
+               and d["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "fedbroker"}
+    assert set(public) <= part_of
+    assert all(d["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "fedbroker" for d in docs
+               if d["kind"] != "Namespace"), [d["metadata"]["name"] for d in docs
+                                              if "app.kubernetes.io/part-of" not in d["metadata"].get("labels", {})]
     config = yaml.safe_load(next(d for d in docs if d["metadata"]["name"] == "fedbroker-config")["data"]["config.yaml"])
     assert config["aggregator"]["tls"]["cert_file"] == "/etc/fedbroker-tls/aggregator.crt"
     assert config["coordinator"]["tls"]["key_file"] == "/etc/fedbroker-tls/coordinator.key"
@@ -157,6 +165,8 @@ def test_the_server_overlay_renders_validates_and_exposes_amqps_and_grpc_over_tl
     ({"scientists": [{"name": "x", "role": "coordinator"}]}, "scientists[0].role"),
     ({"scientists": [{"name": "hospital-a"}]}, "sites/scientists"),
     ({"server": {"host": "h", "broker_port": 70000}}, "server.broker_port"),
+    ({"sites": [{"name": "a", "worker": {"dp": {"epsilon_budget": -1}}}]}, "sites[0].worker.dp.epsilon_budget"),
+    ({"sites": [{"name": "a"}, {"name": "b", "worker": {"datset": "digits"}}]}, "sites[1].worker.datset"),
 ])
 def test_a_bad_project_is_refused_naming_the_field_and_nothing_is_written(tmp_path, change, field):
     with pytest.raises(ConfigError) as refused:
@@ -169,6 +179,54 @@ def test_a_site_setting_that_does_not_load_is_refused_at_provision_time(tmp_path
     project = {**PROJECT, "sites": [{"name": "a", "worker": {"datset": "digits"}}]}
     with pytest.raises(ConfigError, match=r"worker\.datset: unknown setting"):
         provision(parse_project(project), tmp_path / "out")
+
+
+def test_every_bad_site_setting_is_named_with_its_site_at_once(tmp_path):
+    project = {**PROJECT, "sites": [{"name": "a", "worker": {"dp": {"epsilon_budget": -1}}},
+                                    {"name": "b", "worker": {"datset": "digits"}}]}
+    with pytest.raises(ConfigError) as refused:
+        parse_project(project)
+    message = str(refused.value)
+    assert "sites[0].worker.dp.epsilon_budget: must be > 0" in message and "(site 'a')" in message
+    assert "sites[1].worker.datset: unknown setting" in message and "(site 'b')" in message
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_provision_checks_every_kit_config_before_it_writes_anything(tmp_path, existing):
+    """Even a Project built without parse_project: provision loads each config its kits will hold before it
+    creates the CA (an empty --out folder stays empty)."""
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+    project = Project(name="study", host="fl.example.org",
+                      sites=(Site("a", ("digits",), {"dataset": "digits"}),
+                             Site("b", ("digits",), {"dp": {"epsilon_budget": -1}})))
+    with pytest.raises(ConfigError, match=r"sites\[1\]\.worker\.dp\.epsilon_budget: .*site 'b'"):
+        provision(project, out)
+    assert (list(out.iterdir()) == []) if existing else not out.exists()
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_failure_while_writing_leaves_no_half_written_kit(tmp_path, monkeypatch, existing):
+    """A CA key and tokens from a failed run must not stay behind (a rerun would refuse the non-empty folder)."""
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(provision_module, "_k8s_overlay", broken)
+    with pytest.raises(OSError, match="disk full"):
+        provision(parse_project(PROJECT), out)
+    assert (list(out.iterdir()) == []) if existing else not out.exists()
+
+
+def test_a_missing_kubernetes_base_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(provision_module, "BASE", tmp_path / "no-base")
+    with pytest.raises(ConfigError, match="Kubernetes base"):
+        provision(parse_project(PROJECT), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_kits_are_never_written_over(tmp_path, kits):
@@ -322,3 +380,101 @@ def _basic_get(url: str, kit: Path, queue: str) -> None:
     finally:
         if connection.is_open:
             connection.close()
+
+
+def test_a_site_kit_says_how_to_install_fedbroker_from_its_source(kits):
+    readme = (kits / "sites/hospital-a/README.md").read_text()
+    assert "pip install fedbroker" not in readme  # not published: it would fail, or install someone else's
+    assert "pip install torch==2.13.0" in readme and "`pip install .`" in readme
+    scientist = (kits / "scientists/alice/README.md").read_text()
+    assert "`pip install .`" in scientist
+    for setting in ("TOKEN_FILE", "CA_FILE", "CERT_FILE", "KEY_FILE"):  # what --coordinator host:port needs
+        assert f"FEDBROKER__CLIENT__{setting}" in scientist
+
+
+# ----- installed, not a checkout; the server's launcher -----
+
+PACKAGE_SOURCES = ("pyproject.toml", "README.md", "MANIFEST.in", "requirements.txt", "requirements-dev.txt",
+                   "fedbroker", "aggregators", "coordinator", "worker", "proto", "deploy/k8s/base")
+
+
+def _no_fedbroker_settings() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER__") and k != "PYTHONPATH"}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_provision_runs_from_an_installed_wheel_and_its_overlay_renders(tmp_path):
+    """`pip install .` (and the image) hold no deploy/: the Kubernetes base must ship inside the package."""
+    src = tmp_path / "src"
+    for name in PACKAGE_SOURCES:  # a copy, so the build writes no build/ or egg-info into the checkout
+        source, target = ROOT / name, src / name
+        if source.is_dir():
+            shutil.copytree(source, target, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, target)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    built = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
+                            str(src)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    wheel = next((tmp_path / "dist").glob("fedbroker-*.whl"))
+    site = tmp_path / "site"
+    installed = subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr
+    # the installed copy only: no checkout on the path (cwd is tmp_path), the venv's site-packages for the
+    # dependencies
+    env = {**_no_fedbroker_settings(), "PYTHONPATH": str(site)}
+    where = subprocess.run([sys.executable, "-c", "import fedbroker.app.provision as p; print(p.__file__)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert where.stdout.strip().startswith(str(site)), where
+    (tmp_path / "project.yaml").write_text(yaml.safe_dump(PROJECT))
+    run = subprocess.run([sys.executable, "-m", "fedbroker", "provision", "project.yaml", "--out", "kits"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rendered = subprocess.run([tool("kubectl"), "kustomize", str(tmp_path / "kits/server")], capture_output=True,
+                              text=True, timeout=120)
+    assert rendered.returncode == 0, rendered.stderr
+    names = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(rendered.stdout) if d}
+    assert {("Deployment", "fedbroker-coordinator"), ("Deployment", "fedbroker-aggregator"),
+            ("StatefulSet", "rabbitmq"), ("Service", "fedbroker-public-broker")} <= names
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_the_server_launcher_stops_both_and_fails_when_the_coordinator_fails_at_start(tmp_path):
+    """kits/server/start.sh with a coordinator that exits at once (a config error): the aggregation service
+    is stopped too and the launcher exits with the coordinator's status, instead of waiting on a half server."""
+    ports = {"coordinator_port": free_port(), "aggregator_port": free_port(), "broker_port": free_port()}
+    provision(parse_project({"name": "launch", "server": {"host": "localhost", "listen": "127.0.0.1", **ports},
+                             "sites": [{"name": "s"}]}), tmp_path / "kits")
+    server = tmp_path / "kits/server"
+    with open(server / "coordinator.yaml", "a") as fh:
+        fh.write("bogus: 1\n")  # refused at start: `bogus: unknown setting`, exit 2
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    wrapper = tmp_path / "fedbroker.sh"  # records each service's pid (it execs: the pid is the service's)
+    wrapper.write_text(f'#!/bin/sh\necho $$ > "{pids}/$1"\nexec {sys.executable} -m fedbroker "$@"\n')
+    env = {**_no_fedbroker_settings(), "FEDBROKER": f"sh {wrapper}", "PYTHONPATH": str(ROOT)}
+    launcher = subprocess.Popen([str(server / "start.sh")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output, _ = launcher.communicate(timeout=300)  # a hang guard only: the fixed launcher returns at once
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, 9)
+            launcher.wait()
+    assert launcher.returncode == 2, output.decode(errors="replace")
+    assert b"bogus: unknown setting" in output
+    for name in ("aggregator", "coordinator"):
+        if (pids / name).exists():  # absent only if start.sh stopped it before its wrapper ran
+            assert not _alive(int((pids / name).read_text())), f"the {name} still runs"
