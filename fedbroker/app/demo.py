@@ -295,9 +295,12 @@ class Cluster:
                 self.spawn(f"worker-{i}", "worker", self.env(**self.worker_settings(i)))
             self._wait_coordinator()
         else:
+            from fedbroker.worker.ledger import fresh_ledgers
+
             self.in_process.append(start_coordinator(load_config(environ=coordinator_env)))
-            for i in range(self.options.workers):
-                self.in_process.append(start_worker(load_config(environ=self.env(**self.worker_settings(i)))))
+            with fresh_ledgers():  # this run's folder is new: so is every worker's ledger
+                for i in range(self.options.workers):
+                    self.in_process.append(start_worker(load_config(environ=self.env(**self.worker_settings(i)))))
 
     def _wait_coordinator(self, timeout_s: float = 60.0) -> None:
         client = self.client()
