@@ -182,7 +182,7 @@ def follow_events(c: Any, job_id: str, *, follow: bool) -> Iterator[Any]:
             return
 
 
-ASYNC_KINDS = {"round_opened": "buffer_filled", "round_closed": "version"}  # an async job has versions, not rounds
+ASYNC_KINDS = {"round_opened": "buffer_filled", "round_closed": "version_published"}  # an async job has versions, not rounds
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

@@ -380,7 +380,7 @@ def test_async_logs_speak_of_versions_and_json_says_the_mode(monkeypatch, capsys
     monkeypatch.setattr(jobs, "client", lambda args: FakeClient())
     assert main(["jobs", "logs", "j"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[2:5] for line in lines] == [["buffer_filled", "version", "2"], ["version", "version", "2"]]
+    assert [line.split()[2:5] for line in lines] == [["buffer_filled", "version", "2"], ["version_published", "version", "2"]]
     assert not any("round" in line.split("  ", 1)[1].split("participant")[0] for line in lines)
     assert main(["jobs", "logs", "j", "--json"]) == 0
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
