@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -103,9 +104,11 @@ def planned_epsilon(options: DemoOptions, shards: list[int]) -> float:
 
     config = TrainingConfig(rounds=options.rounds, local_epochs=options.local_epochs,
                             batch_size=options.batch_size, lr=options.lr)
-    return max(project_epsilon([], noise_multiplier=options.noise_multiplier, sample_rate=dp_sample_rate(n, config),
-                               steps=options.rounds * planned_steps(n, config), delta=options.delta)
-               for n in set(shards))
+    with warnings.catch_warnings():  # Opacus's advice on its α range, for plans far over any budget: not the user's
+        warnings.filterwarnings("ignore", message="Optimal order is the smallest alpha")
+        return max(project_epsilon([], noise_multiplier=options.noise_multiplier, sample_rate=dp_sample_rate(n, config),
+                                   steps=options.rounds * planned_steps(n, config), delta=options.delta)
+                   for n in set(shards))
 
 
 def fit_training(options: DemoOptions, shards: list[int]) -> DemoOptions:
