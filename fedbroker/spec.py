@@ -533,7 +533,9 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     evaluation = _section(errors, raw, "evaluation", EvaluationConfig)
     if not errors.errors:  # across sections: only meaningful once each section is valid on its own
         errors.errors.extend(cross_section_problems(model=model, training=training, evaluation=evaluation))
-        errors.errors.extend(mode_problems(schedule=schedule, aggregation=aggregation))
+    # reported with every other problem: a section with problems of its own came back as the defaults (sync,
+    # alignment none), which this check passes, so it never echoes them
+    errors.errors.extend(mode_problems(schedule=schedule, aggregation=aggregation))
     if check is not None:
         errors.errors.extend(check(aggregation=aggregation, model=model))
     errors.raise_if_any()

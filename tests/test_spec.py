@@ -110,6 +110,18 @@ def test_all_problems_are_reported_at_once():
     assert "training.rounds" in str(info.value) and "model.layers[1].type" in str(info.value)
 
 
+def test_an_async_jobs_alignment_is_refused_along_with_every_other_problem():
+    job = _mutate(("training", "rounds"), 0)
+    job["model"]["layers"][1]["type"] = "Nope"
+    job["aggregation"]["alignment"] = "feddna"
+    job["schedule"] = {"mode": "async"}
+    with pytest.raises(ConfigError) as info:
+        accept_job(job)
+    message = str(info.value)
+    assert "training.rounds" in message and "model.layers[1].type" in message
+    assert "aggregation.alignment: must be 'none' with schedule.mode async" in message, message
+
+
 def test_parse_and_algorithm_problems_are_reported_together():
     job = _mutate(("training", "rounds"), 0)
     job["aggregation"]["weighting"] = "median"

@@ -25,7 +25,9 @@ import math
 import numbers
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,19 @@ from fedbroker.errors import ConfigError
 from fedbroker.files import write_atomic
 
 log = logging.getLogger(__name__)
+# A missing ledger may be a lost one: a warning, except where a run starts its workers afresh (`fresh_ledgers`).
+NEW_LEDGER_LEVEL: ContextVar[int] = ContextVar("new_ledger_level", default=logging.WARNING)
+
+
+@contextmanager
+def fresh_ledgers() -> Iterator[None]:
+    """Within it, a missing ledger is logged at INFO: the demo and simulate start workers in a new run folder,
+    where every ledger is new by design (a real worker process keeps the warning)."""
+    token = NEW_LEDGER_LEVEL.set(logging.INFO)
+    try:
+        yield
+    finally:
+        NEW_LEDGER_LEVEL.reset(token)
 
 FORMAT_VERSION = 1
 MARK_SUFFIX = ".mark"
@@ -143,8 +158,8 @@ class PrivacyLedger:
             with open(self.path, encoding="utf-8") as fh:
                 doc = json.load(fh)
         except FileNotFoundError:
-            log.warning("no privacy ledger at %s: starting a new one (a worker with history is refused by its "
-                        "mark file, or by the ε its coordinator recorded)", self.path)
+            log.log(NEW_LEDGER_LEVEL.get(), "no privacy ledger at %s: starting a new one (a worker with history is "
+                    "refused by its mark file, or by the ε its coordinator recorded)", self.path)
             return {}
         except (OSError, ValueError) as exc:
             raise ConfigError(self.path, f"privacy ledger is unreadable ({exc}); refusing to start from zero") from None

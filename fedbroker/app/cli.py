@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -228,7 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.run(args))
+        code = int(args.run(args))
+        sys.stdout.flush()  # here, so a reader that went away is met below, not at interpreter exit
+        return code
+    except BrokenPipeError:  # `fedbroker jobs logs ID | head`: stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool the pipe stopped
     except grpc.RpcError as error:
         print(f"fedbroker {args.command}: {error.code().name}: {error.details()}", file=sys.stderr)
         return 1

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fedbroker.errors import FedbrokerError
+from fedbroker.errors import ConfigError, ConfigErrors, FedbrokerError
 from fedbroker.spec import JobSpec, ModelSpec, TrainingConfig, parse_job
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from fedbroker.coordinator.service import CoordinatorClient
     from fedbroker.proto import fedbroker_pb2 as pb
     from fedbroker.worker.agent import WorkerAgent
+    from fedbroker.worker.data import Dataset
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,81 @@ class DemoOptions:
     round_timeout_s: float = 300.0
     mode: str = "sync"   # sync (rounds) | async (FedBuff: `rounds` × workers / buffer updates, as versions)
     run_id: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
+
+
+# The digits demo's steps per epoch: ~479 samples a worker in batches of 32 (README: ε 7.344/7.617/7.617). A
+# smaller set keeps this sampling rate (about 1/15) with a smaller batch, so its ε per epoch stays near digits'.
+STEPS_PER_EPOCH = 15
+MAX_NOISE_RAISES = 12   # σ is raised in steps of a quarter, at most this many, before the demo gives up
+
+
+def check_options(options: DemoOptions) -> None:
+    """The demo's own options, named as the user typed them, before anything is created."""
+    problems: list[ConfigError] = []
+    for flag, value, low in (("--workers", options.workers, 1), ("--rounds", options.rounds, 1),
+                             ("--local-epochs", options.local_epochs, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            problems.append(ConfigError(flag, f"must be a whole number >= {low}, got {value!r}"))
+    for flag, number in (("--alpha", options.alpha), ("--lr", options.lr),
+                         ("--noise-multiplier", options.noise_multiplier), ("--max-grad-norm", options.max_grad_norm),
+                         ("--epsilon-budget", options.epsilon_budget)):
+        if not number > 0:
+            problems.append(ConfigError(flag, f"must be a number > 0, got {number!r}"))
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ConfigErrors(problems)
+
+
+def shard_sizes(options: DemoOptions, data: Dataset) -> list[int]:
+    """The training samples each demo worker will hold: the split and partition its agent makes."""
+    from fedbroker.config import WorkerConfig
+    from fedbroker.worker.data import train_test_split
+    from fedbroker.worker.partition import partition
+
+    defaults = WorkerConfig()
+    train, _ = train_test_split(data, test_fraction=defaults.test_fraction, seed=defaults.split_seed)
+    shards = partition(train.y, scheme=options.partition, num_clients=options.workers, seed=options.seed,
+                       alpha=options.alpha)
+    return [len(s) for s in shards]
+
+
+def planned_epsilon(options: DemoOptions, shards: list[int]) -> float:
+    """The largest ε any worker will have spent after all the demo's rounds, by the workers' own accountant."""
+    from fedbroker.worker.accounting import dp_sample_rate, planned_steps, project_epsilon
+
+    config = TrainingConfig(rounds=options.rounds, local_epochs=options.local_epochs,
+                            batch_size=options.batch_size, lr=options.lr)
+    with warnings.catch_warnings():  # Opacus's advice on its α range, for plans far over any budget: not the user's
+        warnings.filterwarnings("ignore", message="Optimal order is the smallest alpha")
+        return max(project_epsilon([], noise_multiplier=options.noise_multiplier, sample_rate=dp_sample_rate(n, config),
+                                   steps=options.rounds * planned_steps(n, config), delta=options.delta)
+                   for n in set(shards))
+
+
+def fit_training(options: DemoOptions, shards: list[int]) -> DemoOptions:
+    """Training and DP settings that let every worker afford all the demo's rounds.
+
+    The batch keeps about STEPS_PER_EPOCH steps an epoch on the mean shard (at most `batch_size`, 32); with DP,
+    the most local epochs (up to --local-epochs) whose planned ε after --rounds rounds stays within
+    --epsilon-budget on every shard; where even one epoch does not fit, σ is raised by quarters. Raises, naming
+    the options to change, when nothing fits."""
+    batch = max(1, min(options.batch_size, round(sum(shards) / len(shards) / STEPS_PER_EPOCH)))
+    fitted = replace(options, batch_size=batch)
+    if not options.dp:
+        return fitted
+    sigma = options.noise_multiplier
+    for raises in range(MAX_NOISE_RAISES + 1):
+        sigma = options.noise_multiplier + 0.25 * raises
+        for epochs in range(options.local_epochs, 0, -1):
+            candidate = replace(fitted, local_epochs=epochs, noise_multiplier=sigma)
+            if planned_epsilon(candidate, shards) <= options.epsilon_budget:
+                return candidate
+    raise ConfigError("--rounds", f"{options.rounds} rounds of {options.dataset} cannot fit --epsilon-budget "
+                                  f"{options.epsilon_budget:g}: the smallest worker holds {min(shards)} samples, and "
+                                  f"even one local epoch a round at σ {sigma:g} spends more; lower --rounds, raise "
+                                  f"--epsilon-budget, or split the data more evenly (a larger --alpha, or "
+                                  f"--partition iid)")
 
 
 def demo_job(options: DemoOptions, input_shape: tuple[int, ...], num_classes: int) -> dict[str, Any]:
@@ -221,9 +298,12 @@ class Cluster:
                 self.spawn(f"worker-{i}", "worker", self.env(**self.worker_settings(i)))
             self._wait_coordinator()
         else:
+            from fedbroker.worker.ledger import fresh_ledgers
+
             self.in_process.append(start_coordinator(load_config(environ=coordinator_env)))
-            for i in range(self.options.workers):
-                self.in_process.append(start_worker(load_config(environ=self.env(**self.worker_settings(i)))))
+            with fresh_ledgers():  # this run's folder is new: so is every worker's ledger
+                for i in range(self.options.workers):
+                    self.in_process.append(start_worker(load_config(environ=self.env(**self.worker_settings(i)))))
 
     def _wait_coordinator(self, timeout_s: float = 60.0) -> None:
         client = self.client()
@@ -290,17 +370,22 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
 
     from fedbroker.worker.data import load_dataset
 
-    run_dir = Path(options.out) / options.run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
+    check_options(options)  # the demo's own options first, by their flags, before a run folder exists
     data = load_dataset(options.dataset)
+    shards = shard_sizes(options, data)
+    options = fit_training(options, shards)
+    run_dir = Path(options.out) / options.run_id
     job = demo_job(options, data.input_shape, data.num_classes)
     spec = parse_job(job)  # the options checked before anything starts (the coordinator checks what it receives)
     pooled = baseline_training(spec)  # checked now too, though it trains only once the federation is done
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.json").write_text(json.dumps(job, indent=2))
     unit = "versions (async)" if options.mode == "async" else "rounds"
-    print(f"fedbroker demo: {options.workers} workers, {demo_versions(options)} {unit}, {options.dataset} "
-          f"({options.partition}{f' α={options.alpha}' if options.partition == 'dirichlet' else ''}), "
-          f"DP {f'on (σ={options.noise_multiplier:g}, clip={options.max_grad_norm:g}, δ={options.delta:g})' if options.dp else 'off'}, "
+    privacy = (f"on (σ={options.noise_multiplier:g}, clip={options.max_grad_norm:g}, δ={options.delta:g}, planned ε "
+               f"{planned_epsilon(options, shards):.2f} of {options.epsilon_budget:g})" if options.dp else "off")
+    split = f"{options.partition}{f' α={options.alpha}' if options.partition == 'dirichlet' else ''}"
+    print(f"fedbroker demo: {options.workers} workers, {demo_versions(options)} {unit}, {options.dataset} ({split}), "
+          f"batch {options.batch_size}, {options.local_epochs} local epoch(s), DP {privacy}, "
           f"bus: {'RabbitMQ' if options.broker else 'in-process'}; run folder {run_dir}")
     cluster = Cluster(options, run_dir)
     started = time.time()

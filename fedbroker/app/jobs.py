@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import safetensors.numpy
-from google.protobuf import json_format
 
 from fedbroker.app.status import render, table
 from fedbroker.files import write_atomic
@@ -55,14 +54,17 @@ def client(args: argparse.Namespace) -> Any:
 
 
 def as_dict(message: Any) -> dict[str, Any]:
-    return json_format.MessageToDict(message, preserving_proto_field_name=True,
-                                     always_print_fields_with_no_presence=True)
-
-
-def _job_dict(row: Any) -> dict[str, Any]:
-    out = as_dict(row)
-    spec = out.pop("spec_json", "")
-    out["spec"] = json.loads(spec) if spec else None
+    """Every `--json` output's one shape: keys in the message's field order, numbers as numbers (protobuf's own
+    JSON writes int64 as strings), and a job's `spec_json` as a `spec` object."""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.name == "spec_json":
+            out["spec"] = json.loads(value) if value else None
+        elif field.is_repeated:
+            out[field.name] = [as_dict(v) if field.message_type else v for v in value]
+        else:
+            out[field.name] = as_dict(value) if field.message_type else value
     return out
 
 
@@ -77,7 +79,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     finally:
         c.close()
     if args.json:
-        print(json.dumps([_job_dict(j) for j in jobs], indent=2))
+        print(json.dumps([as_dict(j) for j in jobs], indent=2))
     else:
         print(table(["job", "name", "status", "rounds", "submitter", "submitted (UTC)"],
                     [[j.job_id, j.name, j.status, f"{j.rounds_done}/{j.rounds_total}", j.submitter or "-",
@@ -93,31 +95,57 @@ def cmd_show(args: argparse.Namespace) -> int:
         c.close()
     (job,) = status.jobs
     if args.json:
-        doc = _job_dict(job)
+        doc = as_dict(job)
         doc["rounds"] = [as_dict(r) for r in status.rounds]
         doc["participants"] = [as_dict(p) for p in status.participants]
         print(json.dumps(doc, indent=2))
         return 0
     facts = [("job", job.job_id), ("name", job.name), ("status", job.status), ("category", job.category),
-             ("rounds", f"{job.rounds_done}/{job.rounds_total}"), ("submitter", job.submitter or "-"),
-             ("submitted", _when(job.created_unix) + " UTC"), ("updated", _when(job.updated_unix) + " UTC")]
+             ("mode", job.mode or "sync"), ("rounds", f"{job.rounds_done}/{job.rounds_total}"),
+             ("submitter", job.submitter or "-"), ("submitted", _when(job.created_unix) + " UTC"),
+             ("updated", _when(job.updated_unix) + " UTC"), *settings(json.loads(job.spec_json or "{}"))]
     if job.error:
         facts.append(("error", job.error))
     width = max(len(k) for k, _ in facts)
     print("\n".join(f"{k.ljust(width)}  {v}" for k, v in facts))
     print()
-    print(render(_without_workers(status)))
+    print(render(status, workers=False))
+    print()
+    print("WORKERS (this job)")
+    print(job_workers(status))
     return 0
 
 
-def _without_workers(status: Any) -> Any:
-    """`show` is about one job: the registry's workers belong to `fedbroker status`."""
-    from fedbroker.proto import fedbroker_pb2 as pb
-
-    out = pb.StatusReply()
-    out.CopyFrom(status)
-    del out.workers[:]
+def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """The job's settings, one line each: what it trains and how, as submitted."""
+    model = spec.get("model") or {}
+    layers = " → ".join(_layer(layer) for layer in model.get("layers", []))
+    out = [("model", f"input {model.get('input_shape')}: {layers}")] if model else []
+    for section in ("training", "schedule", "aggregation", "evaluation"):
+        values = spec.get(section)
+        if values:
+            out.append((section, ", ".join(f"{k} {json.dumps(v) if isinstance(v, (dict, list)) else v}"
+                                           for k, v in values.items() if v != {})))
     return out
+
+
+def _layer(layer: dict[str, Any]) -> str:
+    args = [f"{k}={v}" for k, v in layer.items() if k != "type"]
+    return f"{layer.get('type')}({', '.join(args)})" if args else str(layer.get("type"))
+
+
+def job_workers(status: Any) -> str:
+    """One row per worker the job asked: rounds it was aggregated in, refusals and failures, ε the job spent on
+    its data (the largest it reported), its samples."""
+    rows: dict[str, list[Any]] = {}
+    for p in status.participants:
+        row = rows.setdefault(p.worker_id, [p.worker_id, 0, 0, 0.0, 0])
+        row[1] += p.status == "aggregated"
+        row[2] += p.status in ("refused", "failed", "missed")
+        row[3] = max(row[3], p.epsilon)
+        row[4] = max(row[4], p.num_samples)
+    return table(["worker", "aggregated in", "refused/failed", "ε spent", "samples"],
+                 [[w, a, r, f"{e:.3f}" if e else "-", n or "-"] for w, a, r, e, n in rows.values()])
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
@@ -154,16 +182,26 @@ def follow_events(c: Any, job_id: str, *, follow: bool) -> Iterator[Any]:
             return
 
 
+ASYNC_KINDS = {"round_opened": "buffer_filled", "round_closed": "version_published"}  # an async job has versions, not rounds
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     c = client(args)
     try:
+        (job,) = c.status(args.job_id).jobs
+        mode = job.mode or "sync"
+        versions: dict[int, int] = {}
         for e in follow_events(c, args.job_id, follow=args.follow):
             if args.json:
-                print(json.dumps(as_dict(e)), flush=True)
-            else:
-                where = f"round {e.round}" if e.round else ""
-                who = e.worker_id or ""
-                print(f"{_when(e.time_unix)}  {e.kind:<16} {where:<9} {who:<16} {e.message}".rstrip(), flush=True)
+                print(json.dumps({**as_dict(e), "mode": mode}), flush=True)
+                continue
+            kind, where = e.kind, f"round {e.round}" if e.round else ""
+            if mode == "async" and e.round:
+                if e.round not in versions:  # the version a buffer made: from the job's rows, fetched as needed
+                    versions.update({r.round: r.model_version for r in c.status(args.job_id).rounds})
+                kind = ASYNC_KINDS.get(kind, kind)
+                where = f"version {versions[e.round]}" if versions.get(e.round) else ""
+            print(f"{_when(e.time_unix)}  {kind:<16} {where:<11} {e.worker_id:<16} {e.message}".rstrip(), flush=True)
     except KeyboardInterrupt:
         return 130
     finally:

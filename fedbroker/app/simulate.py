@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,13 +75,19 @@ def _setting(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+DATA_VARIABLES = "FEDBROKER__WORKER__DATA__"  # what simulate honours of a worker's environment
+
+
 def simulation_data(options: SimulateOptions, job: JobSpec) -> WorkerConfig:
     """The `worker` section every simulated worker starts from: the owner's file, a bundled set, or the set
     the job is evaluated on."""
     if options.worker_config:
         if options.dataset:
             raise ConfigError("--dataset", "give either a bundled set or --worker-config, not both")
-        return load_config(options.worker_config, environ={}).worker
+        # the file plus the data section's variables, as a worker would read them; the rest of a real worker's
+        # environment (its broker, id, ledger) is no business of a simulation on this machine
+        environ = {k: v for k, v in os.environ.items() if k.startswith(DATA_VARIABLES)}
+        return load_config(options.worker_config, environ=environ).worker
     name = options.dataset or job.evaluation.dataset
     if not name:
         raise ConfigError("--dataset", "the job names no evaluation set: give a bundled set (--dataset digits) "

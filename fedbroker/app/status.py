@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
+
+DASH = "-"  # a value that does not exist yet (an open round) or at all (a job without an evaluation set)
 
 
 def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -14,23 +17,46 @@ def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def render(status: Any) -> str:
+def evaluated_jobs(status: Any) -> set[str]:
+    """Jobs whose spec names an evaluation set: only their closed rounds have an accuracy and a test loss."""
+    out = set()
+    for j in status.jobs:
+        try:
+            spec = json.loads(j.spec_json) if j.spec_json else {}
+        except ValueError:
+            spec = {}
+        if (spec.get("evaluation") or {}).get("dataset"):
+            out.add(j.job_id)
+    return out
+
+
+def scores(r: Any, evaluated: set[str]) -> list[str]:
+    """A round's accuracy, test loss and mean train loss; a dash where there is none (never a false 0.0000)."""
+    closed = r.status == "closed"
+    tested = closed and r.job_id in evaluated
+    return [f"{r.accuracy:.4f}" if tested else DASH, f"{r.loss:.4f}" if tested else DASH,
+            f"{r.mean_train_loss:.4f}" if closed else DASH]
+
+
+def render(status: Any, *, workers: bool = True) -> str:
+    """`fedbroker status`'s tables; `workers=False` leaves out the registry's workers (`jobs show` has its own)."""
     asynchronous = {j.job_id for j in status.jobs if j.mode == "async"}
+    evaluated = evaluated_jobs(status)
     parts = ["JOBS", table(["job", "status", "mode", "rounds/versions", "error"],
                            [[j.job_id, j.status, j.mode or "sync", f"{j.rounds_done}/{j.rounds_total}", j.error[:80]]
                             for j in status.jobs])]
     parts += ["", "ROUNDS", table(
         ["job", "round", "status", "uploaded", "aggregated", "accuracy", "loss", "train loss", "seconds"],
-        [[r.job_id, r.round, r.status, f"{r.uploaded}/{r.participants}", r.aggregated, f"{r.accuracy:.4f}",
-          f"{r.loss:.4f}", f"{r.mean_train_loss:.4f}", f"{r.seconds:.1f}"]
+        [[r.job_id, r.round, r.status, f"{r.uploaded}/{r.participants}", r.aggregated, *scores(r, evaluated),
+          f"{r.seconds:.1f}"]
          for r in status.rounds if r.job_id not in asynchronous])]
     if asynchronous:  # asynchronous jobs have no rounds: a row per global version its buffer published
         parts += ["", "VERSIONS (asynchronous jobs)", table(
             ["job", "version", "workers", "mean staleness", "accuracy", "loss", "train loss", "seconds"],
-            [[r.job_id, r.model_version, r.aggregated, f"{r.mean_staleness:.2f}", f"{r.accuracy:.4f}",
-              f"{r.loss:.4f}", f"{r.mean_train_loss:.4f}", f"{r.seconds:.1f}"]
+            [[r.job_id, r.model_version, r.aggregated, f"{r.mean_staleness:.2f}", *scores(r, evaluated),
+              f"{r.seconds:.1f}"]
              for r in status.rounds if r.job_id in asynchronous])]
-    parts += ["", "WORKERS", table(
+    parts += [] if not workers else ["", "WORKERS", table(
         ["worker", "device", "active", "ε spent", "ε budget", "last seen"],
         [[w.worker_id, w.device, "yes" if w.active else "no", f"{w.epsilon_spent:.3f}",
           f"{w.epsilon_budget:g}" if w.epsilon_budget else "no DP", f"{w.last_seen_seconds_ago:.0f}s ago"]

@@ -61,3 +61,12 @@ def test_demo_in_async_mode_shows_versions(tmp_path, bus, request):
     table = stdout.split("training the centralised")[1]
     assert "version" in table.splitlines()[2] and "staleness" in table and "round" not in table.splitlines()[2]
     assert results["summary"]["broker"] == bus
+
+
+def test_the_iris_demo_with_dp_completes_all_its_rounds_within_the_budget(tmp_path):
+    results, stdout = run_demo(tmp_path, "--dataset", "iris", "--rounds", "5")
+    assert results["summary"]["status"] == "completed" and results["refusals"] == []
+    assert [r["round"] for r in results["rounds"]] == [1, 2, 3, 4, 5]
+    assert all(r["clients"] == 3 for r in results["rounds"])
+    assert 0 < results["summary"]["max_epsilon"] <= 10.0
+    assert "planned ε" in stdout

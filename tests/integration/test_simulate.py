@@ -4,6 +4,7 @@ starts, naming the field or flag, and a job on the user's own Parquet file runs 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,11 +28,13 @@ JOB = {
 }
 
 
-def simulate(tmp_path: Path, job: dict, *args: str) -> subprocess.CompletedProcess[str]:
+def simulate(tmp_path: Path, job: dict, *args: str, env: dict[str, str] | None = None
+             ) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return subprocess.run([sys.executable, "-m", "fedbroker", "simulate", str(path), "--out", str(tmp_path / "runs"),
-                           *args], cwd=ROOT, capture_output=True, text=True, timeout=280)
+                           *args], cwd=ROOT, capture_output=True, text=True, timeout=280,
+                          env={**os.environ, **(env or {})})
 
 
 @pytest.mark.parametrize(("change", "args", "message"), [
@@ -63,11 +66,14 @@ def test_simulate_runs_a_job_on_the_users_own_parquet_file(tmp_path):
                    tmp_path / "mine.parquet")
     (tmp_path / "worker.yaml").write_text(yaml.safe_dump({"worker": {
         "dataset": "parquet", "dp": {"enabled": False},
-        "data": {"path": str(tmp_path / "mine.parquet"), "label_column": "answer", "classes": ["no", "maybe", "yes"]},
+        "data": {"path": str(tmp_path / "mine.parquet"), "classes": ["no", "maybe", "yes"]},
     }}))
     job = {**JOB, "category": "survey", "evaluation": {}}
-    proc = simulate(tmp_path, job, "--worker-config", str(tmp_path / "worker.yaml"), "--workers", "2")
+    # the data section's label column from the environment, as a real worker would read it (README)
+    proc = simulate(tmp_path, job, "--worker-config", str(tmp_path / "worker.yaml"), "--workers", "2",
+                    env={"FEDBROKER__WORKER__DATA__LABEL_COLUMN": "answer"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "no privacy ledger" not in proc.stderr  # a fresh simulation's new ledgers are no cause for a warning
     (run_dir,) = list((tmp_path / "runs").iterdir())
     results = json.loads((run_dir / "results.json").read_text())
     assert results["summary"]["status"] == "completed" and [r["clients"] for r in results["rounds"]] == [2, 2]

@@ -191,7 +191,32 @@ def test_only_the_submitter_may_cancel_or_download_and_unknown_ids_exit_nonzero(
     shown = json.loads(out)
     assert code == 0 and [r["status"] for r in shown["rounds"]] == ["closed"]
     code, out, _ = cli(capsys, "jobs", "show", job_id, "--config", served.config("carol"))
-    assert code == 0 and "submitter  alice" in out and "ROUNDS" in out
+    assert code == 0 and re.search(r"^submitter +alice$", out, re.M) and "ROUNDS" in out
+    # the settings the job runs with, and the workers it asked (not an empty table)
+    model = re.search(r"^model +input \[1, 8, 8\]: (.*)$", out, re.M)
+    assert model and [layer.split("(")[0] for layer in model[1].split(" → ")] == ["Flatten", "Linear", "ReLU", "Linear"]
+    assert "in_features=64" in model[1] and "out_features=10" in model[1]
+    assert re.search(r"^training +batch_size 32, local_epochs 1, lr 0.1, .*rounds 1$", out, re.M)
+    assert re.search(r"^schedule .*min_workers 1, mode sync", out, re.M)
+    assert re.search(r"^aggregation +alignment none, selection all, weighting fedavg$", out, re.M)
+    assert re.search(r"^evaluation +dataset digits", out, re.M)
+    workers = out.split("WORKERS (this job)")[1].strip().splitlines()
+    assert len(workers) == 3 and workers[2].split()[:3] == ["w0", "1", "0"], out
+
+    # every --json output has the same shapes: a spec object, numbers as numbers, one key order
+    code, out, _ = cli(capsys, "status", "--job", job_id, "--json", "--config", served.config("carol"))
+    status = json.loads(out)
+    assert code == 0 and status["jobs"][0]["spec"] == shown["spec"] == row["spec"]
+    assert "spec_json" not in status["jobs"][0] and list(status["jobs"][0]) == list(row) == list(shown)[:len(row)]
+    assert status["participants"] == shown["participants"]
+    assert isinstance(shown["participants"][0]["num_samples"], int) and shown["participants"][0]["num_samples"] > 0
+    code, out, _ = cli(capsys, "jobs", "logs", job_id, "--json", "--config", served.config("carol"))
+    events = [json.loads(line) for line in out.splitlines()]
+    seqs = [e["seq"] for e in events]
+    assert code == 0 and all(isinstance(q, int) for q in seqs) and seqs == sorted(set(seqs))
+    assert {tuple(e) for e in events} == {("seq", "job_id", "time_unix", "kind", "round", "worker_id", "message",
+                                           "mode")}
+    assert {e["mode"] for e in events} == {"sync"}
 
     for argv in (["status", "--job", "nope-0000"], ["jobs", "show", "nope-0000"], ["jobs", "logs", "nope-0000"],
                  ["jobs", "cancel", "nope-0000"], ["jobs", "download", "nope-0000", "--out", str(served.tmp / "x")]):
@@ -315,3 +340,62 @@ def test_a_job_waiting_for_workers_is_cancelled_before_any_round_opens(served):
     assert served.fed.coordinator.wait(job_id, timeout=60) == "cancelled"
     assert served.fed.store.rounds(job_id) == [] and served.fed.store.job(job_id)["error"] == "cancelled by alice"
     assert [e["kind"] for e in served.fed.store.events(job_id)] == ["submitted", "cancelling", "cancelled"]
+
+
+def test_open_rounds_and_jobs_without_an_evaluation_set_show_a_dash_not_zero():
+    from fedbroker.app.status import render
+    from fedbroker.proto import fedbroker_pb2 as pb
+
+    evaluated = json.dumps({"evaluation": {"dataset": "digits"}})
+    status = pb.StatusReply(
+        jobs=[pb.JobRow(job_id="a", status="running", spec_json=evaluated),
+              pb.JobRow(job_id="b", status="running", spec_json=json.dumps({"evaluation": {"dataset": ""}}))],
+        rounds=[pb.RoundRow(job_id="a", round=1, status="closed", accuracy=0.5, loss=1.25, mean_train_loss=0.75),
+                pb.RoundRow(job_id="a", round=2, status="open"),
+                pb.RoundRow(job_id="b", round=1, status="closed", mean_train_loss=0.5)])
+    rows = {tuple(line.split()[:2]): line.split() for line in render(status).split("ROUNDS")[1].splitlines()[3:]
+            if line.strip()}
+    assert rows[("a", "1")][5:8] == ["0.5000", "1.2500", "0.7500"]
+    assert rows[("a", "2")][5:8] == ["-", "-", "-"]
+    assert rows[("b", "1")][5:8] == ["-", "-", "0.5000"]
+    assert "0.0000" not in render(status)
+
+
+def test_async_logs_speak_of_versions_and_json_says_the_mode(monkeypatch, capsys):
+    import fedbroker.app.jobs as jobs
+    from fedbroker.proto import fedbroker_pb2 as pb
+
+    class FakeClient:  # the coordinator's replies for an async job whose first buffer made version 2
+        def status(self, job_id):
+            return pb.StatusReply(jobs=[pb.JobRow(job_id=job_id, status="completed", mode="async")],
+                                  rounds=[pb.RoundRow(job_id=job_id, round=1, status="closed", model_version=2)])
+
+        def events(self, job_id, *, after=0, follow=False):
+            return [pb.JobEvent(seq=7, job_id=job_id, time_unix=1.0, kind="round_opened", round=1, message="2 participant(s)"),
+                    pb.JobEvent(seq=8, job_id=job_id, time_unix=2.0, kind="round_closed", round=1, message="version 2: 2 of 2")]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(jobs, "client", lambda args: FakeClient())
+    assert main(["jobs", "logs", "j"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[2:5] for line in lines] == [["buffer_filled", "version", "2"], ["version_published", "version", "2"]]
+    assert not any("round" in line.split("  ", 1)[1].split("participant")[0] for line in lines)
+    assert main(["jobs", "logs", "j", "--json"]) == 0
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(e["kind"], e["round"], e["seq"], e["mode"]) for e in events] == [("round_opened", 1, 7, "async"),
+                                                                                ("round_closed", 1, 8, "async")]
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    """`fedbroker jobs logs ID | head`: the reader is gone before the command writes; no traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "fedbroker", "token", "alice", "--role", "viewer"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2],
+                              timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141 and proc.stderr == ""

@@ -114,3 +114,17 @@ def test_a_release_is_charged_once_kept_across_restarts_and_a_new_draw_adds_its_
     assert again.total_epsilon() == pytest.approx(3.0) and again.jobs() == {"job": 2.0}
     again.record_release("label_histogram", value=[1, 1, 1], epsilon=0.5, source=[1, 1, 1])
     assert PrivacyLedger(path).total_epsilon() == pytest.approx(3.5)  # both draws were published: both count
+
+
+def test_a_missing_ledger_is_a_warning_except_where_a_run_starts_its_workers_afresh(tmp_path, caplog):
+    import logging
+
+    from fedbroker.worker.ledger import fresh_ledgers
+
+    with caplog.at_level(logging.INFO, logger="fedbroker.worker.ledger"):
+        PrivacyLedger(str(tmp_path / "real-worker.json"))
+        with fresh_ledgers():
+            PrivacyLedger(str(tmp_path / "demo-worker.json"))
+    levels = {r.getMessage().split(":")[0]: r.levelname for r in caplog.records if "no privacy ledger" in r.getMessage()}
+    assert levels == {f"no privacy ledger at {tmp_path / 'real-worker.json'}": "WARNING",
+                      f"no privacy ledger at {tmp_path / 'demo-worker.json'}": "INFO"}
