@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -55,6 +56,12 @@ class Registry(Generic[T]):
                     f"aggregation.{self.kind}_params.{unknown[0]}",
                     f"unknown parameter for {self.kind} {name!r}; known: {', '.join(sorted(known)) or 'none'}",
                 )
+        required = sorted(p.name for p in inspect.signature(cls).parameters.values()
+                          if p.default is inspect.Parameter.empty and p.name not in params
+                          and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+        if required:
+            raise ConfigError(f"aggregation.{self.kind}_params.{required[0]}",
+                              f"required for {self.kind} {name!r} ({', '.join(required)} must be given)")
         try:
             return cls(**params)
         except ConfigError:
