@@ -58,9 +58,9 @@ def reports(agent: WorkerAgent) -> list[tuple[float, int, str]]:
     out: list[tuple[float, int, str]] = []
     report = agent._report
 
-    def recording(task: pb.RoundTask, status: Any, reason: str) -> None:
+    def recording(task: pb.RoundTask, status: Any, reason: str, **kwargs: Any) -> None:
         out.append((time.time(), status, reason))
-        report(task, status, reason)
+        report(task, status, reason, **kwargs)
 
     agent._report = recording  # type: ignore[method-assign]
     return out
