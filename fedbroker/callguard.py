@@ -195,7 +195,7 @@ class CallGuard(grpc.ServerInterceptor):
         """Seconds until a refused caller may expect a free slot: refused callers queue up virtually, each
         one slot-turnover (a transfer's length / max_streams) behind the last. Told so, a herd of workers
         that started their transfers together comes back spread out, in about the order it was refused,
-        instead of retrying together and being refused again (N=100 stub workers: 3 refusals each)."""
+        instead of retrying together and being refused again."""
         now = self.clock()
         turnover = max(self._transfer_s, _MIN_TRANSFER_S) / self.limits.max_streams
         self._queue_end = max(now, self._queue_end) + turnover

@@ -88,26 +88,23 @@ def short_details(message: str) -> str:
     return f"{message[:MAX_DETAILS_CHARS]}… ({len(message) - MAX_DETAILS_CHARS} more characters)"
 
 
-def reason_of(error: grpc.RpcError) -> str:
+def _trailer(error: grpc.RpcError, key: str) -> str | None:
     # The stubs type these as objects with .key/.value; grpc gives (key, value) pairs (namedtuples at most).
     metadata = cast("Iterable[tuple[str, str | bytes]]", error.trailing_metadata() or ())
-    for key, value in metadata:
-        if key == REASON_KEY:
-            return str(value)
-    return error.code().name.lower()
+    return next((str(value) for k, value in metadata if k == key), None)
+
+
+def reason_of(error: grpc.RpcError) -> str:
+    return _trailer(error, REASON_KEY) or error.code().name.lower()
 
 
 def retry_after_of(error: grpc.RpcError) -> float | None:
     """The seconds a `server_busy` refusal asks the caller to wait (RETRY_AFTER_KEY), if it says."""
-    metadata = cast("Iterable[tuple[str, str | bytes]]", error.trailing_metadata() or ())
-    for key, value in metadata:
-        if key == RETRY_AFTER_KEY:
-            try:
-                seconds = float(value) / 1000
-            except ValueError:
-                return None
-            return seconds if 0 <= seconds < float("inf") else None
-    return None
+    try:
+        seconds = float(_trailer(error, RETRY_AFTER_KEY) or "nan") / 1000
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds < float("inf") else None
 
 
 class RemoteError(FedbrokerError):
