@@ -194,9 +194,10 @@ class EventsServicer(pb_grpc.AggregationEventsServicer):
         self.keepalive_s = keepalive_s
 
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.JobChanges]:
-        after = 0
-        while context.is_active():
-            after, changed = self.book.watch(after, self.keepalive_s)
+        after, wait = 0, 0.0  # the first message at once, with every job: a watcher that reconnects learns
+        while context.is_active():  # at once what a restarted service still holds (maybe nothing)
+            after, changed = self.book.watch(after, wait)
+            wait = self.keepalive_s
             yield pb.JobChanges(jobs=[pb.JobSnapshot(job_id=j.job_id, round=j.round, accepted=j.accepted, open=j.open,
                                                     model_version=j.version, buffered=j.buffered) for j in changed])
 

@@ -68,12 +68,20 @@ class JobWatcher:
 
     def _run(self) -> None:
         failures = 0
+        broke = False
         while not self._stop.is_set():
             try:
                 self._call = self.aggregator.watch()
                 for message in self._call:
                     self.connected.set()
                     failures = 0
+                    if broke:  # the service may have restarted without its state: every waiting loop asks it now
+                        broke = False
+                        with self._lock:
+                            self._latest.clear()  # what the broken stream said may be gone with the service
+                            wakes = list(self._wakes.values())
+                        for wake in wakes:
+                            wake.set()
                     for snapshot in message.jobs:
                         with self._lock:
                             self._latest[snapshot.job_id] = snapshot
@@ -84,6 +92,7 @@ class JobWatcher:
                 if self._stop.is_set():
                     return
                 log.debug("aggregation events stream ended (%s); reopening", exc)
+            broke = True
             self.connected.clear()
             self._stop.wait(_RECONNECT.delay(failures))
             failures += 1

@@ -464,10 +464,11 @@ class StateStore:
         self._write(f"record the uploads of round {round_number} of job {job_id!r}", write)
 
     def reset_uploads(self, job_id: str, round_number: int) -> None:
-        """The aggregation service lost the round's uploads (it restarted without its spool): wait for them again."""
+        """The aggregation service lost the round's uploads (it restarted without its spool): wait for them
+        again, and for the workers whose task failed meanwhile (most likely on the lost job): they get it again."""
         self._run(f"reset the uploads of round {round_number} of job {job_id!r}",
-                  "UPDATE participants SET status = 'published' WHERE job_id = ? AND round = ? AND status = 'uploaded'",
-                  (job_id, round_number))
+                  "UPDATE participants SET status = 'published' WHERE job_id = ? AND round = ?"
+                  " AND status IN ('uploaded', 'failed')", (job_id, round_number))
 
     def record_outcome(self, job_id: str, round_number: int, worker_id: str, status: str, reason: str, *,
                        epsilon: float = 0.0) -> bool:
