@@ -6,9 +6,12 @@ making until a deadline (a worker: its round's) takes `until(deadline_unix)`, an
 then. A caller that rides out longer outages itself (the coordinator, for `aggregator_outage_s`) takes
 `without_retries()`, so retries never nest.
 
-The three model-streaming calls skip protobuf objects for the data chunks (`codec.encoded_stream` and
-`codec.decoded_stream`: the same bytes on the wire, two to three fewer copies of the model per
-transfer); every other call goes through the generated stub.
+A worker's task takes two calls: `start_task` (is the round still open, is our update already in, and
+the global model, inline when it is small) and `upload` (one unary message when the update is small).
+Unary calls cost a fraction of a stream's thread hand-offs, and the control plane of a round of small
+models is these calls. A model above `codec.INLINE_BYTES` streams: those calls skip protobuf objects for
+the data chunks (`codec.encoded_stream` and `codec.decoded_stream`: the same bytes on the wire, two to
+three fewer copies of the model per transfer); every other call goes through the generated stub.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -34,6 +38,19 @@ def _path(method: str) -> str:
     """The gRPC path of an Aggregation method, from the proto descriptor (as the generated stub builds it)."""
     service = pb.DESCRIPTOR.services_by_name["Aggregation"]
     return f"/{service.full_name}/{service.methods_by_name[method].name}"
+
+
+Model = tuple[int, str, dict[str, np.ndarray]]  # (version, spec JSON, tensors)
+
+
+@dataclass(frozen=True)
+class TaskStart:
+    """What `start_task` learned: whether our update is already in, whether the round still takes one, and
+    the model to train (when asked for, and only for a round that still wants our update)."""
+
+    accepted: bool
+    open: bool
+    model: Model | None
 
 
 class AggregatorClient:
@@ -106,20 +123,44 @@ class AggregatorClient:
 
         return self._retry(run, what=f"download global model of job {job_id}", idempotent=True)
 
+    def start_task(self, job_id: str, round: int, worker_id: str, version: int, *, model: bool = True) -> TaskStart:
+        """A task's first call: the round's (async: the task's) status for this worker and, with `model`, the
+        global `version` to train from, inline when it fits one message, else streamed (a second call)."""
+        request = pb.StartTaskRequest(job_id=job_id, round=round, worker_id=worker_id, version=version,
+                                      inline_bytes=codec.INLINE_BYTES if model else 0)
+        reply: pb.StartTaskReply = self._retry(
+            lambda: self._stub.StartTask(request, timeout=self.timeout_s, metadata=self._md),
+            what=f"start of round {round} of job {job_id}", idempotent=True,
+        )
+        if reply.accepted or not reply.open or not model:
+            return TaskStart(reply.accepted, reply.open, None)
+        if not reply.sha256:  # larger than one message: streamed
+            return TaskStart(False, True, self.download(job_id, version))
+        header, tensors, _ = codec.receive(codec.as_stream(pb.ModelChunk, reply.header, reply.data, reply.sha256),
+                                           max_bytes=self.max_model_bytes)
+        return TaskStart(False, True, (header.version, header.model_spec_json, tensors))
+
     def upload(self, *, job_id: str, round: int, worker_id: str, num_samples: int, tensors: Mapping[str, np.ndarray],
                ish: float | None = None, epsilon: float = 0.0, train_loss: float = 0.0,
                validation_loss: float = 0.0) -> pb.UploadReceipt:
-        """Upload is idempotent on (job, round, worker) at the service, so retrying it is safe."""
+        """Upload is idempotent on (job, round, worker) at the service, so retrying it is safe. An update of
+        at most `codec.INLINE_BYTES` goes in one message, a larger one streams."""
         header = pb.UpdateHeader(
             job_id=job_id, round=round, worker_id=worker_id, num_samples=num_samples,
             ish=ish or 0.0, has_ish=ish is not None, epsilon=epsilon, train_loss=train_loss,
             validation_loss=validation_loss, tensors=codec.tensor_specs(tensors),
         )
-        return self._retry(
-            lambda: self._upload(codec.encoded_stream(pb.UpdateChunk, header, tensors),
-                                 timeout=self.transfer_timeout_s, metadata=self._md),
-            what=f"upload of {worker_id} for round {round}", idempotent=True,
-        )
+        call: Callable[[], pb.UploadReceipt]
+        if sum(a.nbytes for a in tensors.values()) <= codec.INLINE_BYTES:
+            data, digest = codec.joined(tensors)
+            whole = pb.WholeUpdate(header=header, data=data, sha256=digest)
+            call = lambda: self._stub.UploadWhole(whole, timeout=self.transfer_timeout_s,  # noqa: E731
+                                                  metadata=self._md)
+        else:
+            call = lambda: self._upload(codec.encoded_stream(pb.UpdateChunk, header, tensors),  # noqa: E731
+                                        timeout=self.transfer_timeout_s, metadata=self._md)
+        receipt: pb.UploadReceipt = self._retry(call, what=f"upload of {worker_id} for round {round}", idempotent=True)
+        return receipt
 
     def open_round(self, job_id: str, round: int, participants: Sequence[str], deadline_unix: float,
                    aggregation: Mapping[str, object], *, seed: int,

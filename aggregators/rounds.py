@@ -158,6 +158,18 @@ class RoundBook:
                         any(i.task == round_number for i in state.issued.values()))
             return job.status(round_number)
 
+    def worker_status(self, job_id: str, round_number: int, worker_id: str) -> tuple[bool, bool]:
+        """`status` for one worker: whether its update is in, and whether the round (async: its task numbered
+        `round_number`, open while outstanding) still takes it."""
+        job = self._job(job_id)
+        with self._lock:
+            state = job.asynchronous
+            if state is not None:
+                done, issued = state.accepted.get(worker_id), state.issued.get(worker_id)
+                return (done is not None and done.task == round_number,
+                        issued is not None and issued.task == round_number)
+            return job.worker_status(round_number, worker_id)
+
     def receive_update(self, messages: Iterable[pb.UpdateChunk]) -> Receipt:
         """Validate and accept one streamed update; idempotent on (job, round, worker).
 

@@ -45,18 +45,21 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "RoundStatus": frozenset({ROLE_COORDINATOR, ROLE_WORKER}),
     "DownloadGlobalModel": frozenset({ROLE_COORDINATOR, ROLE_WORKER}),
     "UploadUpdate": frozenset({ROLE_WORKER}),
+    "UploadWhole": frozenset({ROLE_WORKER}),
+    "StartTask": frozenset({ROLE_WORKER}),
     "OpenBuffer": frozenset({ROLE_COORDINATOR}),
     "IssueTasks": frozenset({ROLE_COORDINATOR}),
     "BufferStatus": frozenset({ROLE_COORDINATOR}),
     "CloseBuffer": frozenset({ROLE_COORDINATOR}),
     "Watch": frozenset({ROLE_COORDINATOR}),
 }
+UPLOADS = frozenset({"UploadUpdate", "UploadWhole"})
 WATCH_KEEPALIVE_S = 5.0  # an empty JobChanges this often: the stream is never idle
 
 
 def _count_refusal(method: str, reason: str) -> None:
     """The authentication interceptor's refusals (unauthenticated, permission_denied) of uploads."""
-    if method == "UploadUpdate":
+    if method in UPLOADS:
         metrics.record_rejection(Rejection(reason))
 
 
@@ -94,20 +97,48 @@ class AggregationServicer(pb_grpc.AggregationServicer):
 
     def UploadUpdate(self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext) -> pb.UploadReceipt:
         caller = self._caller(context)
+        return handle(context, lambda: self._receive(request_iterator, caller, "UploadUpdate"))
 
-        def run() -> pb.UploadReceipt:
-            try:
-                r = self.book.receive_update(_own_uploads_only(request_iterator, caller))
-            except UploadRejected as exc:
-                metrics.record_rejection(exc.reason)
-                raise
-            if r.duplicate:
-                metrics.UPLOADS_DUPLICATE.inc()
-            else:
-                metrics.UPLOADS_ACCEPTED.inc()
-                metrics.RECEIVED_BYTES.labels("UploadUpdate").inc(r.bytes_received)
-            return pb.UploadReceipt(job_id=r.job_id, round=r.round, worker_id=r.worker_id, duplicate=r.duplicate,
-                                    bytes_received=r.bytes_received, sha256=r.sha256)
+    def UploadWhole(self, request: pb.WholeUpdate, context: grpc.ServicerContext) -> pb.UploadReceipt:
+        caller = self._caller(context)
+        return handle(context, lambda: self._receive(
+            codec.as_stream(pb.UpdateChunk, request.header, request.data, request.sha256), caller, "UploadWhole"))
+
+    def _receive(self, messages: Iterable[pb.UpdateChunk], caller: Identity | None, method: str) -> pb.UploadReceipt:
+        try:
+            r = self.book.receive_update(_own_uploads_only(messages, caller))
+        except UploadRejected as exc:
+            metrics.record_rejection(exc.reason)
+            raise
+        if r.duplicate:
+            metrics.UPLOADS_DUPLICATE.inc()
+        else:
+            metrics.UPLOADS_ACCEPTED.inc()
+            metrics.RECEIVED_BYTES.labels(method).inc(r.bytes_received)
+        return pb.UploadReceipt(job_id=r.job_id, round=r.round, worker_id=r.worker_id, duplicate=r.duplicate,
+                                bytes_received=r.bytes_received, sha256=r.sha256)
+
+    def StartTask(self, request: pb.StartTaskRequest, context: grpc.ServicerContext) -> pb.StartTaskReply:
+        """Whether the round still wants this worker's update, and the model to train, inline when it fits
+        `inline_bytes` (and `codec.INLINE_BYTES`); a larger one comes with its header only, to be streamed."""
+        caller = self._caller(context)
+
+        def run() -> pb.StartTaskReply:
+            if caller is not None and caller.role == ROLE_WORKER and request.worker_id != caller.name:
+                raise UploadRejected(Rejection.PERMISSION_DENIED, f"worker {caller.name!r} may start only its own "
+                                                                  f"tasks, not one of worker {request.worker_id!r}")
+            accepted, is_open = self.book.worker_status(request.job_id, request.round, request.worker_id)
+            reply = pb.StartTaskReply(accepted=accepted, open=is_open)
+            if accepted or not is_open or request.inline_bytes <= 0:
+                return reply
+            version, spec_json, tensors = self.book.global_model(request.job_id, request.version)
+            reply.header.CopyFrom(pb.ModelHeader(job_id=request.job_id, version=version, model_spec_json=spec_json,
+                                                 tensors=codec.tensor_specs(tensors)))
+            size = sum(a.nbytes for a in tensors.values())
+            if size <= min(request.inline_bytes, codec.INLINE_BYTES):
+                reply.data, reply.sha256 = codec.joined(tensors)
+                metrics.SENT_BYTES.labels("StartTask").inc(size)
+            return reply
 
         return handle(context, run)
 

@@ -178,15 +178,28 @@ class Job:
         )
 
     def status(self, round_number: int) -> tuple[list[str], bool]:
+        rnd = self._asked(round_number)
+        if rnd is None:  # a worker with a redelivered task of a closed round
+            return list(self.closed_accepted.get(round_number, [])), False
+        return sorted(rnd.accepted), not rnd.closed
+
+    def worker_status(self, round_number: int, worker_id: str) -> tuple[bool, bool]:
+        """`status` for one worker: whether its update is in, and whether the round is open (without listing
+        the round's uploads: every worker of a round asks once)."""
+        rnd = self._asked(round_number)
+        if rnd is None:
+            return worker_id in self.closed_accepted.get(round_number, ()), False
+        return worker_id in rnd.accepted, not rnd.closed
+
+    def _asked(self, round_number: int) -> Round | None:
+        """The open round `round_number`; None for a closed one."""
         rnd = self.current(round_number)
         if rnd is None and round_number not in self.closed_rounds and (
                 self.round is None or round_number > self.round.number):
             # Not open *yet*: a service that restarted without its spool learns the job's model before its
             # round, and a worker asking in between must retry, not give its task up as "closed".
             raise UploadRejected(Rejection.UNKNOWN_ROUND, f"round {round_number} of job {self.job_id!r} is not open")
-        if rnd is None:  # a worker with a redelivered task of a closed round
-            return list(self.closed_accepted.get(round_number, [])), False
-        return sorted(rnd.accepted), not rnd.closed
+        return rnd
 
     def open(self, number: int, participants: frozenset[str], deadline: float, *, seed: int,
              build: Callable[[], Round]) -> bool:

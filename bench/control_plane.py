@@ -5,8 +5,8 @@ N stub workers (child, `python -m bench.control_plane --fleet`) and the real `Co
 process, SQLite state in a temporary directory). A stub worker is a thread per worker (the bus's
 consumer thread): it registers like a worker, heartbeats every 10 s like a worker, and answers each
 RoundTask exactly as `WorkerAgent.run_task` does minus the training: on its `AggregatorClient` (one per
-worker, kept across tasks), round status, download of the global model, upload of that model + 0.01 (10
-float32 parameters), then the ack. With training at zero, a round's duration is all control plane:
+worker, kept across tasks), the task's start (round status and the global model, inline), upload of that
+model + 0.01 (10 float32 parameters, one message), then the ack. With training at zero, a round's duration is all control plane:
 selection, `OpenRound`, publishing N persistent tasks in one transaction, N downloads and uploads, the
 wait for the quorum event, `CloseRound`, the checkpoint and the `RoundCompleted` event.
 
@@ -107,9 +107,9 @@ class Fleet:
             if channel is None:  # as a worker: one channel, kept from task to task
                 channel = self._channels[wid] = AggregatorClient(task.aggregator_target)
             client = channel.until(task.deadline_unix)  # as a worker: retried for as long as the round lasts
-            accepted, _ = client.status(task.job_id, task.round)
-            if wid not in accepted:
-                _, _, weights = client.download(task.job_id, task.model_version)
+            start = client.start_task(task.job_id, task.round, wid, task.model_version)
+            if start.model is not None:  # open, and without our update
+                _, _, weights = start.model
                 update = {name: arr + np.float32(0.01) for name, arr in weights.items()}
                 client.upload(job_id=task.job_id, round=task.round, worker_id=wid, num_samples=100,
                               tensors=update, train_loss=0.5)

@@ -26,6 +26,7 @@ from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 
 CHUNK_BYTES = 2 * 1024 * 1024
+INLINE_BYTES = 1024 * 1024  # a model or update this small travels in one unary message (StartTask, UploadWhole)
 HASH_THREAD_BYTES = 8 * 1024 * 1024
 ALLOWED_DTYPES = frozenset({"float16", "float32", "float64", "int32", "int64"})
 MAX_TENSORS = 4096
@@ -211,6 +212,21 @@ class _DataPart:
 
     def WhichOneof(self, _: str) -> str:
         return "data"
+
+
+def joined(tensors: Mapping[str, np.ndarray]) -> tuple[bytes, str]:
+    """The tensors' bytes in one piece and their SHA-256: the payload of a one-message transfer."""
+    data = b"".join(little_endian(arr).tobytes() for arr in tensors.values())
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def as_stream(message_cls: Callable[..., Any], header: Any, data: bytes, sha256: str) -> Iterator[Any]:
+    """A one-message transfer read as the stream it stands for (header → its bytes as one chunk → trailer),
+    so that it meets every check a streamed transfer meets (`receive`)."""
+    yield message_cls(header=header)
+    if data:
+        yield _DataPart(memoryview(data))
+    yield message_cls(trailer=pb.Trailer(sha256=sha256))
 
 
 def decoded_stream(raw: Iterable[bytes], message_cls: Any) -> Iterator[Any]:

@@ -368,6 +368,44 @@ class CloseRoundReply(_message.Message):
     updates: _containers.RepeatedCompositeFieldContainer[UpdateSummary]
     def __init__(self, model_version: _Optional[int] = ..., aggregated: _Optional[_Iterable[str]] = ..., model_spec_json: _Optional[str] = ..., stats: _Optional[_Mapping[str, float]] = ..., seconds: _Optional[float] = ..., updates: _Optional[_Iterable[_Union[UpdateSummary, _Mapping]]] = ...) -> None: ...
 
+class StartTaskRequest(_message.Message):
+    __slots__ = ("job_id", "round", "worker_id", "version", "inline_bytes")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INLINE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    worker_id: str
+    version: int
+    inline_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., version: _Optional[int] = ..., inline_bytes: _Optional[int] = ...) -> None: ...
+
+class StartTaskReply(_message.Message):
+    __slots__ = ("accepted", "open", "header", "data", "sha256")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    open: bool
+    header: ModelHeader
+    data: bytes
+    sha256: str
+    def __init__(self, accepted: _Optional[bool] = ..., open: _Optional[bool] = ..., header: _Optional[_Union[ModelHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class WholeUpdate(_message.Message):
+    __slots__ = ("header", "data", "sha256")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    header: UpdateHeader
+    data: bytes
+    sha256: str
+    def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...
+
 class SubmitJobRequest(_message.Message):
     __slots__ = ("job_yaml",)
     JOB_YAML_FIELD_NUMBER: _ClassVar[int]

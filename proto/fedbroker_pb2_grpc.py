@@ -69,6 +69,16 @@ class AggregationStub:
                 request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.AbandonRoundRequest.SerializeToString,
                 response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.AbandonRoundReply.FromString,
                 _registered_method=True)
+        self.StartTask = channel.unary_unary(
+                '/fedbroker.v1.Aggregation/StartTask',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.StartTaskRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.StartTaskReply.FromString,
+                _registered_method=True)
+        self.UploadWhole = channel.unary_unary(
+                '/fedbroker.v1.Aggregation/UploadWhole',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.WholeUpdate.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.UploadReceipt.FromString,
+                _registered_method=True)
 
 
 class AggregationServicer:
@@ -118,6 +128,22 @@ class AggregationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartTask(self, request, context):
+        """What a worker needs before it trains, in one call: whether the round (async: the task) still wants its
+        update, and the global model, inline when it is small (else the worker streams it: DownloadGlobalModel).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadWhole(self, request, context):
+        """An update small enough for one message: the same admission, receipt and idempotence as UploadUpdate,
+        without a stream's per-message hand-offs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +181,16 @@ def add_AggregationServicer_to_server(servicer, server):
                     servicer.AbandonRound,
                     request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.AbandonRoundRequest.FromString,
                     response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.AbandonRoundReply.SerializeToString,
+            ),
+            'StartTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartTask,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.StartTaskRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.StartTaskReply.SerializeToString,
+            ),
+            'UploadWhole': grpc.unary_unary_rpc_method_handler(
+                    servicer.UploadWhole,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.WholeUpdate.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.UploadReceipt.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -346,6 +382,60 @@ class Aggregation:
             '/fedbroker.v1.Aggregation/AbandonRound',
             fedbroker_dot_proto_dot_fedbroker__pb2.AbandonRoundRequest.SerializeToString,
             fedbroker_dot_proto_dot_fedbroker__pb2.AbandonRoundReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Aggregation/StartTask',
+            fedbroker_dot_proto_dot_fedbroker__pb2.StartTaskRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.StartTaskReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadWhole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Aggregation/UploadWhole',
+            fedbroker_dot_proto_dot_fedbroker__pb2.WholeUpdate.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.UploadReceipt.FromString,
             options,
             channel_credentials,
             insecure,

@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from fedbroker import envelope
-from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregators.client import AggregatorClient, Model
 from fedbroker.aggregators.weighting import noisy_histogram, reported_ish
 from fedbroker.auth import ClientSecurity
 from fedbroker.bus import Bus, BusError, Delivery
@@ -353,16 +353,17 @@ class WorkerAgent:
         key = (task.job_id, task.round, task.model_version)
         # Every call retries through an outage (or a full spool) for as long as the round can use it.
         client = self._aggregator(task.aggregator_target).until(task.deadline_unix)
-        accepted, is_open = client.status(task.job_id, task.round)
-        if self.config.id in accepted:
+        result = self._trained.get(key)  # an upload that failed before: send the same update, spend no ε again
+        start = client.start_task(task.job_id, task.round, self.config.id, task.model_version, model=result is None)
+        if start.accepted:
             log.info("round %d of %s already has our update: acking the redelivered task", task.round, task.job_id)
             self._forget(task)
             return None
-        if not is_open:
+        if not start.open:
             raise TaskRefused(f"round {task.round} of job {task.job_id} is no longer open")
-        result = self._trained.get(key)
-        if result is None:  # else: an upload that failed before; send the same update, spend no ε again
-            result = self._train(client, task, config)
+        if result is None:
+            assert start.model is not None  # asked for, and the round wants our update
+            result = self._train(task, config, start.model)
             self._trained = {key: result}
         self._state = "uploading"
         receipt = self._upload(client, task, result)
@@ -373,9 +374,9 @@ class WorkerAgent:
                  result.seconds)
         return receipt
 
-    def _train(self, client: AggregatorClient, task: pb.RoundTask, config: TrainingConfig) -> TrainResult:
+    def _train(self, task: pb.RoundTask, config: TrainingConfig, global_model: Model) -> TrainResult:
         self._state = "training"
-        version, spec_json, weights = client.download(task.job_id, task.model_version)
+        version, spec_json, weights = global_model
         metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in weights.values()))
         try:
             spec = parse_model(json.loads(spec_json))

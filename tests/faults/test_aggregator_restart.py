@@ -153,12 +153,12 @@ def test_a_worker_asking_between_the_reinstalled_model_and_its_round_retries(fed
     fed.start_aggregator(spool=False)
     book = fed.book
     installed, asked = threading.Event(), threading.Event()
-    put_global, status = book.put_global, book.status
+    put_global, worker_status = book.put_global, book.worker_status
 
-    def asking(job: str, round_number: int) -> tuple[list[str], bool]:
+    def asking(job: str, round_number: int, worker_id: str) -> tuple[bool, bool]:
         if round_number == 1 and installed.is_set():
             asked.set()
-        return status(job, round_number)
+        return worker_status(job, round_number, worker_id)
 
     def installing(*args: Any, **kwargs: Any) -> Any:
         result = put_global(*args, **kwargs)
@@ -168,7 +168,7 @@ def test_a_worker_asking_between_the_reinstalled_model_and_its_round_retries(fed
             assert asked.wait(30), "the held worker never asked about its round"
         return result
 
-    book.status = asking  # type: ignore[method-assign]
+    book.worker_status = asking  # type: ignore[method-assign]
     book.put_global = installing  # type: ignore[method-assign]
     fed.wait_job(job_id, 60)
     assert asked.is_set()

@@ -55,7 +55,7 @@ def test_uploads_are_counted_accepted_once_and_rejected_by_reason(aggregator):
                                                "fedbroker_aggregator_uploads_duplicate_total")}
     shape = value("fedbroker_aggregator_uploads_rejected_total", reason="wrong_shape")
     stranger = value("fedbroker_aggregator_uploads_rejected_total", reason="unknown_worker")
-    received = value("fedbroker_aggregator_received_bytes_total", rpc="UploadUpdate")
+    received = value("fedbroker_aggregator_received_bytes_total", rpc="UploadWhole")  # 40 bytes: one message
 
     aggregator.upload(job_id=job, round=1, worker_id="w1", num_samples=5, tensors=weights(1.0))
     aggregator.upload(job_id=job, round=1, worker_id="w1", num_samples=5, tensors=weights(1.0))  # a retry
@@ -68,7 +68,7 @@ def test_uploads_are_counted_accepted_once_and_rejected_by_reason(aggregator):
     assert value("fedbroker_aggregator_uploads_duplicate_total") == before["fedbroker_aggregator_uploads_duplicate_total"] + 1
     assert value("fedbroker_aggregator_uploads_rejected_total", reason="wrong_shape") == shape + 1
     assert value("fedbroker_aggregator_uploads_rejected_total", reason="unknown_worker") == stranger + 1
-    assert value("fedbroker_aggregator_received_bytes_total", rpc="UploadUpdate") == received + 40
+    assert value("fedbroker_aggregator_received_bytes_total", rpc="UploadWhole") == received + 40
 
 
 @pytest.mark.integration

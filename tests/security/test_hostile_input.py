@@ -247,6 +247,20 @@ def upload(svc: Services, messages: list[pb.UpdateChunk], token: str | None = "w
     return svc.agg.UploadUpdate(iter(messages), metadata=metadata, timeout=10)
 
 
+def whole(job: str, tensors: dict[str, np.ndarray], *, worker: str = "w1", n: int = 5, data: bytes | None = None,
+          sha256: str | None = None) -> pb.WholeUpdate:
+    """An update in one message (what a worker sends for a small model), its bytes and digest replaceable."""
+    joined, digest = codec.joined(tensors)
+    header = pb.UpdateHeader(job_id=job, round=1, worker_id=worker, num_samples=n, tensors=codec.tensor_specs(tensors))
+    return pb.WholeUpdate(header=header, data=joined if data is None else data,
+                          sha256=digest if sha256 is None else sha256)
+
+
+def upload_whole(svc: Services, update: pb.WholeUpdate, token: str | None = "w1") -> pb.UploadReceipt:
+    metadata = bearer(svc.tokens.get(token, token)) if token else ()
+    return svc.agg.UploadWhole(update, metadata=metadata, timeout=10)
+
+
 def with_(**changes: np.ndarray) -> dict[str, np.ndarray]:
     return {**weights(1.0), **changes}
 
@@ -390,6 +404,37 @@ UPLOAD_CASES = [
                 S.PERMISSION_DENIED, "'coordinator' (role coordinator) may not call UploadUpdate", "permission_denied"),
     upload_case("more-streams-than-a-worker-may-hold", beyond_the_stream_cap, S.RESOURCE_EXHAUSTED,
                 "'w1' already has 2 streams open", "too_many_streams"),
+    # the same checks on an update sent in one message (UploadWhole, a worker's path for a small model)
+    upload_case("whole-nan",
+                lambda s, j: upload_whole(s, whole(j, with_(**{"2.weight": np.full((2, 3), np.nan, np.float32)}))),
+                S.INVALID_ARGUMENT, "tensor '2.weight' contains NaN or Inf", "non_finite"),
+    upload_case("whole-wrong-shape",
+                lambda s, j: upload_whole(s, whole(j, with_(**{"0.weight": np.ones((4, 3), np.float32)}))),
+                S.INVALID_ARGUMENT, "'0.weight' has shape [4, 3], expected [3, 4]", "wrong_shape"),
+    upload_case("whole-fewer-bytes-than-announced",
+                lambda s, j: upload_whole(s, whole(j, weights(1.0), data=codec.joined(weights(1.0))[0][:60])),
+                S.INVALID_ARGUMENT, "the stream ended after 60 of 92 bytes", "truncated"),
+    upload_case("whole-more-bytes-than-announced",
+                lambda s, j: upload_whole(s, whole(j, weights(1.0), data=codec.joined(weights(1.0))[0] + b"\0" * 8)),
+                S.RESOURCE_EXHAUSTED, "more than the 92 bytes its header announced", "too_large"),
+    upload_case("whole-digest-mismatch", lambda s, j: upload_whole(s, whole(j, weights(1.0), sha256="0" * 64)),
+                S.INVALID_ARGUMENT, "SHA-256 in the trailer does not match", "digest_mismatch"),
+    upload_case("whole-over-the-size-limit",
+                lambda s, j: upload_whole(s, whole(j, {"0.weight": np.ones((100, 100), np.float32)})),
+                S.RESOURCE_EXHAUSTED, "more than the 10000-byte limit", "too_large"),
+    upload_case("whole-another-workers-id", lambda s, j: upload_whole(s, whole(j, weights(9.0), worker="w3")),
+                S.PERMISSION_DENIED, "worker 'w1' may upload only its own update, not one for worker 'w3'",
+                "permission_denied"),
+    upload_case("whole-unknown-worker", lambda s, j: upload_whole(s, whole(j, weights(1.0), worker="w4"), token="w4"),
+                S.PERMISSION_DENIED, "worker 'w4' is not a participant of round 1", "unknown_worker"),
+    upload_case("whole-duplicate", lambda s, j: upload_whole(s, whole(j, weights(100.0), worker="w2"), token="w2"),
+                None, "duplicate", counter=("fedbroker_aggregator_uploads_duplicate_total", {})),
+    upload_case("whole-missing-token", lambda s, j: upload_whole(s, whole(j, weights(1.0)), token=None),
+                S.UNAUTHENTICATED, "needs a bearer token: send 'authorization: Bearer <token>'", "unauthenticated"),
+    auth_case("coordinator-token-uploads-whole",
+              lambda s, j: upload_whole(s, whole(j, weights(1.0), worker="coordinator"), token="coordinator"),
+              "UploadWhole", S.PERMISSION_DENIED, "'coordinator' (role coordinator) may not call UploadWhole",
+              "permission_denied"),
     auth_case("worker-opens-a-round",
               lambda s, j: s.agg.OpenRound(pb.OpenRoundRequest(job_id=j, round=2, participants=["w1"],
                                                                deadline_unix=4e9, aggregation_json="{}"),

@@ -1,0 +1,131 @@
+"""A task's two calls on the real gRPC service: `StartTask` (does the round still want this worker's update,
+and the model to train, inline when small) and the one-message upload, with and without authentication."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from fedbroker import codec
+from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.service import serve
+from fedbroker.auth import ClientSecurity
+from fedbroker.errors import Rejection
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
+from fedbroker.rpc import RemoteError
+from fedbroker.spec import parse_model
+from tests.security.conftest import token_table
+
+pytestmark = pytest.mark.integration
+
+SPEC = parse_model({"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 2}]})
+AGG = {"alignment": "none", "weighting": "fedavg", "selection": "all"}
+
+
+def weights(v: float) -> dict[str, np.ndarray]:
+    return {"0.weight": np.arange(8, dtype=np.float32).reshape(2, 4) + v, "0.bias": np.full(2, v, np.float32)}
+
+
+@pytest.fixture
+def service():
+    table, tokens = token_table({"coordinator": "coordinator", "w1": "worker", "w2": "worker"})
+    book = RoundBook()
+    server, port = serve(book, tokens=table)
+    target = f"127.0.0.1:{port}"
+    clients = {name: AggregatorClient(target, timeout_s=5, attempts=1, security=ClientSecurity(token=token))
+               for name, token in tokens.items()}
+    clients["coordinator"].put_global("j", 1, SPEC.to_json(), weights(0.5))
+    clients["coordinator"].open_round("j", 1, ["w1", "w2"], 4e9, AGG, seed=0)
+    channel = grpc.insecure_channel(target)
+    yield book, clients, pb_grpc.AggregationStub(channel), tokens
+    channel.close()
+    for client in clients.values():
+        client.close()
+    server.stop(grace=0)
+
+
+def test_a_task_starts_with_the_model_inline_then_sees_its_update_in_then_the_round_closed(service):
+    _book, c, _stub, _tokens = service
+    start = c["w1"].start_task("j", 1, "w1", 1)
+    assert (start.accepted, start.open) == (False, True)
+    assert start.model is not None
+    version, spec_json, tensors = start.model
+    assert version == 1 and spec_json == SPEC.to_json()
+    for name, array in weights(0.5).items():
+        np.testing.assert_array_equal(tensors[name], array)
+
+    receipt = c["w1"].upload(job_id="j", round=1, worker_id="w1", num_samples=3, tensors=weights(1.0))
+    assert not receipt.duplicate and receipt.sha256 == codec.tensors_sha256(weights(1.0))
+    again = c["w1"].start_task("j", 1, "w1", 1)  # a redelivered task: the update is in, nothing to train
+    assert (again.accepted, again.open, again.model) == (True, True, None)
+    assert c["w1"].upload(job_id="j", round=1, worker_id="w1", num_samples=3, tensors=weights(1.0)).duplicate
+
+    c["w2"].upload(job_id="j", round=1, worker_id="w2", num_samples=1, tensors=weights(5.0))
+    c["coordinator"].close_round("j", 1)
+    closed = c["w2"].start_task("j", 1, "w2", 1)
+    assert (closed.accepted, closed.open, closed.model) == (True, False, None)
+    _, _, merged = c["coordinator"].download("j")  # the one-message uploads aggregated like streamed ones
+    np.testing.assert_allclose(merged["0.bias"], (3 * 1.0 + 1 * 5.0) / 4)
+
+
+def test_a_worker_with_a_kept_update_asks_only_the_status(service):
+    _book, c, _stub, _tokens = service
+    start = c["w2"].start_task("j", 1, "w2", 1, model=False)
+    assert (start.accepted, start.open, start.model) == (False, True, None)
+
+
+def test_a_model_too_large_for_one_message_comes_as_a_header_and_is_streamed(service, monkeypatch):
+    _book, c, stub, tokens = service
+    reply = stub.StartTask(pb.StartTaskRequest(job_id="j", round=1, worker_id="w1", version=1, inline_bytes=16),
+                           metadata=(("authorization", f"Bearer {tokens['w1']}"),), timeout=5)
+    assert reply.open and not reply.accepted and reply.header.version == 1
+    assert reply.data == b"" and reply.sha256 == ""  # 40 bytes do not fit 16: the worker streams them
+    monkeypatch.setattr(codec, "INLINE_BYTES", 16)  # client and service in this process: every model is "large"
+    start = c["w1"].start_task("j", 1, "w1", 1)
+    assert start.model is not None
+    np.testing.assert_array_equal(start.model[2]["0.weight"], weights(0.5)["0.weight"])
+    receipt = c["w1"].upload(job_id="j", round=1, worker_id="w1", num_samples=1, tensors=weights(2.0))  # streamed
+    assert receipt.bytes_received == 40 and not receipt.duplicate
+
+
+def test_a_worker_starts_only_its_own_tasks_and_an_unknown_job_or_round_is_named(service):
+    _book, c, stub, _tokens = service
+    with pytest.raises(RemoteError) as info:
+        c["w1"].start_task("j", 1, "w2", 1)
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "worker 'w1' may start only its own tasks, not one of worker 'w2'" in str(info.value)
+    with pytest.raises(grpc.RpcError) as anonymous:
+        stub.StartTask(pb.StartTaskRequest(job_id="j", round=1, worker_id="w1", version=1), timeout=5)
+    assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(RemoteError) as unknown:
+        c["w1"].start_task("nope", 1, "w1", 1)
+    assert unknown.value.code == grpc.StatusCode.NOT_FOUND and "unknown job 'nope'" in str(unknown.value)
+    with pytest.raises(RemoteError) as later:  # not open *yet*: retried by a worker, never taken as closed
+        c["w1"].start_task("j", 2, "w1", 1)
+    assert later.value.reason == Rejection.UNKNOWN_ROUND
+    with pytest.raises(RemoteError) as version:
+        c["w1"].start_task("j", 1, "w1", 7)
+    assert version.value.code == grpc.StatusCode.NOT_FOUND and "no global model version 7" in str(version.value)
+
+
+def test_in_async_mode_a_task_number_is_open_while_outstanding_and_in_once_accepted():
+    book = RoundBook()
+    server, port = serve(book)
+    client = AggregatorClient(f"127.0.0.1:{port}", timeout_s=5, attempts=1)
+    try:
+        client.put_global("a", 1, SPEC.to_json(), weights(0.0))
+        client.open_buffer("a", aggregation=AGG, buffer_size=2, max_staleness=4, staleness="constant",
+                           staleness_params={}, server_lr=1.0, seed=0, num_samples={"w1": 10, "w2": 10})
+        tasks = {t.worker_id: t.task for t in client.issue_tasks("a", ["w1", "w2"])}
+        start = client.start_task("a", tasks["w1"], "w1", 1)
+        assert (start.accepted, start.open) == (False, True) and start.model is not None
+        assert not client.start_task("a", tasks["w2"], "w1", 1).open  # another worker's task is not ours
+        client.upload(job_id="a", round=tasks["w1"], worker_id="w1", num_samples=4, tensors=weights(1.0))
+        done = client.start_task("a", tasks["w1"], "w1", 1)
+        assert (done.accepted, done.open, done.model) == (True, False, None)
+    finally:
+        client.close()
+        server.stop(grace=0)
