@@ -302,3 +302,23 @@ def test_dp_training_runs_on_cuda_and_returns_host_arrays(small, clipping):
                          clipping=clipping, physical_batch_size=16)
     assert all(isinstance(v, np.ndarray) for v in result.state.values()) and result.epsilon > 0
     assert result.clipping == clipping
+
+
+def test_epsilon_of_a_history_is_bit_for_bit_what_opacus_accountant_reports():
+    """`epsilon_of` reuses the RDP of one step per (σ, q); the accountant recomputes it per entry. Histories
+    with repeated and distinct (σ, q), zero steps and large step counts: the same float, not just close."""
+    from opacus.accountants import RDPAccountant
+
+    from fedbroker.worker.accounting import epsilon_of
+
+    rng = np.random.default_rng(7)
+    histories = [[(1.0, 1 / 4, 12)], [(0.8, 0.01, 10_000)], [(1.1, 0.2, 0), (1.1, 0.2, 5)],
+                 [(1.0, 1 / 8, 16), (0.7, 1 / 8, 16), (1.0, 1 / 8, 16)]]
+    histories += [[(float(rng.uniform(0.5, 3)), float(rng.uniform(0.001, 1)), int(rng.integers(0, 500)))
+                   for _ in range(int(rng.integers(1, 6)))] for _ in range(12)]
+    for history in histories:
+        for delta in (1e-5, 1e-3):
+            accountant = RDPAccountant()
+            accountant.history = list(history)
+            assert epsilon_of(history, delta=delta) == float(accountant.get_epsilon(delta)), history
+    assert epsilon_of([], delta=1e-5) == 0.0
