@@ -56,19 +56,28 @@ def step_delays(seed: int, workers: int) -> dict[str, float]:
 
 
 class SlowSteps:
-    """Wraps the workers' train_local: each step of worker w sleeps delays[w] (the worker is known by the bus's
-    handler thread it trains on, `bus-handler-tasks.<worker id>`)."""
+    """Wraps the workers' train_local: each step of worker w sleeps delays[w]. The worker is known by the bus's
+    handler thread it trains on, whose name ends in `.<worker id>` (`bus-handler-<ns>.worker.w03` on the
+    in-process bus, `bus-handler-tasks.w03` on RabbitMQ); a thread it cannot place is an error, never a worker
+    without delay (an earlier version matched only RabbitMQ's names and ran every worker at full speed)."""
 
     def __init__(self, delays: dict[str, float]) -> None:
         self.delays = delays
         self.real = fedbroker.worker.agent.train_local
+        self.sleep = time.sleep
+
+    def delay(self) -> float:
+        name = threading.current_thread().name
+        worker_id = name.rsplit(".", 1)[-1]
+        if not name.startswith("bus-handler-") or worker_id not in self.delays:
+            raise RuntimeError(f"training on thread {name!r}, which names none of the workers {sorted(self.delays)}")
+        return self.delays[worker_id]
 
     def __call__(self, *args: Any, progress: Callable[[int, int], None] | None = None, **kwargs: Any) -> Any:
-        name = threading.current_thread().name
-        delay = self.delays.get(name.split("bus-handler-tasks.", 1)[-1], 0.0)
+        delay = self.delay()
 
         def slow(step: int, total: int) -> None:
-            time.sleep(delay)
+            self.sleep(delay)
             if progress is not None:
                 progress(step, total)
 

@@ -283,6 +283,10 @@ class WorkerAgent:
             metrics.TASKS_FAILED.labels(me, _FAILURE_REASONS.get(type(exc), "update_refused")).inc()
             self._report(task, pb.TaskOutcome.FAILED, str(exc), spent=self._forget(task))
         except Exception as exc:  # unexpected: maybe transient (memory, disk, a bug hit by one input); retried
+            if self._stop.is_set():  # `stop` closed the channel under the task: it goes back to the queue
+                log.info("worker %s stopping: task %s/%d goes back to the queue (%s)", me, task.job_id, task.round, exc)
+                delivery.nack(requeue=True)
+                return
             log.exception("task %s/%d failed on %s", task.job_id, task.round, me)
             self._retry_later(delivery, task, exc)
             return
