@@ -428,8 +428,10 @@ def follow(client: CoordinatorClient, job_id: str, options: DemoOptions, cluster
         for r in status.rounds if versions is None else ():
             bar = bars.get(r.round)
             if bar is None:
+                # No rate: a round that closed between two polls would show thousands of uploads a second.
                 bar = bars[r.round] = tqdm(total=r.participants, desc=f"round {r.round}/{options.rounds}",
-                                           unit="upload", leave=True, dynamic_ncols=True)
+                                           unit="upload", leave=True, dynamic_ncols=True,
+                                           bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} uploads [{elapsed}{postfix}]")
             if bar.disable:
                 continue
             if r.uploaded != bar.n:
