@@ -189,6 +189,9 @@ class Job:
         rnd = self._asked(round_number)
         if rnd is None:
             return worker_id in self.closed_accepted.get(round_number, ()), False
+        if worker_id not in rnd.participants:  # said before it trains: its upload would be refused, its ε spent
+            raise UploadRejected(Rejection.UNKNOWN_WORKER,
+                                 f"worker {worker_id!r} is not a participant of round {round_number}")
         return worker_id in rnd.accepted, not rnd.closed
 
     def _asked(self, round_number: int) -> Round | None:

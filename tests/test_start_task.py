@@ -31,7 +31,7 @@ def weights(v: float) -> dict[str, np.ndarray]:
 
 @pytest.fixture
 def service():
-    table, tokens = token_table({"coordinator": "coordinator", "w1": "worker", "w2": "worker"})
+    table, tokens = token_table({"coordinator": "coordinator", "w1": "worker", "w2": "worker", "w3": "worker"})
     book = RoundBook()
     server, port = serve(book, tokens=table)
     target = f"127.0.0.1:{port}"
@@ -106,6 +106,10 @@ def test_a_worker_starts_only_its_own_tasks_and_an_unknown_job_or_round_is_named
     with pytest.raises(RemoteError) as later:  # not open *yet*: retried by a worker, never taken as closed
         c["w1"].start_task("j", 2, "w1", 1)
     assert later.value.reason == Rejection.UNKNOWN_ROUND
+    with pytest.raises(RemoteError) as outsider:  # refused before training: its upload would be, its ε spent
+        c["w3"].start_task("j", 1, "w3", 1)
+    assert outsider.value.reason == Rejection.UNKNOWN_WORKER
+    assert "worker 'w3' is not a participant of round 1" in str(outsider.value)
     with pytest.raises(RemoteError) as version:
         c["w1"].start_task("j", 1, "w1", 7)
     assert version.value.code == grpc.StatusCode.NOT_FOUND and "no global model version 7" in str(version.value)
@@ -129,3 +133,4 @@ def test_in_async_mode_a_task_number_is_open_while_outstanding_and_in_once_accep
     finally:
         client.close()
         server.stop(grace=0)
+
