@@ -152,8 +152,7 @@ class AggregatorClient:
         )
         call: Callable[[], pb.UploadReceipt]
         if sum(a.nbytes for a in tensors.values()) <= codec.INLINE_BYTES:
-            data, digest = codec.joined(tensors)
-            whole = pb.WholeUpdate(header=header, data=data, sha256=digest)
+            whole = pb.WholeUpdate(header=header, data=codec.joined(tensors), sha256=codec.tensors_sha256(tensors))
             call = lambda: self._stub.UploadWhole(whole, timeout=self.transfer_timeout_s,  # noqa: E731
                                                   metadata=self._md)
         else:

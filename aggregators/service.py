@@ -136,7 +136,9 @@ class AggregationServicer(pb_grpc.AggregationServicer):
                                                  tensors=codec.tensor_specs(tensors)))
             size = sum(a.nbytes for a in tensors.values())
             if size <= min(request.inline_bytes, codec.INLINE_BYTES):
-                reply.data, reply.sha256 = codec.joined(tensors)
+                # hashed once for every worker of the round (as for streamed downloads), not once per worker
+                reply.sha256 = self._digests.digest((request.job_id, version), tensors).result()
+                reply.data = codec.joined(tensors)
                 metrics.SENT_BYTES.labels("StartTask").inc(size)
             return reply
 

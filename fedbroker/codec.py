@@ -214,10 +214,10 @@ class _DataPart:
         return "data"
 
 
-def joined(tensors: Mapping[str, np.ndarray]) -> tuple[bytes, str]:
-    """The tensors' bytes in one piece and their SHA-256: the payload of a one-message transfer."""
-    data = b"".join(little_endian(arr).tobytes() for arr in tensors.values())
-    return data, hashlib.sha256(data).hexdigest()
+def joined(tensors: Mapping[str, np.ndarray]) -> bytes:
+    """The tensors' bytes in one piece: the payload of a one-message transfer (its digest is
+    `tensors_sha256`, the same as a stream's)."""
+    return b"".join(little_endian(arr).tobytes() for arr in tensors.values())
 
 
 def as_stream(message_cls: Callable[..., Any], header: Any, data: bytes, sha256: str) -> Iterator[Any]:

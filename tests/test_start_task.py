@@ -134,3 +134,15 @@ def test_in_async_mode_a_task_number_is_open_while_outstanding_and_in_once_accep
         client.close()
         server.stop(grace=0)
 
+
+
+def test_the_inline_model_is_hashed_once_for_every_worker_of_the_round(service, monkeypatch):
+    _book, c, _stub, _tokens = service
+    hashed = []
+    real = codec.tensors_sha256
+    monkeypatch.setattr(codec, "tensors_sha256", lambda tensors: hashed.append(1) or real(tensors))
+    for _ in range(3):
+        for worker in ("w1", "w2"):
+            start = c[worker].start_task("j", 1, worker, 1)
+            assert start.model is not None and start.model[0] == 1
+    assert len(hashed) == 1  # the service's digest cache, shared with streamed downloads

@@ -250,10 +250,9 @@ def upload(svc: Services, messages: list[pb.UpdateChunk], token: str | None = "w
 def whole(job: str, tensors: dict[str, np.ndarray], *, worker: str = "w1", n: int = 5, data: bytes | None = None,
           sha256: str | None = None) -> pb.WholeUpdate:
     """An update in one message (what a worker sends for a small model), its bytes and digest replaceable."""
-    joined, digest = codec.joined(tensors)
     header = pb.UpdateHeader(job_id=job, round=1, worker_id=worker, num_samples=n, tensors=codec.tensor_specs(tensors))
-    return pb.WholeUpdate(header=header, data=joined if data is None else data,
-                          sha256=digest if sha256 is None else sha256)
+    return pb.WholeUpdate(header=header, data=codec.joined(tensors) if data is None else data,
+                          sha256=codec.tensors_sha256(tensors) if sha256 is None else sha256)
 
 
 def upload_whole(svc: Services, update: pb.WholeUpdate, token: str | None = "w1") -> pb.UploadReceipt:
@@ -412,10 +411,10 @@ UPLOAD_CASES = [
                 lambda s, j: upload_whole(s, whole(j, with_(**{"0.weight": np.ones((4, 3), np.float32)}))),
                 S.INVALID_ARGUMENT, "'0.weight' has shape [4, 3], expected [3, 4]", "wrong_shape"),
     upload_case("whole-fewer-bytes-than-announced",
-                lambda s, j: upload_whole(s, whole(j, weights(1.0), data=codec.joined(weights(1.0))[0][:60])),
+                lambda s, j: upload_whole(s, whole(j, weights(1.0), data=codec.joined(weights(1.0))[:60])),
                 S.INVALID_ARGUMENT, "the stream ended after 60 of 92 bytes", "truncated"),
     upload_case("whole-more-bytes-than-announced",
-                lambda s, j: upload_whole(s, whole(j, weights(1.0), data=codec.joined(weights(1.0))[0] + b"\0" * 8)),
+                lambda s, j: upload_whole(s, whole(j, weights(1.0), data=codec.joined(weights(1.0)) + b"\0" * 8)),
                 S.RESOURCE_EXHAUSTED, "more than the 92 bytes its header announced", "too_large"),
     upload_case("whole-digest-mismatch", lambda s, j: upload_whole(s, whole(j, weights(1.0), sha256="0" * 64)),
                 S.INVALID_ARGUMENT, "SHA-256 in the trailer does not match", "digest_mismatch"),
