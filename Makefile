@@ -89,7 +89,7 @@ experiment-async: $(STAMP)
 	$(PY) -m experiments.async_fedbuff
 
 proto: $(STAMP)
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. fedbroker/proto/fedbroker.proto
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto --grpc_python_out=proto proto/fedbroker/proto/fedbroker.proto
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -1,1 +1,3 @@
-"""Aggregation: pure algorithms (alignment/, weighting/, selection/, mean.py) and the gRPC service that runs them."""
+"""Not a package: `aggregators/` is a source root of the `fedbroker` namespace (see docs/architecture.md)."""
+
+raise ImportError("'aggregators' is not importable by its folder name: import fedbroker.aggregators (the folder aggregators/ is a source root)")

@@ -1,1 +1,3 @@
-"""The wire contract: fedbroker.proto and the code protoc generates from it (`make proto`)."""
+"""Not a package: `proto/` is a source root of the `fedbroker` namespace (see docs/architecture.md)."""
+
+raise ImportError("'proto' is not importable by its folder name: import fedbroker.proto (the folder proto/ is a source root)")

@@ -1,10 +1,11 @@
 """The house's walls: who may import whom, read from the source (every import, function-local ones too).
 
+- One namespace, five source roots: the kernel in `fedbroker/`, each service in its own top-level folder
+  (`coordinator/fedbroker/coordinator/...`). Every module has exactly one file, no file is a link, and the
+  folders are not importable by their bare names (`import coordinator` fails).
 - The kernel (`fedbroker/*.py`, `fedbroker/bus/`) imports no service and not the app: it is what the
   services share, so a change in a service never ripples into it.
 - The services (`fedbroker.coordinator`, `.worker`, `.aggregators`) never import the app.
-- Nothing imports the top-level folders by their bare names (`import worker`): they are installed as
-  `fedbroker.worker` etc., and a second name for one module would give it two copies of its state.
 - No import cycles, counted over module files (a package's `__init__` importing its own submodules is
   not a cycle).
 """
@@ -13,29 +14,39 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "fedbroker"
+SOURCE_ROOTS = (ROOT, ROOT / "coordinator", ROOT / "worker", ROOT / "aggregators", ROOT / "proto")
 SERVICES = ("fedbroker.coordinator", "fedbroker.worker", "fedbroker.aggregators")
 APP = "fedbroker.app"
 BARE = {"coordinator", "worker", "aggregators", "proto", "app"}
 
 
+def _module_files() -> Iterator[tuple[str, Path]]:
+    """(dotted name, file) for every module under each source root's `fedbroker/` portion."""
+    for root in SOURCE_ROOTS:
+        for folder, dirs, files in os.walk(root / "fedbroker"):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            rel = Path(folder).relative_to(root)
+            for name in files:
+                if name.endswith(".py"):
+                    parts = [*rel.parts, name[:-3]]
+                    if parts[-1] == "__init__":
+                        parts.pop()
+                    yield ".".join(parts), Path(folder) / name
+
+
 def _modules() -> dict[str, Path]:
-    """Every module of the installed package, by dotted name (the service folders are reached through
-    their links in fedbroker/, as the installed package holds them)."""
     found: dict[str, Path] = {}
-    for folder, dirs, files in os.walk(PACKAGE, followlinks=True):
-        dirs[:] = [d for d in dirs if d != "__pycache__"]
-        rel = Path(folder).relative_to(ROOT)
-        for name in files:
-            if name.endswith(".py"):
-                parts = [*rel.parts, name[:-3]]
-                if parts[-1] == "__init__":
-                    parts.pop()
-                found[".".join(parts)] = Path(folder) / name
+    for name, path in _module_files():
+        assert name not in found, f"{name} has two files: {found[name]} and {path}"
+        found[name] = path
     return found
 
 
@@ -145,7 +156,33 @@ def test_there_are_no_import_cycles() -> None:
 
 
 def test_the_walls_are_seen_by_this_test() -> None:
-    """The checks above read the right tree: every service and the app are found through fedbroker/."""
+    """The checks above read the right tree: every service and the app are found under their source roots."""
     for package in (*SERVICES, APP, "fedbroker.proto", "fedbroker.spec"):
-        assert package in MODULES, f"{package} not found under {PACKAGE}"
+        assert package in MODULES, f"{package} not found under {[str(r) for r in SOURCE_ROOTS]}"
     assert "fedbroker.aggregators.alignment.feddna" in MODULES
+
+
+def test_no_file_in_the_repository_is_a_link() -> None:
+    """A link gives a file two paths (and breaks on checkouts without link support)."""
+    listed = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    links = [line.split("\t", 1)[1] for line in listed.splitlines() if line.startswith("120000 ")]
+    assert not links, f"symbolic links in the repository: {links}"
+
+
+def test_every_module_loads_from_its_one_file() -> None:
+    """What Python imports is the file this test found: the path in a traceback is the path in git."""
+    probe = "import importlib, sys; print(importlib.import_module(sys.argv[1]).__file__)"
+    for name in ("fedbroker.coordinator.scheduler", "fedbroker.worker.agent", "fedbroker.aggregators.mean",
+                 "fedbroker.proto.fedbroker_pb2", "fedbroker.spec", "fedbroker.app.cli"):
+        done = subprocess.run([sys.executable, "-c", probe, name], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert Path(done.stdout.strip()) == MODULES[name], name
+
+
+@pytest.mark.parametrize("folder", ["coordinator", "worker", "aggregators", "proto"])
+def test_a_service_folder_is_not_importable_by_its_bare_name(folder: str) -> None:
+    done = subprocess.run([sys.executable, "-c", f"import {folder}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    assert f"import fedbroker.{folder}" in done.stderr

@@ -74,3 +74,14 @@ def test_the_fedbroker_command_lists_its_verbs():
     assert done.returncode == 0, done.stderr
     for verb in ("demo", "worker", "coordinator", "aggregator", "submit", "status", "simulate"):
         assert verb in done.stdout, verb
+
+
+def test_every_package_of_the_tree_is_listed_for_the_wheel():
+    """pyproject.toml lists the packages by hand (one namespace over five source roots): a new subpackage
+    left off the list would be missing from the wheel and the image."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"fedbroker", "fedbroker.k8s_base"}
+    for root in (ROOT, *(ROOT / d for d in PACKAGE_DIRS[1:])):
+        for init in (root / "fedbroker").rglob("__init__.py"):
+            found.add(".".join(init.parent.relative_to(root).parts))
+    assert listed == found

@@ -1,1 +1,3 @@
-"""A data owner's worker: task consumer, local data, DP training under the owner's own policy, ε ledger."""
+"""Not a package: `worker/` is a source root of the `fedbroker` namespace (see docs/architecture.md)."""
+
+raise ImportError("'worker' is not importable by its folder name: import fedbroker.worker (the folder worker/ is a source root)")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import datetime
 import hashlib
+import importlib.util
 import ipaddress
 import json
 import os
@@ -53,9 +54,19 @@ _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([
 K8S_NAMESPACE = "fedbroker"
 # the base manifests' in-cluster Service names: each server certificate also carries them
 IN_CLUSTER = {"coordinator": "fedbroker-coordinator", "aggregator": "fedbroker-aggregator", "broker": "rabbitmq"}
-# deploy/k8s/base, shipped in the package (fedbroker/k8s_base links to it in the source tree, and a wheel or
-# the image holds its files): a kit is provisioned from an installed fedbroker, not only from a checkout
-BASE = Path(__file__).resolve().parents[1] / "k8s_base"
+
+
+def _k8s_base() -> Path:
+    """deploy/k8s/base, which a wheel or the image installs as `fedbroker.k8s_base` (data, no code): a kit is
+    provisioned from an installed fedbroker, not only from a checkout."""
+    spec = importlib.util.find_spec("fedbroker.k8s_base")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if Path(location, "kustomization.yaml").is_file():
+            return Path(location)
+    return Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "base"  # a checkout on PYTHONPATH only
+
+
+BASE = _k8s_base()
 WORKER_MANIFESTS = ("workers.yaml", "worker-hospital-a.yaml", "worker-hospital-b.yaml")
 
 

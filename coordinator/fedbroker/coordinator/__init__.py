@@ -1,0 +1,1 @@
+"""The coordinator: job intake, worker registry, round scheduler, durable state and checkpoints."""
