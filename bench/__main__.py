@@ -23,6 +23,7 @@ from bench.harness import Section, machine, write_results
 
 BENCHMARKS = ("averaging", "streaming", "control_plane", "alignment", "genetic", "dp_training")
 HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE_ROOTS = (".", "coordinator", "worker", "aggregators", "proto")  # the fedbroker namespace in a checkout
 REPO = os.path.dirname(HERE)
 
 
@@ -37,7 +38,7 @@ def averaging(quick: bool) -> Section:
         return module.run(quick=quick)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [python, "-m", "bench.averaging", "--json", out.name] + (["--quick"] if quick else [])
-        subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, check=True)
+        subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join(os.path.join(REPO, r) for r in SOURCE_ROOTS)}, check=True)
         with open(out.name) as f:
             return Section.from_json("averaging", json.load(f))
 

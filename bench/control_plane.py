@@ -37,6 +37,7 @@ DEFAULT_URL = os.environ.get("FEDBROKER_BENCH_AMQP_URL",
 CATEGORY = "bench"
 MODEL = {"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 2}]}
 HEARTBEAT_S = 10.0
+SOURCE_ROOTS = (".", "coordinator", "worker", "aggregators", "proto")  # the fedbroker namespace in a checkout
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -298,7 +299,7 @@ def run_flower(count: int, rounds: int, timeout_s: float) -> dict[str, Any] | st
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         try:
             proc = subprocess.run([python, "-m", "bench.flower_sim", str(count), str(rounds), out.name],
-                                  cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True,
+                                  cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join(os.path.join(REPO, r) for r in SOURCE_ROOTS)}, capture_output=True, text=True,
                                   timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return f"did not finish within {timeout_s:.0f} s"

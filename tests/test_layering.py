@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SOURCE_ROOTS = (ROOT, ROOT / "coordinator", ROOT / "worker", ROOT / "aggregators", ROOT / "proto")
+from tests.source_roots import ROOT, SOURCE_ROOTS
+
 SERVICES = ("fedbroker.coordinator", "fedbroker.worker", "fedbroker.aggregators")
 APP = "fedbroker.app"
 BARE = {"coordinator", "worker", "aggregators", "proto", "app"}

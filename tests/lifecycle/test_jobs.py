@@ -29,6 +29,7 @@ from fedbroker.spec import parse_model
 from fedbroker.worker.agent import WorkerAgent
 from tests.integration.conftest import Federation
 from tests.security.conftest import token_table
+from tests.source_roots import PYTHONPATH
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -246,7 +247,7 @@ def test_download_loads_into_build_model_with_the_coordinators_predictions(serve
         script = snippet + (f"import numpy as np, torch\nx = torch.from_numpy(np.load({str(served.tmp / 'x.npy')!r}))\n"
                             f"np.save('predictions.npy', model(x).detach().numpy())\n")
         # `fedbroker` importable as it is once installed (the checkout stands in for the installed package)
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        env = {**os.environ, "PYTHONPATH": PYTHONPATH}
         run = subprocess.run([sys.executable, "-c", script], cwd=out_dir, capture_output=True, text=True,
                              timeout=120, env=env)
         assert run.returncode == 0, run.stderr

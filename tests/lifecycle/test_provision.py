@@ -29,6 +29,7 @@ from fedbroker.app.provision import Project, Site, parse_project, provision
 from fedbroker.errors import ConfigError
 from tests.ops.conftest import tool
 from tests.security.tlsproxy import TlsProxy
+from tests.source_roots import PYTHONPATH
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = {
@@ -252,7 +253,7 @@ def rabbitmqctl(*args: str) -> subprocess.CompletedProcess:
 def start(script: Path, logs: Path) -> subprocess.Popen:
     """A kit's start script as its participant runs it: the kit's own files only, no FEDBROKER__ settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER__")}
-    env.update(FEDBROKER=f"{sys.executable} -m fedbroker", PYTHONPATH=str(ROOT))  # as if `pip install`ed
+    env.update(FEDBROKER=f"{sys.executable} -m fedbroker", PYTHONPATH=PYTHONPATH)  # as if `pip install`ed
     log = open(logs / f"{script.parent.name}-{script.stem}.log", "wb")  # noqa: SIM115 (closed with the process)
     return subprocess.Popen([str(script)], cwd=logs, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -464,7 +465,7 @@ def test_the_server_launcher_stops_both_and_fails_when_the_coordinator_fails_at_
     pids.mkdir()
     wrapper = tmp_path / "fedbroker.sh"  # records each service's pid (it execs: the pid is the service's)
     wrapper.write_text(f'#!/bin/sh\necho $$ > "{pids}/$1"\nexec {sys.executable} -m fedbroker "$@"\n')
-    env = {**_no_fedbroker_settings(), "FEDBROKER": f"sh {wrapper}", "PYTHONPATH": str(ROOT)}
+    env = {**_no_fedbroker_settings(), "FEDBROKER": f"sh {wrapper}", "PYTHONPATH": PYTHONPATH}
     launcher = subprocess.Popen([str(server / "start.sh")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
