@@ -130,7 +130,7 @@ def test_the_server_overlay_renders_validates_and_exposes_amqps_and_grpc_over_tl
     assert {n: [p["port"] for p in d["spec"]["ports"]] for n, d in public.items()} == {
         "fedbroker-public-broker": [5671], "fedbroker-public-aggregator": [50051], "fedbroker-public-coordinator": [50052]}
     assert not [d for d in docs if d["kind"] == "Deployment" and "worker" in d["metadata"]["name"]]
-    # the README's `kubectl get svc -l app.kubernetes.io/part-of=fedbroker` lists the balancers too
+    # deploy/OPERATING.md's `kubectl get svc -l app.kubernetes.io/part-of=fedbroker` lists the balancers too
     part_of = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"
                and d["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "fedbroker"}
     assert set(public) <= part_of
