@@ -1,5 +1,7 @@
-"""docs/algorithms.md is the repository's own account of its algorithms: nothing points outside the
-repository for it, and it names every registered algorithm and every parameter with the code's default."""
+"""The documents hold together: docs/algorithms.md is the repository's own account of its algorithms
+(nothing points outside the repository for it, and it names every registered algorithm and every parameter
+with the code's default); the README stays the user's short path and its links, like those of docs/ and
+deploy/, reach a file and a heading that exist."""
 
 from __future__ import annotations
 
@@ -100,3 +102,51 @@ def test_every_registered_algorithm_and_parameter_is_documented(kind: str, name:
             f"{kind} {name!r}: parameter {field.name!r} defaults to {written} in the code, "
             f"docs/algorithms.md says {sorted(tables[field.name])}"
         )
+
+
+# ----- the README is the user's path; docs/ and deploy/ hold the rest, and every link between them lands -----
+
+README = ROOT / "README.md"
+README_MAX_LINES = 450
+LINKED_DOCS = (README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "deploy").glob("*.md")))
+
+
+def test_the_readme_keeps_the_two_commands_and_stays_short() -> None:
+    text = README.read_text(encoding="utf-8")
+    assert "make demo" in text and "make test" in text
+    lines = len(text.splitlines())
+    assert lines < README_MAX_LINES, f"README.md has {lines} lines: move reference material to docs/"
+    assert (ROOT / "docs" / "architecture.md").is_file()
+
+
+def _heading_anchors(path: Path) -> set[str]:
+    """GitHub's anchors: a heading lower-cased, punctuation dropped, spaces as hyphens, repeats numbered."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        heading = None if fenced else re.match(r"#+\s+(.*)", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            count = seen.get(slug, 0)
+            seen[slug] = count + 1
+            anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+@pytest.mark.parametrize("doc", LINKED_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_reaches_a_file_and_a_heading(doc: Path) -> None:
+    text = re.sub(r"```.*?```", "", doc.read_text(encoding="utf-8"), flags=re.DOTALL)
+    broken = []
+    for link in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", link):
+            continue
+        target, _, anchor = link.partition("#")
+        path = (doc.parent / target).resolve() if target else doc
+        if not path.exists():
+            broken.append(f"{link}: no such file")
+        elif anchor and path.suffix == ".md" and anchor not in _heading_anchors(path):
+            broken.append(f"{link}: no such heading")
+    assert not broken, f"{doc.relative_to(ROOT)}:\n" + "\n".join(broken)
