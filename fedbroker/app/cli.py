@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate(sub)
     from fedbroker.app.jobs import add_parser as add_jobs_parser
     add_jobs_parser(sub)
-    from fedbroker.app.provision import add_parser as add_provision_parser
+    from fedbroker.app.provision.command import add_parser as add_provision_parser
     add_provision_parser(sub)
 
     token = sub.add_parser("token", help="make a bearer token and its token-table entry")

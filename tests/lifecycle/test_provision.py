@@ -23,9 +23,8 @@ import pytest
 import yaml
 from cryptography import x509
 
-from fedbroker.app import provision as provision_module
 from fedbroker.app.cli import main
-from fedbroker.app.provision import Project, Site, parse_project, provision
+from fedbroker.app.provision import Project, Site, k8s, parse_project, provision
 from fedbroker.errors import ConfigError
 from tests.ops.conftest import tool
 from tests.security.tlsproxy import TlsProxy
@@ -217,14 +216,14 @@ def test_a_failure_while_writing_leaves_no_half_written_kit(tmp_path, monkeypatc
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(provision_module, "_k8s_overlay", broken)
+    monkeypatch.setattr(k8s, "overlay", broken)
     with pytest.raises(OSError, match="disk full"):
         provision(parse_project(PROJECT), out)
     assert (list(out.iterdir()) == []) if existing else not out.exists()
 
 
 def test_a_missing_kubernetes_base_is_refused_before_anything_is_written(tmp_path, monkeypatch):
-    monkeypatch.setattr(provision_module, "BASE", tmp_path / "no-base")
+    monkeypatch.setattr(k8s, "BASE", tmp_path / "no-base")
     with pytest.raises(ConfigError, match="Kubernetes base"):
         provision(parse_project(PROJECT), tmp_path / "out")
     assert not (tmp_path / "out").exists()
