@@ -11,6 +11,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = ("fedbroker", "coordinator", "worker", "aggregators", "proto")
 
@@ -85,3 +87,22 @@ def test_every_package_of_the_tree_is_listed_for_the_wheel():
         for init in (root / "fedbroker").rglob("__init__.py"):
             found.add(".".join(init.parent.relative_to(root).parts))
     assert listed == found
+
+
+def test_the_version_is_the_installed_distributions_and_a_bare_checkout_says_so(monkeypatch, capsys):
+    """The namespace has no __init__ to hold a __version__: `--version` asks the package metadata, and a
+    checkout that was never installed has none."""
+    from fedbroker.app.cli import main
+
+    def installed(name: str) -> str:
+        assert name == "fedbroker"
+        return "9.9.9"
+
+    def never_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    for version, said in ((installed, "9.9.9"), (never_installed, "unknown (not installed)")):
+        monkeypatch.setattr(importlib.metadata, "version", version)
+        with pytest.raises(SystemExit) as done:
+            main(["--version"])
+        assert done.value.code == 0 and capsys.readouterr().out == f"fedbroker {said}\n"

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 
 def per_sample_loss(spec_json: str, tensors: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Each sample's cross-entropy under the checkpoint's model: the attack's score, before any threshold."""
     import torch
 
     from fedbroker.model import build_model, load_numpy_state
@@ -82,6 +83,7 @@ def run_audit(options: DemoOptions, out: Path) -> dict[str, Any]:
 
 
 def render(report: dict[str, Any]) -> str:
+    """The audit as a Markdown table (audit.md, and what the command prints)."""
     o = report["options"]
     lines = [
         "# Membership-inference audit (loss-threshold attack)",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import os
@@ -10,17 +11,26 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from fedbroker.errors import ConfigError, FedbrokerError
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from fedbroker.app.demo import DemoOptions
+    from fedbroker.config import Config
+    from fedbroker.coordinator.service import CoordinatorClient
+
+    Subcommands: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
+
 # exit codes, one table: a bad config or job is the user's to fix (2); anything else we raise on purpose is 1.
 EXIT_CODES: list[tuple[type[BaseException], int]] = [(ConfigError, 2), (FedbrokerError, 1)]
 
 
-def _config(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
+def _config(args: argparse.Namespace, overrides: dict[str, Any]) -> Config:
     from fedbroker.config import load_config
 
     config = load_config(getattr(args, "config", None), overrides=overrides)
@@ -36,6 +46,7 @@ def _wait_for_signal() -> None:
 
 
 def cmd_aggregator(args: argparse.Namespace) -> int:
+    """Serve uploads until SIGINT or SIGTERM, then let the calls in flight finish (5 s grace)."""
     from fedbroker.app.launch import start_aggregator
 
     server, _port = start_aggregator(_config(args, {"aggregator.listen": args.listen}))
@@ -45,6 +56,7 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
+    """Run jobs until SIGINT or SIGTERM; the flags override the config file and FEDBROKER__ variables."""
     from fedbroker.app.launch import start_coordinator
 
     process = start_coordinator(_config(args, {
@@ -57,6 +69,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    """Serve one data owner's tasks until SIGINT or SIGTERM; only over a real broker (a process of its own)."""
     from fedbroker.app.launch import broker_url, start_worker
 
     config = _config(args, {"broker.url": args.broker, "worker.id": args.id})
@@ -70,7 +83,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _coordinator_client(args: argparse.Namespace) -> Any:
+def _coordinator_client(args: argparse.Namespace) -> CoordinatorClient:
     """A client with this user's token and TLS from --config or FEDBROKER__CLIENT__* (TOKEN_FILE, CA_FILE, ...)."""
     from fedbroker.app.jobs import client
 
@@ -78,6 +91,7 @@ def _coordinator_client(args: argparse.Namespace) -> Any:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    """Submit a job file and print its id; a bad job is refused here, before it travels."""
     from fedbroker.aggregators.registries import accept_job_text
 
     with open(args.job, encoding="utf-8") as fh:
@@ -90,6 +104,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """Print the coordinator's jobs, rounds and workers (one job with --job), as tables or --json."""
     from fedbroker.app.jobs import as_dict
     from fedbroker.app.status import render
 
@@ -101,6 +116,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """A whole federation on this machine, from the flags (fedbroker.app.demo)."""
     from fedbroker.app.demo import DemoOptions, run_demo
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -115,6 +131,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    """The same federation with and without DP, each attacked (fedbroker.app.audit)."""
     from pathlib import Path
 
     from fedbroker.app.audit import run_audit
@@ -129,6 +146,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_token(args: argparse.Namespace) -> int:
+    """A new token for one identity, and the digest entry its service's token table needs (never the token)."""
     from fedbroker.auth import TokenTable, generate_token, hash_token
 
     token = generate_token()
@@ -141,13 +159,40 @@ def cmd_token(args: argparse.Namespace) -> int:
     return 0
 
 
+def installed_version() -> str:
+    """The installed distribution's version: the namespace package has no `__init__` to hold a `__version__`."""
+    try:
+        return importlib.metadata.version("fedbroker")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """Every verb's arguments; each verb's `run` is the function `main` calls."""
     from fedbroker.app.demo import DemoOptions
+    from fedbroker.app.jobs import add_parser as add_jobs_parser
+    from fedbroker.app.provision.command import add_parser as add_provision_parser
+    from fedbroker.app.simulate_cli import add_simulate
 
-    d = DemoOptions()
+    defaults = DemoOptions()
     parser = argparse.ArgumentParser(prog="fedbroker", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_demo(sub, defaults)
+    _add_services(sub)
+    _add_audit(sub, defaults)
+    _add_client_verbs(sub)
+    add_simulate(sub)
+    add_jobs_parser(sub)
+    add_provision_parser(sub)
+    token = sub.add_parser("token", help="make a bearer token and its token-table entry")
+    token.add_argument("identity", help="who holds it: a worker's id, 'coordinator', a person")
+    token.add_argument("--role", required=True, choices=["coordinator", "worker", "submitter", "viewer"])
+    token.set_defaults(run=cmd_token)
+    return parser
 
+
+def _add_demo(sub: Subcommands, d: DemoOptions) -> None:
     demo = sub.add_parser("demo", help="run a whole private federation on this machine")
     demo.add_argument("--workers", type=int, default=d.workers)
     demo.add_argument("--rounds", type=int, default=d.rounds)
@@ -167,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--epsilon-budget", type=float, default=d.epsilon_budget)
     demo.set_defaults(run=cmd_demo)
 
+
+def _add_services(sub: Subcommands) -> None:
+    """The three long-running processes, each configured by a YAML file and FEDBROKER__ variables."""
     for name, fn, help_text in (("aggregator", cmd_aggregator, "run the gRPC aggregation service"),
                                 ("coordinator", cmd_coordinator, "run the coordinator"),
                                 ("worker", cmd_worker, "run one data owner's worker")):
@@ -184,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--broker")
             p.add_argument("--id")
 
+
+def _add_audit(sub: Subcommands, d: DemoOptions) -> None:
     audit = sub.add_parser("audit", help="membership-inference attack on the same federation with and without DP")
     audit.add_argument("--workers", type=int, default=3)
     audit.add_argument("--rounds", type=int, default=5)
@@ -198,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--out", default="runs")
     audit.set_defaults(run=cmd_audit)
 
+
+def _add_client_verbs(sub: Subcommands) -> None:
+    """`submit` and `status`: a data scientist's calls to the coordinator."""
     submit = sub.add_parser("submit", help="submit a job (YAML or JSON file)")
     submit.add_argument("job")
     submit.add_argument("--coordinator", help="host:port (default: coordinator.target, 127.0.0.1:50052)")
@@ -211,22 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
     status.set_defaults(run=cmd_status)
 
-    from fedbroker.app.simulate_cli import add_simulate
-
-    add_simulate(sub)
-    from fedbroker.app.jobs import add_parser as add_jobs_parser
-    add_jobs_parser(sub)
-    from fedbroker.app.provision import add_parser as add_provision_parser
-    add_provision_parser(sub)
-
-    token = sub.add_parser("token", help="make a bearer token and its token-table entry")
-    token.add_argument("identity", help="who holds it: a worker's id, 'coordinator', a person")
-    token.add_argument("--role", required=True, choices=["coordinator", "worker", "submitter", "viewer"])
-    token.set_defaults(run=cmd_token)
-    return parser
-
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one verb; its errors become an exit code and one line on stderr, by the EXIT_CODES table."""
     args = build_parser().parse_args(argv)
     try:
         code = int(args.run(args))

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DemoOptions:
+    """The demo's flags, as `fedbroker demo` takes them; `fit_training` adjusts them before a run."""
+
     workers: int = 3
     rounds: int = 5
     alpha: float = 0.5
@@ -137,6 +139,7 @@ def fit_training(options: DemoOptions, shards: list[int]) -> DemoOptions:
 
 
 def demo_job(options: DemoOptions, input_shape: tuple[int, ...], num_classes: int) -> dict[str, Any]:
+    """The job the demo submits: a small MLP on the chosen bundled set, every worker in every round."""
     flat = 1
     for d in input_shape:
         flat *= d
@@ -172,6 +175,7 @@ def async_schedule(options: DemoOptions) -> dict[str, Any]:
 
 
 def demo_buffer_size(options: DemoOptions) -> int:
+    """The async buffer: half the workers, so a version waits for the faster half, never the slowest."""
     return max(1, options.workers // 2)
 
 
@@ -183,12 +187,15 @@ def demo_versions(options: DemoOptions) -> int:
 
 
 def free_port() -> int:
+    """A loopback port free right now, for a service the demo starts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 def wait_healthy(target: str, timeout_s: float = 60.0) -> None:
+    """Block until the gRPC health check at `target` answers SERVING (raise after `timeout_s`): nothing is
+    started against a service still coming up."""
     deadline = time.time() + timeout_s
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -204,6 +211,8 @@ def wait_healthy(target: str, timeout_s: float = 60.0) -> None:
 
 
 class FederationFailed(FedbrokerError):
+    """The demo's job ended failed: the command exits non-zero after printing what it has."""
+
     reason = "federation_failed"
 
 
@@ -244,15 +253,19 @@ class Cluster:
         return tokens
 
     def token_file(self, identity: str) -> str:
+        """Where `identity`'s token lies for this run (a process reads it from the file, not its environment)."""
         return str(self.secrets / f"{identity}.token")
 
     def client(self) -> CoordinatorClient:
+        """A coordinator client holding the demo's own submitter token."""
         from fedbroker.auth import ClientSecurity
         from fedbroker.coordinator.service import CoordinatorClient
 
         return CoordinatorClient(self.coordinator_target, security=ClientSecurity(token=self.tokens["demo"]))
 
     def env(self, **settings: Any) -> dict[str, str]:
+        """A child's environment: this run's addresses, folders and token tables as FEDBROKER__ variables
+        (`settings` on top), and none of the caller's own FEDBROKER__ settings."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER__")}
         base = {
             "broker.url": self.options.broker, "broker.namespace": self.namespace,
@@ -267,6 +280,7 @@ class Cluster:
         return env
 
     def worker_settings(self, i: int) -> dict[str, Any]:
+        """Worker `i`'s settings: its shard of the data set, its ledger and the DP policy of the flags."""
         o = self.options
         return {
             "worker.id": f"worker-{i}", "worker.categories": o.dataset, "worker.dataset": o.dataset,
@@ -280,12 +294,15 @@ class Cluster:
         }
 
     def spawn(self, name: str, command: str, env: dict[str, str]) -> None:
+        """Start `fedbroker <command>` as a child process, its output in logs/<name>.log."""
         log_file = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 (the child writes it until it stops)
         proc = subprocess.Popen([sys.executable, "-m", "fedbroker", command], env=env, stdout=log_file,
                                 stderr=subprocess.STDOUT)
         self.procs.append(proc)
 
     def start(self) -> None:
+        """The aggregation service as a process, then the coordinator and the workers: processes over a
+        broker, or in this process over the in-process bus."""
         from fedbroker.app.launch import start_coordinator, start_worker
         from fedbroker.config import load_config
 
@@ -323,6 +340,7 @@ class Cluster:
             client.close()
 
     def check_alive(self) -> None:
+        """Raise, naming its log folder, when a child process has exited: the demo stops instead of waiting."""
         for proc in self.procs:
             if proc.poll() is not None:
                 command = proc.args[-1] if isinstance(proc.args, list) else proc.args
@@ -330,6 +348,7 @@ class Cluster:
                 raise RuntimeError(f"a {name} process exited with code {proc.returncode}; see {self.logs}")
 
     def stop(self) -> None:
+        """Stop everything this cluster started, delete its tokens and, over a broker, its queues."""
         for part in self.in_process:
             part.stop()
         for proc in self.procs:
@@ -366,6 +385,7 @@ def centralized_baseline(options: DemoOptions, model_spec: ModelSpec, training: 
 
 
 def run_demo(options: DemoOptions) -> dict[str, Any]:
+    """Run the federation, then the pooled baseline; write results.json and accuracy.png, print the table."""
     from tqdm import tqdm
 
     from fedbroker.worker.data import load_dataset
@@ -451,6 +471,7 @@ def follow(client: CoordinatorClient, job_id: str, options: DemoOptions, cluster
 
 
 def collect_results(status: pb.StatusReply, job_id: str, options: DemoOptions, baseline: float, seconds: float) -> dict[str, Any]:
+    """results.json's contents: per round accuracy, losses and ε, the refusals, and a summary."""
     rounds: list[dict[str, Any]] = []
     for r in (r for r in status.rounds if r.status == "closed"):
         epsilon = {p.worker_id: round(p.epsilon, 4) for p in status.participants
@@ -481,6 +502,7 @@ def collect_results(status: pb.StatusReply, job_id: str, options: DemoOptions, b
 
 
 def print_table(results: dict[str, Any]) -> None:
+    """The per-round (or per-version) table and the summary line under it."""
     workers = sorted({w for r in results["rounds"] for w in r["epsilon"]})
     versions = results.get("unit") == "version"  # async: a row per global version, with its staleness
     head = ["version" if versions else "round", "clients", *(["staleness"] if versions else []), "train loss",
@@ -507,6 +529,7 @@ def print_table(results: dict[str, Any]) -> None:
 
 
 def plot(results: dict[str, Any], path: Path, *, title: str | None = None) -> None:
+    """accuracy.png: global accuracy per round against the pooled baseline, and each worker's ε spent."""
     import matplotlib
 
     matplotlib.use("Agg")

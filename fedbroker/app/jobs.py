@@ -9,15 +9,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import safetensors.numpy
 
 from fedbroker.app.status import render, table
 from fedbroker.files import write_atomic
+
+if TYPE_CHECKING:
+    from fedbroker.coordinator.service import CoordinatorClient
 
 MODEL_FILE = "model.safetensors"
 SPEC_FILE = "model_spec.json"
@@ -41,7 +44,7 @@ model.eval()
 '''
 
 
-def client(args: argparse.Namespace) -> Any:
+def client(args: argparse.Namespace) -> CoordinatorClient:
     """A coordinator client from `--config` (or FEDBROKER__* variables): the target (`--coordinator`, else
     coordinator.target), this user's token and TLS from the `client` section."""
     from fedbroker.app.launch import client_security
@@ -73,6 +76,7 @@ def _when(unix: float) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    """`jobs list`: every job the coordinator holds, one row each."""
     c = client(args)
     try:
         jobs = list(c.status("").jobs)
@@ -88,6 +92,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    """`jobs show ID`: the job's settings, its rounds and the workers it asked."""
     c = client(args)
     try:
         status = c.status(args.job_id)
@@ -149,6 +154,7 @@ def job_workers(status: Any) -> str:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    """`jobs cancel ID`: ask the coordinator to stop a job you submitted; it answers whether it has stopped yet."""
     c = client(args)
     try:
         status = c.cancel(args.job_id)
@@ -186,6 +192,7 @@ ASYNC_KINDS = {"round_opened": "buffer_filled", "round_closed": "version_publish
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
+    """`jobs logs ID [--follow]`: the job's events, one line (or JSON object) each."""
     c = client(args)
     try:
         (job,) = c.status(args.job_id).jobs
@@ -232,6 +239,7 @@ def write_model(out: Path, header: Any, tensors: dict[str, np.ndarray], job_spec
 
 
 def cmd_download(args: argparse.Namespace) -> int:
+    """`jobs download ID --out DIR`: a round's global model with its spec, the job and a README."""
     c = client(args)
     try:
         header, tensors = c.download(args.job_id, args.round or 0)
@@ -248,12 +256,13 @@ def cmd_download(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`fedbroker jobs ...` under the main parser's subcommands."""
     jobs = sub.add_parser("jobs", help="list, show, cancel, follow and download your jobs")
     verbs = jobs.add_subparsers(dest="verb", required=True)
 
-    def verb(name: str, fn: Any, help_text: str, *, job_id: bool = True, read: bool = True) -> Any:
+    def verb(name: str, fn: Callable[[argparse.Namespace], int], help_text: str, *, job_id: bool = True,
+             read: bool = True) -> argparse.ArgumentParser:
         p = verbs.add_parser(name, help=help_text)
         if job_id:
             p.add_argument("job_id", metavar="ID")

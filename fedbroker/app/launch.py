@@ -29,10 +29,12 @@ log = logging.getLogger(__name__)
 
 
 def broker_url(config: Config) -> str:
+    """The broker URL from broker.url or broker.url_file (a kit's secrets/broker-url); empty: in-process."""
     return read_secret(config.broker.url, config.broker.url_file, field="broker.url")
 
 
 def make_bus(config: Config) -> Bus:
+    """The process's bus: RabbitMQ at the configured URL, or the in-process bus when there is none."""
     b = config.broker
     url = broker_url(config)
     log.info("bus: %s (namespace %s)", mask_url(url) if url else "in-process", b.namespace)
@@ -48,6 +50,7 @@ def client_security(config: Config, *, expected_target: str = "") -> ClientSecur
 
 
 def start_aggregator(config: Config) -> tuple[grpc.Server, int]:
+    """The aggregation service serving on aggregator.listen; the server and the port it bound."""
     from fedbroker.aggregators.rounds import RoundBook
     from fedbroker.aggregators.service import SERVICE_NAME, serve
 
@@ -75,12 +78,15 @@ def _export(role: str, port: int, addr: str) -> None:
 
 @dataclass
 class CoordinatorProcess:
+    """A running coordinator with its gRPC server and bus, stopped together."""
+
     coordinator: Coordinator
     server: grpc.Server
     port: int
     bus: Bus
 
     def stop(self) -> None:
+        """Stop scheduling, then serving, then the bus, and release the state directory."""
         self.coordinator.stop()
         self.server.stop(grace=1)
         self.bus.close()
@@ -88,6 +94,7 @@ class CoordinatorProcess:
 
 
 def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorProcess:
+    """The coordinator scheduling and serving on coordinator.listen, its state in coordinator.state_dir."""
     from fedbroker.aggregators.client import AggregatorClient
     from fedbroker.coordinator.evaluation import evaluate_global
     from fedbroker.coordinator.scheduler import Coordinator
@@ -133,6 +140,7 @@ def set_torch_threads(threads: int) -> None:
 
 
 def start_worker(config: Config, *, bus: Bus | None = None) -> WorkerAgent:
+    """A worker consuming its task queue; `bus` is the demo's in-process bus, else the config's broker."""
     from fedbroker.worker.agent import WorkerAgent
 
     keep_freed_memory()  # every round streams the global model in and the update out

@@ -35,6 +35,8 @@ from fedbroker.spec import JobSpec
 
 @dataclass(frozen=True)
 class SimulateOptions:
+    """The `fedbroker simulate` flags."""
+
     job: str                           # the job file (YAML or JSON), as `fedbroker submit` takes it
     workers: int = 3
     partition: str = "iid"             # iid | dirichlet | classes
@@ -59,6 +61,7 @@ class SimulationCluster(Cluster):
         self.data, self.category, self.own_policy = data, category, own_policy
 
     def worker_settings(self, i: int) -> dict[str, Any]:
+        """The demo worker's settings, with the simulation's data (and its owner's DP policy, if given)."""
         settings = super().worker_settings(i)
         w = self.data
         settings.update({
@@ -118,6 +121,7 @@ def check_simulation(options: SimulateOptions, job: JobSpec, data: Any) -> None:
 
 
 def run_simulation(options: SimulateOptions) -> dict[str, Any]:
+    """Run the job on the simulated workers; each round scored on the held-out data, as the demo reports."""
     from tqdm import tqdm
 
     from fedbroker.aggregators.registries import accept_job_text

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
 
 
-def add_simulate(sub: Any) -> None:
+def add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`fedbroker simulate job.yaml` under the main parser's subcommands."""
     from fedbroker.app.simulate import SimulateOptions
 
     d = SimulateOptions(job="")
@@ -36,6 +36,7 @@ def add_simulate(sub: Any) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    """Run the simulation the flags describe (fedbroker.app.simulate)."""
     from fedbroker.app.simulate import SimulateOptions, run_simulation
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -10,6 +10,7 @@ DASH = "-"  # a value that does not exist yet (an open round) or at all (a job w
 
 
 def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Columns padded to their widest cell, under a header and a rule: readable in any terminal."""
     cells = [[str(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]

@@ -13,8 +13,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import grpc
@@ -23,13 +25,12 @@ import pytest
 import yaml
 from cryptography import x509
 
-from fedbroker.app import provision as provision_module
 from fedbroker.app.cli import main
-from fedbroker.app.provision import Project, Site, parse_project, provision
+from fedbroker.app.provision import Project, Site, k8s, parse_project, provision
 from fedbroker.errors import ConfigError
 from tests.ops.conftest import tool
 from tests.security.tlsproxy import TlsProxy
-from tests.source_roots import PYTHONPATH
+from tests.source_roots import PYTHONPATH, SOURCE_ROOTS
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = {
@@ -217,14 +218,14 @@ def test_a_failure_while_writing_leaves_no_half_written_kit(tmp_path, monkeypatc
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(provision_module, "_k8s_overlay", broken)
+    monkeypatch.setattr(k8s, "overlay", broken)
     with pytest.raises(OSError, match="disk full"):
         provision(parse_project(PROJECT), out)
     assert (list(out.iterdir()) == []) if existing else not out.exists()
 
 
 def test_a_missing_kubernetes_base_is_refused_before_anything_is_written(tmp_path, monkeypatch):
-    monkeypatch.setattr(provision_module, "BASE", tmp_path / "no-base")
+    monkeypatch.setattr(k8s, "BASE", tmp_path / "no-base")
     with pytest.raises(ConfigError, match="Kubernetes base"):
         provision(parse_project(PROJECT), tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -403,10 +404,18 @@ def _no_fedbroker_settings() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER__") and k != "PYTHONPATH"}
 
 
-@pytest.mark.integration
-@pytest.mark.timeout(600)
-def test_provision_runs_from_an_installed_wheel_and_its_overlay_renders(tmp_path):
-    """`pip install .` (and the image) hold no deploy/: the Kubernetes base must ship inside the package."""
+class Installed(NamedTuple):
+    """A wheel built from a copy of the sources and installed with --target, away from the checkout."""
+
+    site: Path       # the --target folder: the package, its metadata and bin/fedbroker
+    cwd: Path        # where its commands run: no checkout here
+    env: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Installed:
+    """`pip install .` (and the image) hold no deploy/ and no checkout: what the wheel lacks, its commands lack."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     src = tmp_path / "src"
     for name in PACKAGE_SOURCES:  # a copy, so the build writes no build/ or egg-info into the checkout
         source, target = ROOT / name, src / name
@@ -421,15 +430,26 @@ def test_provision_runs_from_an_installed_wheel_and_its_overlay_renders(tmp_path
     assert built.returncode == 0, built.stderr
     wheel = next((tmp_path / "dist").glob("fedbroker-*.whl"))
     site = tmp_path / "site"
-    installed = subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], cwd=tmp_path,
-                               capture_output=True, text=True, timeout=300)
-    assert installed.returncode == 0, installed.stderr
+    done = subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    # every module of the tree is in the wheel: a module left out could still import from an editable
+    # install of the checkout in this venv, and the commands below would not notice
+    in_tree = {str(p.relative_to(root)) for root in SOURCE_ROOTS for p in (root / "fedbroker").rglob("*.py")}
+    assert in_tree == {str(p.relative_to(site)) for p in (site / "fedbroker").rglob("*.py")}
     # the installed copy only: no checkout on the path (cwd is tmp_path), the venv's site-packages for the
     # dependencies
-    env = {**_no_fedbroker_settings(), "PYTHONPATH": str(site)}
+    return Installed(site, tmp_path, {**_no_fedbroker_settings(), "PYTHONPATH": str(site)})
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_provision_runs_from_an_installed_wheel_and_its_overlay_renders(installed):
+    """The Kubernetes base must ship inside the package: the server kit's overlay is copied from it."""
+    tmp_path, env = installed.cwd, installed.env
     where = subprocess.run([sys.executable, "-c", "import fedbroker.app.provision as p; print(p.__file__)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert where.stdout.strip().startswith(str(site)), where
+    assert where.stdout.strip().startswith(str(installed.site)), where
     (tmp_path / "project.yaml").write_text(yaml.safe_dump(PROJECT))
     run = subprocess.run([sys.executable, "-m", "fedbroker", "provision", "project.yaml", "--out", "kits"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -440,6 +460,29 @@ def test_provision_runs_from_an_installed_wheel_and_its_overlay_renders(tmp_path
     names = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(rendered.stdout) if d}
     assert {("Deployment", "fedbroker-coordinator"), ("Deployment", "fedbroker-aggregator"),
             ("StatefulSet", "rabbitmq"), ("Service", "fedbroker-public-broker")} <= names
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_the_installed_command_reports_its_version_and_runs_the_demo(installed):
+    """The console script pip wrote (not `python -m` on a checkout): its version is the wheel's metadata (the
+    namespace has no __init__ to hold one), and the demo finishes a round from the installed copy alone."""
+    command = str(installed.site / "bin" / "fedbroker")
+    version = subprocess.run([command, "--version"], cwd=installed.cwd, env=installed.env, capture_output=True,
+                             text=True, timeout=120)
+    expected = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert (version.returncode, version.stdout) == (0, f"fedbroker {expected}\n"), version
+    runs = installed.cwd / "runs"
+    # the smallest demo: two workers, one round of one epoch, no DP (no accountant), the in-process bus
+    demo = subprocess.run([command, "demo", "--rounds", "1", "--workers", "2", "--local-epochs", "1", "--no-dp",
+                           "--partition", "iid", "--out", str(runs)], cwd=installed.cwd, env=installed.env,
+                          capture_output=True, text=True, timeout=600)
+    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    (run_dir,) = runs.iterdir()
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["summary"]["status"] == "completed" and results["summary"]["broker"] == "in-process"
+    assert [(r["round"], r["clients"]) for r in results["rounds"]] == [(1, 2)]
+    assert "final federated accuracy" in demo.stdout
 
 
 def _alive(pid: int) -> bool:

@@ -1,0 +1,140 @@
+"""What each process of the federation reads from its kit: its YAML config, and the broker's users and
+rabbitmq.conf. Paths are relative to the kit (its start script changes into it first)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import secrets
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote
+
+from fedbroker.app.provision.project import Project, Site, config_problems
+from fedbroker.errors import ConfigError
+
+
+def target(host: str, port: int) -> str:
+    """`host:port`, an IPv6 address in brackets, as gRPC targets and listen addresses take it."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def client_pair(stem: str) -> dict[str, str]:
+    """A config's cert_file/key_file for the client certificate `<stem>.crt`/`<stem>.key`."""
+    return {"cert_file": f"{stem}.crt", "key_file": f"{stem}.key"}
+
+
+def broker_user(project: Project, who: str) -> str:
+    """A participant's broker user, named for the project too (several projects may share a broker)."""
+    return f"{project.name}-{who}"
+
+
+def broker_url(user: str, password: str, host: str, port: int) -> str:
+    """The AMQPS URL a participant logs in with, user and password quoted."""
+    return f"amqps://{quote(user, safe='')}:{quote(password, safe='')}@{host}:{port}/%2F"
+
+
+def aggregator_doc(project: Project) -> dict[str, Any]:
+    """The aggregation service's config (server kit, aggregator.yaml)."""
+    return {"aggregator": {"listen": target(project.listen, project.aggregator_port),
+                           "target": target(project.host, project.aggregator_port),
+                           "tokens_file": "tokens/aggregator.yaml", "spool_dir": "state/spool",
+                           "tls": {"cert_file": "tls/aggregator.crt", "key_file": "tls/aggregator.key",
+                                   "client_ca_file": "ca.crt"}}}
+
+
+def coordinator_doc(project: Project) -> dict[str, Any]:
+    """The coordinator's config (server kit, coordinator.yaml)."""
+    return {
+        "broker": {"url_file": "secrets/broker-url", "ca_file": "ca.crt", "namespace": project.namespace,
+                   **client_pair("tls/coordinator-client")},
+        "aggregator": {"target": target(project.host, project.aggregator_port)},
+        "coordinator": {"listen": target(project.listen, project.coordinator_port),
+                        "target": target(project.host, project.coordinator_port), "state_dir": "state/coordinator",
+                        "tokens_file": "tokens/coordinator.yaml",
+                        "tls": {"cert_file": "tls/coordinator.crt", "key_file": "tls/coordinator.key",
+                                "client_ca_file": "ca.crt"}},
+        "client": {"token_file": "secrets/coordinator.token", "ca_file": "ca.crt",
+                   **client_pair("tls/coordinator-client")},
+    }
+
+
+def worker_doc(project: Project, site: Site) -> dict[str, Any]:
+    """A site's worker config (worker.yaml): its own worker section, with the id and categories the kit sets."""
+    worker = {"ledger_path": "state/ledger.json", **site.worker, "id": site.name, "categories": list(site.categories)}
+    return {
+        "broker": {"url_file": "secrets/broker-url", "ca_file": "ca.crt", "namespace": project.namespace,
+                   **client_pair("tls/client")},
+        "aggregator": {"target": target(project.host, project.aggregator_port)},
+        "client": {"token_file": "secrets/token", "ca_file": "ca.crt", **client_pair("tls/client")},
+        "worker": worker,
+    }
+
+
+def scientist_doc(project: Project) -> dict[str, Any]:
+    """A data scientist's CLI config (fedbroker.yaml)."""
+    return {"coordinator": {"target": target(project.host, project.coordinator_port)},
+            "client": {"token_file": "secrets/token", "ca_file": "ca.crt", **client_pair("tls/client")}}
+
+
+def kit_config_problems(project: Project) -> list[ConfigError]:
+    """Every config the kits will hold, loaded as its process will load it, before anything is written: a typo
+    or a bad value in a site's worker settings is named by its site here, not found on site."""
+    problems = config_problems("server (aggregator.yaml)", aggregator_doc(project))
+    problems += config_problems("server (coordinator.yaml)", coordinator_doc(project))
+    problems += config_problems("scientists (fedbroker.yaml)", scientist_doc(project))
+    for i, site in enumerate(project.sites):
+        problems += config_problems(f"sites[{i}]", worker_doc(project, site), site=site.name)
+    return problems
+
+
+def rabbitmq_password_hash(password: str) -> str:
+    """RabbitMQ's rabbit_password_hashing_sha256: base64(salt ‖ SHA-256(salt ‖ password)), 4 random salt bytes."""
+    salt = secrets.token_bytes(4)
+    return base64.b64encode(salt + hashlib.sha256(salt + password.encode()).digest()).decode()
+
+
+def broker_definitions(project: Project, passwords: Mapping[str, str]) -> dict[str, Any]:
+    """RabbitMQ definitions: one user per participant, so one site is revoked alone. Everyone is confined to
+    the project's broker names; a site reads no other site's task queue. Every bus declares the shared
+    topology, and RabbitMQ lets a queue with a dead-letter exchange be declared only by a user who may read
+    it and write the exchange: so a site may still read the coordinator's queue (deploy/SECURITY.md)."""
+    ns = re.escape(project.namespace)
+    everything = f"^{ns}\\..*$"
+    users, permissions = [], []
+    for who, password in passwords.items():
+        user = broker_user(project, who)
+        users.append({"name": user, "password_hash": rabbitmq_password_hash(password),
+                      "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": []})
+        if who == "coordinator":
+            allowed = {"configure": everything, "write": everything, "read": everything}
+        else:
+            own = f"worker\\.{re.escape(who)}"
+            allowed = {"configure": f"^{ns}\\.(tasks|control|events|dlx|dead|coordinator|{own})$",
+                       "write": f"^{ns}\\.(tasks|control|dlx|dead|coordinator|{own})$",
+                       "read": f"^{ns}\\.(tasks|control|events|dlx|coordinator|{own})$"}
+        permissions.append({"user": user, "vhost": "/", **allowed})
+    return {"users": users, "vhosts": [{"name": "/"}], "permissions": permissions}
+
+
+def rabbitmq_conf(*, tls_dir: str, definitions: str) -> str:
+    """The broker's config: AMQPS with mutual TLS only, the kit's users loaded from `definitions`."""
+    return (
+        "# AMQPS only: no plaintext listener. Sites verify the broker against the project CA.\n"
+        "listeners.tcp = none\n"
+        "listeners.ssl.default = 5671\n"
+        f"ssl_options.cacertfile = {tls_dir}/ca.crt\n"
+        f"ssl_options.certfile = {tls_dir}/broker.crt\n"
+        f"ssl_options.keyfile = {tls_dir}/broker.key\n"
+        "# mutual TLS: every participant presents its kit's client certificate (and logs in with its user)\n"
+        "ssl_options.verify = verify_peer\n"
+        "ssl_options.fail_if_no_peer_cert = true\n"
+        "management.tcp.port = 15672\n"
+        "prometheus.tcp.port = 15692\n"
+        "log.console = true\n"
+        "log.file = false\n"
+        "loopback_users.guest = true\n"
+        "consumer_timeout = 14400000\n"
+        f"load_definitions = {definitions}\n"
+    )

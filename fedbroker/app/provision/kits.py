@@ -1,0 +1,231 @@
+"""Every kit of a project, written whole or not at all: the CA, the server, one per site and one per data
+scientist, each holding only what its participant needs."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from fedbroker.app.provision import k8s
+from fedbroker.app.provision.authority import Authority
+from fedbroker.app.provision.configs import (
+    aggregator_doc,
+    broker_definitions,
+    broker_url,
+    broker_user,
+    coordinator_doc,
+    kit_config_problems,
+    rabbitmq_conf,
+    scientist_doc,
+    target,
+    worker_doc,
+)
+from fedbroker.app.provision.folder import KitFolder
+from fedbroker.app.provision.project import Project, Site
+from fedbroker.auth import ROLE_COORDINATOR, ROLE_WORKER, generate_token, hash_token
+from fedbroker.errors import ConfigError, ConfigErrors
+
+
+def provision(project: Project, out: str | os.PathLike[str]) -> dict[str, Path]:
+    """Write every kit under `out` (which must not exist yet, or be empty); the kits' folders by participant."""
+    root = Path(out)
+    if root.exists() and any(root.iterdir()):
+        raise ConfigError("--out", f"{root} is not empty: provision into a new folder (kits are never overwritten)")
+    k8s.check_base()
+    problems = kit_config_problems(project)
+    if problems:
+        raise problems[0] if len(problems) == 1 else ConfigErrors(problems)
+    created = not root.exists()
+    root.mkdir(parents=True, mode=0o700, exist_ok=True)
+    try:
+        return _write_kits(project, root)
+    except BaseException:
+        # nothing half-written stays behind (a CA key, tokens): the folder was new or empty
+        if created:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            for child in root.iterdir():
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        raise
+
+
+def _write_kits(project: Project, root: Path) -> dict[str, Path]:
+    """The CA first (it signs every certificate), then the server's kit and one per participant."""
+    ca = Authority(project.name, project.validity_days)
+    ca_kit = KitFolder(root / "ca")
+    ca_kit.write("ca.crt", ca.cert_pem())
+    ca_kit.write("ca.key", ca.key_pem(), secret=True)
+
+    tokens = {"coordinator": generate_token(), **{s.name: generate_token() for s in project.sites},
+              **{p.name: generate_token() for p in project.scientists}}
+    # one broker user per participant, named for the project too (several projects may share a broker)
+    broker_passwords = {"coordinator": secrets.token_urlsafe(24), **{s.name: secrets.token_urlsafe(24)
+                                                                      for s in project.sites}}
+    kits = {"ca": ca_kit.root, "server": _server_kit(project, root / "server", ca, tokens, broker_passwords)}
+    for site in project.sites:
+        kits[f"site:{site.name}"] = _site_kit(project, root / "sites" / site.name, ca, site, tokens[site.name],
+                                              broker_passwords[site.name])
+    for person in project.scientists:
+        kits[f"scientist:{person.name}"] = _scientist_kit(project, root / "scientists" / person.name, ca,
+                                                          person.name, tokens[person.name])
+    return kits
+
+
+def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str, str],
+                passwords: dict[str, str]) -> Path:
+    """The coordinator's and the aggregation service's kit (and the broker's): server certificates, the token
+    tables (digests only), the broker's users, start scripts and the Kubernetes overlay."""
+    kit = KitFolder(folder)
+    kit.write("ca.crt", ca.cert_pem())
+    public = [project.host, *project.sans]
+    for role in ("coordinator", "aggregator", "broker"):
+        svc = k8s.IN_CLUSTER[role]
+        cert, key = ca.server(f"{project.name} {role}", [*public, svc, f"{svc}.{k8s.K8S_NAMESPACE}.svc",
+                                                         f"{svc}.{k8s.K8S_NAMESPACE}.svc.cluster.local"])
+        kit.write(f"tls/{role}.crt", cert)
+        kit.write(f"tls/{role}.key", key, secret=True)
+    cert, key = ca.client("coordinator")  # what the coordinator presents to the aggregation service and the broker
+    kit.write("tls/coordinator-client.crt", cert)
+    kit.write("tls/coordinator-client.key", key, secret=True)
+    aggregator_table = {"coordinator": {"role": ROLE_COORDINATOR, "sha256": hash_token(tokens["coordinator"])},
+                        **{s.name: {"role": ROLE_WORKER, "sha256": hash_token(tokens[s.name])} for s in project.sites}}
+    coordinator_table = {p.name: {"role": p.role, "sha256": hash_token(tokens[p.name])} for p in project.scientists}
+    note = "# SHA-256 of each participant's token (fedbroker/auth.py): the tokens themselves are in their kits\n"
+    kit.yaml("tokens/aggregator.yaml", aggregator_table, header=note, secret=True)
+    kit.yaml("tokens/coordinator.yaml", coordinator_table or {}, header=note, secret=True)
+    kit.write("secrets/coordinator.token", tokens["coordinator"] + "\n", secret=True)
+    kit.write("secrets/broker-url",
+              broker_url(broker_user(project, "coordinator"), passwords["coordinator"], project.host, project.broker_port) + "\n",
+              secret=True)
+    kit.yaml("aggregator.yaml", aggregator_doc(project),
+             header="# The aggregation service (start-aggregator.sh): gRPC over mutual TLS, every call authenticated.\n")
+    kit.yaml("coordinator.yaml", coordinator_doc(project),
+             header="# The coordinator (start-coordinator.sh). aggregator.target is the public name: the tasks it sends\n"
+                    "# tell the sites' workers where to upload, and each worker only sends its token there.\n")
+    kit.write("rabbitmq/definitions.json", json.dumps(broker_definitions(project, passwords), indent=2) + "\n",
+              secret=True)
+    kit.write("rabbitmq/rabbitmq.conf", rabbitmq_conf(tls_dir="/etc/rabbitmq-tls",
+                                                       definitions="/etc/rabbitmq-auth/definitions.json"))
+    for role in ("aggregator", "coordinator"):
+        kit.write(f"start-{role}.sh", _script(f"the {role}", f"{role} --config {role}.yaml"), executable=True)
+    kit.write("start.sh", _START_SERVER, executable=True)
+    k8s.overlay(project, kit, passwords["coordinator"], tokens["coordinator"])
+    kit.write("README.md", _server_readme(project))
+    return folder
+
+
+def _script(what: str, args: str) -> str:
+    """A start script that runs from any folder (the kit's paths are relative to the kit)."""
+    return (
+        "#!/bin/sh\n"
+        f"# Start {what} from this kit (from any folder: the kit's paths are relative to it).\n"
+        "# FEDBROKER overrides the command, e.g. FEDBROKER='python -m fedbroker'.\n"
+        "set -eu\n"
+        'cd "$(dirname "$0")"\n'
+        "mkdir -p state\n"
+        f'exec ${{FEDBROKER:-fedbroker}} {args} "$@"\n'
+    )
+
+
+_START_SERVER = """#!/usr/bin/env bash
+# Start the aggregation service and the coordinator from this kit; Ctrl-C stops both, and so does either one
+# exiting (a config error, a crash): this script then exits non-zero, so a supervisor sees the server down.
+# The broker (RabbitMQ with rabbitmq/rabbitmq.conf and rabbitmq/definitions.json) runs beside them: see README.md.
+# bash 4.3 or later (wait -n).
+set -u
+cd "$(dirname "$0")"
+./start-aggregator.sh & aggregator=$!
+./start-coordinator.sh & coordinator=$!
+stopping=""
+trap 'stopping=1; kill $coordinator $aggregator 2>/dev/null' INT TERM
+wait -n
+status=$?
+kill $coordinator $aggregator 2>/dev/null
+wait
+if [ -z "$stopping" ]; then
+    echo "start.sh: a server process exited (status $status): both are stopped" >&2
+fi
+exit $(( status == 0 ? 1 : status ))
+"""
+
+
+# fedbroker is installed from its source, as the project's README says (it is not on a package index)
+_INSTALL = ("Install fedbroker from the source release your operator names (it is not published on PyPI): "
+            "`pip install torch==2.13.0` first (the CPU or the CUDA build you need; pinned, so nothing pulls "
+            "another), then `pip install .` in the source folder. That gives you the `fedbroker` command.")
+
+
+def _site_kit(project: Project, folder: Path, ca: Authority, site: Site, token: str, password: str) -> Path:
+    kit = KitFolder(folder)
+    kit.write("ca.crt", ca.cert_pem())
+    kit.write("secrets/token", token + "\n", secret=True)
+    kit.write("secrets/broker-url", broker_url(broker_user(project, site.name), password, project.host, project.broker_port) + "\n",
+              secret=True)
+    cert, key = ca.client(site.name)
+    kit.write("tls/client.crt", cert)
+    kit.write("tls/client.key", key, secret=True)
+    kit.yaml("worker.yaml", worker_doc(project, site), header=f"# The worker of {site.name} (start.sh). Your data, your DP policy: edit the worker section.\n"
+              f"# Keep state/ledger.json (your privacy ledger) across restarts and upgrades.\n")
+    kit.write("start.sh", _script(f"the worker of {site.name}", "worker --config worker.yaml"), executable=True)
+    kit.write("README.md", (
+        f"# {site.name}: your kit for the {project.name} federation\n\n"
+        f"1. {_INSTALL} Then edit the `worker` section of `worker.yaml`: your data "
+        f"set and your differential-privacy policy (`dp`), which no job can override.\n"
+        f"2. Start it: `./start.sh` (or `FEDBROKER='python -m fedbroker' ./start.sh`). It connects out to the "
+        f"broker at {target(project.host, project.broker_port)} (AMQPS) and the aggregation service at "
+        f"{target(project.host, project.aggregator_port)} (gRPC over TLS), both verified against `ca.crt`; "
+        f"nothing connects in.\n"
+        f"3. Keep `secrets/` and `tls/client.key` private (0600): `secrets/token` and `tls/client.*` are your "
+        f"identity, `secrets/broker-url` your broker login. Keep `state/ledger.json`: it records the privacy "
+        f"you have spent.\n"))
+    return folder
+
+
+def _scientist_kit(project: Project, folder: Path, ca: Authority, name: str, token: str) -> Path:
+    kit = KitFolder(folder)
+    kit.write("ca.crt", ca.cert_pem())
+    kit.write("secrets/token", token + "\n", secret=True)
+    cert, key = ca.client(name)
+    kit.write("tls/client.crt", cert)
+    kit.write("tls/client.key", key, secret=True)
+    kit.yaml("fedbroker.yaml", scientist_doc(project), header="# The CLI's config: run `fedbroker <command> --config fedbroker.yaml` in this folder.\n")
+    kit.write("README.md", (
+        f"# Your kit for the {project.name} federation\n\n"
+        f"{_INSTALL}\n\n"
+        f"In this folder:\n\n"
+        f"```sh\n"
+        f"fedbroker submit job.yaml --config fedbroker.yaml\n"
+        f"fedbroker jobs list --config fedbroker.yaml\n"
+        f"fedbroker jobs logs JOB_ID --follow --config fedbroker.yaml\n"
+        f"fedbroker jobs download JOB_ID --out model --config fedbroker.yaml\n"
+        f"```\n\n`secrets/token` is your identity: only you can cancel or download the jobs you submit.\n\n"
+        f"Without `--config fedbroker.yaml` (elsewhere, or with `--coordinator "
+        f"{target(project.host, project.coordinator_port)}`), give the CLI this kit's files by their absolute "
+        f"paths: `FEDBROKER__CLIENT__TOKEN_FILE` (`secrets/token`), `FEDBROKER__CLIENT__CA_FILE` (`ca.crt`), "
+        f"`FEDBROKER__CLIENT__CERT_FILE` (`tls/client.crt`) and `FEDBROKER__CLIENT__KEY_FILE` "
+        f"(`tls/client.key`). The coordinator speaks mutual TLS only: a call without the CA and the client "
+        f"certificate fails with `UNAVAILABLE` (`Socket closed`), whatever the token.\n"))
+    return folder
+
+
+def _server_readme(project: Project) -> str:
+    return (
+        f"# The {project.name} server kit\n\n"
+        f"Sites reach this server at `{project.host}`: AMQPS on {project.broker_port}, the aggregation service "
+        f"on {project.aggregator_port} and the coordinator on {project.coordinator_port} (gRPC over TLS). "
+        f"Open those three ports, nothing else.\n\n"
+        f"## On Kubernetes\n\n"
+        f"`kubectl kustomize .` renders the server side (broker, aggregation service, coordinator) with TLS on "
+        f"and a LoadBalancer Service per port; `kubectl apply -k .` applies it. Point `{project.host}` at the "
+        f"balancers' addresses (`kubectl -n {k8s.K8S_NAMESPACE} get svc -l app.kubernetes.io/part-of=fedbroker`).\n\n"
+        f"## On a host\n\n"
+        f"1. RabbitMQ 3.10 or later (the Kubernetes base runs 4.1) with `rabbitmq/rabbitmq.conf` (point its `ssl_options` and `load_definitions` at "
+        f"this kit's `ca.crt`, `tls/broker.*` and `rabbitmq/definitions.json`), listening on "
+        f"{project.broker_port}.\n"
+        f"2. `./start.sh` starts the aggregation service and the coordinator (or `start-aggregator.sh` and "
+        f"`start-coordinator.sh` apart). State lives in `state/`.\n\n"
+        f"Keep `tls/*.key`, `tokens/`, `secrets/` and `rabbitmq/definitions.json` private (0600). The CA's key "
+        f"is not here: it stays with whoever provisioned the project.\n")
