@@ -49,7 +49,7 @@ def test_what_a_worker_gives_up_on_comes_from_the_enum():
 
 
 def test_the_worker_holds_no_copy_of_the_reason_codes():
-    tree = ast.parse((ROOT / "worker" / "agent.py").read_text(encoding="utf-8"))
+    tree = ast.parse((ROOT / "worker" / "fedbroker" / "worker" / "agent.py").read_text(encoding="utf-8"))
     codes = {r.value for r in Rejection}
     copied = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in codes]
     assert not copied, f"worker/agent.py spells reason codes itself: {copied}; ask fedbroker.errors.Rejection"
