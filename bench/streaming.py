@@ -51,7 +51,7 @@ def cpu_seconds(pid: int | str = "self") -> float:
 def serve_child() -> None:
     from fedbroker.aggregators.rounds import RoundBook
     from fedbroker.aggregators.service import serve
-    from fedbroker.heap import keep_freed_memory
+    from fedbroker.glibc_malloc import keep_freed_memory
 
     keep_freed_memory()  # as `fedbroker aggregator` does at start (fedbroker.app.launch.start_aggregator)
     server, port = serve(RoundBook())  # the deployment's thread budget (fedbroker.callguard.CallLimits)
@@ -182,7 +182,7 @@ def raw_download(port: int, size: int) -> bytearray:
 def run(*, quick: bool) -> Section:
     from fedbroker import codec
     from fedbroker.aggregators.client import AggregatorClient
-    from fedbroker.heap import keep_freed_memory
+    from fedbroker.glibc_malloc import keep_freed_memory
 
     keep_freed_memory()  # this process is the worker's side (downloads land here), as `fedbroker worker` sets it
     started = time.perf_counter()

@@ -68,6 +68,7 @@ class CallLimits:
             raise ConfigErrors(problems)
 
     def problems(self, where: str = "aggregator") -> list[ConfigError]:
+        """Every invalid limit at once, named under `where` (the config section), for a config that reports all."""
         out: list[ConfigError] = []
         for name in ("threads", "health_threads", "max_streams", "max_streams_per_worker"):
             value = getattr(self, name)
@@ -274,6 +275,7 @@ class CallGuard(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
                           handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        """Wrap every call but health checks in the budget: counted while it holds its thread."""
         handler = continuation(handler_call_details)
         full = handler_call_details.method
         if handler is None or full.startswith(HEALTH_PREFIX):

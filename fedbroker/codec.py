@@ -34,10 +34,12 @@ MAX_RANK = 8
 
 
 def little_endian(array: np.ndarray) -> np.ndarray:
+    """The array contiguous and little-endian, as tensors travel: a big-endian host still sends the wire order."""
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
 
 
 def tensor_specs(tensors: Mapping[str, np.ndarray]) -> list[pb.TensorSpec]:
+    """Name, dtype and shape of each tensor, in order: the header a receiver splits the streamed bytes by."""
     return [pb.TensorSpec(name=name, dtype=arr.dtype.name, shape=list(arr.shape)) for name, arr in tensors.items()]
 
 

@@ -9,10 +9,14 @@ from fedbroker.proto import fedbroker_pb2 as pb
 
 
 class MalformedMessage(FedbrokerError):
+    """A bus body that is no Envelope, or holds another message than expected: poison, dead-lettered at once."""
+
     reason = "malformed_message"
 
 
 def decode(body: bytes, *, expect: tuple[str, ...]) -> pb.Envelope:
+    """The Envelope in `body`, holding one of the `expect`ed messages: a consumer never reads a message meant
+    for another."""
     envelope = pb.Envelope()
     try:
         envelope.ParseFromString(body)

@@ -46,6 +46,7 @@ class Rejection(StrEnum):
     status: str  # the name of a grpc.StatusCode (this module imports no transport)
 
     def __new__(cls, value: str, final: bool = False, status: str = "INVALID_ARGUMENT") -> Rejection:
+        """A member is its wire code (a str), carrying whether it is final and its gRPC status."""
         member = str.__new__(cls, value)
         member._value_ = value
         member.final = final
@@ -104,6 +105,8 @@ class UploadRejected(FedbrokerError):
 
 
 class NotFound(FedbrokerError):
+    """The caller named a job, round or model this service does not hold (gRPC NOT_FOUND)."""
+
     reason = "not_found"
 
 
@@ -115,6 +118,9 @@ class UnknownJob(NotFound):
 
 
 class Conflict(FedbrokerError):
+    """The request is valid but the state forbids it now (cancelling a finished job): gRPC FAILED_PRECONDITION,
+    which no retry fixes."""
+
     reason = "conflict"
 
 
@@ -123,10 +129,6 @@ class Unavailable(FedbrokerError):
     done: the caller may try again later (gRPC UNAVAILABLE)."""
 
     reason = "unavailable"
-
-
-class Unauthenticated(FedbrokerError):
-    reason = Rejection.UNAUTHENTICATED
 
 
 class TaskRefused(FedbrokerError):

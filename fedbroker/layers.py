@@ -23,6 +23,8 @@ ParamKind = Literal["width", "kernel", "int0", "bool", "prob"]
 
 @dataclass(frozen=True)
 class Param:
+    """One parameter of a layer type: its kind sets the range a job's value is checked against."""
+
     kind: ParamKind
     required: bool = False
     default: int | float | bool | None = None
@@ -67,6 +69,7 @@ class LayerType:
         return bool(self.out_width)
 
     def parameter_count(self, params: Params) -> int:
+        """Weights of one such layer, to bound a model's size before anything is built."""
         return sum(math.prod(shape) for shape in self.tensors(params).values())
 
 

@@ -120,6 +120,7 @@ class GrpcMetricsInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
                           handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        """The same handler, its behaviour timed (see the class)."""
         handler = continuation(handler_call_details)
         if handler is None:
             return None
@@ -195,9 +196,11 @@ class WatchedBus(Protocol):
     """What the collector reads of a bus (both bus implementations have it)."""
 
     @property
-    def reconnects(self) -> int: ...
+    def reconnects(self) -> int:
+        """Connections re-established after a loss, exported as a counter."""
 
-    def wait_ready(self, timeout: float) -> bool: ...
+    def wait_ready(self, timeout: float) -> bool:
+        """Called with 0: whether the bus is consuming now, exported as a gauge."""
 
 
 class BusCollector(Collector):
@@ -212,17 +215,21 @@ class BusCollector(Collector):
         self._lock = threading.Lock()
 
     def watch(self, bus: WatchedBus, *, client: str) -> None:
+        """Report `bus` under `client` from the next scrape on (a new bus of the same client replaces it)."""
         with self._lock:
             self._buses[client] = weakref.ref(bus)
 
     def unwatch(self, client: str) -> None:
+        """Stop reporting `client`, whose bus was closed on purpose."""
         with self._lock:
             self._buses.pop(client, None)
 
     def describe(self) -> Iterable[Metric]:
+        """The families without samples, so registering reads no bus."""
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
+        """The families with one sample per watched bus, read now."""
         return self._families(sample=True)
 
     def _families(self, sample: bool = False) -> list[Metric]:

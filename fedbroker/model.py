@@ -26,6 +26,7 @@ def build_model(spec: ModelSpec, *, seed: int | None = None) -> nn.Sequential:
 
 
 def state_to_numpy(model: nn.Module) -> dict[str, np.ndarray]:
+    """float32 copies of the weights, detached from torch, as they are streamed and averaged."""
     return {name: t.detach().cpu().numpy().astype(np.float32, copy=True) for name, t in model.state_dict().items()}
 
 
@@ -43,4 +44,5 @@ def load_numpy_state(model: nn.Module, state: Mapping[str, np.ndarray]) -> None:
 
 
 def initial_weights(spec: ModelSpec, *, seed: int) -> dict[str, np.ndarray]:
+    """Round 0's weights: the same seed gives every run of a job the same starting model."""
     return state_to_numpy(build_model(spec, seed=seed))

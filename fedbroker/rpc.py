@@ -16,7 +16,6 @@ from fedbroker.errors import (
     FedbrokerError,
     NotFound,
     Rejection,
-    Unauthenticated,
     Unavailable,
     UploadRejected,
 )
@@ -60,13 +59,13 @@ _STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (Conflict, grpc.StatusCode.FAILED_PRECONDITION),
-    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (BudgetExceeded, grpc.StatusCode.FAILED_PRECONDITION),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
 ]
 
 
 def status_for(exc: FedbrokerError) -> grpc.StatusCode:
+    """The one error→status table of both services; an upload's refusal carries its own status."""
     if isinstance(exc, UploadRejected):
         return grpc.StatusCode[exc.reason.status]
     for cls, code in _STATUS:
@@ -83,6 +82,7 @@ def abort(context: grpc.ServicerContext, exc: FedbrokerError) -> NoReturn:
 
 
 def short_details(message: str) -> str:
+    """`message` cut to fit the status trailers (see MAX_DETAILS_CHARS), saying how much was cut."""
     if len(message) <= MAX_DETAILS_CHARS:
         return message
     return f"{message[:MAX_DETAILS_CHARS]}… ({len(message) - MAX_DETAILS_CHARS} more characters)"
@@ -95,6 +95,7 @@ def _trailer(error: grpc.RpcError, key: str) -> str | None:
 
 
 def reason_of(error: grpc.RpcError) -> str:
+    """The server's reason code of a failed call, or its status code's name when the server gave none."""
     return _trailer(error, REASON_KEY) or error.code().name.lower()
 
 
@@ -172,6 +173,7 @@ def call_with_retry(fn: Callable[[], T], *, what: str, idempotent: bool, attempt
 
 
 def handle(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+    """Run a servicer's work; a `FedbrokerError` ends the call with its mapped status (see `abort`)."""
     try:
         return fn()
     except FedbrokerError as exc:

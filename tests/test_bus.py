@@ -474,7 +474,7 @@ def test_an_ack_that_outwaits_a_busy_connection_thread_is_still_sent_and_the_nex
         busy.set()
         free.wait(20)
 
-    blocker = threading.Thread(target=lambda: bus._consumer.call(hold_the_thread, timeout=30, what="holding"))
+    blocker = threading.Thread(target=lambda: bus._consumer.link.call(hold_the_thread, timeout=30, what="holding"))
     blocker.start()
     assert busy.wait(10)
     first.ack()  # waits settle_timeout_s, then returns: the ack stays queued behind the busy thread

@@ -18,7 +18,7 @@ from fedbroker.bus import Bus, InProcessBus, mask_url, open_bus
 from fedbroker.callguard import CallLimits
 from fedbroker.config import Config
 from fedbroker.errors import ConfigError
-from fedbroker.heap import keep_freed_memory
+from fedbroker.glibc_malloc import keep_freed_memory
 from fedbroker.metrics import start_exporter
 
 if TYPE_CHECKING:

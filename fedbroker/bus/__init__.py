@@ -3,7 +3,9 @@
 Two implementations share one interface (`Bus`) and one behaviour:
 
 * `AmqpBus` (`amqp.py`) talks to RabbitMQ with durable topology, persistent messages, publisher confirms,
-  manual acks, prefetch 1, dead-lettering of poison messages and reconnection with jittered backoff;
+  manual acks, prefetch 1, dead-lettering of poison messages and reconnection with jittered backoff; its
+  parts: `amqp_link.py` (a connection and its thread), `amqp_topology.py`, `amqp_publisher.py`,
+  `amqp_consumer.py`;
 * `InProcessBus` (`memory.py`) does the same inside one process (the embedded demo needs no broker).
 
 What they share (the interface, `Delivery`, broker names, the attempts header) is in `base.py`.
@@ -15,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from fedbroker.bus.amqp import AMQP_ONLY_OPTIONS, AmqpBus, delete_topology
+from fedbroker.bus.amqp import AMQP_ONLY_OPTIONS, AmqpBus
+from fedbroker.bus.amqp_topology import delete_topology
 from fedbroker.bus.base import ATTEMPTS_HEADER, Bus, Delivery, Handler, Topology, mask_url
 from fedbroker.bus.memory import DeadLetter, InProcessBus, MemoryBroker
 from fedbroker.errors import BusError, ConfigError

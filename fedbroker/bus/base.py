@@ -48,29 +48,36 @@ class Topology:
 
     @property
     def tasks_exchange(self) -> str:
+        """Direct exchange routing each task to its worker's queue by worker id."""
         return f"{self.namespace}.tasks"
 
     @property
     def control_exchange(self) -> str:
+        """Direct exchange for workers' reports to the coordinator."""
         return f"{self.namespace}.control"
 
     @property
     def events_exchange(self) -> str:
+        """Fanout exchange for round events: every subscriber gets its own copy."""
         return f"{self.namespace}.events"
 
     @property
     def dead_letter_exchange(self) -> str:
+        """Where consumer queues send poison messages, so they leave the queue but are kept."""
         return f"{self.namespace}.dlx"
 
     @property
     def coordinator_queue(self) -> str:
+        """The coordinator's durable queue of control messages."""
         return f"{self.namespace}.coordinator"
 
     @property
     def dead_queue(self) -> str:
+        """Durable queue holding dead letters until an operator looks at them."""
         return f"{self.namespace}.dead"
 
     def worker_queue(self, worker_id: str) -> str:
+        """A worker's durable task queue: tasks wait there while the worker is down."""
         return f"{self.namespace}.worker.{worker_id}"
 
 
@@ -105,6 +112,7 @@ class Delivery:
 
     @property
     def settled(self) -> bool:
+        """Whether `ack` or `nack` was called, so a safety net settles only what nothing settled."""
         return self._settled is not None
 
     def ack(self) -> None:
@@ -137,23 +145,45 @@ class Bus(Protocol):
     """What the services use of a bus; `InProcessBus` and `AmqpBus` keep the same semantics."""
 
     @property
-    def reconnects(self) -> int: ...
+    def reconnects(self) -> int:
+        """Connections re-established after a loss (a Prometheus counter; always 0 in process)."""
 
-    def publish_task(self, worker_id: str, body: bytes) -> None: ...
+    def publish_task(self, worker_id: str, body: bytes) -> None:
+        """Persistent, and taken by the broker on return; `Unroutable` when the worker has no queue."""
+
     def publish_tasks(self, tasks: Sequence[tuple[str, bytes]]) -> list[str]:
         """Every (worker id, body) task persistent, with ONE wait for the broker to take them all; returns
         the worker ids whose task was unroutable (no queue). BusError: none of them may be taken; retry all."""
-        ...
-    def publish_control(self, body: bytes) -> None: ...
-    def publish_event(self, body: bytes) -> None: ...
-    def consume_tasks(self, worker_id: str, handler: Handler) -> None: ...
-    def consume_control(self, handler: Handler) -> None: ...
-    def consume_events(self, handler: Handler) -> None: ...
-    def declare_worker(self, worker_id: str) -> None: ...
-    def dead_letter_count(self, *, timeout_s: float = 2.0) -> int: ...
-    def start(self) -> None: ...
-    def wait_ready(self, timeout: float) -> bool: ...
-    def close(self) -> None: ...
+
+    def publish_control(self, body: bytes) -> None:
+        """A worker's report to the coordinator, persistent and taken by the broker on return."""
+
+    def publish_event(self, body: bytes) -> None:
+        """A notification to whoever subscribes now; missed by those who do not (the state store is the truth)."""
+
+    def consume_tasks(self, worker_id: str, handler: Handler) -> None:
+        """Hand this worker's tasks to `handler`, one at a time, from `start` on."""
+
+    def consume_control(self, handler: Handler) -> None:
+        """Hand the coordinator's control messages to `handler`, one at a time, from `start` on."""
+
+    def consume_events(self, handler: Handler) -> None:
+        """Hand the events published from now on to `handler`."""
+
+    def declare_worker(self, worker_id: str) -> None:
+        """Create the worker's queue before it connects, so its first tasks are kept, not refused."""
+
+    def dead_letter_count(self, *, timeout_s: float = 2.0) -> int:
+        """Poison messages waiting for an operator (a metric); `BusError` past `timeout_s`."""
+
+    def start(self) -> None:
+        """Begin delivering to the registered handlers; consumers added later start at once."""
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether every consumer is consuming within `timeout`: an event subscriber then misses nothing published."""
+
+    def close(self) -> None:
+        """Stop delivering (unacked messages go back to their queues) and release the connections."""
 
 
 def mask_url(url: str) -> str:
@@ -191,6 +221,7 @@ def check_url(url: str) -> str:
 
 
 def check_max_attempts(max_attempts: int) -> int:
+    """`max_attempts` as both buses need it: at least one delivery before a message is dead-lettered."""
     if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
         raise ConfigError("max_attempts", f"must be an integer >= 1, got {max_attempts!r}")
     return max_attempts
@@ -212,11 +243,13 @@ class Dispatcher:
         self._started = False
 
     def start(self) -> None:
+        """Start the handler thread once; deliveries put before wait in the inbox."""
         if not self._started:
             self._started = True
             self._thread.start()
 
     def put(self, delivery: Delivery) -> None:
+        """Queue a delivery for the handler (called on the I/O thread, which must never wait on a handler)."""
         with self._cond:
             self._inbox.append(delivery)
             self._cond.notify()

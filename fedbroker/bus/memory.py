@@ -80,6 +80,7 @@ class MemoryBroker:
 
     @classmethod
     def for_namespace(cls, namespace: str) -> MemoryBroker:
+        """The namespace's broker, created on first use: buses of one namespace meet as on one RabbitMQ."""
         with cls._registry_lock:
             broker = cls._registry.get(namespace)
             if broker is None:
@@ -93,6 +94,7 @@ class MemoryBroker:
             cls._registry.pop(namespace, None)
 
     def declare(self, name: str) -> _MemQueue:
+        """The named queue, created if missing (idempotent, as a durable queue_declare)."""
         with self.lock:
             q = self.queues.get(name)
             if q is None:
@@ -106,6 +108,7 @@ class MemoryBroker:
             return len(q.ready) if q else 0
 
     def enqueue(self, q: _MemQueue, message: _MemMessage) -> None:
+        """Append a message and hand it on at once if a consumer is free."""
         with self.lock:
             q.ready.append(message)
             self.pump(q)
@@ -191,6 +194,7 @@ class InProcessBus:
 
     @property
     def dead(self) -> list[DeadLetter]:
+        """The dead letters of this namespace, for tests and the demo to inspect."""
         return self.broker.dead
 
     def dead_letter_count(self, *, timeout_s: float = 2.0) -> int:
@@ -208,6 +212,7 @@ class InProcessBus:
         return _MemMessage(bytes(body), routing_key, uuid.uuid4().hex)
 
     def publish_task(self, worker_id: str, body: bytes) -> None:
+        """Queued for the worker; `Unroutable` when it has no queue, as `AmqpBus` (mandatory publish)."""
         self._check_open()
         check_name("worker_id", worker_id)
         with self.broker.lock:
@@ -230,11 +235,13 @@ class InProcessBus:
         return unroutable
 
     def publish_control(self, body: bytes) -> None:
+        """Queued for the coordinator."""
         self._check_open()
         q = self.broker.declare(self.topology.coordinator_queue)
         self.broker.enqueue(q, self._message(body, CONTROL_ROUTING_KEY))
 
     def publish_event(self, body: bytes) -> None:
+        """A copy to every current subscriber; none is not an error."""
         self._check_open()
         message = self._message(body, "")
         with self.broker.lock:
@@ -242,14 +249,17 @@ class InProcessBus:
                 self.broker.enqueue(q, _MemMessage(message.body, "", message.message_id))
 
     def declare_worker(self, worker_id: str) -> None:
+        """Create the worker's queue, so tasks published before it consumes are kept."""
         self._check_open()
         self.broker.declare(self.topology.worker_queue(check_name("worker_id", worker_id)))
 
     def consume_tasks(self, worker_id: str, handler: Handler) -> None:
+        """Hand this worker's tasks to `handler` from `start` on."""
         self.declare_worker(worker_id)
         self._consume(self.broker.declare(self.topology.worker_queue(worker_id)), handler)
 
     def consume_control(self, handler: Handler) -> None:
+        """Hand the coordinator's control messages to `handler` from `start` on."""
         self._check_open()
         self._consume(self.broker.declare(self.topology.coordinator_queue), handler)
 
@@ -279,6 +289,7 @@ class InProcessBus:
             self.broker.pump(q)
 
     def start(self) -> None:
+        """Begin delivering to the registered handlers (consumers added later start at once)."""
         self._check_open()
         with self._lock:
             if self._started:
@@ -293,6 +304,7 @@ class InProcessBus:
         return True
 
     def close(self) -> None:
+        """Return unacked messages to their queues (an attempt counted) and drop this bus's event queues."""
         with self._lock:
             if self._closed:
                 return

@@ -218,7 +218,7 @@ class StopsAfterFirstUpload(WorkerAgent):
         receipt = super().run_task(task)
         if task.round == 1 and receipt is not None:
             threading.Thread(target=self.bus.close).start()
-            wait_for(lambda: not self.bus._consumer.connected.is_set(), 10, "the worker's connection to close")
+            wait_for(lambda: not self.bus._consumer.link.connected.is_set(), 10, "the worker's connection to close")
         return receipt
 
 
@@ -230,7 +230,7 @@ def test_restarted_worker_remembers_the_epsilon_it_spent(federation: Federation,
     num_samples = len(first.y)
     epochs = JOB["training"]["local_epochs"]
     job_id = fed.submit(job(training={"rounds": 2}))
-    wait_for(lambda: first.bus._closed and not first.bus._consumer.connected.is_set(), 30,
+    wait_for(lambda: first.bus._closed and not first.bus._consumer.link.connected.is_set(), 30,
              "the worker to go down after round 1")
     one_round = accountant_epsilon(num_samples, 1, epochs)
     on_disk = PrivacyLedger(str(fed.tmp / "owner-ledger.json"))
