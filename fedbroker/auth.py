@@ -6,6 +6,11 @@ server interceptor refuses, before any request data is read, a call with no toke
 (UNAUTHENTICATED) and a call whose role may not use the method (PERMISSION_DENIED). Checks that depend on
 the request (a worker uploads only under its own id) are the servicer's, through `ServerAuth.identity`.
 
+On a mutual-TLS port the caller proves who it is twice, and both proofs must name the same identity: the
+client certificate's (`certificate_identity`) and the token's; a mismatch is PERMISSION_DENIED naming both,
+so one site's certificate with another's token, or a scientist's certificate with a site's token, is refused.
+A port without a client CA asks for no certificate, and the token alone names the caller.
+
 The table keeps SHA-256 digests, so a leaked table does not leak tokens, and every lookup compares the
 presented token's digest with every entry in constant time. Without a table, authentication is off (the
 single-machine demo, unit tests): a service then says so once in its log.
@@ -34,9 +39,12 @@ import re
 import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import grpc
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 
 from fedbroker.errors import ConfigError, Rejection
 from fedbroker.metrics import GRPC_SERVER_AUTH_FAILURES
@@ -59,11 +67,14 @@ _OPEN_SERVICES = ("/grpc.health.v1.Health/",)                   # Kubernetes pro
 
 @dataclass(frozen=True)
 class Identity:
+    """Who a token belongs to: `name` is also its worker id and its client certificate's CN, `role` its rights."""
+
     name: str
     role: str
 
 
 def hash_token(token: str) -> str:
+    """A token's hex SHA-256, the form a token table keeps: a leaked table does not leak tokens."""
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
@@ -88,6 +99,7 @@ class TokenTable:
 
     @classmethod
     def from_mapping(cls, raw: Any, *, where: str = "tokens") -> TokenTable:
+        """From parsed YAML; every error names the entry (`where` prefixes it: the file's name)."""
         if not isinstance(raw, Mapping):
             raise ConfigError(where, f"must be a mapping of identity → {{role, sha256 | token}}, got {type(raw).__name__}")
         entries: list[tuple[Identity, str]] = []
@@ -118,6 +130,7 @@ class TokenTable:
 
     @classmethod
     def from_file(cls, path: str) -> TokenTable:
+        """From a YAML file (a mounted Secret); an unreadable or invalid file is a ConfigError, not a crash."""
         import yaml
 
         try:
@@ -162,6 +175,7 @@ def read_secret(value: str, path: str, *, field: str) -> str:
 
 
 def read_pem(path: str, *, field: str) -> bytes | None:
+    """A PEM file's bytes (None when unset), checked to be PEM so a wrong path fails at start, not at a handshake."""
     if not path:
         return None
     try:
@@ -187,11 +201,38 @@ def bearer_token(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
     return None
 
 
+def certificate_identity(auth_context: Mapping[str, Iterable[bytes] | bytes]) -> str | None:
+    """The identity a caller's client certificate names, from the call's gRPC auth context.
+
+    The rule: a certificate names identity X when its subject holds exactly one common name (CN), and it is X:
+    the one field `fedbroker provision` writes into each participant's certificate, the participant's name,
+    which is also its token's identity. Subject alternative names are not read (provisioning writes none into
+    a client certificate; a SAN names a host). None when the caller presented no certificate (plaintext, or a
+    TLS port without a client CA), "" when its certificate names no identity (no CN, or several).
+    """
+    value = auth_context.get("x509_pem_cert")
+    pem = value if isinstance(value, bytes) else next(iter(value or ()), None)
+    return _common_name(pem) if pem else None
+
+
+@lru_cache(maxsize=256)
+def _common_name(pem: bytes) -> str:
+    """Parsed once per certificate, not once per call: a connection's calls all present the same one."""
+    try:
+        names = x509.load_pem_x509_certificate(pem).subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    except ValueError:  # accepted by the TLS library, unreadable to `cryptography`: refused as naming no one
+        return ""
+    value = names[0].value if len(names) == 1 else ""
+    return value if isinstance(value, str) else ""
+
+
 Rejected = Callable[[str, str], None]   # (method, reason) → count it
+Refusal = tuple[grpc.StatusCode, str, str]   # (status, reason, message)
 
 
 class ServerAuth(grpc.ServerInterceptor):
-    """Authenticates every call of one service and checks the caller's role against `permissions`.
+    """Authenticates every call of one service (its token, and on mutual TLS a certificate naming the same
+    identity) and checks the caller's role against `permissions`.
 
     `permissions` maps a method name to the roles that may call it; a method it does not list is refused
     to everyone (deny by default). `on_reject(method, reason)` counts a refusal in the service's metrics.
@@ -209,8 +250,12 @@ class ServerAuth(grpc.ServerInterceptor):
         token = bearer_token(context.invocation_metadata())
         return self.table.identify(token) if token else None
 
-    def check(self, method: str, token: str | None) -> tuple[grpc.StatusCode, str, str] | None:
-        """None when the call may proceed, else (status, reason, message)."""
+    def check(self, method: str, token: str | None, certificate: str | None = None) -> Refusal | None:
+        """None when the call may proceed, else (status, reason, message).
+
+        `certificate`: the identity the caller's client certificate names (`certificate_identity`; None when
+        it presented none), which must be the token's: a stolen token is no use without its certificate's key.
+        """
         if token is None:
             return (grpc.StatusCode.UNAUTHENTICATED, Rejection.UNAUTHENTICATED,
                     f"{self.service}/{method} needs a bearer token: send 'authorization: Bearer <token>' metadata")
@@ -218,6 +263,11 @@ class ServerAuth(grpc.ServerInterceptor):
         if identity is None:
             return (grpc.StatusCode.UNAUTHENTICATED, Rejection.UNAUTHENTICATED,
                     f"{self.service}/{method}: the bearer token is not valid for this service")
+        if certificate is not None and certificate != identity.name:
+            named = repr(certificate) if certificate else "no identity (its subject needs exactly one CN)"
+            return (grpc.StatusCode.PERMISSION_DENIED, Rejection.PERMISSION_DENIED,
+                    f"{self.service}/{method}: the client certificate names {named} but the bearer token names "
+                    f"{identity.name!r}: certificate and token must name the same identity")
         allowed = self.permissions.get(method, frozenset())
         if identity.role not in allowed:
             return (grpc.StatusCode.PERMISSION_DENIED, Rejection.PERMISSION_DENIED,
@@ -227,6 +277,7 @@ class ServerAuth(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
                           handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        """The method's handler, made to refuse a call `check` does not admit as it starts (health stays open)."""
         full = handler_call_details.method
         if full.startswith(_OPEN_SERVICES):
             return continuation(handler_call_details)
@@ -234,37 +285,48 @@ class ServerAuth(grpc.ServerInterceptor):
         if handler is None:  # UNIMPLEMENTED; an unknown method name never becomes a metric label
             return None
         method = full.rpartition("/")[2]
-        refusal = self.check(method, bearer_token(handler_call_details.invocation_metadata))
-        if refusal is None:
-            return handler
-        code, reason, message = refusal
-        log.warning("refused %s: %s", full, message)
-        GRPC_SERVER_AUTH_FAILURES.labels(self.service, method, reason).inc()
-        if self.on_reject is not None:
-            self.on_reject(method, reason)
-        return _refusing(handler, code, reason, message)
+
+        def admit(context: grpc.ServicerContext) -> None:
+            # the client certificate is known only to the call's context, not to the interceptor: checked as
+            # the call starts, before its request stream is read or any later interceptor (CallGuard) runs
+            refusal = self.check(method, bearer_token(context.invocation_metadata()),
+                                 certificate_identity(context.auth_context()))
+            if refusal is None:
+                return
+            code, reason, message = refusal
+            log.warning("refused %s: %s", full, message)
+            GRPC_SERVER_AUTH_FAILURES.labels(self.service, method, reason).inc()
+            if self.on_reject is not None:
+                self.on_reject(method, reason)
+            context.set_trailing_metadata(((REASON_KEY, reason),))
+            context.abort(code, message)
+
+        return _admitting(handler, admit)
 
 
-def _refusing(handler: grpc.RpcMethodHandler[Any, Any], code: grpc.StatusCode, reason: str, message: str) -> grpc.RpcMethodHandler[Any, Any]:
-    """A handler of the same kind that ends the call at once, reading none of its request stream."""
-
-    def refuse(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.set_trailing_metadata(((REASON_KEY, reason),))
-        context.abort(code, message)
-
-    def refuse_stream(_request: Any, context: grpc.ServicerContext) -> Any:
-        refuse(_request, context)
-        yield  # pragma: no cover  (abort raises)
-
+def _admitting(handler: grpc.RpcMethodHandler[Any, Any],
+               admit: Callable[[grpc.ServicerContext], None]) -> grpc.RpcMethodHandler[Any, Any]:
+    """A handler of the same kind that runs `admit` (which ends a refused call) before the handler's own code."""
     kwargs = {"request_deserializer": handler.request_deserializer,
               "response_serializer": handler.response_serializer}
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+        return grpc.unary_unary_rpc_method_handler(_after(admit, handler.unary_unary), **kwargs)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
+        return grpc.stream_unary_rpc_method_handler(_after(admit, handler.stream_unary), **kwargs)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kwargs)
-    return grpc.stream_stream_rpc_method_handler(refuse_stream, **kwargs)
+        return grpc.unary_stream_rpc_method_handler(_after(admit, handler.unary_stream), **kwargs)
+    if handler.stream_stream:
+        return grpc.stream_stream_rpc_method_handler(_after(admit, handler.stream_stream), **kwargs)
+    raise TypeError(f"a gRPC method handler with no behaviour: {handler!r}")
+
+
+def _after(admit: Callable[[grpc.ServicerContext], None], behaviour: Callable[[Any, grpc.ServicerContext], Any]
+           ) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def admitted(request: Any, context: grpc.ServicerContext) -> Any:
+        admit(context)
+        return behaviour(request, context)  # a streaming response: its iterator, which grpc then reads
+
+    return admitted
 
 
 @dataclass(frozen=True)
@@ -279,11 +341,13 @@ class ServerTLS:
         return f"ServerTLS(mtls={self.client_ca is not None})"
 
     def credentials(self) -> grpc.ServerCredentials:
+        """The port's credentials: with a client CA, a client without a certificate it signed gets no connection."""
         return grpc.ssl_server_credentials([(self.private_key, self.cert_chain)], root_certificates=self.client_ca,
                                            require_client_auth=self.client_ca is not None)
 
     @classmethod
     def from_files(cls, cert_file: str, key_file: str, client_ca_file: str = "", *, where: str) -> ServerTLS | None:
+        """From a service's `tls` section (None: plaintext); half a key pair, or mTLS without TLS, is a ConfigError."""
         if not cert_file and not key_file:
             if client_ca_file:
                 raise ConfigError(f"{where}.client_ca_file", "mTLS needs TLS: set cert_file and key_file too")
@@ -296,6 +360,7 @@ class ServerTLS:
 
 
 def load_table(path: str, *, service: str) -> TokenTable | None:
+    """A service's token table, or None (authentication off), logged either way so an open service is noticed."""
     if not path:
         log.warning("%s: no token table configured: authentication is OFF (set tokens_file)", service)
         return None
@@ -305,6 +370,7 @@ def load_table(path: str, *, service: str) -> TokenTable | None:
 
 
 def add_port(server: grpc.Server, address: str, tls: ServerTLS | None) -> int:
+    """Bind `address` with TLS when configured, else plaintext; returns the bound port (for address port 0)."""
     return server.add_secure_port(address, tls.credentials()) if tls is not None else server.add_insecure_port(address)
 
 
@@ -332,12 +398,15 @@ class ClientSecurity:
 
     @property
     def tls(self) -> bool:
+        """Whether calls go over TLS: a CA to verify the server against is what turns it on."""
         return self.ca is not None
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The metadata every call sends: the bearer token, or nothing when this process has none."""
         return ((METADATA_KEY, f"Bearer {self.token}"),) if self.token else ()
 
     def channel(self, target: str, options: list[tuple[str, Any]]) -> grpc.Channel:
+        """A channel to `target`, refusing one that would carry the token anywhere but `expected_target`."""
         if self.token and self.expected_target and target != self.expected_target:
             raise ConfigError("aggregator_target", f"refusing to send this process's token to {target!r}: the "
                                                    f"configured service is {self.expected_target!r}")

@@ -52,7 +52,8 @@ GRPC_SERVER_HANDLING_SECONDS = Histogram(
 GRPC_SERVER_AUTH_FAILURES = Counter(
     "fedbroker_grpc_server_auth_failures_total",
     "Calls a gRPC server refused before running them: no or an unknown bearer token (unauthenticated), or a "
-    "role that may not call the method (permission_denied).",
+    "role that may not call the method, or a client certificate naming another identity than the token "
+    "(permission_denied).",
     ["grpc_service", "grpc_method", "reason"],
 )
 

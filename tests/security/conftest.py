@@ -29,10 +29,14 @@ class Pki:
     ca: Path
     server: Pair
     coordinator: Pair
-    worker: Pair
     rogue_ca: Path         # a CA nobody trusts
     rogue_server: Pair     # a server certificate it signed
     misnamed: Pair         # signed by the trusted CA, for another host
+    authority: Authority   # the trusted CA, for more client certificates
+
+    def client(self, identity: str) -> Pair:
+        """A client certificate naming `identity` (CN), as provisioning writes one per participant."""
+        return self.authority.issue(f"client-{identity}", identity, server=False)
 
 
 @pytest.fixture(scope="session")
@@ -42,9 +46,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     rogue = Authority(folder / "rogue", name="rogue CA")
     return Pki(ca=ca.ca, server=ca.issue("server", "localhost", server=True),
                coordinator=ca.issue("coordinator", "coordinator", server=False),
-               worker=ca.issue("worker", "w0", server=False),
                rogue_ca=rogue.ca, rogue_server=rogue.issue("server", "localhost", server=True),
-               misnamed=ca.issue("misnamed", "elsewhere", server=True, hosts=("elsewhere.example",)))
+               misnamed=ca.issue("misnamed", "elsewhere", server=True, hosts=("elsewhere.example",)), authority=ca)
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +110,7 @@ class SecureFederation:
                 id=worker_id, partition=PartitionSection(num_clients=len(self.worker_ids), client_index=i),
                 dp=DPPolicy(enabled=False), ledger_path=str(self.tmp / f"{worker_id}-ledger.json"), device="cpu",
                 heartbeat_s=1.0,
-            ), bus, security=self.security(worker_id, self.pki.worker))
+            ), bus, security=self.security(worker_id, self.pki.client(worker_id)))
             agent.start()
             bus.start()
             self.workers[worker_id] = agent
