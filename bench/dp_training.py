@@ -83,11 +83,11 @@ def run(*, quick: bool) -> Section:
     import torch
 
     from fedbroker.config import DPPolicy
+    from fedbroker.datasets import load_dataset
     from fedbroker.model import build_model
+    from fedbroker.privacy import dp_sample_rate, planned_steps, project_epsilon
     from fedbroker.spec import TrainingConfig, parse_model
     from fedbroker.worker import training
-    from fedbroker.worker.accounting import dp_sample_rate, planned_steps, project_epsilon
-    from fedbroker.worker.data import load_dataset
     from fedbroker.worker.training import clipping_mode, pick_device, train_local
 
     started = time.perf_counter()

@@ -342,7 +342,7 @@ def paper_scale(protocol: PaperScaleProtocol, *, progress: bool = True) -> dict[
     from tqdm import tqdm
 
     from experiments.harness import VirtualWorker
-    from fedbroker.worker.data import load_dataset, train_test_split
+    from fedbroker.datasets import load_dataset, train_test_split
     from fedbroker.worker.partition import partition
 
     runs: list[dict[str, Any]] = []

@@ -121,7 +121,7 @@ def run_simulation(options: SimulateOptions) -> dict[str, Any]:
     from tqdm import tqdm
 
     from fedbroker.aggregators.registries import accept_job_text
-    from fedbroker.worker.data import load_worker_data, train_test_split
+    from fedbroker.datasets import load_worker_data, train_test_split
 
     with open(options.job, encoding="utf-8") as fh:
         text = fh.read()

@@ -14,9 +14,9 @@ from torch import nn
 
 from fedbroker.config import DPPolicy
 from fedbroker.errors import ConfigError
+from fedbroker.privacy import dp_sample_rate, epsilon_of, planned_steps
 from fedbroker.spec import TrainingConfig
 from fedbroker.worker import bookkeeping
-from fedbroker.worker.accounting import dp_sample_rate, epsilon_of, planned_steps
 from fedbroker.worker.dp_optimizer import FlatDPOptimizer, FlatGhostDPOptimizer, FlatSumDPOptimizer
 from fedbroker.worker.training import GHOST_MIN_FLOATS, clipping_mode, dp_engine, ghost_supported, train_local
 

@@ -66,7 +66,7 @@ def test_trainer_samples_and_averages_exactly_as_opacus_make_private_would():
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
 
-    from fedbroker.worker.accounting import dp_sample_rate, steps_per_epoch
+    from fedbroker.privacy import dp_sample_rate, steps_per_epoch
     from fedbroker.worker.training import _opacus_poisson_rule
 
     for n, b in [(185, 2), (1797, 32), (300, 64), (50, 64)]:

@@ -34,16 +34,16 @@ from fedbroker.aggregators.weighting import noisy_histogram, reported_ish
 from fedbroker.auth import ClientSecurity
 from fedbroker.bus import Bus, BusError, Delivery
 from fedbroker.config import DPPolicy, WorkerConfig
+from fedbroker.datasets import load_worker_data, train_test_split
 from fedbroker.errors import BudgetExceeded, ConfigError, FedbrokerError, LedgerBehind, Rejection, TaskRefused
 from fedbroker.metrics import BUSES
 from fedbroker.model import build_model, load_numpy_state
+from fedbroker.privacy import dp_sample_rate, job_epsilon_after_round, planned_steps, project_epsilon
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import ModelSpec, TrainingConfig, parse_model, training_from_json
 from fedbroker.worker import metrics
-from fedbroker.worker.accounting import dp_sample_rate, job_epsilon_after_round, planned_steps, project_epsilon
-from fedbroker.worker.data import load_worker_data, train_test_split
 from fedbroker.worker.ledger import PrivacyLedger, below, source_digest
 from fedbroker.worker.partition import partition
 from fedbroker.worker.training import TrainResult, pick_device, train_local

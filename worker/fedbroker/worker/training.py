@@ -2,7 +2,7 @@
 
 The job chooses the model and the optimisation settings (`fedbroker.spec.TrainingConfig`); the data
 owner chooses the privacy (`fedbroker.config.DPPolicy`) and nothing in a job can override it. The ε
-arithmetic (sampling rule, planned steps, projection, history) is `fedbroker.worker.accounting`; the
+arithmetic (sampling rule, planned steps, projection, history) is `fedbroker.privacy`; the
 noise-average step is `fedbroker.worker.dp_optimizer`.
 
 Opacus is the DP engine: its DPOptimizers' mechanism (noise, averaging) and its RDP accountant, and
@@ -17,7 +17,7 @@ has the table.
   a DP step. `poisson_batches` draws the same mask as its sampler (rand(N) < q per step) and
   gathers a batch in one indexing operation. An empty batch still takes a step, noise only and
   without a forward pass: the accountant counts every step, and skipping one would reveal the draw.
-  The rate and step count are Opacus's (see `accounting`), checked against its own loader before any step.
+  The rate and step count are Opacus's (see `fedbroker.privacy`), checked against its own loader before any step.
   Several steps' masks are drawn at once (one rand(steps, N), the same stream as per-step draws).
 - Three clipping modes, one mechanism (`clipping_mode` picks per model and expected batch, logged and
   reported as `TrainResult.clipping`). "bk" (book-keeping, `fedbroker.worker.bookkeeping`, ours): one
@@ -86,9 +86,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedbroker.config import DPPolicy
 from fedbroker.errors import BudgetExceeded, ConfigError
-from fedbroker.spec import TrainingConfig
-from fedbroker.worker import bookkeeping
-from fedbroker.worker.accounting import (
+from fedbroker.privacy import (
     HistoryEntry,
     check_int,
     dp_sample_rate,
@@ -97,6 +95,8 @@ from fedbroker.worker.accounting import (
     normalise_history,
     steps_per_epoch,
 )
+from fedbroker.spec import TrainingConfig
+from fedbroker.worker import bookkeeping
 
 GRAD_SAMPLE_MODE = "ew"
 CLIPPING_MODES = ("auto", "bk", "ghost", "ew")
