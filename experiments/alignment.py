@@ -39,9 +39,10 @@ from experiments.harness import (
     widths_of,
 )
 from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.evaluation import evaluate
 from fedbroker.model import build_model, initial_weights, load_numpy_state
 from fedbroker.spec import JobSpec, TrainingConfig, parse_job
-from fedbroker.worker.training import evaluate, train_local
+from fedbroker.worker.training import train_local
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -355,8 +355,9 @@ def baseline_training(job: JobSpec) -> TrainingConfig:
 def centralized_baseline(options: DemoOptions, model_spec: ModelSpec, training: TrainingConfig) -> float:
     """The same model trained on the pooled training data without DP: the ceiling federation aims at."""
     from fedbroker.datasets import load_dataset, train_test_split
+    from fedbroker.evaluation import evaluate
     from fedbroker.model import build_model
-    from fedbroker.worker.training import evaluate, train_local
+    from fedbroker.worker.training import train_local
 
     data = load_dataset(options.dataset)
     train, test = train_test_split(data, test_fraction=0.2, seed=0)

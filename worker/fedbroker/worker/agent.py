@@ -75,6 +75,8 @@ _FAILURE_REASONS: dict[type[Exception], str] = {_DataMismatch: "data_mismatch", 
 
 
 class WorkerAgent:
+    """One data owner's worker: its data share, its privacy ledger, and the task loop on the bus (module docstring)."""
+
     def __init__(self, config: WorkerConfig, bus: Bus, *, security: ClientSecurity | None = None) -> None:
         """`security`: this worker's token (and TLS) for the aggregation service, read from its secrets."""
         self.config = config
@@ -116,6 +118,7 @@ class WorkerAgent:
     # ----- lifecycle -----
 
     def start(self) -> None:
+        """Announce this worker (registration, a first heartbeat), then take tasks and beat in the background."""
         BUSES.watch(self.bus, client=self.config.id)
         metrics.worker_started(self.config.id)
         self._export_privacy()
@@ -127,6 +130,7 @@ class WorkerAgent:
         self._heartbeat.start()
 
     def stop(self) -> None:
+        """Stop beating and close the channel to the aggregation service; a running task goes back to the queue."""
         self._stop.set()
         BUSES.unwatch(self.config.id)
         channel, self._channel = self._channel, None
@@ -173,6 +177,7 @@ class WorkerAgent:
                             budget=dp.epsilon_budget if dp is not None else None)
 
     def register(self) -> None:
+        """Tell the coordinator what this worker holds and allows: categories, shared histogram, DP policy, ε spent."""
         dp = self.dp
         registration = pb.Registration(
             worker_id=self.config.id, categories=list(self.config.categories),
