@@ -49,7 +49,7 @@ from torch import nn
 from fedbroker.errors import ConfigError
 from fedbroker.worker import one_pass_clipping
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # named for the type checker only: importing them imports Opacus, which waits for a DP training
     from fedbroker.worker.dp_optimizer import FlatDPOptimizer, FlatGhostDPOptimizer, FlatSumDPOptimizer
 
     DPOptimizer = FlatDPOptimizer | FlatGhostDPOptimizer | FlatSumDPOptimizer
