@@ -11,7 +11,7 @@ device the worker would pick (`pick_device`: CUDA when present), named in every 
 Every DP row group shows the trainer's automatic clipping choice ("DP (auto: …)", `clipping_mode`)
 beside the other modes, forced (the ResNet's without "ghost", which ran at about 4× in earlier runs and
 would take minutes). At batch 32 on CPU three more rows only inform: the "ew" path's other
-grad-sample modes (switching `worker.training.GRAD_SAMPLE_MODE`) and the previous trainer design
+grad-sample modes (switching `worker.clipping.GRAD_SAMPLE_MODE`) and the previous trainer design
 (Opacus's `PrivacyEngine.make_private`: DPDataLoader, stock DPOptimizer, hooks, ε computed after
 training; not the worker's path any more), to show the change in the same run. Every variant of a
 row group runs once per repeat, interleaved, so load from other work on the machine hits them alike.
@@ -83,12 +83,14 @@ def run(*, quick: bool) -> Section:
     import torch
 
     from fedbroker.config import DPPolicy
+    from fedbroker.datasets import load_dataset
     from fedbroker.model import build_model
+    from fedbroker.privacy import dp_sample_rate, planned_steps, project_epsilon
     from fedbroker.spec import TrainingConfig, parse_model
-    from fedbroker.worker import training
-    from fedbroker.worker.accounting import dp_sample_rate, planned_steps, project_epsilon
-    from fedbroker.worker.data import load_dataset
-    from fedbroker.worker.training import clipping_mode, pick_device, train_local
+    from fedbroker.worker import clipping as dp_clipping
+    from fedbroker.worker import training_loops
+    from fedbroker.worker.clipping import clipping_mode
+    from fedbroker.worker.training import pick_device, train_local
 
     started = time.perf_counter()
     device = pick_device()
@@ -101,7 +103,7 @@ def run(*, quick: bool) -> Section:
     epochs = 1 if quick else 2
     repeats = 2 if quick else 4
     policy = DPPolicy(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, epsilon_budget=1e9)
-    pinned = training.GRAD_SAMPLE_MODE
+    pinned = dp_clipping.GRAD_SAMPLE_MODE
     default_threads = torch.get_num_threads()
     on_cpu = device == "cpu"
     thread_counts = [1] if quick or not on_cpu else sorted({default_threads, 1})  # 1 first: others checked against it
@@ -113,12 +115,12 @@ def run(*, quick: bool) -> Section:
 
     def rate(model: Any, x: np.ndarray, y: np.ndarray, config: TrainingConfig, dp: DPPolicy | None,
              clipping: str, seed: int, mode: str = pinned) -> float:
-        training.GRAD_SAMPLE_MODE = mode
+        dp_clipping.GRAD_SAMPLE_MODE = mode
         try:
             return train_local(model, x, y, config=config, dp=dp, seed=seed, device=device,
                                clipping=clipping).samples_per_second
         finally:
-            training.GRAD_SAMPLE_MODE = pinned
+            dp_clipping.GRAD_SAMPLE_MODE = pinned
 
     def measure(variants: dict[str, Callable[[int], float]], runs: int) -> dict[str, Stat]:
         values: dict[str, list[float]] = {name: [] for name in variants}
@@ -225,7 +227,7 @@ def run(*, quick: bool) -> Section:
             "(the model spec has no residual connection).")
     finally:
         torch.set_num_threads(default_threads)
-        training.GRAD_SAMPLE_MODE = pinned
+        dp_clipping.GRAD_SAMPLE_MODE = pinned
 
     config = TrainingConfig(local_epochs=epochs, batch_size=32)
     t0 = time.perf_counter()
@@ -236,17 +238,17 @@ def run(*, quick: bool) -> Section:
         f"{1e3 * (time.perf_counter() - t0):.0f} ms here); the trainer reports that projection as the round's ε "
         "when the accountant recorded exactly the planned steps, instead of computing it a second time.")
     section.notes.append(
-        "Clipping modes: \"bk\" (book-keeping, `fedbroker.worker.bookkeeping`) takes per-sample norms from each layer's "
+        "Clipping modes: \"bk\" (book-keeping, `fedbroker.worker.one_pass_clipping`) takes per-sample norms from each layer's "
         "input and output gradient in one backward pass that forms no weight gradient (Linear: ‖g‖·‖a‖; Conv2d: ghost "
         "norm or per-sample gradient, whichever is cheaper per layer; GroupNorm/LayerNorm: per-sample gradients), then "
         "the clipped sum by one product per layer; \"ghost\" is Opacus's fast gradient clipping (per-sample norms, then "
         "a second backward pass); \"ew\" forms every per-sample gradient. The trainer picks bk where every trained "
         "layer is a Linear, Conv2d (ungrouped), GroupNorm or LayerNorm, else ghost where Opacus can and ew would form "
-        f"at least {training.GHOST_MIN_FLOATS:,} per-sample Linear gradient floats per step, else ew. bk trains a "
-        f"Poisson batch in virtual steps of at most {training.BK_MAX_FLOATS:,} samples × parameters "
-        f"({training.BK_MAX_FLOATS // sum(p.numel() for p in resnet.parameters())} samples of the ResNet), ew of at most "
-        f"{training.EW_MAX_FLOATS:,} per-sample gradient floats "
-        f"({training.EW_MAX_FLOATS // sum(p.numel() for p in resnet.parameters())} samples), the same update as one pass.")
+        f"at least {dp_clipping.GHOST_MIN_FLOATS:,} per-sample Linear gradient floats per step, else ew. bk trains a "
+        f"Poisson batch in virtual steps of at most {training_loops.BK_MAX_FLOATS:,} samples × parameters "
+        f"({training_loops.BK_MAX_FLOATS // sum(p.numel() for p in resnet.parameters())} samples of the ResNet), ew of at most "
+        f"{training_loops.EW_MAX_FLOATS:,} per-sample gradient floats "
+        f"({training_loops.EW_MAX_FLOATS // sum(p.numel() for p in resnet.parameters())} samples), the same update as one pass.")
     section.seconds = time.perf_counter() - started
     return section
 

@@ -39,9 +39,10 @@ from experiments.harness import (
     widths_of,
 )
 from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.evaluation import evaluate
 from fedbroker.model import build_model, initial_weights, load_numpy_state
 from fedbroker.spec import JobSpec, TrainingConfig, parse_job
-from fedbroker.worker.training import evaluate, train_local
+from fedbroker.worker.training import train_local
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -342,7 +343,7 @@ def paper_scale(protocol: PaperScaleProtocol, *, progress: bool = True) -> dict[
     from tqdm import tqdm
 
     from experiments.harness import VirtualWorker
-    from fedbroker.worker.data import load_dataset, train_test_split
+    from fedbroker.datasets import load_dataset, train_test_split
     from fedbroker.worker.partition import partition
 
     runs: list[dict[str, Any]] = []

@@ -25,15 +25,16 @@ from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.aggregators.weighting import population_distribution, reported_ish
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.participants import sample_participants
+from fedbroker.datasets import Dataset, load_dataset, train_test_split
 from fedbroker.errors import BudgetExceeded
+from fedbroker.evaluation import evaluate
 from fedbroker.layers import LAYERS
 from fedbroker.model import build_model, initial_weights, load_numpy_state
+from fedbroker.privacy import HistoryEntry
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import JobSpec, ModelSpec, parse_job, parse_model
-from fedbroker.worker.accounting import HistoryEntry
-from fedbroker.worker.data import Dataset, load_dataset, train_test_split
 from fedbroker.worker.partition import partition
-from fedbroker.worker.training import TrainResult, evaluate, train_local
+from fedbroker.worker.training import TrainResult, train_local
 
 Metrics = Callable[[nn.Module, Dataset], dict[str, float]]
 

@@ -157,7 +157,7 @@ def make_task_split(task: Task) -> tuple[list[Any], Any, Any]:
     min_size=2 (same test split, same partitioner, same worker ids as `make_workers`).
     """
     from experiments.harness import VirtualWorker, make_workers
-    from fedbroker.worker.data import load_dataset, train_test_split
+    from fedbroker.datasets import load_dataset, train_test_split
     from fedbroker.worker.partition import partition
 
     alpha = task.alpha or 0.5

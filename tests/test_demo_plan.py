@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from fedbroker.app.demo import DemoOptions, fit_training, planned_epsilon, run_demo, shard_sizes
+from fedbroker.datasets import load_dataset
 from fedbroker.errors import ConfigError
-from fedbroker.worker.data import load_dataset
 
 
 @pytest.mark.parametrize("dataset", ["digits", "breast_cancer", "wine", "iris"])

@@ -14,9 +14,9 @@ from fedbroker.aggregators.client import AggregatorClient
 from fedbroker.aggregators.probes import probe_arrays
 from fedbroker.aggregators.rounds import RoundBook
 from fedbroker.aggregators.service import serve
+from fedbroker.datasets import load_dataset, train_test_split
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.spec import parse_model
-from fedbroker.worker.data import load_dataset, train_test_split
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

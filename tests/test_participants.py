@@ -17,9 +17,9 @@ from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.participants import WorkerBudget, budget_from_heartbeat, why_unaffordable
 from fedbroker.coordinator.state import WorkerRecord
 from fedbroker.errors import BudgetExceeded
+from fedbroker.privacy import job_epsilon_after_round
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import TrainingConfig
-from fedbroker.worker.accounting import job_epsilon_after_round
 from fedbroker.worker.agent import WorkerAgent
 
 TRAINING = TrainingConfig(local_epochs=1, batch_size=32)

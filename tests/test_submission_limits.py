@@ -11,6 +11,7 @@ import pytest
 
 from fedbroker.bus.base import check_name
 from fedbroker.config import load_config
+from fedbroker.datasets import load_dataset
 from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.spec import (
     EVALUATION_SETS,
@@ -23,7 +24,6 @@ from fedbroker.spec import (
     parse_job,
     step_bytes,
 )
-from fedbroker.worker.data import load_dataset
 from fedbroker.yamltext import MAX_ALIASES, MAX_MERGES, load_yaml
 
 DIGITS_MODEL = {"input_shape": [1, 8, 8], "layers": [

@@ -44,7 +44,7 @@ def loss_threshold_auc(member_loss: np.ndarray, nonmember_loss: np.ndarray) -> f
 def attack_run(run_dir: Path) -> dict[str, Any]:
     """Attack the last checkpoint of a demo run: members are the training split the workers were dealt."""
     from fedbroker.coordinator.checkpoints import checkpoints_of, load_checkpoint
-    from fedbroker.worker.data import load_dataset, train_test_split
+    from fedbroker.datasets import load_dataset, train_test_split
 
     results = json.loads((run_dir / "results.json").read_text())
     checkpoints = checkpoints_of(run_dir / "coordinator" / "checkpoints", results["job_id"])

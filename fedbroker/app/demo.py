@@ -30,9 +30,9 @@ from fedbroker.spec import JobSpec, ModelSpec, TrainingConfig, parse_job
 if TYPE_CHECKING:
     from fedbroker.app.launch import CoordinatorProcess
     from fedbroker.coordinator.service import CoordinatorClient
+    from fedbroker.datasets import Dataset
     from fedbroker.proto import fedbroker_pb2 as pb
     from fedbroker.worker.agent import WorkerAgent
-    from fedbroker.worker.data import Dataset
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def check_options(options: DemoOptions) -> None:
 def shard_sizes(options: DemoOptions, data: Dataset) -> list[int]:
     """The training samples each demo worker will hold: the split and partition its agent makes."""
     from fedbroker.config import WorkerConfig
-    from fedbroker.worker.data import train_test_split
+    from fedbroker.datasets import train_test_split
     from fedbroker.worker.partition import partition
 
     defaults = WorkerConfig()
@@ -102,7 +102,7 @@ def shard_sizes(options: DemoOptions, data: Dataset) -> list[int]:
 
 def planned_epsilon(options: DemoOptions, shards: list[int]) -> float:
     """The largest ε any worker will have spent after all the demo's rounds, by the workers' own accountant."""
-    from fedbroker.worker.accounting import dp_sample_rate, planned_steps, project_epsilon
+    from fedbroker.privacy import dp_sample_rate, planned_steps, project_epsilon
 
     config = TrainingConfig(rounds=options.rounds, local_epochs=options.local_epochs,
                             batch_size=options.batch_size, lr=options.lr)
@@ -373,9 +373,10 @@ def baseline_training(job: JobSpec) -> TrainingConfig:
 
 def centralized_baseline(options: DemoOptions, model_spec: ModelSpec, training: TrainingConfig) -> float:
     """The same model trained on the pooled training data without DP: the ceiling federation aims at."""
+    from fedbroker.datasets import load_dataset, train_test_split
+    from fedbroker.evaluation import evaluate
     from fedbroker.model import build_model
-    from fedbroker.worker.data import load_dataset, train_test_split
-    from fedbroker.worker.training import evaluate, train_local
+    from fedbroker.worker.training import train_local
 
     data = load_dataset(options.dataset)
     train, test = train_test_split(data, test_fraction=0.2, seed=0)
@@ -388,7 +389,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the federation, then the pooled baseline; write results.json and accuracy.png, print the table."""
     from tqdm import tqdm
 
-    from fedbroker.worker.data import load_dataset
+    from fedbroker.datasets import load_dataset
 
     check_options(options)  # the demo's own options first, by their flags, before a run folder exists
     data = load_dataset(options.dataset)

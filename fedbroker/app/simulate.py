@@ -125,7 +125,7 @@ def run_simulation(options: SimulateOptions) -> dict[str, Any]:
     from tqdm import tqdm
 
     from fedbroker.aggregators.registries import accept_job_text
-    from fedbroker.worker.data import load_worker_data, train_test_split
+    from fedbroker.datasets import load_worker_data, train_test_split
 
     with open(options.job, encoding="utf-8") as fh:
         text = fh.read()
@@ -179,9 +179,9 @@ def run_simulation(options: SimulateOptions) -> dict[str, Any]:
 def score_rounds(checkpoint_dir: Path, job_id: str, test: Any) -> dict[int, float]:
     """Each round's global model (the coordinator's checkpoints) scored on the held-out samples."""
     from fedbroker.coordinator.checkpoints import checkpoints_of, load_checkpoint
+    from fedbroker.evaluation import evaluate
     from fedbroker.model import build_model, load_numpy_state
     from fedbroker.spec import parse_model
-    from fedbroker.worker.training import evaluate
 
     scores = {}
     for path in checkpoints_of(checkpoint_dir, job_id):
@@ -194,8 +194,9 @@ def score_rounds(checkpoint_dir: Path, job_id: str, test: Any) -> dict[int, floa
 
 def pooled_baseline(job: JobSpec, train: Any, test: Any, *, seed: int) -> float:
     """The job's model trained on all the simulated training data at once, without DP: the ceiling."""
+    from fedbroker.evaluation import evaluate
     from fedbroker.model import build_model
-    from fedbroker.worker.training import evaluate, train_local
+    from fedbroker.worker.training import train_local
 
     model = build_model(job.model, seed=seed)
     train_local(model, train.x, train.y, dp=None, seed=seed, config=baseline_training(job))

@@ -17,9 +17,9 @@ from opacus.accountants import RDPAccountant
 
 from fedbroker import envelope
 from fedbroker.config import DPPolicy
+from fedbroker.privacy import dp_sample_rate, planned_steps
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import TrainingConfig
-from fedbroker.worker.accounting import dp_sample_rate, planned_steps
 from fedbroker.worker.agent import WorkerAgent
 from fedbroker.worker.ledger import PrivacyLedger
 from tests.faults.harness import JOB, Federation, Training, close_connection, job, sample, wait_for

@@ -9,10 +9,11 @@ import pytest
 
 from fedbroker.coordinator.checkpoints import load_checkpoint
 from fedbroker.coordinator.evaluation import evaluate_global
+from fedbroker.datasets import load_dataset, train_test_split
+from fedbroker.evaluation import evaluate
 from fedbroker.model import build_model
 from fedbroker.spec import TrainingConfig, parse_job
-from fedbroker.worker.data import load_dataset, train_test_split
-from fedbroker.worker.training import evaluate, train_local
+from fedbroker.worker.training import train_local
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

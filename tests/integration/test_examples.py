@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from fedbroker.config import load_config
-from fedbroker.worker.data import load_worker_data
+from fedbroker.datasets import load_worker_data
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,8 +5,8 @@ import struct
 import numpy as np
 import pytest
 
+from fedbroker.datasets import DATASETS, Dataset, load_dataset, load_idx, train_test_split
 from fedbroker.errors import ConfigError
-from fedbroker.worker.data import DATASETS, Dataset, load_dataset, load_idx, train_test_split
 
 _TYPE_CODES = {np.dtype(np.uint8): 0x08, np.dtype(np.int16): 0x0B, np.dtype(np.int32): 0x0C, np.dtype(np.float32): 0x0D}
 

@@ -1,4 +1,4 @@
-"""The trainer's three clipping modes ("bk": our one-pass book-keeping, `fedbroker.worker.bookkeeping`; "ghost":
+"""The trainer's three clipping modes ("bk": our one-pass book-keeping, `fedbroker.worker.one_pass_clipping`; "ghost":
 Opacus's fast gradient clipping; "ew": materialised per-sample gradients) and its virtual steps: each must
 release exactly the update of Opacus's reference DP-SGD step.
 
@@ -14,11 +14,12 @@ from torch import nn
 
 from fedbroker.config import DPPolicy
 from fedbroker.errors import ConfigError
+from fedbroker.privacy import dp_sample_rate, epsilon_of, planned_steps
 from fedbroker.spec import TrainingConfig
-from fedbroker.worker import bookkeeping
-from fedbroker.worker.accounting import dp_sample_rate, epsilon_of, planned_steps
+from fedbroker.worker import one_pass_clipping
+from fedbroker.worker.clipping import GHOST_MIN_FLOATS, clipping_mode, dp_engine, ghost_supported
 from fedbroker.worker.dp_optimizer import FlatDPOptimizer, FlatGhostDPOptimizer, FlatSumDPOptimizer
-from fedbroker.worker.training import GHOST_MIN_FLOATS, clipping_mode, dp_engine, ghost_supported, train_local
+from fedbroker.worker.training import train_local
 
 POLICY = DPPolicy(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budget=100.0)
 
@@ -150,11 +151,11 @@ def test_noise_free_update_equals_opacus_reference_per_sample_clipping(name, cli
     assert not torch.allclose(ours, unclipped, rtol=1e-2)  # the clipping did bite
 
 
-@pytest.mark.parametrize("chunk_floats", [1, bookkeeping.CHUNK_FLOATS], ids=["one sample per chunk", "default"])
+@pytest.mark.parametrize("chunk_floats", [1, one_pass_clipping.CHUNK_FLOATS], ids=["one sample per chunk", "default"])
 @pytest.mark.parametrize("n", [1, 2, 7])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_bk_equals_opacus_reference_at_any_batch_size_and_chunking(name, n, chunk_floats, monkeypatch):
-    monkeypatch.setattr(bookkeeping, "CHUNK_FLOATS", chunk_floats)
+    monkeypatch.setattr(one_pass_clipping, "CHUNK_FLOATS", chunk_floats)
     x_np, y_np = _data(n, seed=5)
     x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
     _, norms = _reference_update(MODELS[name](), x, y, clip=1e9, expected=4)
@@ -169,8 +170,8 @@ def test_bk_takes_ghost_norms_and_per_sample_gradients_where_each_is_cheaper(nam
     """Both models have layers of each kind (stage 1 / stage 2; the first / second call of `embed`), so the
     reference tests above pin both ways of taking a per-sample norm."""
     choices: list[bool] = []
-    real = bookkeeping.ghost_norm_cheaper
-    monkeypatch.setattr(bookkeeping, "ghost_norm_cheaper", lambda *a: choices.append(real(*a)) or choices[-1])
+    real = one_pass_clipping.ghost_norm_cheaper
+    monkeypatch.setattr(one_pass_clipping, "ghost_norm_cheaper", lambda *a: choices.append(real(*a)) or choices[-1])
     x, y = (torch.from_numpy(v) for v in _data(3))
     _engine_update(MODELS[name](), x, y, clipping="bk", clip=1.0, expected=4, physical=None)
     assert set(choices) == {True, False}
@@ -237,7 +238,7 @@ def test_automatic_choice_is_bk_where_it_runs_else_ghost_where_it_pays_else_ew()
     grouped = nn.Sequential(nn.Conv2d(1, 4, 3, groups=1), nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(),
                             nn.Linear(4 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, 10))
     linear = sum(p.numel() for m in grouped if isinstance(m, nn.Linear) for p in m.parameters())
-    assert not bookkeeping.supported(grouped) and ghost_supported(grouped)
+    assert not one_pass_clipping.supported(grouped) and ghost_supported(grouped)
     assert clipping_mode(grouped, expected_batch_size=GHOST_MIN_FLOATS // linear) == "ew"
     assert clipping_mode(grouped, expected_batch_size=GHOST_MIN_FLOATS // linear + 1) == "ghost"
     # A layer neither can clip, or a parameter shared by two layers, keeps "ew" at any batch.
@@ -250,9 +251,9 @@ def test_automatic_choice_is_bk_where_it_runs_else_ghost_where_it_pays_else_ew()
     frozen = nn.Sequential(nn.Flatten(), nn.Conv1d(1, 4, 3), nn.Linear(64, 32), nn.Linear(32, 10))
     frozen[1].requires_grad_(False)
     for model in (with_batch_norm_free_1d, tied):
-        assert not bookkeeping.supported(model) and not ghost_supported(model)
+        assert not one_pass_clipping.supported(model) and not ghost_supported(model)
         assert clipping_mode(model, expected_batch_size=1 << 20) == "ew"
-    assert bookkeeping.supported(frozen)  # a layer with nothing to train needs no per-sample norm
+    assert one_pass_clipping.supported(frozen)  # a layer with nothing to train needs no per-sample norm
 
 
 def test_training_reports_the_automatic_choice_and_none_without_dp():
@@ -318,21 +319,21 @@ def test_worker_physical_batch_size_comes_from_config_and_a_negative_one_is_refu
 
 @pytest.mark.parametrize(("clipping", "limit"), [("ew", "EW_MAX_FLOATS"), ("bk", "BK_MAX_FLOATS")])
 def test_batches_over_the_modes_pass_limit_are_split_into_virtual_steps(clipping, limit, monkeypatch):
-    from fedbroker.worker import training
+    from fedbroker.worker import training_loops
 
     x, y = _data()
     config = TrainingConfig(local_epochs=1, batch_size=32, lr=0.05)
     whole = train_local(_cnn(), x, y, config=config, dp=POLICY, seed=4, clipping=clipping)
     passes: list[int] = []
-    real_engine = training.dp_engine
+    real_engine = training_loops.dp_engine
 
     def counting_engine(*args, **kwargs):
         wrapped, optimizer, backward = real_engine(*args, **kwargs)
         return wrapped, optimizer, lambda xb, yb: passes.append(len(yb)) or backward(xb, yb)
 
     params = sum(p.numel() for p in _cnn().parameters())
-    monkeypatch.setattr(training, limit, 5 * params)  # at most 5 samples per pass
-    monkeypatch.setattr(training, "dp_engine", counting_engine)
+    monkeypatch.setattr(training_loops, limit, 5 * params)  # at most 5 samples per pass
+    monkeypatch.setattr(training_loops, "dp_engine", counting_engine)
     split = train_local(_cnn(), x, y, config=config, dp=POLICY, seed=4, clipping=clipping)
     assert max(passes) == 5 and len(passes) > 4 * split.steps  # batches of ~32 went in several passes each
     assert split.history == whole.history and split.epsilon == whole.epsilon

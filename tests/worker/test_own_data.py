@@ -17,10 +17,10 @@ from fedbroker.config import DataSection, WorkerConfig, load_config
 from fedbroker.coordinator.control import InvalidControlMessage, check_control
 from fedbroker.coordinator.participants import data_fit_problems
 from fedbroker.coordinator.state import WorkerRecord
+from fedbroker.datasets import load_worker_data
 from fedbroker.errors import ConfigError
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import parse_model
-from fedbroker.worker.data import load_worker_data
 
 
 def worker(dataset: str, **data: object) -> WorkerConfig:

@@ -3,8 +3,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from fedbroker.datasets import load_dataset
 from fedbroker.errors import ConfigError
-from fedbroker.worker.data import load_dataset
 from fedbroker.worker.partition import partition
 
 

@@ -9,11 +9,12 @@ from opacus.accountants import RDPAccountant
 from torch import nn
 
 from fedbroker.config import DPPolicy
+from fedbroker.datasets import load_dataset, train_test_split
 from fedbroker.errors import BudgetExceeded, ConfigError
+from fedbroker.evaluation import evaluate
+from fedbroker.privacy import dp_sample_rate, planned_steps, project_epsilon
 from fedbroker.spec import TrainingConfig, parse_job, training_from_json
-from fedbroker.worker.accounting import dp_sample_rate, planned_steps, project_epsilon
-from fedbroker.worker.data import load_dataset, train_test_split
-from fedbroker.worker.training import evaluate, pick_device, train_local
+from fedbroker.worker.training import pick_device, train_local
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
 
@@ -309,7 +310,7 @@ def test_epsilon_of_a_history_is_bit_for_bit_what_opacus_accountant_reports():
     with repeated and distinct (σ, q), zero steps and large step counts: the same float, not just close."""
     from opacus.accountants import RDPAccountant
 
-    from fedbroker.worker.accounting import epsilon_of
+    from fedbroker.privacy import epsilon_of
 
     rng = np.random.default_rng(7)
     histories = [[(1.0, 1 / 4, 12)], [(0.8, 0.01, 10_000)], [(1.1, 0.2, 0), (1.1, 0.2, 5)],

@@ -12,9 +12,10 @@ from torch import nn
 
 from fedbroker.config import DPPolicy
 from fedbroker.spec import TrainingConfig
-from fedbroker.worker import training
+from fedbroker.worker import clipping
 from fedbroker.worker.dp_optimizer import FlatDPOptimizer
-from fedbroker.worker.training import poisson_batches, train_local
+from fedbroker.worker.training import train_local
+from fedbroker.worker.training_loops import poisson_batches
 
 POLICY = DPPolicy(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budget=100.0)
 
@@ -66,8 +67,8 @@ def test_trainer_samples_and_averages_exactly_as_opacus_make_private_would():
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
 
-    from fedbroker.worker.accounting import dp_sample_rate, steps_per_epoch
-    from fedbroker.worker.training import _opacus_poisson_rule
+    from fedbroker.privacy import dp_sample_rate, steps_per_epoch
+    from fedbroker.worker.training_loops import _opacus_poisson_rule
 
     for n, b in [(185, 2), (1797, 32), (300, 64), (50, 64)]:
         config = TrainingConfig(batch_size=b)
@@ -152,7 +153,7 @@ def test_every_grad_sample_mode_trains_the_same_weights_from_the_same_seed(monke
     x, y = _data()
     config = TrainingConfig(local_epochs=1, batch_size=16, lr=0.05, proximal_mu=0.5)
     pinned = train_local(_cnn(), x, y, config=config, dp=POLICY, seed=9).state
-    monkeypatch.setattr(training, "GRAD_SAMPLE_MODE", mode)
+    monkeypatch.setattr(clipping, "GRAD_SAMPLE_MODE", mode)
     other = train_local(_cnn(), x, y, config=config, dp=POLICY, seed=9).state
     for key in pinned:  # same batches, same noise: only float rounding of the per-sample gradients differs
         np.testing.assert_allclose(other[key], pinned[key], rtol=1e-4, atol=1e-5)

@@ -20,7 +20,7 @@ HELD_OUT_SEED = 0
 @lru_cache(maxsize=8)
 def probe_arrays(dataset: str, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(x, y) of `size` samples (fewer if the held-out split is smaller) drawn with `seed`; read-only."""
-    from fedbroker.worker.data import load_dataset, train_test_split  # sklearn only when a probe is needed
+    from fedbroker.datasets import load_dataset, train_test_split  # sklearn only when a probe is needed
 
     held_out = train_test_split(load_dataset(dataset), test_fraction=HELD_OUT_FRACTION, seed=HELD_OUT_SEED)[1]
     picked = np.sort(np.random.default_rng(seed).permutation(len(held_out))[:size])

@@ -15,9 +15,9 @@ import numpy as np
 
 from fedbroker.coordinator.state import WorkerRecord
 from fedbroker.errors import ConfigError
+from fedbroker.privacy import job_epsilon_after_round
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import ModelSpec, TrainingConfig
-from fedbroker.worker.accounting import job_epsilon_after_round
 
 
 def sample_participants(worker_ids: Sequence[str], k: int, *, seed: int, round_number: int) -> list[str]:

@@ -34,16 +34,16 @@ from fedbroker.aggregators.weighting import noisy_histogram, reported_ish
 from fedbroker.auth import ClientSecurity
 from fedbroker.bus import Bus, BusError, Delivery
 from fedbroker.config import DPPolicy, WorkerConfig
+from fedbroker.datasets import load_worker_data, train_test_split
 from fedbroker.errors import BudgetExceeded, ConfigError, FedbrokerError, LedgerBehind, Rejection, TaskRefused
 from fedbroker.metrics import BUSES
 from fedbroker.model import build_model, load_numpy_state
+from fedbroker.privacy import dp_sample_rate, job_epsilon_after_round, planned_steps, project_epsilon
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import ModelSpec, TrainingConfig, parse_model, training_from_json
 from fedbroker.worker import metrics
-from fedbroker.worker.accounting import dp_sample_rate, job_epsilon_after_round, planned_steps, project_epsilon
-from fedbroker.worker.data import load_worker_data, train_test_split
 from fedbroker.worker.ledger import PrivacyLedger, below, source_digest
 from fedbroker.worker.partition import partition
 from fedbroker.worker.training import TrainResult, pick_device, train_local
@@ -75,6 +75,8 @@ _FAILURE_REASONS: dict[type[Exception], str] = {_DataMismatch: "data_mismatch", 
 
 
 class WorkerAgent:
+    """One data owner's worker: its data share, its privacy ledger, and the task loop on the bus (module docstring)."""
+
     def __init__(self, config: WorkerConfig, bus: Bus, *, security: ClientSecurity | None = None) -> None:
         """`security`: this worker's token (and TLS) for the aggregation service, read from its secrets."""
         self.config = config
@@ -116,6 +118,7 @@ class WorkerAgent:
     # ----- lifecycle -----
 
     def start(self) -> None:
+        """Announce this worker (registration, a first heartbeat), then take tasks and beat in the background."""
         BUSES.watch(self.bus, client=self.config.id)
         metrics.worker_started(self.config.id)
         self._export_privacy()
@@ -127,6 +130,7 @@ class WorkerAgent:
         self._heartbeat.start()
 
     def stop(self) -> None:
+        """Stop beating and close the channel to the aggregation service; a running task goes back to the queue."""
         self._stop.set()
         BUSES.unwatch(self.config.id)
         channel, self._channel = self._channel, None
@@ -173,6 +177,7 @@ class WorkerAgent:
                             budget=dp.epsilon_budget if dp is not None else None)
 
     def register(self) -> None:
+        """Tell the coordinator what this worker holds and allows: categories, shared histogram, DP policy, ε spent."""
         dp = self.dp
         registration = pb.Registration(
             worker_id=self.config.id, categories=list(self.config.categories),

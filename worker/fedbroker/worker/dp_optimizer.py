@@ -1,6 +1,6 @@
 """The privacy-critical step of DP-SGD: Opacus's mechanism (clip, sum, noise, average) on one flat vector.
 
-Importing this module imports Opacus (seconds); `fedbroker.worker.training` imports it only when a
+Importing this module imports Opacus (seconds); `fedbroker.worker.clipping` imports it only when a
 DP training starts, so a process that only evaluates never pays for it.
 
 Measured in CPU time (1 torch thread, digits, batch 32, SGD, grad-sample mode "hooks"; slowdown
@@ -12,7 +12,7 @@ Three optimizers, one per clipping mode of the trainer, share the flat noise and
 `FlatDPOptimizer` clips materialised per-sample gradients (Opacus's DPOptimizer, mode "ew"),
 `FlatGhostDPOptimizer` receives the sum of clipped per-sample gradients that Opacus's fast gradient
 clipping formed by a second backward pass (Opacus's DPOptimizerFastGradientClipping, "ghost"), and
-`FlatSumDPOptimizer` receives that sum as one flat vector from `fedbroker.worker.bookkeeping` ("bk").
+`FlatSumDPOptimizer` receives that sum as one flat vector from `fedbroker.worker.one_pass_clipping` ("bk").
 All accumulate virtual steps (a Poisson batch trained in several physical chunks, `signal_skip_step`)
 into one sum, noised once.
 """
@@ -93,6 +93,7 @@ class FlatDPOptimizer(_FlatNoise, DPOptimizer):  # type: ignore[misc]  # Opacus 
     """
 
     def clip_and_accumulate(self) -> None:
+        """Clip each sample's gradient to `max_grad_norm` and add their sum to the flat sum (Opacus's hook)."""
         grad_samples = self.grad_samples
         for p in self.params:
             p.grad_sample = None  # consumed: stepping again without a new backward pass raises
@@ -115,6 +116,7 @@ class FlatGhostDPOptimizer(_FlatNoise, DPOptimizerFastGradientClipping):  # type
     """
 
     def accumulate(self) -> None:
+        """Add the clipped sum Opacus's second backward pass left in .grad to the flat sum (Opacus's hook)."""
         self._accumulate(torch.cat([
             (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params
         ]))
@@ -124,7 +126,7 @@ class FlatSumDPOptimizer(_FlatNoise, DPOptimizerFastGradientClipping):  # type: 
     """Opacus's DPOptimizerFastGradientClipping fed the clipped sum as one flat vector.
 
     `source` (set by the trainer) returns the sum of clipped per-sample gradients that the last backward
-    pass formed (`fedbroker.worker.bookkeeping`), flat in the order of `params`, once; None when no
+    pass formed (`fedbroker.worker.one_pass_clipping`), flat in the order of `params`, once; None when no
     backward pass ran (an empty Poisson batch), which contributes zeros. What follows is the same noise
     and averaging as in `FlatDPOptimizer`.
     """
@@ -133,6 +135,7 @@ class FlatSumDPOptimizer(_FlatNoise, DPOptimizerFastGradientClipping):  # type: 
     _buffer: torch.Tensor | None = None
 
     def zero_grad(self, set_to_none: bool = False) -> None:
+        """Drop the flat sum unless the last step was virtual; the parameters' .grad views stay."""
         # Nothing writes a parameter's .grad on this path but `add_noise`, which overwrites all of it, so the
         # .grad views of the last noised gradient stay (Opacus's loops over `summed_grad` and .grad: skipped).
         if not self._is_last_step_skipped:
@@ -161,6 +164,7 @@ class FlatSumDPOptimizer(_FlatNoise, DPOptimizerFastGradientClipping):  # type: 
             offset += size
 
     def accumulate(self) -> None:
+        """Add the clipped sum `source` hands over (zeros without a backward pass) to the flat sum (Opacus's hook)."""
         flat = self.source()
         if flat is None:
             params = self.params

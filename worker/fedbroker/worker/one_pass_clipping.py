@@ -90,6 +90,7 @@ class BookkeepingClipper:
         self._handles = [m.register_forward_hook(self._forward_hook) for m, _, _, _ in self._layers]
 
     def cleanup(self) -> None:
+        """Remove the hooks: the trainer's throw-away copy of the model is then plain again."""
         for handle in self._handles:
             handle.remove()
         self._handles = []

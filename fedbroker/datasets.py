@@ -1,5 +1,6 @@
-"""A worker's local data: scikit-learn's bundled sets, IDX files, or the owner's own CSV, .npz or Parquet
-file; never a download.
+"""The data-set readers: scikit-learn's bundled sets, IDX files, or a data owner's own CSV, .npz or Parquet
+file; never a download. In the kernel because three services read the same sets: a worker trains on its
+share, the coordinator evaluates on the held-out split, the aggregation service draws its probes from it.
 
 Every worker must turn the same raw data into the same arrays (a federation of workers holding
 differently scaled features would average nonsense), so the scaling of the bundled sets is fixed per data

@@ -1,4 +1,6 @@
-"""A job's privacy accounting on a worker: Opacus's sampling rule, planned steps, ε projection and history.
+"""A job's ε arithmetic: Opacus's sampling rule, planned steps, ε projection and history. In the kernel
+because two services price a round alike: the worker checks it against its owner's budget, and the
+coordinator prices a round for a worker it has not heard from yet (`job_epsilon_after_round`).
 
 The ε of a job composes across rounds: the job's accountant history (noise multiplier, sample rate,
 steps) is restored into a fresh RDP accountant before each round's training, so ε after round t is the
