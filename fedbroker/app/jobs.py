@@ -17,6 +17,7 @@ import numpy as np
 import safetensors.numpy
 
 from fedbroker.app.status import render, table
+from fedbroker.errors import ConfigError
 from fedbroker.files import write_atomic
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ MODEL_FILE = "model.safetensors"
 SPEC_FILE = "model_spec.json"
 JOB_FILE = "job.json"
 README_FILE = "README.md"
+MAX_ROUND = 2**31 - 1  # the wire's round is an int32
 
 # What `jobs download` writes next to the weights; tests run it as it is written.
 LOAD_SNIPPET = '''\
@@ -240,6 +242,9 @@ def write_model(out: Path, header: Any, tensors: dict[str, np.ndarray], job_spec
 
 def cmd_download(args: argparse.Namespace) -> int:
     """`jobs download ID --out DIR`: a round's global model with its spec, the job and a README."""
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():  # refused before the download, not as a traceback after it
+        raise ConfigError("--out", f"{out} is a file; give a folder (it is created if missing)")
     c = client(args)
     try:
         header, tensors = c.download(args.job_id, args.round or 0)
@@ -254,6 +259,17 @@ def cmd_download(args: argparse.Namespace) -> int:
         print(f"round {header.round} of {header.job_id} (version {header.version}) written to {args.out}: "
               f"{MODEL_FILE}, {SPEC_FILE}, {JOB_FILE}, {README_FILE}")
     return 0
+
+
+def round_number(text: str) -> int:
+    """An argparse type: a round as the wire carries it (int32), so a bad one is a usage error, not a traceback."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value <= MAX_ROUND:
+        raise argparse.ArgumentTypeError(f"{value} is not a round: 1 to {MAX_ROUND} (0 = the last closed one)")
+    return value
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -279,6 +295,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     logs = verb("logs", cmd_logs, "the job's events (round opened, uploads, refusals, closes, the end)")
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing events until the job ends")
     download = verb("download", cmd_download, "a round's (default: the last) global model, as safetensors")
-    download.add_argument("--round", type=int, default=0, help="the round (default: the last closed one)")
+    download.add_argument("--round", type=round_number, default=0, help="the round (default: the last closed one)")
     download.add_argument("--out", required=True, help="folder to write the model, its spec and a README into")
 

@@ -400,3 +400,26 @@ def test_output_into_a_closed_pipe_ends_quietly():
     finally:
         os.close(write_end)
     assert proc.returncode == 141 and proc.stderr == ""
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--round", "2147483648"], "--round"),
+    (["--round", "-1"], "--round"),
+    (["--round", "two"], "--round"),
+    (["--out", "{file}"], "--out"),
+])
+def test_a_bad_download_argument_is_refused_before_any_call_without_a_traceback(tmp_path, argv, named):
+    """A round the wire cannot carry, or --out naming a file, ends in one line naming the argument; the
+    file is left as it was and no coordinator is contacted (the target below refuses every connection)."""
+    existing = tmp_path / "model.txt"
+    existing.write_text("mine\n")
+    argv = [a.replace("{file}", str(existing)) for a in argv]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "dl")]
+    done = subprocess.run([sys.executable, "-m", "fedbroker", "jobs", "download", "job-1", *argv,
+                           "--coordinator", "127.0.0.1:1"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": PYTHONPATH})
+    assert done.returncode == 2, done
+    assert named in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "UNAVAILABLE" not in done.stderr  # refused before connecting
+    assert existing.read_text() == "mine\n"
