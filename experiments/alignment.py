@@ -38,7 +38,7 @@ from experiments.harness import (
     upload,
     widths_of,
 )
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.model import build_model, initial_weights, load_numpy_state
 from fedbroker.spec import JobSpec, TrainingConfig, parse_job
 from fedbroker.worker.training import evaluate, train_local

@@ -21,11 +21,12 @@ import numpy as np
 from torch import nn
 
 from fedbroker import codec
-from fedbroker.aggregators.rounds import RoundBook
-from fedbroker.aggregators.weighting import population_distribution, reported_ish
+from fedbroker.aggregators.round_book import RoundBook
+from fedbroker.catalogue import aggregation_settings
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.participants import sample_participants
 from fedbroker.errors import BudgetExceeded
+from fedbroker.label_stats import population_distribution, reported_ish
 from fedbroker.layers import LAYERS
 from fedbroker.model import build_model, initial_weights, load_numpy_state
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -170,6 +171,7 @@ def simulate(
     histograms = {w.worker_id: [int(c) for c in w.histogram] for w in workers}
     population = population_distribution([w.histogram for w in workers])
     aggregation = asdict(spec.aggregation)
+    settings = aggregation_settings(spec.aggregation)
     training = spec.training
 
     book = RoundBook() if probe is None else RoundBook(probe_sets=lambda _name, size, _seed: (probe.x[:size],
@@ -207,8 +209,7 @@ def simulate(
                 continue
             ledgers[worker_id] = list(result.history)
             upload(book, JOB_ID, round_number=r, worker_id=worker_id, result=result,
-                   ish=reported_ish(worker.histogram, population, participants=len(chosen),
-                                    aggregation=aggregation))
+                   ish=reported_ish(worker.histogram, population, participants=len(chosen), settings=settings))
             losses.append(result.train_loss)
             counts.append(result.num_samples)
         if not losses:

@@ -151,6 +151,9 @@ class TrainingConfig(_Section):
 
 @dataclass(frozen=True)
 class AggregationConfig(_Section):
+    """The algorithms' names and parameters as the job writes them (what is stored and sent to the services);
+    their typed, checked view is `fedbroker.catalogue.aggregation_settings`."""
+
     alignment: str = "none"
     alignment_params: Mapping[str, Any] = field(default_factory=dict)
     weighting: str = "fedavg"
@@ -162,7 +165,7 @@ class AggregationConfig(_Section):
 
 
 SCHEDULE_MODES = ("sync", "async")
-STALENESS_FUNCTIONS = ("constant", "polynomial", "hinge")   # their parameters: fedbroker.aggregators.fedbuff
+STALENESS_FUNCTIONS = ("constant", "polynomial", "hinge")   # their parameters: fedbroker.algorithm_params
 
 
 @dataclass(frozen=True)
@@ -399,6 +402,11 @@ def _check_shapes(spec: ModelSpec, errors: _Collector, where: str) -> list[tuple
     return shapes
 
 
+def matched_layers(spec: ModelSpec) -> list[int]:
+    """The indices of the layers whose units alignment matches (the weighted ones)."""
+    return [i for i, layer in enumerate(spec.layers) if LAYERS[layer.type].weighted]
+
+
 def parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """The tensors an nn.Sequential built from `spec` holds, by state_dict name, without importing torch."""
     return {f"{i}.{suffix}": shape
@@ -505,9 +513,9 @@ def _raise_all(problems: list[ConfigError]) -> None:
 
 
 class JobCheck(Protocol):
-    """A check the kernel cannot make itself (the algorithm registries: see
-    fedbroker.aggregators.registries.accept_job). It gets the aggregation section and the model as parsed
-    so far; parse_job reports its problems together with its own."""
+    """A check beyond the parser's (the algorithm catalogue's: see fedbroker.submission.accept_job). It gets
+    the aggregation section and the model as parsed so far; parse_job reports its problems together with its
+    own."""
 
     def __call__(self, *, aggregation: AggregationConfig, model: ModelSpec) -> list[ConfigError]: ...
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedbroker import codec
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.errors import Conflict, NotFound, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import parse_model

@@ -78,7 +78,7 @@ def _coordinator_client(args: argparse.Namespace) -> Any:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from fedbroker.aggregators.registries import accept_job_text
+    from fedbroker.submission import accept_job_text
 
     with open(args.job, encoding="utf-8") as fh:
         text = fh.read()

@@ -120,7 +120,7 @@ def check_simulation(options: SimulateOptions, job: JobSpec, data: Any) -> None:
 def run_simulation(options: SimulateOptions) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from fedbroker.aggregators.registries import accept_job_text
+    from fedbroker.submission import accept_job_text
     from fedbroker.worker.data import load_worker_data, train_test_split
 
     with open(options.job, encoding="utf-8") as fh:

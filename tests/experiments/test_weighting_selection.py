@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from experiments.weighting_selection import GAProtocol, ga_arms, ga_tasks, make_task_split
-from fedbroker.aggregators.registries import accept_job
+from fedbroker.submission import accept_job
 from fedbroker.worker.data import load_dataset
 
 

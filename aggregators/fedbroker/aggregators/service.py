@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedbroker import codec
 from fedbroker.aggregators import metrics
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.auth import ROLE_COORDINATOR, ROLE_WORKER, Identity, ServerAuth, ServerTLS, TokenTable, add_port
 from fedbroker.callguard import CallGuard, CallLimits
 from fedbroker.errors import Rejection, UploadRejected

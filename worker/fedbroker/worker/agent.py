@@ -29,12 +29,13 @@ import time
 import numpy as np
 
 from fedbroker import envelope
-from fedbroker.aggregators.client import AggregatorClient, Model
-from fedbroker.aggregators.weighting import noisy_histogram, reported_ish
+from fedbroker.aggregation_client import AggregatorClient, Model
 from fedbroker.auth import ClientSecurity
 from fedbroker.bus import Bus, BusError, Delivery
+from fedbroker.catalogue import settings_from_json
 from fedbroker.config import DPPolicy, WorkerConfig
 from fedbroker.errors import BudgetExceeded, ConfigError, FedbrokerError, LedgerBehind, Rejection, TaskRefused
+from fedbroker.label_stats import noisy_histogram, reported_ish
 from fedbroker.metrics import BUSES
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -478,4 +479,4 @@ class WorkerAgent:
         if not task.population_distribution:
             return None
         return reported_ish(self.shared_histogram, task.population_distribution, participants=task.participants,
-                            aggregation=json.loads(task.aggregation_json or "{}"))
+                            settings=settings_from_json(task.aggregation_json))

@@ -10,10 +10,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Any, Protocol
 
 import numpy as np
+
+from fedbroker.algorithm_params import NoAlignmentParams
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,8 @@ class AlignmentResult:
 
 
 class Alignment(Protocol):
-    """What the aggregation service calls; every registered alignment is a frozen kw-only dataclass.
+    """What the aggregation service calls; every registered alignment extends its parameters' frozen kw-only
+    dataclass (`fedbroker.algorithm_params`).
 
     `deadline` (a time.monotonic() value) is cooperative: an alignment checks it inside its loops and raises
     `DeadlinePassed` once it has passed; the service then falls back to the plain weighted mean.
@@ -51,40 +54,6 @@ class Alignment(Protocol):
 
 
 Network = list[Layer]
-
-
-# ---------------------------------------------------------------- parameter checks (ValueError naming it)
-
-
-def check_choice(name: str, value: object, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false; got {value!r}")
-
-
-def check_real(name: str, value: object, *, minimum: float, strict: bool, maximum: float = np.inf) -> None:
-    """A finite number above `minimum` (strictly or not) and at most `maximum`: every parameter is bounded
-    at submission, so no job can ask for a close that runs for hours."""
-    ok = False
-    if isinstance(value, Real) and not isinstance(value, bool):
-        number = float(value)
-        ok = bool(np.isfinite(number)) and (number > minimum if strict else number >= minimum) and number <= maximum
-    if not ok:
-        relation = ">" if strict else ">="
-        upper = f" and <= {maximum:g}" if np.isfinite(maximum) else ""
-        raise ValueError(f"{name} must be a finite number {relation} {minimum:g}{upper}; got {value!r}")
-
-
-def check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
-    """An integer in [minimum, maximum] (no upper bound when maximum is None)."""
-    if (not isinstance(value, Integral) or isinstance(value, bool) or int(value) < minimum
-            or (maximum is not None and int(value) > maximum)):
-        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{name} must be an integer {allowed}; got {value!r}")
 
 
 class DeadlinePassed(RuntimeError):
@@ -254,8 +223,7 @@ def widths_of(layers: Sequence[Layer]) -> list[int]:
     return [int(layer.weight.shape[0]) for layer in layers]
 
 
-@dataclass(frozen=True, kw_only=True)
-class NoAlignment:
+class NoAlignment(NoAlignmentParams):
     """`none`: the plain weighted mean (FedAvg) of every layer; unit i of every client is unit i."""
 
     def align(

@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from fedbroker.aggregators.selection.base import (
-    MAX_M,
     SELECTION,
     Candidate,
     ProbeRequest,
     Selection,
     check_candidates,
     random_choice,
-    require_int,
 )
 from fedbroker.aggregators.selection.probe import Probe
+from fedbroker.algorithm_params import AllParams, RandomParams
 
 
 @SELECTION.register("all")
-@dataclass(frozen=True, kw_only=True)
-class AllSelection:
+class AllSelection(AllParams):
     """Aggregate every received update (plain FedAvg)."""
 
     def needs_vectors(self, round_index: int) -> bool:
@@ -46,14 +43,8 @@ class AllSelection:
 
 
 @SELECTION.register("random")
-@dataclass(frozen=True, kw_only=True)
-class RandomSelection:
+class RandomSelection(RandomParams):
     """m updates uniformly at random (the usual FL client sampling, applied after training)."""
-
-    m: int
-
-    def __post_init__(self) -> None:
-        require_int("m", self.m, 1, MAX_M)  # the most clients a round may have
 
     def needs_vectors(self, round_index: int) -> bool:
         return False

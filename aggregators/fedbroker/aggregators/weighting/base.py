@@ -13,6 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from fedbroker.aggregators.registry import Registry
+from fedbroker.catalogue import WEIGHTINGS
 
 
 @dataclass(frozen=True)
@@ -26,18 +27,15 @@ class UpdateMeta:
 
 
 class Weighting(Protocol):
+    """What the service calls; every registered weighting extends its parameters' frozen kw-only dataclass
+    (`fedbroker.algorithm_params`, which says whether its weights are proportional)."""
+
     def raw_weight(self, meta: UpdateMeta) -> float: ...
 
     def normalise(self, raw: np.ndarray) -> tuple[np.ndarray, bool]: ...
 
-    @property
-    def proportional(self) -> bool:
-        """Whether the normalised weights are raw / Σ raw, so a running Σ raw·x / Σ raw is the round's mean
-        (False under a `max_share` cap: the close needs every update's row)."""
-        ...
 
-
-WEIGHTING: Registry[Weighting] = Registry("weighting")
+WEIGHTING: Registry[Weighting] = Registry(WEIGHTINGS)
 
 
 def checked_num_samples(meta: UpdateMeta) -> int:
@@ -48,13 +46,6 @@ def checked_num_samples(meta: UpdateMeta) -> int:
     if n < 0:
         raise ValueError(f"worker {meta.worker_id!r}: num_samples must be >= 0, got {n}")
     return int(n)
-
-
-def check_max_share(value: object) -> None:
-    """`max_share` (the largest coefficient any one update may get) must be a number in (0, 1]."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or not 0.0 < float(value) <= 1.0:
-        raise ValueError(f"max_share must be a number in (0, 1], got {value!r}")
 
 
 def cap_shares(weights: np.ndarray, max_share: float) -> np.ndarray:

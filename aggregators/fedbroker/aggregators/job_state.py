@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 
 from fedbroker.aggregators.admission import Standing
-from fedbroker.aggregators.buffered import AsyncState
+from fedbroker.aggregators.async_state import AsyncState
+from fedbroker.aggregators.job_algorithms import Algorithms, build_algorithms
 from fedbroker.aggregators.mean import Layout, Slot, UpdateRows
-from fedbroker.aggregators.registries import Algorithms
 from fedbroker.aggregators.rows import Rows
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.errors import Conflict, NotFound, Rejection, UploadRejected
-from fedbroker.spec import ModelSpec, parameter_shapes
+from fedbroker.spec import AggregationConfig, ModelSpec, parameter_shapes
 
 KEEP_CLOSED_ROUNDS = 16  # closed rounds whose accepted workers and deadline are remembered (redeliveries, stragglers)
 
@@ -83,7 +83,7 @@ class Round:
     deadline: float
     algorithms: Algorithms
     rows: Rows
-    aggregation: dict[str, Any]                  # as opened (the spool re-builds algorithms from it)
+    aggregation: dict[str, Any]                  # as opened (the spool restores the job's algorithms from it)
     histograms: dict[str, list[int]]
     accepted: dict[str, Accepted] = field(default_factory=dict)
     phase: Phase = Phase.OPEN
@@ -118,8 +118,9 @@ def new_round(number: int, members: frozenset[str], deadline: float, algorithms:
               aggregation: dict[str, Any], histograms: dict[str, list[int]], spec: ModelSpec,
               spare_rows: UpdateRows | None = None, *, sample_limits: Mapping[str, int] | None = None) -> Round:
     """`sample_limits`: each participant's registered sample count (a participant not in it is unbounded)."""
-    rows = Rows(Layout(parameter_shapes(spec)), incremental=algorithms.incremental,
-                weights_positive=algorithms.weights_positive, spare=spare_rows)
+    settings = algorithms.settings
+    rows = Rows(Layout(parameter_shapes(spec)), incremental=settings.incremental,
+                weights_positive=settings.weights_positive, spare=spare_rows)
     return Round(number, members, deadline, algorithms, rows, aggregation, histograms,
                  sample_limits={w: int(n) for w, n in (sample_limits or {}).items()})
 
@@ -138,10 +139,18 @@ class Job:
     closed_accepted: dict[int, list[str]] = field(default_factory=dict)  # recent rounds: who got in (status)
     spare_rows: UpdateRows | None = None   # the last running mean's rows: the next round receives into them
     asynchronous: AsyncState | None = None  # schedule.mode async: the FedBuff buffer and the issued tasks
+    algorithms: Algorithms | None = None    # built when the service first learns the job's aggregation settings
 
     @property
     def version(self) -> int:
         return max(self.versions)
+
+    def algorithms_for(self, config: AggregationConfig) -> Algorithms:
+        """The job's algorithms for its aggregation section: built the first time the service learns it, then
+        reused by every round (built again only for a section that differs); a bad one raises ConfigError(s)."""
+        if self.algorithms is None or not self.algorithms.built_from(config):
+            self.algorithms = build_algorithms(config)
+        return self.algorithms
 
     # ----- the global model -----
 
