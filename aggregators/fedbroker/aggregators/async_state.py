@@ -30,6 +30,8 @@ KEEP_VERSION_ROWS = 64   # the newest versions' summaries (the coordinator recor
 
 @dataclass(frozen=True)
 class Issued:
+    """A worker's outstanding task: its number and the version it trains from."""
+
     task: int
     base: int
 
@@ -62,6 +64,8 @@ class FirstReceipt:
 
 @dataclass(frozen=True)
 class VersionSummary:
+    """One published version: the updates that made it, for BufferStatus's rows."""
+
     version: int
     updates: list[Folded]
     total_weight: float
@@ -74,6 +78,8 @@ class VersionSummary:
 
 @dataclass
 class AsyncState:
+    """A job in asynchronous mode: its buffer, who holds which task, and the recent versions."""
+
     config: dict[str, Any]            # as opened (the spool restores the algorithms and buffer from it)
     algorithms: Algorithms
     buffer: Buffer
@@ -88,6 +94,7 @@ class AsyncState:
 
     @property
     def max_staleness(self) -> int:
+        """The most versions an update may lag (older base versions need not be kept)."""
         return self.buffer.max_staleness
 
     def receipt(self, worker_id: str, task: int) -> FirstReceipt | None:
@@ -96,6 +103,7 @@ class AsyncState:
         return done if done is not None and done.task == task else None
 
     def outstanding(self, worker_id: str, task: int) -> Issued | None:
+        """The worker's task numbered `task`, if it is still the one it holds."""
         issued = self.issued.get(worker_id)
         return issued if issued is not None and issued.task == task else None
 
@@ -160,10 +168,12 @@ def copy_for_status(state: AsyncState, since_version: int) -> AsyncState:
 
 
 def folded_record(entry: Folded, seq: int) -> dict[str, Any]:
+    """A buffered update's metadata, as its spooled file holds it."""
     return {**vars(entry), "seq": seq}
 
 
 def folded_from_record(record: Mapping[str, Any]) -> Folded:
+    """`folded_record`'s inverse."""
     return Folded(str(record["worker_id"]), int(record["task"]), int(record["base"]), int(record["tau"]),
                   float(record["raw_weight"]), float(record["factor"]), int(record["num_samples"]),
                   float(record["epsilon"]), float(record["train_loss"]), str(record["sha256"]),

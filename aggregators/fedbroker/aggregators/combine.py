@@ -36,6 +36,8 @@ ProbeLoader = Callable[[str, int, int], tuple[np.ndarray, np.ndarray]]
 
 @dataclass(frozen=True)
 class Combined:
+    """What a close made: the next global model and how it came about."""
+
     chosen: list[str]           # the workers whose updates went in
     weights: np.ndarray         # their coefficients, in `chosen`'s order
     spec: ModelSpec             # the new global model's spec (alignment may change widths)
@@ -46,6 +48,7 @@ class Combined:
 def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray], spec: ModelSpec, *,
             seed: int, selection_time_limit_s: float, alignment_time_limit_s: float = 120.0,
             probe_sets: ProbeLoader = probe_arrays) -> Combined:
+    """The next global model from a closing round's accepted updates (seeded by the job's seed and the round)."""
     rng = np.random.default_rng([seed, rnd.number])
     stats: dict[str, float] = {"accepted": float(len(accepted))}
     if rnd.rows.mean is not None:

@@ -63,6 +63,7 @@ class Buffer:
 
     @property
     def full(self) -> bool:
+        """Whether the buffer holds `buffer_size` updates: time for the next version."""
         return self.count >= self.buffer_size
 
     def check(self, tau: int) -> float:
@@ -98,6 +99,7 @@ class Buffer:
                 for name, arr in current.items()}
 
     def reset(self) -> None:
+        """Empty the buffer for the next version."""
         self.count, self.total_weight, self._sum = 0, 0.0, {}
 
 

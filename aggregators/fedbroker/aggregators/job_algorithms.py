@@ -15,6 +15,8 @@ from fedbroker.spec import AggregationConfig
 
 @dataclass(frozen=True)
 class Algorithms:
+    """A job's algorithm objects and the typed settings they were built from (its traits included)."""
+
     source: str                    # the aggregation section they were built from, as canonical JSON
     settings: AggregationSettings
     alignment: Alignment

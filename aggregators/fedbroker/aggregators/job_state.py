@@ -28,6 +28,8 @@ KEEP_CLOSED_ROUNDS = 16  # closed rounds whose accepted workers and deadline are
 
 
 class Phase(Enum):
+    """Where a round is: receiving uploads, aggregating them, or done."""
+
     OPEN = "open"
     CLOSING = "closing"
     CLOSED = "closed"
@@ -35,6 +37,8 @@ class Phase(Enum):
 
 @dataclass(frozen=True)
 class Receipt:
+    """What an accepted upload gets back; a retry gets the first one again."""
+
     job_id: str
     round: int
     worker_id: str
@@ -45,6 +49,8 @@ class Receipt:
 
 @dataclass(frozen=True)
 class UpdateSummary:
+    """One update's part in a close (its coefficient), for the coordinator's records."""
+
     worker_id: str
     num_samples: int
     epsilon: float
@@ -54,6 +60,8 @@ class UpdateSummary:
 
 @dataclass(frozen=True)
 class CloseResult:
+    """A close's result; kept, so a repeated close returns it again."""
+
     model_version: int
     aggregated: list[str]
     model_spec_json: str
@@ -64,6 +72,8 @@ class CloseResult:
 
 @dataclass
 class Accepted:
+    """An accepted update and what is known of it; its tensors only while the round keeps them."""
+
     worker_id: str
     num_samples: int
     raw_weight: float
@@ -78,6 +88,8 @@ class Accepted:
 
 @dataclass
 class Round:
+    """A job's current round: who may upload until when, with which algorithms, and what was accepted."""
+
     number: int
     participants: frozenset[str]
     deadline: float
@@ -92,6 +104,7 @@ class Round:
 
     @property
     def closed(self) -> bool:
+        """Whether uploads are refused (the round is aggregating or done)."""
         return self.phase is not Phase.OPEN
 
     def receipt(self, job_id: str, worker_id: str) -> Receipt | None:
@@ -102,6 +115,7 @@ class Round:
         return Receipt(job_id, self.number, worker_id, True, done.bytes_received, done.sha256)
 
     def take_seq(self) -> int:
+        """The next acceptance number (the spool replays updates in this order)."""
         seq = self.next_seq
         self.next_seq += 1
         return seq
@@ -127,6 +141,8 @@ def new_round(number: int, members: frozenset[str], deadline: float, algorithms:
 
 @dataclass
 class Job:
+    """One job in the aggregation service: its kept global versions, its round, its algorithms."""
+
     job_id: str
     spec: ModelSpec
     seed: int
@@ -143,6 +159,7 @@ class Job:
 
     @property
     def version(self) -> int:
+        """The newest global version."""
         return max(self.versions)
 
     def algorithms_for(self, config: AggregationConfig) -> Algorithms:
@@ -178,6 +195,7 @@ class Job:
         return self.round if self.round is not None and self.round.number == round_number else None
 
     def standing(self, round_number: int) -> Standing:
+        """What admission needs to judge an upload for round `round_number`."""
         rnd = self.current(round_number)
         return Standing(
             participants=rnd.participants if rnd is not None else None,
@@ -187,6 +205,7 @@ class Job:
         )
 
     def status(self, round_number: int) -> tuple[list[str], bool]:
+        """Who got into round `round_number`, and whether it is still open."""
         rnd = self._asked(round_number)
         if rnd is None:  # a worker with a redelivered task of a closed round
             return list(self.closed_accepted.get(round_number, [])), False

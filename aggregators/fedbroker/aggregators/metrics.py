@@ -117,6 +117,7 @@ for _reason in Rejection:  # every reason's series exists from the start, at 0
 
 
 def record_rejection(reason: Rejection) -> None:
+    """Count one refused upload (and a late one as late)."""
     UPLOADS_REJECTED.labels(reason).inc()
     if reason in _LATE:
         LATE_UPLOADS.inc()

@@ -69,6 +69,8 @@ DEFAULT_MAX_UPDATE_BYTES = 1 << 30
 
 
 class RoundBook:
+    """Every job the service holds, and the rules for its rounds and buffers (see the module docstring)."""
+
     def __init__(
         self,
         *,
@@ -124,6 +126,7 @@ class RoundBook:
             self._commit(job)
 
     def global_model(self, job_id: str, version: int = 0) -> tuple[int, str, dict[str, np.ndarray]]:
+        """A kept global version (0: the newest), with its spec: what workers download."""
         job = self._job(job_id)
         with self._lock:
             v = version or job.version
@@ -535,6 +538,8 @@ class RoundBook:
 
 @dataclass(frozen=True)
 class JobSnapshot:
+    """What the Watch stream says of one job."""
+
     job_id: str
     round: int
     accepted: int

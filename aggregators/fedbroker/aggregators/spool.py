@@ -70,12 +70,16 @@ def _disk_full_is_an_outage(what: str) -> Generator[None, None, None]:
 
 @dataclass
 class StoredJob:
+    """One job as read from its folder: its record and its kept global models."""
+
     record: dict[str, Any]                                   # job.json as written
     globals: dict[int, tuple[str, dict[str, np.ndarray]]]    # version → (model spec JSON, tensors)
     folder: Path
 
 
 class Spool:
+    """The folder of job folders (see the module docstring); every write is atomic."""
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -90,6 +94,7 @@ class Spool:
     # ----- writes -----
 
     def save_global(self, job_id: str, version: int, spec_json: str, tensors: Mapping[str, np.ndarray]) -> None:
+        """A global model version, on disk before the record that names it."""
         with _disk_full_is_an_outage(f"global model {version} of job {job_id!r}"):
             folder = self.folder(job_id)
             folder.mkdir(parents=True, exist_ok=True)
@@ -106,6 +111,7 @@ class Spool:
 
     def save_update(self, job_id: str, round_number: int, seq: int, meta: Mapping[str, Any],
                     tensors: Mapping[str, np.ndarray]) -> Path:
+        """An accepted update of a round, on disk before its receipt; its path."""
         return self._save(self.folder(job_id) / f"round-{round_number}", seq, meta, tensors,
                           what=f"an update for round {round_number} of job {job_id!r}")
 
@@ -126,6 +132,7 @@ class Spool:
 
     @staticmethod
     def discard(path: Path) -> None:
+        """Delete an update file that was not counted (its round closed during the upload)."""
         try:
             path.unlink()
         except FileNotFoundError:

@@ -20,12 +20,16 @@ from fedbroker.algorithm_params import NoAlignmentParams
 
 @dataclass(frozen=True)
 class Layer:
+    """One weighted layer of a client's network, as the alignment algorithms see it."""
+
     weight: np.ndarray  # dense (out, in) like PyTorch; conv (out, c_in, kh, kw)
     bias: np.ndarray | None  # (out,)
 
 
 @dataclass(frozen=True)
 class AlignmentResult:
+    """The aligned global network, how each client's units map into it, and numbers for the close's stats."""
+
     layers: list[Layer]  # the global network, input → output
     permutations: list[list[np.ndarray]]  # per client, per aligned hidden layer (the first ones, in order)
     widths: list[int]  # output width of every layer of the global network
@@ -50,7 +54,8 @@ class Alignment(Protocol):
         class_shares: np.ndarray | None = None,
         spatial: Sequence[int | None] | None = None,
         deadline: float | None = None,
-    ) -> AlignmentResult: ...
+    ) -> AlignmentResult:
+        """The global network of the clients' networks, aggregated with `weights` (one per client)."""
 
 
 Network = list[Layer]
@@ -216,10 +221,12 @@ def weighted_mean_layers(nets: Sequence[Network], weights: np.ndarray) -> Networ
 
 
 def identity_permutations(nets: Sequence[Network], n_aligned: int) -> list[list[np.ndarray]]:
+    """Every client keeps its unit order: the alignment of a round that matches nothing."""
     return [[np.arange(net[ell].weight.shape[0]) for ell in range(n_aligned)] for net in nets]
 
 
 def widths_of(layers: Sequence[Layer]) -> list[int]:
+    """The output width of each layer (a matched layer may grow)."""
     return [int(layer.weight.shape[0]) for layer in layers]
 
 
@@ -237,6 +244,7 @@ class NoAlignment(NoAlignmentParams):
         spatial: Sequence[int | None] | None = None,
         deadline: float | None = None,
     ) -> AlignmentResult:
+        """The weighted mean of every layer."""
         nets = validate_clients(clients, same_widths=True, spatial=spatial)
         w = validate_weights(weights, len(nets))
         layers = weighted_mean_layers(nets, w)  # one pass, no loop worth a deadline

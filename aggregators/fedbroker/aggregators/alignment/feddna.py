@@ -199,6 +199,7 @@ class FedDNA(FedDNAParams):
     """
 
     def node_vectors(self, layer: Layer) -> np.ndarray:
+        """Each unit as the vector the tree distances compare: its incoming weights (and bias, if asked)."""
         v = layer.weight.reshape(layer.weight.shape[0], -1)
         if self.include_bias_in_distance and layer.bias is not None:
             v = np.hstack([v, layer.bias[:, None]])
@@ -215,6 +216,7 @@ class FedDNA(FedDNAParams):
         spatial: Sequence[int | None] | None = None,
         deadline: float | None = None,
     ) -> AlignmentResult:
+        """Align the chosen layers by growing trees (rounds up to `freeze_after`), then take the mean."""
         nets = validate_clients(clients, same_widths=True, spatial=spatial)
         w = validate_weights(weights, len(nets))
         check_int("round_index", round_index, minimum=1)

@@ -46,6 +46,7 @@ class LayerMatch:
 
     @property
     def width(self) -> int:
+        """The number of global neurons."""
         return int(self.natural_mean.shape[0])
 
 

@@ -150,6 +150,7 @@ class PFNM(PFNMParams):
         spatial: Sequence[int | None] | None = None,
         deadline: float | None = None,
     ) -> AlignmentResult:
+        """One-shot matching of every hidden layer, top down (see the module's docstring)."""
         nets = validate_clients(clients, same_widths=False, spatial=spatial)
         w = validate_weights(weights, len(nets))
         shares = validate_class_shares(class_shares, w, nets[0][-1].weight.shape[0])
@@ -175,6 +176,7 @@ class PFNM(PFNMParams):
         class_shares: np.ndarray | None = None,
         spatial: Sequence[int | None] | None = None,
     ) -> AlignmentResult:
+        """Layer-wise matching with the clients retraining in between (see `align_layerwise`)."""
         return align_layerwise(
             clients,
             retrain,

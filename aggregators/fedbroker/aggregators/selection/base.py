@@ -47,7 +47,8 @@ class Selector(Protocol):
     """What the service calls; every registered selection extends its parameters' frozen kw-only dataclass
     (`fedbroker.algorithm_params`)."""
 
-    def needs_vectors(self, round_index: int) -> bool: ...
+    def needs_vectors(self, round_index: int) -> bool:
+        """Whether this round's choice reads the updates' parameters (else they need not be flattened)."""
 
     def probe_request(self, round_index: int) -> ProbeRequest | None:
         """The probe set this round's choice evaluates models on (None: it needs none)."""
@@ -61,7 +62,8 @@ class Selector(Protocol):
         rng: np.random.Generator,
         deadline: float | None = None,
         probe: Probe | None = None,
-    ) -> Selection: ...
+    ) -> Selection:
+        """The ids of the updates to aggregate, in candidate order, seeded by `rng`."""
 
 
 SELECTION: Registry[Selector] = Registry(SELECTIONS)

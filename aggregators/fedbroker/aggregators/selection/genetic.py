@@ -307,9 +307,11 @@ class GeneticSelection(GeneticParams):
         return round_index % self.ga_gap == 0
 
     def needs_vectors(self, round_index: int) -> bool:
+        """Only GA rounds read the parameters."""
         return self.is_ga_round(round_index)
 
     def probe_request(self, round_index: int) -> ProbeRequest | None:
+        """The probe set a GA round with `fitness: probe` evaluates models on."""
         if self.fitness != "probe" or not self.is_ga_round(round_index):
             return None
         return ProbeRequest(self.probe_dataset, self.probe_size, self.probe_seed)
@@ -356,6 +358,7 @@ class GeneticSelection(GeneticParams):
         deadline: float | None = None,
         probe: Probe | None = None,
     ) -> Selection:
+        """The GA's best m-subset on GA rounds, m at random on the others (or when the GA overruns)."""
         check_candidates(candidates, round_index=round_index)
         if self.m >= len(candidates):
             return Selection(chosen=[c.worker_id for c in candidates], stats={"ga_ran": 0.0, "fallback": 0.0})

@@ -23,9 +23,11 @@ class AllSelection(AllParams):
     """Aggregate every received update (plain FedAvg)."""
 
     def needs_vectors(self, round_index: int) -> bool:
+        """No parameters are read."""
         return False
 
     def probe_request(self, round_index: int) -> ProbeRequest | None:
+        """No probe set."""
         return None
 
     def choose(
@@ -38,6 +40,7 @@ class AllSelection(AllParams):
         deadline: float | None = None,
         probe: Probe | None = None,
     ) -> Selection:
+        """Every candidate."""
         check_candidates(candidates, round_index=round_index)
         return Selection(chosen=[c.worker_id for c in candidates], stats={"ga_ran": 0.0, "fallback": 0.0})
 
@@ -47,9 +50,11 @@ class RandomSelection(RandomParams):
     """m updates uniformly at random (the usual FL client sampling, applied after training)."""
 
     def needs_vectors(self, round_index: int) -> bool:
+        """No parameters are read."""
         return False
 
     def probe_request(self, round_index: int) -> ProbeRequest | None:
+        """No probe set."""
         return None
 
     def choose(
@@ -62,5 +67,6 @@ class RandomSelection(RandomParams):
         deadline: float | None = None,
         probe: Probe | None = None,
     ) -> Selection:
+        """m candidates drawn with `rng`."""
         check_candidates(candidates, round_index=round_index)
         return Selection(chosen=random_choice(candidates, self.m, rng), stats={"ga_ran": 0.0, "fallback": 0.0})

@@ -30,9 +30,11 @@ class Weighting(Protocol):
     """What the service calls; every registered weighting extends its parameters' frozen kw-only dataclass
     (`fedbroker.algorithm_params`, which says whether its weights are proportional)."""
 
-    def raw_weight(self, meta: UpdateMeta) -> float: ...
+    def raw_weight(self, meta: UpdateMeta) -> float:
+        """The update's weight before normalisation, from its own metadata only; ValueError if inconsistent."""
 
-    def normalise(self, raw: np.ndarray) -> tuple[np.ndarray, bool]: ...
+    def normalise(self, raw: np.ndarray) -> tuple[np.ndarray, bool]:
+        """The round's coefficients from the chosen updates' raw weights, and whether they fell back to uniform."""
 
 
 WEIGHTING: Registry[Weighting] = Registry(WEIGHTINGS)

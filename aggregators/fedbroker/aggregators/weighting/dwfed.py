@@ -45,4 +45,5 @@ class DWFedWeighting(DWFedParams):
         return min(max(value, 0.0), 1.0)
 
     def normalise(self, raw: np.ndarray) -> tuple[np.ndarray, bool]:
+        """ISH_k / Σ ISH, capped at `max_share`."""
         return normalise_weights(raw, max_share=float(self.max_share))
