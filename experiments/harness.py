@@ -1,7 +1,7 @@
 """In-process federated simulation over the service's own code paths, for research experiments.
 
 Many virtual workers train with `worker.training.train_local` and upload through
-`aggregators.rounds.RoundBook.receive_update`, fed by `fedbroker.codec.stream_messages` exactly as the
+`aggregators.round_book.RoundBook.receive_update`, fed by `fedbroker.codec.stream_messages` exactly as the
 gRPC servicer feeds it; rounds are opened and closed as the coordinator does (participants from
 `coordinator.participants.sample_participants`, histograms for class shares, a population label
 distribution for ISH). So an algorithm measured here is the algorithm the service runs, not a copy.

@@ -1,5 +1,6 @@
-"""A client of the aggregation service, used by workers and the coordinator: deadlines on every call,
-retries only where repeating is safe, and the caller's bearer token (and TLS) from its ClientSecurity.
+"""A client of the aggregation service, used by workers and the coordinator (so it lives in the kernel, and
+neither service imports the other): deadlines on every call, retries only where repeating is safe, and the
+caller's bearer token (and TLS) from its ClientSecurity.
 
 A call retries an unavailable service a few times (`rpc.call_with_retry`). A caller whose calls are worth
 making until a deadline (a worker: its round's) takes `until(deadline_unix)`, and every call retries until

@@ -14,7 +14,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from fedbroker.algorithm_params import (
     AlignmentParams,
@@ -34,7 +34,10 @@ from fedbroker.algorithm_params import (
 from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.spec import AggregationConfig
 
-P = TypeVar("P")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+P = TypeVar("P", bound="DataclassInstance")
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ class Catalogue(Generic[P]):
         """`name` with `params` checked into its parameter class."""
         entry = self.entry(name)
         given = dict(params or {})
-        fields = [f for f in dataclasses.fields(entry.params) if f.init]  # type: ignore[arg-type]
+        fields = [f for f in dataclasses.fields(entry.params) if f.init]
         known = {f.name for f in fields}
         unknown = sorted(set(given) - known)
         if unknown:

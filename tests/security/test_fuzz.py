@@ -191,7 +191,7 @@ def mutated_job(draw: Any) -> Any:
 
 def _parse(raw: Any) -> None:
     try:
-        job = accept_job(raw)  # the parser and the algorithm registries, as SubmitJob runs them
+        job = accept_job(raw)  # the parser and the algorithm catalogue, as SubmitJob runs them
     except ConfigError as exc:
         assert str(exc) and len(str(exc)) < 200_000
         return
