@@ -100,7 +100,7 @@ class Fleet:
 
     def on_task(self, wid: str, delivery: Any) -> None:
         from fedbroker import envelope
-        from fedbroker.aggregators.client import AggregatorClient
+        from fedbroker.aggregation_client import AggregatorClient
 
         try:
             task = envelope.decode(delivery.body, expect=("round_task",)).round_task
@@ -143,7 +143,7 @@ def fleet_child(url: str, namespace: str, count: int) -> None:
 def run_ours(count: int, rounds: int, url: str | None, timeout_s: float) -> dict[str, Any]:
     """Rounds of a job with `count` stub workers; per-round seconds from the coordinator's own record."""
     from bench.streaming import _spawn, _stop
-    from fedbroker.aggregators.client import AggregatorClient
+    from fedbroker.aggregation_client import AggregatorClient
     from fedbroker.bus import delete_topology, open_bus
     from fedbroker.coordinator.scheduler import Coordinator
     from fedbroker.coordinator.state import StateStore

@@ -18,7 +18,7 @@ PARAMETERS = 64 * 64 + 64 + 64 * 10 + 10
 
 
 def run(*, quick: bool) -> Section:
-    from fedbroker.aggregators.probes import probe_arrays
+    from fedbroker.aggregators.probe_sets import probe_arrays
     from fedbroker.aggregators.selection import Candidate, Probe
     from fedbroker.aggregators.selection.genetic import GeneticSelection
     from fedbroker.spec import parse_model

@@ -49,7 +49,7 @@ def cpu_seconds(pid: int | str = "self") -> float:
 
 
 def serve_child() -> None:
-    from fedbroker.aggregators.rounds import RoundBook
+    from fedbroker.aggregators.round_book import RoundBook
     from fedbroker.aggregators.service import serve
     from fedbroker.glibc_malloc import keep_freed_memory
 
@@ -181,7 +181,7 @@ def raw_download(port: int, size: int) -> bytearray:
 
 def run(*, quick: bool) -> Section:
     from fedbroker import codec
-    from fedbroker.aggregators.client import AggregatorClient
+    from fedbroker.aggregation_client import AggregatorClient
     from fedbroker.glibc_malloc import keep_freed_memory
 
     keep_freed_memory()  # this process is the worker's side (downloads land here), as `fedbroker worker` sets it

@@ -6,7 +6,7 @@
                                                          # S = 15…30, the NAFI authors' σ0², γ; λ on validation)
     python -m experiments.alignment --part init          # FedDNA vs FedAvg, shared vs independent initialisation
 
-Every fusion goes through `aggregators.rounds.RoundBook` (the service's code path) and every local model
+Every fusion goes through `aggregators.round_book.RoundBook` (the service's code path) and every local model
 through `worker.training.train_local`. Hyper-parameters are fixed here, up front, and printed in each
 table's caption; nothing is tuned per method.
 """
@@ -38,7 +38,7 @@ from experiments.harness import (
     upload,
     widths_of,
 )
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.evaluation import evaluate
 from fedbroker.model import build_model, initial_weights, load_numpy_state
 from fedbroker.spec import JobSpec, TrainingConfig, parse_job

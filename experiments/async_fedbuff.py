@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 import fedbroker.worker.agent
-from fedbroker.aggregators.client import AggregatorClient
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregation_client import AggregatorClient
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.bus import MemoryBroker, open_bus
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig

@@ -1,7 +1,7 @@
 """In-process federated simulation over the service's own code paths, for research experiments.
 
 Many virtual workers train with `worker.training.train_local` and upload through
-`aggregators.rounds.RoundBook.receive_update`, fed by `fedbroker.codec.stream_messages` exactly as the
+`aggregators.round_book.RoundBook.receive_update`, fed by `fedbroker.codec.stream_messages` exactly as the
 gRPC servicer feeds it; rounds are opened and closed as the coordinator does (participants from
 `coordinator.participants.sample_participants`, histograms for class shares, a population label
 distribution for ISH). So an algorithm measured here is the algorithm the service runs, not a copy.
@@ -21,13 +21,14 @@ import numpy as np
 from torch import nn
 
 from fedbroker import codec
-from fedbroker.aggregators.rounds import RoundBook
-from fedbroker.aggregators.weighting import population_distribution, reported_ish
+from fedbroker.aggregators.round_book import RoundBook
+from fedbroker.catalogue import aggregation_settings
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.participants import sample_participants
 from fedbroker.datasets import Dataset, load_dataset, train_test_split
 from fedbroker.errors import BudgetExceeded
 from fedbroker.evaluation import evaluate
+from fedbroker.label_stats import population_distribution, reported_ish
 from fedbroker.layers import LAYERS
 from fedbroker.model import build_model, initial_weights, load_numpy_state
 from fedbroker.privacy import HistoryEntry
@@ -171,6 +172,7 @@ def simulate(
     histograms = {w.worker_id: [int(c) for c in w.histogram] for w in workers}
     population = population_distribution([w.histogram for w in workers])
     aggregation = asdict(spec.aggregation)
+    settings = aggregation_settings(spec.aggregation)
     training = spec.training
 
     book = RoundBook() if probe is None else RoundBook(probe_sets=lambda _name, size, _seed: (probe.x[:size],
@@ -208,8 +210,7 @@ def simulate(
                 continue
             ledgers[worker_id] = list(result.history)
             upload(book, JOB_ID, round_number=r, worker_id=worker_id, result=result,
-                   ish=reported_ish(worker.histogram, population, participants=len(chosen),
-                                    aggregation=aggregation))
+                   ish=reported_ish(worker.histogram, population, participants=len(chosen), settings=settings))
             losses.append(result.train_loss)
             counts.append(result.num_samples)
         if not losses:

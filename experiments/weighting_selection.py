@@ -301,14 +301,9 @@ def dwfed_weight_spread(p: DWFedProtocol) -> dict[str, dict[str, float]]:
     are not): the mean total-variation distance
     between the two weight vectors per round, and DWFed's mean max/min weight ratio.
     """
-    from fedbroker.aggregators.weighting import (
-        DWFedWeighting,
-        UpdateMeta,
-        emd,
-        label_distribution,
-        population_distribution,
-    )
+    from fedbroker.aggregators.weighting import DWFedWeighting, UpdateMeta
     from fedbroker.coordinator.participants import sample_participants
+    from fedbroker.label_stats import emd, label_distribution, population_distribution
 
     out: dict[str, dict[str, float]] = {}
     for split in dwfed_splits(p):

@@ -3,8 +3,9 @@
 Each entry says what the rest of the project needs to know about a type: its parameters, the shape it
 outputs for a given input (or why it cannot take that input), its parameter tensors by state_dict
 suffix, which `torch.nn` class builds it, and how neuron alignment treats it. Spec validation
-(`fedbroker.spec`), the torch builder (`fedbroker.model`) and alignment (`fedbroker.aggregators.network`)
-all read this table. No torch here: the coordinator and the aggregator validate models without it.
+(`fedbroker.spec`), the torch builder (`fedbroker.model`) and alignment (`fedbroker.submission`,
+`fedbroker.aggregators.layer_conversion`) all read this table. No torch here: the coordinator and the
+aggregator validate models without it.
 """
 
 from __future__ import annotations

@@ -53,26 +53,34 @@ def _show(value: Any) -> str:
 
 @dataclass(frozen=True)
 class LayerSpec:
+    """One layer of a model: its type from the allow-list and its checked parameters."""
+
     type: str
     params: Mapping[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
+        """The layer as a job writes it."""
         return {"type": self.type, **self.params}
 
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """A model: its input shape and its layers, checked so that every layer takes its input."""
+
     input_shape: tuple[int, ...]
     layers: tuple[LayerSpec, ...]
 
     def to_dict(self) -> dict[str, Any]:
+        """The model as a job writes it."""
         return {"input_shape": list(self.input_shape), "layers": [layer.to_dict() for layer in self.layers]}
 
     def to_json(self) -> str:
+        """The model's one wire form (sorted keys: equal models give equal text)."""
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @property
     def num_outputs(self) -> int:
+        """The number of class scores the model outputs."""
         return output_shapes(self)[-1][-1]
 
 
@@ -142,6 +150,7 @@ class TrainingConfig(_Section):
     CHOICES: ClassVar[Mapping[str, tuple[str, ...]]] = {"optimizer": OPTIMIZERS}
 
     def problems(self) -> list[ConfigError]:
+        """Every problem of the section, each naming its field."""
         out = super().problems()
         if (not any(e.field in ("training.optimizer", "training.momentum") for e in out)
                 and self.momentum and self.optimizer != "sgd"):
@@ -151,6 +160,9 @@ class TrainingConfig(_Section):
 
 @dataclass(frozen=True)
 class AggregationConfig(_Section):
+    """The algorithms' names and parameters as the job writes them (what is stored and sent to the services);
+    their typed, checked view is `fedbroker.catalogue.aggregation_settings`."""
+
     alignment: str = "none"
     alignment_params: Mapping[str, Any] = field(default_factory=dict)
     weighting: str = "fedavg"
@@ -162,11 +174,13 @@ class AggregationConfig(_Section):
 
 
 SCHEDULE_MODES = ("sync", "async")
-STALENESS_FUNCTIONS = ("constant", "polynomial", "hinge")   # their parameters: fedbroker.aggregators.fedbuff
+STALENESS_FUNCTIONS = ("constant", "polynomial", "hinge")   # their parameters: fedbroker.algorithm_params
 
 
 @dataclass(frozen=True)
 class ScheduleConfig(_Section):
+    """The asynchronous mode's and the rounds' schedule: how many workers, how long, how stale."""
+
     clients_per_round: int = 0      # 0 = every registered worker of the category
     quorum: int = 0                 # uploads that close a round early; 0 = every selected worker
     min_clients: int = 1            # the fewest uploads a round may close with at its deadline
@@ -192,6 +206,7 @@ class ScheduleConfig(_Section):
     CHOICES: ClassVar[Mapping[str, tuple[str, ...]]] = {"mode": SCHEDULE_MODES, "staleness": STALENESS_FUNCTIONS}
 
     def problems(self) -> list[ConfigError]:
+        """The section's own problems, and min_clients against clients_per_round."""
         out = super().problems()
         if (not any(e.field in ("schedule.clients_per_round", "schedule.min_clients") for e in out)
                 and self.clients_per_round and self.min_clients > self.clients_per_round):
@@ -216,6 +231,8 @@ class EvaluationConfig(_Section):
 
 @dataclass(frozen=True)
 class JobSpec:
+    """A whole job, checked as a whole when it is built."""
+
     name: str
     category: str
     model: ModelSpec
@@ -231,11 +248,13 @@ class JobSpec:
                    or mode_problems(schedule=self.schedule, aggregation=self.aggregation))
 
     def to_dict(self) -> dict[str, Any]:
+        """The job as plain data (its model as a job writes it)."""
         out = asdict(self)
         out["model"] = self.model.to_dict()
         return out
 
     def to_json(self) -> str:
+        """The job's one wire form (the coordinator's store)."""
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
@@ -308,6 +327,7 @@ def _check_plain(raw: Any, where: str) -> None:
 
 
 def parse_model(raw: Any, *, errors: _Collector | None = None, where: str = "model") -> ModelSpec:
+    """Check a model given as a mapping; raise (or, with `errors`, collect) every problem, naming its field."""
     own = errors is None
     errors = errors or _Collector()
     errors_before = len(errors.errors)
@@ -397,6 +417,11 @@ def _check_shapes(spec: ModelSpec, errors: _Collector, where: str) -> list[tuple
     if shapes and len(shapes[-1]) != 1:
         errors.add(f"{where}.layers", f"the last layer must output class scores (a flat vector), not {list(shapes[-1])}")
     return shapes
+
+
+def matched_layers(spec: ModelSpec) -> list[int]:
+    """The indices of the layers whose units alignment matches (the weighted ones)."""
+    return [i for i, layer in enumerate(spec.layers) if LAYERS[layer.type].weighted]
 
 
 def parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -505,11 +530,12 @@ def _raise_all(problems: list[ConfigError]) -> None:
 
 
 class JobCheck(Protocol):
-    """A check the kernel cannot make itself (the algorithm registries: see
-    fedbroker.aggregators.registries.accept_job). It gets the aggregation section and the model as parsed
-    so far; parse_job reports its problems together with its own."""
+    """A check beyond the parser's (the algorithm catalogue's: see fedbroker.submission.accept_job). It gets
+    the aggregation section and the model as parsed so far; parse_job reports its problems together with its
+    own."""
 
-    def __call__(self, *, aggregation: AggregationConfig, model: ModelSpec) -> list[ConfigError]: ...
+    def __call__(self, *, aggregation: AggregationConfig, model: ModelSpec) -> list[ConfigError]:
+        """The check's problems, each naming its field."""
 
 
 def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.errors import ConfigError, Conflict, Rejection, UploadRejected
 from tests.test_rounds import SPEC, stream, weights
 

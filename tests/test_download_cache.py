@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fedbroker import codec
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import AggregationServicer, DigestCache
 from fedbroker.proto import fedbroker_pb2 as pb
 

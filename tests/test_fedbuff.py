@@ -8,16 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedbroker.aggregators.fedbuff import (
-    STALENESS_FUNCTIONS,
-    Buffer,
-    Staleness,
-    StaleUpdate,
-    fedbuff_version,
-    staleness_function,
-)
+from fedbroker.aggregators.fedbuff import Buffer, StaleUpdate, fedbuff_version
 from fedbroker.aggregators.mean import RunningWeightedMean
+from fedbroker.algorithm_params import Staleness, staleness_function
 from fedbroker.errors import ConfigError
+from fedbroker.spec import STALENESS_FUNCTIONS
 
 SHAPES = {"w": (3, 4), "b": (3,)}
 

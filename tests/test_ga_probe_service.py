@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedbroker.aggregators.client import AggregatorClient
-from fedbroker.aggregators.probes import probe_arrays
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregation_client import AggregatorClient
+from fedbroker.aggregators.probe_sets import probe_arrays
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.datasets import load_dataset, train_test_split
 from fedbroker.model import build_model, load_numpy_state
@@ -78,8 +78,8 @@ def test_ga_with_a_probe_set_chooses_the_updates_whose_aggregate_classifies_the_
 
 
 def test_a_ga_job_whose_probe_set_the_model_cannot_read_is_refused_at_submission():
-    from fedbroker.aggregators.registries import accept_job
     from fedbroker.errors import ConfigError
+    from fedbroker.submission import accept_job
 
     job = {"name": "g", "category": "iris", "model": SPEC.to_dict(), "training": {"rounds": 1},
            "aggregation": {"selection": "ga", "selection_params": {"m": 2, "probe_dataset": "iris"}}}

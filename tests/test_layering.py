@@ -5,7 +5,8 @@
   folders are not importable by their bare names (`import coordinator` fails).
 - The kernel (`fedbroker/*.py`, `fedbroker/bus/`) imports no service and not the app: it is what the
   services share, so a change in a service never ripples into it.
-- The services (`fedbroker.coordinator`, `.worker`, `.aggregators`) never import the app.
+- The services (`fedbroker.coordinator`, `.worker`, `.aggregators`) never import the app, nor each other:
+  each imports only the kernel, the generated protocol and itself.
 - No import cycles, counted over module files (a package's `__init__` importing its own submodules is
   not a cycle).
 """
@@ -99,6 +100,21 @@ def test_the_kernel_imports_no_service_and_not_the_app() -> None:
            for target, line in _imports(name, path)
            if any(_in(target, p) for p in (*SERVICES, APP))]
     assert not bad, "the kernel must not import services or the app:\n" + "\n".join(bad)
+
+
+def test_services_import_only_the_kernel_and_the_protocol() -> None:
+    """A star, not a stack: what two services share lives in the kernel, so no service stands on another."""
+    bad = []
+    for name, path in MODULES.items():
+        own = next((s for s in SERVICES if _in(name, s)), None)
+        if own is None:
+            continue
+        for target, line in _imports(name, path):
+            if not _in(target, "fedbroker") or _in(target, own):
+                continue
+            if not (_is_kernel(target) or _in(target, "fedbroker.proto")):
+                bad.append(f"{name} imports {target} (line {line})")
+    assert not bad, "a service may import only the kernel, the protocol and itself:\n" + "\n".join(bad)
 
 
 def test_services_never_import_the_app() -> None:

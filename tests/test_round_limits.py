@@ -13,14 +13,14 @@ import pytest
 
 from fedbroker import codec
 from fedbroker.aggregators import combine as combine_module
-from fedbroker.aggregators.registries import accept_job
-from fedbroker.aggregators.rounds import RoundBook
-from fedbroker.aggregators.state import Job
+from fedbroker.aggregators.job_state import Job
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.weighting import FedAvgWeighting
 from fedbroker.errors import ConfigError, ConfigErrors, Rejection, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc import CHANNEL_OPTIONS
 from fedbroker.spec import parse_model
+from fedbroker.submission import accept_job
 
 SPEC = parse_model({"input_shape": [4], "layers": [
     {"type": "Linear", "in_features": 4, "out_features": 3}, {"type": "ReLU"},
@@ -126,7 +126,7 @@ def test_a_close_repeated_while_the_first_runs_returns_the_first_closes_version(
         assert release.wait(60)
         return real_combine(*args, **kwargs)
 
-    monkeypatch.setattr("fedbroker.aggregators.rounds.combine", slow_combine)
+    monkeypatch.setattr("fedbroker.aggregators.round_book.combine", slow_combine)
     asked: list[int] = []
     real_repeated = Job.repeated_close
     monkeypatch.setattr(Job, "repeated_close", lambda self, n: (asked.append(n), real_repeated(self, n))[1])
@@ -171,7 +171,7 @@ def test_a_close_repeated_after_the_first_failed_closes_the_round_itself(monkeyp
             raise RuntimeError("the first close failed")
         return real_combine(*args, **kwargs)
 
-    monkeypatch.setattr("fedbroker.aggregators.rounds.combine", failing_once)
+    monkeypatch.setattr("fedbroker.aggregators.round_book.combine", failing_once)
     with pytest.raises(RuntimeError):
         book.close("j", 1)
     assert book.close("j", 1).model_version == 2

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from fedbroker import codec
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators import job_state
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.errors import Conflict, NotFound, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import parse_model
@@ -153,6 +154,23 @@ def test_selection_and_weighting_plug_in_by_name(book):
     expected = np.mean([float(["w1", "w2", "w3"].index(w)) for w in result.aggregated])
     np.testing.assert_allclose(book.global_model("j")[2]["0.bias"], expected, rtol=1e-6)
     assert json.loads(result.model_spec_json) == SPEC.to_dict()
+
+
+def test_a_jobs_algorithms_are_built_once_not_every_round(book, monkeypatch):
+    built = []
+    real = job_state.build_algorithms
+    monkeypatch.setattr(job_state, "build_algorithms", lambda config: built.append(config) or real(config))
+    first = book._jobs["j"].algorithms
+    for number in (1, 2, 3):
+        book.receive_update(stream(weights(1.0), rnd=number, worker="w1", n=10))
+        book.close("j", number)
+        book.open_round("j", number + 1, ["w1", "w2"], 2000.0, dict(AGG))
+        assert book._jobs["j"].round.algorithms is first
+    assert built == []
+    book.receive_update(stream(weights(1.0), rnd=4, worker="w1", n=10))
+    book.close("j", 4)
+    book.open_round("j", 5, ["w1", "w2"], 2000.0, {**AGG, "weighting": "uniform"})  # other settings: built anew
+    assert len(built) == 1 and book._jobs["j"].round.algorithms.settings.weighting.name == "uniform"
 
 
 def test_tensors_sent_in_another_order_are_averaged_by_name(book):

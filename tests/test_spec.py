@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from fedbroker.aggregators.registries import accept_job, accept_job_text
 from fedbroker.errors import ConfigError
 from fedbroker.layers import LAYERS
 from fedbroker.model import build_model
 from fedbroker.spec import job_from_text, output_shapes, parameter_shapes, parse_job, parse_model
+from fedbroker.submission import accept_job, accept_job_text
 
 GOOD = {
     "name": "digits-mlp",

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from fedbroker import codec
-from fedbroker.aggregators.client import AggregatorClient
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregation_client import AggregatorClient
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.auth import ClientSecurity
 from fedbroker.errors import Rejection

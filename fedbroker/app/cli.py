@@ -92,7 +92,7 @@ def _coordinator_client(args: argparse.Namespace) -> CoordinatorClient:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """Submit a job file and print its id; a bad job is refused here, before it travels."""
-    from fedbroker.aggregators.registries import accept_job_text
+    from fedbroker.submission import accept_job_text
 
     with open(args.job, encoding="utf-8") as fh:
         text = fh.read()

@@ -51,7 +51,7 @@ def client_security(config: Config, *, expected_target: str = "") -> ClientSecur
 
 def start_aggregator(config: Config) -> tuple[grpc.Server, int]:
     """The aggregation service serving on aggregator.listen; the server and the port it bound."""
-    from fedbroker.aggregators.rounds import RoundBook
+    from fedbroker.aggregators.round_book import RoundBook
     from fedbroker.aggregators.service import SERVICE_NAME, serve
 
     keep_freed_memory()  # every upload streams a model through the heap
@@ -95,7 +95,7 @@ class CoordinatorProcess:
 
 def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorProcess:
     """The coordinator scheduling and serving on coordinator.listen, its state in coordinator.state_dir."""
-    from fedbroker.aggregators.client import AggregatorClient
+    from fedbroker.aggregation_client import AggregatorClient
     from fedbroker.coordinator.evaluation import evaluate_global
     from fedbroker.coordinator.scheduler import Coordinator
     from fedbroker.coordinator.service import SERVICE_NAME, serve

@@ -124,8 +124,8 @@ def run_simulation(options: SimulateOptions) -> dict[str, Any]:
     """Run the job on the simulated workers; each round scored on the held-out data, as the demo reports."""
     from tqdm import tqdm
 
-    from fedbroker.aggregators.registries import accept_job_text
     from fedbroker.datasets import load_worker_data, train_test_split
+    from fedbroker.submission import accept_job_text
 
     with open(options.job, encoding="utf-8") as fh:
         text = fh.read()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from fedbroker import envelope
-from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import InProcessBus
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.state import StateStore

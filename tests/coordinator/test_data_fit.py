@@ -12,7 +12,7 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import InProcessBus
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.service import CoordinatorClient, serve

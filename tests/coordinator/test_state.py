@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import InProcessBus
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.service import CoordinatorClient, serve, status_reply

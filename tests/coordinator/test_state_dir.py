@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import InProcessBus
 from fedbroker.coordinator.checkpoints import save_checkpoint
 from fedbroker.coordinator.scheduler import Coordinator

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import fedbroker.worker.agent
-from fedbroker.aggregators.client import AggregatorClient
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregation_client import AggregatorClient
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.bus import Topology, delete_topology, open_bus
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.spool import Spool
 from fedbroker.errors import UploadRejected
 from tests.faults.harness import Federation, HoldsRound, Training, job, wait_for

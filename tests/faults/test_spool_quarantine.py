@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.spool import QUARANTINE_DIR, Spool
 from fedbroker.errors import NotFound
 from tests.faults.harness import Federation, Training, job, wait_for

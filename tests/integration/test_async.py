@@ -94,8 +94,8 @@ def test_a_worker_over_budget_stops_receiving_tasks(federation):
 
 
 def test_alignment_in_async_mode_is_refused_at_submission_naming_the_field():
-    from fedbroker.aggregators.registries import accept_job
     from fedbroker.errors import ConfigError
+    from fedbroker.submission import accept_job
 
     job = copy.deepcopy(JOB)
     job["aggregation"] = {"alignment": "feddna", "selection": "ga", "selection_params": {"m": 2}}

@@ -8,8 +8,8 @@ import copy
 import numpy as np
 import pytest
 
-from fedbroker.aggregators.client import AggregatorClient
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregation_client import AggregatorClient
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.spec import parse_job
 from tests.integration.conftest import Federation

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.errors import Conflict, NotFound, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 from tests.test_rounds import AGG, SPEC, stream, weights

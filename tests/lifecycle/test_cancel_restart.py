@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedbroker.aggregators.client import AggregatorClient
+from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import open_bus
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.state import StateStore

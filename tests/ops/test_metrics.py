@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
+from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators import metrics as agg_metrics
-from fedbroker.aggregators.client import AggregatorClient
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.bus import open_bus
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig, load_config

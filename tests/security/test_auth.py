@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fedbroker.aggregators.client import AggregatorClient
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregation_client import AggregatorClient
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.app.launch import broker_url, client_security, start_aggregator
 from fedbroker.auth import ClientSecurity, TokenTable, generate_token, hash_token

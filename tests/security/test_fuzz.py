@@ -23,10 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedbroker import codec
-from fedbroker.aggregators.registries import accept_job
 from fedbroker.errors import ConfigError, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import job_from_text, parse_job
+from fedbroker.submission import accept_job
 
 
 def fuzz(examples: int) -> settings:
@@ -191,7 +191,7 @@ def mutated_job(draw: Any) -> Any:
 
 def _parse(raw: Any) -> None:
     try:
-        job = accept_job(raw)  # the parser and the algorithm registries, as SubmitJob runs them
+        job = accept_job(raw)  # the parser and the algorithm catalogue, as SubmitJob runs them
     except ConfigError as exc:
         assert str(exc) and len(str(exc)) < 200_000
         return

@@ -24,8 +24,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from fedbroker import codec, envelope
-from fedbroker.aggregators.client import AggregatorClient
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregation_client import AggregatorClient
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve as serve_aggregator
 from fedbroker.auth import ClientSecurity
 from fedbroker.bus import Topology, delete_topology, open_bus

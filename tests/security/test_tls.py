@@ -14,8 +14,8 @@ import grpc
 import numpy as np
 import pytest
 
-from fedbroker.aggregators.client import AggregatorClient
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregation_client import AggregatorClient
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.auth import ClientSecurity, ServerTLS, TokenTable, generate_token, hash_token
 from fedbroker.bus import delete_topology, open_bus

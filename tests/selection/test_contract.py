@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,6 +12,7 @@ import pytest
 
 from fedbroker.aggregators.selection import SELECTION, Candidate, Selection
 from fedbroker.errors import ConfigError
+from tests.source_roots import PYTHONPATH, ROOT
 
 # the parameters each algorithm needs; a new registration must add itself here
 PARAMS: dict[str, dict[str, Any]] = {"all": {}, "random": {"m": 3}, "ga": {"m": 3, "population": 20, "generations": 5,
@@ -119,7 +120,7 @@ def test_bad_selection_parameters_are_config_errors_naming_them(name: str, param
 
 def test_selection_imports_no_transport_or_framework() -> None:
     banned = ("grpc", "pika", "torch", "prometheus_client")
-    code = f"import sys, aggregators.selection; print([m for m in {banned!r} if m in sys.modules])"
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    code = f"import sys, fedbroker.aggregators.selection; print([m for m in {banned!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": PYTHONPATH})
     assert out.stdout.strip() == "[]"

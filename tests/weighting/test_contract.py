@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +13,7 @@ import pytest
 
 from fedbroker.aggregators.weighting import WEIGHTING, UpdateMeta
 from fedbroker.errors import ConfigError
+from tests.source_roots import PYTHONPATH, ROOT
 
 NAMES = WEIGHTING.names()
 METAS = [
@@ -69,7 +70,7 @@ def test_bad_weighting_parameters_are_config_errors_naming_them(name: str, param
 
 def test_weighting_imports_no_transport_or_framework() -> None:
     banned = ("grpc", "pika", "torch", "prometheus_client")
-    code = f"import sys, aggregators.weighting; print([m for m in {banned!r} if m in sys.modules])"
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    code = f"import sys, fedbroker.aggregators.weighting; print([m for m in {banned!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": PYTHONPATH})
     assert out.stdout.strip() == "[]"

@@ -9,14 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedbroker.aggregators.weighting import (
-    DWFedWeighting,
-    UpdateMeta,
-    emd,
-    ish,
-    label_distribution,
-    population_distribution,
-)
+from fedbroker.aggregators.weighting import DWFedWeighting, UpdateMeta
+from fedbroker.label_stats import emd, ish, label_distribution, population_distribution
 
 FORMS = ("ratio", "one_minus")
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedbroker.aggregators.weighting import noisy_histogram
+from fedbroker.label_stats import noisy_histogram
 
 
 @settings(max_examples=100, deadline=None)

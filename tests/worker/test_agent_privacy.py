@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from fedbroker import envelope
-from fedbroker.aggregators.weighting import reported_ish
 from fedbroker.bus import open_bus
+from fedbroker.catalogue import settings_from_json
 from fedbroker.config import DPPolicy, WorkerConfig
 from fedbroker.errors import ConfigError, LedgerBehind
+from fedbroker.label_stats import reported_ish
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.worker.agent import WorkerAgent
 
@@ -60,8 +61,9 @@ def test_dwfed_ish_is_computed_from_the_released_histogram_not_the_exact_one(tmp
     assert not np.array_equal(worker.shared_histogram, worker.histogram)
     population = [0.1] * 10
     task = pb.RoundTask(population_distribution=population, participants=3, aggregation_json=json.dumps(DWFED))
-    released = reported_ish(worker.shared_histogram, population, participants=3, aggregation=DWFED)
-    exact = reported_ish(worker.histogram, population, participants=3, aggregation=DWFED)
+    settings = settings_from_json(json.dumps(DWFED))
+    released = reported_ish(worker.shared_histogram, population, participants=3, settings=settings)
+    exact = reported_ish(worker.histogram, population, participants=3, settings=settings)
     assert released != exact
     assert worker._ish(task) == released
 

@@ -62,6 +62,7 @@ def check_header(header: pb.UpdateHeader, shapes: Mapping[str, tuple[int, ...]],
 
 
 def check_specs(wanted: TensorSpecs, got: TensorSpecs, *, who: str) -> None:
+    """An update must hold exactly the model's tensors, each of its shape, as float32."""
     unknown = sorted(set(got) - set(wanted))
     if unknown:
         raise UploadRejected(Rejection.UNKNOWN_TENSOR,
@@ -86,6 +87,7 @@ def check_global_model(shapes: Mapping[str, tuple[int, ...]], tensors: Mapping[s
 
 
 def check_finite(tensors: Mapping[str, np.ndarray], *, who: str) -> None:
+    """Refuse an update with a NaN or infinity: one would poison the global model for every worker."""
     flags = np.empty(FINITE_BLOCK, dtype=bool)
     for name, arr in tensors.items():
         flat = np.asarray(arr).reshape(-1)

@@ -1,7 +1,7 @@
 """A closing round's accepted updates → the next global model: selection, weighting, then the mean or alignment.
 
 Pure given the round: no locks (the round is CLOSING, so nothing is added meanwhile), and no I/O but
-reading the bundled probe set a GA round with `fitness: probe` asks for (`aggregators.probes`, cached).
+reading the bundled probe set a GA round with `fitness: probe` asks for (`aggregators.probe_sets`, cached).
 
 Every stage has a cooperative time limit, so a close ends within minutes whatever the job asked for:
 selection past `selection_time_limit_s` falls back to a random choice (the GA says why); an alignment past
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedbroker.aggregators.alignment import DeadlinePassed
+from fedbroker.aggregators.job_state import Accepted, Round
+from fedbroker.aggregators.layer_conversion import from_layers, to_layers
 from fedbroker.aggregators.mean import weighted_mean_of_rows
-from fedbroker.aggregators.network import from_layers, to_layers
-from fedbroker.aggregators.probes import probe_arrays
+from fedbroker.aggregators.probe_sets import probe_arrays
 from fedbroker.aggregators.selection import Candidate, Probe
-from fedbroker.aggregators.state import Accepted, Round
 from fedbroker.errors import Conflict
 from fedbroker.spec import ModelSpec
 
@@ -36,6 +36,8 @@ ProbeLoader = Callable[[str, int, int], tuple[np.ndarray, np.ndarray]]
 
 @dataclass(frozen=True)
 class Combined:
+    """What a close made: the next global model and how it came about."""
+
     chosen: list[str]           # the workers whose updates went in
     weights: np.ndarray         # their coefficients, in `chosen`'s order
     spec: ModelSpec             # the new global model's spec (alignment may change widths)
@@ -46,6 +48,7 @@ class Combined:
 def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray], spec: ModelSpec, *,
             seed: int, selection_time_limit_s: float, alignment_time_limit_s: float = 120.0,
             probe_sets: ProbeLoader = probe_arrays) -> Combined:
+    """The next global model from a closing round's accepted updates (seeded by the job's seed and the round)."""
     rng = np.random.default_rng([seed, rnd.number])
     stats: dict[str, float] = {"accepted": float(len(accepted))}
     if rnd.rows.mean is not None:
@@ -107,14 +110,15 @@ def _combine(rnd: Round, spec: ModelSpec, updates: list[Accepted], weights: np.n
              deadline: float) -> tuple[ModelSpec, dict[str, np.ndarray]]:
     """The weighted mean, or the alignment's global network (whose widths may differ from `spec`); an
     alignment that passes `deadline` gives way to the weighted mean."""
-    name = rnd.algorithms.alignment_name
-    if name == "none":
+    alignment = rnd.algorithms.settings.alignment
+    name = alignment.name
+    if not alignment.traits.aligns_units:
         return spec, _mean(rnd, updates, weights)
     clients = [to_layers(spec, u.tensors or {}) for u in updates]
+    shares = _class_shares(rnd, updates) if alignment.traits.needs_histograms else None
     try:
         result = rnd.algorithms.alignment.align(
-            clients, weights=weights, rng=rng, round_index=rnd.number, class_shares=_class_shares(rnd, updates),
-            deadline=deadline,
+            clients, weights=weights, rng=rng, round_index=rnd.number, class_shares=shares, deadline=deadline,
         )
     except DeadlinePassed as exc:
         log.warning("round %d: %s alignment stopped (%s); the round's model is the weighted mean of its %d "

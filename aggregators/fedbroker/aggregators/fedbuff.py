@@ -25,16 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedbroker.errors import ConfigError
-from fedbroker.spec import STALENESS_FUNCTIONS
+from fedbroker.algorithm_params import Staleness
 
-__all__ = ["STALENESS_FUNCTIONS", "Buffer", "StaleUpdate", "Staleness", "fedbuff_version", "staleness_function"]
-# The defaults of each function's parameters (FedAsync's experiments).
-STALENESS_DEFAULTS: dict[str, dict[str, float]] = {
-    "constant": {},
-    "polynomial": {"a": 0.5},
-    "hinge": {"a": 10.0, "b": 4.0},
-}
+__all__ = ["Buffer", "StaleUpdate", "fedbuff_version"]
+
 MAX_STALENESS_LIMIT = 1000   # versions; each one kept costs the service a model's memory
 
 
@@ -45,49 +39,6 @@ class StaleUpdate(ValueError):
         super().__init__(f"update is {tau} version(s) stale, more than max_staleness {max_staleness}")
         self.tau = tau
         self.max_staleness = max_staleness
-
-
-@dataclass(frozen=True)
-class Staleness:
-    """s(τ): `constant` 1; `polynomial` (1 + τ)^(−a); `hinge` 1 if τ ≤ b else 1 / (a(τ − b) + 1)."""
-
-    kind: str = "polynomial"
-    a: float = 0.5
-    b: float = 0.0
-
-    def __call__(self, tau: int) -> float:
-        if tau < 0:
-            raise ValueError(f"staleness must be >= 0, got {tau}")
-        if self.kind == "constant":
-            return 1.0
-        if self.kind == "polynomial":
-            return float((1.0 + tau) ** (-self.a))
-        if tau <= self.b:
-            return 1.0
-        return 1.0 / (self.a * (tau - self.b) + 1.0)
-
-
-def staleness_function(kind: str, params: Mapping[str, object] | None = None, *,
-                       where: str = "schedule") -> Staleness:
-    """The named staleness function with its parameters (defaults filled in); a bad name or value raises
-    a ConfigError naming the field (`<where>.staleness`, `<where>.staleness_params.<name>`)."""
-    if kind not in STALENESS_FUNCTIONS:
-        raise ConfigError(f"{where}.staleness", f"must be one of {', '.join(STALENESS_FUNCTIONS)}, got {kind!r}")
-    given = dict(params or {})
-    defaults = STALENESS_DEFAULTS[kind]
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        known = ", ".join(sorted(defaults)) or "none"
-        raise ConfigError(f"{where}.staleness_params.{unknown[0]}", f"is not a parameter of {kind!r} (it takes: {known})")
-    values = {**defaults}
-    for name, value in given.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{where}.staleness_params.{name}", f"must be a finite number, got {value!r}")
-        values[name] = float(value)
-    for name, value in values.items():  # a < 0 would make s grow with τ; hinge's b is a staleness in versions
-        if not 0.0 <= value <= 1000.0:
-            raise ConfigError(f"{where}.staleness_params.{name}", f"must be in [0, 1000], got {value:g}")
-    return Staleness(kind, values.get("a", 0.0), values.get("b", 0.0))
 
 
 @dataclass
@@ -112,6 +63,7 @@ class Buffer:
 
     @property
     def full(self) -> bool:
+        """Whether the buffer holds `buffer_size` updates: time for the next version."""
         return self.count >= self.buffer_size
 
     def check(self, tau: int) -> float:
@@ -147,6 +99,7 @@ class Buffer:
                 for name, arr in current.items()}
 
     def reset(self) -> None:
+        """Empty the buffer for the next version."""
         self.count, self.total_weight, self._sum = 0, 0.0, {}
 
 

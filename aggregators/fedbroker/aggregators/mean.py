@@ -47,9 +47,11 @@ class Layout:
 
     @classmethod
     def of(cls, tensors: Mapping[str, np.ndarray]) -> Layout:
+        """The layout of one update's tensors, in their order."""
         return cls({name: np.shape(arr) for name, arr in tensors.items()})
 
     def check(self, tensors: Mapping[str, np.ndarray]) -> None:
+        """Refuse an update of other tensors than the layout's."""
         if list(tensors) != list(self.shapes) and sorted(tensors) != sorted(self.shapes):
             raise ValueError(f"updates hold different tensors: {sorted(tensors)} and {sorted(self.shapes)}")
         for name, arr in tensors.items():
@@ -64,6 +66,7 @@ class Layout:
             row[start:stop] = np.asarray(arr).reshape(-1)
 
     def views(self, row: np.ndarray) -> dict[str, np.ndarray]:
+        """The tensors of a row, as views (no copy)."""
         return {name: row[start:stop].reshape(self.shapes[name]) for name, (start, stop) in self.offsets.items()}
 
 
@@ -77,6 +80,7 @@ class Slot:
 
     @property
     def bytes(self) -> np.ndarray:
+        """The row's raw bytes, for receiving an upload straight into it."""
         return self.values.view(np.uint8)
 
 
@@ -95,6 +99,7 @@ class UpdateRows:
         self._free: list[tuple[int, int]] = []
 
     def take(self) -> Slot | None:
+        """A free row (None when the rows are at their limit)."""
         if not self._free:
             if self.max_blocks is not None and len(self.blocks) >= self.max_blocks:
                 return None
@@ -105,11 +110,13 @@ class UpdateRows:
         return Slot(b, i, self.blocks[b][i])
 
     def give_back(self, slot: Slot) -> None:
+        """Return a row for reuse."""
         self._free.append((slot.block, slot.index))
         self._free.sort(reverse=True)  # lowest rows first: committed rows stay in long consecutive runs
 
     @property
     def free(self) -> int:
+        """How many more rows may be taken."""
         return len(self._free) + (0 if self.max_blocks is None else
                                   (self.max_blocks - len(self.blocks)) * self.per_block)
 
@@ -228,6 +235,7 @@ class RunningWeightedMean:
 
     @property
     def free_rows(self) -> int:
+        """How many more updates the mean's rows can receive."""
         return 0 if self._rows is None else self._rows.free
 
     def release(self, slot: Slot) -> None:
@@ -236,6 +244,7 @@ class RunningWeightedMean:
         self._rows.give_back(slot)
 
     def add(self, tensors: Mapping[str, np.ndarray], weight: float, *, slot: Slot | None = None) -> None:
+        """Fold in one update with `weight`; `slot` is the row it was received into, if any."""
         if self.layout is None:
             self._start(Layout.of(tensors))
         assert self.layout is not None and self._rows is not None and self._sum is not None
@@ -281,6 +290,7 @@ class RunningWeightedMean:
             self._result = None
 
     def result(self) -> dict[str, np.ndarray]:
+        """Σ w·x / Σ w of every update added, as float32 (computed once)."""
         if self._result is not None:
             return self._result
         if self.count == 0 or self.total_weight <= 0 or self._sum is None or self.layout is None:

@@ -4,11 +4,13 @@ registry). No label names a job, a round or a worker: reasons and algorithm name
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
 import fedbroker.metrics  # noqa: F401  (the shared gRPC and broker metrics belong to every process)
 from fedbroker.errors import Rejection
+from fedbroker.spec import AggregationConfig
 
 UPLOADS_ACCEPTED = Counter(
     "fedbroker_aggregator_uploads_accepted_total", "Worker updates accepted into an open round.")
@@ -78,10 +80,11 @@ VERSIONS = Counter(
 _DISTANCE_KEYS = ("alignment_total_matched_distance", "total_matched_distance")
 
 
-def algorithm_labels(aggregation: Mapping[str, object]) -> dict[str, str]:
-    """The algorithm names of a round (registry names: a short fixed set), defaults as in AggregationConfig."""
-    return {key: str(aggregation.get(key) or default)
-            for key, default in (("alignment", "none"), ("weighting", "fedavg"), ("selection", "all"))}
+def algorithm_labels(aggregation: Mapping[str, Any]) -> dict[str, str]:
+    """The algorithm names of a round's aggregation section (catalogue names: a short fixed set), with the
+    job spec's defaults."""
+    config = AggregationConfig(**aggregation)
+    return {"alignment": config.alignment, "weighting": config.weighting, "selection": config.selection}
 
 
 def record_close(algorithms: Mapping[str, str], seconds: float, aggregated: int, stats: Mapping[str, float]) -> None:
@@ -114,6 +117,7 @@ for _reason in Rejection:  # every reason's series exists from the start, at 0
 
 
 def record_rejection(reason: Rejection) -> None:
+    """Count one refused upload (and a late one as late)."""
     UPLOADS_REJECTED.labels(reason).inc()
     if reason in _LATE:
         LATE_UPLOADS.inc()

@@ -82,5 +82,6 @@ class Reservation:
         return self.slot
 
     def release_unused(self) -> None:
+        """Give the row back if the upload was refused before it was counted."""
         if not self.used:
             self.rows.release(self.slot)

@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedbroker import codec
 from fedbroker.aggregators import metrics
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.auth import ROLE_COORDINATOR, ROLE_WORKER, Identity, ServerAuth, ServerTLS, TokenTable, add_port
 from fedbroker.callguard import CallGuard, CallLimits
 from fedbroker.errors import Rejection, UploadRejected
@@ -64,6 +64,8 @@ def _count_refusal(method: str, reason: str) -> None:
 
 
 class AggregationServicer(pb_grpc.AggregationServicer):
+    """The synchronous rounds' calls: the coordinator runs rounds, workers download and upload."""
+
     def __init__(self, book: RoundBook, auth: ServerAuth | None = None) -> None:
         self.book = book
         self.auth = auth
@@ -74,6 +76,7 @@ class AggregationServicer(pb_grpc.AggregationServicer):
         return self.auth.identity(context) if self.auth is not None else None
 
     def PutGlobalModel(self, request_iterator: Iterator[pb.ModelChunk], context: grpc.ServicerContext) -> pb.UploadReceipt:
+        """Install a job's global model (streamed)."""
         def run() -> pb.UploadReceipt:
             header, tensors, digest = codec.receive(request_iterator, max_bytes=self.book.max_update_bytes)
             self.book.put_global(header.job_id, header.version, header.model_spec_json, tensors)
@@ -84,6 +87,7 @@ class AggregationServicer(pb_grpc.AggregationServicer):
         return handle(context, run)
 
     def OpenRound(self, request: pb.OpenRoundRequest, context: grpc.ServicerContext) -> pb.OpenRoundReply:
+        """Open a round (idempotent); its algorithm names label the close's metrics."""
         def run() -> pb.OpenRoundReply:
             aggregation = json.loads(request.aggregation_json or "{}")
             version = self.book.open_round(request.job_id, request.round, request.participants,
@@ -96,10 +100,12 @@ class AggregationServicer(pb_grpc.AggregationServicer):
         return handle(context, run)
 
     def UploadUpdate(self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext) -> pb.UploadReceipt:
+        """A worker's update, streamed; only under its own worker id when authentication is on."""
         caller = self._caller(context)
         return handle(context, lambda: self._receive(request_iterator, caller, "UploadUpdate"))
 
     def UploadWhole(self, request: pb.WholeUpdate, context: grpc.ServicerContext) -> pb.UploadReceipt:
+        """A small update in one message (see UploadUpdate)."""
         caller = self._caller(context)
         return handle(context, lambda: self._receive(
             codec.as_stream(pb.UpdateChunk, request.header, request.data, request.sha256), caller, "UploadWhole"))
@@ -158,6 +164,7 @@ class AggregationServicer(pb_grpc.AggregationServicer):
         metrics.SENT_BYTES.labels("DownloadGlobalModel").inc(sum(a.nbytes for a in tensors.values()))
 
     def RoundStatus(self, request: pb.RoundStatusRequest, context: grpc.ServicerContext) -> pb.RoundStatusReply:
+        """Who got into a round and whether it is open; a worker sees only itself."""
         accepted, is_open = handle(context, lambda: self.book.status(request.job_id, request.round))
         caller = self._caller(context)
         if caller is not None and caller.role == ROLE_WORKER:  # a worker learns about itself, not its peers
@@ -165,6 +172,7 @@ class AggregationServicer(pb_grpc.AggregationServicer):
         return pb.RoundStatusReply(accepted=accepted, open=is_open)
 
     def CloseRound(self, request: pb.CloseRoundRequest, context: grpc.ServicerContext) -> pb.CloseRoundReply:
+        """Aggregate a round into the next global version (safe to repeat)."""
         result = handle(context, lambda: self.book.close(request.job_id, request.round))
         metrics.record_close(self._algorithms.get(request.job_id, {}), result.seconds, len(result.aggregated),
                              result.stats)
@@ -175,6 +183,7 @@ class AggregationServicer(pb_grpc.AggregationServicer):
                                            for u in result.updates])
 
     def AbandonRound(self, request: pb.AbandonRoundRequest, context: grpc.ServicerContext) -> pb.AbandonRoundReply:
+        """Drop a cancelled job's round unaggregated; the uploads it discarded."""
         dropped = handle(context, lambda: self.book.abandon(request.job_id, request.round))
         return pb.AbandonRoundReply(discarded=[pb.UpdateSummary(worker_id=u.worker_id, num_samples=u.num_samples,
                                                                 epsilon=u.epsilon, train_loss=u.train_loss)
@@ -188,6 +197,7 @@ class AsyncAggregationServicer(pb_grpc.AsyncAggregationServicer):
         self.book = book
 
     def OpenBuffer(self, request: pb.OpenBufferRequest, context: grpc.ServicerContext) -> pb.OpenBufferReply:
+        """Put a job in asynchronous mode (idempotent)."""
         def run() -> pb.OpenBufferReply:
             config = {"aggregation": json.loads(request.aggregation_json or "{}"), "buffer_size": request.buffer_size,
                       "max_staleness": request.max_staleness, "staleness": request.staleness,
@@ -199,14 +209,17 @@ class AsyncAggregationServicer(pb_grpc.AsyncAggregationServicer):
         return handle(context, run)
 
     def IssueTasks(self, request: pb.IssueTasksRequest, context: grpc.ServicerContext) -> pb.IssueTasksReply:
+        """New tasks on the newest version for the named workers."""
         issued = handle(context, lambda: self.book.issue_tasks(request.job_id, list(request.workers)))
         return pb.IssueTasksReply(tasks=[pb.IssuedTask(worker_id=w, task=i.task, base_version=i.base)
                                          for w, i in issued])
 
     def CloseBuffer(self, request: pb.CloseBufferRequest, context: grpc.ServicerContext) -> pb.CloseBufferReply:
+        """End a job's buffer (idempotent)."""
         return pb.CloseBufferReply(model_version=handle(context, lambda: self.book.close_buffer(request.job_id)))
 
     def BufferStatus(self, request: pb.BufferStatusRequest, context: grpc.ServicerContext) -> pb.BufferStatusReply:
+        """The buffer's fill, the outstanding tasks and the versions since `since_version`."""
         version, state = handle(context, lambda: self.book.buffer_status(request.job_id, request.since_version))
         return pb.BufferStatusReply(
             model_version=version, buffered=len(state.folded), buffer_size=state.buffer.buffer_size,
@@ -227,6 +240,7 @@ class EventsServicer(pb_grpc.AggregationEventsServicer):
         self.keepalive_s = keepalive_s
 
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.JobChanges]:
+        """Every change of every job, as it happens, with a keep-alive while nothing changes."""
         after, wait = 0, 0.0  # the first message at once, with every job: a watcher that reconnects learns
         while context.is_active():  # at once what a restarted service still holds (maybe nothing)
             after, changed = self.book.watch(after, wait)

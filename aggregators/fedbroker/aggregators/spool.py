@@ -14,7 +14,7 @@ are numpy `.npz` archives of plain arrays, loaded with `allow_pickle=False`: not
 job.json is the single source of truth: a global file or a round folder it does not name (left by a
 crash between writing it and committing job.json) is ignored on load and deleted.
 
-`job_record`/`restore_job` translate between the book's state (`aggregators.state`) and these records.
+`job_record`/`restore_job` translate between the book's state (`aggregators.job_state`) and these records.
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from fedbroker.aggregators import metrics
-from fedbroker.aggregators.buffered import folded_from_record, new_async_state, restore_fields, state_record
-from fedbroker.aggregators.registries import build_algorithms
-from fedbroker.aggregators.state import Accepted, CloseResult, Job, UpdateSummary, new_round
+from fedbroker.aggregators.async_state import folded_from_record, new_async_state, restore_fields, state_record
+from fedbroker.aggregators.job_state import Accepted, CloseResult, Job, UpdateSummary, new_round
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.files import TEMP_SUFFIX, write_atomic
@@ -71,12 +70,16 @@ def _disk_full_is_an_outage(what: str) -> Generator[None, None, None]:
 
 @dataclass
 class StoredJob:
+    """One job as read from its folder: its record and its kept global models."""
+
     record: dict[str, Any]                                   # job.json as written
     globals: dict[int, tuple[str, dict[str, np.ndarray]]]    # version → (model spec JSON, tensors)
     folder: Path
 
 
 class Spool:
+    """The folder of job folders (see the module docstring); every write is atomic."""
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -91,6 +94,7 @@ class Spool:
     # ----- writes -----
 
     def save_global(self, job_id: str, version: int, spec_json: str, tensors: Mapping[str, np.ndarray]) -> None:
+        """A global model version, on disk before the record that names it."""
         with _disk_full_is_an_outage(f"global model {version} of job {job_id!r}"):
             folder = self.folder(job_id)
             folder.mkdir(parents=True, exist_ok=True)
@@ -107,6 +111,7 @@ class Spool:
 
     def save_update(self, job_id: str, round_number: int, seq: int, meta: Mapping[str, Any],
                     tensors: Mapping[str, np.ndarray]) -> Path:
+        """An accepted update of a round, on disk before its receipt; its path."""
         return self._save(self.folder(job_id) / f"round-{round_number}", seq, meta, tensors,
                           what=f"an update for round {round_number} of job {job_id!r}")
 
@@ -127,6 +132,7 @@ class Spool:
 
     @staticmethod
     def discard(path: Path) -> None:
+        """Delete an update file that was not counted (its round closed during the upload)."""
         try:
             path.unlink()
         except FileNotFoundError:
@@ -294,7 +300,7 @@ def restore_job(spool: Spool, stored: StoredJob) -> Job:
     if r:
         aggregation = dict(r["aggregation"])
         job.round = new_round(int(r["number"]), frozenset(r["participants"]), float(r["deadline"]),
-                              build_algorithms(AggregationConfig(**aggregation)), aggregation,
+                              job.algorithms_for(AggregationConfig(**aggregation)), aggregation,
                               {w: list(h) for w, h in r["histograms"].items()}, job.spec,
                               sample_limits={w: int(n) for w, n in (r.get("num_samples") or {}).items()})
         shapes = parameter_shapes(job.spec)
@@ -318,7 +324,8 @@ def restore_job(spool: Spool, stored: StoredJob) -> Job:
 def _restore_async(spool: Spool, stored: StoredJob, job: Job, record: Mapping[str, Any]) -> None:
     """The async state as committed, its buffer refilled by replaying the spooled updates in acceptance order
     (the buffer sums in that order, so the next version is the one the service would have published)."""
-    state = new_async_state(dict(record["config"]), {w: int(n) for w, n in record["num_samples"].items()})
+    state = new_async_state(dict(record["config"]), {w: int(n) for w, n in record["num_samples"].items()},
+                            job.algorithms_for)
     restore_fields(state, record)
     shapes = parameter_shapes(job.spec)
     for path, meta, tensors in spool.updates(stored, job.version, kind="buffer"):

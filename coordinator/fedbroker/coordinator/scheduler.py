@@ -28,8 +28,7 @@ import grpc
 import numpy as np
 
 from fedbroker import envelope
-from fedbroker.aggregators.client import AggregatorClient
-from fedbroker.aggregators.registries import job_problems, schedule_problem
+from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import Bus, Delivery
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.asynchronous import AsyncJob
@@ -58,6 +57,7 @@ from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff, retry_call
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import JobSpec, job_from_json
+from fedbroker.submission import job_problems, schedule_problem
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedbroker import codec
-from fedbroker.aggregators.registries import accept_job_text
 from fedbroker.auth import (
     ROLE_SUBMITTER,
     ROLE_VIEWER,
@@ -39,6 +38,7 @@ from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import CHANNEL_OPTIONS, abort, handle
 from fedbroker.spec import JobSpec
+from fedbroker.submission import accept_job_text
 
 SERVICE_NAME = "fedbroker.v1.Coordinator"
 PERMISSIONS: dict[str, frozenset[str]] = {

@@ -29,13 +29,14 @@ import time
 import numpy as np
 
 from fedbroker import envelope
-from fedbroker.aggregators.client import AggregatorClient, Model
-from fedbroker.aggregators.weighting import noisy_histogram, reported_ish
+from fedbroker.aggregation_client import AggregatorClient, Model
 from fedbroker.auth import ClientSecurity
 from fedbroker.bus import Bus, BusError, Delivery
+from fedbroker.catalogue import settings_from_json
 from fedbroker.config import DPPolicy, WorkerConfig
 from fedbroker.datasets import load_worker_data, train_test_split
 from fedbroker.errors import BudgetExceeded, ConfigError, FedbrokerError, LedgerBehind, Rejection, TaskRefused
+from fedbroker.label_stats import noisy_histogram, reported_ish
 from fedbroker.metrics import BUSES
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.privacy import dp_sample_rate, job_epsilon_after_round, planned_steps, project_epsilon
@@ -483,4 +484,4 @@ class WorkerAgent:
         if not task.population_distribution:
             return None
         return reported_ish(self.shared_histogram, task.population_distribution, participants=task.participants,
-                            aggregation=json.loads(task.aggregation_json or "{}"))
+                            settings=settings_from_json(task.aggregation_json))

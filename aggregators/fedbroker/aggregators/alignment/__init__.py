@@ -13,18 +13,14 @@ from fedbroker.aggregators.alignment.feddna import (
     grow_trees_from_distances,
     spanning_costs,
 )
-from fedbroker.aggregators.alignment.matching import (
-    LayerMatch,
-    MatchingParams,
-    assignment_cost,
-    match_layer,
-    match_neurons,
-)
+from fedbroker.aggregators.alignment.matching import LayerMatch, assignment_cost, match_layer, match_neurons
 from fedbroker.aggregators.alignment.permute import apply_permutations, permute_units, scatter_inputs, scatter_outputs
 from fedbroker.aggregators.alignment.pfnm import NAFI, PFNM, RetrainFn, align_layerwise, match_network
 from fedbroker.aggregators.registry import Registry
+from fedbroker.algorithm_params import MatchingParams
+from fedbroker.catalogue import ALIGNMENTS
 
-ALIGNMENT: Registry[Alignment] = Registry("alignment")
+ALIGNMENT: Registry[Alignment] = Registry(ALIGNMENTS)
 ALIGNMENT.register("none")(NoAlignment)
 ALIGNMENT.register("feddna")(FedDNA)
 ALIGNMENT.register("pfnm")(PFNM)

@@ -10,20 +10,26 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Any, Protocol
 
 import numpy as np
 
+from fedbroker.algorithm_params import NoAlignmentParams
+
 
 @dataclass(frozen=True)
 class Layer:
+    """One weighted layer of a client's network, as the alignment algorithms see it."""
+
     weight: np.ndarray  # dense (out, in) like PyTorch; conv (out, c_in, kh, kw)
     bias: np.ndarray | None  # (out,)
 
 
 @dataclass(frozen=True)
 class AlignmentResult:
+    """The aligned global network, how each client's units map into it, and numbers for the close's stats."""
+
     layers: list[Layer]  # the global network, input → output
     permutations: list[list[np.ndarray]]  # per client, per aligned hidden layer (the first ones, in order)
     widths: list[int]  # output width of every layer of the global network
@@ -31,7 +37,8 @@ class AlignmentResult:
 
 
 class Alignment(Protocol):
-    """What the aggregation service calls; every registered alignment is a frozen kw-only dataclass.
+    """What the aggregation service calls; every registered alignment extends its parameters' frozen kw-only
+    dataclass (`fedbroker.algorithm_params`).
 
     `deadline` (a time.monotonic() value) is cooperative: an alignment checks it inside its loops and raises
     `DeadlinePassed` once it has passed; the service then falls back to the plain weighted mean.
@@ -47,44 +54,11 @@ class Alignment(Protocol):
         class_shares: np.ndarray | None = None,
         spatial: Sequence[int | None] | None = None,
         deadline: float | None = None,
-    ) -> AlignmentResult: ...
+    ) -> AlignmentResult:
+        """The global network of the clients' networks, aggregated with `weights` (one per client)."""
 
 
 Network = list[Layer]
-
-
-# ---------------------------------------------------------------- parameter checks (ValueError naming it)
-
-
-def check_choice(name: str, value: object, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false; got {value!r}")
-
-
-def check_real(name: str, value: object, *, minimum: float, strict: bool, maximum: float = np.inf) -> None:
-    """A finite number above `minimum` (strictly or not) and at most `maximum`: every parameter is bounded
-    at submission, so no job can ask for a close that runs for hours."""
-    ok = False
-    if isinstance(value, Real) and not isinstance(value, bool):
-        number = float(value)
-        ok = bool(np.isfinite(number)) and (number > minimum if strict else number >= minimum) and number <= maximum
-    if not ok:
-        relation = ">" if strict else ">="
-        upper = f" and <= {maximum:g}" if np.isfinite(maximum) else ""
-        raise ValueError(f"{name} must be a finite number {relation} {minimum:g}{upper}; got {value!r}")
-
-
-def check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
-    """An integer in [minimum, maximum] (no upper bound when maximum is None)."""
-    if (not isinstance(value, Integral) or isinstance(value, bool) or int(value) < minimum
-            or (maximum is not None and int(value) > maximum)):
-        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{name} must be an integer {allowed}; got {value!r}")
 
 
 class DeadlinePassed(RuntimeError):
@@ -247,15 +221,16 @@ def weighted_mean_layers(nets: Sequence[Network], weights: np.ndarray) -> Networ
 
 
 def identity_permutations(nets: Sequence[Network], n_aligned: int) -> list[list[np.ndarray]]:
+    """Every client keeps its unit order: the alignment of a round that matches nothing."""
     return [[np.arange(net[ell].weight.shape[0]) for ell in range(n_aligned)] for net in nets]
 
 
 def widths_of(layers: Sequence[Layer]) -> list[int]:
+    """The output width of each layer (a matched layer may grow)."""
     return [int(layer.weight.shape[0]) for layer in layers]
 
 
-@dataclass(frozen=True, kw_only=True)
-class NoAlignment:
+class NoAlignment(NoAlignmentParams):
     """`none`: the plain weighted mean (FedAvg) of every layer; unit i of every client is unit i."""
 
     def align(
@@ -269,6 +244,7 @@ class NoAlignment:
         spatial: Sequence[int | None] | None = None,
         deadline: float | None = None,
     ) -> AlignmentResult:
+        """The weighted mean of every layer."""
         nets = validate_clients(clients, same_widths=True, spatial=spatial)
         w = validate_weights(weights, len(nets))
         layers = weighted_mean_layers(nets, w)  # one pass, no loop worth a deadline

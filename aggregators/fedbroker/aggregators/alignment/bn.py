@@ -50,5 +50,6 @@ def fold_batchnorm_layer(
     running_var: np.ndarray,
     eps: float = 1e-5,
 ) -> Layer:
+    """`fold_batchnorm` for a Layer."""
     weight, bias = fold_batchnorm(layer.weight, layer.bias, gamma, beta, running_mean, running_var, eps)
     return Layer(weight, bias)

@@ -21,10 +21,7 @@ from fedbroker.aggregators.alignment.base import (
     AlignmentResult,
     Layer,
     Network,
-    check_bool,
-    check_choice,
     check_deadline,
-    check_int,
     identity_permutations,
     validate_clients,
     validate_weights,
@@ -32,13 +29,9 @@ from fedbroker.aggregators.alignment.base import (
     widths_of,
 )
 from fedbroker.aggregators.alignment.permute import permute_units
+from fedbroker.algorithm_params import DISTANCES, GROWTHS, VARIANTS, FedDNAParams, check_choice, check_int
 
-VARIANTS = ("mst", "fixed", "random")
-GROWTHS = ("prim", "random_client")
-DISTANCES = ("manhattan", "euclidean")
-LAYER_CHOICES = ("first", "all")
 _METRICS = {"manhattan": "cityblock", "euclidean": "euclidean"}
-MAX_FREEZE_AFTER = 100_000  # a job's most rounds (fedbroker.spec.MAX_ROUNDS): beyond it means "never"
 
 
 @dataclass(frozen=True)
@@ -197,8 +190,7 @@ def spanning_costs(vectors: Sequence[np.ndarray], local_members: np.ndarray, dis
     return cost
 
 
-@dataclass(frozen=True, kw_only=True)
-class FedDNA:
+class FedDNA(FedDNAParams):
     """Dynamic node alignment for rounds 1..freeze_after, plain FedAvg afterwards (None: never freeze).
 
     `weighted_means` weights the tree means by the aggregation weights (default: the paper's plain mean).
@@ -206,27 +198,8 @@ class FedDNA:
     would exceed the identity trees' (greedy growth is not optimal; this bounds it by static alignment).
     """
 
-    variant: str = "mst"
-    growth: str = "prim"
-    distance: str = "manhattan"
-    include_bias_in_distance: bool = False
-    freeze_after: int | None = 2
-    layers: str = "first"
-    weighted_means: bool = False
-    static_fallback: bool = True
-
-    def __post_init__(self) -> None:
-        check_choice("variant", self.variant, VARIANTS)
-        check_choice("growth", self.growth, GROWTHS)
-        check_choice("distance", self.distance, DISTANCES)
-        check_choice("layers", self.layers, LAYER_CHOICES)
-        check_bool("include_bias_in_distance", self.include_bias_in_distance)
-        check_bool("weighted_means", self.weighted_means)
-        check_bool("static_fallback", self.static_fallback)
-        if self.freeze_after is not None:
-            check_int("freeze_after", self.freeze_after, minimum=0, maximum=MAX_FREEZE_AFTER)
-
     def node_vectors(self, layer: Layer) -> np.ndarray:
+        """Each unit as the vector the tree distances compare: its incoming weights (and bias, if asked)."""
         v = layer.weight.reshape(layer.weight.shape[0], -1)
         if self.include_bias_in_distance and layer.bias is not None:
             v = np.hstack([v, layer.bias[:, None]])
@@ -243,6 +216,7 @@ class FedDNA:
         spatial: Sequence[int | None] | None = None,
         deadline: float | None = None,
     ) -> AlignmentResult:
+        """Align the chosen layers by growing trees (rounds up to `freeze_after`), then take the mean."""
         nets = validate_clients(clients, same_widths=True, spatial=spatial)
         w = validate_weights(weights, len(nets))
         check_int("round_index", round_index, minimum=1)

@@ -25,48 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from fedbroker.aggregators.alignment.base import Layer, check_choice, check_deadline, check_int, check_real
-
-KL_MODES = ("exact", "reference")
-OUTPUT_WEIGHTINGS = ("class_share", "plain")
-# Upper bounds, checked at submission: a close stays within minutes on one core, and no value overflows.
-MAX_ITERATIONS = 100            # re-assignment sweeps; each solves one assignment per client
-MAX_GLOBAL_WIDTH = 65_536       # a model layer's widest (fedbroker.spec.MAX_WIDTH)
-MAX_COUNT_CLIP = 100_000
-MAX_VARIANCE = 1e6              # sigma2, sigma0_2 (and gamma0): below it the precisions stay representable
-MIN_VARIANCE = 1e-6
-MAX_COEFFICIENT = 1e3           # popularity_coef, lam, |bias_prior_mean|
-
-
-@dataclass(frozen=True, kw_only=True)
-class MatchingParams:
-    """Hyper-parameters of the engine; defaults follow the public PFNM code (see docs/algorithms.md, `pfnm`)."""
-
-    sigma2: float = 1.0
-    sigma0_2: float = 1.0
-    gamma0: float = 1.0
-    iterations: int = 5
-    popularity_coef: float = 1.0
-    count_clip: int = 10
-    max_global_width: int = 700
-    bias_prior_mean: float = 0.1
-    lam: float = 0.0
-    kl_mode: str = "exact"
-    kl_count_clip: int = 10
-
-    def __post_init__(self) -> None:
-        check_real("sigma2", self.sigma2, minimum=MIN_VARIANCE, strict=False, maximum=MAX_VARIANCE)
-        check_real("sigma0_2", self.sigma0_2, minimum=MIN_VARIANCE, strict=False, maximum=MAX_VARIANCE)
-        check_real("gamma0", self.gamma0, minimum=MIN_VARIANCE, strict=False, maximum=MAX_VARIANCE)
-        check_int("iterations", self.iterations, minimum=0, maximum=MAX_ITERATIONS)
-        check_real("popularity_coef", self.popularity_coef, minimum=0.0, strict=False, maximum=MAX_COEFFICIENT)
-        check_int("count_clip", self.count_clip, minimum=1, maximum=MAX_COUNT_CLIP)
-        check_int("max_global_width", self.max_global_width, minimum=1, maximum=MAX_GLOBAL_WIDTH)
-        check_real("bias_prior_mean", self.bias_prior_mean, minimum=-MAX_COEFFICIENT, strict=False,
-                   maximum=MAX_COEFFICIENT)
-        check_real("lam", self.lam, minimum=0.0, strict=False, maximum=MAX_COEFFICIENT)
-        check_choice("kl_mode", self.kl_mode, KL_MODES)
-        check_int("kl_count_clip", self.kl_count_clip, minimum=1, maximum=MAX_COUNT_CLIP)
+from fedbroker.aggregators.alignment.base import Layer, check_deadline
+from fedbroker.algorithm_params import MatchingParams
 
 
 @dataclass(frozen=True)
@@ -86,6 +46,7 @@ class LayerMatch:
 
     @property
     def width(self) -> int:
+        """The number of global neurons."""
         return int(self.natural_mean.shape[0])
 
 

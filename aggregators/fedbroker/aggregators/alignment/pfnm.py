@@ -15,7 +15,6 @@ weighted average of the retrained clients' output layers.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -23,21 +22,14 @@ from fedbroker.aggregators.alignment.base import (
     AlignmentResult,
     Layer,
     Network,
-    check_choice,
     validate_class_shares,
     validate_clients,
     validate_weights,
     widths_of,
 )
-from fedbroker.aggregators.alignment.matching import (
-    KL_MODES,
-    OUTPUT_WEIGHTINGS,
-    LayerMatch,
-    MatchingParams,
-    match_layer,
-    match_neurons,
-)
+from fedbroker.aggregators.alignment.matching import LayerMatch, match_layer, match_neurons
 from fedbroker.aggregators.alignment.permute import scatter_inputs, scatter_outputs
+from fedbroker.algorithm_params import OUTPUT_WEIGHTINGS, MatchingParams, NAFIParams, PFNMParams, check_choice
 
 RetrainFn = Callable[[int, list[Layer], list[Network]], Sequence[Sequence[Layer]]]
 """retrain(layer_index, frozen_global_prefix, starts) -> clients.
@@ -144,35 +136,8 @@ def match_network(
     return layers, matches[::-1]
 
 
-@dataclass(frozen=True, kw_only=True)
-class PFNM:
+class PFNM(PFNMParams):
     """Probabilistic federated neural matching (Yurochkin et al. 2019), defaults of the public code."""
-
-    sigma2: float = 1.0
-    sigma0_2: float = 1.0
-    gamma0: float = 1.0
-    iterations: int = 5
-    popularity_coef: float = 1.0
-    count_clip: int = 10
-    max_global_width: int = 700
-    bias_prior_mean: float = 0.1
-    output_weighting: str = "class_share"
-
-    def __post_init__(self) -> None:
-        self.matching_params()
-        check_choice("output_weighting", self.output_weighting, OUTPUT_WEIGHTINGS)
-
-    def matching_params(self) -> MatchingParams:
-        return MatchingParams(
-            sigma2=self.sigma2,
-            sigma0_2=self.sigma0_2,
-            gamma0=self.gamma0,
-            iterations=self.iterations,
-            popularity_coef=self.popularity_coef,
-            count_clip=self.count_clip,
-            max_global_width=self.max_global_width,
-            bias_prior_mean=self.bias_prior_mean,
-        )
 
     def align(
         self,
@@ -185,6 +150,7 @@ class PFNM:
         spatial: Sequence[int | None] | None = None,
         deadline: float | None = None,
     ) -> AlignmentResult:
+        """One-shot matching of every hidden layer, top down (see the module's docstring)."""
         nets = validate_clients(clients, same_widths=False, spatial=spatial)
         w = validate_weights(weights, len(nets))
         shares = validate_class_shares(class_shares, w, nets[0][-1].weight.shape[0])
@@ -210,6 +176,7 @@ class PFNM:
         class_shares: np.ndarray | None = None,
         spatial: Sequence[int | None] | None = None,
     ) -> AlignmentResult:
+        """Layer-wise matching with the clients retraining in between (see `align_layerwise`)."""
         return align_layerwise(
             clients,
             retrain,
@@ -222,17 +189,8 @@ class PFNM:
         )
 
 
-@dataclass(frozen=True, kw_only=True)
-class NAFI(PFNM):
+class NAFI(NAFIParams, PFNM):
     """PFNM with λ·KL added to the assignment cost (Xiao & Cheng, eq. 14); λ = 0 is PFNM exactly."""
-
-    lam: float = 0.01
-    kl_mode: str = "exact"
-    kl_count_clip: int = 10
-
-    def matching_params(self) -> MatchingParams:
-        return replace(super().matching_params(), lam=self.lam, kl_mode=self.kl_mode,
-                       kl_count_clip=self.kl_count_clip)
 
 
 def _width_stats(matches: Sequence[LayerMatch]) -> dict[str, float]:
@@ -291,5 +249,4 @@ def align_layerwise(
     return AlignmentResult(layers=layers, permutations=permutations, widths=widths_of(layers), stats=_width_stats(matches))
 
 
-__all__ = ["KL_MODES", "NAFI", "OUTPUT_WEIGHTINGS", "PFNM", "RetrainFn", "align_layerwise", "match_network",
-           "output_shares"]
+__all__ = ["NAFI", "PFNM", "RetrainFn", "align_layerwise", "match_network", "output_shares"]

@@ -2,7 +2,6 @@
 
 from fedbroker.aggregators.selection.base import SELECTION, Candidate, ProbeRequest, Selection, Selector
 from fedbroker.aggregators.selection.genetic import (
-    FITNESS_MODES,
     Evolution,
     GeneticSelection,
     breed,
@@ -16,7 +15,6 @@ from fedbroker.aggregators.selection.probe import Probe
 from fedbroker.aggregators.selection.simple import AllSelection, RandomSelection
 
 __all__ = [
-    "FITNESS_MODES",
     "SELECTION",
     "AllSelection",
     "Candidate",

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from fedbroker.aggregators.registry import Registry
 from fedbroker.aggregators.selection.probe import Probe
+from fedbroker.algorithm_params import require_int
+from fedbroker.catalogue import SELECTIONS
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,11 @@ class ProbeRequest:
 
 
 class Selector(Protocol):
-    def needs_vectors(self, round_index: int) -> bool: ...
+    """What the service calls; every registered selection extends its parameters' frozen kw-only dataclass
+    (`fedbroker.algorithm_params`)."""
+
+    def needs_vectors(self, round_index: int) -> bool:
+        """Whether this round's choice reads the updates' parameters (else they need not be flattened)."""
 
     def probe_request(self, round_index: int) -> ProbeRequest | None:
         """The probe set this round's choice evaluates models on (None: it needs none)."""
@@ -56,21 +62,11 @@ class Selector(Protocol):
         rng: np.random.Generator,
         deadline: float | None = None,
         probe: Probe | None = None,
-    ) -> Selection: ...
+    ) -> Selection:
+        """The ids of the updates to aggregate, in candidate order, seeded by `rng`."""
 
 
-SELECTION: Registry[Selector] = Registry("selection")
-MAX_M = 100_000  # the most updates a round may choose: the most clients it may have (schedule.clients_per_round)
-
-
-def require_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
-    """Raise ValueError naming the parameter unless it is an integer in [minimum, maximum] (bools are not
-    counts; maximum None = unbounded, for arguments that are not job parameters)."""
-    allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be an integer {allowed}, got {value}")
+SELECTION: Registry[Selector] = Registry(SELECTIONS)
 
 
 def check_candidates(candidates: Sequence[Candidate], *, round_index: int) -> None:

@@ -17,29 +17,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedbroker.aggregators.selection.base import (
-    MAX_M,
     SELECTION,
     Candidate,
     ProbeRequest,
     Selection,
     check_candidates,
     random_choice,
-    require_int,
 )
 from fedbroker.aggregators.selection.probe import Probe
-from fedbroker.errors import ConfigError
-from fedbroker.spec import EVALUATION_SETS
+from fedbroker.algorithm_params import GeneticParams
 
-FITNESS_MODES: tuple[str, ...] = ("probe", "reported_loss")
-MAX_PROBE_SIZE = 10_000         # probe samples: one forward of a population chunk stays small
-MAX_PROBE_SEED = 2**32 - 1
-# Upper bounds, checked at submission, so a GA round closes within minutes on one core whatever the job says:
-# at most MAX_POPULATION · MAX_GENERATIONS children, each O(m), and one (population × m) array at a time.
-MAX_POPULATION = 1_000
-MAX_GENERATIONS = 1_000
-MAX_POPULATION_TIMES_M = 10_000_000
-MAX_GA_GAP = 100_000            # a job's most rounds
-MAX_MU = 1e3
 CHECK_EVERY = 64                # children bred (or chromosomes evaluated) between two looks at the deadline
 
 Fitness = Callable[[np.ndarray], np.ndarray]
@@ -306,8 +293,7 @@ def aggregate_loss2(candidates: Sequence[Candidate], vectors: np.ndarray, probe:
 
 
 @SELECTION.register("ga")
-@dataclass(frozen=True, kw_only=True)
-class GeneticSelection:
+class GeneticSelection(GeneticParams):
     """Minimise Loss1 + μ·Loss2 over m-subsets every `ga_gap`-th round; m at random otherwise.
 
     `fitness: probe` (the paper's reading, eq. 33 and §4): Loss1 = mean cosine between the penultimate-layer
@@ -316,53 +302,16 @@ class GeneticSelection:
     vectors, Loss2 from the workers' reported losses (no probe set). See docs/algorithms.md, `ga`.
     """
 
-    m: int
-    population: int = 100
-    survival: float = 0.5
-    mutation_rate: float = 0.1
-    generations: int = 20
-    mu: float = 0.2
-    ga_gap: int = 10
-    fitness: str = "probe"
-    probe_dataset: str = ""
-    probe_size: int = 256
-    probe_seed: int = 0
-
-    def __post_init__(self) -> None:
-        require_int("m", self.m, 1, MAX_M)
-        require_int("population", self.population, 2, MAX_POPULATION)
-        require_int("generations", self.generations, 1, MAX_GENERATIONS)
-        require_int("ga_gap", self.ga_gap, 1, MAX_GA_GAP)
-        require_int("probe_size", self.probe_size, 1, MAX_PROBE_SIZE)
-        require_int("probe_seed", self.probe_seed, 0, MAX_PROBE_SEED)
-        if self.population * self.m > MAX_POPULATION_TIMES_M:
-            raise ValueError(f"population × m must be <= {MAX_POPULATION_TIMES_M}, got {self.population} × {self.m}")
-        if not _is_real(self.survival) or not 0.0 < self.survival < 1.0:
-            raise ValueError(f"survival must be a number in (0, 1), got {self.survival!r}")
-        if not _is_real(self.mutation_rate) or not 0.0 <= self.mutation_rate <= 1.0:
-            raise ValueError(f"mutation_rate must be a number in [0, 1], got {self.mutation_rate!r}")
-        if not _is_real(self.mu) or not 0.0 <= self.mu <= MAX_MU:
-            raise ValueError(f"mu must be a number in [0, {MAX_MU:g}], got {self.mu!r}")
-        if self.fitness not in FITNESS_MODES:
-            raise ValueError(f"fitness must be one of {', '.join(FITNESS_MODES)}, got {self.fitness!r}")
-        field = "aggregation.selection_params.probe_dataset"
-        known = ", ".join(EVALUATION_SETS)
-        if self.fitness == "probe" and not self.probe_dataset:
-            raise ConfigError(field, f"fitness 'probe' needs a probe set the aggregation service holds (public or "
-                                     f"synthetic data, never a worker's): one of {known}; or set fitness: reported_loss")
-        if self.probe_dataset and self.probe_dataset not in EVALUATION_SETS:
-            raise ConfigError(field, f"unknown probe set {self.probe_dataset!r}; the service holds {known}")
-        if self.probe_dataset and self.fitness != "probe":
-            raise ConfigError(field, f"is only read with fitness 'probe', not {self.fitness!r}; remove it")
-
     def is_ga_round(self, round_index: int) -> bool:
         """Rounds ga_gap, 2·ga_gap, … (1-based): the GA runs only after some federated iterations."""
         return round_index % self.ga_gap == 0
 
     def needs_vectors(self, round_index: int) -> bool:
+        """Only GA rounds read the parameters."""
         return self.is_ga_round(round_index)
 
     def probe_request(self, round_index: int) -> ProbeRequest | None:
+        """The probe set a GA round with `fitness: probe` evaluates models on."""
         if self.fitness != "probe" or not self.is_ga_round(round_index):
             return None
         return ProbeRequest(self.probe_dataset, self.probe_size, self.probe_seed)
@@ -409,6 +358,7 @@ class GeneticSelection:
         deadline: float | None = None,
         probe: Probe | None = None,
     ) -> Selection:
+        """The GA's best m-subset on GA rounds, m at random on the others (or when the GA overruns)."""
         check_candidates(candidates, round_index=round_index)
         if self.m >= len(candidates):
             return Selection(chosen=[c.worker_id for c in candidates], stats={"ga_ran": 0.0, "fallback": 0.0})
@@ -456,9 +406,3 @@ class GeneticSelection:
         if loss2 is not None:  # with μ = 0 Loss2 is never computed, so there is nothing to report
             stats["loss2"] = float(loss2(best)[0])
         return Selection(chosen=[candidates[int(i)].worker_id for i in result.best], stats=stats)
-
-
-def _is_real(value: object) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        return False
-    return math.isfinite(float(value))

@@ -101,10 +101,12 @@ class Probe:
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The model's tensors by state_dict name, in the order of a flat parameter vector."""
         return parameter_shapes(self.spec)
 
     @property
     def size(self) -> int:
+        """The number of parameters of one model."""
         return sum(math.prod(s) for s in self.shapes.values())
 
     def _last_weighted(self) -> int:

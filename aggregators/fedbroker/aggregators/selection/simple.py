@@ -3,32 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from fedbroker.aggregators.selection.base import (
-    MAX_M,
     SELECTION,
     Candidate,
     ProbeRequest,
     Selection,
     check_candidates,
     random_choice,
-    require_int,
 )
 from fedbroker.aggregators.selection.probe import Probe
+from fedbroker.algorithm_params import AllParams, RandomParams
 
 
 @SELECTION.register("all")
-@dataclass(frozen=True, kw_only=True)
-class AllSelection:
+class AllSelection(AllParams):
     """Aggregate every received update (plain FedAvg)."""
 
     def needs_vectors(self, round_index: int) -> bool:
+        """No parameters are read."""
         return False
 
     def probe_request(self, round_index: int) -> ProbeRequest | None:
+        """No probe set."""
         return None
 
     def choose(
@@ -41,24 +40,21 @@ class AllSelection:
         deadline: float | None = None,
         probe: Probe | None = None,
     ) -> Selection:
+        """Every candidate."""
         check_candidates(candidates, round_index=round_index)
         return Selection(chosen=[c.worker_id for c in candidates], stats={"ga_ran": 0.0, "fallback": 0.0})
 
 
 @SELECTION.register("random")
-@dataclass(frozen=True, kw_only=True)
-class RandomSelection:
+class RandomSelection(RandomParams):
     """m updates uniformly at random (the usual FL client sampling, applied after training)."""
 
-    m: int
-
-    def __post_init__(self) -> None:
-        require_int("m", self.m, 1, MAX_M)  # the most clients a round may have
-
     def needs_vectors(self, round_index: int) -> bool:
+        """No parameters are read."""
         return False
 
     def probe_request(self, round_index: int) -> ProbeRequest | None:
+        """No probe set."""
         return None
 
     def choose(
@@ -71,5 +67,6 @@ class RandomSelection:
         deadline: float | None = None,
         probe: Probe | None = None,
     ) -> Selection:
+        """m candidates drawn with `rng`."""
         check_candidates(candidates, round_index=round_index)
         return Selection(chosen=random_choice(candidates, self.m, rng), stats={"ga_ran": 0.0, "fallback": 0.0})

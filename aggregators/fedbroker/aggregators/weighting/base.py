@@ -13,6 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from fedbroker.aggregators.registry import Registry
+from fedbroker.catalogue import WEIGHTINGS
 
 
 @dataclass(frozen=True)
@@ -26,18 +27,17 @@ class UpdateMeta:
 
 
 class Weighting(Protocol):
-    def raw_weight(self, meta: UpdateMeta) -> float: ...
+    """What the service calls; every registered weighting extends its parameters' frozen kw-only dataclass
+    (`fedbroker.algorithm_params`, which says whether its weights are proportional)."""
 
-    def normalise(self, raw: np.ndarray) -> tuple[np.ndarray, bool]: ...
+    def raw_weight(self, meta: UpdateMeta) -> float:
+        """The update's weight before normalisation, from its own metadata only; ValueError if inconsistent."""
 
-    @property
-    def proportional(self) -> bool:
-        """Whether the normalised weights are raw / Σ raw, so a running Σ raw·x / Σ raw is the round's mean
-        (False under a `max_share` cap: the close needs every update's row)."""
-        ...
+    def normalise(self, raw: np.ndarray) -> tuple[np.ndarray, bool]:
+        """The round's coefficients from the chosen updates' raw weights, and whether they fell back to uniform."""
 
 
-WEIGHTING: Registry[Weighting] = Registry("weighting")
+WEIGHTING: Registry[Weighting] = Registry(WEIGHTINGS)
 
 
 def checked_num_samples(meta: UpdateMeta) -> int:
@@ -48,13 +48,6 @@ def checked_num_samples(meta: UpdateMeta) -> int:
     if n < 0:
         raise ValueError(f"worker {meta.worker_id!r}: num_samples must be >= 0, got {n}")
     return int(n)
-
-
-def check_max_share(value: object) -> None:
-    """`max_share` (the largest coefficient any one update may get) must be a number in (0, 1]."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or not 0.0 < float(value) <= 1.0:
-        raise ValueError(f"max_share must be a number in (0, 1], got {value!r}")
 
 
 def cap_shares(weights: np.ndarray, max_share: float) -> np.ndarray:

@@ -16,18 +16,20 @@ from typing import Any
 import numpy as np
 
 from fedbroker.aggregators.admission import Standing
-from fedbroker.aggregators.buffered import AsyncState
+from fedbroker.aggregators.async_state import AsyncState
+from fedbroker.aggregators.job_algorithms import Algorithms, build_algorithms
 from fedbroker.aggregators.mean import Layout, Slot, UpdateRows
-from fedbroker.aggregators.registries import Algorithms
 from fedbroker.aggregators.rows import Rows
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.errors import Conflict, NotFound, Rejection, UploadRejected
-from fedbroker.spec import ModelSpec, parameter_shapes
+from fedbroker.spec import AggregationConfig, ModelSpec, parameter_shapes
 
 KEEP_CLOSED_ROUNDS = 16  # closed rounds whose accepted workers and deadline are remembered (redeliveries, stragglers)
 
 
 class Phase(Enum):
+    """Where a round is: receiving uploads, aggregating them, or done."""
+
     OPEN = "open"
     CLOSING = "closing"
     CLOSED = "closed"
@@ -35,6 +37,8 @@ class Phase(Enum):
 
 @dataclass(frozen=True)
 class Receipt:
+    """What an accepted upload gets back; a retry gets the first one again."""
+
     job_id: str
     round: int
     worker_id: str
@@ -45,6 +49,8 @@ class Receipt:
 
 @dataclass(frozen=True)
 class UpdateSummary:
+    """One update's part in a close (its coefficient), for the coordinator's records."""
+
     worker_id: str
     num_samples: int
     epsilon: float
@@ -54,6 +60,8 @@ class UpdateSummary:
 
 @dataclass(frozen=True)
 class CloseResult:
+    """A close's result; kept, so a repeated close returns it again."""
+
     model_version: int
     aggregated: list[str]
     model_spec_json: str
@@ -64,6 +72,8 @@ class CloseResult:
 
 @dataclass
 class Accepted:
+    """An accepted update and what is known of it; its tensors only while the round keeps them."""
+
     worker_id: str
     num_samples: int
     raw_weight: float
@@ -78,12 +88,14 @@ class Accepted:
 
 @dataclass
 class Round:
+    """A job's current round: who may upload until when, with which algorithms, and what was accepted."""
+
     number: int
     participants: frozenset[str]
     deadline: float
     algorithms: Algorithms
     rows: Rows
-    aggregation: dict[str, Any]                  # as opened (the spool re-builds algorithms from it)
+    aggregation: dict[str, Any]                  # as opened (the spool restores the job's algorithms from it)
     histograms: dict[str, list[int]]
     accepted: dict[str, Accepted] = field(default_factory=dict)
     phase: Phase = Phase.OPEN
@@ -92,6 +104,7 @@ class Round:
 
     @property
     def closed(self) -> bool:
+        """Whether uploads are refused (the round is aggregating or done)."""
         return self.phase is not Phase.OPEN
 
     def receipt(self, job_id: str, worker_id: str) -> Receipt | None:
@@ -102,6 +115,7 @@ class Round:
         return Receipt(job_id, self.number, worker_id, True, done.bytes_received, done.sha256)
 
     def take_seq(self) -> int:
+        """The next acceptance number (the spool replays updates in this order)."""
         seq = self.next_seq
         self.next_seq += 1
         return seq
@@ -118,14 +132,17 @@ def new_round(number: int, members: frozenset[str], deadline: float, algorithms:
               aggregation: dict[str, Any], histograms: dict[str, list[int]], spec: ModelSpec,
               spare_rows: UpdateRows | None = None, *, sample_limits: Mapping[str, int] | None = None) -> Round:
     """`sample_limits`: each participant's registered sample count (a participant not in it is unbounded)."""
-    rows = Rows(Layout(parameter_shapes(spec)), incremental=algorithms.incremental,
-                weights_positive=algorithms.weights_positive, spare=spare_rows)
+    settings = algorithms.settings
+    rows = Rows(Layout(parameter_shapes(spec)), incremental=settings.incremental,
+                weights_positive=settings.weights_positive, spare=spare_rows)
     return Round(number, members, deadline, algorithms, rows, aggregation, histograms,
                  sample_limits={w: int(n) for w, n in (sample_limits or {}).items()})
 
 
 @dataclass
 class Job:
+    """One job in the aggregation service: its kept global versions, its round, its algorithms."""
+
     job_id: str
     spec: ModelSpec
     seed: int
@@ -138,10 +155,19 @@ class Job:
     closed_accepted: dict[int, list[str]] = field(default_factory=dict)  # recent rounds: who got in (status)
     spare_rows: UpdateRows | None = None   # the last running mean's rows: the next round receives into them
     asynchronous: AsyncState | None = None  # schedule.mode async: the FedBuff buffer and the issued tasks
+    algorithms: Algorithms | None = None    # built when the service first learns the job's aggregation settings
 
     @property
     def version(self) -> int:
+        """The newest global version."""
         return max(self.versions)
+
+    def algorithms_for(self, config: AggregationConfig) -> Algorithms:
+        """The job's algorithms for its aggregation section: built the first time the service learns it, then
+        reused by every round (built again only for a section that differs); a bad one raises ConfigError(s)."""
+        if self.algorithms is None or not self.algorithms.built_from(config):
+            self.algorithms = build_algorithms(config)
+        return self.algorithms
 
     # ----- the global model -----
 
@@ -169,6 +195,7 @@ class Job:
         return self.round if self.round is not None and self.round.number == round_number else None
 
     def standing(self, round_number: int) -> Standing:
+        """What admission needs to judge an upload for round `round_number`."""
         rnd = self.current(round_number)
         return Standing(
             participants=rnd.participants if rnd is not None else None,
@@ -178,6 +205,7 @@ class Job:
         )
 
     def status(self, round_number: int) -> tuple[list[str], bool]:
+        """Who got into round `round_number`, and whether it is still open."""
         rnd = self._asked(round_number)
         if rnd is None:  # a worker with a redelivered task of a closed round
             return list(self.closed_accepted.get(round_number, [])), False

@@ -3,7 +3,7 @@
 No round barrier: the coordinator asks the service to issue a worker a task (`issue`), the service names
 the task (a job-wide number) and its base version (always the newest), and the worker's upload is admitted
 only for its one outstanding task. Each accepted update is folded into the FedBuff buffer at once
-(`aggregators.fedbuff`); every `buffer_size` updates make a new global version. The book (`rounds.py`)
+(`aggregators.fedbuff`); every `buffer_size` updates make a new global version. The book (`round_book.py`)
 holds the locks and writes the spool before each reply; this module only says what changes.
 
 Idempotence is per (job, worker, task): a task number names its base version, so a retry of an accepted
@@ -13,14 +13,15 @@ that is no longer the worker's outstanding one is refused.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from fedbroker.aggregators.fedbuff import Buffer, staleness_function
-from fedbroker.aggregators.registries import Algorithms, build_algorithms
+from fedbroker.aggregators.fedbuff import Buffer
+from fedbroker.aggregators.job_algorithms import Algorithms
+from fedbroker.algorithm_params import staleness_function
 from fedbroker.errors import ConfigError
 from fedbroker.spec import AggregationConfig, ScheduleConfig, mode_problems
 
@@ -29,6 +30,8 @@ KEEP_VERSION_ROWS = 64   # the newest versions' summaries (the coordinator recor
 
 @dataclass(frozen=True)
 class Issued:
+    """A worker's outstanding task: its number and the version it trains from."""
+
     task: int
     base: int
 
@@ -61,6 +64,8 @@ class FirstReceipt:
 
 @dataclass(frozen=True)
 class VersionSummary:
+    """One published version: the updates that made it, for BufferStatus's rows."""
+
     version: int
     updates: list[Folded]
     total_weight: float
@@ -73,7 +78,9 @@ class VersionSummary:
 
 @dataclass
 class AsyncState:
-    config: dict[str, Any]            # as opened (the spool re-builds the algorithms and buffer from it)
+    """A job in asynchronous mode: its buffer, who holds which task, and the recent versions."""
+
+    config: dict[str, Any]            # as opened (the spool restores the algorithms and buffer from it)
     algorithms: Algorithms
     buffer: Buffer
     sample_limits: dict[str, int]
@@ -87,6 +94,7 @@ class AsyncState:
 
     @property
     def max_staleness(self) -> int:
+        """The most versions an update may lag (older base versions need not be kept)."""
         return self.buffer.max_staleness
 
     def receipt(self, worker_id: str, task: int) -> FirstReceipt | None:
@@ -95,6 +103,7 @@ class AsyncState:
         return done if done is not None and done.task == task else None
 
     def outstanding(self, worker_id: str, task: int) -> Issued | None:
+        """The worker's task numbered `task`, if it is still the one it holds."""
         issued = self.issued.get(worker_id)
         return issued if issued is not None and issued.task == task else None
 
@@ -129,8 +138,10 @@ class AsyncState:
 CONFIG_KEYS = ("aggregation", "buffer_size", "max_staleness", "staleness", "staleness_params", "server_lr", "seed")
 
 
-def new_async_state(config: dict[str, Any], sample_limits: dict[str, int]) -> AsyncState:
-    """A job's async state from what OpenBuffer sent, checked as at submission (ConfigError names the field)."""
+def new_async_state(config: dict[str, Any], sample_limits: dict[str, int],
+                    algorithms_for: Callable[[AggregationConfig], Algorithms]) -> AsyncState:
+    """A job's async state from what OpenBuffer sent, checked as at submission (ConfigError names the field);
+    `algorithms_for` gives the job's algorithms for its aggregation section (`Job.algorithms_for`)."""
     missing = [k for k in CONFIG_KEYS if k not in config]
     if missing:
         raise ConfigError(f"schedule.{missing[0]}", "is required to open an asynchronous buffer")
@@ -146,7 +157,7 @@ def new_async_state(config: dict[str, Any], sample_limits: dict[str, int]) -> As
     staleness = staleness_function(schedule.staleness, schedule.staleness_params)
     buffer = Buffer(buffer_size=schedule.buffer_size, max_staleness=schedule.max_staleness, staleness=staleness,
                     server_lr=schedule.server_lr)
-    return AsyncState(config, build_algorithms(aggregation), buffer, sample_limits)
+    return AsyncState(config, algorithms_for(aggregation), buffer, sample_limits)
 
 
 def copy_for_status(state: AsyncState, since_version: int) -> AsyncState:
@@ -157,10 +168,12 @@ def copy_for_status(state: AsyncState, since_version: int) -> AsyncState:
 
 
 def folded_record(entry: Folded, seq: int) -> dict[str, Any]:
+    """A buffered update's metadata, as its spooled file holds it."""
     return {**vars(entry), "seq": seq}
 
 
 def folded_from_record(record: Mapping[str, Any]) -> Folded:
+    """`folded_record`'s inverse."""
     return Folded(str(record["worker_id"]), int(record["task"]), int(record["base"]), int(record["tau"]),
                   float(record["raw_weight"]), float(record["factor"]), int(record["num_samples"]),
                   float(record["epsilon"]), float(record["train_loss"]), str(record["sha256"]),

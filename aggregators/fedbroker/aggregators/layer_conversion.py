@@ -1,6 +1,7 @@
 """Between the wire format (an nn.Sequential state dict named by its spec) and the alignment algorithms'
 list of Layers; and back, with the spec's widths updated when matching grows a layer. Which layers are
-matched, and which parameters hold their widths, is read from the table in fedbroker.layers."""
+matched (`fedbroker.spec.matched_layers`), and which parameters hold their widths, is read from the table
+in fedbroker.layers."""
 
 from __future__ import annotations
 
@@ -10,38 +11,21 @@ import numpy as np
 
 from fedbroker.aggregators.alignment import Layer
 from fedbroker.layers import LAYERS
-from fedbroker.spec import LayerSpec, ModelSpec, parse_model
-
-
-def _weighted(spec: ModelSpec) -> list[int]:
-    """The indices of the layers whose units alignment matches."""
-    return [i for i, layer in enumerate(spec.layers) if LAYERS[layer.type].weighted]
-
-
-def alignment_problems(spec: ModelSpec) -> list[str]:
-    """Why neurons of this model cannot be matched across clients (empty when they can)."""
-    problems = []
-    for i, layer in enumerate(spec.layers):
-        blocker = LAYERS[layer.type].blocks_alignment
-        if blocker:
-            problems.append(f"layer {i} is {layer.type}: {blocker}; use alignment 'none' or drop the {layer.type}")
-    if len(_weighted(spec)) < 2:
-        names = "/".join(name for name, layer_type in LAYERS.items() if layer_type.weighted)
-        problems.append(f"the model needs at least one hidden {names} layer to align")
-    return problems
+from fedbroker.spec import LayerSpec, ModelSpec, matched_layers, parse_model
 
 
 def to_layers(spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> list[Layer]:
+    """The matched layers of a state dict, as float64 Layers in model order."""
     return [
         Layer(np.asarray(tensors[f"{i}.weight"], dtype=np.float64),
               np.asarray(tensors[f"{i}.bias"], dtype=np.float64) if f"{i}.bias" in tensors else None)
-        for i in _weighted(spec)
+        for i in matched_layers(spec)
     ]
 
 
 def from_layers(spec: ModelSpec, layers: list[Layer]) -> tuple[ModelSpec, dict[str, np.ndarray]]:
     """The spec with every matched layer resized to the aligned layers, and its float32 state dict."""
-    indices = _weighted(spec)
+    indices = matched_layers(spec)
     if len(indices) != len(layers):
         raise ValueError(f"alignment returned {len(layers)} layers for a model with {len(indices)}")
     new_layers = list(spec.layers)

@@ -1,5 +1,6 @@
-"""A client of the aggregation service, used by workers and the coordinator: deadlines on every call,
-retries only where repeating is safe, and the caller's bearer token (and TLS) from its ClientSecurity.
+"""A client of the aggregation service, used by workers and the coordinator (so it lives in the kernel, and
+neither service imports the other): deadlines on every call, retries only where repeating is safe, and the
+caller's bearer token (and TLS) from its ClientSecurity.
 
 A call retries an unavailable service a few times (`rpc.call_with_retry`). A caller whose calls are worth
 making until a deadline (a worker: its round's) takes `until(deadline_unix)`, and every call retries until
@@ -54,6 +55,8 @@ class TaskStart:
 
 
 class AggregatorClient:
+    """One channel to the aggregation service with every call it offers (see the module docstring)."""
+
     def __init__(self, target: str, *, timeout_s: float = 30.0, transfer_timeout_s: float = 600.0,
                  max_model_bytes: int = 1 << 30, security: ClientSecurity | None = None,
                  attempts: int = RPC_ATTEMPTS) -> None:
@@ -96,6 +99,7 @@ class AggregatorClient:
                                deadline_unix=self.deadline_unix)
 
     def close(self) -> None:
+        """Close the channel."""
         self._channel.close()
 
     def __enter__(self) -> AggregatorClient:
@@ -105,6 +109,7 @@ class AggregatorClient:
         self.close()
 
     def put_global(self, job_id: str, version: int, spec_json: str, tensors: Mapping[str, np.ndarray]) -> None:
+        """Install a job's global model, streamed (idempotent)."""
         header = pb.ModelHeader(job_id=job_id, version=version, model_spec_json=spec_json,
                                 tensors=codec.tensor_specs(tensors))
         self._retry(
@@ -114,6 +119,7 @@ class AggregatorClient:
         )
 
     def download(self, job_id: str, version: int = 0) -> tuple[int, str, dict[str, np.ndarray]]:
+        """A global model version (0: the newest): (version, spec JSON, tensors), digest-checked."""
         def run() -> tuple[int, str, dict[str, np.ndarray]]:
             stream = self._download(pb.GlobalModelRequest(job_id=job_id, version=version),
                                     timeout=self.transfer_timeout_s, metadata=self._md)
@@ -179,6 +185,7 @@ class AggregatorClient:
         return reply.model_version
 
     def status(self, job_id: str, round: int) -> tuple[list[str], bool]:
+        """Who got into a round, and whether it is open."""
         reply: pb.RoundStatusReply = self._retry(
             lambda: self._stub.RoundStatus(pb.RoundStatusRequest(job_id=job_id, round=round), timeout=self.timeout_s,
                                            metadata=self._md),
@@ -187,6 +194,7 @@ class AggregatorClient:
         return list(reply.accepted), reply.open
 
     def close_round(self, job_id: str, round: int, *, timeout_s: float = 600.0) -> pb.CloseRoundReply:
+        """Aggregate a round into the next global version; its result (a repeat gets the same one)."""
         # Safe to repeat: a retry while the close runs waits for it, one after it gets the same result back
         # (RoundBook.close). DEADLINE_EXCEEDED is still not retried here: a close that outlived `timeout_s`
         # is the caller's to judge (the coordinator retries it within aggregator_outage_s).
@@ -230,6 +238,7 @@ class AggregatorClient:
         return list(reply.tasks)
 
     def buffer_status(self, job_id: str, since_version: int = 0) -> pb.BufferStatusReply:
+        """The buffer's fill, outstanding tasks and the versions published since `since_version`."""
         reply: pb.BufferStatusReply = self._retry(
             lambda: self._async_stub.BufferStatus(pb.BufferStatusRequest(job_id=job_id, since_version=since_version),
                                                   timeout=self.timeout_s, metadata=self._md),
@@ -237,6 +246,7 @@ class AggregatorClient:
         return reply
 
     def close_buffer(self, job_id: str) -> int:
+        """End a job's buffer (idempotent); the newest version."""
         reply: pb.CloseBufferReply = self._retry(
             lambda: self._async_stub.CloseBuffer(pb.CloseBufferRequest(job_id=job_id), timeout=self.timeout_s,
                                                  metadata=self._md),

@@ -15,9 +15,10 @@ returns its version, `close` of the last closed round returns that close's resul
 repeated while the first is still aggregating (a client that lost its connection) waits for that close
 and returns its result: it is never told "already closed".
 
-The book is the thin coordinator of its parts: `admission` (may this upload enter?), `state` (the rounds'
-state machine), `rows` (which update lives in which row), `combine` (the close's aggregation) and `spool`
-(the records on disk). It holds the locks and decides what is on disk before which reply.
+The book is the thin coordinator of its parts: `admission` (may this upload enter?), `job_state` (the
+rounds' state machine, and the job's algorithms, built once), `async_state` (asynchronous mode's tasks),
+`rows` (which update lives in which row), `combine` (the close's aggregation) and `spool` (the records on
+disk). It holds the locks and decides what is on disk before which reply.
 """
 
 from __future__ import annotations
@@ -35,14 +36,17 @@ import numpy as np
 
 from fedbroker import codec
 from fedbroker.aggregators import admission, metrics
-from fedbroker.aggregators.buffered import AsyncState, Folded, Issued, copy_for_status, folded_record, new_async_state
+from fedbroker.aggregators.async_state import (
+    AsyncState,
+    Folded,
+    Issued,
+    copy_for_status,
+    folded_record,
+    new_async_state,
+)
 from fedbroker.aggregators.combine import ProbeLoader, combine
 from fedbroker.aggregators.fedbuff import StaleUpdate
-from fedbroker.aggregators.probes import probe_arrays
-from fedbroker.aggregators.registries import build_algorithms
-from fedbroker.aggregators.rows import Reservation
-from fedbroker.aggregators.spool import Spool, job_record, restore_jobs, update_record
-from fedbroker.aggregators.state import (
+from fedbroker.aggregators.job_state import (
     Accepted,
     CloseResult,
     Job,
@@ -51,6 +55,9 @@ from fedbroker.aggregators.state import (
     UpdateSummary,
     new_round,
 )
+from fedbroker.aggregators.probe_sets import probe_arrays
+from fedbroker.aggregators.rows import Reservation
+from fedbroker.aggregators.spool import Spool, job_record, restore_jobs, update_record
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.errors import Conflict, NotFound, Rejection, UnknownJob, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -62,6 +69,8 @@ DEFAULT_MAX_UPDATE_BYTES = 1 << 30
 
 
 class RoundBook:
+    """Every job the service holds, and the rules for its rounds and buffers (see the module docstring)."""
+
     def __init__(
         self,
         *,
@@ -117,6 +126,7 @@ class RoundBook:
             self._commit(job)
 
     def global_model(self, job_id: str, version: int = 0) -> tuple[int, str, dict[str, np.ndarray]]:
+        """A kept global version (0: the newest), with its spec: what workers download."""
         job = self._job(job_id)
         with self._lock:
             v = version or job.version
@@ -136,10 +146,11 @@ class RoundBook:
         members = frozenset(participants)
         if not members:
             raise UploadRejected(Rejection.BAD_REQUEST, f"round {round_number} of job {job_id!r} has no participants")
-        algorithms = build_algorithms(AggregationConfig(**aggregation))
+        config = AggregationConfig(**aggregation)
         counts = {w: [int(c) for c in h] for w, h in (histograms or {}).items()}
         limits = {w: int(n) for w, n in (num_samples or {}).items()}
         with self._lock:
+            algorithms = job.algorithms_for(config)  # built when the job's first round opens, not every round
             changed = job.open(round_number, members, deadline, seed=seed, build=lambda: new_round(
                 round_number, members, deadline, algorithms, dict(aggregation), counts, job.spec, job.spare_rows,
                 sample_limits=limits))
@@ -334,8 +345,9 @@ class RoundBook:
         """Put the job in asynchronous mode (idempotent: a job already in it keeps its buffer and tasks).
         `config`: aggregation, buffer_size, max_staleness, staleness, staleness_params, server_lr, seed."""
         job = self._job(job_id)
-        state = new_async_state(dict(config), {w: int(n) for w, n in (num_samples or {}).items()})
         with self._lock:
+            state = new_async_state(dict(config), {w: int(n) for w, n in (num_samples or {}).items()},
+                                    job.algorithms_for)
             if job.asynchronous is not None:
                 job.asynchronous.sample_limits.update(state.sample_limits)  # workers registered since
                 self._commit(job)
@@ -526,6 +538,8 @@ class RoundBook:
 
 @dataclass(frozen=True)
 class JobSnapshot:
+    """What the Watch stream says of one job."""
+
     job_id: str
     round: int
     accepted: int

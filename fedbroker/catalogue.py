@@ -1,0 +1,192 @@
+"""The algorithms a job may name, per kind: their typed parameters and the traits they declare.
+
+The catalogue is what the coordinator, the workers and the aggregation service agree on: a job chooses an
+alignment, a weighting and a selection by these names (never by dotted class paths), the coordinator
+validates them here at submission, and the aggregation service binds an implementation to every name
+(`fedbroker.aggregators.registry`; a contract test holds the two lists equal). What the service must know
+of an algorithm (does it need every update at once? are its weights always positive?) is a declared
+trait, read instead of the algorithm's name or class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from fedbroker.algorithm_params import (
+    AlignmentParams,
+    AllParams,
+    DWFedParams,
+    FedAvgParams,
+    FedDNAParams,
+    GeneticParams,
+    NAFIParams,
+    NoAlignmentParams,
+    PFNMParams,
+    RandomParams,
+    SelectionParams,
+    UniformParams,
+    WeightingParams,
+)
+from fedbroker.errors import ConfigError, ConfigErrors
+from fedbroker.spec import AggregationConfig
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+P = TypeVar("P", bound="DataclassInstance")
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What an algorithm asks of the aggregation service, declared with its name."""
+
+    needs_update_set: bool = False   # every update of the round at once: no running mean, no asynchronous mode
+    aligns_units: bool = False       # alignment: matches units across clients (the model must allow it)
+    needs_histograms: bool = False   # alignment: reads the clients' label histograms (their class shares)
+    weights_positive: bool = False   # weighting: every valid update's raw weight is > 0
+
+
+@dataclass(frozen=True)
+class Entry(Generic[P]):
+    """One name of a kind: the class of its parameters and its traits."""
+
+    params: type[P]
+    traits: Traits = Traits()
+
+
+@dataclass(frozen=True)
+class Choice(Generic[P]):
+    """One kind's algorithm as a job chose it: its name, its checked parameters and its traits."""
+
+    name: str
+    params: P
+    traits: Traits
+
+
+class Catalogue(Generic[P]):
+    """The names of one kind. An unknown name, an unknown or missing parameter and a bad value each raise a
+    ConfigError naming the field (`aggregation.<kind>_params.<name>`), so a typo in a job is caught at
+    submission, not in round 7."""
+
+    def __init__(self, kind: str, entries: Mapping[str, Entry[P]]) -> None:
+        self.kind = kind
+        self._entries = dict(entries)
+
+    def names(self) -> list[str]:
+        """The known names, sorted."""
+        return sorted(self._entries)
+
+    def entry(self, name: str) -> Entry[P]:
+        """The entry of `name`; a ConfigError listing the known names for any other."""
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise ConfigError(
+                f"aggregation.{self.kind}",
+                f"unknown {self.kind} algorithm {name!r}; known: {', '.join(self.names())}",
+            ) from None
+
+    def traits(self, name: str) -> Traits | None:
+        """The traits of `name` (None for an unknown name, which `entry` reports)."""
+        entry = self._entries.get(name)
+        return entry.traits if entry is not None else None
+
+    def choose(self, name: str, params: Mapping[str, Any] | None = None) -> Choice[P]:
+        """`name` with `params` checked into its parameter class."""
+        entry = self.entry(name)
+        given = dict(params or {})
+        fields = [f for f in dataclasses.fields(entry.params) if f.init]
+        known = {f.name for f in fields}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ConfigError(
+                f"aggregation.{self.kind}_params.{unknown[0]}",
+                f"unknown parameter for {self.kind} {name!r}; known: {', '.join(sorted(known)) or 'none'}",
+            )
+        required = sorted(f.name for f in fields if f.name not in given and f.default is dataclasses.MISSING
+                          and f.default_factory is dataclasses.MISSING)
+        if required:
+            raise ConfigError(f"aggregation.{self.kind}_params.{required[0]}",
+                              f"required for {self.kind} {name!r} ({', '.join(required)} must be given)")
+        try:
+            return Choice(name, entry.params(**given), entry.traits)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"aggregation.{self.kind}_params", f"{name}: {exc}") from exc
+
+
+_ALIGNS = Traits(needs_update_set=True, aligns_units=True)
+_MATCHES = Traits(needs_update_set=True, aligns_units=True, needs_histograms=True)
+
+ALIGNMENTS: Catalogue[AlignmentParams] = Catalogue("alignment", {
+    "none": Entry(NoAlignmentParams),
+    "feddna": Entry(FedDNAParams, _ALIGNS),
+    "pfnm": Entry(PFNMParams, _MATCHES),
+    "nafi": Entry(NAFIParams, _MATCHES),
+})
+WEIGHTINGS: Catalogue[WeightingParams] = Catalogue("weighting", {
+    "fedavg": Entry(FedAvgParams, Traits(weights_positive=True)),
+    "uniform": Entry(UniformParams, Traits(weights_positive=True)),
+    "dwfed": Entry(DWFedParams),    # a worker far from the population may weigh 0
+})
+SELECTIONS: Catalogue[SelectionParams] = Catalogue("selection", {
+    "all": Entry(AllParams),
+    "random": Entry(RandomParams, Traits(needs_update_set=True)),
+    "ga": Entry(GeneticParams, Traits(needs_update_set=True)),
+})
+
+
+@dataclass(frozen=True)
+class AggregationSettings:
+    """A job's aggregation section, typed: each kind's choice with its parameters and traits."""
+
+    alignment: Choice[AlignmentParams]
+    weighting: Choice[WeightingParams]
+    selection: Choice[SelectionParams]
+
+    @property
+    def incremental(self) -> bool:
+        """True when every accepted update can be folded into a running mean and then dropped (not when an
+        algorithm needs the whole set, nor when a `max_share` cap makes the coefficients depend on it)."""
+        return (not self.alignment.traits.needs_update_set and not self.selection.traits.needs_update_set
+                and self.weighting.params.proportional)
+
+    @property
+    def weights_positive(self) -> bool:
+        """Whether every valid update's raw weight is > 0 (else a round may fall back to the plain mean)."""
+        return self.weighting.traits.weights_positive
+
+    def aggregated(self, participants: int) -> int:
+        """K, the number of updates a round of `participants` aggregates (at least 1)."""
+        most = self.selection.params.chooses_at_most
+        return max(1, participants if most is None else min(participants, most))
+
+
+def aggregation_settings(config: AggregationConfig) -> AggregationSettings:
+    """The typed settings of an aggregation section; every bad name or parameter raised at once."""
+    errors: list[ConfigError] = []
+    alignment = _choose(ALIGNMENTS, config.alignment, config.alignment_params, errors)
+    weighting = _choose(WEIGHTINGS, config.weighting, config.weighting_params, errors)
+    selection = _choose(SELECTIONS, config.selection, config.selection_params, errors)
+    if alignment is None or weighting is None or selection is None:
+        raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
+    return AggregationSettings(alignment, weighting, selection)
+
+
+def settings_from_json(text: str) -> AggregationSettings:
+    """The typed settings of an aggregation section sent as a JSON object (a round task's)."""
+    return aggregation_settings(AggregationConfig(**json.loads(text or "{}")))
+
+
+def _choose(catalogue: Catalogue[P], name: str, params: Mapping[str, Any],
+            errors: list[ConfigError]) -> Choice[P] | None:
+    try:
+        return catalogue.choose(name, params)
+    except ConfigError as exc:
+        errors.append(exc)
+        return None

@@ -1,0 +1,96 @@
+"""Where a job is accepted (the coordinator's SubmitJob, the CLI): the parser's checks and the catalogue's,
+every problem reported at once, so a bad algorithm name or parameter fails at submission, not in round 7.
+
+Besides each algorithm's own parameters, the catalogue's checks read them against the model: an alignment
+needs a model whose units it can match, and a GA probe set must be something the model can read.
+"""
+
+from __future__ import annotations
+
+from fedbroker.algorithm_params import staleness_function
+from fedbroker.catalogue import ALIGNMENTS, aggregation_settings
+from fedbroker.errors import ConfigError, ConfigErrors
+from fedbroker.layers import LAYERS
+from fedbroker.spec import (
+    EVALUATION_SETS,
+    AggregationConfig,
+    JobSpec,
+    ModelSpec,
+    ScheduleConfig,
+    job_from_text,
+    matched_layers,
+    output_shapes,
+    parse_job,
+)
+
+
+def alignment_problems(spec: ModelSpec) -> list[str]:
+    """Why neurons of this model cannot be matched across clients (empty when they can)."""
+    problems = []
+    for i, layer in enumerate(spec.layers):
+        blocker = LAYERS[layer.type].blocks_alignment
+        if blocker:
+            problems.append(f"layer {i} is {layer.type}: {blocker}; use alignment 'none' or drop the {layer.type}")
+    if len(matched_layers(spec)) < 2:
+        names = "/".join(name for name, layer_type in LAYERS.items() if layer_type.weighted)
+        problems.append(f"the model needs at least one hidden {names} layer to align")
+    return problems
+
+
+def job_problems(*, aggregation: AggregationConfig, model: ModelSpec) -> list[ConfigError]:
+    """What the catalogue refuses in a job: an unknown algorithm or parameter, an alignment that cannot align
+    its model, a probe set the model cannot read. A `fedbroker.spec.JobCheck`: parse_job reports these with
+    its own."""
+    problems: list[ConfigError] = []
+    try:
+        settings = aggregation_settings(aggregation)
+    except ConfigErrors as exc:
+        problems.extend(exc.errors)
+    except ConfigError as exc:
+        problems.append(exc)
+    else:
+        problems.extend(_probe_problems(settings.selection.params.probe_set, model))
+    traits = ALIGNMENTS.traits(aggregation.alignment)  # an unknown name is reported above, and checked as one
+    if (traits is None or traits.aligns_units) and model.layers:
+        problems.extend(ConfigError("aggregation.alignment", f"{aggregation.alignment} cannot align this model: {p}")
+                        for p in alignment_problems(model))
+    return problems
+
+
+def _probe_problems(dataset: str, model: ModelSpec) -> list[ConfigError]:
+    """A probe set the model cannot read (its samples are not the model's input, or it has more classes
+    than the model has outputs) would fail every GA round: refuse it at submission."""
+    if not dataset or not model.layers:
+        return []
+    try:
+        shapes = output_shapes(model)
+    except ConfigError:  # the model's own problems are reported where it is parsed
+        return []
+    sample, classes = EVALUATION_SETS[dataset]
+    field = "aggregation.selection_params.probe_dataset"
+    if tuple(model.input_shape) != sample:
+        return [ConfigError(field, f"{dataset!r} has samples of shape {list(sample)} but model.input_shape is "
+                                   f"{list(model.input_shape)}")]
+    if shapes and (len(shapes[-1]) != 1 or shapes[-1][0] < classes):
+        return [ConfigError(field, f"{dataset!r} has {classes} classes but the model outputs {list(shapes[-1])}")]
+    return []
+
+
+def schedule_problem(schedule: ScheduleConfig) -> None:
+    """An async job's staleness function and its parameters (raises the ConfigError naming the field)."""
+    if schedule.mode == "async":
+        staleness_function(schedule.staleness, schedule.staleness_params)
+
+
+def accept_job(raw: object) -> JobSpec:
+    """A job given as a mapping (parsed YAML/JSON), validated in full; raises ConfigError(s) naming each bad field."""
+    job = parse_job(raw, check=job_problems)
+    schedule_problem(job.schedule)
+    return job
+
+
+def accept_job_text(text: str) -> JobSpec:
+    """A job given as YAML or JSON text, validated in full (see accept_job)."""
+    job = job_from_text(text, check=job_problems)
+    schedule_problem(job.schedule)
+    return job
