@@ -28,8 +28,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from fedbroker.aggregators.client import AggregatorClient
-from fedbroker.aggregators.rounds import RoundBook
+from fedbroker.aggregation_client import AggregatorClient
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.app.provision import parse_project, provision
 from fedbroker.auth import ClientSecurity, ServerAuth, ServerTLS, certificate_identity
