@@ -26,7 +26,7 @@ from fedbroker.datasets import load_idx, load_worker_data
 from fedbroker.errors import ConfigError
 from tests.source_roots import PYTHONPATH
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(300)  # a hang guard only: a quadratic reader or a bomb would run for minutes
 
 
 def worker(dataset: str, **data: object) -> WorkerConfig:
@@ -224,7 +224,7 @@ def test_a_worker_process_refuses_a_nan_parquet_at_start_before_registering(tmp_
     env["PYTHONPATH"] = PYTHONPATH
     try:
         done = subprocess.run([sys.executable, "-m", "fedbroker", "worker"], env=env, capture_output=True,
-                              text=True, timeout=50, cwd=tmp_path)
+                              text=True, timeout=240, cwd=tmp_path)
     finally:  # were the worker to get past its data, it would leave its queues behind
         delete_topology(rabbitmq_url, namespace, ["hostile-a"])
     assert done.returncode == 2, done.stderr
