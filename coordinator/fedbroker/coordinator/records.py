@@ -2,7 +2,7 @@
 statuses they move through.
 
 The statuses are `StrEnum`s whose values are the strings the SQLite file, the wire (StatusReply's string
-fields) and `fedbroker status` have always used, so a record compares equal to its old string and a state
+fields) and `fedbroker status` have always used, so a status compares equal to its old string and a state
 file written before them reads back unchanged.
 """
 

@@ -248,7 +248,7 @@ class CoordinatorClient:
         return reply.job_id
 
     def status(self, job_id: str = "") -> pb.StatusReply:
-        """One job ("" : every job) with its rounds and participants, and every worker."""
+        """One job ("": every job) with its rounds and participants, and every worker."""
         reply: pb.StatusReply = self._stub.Status(pb.StatusRequest(job_id=job_id), timeout=self.timeout_s,
                                                   metadata=self._md)
         return reply

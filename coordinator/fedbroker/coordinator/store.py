@@ -66,6 +66,7 @@ class _RetryPolicy:
     sleep: Callable[[float], object]
     stopping: Callable[[], bool]
 
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     job_id TEXT PRIMARY KEY, name TEXT NOT NULL, spec_json TEXT NOT NULL,
@@ -270,7 +271,7 @@ class StateStore:
             changed = db.execute("UPDATE jobs SET status = 'cancelling', updated = ? WHERE job_id = ?"
                                  " AND status IN ('pending', 'running')", (time.time(), job_id)).rowcount > 0
             if changed:
-                _event(db, job_id, "cancelling", message=f"cancel requested{' by ' + by if by else ''}")
+                _event(db, job_id, JobStatus.CANCELLING, message=f"cancel requested{' by ' + by if by else ''}")
             return changed
 
         return self._write(f"record a cancel of job {job_id!r}", write)
@@ -299,7 +300,7 @@ class StateStore:
                        message="abandoned at the aggregation service: no new version")
             db.execute("UPDATE jobs SET status = 'cancelled', error = ?, updated = ? WHERE job_id = ?",
                        (why, time.time(), job_id))
-            _event(db, job_id, "cancelled", message=why)
+            _event(db, job_id, JobStatus.CANCELLED, message=why)
 
         self._write(f"record job {job_id!r} as cancelled", write)
 
