@@ -146,7 +146,7 @@ def run_ours(count: int, rounds: int, url: str | None, timeout_s: float) -> dict
     from fedbroker.aggregation_client import AggregatorClient
     from fedbroker.bus import delete_topology, open_bus
     from fedbroker.coordinator.scheduler import Coordinator
-    from fedbroker.coordinator.state import StateStore
+    from fedbroker.coordinator.store import StateStore
     from fedbroker.spec import parse_job
 
     namespace = f"fedbroker-bench-{uuid.uuid4().hex[:8]}"
@@ -183,12 +183,12 @@ def run_ours(count: int, rounds: int, url: str | None, timeout_s: float) -> dict
         total = time.perf_counter() - setup_started
         row = store.job(job_id)
         if row is None or status != "completed":
-            raise RuntimeError(f"job ended {status}: {row['error'] if row else '?'}; stub fleet: "
+            raise RuntimeError(f"job ended {status}: {row.error if row else '?'}; stub fleet: "
                                f"{_fleet_report(fleet_proc) if fleet_proc else fleet.failures[:5] if fleet else '?'}")
-        per_round = [float(r["seconds"]) for r in store.rounds(job_id)]
-        aggregated = [int(r["aggregated"]) for r in store.rounds(job_id)]
-        first_round_started = min(float(r["started"]) for r in store.rounds(job_id))
-        created = float(row["created"])
+        per_round = [float(r.seconds) for r in store.rounds(job_id)]
+        aggregated = [int(r.aggregated) for r in store.rounds(job_id)]
+        first_round_started = min(float(r.started) for r in store.rounds(job_id))
+        created = float(row.created)
         return {"rounds": per_round, "aggregated": aggregated, "total": total,
                 "registration_s": first_round_started - created}
     finally:

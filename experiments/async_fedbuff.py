@@ -34,7 +34,7 @@ from fedbroker.bus import MemoryBroker, open_bus
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.evaluation import evaluate_global
 from fedbroker.coordinator.scheduler import Coordinator
-from fedbroker.coordinator.state import StateStore
+from fedbroker.coordinator.store import StateStore
 from fedbroker.spec import parse_job
 from fedbroker.worker.agent import WorkerAgent
 
@@ -130,13 +130,13 @@ def run_once(mode: str, seed: int, rounds: int, workers: int) -> dict[str, Any]:
             agent.bus.start()
             agents.append(agent)
         job_id = coordinator.submit(parse_job(job(mode, seed, rounds, workers)))
-        submitted = float(store.job(job_id)["created"])
+        submitted = float(store.job(job_id).created)
         status = coordinator.wait(job_id, timeout=1800)
         if status != "completed":
-            raise RuntimeError(f"{mode} seed {seed}: job {status}: {store.job(job_id)['error']}")
+            raise RuntimeError(f"{mode} seed {seed}: job {status}: {store.job(job_id).error}")
         rows = store.rounds(job_id)
-        curve = [(float(r["closed"]) - submitted, float(r["accuracy"])) for r in rows]  # both from the submission
-        trainings = sum(1 for p in store.participants(job_id) if p["status"] in ("aggregated", "uploaded"))
+        curve = [(float(r.closed) - submitted, float(r.accuracy)) for r in rows]  # both from the submission
+        trainings = sum(1 for p in store.participants(job_id) if p.status in ("aggregated", "uploaded"))
         return {"mode": mode, "seed": seed, "curve": curve, "final_accuracy": curve[-1][1],
                 "seconds": curve[-1][0], "rows": len(rows), "recorded_updates": trainings,
                 "time_to": {f"{t:.2f}": next((s for s, a in curve if a >= t), None) for t in TARGETS}}

@@ -15,7 +15,7 @@ from fedbroker import envelope
 from fedbroker.bus import open_bus
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.participants import WorkerBudget, budget_from_heartbeat, why_unaffordable
-from fedbroker.coordinator.state import WorkerRecord
+from fedbroker.coordinator.records import WorkerRecord
 from fedbroker.errors import BudgetExceeded
 from fedbroker.privacy import job_epsilon_after_round
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -27,8 +27,9 @@ POLICY = {"noise_multiplier": 1.1, "max_grad_norm": 1.0, "delta": 1e-5, "epsilon
 
 
 def record(*, dp_enabled: bool = True, spent: float = 0.0, budget: float = 1.0, samples: int = 400) -> WorkerRecord:
-    return WorkerRecord("w", ["digits"], [], dp_enabled, {**POLICY, "epsilon_budget": budget}, spent, "cpu", samples,
-                        time.time(), "idle")
+    return WorkerRecord(worker_id="w", categories=("digits",), histogram=(),
+                        dp=DPPolicy(enabled=dp_enabled, **{**POLICY, "epsilon_budget": budget}), epsilon_spent=spent,
+                        device="cpu", num_samples=samples, last_seen=time.time())
 
 
 def first_round(samples: int = 400) -> float:

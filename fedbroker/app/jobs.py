@@ -173,7 +173,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def follow_events(c: Any, job_id: str, *, follow: bool) -> Iterator[Any]:
     """The job's events; when following, across the server's stream limit, until the job has ended."""
-    from fedbroker.coordinator.scheduler import FINISHED
+    from fedbroker.coordinator.records import FINISHED
 
     after = 0
     while True:

@@ -99,7 +99,7 @@ def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorP
     from fedbroker.coordinator.evaluation import evaluate_global
     from fedbroker.coordinator.scheduler import Coordinator
     from fedbroker.coordinator.service import SERVICE_NAME, serve
-    from fedbroker.coordinator.state import StateStore
+    from fedbroker.coordinator.store import StateStore
 
     c = config.coordinator
     tokens = load_table(c.tokens_file, service=SERVICE_NAME)

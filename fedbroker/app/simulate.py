@@ -28,7 +28,7 @@ from fedbroker.app.demo import (
     plot,
     print_table,
 )
-from fedbroker.config import WorkerConfig, load_config
+from fedbroker.config import DPPolicy, WorkerConfig, load_config
 from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.spec import JobSpec
 
@@ -101,11 +101,12 @@ def simulation_data(options: SimulateOptions, job: JobSpec) -> WorkerConfig:
 def check_simulation(options: SimulateOptions, job: JobSpec, data: Any) -> None:
     """What would make the simulation wait or fail for reasons other than the job: named before anything runs."""
     from fedbroker.coordinator.participants import data_fit_problems
-    from fedbroker.coordinator.state import WorkerRecord
+    from fedbroker.coordinator.records import WorkerRecord
 
     problems = data_fit_problems(job.model, [WorkerRecord(
-        "simulated", [job.category], [], False, {}, 0.0, "cpu", len(data), 0.0, "idle", data.input_shape,
-        data.num_classes)], category=job.category, who=lambda _: "the simulated workers")
+        worker_id="simulated", categories=(job.category,), histogram=(), dp=DPPolicy(enabled=False),
+        epsilon_spent=0.0, device="cpu", num_samples=len(data), last_seen=0.0, input_shape=tuple(data.input_shape),
+        num_classes=data.num_classes)], category=job.category, who=lambda _: "the simulated workers")
     if not 1 <= options.workers <= 64:
         problems.append(ConfigError("--workers", f"must lie in [1, 64], got {options.workers}"))
     else:

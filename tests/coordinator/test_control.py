@@ -15,7 +15,7 @@ from fedbroker import envelope
 from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import InProcessBus
 from fedbroker.coordinator.scheduler import Coordinator
-from fedbroker.coordinator.state import StateStore
+from fedbroker.coordinator.store import StateStore
 from fedbroker.proto import fedbroker_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
@@ -42,7 +42,7 @@ def test_an_unroutable_task_is_not_retried_until_the_deadline(tmp_path: Path) ->
     c = coordinator(tmp_path, bus)
     bus.declare_worker("w1")
     try:
-        sent = c._publish_batch([(w, b"task") for w in ("ghost", "w1")], time.time() + 3600)
+        sent = c.context.publish_tasks([(w, b"task") for w in ("ghost", "w1")], time.time() + 3600)
     finally:
         bus.close()
     assert sent == {"w1"}

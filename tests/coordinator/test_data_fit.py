@@ -14,9 +14,10 @@ from prometheus_client import REGISTRY
 
 from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import InProcessBus
+from fedbroker.config import DPPolicy
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.service import CoordinatorClient, serve
-from fedbroker.coordinator.state import StateStore
+from fedbroker.coordinator.store import StateStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,8 +29,9 @@ JOB = {
 
 
 def register(store: StateStore, worker_id: str, shape: list[int], classes: int, category: str = "clinic") -> None:
-    store.upsert_worker(worker_id=worker_id, categories=[category], histogram=[1] * classes, dp_enabled=False, dp={},
-                        epsilon_spent=0.0, device="cpu", num_samples=10, input_shape=shape, num_classes=classes)
+    store.upsert_worker(worker_id=worker_id, categories=[category], histogram=[1] * classes,
+                        dp=DPPolicy(enabled=False), epsilon_spent=0.0, device="cpu", num_samples=10, input_shape=shape,
+                        num_classes=classes)
 
 
 def rejected() -> float:
@@ -59,7 +61,7 @@ def test_a_job_that_does_not_fit_the_registered_data_is_refused_over_grpc_naming
         assert rejected() == before + 1
         assert store.jobs() == []
         register(store, "site-a", [3], 4)  # site-a re-registers with data the model takes
-        store.upsert_worker(worker_id="site-b", categories=["other"], histogram=[], dp_enabled=False, dp={},
+        store.upsert_worker(worker_id="site-b", categories=["other"], histogram=[], dp=DPPolicy(enabled=False),
                             epsilon_spent=0.0, device="cpu", num_samples=1)
         assert client.submit(yaml.safe_dump(JOB)).startswith("fit-")
     finally:

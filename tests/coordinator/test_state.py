@@ -20,7 +20,7 @@ from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import InProcessBus
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.service import CoordinatorClient, serve, status_reply
-from fedbroker.coordinator.state import StateStore, StateUnavailable
+from fedbroker.coordinator.store import StateStore, StateUnavailable
 from fedbroker.spec import parse_job
 
 BIG = "x" * 200_000  # a job spec that needs new pages: it cannot land on a full disk
@@ -70,7 +70,7 @@ def test_a_write_waiting_past_the_lock_timeout_fails_rolled_back_and_later_write
     other.close()
     store.add_job("after", "after", "{}", 1, "{}")
     store.open_round("after", 1, ["w1"], deadline=1.0)
-    assert [r["job_id"] for r in store.jobs()] == ["before", "after"]
+    assert [r.job_id for r in store.jobs()] == ["before", "after"]
     assert on_file(store.path, "SELECT job_id FROM jobs ORDER BY created") == [("before",), ("after",)]
     assert on_file(store.path, "SELECT job_id, round FROM rounds") == [("after", 1)]
 
@@ -89,7 +89,7 @@ def test_a_full_disk_rolls_the_whole_transaction_back_and_later_writes_land(stor
     free_disk(store)
     store.add_job("later", "later", BIG, 1, "{}")
     store.open_round("job", 1, many, deadline=1.0)
-    assert [r["job_id"] for r in store.jobs()] == ["job", "later"]
+    assert [r.job_id for r in store.jobs()] == ["job", "later"]
     assert on_file(store.path, "SELECT job_id, status FROM jobs ORDER BY created") == [("job", "running"),
                                                                                        ("later", "pending")]
     assert on_file(store.path, "SELECT COUNT(*) FROM participants") == [(5000,)]

@@ -22,13 +22,14 @@ from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import InProcessBus
 from fedbroker.coordinator.checkpoints import save_checkpoint
 from fedbroker.coordinator.scheduler import Coordinator
-from fedbroker.coordinator.state import StateDirInUse, StateStore
+from fedbroker.coordinator.state_dir import StateDirInUse
+from fedbroker.coordinator.store import StateStore
 from fedbroker.errors import ConfigError
 from fedbroker.spec import parse_job
 
 HOLD = """
 import sys, time
-from fedbroker.coordinator.state import StateStore
+from fedbroker.coordinator.store import StateStore
 StateStore.in_directory(sys.argv[1])
 print("holding", flush=True)
 time.sleep(120)
@@ -109,7 +110,7 @@ def test_jobs_beyond_max_running_jobs_wait_pending_in_submission_order(tmp_path:
         # the first two end soon (no worker registers), the rest wait for workers for an hour
         ids = [coordinator.submit(job(f"p{i}", 0.3 if i < 2 else 3600)) for i in range(6)]
         assert job_threads(ids) <= {f"job-{i}" for i in ids[:2]}
-        assert all(store.job(i)["status"] == "pending" for i in ids[2:])
+        assert all(store.job(i).status == "pending" for i in ids[2:])
         assert coordinator.wait(ids[0], 60) == "failed" and coordinator.wait(ids[1], 60) == "failed"
         wait_for(lambda: job_threads(ids) == {f"job-{ids[2]}", f"job-{ids[3]}"})  # the next two, in order
         assert len(job_threads(ids)) == 2

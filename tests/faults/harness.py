@@ -26,7 +26,7 @@ from fedbroker.aggregators.service import serve
 from fedbroker.bus import Topology, delete_topology, open_bus
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.scheduler import Coordinator
-from fedbroker.coordinator.state import StateStore
+from fedbroker.coordinator.store import StateStore
 from fedbroker.spec import parse_job
 from fedbroker.worker.agent import WorkerAgent
 
@@ -207,15 +207,15 @@ class Federation:
         return self.coordinator.submit(parse_job(job_dict))
 
     def wait_job(self, job_id: str, timeout: float) -> Any:
-        row = wait_for(lambda: (r := self.store.job(job_id)) is not None and r["status"] in ("completed", "failed")
+        row = wait_for(lambda: (r := self.store.job(job_id)) is not None and r.status in ("completed", "failed")
                        and r, timeout, f"job {job_id} to finish", interval=0.1)
-        assert row["status"] == "completed", row["error"]
+        assert row.status == "completed", row.error
         return row
 
     def checkpoint(self, job_id: str) -> dict[str, np.ndarray]:
         from fedbroker.coordinator.checkpoints import load_checkpoint
 
-        return load_checkpoint(self.store.last_checkpoint(job_id)["checkpoint"])[0]
+        return load_checkpoint(self.store.last_checkpoint(job_id).checkpoint)[0]
 
     def dead_letters(self) -> list[tuple[bytes, dict[str, Any]]]:
         import pika

@@ -123,7 +123,7 @@ def test_service_restarted_mid_round_keeps_the_uploads_it_acknowledged(federatio
     fed.start_aggregator(spool=True)  # same port, same spool
     held.release.set()
     fed.wait_job(job_id, 60)
-    assert [r["aggregated"] for r in fed.store.rounds(job_id)] == [2, 2]
+    assert [r.aggregated for r in fed.store.rounds(job_id)] == [2, 2]
     assert training.count == {"fast": 2, "slow": 2}  # nobody trained a round twice
 
 
@@ -135,7 +135,7 @@ def test_coordinator_reinstalls_a_service_that_lost_its_state(federation: Federa
     fed.start_aggregator(spool=False)  # no spool: the job, its model and round 1's uploads are gone
     held.release.set()
     fed.wait_job(job_id, 60)
-    assert [r["aggregated"] for r in fed.store.rounds(job_id)] == [2, 2]
+    assert [r.aggregated for r in fed.store.rounds(job_id)] == [2, 2]
     # The coordinator installed the model and round 1 again and re-sent its tasks: the fast worker, whose
     # acknowledged update was lost with the service, trained round 1 again (the price of running without a spool).
     assert training.count["fast"] == 3 and training.count["slow"] in (2, 3)
@@ -172,8 +172,8 @@ def test_a_worker_asking_between_the_reinstalled_model_and_its_round_retries(fed
     book.put_global = installing  # type: ignore[method-assign]
     fed.wait_job(job_id, 60)
     assert asked.is_set()
-    assert [r["aggregated"] for r in fed.store.rounds(job_id)] == [2, 2]
-    assert not {p["status"] for p in fed.store.participants(job_id, 1)} & {"refused", "failed"}
+    assert [r.aggregated for r in fed.store.rounds(job_id)] == [2, 2]
+    assert not {p.status for p in fed.store.participants(job_id, 1)} & {"refused", "failed"}
 
 
 @pytest.mark.timeout(120)
@@ -190,6 +190,6 @@ def test_a_service_back_without_its_state_is_reinstalled_on_its_event_stream_not
         fed.start_aggregator(spool=False)
         held.release.set()
         fed.wait_job(job_id, 45)  # well before round 1's 60 s deadline, the only other thing that would wake it
-        assert [r["aggregated"] for r in fed.store.rounds(job_id)] == [2, 2]
+        assert [r.aggregated for r in fed.store.rounds(job_id)] == [2, 2]
     finally:
         fed.close()

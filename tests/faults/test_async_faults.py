@@ -99,7 +99,7 @@ def assert_each_receipt_counted_once(fed: Federation, job_id: str, receipts: Rec
     assert all(n == 1 for n in counts.values()), counts          # none twice
     assert receipts.first() <= set(counts), (receipts.first(), counts)  # none lost
     rows = fed.store.rounds(job_id)
-    assert [r["round"] for r in rows] == [1, 2, 3, 4] and len({r["model_version"] for r in rows}) == 4
+    assert [r.round for r in rows] == [1, 2, 3, 4] and len({r.model_version for r in rows}) == 4
 
 
 @pytest.mark.timeout(120)

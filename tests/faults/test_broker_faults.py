@@ -51,7 +51,7 @@ def test_job_completes_across_a_broker_restart_and_no_task_is_lost(federation: F
     rounds = 4
     job_id = fed.submit(job(training={"rounds": rounds}))
     wait_for(lambda: held.holding == {"w0", "w1"}, 60, "both workers to hold round 3's task")
-    assert fed.store.job(job_id)["rounds_done"] == 2
+    assert fed.store.job(job_id).rounds_done == 2
     ctl("stop_app")
     try:
         time.sleep(3)
@@ -60,7 +60,7 @@ def test_job_completes_across_a_broker_restart_and_no_task_is_lost(federation: F
         held.release.set()
     wait_for(lambda: broker_answers(broker), 60, "RabbitMQ to answer again", interval=0.5)
     fed.wait_job(job_id, 120)
-    assert [r["aggregated"] for r in fed.store.rounds(job_id)] == [2] * rounds
+    assert [r.aggregated for r in fed.store.rounds(job_id)] == [2] * rounds
     assert training.count == {"w0": rounds, "w1": rounds}  # the task redelivered after the outage is not retrained
     assert all(sample("fedbroker_worker_tasks_total", {"worker_id": w, "outcome": "already_uploaded"})
                == already[w] + 1 for w in ("w0", "w1"))  # ... it was acked as already done
@@ -126,12 +126,12 @@ def test_training_longer_than_the_consumer_timeout_ends_at_the_round_deadline_an
     job_id = fed.submit(job(training={"rounds": 2}, schedule={"round_timeout_s": 3.0}))
     fed.wait_job(job_id, 60)
     def slow_failed() -> list[Any]:
-        return [p for p in fed.store.participants(job_id) if p["worker_id"] == "slow" and p["status"] == "failed"]
+        return [p for p in fed.store.participants(job_id) if p.worker_id == "slow" and p.status == "failed"]
 
     # It gave up at each round's deadline (when the round closes, with the fast worker's update).
     rows = wait_for(lambda: len(slow_failed()) == 2 and slow_failed(), 5, "the slow worker to report both rounds")
-    assert all("deadline passed during training" in p["reason"] for p in rows)
-    assert [r["aggregated"] for r in fed.store.rounds(job_id)] == [1, 1]
+    assert all("deadline passed during training" in p.reason for p in rows)
+    assert [r.aggregated for r in fed.store.rounds(job_id)] == [1, 1]
     assert isinstance(slow, Recorder) and slow.deliveries == [(1, 1), (2, 1)]  # each task delivered once
     assert slow.bus.reconnects == 0 and "closed its channel" not in caplog.text
     assert fed.dead_letters() == []
@@ -152,7 +152,7 @@ def test_delivery_held_past_the_consumer_timeout_is_redelivered_and_handled_once
     slow = fed.add_worker("slow", index=1, count=2, agent_class=Recorder)
     job_id = fed.submit(job(training={"rounds": 1}, schedule={"round_timeout_s": 30}))
     fed.wait_job(job_id, 60)
-    assert fed.store.rounds(job_id)[0]["aggregated"] == 2
+    assert fed.store.rounds(job_id)[0].aggregated == 2
     assert "closed its channel" in caplog.text
     assert isinstance(slow, Recorder) and slow.deliveries[0] == (1, 1) and (1, 2) in slow.deliveries
     assert training.count["slow"] == 1  # trained once: the copy found the update accepted

@@ -42,10 +42,10 @@ def test_the_epsilon_of_a_training_that_outlives_its_jobs_cancel_stays_on_the_jo
 
     def recorded() -> Any:
         (row,) = fed.store.participants(job_id, 1)
-        return row if row["epsilon"] else None
+        return row if row.epsilon else None
 
     row = wait_for(recorded, 60, "the refused upload's ε on the job's record")
     spent = fed.workers["h1"].ledger.epsilon(job_id)
-    assert spent > 0 and row["epsilon"] == pytest.approx(spent)
-    assert row["status"] == "cancelled" and "ε" in row["reason"]
-    assert fed.store.job(job_id)["status"] == "cancelled"
+    assert spent > 0 and row.epsilon == pytest.approx(spent)
+    assert row.status == "cancelled" and "ε" in row.reason
+    assert fed.store.job(job_id).status == "cancelled"

@@ -45,7 +45,7 @@ def test_an_invalid_registration_is_dead_lettered_never_stored_and_the_job_compl
     assert {w.worker_id for w in fed.store.workers()} == {"w0", "w1"}
     job_id = fed.submit(job(training={"rounds": 1}))
     fed.wait_job(job_id, 60)
-    assert {p["worker_id"] for p in fed.store.participants(job_id)} == {"w0", "w1"}
+    assert {p.worker_id for p in fed.store.participants(job_id)} == {"w0", "w1"}
     dead = sorted(envelope.decode(body, expect=("registration",)).registration.worker_id for body, _ in fed.dead_letters())
     assert dead == ["evil id", "w9"]
 
@@ -66,5 +66,5 @@ def test_a_registered_worker_without_a_consumer_is_a_straggler_and_the_others_ge
     job_id = fed.submit(job(training={"rounds": 1}, schedule={"min_workers": 3, "quorum": 2, "min_clients": 2,
                                                               "round_timeout_s": 90}))
     fed.wait_job(job_id, 60)  # closed by its quorum, well before its deadline
-    statuses = {p["worker_id"]: p["status"] for p in fed.store.participants(job_id, 1)}
+    statuses = {p.worker_id: p.status for p in fed.store.participants(job_id, 1)}
     assert statuses == {"ghost": "missed", "w0": "aggregated", "w1": "aggregated"}

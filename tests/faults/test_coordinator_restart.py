@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-import fedbroker.coordinator.scheduler
+import fedbroker.coordinator.sync_rounds
 from fedbroker.app.demo import free_port
 from fedbroker.coordinator.service import CoordinatorClient
-from fedbroker.coordinator.state import StateStore
+from fedbroker.coordinator.store import StateStore
 from fedbroker.worker.agent import WorkerAgent
 from tests.faults.harness import Federation, HoldsRound, Training, job, wait_for
 
@@ -93,20 +93,20 @@ def test_coordinator_killed_mid_round_resumes_and_ends_with_the_uninterrupted_mo
         wait_for(lambda: held.holding == {"w0", "w1"}, 60, "both workers to hold round 2's task")
         process.send_signal(signal.SIGKILL)
         process.wait(10)
-        assert store.job(job_id)["status"] == "running" and store.job(job_id)["rounds_done"] == 1
+        assert store.job(job_id).status == "running" and store.job(job_id).rounds_done == 1
         process = spawn_coordinator(fed, listen, log)  # same state folder: it resumes the open round 2
         held.release.set()
-        wait_for(lambda: store.job(job_id)["status"] in ("completed", "failed"), 90, "the job to end", interval=0.2)
-        assert store.job(job_id)["status"] == "completed", store.job(job_id)["error"]
+        wait_for(lambda: store.job(job_id).status in ("completed", "failed"), 90, "the job to end", interval=0.2)
+        assert store.job(job_id).status == "completed", store.job(job_id).error
     finally:
         process.terminate()
         process.wait(10)
-    assert [r["status"] for r in store.rounds(job_id)] == ["closed"] * 3
+    assert [r.status for r in store.rounds(job_id)] == ["closed"] * 3
     assert "resuming round 2" in log.read_text()
     assert training.count == {"w0": 3, "w1": 3}  # the resumed round was not trained again
     from fedbroker.coordinator.checkpoints import load_checkpoint
 
-    assert_same_model(load_checkpoint(store.last_checkpoint(job_id)["checkpoint"])[0], uninterrupted)
+    assert_same_model(load_checkpoint(store.last_checkpoint(job_id).checkpoint)[0], uninterrupted)
 
 
 def _submit(client: CoordinatorClient, job_dict: dict[str, Any]) -> str | None:
@@ -129,23 +129,23 @@ def test_coordinator_dying_after_the_service_closed_a_round_records_that_close_o
         monkeypatch: pytest.MonkeyPatch) -> None:
     fed = federation
     run_two_workers(fed)
-    real = fedbroker.coordinator.scheduler.save_checkpoint
+    real = fedbroker.coordinator.sync_rounds.save_checkpoint
 
     def dies_in_round_2(directory: str, job_id: str, round_number: int, *args: Any) -> str:
         if round_number == 2:
             raise Death("the coordinator dies after the service closed round 2, before recording it")
         return real(directory, job_id, round_number, *args)
 
-    monkeypatch.setattr(fedbroker.coordinator.scheduler, "save_checkpoint", dies_in_round_2)
+    monkeypatch.setattr(fedbroker.coordinator.sync_rounds, "save_checkpoint", dies_in_round_2)
     job_id = fed.submit(JOB)
     thread = fed.coordinator._threads[job_id]
     thread.join(60)
     assert not thread.is_alive()
-    assert fed.store.round(job_id, 2)["status"] == "open" and fed.book.status(job_id, 2) == (["w0", "w1"], False)
-    monkeypatch.setattr(fedbroker.coordinator.scheduler, "save_checkpoint", real)
+    assert fed.store.round(job_id, 2).status == "open" and fed.book.status(job_id, 2) == (["w0", "w1"], False)
+    monkeypatch.setattr(fedbroker.coordinator.sync_rounds, "save_checkpoint", real)
     fed.stop_coordinator()
     fed.start_coordinator()  # resumes: the service answers round 2's close again, and the job goes on
     fed.wait_job(job_id, 60)
-    assert [r["aggregated"] for r in fed.store.rounds(job_id)] == [2, 2, 2]
+    assert [r.aggregated for r in fed.store.rounds(job_id)] == [2, 2, 2]
     assert training.count == {"w0": 3, "w1": 3}
     assert_same_model(fed.checkpoint(job_id), uninterrupted)

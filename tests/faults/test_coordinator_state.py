@@ -126,9 +126,9 @@ def test_a_store_outage_longer_than_store_outage_s_fails_the_job_visibly_once_th
     wait_for(lambda: disk.failures[FAIL_JOB] >= 2, 60, "the job's failure to be tried twice")
     assert on_file(fed.store.path, "SELECT status FROM jobs WHERE job_id = ?", job_id) == [("running",)]
     disk.full.clear()
-    row = wait_for(lambda: (r := fed.store.job(job_id))["status"] != "running" and r, 60, "the job to end")
-    assert row["status"] == "failed"
-    assert "could not record the close of round 1" in row["error"] and "database or disk is full" in row["error"]
+    row = wait_for(lambda: (r := fed.store.job(job_id)).status != "running" and r, 60, "the job to end")
+    assert row.status == "failed"
+    assert "could not record the close of round 1" in row.error and "database or disk is full" in row.error
     assert on_file(fed.store.path, "SELECT status FROM jobs WHERE job_id = ?", job_id) == [("failed",)]
     assert on_file(fed.store.path, "SELECT status FROM rounds WHERE job_id = ? AND round = 1", job_id) == [("open",)]
     assert fed.coordinator is not None

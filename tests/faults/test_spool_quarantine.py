@@ -129,6 +129,6 @@ def test_service_restarts_past_a_truncated_record_of_a_finished_job_and_the_runn
     fed.start_aggregator(spool=True)   # on old code: JSONDecodeError, the service never comes back
     training.step_delay.clear()
     fed.wait_job(running, 60)
-    assert [r["aggregated"] for r in fed.store.rounds(running)] == [2, 2]
+    assert [r.aggregated for r in fed.store.rounds(running)] == [2, 2]
     assert training.count["fast"] == 3   # finished: 1 round; running: 2 rounds, none trained twice
     assert len(list((fed.spool_dir / QUARANTINE_DIR).iterdir())) == 1

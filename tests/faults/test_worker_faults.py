@@ -81,7 +81,7 @@ def test_worker_killed_mid_training_gets_its_task_again_and_its_update_counts_on
         job_id = fed.submit(job(training={"rounds": 2, "local_epochs": epochs}))
         wait_for(lambda: any(w.worker_id == "victim" and w.state == "training" for w in fed.store.workers()), 60,
                  "the victim to start training round 1")
-        assert fed.store.round(job_id, 1)["status"] == "open"
+        assert fed.store.round(job_id, 1).status == "open"
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
         accepted, _ = fed.book.status(job_id, 1)
@@ -92,9 +92,9 @@ def test_worker_killed_mid_training_gets_its_task_again_and_its_update_counts_on
         victim.kill()
         victim.wait(10)
     rounds = fed.store.rounds(job_id)
-    assert [r["aggregated"] for r in rounds] == [2, 2]
+    assert [r.aggregated for r in rounds] == [2, 2]
     # Counted once: one accepted update per worker, weighted by its share of the samples.
-    samples = {p["worker_id"]: p["num_samples"] for p in fed.store.participants(job_id, 1)}
+    samples = {p.worker_id: p.num_samples for p in fed.store.participants(job_id, 1)}
     for result in closes:
         assert sorted(u.worker_id for u in result.updates) == ["steady", "victim"]
         weights = {u.worker_id: u.weight for u in result.updates}
@@ -171,15 +171,15 @@ def test_straggler_is_refused_as_late_and_the_round_closes_at_its_deadline_with_
                             schedule={"min_workers": 3, "min_clients": 2, "round_timeout_s": timeout}))
     fed.wait_job(job_id, 30)
     (rnd,) = fed.store.rounds(job_id)
-    assert rnd["aggregated"] == 2 and rnd["seconds"] >= timeout  # waited for the deadline, then closed with 2
+    assert rnd.aggregated == 2 and rnd.seconds >= timeout  # waited for the deadline, then closed with 2
     assert sample("fedbroker_coordinator_stragglers_total", {"job_id": job_id}) == 1
     row = wait_for(lambda: next((p for p in fed.store.participants(job_id, 1)
-                                 if p["worker_id"] == "slow" and p["status"] == "failed"), None), 15,
+                                 if p.worker_id == "slow" and p.status == "failed"), None), 15,
                    "the straggler to report its refused upload")
-    assert "late update refused" in row["reason"]
+    assert "late update refused" in row.reason
     assert sample("fedbroker_aggregator_uploads_rejected_total", {"reason": "late"}) == late + 1
     assert sample("fedbroker_aggregator_late_uploads_total") == late_total + 1
-    assert {p["worker_id"]: p["status"] for p in fed.store.participants(job_id, 1)} == {
+    assert {p.worker_id: p.status for p in fed.store.participants(job_id, 1)} == {
         "a": "aggregated", "b": "aggregated", "slow": "failed"}
 
 
@@ -192,9 +192,9 @@ def test_task_that_fails_every_time_is_dead_lettered_after_max_attempts_and_an_u
     poisoned = fed.add_worker("poisoned", index=1, count=2, max_attempts=3)
     job_id = fed.submit(job(training={"rounds": 1}, schedule={"min_clients": 1}))
     fed.wait_job(job_id, 30)
-    rows = {p["worker_id"]: p for p in fed.store.participants(job_id, 1)}
-    assert rows["good"]["status"] == "aggregated"
-    assert rows["poisoned"]["status"] == "failed" and "gave up after 3 attempts" in rows["poisoned"]["reason"]
+    rows = {p.worker_id: p for p in fed.store.participants(job_id, 1)}
+    assert rows["good"].status == "aggregated"
+    assert rows["poisoned"].status == "failed" and "gave up after 3 attempts" in rows["poisoned"].reason
     (dead,) = wait_for(fed.dead_letters, 10, "the task in the dead-letter queue")
     task = envelope.decode(dead[0], expect=("round_task",)).round_task
     assert (task.job_id, task.round) == (job_id, 1)
@@ -241,7 +241,7 @@ def test_restarted_worker_remembers_the_epsilon_it_spent(federation: Federation,
     fed.wait_job(job_id, 60)
     two_rounds = accountant_epsilon(num_samples, 2, epochs)
     assert second.ledger.epsilon(job_id) == pytest.approx(two_rounds, rel=1e-9)
-    recorded = {p["round"]: p["epsilon"] for p in fed.store.participants(job_id) if p["worker_id"] == "owner"}
+    recorded = {p.round: p.epsilon for p in fed.store.participants(job_id) if p.worker_id == "owner"}
     assert recorded[1] == pytest.approx(one_round, rel=1e-9) and recorded[2] == pytest.approx(two_rounds, rel=1e-9)
     assert training.count["owner"] == 2  # round 1's redelivered task was acked without a second training
     wait_for(lambda: next(w for w in fed.store.workers() if w.worker_id == "owner").epsilon_spent

@@ -78,10 +78,10 @@ def test_worker_retries_a_full_spool_past_the_old_budget_and_uploads_once_it_has
     job_id = fed.submit(job(training={"rounds": 1}, schedule={"min_workers": 1, "round_timeout_s": 60}))
     wait_for(lambda: disk.refused > 2 * OLD_BUDGET_ATTEMPTS, 40, "the worker to keep retrying its upload")
     assert told == []  # still retrying: nothing reported, nothing dead-lettered
-    assert [p["status"] for p in fed.store.participants(job_id, 1)] == ["published"]
+    assert [p.status for p in fed.store.participants(job_id, 1)] == ["published"]
     disk.full.clear()  # room again
     fed.wait_job(job_id, 30)
-    assert [(p["worker_id"], p["status"]) for p in fed.store.participants(job_id, 1)] == [("patient", "aggregated")]
+    assert [(p.worker_id, p.status) for p in fed.store.participants(job_id, 1)] == [("patient", "aggregated")]
     assert training.count["patient"] == 1  # the same update, re-sent: trained (and ε spent) once
     assert sample("fedbroker_aggregator_uploads_rejected_total", {"reason": "spool_full"}) - refused_before \
         == disk.refused  # refused as spool_full (UNAVAILABLE), never as an opaque UNKNOWN
@@ -98,14 +98,14 @@ def test_worker_gives_up_on_a_full_spool_at_the_rounds_deadline_not_before(
     told = reports(worker)
     job_id = fed.submit(job(training={"rounds": 1}, schedule={"min_workers": 1, "round_timeout_s": 6}))
     wait_for(lambda: told, 30, "the worker to give up")
-    deadline = float(fed.store.round(job_id, 1)["deadline"])
+    deadline = float(fed.store.round(job_id, 1).deadline)
     ((when, status, reason),) = told
     assert status == pb.TaskOutcome.FAILED
     assert when >= deadline, f"gave up {deadline - when:.2f}s before the round's deadline: {reason}"
     assert disk.refused > OLD_BUDGET_ATTEMPTS
     assert training.count["patient"] == 1
-    row = wait_for(lambda: (r := fed.store.job(job_id))["status"] != "running" and r, 20, "the job to end")
-    assert row["status"] == "failed" and "min_clients" in row["error"]
+    row = wait_for(lambda: (r := fed.store.job(job_id)).status != "running" and r, 20, "the job to end")
+    assert row.status == "failed" and "min_clients" in row.error
     assert fed.dead_letters() == []  # reported and acked at the deadline, not dead-lettered
 
 
@@ -137,11 +137,11 @@ def test_worker_whose_ledger_was_lost_refuses_to_train_and_the_recorded_epsilon_
 
     refused = sample("fedbroker_worker_tasks_refused_total", {"worker_id": "owner", "reason": "ledger_behind"})
     job_id = fed.submit(job(training={"rounds": 1}, schedule={"min_workers": 1, "round_timeout_s": 30}))
-    row = wait_for(lambda: (r := fed.store.job(job_id))["status"] in ("completed", "failed") and r, 40,
+    row = wait_for(lambda: (r := fed.store.job(job_id)).status in ("completed", "failed") and r, 40,
                    "the job to end")
-    assert row["status"] == "failed"  # its only worker refused: nothing trained, nothing aggregated
+    assert row.status == "failed"  # its only worker refused: nothing trained, nothing aggregated
     (p,) = fed.store.participants(job_id, 1)
-    assert p["status"] == "refused" and "ledger" in p["reason"] and "restore" in p["reason"]
+    assert p.status == "refused" and "ledger" in p.reason and "restore" in p.reason
     assert training.count["owner"] == 1  # only the first job's round
     assert second.ledger.total_epsilon() == 0.0
     assert sample("fedbroker_worker_tasks_refused_total", {"worker_id": "owner", "reason": "ledger_behind"}) \

@@ -17,7 +17,7 @@ from fedbroker.bus import delete_topology, open_bus
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.evaluation import evaluate_global
 from fedbroker.coordinator.scheduler import Coordinator
-from fedbroker.coordinator.state import StateStore
+from fedbroker.coordinator.store import StateStore
 from fedbroker.worker.agent import WorkerAgent
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 
@@ -38,13 +37,13 @@ def test_aligned_global_model_beats_every_worker_training_alone(federation, alig
     job_dict["aggregation"] = {"alignment": alignment}
     job = parse_job(job_dict)
     job_id = federation.coordinator.submit(job)
-    assert federation.coordinator.wait(job_id, timeout=280) == "completed", federation.store.job(job_id)["error"]
+    assert federation.coordinator.wait(job_id, timeout=280) == "completed", federation.store.job(job_id).error
 
     rounds = federation.store.rounds(job_id)
-    assert [r["aggregated"] for r in rounds] == [3, 3, 3]
-    stats = json.loads(rounds[0]["stats_json"])
+    assert [r.aggregated for r in rounds] == [3, 3, 3]
+    stats = rounds[0].stats
     assert any(key.startswith("alignment_") for key in stats), stats
-    tensors, spec_json = load_checkpoint(rounds[-1]["checkpoint"])
+    tensors, spec_json = load_checkpoint(rounds[-1].checkpoint)
     federated, _ = evaluate_global(job, spec_json, tensors)
 
     test = train_test_split(load_dataset("digits"), test_fraction=0.2, seed=0)[1]

@@ -44,7 +44,7 @@ def federation(request, tmp_path):
 def run(federation: Federation, job: dict) -> str:
     job_id = federation.coordinator.submit(parse_job(job))
     status = federation.coordinator.wait(job_id, timeout=280)
-    assert status == "completed", federation.store.job(job_id)["error"]
+    assert status == "completed", federation.store.job(job_id).error
     return job_id
 
 
@@ -65,11 +65,11 @@ def test_async_job_publishes_its_versions_with_dp_and_learns(federation):
     assert sample("fedbroker_coordinator_last_version_timestamp_seconds", {"job_id": job_id}) > 0
     assert sample("fedbroker_coordinator_async_job_running", {"job_id": job_id}) == 0  # it ended
     rows = federation.store.rounds(job_id)
-    assert len(rows) == 6 and all(r["status"] == "closed" and r["checkpoint"] for r in rows)
-    versions = [r["model_version"] for r in rows]
+    assert len(rows) == 6 and all(r.status == "closed" and r.checkpoint for r in rows)
+    versions = [r.model_version for r in rows]
     assert versions == sorted(versions) and len(set(versions)) == 6  # one row per version, in order
-    assert all(r["uploaded"] >= 1 for r in rows)
-    assert rows[-1]["accuracy"] > 0.5, [r["accuracy"] for r in rows]
+    assert all(r.uploaded >= 1 for r in rows)
+    assert rows[-1].accuracy > 0.5, [r.accuracy for r in rows]
     # every worker trained under its own DP policy, and its ε grew with each task it ran
     for worker_id, agent in federation.workers.items():
         assert agent.ledger.epsilon(job_id) > 0, worker_id
@@ -77,7 +77,7 @@ def test_async_job_publishes_its_versions_with_dp_and_learns(federation):
     assert status.refused_stale == 0 and status.closed and not status.issued  # the ended job's tasks ended
     table = render(status_reply(federation.coordinator, job_id))
     assert "VERSIONS (asynchronous jobs)" in table and "async" in table
-    assert f"{rows[-1]['model_version']}" in table.split("VERSIONS")[1]
+    assert f"{rows[-1].model_version}" in table.split("VERSIONS")[1]
 
 
 def test_a_worker_over_budget_stops_receiving_tasks(federation):
@@ -89,7 +89,7 @@ def test_a_worker_over_budget_stops_receiving_tasks(federation):
     job["training"]["rounds"] = 3
     job_id = run(federation, job)
     assert poor.ledger.epsilon(job_id) == 0.0  # never trained: it cannot afford one task
-    folded = {p["worker_id"] for p in federation.store.participants(job_id)}
+    folded = {p.worker_id for p in federation.store.participants(job_id)}
     assert "poor" not in folded and folded <= {"rich0", "rich1"}
 
 
@@ -129,4 +129,4 @@ def test_cancelling_an_async_job_closes_its_buffer_and_makes_no_further_version(
     time.sleep(1.0)  # workers still training find their uploads refused: nothing moves after the cancel
     assert federation.book.buffer_status(job_id)[0] == version
     assert len(federation.store.rounds(job_id)) == recorded < 500
-    assert federation.store.job(job_id)["status"] == "cancelled"
+    assert federation.store.job(job_id).status == "cancelled"

@@ -38,7 +38,7 @@ def coordinator_with(fed: Federation, **options: object) -> Coordinator:
 
 def run(fed: Federation, job: dict) -> str:
     job_id = fed.coordinator.submit(parse_job(job))
-    assert fed.coordinator.wait(job_id, timeout=170) == "completed", fed.store.job(job_id)["error"]
+    assert fed.coordinator.wait(job_id, timeout=170) == "completed", fed.store.job(job_id).error
     return job_id
 
 
@@ -50,7 +50,7 @@ def test_rounds_close_on_the_services_events_not_on_a_poll(tmp_path):
         for i in range(2):
             fed.add_worker(f"w{i}", index=i, count=2)
         job_id = run(fed, JOB)
-        assert [r["aggregated"] for r in fed.store.rounds(job_id)] == [2, 2, 2]
+        assert [r.aggregated for r in fed.store.rounds(job_id)] == [2, 2, 2]
     finally:
         fed.close()
 
@@ -65,7 +65,7 @@ def test_a_lost_event_never_stalls_a_round(tmp_path, monkeypatch):
         job = copy.deepcopy(JOB)
         job["training"]["rounds"] = 2
         job_id = run(fed, job)
-        assert [r["aggregated"] for r in fed.store.rounds(job_id)] == [2, 2]
+        assert [r.aggregated for r in fed.store.rounds(job_id)] == [2, 2]
     finally:
         fed.close()
 

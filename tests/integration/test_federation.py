@@ -34,7 +34,7 @@ def run(federation, job_dict):
     job_id = federation.coordinator.submit(parse_job(job_dict))
     status = federation.coordinator.wait(job_id, timeout=280)
     row = federation.store.job(job_id)
-    assert status == "completed", row["error"]
+    assert status == "completed", row.error
     return job_id
 
 
@@ -43,11 +43,11 @@ def test_federation_over_rabbitmq_reaches_90_percent_on_iid_digits(federation):
         federation.add_worker(f"w{i}", index=i, count=3)
     job_id = run(federation, JOB)
     rounds = federation.store.rounds(job_id)
-    accuracy = [r["accuracy"] for r in rounds]
-    assert len(rounds) == 10 and all(r["aggregated"] == 3 for r in rounds)
+    accuracy = [r.accuracy for r in rounds]
+    assert len(rounds) == 10 and all(r.aggregated == 3 for r in rounds)
     assert max(accuracy) >= 0.90, accuracy
     assert np.mean(accuracy[-3:]) > np.mean(accuracy[:3]) + 0.05, accuracy  # it learns over rounds
-    assert all(p["status"] == "aggregated" for p in federation.store.participants(job_id))
+    assert all(p.status == "aggregated" for p in federation.store.participants(job_id))
 
 
 def test_dp_epsilon_per_worker_equals_the_opacus_accountant(federation):
@@ -63,7 +63,7 @@ def test_dp_epsilon_per_worker_equals_the_opacus_accountant(federation):
         accountant = RDPAccountant()
         accountant.history = [(1.1, dp_sample_rate(n, config), 2 * planned_steps(n, config))]
         expected = accountant.get_epsilon(1e-5)
-        recorded = [p["epsilon"] for p in federation.store.participants(job_id) if p["worker_id"] == worker_id]
+        recorded = [p.epsilon for p in federation.store.participants(job_id) if p.worker_id == worker_id]
         assert np.isfinite(recorded[-1]) and recorded[-1] > recorded[0] > 0
         assert recorded[-1] == pytest.approx(expected, rel=1e-9)
         assert agent.ledger.epsilon(job_id) == pytest.approx(expected, rel=1e-9)
@@ -78,9 +78,9 @@ def test_a_worker_that_cannot_afford_the_round_is_not_selected_and_spends_nothin
     job = copy.deepcopy(JOB)
     job["training"]["rounds"] = 1
     job_id = run(federation, job)
-    rows = {p["worker_id"]: p for p in federation.store.participants(job_id, 1)}
+    rows = {p.worker_id: p for p in federation.store.participants(job_id, 1)}
     assert set(rows) == {"rich0", "rich1"}  # the round opened with the workers that can afford it
-    assert rows["rich0"]["status"] == rows["rich1"]["status"] == "aggregated"
+    assert rows["rich0"].status == rows["rich1"].status == "aggregated"
     assert federation.workers["poor"].ledger.epsilon(job_id) == 0.0
 
 
@@ -97,7 +97,7 @@ def test_no_round_opens_and_no_worker_trains_when_fewer_than_min_clients_can_aff
     job["schedule"].update(min_clients=2, wait_for_workers_s=3)
     job_id = federation.coordinator.submit(parse_job(job))
     assert federation.coordinator.wait(job_id, timeout=120) == "failed"
-    error = federation.store.job(job_id)["error"]
+    error = federation.store.job(job_id).error
     assert "round 1 not opened: 1 of 3 active worker(s)" in error and "min_clients is 2" in error, error
     assert "poor0: the round would cost ε" in error and "poor1: the round would cost ε" in error, error
     assert federation.store.participants(job_id) == [] and federation.store.rounds(job_id) == []
@@ -118,8 +118,8 @@ def test_a_model_that_does_not_fit_a_workers_data_is_reported_as_failed_not_retr
     agent = federation.add_worker("w0", index=0, count=1)
     assert federation.coordinator.wait(job_id, timeout=120) == "failed"
     (row,) = federation.store.participants(job_id, 1)
-    assert row["status"] == "failed", dict(row)
-    assert "model.input_shape [64] does not fit this worker's data, whose samples have shape [1, 8, 8]" in row["reason"]
+    assert row.status == "failed", row
+    assert "model.input_shape [64] does not fit this worker's data, whose samples have shape [1, 8, 8]" in row.reason
     assert agent.ledger.jobs() == {}
     assert federation.bus.dead_letter_count() == 0
     assert REGISTRY.get_sample_value("fedbroker_worker_tasks_failed_total",

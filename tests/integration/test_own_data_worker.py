@@ -71,10 +71,10 @@ def test_a_worker_process_serves_its_own_csv_and_registers_only_its_shape(federa
             federation.coordinator.submit(parse_job(wrong))
 
         job_id = federation.coordinator.submit(parse_job(JOB))
-        assert federation.coordinator.wait(job_id, timeout=180) == "completed", federation.store.job(job_id)["error"]
+        assert federation.coordinator.wait(job_id, timeout=180) == "completed", federation.store.job(job_id).error
         rounds = federation.store.rounds(job_id)
-        assert [r["aggregated"] for r in rounds] == [1, 1]
-        losses = [p["train_loss"] for p in federation.store.participants(job_id)]
+        assert [r.aggregated for r in rounds] == [1, 1]
+        losses = [p.train_loss for p in federation.store.participants(job_id)]
         assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses  # standardised features train
     finally:
         process.terminate()

@@ -8,7 +8,6 @@ in exactly the GA rounds on the updates that really arrived.
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -86,16 +85,16 @@ def test_dwfed_with_ga_selection_runs_ga_every_gap_and_weights_by_reported_ish(f
 
     job_id = federation.coordinator.submit(parse_job(copy.deepcopy(JOB)))
     status = federation.coordinator.wait(job_id, timeout=100)
-    assert status == "completed", federation.store.job(job_id)["error"]
+    assert status == "completed", federation.store.job(job_id).error
 
     rounds = federation.store.rounds(job_id)
-    assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1))
+    assert [r.round for r in rounds] == list(range(1, ROUNDS + 1))
     assert [reply.model_version for reply in replies] == list(range(2, ROUNDS + 2))
     for r in rounds:
-        stats = json.loads(r["stats_json"])
-        ga_round = r["round"] % GA_GAP == 0
-        assert r["status"] == "closed" and r["uploaded"] == WORKERS, dict(r)
-        assert r["aggregated"] == M and stats["aggregated"] == M and stats["accepted"] == WORKERS, stats
+        stats = r.stats
+        ga_round = r.round % GA_GAP == 0
+        assert r.status == "closed" and r.uploaded == WORKERS, r
+        assert r.aggregated == M and stats["aggregated"] == M and stats["accepted"] == WORKERS, stats
         assert stats["selection_ga_ran"] == (1.0 if ga_round else 0.0), (r["round"], stats)
         assert stats["selection_fallback"] == 0.0 and stats["weighting_fallback"] == 0.0, stats
         if ga_round:  # the GA's own numbers reach the store; random rounds have none
@@ -103,8 +102,8 @@ def test_dwfed_with_ga_selection_runs_ga_every_gap_and_weights_by_reported_ish(f
             assert np.isfinite(stats["selection_fitness"]) and -1.0 <= stats["selection_loss1"] <= 1.0, stats
         else:
             assert "selection_fitness" not in stats, stats
-        chosen = [p["worker_id"] for p in federation.store.participants(job_id, r["round"]) if p["status"] == "aggregated"]
-        assert chosen == sorted(replies[r["round"] - 1].aggregated) and len(chosen) == M
+        chosen = [p.worker_id for p in federation.store.participants(job_id, r.round) if p.status == "aggregated"]
+        assert chosen == sorted(replies[r.round - 1].aggregated) and len(chosen) == M
 
     # Every reported ISH reached the service: each chosen update's coefficient is its ISH normalised over
     # the chosen ones.
@@ -126,5 +125,5 @@ def test_dwfed_with_ga_selection_runs_ga_every_gap_and_weights_by_reported_ish(f
     assert _metric(*AGGREGATED) - before["aggregated"] == ROUNDS * M
     assert _metric(*FALLBACKS) - before["fallbacks"] == 0
     assert _metric(*GA_RUNS) - before["ga_runs"] == ROUNDS // GA_GAP
-    last_ga = json.loads(rounds[-1]["stats_json"])
+    last_ga = rounds[-1].stats
     assert _metric(*FITNESS) == pytest.approx(last_ga["selection_fitness"], rel=1e-12)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import open_bus
 from fedbroker.coordinator.scheduler import Coordinator
-from fedbroker.coordinator.state import StateStore
+from fedbroker.coordinator.store import StateStore
 from fedbroker.spec import parse_job
 from tests.lifecycle.test_jobs import JOB
 
@@ -17,7 +17,7 @@ def test_a_job_asked_to_cancel_is_cancelled_by_the_next_coordinator_and_never_ru
     store.set_job_status("j-1", "running")
     assert store.request_cancel("j-1", by="alice")
     store.set_job_status("j-1", "running")  # a job thread starting meanwhile does not undo it
-    assert store.job("j-1")["status"] == "cancelling"
+    assert store.job("j-1").status == "cancelling"
 
     coordinator = Coordinator(bus=open_bus(None, namespace="t"), store=store,
                               aggregator=AggregatorClient("127.0.0.1:1"), aggregator_target="127.0.0.1:1",
@@ -27,6 +27,6 @@ def test_a_job_asked_to_cancel_is_cancelled_by_the_next_coordinator_and_never_ru
         assert coordinator.wait("j-1", timeout=60) == "cancelled"
     finally:
         coordinator.stop()
-    assert store.job("j-1")["error"] == "cancelled by alice" and store.rounds("j-1") == []
-    assert [e["kind"] for e in store.events("j-1")] == ["submitted", "running", "cancelling", "cancelled"]
+    assert store.job("j-1").error == "cancelled by alice" and store.rounds("j-1") == []
+    assert [e.kind for e in store.events("j-1")] == ["submitted", "running", "cancelling", "cancelled"]
     assert not store.request_cancel("j-1", by="alice")  # it has ended: nothing to cancel

@@ -127,25 +127,25 @@ def test_cancel_mid_round_abandons_it_and_the_workers_go_on_serving_other_jobs(s
     w1.bus.close()
     job = dict(JOB, schedule=dict(JOB["schedule"], min_workers=2))
     job_id = submit(served, "alice", job)
-    until(lambda: [p["status"] for p in served.fed.store.participants(job_id, 1) if p["worker_id"] == "w0"]
+    until(lambda: [p.status for p in served.fed.store.participants(job_id, 1) if p.worker_id == "w0"]
           == ["uploaded"], what="w0 upload in round 1")
 
     code, out, err = cli(capsys, "jobs", "cancel", job_id, "--config", served.config("alice"))
     assert code == 0 and f"job {job_id} cancelled" in out, (out, err)
 
     store = served.fed.store
-    assert store.job(job_id)["status"] == "cancelled" and store.job(job_id)["rounds_done"] == 0
-    assert store.job(job_id)["error"] == "cancelled by alice"
+    assert store.job(job_id).status == "cancelled" and store.job(job_id).rounds_done == 0
+    assert store.job(job_id).error == "cancelled by alice"
     (rnd,) = store.rounds(job_id)
-    assert rnd["status"] == "abandoned" and rnd["model_version"] is None and rnd["checkpoint"] is None
+    assert rnd.status == "abandoned" and rnd.model_version is None and rnd.checkpoint is None
     assert checkpoints_of(served.tmp / "checkpoints", job_id) == []
     assert served.fed.book.global_model(job_id)[0] == 1  # no version came of the round
     assert served.fed.book.status(job_id, 1)[1] is False  # and it is closed to uploads
-    rows = {p["worker_id"]: p for p in store.participants(job_id, 1)}
-    assert rows["w0"]["status"] == "discarded" and rows["w0"]["num_samples"] > 0
+    rows = {p.worker_id: p for p in store.participants(job_id, 1)}
+    assert rows["w0"].status == "discarded" and rows["w0"].num_samples > 0
     # the ε w0's ledger charged for the discarded update is on the job's record too
-    assert rows["w0"]["epsilon"] == pytest.approx(w0.ledger.epsilon(job_id), rel=1e-9) and rows["w0"]["epsilon"] > 0
-    assert rows["w1"]["status"] == "cancelled" and rows["w1"]["epsilon"] is None
+    assert rows["w0"].epsilon == pytest.approx(w0.ledger.epsilon(job_id), rel=1e-9) and rows["w0"].epsilon > 0
+    assert rows["w1"].status == "cancelled" and rows["w1"].epsilon is None
 
     code, out, _ = cli(capsys, "jobs", "logs", job_id, "--json", "--config", served.config("carol"))
     kinds = [json.loads(line)["kind"] for line in out.splitlines()]
@@ -159,8 +159,8 @@ def test_cancel_mid_round_abandons_it_and_the_workers_go_on_serving_other_jobs(s
     other = dict(JOB, name="after", category="other")
     other["training"] = dict(JOB["training"], rounds=1)
     other_id = submit(served, "bob", other)
-    assert served.fed.coordinator.wait(other_id, timeout=240) == "completed", store.job(other_id)["error"]
-    assert [p["status"] for p in store.participants(other_id)] == ["aggregated"]
+    assert served.fed.coordinator.wait(other_id, timeout=240) == "completed", store.job(other_id).error
+    assert [p.status for p in store.participants(other_id)] == ["aggregated"]
     assert set(w0.ledger.jobs()) == {job_id, other_id}  # it trained the next job as usual
 
 
@@ -334,13 +334,13 @@ def _opens(stub, job_id, md) -> bool:
 def test_a_job_waiting_for_workers_is_cancelled_before_any_round_opens(served):
     job = dict(JOB, schedule=dict(JOB["schedule"], min_workers=3, wait_for_workers_s=600))
     job_id = submit(served, "alice", job)
-    until(lambda: served.fed.store.job(job_id)["status"] == "pending", what="the job waiting for workers")
+    until(lambda: served.fed.store.job(job_id).status == "pending", what="the job waiting for workers")
     c = served.client("alice")
     assert c.cancel(job_id) == "cancelled"
     c.close()
     assert served.fed.coordinator.wait(job_id, timeout=60) == "cancelled"
-    assert served.fed.store.rounds(job_id) == [] and served.fed.store.job(job_id)["error"] == "cancelled by alice"
-    assert [e["kind"] for e in served.fed.store.events(job_id)] == ["submitted", "cancelling", "cancelled"]
+    assert served.fed.store.rounds(job_id) == [] and served.fed.store.job(job_id).error == "cancelled by alice"
+    assert [e.kind for e in served.fed.store.events(job_id)] == ["submitted", "cancelling", "cancelled"]
 
 
 def test_open_rounds_and_jobs_without_an_evaluation_set_show_a_dash_not_zero():

@@ -262,7 +262,7 @@ def collected(name: str) -> dict[tuple[str, ...], float]:
 def idle_coordinator(tmp_path):
     """A coordinator on the in-process bus whose jobs wait for workers (none come), so no round ever runs."""
     from fedbroker.coordinator.scheduler import Coordinator
-    from fedbroker.coordinator.state import StateStore
+    from fedbroker.coordinator.store import StateStore
 
     bus = open_bus(None, namespace=f"metrics-{uuid.uuid4().hex[:8]}")
     store = StateStore(str(tmp_path / "coordinator.sqlite"))
@@ -349,7 +349,7 @@ def test_the_coordinator_exports_active_workers_and_waiting_jobs_per_category(id
     """A job waiting on a category that no worker serves shows as 0 active workers of that category, even
     while workers of another category are active."""
     store = idle_coordinator.store
-    store.upsert_worker(worker_id="d1", categories=["digits"], histogram=[1, 2], dp_enabled=False, dp={},
+    store.upsert_worker(worker_id="d1", categories=["digits"], histogram=[1, 2], dp=DPPolicy(enabled=False),
                         epsilon_spent=0.0, device="cpu", num_samples=3)
     idle_coordinator.submit(waiting_job("xray"))
     idle_coordinator.submit(waiting_job("xray"))

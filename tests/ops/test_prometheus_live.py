@@ -113,7 +113,7 @@ def watched_federation(rabbitmq_url, tmp_path):
 
 def run_job(fed: Federation, rounds: int) -> str:
     job_id = fed.coordinator.submit(parse_job(job(rounds)))
-    assert fed.coordinator.wait(job_id, timeout=120) == "completed", fed.store.job(job_id)["error"]
+    assert fed.coordinator.wait(job_id, timeout=120) == "completed", fed.store.job(job_id).error
     return job_id
 
 
@@ -140,7 +140,7 @@ def test_prometheus_sees_rounds_rise_and_each_workers_epsilon(watched_federation
                                 and epsilons())
     remaining = prometheus.scalar('fedbroker_worker_epsilon_budget_remaining{worker_id="p0"}')
     assert remaining == pytest.approx(POLICY.epsilon_budget - later["p0"], rel=1e-6)
-    accuracy = fed.store.rounds(second)[-1]["accuracy"]
+    accuracy = fed.store.rounds(second)[-1].accuracy
     # Each value is waited for, not read once: the last scrape may predate the gauge's update by a second.
     prometheus.wait_for("the second job's accuracy", lambda: prometheus.scalar(
         f'fedbroker_coordinator_model_accuracy{{job_id="{second}"}}') == pytest.approx(accuracy))

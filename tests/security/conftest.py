@@ -18,7 +18,7 @@ from fedbroker.auth import ClientSecurity, ServerTLS, TokenTable, generate_token
 from fedbroker.bus import delete_topology, open_bus
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.scheduler import Coordinator
-from fedbroker.coordinator.state import StateStore
+from fedbroker.coordinator.store import StateStore
 from fedbroker.worker.agent import WorkerAgent
 from tests.security.pki import Authority, Pair
 from tests.security.tlsproxy import TlsProxy

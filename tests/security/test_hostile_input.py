@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import grpc
@@ -32,7 +32,7 @@ from fedbroker.bus import Topology, delete_topology, open_bus
 from fedbroker.config import DPPolicy, WorkerConfig
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.service import serve as serve_coordinator
-from fedbroker.coordinator.state import StateStore
+from fedbroker.coordinator.store import StateStore
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.spec import parse_model
@@ -105,7 +105,7 @@ class Services:
                 "schedule": {"wait_for_workers_s": 3600}}
         self.good_job = self.coord.SubmitJob(pb.SubmitJobRequest(job_yaml=json.dumps(good)),
                                              metadata=bearer(self.tokens["alice"]), timeout=10).job_id
-        self.good_row = dict(self.store.job(self.good_job))
+        self.good_row = asdict(self.store.job(self.good_job))
 
     def client(self, identity: str) -> AggregatorClient:
         return AggregatorClient(self.target, timeout_s=10, security=ClientSecurity(token=self.tokens[identity]))
@@ -545,7 +545,7 @@ def _job(svc: Services, case: Case, caplog: Any) -> None:
     _expect(case, lambda: svc.coord.SubmitJob(pb.SubmitJobRequest(job_yaml=text),
                                               metadata=bearer(svc.tokens[token]) if token else (), timeout=30))
     assert len(svc.store.jobs()) == jobs
-    assert dict(svc.store.job(svc.good_job)) | {"status": None} == svc.good_row | {"status": None}
+    assert asdict(svc.store.job(svc.good_job)) | {"status": None} == svc.good_row | {"status": None}
 
 
 def _upload(svc: Services, case: Case, caplog: Any) -> None:

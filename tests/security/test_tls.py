@@ -59,7 +59,7 @@ def secure_run(pki, tls_proxy, rabbitmq_url, tmp_path_factory):
     try:
         job_id = fed.coordinator.submit(parse_job(JOB))
         status = fed.coordinator.wait(job_id, timeout=150)
-        assert status == "completed", fed.store.job(job_id)["error"]
+        assert status == "completed", fed.store.job(job_id).error
         # a failing connection with a password of its own: error paths must not print it either
         leaky = open_bus("amqp://fedbroker:Sup3r-S3cret-Passw0rd@127.0.0.1:1/%2F", namespace=fed.namespace,
                          reconnect_initial_s=0.05, publish_timeout_s=0.5)
@@ -76,7 +76,7 @@ def secure_run(pki, tls_proxy, rabbitmq_url, tmp_path_factory):
 def test_a_federation_runs_over_mutual_tls_grpc_and_amqps(secure_run):
     fed, job_id, _, connections = secure_run
     rounds = fed.store.rounds(job_id)
-    assert [r["status"] for r in rounds] == ["closed", "closed"] and all(r["aggregated"] == 2 for r in rounds)
+    assert [r.status for r in rounds] == ["closed", "closed"] and all(r.aggregated == 2 for r in rounds)
     assert connections >= 6  # coordinator and both workers: a publisher and a consumer connection each
     version, _, weights = fed.book.global_model(job_id)
     assert version == 3 and all(np.isfinite(a).all() for a in weights.values())

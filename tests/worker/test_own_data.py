@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fedbroker.config import DataSection, WorkerConfig, load_config
+from fedbroker.config import DataSection, DPPolicy, WorkerConfig, load_config
 from fedbroker.coordinator.control import InvalidControlMessage, check_control
 from fedbroker.coordinator.participants import data_fit_problems
-from fedbroker.coordinator.state import WorkerRecord
+from fedbroker.coordinator.records import WorkerRecord
 from fedbroker.datasets import load_worker_data
 from fedbroker.errors import ConfigError
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -214,7 +214,9 @@ def test_dataset_idx_reads_the_owners_train_files_with_its_own_image_size_and_cl
 
 
 def record(worker_id: str, shape: tuple[int, ...], classes: int) -> WorkerRecord:
-    return WorkerRecord(worker_id, ["c"], [], False, {}, 0.0, "cpu", 10, 0.0, "idle", shape, classes)
+    return WorkerRecord(worker_id=worker_id, categories=("c",), histogram=(), dp=DPPolicy(enabled=False),
+                        epsilon_spent=0.0, device="cpu", num_samples=10, last_seen=0.0, input_shape=shape,
+                        num_classes=classes)
 
 
 def test_a_model_is_checked_against_every_reporting_worker_of_the_category():

@@ -22,21 +22,26 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TypeVar
 
 import grpc
+import numpy as np
 
 from fedbroker import envelope
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.checkpoints import load_checkpoint, save_checkpoint
-from fedbroker.coordinator.participants import why_unaffordable
+from fedbroker.coordinator.job_context import JobContext
+from fedbroker.coordinator.job_run import JobFailed, Run, Stopped
+from fedbroker.coordinator.records import ParticipantStatus, RoundStatus
 from fedbroker.errors import BusError, Rejection
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff
 from fedbroker.rpc import RemoteError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A worker whose task came back refused or failed waits this long before its next one (doubling, capped).
 RETRY_BACKOFF = Backoff(initial_s=1.0, max_s=60.0)
@@ -51,62 +56,66 @@ class _Held:
 
 
 class AsyncJob:
-    """One asynchronous job's loop; `coordinator` is the scheduler's Coordinator (its store, bus, calls)."""
+    """One asynchronous job's loop, in the job's thread; `outcome` is called from the control queue's."""
 
-    def __init__(self, coordinator: Any, run: Any, *, stopped: type[Exception], failed: type[Exception]) -> None:
-        """`coordinator`: the scheduler's Coordinator; `run`: its _Run for the job; `stopped` and `failed`:
-        its exceptions for a coordinator that stops and a job that fails (the scheduler imports this module)."""
-        self.c = coordinator
-        self._stopped = stopped
-        self._failed = failed
+    def __init__(self, ctx: JobContext, run: Run) -> None:
+        self.ctx = ctx
         self.run = run
         self.job = run.job
         self.held: dict[str, _Held] = {}
         self.failures: dict[str, int] = {}        # worker → refused/failed tasks in a row
         self.resting: dict[str, float] = {}       # worker → when it may get a task again
-        self._outcomes: list[tuple[str, int, str, str]] = []
+        self._outcomes: list[tuple[str, int, ParticipantStatus, str]] = []
         self._lock = threading.Lock()
 
     # ----- the loop -----
 
     def drive(self) -> None:
-        job_id, job = self.run.job_id, self.job
+        """Until `training.rounds` versions are recorded or the time budget is spent; then the buffer closes."""
+        job_id, ctx = self.run.job_id, self.ctx
         metrics.ASYNC_RUNNING.labels(job_id).set(1)
         try:
             self._install()
-            row = self.c.store.job(job_id)
-            started = float(row["created"]) if row is not None else time.time()
+            row = ctx.store.job(job_id)
+            started = row.created if row is not None else time.time()
             metrics.LAST_VERSION_TIME.labels(job_id).set(time.time())
             unaffordable_since: float | None = None
             while True:
-                if self.c._stop.is_set():
-                    raise self._stopped
+                if ctx.stop.is_set():
+                    raise Stopped
                 status = self._status()
                 self._record_versions(status)
                 if self._done(started):
-                    self.c._call(self.run, "close the buffer", lambda: self.c.aggregator.close_buffer(job_id),
-                                 reinstall=False)
+                    self._call("close the buffer", lambda: ctx.aggregator.close_buffer(job_id))
                     break
                 self._settle(status)
-                idle, why = self._idle_workers()
-                if idle:
-                    self._issue(idle)
-                    unaffordable_since = None
-                elif not self.held:  # nobody trains and nobody can: wait for a worker, then give up
-                    unaffordable_since = unaffordable_since or time.monotonic()
-                    if time.monotonic() - unaffordable_since > job.schedule.wait_for_workers_s:
-                        reasons = "; ".join(f"{w}: {r}" for w, r in sorted(why.items()) if r)
-                        raise self._failed(f"no worker of category {job.category!r} can take a task of this "
-                                        f"asynchronous job after {job.schedule.wait_for_workers_s:g}s"
-                                        f"{' [' + reasons + ']' if reasons else ''}")
+                unaffordable_since = self._hand_out_tasks(unaffordable_since)
                 # the next accepted update (or a refusal) wakes us at once; a held task's deadline, a new worker
                 # or a lost event within the safety poll
-                self.c.events.wait(job_id, self.c.safety_poll_s)
-                if self.c._stop.is_set():
-                    raise self._stopped
-                self.c._halt_if_cancelled()  # the buffer is closed, never folded into a version (_cancel_job)
+                ctx.events.wait(job_id, ctx.safety_poll_s)
+                if ctx.stop.is_set():
+                    raise Stopped
+                ctx.halt_if_cancelled()  # the buffer is closed, never folded into a version (cancellation.py)
         finally:
             metrics.ASYNC_RUNNING.labels(job_id).set(0)
+
+    def _hand_out_tasks(self, unaffordable_since: float | None) -> float | None:
+        """A task for every idle worker that can afford one; when nobody trains and nobody can, the job
+        waits wait_for_workers_s for a worker, then fails. Returns since when nobody could (None: somebody can)."""
+        job = self.job
+        idle, why = self._idle_workers()
+        if idle:
+            self._issue(idle)
+            return None
+        if self.held:
+            return unaffordable_since
+        unaffordable_since = unaffordable_since or time.monotonic()
+        if time.monotonic() - unaffordable_since > job.schedule.wait_for_workers_s:
+            reasons = "; ".join(f"{w}: {r}" for w, r in sorted(why.items()) if r)
+            raise JobFailed(f"no worker of category {job.category!r} can take a task of this "
+                            f"asynchronous job after {job.schedule.wait_for_workers_s:g}s"
+                            f"{' [' + reasons + ']' if reasons else ''}")
+        return unaffordable_since
 
     def _done(self, started: float) -> bool:
         job = self.job
@@ -121,17 +130,21 @@ class AsyncJob:
         return False
 
     def _versions_recorded(self) -> int:
-        row = self.c.store.job(self.run.job_id)
-        return int(row["rounds_done"]) if row is not None else 0
+        row = self.ctx.store.job(self.run.job_id)
+        return row.rounds_done if row is not None else 0
 
     # ----- the service -----
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """`fn()` through the service's outages; a service that lost the job is handled here (`_status`)."""
+        return self.ctx.calls.call(self.run.job_id, what, fn)
 
     def _install(self) -> None:
         """Where the service has the job, leave it there (its versions may be ahead of our checkpoints);
         else install the last checkpoint (or the initial model) and open the buffer."""
-        run = self.run
+        run, aggregator = self.run, self.ctx.aggregator
         try:
-            self.c._call(run, "buffer status", lambda: self.c.aggregator.buffer_status(run.job_id), reinstall=False)
+            self._call("buffer status", lambda: aggregator.buffer_status(run.job_id))
             known, in_async = True, True
         except RemoteError as exc:
             if exc.reason == Rejection.UNKNOWN_JOB:
@@ -142,38 +155,39 @@ class AsyncJob:
                 raise
         if not known:
             self._from_checkpoint()
-            self.c._call(run, "install the global model", lambda: self.c.aggregator.put_global(
-                run.job_id, run.version, run.spec_json, run.tensors), reinstall=False)
+            self._call("install the global model", lambda: aggregator.put_global(
+                run.job_id, run.version, run.spec_json, run.tensors))
         if not in_async:
             self._open_buffer()
         self._resend_outstanding()
 
     def _from_checkpoint(self) -> None:
-        rows = [r for r in self.c.store.rounds(self.run.job_id) if r["status"] == "closed" and r["checkpoint"]]
-        if rows:
-            tensors, spec_json = load_checkpoint(rows[-1]["checkpoint"])
-            self.run.version, self.run.spec_json, self.run.tensors = int(rows[-1]["model_version"]), spec_json, tensors
+        """The job's last checkpointed version, if it has one (else the model it is at stays)."""
+        for r in reversed(self.ctx.store.rounds(self.run.job_id)):
+            if r.status == RoundStatus.CLOSED and r.checkpoint and r.model_version is not None:
+                tensors, spec_json = load_checkpoint(r.checkpoint)
+                self.run.version, self.run.spec_json, self.run.tensors = r.model_version, spec_json, tensors
+                return
 
     def _open_buffer(self) -> None:
-        run, schedule = self.run, self.job.schedule
-        registered = {w.worker_id: w.num_samples for w in self.c.store.workers(self.job.category)}
-        size = schedule.buffer_size or max(1, len(self.c.store.workers(
-            self.job.category, seen_within_s=self.c.heartbeat_timeout_s)))
-        self.c._call(run, "open the buffer", lambda: self.c.aggregator.open_buffer(
+        run, schedule, store = self.run, self.job.schedule, self.ctx.store
+        registered = {w.worker_id: w.num_samples for w in store.workers(self.job.category)}
+        size = schedule.buffer_size or max(1, len(store.workers(
+            self.job.category, seen_within_s=self.ctx.heartbeat_timeout_s)))
+        self._call("open the buffer", lambda: self.ctx.aggregator.open_buffer(
             run.job_id, aggregation=asdict(self.job.aggregation), buffer_size=size,
             max_staleness=schedule.max_staleness, staleness=schedule.staleness,
             staleness_params=dict(schedule.staleness_params), server_lr=schedule.server_lr, seed=self.job.seed,
-            num_samples=registered), reinstall=False)
+            num_samples=registered))
         log.info("asynchronous job %s: buffer of %d update(s) opened on version %d", run.job_id, size, run.version)
 
     def _status(self) -> pb.BufferStatusReply:
         run = self.run
-        last = self.c.store.last_checkpoint(run.job_id)
-        since = int(last["model_version"]) if last is not None else 0
+        last = self.ctx.store.last_checkpoint(run.job_id)
+        since = (last.model_version or 0) if last is not None else 0
+
         def status() -> pb.BufferStatusReply:
-            reply: pb.BufferStatusReply = self.c._call(
-                run, "buffer status", lambda: self.c.aggregator.buffer_status(run.job_id, since), reinstall=False)
-            return reply
+            return self._call("buffer status", lambda: self.ctx.aggregator.buffer_status(run.job_id, since))
 
         try:
             return status()
@@ -187,8 +201,7 @@ class AsyncJob:
     def _resend_outstanding(self) -> None:
         """After our restart (or the service's): every task the service holds as outstanding goes out again,
         with a fresh deadline; a worker that has it already acks the copy once its update is in."""
-        status = self.c._call(self.run, "buffer status", lambda: self.c.aggregator.buffer_status(self.run.job_id),
-                              reinstall=False)
+        status = self._call("buffer status", lambda: self.ctx.aggregator.buffer_status(self.run.job_id))
         if status.outstanding:
             self._publish(list(status.outstanding), status.buffer_size)
 
@@ -198,8 +211,8 @@ class AsyncJob:
         job_id = self.run.job_id
         metrics.BUFFER_FILL.labels(job_id).set(status.buffered / status.buffer_size if status.buffer_size else 0.0)
         for row in sorted(status.versions, key=lambda r: r.version):
-            last = self.c.store.last_checkpoint(job_id)
-            if last is not None and int(last["model_version"]) >= row.version:
+            last = self.ctx.store.last_checkpoint(job_id)
+            if last is not None and (last.model_version or 0) >= row.version:
                 continue
             number = self._versions_recorded() + 1
             if number > self.job.training.rounds:
@@ -207,32 +220,20 @@ class AsyncJob:
             self._record(number, row)
 
     def _record(self, number: int, row: pb.VersionRow) -> None:
-        run, job_id = self.run, self.run.job_id
-        checkpoint, spec_json = "", run.spec_json
-        try:
-            version, spec_json, tensors = self.c._call(
-                run, f"download version {row.version}", lambda: self.c.aggregator.download(job_id, row.version),
-                reinstall=False)
-            checkpoint = save_checkpoint(self.c.checkpoint_dir, job_id, number, tensors, spec_json)
-            run.version, run.spec_json, run.tensors = version, spec_json, tensors
-        except RemoteError as exc:  # the service keeps max_staleness + 1 versions; we fell that far behind
-            if exc.code != grpc.StatusCode.NOT_FOUND:
-                raise
-            log.warning("version %d of %s is no longer kept by the service: recorded without a checkpoint",
-                        row.version, job_id)
-            tensors = None
-        scores = self.c.evaluator(self.job, spec_json, tensors) if self.c.evaluator and tensors else None
+        """Version `row` as the job's `number`-th row: checkpointed (while the service still keeps it),
+        evaluated, recorded as one opened-and-closed round, announced."""
+        job_id, store = self.run.job_id, self.ctx.store
+        checkpoint, spec_json, tensors = self._download(number, row.version)
+        scores = self.ctx.evaluator(self.job, spec_json, tensors) if self.ctx.evaluator and tensors else None
         accuracy, loss = scores if scores else (None, None)
         last = {u.worker_id: u for u in row.updates}  # a fast worker may be in one buffer twice: its last update
-        previous = self.c.store.round(job_id, number - 1)  # seconds: between the service's publications
-        started = (float(json.loads(previous["stats_json"] or "{}").get("created_unix", previous["started"]))
-                   if previous is not None else float(self.c.store.job(job_id)["created"]))
+        started = self._previous_publication(number)  # seconds: between the service's publications
         seconds = max(0.0, row.created_unix - started)
-        self.c.store.open_round(job_id, number, sorted(last), started=started)
+        store.open_round(job_id, number, sorted(last), started=started)
         stats = {"mean_staleness": sum(row.staleness) / len(row.staleness) if row.staleness else 0.0,
                  "max_staleness": float(max(row.staleness, default=0)), "updates": float(len(row.updates)),
                  "created_unix": row.created_unix}
-        self.c.store.close_round(
+        store.close_round(
             job_id, number, model_version=row.version, aggregated=sorted(last),
             updates=[(u.worker_id, u.num_samples, u.epsilon, u.train_loss) for u in last.values()],
             accuracy=accuracy, loss=loss, seconds=seconds, checkpoint=checkpoint, stats=stats,
@@ -245,7 +246,7 @@ class AsyncJob:
             metrics.MODEL_ACCURACY.labels(job_id).set(accuracy)
             metrics.MODEL_LOSS.labels(job_id).set(loss)
         try:  # a notification: the store is the truth
-            self.c.bus.publish_event(envelope.encode(round_completed=pb.RoundCompleted(
+            self.ctx.bus.publish_event(envelope.encode(round_completed=pb.RoundCompleted(
                 job_id=job_id, round=number, model_version=row.version, aggregated=len(row.updates),
                 accuracy=accuracy or 0.0, loss=loss or 0.0, final=number == self.job.training.rounds,
                 seconds=seconds)))
@@ -255,9 +256,34 @@ class AsyncJob:
                  number, self.job.training.rounds, len(row.updates), stats["mean_staleness"],
                  f"{accuracy:.4f}" if accuracy is not None else "n/a")
 
+    def _download(self, number: int, version: int) -> tuple[str, str, dict[str, np.ndarray] | None]:
+        """(checkpoint path, model spec JSON, tensors) of a published version; ("", the spec we are at, None)
+        when the service no longer keeps it (it keeps max_staleness + 1 versions: we fell that far behind)."""
+        run, job_id = self.run, self.run.job_id
+        try:
+            downloaded, spec_json, tensors = self._call(
+                f"download version {version}", lambda: self.ctx.aggregator.download(job_id, version))
+        except RemoteError as exc:
+            if exc.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            log.warning("version %d of %s is no longer kept by the service: recorded without a checkpoint",
+                        version, job_id)
+            return "", run.spec_json, None
+        checkpoint = save_checkpoint(self.ctx.checkpoint_dir, job_id, number, tensors, spec_json)
+        run.version, run.spec_json, run.tensors = downloaded, spec_json, tensors
+        return checkpoint, spec_json, tensors
+
+    def _previous_publication(self, number: int) -> float:
+        """When the version before the `number`-th was published (the job's submission for the first)."""
+        previous = self.ctx.store.round(self.run.job_id, number - 1)
+        if previous is not None:
+            return float(previous.stats.get("created_unix", previous.started))
+        job = self.ctx.store.job(self.run.job_id)
+        return job.created if job is not None else time.time()
+
     # ----- tasks -----
 
-    def outcome(self, worker_id: str, task: int, status: str, reason: str) -> None:
+    def outcome(self, worker_id: str, task: int, status: ParticipantStatus, reason: str) -> None:
         """A worker's report that it refused or failed a task (from the control queue's thread)."""
         with self._lock:
             self._outcomes.append((worker_id, task, status, reason))
@@ -269,7 +295,7 @@ class AsyncJob:
         outstanding = {t.worker_id: t.task for t in status.outstanding}
         with self._lock:
             outcomes, self._outcomes = self._outcomes, []
-        reported = {(w, t) for w, t, s, _ in outcomes if s in ("refused", "failed")}
+        reported = {(w, t) for w, t, s, _ in outcomes if s in (ParticipantStatus.REFUSED, ParticipantStatus.FAILED)}
         for worker_id, task, status_name, reason in outcomes:
             log.info("worker %s %s task %d of %s: %s", worker_id, status_name, task, self.run.job_id, reason)
         for worker_id in list(self.held):
@@ -286,41 +312,36 @@ class AsyncJob:
     def _idle_workers(self) -> tuple[list[str], dict[str, str]]:
         """Active workers of the category that hold no task, are not resting, and can afford one more; and
         each active worker's reason it cannot ("" when it can)."""
-        job, job_id, now = self.job, self.run.job_id, time.time()
-        active = self.c.store.workers(job.category, seen_within_s=self.c.heartbeat_timeout_s)
-        with self.c._budgets_lock:
-            budgets = dict(self.c._budgets)
-        why = {w.worker_id: why_unaffordable(w, budgets.get(w.worker_id), job_id=job_id, training=job.training)
-               for w in active}
+        now = time.time()
+        why = self.ctx.why_unaffordable(self.run.job_id, self.job)
         idle = [w for w, reason in sorted(why.items())
                 if not reason and w not in self.held and self.resting.get(w, 0.0) <= now]
         return idle, why
 
     def _issue(self, workers: list[str]) -> None:
         run = self.run
-        issued = self.c._call(run, "issue tasks", lambda: self.c.aggregator.issue_tasks(run.job_id, workers),
-                              reinstall=False)
+        issued = self._call("issue tasks", lambda: self.ctx.aggregator.issue_tasks(run.job_id, workers))
         status_size = self.job.schedule.buffer_size or len(workers)
         self._publish(issued, status_size)
 
     def _publish(self, tasks: list[pb.IssuedTask], buffer_size: int) -> None:
         run, job = self.run, self.job
         deadline = time.time() + job.schedule.round_timeout_s
-        recorded = {w.worker_id: w.epsilon_spent for w in self.c.store.workers()}
-        population = self.c._population(job)
+        recorded = self.ctx.recorded_epsilon()
+        population = self.ctx.population(job)
         batch = []
         for issued in tasks:
             task = pb.RoundTask(
                 job_id=run.job_id, round=issued.task, training_json=json.dumps(asdict(job.training)),
-                category=job.category, model_version=issued.base_version, aggregator_target=self.c.aggregator_target,
-                deadline_unix=deadline, population_distribution=population, participants=buffer_size,
-                seed=job.seed, aggregation_json=json.dumps(asdict(job.aggregation)),
+                category=job.category, model_version=issued.base_version,
+                aggregator_target=self.ctx.aggregator_target, deadline_unix=deadline,
+                population_distribution=population, participants=buffer_size, seed=job.seed,
+                aggregation_json=json.dumps(asdict(job.aggregation)),
                 recorded_epsilon_spent=recorded.get(issued.worker_id, 0.0))
             self.held[issued.worker_id] = _Held(issued.task, deadline)
             batch.append((issued.worker_id, envelope.encode(round_task=task)))
-        sent = self.c._publish_batch(batch, deadline)
+        sent = self.ctx.publish_tasks(batch, deadline)
         for worker_id, _ in batch:
             if worker_id not in sent:
                 self.held[worker_id].deadline = 0.0  # never sent: reissued after a rest
         log.debug("asynchronous job %s: %d task(s) published", run.job_id, len(tasks))
-

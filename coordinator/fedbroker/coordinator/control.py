@@ -14,6 +14,7 @@ import re
 
 from fedbroker.bus.base import check_name
 from fedbroker.config import DPPolicy
+from fedbroker.coordinator.records import WorkerState
 from fedbroker.errors import ConfigError, FedbrokerError
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import MAX_WIDTH
@@ -24,7 +25,6 @@ MAX_SAMPLES = 1_000_000_000        # a worker's data set, and any one count of i
 MAX_SAMPLE_DIMS = 8                # the sizes in one sample's shape (a model takes 1 to 3)
 MAX_REASON_CHARS = 2000            # a worker's free-text reason is kept, cut to this length
 MAX_JOB_COSTS = 4096               # jobs one heartbeat may price (a worker's ledger and recent tasks)
-WORKER_STATES = frozenset({"idle", "training", "uploading"})
 _CATEGORY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")   # a job's `category` (fedbroker.spec)
 _DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")     # cpu, cuda, cuda:1, mps
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")     # a job's name, '-' and 8 hex digits
@@ -104,8 +104,8 @@ def _registration_problems(r: pb.Registration) -> list[str]:
 
 def _heartbeat_problems(h: pb.Heartbeat) -> list[str]:
     out = _worker_id_problems(h.worker_id) + _epsilon_problems("epsilon_spent", h.epsilon_spent)
-    if h.state not in WORKER_STATES:
-        out.append(f"state: must be one of {', '.join(sorted(WORKER_STATES))}, got {h.state[:40]!r}")
+    if h.state not in set(WorkerState):
+        out.append(f"state: must be one of {', '.join(sorted(WorkerState))}, got {h.state[:40]!r}")
     # what it can afford decides whether a round opens with it (participants.why_unaffordable): a NaN would
     # compare as affordable
     if not math.isfinite(h.epsilon_left):

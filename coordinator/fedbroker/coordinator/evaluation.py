@@ -18,6 +18,7 @@ _lock = threading.Lock()
 
 @lru_cache(maxsize=8)
 def test_split(name: str, test_fraction: float, seed: int, idx_dir: str | None = None) -> Dataset:
+    """The held-out split of a data set, loaded once per (set, fraction, seed): every round evaluates on it."""
     data = load_dataset(name, idx_dir=idx_dir)
     return train_test_split(data, test_fraction=test_fraction, seed=seed)[1]
 

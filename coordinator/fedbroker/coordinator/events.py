@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from collections.abc import Iterator
+from typing import Protocol
 
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff
@@ -22,32 +23,43 @@ log = logging.getLogger(__name__)
 _RECONNECT = Backoff(initial_s=0.2, max_s=5.0)
 
 
+class EventSource(Protocol):
+    """What the watcher needs of the aggregation service's client (`AggregatorClient.watch`)."""
+
+    def watch(self) -> Iterator[pb.JobChanges]:
+        """The service's job events until the stream breaks; cancellable like any grpc server stream."""
+        ...
+
+
 class JobWatcher:
     """Keeps the newest snapshot of every job and wakes the loop waiting on it."""
 
-    def __init__(self, aggregator: Any) -> None:
-        """`aggregator`: an AggregatorClient (its `watch()` opens the stream)."""
+    def __init__(self, aggregator: EventSource) -> None:
+        """`aggregator`: its `watch()` opens the stream."""
         self.aggregator = aggregator
         self._lock = threading.Lock()
         self._latest: dict[str, pb.JobSnapshot] = {}
         self._wakes: dict[str, threading.Event] = {}
         self._stop = threading.Event()
-        self._call: Any = None
+        self._call: Iterator[pb.JobChanges] | None = None
         self._thread = threading.Thread(target=self._run, name="aggregator-events", daemon=True)
         self.connected = threading.Event()
 
     def start(self) -> None:
+        """Open the stream in a thread of its own, and keep it open."""
         self._thread.start()
 
     def stop(self) -> None:
+        """End the stream (a grpc server stream is also a call: `cancel()` ends it) and its thread."""
         self._stop.set()
-        call = self._call
-        if call is not None:
-            call.cancel()
+        cancel = getattr(self._call, "cancel", None)
+        if cancel is not None:
+            cancel()
         if self._thread.ident is not None:  # a coordinator stopped without being started has no stream
             self._thread.join(timeout=10)
 
     def latest(self, job_id: str) -> pb.JobSnapshot | None:
+        """The newest snapshot of the job the stream brought (None: none since the stream last broke)."""
         with self._lock:
             return self._latest.get(job_id)
 

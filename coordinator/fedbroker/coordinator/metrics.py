@@ -12,7 +12,6 @@ label sets at import): a series that first appears at 1 hides its first increase
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -25,7 +24,8 @@ from prometheus_client.registry import Collector
 
 import fedbroker.metrics  # noqa: F401  (the shared gRPC and broker metrics belong to every process)
 from fedbroker.coordinator.control import INVALID_REASONS
-from fedbroker.coordinator.state import StateStore
+from fedbroker.coordinator.records import JobStatus
+from fedbroker.coordinator.store import StateStore
 from fedbroker.proto import fedbroker_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,8 @@ JOB_COUNTERS = (ROUNDS_STARTED, ROUNDS_COMPLETED, ROUNDS_FAILED, STRAGGLERS)
 TASK_STATUSES = tuple(name.lower() for name, number in pb.TaskOutcome.Status.items() if number)
 JOB_REJECTION_REASONS = ("invalid_config", "unauthenticated", "permission_denied")
 CONTROL_REJECTION_REASONS = ("malformed_message", *INVALID_REASONS.values())
+# Jobs that need their category's workers (the category gauges count them).
+_WAITING = (JobStatus.PENDING, JobStatus.RUNNING)
 # How long a scrape waits for the broker's count of dead letters before it leaves the series out.
 DEAD_LETTER_TIMEOUT_S = 2.0
 
@@ -121,20 +123,28 @@ _initialise_fixed_labels()
 class DeadLetters(Protocol):
     """What the collector reads of the coordinator's bus."""
 
-    def dead_letter_count(self, *, timeout_s: float = ...) -> int: ...
+    def dead_letter_count(self, *, timeout_s: float = ...) -> int:
+        """Messages in the dead-letter queue; raises when the broker does not answer within `timeout_s`."""
+        ...
 
 
 class Registry(Protocol):
     """What the collector reads of the bound coordinator: its store, heartbeat timeout and bus."""
 
     @property
-    def store(self) -> StateStore: ...
+    def store(self) -> StateStore:
+        """Workers and jobs, read at scrape time."""
+        ...
 
     @property
-    def heartbeat_timeout_s(self) -> float: ...
+    def heartbeat_timeout_s(self) -> float:
+        """A worker seen within this many seconds is active."""
+        ...
 
     @property
-    def bus(self) -> DeadLetters: ...
+    def bus(self) -> DeadLetters:
+        """Asked for the dead-letter queue's depth."""
+        ...
 
 
 class RegistryCollector(Collector):
@@ -145,18 +155,22 @@ class RegistryCollector(Collector):
         self._lock = threading.Lock()
 
     def bind(self, coordinator: Registry) -> None:
+        """Scrapes read this coordinator from now on (a process runs one)."""
         with self._lock:
             self._coordinator = coordinator
 
     def unbind(self, coordinator: Registry) -> None:
+        """A stopped coordinator is read no more (unless another was bound since)."""
         with self._lock:
             if self._coordinator is coordinator:
                 self._coordinator = None
 
     def describe(self) -> Iterable[Metric]:
+        """The families without samples: registering must not read a store."""
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
+        """The families with this scrape's samples (none while no coordinator is bound)."""
         with self._lock:
             coordinator = self._coordinator
         return self._families(coordinator)
@@ -184,14 +198,12 @@ class RegistryCollector(Collector):
         try:
             now = time.time()
             workers = coordinator.store.workers()
-            counts = {status: 0 for status in ("pending", "running", "cancelling", "completed", "failed",
-                                                       "cancelled")}
-            waiting: dict[tuple[str, str], int] = {}
+            counts = dict.fromkeys(JobStatus, 0)
+            waiting: dict[tuple[str, JobStatus], int] = {}
             for row in coordinator.store.jobs():
-                counts[row["status"]] = counts.get(row["status"], 0) + 1
-                if row["status"] in ("pending", "running"):
-                    category = str(json.loads(row["spec_json"]).get("category", ""))
-                    waiting[(category, row["status"])] = waiting.get((category, row["status"]), 0) + 1
+                counts[row.status] += 1
+                if row.status in _WAITING:
+                    waiting[(row.category, row.status)] = waiting.get((row.category, row.status), 0) + 1
         except Exception as exc:  # a closed store: report nothing rather than fail the whole scrape
             log.debug("coordinator metrics unavailable: %s", exc)
             return families
@@ -203,7 +215,7 @@ class RegistryCollector(Collector):
         categories = {c for w in workers for c in w.categories} | {category for category, _ in waiting}
         for category in sorted(categories):
             category_active.add_metric([category], float(sum(category in w.categories for w in live)))
-            for status in ("pending", "running"):
+            for status in _WAITING:
                 category_jobs.add_metric([category, status], float(waiting.get((category, status), 0)))
         try:
             dead.add_metric([], float(coordinator.bus.dead_letter_count(timeout_s=DEAD_LETTER_TIMEOUT_S)))

@@ -8,12 +8,13 @@ and the running service sample identical rounds from one job seed.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedbroker.coordinator.state import WorkerRecord
+from fedbroker.coordinator.records import WorkerRecord
 from fedbroker.errors import ConfigError
 from fedbroker.privacy import job_epsilon_after_round
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -47,10 +48,30 @@ class WorkerBudget:
 
 
 def budget_from_heartbeat(heartbeat: pb.Heartbeat) -> WorkerBudget:
+    """What a heartbeat says its worker can afford (a cost it could not compute is None)."""
     if not heartbeat.budget_limited:
         return WorkerBudget(None)
     return WorkerBudget(heartbeat.epsilon_left, {c.job_id: c.next_round_epsilon if c.known else None
                                                  for c in heartbeat.job_costs})
+
+
+class WorkerBudgets:
+    """Each worker's budget by its last heartbeat: written by the control queue's thread, read by every
+    job's selection."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_worker: dict[str, WorkerBudget] = {}
+
+    def note(self, worker_id: str, budget: WorkerBudget) -> None:
+        """The worker's newest heartbeat's budget replaces what an older one said."""
+        with self._lock:
+            self._by_worker[worker_id] = budget
+
+    def snapshot(self) -> dict[str, WorkerBudget]:
+        """Every worker's budget as of now (a worker with no heartbeat yet is absent)."""
+        with self._lock:
+            return dict(self._by_worker)
 
 
 def why_unaffordable(worker: WorkerRecord, budget: WorkerBudget | None, *, job_id: str,
@@ -66,9 +87,9 @@ def why_unaffordable(worker: WorkerRecord, budget: WorkerBudget | None, *, job_i
     job's settings since) leaves the decision to the worker, which refuses by itself, before training.
     """
     if budget is None:  # no heartbeat yet: the budget the registration gave
-        if not worker.dp_enabled:
+        if not worker.dp.enabled:
             return ""
-        left = float(worker.dp["epsilon_budget"]) - worker.epsilon_spent
+        left = worker.dp.epsilon_budget - worker.epsilon_spent
     elif budget.left is None:
         return ""
     else:
@@ -76,8 +97,7 @@ def why_unaffordable(worker: WorkerRecord, budget: WorkerBudget | None, *, job_i
     if budget is not None and job_id in budget.costs:
         cost = budget.costs[job_id]
     else:
-        cost = _first_round_cost(float(worker.dp["noise_multiplier"]), float(worker.dp["delta"]),
-                                 int(worker.num_samples), training)
+        cost = _first_round_cost(worker.dp.noise_multiplier, worker.dp.delta, worker.num_samples, training)
     if cost is None:
         return "" if left > 0 else f"its ε budget is spent ({left:.3f} left)"
     if cost > left + 1e-9:

@@ -8,7 +8,6 @@ job records its submitter. Without a table (authentication off) anyone may.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedbroker import codec
@@ -31,7 +31,8 @@ from fedbroker.auth import (
 )
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.checkpoints import load_checkpoint
-from fedbroker.coordinator.scheduler import FINISHED, Coordinator
+from fedbroker.coordinator.records import FINISHED, JobRecord, RoundRecord, RoundStatus
+from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.errors import ConfigError, FedbrokerError, NotFound, Rejection, UploadRejected
 from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -53,13 +54,14 @@ FOLLOW_STREAM_S = 300.0     # one following stream's life; the client resumes af
 EVENT_POLL_S = 0.5          # how often a following stream looks for new events
 
 
-
 def _count_refusal(method: str, reason: str) -> None:
     if method == "SubmitJob":
         metrics.JOBS_REJECTED.labels(reason).inc()
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    """Each method converts its messages and maps the coordinator's errors to status codes (`handle`)."""
+
     def __init__(self, coordinator: Coordinator, auth: ServerAuth | None = None) -> None:
         self.coordinator = coordinator
         self.auth = auth
@@ -68,18 +70,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def _caller(self, context: grpc.ServicerContext) -> Identity | None:
         return self.auth.identity(context) if self.auth is not None else None
 
-    def _own_job(self, context: grpc.ServicerContext, job_id: str, action: str) -> Any:
-        """The job's row, if the caller submitted it (or authentication is off); else NotFound/PermissionDenied."""
+    def _own_job(self, context: grpc.ServicerContext, job_id: str, action: str) -> JobRecord:
+        """The job, if the caller submitted it (or authentication is off); else NotFound/PermissionDenied."""
         row = self.coordinator.store.job(job_id)
         if row is None:
             raise NotFound(f"no job {job_id!r}")
         caller = self._caller(context)
-        if caller is not None and caller.name != row["submitter"]:
+        if caller is not None and caller.name != row.submitter:
             raise UploadRejected(Rejection.PERMISSION_DENIED, f"only the identity that submitted job {job_id!r} "
                                                               f"may {action} it; {caller.name!r} did not")
         return row
 
     def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.ServicerContext) -> pb.SubmitJobReply:
+        """Parse and check the job, record it, start it; its id, or the reasons it was refused."""
         def parse() -> JobSpec:
             try:
                 return accept_job_text(request.job_yaml)
@@ -101,10 +104,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return handle(context, record)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        """One job (or every job) with its rounds and participants, and every worker."""
         # A store that cannot be read answers UNAVAILABLE with its error (StateUnavailable), not UNKNOWN.
         return handle(context, lambda: status_reply(self.coordinator, request.job_id))
 
     def CancelJob(self, request: pb.CancelJobRequest, context: grpc.ServicerContext) -> pb.CancelJobReply:
+        """Only the job's submitter may cancel it (`Coordinator.cancel`)."""
         def run() -> pb.CancelJobReply:
             self._own_job(context, request.job_id, "cancel")
             caller = self._caller(context)
@@ -129,16 +134,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 since = after
                 rows = handle(context, lambda: store.events(request.job_id, after=since))  # noqa: B023
                 for r in rows:
-                    after = r["seq"]
-                    yield pb.JobEvent(seq=r["seq"], job_id=r["job_id"], time_unix=r["time"], kind=r["kind"],
-                                      round=r["round"], worker_id=r["worker_id"], message=r["message"])
+                    after = r.seq
+                    yield pb.JobEvent(seq=r.seq, job_id=r.job_id, time_unix=r.time, kind=r.kind, round=r.round,
+                                      worker_id=r.worker_id, message=r.message)
                 if rows:
                     continue  # a long history comes in pages: read on before deciding to wait
                 if not request.follow or finished or not context.is_active() or time.monotonic() >= ends:
                     return
                 # its last events were written with its final status: one more read after seeing it
                 row = handle(context, lambda: store.job(request.job_id))
-                finished = row is None or row["status"] in FINISHED
+                finished = row is None or row.status in FINISHED
                 if not finished:
                     time.sleep(EVENT_POLL_S)
         finally:
@@ -147,30 +152,31 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def DownloadModel(self, request: pb.DownloadModelRequest, context: grpc.ServicerContext) -> Iterator[pb.ModelChunk]:
         """A closed round's global model (default: the last one) from the coordinator's checkpoint."""
-        def locate() -> tuple[Any, dict[str, Any], str]:
+        def locate() -> tuple[RoundRecord, dict[str, np.ndarray], str]:
             self._own_job(context, request.job_id, "download the models of")
             store = self.coordinator.store
             if request.round:
                 row = store.round(request.job_id, request.round)
-                if row is None or row["status"] != "closed" or not row["checkpoint"]:
-                    closed = [r["round"] for r in store.rounds(request.job_id) if r["status"] == "closed"]
-                    raise NotFound(f"round {request.round} of job {request.job_id!r} has no model "
-                                   f"({'status ' + row['status'] if row is not None else 'no such round'}); "
-                                   f"rounds with a model: {closed or 'none yet'}")
             else:
                 row = store.last_checkpoint(request.job_id)
                 if row is None:
                     raise NotFound(f"job {request.job_id!r} has no closed round yet: no model to download")
-            tensors, spec_json = load_checkpoint(row["checkpoint"])
+            if row is None or row.status != RoundStatus.CLOSED or not row.checkpoint:
+                closed = [r.round for r in store.rounds(request.job_id) if r.status == RoundStatus.CLOSED]
+                raise NotFound(f"round {row.round if row is not None else request.round} of job {request.job_id!r} "
+                               f"has no model ({'status ' + row.status if row is not None else 'no such round'}); "
+                               f"rounds with a model: {closed or 'none yet'}")
+            tensors, spec_json = load_checkpoint(row.checkpoint)
             return row, tensors, spec_json
 
         row, tensors, spec_json = handle(context, locate)
-        header = pb.ModelHeader(job_id=request.job_id, version=row["model_version"] or 0,
-                                model_spec_json=spec_json, tensors=codec.tensor_specs(tensors), round=row["round"])
+        header = pb.ModelHeader(job_id=request.job_id, version=row.model_version or 0, model_spec_json=spec_json,
+                                tensors=codec.tensor_specs(tensors), round=row.round)
         yield from codec.stream_messages(pb.ModelChunk, header, tensors)
 
 
 def status_reply(coordinator: Coordinator, job_id: str = "") -> pb.StatusReply:
+    """What `fedbroker status` shows, read from the store in one pass."""
     store = coordinator.store
     if job_id:
         one = store.job(job_id)
@@ -182,34 +188,25 @@ def status_reply(coordinator: Coordinator, job_id: str = "") -> pb.StatusReply:
     reply = pb.StatusReply()
     now = time.time()
     for j in jobs:
-        reply.jobs.add(job_id=j["job_id"], status=j["status"], rounds_done=j["rounds_done"],
-                       rounds_total=j["rounds_total"], error=j["error"], submitter=j["submitter"], name=j["name"],
-                       category=json.loads(j["spec_json"]).get("category", ""), created_unix=j["created"],
-                       updated_unix=j["updated"], spec_json=j["spec_json"], mode=_mode(j["spec_json"]))
-        for r in store.rounds(j["job_id"]):
-            reply.rounds.add(job_id=r["job_id"], round=r["round"], status=r["status"], participants=r["participants"],
-                             uploaded=r["uploaded"], aggregated=r["aggregated"], accuracy=r["accuracy"] or 0.0,
-                             loss=r["loss"] or 0.0, seconds=r["seconds"] or 0.0,
-                             mean_train_loss=r["mean_train_loss"] or 0.0, model_version=r["model_version"] or 0,
-                             mean_staleness=float(json.loads(r["stats_json"] or "{}").get("mean_staleness", 0.0)))
-        for p in store.participants(j["job_id"]):
-            reply.participants.add(job_id=p["job_id"], round=p["round"], worker_id=p["worker_id"], status=p["status"],
-                                   reason=p["reason"], epsilon=p["epsilon"] or 0.0, train_loss=p["train_loss"] or 0.0,
-                                   num_samples=p["num_samples"] or 0)
+        reply.jobs.add(job_id=j.job_id, status=j.status, rounds_done=j.rounds_done, rounds_total=j.rounds_total,
+                       error=j.error, submitter=j.submitter, name=j.name, category=j.category,
+                       created_unix=j.created, updated_unix=j.updated, spec_json=j.spec_json, mode=j.mode)
+        for r in store.rounds(j.job_id):
+            reply.rounds.add(job_id=r.job_id, round=r.round, status=r.status, participants=r.participants,
+                             uploaded=r.uploaded, aggregated=r.aggregated, accuracy=r.accuracy or 0.0,
+                             loss=r.loss or 0.0, seconds=r.seconds or 0.0, mean_train_loss=r.mean_train_loss or 0.0,
+                             model_version=r.model_version or 0,
+                             mean_staleness=float(r.stats.get("mean_staleness", 0.0)))
+        for p in store.participants(j.job_id):
+            reply.participants.add(job_id=p.job_id, round=p.round, worker_id=p.worker_id, status=p.status,
+                                   reason=p.reason, epsilon=p.epsilon or 0.0, train_loss=p.train_loss or 0.0,
+                                   num_samples=p.num_samples or 0)
     for w in store.workers():
         reply.workers.add(worker_id=w.worker_id, device=w.device, epsilon_spent=w.epsilon_spent,
-                          epsilon_budget=w.dp.get("epsilon_budget", 0.0) if w.dp_enabled else 0.0,
+                          epsilon_budget=w.dp.epsilon_budget if w.dp.enabled else 0.0,
                           last_seen_seconds_ago=now - w.last_seen,
                           active=now - w.last_seen <= coordinator.heartbeat_timeout_s)
     return reply
-
-
-def _mode(spec_json: str) -> str:
-    """schedule.mode of a stored job (a job stored before the field existed is synchronous)."""
-    try:
-        return str(json.loads(spec_json).get("schedule", {}).get("mode", "sync"))
-    except (ValueError, AttributeError):
-        return "sync"
 
 
 def serve(coordinator: Coordinator, *, address: str = "127.0.0.1:0", tokens: TokenTable | None = None,
@@ -235,6 +232,8 @@ def serve(coordinator: Coordinator, *, address: str = "127.0.0.1:0", tokens: Tok
 
 
 class CoordinatorClient:
+    """The coordinator's gRPC API as the CLI uses it; every call carries this client's token (if any)."""
+
     def __init__(self, target: str, *, timeout_s: float = 30.0, security: ClientSecurity | None = None) -> None:
         security = security or ClientSecurity()
         self._channel = security.channel(target, CHANNEL_OPTIONS)
@@ -243,16 +242,19 @@ class CoordinatorClient:
         self.timeout_s = timeout_s
 
     def submit(self, job_text: str) -> str:
+        """The new job's id; a refused job raises grpc.RpcError naming every problem."""
         reply: pb.SubmitJobReply = self._stub.SubmitJob(pb.SubmitJobRequest(job_yaml=job_text),
                                                         timeout=self.timeout_s, metadata=self._md)
         return reply.job_id
 
     def status(self, job_id: str = "") -> pb.StatusReply:
+        """One job ("": every job) with its rounds and participants, and every worker."""
         reply: pb.StatusReply = self._stub.Status(pb.StatusRequest(job_id=job_id), timeout=self.timeout_s,
                                                   metadata=self._md)
         return reply
 
     def cancel(self, job_id: str) -> str:
+        """The job's status once the coordinator has acted (`cancelled`, or `cancelling` while it gets there)."""
         reply: pb.CancelJobReply = self._stub.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=self.timeout_s + 30,
                                                         metadata=self._md)
         return reply.status
@@ -272,5 +274,6 @@ class CoordinatorClient:
         return header, tensors
 
     def close(self) -> None:
+        """Close the channel."""
         self._channel.close()
 

@@ -1,4 +1,4 @@
-"""The coordinator's durable state in one embedded SQLite file: jobs, workers, rounds, participants.
+"""The coordinator's durable state in one embedded SQLite file: jobs, workers, rounds, participants, events.
 
 Every write commits at once (WAL mode), so a restarted coordinator finds each job where it stopped:
 the last closed round and its checkpoint, and the round that was open (its participants and deadline),
@@ -10,34 +10,46 @@ transaction, and the error reaches the caller as `StateUnavailable` (gRPC UNAVAI
 rides such an outage out (`retrying_writes`); intake (SubmitJob, the control queue) fails at once, so a
 submission that could not be written gets no job id.
 
+Reads return the frozen records of `records.py`: no SQLite row leaves this module.
+
 `StateStore.in_directory` is how a coordinator process opens its state: the folder (0700) is locked
-(`coordinator.lock`, flock) so a second coordinator on it is refused, naming the holder's pid, and the
-SQLite file is created 0600 like the checkpoints.
+(`state_dir.py`) so a second coordinator on it is refused, and the SQLite file is created 0600 like the
+checkpoints.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
 import sqlite3
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
-from fedbroker.errors import ConfigError, Unavailable
+from fedbroker.config import DPPolicy
+from fedbroker.coordinator.records import (
+    EventRecord,
+    JobRecord,
+    JobStatus,
+    ParticipantRecord,
+    ParticipantStatus,
+    RoundRecord,
+    RoundStatus,
+    WorkerRecord,
+    WorkerState,
+)
+from fedbroker.coordinator.state_dir import StateDirLock, owner_only
+from fedbroker.errors import Unavailable
 from fedbroker.retry import Backoff, retry_call
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DB_FILE = "coordinator.sqlite"
-LOCK_FILE = "coordinator.lock"
 # Between tries of a write that a job's thread rides out (a lock held elsewhere, a full disk).
 WRITE_BACKOFF = Backoff(initial_s=0.2, max_s=10.0)
 
@@ -48,66 +60,12 @@ class StateUnavailable(Unavailable):
     reason = "state_unavailable"
 
 
-class StateDirInUse(ConfigError):
-    """Another coordinator holds this state directory's lock."""
-
-    reason = "state_dir_in_use"
-
-
-class StateDirLock:
-    """An exclusive `flock` on `<state_dir>/coordinator.lock`, holding this process's pid.
-
-    Two coordinators on one state directory would both write the SQLite file and the checkpoints and resume
-    the same jobs twice. The kernel drops the lock when the process dies, however it dies, so a stale lock
-    file never blocks a restart.
-    """
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self.path = os.path.join(directory, LOCK_FILE)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-            os.close(fd)
-            raise StateDirInUse(
-                "coordinator.state_dir",
-                f"{directory} is in use by another coordinator (pid {holder}, which holds {self.path}); two "
-                f"coordinators on one state directory would overwrite each other's state: stop that one, or "
-                f"give this one its own state_dir",
-            ) from None
-        except BaseException:
-            os.close(fd)
-            raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
-        self._fd: int | None = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
-
-def _owner_only(path: str, mode: int) -> None:
-    """Create `path`'s file (or tighten an existing one) to `mode`: the state holds every job and worker."""
-    if not os.path.exists(path):
-        return
-    current = stat.S_IMODE(os.stat(path).st_mode)
-    if current & 0o077:
-        try:
-            os.chmod(path, mode)
-        except OSError as exc:
-            log.warning("%s is readable by others (mode %o) and could not be tightened: %s", path, current, exc)
-
-
 @dataclass(frozen=True)
 class _RetryPolicy:
     for_s: float                       # how long one failing write is tried again before it is given up
     sleep: Callable[[float], object]
     stopping: Callable[[], bool]
+
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -142,24 +100,9 @@ CREATE TABLE IF NOT EXISTS participants (
 """
 
 
-@dataclass(frozen=True)
-class WorkerRecord:
-    worker_id: str
-    categories: list[str]
-    histogram: list[int]
-    dp_enabled: bool
-    dp: dict[str, float]
-    epsilon_spent: float
-    device: str
-    num_samples: int
-    last_seen: float
-    state: str
-    input_shape: tuple[int, ...] = ()  # one sample's shape; () = not reported (a worker older than the field)
-    num_classes: int = 0               # 0 = not reported
-
-
 class StateStore:
-    """`busy_timeout_s`: how long a write waits for a lock another connection holds before it fails."""
+    """The coordinator's one SQLite file; `busy_timeout_s`: how long a write waits for a lock another
+    connection holds before it fails."""
 
     def __init__(self, path: str, *, busy_timeout_s: float = 5.0, lock: StateDirLock | None = None) -> None:
         self.path = path
@@ -170,7 +113,7 @@ class StateStore:
         if path != ":memory:":
             os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))  # SQLite keeps the mode
             for name in (path, f"{path}-wal", f"{path}-shm"):          # and gives it to -wal and -shm
-                _owner_only(name, 0o600)
+                owner_only(name, 0o600)
         self._db = self._connect()
         self._write("create its tables", self._migrate)
 
@@ -179,7 +122,7 @@ class StateStore:
         """A coordinator's state: `state_dir` (created 0700) locked for this process, its SQLite file in it.
         `StateDirInUse` when another coordinator holds it; `close()` releases it."""
         os.makedirs(state_dir, mode=0o700, exist_ok=True)
-        _owner_only(state_dir, 0o700)
+        owner_only(state_dir, 0o700)
         lock = StateDirLock(state_dir)
         try:
             return cls(os.path.join(state_dir, DB_FILE), busy_timeout_s=busy_timeout_s, lock=lock)
@@ -215,6 +158,7 @@ class StateStore:
             db.execute("ALTER TABLE jobs ADD COLUMN submitter TEXT NOT NULL DEFAULT ''")
 
     def close(self) -> None:
+        """Close the file and release the state directory (if this store holds it)."""
         with self._lock:
             self._db.close()
             if self._dir_lock is not None:
@@ -307,11 +251,11 @@ class StateStore:
 
         self._write(f"record job {job_id!r}", write)
 
-    def set_job_status(self, job_id: str, status: str, error: str = "") -> None:
+    def set_job_status(self, job_id: str, status: JobStatus, error: str = "") -> None:
         """A job asked to cancel never goes back to `running` (a restarted coordinator finishes the cancel)."""
         def write(db: sqlite3.Connection) -> None:
             before = db.execute("SELECT status FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
-            if before is None or (status == "running" and before["status"] == "cancelling"):
+            if before is None or (status == JobStatus.RUNNING and before["status"] == JobStatus.CANCELLING):
                 return
             db.execute("UPDATE jobs SET status = ?, error = ?, updated = ? WHERE job_id = ?",
                        (status, error, time.time(), job_id))
@@ -327,7 +271,7 @@ class StateStore:
             changed = db.execute("UPDATE jobs SET status = 'cancelling', updated = ? WHERE job_id = ?"
                                  " AND status IN ('pending', 'running')", (time.time(), job_id)).rowcount > 0
             if changed:
-                _event(db, job_id, "cancelling", message=f"cancel requested{' by ' + by if by else ''}")
+                _event(db, job_id, JobStatus.CANCELLING, message=f"cancel requested{' by ' + by if by else ''}")
             return changed
 
         return self._write(f"record a cancel of job {job_id!r}", write)
@@ -356,30 +300,37 @@ class StateStore:
                        message="abandoned at the aggregation service: no new version")
             db.execute("UPDATE jobs SET status = 'cancelled', error = ?, updated = ? WHERE job_id = ?",
                        (why, time.time(), job_id))
-            _event(db, job_id, "cancelled", message=why)
+            _event(db, job_id, JobStatus.CANCELLED, message=why)
 
         self._write(f"record job {job_id!r} as cancelled", write)
 
-    def events(self, job_id: str, *, after: int = 0, limit: int = 1000) -> list[sqlite3.Row]:
+    def events(self, job_id: str, *, after: int = 0, limit: int = 1000) -> list[EventRecord]:
         """A job's events in the order they happened, those with seq > `after`, at most `limit`."""
-        return self._exec("SELECT * FROM events WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+        rows = self._exec("SELECT * FROM events WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
                           (job_id, after, limit))
+        return [_event_record(r) for r in rows]
 
-    def job(self, job_id: str) -> sqlite3.Row | None:
+    def job(self, job_id: str) -> JobRecord | None:
+        """The job, or None when no job has that id."""
         rows = self._exec("SELECT * FROM jobs WHERE job_id = ?", (job_id,))
-        return rows[0] if rows else None
+        return _job_record(rows[0]) if rows else None
 
-    def jobs(self, status: str | None = None) -> list[sqlite3.Row]:
+    def jobs(self, status: JobStatus | None = None) -> list[JobRecord]:
+        """Every job (or those in `status`), oldest first: the order a restart resumes them in."""
         if status:
-            return self._exec("SELECT * FROM jobs WHERE status = ? ORDER BY created", (status,))
-        return self._exec("SELECT * FROM jobs ORDER BY created")
+            rows = self._exec("SELECT * FROM jobs WHERE status = ? ORDER BY created", (status,))
+        else:
+            rows = self._exec("SELECT * FROM jobs ORDER BY created")
+        return [_job_record(r) for r in rows]
 
     # ----- workers -----
 
-    def upsert_worker(self, *, worker_id: str, categories: Iterable[str], histogram: Iterable[int], dp_enabled: bool,
-                      dp: dict[str, float], epsilon_spent: float, device: str, num_samples: int,
-                      input_shape: Iterable[int] = (), num_classes: int = 0) -> None:
+    def upsert_worker(self, *, worker_id: str, categories: Iterable[str], histogram: Iterable[int], dp: DPPolicy,
+                      epsilon_spent: float, device: str, num_samples: int, input_shape: Iterable[int] = (),
+                      num_classes: int = 0) -> None:
+        """A registration: a worker seen again keeps the highest ε ever recorded for it (`recorded_epsilon`)."""
         now = time.time()
+        numbers = {k: v for k, v in asdict(dp).items() if k != "enabled"}
         self._run(
             f"record the registration of worker {worker_id!r}",
             "INSERT INTO workers (worker_id, categories_json, histogram_json, dp_enabled, dp_json, epsilon_spent,"
@@ -389,12 +340,13 @@ class StateStore:
             " histogram_json=excluded.histogram_json, dp_enabled=excluded.dp_enabled, dp_json=excluded.dp_json,"
             " epsilon_spent=MAX(workers.epsilon_spent, excluded.epsilon_spent), device=excluded.device, num_samples=excluded.num_samples,"
             " last_seen=excluded.last_seen, input_shape_json=excluded.input_shape_json, num_classes=excluded.num_classes",
-            (worker_id, json.dumps(list(categories)), json.dumps([int(c) for c in histogram]), int(dp_enabled),
-             json.dumps(dp), epsilon_spent, device, num_samples, now, now, json.dumps([int(d) for d in input_shape]),
+            (worker_id, json.dumps(list(categories)), json.dumps([int(c) for c in histogram]), int(dp.enabled),
+             json.dumps(numbers), epsilon_spent, device, num_samples, now, now, json.dumps([int(d) for d in input_shape]),
              num_classes),
         )
 
-    def touch_worker(self, worker_id: str, *, epsilon_spent: float, state: str) -> bool:
+    def touch_worker(self, worker_id: str, *, epsilon_spent: float, state: WorkerState) -> bool:
+        """A heartbeat; False when no worker has that id (it never registered here)."""
         return self._run(
             f"record a heartbeat of worker {worker_id!r}",
             "UPDATE workers SET last_seen = ?, epsilon_spent = MAX(epsilon_spent, ?), state = ? WHERE worker_id = ?",
@@ -408,15 +360,12 @@ class StateStore:
         return float(rows[0]["epsilon_spent"]) if rows else None
 
     def workers(self, category: str | None = None, *, seen_within_s: float | None = None) -> list[WorkerRecord]:
+        """Registered workers by id: those serving `category`, and seen within `seen_within_s` (active)."""
         rows = self._exec("SELECT * FROM workers ORDER BY worker_id")
         now = time.time()
         out = []
         for r in rows:
-            record = WorkerRecord(
-                r["worker_id"], json.loads(r["categories_json"]), json.loads(r["histogram_json"]), bool(r["dp_enabled"]),
-                json.loads(r["dp_json"]), r["epsilon_spent"], r["device"], r["num_samples"], r["last_seen"], r["state"],
-                tuple(json.loads(r["input_shape_json"])), r["num_classes"],
-            )
+            record = _worker_record(r)
             if category is not None and category not in record.categories:
                 continue
             if seen_within_s is not None and now - record.last_seen > seen_within_s:
@@ -428,6 +377,7 @@ class StateStore:
 
     def open_round(self, job_id: str, round_number: int, participants: Sequence[str], *,
                    deadline: float | None = None, started: float | None = None) -> None:
+        """Record a round (its participants `published`) before the aggregation service hears of it."""
         def write(db: sqlite3.Connection) -> None:
             db.execute("DELETE FROM participants WHERE job_id = ? AND round = ?", (job_id, round_number))
             db.execute(
@@ -444,15 +394,18 @@ class StateStore:
 
         self._write(f"open round {round_number} of job {job_id!r}", write)
 
-    def round(self, job_id: str, round_number: int) -> sqlite3.Row | None:
+    def round(self, job_id: str, round_number: int) -> RoundRecord | None:
+        """One round of a job, or None when it was never opened."""
         rows = self._exec("SELECT * FROM rounds WHERE job_id = ? AND round = ?", (job_id, round_number))
-        return rows[0] if rows else None
+        return _round_record(rows[0]) if rows else None
 
     def set_round_deadline(self, job_id: str, round_number: int, deadline: float) -> None:
+        """Move an open round's deadline (a resumed or re-opened round gets a fresh one)."""
         self._run(f"move the deadline of round {round_number} of job {job_id!r}",
                   "UPDATE rounds SET deadline = ? WHERE job_id = ? AND round = ?", (deadline, job_id, round_number))
 
     def set_uploaded(self, job_id: str, round_number: int, workers: Sequence[str]) -> None:
+        """The participants whose update the aggregation service has accepted so far."""
         def write(db: sqlite3.Connection) -> None:
             for w in workers:
                 if db.execute("UPDATE participants SET status = 'uploaded' WHERE job_id = ? AND round = ?"
@@ -470,7 +423,7 @@ class StateStore:
                   "UPDATE participants SET status = 'published' WHERE job_id = ? AND round = ?"
                   " AND status IN ('uploaded', 'failed')", (job_id, round_number))
 
-    def record_outcome(self, job_id: str, round_number: int, worker_id: str, status: str, reason: str, *,
+    def record_outcome(self, job_id: str, round_number: int, worker_id: str, status: ParticipantStatus, reason: str, *,
                        epsilon: float = 0.0) -> bool:
         """A refusal or failure reported by a worker; False when (job, round, worker) was never asked.
         `epsilon` > 0: the worker trained before it failed (its upload refused), so the ε is spent and kept,
@@ -494,11 +447,14 @@ class StateStore:
         return self._write(f"record the outcome of worker {worker_id!r} in round {round_number} of job {job_id!r}",
                            write)
 
-    def participants(self, job_id: str, round_number: int | None = None) -> list[sqlite3.Row]:
+    def participants(self, job_id: str, round_number: int | None = None) -> list[ParticipantRecord]:
+        """A job's participants (of one round), by round, then worker id."""
         if round_number is None:
-            return self._exec("SELECT * FROM participants WHERE job_id = ? ORDER BY round, worker_id", (job_id,))
-        return self._exec("SELECT * FROM participants WHERE job_id = ? AND round = ? ORDER BY worker_id",
-                          (job_id, round_number))
+            rows = self._exec("SELECT * FROM participants WHERE job_id = ? ORDER BY round, worker_id", (job_id,))
+        else:
+            rows = self._exec("SELECT * FROM participants WHERE job_id = ? AND round = ? ORDER BY worker_id",
+                              (job_id, round_number))
+        return [_participant_record(r) for r in rows]
 
     def close_round(self, job_id: str, round_number: int, *, model_version: int, aggregated: Sequence[str],
                     updates: Iterable[tuple[str, int, float, float]], accuracy: float | None, loss: float | None,
@@ -538,6 +494,7 @@ class StateStore:
         self._write(f"record the close of round {round_number} of job {job_id!r}", write)
 
     def fail_round(self, job_id: str, round_number: int, seconds: float) -> None:
+        """Record a round that closed with too few uploads: no version came of it."""
         def write(db: sqlite3.Connection) -> None:
             db.execute("UPDATE rounds SET status = 'failed', seconds = ?, closed = ? WHERE job_id = ? AND round = ?",
                        (seconds, time.time(), job_id, round_number))
@@ -545,16 +502,20 @@ class StateStore:
 
         self._write(f"record round {round_number} of job {job_id!r} as failed", write)
 
-    def rounds(self, job_id: str | None = None) -> list[sqlite3.Row]:
+    def rounds(self, job_id: str | None = None) -> list[RoundRecord]:
+        """A job's rounds (every job's, by job), oldest first."""
         if job_id:
-            return self._exec("SELECT * FROM rounds WHERE job_id = ? ORDER BY round", (job_id,))
-        return self._exec("SELECT * FROM rounds ORDER BY job_id, round")
+            rows = self._exec("SELECT * FROM rounds WHERE job_id = ? ORDER BY round", (job_id,))
+        else:
+            rows = self._exec("SELECT * FROM rounds ORDER BY job_id, round")
+        return [_round_record(r) for r in rows]
 
-    def last_checkpoint(self, job_id: str) -> sqlite3.Row | None:
+    def last_checkpoint(self, job_id: str) -> RoundRecord | None:
+        """The job's last closed round: its version and checkpoint are where the job resumes from."""
         rows = self._exec(
             "SELECT * FROM rounds WHERE job_id = ? AND status = 'closed' ORDER BY round DESC LIMIT 1", (job_id,)
         )
-        return rows[0] if rows else None
+        return _round_record(rows[0]) if rows else None
 
 
 def _event(db: sqlite3.Connection, job_id: str, kind: str, *, round_number: int = 0, worker_id: str = "",
@@ -562,3 +523,41 @@ def _event(db: sqlite3.Connection, job_id: str, kind: str, *, round_number: int 
     """One line of a job's history (`fedbroker jobs logs`), written in the transaction of what it reports."""
     db.execute("INSERT INTO events (job_id, time, kind, round, worker_id, message) VALUES (?, ?, ?, ?, ?, ?)",
                (job_id, time.time(), kind, round_number, worker_id, message))
+
+
+# ----- rows into records (the only place that reads a row by column name) -----
+
+def _job_record(r: sqlite3.Row) -> JobRecord:
+    return JobRecord(job_id=r["job_id"], name=r["name"], spec_json=r["spec_json"], status=JobStatus(r["status"]),
+                     rounds_total=r["rounds_total"], rounds_done=r["rounds_done"],
+                     model_spec_json=r["model_spec_json"], error=r["error"], created=r["created"],
+                     updated=r["updated"], submitter=r["submitter"])
+
+
+def _round_record(r: sqlite3.Row) -> RoundRecord:
+    return RoundRecord(job_id=r["job_id"], round=r["round"], status=RoundStatus(r["status"]),
+                       participants=r["participants"], uploaded=r["uploaded"], aggregated=r["aggregated"],
+                       accuracy=r["accuracy"], loss=r["loss"], mean_train_loss=r["mean_train_loss"],
+                       seconds=r["seconds"], model_version=r["model_version"], checkpoint=r["checkpoint"],
+                       stats=json.loads(r["stats_json"] or "{}"), started=r["started"], closed=r["closed"],
+                       deadline=r["deadline"])
+
+
+def _participant_record(r: sqlite3.Row) -> ParticipantRecord:
+    return ParticipantRecord(job_id=r["job_id"], round=r["round"], worker_id=r["worker_id"],
+                             status=ParticipantStatus(r["status"]), reason=r["reason"], epsilon=r["epsilon"],
+                             train_loss=r["train_loss"], num_samples=r["num_samples"])
+
+
+def _event_record(r: sqlite3.Row) -> EventRecord:
+    return EventRecord(seq=r["seq"], job_id=r["job_id"], time=r["time"], kind=r["kind"], round=r["round"],
+                       worker_id=r["worker_id"], message=r["message"])
+
+
+def _worker_record(r: sqlite3.Row) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=r["worker_id"], categories=tuple(json.loads(r["categories_json"])),
+        histogram=tuple(json.loads(r["histogram_json"])),
+        dp=DPPolicy(enabled=bool(r["dp_enabled"]), **json.loads(r["dp_json"])), epsilon_spent=r["epsilon_spent"],
+        device=r["device"], num_samples=r["num_samples"], last_seen=r["last_seen"], state=WorkerState(r["state"]),
+        input_shape=tuple(json.loads(r["input_shape_json"])), num_classes=r["num_classes"])

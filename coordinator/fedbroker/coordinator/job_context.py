@@ -1,0 +1,130 @@
+"""What every job's loop works with, synchronous (sync_rounds.py) or asynchronous (asynchronous.py): the
+store, the bus, the aggregation service and its events, the deployment's timings, and the few things both
+loops do the same way (wait for a condition, weigh budgets, publish tasks, describe the population).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+from fedbroker.aggregation_client import AggregatorClient
+from fedbroker.bus import Bus
+from fedbroker.coordinator import metrics
+from fedbroker.coordinator.events import JobWatcher
+from fedbroker.coordinator.job_run import CancelRequests, Stopped
+from fedbroker.coordinator.participants import WorkerBudgets, why_unaffordable
+from fedbroker.coordinator.service_calls import OUTAGE_BACKOFF, AggregatorCalls
+from fedbroker.coordinator.store import StateStore
+from fedbroker.errors import BusError
+from fedbroker.retry import retry_call
+from fedbroker.spec import JobSpec
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# (job, global model spec JSON, its tensors) → (accuracy, loss) on the job's evaluation set, or None.
+Evaluator = Callable[[JobSpec, str, dict[str, np.ndarray]], "tuple[float, float] | None"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobContext:
+    """Shared by every job's thread; built once by the Coordinator (its constructor documents the timings)."""
+
+    bus: Bus
+    store: StateStore
+    aggregator: AggregatorClient      # calls once: `calls` does the retrying
+    calls: AggregatorCalls
+    events: JobWatcher
+    stop: threading.Event             # set: the coordinator is stopping
+    cancels: CancelRequests
+    budgets: WorkerBudgets
+    aggregator_target: str            # what a task tells its worker to upload to
+    checkpoint_dir: str
+    evaluator: Evaluator | None
+    heartbeat_timeout_s: float
+    poll_interval_s: float
+    safety_poll_s: float
+
+    def halt_if_cancelled(self) -> None:
+        """In a job's thread, wherever its loop waits: end the job there if it was cancelled."""
+        self.cancels.halt_if_requested()
+
+    def poll(self, check: Callable[[], tuple[bool, T]], *, within_s: float) -> tuple[bool, T]:
+        """`check()` every poll interval until it says done or `within_s` passes; its last answer either way.
+        A stopping coordinator ends the wait at once (`Stopped`), a cancel at its next look."""
+        deadline = time.monotonic() + within_s
+        while True:
+            done, value = check()
+            if done or time.monotonic() >= deadline:
+                return done, value
+            if self.stop.wait(self.poll_interval_s):
+                raise Stopped
+            self.halt_if_cancelled()
+
+    def why_unaffordable(self, job_id: str, job: JobSpec) -> dict[str, str]:
+        """Each active worker of the job's category, and why it cannot afford the job's next round or task
+        ("" when it can): by its heartbeat's budget, else its registration's (participants.why_unaffordable)."""
+        active = self.store.workers(job.category, seen_within_s=self.heartbeat_timeout_s)
+        budgets = self.budgets.snapshot()
+        return {w.worker_id: why_unaffordable(w, budgets.get(w.worker_id), job_id=job_id, training=job.training)
+                for w in active}
+
+    def recorded_epsilon(self) -> dict[str, float]:
+        """The ε recorded for each worker: a task carries its worker's, and a worker whose ledger holds less
+        refuses to train."""
+        return {w.worker_id: w.epsilon_spent for w in self.store.workers()}
+
+    def population(self, job: JobSpec) -> list[float]:
+        """P over every registered worker of the category (DWFed), from their label histograms."""
+        histograms = [w.histogram for w in self.store.workers(job.category) if w.histogram]
+        if not histograms:
+            return []
+        width = max(len(h) for h in histograms)
+        total = np.zeros(width)
+        for h in histograms:
+            total[: len(h)] += h
+        return [float(p) for p in total / total.sum()] if total.sum() > 0 else []
+
+    def publish_tasks(self, tasks: list[tuple[str, bytes]], deadline: float) -> set[str]:
+        """Persistent tasks with one wait for the broker (`Bus.publish_tasks`); through a broker outage the
+        whole batch is retried until `deadline` (a worker that gets a task twice acks the copy once its update
+        is in). A task that cannot be sent by then, or that is unroutable (no queue for the worker: no retry
+        makes one), makes its worker a straggler at once; the round's quorum rules decide. Returns the worker
+        ids whose task went out."""
+        if not tasks:
+            return set()
+        unroutable: list[str] = []
+
+        def publish() -> None:
+            try:
+                unroutable[:] = self.bus.publish_tasks(tasks)
+            except BusError as exc:
+                if self.stop.is_set():
+                    raise Stopped from exc
+                raise
+
+        def log_retry(exc: Exception, retry: int, delay: float) -> None:
+            log.warning("%d task(s) not published (%s); retrying in %.1fs", len(tasks), exc, delay)
+
+        left = deadline - time.time()
+        if left <= 0:
+            log.error("%d task(s) not published before the deadline", len(tasks))
+            return set()
+        try:
+            retry_call(publish, backoff=OUTAGE_BACKOFF, retryable=lambda exc: isinstance(exc, BusError),
+                       deadline=time.monotonic() + left, on_retry=log_retry, sleep=self.stop.wait)
+        except BusError as exc:
+            log.error("%d task(s) not published (%s): their workers are stragglers", len(tasks), exc)
+            return set()
+        for worker_id in unroutable:
+            log.error("task for %s is unroutable (no queue for it): it is a straggler", worker_id)
+        sent = {worker_id for worker_id, _ in tasks} - set(unroutable)
+        metrics.TASKS_PUBLISHED.inc(len(sent))
+        return sent

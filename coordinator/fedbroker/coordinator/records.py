@@ -1,0 +1,169 @@
+"""What the coordinator's state store holds, as the rest of the coordinator reads it: frozen records and the
+statuses they move through.
+
+The statuses are `StrEnum`s whose values are the strings the SQLite file, the wire (StatusReply's string
+fields) and `fedbroker status` have always used, so a status compares equal to its old string and a state
+file written before them reads back unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fedbroker.config import DPPolicy
+
+
+class JobStatus(enum.StrEnum):
+    """A job's place in its life: `pending` until its thread starts, `cancelling` until its thread acts."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    CANCELLING = "cancelling"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+# A job in one of these has ended: nothing more happens to it (a cancel is refused).
+FINISHED = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED})
+
+
+class RoundStatus(enum.StrEnum):
+    """A round is `open` from before the aggregation service hears of it until it is closed into a version,
+    fails (too few uploads) or is abandoned (its job was cancelled: no version comes of it)."""
+
+    OPEN = "open"
+    CLOSED = "closed"
+    FAILED = "failed"
+    ABANDONED = "abandoned"
+
+
+class ParticipantStatus(enum.StrEnum):
+    """A selected worker's part in one round: `published` (its task went out) until it uploads, answers
+    (refused, failed), misses the close, or its job is cancelled (cancelled; discarded if it had uploaded)."""
+
+    PUBLISHED = "published"
+    UPLOADED = "uploaded"
+    AGGREGATED = "aggregated"
+    MISSED = "missed"
+    REFUSED = "refused"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    DISCARDED = "discarded"
+
+
+class WorkerState(enum.StrEnum):
+    """What a worker's last heartbeat said it was doing."""
+
+    IDLE = "idle"
+    TRAINING = "training"
+    UPLOADING = "uploading"
+
+
+def _spec_field(spec_json: str, *path: str) -> object:
+    """One field of a stored job's spec, None when absent (a job stored before the field existed)."""
+    try:
+        value: object = json.loads(spec_json)
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+    except ValueError:
+        return None
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobRecord:
+    """A submitted job: its spec's one wire form, where it stands, and who submitted it (the only identity
+    that may cancel it or download its models)."""
+
+    job_id: str
+    name: str
+    spec_json: str
+    status: JobStatus
+    rounds_total: int
+    rounds_done: int
+    model_spec_json: str
+    error: str
+    created: float
+    updated: float
+    submitter: str
+
+    @property
+    def category(self) -> str:
+        """The data category the job trains on."""
+        return str(_spec_field(self.spec_json, "category") or "")
+
+    @property
+    def mode(self) -> str:
+        """schedule.mode (a job stored before the field existed is synchronous)."""
+        return str(_spec_field(self.spec_json, "schedule", "mode") or "sync")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundRecord:
+    """One round of a job (for an asynchronous job: one published version). Its outcome fields are None
+    until it closes; `deadline` is None in a state file written before rounds kept it."""
+
+    job_id: str
+    round: int
+    status: RoundStatus
+    participants: int
+    uploaded: int
+    aggregated: int
+    accuracy: float | None
+    loss: float | None
+    mean_train_loss: float | None
+    seconds: float | None
+    model_version: int | None          # None until it closes (and for a round that never did)
+    checkpoint: str | None             # likewise; "" for a version the service no longer kept to save
+    stats: Mapping[str, float]
+    started: float
+    closed: float | None
+    deadline: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParticipantRecord:
+    """A worker selected for a round; its upload's numbers once the round closed (or the job was cancelled)."""
+
+    job_id: str
+    round: int
+    worker_id: str
+    status: ParticipantStatus
+    reason: str
+    epsilon: float | None
+    train_loss: float | None
+    num_samples: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EventRecord:
+    """One line of a job's history (`fedbroker jobs logs`); `seq` orders them across the whole store."""
+
+    seq: int
+    job_id: str
+    time: float
+    kind: str
+    round: int
+    worker_id: str
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerRecord:
+    """A registered worker as its registration and last heartbeat described it."""
+
+    worker_id: str
+    categories: tuple[str, ...]
+    histogram: tuple[int, ...]
+    dp: DPPolicy                       # its owner's policy (dp.enabled False: it trains without DP)
+    epsilon_spent: float
+    device: str
+    num_samples: int
+    last_seen: float
+    state: WorkerState = WorkerState.IDLE
+    input_shape: tuple[int, ...] = ()  # one sample's shape; () = not reported (a worker older than the field)
+    num_classes: int = 0               # 0 = not reported

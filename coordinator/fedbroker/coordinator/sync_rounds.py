@@ -1,0 +1,322 @@
+"""The synchronous round loop: select → open at the aggregator → publish tasks → wait for quorum or deadline
+→ close → checkpoint, evaluate, record.
+
+Faults (deploy/RELIABILITY.md): a round is recorded in the store before it is opened anywhere, so a
+restarted coordinator resumes the open round with the same participants and deadline instead of starting
+it over; a service that lost the job (restarted without its spool) gets the global model and the open round
+again, and the round's tasks are re-sent; publishing retries through a broker outage until the round's
+deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import TypeVar
+
+import grpc
+
+from fedbroker import envelope
+from fedbroker.coordinator import metrics
+from fedbroker.coordinator.checkpoints import save_checkpoint
+from fedbroker.coordinator.job_context import JobContext
+from fedbroker.coordinator.job_run import JobFailed, OpenRound, Run, Stopped
+from fedbroker.coordinator.participants import sample_participants
+from fedbroker.coordinator.records import ParticipantStatus, RoundRecord, RoundStatus
+from fedbroker.errors import BusError, Rejection
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.rpc import RemoteError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# A participant that answered its task without an upload: the round does not wait for it.
+_ANSWERED = (ParticipantStatus.REFUSED, ParticipantStatus.FAILED)
+
+
+class SyncRounds:
+    """Drives one synchronous job's rounds, in the job's thread."""
+
+    def __init__(self, ctx: JobContext, run: Run) -> None:
+        self.ctx = ctx
+        self.run = run
+
+    def drive(self, first_round: int) -> None:
+        """Install the global model the job is at, then run its rounds from `first_round` to the last."""
+        run, job_id = self.run, self.run.job_id
+        # Idempotent at the service: after our own restart it keeps the open round and its uploads.
+        self._call("install the global model",
+                   lambda: self.ctx.aggregator.put_global(job_id, run.version, run.spec_json, run.tensors))
+        for round_number in range(first_round, run.job.training.rounds + 1):
+            if self.ctx.stop.is_set():
+                raise Stopped
+            self.ctx.halt_if_cancelled()
+            try:
+                self._round(round_number)
+            except Stopped:
+                raise
+            except Exception:
+                metrics.ROUNDS_FAILED.labels(job_id).inc()
+                metrics.ROUND_OPEN.labels(job_id).set(0)
+                raise
+
+    # ----- one round -----
+
+    def _round(self, round_number: int) -> None:
+        job_id = self.run.job_id
+        row = self.ctx.store.round(job_id, round_number)
+        if row is not None and row.status == RoundStatus.OPEN:
+            rnd, reply = self._resume_round(row)
+        else:
+            rnd, reply = self._new_round(round_number), None
+        metrics.ROUNDS_STARTED.labels(job_id).inc()
+        metrics.ROUND.labels(job_id).set(round_number)
+        metrics.ROUND_OPEN.labels(job_id).set(1)
+        metrics.ROUND_DEADLINE.labels(job_id).set(rnd.deadline)
+        metrics.ROUND_PARTICIPANTS.labels(job_id).set(len(rnd.participants))
+        if reply is None:
+            self._publish_tasks(rnd)
+            accepted = self._wait_for_quorum(rnd)
+            if self.ctx.stop.is_set():
+                raise Stopped  # the round stays open in the store: a restarted coordinator resumes it
+            self.ctx.halt_if_cancelled()
+            self._count_stragglers(rnd, accepted)
+            if len(accepted) < self.run.job.schedule.min_clients:
+                self._fail_round(rnd, accepted)
+            # Idempotent at the service: a retry after a lost reply gets the same result back.
+            reply = self._call(f"close round {round_number}",
+                               lambda: self.ctx.aggregator.close_round(job_id, round_number))
+        self._finish_round(rnd, reply)
+
+    def _count_stragglers(self, rnd: OpenRound, accepted: list[str]) -> None:
+        stragglers = len(set(rnd.participants) - set(accepted) - self._answered(rnd.number))
+        if stragglers:
+            metrics.STRAGGLERS.labels(self.run.job_id).inc(stragglers)
+
+    def _fail_round(self, rnd: OpenRound, accepted: list[str]) -> None:
+        """Too few uploads by the deadline: the round is recorded failed, and so is the job, naming each
+        participant's part."""
+        job_id, store = self.run.job_id, self.ctx.store
+        store.fail_round(job_id, rnd.number, time.time() - rnd.started)
+        reasons = "; ".join(f"{p.worker_id}: {p.status}{' (' + p.reason + ')' if p.reason else ''}"
+                            for p in store.participants(job_id, rnd.number))
+        raise JobFailed(f"round {rnd.number}: {len(accepted)} upload(s), schedule.min_clients is "
+                        f"{self.run.job.schedule.min_clients} [{reasons}]")
+
+    def _new_round(self, round_number: int) -> OpenRound:
+        run, job = self.run, self.run.job
+        participants = self._select(round_number)  # may wait for workers that can afford it
+        started = time.time()
+        rnd = OpenRound(round_number, participants, started, started + job.schedule.round_timeout_s,
+                        asdict(job.aggregation), self._histograms(participants))
+        # Recorded before the service hears of it: a coordinator that dies from here on resumes this round.
+        self.ctx.store.open_round(run.job_id, round_number, participants, deadline=rnd.deadline, started=started)
+        run.round = rnd
+        self._open_at_aggregator(rnd)
+        return rnd
+
+    def _histograms(self, participants: list[str]) -> dict[str, list[int]]:
+        return {w.worker_id: list(w.histogram) for w in self.ctx.store.workers(self.run.job.category)
+                if w.worker_id in participants}
+
+    def _resume_round(self, row: RoundRecord) -> tuple[OpenRound, pb.CloseRoundReply | None]:
+        """The round that was open when this coordinator stopped: same participants, same deadline."""
+        run, job, round_number = self.run, self.run.job, row.round
+        job_id = run.job_id
+        participants = [p.worker_id for p in self.ctx.store.participants(job_id, round_number)]
+        deadline = row.deadline if row.deadline is not None else row.started + job.schedule.round_timeout_s
+        rnd = OpenRound(round_number, participants, row.started, deadline, asdict(job.aggregation),
+                        self._histograms(participants), resumed=True)
+        log.info("resuming round %d of %s (%d participant(s), deadline in %.0fs)", round_number, job_id,
+                 len(participants), deadline - time.time())
+        try:
+            accepted, is_open = self._call(f"status of round {round_number}",
+                                           lambda: self.ctx.aggregator.status(job_id, round_number))
+        except RemoteError as exc:
+            if exc.reason != Rejection.UNKNOWN_ROUND:
+                raise
+            accepted, is_open = [], True  # we died before opening it there: opened below
+        if not is_open:
+            # Either the service closed it before we died (the close is idempotent: we get its result back),
+            # or it never heard of it (we died before opening it there): then it is opened below.
+            try:
+                reply = self._call(f"close round {round_number}",
+                                   lambda: self.ctx.aggregator.close_round(job_id, round_number), reinstall=False)
+                log.info("round %d of %s had been closed by the aggregation service; recording it", round_number,
+                         job_id)
+                run.round = rnd
+                return rnd, reply
+            except RemoteError as exc:
+                if exc.code != grpc.StatusCode.NOT_FOUND:
+                    raise
+        if time.time() >= deadline and len(accepted) < job.schedule.min_clients:
+            rnd.deadline = time.time() + job.schedule.round_timeout_s  # it expired while we were away
+            self.ctx.store.set_round_deadline(job_id, round_number, rnd.deadline)
+            log.info("round %d of %s expired while the coordinator was down; deadline moved %.0fs ahead",
+                     round_number, job_id, job.schedule.round_timeout_s)
+        run.round = rnd
+        self._open_at_aggregator(rnd)
+        return rnd, None
+
+    def _select(self, round_number: int) -> list[str]:
+        """The round's participants, drawn among the active workers that can afford it (by their heartbeats'
+        budgets and costs: participants.why_unaffordable). Fewer than min_clients of them: no round is opened,
+        so no worker spends ε on a round that would fail; the job waits up to wait_for_workers_s (a worker
+        may register, or an owner raise its budget), then fails naming each worker's reason."""
+        job_id, job = self.run.job_id, self.run.job
+
+        def affordability() -> tuple[bool, dict[str, str]]:
+            why = self.ctx.why_unaffordable(job_id, job)
+            return sum(not reason for reason in why.values()) >= job.schedule.min_clients, why
+
+        done, why = self.ctx.poll(affordability, within_s=job.schedule.wait_for_workers_s)
+        able = [w for w, reason in why.items() if not reason]
+        if not done:
+            reasons = "; ".join(f"{w}: {reason}" for w, reason in why.items() if reason)
+            raise JobFailed(
+                f"round {round_number} not opened: {len(able)} of {len(why)} active worker(s) of category "
+                f"{job.category!r} can afford it, schedule.min_clients is {job.schedule.min_clients}"
+                f"{' [' + reasons + ']' if reasons else ''}; no worker trained (no ε spent)")
+        return sample_participants(able, job.schedule.clients_per_round, seed=job.seed, round_number=round_number)
+
+    def _open_at_aggregator(self, rnd: OpenRound, *, reinstall: bool = True) -> None:
+        job_id = self.run.job_id
+        # what each participant registered bounds the sample count its upload may claim (its FedAvg weight)
+        members = set(rnd.participants)
+        registered = {w.worker_id: w.num_samples for w in self.ctx.store.workers() if w.worker_id in members}
+        rnd.model_version = self._call(f"open round {rnd.number}", lambda: self.ctx.aggregator.open_round(
+            job_id, rnd.number, rnd.participants, rnd.deadline, rnd.aggregation, seed=self.run.job.seed,
+            histograms=rnd.histograms, num_samples=registered), reinstall=reinstall)
+
+    def _answered(self, round_number: int) -> set[str]:
+        return {p.worker_id for p in self.ctx.store.participants(self.run.job_id, round_number)
+                if p.status in _ANSWERED}
+
+    def _publish_tasks(self, rnd: OpenRound, *, only_missing: bool | None = None) -> None:
+        """One task per participant; a resumed round re-sends the tasks of participants with no upload yet
+        (we may have died halfway through publishing; a worker that already has the task handles the copy
+        idempotently: it acks it without training once its update is accepted)."""
+        job_id, job = self.run.job_id, self.run.job
+        if time.time() >= rnd.deadline:  # a resumed round past its deadline: closes with what it has
+            rnd.published = True
+            return
+        task = pb.RoundTask(
+            job_id=job_id, round=rnd.number,
+            training_json=json.dumps(asdict(job.training)), category=job.category, model_version=rnd.model_version,
+            aggregator_target=self.ctx.aggregator_target, deadline_unix=rnd.deadline,
+            population_distribution=self.ctx.population(job), participants=len(rnd.participants),
+            seed=job.seed, aggregation_json=json.dumps(rnd.aggregation),
+        )
+        recipients = list(rnd.participants)
+        if rnd.resumed if only_missing is None else only_missing:
+            accepted, _ = self._call(f"status of round {rnd.number}",
+                                     lambda: self.ctx.aggregator.status(job_id, rnd.number))
+            done = set(accepted) | self._answered(rnd.number)
+            recipients = [w for w in recipients if w not in done]
+        recorded = self.ctx.recorded_epsilon()
+
+        def body_for(worker_id: str) -> bytes:
+            task.recorded_epsilon_spent = recorded.get(worker_id, 0.0)
+            return envelope.encode(round_task=task)
+
+        sent = self.ctx.publish_tasks([(worker_id, body_for(worker_id)) for worker_id in recipients], rnd.deadline)
+        rnd.published = True
+        log.info("round %d of %s published to %d worker(s)", rnd.number, job_id, len(sent))
+
+    def _wait_for_quorum(self, rnd: OpenRound) -> list[str]:
+        job_id, round_number = self.run.job_id, rnd.number
+        quorum = self.run.job.schedule.quorum or len(rnd.participants)
+        accepted: list[str] = []
+        while not self.ctx.stop.is_set():
+            accepted, _ = self._call(f"status of round {round_number}",
+                                     lambda: self.ctx.aggregator.status(job_id, round_number))
+            self.ctx.store.set_uploaded(job_id, round_number, accepted)
+            if len(accepted) >= quorum:
+                break
+            answered = self._answered(round_number)
+            if len(set(accepted) | answered) >= len(rnd.participants) or time.time() >= rnd.deadline:
+                break
+            self._await_round_event(round_number, rnd.deadline, enough=quorum,
+                                    everyone=len(rnd.participants) - len(answered))
+            self.ctx.halt_if_cancelled()  # before the close: a cancelled job's round is abandoned, not closed
+        return accepted
+
+    def _await_round_event(self, round_number: int, deadline: float, *, enough: int, everyone: int) -> None:
+        """Until the service's events say the round has `enough` uploads (or `everyone` who can still
+        upload has), a worker's refusal comes in, the deadline (a one-shot timer) or the safety poll."""
+        job_id, events = self.run.job_id, self.ctx.events
+        until = min(deadline, time.time() + self.ctx.safety_poll_s)
+        while not self.ctx.stop.is_set():
+            left = until - time.time()
+            if left <= 0 or not events.wait(job_id, left):
+                return
+            snapshot = events.latest(job_id)
+            if snapshot is None or snapshot.round != round_number or not snapshot.open:
+                return  # a poke (a refusal), or the round is no longer the one we wait on
+            if snapshot.accepted >= min(enough, everyone):
+                return
+
+    def _finish_round(self, rnd: OpenRound, reply: pb.CloseRoundReply) -> None:
+        """The closed round's version: downloaded, checkpointed, evaluated, then recorded with the round in
+        one transaction (a resume starts after it); a RoundCompleted event tells whoever listens."""
+        run, job_id, round_number = self.run, self.run.job_id, rnd.number
+        new_version, new_spec_json, tensors = self._call(
+            f"download global model {reply.model_version}",
+            lambda: self.ctx.aggregator.download(job_id, reply.model_version), reinstall=False)
+        checkpoint = save_checkpoint(self.ctx.checkpoint_dir, job_id, round_number, tensors, new_spec_json)
+        scores = self.ctx.evaluator(run.job, new_spec_json, tensors) if self.ctx.evaluator else None
+        accuracy, loss = scores if scores else (None, None)
+        seconds = time.time() - rnd.started
+        self.ctx.store.close_round(
+            job_id, round_number, model_version=new_version, aggregated=list(reply.aggregated),
+            updates=[(u.worker_id, u.num_samples, u.epsilon, u.train_loss) for u in reply.updates],
+            accuracy=accuracy, loss=loss, seconds=seconds, checkpoint=checkpoint, stats=dict(reply.stats),
+            model_spec_json=new_spec_json,
+        )
+        run.version, run.spec_json, run.tensors, run.round = new_version, new_spec_json, tensors, None
+        metrics.ROUNDS_COMPLETED.labels(job_id).inc()
+        metrics.ROUND_DURATION.observe(seconds)
+        metrics.ROUND_OPEN.labels(job_id).set(0)
+        metrics.ROUND_AGGREGATED.labels(job_id).set(len(reply.aggregated))
+        if accuracy is not None and loss is not None:
+            metrics.MODEL_ACCURACY.labels(job_id).set(accuracy)
+            metrics.MODEL_LOSS.labels(job_id).set(loss)
+        try:  # a notification: the store is the truth, so a broker outage must not fail the job here
+            self.ctx.bus.publish_event(envelope.encode(round_completed=pb.RoundCompleted(
+                job_id=job_id, round=round_number, model_version=new_version, aggregated=len(reply.aggregated),
+                accuracy=accuracy or 0.0, loss=loss or 0.0, final=round_number == run.job.training.rounds,
+                seconds=seconds,
+            )))
+        except BusError as exc:
+            log.warning("RoundCompleted event of round %d of %s not published: %s", round_number, job_id, exc)
+        log.info("round %d of %s closed: %d aggregated, accuracy %s, %.1fs", round_number, job_id,
+                 len(reply.aggregated), f"{accuracy:.4f}" if accuracy is not None else "n/a", seconds)
+
+    # ----- the aggregation service's outages -----
+
+    def _call(self, what: str, fn: Callable[[], T], *, reinstall: bool = True) -> T:
+        """`fn()` through the service's outages (service_calls.py). `reinstall`: a service that lost the job
+        (restarted without its spool) gets it back (`_reinstall`) and the call is repeated."""
+        return self.ctx.calls.call(self.run.job_id, what, fn, on_lost_job=self._reinstall if reinstall else None)
+
+    def _reinstall(self, why: str) -> None:
+        """Install the global model and the open round again, re-send the round's tasks (the uploads it had
+        accepted are gone; their workers acked their tasks) and give the round a fresh deadline."""
+        run, job_id = self.run, self.run.job_id
+        log.warning("the aggregation service lost job %s (%s): installing global model %d again%s", job_id, why,
+                    run.version, f" and re-opening round {run.round.number}" if run.round else "")
+        self._call("reinstall the global model",
+                   lambda: self.ctx.aggregator.put_global(job_id, run.version, run.spec_json, run.tensors),
+                   reinstall=False)
+        rnd = run.round
+        if rnd is None:
+            return
+        rnd.deadline = max(rnd.deadline, time.time() + run.job.schedule.round_timeout_s)
+        self.ctx.store.set_round_deadline(job_id, rnd.number, rnd.deadline)
+        self.ctx.store.reset_uploads(job_id, rnd.number)
+        self._open_at_aggregator(rnd, reinstall=False)
+        if rnd.published:  # else the round's own publishing comes next
+            self._publish_tasks(rnd, only_missing=True)
