@@ -30,6 +30,8 @@ _D = TypeVar("_D", bound="DataclassInstance")
 
 @dataclass(frozen=True)
 class BrokerConfig:
+    """Where the control messages travel: RabbitMQ (with its TLS and credentials) or, empty, the in-process bus."""
+
     url: str = field(default="", repr=False)  # amqp:// or amqps:// (TLS); empty = the in-process bus
     url_file: str = ""                 # or read the URL (with its password) from this mounted secret file
     ca_file: str = ""                  # amqps://: verify the broker against this CA (default: system CAs)
@@ -44,6 +46,8 @@ class BrokerConfig:
 
 @dataclass(frozen=True)
 class ServerTLSSection:
+    """A gRPC port's TLS: its certificate and key, and a client CA that turns on mutual TLS."""
+
     cert_file: str = ""                # PEM chain; with key_file, the gRPC port speaks TLS
     key_file: str = ""
     client_ca_file: str = ""           # set = mutual TLS: clients need a certificate signed by this CA
@@ -64,6 +68,8 @@ class ClientSection:
 
 @dataclass(frozen=True)
 class AggregatorConfig:
+    """The aggregation service: where it listens, how others reach it, and the limits it enforces."""
+
     listen: str = "0.0.0.0:50051"
     target: str = "127.0.0.1:50051"   # how the coordinator and workers reach it
     max_update_bytes: int = 1 << 30
@@ -86,6 +92,8 @@ class AggregatorConfig:
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
+    """The coordinator: where it listens, where it keeps its durable state, and how it paces rounds."""
+
     listen: str = "0.0.0.0:50052"
     target: str = "127.0.0.1:50052"
     state_dir: str = "state"           # one coordinator's (locked while it runs; created 0700)
@@ -101,6 +109,8 @@ class CoordinatorConfig:
 
 @dataclass(frozen=True)
 class PartitionSection:
+    """Which slice of a bundled set this worker holds: how demos and experiments simulate several owners."""
+
     scheme: str = "iid"
     num_clients: int = 1
     client_index: int = 0
@@ -132,6 +142,7 @@ class DPPolicy:
             raise ConfigErrors(problems)
 
     def problems(self) -> list[ConfigError]:
+        """Every bad value of the policy at once, so an owner fixes the file in one pass."""
         out = [ConfigError(f"dp.{name}", f"must be a number > 0, got {value!r}")
                for name, value in (("noise_multiplier", self.noise_multiplier), ("max_grad_norm", self.max_grad_norm))
                if not _is_number(value) or not value > 0]
@@ -191,6 +202,8 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """One process's settings, built once from YAML and the environment and validated at the edge."""
+
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     aggregator: AggregatorConfig = field(default_factory=AggregatorConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)

@@ -7,6 +7,8 @@
   services share, so a change in a service never ripples into it.
 - The services (`fedbroker.coordinator`, `.worker`, `.aggregators`) never import the app, nor each other:
   each imports only the kernel, the generated protocol and itself.
+- Services import only the kernel and the generated protocol, never each other (a star, not a stack).
+- No module over 600 lines and no function over 80 (generated code aside).
 - No import cycles, counted over module files (a package's `__init__` importing its own submodules is
   not a cycle).
 """
@@ -202,3 +204,23 @@ def test_a_service_folder_is_not_importable_by_its_bare_name(folder: str) -> Non
                           timeout=120)
     assert done.returncode != 0
     assert f"import fedbroker.{folder}" in done.stderr
+
+
+FILE_LIMIT, FUNCTION_LIMIT = 600, 80
+
+
+def test_no_room_is_too_big_to_read() -> None:
+    """No module of the package over 600 lines, no function over 80 (generated protocol code aside)."""
+    too_big = []
+    for name, path in MODULES.items():
+        if name.startswith("fedbroker.proto.fedbroker_pb2"):
+            continue
+        text = path.read_text(encoding="utf-8")
+        if (lines := len(text.splitlines())) > FILE_LIMIT:
+            too_big.append(f"{path.relative_to(ROOT)}: {lines} lines")
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.end_lineno is None:
+                continue
+            if (length := node.end_lineno - node.lineno + 1) > FUNCTION_LIMIT:
+                too_big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines")
+    assert not too_big, "\n".join(too_big)
