@@ -61,6 +61,9 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
+# What the node's logs say when a port chosen free was taken before it bound it: AMQP, distribution, epmd.
+PORT_TAKEN = ("eaddrinuse", "dist_port_already_used", "there is already a epmd running")
+
 # A watchdog in the node's process group: if pytest dies without its teardown (SIGKILL, SIGTERM), it stops the
 # node, its epmd and itself, so no run leaves a beam behind.
 WATCHDOG = 'while kill -0 "$0" 2>/dev/null; do sleep 1; done; kill -TERM -"$1"'
@@ -117,23 +120,23 @@ class PrivateRabbitMQ:
 
     def start(self) -> None:
         """Start epmd, the watchdog and the node in one new process group (out of the terminal's way: Ctrl-C
-        reaches pytest, whose teardown stops them); return once AMQP answers. Raises
-        RuntimeError (with the node's log) if it does not come up; the caller stops it either way."""
-        self._epmd = subprocess.Popen(["epmd", "-port", str(self.epmd_port), "-address", "127.0.0.1"],
-                                      env=self.env, process_group=0, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL)
+        reaches pytest, whose teardown stops them); return once AMQP answers and rabbitmqctl reaches the node.
+        Raises RuntimeError (with the node's log) if it does not come up; the caller stops it either way."""
+        with open(self.base / "epmd.out", "wb") as out:
+            self._epmd = subprocess.Popen(["epmd", "-d", "-d", "-port", str(self.epmd_port), "-address", "127.0.0.1"],
+                                          env=self.env, process_group=0, stdout=out, stderr=subprocess.STDOUT)
         group = self._epmd.pid
         self._watchdog = subprocess.Popen(["sh", "-c", WATCHDOG, str(os.getpid()), str(group)],
                                           process_group=group, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self._await(self._epmd_answers, "its epmd to listen", self._epmd)
+        self._await(self._epmd_listens, "its epmd to listen", self._epmd)
         with open(self.base / "server.out", "wb") as out:
             self._server = subprocess.Popen([str(self.scripts / "rabbitmq-server")], env=self.env, cwd=self.base,
                                             process_group=group, stdout=out, stderr=subprocess.STDOUT)
-        waited = self._run_ctl("wait", "--pid", str(self._server.pid), "--timeout", str(int(START_TIMEOUT_S)),
-                               timeout=START_TIMEOUT_S + 30)
-        if waited.returncode != 0:
-            raise RuntimeError(f"rabbitmqctl wait: {waited.stdout}{waited.stderr}\n{self.log_tail()}")
         self._await(self.answers, "AMQP to answer", self._server)
+        # then rabbitmqctl must reach it (cookie, epmd): the tests stop and reconfigure it with rabbitmqctl
+        started = self._run_ctl("await_startup", "--timeout", str(int(START_TIMEOUT_S)), timeout=START_TIMEOUT_S + 30)
+        if started.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl await_startup said: {started.stdout}{started.stderr}\n{self.log_tail()}")
 
     def _await(self, ready: Callable[[], bool], what: str, process: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -145,12 +148,10 @@ class PrivateRabbitMQ:
                 raise RuntimeError(f"waited {START_TIMEOUT_S:g} s for {what}\n{self.log_tail()}")
             time.sleep(0.1)
 
-    def _epmd_answers(self) -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", self.epmd_port), timeout=1).close()
-            return True
-        except OSError:
-            return False
+    def _epmd_listens(self) -> bool:
+        """Whether epmd has bound its port: its debug output says so (an epmd that finds the port taken, by
+        anything, exits instead; a connection test could reach whatever holds the port)."""
+        return "entering the main select() loop" in (self.base / "epmd.out").read_text(errors="replace")
 
     def answers(self) -> bool:
         """Whether the node accepts an AMQP connection now (its application is running)."""
@@ -185,7 +186,9 @@ class PrivateRabbitMQ:
             self.ctl("close_connection", pid, "fedbroker test: connection cut")
 
     def log_tail(self, chars: int = 4000) -> str:
-        texts = [p.read_text(errors="replace")[-chars:] for p in (self.base / "server.out", self.log) if p.exists()]
+        """The ends of epmd's, the start script's and the node's logs: what a failed start message shows."""
+        logs = (self.base / "epmd.out", self.base / "server.out", self.log)
+        texts = [p.read_text(errors="replace")[-chars:] for p in logs if p.exists()]
         return f"--- log of {self.name} in {self.base}:\n" + "\n".join(texts)
 
     def stop(self) -> None:
@@ -227,7 +230,7 @@ class PrivateRabbitMQ:
 
 def start_private_rabbitmq(root: Path, *, attempts: int = 3) -> PrivateRabbitMQ:
     """A started private node under `root`. A port chosen free may be taken by another process before the node
-    binds it; a start that fails is retried on new ports, and the last failure fails the test with its log."""
+    binds it: such a start is retried on new ports. Any other failure fails the test with the node's log."""
     scripts = server_scripts()
     if shutil.which("epmd") is None:
         missing("epmd (Erlang's port mapper, part of erlang-base) is not on PATH: a private RabbitMQ node needs it")
@@ -240,6 +243,8 @@ def start_private_rabbitmq(root: Path, *, attempts: int = 3) -> PrivateRabbitMQ:
         except RuntimeError as exc:
             node.stop()
             failures.append(f"attempt {attempt}: {exc}")
+            if not any(marker in str(exc) for marker in PORT_TAKEN):
+                break  # not a port taken meanwhile: trying again would fail the same way, minutes later
         except BaseException:  # KeyboardInterrupt, a pytest timeout: never leave a half-started node behind
             node.stop()
             raise
