@@ -26,6 +26,7 @@ from fedbroker.bus import (
     open_bus,
 )
 from fedbroker.errors import ConfigError
+from tests.rabbitmq_node import PrivateRabbitMQ
 
 WORKERS = ("w1", "w2")  # every worker id the tests use, so teardown can delete their queues
 
@@ -139,6 +140,14 @@ def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
 @pytest.fixture
 def amqp(rabbitmq_url: str) -> Iterator[Harness]:
     h = Harness("amqp", rabbitmq_url)
+    yield h
+    h.cleanup()
+
+
+@pytest.fixture
+def private_amqp(private_rabbitmq: PrivateRabbitMQ) -> Iterator[Harness]:
+    """On the session's private node: for a test that has the broker close its connections."""
+    h = Harness("amqp", private_rabbitmq.url)
     yield h
     h.cleanup()
 
@@ -412,33 +421,13 @@ def test_messages_are_persistent_and_topology_is_durable(amqp: Harness) -> None:
             ch.exchange_declare(exchange, exchange_type=kind, durable=False)
 
 
-def _rabbitmqctl() -> list[str]:
-    from tests.faults.harness import rabbitmqctl  # one lookup, failing (not skipping) on CI
-
-    return rabbitmqctl()
-
-
-def _close_connection(ctl: list[str], connection_name: str) -> None:
-    listing = subprocess.run(
-        [*ctl, "list_connections", "pid", "client_properties", "-q", "--no-table-headers"],
-        capture_output=True, text=True, timeout=30, check=True,
-    ).stdout
-    marker = f'{{"connection_name","{connection_name}"}}'
-    pids = [line.split("\t")[0] for line in listing.splitlines() if marker in line]
-    assert pids, f"no connection named {connection_name} in:\n{listing}"
-    for pid in pids:
-        command = [*ctl, "close_connection", pid, "fedbroker test: forced close"]
-        subprocess.run(command, capture_output=True, timeout=30, check=True)
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(60)
 def test_consumption_and_publishing_resume_after_broker_closes_the_connections(
-    amqp: Harness, caplog: pytest.LogCaptureFixture
+    private_amqp: Harness, private_rabbitmq: PrivateRabbitMQ, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ctl = _rabbitmqctl()
     caplog.set_level(logging.INFO, logger="fedbroker.bus")
-    bus, inbox = amqp.open(), Inbox()
+    bus, inbox = private_amqp.open(), Inbox()
     assert isinstance(bus, AmqpBus)
     bus.declare_worker("w1")
     bus.consume_tasks("w1", inbox)
@@ -447,7 +436,7 @@ def test_consumption_and_publishing_resume_after_broker_closes_the_connections(
     inbox.wait(1)
     assert bus.reconnects == 0
     for name in bus.connection_names:
-        _close_connection(ctl, name)
+        private_rabbitmq.close_connection(name)
     bus.publish_task("w1", b"after")  # retried on the new connection if the old one is gone
     inbox.wait(2)
     assert inbox.bodies == [b"before", b"after"]

@@ -1,4 +1,4 @@
-"""Fixtures of the fault-injection tests: a federation to break, and a broker that is always put back."""
+"""Fixtures of the fault-injection tests: a federation to break, and a private broker that is always put back."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 import fedbroker.worker.agent
 from tests.faults.harness import Federation, Training, restore_broker
+from tests.rabbitmq_node import PrivateRabbitMQ
 
 
 @pytest.fixture
@@ -20,18 +21,30 @@ def training(monkeypatch: pytest.MonkeyPatch) -> Training:
 
 
 @pytest.fixture
-def broker(rabbitmq_url: str) -> Iterator[str]:
-    """The broker URL, for a test that disturbs the broker: afterwards it runs and answers, whatever happened."""
+def broker(private_rabbitmq: PrivateRabbitMQ) -> Iterator[PrivateRabbitMQ]:
+    """The session's private node, for a test that disturbs the broker: afterwards it runs and answers."""
     try:
-        yield rabbitmq_url
+        yield private_rabbitmq
     finally:
-        restore_broker(rabbitmq_url)
+        restore_broker(private_rabbitmq)
 
 
 @pytest.fixture
 def federation(rabbitmq_url: str, tmp_path: Path) -> Iterator[Federation]:
+    """A federation on the machine's broker, which its tests only publish to and consume from."""
     fed = Federation(rabbitmq_url, tmp_path)
     try:
         yield fed
     finally:
+        fed.close()
+
+
+@pytest.fixture
+def broker_federation(broker: PrivateRabbitMQ, tmp_path: Path) -> Iterator[Federation]:
+    """A federation on the private node, for a test that stops its broker or cuts its connections there."""
+    fed = Federation(broker.url, tmp_path)
+    try:
+        yield fed
+    finally:
+        restore_broker(broker)  # the federation's links close cleanly on a broker that answers
         fed.close()

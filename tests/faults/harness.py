@@ -1,14 +1,10 @@
 """A federation to break: the aggregation service (with a spool), the coordinator and workers in this process
-(each with its own pika connections to the real RabbitMQ), parts that can be stopped and restarted, and
-helpers that disturb the broker and always put it back."""
+(each with its own pika connections to a real RabbitMQ), parts that can be stopped and restarted, and
+helpers that disturb a private broker node and always put it back."""
 
 from __future__ import annotations
 
 import copy
-import os
-import shlex
-import shutil
-import subprocess
 import threading
 import time
 import uuid
@@ -17,7 +13,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-import pytest
 
 import fedbroker.worker.agent
 from fedbroker.aggregation_client import AggregatorClient
@@ -29,6 +24,7 @@ from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.store import StateStore
 from fedbroker.spec import parse_job
 from fedbroker.worker.agent import WorkerAgent
+from tests.rabbitmq_node import PrivateRabbitMQ
 
 # Quick reconnects so an outage costs the test seconds, not the production backoff's half minute.
 BUS_OPTIONS: dict[str, Any] = {"reconnect_initial_s": 0.2, "reconnect_max_s": 2.0, "publish_timeout_s": 60.0}
@@ -242,91 +238,38 @@ class Federation:
         self.server.stop(grace=0)
         try:
             delete_topology(self.url, self.namespace, sorted(self.worker_ids))
-        except Exception:  # a broker test that failed may leave it unreachable; the fixture restores it first
+        except Exception:  # a broker test that failed may leave its node unreachable
             pass
 
 
 # ----- the broker ----------------------------------------------------------------------------------
+# Only ever a private node (tests/rabbitmq_node.py): the machine's broker is never stopped or reconfigured.
 
 
-def rabbitmqctl() -> list[str]:
-    command = shlex.split(os.environ.get("FEDBROKER_RABBITMQCTL", "rabbitmqctl"))
-    if not shutil.which(command[0]):
-        message = f"{command[0]} not found; set FEDBROKER_RABBITMQCTL (e.g. 'docker exec rabbitmq rabbitmqctl')"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return command
-
-
-def ctl(*args: str, timeout: float = 60.0) -> str:
-    done = subprocess.run([*rabbitmqctl(), *args], capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"rabbitmqctl {' '.join(args)}: {done.stdout} {done.stderr}"
-    return done.stdout.strip()
-
-
-def broker_answers(url: str) -> bool:
-    import pika
-
-    params = pika.URLParameters(url)
-    params.connection_attempts = 1
-    params.socket_timeout = 2
-    try:
-        pika.BlockingConnection(params).close()
-        return True
-    except Exception:
-        return False
-
-
-def restore_broker(url: str, timeout: float = 120.0) -> None:
-    """Start the RabbitMQ application if it is stopped (and the node if it is down); wait until it answers."""
-    if broker_answers(url):
+def restore_broker(node: PrivateRabbitMQ, timeout: float = 120.0) -> None:
+    """Start the node's RabbitMQ application if a test left it stopped; wait until it answers."""
+    if node.answers():
         return
-
-    def node_up() -> bool:
-        return subprocess.run([*rabbitmqctl(), "status"], capture_output=True, timeout=60).returncode == 0
-
-    if not node_up():
-        subprocess.run(["rabbitmq-server", "-detached"], capture_output=True, timeout=30)
-        wait_for(node_up, timeout, "the RabbitMQ node to start", interval=1.0)
-    subprocess.run([*rabbitmqctl(), "start_app"], capture_output=True, timeout=timeout)
-    wait_for(lambda: broker_answers(url), timeout, "RabbitMQ to answer again", interval=0.5)
+    node.ctl("start_app", timeout=timeout)
+    wait_for(node.answers, timeout, "RabbitMQ to answer again", interval=0.5)
 
 
-def broker_env(key: str) -> str:
+def broker_env(node: PrivateRabbitMQ, key: str) -> str:
     """A value of the rabbit application's environment as Erlang prints it, e.g. '{ok,1800000}'."""
-    return ctl("eval", f"application:get_env(rabbit, {key}).")
+    return node.ctl("eval", f"application:get_env(rabbit, {key}).")
 
 
-def set_broker_env(key: str, printed: str) -> None:
-    """Set a rabbit application variable from a value printed by `broker_env` ('undefined' unsets it)."""
-    if printed == "undefined":
-        ctl("eval", f"application:unset_env(rabbit, {key}).")
-    else:
-        assert printed.startswith("{ok,") and printed.endswith("}"), printed
-        ctl("eval", f"application:set_env(rabbit, {key}, {printed[4:-1]}).")
-
-
-def changed_broker_env(settings: dict[str, int]) -> Iterator[None]:
-    """Set rabbit application variables for the duration of a test; always put the previous values back."""
-    previous = {key: broker_env(key) for key in settings}
+def changed_broker_env(node: PrivateRabbitMQ, settings: dict[str, int]) -> Iterator[None]:
+    """Set rabbit application variables for the duration of a test; always put the previous values back (the
+    session's later tests share the node). One rabbitmqctl call each way: each costs seconds on a loaded machine."""
+    new = ", ".join(f"{{{key}, {int(value)}}}" for key, value in settings.items())
+    previous = node.ctl("eval", f"[begin Old = application:get_env(rabbit, K), application:set_env(rabbit, K, V), "
+                                f"{{K, Old}} end || {{K, V}} <- [{new}]].")
     try:
-        for key, value in settings.items():
-            ctl("eval", f"application:set_env(rabbit, {key}, {int(value)}).")
         yield
-    finally:
-        for key, printed in previous.items():
-            set_broker_env(key, printed)
-
-
-def close_connection(connection_name: str) -> None:
-    """Have the broker close a client's connection (found by its connection_name), as a network cut would."""
-    listing = ctl("list_connections", "pid", "client_properties", "-q", "--no-table-headers")
-    marker = f'{{"connection_name","{connection_name}"}}'
-    pids = [line.split("\t")[0] for line in listing.splitlines() if marker in line]
-    assert pids, f"no connection named {connection_name} in:\n{listing}"
-    for pid in pids:
-        ctl("close_connection", pid, "fedbroker fault test: connection cut")
+    finally:  # `previous` prints as an Erlang list of {Key, {ok, Value} | undefined}
+        node.ctl("eval", f"[case Old of undefined -> application:unset_env(rabbit, K); {{ok, V}} -> "
+                         f"application:set_env(rabbit, K, V) end || {{K, Old}} <- {previous}].")
 
 
 def sample(name: str, labels: dict[str, str] | None = None) -> float:

@@ -1,8 +1,8 @@
 """RabbitMQ restarted mid-job, and RabbitMQ's consumer_timeout shorter than a worker's training.
 
-These tests change the shared broker (its application is stopped and started; its consumer_timeout is
-lowered for a few seconds): every change is undone when the test ends, pass or fail, and the broker is
-waited for until it answers again.
+These tests change a broker (its application is stopped and started; its consumer_timeout is lowered for a
+few seconds), so they run on the session's private node, never the machine's: every change is undone when the
+test ends, pass or fail (the session's later tests share the node), and the node is waited for until it answers.
 """
 
 from __future__ import annotations
@@ -22,28 +22,25 @@ from tests.faults.harness import (
     Federation,
     HoldsRound,
     Training,
-    broker_answers,
     broker_env,
     changed_broker_env,
-    ctl,
     job,
-    rabbitmqctl,
     sample,
     wait_for,
 )
+from tests.rabbitmq_node import PrivateRabbitMQ
 
 pytestmark = [pytest.mark.integration]
 
 
 @pytest.mark.timeout(150)
-def test_job_completes_across_a_broker_restart_and_no_task_is_lost(federation: Federation, broker: str,
-                                                                   training: Training) -> None:
+def test_job_completes_across_a_broker_restart_and_no_task_is_lost(
+        broker_federation: Federation, broker: PrivateRabbitMQ, training: Training) -> None:
     """RabbitMQ restarts while both workers hold round 3's task (unacked, untrained): the outage falls mid-job by
     construction. What matters: the job completes, every round has both updates (no task lost), nobody
     trained a round twice (the copy the broker redelivers after the outage is acked without training), and
     nothing was dead-lettered. How many times a link reconnected, or when, depends on scheduling: not asserted."""
-    fed = federation
-    rabbitmqctl()
+    fed = broker_federation
     held = HoldsRound.at(3)
     workers = [fed.add_worker(w, index=i, count=2, agent_class=held) for i, w in enumerate(("w0", "w1"))]
     already = {w: sample("fedbroker_worker_tasks_total", {"worker_id": w, "outcome": "already_uploaded"})
@@ -52,13 +49,13 @@ def test_job_completes_across_a_broker_restart_and_no_task_is_lost(federation: F
     job_id = fed.submit(job(training={"rounds": rounds}))
     wait_for(lambda: held.holding == {"w0", "w1"}, 60, "both workers to hold round 3's task")
     assert fed.store.job(job_id).rounds_done == 2
-    ctl("stop_app")
+    broker.ctl("stop_app")
     try:
         time.sleep(3)
     finally:
-        ctl("start_app")
+        broker.ctl("start_app")
         held.release.set()
-    wait_for(lambda: broker_answers(broker), 60, "RabbitMQ to answer again", interval=0.5)
+    wait_for(broker.answers, 60, "RabbitMQ to answer again", interval=0.5)
     fed.wait_job(job_id, 120)
     assert [r.aggregated for r in fed.store.rounds(job_id)] == [2] * rounds
     assert training.count == {"w0": rounds, "w1": rounds}  # the task redelivered after the outage is not retrained
@@ -76,22 +73,21 @@ CONSUMER_TIMEOUT_MS = 4000
 
 
 @pytest.fixture
-def short_consumer_timeout(rabbitmq_url: str) -> Iterator[None]:
+def short_consumer_timeout(broker: PrivateRabbitMQ) -> Iterator[None]:
     """RabbitMQ 3.10 has one broker-wide consumer_timeout (no per-queue x-consumer-timeout before 3.12): lower
     it, and the channel tick that enforces it (60 s by default), for channels opened during the test."""
-    rabbitmqctl()
-    yield from changed_broker_env({"consumer_timeout": CONSUMER_TIMEOUT_MS, "channel_tick_interval": 500})
+    yield from changed_broker_env(broker, {"consumer_timeout": CONSUMER_TIMEOUT_MS, "channel_tick_interval": 500})
 
 
-def read_consumer_timeout_s() -> float:
-    printed = broker_env("consumer_timeout")  # what a deployment's broker.consumer_timeout_s must say
+def read_consumer_timeout_s(node: PrivateRabbitMQ) -> float:
+    printed = broker_env(node, "consumer_timeout")  # what a deployment's broker.consumer_timeout_s must say
     assert printed.startswith("{ok,"), printed
     return int(printed[4:-1]) / 1000
 
 
 @pytest.fixture
-def timed_federation(short_consumer_timeout: None, rabbitmq_url: str, tmp_path: Path) -> Iterator[Federation]:
-    fed = Federation(rabbitmq_url, tmp_path, start_coordinator=False)
+def timed_federation(short_consumer_timeout: None, broker: PrivateRabbitMQ, tmp_path: Path) -> Iterator[Federation]:
+    fed = Federation(broker.url, tmp_path, start_coordinator=False)
     try:
         yield fed
     finally:
@@ -108,10 +104,11 @@ class Recorder(WorkerAgent):
 
 @pytest.mark.timeout(90)
 def test_training_longer_than_the_consumer_timeout_ends_at_the_round_deadline_and_keeps_the_channel(
-        timed_federation: Federation, training: Training, caplog: pytest.LogCaptureFixture) -> None:
+        timed_federation: Federation, broker: PrivateRabbitMQ, training: Training,
+        caplog: pytest.LogCaptureFixture) -> None:
     fed = timed_federation
     caplog.set_level(logging.WARNING, logger="fedbroker.bus")
-    fed.start_coordinator(broker_consumer_timeout_s=read_consumer_timeout_s())
+    fed.start_coordinator(broker_consumer_timeout_s=read_consumer_timeout_s(broker))
     assert fed.coordinator is not None and fed.coordinator.max_round_timeout_s == pytest.approx(3.2)
     with pytest.raises(ConfigError, match=r"schedule.round_timeout_s: must be at most 3.2 s") as info:
         fed.submit(job(schedule={"round_timeout_s": 10}))

@@ -22,7 +22,8 @@ from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import TrainingConfig
 from fedbroker.worker.agent import WorkerAgent
 from fedbroker.worker.ledger import PrivacyLedger
-from tests.faults.harness import JOB, Federation, Training, close_connection, job, sample, wait_for
+from tests.faults.harness import JOB, Federation, Training, job, sample, wait_for
+from tests.rabbitmq_node import PrivateRabbitMQ
 
 pytestmark = [pytest.mark.integration]
 
@@ -107,8 +108,10 @@ def test_worker_killed_mid_training_gets_its_task_again_and_its_update_counts_on
 
 
 class CutAfterUpload(WorkerAgent):
-    """Loses its connection to the broker once: right after the service's receipt, before the ack."""
+    """Loses its connection to the broker (`node`, the test's private one) once: right after the service's
+    receipt, before the ack."""
 
+    node: PrivateRabbitMQ
     cut = False
     deliveries: list[tuple[int, int, bool]]
 
@@ -121,16 +124,16 @@ class CutAfterUpload(WorkerAgent):
         receipt = super().run_task(task)
         if receipt is not None and not self.cut:
             self.cut = True
-            close_connection(self.bus.connection_names[1])  # its ack is lost: the broker redelivers the task
+            self.node.close_connection(self.bus.connection_names[1])  # its ack is lost: the broker redelivers the task
         return receipt
 
 
 @pytest.mark.timeout(90)
 def test_task_redelivered_after_its_upload_was_accepted_is_acked_without_training(
-        federation: Federation, training: Training) -> None:
-    fed = federation
+        broker_federation: Federation, broker: PrivateRabbitMQ, training: Training) -> None:
+    fed = broker_federation
     closes = record_closes(fed)
-    CutAfterUpload.deliveries = []
+    CutAfterUpload.deliveries, CutAfterUpload.node = [], broker
     cut = fed.add_worker("cut", index=0, count=2, agent_class=CutAfterUpload)
     fed.add_worker("other", index=1, count=2)
     already = sample("fedbroker_worker_tasks_total", {"worker_id": "cut", "outcome": "already_uploaded"})
