@@ -228,10 +228,12 @@ class AggregatorClient:
             what=f"open the buffer of job {job_id}", idempotent=True)
         return reply.model_version
 
-    def issue_tasks(self, job_id: str, workers: Sequence[str]) -> list[pb.IssuedTask]:
+    def issue_tasks(self, job_id: str, workers: Sequence[str], *,
+                    num_samples: Mapping[str, int] | None = None) -> list[pb.IssuedTask]:
         """New tasks on the newest version; repeating it supersedes the tasks of the first call (safe: a task
-        is published only after its reply)."""
-        request = pb.IssueTasksRequest(job_id=job_id, workers=list(workers))
+        is published only after its reply). `num_samples`: each worker's registered sample count, the most its
+        upload may claim (the service issues no task to a worker whose count it does not know)."""
+        request = pb.IssueTasksRequest(job_id=job_id, workers=list(workers), num_samples=dict(num_samples or {}))
         reply: pb.IssueTasksReply = self._retry(
             lambda: self._async_stub.IssueTasks(request, timeout=self.timeout_s, metadata=self._md),
             what=f"issue tasks of job {job_id}", idempotent=True)

@@ -9,6 +9,11 @@ holds the locks and writes the spool before each reply; this module only says wh
 Idempotence is per (job, worker, task): a task number names its base version, so a retry of an accepted
 upload (same worker, same task) gets its first receipt back and counts once, and an upload for a task
 that is no longer the worker's outstanding one is refused.
+
+An update is weighed by the samples it claims, so no claim may exceed what its worker registered: the
+state holds a sample limit for every worker that can hold a task, whenever it registered (OpenBuffer names
+the workers registered then, IssueTasks each worker it gives a task), and a worker without one is neither
+given a task nor admitted: the service fails closed.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import numpy as np
 from fedbroker.aggregators.fedbuff import Buffer
 from fedbroker.aggregators.job_algorithms import Algorithms
 from fedbroker.algorithm_params import staleness_function
-from fedbroker.errors import ConfigError
+from fedbroker.errors import ConfigError, Rejection, UploadRejected
 from fedbroker.spec import AggregationConfig, ScheduleConfig, mode_problems
 
 KEEP_VERSION_ROWS = 64   # the newest versions' summaries (the coordinator records each one)
@@ -83,7 +88,7 @@ class AsyncState:
     config: dict[str, Any]            # as opened (the spool restores the algorithms and buffer from it)
     algorithms: Algorithms
     buffer: Buffer
-    sample_limits: dict[str, int]
+    sample_limits: dict[str, int]     # worker → its registered sample count (the newest one sent)
     issued: dict[str, Issued] = field(default_factory=dict)       # worker → its outstanding task
     accepted: dict[str, FirstReceipt] = field(default_factory=dict)  # worker → its last accepted update
     next_task: int = 1
@@ -107,8 +112,29 @@ class AsyncState:
         issued = self.issued.get(worker_id)
         return issued if issued is not None and issued.task == task else None
 
-    def issue(self, workers: list[str], version: int) -> list[tuple[str, Issued]]:
-        """A new task on `version` for each worker, replacing the one it had (whose upload is then refused)."""
+    def sample_limit(self, job_id: str, worker_id: str) -> int:
+        """The most samples the worker's upload may claim; UploadRejected when its registered count is unknown
+        (a spool written before tasks carried counts): an unbounded claim could set the global model alone."""
+        limit = self.sample_limits.get(worker_id)
+        if limit is None:
+            raise UploadRejected(Rejection.UNKNOWN_WORKER,
+                                 f"worker {worker_id!r} has no registered sample count in job {job_id!r}: its upload "
+                                 f"cannot be weighed (it gets a new task that names its count)")
+        return limit
+
+    def issue(self, workers: list[str], version: int, limits: Mapping[str, int]) -> list[tuple[str, Issued]]:
+        """A new task on `version` for each worker, replacing the one it had (whose upload is then refused).
+        `limits`: registered sample counts, the newest for each worker; nothing is issued unless every worker
+        has one (UploadRejected names the first that does not)."""
+        for worker_id, count in limits.items():
+            if count < 1:
+                raise UploadRejected(Rejection.BAD_REQUEST, f"the registered sample count of worker {worker_id!r} "
+                                                            f"must be positive, got {count}")
+        unknown = [w for w in workers if w not in limits and w not in self.sample_limits]
+        if unknown:
+            raise UploadRejected(Rejection.BAD_REQUEST, f"worker {unknown[0]!r} has no registered sample count: "
+                                                        f"IssueTasks must name it (num_samples), no task is issued")
+        self.sample_limits.update(limits)
         out = []
         for worker_id in workers:
             issued = Issued(self.next_task, version)

@@ -3,7 +3,8 @@
 A round is OPEN (receiving uploads), CLOSING (aggregating: uploads are refused; back to OPEN if the
 aggregation fails) or CLOSED. Every transition is idempotent for the coordinator, who may repeat any call
 after a restart on either side, and an upload is idempotent per (job, round, worker): a retry of an
-accepted update gets the first receipt, even after the close.
+accepted update gets the first receipt, even after the close (the recent closed rounds keep their receipts,
+so a worker whose receipt was lost learns its update got in, not that the round closed).
 """
 
 from __future__ import annotations
@@ -45,6 +46,22 @@ class Receipt:
     duplicate: bool
     bytes_received: int
     sha256: str
+
+
+@dataclass(frozen=True)
+class AfterClose:
+    """A retry of an accepted update that arrived after its round (or buffer) closed: the closed round takes
+    nothing new, so only the update it took, the same bytes, gets its first receipt back."""
+
+    first: Receipt
+    closed: str  # why nothing else is taken, for the refusal
+
+    def judge(self, digest: str) -> Receipt:
+        """The first receipt if `digest` is the accepted update's, else UploadRejected (`round_closed`)."""
+        if digest != self.first.sha256:
+            raise UploadRejected(Rejection.ROUND_CLOSED, f"{self.closed}: it holds another update of worker "
+                                                         f"{self.first.worker_id!r} and takes no new one")
+        return self.first
 
 
 @dataclass(frozen=True)
@@ -114,6 +131,10 @@ class Round:
             return None
         return Receipt(job_id, self.number, worker_id, True, done.bytes_received, done.sha256)
 
+    def receipts(self, job_id: str) -> dict[str, Receipt]:
+        """Every accepted update's first receipt: what the round keeps of them once it is closed."""
+        return {w: Receipt(job_id, self.number, w, True, a.bytes_received, a.sha256) for w, a in self.accepted.items()}
+
     def take_seq(self) -> int:
         """The next acceptance number (the spool replays updates in this order)."""
         seq = self.next_seq
@@ -153,6 +174,7 @@ class Job:
     last_close: tuple[int, CloseResult] | None = None   # (round, result): a repeated close returns it
     closed_deadlines: dict[int, float] = field(default_factory=dict)  # a late upload is "late", not "round_closed"
     closed_accepted: dict[int, list[str]] = field(default_factory=dict)  # recent rounds: who got in (status)
+    closed_receipts: dict[int, dict[str, Receipt]] = field(default_factory=dict)  # recent rounds: a retry's answer
     spare_rows: UpdateRows | None = None   # the last running mean's rows: the next round receives into them
     asynchronous: AsyncState | None = None  # schedule.mode async: the FedBuff buffer and the issued tasks
     algorithms: Algorithms | None = None    # built when the service first learns the job's aggregation settings
@@ -193,6 +215,14 @@ class Job:
     def current(self, round_number: int) -> Round | None:
         """The job's round if it is the one numbered `round_number` (open, closing or just closed)."""
         return self.round if self.round is not None and self.round.number == round_number else None
+
+    def kept_receipt(self, round_number: int, worker_id: str) -> Receipt | None:
+        """The first receipt of the worker's update in round `round_number` once that round stopped taking
+        uploads (closing, closed or abandoned), else None: a retry of that very update gets it back."""
+        rnd = self.current(round_number)
+        if rnd is not None and rnd.closed:
+            return rnd.receipt(self.job_id, worker_id)
+        return self.closed_receipts.get(round_number, {}).get(worker_id)
 
     def standing(self, round_number: int) -> Standing:
         """What admission needs to judge an upload for round `round_number`."""
@@ -287,6 +317,7 @@ class Job:
         self.closed_rounds.add(number)
         self.closed_deadlines[number] = rnd.deadline
         self.closed_accepted[number] = sorted(rnd.accepted)
+        self.closed_receipts[number] = rnd.receipts(self.job_id)
         rnd.phase = Phase.CLOSED
         self.round = None
         return dropped
@@ -310,8 +341,10 @@ class Job:
             self.spare_rows = spare
         self.closed_deadlines[rnd.number] = rnd.deadline
         self.closed_accepted[rnd.number] = sorted(rnd.accepted)
+        self.closed_receipts[rnd.number] = rnd.receipts(self.job_id)
         for old in sorted(self.closed_accepted)[:-KEEP_CLOSED_ROUNDS]:
             del self.closed_accepted[old]
             self.closed_deadlines.pop(old, None)
+            self.closed_receipts.pop(old, None)
         self.last_close = (rnd.number, result)
         rnd.phase = Phase.CLOSED

@@ -48,6 +48,7 @@ from fedbroker.aggregators.combine import ProbeLoader, combine
 from fedbroker.aggregators.fedbuff import StaleUpdate
 from fedbroker.aggregators.job_state import (
     Accepted,
+    AfterClose,
     CloseResult,
     Job,
     Receipt,
@@ -185,11 +186,15 @@ class RoundBook:
         """Validate and accept one streamed update; idempotent on (job, round, worker).
 
         The header is judged before any data is read: a retry of an accepted update gets its first receipt
-        at once, a refused one reads no payload. A new update is received into a free row when it can be.
+        at once while its round is open, a refused one reads no payload. Once the round has closed it takes
+        nothing new, so a retry is read and answered with its first receipt only if it is the very update
+        the round took (its digest). A new update is received into a free row when it can be.
         """
         stream = iter(messages)
         header, size = codec.receive_header(stream, max_bytes=self.max_update_bytes)
         first = self._admit(header)
+        if isinstance(first, AfterClose):
+            return first.judge(codec.receive_payload(stream, header, size, buffer=None)[1])
         if first is not None:
             return first
         if self._jobs[header.job_id].asynchronous is not None:
@@ -207,8 +212,9 @@ class RoundBook:
                 with self._lock:  # a refused upload gives its row back
                     reservation.release_unused()
 
-    def _admit(self, header: pb.UpdateHeader) -> Receipt | None:
-        """None for a new update that may be received; the first receipt for a retry; else UploadRejected."""
+    def _admit(self, header: pb.UpdateHeader) -> Receipt | AfterClose | None:
+        """None for a new update that may be received; the first receipt for a retry while its round is open
+        (after the close: what to judge it by once read); else UploadRejected."""
         job = self._jobs.get(header.job_id)
         if job is None:
             raise UploadRejected(Rejection.UNKNOWN_JOB, f"unknown job {header.job_id!r}")
@@ -216,9 +222,14 @@ class RoundBook:
             return self._admit_async(job, header)
         with self._lock:
             rnd = job.current(header.round)
-            first = rnd.receipt(header.job_id, header.worker_id) if rnd is not None else None
-            if first is not None:  # a retry, even after the close: first receipt
-                return first
+            if rnd is not None and not rnd.closed:
+                first = rnd.receipt(header.job_id, header.worker_id)
+                if first is not None:  # a retry while the round is open: its first receipt
+                    return first
+            else:
+                kept = job.kept_receipt(header.round, header.worker_id)
+                if kept is not None:  # a retry after the close (maybe of a round long gone from memory)
+                    return AfterClose(kept, f"round {header.round} of job {header.job_id!r} is closed")
             standing = job.standing(header.round)
             admission.check_membership(header, standing, now=self.clock())
             shapes = parameter_shapes(job.spec)
@@ -360,17 +371,20 @@ class RoundBook:
             self._commit(job)
             return job.version
 
-    def issue_tasks(self, job_id: str, workers: Sequence[str]) -> list[tuple[str, Issued]]:
+    def issue_tasks(self, job_id: str, workers: Sequence[str], *,
+                    num_samples: Mapping[str, int] | None = None) -> list[tuple[str, Issued]]:
         """A new task on the newest version for each worker, on disk before the reply (the coordinator
-        publishes the tasks only then); a worker's previous task is superseded."""
+        publishes the tasks only then); a worker's previous task is superseded. `num_samples`: the workers'
+        registered sample counts (each worker needs one, sent now or known from before: `AsyncState.issue`)."""
         job = self._job(job_id)
         if len(set(workers)) != len(workers) or not all(isinstance(w, str) and w for w in workers):
             raise UploadRejected(Rejection.BAD_REQUEST, "workers must be distinct, non-empty ids")
+        limits = {w: int(n) for w, n in (num_samples or {}).items()}
         with self._lock:
             state = self._async(job)
             if state.closed:
                 raise Conflict(f"the buffer of job {job_id!r} is closed: the job ended")
-            issued = state.issue(list(workers), job.version)
+            issued = state.issue(list(workers), job.version, limits)
             self._commit(job)
             return issued
 
@@ -411,17 +425,20 @@ class RoundBook:
             raise Conflict(f"job {job.job_id!r} is not in asynchronous mode (OpenBuffer first)")
         return job.asynchronous
 
-    def _admit_async(self, job: Job, header: pb.UpdateHeader) -> Receipt | None:
+    def _admit_async(self, job: Job, header: pb.UpdateHeader) -> Receipt | AfterClose | None:
         with self._lock:
             state = self._async(job)
             first = state.receipt(header.worker_id, header.round)
             if first is not None:  # a retry of an accepted upload: its first receipt, counted once
-                return Receipt(header.job_id, header.round, header.worker_id, True, first.bytes_received,
-                               first.sha256)
+                receipt = Receipt(header.job_id, header.round, header.worker_id, True, first.bytes_received,
+                                  first.sha256)
+                if state.closed:  # the job ended: only that very update gets it back
+                    return AfterClose(receipt, f"job {header.job_id!r} has ended: its buffer is closed")
+                return receipt
             issued = self._outstanding(state, header)
             self._check_fresh(job, state, issued, header)
             shapes = parameter_shapes(job.spec)
-            limit = state.sample_limits.get(header.worker_id)
+            limit = state.sample_limit(header.job_id, header.worker_id)
         admission.check_header(header, shapes, max_samples=limit)
         return None
 

@@ -209,8 +209,9 @@ class AsyncAggregationServicer(pb_grpc.AsyncAggregationServicer):
         return handle(context, run)
 
     def IssueTasks(self, request: pb.IssueTasksRequest, context: grpc.ServicerContext) -> pb.IssueTasksReply:
-        """New tasks on the newest version for the named workers."""
-        issued = handle(context, lambda: self.book.issue_tasks(request.job_id, list(request.workers)))
+        """New tasks on the newest version for the named workers, each bounded by its registered sample count."""
+        issued = handle(context, lambda: self.book.issue_tasks(request.job_id, list(request.workers),
+                                                               num_samples=dict(request.num_samples)))
         return pb.IssueTasksReply(tasks=[pb.IssuedTask(worker_id=w, task=i.task, base_version=i.base)
                                          for w, i in issued])
 

@@ -2,8 +2,9 @@
 
 One folder per job (named from the job id, safe for any file system):
 
-    job.json                 the commit record: seed, kept global versions, closed rounds, the open round's
-                             definition and the last close's result (rewritten atomically on every change)
+    job.json                 the commit record: seed, kept global versions, closed rounds (and the receipts of
+                             the recent ones' uploads), the open round's definition, the last close's result
+                             and the asynchronous state (rewritten atomically on every change)
     global-<version>.npz     a global model: raw arrays + its model spec as UTF-8 bytes
     round-<n>/<seq>.npz      one accepted update of the open round: raw arrays + its metadata as UTF-8 JSON
 
@@ -37,7 +38,7 @@ import numpy as np
 
 from fedbroker.aggregators import metrics
 from fedbroker.aggregators.async_state import folded_from_record, new_async_state, restore_fields, state_record
-from fedbroker.aggregators.job_state import Accepted, CloseResult, Job, UpdateSummary, new_round
+from fedbroker.aggregators.job_state import Accepted, CloseResult, Job, Receipt, UpdateSummary, new_round
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.files import TEMP_SUFFIX, write_atomic
@@ -261,6 +262,8 @@ def job_record(job: Job) -> dict[str, Any]:
         "versions": sorted(job.versions),
         "closed_rounds": sorted(job.closed_rounds),
         "closed_accepted": {str(n): w for n, w in job.closed_accepted.items()},
+        "closed_receipts": {str(n): {w: [r.bytes_received, r.sha256] for w, r in kept.items()}
+                            for n, kept in job.closed_receipts.items()},
         "closed_deadlines": {str(n): d for n, d in job.closed_deadlines.items()},
         "last_close": last,
         "async": None if job.asynchronous is None else state_record(job.asynchronous),
@@ -289,7 +292,10 @@ def restore_job(spool: Spool, stored: StoredJob) -> Job:
     job = Job(record["job_id"], parse_model(json.loads(specs[max(specs)])), int(record["seed"]), versions, specs,
               closed_rounds={int(n) for n in record["closed_rounds"]},
               closed_accepted={int(n): list(w) for n, w in record.get("closed_accepted", {}).items()},
-              closed_deadlines={int(n): float(d) for n, d in record.get("closed_deadlines", {}).items()})
+              closed_deadlines={int(n): float(d) for n, d in record.get("closed_deadlines", {}).items()},
+              closed_receipts={int(n): {w: Receipt(record["job_id"], int(n), w, True, int(size), str(sha))
+                                        for w, (size, sha) in kept.items()}
+                               for n, kept in record.get("closed_receipts", {}).items()})
     last = record.get("last_close")
     if last:
         job.last_close = (int(last["round"]), CloseResult(

@@ -8,6 +8,10 @@ downloaded, checkpointed, evaluated and recorded as one row of the job's table (
 so `fedbroker status` and a resumed coordinator count versions where a synchronous job counts rounds).
 The job ends after `training.rounds` versions or `schedule.time_budget_s` of wall-clock time.
 
+Each task carries its worker's registered sample count to the service (`IssueTasks`), so a worker that
+registered after the buffer opened is bounded like the others: its update cannot claim more samples than it
+has, and so cannot outweigh everybody else's.
+
 Faults: the service's spool holds the buffer, the issued tasks and the versions, so a restarted
 coordinator asks the service where the job is (never re-installs a model over it) and re-sends every
 outstanding task (a worker acks a copy of a task whose update was accepted without training again); a
@@ -319,8 +323,13 @@ class AsyncJob:
         return idle, why
 
     def _issue(self, workers: list[str]) -> None:
+        """Tasks for `workers`, each bounded by the sample count it registered, whenever that was (the
+        service admits no upload claiming more, and issues no task to a worker whose count it is not told)."""
         run = self.run
-        issued = self._call("issue tasks", lambda: self.ctx.aggregator.issue_tasks(run.job_id, workers))
+        wanted = set(workers)
+        registered = {w.worker_id: w.num_samples for w in self.ctx.store.workers() if w.worker_id in wanted}
+        issued = self._call("issue tasks", lambda: self.ctx.aggregator.issue_tasks(run.job_id, workers,
+                                                                                   num_samples=registered))
         status_size = self.job.schedule.buffer_size or len(workers)
         self._publish(issued, status_size)
 

@@ -173,24 +173,30 @@ class Coordinator:
         """Cancel a job; its status after up to `wait_s` (`cancelled`, or `cancelling` while its thread is
         still on its way to the next point where it waits). A queued job is dropped at once; a running one
         stops at that point: its open round is abandoned at the aggregation service, never closed, so no
-        half-gathered round becomes a version (cancellation.py). A close already under way finishes first."""
-        row = self.store.job(job_id)
-        if row is None:
-            raise NotFound(f"no job {job_id!r}")
-        if row.status in FINISHED:
-            raise Conflict(f"job {job_id!r} is already {row.status}: there is nothing to cancel")
+        half-gathered round becomes a version (cancellation.py). A close already under way finishes first.
+
+        The status is read under `_jobs_lock`, which a job's thread holds to leave `_threads` after writing
+        how it ended: a job not running here has its final status in the store already. The store changes
+        only a job that has not ended, so a cancel landing as the job completes never turns it cancelled."""
         with self._jobs_lock:
+            row = self.store.job(job_id)
+            if row is None:
+                raise NotFound(f"no job {job_id!r}")
+            if row.status in FINISHED:
+                raise Conflict(f"job {job_id!r} is already {row.status}: there is nothing to cancel")
             queued = [entry for entry in self._queue if entry[0] == job_id]
             running = job_id in self._threads
             for entry in queued:
                 self._queue.remove(entry)
                 self._done[job_id].set()
-            if running:
-                self.context.cancels.request(job_id, by)
-                self.events.poke(job_id)  # a loop waiting on the service's events acts now, not at its safety poll
-        if not running:  # never started here (queued, or left pending by a stopped run): no round to abandon
-            self.store.cancel_job(job_id, by=by)
-            return JobStatus.CANCELLED
+            if not running:  # never started here (queued, or left pending by a stopped run): no round to abandon
+                if not self.store.cancel_job(job_id, by=by):
+                    ended = self.store.job(job_id)
+                    raise Conflict(f"job {job_id!r} is already {ended.status if ended else 'gone'}: there is "
+                                   f"nothing to cancel")
+                return JobStatus.CANCELLED
+            self.context.cancels.request(job_id, by)
+            self.events.poke(job_id)  # a loop waiting on the service's events acts now, not at its safety poll
         self.store.request_cancel(job_id, by=by)  # durable: a restart before the thread acts finishes it
         self._done[job_id].wait(wait_s)
         after = self.store.job(job_id)

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.records import (
+    FINISHED,
     EventRecord,
     JobRecord,
     JobStatus,
@@ -277,13 +278,19 @@ class StateStore:
         return self._write(f"record a cancel of job {job_id!r}", write)
 
     def cancel_job(self, job_id: str, *, by: str, round_number: int | None = None,
-                   discarded: Iterable[tuple[str, int, float, float]] = ()) -> None:
+                   discarded: Iterable[tuple[str, int, float, float]] = ()) -> bool:
         """Record a cancelled job in one transaction: its open round (if any) abandoned, never closed; the
         uploads the aggregation service discarded kept with the ε their workers spent on them; the
-        participants that had not uploaded marked cancelled."""
+        participants that had not uploaded marked cancelled. Only a job that has not ended: a cancel that
+        lands as the job completes (or fails) changes nothing and returns False."""
         why = f"cancelled by {by}" if by else "cancelled"
 
-        def write(db: sqlite3.Connection) -> None:
+        def write(db: sqlite3.Connection) -> bool:
+            ended = sorted(FINISHED)
+            if db.execute("UPDATE jobs SET status = 'cancelled', error = ?, updated = ? WHERE job_id = ?"
+                          f" AND status NOT IN ({', '.join('?' for _ in ended)})",
+                          (why, time.time(), job_id, *ended)).rowcount == 0:
+                return False
             if round_number is not None:
                 for worker_id, num_samples, epsilon, train_loss in discarded:
                     db.execute(
@@ -298,11 +305,10 @@ class StateStore:
                            (time.time(), time.time(), job_id, round_number))
                 _event(db, job_id, "round_abandoned", round_number=round_number,
                        message="abandoned at the aggregation service: no new version")
-            db.execute("UPDATE jobs SET status = 'cancelled', error = ?, updated = ? WHERE job_id = ?",
-                       (why, time.time(), job_id))
             _event(db, job_id, JobStatus.CANCELLED, message=why)
+            return True
 
-        self._write(f"record job {job_id!r} as cancelled", write)
+        return self._write(f"record job {job_id!r} as cancelled", write)
 
     def events(self, job_id: str, *, after: int = 0, limit: int = 1000) -> list[EventRecord]:
         """A job's events in the order they happened, those with seq > `after`, at most `limit`."""

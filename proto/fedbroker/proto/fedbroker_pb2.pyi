@@ -628,12 +628,21 @@ class OpenBufferReply(_message.Message):
     def __init__(self, model_version: _Optional[int] = ...) -> None: ...
 
 class IssueTasksRequest(_message.Message):
-    __slots__ = ("job_id", "workers")
+    __slots__ = ("job_id", "workers", "num_samples")
+    class NumSamplesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     workers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., workers: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_samples: _containers.ScalarMap[str, int]
+    def __init__(self, job_id: _Optional[str] = ..., workers: _Optional[_Iterable[str]] = ..., num_samples: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class IssuedTask(_message.Message):
     __slots__ = ("worker_id", "task", "base_version")
