@@ -11,7 +11,6 @@ import ssl
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 import tomllib
 import uuid
@@ -247,10 +246,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def rabbitmqctl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=120)
-
-
 def start(script: Path, logs: Path) -> subprocess.Popen:
     """A kit's start script as its participant runs it: the kit's own files only, no FEDBROKER__ settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER__")}
@@ -261,17 +256,15 @@ def start(script: Path, logs: Path) -> subprocess.Popen:
 
 @pytest.mark.integration
 @pytest.mark.timeout(420)
-def test_a_round_runs_over_tls_from_the_kits_alone(rabbitmq_url, tmp_path, monkeypatch, capsys):
+def test_a_round_runs_over_tls_from_the_kits_alone(private_rabbitmq, tmp_path, monkeypatch, capsys):
     """The aggregation service, the coordinator and one worker start from their kits' scripts, the scientist
     submits with its kit's config; gRPC is mutual TLS end to end (plaintext, or TLS without a client
-    certificate, is refused), and the broker leg is AMQPS with the kit's users, CA and client certificates:
-    the local RabbitMQ listens on plain 5672 only, so a TLS terminator holding the kit's broker certificate
+    certificate, is refused), and the broker leg is AMQPS with the kit's users, CA and client certificates.
+    The kit's users go into the session's private RabbitMQ node, never the machine's (a test adds no user
+    there). That node listens on plain AMQP only, so a TLS terminator holding the kit's broker certificate
     stands where the kit's RabbitMQ would listen on 5671 (it does not demand the client certificates the
     kit's rabbitmq.conf does: that leg of mutual TLS is not exercised here)."""
-    if shutil.which("rabbitmqctl") is None or rabbitmqctl("status").returncode != 0:
-        from tests.ops.conftest import missing
-
-        missing("rabbitmqctl cannot manage the local RabbitMQ: the kit's broker users cannot be created")
+    broker = private_rabbitmq
     name = f"loop{uuid.uuid4().hex[:6]}"
     ports = {"coordinator_port": free_port(), "aggregator_port": free_port(), "broker_port": free_port()}
     project = parse_project({
@@ -284,17 +277,12 @@ def test_a_round_runs_over_tls_from_the_kits_alone(rabbitmq_url, tmp_path, monke
     out = tmp_path / "kits"
     provision(project, out)
     definitions = out / "server/rabbitmq/definitions.json"
-    # the kit's own definitions (users with RabbitMQ password hashes), as the server's broker loads them; a
-    # copy the broker's own user may read (rabbitmqctl runs as it; the kit is its owner's only)
-    readable = Path(tempfile.mkdtemp(prefix="defs-"))
-    readable.chmod(0o755)
-    shutil.copy(definitions, readable / "definitions.json")
-    (readable / "definitions.json").chmod(0o644)
-    imported = rabbitmqctl("import_definitions", str(readable / "definitions.json"))
-    shutil.rmtree(readable)
-    assert imported.returncode == 0, imported.stderr
+    # the kit's own definitions (users with RabbitMQ password hashes), as the server's broker loads them; the
+    # private node runs as this user, so it reads the kit's owner-only file as it is
     users = [u["name"] for u in json.loads(definitions.read_text())["users"]]
-    proxy = TlsProxy(out / "server/tls/broker.crt", out / "server/tls/broker.key", port=ports["broker_port"])
+    broker.ctl("import_definitions", str(definitions))
+    proxy = TlsProxy(out / "server/tls/broker.crt", out / "server/tls/broker.key",
+                     upstream=("127.0.0.1", broker.amqp_port), port=ports["broker_port"])
     logs = tmp_path / "logs"
     logs.mkdir()
     processes: list[subprocess.Popen] = []
@@ -341,7 +329,7 @@ def test_a_round_runs_over_tls_from_the_kits_alone(rabbitmq_url, tmp_path, monke
         url = urlsplit((out / "sites/site0/secrets/broker-url").read_text().strip())
         assert url.scheme == "amqps" and url.username == f"{name}-site0"
         # the site's broker user reads its own task queue only: another site's is refused
-        _declare(rabbitmq_url, f"fedbroker-{name}.worker.ghost")
+        _declare(broker.url, f"fedbroker-{name}.worker.ghost")
         with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="ACCESS_REFUSED"):
             _basic_get((out / "sites/site0/secrets/broker-url").read_text().strip(), out / "sites/site0",
                        f"fedbroker-{name}.worker.ghost")
@@ -354,11 +342,11 @@ def test_a_round_runs_over_tls_from_the_kits_alone(rabbitmq_url, tmp_path, monke
             except subprocess.TimeoutExpired:
                 p.kill()
         proxy.close()
-        for user in users:
-            rabbitmqctl("delete_user", user)
         from fedbroker.bus import delete_topology
 
-        delete_topology(rabbitmq_url, f"fedbroker-{name}", ["site0", "ghost"])
+        delete_topology(broker.url, f"fedbroker-{name}", ["site0", "ghost"])
+        for user in users:  # the session's later tests share the node
+            broker.ctl("delete_user", user)
 
 
 def _logs(folder: Path) -> str:
