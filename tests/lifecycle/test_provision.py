@@ -246,6 +246,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# One round of a small model; its waits are far beyond the test's timeout, so the round ends on its upload.
+TLS_JOB = {
+    "name": "tls", "category": "digits", "seed": 0,
+    "model": {"input_shape": [1, 8, 8], "layers": [{"type": "Flatten"},
+                                                   {"type": "Linear", "in_features": 64, "out_features": 10}]},
+    "training": {"rounds": 1, "local_epochs": 1, "batch_size": 32, "lr": 0.1},
+    "schedule": {"min_workers": 1, "wait_for_workers_s": 1200, "round_timeout_s": 1200},
+}
+
+
 def start(script: Path, logs: Path) -> subprocess.Popen:
     """A kit's start script as its participant runs it: the kit's own files only, no FEDBROKER__ settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER__")}
@@ -292,13 +302,7 @@ def test_a_round_runs_over_tls_from_the_kits_alone(private_rabbitmq, tmp_path, m
         processes.append(start(out / "sites/site0/start.sh", logs))
         monkeypatch.chdir(out / "scientists/sci")
         job = tmp_path / "job.yaml"
-        job.write_text(yaml.safe_dump({
-            "name": "tls", "category": "digits", "seed": 0,
-            "model": {"input_shape": [1, 8, 8], "layers": [{"type": "Flatten"},
-                                                           {"type": "Linear", "in_features": 64, "out_features": 10}]},
-            "training": {"rounds": 1, "local_epochs": 1, "batch_size": 32, "lr": 0.1},
-            "schedule": {"min_workers": 1, "wait_for_workers_s": 240, "round_timeout_s": 240},
-        }))
+        job.write_text(yaml.safe_dump(TLS_JOB))
         deadline = time.monotonic() + 240
         while main(["jobs", "list", "--config", "fedbroker.yaml"]) != 0:  # the coordinator is still starting
             assert time.monotonic() < deadline and all(p.poll() is None for p in processes), _logs(logs)
@@ -317,15 +321,8 @@ def test_a_round_runs_over_tls_from_the_kits_alone(private_rabbitmq, tmp_path, m
         assert [(r["round"], r["status"], r["aggregated"]) for r in shown["rounds"]] == [(1, "closed", 1)]
         assert proxy.connections >= 2  # the coordinator and the worker came in over AMQPS
 
-        # gRPC is mutual TLS only: a plaintext connection to either port fails, and so does TLS with the
-        # project CA but no client certificate
-        ca = (out / "sites/site0/ca.crt").read_bytes()
-        for port in (ports["coordinator_port"], ports["aggregator_port"]):
-            for channel in (grpc.insecure_channel(f"127.0.0.1:{port}"),
-                            grpc.secure_channel(f"localhost:{port}", grpc.ssl_channel_credentials(ca))):
-                with pytest.raises(grpc.FutureTimeoutError):
-                    grpc.channel_ready_future(channel).result(timeout=3)
-                channel.close()
+        _assert_grpc_is_mutual_tls_only((out / "sites/site0/ca.crt").read_bytes(),
+                                        (ports["coordinator_port"], ports["aggregator_port"]))
         url = urlsplit((out / "sites/site0/secrets/broker-url").read_text().strip())
         assert url.scheme == "amqps" and url.username == f"{name}-site0"
         # the site's broker user reads its own task queue only: another site's is refused
@@ -347,6 +344,16 @@ def test_a_round_runs_over_tls_from_the_kits_alone(private_rabbitmq, tmp_path, m
         delete_topology(broker.url, f"fedbroker-{name}", ["site0", "ghost"])
         for user in users:  # the session's later tests share the node
             broker.ctl("delete_user", user)
+
+
+def _assert_grpc_is_mutual_tls_only(ca: bytes, ports: tuple[int, ...]) -> None:
+    """A plaintext connection to each port fails, and so does TLS with the project CA but no client certificate."""
+    for port in ports:
+        for channel in (grpc.insecure_channel(f"127.0.0.1:{port}"),
+                        grpc.secure_channel(f"localhost:{port}", grpc.ssl_channel_credentials(ca))):
+            with pytest.raises(grpc.FutureTimeoutError):
+                grpc.channel_ready_future(channel).result(timeout=3)
+            channel.close()
 
 
 def _logs(folder: Path) -> str:
