@@ -56,7 +56,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def machine_broker_at_start(request: pytest.FixtureRequest) -> str | RuntimeError | None:
+def machine_broker_at_start(request: pytest.FixtureRequest) -> dict[str, str] | RuntimeError | None:
     """The machine broker's state before the first test, when the check that compares it runs in this session
     (None otherwise). A broker that cannot be read is the check's failure or skip, not the first test's."""
     if not any(item.name == UNTOUCHED_CHECK for item in request.session.items):

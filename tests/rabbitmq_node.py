@@ -1,9 +1,9 @@
 """RabbitMQ for tests that break it, and a read-only look at the machine's own broker.
 
-A test that stops, restarts or reconfigures a broker does it to a node of its session's own: its own directory,
-cookie, config and loopback ports, its own epmd, stopped by pid at the end. The machine's broker (the one a
-developer's deployment may use) is only ever published to and read from, and `machine_broker_state` lets the
-suite check that it was left exactly as it was found.
+A test that stops, restarts or reconfigures a broker (its settings, users or vhosts) does it to a node of its
+session's own: its own directory, cookie, config and loopback ports, its own epmd, stopped by pid at the end. The
+machine's broker (the one a developer's deployment may use) is only ever published to and read from, and
+`machine_broker_state` lets the suite check that it was left exactly as it was found.
 """
 
 from __future__ import annotations
@@ -258,16 +258,27 @@ def start_private_rabbitmq(root: Path, *, attempts: int = 3) -> PrivateRabbitMQ:
 MACHINE_STATE = ('{os:getpid(), case whereis(rabbit_sup) of undefined -> not_running; Sup -> pid_to_list(Sup) end, '
                  'application:get_env(rabbit, consumer_timeout), application:get_env(rabbit, channel_tick_interval)}.')
 MACHINE_STATE_FIELDS = "{OS pid, rabbit application's supervisor, consumer_timeout, channel_tick_interval}"
+# No test adds, changes or deletes a user (with its tags) or a vhost there, not even for a moment: a test that
+# needs users of its own imports them into its private node. Two suites at once leave these lists alone too.
+MACHINE_LISTINGS = ("list_users", "list_vhosts")
 UNTOUCHED_CHECK = "test_the_suite_neither_restarts_nor_reconfigures_the_machines_broker"  # runs last
 
 
-def machine_broker_state() -> str:
-    """The machine broker's identity and settings as Erlang prints them, read with `rabbitmqctl eval` (which
-    changes nothing); RuntimeError if they cannot be read."""
+def machine_broker_state() -> dict[str, str]:
+    """The machine broker's identity and settings as Erlang prints them (`rabbitmqctl eval`, which changes
+    nothing), and its users and vhosts, one sorted line each; RuntimeError if they cannot be read."""
     command = shlex.split(os.environ.get(MACHINE_CTL_ENV, "rabbitmqctl"))
     if not shutil.which(command[0]):
         raise RuntimeError(f"{command[0]} not found; set {MACHINE_CTL_ENV} (e.g. 'docker exec rabbitmq rabbitmqctl')")
-    done = subprocess.run([*command, "eval", MACHINE_STATE], capture_output=True, text=True, timeout=120)
+    state = {MACHINE_STATE_FIELDS: _read_machine(command, "eval", MACHINE_STATE)}
+    for listing in MACHINE_LISTINGS:
+        lines = _read_machine(command, "-q", listing, "--no-table-headers").splitlines()
+        state[listing] = "\n".join(sorted(lines))
+    return state
+
+
+def _read_machine(command: list[str], *args: str) -> str:
+    done = subprocess.run([*command, *args], capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
-        raise RuntimeError(f"{shlex.join(command)} eval failed: {done.stdout} {done.stderr}")
+        raise RuntimeError(f"{shlex.join([*command, *args])} failed: {done.stdout} {done.stderr}")
     return done.stdout.strip()

@@ -29,6 +29,12 @@ from tests.rabbitmq_node import PrivateRabbitMQ
 # Quick reconnects so an outage costs the test seconds, not the production backoff's half minute.
 BUS_OPTIONS: dict[str, Any] = {"reconnect_initial_s": 0.2, "reconnect_max_s": 2.0, "publish_timeout_s": 60.0}
 
+# A round deadline and a wait for workers that no test run reaches, however loaded the machine: a test's rounds
+# end on their uploads and the test on the event it waits for, never on the clock (a test about deadlines sets
+# its own). Below the broker's default consumer_timeout less the coordinator's margin (1740 s), so a coordinator
+# told that timeout still accepts the job.
+NEVER_S = 1200.0
+
 JOB: dict[str, Any] = {
     "name": "faults",
     "category": "digits",
@@ -37,7 +43,7 @@ JOB: dict[str, Any] = {
         {"type": "Flatten"}, {"type": "Linear", "in_features": 64, "out_features": 32}, {"type": "ReLU"},
         {"type": "Linear", "in_features": 32, "out_features": 10}]},
     "training": {"rounds": 3, "local_epochs": 1, "batch_size": 32, "lr": 0.2},
-    "schedule": {"min_workers": 2, "wait_for_workers_s": 30, "round_timeout_s": 60},
+    "schedule": {"min_workers": 2, "wait_for_workers_s": NEVER_S, "round_timeout_s": NEVER_S},
 }
 
 

@@ -180,16 +180,17 @@ def test_a_worker_asking_between_the_reinstalled_model_and_its_round_retries(fed
 def test_a_service_back_without_its_state_is_reinstalled_on_its_event_stream_not_at_the_safety_poll(
         rabbitmq_url: str, tmp_path: Path, training: Training) -> None:
     """The restarted service sends no event for a job it lost, but its event stream reopening wakes the round
-    loop, which asks, learns the job is gone and reinstalls it at once. With the safety poll out of the way
-    (10 minutes here), only round 1's deadline would wake it; meanwhile the held worker's retries of the
-    unknown job run out. A worker whose task failed while the job was lost gets it again with the reinstall."""
-    fed = Federation(rabbitmq_url, tmp_path, safety_poll_s=600.0)
+    loop, which asks, learns the job is gone and reinstalls it at once. With the safety poll (an hour here)
+    and round 1's deadline (NEVER_S) far beyond the test's timeout, nothing else could wake it in time;
+    meanwhile the held worker's retries of the unknown job run out. A worker whose task failed while the job
+    was lost gets it again with the reinstall."""
+    fed = Federation(rabbitmq_url, tmp_path, safety_poll_s=3600.0)
     try:
         job_id, held = slow_round(fed)
         fed.stop_aggregator()
         fed.start_aggregator(spool=False)
         held.release.set()
-        fed.wait_job(job_id, 45)  # well before round 1's 60 s deadline, the only other thing that would wake it
+        fed.wait_job(job_id, 90)
         assert [r.aggregated for r in fed.store.rounds(job_id)] == [2, 2]
     finally:
         fed.close()

@@ -69,7 +69,9 @@ def test_job_completes_across_a_broker_restart_and_no_task_is_lost(
 
 # ----- consumer_timeout ----------------------------------------------------------------------------
 
-CONSUMER_TIMEOUT_MS = 4000
+# Short enough for a test, long enough that a round deadline below it (less the coordinator's 20 % margin)
+# leaves the fast worker seconds to train and upload on a loaded machine.
+CONSUMER_TIMEOUT_MS = 10_000
 
 
 @pytest.fixture
@@ -109,24 +111,25 @@ def test_training_longer_than_the_consumer_timeout_ends_at_the_round_deadline_an
     fed = timed_federation
     caplog.set_level(logging.WARNING, logger="fedbroker.bus")
     fed.start_coordinator(broker_consumer_timeout_s=read_consumer_timeout_s(broker))
-    assert fed.coordinator is not None and fed.coordinator.max_round_timeout_s == pytest.approx(3.2)
-    with pytest.raises(ConfigError, match=r"schedule.round_timeout_s: must be at most 3.2 s") as info:
-        fed.submit(job(schedule={"round_timeout_s": 10}))
-    assert "consumer_timeout is 4 s" in str(info.value)
+    assert fed.coordinator is not None and fed.coordinator.max_round_timeout_s == pytest.approx(8.0)
+    with pytest.raises(ConfigError, match=r"schedule.round_timeout_s: must be at most 8 s") as info:
+        fed.submit(job(schedule={"round_timeout_s": 9}))
+    assert "consumer_timeout is 10 s" in str(info.value)
 
     Recorder.deliveries = []
-    # 22 steps of 0.25 s: 5.5 s of training, past the 4 s consumer_timeout. It gives up at the first step after
-    # the 3 s deadline; short steps keep that well inside the 0.8 s margin however loaded the machine is.
-    training.step_delay["slow"] = 0.25
+    # 22 steps of 0.5 s: 11 s of training, past the 10 s consumer_timeout. It gives up at the first step after
+    # the 7 s deadline: the 3 s left before the consumer_timeout are many steps however loaded the machine is,
+    # and the fast worker has 7 s to train and upload its round.
+    training.step_delay["slow"] = 0.5
     fed.add_worker("fast", index=0, count=2)
     slow = fed.add_worker("slow", index=1, count=2, agent_class=Recorder)
-    job_id = fed.submit(job(training={"rounds": 2}, schedule={"round_timeout_s": 3.0}))
+    job_id = fed.submit(job(training={"rounds": 2}, schedule={"round_timeout_s": 7.0}))
     fed.wait_job(job_id, 60)
     def slow_failed() -> list[Any]:
         return [p for p in fed.store.participants(job_id) if p.worker_id == "slow" and p.status == "failed"]
 
     # It gave up at each round's deadline (when the round closes, with the fast worker's update).
-    rows = wait_for(lambda: len(slow_failed()) == 2 and slow_failed(), 5, "the slow worker to report both rounds")
+    rows = wait_for(lambda: len(slow_failed()) == 2 and slow_failed(), 30, "the slow worker to report both rounds")
     assert all("deadline passed during training" in p.reason for p in rows)
     assert [r.aggregated for r in fed.store.rounds(job_id)] == [1, 1]
     assert isinstance(slow, Recorder) and slow.deliveries == [(1, 1), (2, 1)]  # each task delivered once
@@ -142,12 +145,12 @@ def test_delivery_held_past_the_consumer_timeout_is_redelivered_and_handled_once
     and the redelivered copy is acked without training once the first training's update is accepted."""
     fed = timed_federation
     caplog.set_level(logging.WARNING, logger="fedbroker.bus")
-    fed.start_coordinator()  # knows no consumer_timeout: accepts a 30 s round
+    fed.start_coordinator()  # knows no consumer_timeout: accepts the job's round far longer than it (NEVER_S)
     Recorder.deliveries = []
-    training.step_delay["slow"] = 0.3  # about 7 s of training against a 4 s consumer_timeout
+    training.step_delay["slow"] = 0.6  # about 13 s of training against a 10 s consumer_timeout
     fed.add_worker("fast", index=0, count=2)
     slow = fed.add_worker("slow", index=1, count=2, agent_class=Recorder)
-    job_id = fed.submit(job(training={"rounds": 1}, schedule={"round_timeout_s": 30}))
+    job_id = fed.submit(job(training={"rounds": 1}))
     fed.wait_job(job_id, 60)
     assert fed.store.rounds(job_id)[0].aggregated == 2
     assert "closed its channel" in caplog.text

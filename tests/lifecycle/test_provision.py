@@ -11,7 +11,6 @@ import ssl
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 import tomllib
 import uuid
@@ -247,8 +246,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def rabbitmqctl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=120)
+# One round of a small model; its waits are far beyond the test's timeout, so the round ends on its upload.
+TLS_JOB = {
+    "name": "tls", "category": "digits", "seed": 0,
+    "model": {"input_shape": [1, 8, 8], "layers": [{"type": "Flatten"},
+                                                   {"type": "Linear", "in_features": 64, "out_features": 10}]},
+    "training": {"rounds": 1, "local_epochs": 1, "batch_size": 32, "lr": 0.1},
+    "schedule": {"min_workers": 1, "wait_for_workers_s": 1200, "round_timeout_s": 1200},
+}
 
 
 def start(script: Path, logs: Path) -> subprocess.Popen:
@@ -261,17 +266,15 @@ def start(script: Path, logs: Path) -> subprocess.Popen:
 
 @pytest.mark.integration
 @pytest.mark.timeout(420)
-def test_a_round_runs_over_tls_from_the_kits_alone(rabbitmq_url, tmp_path, monkeypatch, capsys):
+def test_a_round_runs_over_tls_from_the_kits_alone(private_rabbitmq, tmp_path, monkeypatch, capsys):
     """The aggregation service, the coordinator and one worker start from their kits' scripts, the scientist
     submits with its kit's config; gRPC is mutual TLS end to end (plaintext, or TLS without a client
-    certificate, is refused), and the broker leg is AMQPS with the kit's users, CA and client certificates:
-    the local RabbitMQ listens on plain 5672 only, so a TLS terminator holding the kit's broker certificate
+    certificate, is refused), and the broker leg is AMQPS with the kit's users, CA and client certificates.
+    The kit's users go into the session's private RabbitMQ node, never the machine's (a test adds no user
+    there). That node listens on plain AMQP only, so a TLS terminator holding the kit's broker certificate
     stands where the kit's RabbitMQ would listen on 5671 (it does not demand the client certificates the
     kit's rabbitmq.conf does: that leg of mutual TLS is not exercised here)."""
-    if shutil.which("rabbitmqctl") is None or rabbitmqctl("status").returncode != 0:
-        from tests.ops.conftest import missing
-
-        missing("rabbitmqctl cannot manage the local RabbitMQ: the kit's broker users cannot be created")
+    broker = private_rabbitmq
     name = f"loop{uuid.uuid4().hex[:6]}"
     ports = {"coordinator_port": free_port(), "aggregator_port": free_port(), "broker_port": free_port()}
     project = parse_project({
@@ -284,17 +287,12 @@ def test_a_round_runs_over_tls_from_the_kits_alone(rabbitmq_url, tmp_path, monke
     out = tmp_path / "kits"
     provision(project, out)
     definitions = out / "server/rabbitmq/definitions.json"
-    # the kit's own definitions (users with RabbitMQ password hashes), as the server's broker loads them; a
-    # copy the broker's own user may read (rabbitmqctl runs as it; the kit is its owner's only)
-    readable = Path(tempfile.mkdtemp(prefix="defs-"))
-    readable.chmod(0o755)
-    shutil.copy(definitions, readable / "definitions.json")
-    (readable / "definitions.json").chmod(0o644)
-    imported = rabbitmqctl("import_definitions", str(readable / "definitions.json"))
-    shutil.rmtree(readable)
-    assert imported.returncode == 0, imported.stderr
+    # the kit's own definitions (users with RabbitMQ password hashes), as the server's broker loads them; the
+    # private node runs as this user, so it reads the kit's owner-only file as it is
     users = [u["name"] for u in json.loads(definitions.read_text())["users"]]
-    proxy = TlsProxy(out / "server/tls/broker.crt", out / "server/tls/broker.key", port=ports["broker_port"])
+    broker.ctl("import_definitions", str(definitions))
+    proxy = TlsProxy(out / "server/tls/broker.crt", out / "server/tls/broker.key",
+                     upstream=("127.0.0.1", broker.amqp_port), port=ports["broker_port"])
     logs = tmp_path / "logs"
     logs.mkdir()
     processes: list[subprocess.Popen] = []
@@ -304,13 +302,7 @@ def test_a_round_runs_over_tls_from_the_kits_alone(rabbitmq_url, tmp_path, monke
         processes.append(start(out / "sites/site0/start.sh", logs))
         monkeypatch.chdir(out / "scientists/sci")
         job = tmp_path / "job.yaml"
-        job.write_text(yaml.safe_dump({
-            "name": "tls", "category": "digits", "seed": 0,
-            "model": {"input_shape": [1, 8, 8], "layers": [{"type": "Flatten"},
-                                                           {"type": "Linear", "in_features": 64, "out_features": 10}]},
-            "training": {"rounds": 1, "local_epochs": 1, "batch_size": 32, "lr": 0.1},
-            "schedule": {"min_workers": 1, "wait_for_workers_s": 240, "round_timeout_s": 240},
-        }))
+        job.write_text(yaml.safe_dump(TLS_JOB))
         deadline = time.monotonic() + 240
         while main(["jobs", "list", "--config", "fedbroker.yaml"]) != 0:  # the coordinator is still starting
             assert time.monotonic() < deadline and all(p.poll() is None for p in processes), _logs(logs)
@@ -329,19 +321,12 @@ def test_a_round_runs_over_tls_from_the_kits_alone(rabbitmq_url, tmp_path, monke
         assert [(r["round"], r["status"], r["aggregated"]) for r in shown["rounds"]] == [(1, "closed", 1)]
         assert proxy.connections >= 2  # the coordinator and the worker came in over AMQPS
 
-        # gRPC is mutual TLS only: a plaintext connection to either port fails, and so does TLS with the
-        # project CA but no client certificate
-        ca = (out / "sites/site0/ca.crt").read_bytes()
-        for port in (ports["coordinator_port"], ports["aggregator_port"]):
-            for channel in (grpc.insecure_channel(f"127.0.0.1:{port}"),
-                            grpc.secure_channel(f"localhost:{port}", grpc.ssl_channel_credentials(ca))):
-                with pytest.raises(grpc.FutureTimeoutError):
-                    grpc.channel_ready_future(channel).result(timeout=3)
-                channel.close()
+        _assert_grpc_is_mutual_tls_only((out / "sites/site0/ca.crt").read_bytes(),
+                                        (ports["coordinator_port"], ports["aggregator_port"]))
         url = urlsplit((out / "sites/site0/secrets/broker-url").read_text().strip())
         assert url.scheme == "amqps" and url.username == f"{name}-site0"
         # the site's broker user reads its own task queue only: another site's is refused
-        _declare(rabbitmq_url, f"fedbroker-{name}.worker.ghost")
+        _declare(broker.url, f"fedbroker-{name}.worker.ghost")
         with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="ACCESS_REFUSED"):
             _basic_get((out / "sites/site0/secrets/broker-url").read_text().strip(), out / "sites/site0",
                        f"fedbroker-{name}.worker.ghost")
@@ -354,11 +339,21 @@ def test_a_round_runs_over_tls_from_the_kits_alone(rabbitmq_url, tmp_path, monke
             except subprocess.TimeoutExpired:
                 p.kill()
         proxy.close()
-        for user in users:
-            rabbitmqctl("delete_user", user)
         from fedbroker.bus import delete_topology
 
-        delete_topology(rabbitmq_url, f"fedbroker-{name}", ["site0", "ghost"])
+        delete_topology(broker.url, f"fedbroker-{name}", ["site0", "ghost"])
+        for user in users:  # the session's later tests share the node
+            broker.ctl("delete_user", user)
+
+
+def _assert_grpc_is_mutual_tls_only(ca: bytes, ports: tuple[int, ...]) -> None:
+    """A plaintext connection to each port fails, and so does TLS with the project CA but no client certificate."""
+    for port in ports:
+        for channel in (grpc.insecure_channel(f"127.0.0.1:{port}"),
+                        grpc.secure_channel(f"localhost:{port}", grpc.ssl_channel_credentials(ca))):
+            with pytest.raises(grpc.FutureTimeoutError):
+                grpc.channel_ready_future(channel).result(timeout=3)
+            channel.close()
 
 
 def _logs(folder: Path) -> str:
