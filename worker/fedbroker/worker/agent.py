@@ -85,7 +85,7 @@ class WorkerAgent:
         self.security = security
         self.dp: DPPolicy | None = config.dp if config.dp.enabled else None
         data = load_worker_data(config)  # first: a data owner's bad file is named before anything else happens
-        self.ledger = PrivacyLedger(config.ledger_path)
+        self.ledger = PrivacyLedger(config.ledger_path, worker_id=config.id)
         self.device = pick_device() if config.device == "auto" else config.device
         if isinstance(config.physical_batch_size, bool) or config.physical_batch_size < 0:
             raise ConfigError("worker.physical_batch_size",
