@@ -201,6 +201,8 @@ class WorkerConfig:
     physical_batch_size: int = 0       # DP: most samples per forward/backward pass, a larger Poisson batch runs
                                        # as virtual steps (same update, same ε); 0 = the whole batch in one pass
     heartbeat_s: float = 10.0
+    coordinator_broker_user: str = ""  # the broker user whose tasks this worker trains (RabbitMQ validates a
+                                       # message's user_id); others are dead-lettered. "" = any (logged at start)
     histogram_epsilon: float = 0.0     # > 0: Laplace noise on the shared label histogram at this ε; 0 = exact counts
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
     metrics_addr: str = "0.0.0.0"     # the exporter's bind address: 0.0.0.0 for a container scraped from

@@ -87,9 +87,10 @@ def broker_version(conn: Any) -> tuple[int, ...] | None:
     numbers = []
     for part in text.split("."):
         digits = "".join(itertools.takewhile(str.isdigit, part))
-        if not digits:
+        if digits:
+            numbers.append(int(digits))
+        if not digits or digits != part:  # "0-rc" ends the version
             break
-        numbers.append(int(digits))
     return tuple(numbers) or None
 
 

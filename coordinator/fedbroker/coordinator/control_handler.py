@@ -105,11 +105,13 @@ class ControlHandler:
         # of the worker's total
         epsilon = o.epsilon if self._within_bound(o.worker_id, o.epsilon, "task_outcome") else 0.0
         driver = self._async_job(o.job_id)
-        if driver is not None:  # an asynchronous job's task: round is the task number
-            if epsilon > 0:  # trained, and no version will hold it: the job's record must still show its ε
+        job = self.store.job(o.job_id) if driver is None else None
+        if driver is not None or (job is not None and job.mode == "async"):  # round is the task number
+            if epsilon > 0:  # trained, and no version holds it (even one reported after the job ended)
                 self.store.record_async_training(o.job_id, o.worker_id, task=o.round, status=status, reason=reason,
                                                  epsilon=epsilon)
-            driver.outcome(o.worker_id, o.round, status, reason)
+            if driver is not None:
+                driver.outcome(o.worker_id, o.round, status, reason)
         elif not self.store.record_outcome(o.job_id, o.round, o.worker_id, status, reason, epsilon=epsilon):
             log.warning("outcome from %r for unknown task (%s, round %d) ignored", o.worker_id, o.job_id, o.round)
         else:

@@ -71,7 +71,8 @@ def coordinator_doc(project: Project) -> dict[str, Any]:
 
 def worker_doc(project: Project, site: Site) -> dict[str, Any]:
     """A site's worker config (worker.yaml): its own worker section, with the id and categories the kit sets."""
-    worker = {"ledger_path": "state/ledger.json", **site.worker, "id": site.name, "categories": list(site.categories)}
+    worker = {"ledger_path": "state/ledger.json", **site.worker, "id": site.name, "categories": list(site.categories),
+              "coordinator_broker_user": broker_user(project, "coordinator")}  # it trains only the coordinator's tasks
     return {
         "broker": {"url_file": "secrets/broker-url", "ca_file": "ca.crt", "namespace": project.namespace,
                    "consumer_timeout_s": CONSUMER_TIMEOUT_S, **client_pair("tls/client")},
