@@ -101,9 +101,11 @@ class ControlHandler:
         status = ParticipantStatus(pb.TaskOutcome.Status.Name(o.status).lower())
         metrics.TASK_OUTCOMES.labels(status).inc()
         reason = o.reason[:MAX_REASON_CHARS]
-        # The job's ε on the worker's data (checked finite by check_control), bounded as a total is: it is part
-        # of the worker's total
-        epsilon = o.epsilon if self._within_bound(o.worker_id, o.epsilon, "task_outcome") else 0.0
+        # The job's ε on the worker's data (checked finite by check_control), bounded as a total is (it is part of
+        # the worker's total); none is taken from a worker never registered
+        limit = self.bounds.limit(o.worker_id)
+        epsilon = o.epsilon if limit is not None and self._within_bound(o.worker_id, o.epsilon, "task_outcome",
+                                                                         limit) else 0.0
         driver = self._async_job(o.job_id)
         job = self.store.job(o.job_id) if driver is None else None
         if driver is not None or (job is not None and job.mode == "async"):  # round is the task number
@@ -121,14 +123,15 @@ class ControlHandler:
     def _epsilon(self, worker_id: str, reported: float, message: str, sent_at: float | None) -> float:
         """The total ε to store from a registration or heartbeat: the reported one when it is within the
         worker's bound (`accepted` then settles the tasks before it), else the one recorded (None: 0)."""
-        if not self._within_bound(worker_id, reported, message):
+        limit = self.bounds.limit(worker_id)
+        if not self._within_bound(worker_id, reported, message, limit):
             return self.store.recorded_epsilon(worker_id) or 0.0
-        self.bounds.accepted(worker_id, sent_at)
+        if limit is not None:  # a known worker (an unknown id, forged or not, takes no memory here)
+            self.bounds.accepted(worker_id, sent_at)
         self._note_decrease(worker_id, reported, message)
         return reported
 
-    def _within_bound(self, worker_id: str, reported: float, message: str) -> bool:
-        limit = self.bounds.limit(worker_id)
+    def _within_bound(self, worker_id: str, reported: float, message: str, limit: float | None) -> bool:
         if limit is None or reported <= limit + _RELATIVE_SLACK * max(1.0, limit):
             return True
         metrics.EPSILON_JUMPS.labels(message).inc()
