@@ -40,8 +40,11 @@ class BrokerConfig:
     namespace: str = "fedbroker"
     max_attempts: int = 5
     heartbeat_s: int = 30
-    consumer_timeout_s: float = 1800.0  # the broker's consumer_timeout (RabbitMQ's default): the coordinator
-                                        # refuses jobs whose round_timeout_s would outlast it; 0 = do not check
+    consumer_timeout_s: float = 1800.0  # the consumer timeout of task deliveries: set on every task queue and
+                                        # consumer (x-consumer-timeout, applied by RabbitMQ 3.12+; older ones apply
+                                        # their own consumer_timeout, which this must then equal), and the
+                                        # coordinator refuses jobs whose round_timeout_s would outlast it;
+                                        # 0 = do not set it, do not check
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,10 @@ class CoordinatorConfig:
                                        # outside; 127.0.0.1 on a shared host (no /metrics for the network)
     tokens_file: str = ""              # who may SubmitJob/Status (fedbroker.auth); empty = authentication off
     tls: ServerTLSSection = field(default_factory=ServerTLSSection)
+    # broker user → the worker ids it may speak for on the control queue (deploy/SECURITY.md): a registration,
+    # heartbeat or outcome is refused unless its broker-validated user_id is mapped to its worker id. Empty =
+    # not checked (any broker user may speak for any worker; logged at start). `fedbroker provision` writes it.
+    worker_broker_users: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -194,6 +201,8 @@ class WorkerConfig:
     physical_batch_size: int = 0       # DP: most samples per forward/backward pass, a larger Poisson batch runs
                                        # as virtual steps (same update, same ε); 0 = the whole batch in one pass
     heartbeat_s: float = 10.0
+    coordinator_broker_user: str = ""  # the broker user whose tasks this worker trains (RabbitMQ validates a
+                                       # message's user_id); others are dead-lettered. "" = any (logged at start)
     histogram_epsilon: float = 0.0     # > 0: Laplace noise on the shared label histogram at this ε; 0 = exact counts
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
     metrics_addr: str = "0.0.0.0"     # the exporter's bind address: 0.0.0.0 for a container scraped from
@@ -270,6 +279,11 @@ def _coerce(hint: Any, value: Any, at: str) -> Any:
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, at)
     origin = typing.get_origin(hint)
+    if origin is dict:
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) and k for k in value):
+            raise ConfigError(at, f"must be a mapping with text keys, got {type(value).__name__} {value!r}")
+        _, value_hint = typing.get_args(hint)
+        return {k: _coerce(value_hint, v, f"{at}.{k}") for k, v in value.items()}
     if origin is tuple:
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):

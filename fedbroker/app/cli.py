@@ -1,4 +1,4 @@
-"""The one command line: `fedbroker demo | aggregator | coordinator | worker | submit | status | jobs`."""
+"""The one command line: `fedbroker demo | aggregator | coordinator | worker | submit | status | jobs | workers`."""
 
 from __future__ import annotations
 
@@ -173,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fedbroker.app.jobs import add_parser as add_jobs_parser
     from fedbroker.app.provision.command import add_parser as add_provision_parser
     from fedbroker.app.simulate_cli import add_simulate
+    from fedbroker.app.workers import add_parser as add_workers_parser
 
     defaults = DemoOptions()
     parser = argparse.ArgumentParser(prog="fedbroker", description=__doc__)
@@ -185,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate(sub)
     add_jobs_parser(sub)
     add_provision_parser(sub)
+    add_workers_parser(sub)
     token = sub.add_parser("token", help="make a bearer token and its token-table entry")
     token.add_argument("identity", help="who holds it: a worker's id, 'coordinator', a person")
     token.add_argument("--role", required=True, choices=["coordinator", "worker", "submitter", "viewer"])

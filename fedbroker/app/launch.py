@@ -41,7 +41,8 @@ def make_bus(config: Config) -> Bus:
     if not url:
         return open_bus(None, namespace=b.namespace, max_attempts=b.max_attempts)
     return open_bus(url, namespace=b.namespace, max_attempts=b.max_attempts, heartbeat_s=b.heartbeat_s,
-                    ca_file=b.ca_file, cert_file=b.cert_file, key_file=b.key_file)
+                    ca_file=b.ca_file, cert_file=b.cert_file, key_file=b.key_file,
+                    consumer_timeout_s=b.consumer_timeout_s or None)
 
 
 def client_security(config: Config, *, expected_target: str = "") -> ClientSecurity:
@@ -116,9 +117,11 @@ def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorP
         evaluator=evaluate_global,
         broker_consumer_timeout_s=None if isinstance(bus, InProcessBus) else config.broker.consumer_timeout_s or None,
         max_running_jobs=c.max_running_jobs, safety_poll_s=c.safety_poll_s,
+        worker_broker_users=c.worker_broker_users,
     )
     coordinator.start()
     bus.start()
+    coordinator.log_consumer_timeout()
     server, port = serve(coordinator, address=c.listen, tokens=tokens, tls=tls)
     log.info("coordinator listening on port %d", port)
     return CoordinatorProcess(coordinator, server, port, bus)

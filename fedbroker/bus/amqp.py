@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 
 from fedbroker.bus.amqp_consumer import Consumers
-from fedbroker.bus.amqp_link import LinkSettings, tls_context
+from fedbroker.bus.amqp_link import LinkSettings, tls_context, url_user
 from fedbroker.bus.amqp_publisher import Publisher
 from fedbroker.bus.amqp_topology import TopologyDeclarer
 from fedbroker.bus.base import (
@@ -41,6 +41,7 @@ AMQP_ONLY_OPTIONS = {
     "ca_file",
     "cert_file",
     "key_file",
+    "consumer_timeout_s",
 }
 
 
@@ -71,7 +72,12 @@ class AmqpBus:
     A failed delivery is retried with an attempts header and dead-lettered at `max_attempts` (see
     `amqp_consumer`): a handler sees a message at most `max_attempts` times, and must be idempotent.
     Ack late, after the result is durable. RabbitMQ's `consumer_timeout` (30 min by default) must
-    exceed the longest round, or the broker closes the channel and redelivers.
+    exceed the longest round, or the broker closes the channel and redelivers: `consumer_timeout_s` sets it
+    on every task queue and task consumer (`x-consumer-timeout`, honoured from RabbitMQ 3.12), so the broker
+    applies the deployment's value (`consumer_timeout_honoured`).
+
+    Every message is published with `user_id` = the URL's user, which RabbitMQ validates; a delivery's
+    `sender` is the user that published it (deploy/SECURITY.md).
 
     Options: `max_attempts` (deliveries before dead-lettering); `reconnect_initial_s`,
     `reconnect_max_s` (backoff); `publish_timeout_s` (how long a publish retries through an outage
@@ -97,6 +103,7 @@ class AmqpBus:
         ca_file: str = "",
         cert_file: str = "",
         key_file: str = "",
+        consumer_timeout_s: float | None = None,
     ) -> None:
         import pika  # noqa: F401  (fail here, not in a thread, when pika is missing)
 
@@ -115,13 +122,16 @@ class AmqpBus:
             client_name = _default_client_name(namespace)
         else:
             check_name("client_name", client_name)
+        if consumer_timeout_s is not None:
+            consumer_timeout_s = _check_positive("consumer_timeout_s", consumer_timeout_s)
         self.masked_url = mask_url(check_url(url))
+        self.user = url_user(url)
         settings = LinkSettings(
             url=url, client_name=client_name, heartbeat_s=heartbeat, blocked_timeout_s=self.publish_timeout_s,
             reconnect=Backoff(initial_s=initial, max_s=maximum),
-            tls=tls_context(url, ca_file=ca_file, cert_file=cert_file, key_file=key_file),
+            tls=tls_context(url, ca_file=ca_file, cert_file=cert_file, key_file=key_file), user=self.user,
         )
-        declarer = TopologyDeclarer(self.topology)
+        declarer = TopologyDeclarer(self.topology, consumer_timeout_s=consumer_timeout_s)
         self._lock = threading.Lock()
         self._closed = False
         self._publisher = Publisher(settings, declarer, timeout_s=self.publish_timeout_s)
@@ -133,6 +143,16 @@ class AmqpBus:
     def reconnects(self) -> int:
         """Connections re-established after a loss, both links together (a Prometheus counter)."""
         return self._publisher.link.reconnects + self._consumer.link.reconnects
+
+    @property
+    def broker_version(self) -> tuple[int, ...] | None:
+        """The RabbitMQ version the last connection announced (None before the first connect)."""
+        return self._declarer.broker_version
+
+    @property
+    def consumer_timeout_honoured(self) -> bool:
+        """Whether the broker applies `consumer_timeout_s` to task deliveries (known once connected)."""
+        return self._declarer.consumer_timeout_honoured
 
     @property
     def connection_names(self) -> tuple[str, str]:

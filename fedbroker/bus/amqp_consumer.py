@@ -8,6 +8,15 @@ settling it (`redelivered` flag) — is republished (confirmed, by queue name, a
 with the header + 1 and only then is the original acked; when the count reaches `max_attempts` the original
 is nacked without requeue and RabbitMQ dead-letters it. A crash between republish and ack can duplicate a
 message, never lose it: handlers must be idempotent (`message_id` is stable across retries).
+
+A redelivery is a failure only of a delivery the handler had: a copy that waited, unseen, behind a busy handler
+when the broker closed its channel (a consumer timeout) is replaced by the redelivered one at the same count. A
+task whose training outlived the broker's consumer timeout is therefore handled again (its update found
+accepted, acked) instead of being counted to the dead-letter queue while it waited.
+
+Who published a delivery (`Delivery.sender`) is its broker-validated `user_id`; a retried copy, republished by
+this connection under its own user, names the original publisher in `x-fedbroker-sender`, believed only on a
+message whose user_id is this connection's own user.
 """
 
 from __future__ import annotations
@@ -18,9 +27,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
 
-from fedbroker.bus.amqp_link import Link, LinkSettings
+from fedbroker.bus.amqp_link import Link, LinkSettings, broker_version
 from fedbroker.bus.amqp_topology import TopologyDeclarer
-from fedbroker.bus.base import ATTEMPTS_HEADER, ROUTING_KEY_HEADER, Action, Delivery, Dispatcher
+from fedbroker.bus.base import ATTEMPTS_HEADER, ROUTING_KEY_HEADER, SENDER_HEADER, Action, Delivery, Dispatcher
 from fedbroker.errors import BusError
 
 log = logging.getLogger(__name__)
@@ -58,6 +67,7 @@ class Consumers:
         self.max_attempts = max_attempts
         self.settle_timeout_s = settle_timeout_s
         self.timeout_s = timeout_s  # how long starting a consumer waits for the connection
+        self.user = settings.user  # this connection's own user: the user_id of the copies it republishes
         self._lock = threading.Lock()
         self._consumers: list[_Consumer] = []
         self._retry_channel: Any = None
@@ -122,6 +132,7 @@ class Consumers:
     # -- the connection (I/O thread) -------------------------------------------------------------
 
     def _on_connect(self, conn: Any) -> None:
+        self.topology.broker_version = broker_version(conn)
         ch = conn.channel()
         self.topology.declare(ch)
         ch.confirm_delivery()  # this channel republishes retries, confirmed before the original is acked
@@ -143,7 +154,9 @@ class Consumers:
             result = ch.queue_declare("", exclusive=True, auto_delete=True, arguments=self.topology.dead_lettering)
             consumer.queue = result.method.queue
             ch.queue_bind(consumer.queue, self.topology.names.events_exchange)
-        ch.basic_consume(consumer.queue, partial(self._on_message, consumer), auto_ack=False)
+        arguments = self.topology.task_consumer_arguments if consumer.kind == "tasks" else {}
+        ch.basic_consume(consumer.queue, partial(self._on_message, consumer), auto_ack=False,
+                         arguments=arguments or None)
         consumer.channel = ch
 
     def _revive(self, conn: Any) -> None:
@@ -175,8 +188,12 @@ class Consumers:
         headers = dict(props.headers or {})
         prior = _header_int(headers, ATTEMPTS_HEADER)
         if method.redelivered:  # an earlier delivery ended unsettled (consumer died or closed)
-            self._retry(consumer, ch, method, props, body, failures=prior + 1)
-            return
+            unseen = consumer.dispatcher.withdraw(props.message_id)
+            if unseen is None:  # the handler had it: a failure
+                self._retry(consumer, ch, method, props, body, failures=prior + 1)
+                return
+            log.info("message %s on %s redelivered while it waited for its handler: not a failure",
+                     props.message_id, consumer.queue)
         attempts = prior + 1
         if attempts > self.max_attempts:  # a smaller max_attempts than the one that retried it
             self._dead_letter(consumer, ch, method, props, attempts - 1)
@@ -188,12 +205,26 @@ class Consumers:
             Delivery(
                 body=body,
                 routing_key=str(routing_key),
-                redelivered=attempts > 1,
+                redelivered=attempts > 1 or bool(method.redelivered),
                 attempts=attempts,
                 message_id=props.message_id,
                 settle=partial(self._settle, consumer, ch, method, props, body, attempts),
+                sender=self._sender(props),
+                published_at=float(props.timestamp) if isinstance(props.timestamp, int) else None,
             )
         )
+
+    def _sender(self, props: Any) -> str | None:
+        """The broker user that published the message: its validated user_id, or for a copy this connection
+        republished (its own user_id), the original publisher its header names."""
+        user = props.user_id
+        if user and user == self.user:
+            named = (props.headers or {}).get(SENDER_HEADER)
+            if isinstance(named, bytes):
+                named = named.decode("utf-8", "replace")
+            if isinstance(named, str):
+                return named or None
+        return str(user) if user else None
 
     def _retry(self, consumer: _Consumer, ch: Any, method: Any, props: Any, body: bytes, *, failures: int) -> None:
         import pika
@@ -205,6 +236,7 @@ class Consumers:
         headers = dict(props.headers or {})
         headers[ATTEMPTS_HEADER] = failures
         headers.setdefault(ROUTING_KEY_HEADER, method.routing_key)
+        headers[SENDER_HEADER] = self._sender(props) or ""  # the copy's own user_id is ours
         copy = pika.BasicProperties(
             delivery_mode=pika.DeliveryMode.Persistent,
             content_type=props.content_type,
@@ -212,6 +244,7 @@ class Consumers:
             timestamp=props.timestamp,
             app_id=props.app_id,
             headers=headers,
+            user_id=self.user or None,
         )
         try:
             self._retry_channel.basic_publish("", consumer.queue, body, copy, mandatory=True)

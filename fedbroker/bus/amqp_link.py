@@ -8,6 +8,7 @@ minutes. pika is imported where it is used, so the in-process bus works without 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import ssl
@@ -65,6 +66,32 @@ class LinkSettings:
     blocked_timeout_s: float  # unless the URL sets blocked_connection_timeout=
     reconnect: Backoff
     tls: ssl.SSLContext | None = None
+    user: str = ""  # the URL's user name: every message is published with it as its (broker-validated) user_id
+
+
+def url_user(url: str) -> str:
+    """The user name a broker URL logs in with ("" when it names none, e.g. a client certificate's EXTERNAL
+    login): the user_id RabbitMQ checks on every message the connection publishes."""
+    import pika
+
+    credentials = pika.URLParameters(url).credentials
+    return str(getattr(credentials, "username", "") or "")
+
+
+def broker_version(conn: Any) -> tuple[int, ...] | None:
+    """The RabbitMQ version a connection's server announced (its `version` server property), None if it gave
+    none: what the broker honours (per-queue consumer timeouts from 3.12) depends on it."""
+    properties = getattr(getattr(conn, "_impl", None), "server_properties", None) or {}
+    raw = properties.get("version", b"")
+    text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else str(raw)
+    numbers = []
+    for part in text.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if digits:
+            numbers.append(int(digits))
+        if not digits or digits != part:  # "0-rc" ends the version
+            break
+    return tuple(numbers) or None
 
 
 class PendingCall:

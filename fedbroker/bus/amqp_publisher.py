@@ -3,6 +3,10 @@ and that must never stall a consumer's acks.
 
 Every message is persistent and confirmed: a publish returns once the broker has taken it (written to disk)
 or raises, so a caller never believes a message sent that the broker does not hold.
+
+Every message carries `user_id`, the connection's user: RabbitMQ refuses (closes the channel on) a message whose
+user_id is not the publishing connection's user, so a consumer knows who published what it receives
+(deploy/SECURITY.md, "What binds each bus message to an identity").
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from fedbroker.bus.amqp_link import Link, LinkSettings
+from fedbroker.bus.amqp_link import Link, LinkSettings, broker_version
 from fedbroker.bus.amqp_topology import TopologyDeclarer
 from fedbroker.bus.base import CONTENT_TYPE
 from fedbroker.errors import BusError, Unroutable
@@ -29,6 +33,7 @@ class Publisher:
     def __init__(self, settings: LinkSettings, topology: TopologyDeclarer, *, timeout_s: float) -> None:
         self.topology = topology
         self.timeout_s = timeout_s  # how long a call retries through an outage before BusError
+        self.user = settings.user
         self._channel: Any = None
         self._batch_channel: Any = None
         self._conn: Any = None
@@ -37,6 +42,7 @@ class Publisher:
                          on_disconnect=self._on_disconnect)
 
     def _on_connect(self, conn: Any) -> None:
+        self.topology.broker_version = broker_version(conn)
         ch = conn.channel()
         ch.confirm_delivery()
         self.topology.declare(ch)
@@ -61,6 +67,7 @@ class Publisher:
             message_id=uuid.uuid4().hex,
             timestamp=int(time.time()),
             app_id=self.topology.names.namespace,
+            user_id=self.user or None,
         )
 
     def _confirm_channel(self) -> Any:

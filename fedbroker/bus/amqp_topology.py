@@ -2,6 +2,12 @@
 a broker that lost them (a fresh node, a deleted queue) gets them back before anything is published or consumed.
 
 Consumer queues dead-letter into `<ns>.dlx` → `<ns>.dead`, where poison messages wait for an operator.
+
+A worker's task queue, and its consumer, carry `x-consumer-timeout` (the deployment's `broker.consumer_timeout_s`)
+so that the timeout RabbitMQ applies to a held task is the one the coordinator keeps every round inside, whatever
+the broker's own `consumer_timeout`: RabbitMQ honours it from 3.12 (the consumer's argument first, then the
+queue's), and 3.10 and 3.11 accept and ignore it. From 4.3 classic queues have no consumer timeout at all
+(RabbitMQ's consumer_timeouts.md), so the argument is left out there rather than risk a refused declaration.
 """
 
 from __future__ import annotations
@@ -12,15 +18,40 @@ from typing import Any
 
 from fedbroker.bus.base import CONTROL_ROUTING_KEY, Topology
 
+CONSUMER_TIMEOUT_ARGUMENT = "x-consumer-timeout"
+HONOURED_FROM = (3, 12)   # the first RabbitMQ that applies a queue's (and a consumer's) x-consumer-timeout
+SENT_BEFORE = (4, 3)      # the first that has no consumer timeout on classic queues: the argument is not sent
+
 
 class TopologyDeclarer:
     """Declares the namespace's topology on a channel, worker queues included: a worker queue declared once
     (by the coordinator or the worker) is re-declared on every later connect of either connection."""
 
-    def __init__(self, names: Topology) -> None:
+    def __init__(self, names: Topology, *, consumer_timeout_s: float | None = None) -> None:
         self.names = names
+        self.consumer_timeout_s = consumer_timeout_s  # None: the broker's own consumer_timeout applies
+        self.broker_version: tuple[int, ...] | None = None  # as the last connection's server announced it
         self._lock = threading.Lock()
         self._workers: set[str] = set()  # worker queues to re-declare on every connect
+
+    def _consumer_timeout(self) -> dict[str, int]:
+        """`x-consumer-timeout` in milliseconds, where it is set and the broker is one it may be sent to."""
+        if self.consumer_timeout_s is None or (self.broker_version is not None and self.broker_version >= SENT_BEFORE):
+            return {}
+        return {CONSUMER_TIMEOUT_ARGUMENT: round(self.consumer_timeout_s * 1000)}
+
+    @property
+    def consumer_timeout_honoured(self) -> bool:
+        """Whether the broker applies our `consumer_timeout_s` to task deliveries (RabbitMQ 3.12 to 4.2): then
+        it is the timeout the broker really applies; otherwise its own `consumer_timeout` is (unknown unless
+        the deployment says it, since it cannot be read over AMQP)."""
+        version = self.broker_version
+        return bool(self._consumer_timeout()) and version is not None and version >= HONOURED_FROM
+
+    @property
+    def task_consumer_arguments(self) -> dict[str, int]:
+        """A task consumer's arguments: the consumer timeout (which takes precedence over the queue's)."""
+        return self._consumer_timeout()
 
     @property
     def dead_lettering(self) -> dict[str, str]:
@@ -49,12 +80,15 @@ class TopologyDeclarer:
             self.declare_worker(ch, worker_id)
 
     def declare_worker(self, ch: Any, worker_id: str) -> None:
-        """The worker's durable queue, bound to the tasks exchange by its id (the routing key of its tasks)."""
+        """The worker's durable queue, bound to the tasks exchange by its id (the routing key of its tasks), with
+        the consumer timeout (RabbitMQ does not compare this argument when a queue is declared again: a queue
+        declared before keeps its own, which the consumer's argument overrides)."""
         t = self.names
-        self._declare_queue(ch, t.worker_queue(worker_id), t.tasks_exchange, worker_id)
+        self._declare_queue(ch, t.worker_queue(worker_id), t.tasks_exchange, worker_id, self._consumer_timeout())
 
-    def _declare_queue(self, ch: Any, queue: str, exchange: str, routing_key: str) -> None:
-        ch.queue_declare(queue, durable=True, arguments=self.dead_lettering)
+    def _declare_queue(self, ch: Any, queue: str, exchange: str, routing_key: str,
+                       extra: dict[str, int] | None = None) -> None:
+        ch.queue_declare(queue, durable=True, arguments={**self.dead_lettering, **(extra or {})})
         ch.queue_bind(queue, exchange, routing_key=routing_key)
 
 

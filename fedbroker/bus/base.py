@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 ATTEMPTS_HEADER = "x-fedbroker-attempts"
 # Header keeping the routing key the publisher chose, since a retried copy is re-routed by queue name.
 ROUTING_KEY_HEADER = "x-fedbroker-routing-key"
+# Header of a retried copy naming the broker user that published the original: the copy is republished by the
+# consumer's own connection (its own, broker-validated user_id), so the header is believed only on a message
+# whose user_id is the consumer's own user (`amqp_consumer`), never on one another user published.
+SENDER_HEADER = "x-fedbroker-sender"
 CONTROL_ROUTING_KEY = "coordinator"
 CONTENT_TYPE = "application/octet-stream"
 
@@ -89,7 +93,8 @@ class Delivery:
     `finally: delivery.nack(...)` safety net cannot undo an ack.
     """
 
-    __slots__ = ("_lock", "_settle", "_settled", "attempts", "body", "message_id", "redelivered", "routing_key")
+    __slots__ = ("_lock", "_settle", "_settled", "attempts", "body", "message_id", "published_at", "redelivered",
+                 "routing_key", "sender")
 
     def __init__(
         self,
@@ -100,12 +105,18 @@ class Delivery:
         attempts: int,
         message_id: str | None,
         settle: Callable[[Action], None],
+        sender: str | None = None,
+        published_at: float | None = None,
     ) -> None:
         self.body = body
         self.routing_key = routing_key
         self.redelivered = redelivered  # True when this message was delivered before: handle idempotently
         self.attempts = attempts  # 1 on the first delivery
         self.message_id = message_id  # stable across redeliveries: a key for idempotent handling
+        # The broker user that published it, as the broker validated it (RabbitMQ refuses a user_id that is not
+        # the publishing connection's user); None when unknown (no user_id, or an in-process bus without users).
+        self.sender = sender
+        self.published_at = published_at  # the publisher's clock (AMQP timestamp, whole seconds); None: not given
         self._settle = settle
         self._lock = threading.Lock()
         self._settled: Action | None = None
@@ -134,7 +145,8 @@ class Delivery:
     def __repr__(self) -> str:
         return (
             f"Delivery(routing_key={self.routing_key!r}, attempts={self.attempts}, "
-            f"redelivered={self.redelivered}, message_id={self.message_id!r}, {len(self.body)} bytes)"
+            f"redelivered={self.redelivered}, message_id={self.message_id!r}, sender={self.sender!r}, "
+            f"{len(self.body)} bytes)"
         )
 
 
@@ -253,6 +265,18 @@ class Dispatcher:
         with self._cond:
             self._inbox.append(delivery)
             self._cond.notify()
+
+    def withdraw(self, message_id: str | None) -> Delivery | None:
+        """Take back a delivery of `message_id` that waits in the inbox, never seen by the handler (None when
+        there is none): the broker redelivered it (its channel closed under it), and the copy replaces it."""
+        if message_id is None:
+            return None
+        with self._cond:
+            for delivery in self._inbox:
+                if delivery.message_id == message_id:
+                    self._inbox.remove(delivery)
+                    return delivery
+        return None
 
     def stop(self, timeout: float = 2.0) -> None:
         """Drop undelivered items (the broker redelivers them) and let a busy handler finish."""

@@ -9,9 +9,10 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import ClassVar
 
@@ -47,6 +48,8 @@ class _MemMessage:
     routing_key: str
     message_id: str
     failures: int = 0  # earlier deliveries that did not end in an ack
+    sender: str | None = None  # the publishing bus's user (AmqpBus: the broker-validated user_id)
+    published_at: float = field(default_factory=time.time)
 
 
 class _MemConsumer:
@@ -136,6 +139,8 @@ class MemoryBroker:
                         attempts=attempts,
                         message_id=message.message_id,
                         settle=partial(self._settle, q, consumer, message),
+                        sender=message.sender,
+                        published_at=message.published_at,
                     )
                 )
 
@@ -176,13 +181,16 @@ class InProcessBus:
     Each consumer has its own handler thread and at most one unacked message; nack with requeue
     puts the message at the back of its queue with attempts + 1; after `max_attempts` deliveries
     it goes to `dead` instead. Closing a bus returns its unacked messages to their queues (an
-    attempt is counted, as RabbitMQ redelivery is counted by `AmqpBus`).
+    attempt is counted, as RabbitMQ redelivery is counted by `AmqpBus`). `user`: the broker user this bus
+    stands for (its messages' `Delivery.sender`, as RabbitMQ's validated user_id); None: no users.
     """
 
     def __init__(
-        self, *, namespace: str = "fedbroker", max_attempts: int = 5, broker: MemoryBroker | None = None
+        self, *, namespace: str = "fedbroker", max_attempts: int = 5, broker: MemoryBroker | None = None,
+        user: str | None = None,
     ) -> None:
         self.topology = Topology(check_name("namespace", namespace))
+        self.user = user
         self.max_attempts = check_max_attempts(max_attempts)
         self.broker = broker or MemoryBroker.for_namespace(namespace)
         self.reconnects = 0
@@ -209,7 +217,7 @@ class InProcessBus:
     def _message(self, body: bytes, routing_key: str) -> _MemMessage:
         if not isinstance(body, (bytes, bytearray, memoryview)):
             raise TypeError(f"body must be bytes, got {type(body).__name__}")
-        return _MemMessage(bytes(body), routing_key, uuid.uuid4().hex)
+        return _MemMessage(bytes(body), routing_key, uuid.uuid4().hex, sender=self.user)
 
     def publish_task(self, worker_id: str, body: bytes) -> None:
         """Queued for the worker; `Unroutable` when it has no queue, as `AmqpBus` (mandatory publish)."""
@@ -246,7 +254,7 @@ class InProcessBus:
         message = self._message(body, "")
         with self.broker.lock:
             for q in list(self.broker.event_queues):
-                self.broker.enqueue(q, _MemMessage(message.body, "", message.message_id))
+                self.broker.enqueue(q, _MemMessage(message.body, "", message.message_id, sender=self.user))
 
     def declare_worker(self, worker_id: str) -> None:
         """Create the worker's queue, so tasks published before it consumes are kept."""

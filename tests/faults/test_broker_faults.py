@@ -157,3 +157,31 @@ def test_delivery_held_past_the_consumer_timeout_is_redelivered_and_handled_once
     assert isinstance(slow, Recorder) and slow.deliveries[0] == (1, 1) and (1, 2) in slow.deliveries
     assert training.count["slow"] == 1  # trained once: the copy found the update accepted
     assert fed.dead_letters() == []
+
+
+@pytest.mark.timeout(150)
+def test_a_task_whose_update_was_accepted_is_never_dead_lettered_however_long_it_trained(
+        timed_federation: Federation, training: Training, caplog: pytest.LogCaptureFixture) -> None:
+    """The coordinator was told a longer consumer timeout than the broker applies (here: none, a 60 s round),
+    and the slow worker trains for about six of the broker's 4 s timeouts. The broker closes its channel each
+    time, and redelivers the copy that waits behind the training: that is no failed attempt (the handler never
+    had it). Before, each one counted, and the task was dead-lettered 'after 5 deliveries' although its update
+    was accepted; now the copy is acked as already uploaded, and nothing is dead-lettered."""
+    fed = timed_federation
+    caplog.set_level(logging.INFO, logger="fedbroker.bus")
+    fed.start_coordinator()
+    Recorder.deliveries = []
+    training.step_delay["slow"] = 1.1  # 23 steps: about 25 s of training against a 4 s consumer_timeout
+    fed.add_worker("fast", index=0, count=2)
+    slow = fed.add_worker("slow", index=1, count=2, agent_class=Recorder)
+    acked_copies = {"worker_id": "slow", "outcome": "already_uploaded"}
+    before = sample("fedbroker_worker_tasks_total", acked_copies)
+    job_id = fed.submit(job(training={"rounds": 1}, schedule={"round_timeout_s": 60}))
+    fed.wait_job(job_id, 90)
+    assert fed.store.rounds(job_id)[0].aggregated == 2
+    assert training.count["slow"] == 1
+    wait_for(lambda: sample("fedbroker_worker_tasks_total", acked_copies) >= before + 1, 30,
+             "the redelivered copy to be acked as already uploaded")
+    assert fed.dead_letters() == []  # before: dead-lettered "after 5 deliveries"
+    assert "redelivered while it waited for its handler" in caplog.text
+    assert isinstance(slow, Recorder) and max(attempts for _, attempts in slow.deliveries) <= 2

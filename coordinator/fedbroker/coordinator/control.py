@@ -5,12 +5,19 @@ Anyone with the broker's credentials can publish there, so a message is input li
 be a name the bus can route to (a stored id it cannot route would fail the job that selects it), and every
 count and number is bounded. A message that fails is dead-lettered with a reason
 (`fedbroker_coordinator_control_messages_rejected_total{reason}`), never stored, and never reaches a job.
+
+Each message is bound to its sender (`SenderBinding`): RabbitMQ validates every message's `user_id` against
+the publishing connection's user, and a deployment that gives each site its own broker user
+(`coordinator.worker_broker_users`, written by `fedbroker provision`) has a message refused unless its user
+may speak for its worker id (deploy/SECURITY.md).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+from collections.abc import Mapping, Sequence
 
 from fedbroker.bus.base import check_name
 from fedbroker.config import DPPolicy
@@ -32,6 +39,10 @@ _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")     # a job's name, '-
 # The rejection reasons of the control queue's messages (metric label values).
 INVALID_REASONS = {"registration": "invalid_registration", "heartbeat": "invalid_heartbeat",
                    "task_outcome": "invalid_task_outcome"}
+# ... and those of a message whose sender may not speak for its worker id (SenderBinding).
+SENDER_REASONS = ("unidentified_sender", "foreign_sender")
+
+log = logging.getLogger(__name__)
 
 
 class InvalidControlMessage(FedbrokerError):
@@ -40,6 +51,53 @@ class InvalidControlMessage(FedbrokerError):
     def __init__(self, kind: str, problems: list[str]) -> None:
         self.reason = INVALID_REASONS[kind]
         super().__init__(f"{kind} refused: {'; '.join(problems)}")
+
+
+class ForeignSender(FedbrokerError):
+    """A control message whose broker user may not speak for its worker id; `reason` is a SENDER_REASONS value."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+class SenderBinding:
+    """Which broker users may speak for which worker ids on the control queue (`users`: user → worker ids).
+
+    Empty: nothing is checked, and the constructor logs what that allows. Otherwise a message is refused
+    unless its sender (its broker-validated user_id, `Delivery.sender`) is mapped to its worker id: a
+    message without a user_id as `unidentified_sender`, one from a user not mapped to it as `foreign_sender`."""
+
+    def __init__(self, users: Mapping[str, Sequence[str]]) -> None:
+        self._workers: dict[str, frozenset[str]] = {}
+        for user, worker_ids in users.items():
+            for worker_id in worker_ids:  # a ConfigError naming the setting, at start
+                check_name(f"coordinator.worker_broker_users.{user}", worker_id)
+            self._workers[user] = frozenset(worker_ids)
+        if not self._workers:
+            log.warning("control messages are not bound to their senders (coordinator.worker_broker_users is "
+                        "empty): whoever holds the broker's credentials may register, beat and report for any "
+                        "worker id (deploy/SECURITY.md)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether senders are checked at all."""
+        return bool(self._workers)
+
+    def check(self, env: pb.Envelope, sender: str | None) -> None:
+        """Raise `ForeignSender` when the message's sender may not speak for the worker id it names."""
+        if not self._workers:
+            return
+        kind = env.WhichOneof("message")
+        if kind not in INVALID_REASONS:
+            return
+        worker_id = str(getattr(env, kind).worker_id)
+        if not sender:
+            raise ForeignSender("unidentified_sender", f"{kind} for worker {worker_id!r} refused: it carries no "
+                                                       f"user_id, so nothing binds it to a broker user")
+        if worker_id not in self._workers.get(sender, frozenset()):
+            raise ForeignSender("foreign_sender", f"{kind} for worker {worker_id!r} refused: broker user "
+                                                  f"{sender[:140]!r} may not speak for it")
 
 
 def check_control(env: pb.Envelope) -> None:

@@ -1,12 +1,16 @@
-"""What the coordinator does with its control queue's messages once they passed `control.check_control`:
-a registration declares the worker's task queue and records it, a heartbeat refreshes it and its budget,
-a task outcome is recorded against its round (or handed to its asynchronous job) and wakes the job's loop.
+"""What the coordinator does with its control queue's messages once they passed `control.check_control` and
+their sender may speak for their worker (`control.SenderBinding`): a registration declares the worker's task
+queue and records it, a heartbeat refreshes it and its budget, a task outcome is recorded against its round (or
+against its asynchronous job) and wakes the job's loop.
+
+The ε a message claims is checked against what the worker can have spent (participants.EpsilonBounds): a claim
+above it is refused, counted (`fedbroker_coordinator_epsilon_jumps_refused_total{message}`) and never stored; the
+rest of the message is handled (a forger able to send it could send the same message with a plausible ε).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 
 from fedbroker import envelope
@@ -14,73 +18,81 @@ from fedbroker.bus import Bus, Delivery
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.asynchronous import AsyncJob
-from fedbroker.coordinator.control import MAX_REASON_CHARS, InvalidControlMessage, check_control
+from fedbroker.coordinator.control import (
+    MAX_REASON_CHARS,
+    ForeignSender,
+    InvalidControlMessage,
+    SenderBinding,
+    check_control,
+)
 from fedbroker.coordinator.events import JobWatcher
-from fedbroker.coordinator.participants import WorkerBudgets, budget_from_heartbeat
+from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, budget_from_heartbeat
 from fedbroker.coordinator.records import ParticipantStatus, WorkerState
 from fedbroker.coordinator.store import StateStore
 from fedbroker.proto import fedbroker_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+# A claim this close to the bound is float noise, not a jump.
+_RELATIVE_SLACK = 1e-9
+
 
 class ControlHandler:
     """The control queue's consumer; `async_job(job_id)`: the running asynchronous job of that id, if any
-    (its task outcomes go to it: its task numbers are not rounds)."""
+    (its task outcomes go to it: its task numbers are not rounds). `senders`: who may speak for which worker
+    (default: nobody is checked); `bounds`: how much ε each worker can have spent."""
 
     def __init__(self, *, bus: Bus, store: StateStore, events: JobWatcher, budgets: WorkerBudgets,
-                 async_job: Callable[[str], AsyncJob | None]) -> None:
+                 async_job: Callable[[str], AsyncJob | None], bounds: EpsilonBounds,
+                 senders: SenderBinding | None = None) -> None:
         self.bus = bus
         self.store = store
         self.events = events
         self.budgets = budgets
+        self.bounds = bounds
+        self.senders = senders or SenderBinding({})
         self._async_job = async_job
 
     def on_control(self, delivery: Delivery) -> None:
-        """Handle one message and ack it; one that cannot be decoded or checked is dead-lettered with a
-        reason, never stored."""
+        """Handle one message and ack it; one that cannot be decoded or checked, or whose sender may not speak
+        for its worker, is dead-lettered with a reason, never stored."""
         try:
             env = envelope.decode(delivery.body, expect=("registration", "heartbeat", "task_outcome"))
-        except envelope.MalformedMessage as exc:
-            log.warning("dead-lettering a control message: %s", exc)
-            metrics.CONTROL_REJECTED.labels(exc.reason).inc()
-            delivery.nack(requeue=False)
-            return
-        try:
             check_control(env)  # never stored, never selected: a job never meets a worker id it cannot route
-        except InvalidControlMessage as exc:
+            self.senders.check(env, delivery.sender)
+        except (envelope.MalformedMessage, InvalidControlMessage, ForeignSender) as exc:
             log.warning("dead-lettering a control message: %s", exc)
             metrics.CONTROL_REJECTED.labels(exc.reason).inc()
             delivery.nack(requeue=False)
             return
         kind = env.WhichOneof("message")
         if kind == "registration":
-            self._register(env.registration)
+            self._register(env.registration, delivery.published_at)
         elif kind == "heartbeat":
-            self._heartbeat(env.heartbeat)
+            self._heartbeat(env.heartbeat, delivery.published_at)
         else:
             self._outcome(env.task_outcome)
         delivery.ack()
 
-    def _register(self, r: pb.Registration) -> None:
+    def _register(self, r: pb.Registration, sent_at: float | None) -> None:
         # Its task queue exists before any task is published to it: a worker that registered but never
         # consumes holds its task there and is a straggler, instead of an unroutable publish.
         self.bus.declare_worker(r.worker_id)
-        self._note_epsilon(r.worker_id, r.epsilon_spent, "registration")
+        epsilon = self._epsilon(r.worker_id, r.epsilon_spent, "registration", sent_at)
         p = r.dp_policy  # checked when enabled (check_control); a disabled policy's numbers are never used
         dp = DPPolicy(enabled=r.dp_enabled, noise_multiplier=p.noise_multiplier, max_grad_norm=p.max_grad_norm,
                       delta=p.delta, epsilon_budget=p.epsilon_budget)
         self.store.upsert_worker(
             worker_id=r.worker_id, categories=r.categories, histogram=r.label_histogram, dp=dp,
-            epsilon_spent=r.epsilon_spent, device=r.device, num_samples=r.num_samples,
+            epsilon_spent=epsilon, device=r.device, num_samples=r.num_samples,
             input_shape=r.input_shape, num_classes=r.num_classes,
         )
         log.info("worker %s registered (%s, %d samples, categories %s)", r.worker_id, r.device, r.num_samples,
                  list(r.categories))
 
-    def _heartbeat(self, h: pb.Heartbeat) -> None:
-        self._note_epsilon(h.worker_id, h.epsilon_spent, "heartbeat")
-        if not self.store.touch_worker(h.worker_id, epsilon_spent=h.epsilon_spent, state=WorkerState(h.state)):
+    def _heartbeat(self, h: pb.Heartbeat, sent_at: float | None) -> None:
+        epsilon = self._epsilon(h.worker_id, h.epsilon_spent, "heartbeat", sent_at)
+        if not self.store.touch_worker(h.worker_id, epsilon_spent=epsilon, state=WorkerState(h.state)):
             log.warning("heartbeat from unknown worker %r ignored", h.worker_id)
         else:
             self.budgets.note(h.worker_id, budget_from_heartbeat(h))
@@ -89,17 +101,47 @@ class ControlHandler:
         status = ParticipantStatus(pb.TaskOutcome.Status.Name(o.status).lower())
         metrics.TASK_OUTCOMES.labels(status).inc()
         reason = o.reason[:MAX_REASON_CHARS]
+        # The job's ε on the worker's data (checked finite by check_control), bounded as a total is (it is part of
+        # the worker's total); none is taken from a worker never registered
+        limit = self.bounds.limit(o.worker_id)
+        epsilon = o.epsilon if limit is not None and self._within_bound(o.worker_id, o.epsilon, "task_outcome",
+                                                                         limit) else 0.0
         driver = self._async_job(o.job_id)
-        if driver is not None:  # an asynchronous job's task: round is the task number
-            driver.outcome(o.worker_id, o.round, status, reason)
-        elif not self.store.record_outcome(o.job_id, o.round, o.worker_id, status, reason,
-                                           epsilon=o.epsilon if math.isfinite(o.epsilon) else 0.0):
+        job = self.store.job(o.job_id) if driver is None else None
+        if driver is not None or (job is not None and job.mode == "async"):  # round is the task number
+            if epsilon > 0:  # trained, and no version holds it (even one reported after the job ended)
+                self.store.record_async_training(o.job_id, o.worker_id, task=o.round, status=status, reason=reason,
+                                                 epsilon=epsilon)
+            if driver is not None:
+                driver.outcome(o.worker_id, o.round, status, reason)
+        elif not self.store.record_outcome(o.job_id, o.round, o.worker_id, status, reason, epsilon=epsilon):
             log.warning("outcome from %r for unknown task (%s, round %d) ignored", o.worker_id, o.job_id, o.round)
         else:
             log.info("worker %s %s round %d of %s: %s", o.worker_id, status, o.round, o.job_id, o.reason)
         self.events.poke(o.job_id)  # the round (or async job) waiting on it looks again now
 
-    def _note_epsilon(self, worker_id: str, reported: float, message: str) -> None:
+    def _epsilon(self, worker_id: str, reported: float, message: str, sent_at: float | None) -> float:
+        """The total ε to store from a registration or heartbeat: the reported one when it is within the
+        worker's bound (`accepted` then settles the tasks before it), else the one recorded (None: 0)."""
+        limit = self.bounds.limit(worker_id)
+        if not self._within_bound(worker_id, reported, message, limit):
+            return self.store.recorded_epsilon(worker_id) or 0.0
+        if limit is not None:  # a known worker (an unknown id, forged or not, takes no memory here)
+            self.bounds.accepted(worker_id, sent_at)
+        self._note_decrease(worker_id, reported, message)
+        return reported
+
+    def _within_bound(self, worker_id: str, reported: float, message: str, limit: float | None) -> bool:
+        if limit is None or reported <= limit + _RELATIVE_SLACK * max(1.0, limit):
+            return True
+        metrics.EPSILON_JUMPS.labels(message).inc()
+        log.error("worker %s claimed ε %.6g in a %s, above the %.6g it can have spent (its recorded ε and the "
+                  "tasks issued to it since): the claim is refused, not stored. A forged report, or ε spent "
+                  "outside this coordinator's tasks (a new label-histogram draw): correct the record from the "
+                  "site's ledger with `fedbroker workers reset-epsilon`", worker_id, reported, message, limit)
+        return False
+
+    def _note_decrease(self, worker_id: str, reported: float, message: str) -> None:
         """ε never falls silently: the store keeps the highest ε a worker reported (its tasks carry it, and a
         worker whose ledger total is below refuses to train); a lower report is logged and counted here."""
         recorded = self.store.recorded_epsilon(worker_id)

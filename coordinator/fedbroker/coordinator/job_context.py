@@ -19,7 +19,7 @@ from fedbroker.bus import Bus
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.events import JobWatcher
 from fedbroker.coordinator.job_run import CancelRequests, Stopped
-from fedbroker.coordinator.participants import WorkerBudgets, why_unaffordable
+from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, why_unaffordable
 from fedbroker.coordinator.service_calls import OUTAGE_BACKOFF, AggregatorCalls
 from fedbroker.coordinator.store import StateStore
 from fedbroker.errors import BusError
@@ -51,6 +51,7 @@ class JobContext:
     heartbeat_timeout_s: float
     poll_interval_s: float
     safety_poll_s: float
+    epsilon_bounds: EpsilonBounds | None = None  # told of every task before it goes out (None: bounds nothing)
 
     def halt_if_cancelled(self) -> None:
         """In a job's thread, wherever its loop waits: end the job there if it was cancelled."""
@@ -100,6 +101,8 @@ class JobContext:
         ids whose task went out."""
         if not tasks:
             return set()
+        if self.epsilon_bounds is not None:  # first: a worker's report of what a task cost is never ahead of it
+            self.epsilon_bounds.note_tasks(tasks, deadline)
         unroutable: list[str] = []
 
         def publish() -> None:

@@ -23,7 +23,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 import fedbroker.metrics  # noqa: F401  (the shared gRPC and broker metrics belong to every process)
-from fedbroker.coordinator.control import INVALID_REASONS
+from fedbroker.coordinator.control import INVALID_REASONS, SENDER_REASONS
 from fedbroker.coordinator.records import JobStatus
 from fedbroker.coordinator.store import StateStore
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -60,7 +60,14 @@ JOBS_REJECTED = Counter(
     "permission_denied: the caller's token).", ["reason"])
 CONTROL_REJECTED = Counter(
     "fedbroker_coordinator_control_messages_rejected_total",
-    "Control-queue messages dead-lettered because they could not be decoded, by reason.", ["reason"])
+    "Control-queue messages dead-lettered because they could not be decoded or checked, or because their broker "
+    "user may not speak for their worker (unidentified_sender, foreign_sender), by reason.", ["reason"])
+EPSILON_JUMPS = Counter(
+    "fedbroker_coordinator_epsilon_jumps_refused_total",
+    "Registrations, heartbeats and task outcomes whose ε claim was above what their worker can have spent (its "
+    "recorded ε and the tasks issued to it since): the claim is refused, never stored, by message.", ["message"])
+for _message in ("registration", "heartbeat", "task_outcome"):
+    EPSILON_JUMPS.labels(_message)
 EPSILON_DECREASES = Counter(
     "fedbroker_coordinator_epsilon_decreases_total",
     "Registrations and heartbeats that reported a lower ε than recorded for their worker (a lost or replaced "
@@ -95,7 +102,7 @@ JOB_COUNTERS = (ROUNDS_STARTED, ROUNDS_COMPLETED, ROUNDS_FAILED, STRAGGLERS)
 # control queue.
 TASK_STATUSES = tuple(name.lower() for name, number in pb.TaskOutcome.Status.items() if number)
 JOB_REJECTION_REASONS = ("invalid_config", "unauthenticated", "permission_denied")
-CONTROL_REJECTION_REASONS = ("malformed_message", *INVALID_REASONS.values())
+CONTROL_REJECTION_REASONS = ("malformed_message", *INVALID_REASONS.values(), *SENDER_REASONS)
 # Jobs that need their category's workers (the category gauges count them).
 _WAITING = (JobStatus.PENDING, JobStatus.RUNNING)
 # How long a scrape waits for the broker's count of dead letters before it leaves the series out.

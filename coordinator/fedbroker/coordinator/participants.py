@@ -1,5 +1,6 @@
 """Which registered workers take part in a round: a pure, seeded choice shared by the scheduler and the simulator,
-among the workers that can afford the round (`why_unaffordable`).
+among the workers that can afford the round (`why_unaffordable`); and how much ε a worker can have spent
+(`EpsilonBounds`), which bounds what its reports may raise its recorded ε by.
 
 The same (ids, k, seed, round) gives the same participants on every machine, so a research simulation
 and the running service sample identical rounds from one job seed.
@@ -9,16 +10,28 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from fedbroker import envelope
 from fedbroker.coordinator.records import WorkerRecord
+from fedbroker.coordinator.store import StateStore
 from fedbroker.errors import ConfigError
 from fedbroker.privacy import job_epsilon_after_round
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import ModelSpec, TrainingConfig
+from fedbroker.spec import ModelSpec, TrainingConfig, training_from_json
+
+# A worker's report sent this long after a task's deadline is taken to include whatever that task cost it (it
+# records ε before its deadline, and reports its ledger's total): covers clocks apart and a late beat.
+REPORT_GRACE_S = 300.0
+ISSUED_KEPT_S = 30 * 86400.0  # a task's bound is forgotten this long after its deadline
+# A later round's ε never adds more than the first round's (ε after n rounds is a minimum of functions affine in
+# n, so concave); the margin covers a history of several policies, and float noise.
+COST_MARGIN = 1.01
+COST_SLACK = 1e-6
 
 
 def sample_participants(worker_ids: Sequence[str], k: int, *, seed: int, round_number: int) -> list[str]:
@@ -72,6 +85,60 @@ class WorkerBudgets:
         """Every worker's budget as of now (a worker with no heartbeat yet is absent)."""
         with self._lock:
             return dict(self._by_worker)
+
+
+class EpsilonBounds:
+    """The most ε a worker can have spent, by what the coordinator asked of it: its recorded ε plus, for every
+    task issued to it since its last accepted report, the most ε one round of that task's job can add under
+    the worker's registered policy. A report above it (a forged heartbeat, say) is refused, never stored
+    (control_handler.py); the tasks' bounds are kept in the state store, so a restart forgets none."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._reported: dict[str, float] = {}  # worker → when its last accepted total was sent (this process)
+
+    def note_tasks(self, tasks: Sequence[tuple[str, bytes]], deadline: float) -> None:
+        """Before tasks (worker id, encoded RoundTask) go out: what each can add to its worker's ε."""
+        workers = {w.worker_id: w for w in self.store.workers()}
+        trainings: dict[str, TrainingConfig] = {}
+        rows = []
+        for worker_id, body in tasks:
+            try:
+                task = envelope.decode(body, expect=("round_task",)).round_task
+                if task.training_json not in trainings:
+                    trainings[task.training_json] = training_from_json(task.training_json)
+            except (envelope.MalformedMessage, ValueError, TypeError):  # no worker trains what it cannot read
+                continue
+            rows.append((worker_id, deadline, _task_cost(workers.get(worker_id), trainings[task.training_json])))
+        self.store.note_issued_epsilon(rows, forget_before=time.time() - ISSUED_KEPT_S)
+
+    def limit(self, worker_id: str) -> float | None:
+        """The highest total ε the worker's next report may claim; None for a worker never recorded (its first
+        registration has nothing to be bounded by)."""
+        recorded = self.store.recorded_epsilon(worker_id)
+        if recorded is None:
+            return None
+        with self._lock:
+            since = self._reported.get(worker_id, 0.0) - REPORT_GRACE_S
+        return recorded + self.store.issued_epsilon(worker_id, since=since)
+
+    def accepted(self, worker_id: str, sent_at: float | None) -> None:
+        """A total the worker sent at `sent_at` (its clock; None: now) was accepted: the tasks whose deadline
+        passed before it are in that total, and bound no later report."""
+        now = time.time()
+        sent = min(sent_at, now) if sent_at is not None else now
+        with self._lock:
+            self._reported[worker_id] = max(self._reported.get(worker_id, 0.0), sent)
+
+
+def _task_cost(worker: WorkerRecord | None, training: TrainingConfig) -> float:
+    """The most ε one round of `training` adds to the worker's total: 0 without DP (or for a worker not
+    registered: its first registration is not bounded); its whole budget when the accountant cannot price it."""
+    if worker is None or not worker.dp.enabled:
+        return 0.0
+    cost = _first_round_cost(worker.dp.noise_multiplier, worker.dp.delta, worker.num_samples, training)
+    return worker.dp.epsilon_budget if cost is None else cost * COST_MARGIN + COST_SLACK
 
 
 def why_unaffordable(worker: WorkerRecord, budget: WorkerBudget | None, *, job_id: str,

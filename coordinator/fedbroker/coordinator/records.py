@@ -167,3 +167,19 @@ class WorkerRecord:
     state: WorkerState = WorkerState.IDLE
     input_shape: tuple[int, ...] = ()  # one sample's shape; () = not reported (a worker older than the field)
     num_classes: int = 0               # 0 = not reported
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpsilonCorrection:
+    """An operator's correction of the ε recorded for a worker (`fedbroker workers reset-epsilon`): who, when,
+    from what to what, and the site's ledger it rests on (its digest and the ε it holds)."""
+
+    seq: int
+    worker_id: str
+    time: float
+    by: str
+    old: float
+    new: float
+    ledger_sha256: str
+    ledger_epsilon: float
+    note: str

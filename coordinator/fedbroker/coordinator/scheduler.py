@@ -18,6 +18,7 @@ import logging
 import math
 import secrets
 import threading
+from collections.abc import Mapping, Sequence
 
 from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import Bus
@@ -25,11 +26,12 @@ from fedbroker.coordinator import metrics
 from fedbroker.coordinator.asynchronous import AsyncJob
 from fedbroker.coordinator.cancellation import cancel_job
 from fedbroker.coordinator.checkpoints import load_checkpoint
+from fedbroker.coordinator.control import SenderBinding
 from fedbroker.coordinator.control_handler import ControlHandler
 from fedbroker.coordinator.events import JobWatcher
 from fedbroker.coordinator.job_context import Evaluator, JobContext
 from fedbroker.coordinator.job_run import Cancelled, CancelRequests, JobFailed, Run, Stopped
-from fedbroker.coordinator.participants import WorkerBudgets, data_fit_problems
+from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, data_fit_problems
 from fedbroker.coordinator.records import FINISHED, JobStatus
 from fedbroker.coordinator.service_calls import OUTAGE_BACKOFF, AggregatorCalls
 from fedbroker.coordinator.store import StateStore, StateUnavailable
@@ -53,14 +55,17 @@ class Coordinator:
                  checkpoint_dir: str, heartbeat_timeout_s: float = 60.0, poll_interval_s: float = 0.2,
                  evaluator: Evaluator | None = None, broker_consumer_timeout_s: float | None = None,
                  aggregator_outage_s: float = 300.0, store_outage_s: float = 300.0,
-                 max_running_jobs: int = 16, safety_poll_s: float = 2.0) -> None:
+                 max_running_jobs: int = 16, safety_poll_s: float = 2.0,
+                 worker_broker_users: Mapping[str, Sequence[str]] | None = None) -> None:
         """`broker_consumer_timeout_s`: RabbitMQ's consumer_timeout on this deployment (None: no limit, e.g.
         the in-process bus). `aggregator_outage_s`: how long a job waits for an unreachable aggregation
         service before it fails; `store_outage_s` likewise for a state store that cannot be written (a lock
         held elsewhere, a full disk). `max_running_jobs`: jobs driven at once, one thread each; later jobs
         wait `pending`, first submitted first started. `safety_poll_s`: a round (or an async job) waits on the
         aggregation service's events (coordinator/events.py) and looks at its status at least this often,
-        in case an event was lost; `poll_interval_s`: how often waits for workers look at the registry."""
+        in case an event was lost; `poll_interval_s`: how often waits for workers look at the registry.
+        `worker_broker_users`: broker user → the worker ids it may speak for on the control queue (None or
+        empty: not checked; control.SenderBinding)."""
         if isinstance(max_running_jobs, bool) or not isinstance(max_running_jobs, int) or max_running_jobs < 1:
             raise ConfigError("coordinator.max_running_jobs", f"must be an integer >= 1, got {max_running_jobs!r}")
         if isinstance(safety_poll_s, bool) or not isinstance(safety_poll_s, (int, float)) or not 0 < safety_poll_s <= 3600:
@@ -73,15 +78,17 @@ class Coordinator:
         self.store_outage_s = store_outage_s
         self.max_running_jobs = max_running_jobs
         self.events = JobWatcher(self.aggregator)
+        senders = SenderBinding(worker_broker_users or {})  # a ConfigError for a bad worker id, before anything
+        self.epsilon_bounds = EpsilonBounds(store)
         self._stop = threading.Event()
         self.context = JobContext(
             bus=bus, store=store, aggregator=self.aggregator, events=self.events, stop=self._stop,
             calls=AggregatorCalls(outage_s=aggregator_outage_s, stop=self._stop), cancels=CancelRequests(),
             budgets=WorkerBudgets(), aggregator_target=aggregator_target, checkpoint_dir=checkpoint_dir,
             evaluator=evaluator, heartbeat_timeout_s=heartbeat_timeout_s, poll_interval_s=poll_interval_s,
-            safety_poll_s=float(safety_poll_s))
+            safety_poll_s=float(safety_poll_s), epsilon_bounds=self.epsilon_bounds)
         self.control = ControlHandler(bus=bus, store=store, events=self.events, budgets=self.context.budgets,
-                                      async_job=self._async_job)
+                                      async_job=self._async_job, bounds=self.epsilon_bounds, senders=senders)
         self._jobs_lock = threading.Lock()
         self._threads: dict[str, threading.Thread] = {}  # the running jobs' threads
         self._queue: collections.deque[tuple[str, JobSpec | None]] = collections.deque()  # jobs waiting for one
@@ -124,6 +131,24 @@ class Coordinator:
             done.wait(timeout)
         row = self.store.job(job_id)
         return row.status if row else "unknown"
+
+    def log_consumer_timeout(self) -> None:
+        """Say which consumer timeout the broker applies to held tasks, which every round is kept inside: the
+        deployment's (broker.consumer_timeout_s, set on every task queue and consumer) on RabbitMQ 3.12 to 4.2;
+        on older brokers their own broker-wide `consumer_timeout`, which AMQP cannot read, so the setting must
+        equal it."""
+        timeout = self.broker_consumer_timeout_s
+        honoured = getattr(self.bus, "consumer_timeout_honoured", None)
+        version = ".".join(str(v) for v in getattr(self.bus, "broker_version", None) or ()) or "unknown"
+        if timeout is None or honoured is None:
+            return
+        if honoured:
+            log.info("RabbitMQ %s applies broker.consumer_timeout_s (%g s) to every task: rounds are kept within "
+                     "%g s", version, timeout, self.max_round_timeout_s or timeout)
+        else:
+            log.warning("RabbitMQ %s applies its own broker-wide consumer_timeout to held tasks (per-queue "
+                        "x-consumer-timeout needs 3.12): broker.consumer_timeout_s (%g s) must equal it, or a task "
+                        "held longer is redelivered", version, timeout)
 
     # ----- intake -----
 

@@ -44,6 +44,7 @@ from fedbroker.coordinator.records import (
     WorkerState,
 )
 from fedbroker.coordinator.state_dir import StateDirLock, owner_only
+from fedbroker.coordinator.store_epsilon import EpsilonTables
 from fedbroker.errors import Unavailable
 from fedbroker.retry import Backoff, retry_call
 
@@ -101,9 +102,9 @@ CREATE TABLE IF NOT EXISTS participants (
 """
 
 
-class StateStore:
+class StateStore(EpsilonTables):
     """The coordinator's one SQLite file; `busy_timeout_s`: how long a write waits for a lock another
-    connection holds before it fails."""
+    connection holds before it fails. Its ε bounds and corrections: store_epsilon.py."""
 
     def __init__(self, path: str, *, busy_timeout_s: float = 5.0, lock: StateDirLock | None = None) -> None:
         self.path = path

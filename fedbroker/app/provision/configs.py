@@ -14,6 +14,11 @@ from urllib.parse import quote
 from fedbroker.app.provision.project import Project, Site, config_problems
 from fedbroker.errors import ConfigError
 
+# The consumer timeout of held tasks, the same in every kit: the broker's own (rabbitmq.conf), and every
+# process's broker.consumer_timeout_s, which the task queues and consumers carry (x-consumer-timeout): a
+# worker's consumer argument is the one RabbitMQ 3.12+ applies, so it must agree with the coordinator's.
+CONSUMER_TIMEOUT_S = 14400
+
 
 def target(host: str, port: int) -> str:
     """`host:port`, an IPv6 address in brackets, as gRPC targets and listen addresses take it."""
@@ -45,16 +50,20 @@ def aggregator_doc(project: Project) -> dict[str, Any]:
 
 
 def coordinator_doc(project: Project) -> dict[str, Any]:
-    """The coordinator's config (server kit, coordinator.yaml)."""
+    """The coordinator's config (server kit, coordinator.yaml). `worker_broker_users` binds each site's control
+    messages to its own broker user: the coordinator refuses a registration, heartbeat or outcome for a site
+    that another user published (deploy/SECURITY.md)."""
     return {
         "broker": {"url_file": "secrets/broker-url", "ca_file": "ca.crt", "namespace": project.namespace,
-                   **client_pair("tls/coordinator-client")},
+                   "consumer_timeout_s": CONSUMER_TIMEOUT_S, **client_pair("tls/coordinator-client")},
         "aggregator": {"target": target(project.host, project.aggregator_port)},
         "coordinator": {"listen": target(project.listen, project.coordinator_port),
                         "target": target(project.host, project.coordinator_port), "state_dir": "state/coordinator",
                         "tokens_file": "tokens/coordinator.yaml",
                         "tls": {"cert_file": "tls/coordinator.crt", "key_file": "tls/coordinator.key",
-                                "client_ca_file": "ca.crt"}},
+                                "client_ca_file": "ca.crt"},
+                        "worker_broker_users": {broker_user(project, site.name): [site.name]
+                                                for site in project.sites}},
         "client": {"token_file": "secrets/coordinator.token", "ca_file": "ca.crt",
                    **client_pair("tls/coordinator-client")},
     }
@@ -62,10 +71,11 @@ def coordinator_doc(project: Project) -> dict[str, Any]:
 
 def worker_doc(project: Project, site: Site) -> dict[str, Any]:
     """A site's worker config (worker.yaml): its own worker section, with the id and categories the kit sets."""
-    worker = {"ledger_path": "state/ledger.json", **site.worker, "id": site.name, "categories": list(site.categories)}
+    worker = {"ledger_path": "state/ledger.json", **site.worker, "id": site.name, "categories": list(site.categories),
+              "coordinator_broker_user": broker_user(project, "coordinator")}  # it trains only the coordinator's tasks
     return {
         "broker": {"url_file": "secrets/broker-url", "ca_file": "ca.crt", "namespace": project.namespace,
-                   **client_pair("tls/client")},
+                   "consumer_timeout_s": CONSUMER_TIMEOUT_S, **client_pair("tls/client")},
         "aggregator": {"target": target(project.host, project.aggregator_port)},
         "client": {"token_file": "secrets/token", "ca_file": "ca.crt", **client_pair("tls/client")},
         "worker": worker,
@@ -135,6 +145,6 @@ def rabbitmq_conf(*, tls_dir: str, definitions: str) -> str:
         "log.console = true\n"
         "log.file = false\n"
         "loopback_users.guest = true\n"
-        "consumer_timeout = 14400000\n"
+        f"consumer_timeout = {CONSUMER_TIMEOUT_S * 1000}\n"
         f"load_definitions = {definitions}\n"
     )

@@ -10,7 +10,15 @@ from typing import Any
 
 import yaml
 
-from fedbroker.app.provision.configs import broker_url, broker_user, client_pair, rabbitmq_conf, target
+from fedbroker.app.provision.configs import (
+    CONSUMER_TIMEOUT_S,
+    broker_url,
+    broker_user,
+    client_pair,
+    coordinator_doc,
+    rabbitmq_conf,
+    target,
+)
 from fedbroker.app.provision.folder import KitFolder
 from fedbroker.app.provision.project import Project
 from fedbroker.errors import ConfigError
@@ -55,7 +63,7 @@ def overlay(project: Project, kit: KitFolder, broker_password: str, coordinator_
     tls = "/etc/fedbroker-tls"
     kit.yaml("k8s/config.yaml", {
         "log_level": "INFO",
-        "broker": {"namespace": project.namespace, "heartbeat_s": 30, "consumer_timeout_s": 14400,
+        "broker": {"namespace": project.namespace, "heartbeat_s": 30, "consumer_timeout_s": CONSUMER_TIMEOUT_S,
                    "ca_file": f"{tls}/ca.crt", **client_pair(f"{tls}/coordinator-client")},
         "aggregator": {"listen": "0.0.0.0:50051", "target": target(project.host, project.aggregator_port),
                        "metrics_port": 9400, "tokens_file": "/etc/fedbroker-tokens/tokens.yaml",
@@ -66,7 +74,8 @@ def overlay(project: Project, kit: KitFolder, broker_password: str, coordinator_
                         "state_dir": "/var/lib/fedbroker", "metrics_port": 9400,
                         "tokens_file": "/etc/fedbroker-tokens/tokens.yaml",
                         "tls": {"cert_file": f"{tls}/coordinator.crt", "key_file": f"{tls}/coordinator.key",
-                                "client_ca_file": f"{tls}/ca.crt"}},
+                                "client_ca_file": f"{tls}/ca.crt"},
+                        "worker_broker_users": coordinator_doc(project)["coordinator"]["worker_broker_users"]},
         "client": {"ca_file": f"{tls}/ca.crt", **client_pair(f"{tls}/coordinator-client")},
     })
     kit.write("k8s/coordinator.env", (

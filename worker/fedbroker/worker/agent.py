@@ -14,6 +14,11 @@ with a backoff until the bus dead-letters the task after `max_attempts`.
 
 A worker never trains from a ledger that holds less ε than the coordinator recorded for it (a lost or
 replaced ledger): it refuses the task (`check_ledger`).
+
+Every control message it publishes carries its broker user (the bus sets the validated `user_id`), which the
+coordinator binds to its worker id. With `worker.coordinator_broker_user` set, it trains only tasks that user
+published: a task another broker user put in its queue (a site may publish to the tasks exchange) could ask
+for any training settings, and is dead-lettered untrained.
 """
 
 from __future__ import annotations
@@ -85,7 +90,7 @@ class WorkerAgent:
         self.security = security
         self.dp: DPPolicy | None = config.dp if config.dp.enabled else None
         data = load_worker_data(config)  # first: a data owner's bad file is named before anything else happens
-        self.ledger = PrivacyLedger(config.ledger_path)
+        self.ledger = PrivacyLedger(config.ledger_path, worker_id=config.id)
         self.device = pick_device() if config.device == "auto" else config.device
         if isinstance(config.physical_batch_size, bool) or config.physical_batch_size < 0:
             raise ConfigError("worker.physical_batch_size",
@@ -115,6 +120,10 @@ class WorkerAgent:
         self._costs: dict[tuple[str, tuple[tuple[float, float, int], ...], TrainingConfig], float] = {}
         self.retry_initial_s = 1.0   # backoff before a failed task goes back to the queue
         self.retry_max_s = 30.0
+        if not config.coordinator_broker_user:  # a warning where the bus has users to tell apart (RabbitMQ)
+            log.log(logging.WARNING if getattr(bus, "user", None) else logging.INFO,
+                    "worker %s trains tasks from any broker user (worker.coordinator_broker_user is empty): whoever "
+                    "may publish to the tasks exchange may ask it for any training", config.id)
 
     # ----- lifecycle -----
 
@@ -262,6 +271,13 @@ class WorkerAgent:
         metrics.TASKS_RECEIVED.labels(me).inc()
         if delivery.redelivered:
             metrics.TASKS_REDELIVERED.labels(me).inc()
+        coordinator = self.config.coordinator_broker_user
+        if coordinator and delivery.sender != coordinator:
+            log.error("worker %s dead-letters a task published by broker user %r, not the coordinator's %r",
+                      me, delivery.sender, coordinator)
+            metrics.TASKS.labels(me, "foreign_sender").inc()
+            delivery.nack(requeue=False)
+            return
         try:
             task = envelope.decode(delivery.body, expect=("round_task",)).round_task
         except envelope.MalformedMessage as exc:

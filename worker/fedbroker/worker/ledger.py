@@ -14,6 +14,9 @@ Next to the ledger, a mark file (`<ledger>.mark`) holds the highest total ever w
 total is below its mark (an older copy restored, an edit), or a missing ledger whose mark says ε was
 spent, is refused at load: ε never falls silently. Losing both is what the coordinator catches: a task
 carries the ε it recorded for the worker, and the worker refuses to train below it.
+
+The ledger names its worker (`worker_id`): a worker refuses another worker's ledger, and an operator who corrects
+the ε the coordinator recorded for a worker (`fedbroker workers reset-epsilon`) can show it is that worker's.
 """
 
 from __future__ import annotations
@@ -76,13 +79,24 @@ class Release:
 class PrivacyLedger:
     """Per-job ε and RDP history. Safe across threads of one process; one process per file."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, worker_id: str | None = None) -> None:
+        """`worker_id`: the worker keeping it (refused when the file names another; written into a file that
+        names none). None: whoever's it is (an operator reading a site's ledger)."""
         self.path = path
         self.mark_path = path + MARK_SUFFIX
         self._lock = threading.Lock()
         self._releases: dict[str, _Release] = {}
+        self.worker_id: str | None = None  # as the file names it
         self._jobs: dict[str, _Entry] = self._load()
         self._check_mark()
+        if worker_id is not None and self.worker_id != worker_id:
+            if self.worker_id is not None:
+                raise ConfigError(self.path, f"privacy ledger of worker {self.worker_id!r}, not of {worker_id!r}: "
+                                             f"refusing another worker's history")
+            self.worker_id = worker_id
+            if os.path.exists(self.path):
+                with self._lock:
+                    self._write(self._jobs, self._releases)
 
     def history(self, job_id: str) -> list[tuple[float, float, int]]:
         """The job's accountant history, to restore before its next round (empty for a new job)."""
@@ -165,6 +179,9 @@ class PrivacyLedger:
             raise ConfigError(self.path, f"privacy ledger is unreadable ({exc}); refusing to start from zero") from None
         if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION or not isinstance(doc.get("jobs"), dict):
             raise ConfigError(self.path, f"not a privacy ledger of format version {FORMAT_VERSION}")
+        if not isinstance(doc.get("worker_id", ""), str):
+            raise ConfigError(self.path, "worker_id must be text")
+        self.worker_id = doc.get("worker_id") or None
         jobs: dict[str, _Entry] = {}
         for job_id, e in doc["jobs"].items():
             try:
@@ -207,6 +224,8 @@ class PrivacyLedger:
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
         doc: dict[str, Any] = {"version": FORMAT_VERSION, "jobs": jobs}
+        if self.worker_id is not None:
+            doc["worker_id"] = self.worker_id
         if releases:
             doc["releases"] = releases
         write_atomic(self.path, json.dumps(doc, indent=1, sort_keys=True).encode())

@@ -23,7 +23,8 @@ TASKS_ACKED = Counter("fedbroker_worker_tasks_acked_total", "Task messages acked
                       ["worker_id"])
 TASKS = Counter(
     "fedbroker_worker_tasks_total",
-    "Task outcomes: uploaded, already_uploaded, refused, failed, requeued (retried later), malformed.",
+    "Task outcomes: uploaded, already_uploaded, refused, failed, requeued (retried later), malformed, "
+    "foreign_sender (published by another broker user than the coordinator's: dead-lettered, never trained).",
     ["worker_id", "outcome"])
 TRAINING_SECONDS = Histogram(
     "fedbroker_worker_training_seconds", "Local training time of one task.", ["worker_id"],
@@ -75,7 +76,7 @@ def set_privacy(worker_id: str, *, spent: float, budget: float | None) -> None:
 
 
 # The outcomes `TASKS` counts, each given a 0 series when a worker starts.
-TASK_OUTCOMES = ("uploaded", "already_uploaded", "refused", "failed", "requeued", "malformed")
+TASK_OUTCOMES = ("uploaded", "already_uploaded", "refused", "failed", "requeued", "malformed", "foreign_sender")
 
 
 def worker_started(worker_id: str) -> None:

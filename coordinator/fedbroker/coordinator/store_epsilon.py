@@ -1,0 +1,118 @@
+"""The part of the coordinator's state store (`StateStore`, which mixes it in) that keeps a worker's ε honest:
+what the tasks it was issued can add to its ε (the control queue's bound on a reported jump), the audit trail of
+operators' corrections, and the asynchronous trainings whose ε no version records.
+
+Its tables are created on first use, so a state file written before them gets them then. As in store.py, every
+write is one transaction and no SQLite row leaves the store: reads return records.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fedbroker.coordinator.records import EpsilonCorrection, ParticipantStatus
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS issued_epsilon (worker_id TEXT NOT NULL, deadline REAL NOT NULL, cost REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS issued_epsilon_by_worker ON issued_epsilon (worker_id, deadline);
+CREATE TABLE IF NOT EXISTS epsilon_corrections (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, worker_id TEXT NOT NULL, time REAL NOT NULL, by TEXT NOT NULL,
+    old REAL NOT NULL, new REAL NOT NULL, ledger_sha256 TEXT NOT NULL, ledger_epsilon REAL NOT NULL,
+    note TEXT NOT NULL DEFAULT ''
+);
+"""
+MAX_SUMMARY_CHARS = 2000  # a round-0 row's summary of an asynchronous job's trainings never aggregated
+
+
+class EpsilonTables:
+    """Mixed into `StateStore`: its transactions (`_write`) and reads (`_exec`) over three more tables."""
+
+    _epsilon_tables_ready = False
+
+    if TYPE_CHECKING:
+        def _write(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T: ...
+        def _exec(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]: ...
+
+    def _epsilon_tables(self) -> None:
+        if not self._epsilon_tables_ready:
+            self._write("create its ε tables", lambda db: [db.execute(s) for s in SCHEMA.split(";") if s.strip()])
+            self._epsilon_tables_ready = True
+
+    def note_issued_epsilon(self, tasks: Iterable[tuple[str, float, float]], *, forget_before: float) -> None:
+        """Tasks issued, each (worker id, deadline, the most ε its training can add): how far a worker's
+        reported ε may rise above the recorded one (participants.EpsilonBounds). Rows whose deadline is before
+        `forget_before` are dropped: long settled."""
+        rows = list(tasks)
+        self._epsilon_tables()
+
+        def write(db: sqlite3.Connection) -> None:
+            db.executemany("INSERT INTO issued_epsilon (worker_id, deadline, cost) VALUES (?, ?, ?)", rows)
+            db.execute("DELETE FROM issued_epsilon WHERE deadline < ?", (forget_before,))
+
+        self._write(f"record the ε bound of {len(rows)} task(s)", write)
+
+    def issued_epsilon(self, worker_id: str, *, since: float) -> float:
+        """The most ε the tasks issued to a worker with a deadline at or after `since` can add."""
+        self._epsilon_tables()
+        rows = self._exec("SELECT COALESCE(SUM(cost), 0) AS total FROM issued_epsilon WHERE worker_id = ?"
+                          " AND deadline >= ?", (worker_id, since))
+        return float(rows[0]["total"])
+
+    def correct_epsilon(self, worker_id: str, *, epsilon: float, by: str, ledger_sha256: str, ledger_epsilon: float,
+                        note: str = "") -> EpsilonCorrection | None:
+        """Set the ε recorded for a worker (also lower: the one write that may) and keep the correction in the
+        audit trail, in one transaction; None when no worker has that id."""
+        self._epsilon_tables()
+        now = time.time()
+
+        def write(db: sqlite3.Connection) -> EpsilonCorrection | None:
+            row = db.execute("SELECT epsilon_spent FROM workers WHERE worker_id = ?", (worker_id,)).fetchone()
+            if row is None:
+                return None
+            old = float(row["epsilon_spent"])
+            db.execute("UPDATE workers SET epsilon_spent = ? WHERE worker_id = ?", (epsilon, worker_id))
+            seq = db.execute(
+                "INSERT INTO epsilon_corrections (worker_id, time, by, old, new, ledger_sha256, ledger_epsilon, note)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (worker_id, now, by, old, epsilon, ledger_sha256, ledger_epsilon, note)).lastrowid
+            return EpsilonCorrection(seq=int(seq or 0), worker_id=worker_id, time=now, by=by, old=old, new=epsilon,
+                                     ledger_sha256=ledger_sha256, ledger_epsilon=ledger_epsilon, note=note)
+
+        return self._write(f"correct the ε recorded for worker {worker_id!r}", write)
+
+    def epsilon_corrections(self, worker_id: str | None = None) -> list[EpsilonCorrection]:
+        """The audit trail of ε corrections (of one worker), oldest first."""
+        self._epsilon_tables()
+        if worker_id is None:
+            rows = self._exec("SELECT * FROM epsilon_corrections ORDER BY seq")
+        else:
+            rows = self._exec("SELECT * FROM epsilon_corrections WHERE worker_id = ? ORDER BY seq", (worker_id,))
+        return [EpsilonCorrection(seq=r["seq"], worker_id=r["worker_id"], time=r["time"], by=r["by"], old=r["old"],
+                                  new=r["new"], ledger_sha256=r["ledger_sha256"], ledger_epsilon=r["ledger_epsilon"],
+                                  note=r["note"]) for r in rows]
+
+    def record_async_training(self, job_id: str, worker_id: str, *, task: int, status: ParticipantStatus,
+                              reason: str, epsilon: float) -> None:
+        """An asynchronous job's training whose update no version holds (refused as stale, or failed after
+        training): its ε is spent on the worker's data all the same. Kept as the worker's participant row of round
+        0 (ε: the largest such report, the job's total on its data; the reason counts the trainings) and as one
+        event per training (`fedbroker jobs logs`)."""
+        def write(db: sqlite3.Connection) -> None:
+            row = db.execute("SELECT reason, epsilon FROM participants WHERE job_id = ? AND round = 0 AND"
+                             " worker_id = ?", (job_id, worker_id)).fetchone()
+            before = row["reason"].split(" ", 1)[0] if row is not None else ""
+            count = int(before) + 1 if before.isdigit() else 1
+            spent = max(epsilon, float(row["epsilon"] or 0.0)) if row is not None else epsilon
+            summary = f"{count} training(s) not aggregated; the last, task {task}: {reason}"[:MAX_SUMMARY_CHARS]
+            db.execute("INSERT OR REPLACE INTO participants (job_id, round, worker_id, status, reason, epsilon)"
+                       " VALUES (?, 0, ?, ?, ?, ?)", (job_id, worker_id, status, summary, spent))
+            db.execute("INSERT INTO events (job_id, time, kind, round, worker_id, message) VALUES (?, ?, ?, 0, ?, ?)",
+                       (job_id, time.time(), status, worker_id,
+                        f"task {task}: trained, not aggregated (ε {epsilon:.4g}): {reason}"))
+
+        self._write(f"record a training of worker {worker_id!r} for job {job_id!r}", write)

@@ -1,0 +1,149 @@
+"""The control queue's checks that need no broker: who may speak for a worker (`SenderBinding`, on the in-process
+bus whose buses stand for broker users), how far a worker's reported ε may rise (`EpsilonBounds`, kept in the state
+store across restarts), the audit trail of ε corrections, and the configs that carry the binding."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedbroker import envelope
+from fedbroker.aggregation_client import AggregatorClient
+from fedbroker.app.provision import parse_project, provision
+from fedbroker.bus import InProcessBus
+from fedbroker.config import DPPolicy, load_config
+from fedbroker.coordinator.control import SenderBinding
+from fedbroker.coordinator.participants import REPORT_GRACE_S, EpsilonBounds
+from fedbroker.coordinator.records import ParticipantStatus
+from fedbroker.coordinator.scheduler import Coordinator
+from fedbroker.coordinator.store import StateStore
+from fedbroker.errors import ConfigError
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.spec import TrainingConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+DP = DPPolicy(enabled=True, noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, epsilon_budget=50.0)
+TRAINING = TrainingConfig(rounds=3, local_epochs=1, batch_size=32, lr=0.1)
+
+
+def wait_for(predicate, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+    return value
+
+
+def register(store: StateStore, worker_id: str, epsilon: float = 0.0) -> None:
+    store.upsert_worker(worker_id=worker_id, categories=["digits"], histogram=[1] * 10, dp=DP,
+                        epsilon_spent=epsilon, device="cpu", num_samples=500)
+
+
+def task(worker_id: str) -> tuple[str, bytes]:
+    return worker_id, envelope.encode(round_task=pb.RoundTask(
+        job_id="job-1", round=1, training_json=json.dumps(dataclasses.asdict(TRAINING)), category="digits"))
+
+
+def test_a_registration_is_refused_unless_its_broker_user_may_speak_for_its_worker(tmp_path: Path) -> None:
+    namespace = f"bind-{uuid.uuid4().hex[:6]}"
+    coordinator_bus = InProcessBus(namespace=namespace, user="coordinator")
+    c = Coordinator(bus=coordinator_bus, store=StateStore(str(tmp_path / "c.sqlite")),
+                    aggregator=AggregatorClient("127.0.0.1:1"), aggregator_target="127.0.0.1:1",
+                    checkpoint_dir=str(tmp_path / "ck"), worker_broker_users={"site-a": ["a"], "site-b": ["b"]})
+    site_a, anonymous = InProcessBus(namespace=namespace, user="site-a"), InProcessBus(namespace=namespace)
+    c.start()
+    coordinator_bus.start()
+    try:
+        for bus, worker_id in ((site_a, "b"), (anonymous, "a"), (site_a, "a")):  # only the last may pass
+            bus.publish_control(envelope.encode(registration=pb.Registration(
+                worker_id=worker_id, categories=["digits"], num_samples=10, device="cpu")))
+        wait_for(lambda: c.store.workers())
+        wait_for(lambda: len(coordinator_bus.dead) == 2)
+    finally:
+        c.stop()
+        for bus in (coordinator_bus, site_a, anonymous):
+            bus.close()
+    assert [w.worker_id for w in c.store.workers()] == ["a"]
+
+
+def test_a_binding_names_a_bad_worker_id_as_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"coordinator.worker_broker_users.site-a"):
+        SenderBinding({"site-a": ["a b"]})
+    assert not SenderBinding({}).enabled
+
+
+def test_a_workers_epsilon_may_rise_by_what_its_tasks_can_cost_and_the_bound_outlives_a_restart(
+        tmp_path: Path) -> None:
+    store = StateStore(str(tmp_path / "c.sqlite"))
+    register(store, "w0", epsilon=1.0)
+    bounds = EpsilonBounds(store)
+    assert bounds.limit("w0") == pytest.approx(1.0)  # nothing asked of it: no rise allowed
+    assert bounds.limit("ghost") is None
+    deadline = time.time() - REPORT_GRACE_S - 5  # two tasks whose rounds ended a while ago
+    bounds.note_tasks([task("w0"), task("w0"), ("w0", b"not a task")], deadline)
+    per_round = (bounds.limit("w0") - 1.0) / 2
+    assert 0 < per_round < 50
+    restarted = EpsilonBounds(store)  # the tasks' bounds are in the store
+    assert restarted.limit("w0") == pytest.approx(1.0 + 2 * per_round)
+    restarted.accepted("w0", sent_at=None)  # a total sent now, after both deadlines
+    assert restarted.limit("w0") == pytest.approx(1.0)  # the tasks' ε is in it: they bound nothing more
+    store.close()
+
+
+def test_an_epsilon_correction_is_audited_and_may_lower_the_record(tmp_path: Path) -> None:
+    store = StateStore(str(tmp_path / "c.sqlite"))
+    register(store, "w0", epsilon=1e6)
+    assert store.correct_epsilon("nobody", epsilon=1.0, by="op", ledger_sha256="00", ledger_epsilon=1.0) is None
+    correction = store.correct_epsilon("w0", epsilon=2.5, by="op", ledger_sha256="ab", ledger_epsilon=2.5, note="n")
+    assert correction is not None and (correction.old, correction.new) == (1e6, 2.5)
+    assert store.recorded_epsilon("w0") == 2.5
+    assert [(c.worker_id, c.by, c.old, c.new, c.note) for c in store.epsilon_corrections("w0")] == [
+        ("w0", "op", 1e6, 2.5, "n")]
+    store.close()
+
+
+def test_async_trainings_never_aggregated_keep_the_largest_epsilon_and_their_count(tmp_path: Path) -> None:
+    store = StateStore(str(tmp_path / "c.sqlite"))
+    store.add_job("j", "j", "{}", 3, "{}")
+    store.record_async_training("j", "w0", task=4, status=ParticipantStatus.FAILED, reason="stale", epsilon=0.5)
+    store.record_async_training("j", "w0", task=7, status=ParticipantStatus.FAILED, reason="stale", epsilon=0.8)
+    (row,) = store.participants("j", 0)
+    assert (row.worker_id, row.status, row.epsilon) == ("w0", "failed", 0.8)
+    assert row.reason.startswith("2 training(s) not aggregated; the last, task 7")
+    assert len([e for e in store.events("j") if "trained, not aggregated" in e.message]) == 2
+    store.close()
+
+
+def test_worker_broker_users_load_from_yaml_and_the_environment(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"coordinator": {"worker_broker_users": {"p-a": ["a"], "p-b": "b, c"}}}))
+    assert load_config(str(path), environ={}).coordinator.worker_broker_users == {"p-a": ("a",), "p-b": ("b", "c")}
+    env = {"FEDBROKER__COORDINATOR__WORKER_BROKER_USERS": '{"p-a": [a]}'}
+    assert load_config(environ=env).coordinator.worker_broker_users == {"p-a": ("a",)}
+    with pytest.raises(ConfigError, match="coordinator.worker_broker_users: must be a mapping"):
+        load_config(environ={"FEDBROKER__COORDINATOR__WORKER_BROKER_USERS": "[a]"})
+
+
+def test_provisioning_binds_each_site_to_its_broker_user_and_gives_every_kit_one_consumer_timeout(
+        tmp_path: Path) -> None:
+    project = parse_project({"name": "study", "server": {"host": "fl.example.org"},
+                             "sites": [{"name": "hospital-a"}, {"name": "hospital-b"}]})
+    out = tmp_path / "kits"
+    provision(project, out)
+    coordinator = yaml.safe_load((out / "server/coordinator.yaml").read_text())
+    assert coordinator["coordinator"]["worker_broker_users"] == {"study-hospital-a": ["hospital-a"],
+                                                                 "study-hospital-b": ["hospital-b"]}
+    overlay = yaml.safe_load((out / "server/k8s/config.yaml").read_text())
+    assert overlay["coordinator"]["worker_broker_users"] == coordinator["coordinator"]["worker_broker_users"]
+    timeouts = {yaml.safe_load(p.read_text())["broker"]["consumer_timeout_s"]
+                for p in (out / "server/coordinator.yaml", out / "server/k8s/config.yaml",
+                          out / "sites/hospital-a/worker.yaml")}
+    assert timeouts == {14400}
+    assert "consumer_timeout = 14400000" in (out / "server/rabbitmq/rabbitmq.conf").read_text()

@@ -1,0 +1,182 @@
+"""Control messages bound to their senders, and ε claims bounded by the tasks issued: against the real RabbitMQ
+(the machine's broker, guest only: nothing on it is reconfigured) and a real coordinator and workers.
+
+The break (issue "Hardening, third pass", item 2): a heartbeat published for `w0` with ε 1e6 was recorded as
+its high-water mark, and from then on the real worker refused every task (its ledger holds less), for good.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pika
+import pytest
+
+from fedbroker import envelope
+from fedbroker.app.cli import main
+from fedbroker.bus import Topology
+from fedbroker.config import DPPolicy
+from fedbroker.coordinator.store import StateStore
+from fedbroker.proto import fedbroker_pb2 as pb
+from tests.faults.harness import Federation, Training, job, sample, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+DP = DPPolicy(enabled=True, noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, epsilon_budget=50.0)
+
+
+def registration(worker_id: str, epsilon: float) -> bytes:
+    return envelope.encode(registration=pb.Registration(
+        worker_id=worker_id, categories=["digits"], label_histogram=[10] * 10, device="cpu", num_samples=100,
+        epsilon_spent=epsilon))
+
+
+def heartbeat(worker_id: str, epsilon: float) -> bytes:
+    return envelope.encode(heartbeat=pb.Heartbeat(worker_id=worker_id, epsilon_spent=epsilon, state="idle"))
+
+
+def rejected(reason: str) -> float:
+    return sample("fedbroker_coordinator_control_messages_rejected_total", {"reason": reason})
+
+
+def jumps(message: str) -> float:
+    return sample("fedbroker_coordinator_epsilon_jumps_refused_total", {"message": message})
+
+
+@pytest.fixture
+def bound_federation(rabbitmq_url: str, tmp_path: Path) -> Iterator[Federation]:
+    """The guest user speaks for w0 only; w1 is a site with a broker user of its own (`site-w1`)."""
+    fed = Federation(rabbitmq_url, tmp_path, worker_broker_users={"guest": ["w0"], "site-w1": ["w1"]})
+    try:
+        yield fed
+    finally:
+        fed.close()
+
+
+def test_a_registration_for_another_sites_worker_is_refused_dead_lettered_and_counted(
+        bound_federation: Federation, training: Training) -> None:
+    fed = bound_federation
+    fed.add_worker("w0", index=0, count=2)  # guest may speak for w0: its own messages pass
+    wait_for(lambda: [w.worker_id for w in fed.store.workers()] == ["w0"], 30, "w0 to register")
+    foreign, anonymous = rejected("foreign_sender"), rejected("unidentified_sender")
+    sender = fed.bus_for()
+    try:  # w0's credentials (guest) speaking for w1: refused, never stored
+        sender.publish_control(registration("w1", 1e6))
+        sender.publish_control(heartbeat("w1", 1e6))
+        wait_for(lambda: rejected("foreign_sender") == foreign + 2, 30, "both forgeries to be refused")
+    finally:
+        sender.close()
+    # a message without user_id (a client that sets none) is bound to nobody: refused too
+    connection = pika.BlockingConnection(pika.URLParameters(fed.url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        channel.basic_publish(Topology(fed.namespace).control_exchange, "coordinator", heartbeat("w0", 0.0),
+                              pika.BasicProperties(delivery_mode=2), mandatory=True)
+        wait_for(lambda: rejected("unidentified_sender") == anonymous + 1, 30, "the anonymous heartbeat to be refused")
+        # and RabbitMQ itself refuses a user_id that is not the connection's user: nobody can claim site-w1's
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="user_id property set to 'site-w1'"):
+            channel.basic_publish(Topology(fed.namespace).control_exchange, "coordinator", registration("w1", 0.0),
+                                  pika.BasicProperties(user_id="site-w1"), mandatory=True)
+    finally:
+        connection.close()
+    assert [w.worker_id for w in fed.store.workers()] == ["w0"]
+    dead = [envelope.decode(body, expect=("registration", "heartbeat")) for body, _ in fed.dead_letters()]
+    assert sorted(e.WhichOneof("message") + ":" + getattr(e, e.WhichOneof("message")).worker_id for e in dead) == [
+        "heartbeat:w0", "heartbeat:w1", "registration:w1"]
+    job_id = fed.submit(job(training={"rounds": 1}, schedule={"min_workers": 1}))
+    fed.wait_job(job_id, 60)
+
+
+def test_a_forged_epsilon_jump_is_refused_and_the_real_worker_keeps_training(
+        federation: Federation, training: Training) -> None:
+    """One broker user shared by everyone (no binding possible): the forged heartbeat for w0 with ε 1e6 reaches
+    the coordinator, which refuses the claim (above what w0 can have spent: nothing was asked of it yet) and
+    never stores it; w0 then trains a job, and its honest, larger ε after training is recorded."""
+    fed = federation
+    agent = fed.add_worker("w0", index=0, count=2, dp=DP)
+    wait_for(lambda: fed.store.recorded_epsilon("w0") is not None, 30, "w0 to register")
+    before = jumps("heartbeat")
+    sender = fed.bus_for()
+    try:
+        sender.publish_control(heartbeat("w0", 1e6))
+        wait_for(lambda: jumps("heartbeat") >= before + 1 or (fed.store.recorded_epsilon("w0") or 0.0) > 1, 30,
+                 "the forged heartbeat to be handled")
+    finally:
+        sender.close()
+    assert fed.store.recorded_epsilon("w0") == pytest.approx(0.0)  # never stored
+    assert jumps("heartbeat") == before + 1
+    job_id = fed.submit(job(training={"rounds": 2}, schedule={"min_workers": 1}))
+    fed.wait_job(job_id, 120)
+    assert [p.status for p in fed.store.participants(job_id)] == ["aggregated", "aggregated"]
+    spent = agent.ledger.total_epsilon()
+    assert spent > 0
+    wait_for(lambda: fed.store.recorded_epsilon("w0") == pytest.approx(spent), 30, "w0's honest ε to be recorded")
+
+
+def test_reset_epsilon_corrects_a_forged_record_from_the_sites_ledger_and_audits_it(
+        rabbitmq_url: str, tmp_path: Path, training: Training, capsys: pytest.CaptureFixture[str]) -> None:
+    """A record forged before this version (1e6 for w0) locks w0 out; the operator stops the coordinator and
+    corrects it from w0's ledger (which names w0), never below what that ledger holds; the correction is
+    audited, and w0 trains again once the coordinator is back."""
+    fed = Federation(rabbitmq_url, tmp_path)
+    try:
+        agent = fed.add_worker("w0", index=0, count=2, dp=DP)
+        first = fed.submit(job(training={"rounds": 1}, schedule={"min_workers": 1}))
+        fed.wait_job(first, 120)
+        fed.stop_coordinator()
+        fed.store.touch_worker("w0", epsilon_spent=1e6, state="idle")  # what a forged heartbeat left behind
+        fed.store.close()
+        ledger = agent.ledger.path
+        spent = agent.ledger.total_epsilon()
+        other = tmp_path / "other-ledger.json"
+        other.write_text(json.dumps({**json.loads(Path(ledger).read_text()), "worker_id": "w9"}))
+        state = str(tmp_path)
+
+        assert main(["workers", "reset-epsilon", "w0", "--ledger", str(other), "--state-dir", state]) == 2
+        assert "ledger of worker 'w9', not of 'w0'" in capsys.readouterr().err
+        assert main(["workers", "reset-epsilon", "w0", "--ledger", ledger, "--state-dir", state,
+                     "--epsilon", str(spent / 2)]) == 2
+        assert "below the ε" in capsys.readouterr().err
+        assert main(["workers", "reset-epsilon", "w0", "--ledger", ledger, "--state-dir", state, "--by", "alice",
+                     "--note", "forged heartbeat"]) == 0
+        assert "recorded ε 1e+06 →" in capsys.readouterr().out
+        assert main(["workers", "corrections", "--state-dir", state, "--json"]) == 0
+        (audit,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert (audit["worker_id"], audit["by"], audit["old"], audit["note"]) == ("w0", "alice", 1e6, "forged heartbeat")
+        assert audit["new"] == audit["ledger_epsilon"] == pytest.approx(spent)
+
+        fed.store = StateStore(str(tmp_path / "coordinator.sqlite"))
+        assert fed.store.recorded_epsilon("w0") == pytest.approx(spent)
+        fed.start_coordinator()
+        second = fed.submit(job(training={"rounds": 1}, schedule={"min_workers": 1}))
+        fed.wait_job(second, 120)
+        assert [p.status for p in fed.store.participants(second)] == ["aggregated"]
+    finally:
+        fed.close()
+
+
+def test_an_async_jobs_record_keeps_the_epsilon_of_trainings_refused_as_stale(
+        federation: Federation, training: Training) -> None:
+    """The slow worker's updates are always stale (buffer of one, no staleness allowed, the fast worker
+    publishes a version first): each is refused after its training spent ε. The job's record (`jobs show`: the
+    largest ε per worker) must still say what the job cost the slow worker's owner: its ledger's ε for it."""
+    fed = federation
+    training.step_delay["slow"] = 0.15
+    fed.add_worker("fast", index=0, count=2, dp=DP)
+    slow = fed.add_worker("slow", index=1, count=2, dp=DP)
+    job_id = fed.submit(job(training={"rounds": 6}, schedule={
+        "mode": "async", "buffer_size": 1, "max_staleness": 0, "min_workers": 2}))
+    fed.wait_job(job_id, 150)
+    spent = slow.ledger.epsilon(job_id)
+    assert spent > 0
+
+    def recorded() -> float:
+        return max((p.epsilon or 0.0 for p in fed.store.participants(job_id) if p.worker_id == "slow"), default=0.0)
+
+    wait_for(lambda: recorded() == pytest.approx(spent), 30, "the slow worker's ε to be in the job's record")
+    (row,) = [p for p in fed.store.participants(job_id) if p.worker_id == "slow" and p.round == 0]
+    assert row.status == "failed" and "not aggregated" in row.reason
+    assert any(e.kind == "failed" and "trained, not aggregated" in e.message for e in fed.store.events(job_id))
