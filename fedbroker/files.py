@@ -1,10 +1,13 @@
-"""Atomic file replacement: a crash leaves the old file or the new one, never half of one.
+"""Atomic file replacement, and one writer per folder.
 
-The spool, the worker's privacy ledger and the coordinator's checkpoints all write through `write_atomic`.
+The spool, the worker's privacy ledger and the coordinator's checkpoints all write through `write_atomic`:
+a crash leaves the old file or the new one, never half of one. The coordinator's state directory and the
+aggregation service's spool are each held by one process at a time through a `FolderLock`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 from collections.abc import Callable
@@ -51,3 +54,48 @@ def _fsync_folder(folder: str | os.PathLike[str]) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+class FolderLocked(Exception):
+    """Another holder has the lock file `path`; `holder` is the pid it wrote ("unknown" if none)."""
+
+    def __init__(self, path: str, holder: str) -> None:
+        self.path = path
+        self.holder = holder
+        super().__init__(f"{path} is held by pid {holder}")
+
+
+class FolderLock:
+    """An exclusive `flock` on `<folder>/<name>`, holding this process's pid: one writer of a folder at a time.
+
+    Never waits: a second holder (another process, or another `FolderLock` in this one) gets `FolderLocked`
+    at once, so a service refuses to start instead of hanging. The kernel drops the lock when the process
+    dies, however it dies, so a stale lock file never blocks a restart; in a process, `release()` lets the
+    next holder in.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], name: str) -> None:
+        self.path = os.path.join(folder, name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise FolderLocked(self.path, holder) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd: int | None = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Let the next holder in (idempotent): closing the only descriptor of the lock drops the flock."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

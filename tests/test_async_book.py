@@ -90,7 +90,7 @@ def test_an_accepted_update_survives_a_service_crash_and_counts_once(tmp_path) -
     book = opened(RoundBook(max_update_bytes=10_000, spool_dir=tmp_path), buffer_size=3)
     t = tasks(book, "w1", "w2", "w3")
     receipt = book.receive_update(stream(weights(1.0), rnd=t["w1"], worker="w1", n=10))
-    del book  # the process dies after the receipt; only its spool remains
+    book.stop()  # the process dies after the receipt; only its spool remains
     restarted = RoundBook(max_update_bytes=10_000, spool_dir=tmp_path)
     again = restarted.receive_update(stream(weights(1.0), rnd=t["w1"], worker="w1", n=10))
     assert again.duplicate and again.sha256 == receipt.sha256
@@ -110,6 +110,7 @@ def test_a_buffer_full_at_the_crash_becomes_its_version_on_restart(tmp_path) -> 
     book._publish_version = lambda job, state: (_ for _ in ()).throw(SystemExit("killed"))  # type: ignore[method-assign]
     with pytest.raises(SystemExit):
         book.receive_update(stream(weights(4.0), rnd=t["w2"], worker="w2", n=10))
+    book.stop()
     restarted = RoundBook(max_update_bytes=10_000, spool_dir=tmp_path)
     version, _, state = restarted.global_model("j")
     assert version == 2
@@ -138,6 +139,7 @@ def test_a_closed_buffer_refuses_uploads_and_issues_nothing(tmp_path) -> None:
     book = opened(RoundBook(max_update_bytes=10_000, spool_dir=tmp_path))
     t = tasks(book, "w1")
     assert book.close_buffer("j") == 1 and book.close_buffer("j") == 1  # idempotent
+    book.stop()
     restarted = RoundBook(max_update_bytes=10_000, spool_dir=tmp_path)  # and durable
     with pytest.raises(UploadRejected) as info:
         restarted.receive_update(stream(weights(1.0), rnd=t["w1"], worker="w1"))

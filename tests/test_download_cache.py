@@ -114,7 +114,10 @@ def test_a_restarted_book_with_other_weights_under_the_same_version_is_not_serve
     book.put_global("j", 1, SPEC, model(1))
     servicer = AggregationServicer(book)
     assert download(servicer)[0] == sha256_of(model(1))
-    RoundBook(spool_dir=tmp_path).put_global("j", 1, SPEC, model(2))  # written to the spool by another book
+    book.stop()
+    other = RoundBook(spool_dir=tmp_path)
+    other.put_global("j", 1, SPEC, model(2))  # written to the spool by another book
+    other.stop()
     servicer.book = RoundBook(spool_dir=tmp_path)  # the restart, with the old servicer's cache kept on purpose
     digest, tensors = download(servicer)
     assert digest == sha256_of(model(2))

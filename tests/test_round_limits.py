@@ -207,6 +207,7 @@ def test_the_registered_sample_counts_survive_a_restart_from_the_spool(tmp_path:
     first = RoundBook(max_update_bytes=10_000, clock=lambda: 1000.0, spool_dir=tmp_path)
     first.put_global("j", 1, SPEC.to_json(), weights(0.0))
     first.open_round("j", 1, ["w1", "w2"], deadline=2000.0, aggregation=AGG, seed=0, num_samples={"w1": 5, "w2": 5})
+    first.stop()
     restarted = RoundBook(max_update_bytes=10_000, clock=lambda: 1000.0, spool_dir=tmp_path)
     with pytest.raises(UploadRejected, match="more than the 5 it registered"):
         restarted.receive_update(stream(weights(1.0), worker="w1", n=6))

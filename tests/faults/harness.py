@@ -196,7 +196,10 @@ class Federation:
         agent.bus.close()
 
     def stop_aggregator(self) -> None:
+        """Stop serving, then stop the book: its handler threads may outlive the server (gRPC only cancels
+        their calls), and from now on they can write nothing to the spool the next service opens."""
         self.server.stop(grace=0).wait()
+        self.book.stop()
 
     def start_aggregator(self, *, spool: bool = True) -> None:
         """A new service on the same port: on the same spool (a restart), or with nothing (state lost)."""
@@ -241,7 +244,8 @@ class Federation:
         self.stop_coordinator()
         for worker_id in list(self.workers):
             self.stop_worker(worker_id)
-        self.server.stop(grace=0)
+        self.server.stop(grace=0).wait()
+        self.book.stop()
         try:
             delete_topology(self.url, self.namespace, sorted(self.worker_ids))
         except Exception:  # a broker test that failed may leave its node unreachable

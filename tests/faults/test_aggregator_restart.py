@@ -40,7 +40,7 @@ def test_restarted_service_keeps_acknowledged_uploads_and_closes_to_the_same_mod
     spooled = opened(RoundBook(spool_dir=tmp_path), aggregation)
     assert not upload(spooled, "w1", 1.0, 10)
     assert not upload(spooled, "w2", 4.0, 30)
-    del spooled  # the process dies; only its spool remains
+    spooled.stop()  # the process dies; only its spool remains
 
     restarted = RoundBook(spool_dir=tmp_path)
     assert restarted.status("j", 1) == (["w1", "w2"], True)
@@ -63,6 +63,7 @@ def test_close_is_idempotent_across_a_restart_and_the_closed_round_stays_closed(
     book = opened(RoundBook(spool_dir=tmp_path), FEDAVG)
     upload(book, "w1", 1.0, 10)
     first = book.close("j", 1)
+    book.stop()
     restarted = RoundBook(spool_dir=tmp_path)
     assert restarted.close("j", 1) == first  # the coordinator lost our reply: it gets the same result again
     assert restarted.status("j", 1) == (["w1"], False)  # a redelivered task learns its update got in
@@ -88,14 +89,17 @@ def test_upload_is_on_disk_before_its_receipt(tmp_path: Path, monkeypatch: pytes
         upload(book, "w2", 4.0, 30)  # no receipt: the worker keeps its task and retries
     assert book.status("j", 1) == (["w1"], True)
     monkeypatch.undo()
-    assert RoundBook(spool_dir=tmp_path).status("j", 1) == (["w1"], True)
-    assert not upload(book, "w2", 4.0, 30)
+    book.stop()
+    restarted = RoundBook(spool_dir=tmp_path)
+    assert restarted.status("j", 1) == (["w1"], True)
+    assert not upload(restarted, "w2", 4.0, 30)
 
 
 @pytest.mark.timeout(30)
 def test_reopening_the_open_round_keeps_its_uploads_across_a_restart(tmp_path: Path) -> None:
     book = opened(RoundBook(spool_dir=tmp_path), FEDAVG)
     upload(book, "w1", 1.0, 10)
+    book.stop()
     restarted = RoundBook(spool_dir=tmp_path)
     restarted.put_global("j", 1, SPEC.to_json(), weights(0.0))  # a restarted coordinator resuming round 1
     assert restarted.open_round("j", 1, WORKERS, deadline=5e9, aggregation=FEDAVG, seed=5) == 1

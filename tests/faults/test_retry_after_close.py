@@ -34,6 +34,7 @@ class Service:
 
     def restart(self) -> None:
         self.server.stop(grace=0).wait()
+        self.book.stop()
         self.book = RoundBook(spool_dir=self.spool)
         self.server, port = serve(self.book, address=f"127.0.0.1:{self.port}")
         assert port == self.port
@@ -50,7 +51,8 @@ class Service:
 
     def close(self) -> None:
         self.client.close()
-        self.server.stop(grace=0)
+        self.server.stop(grace=0).wait()
+        self.book.stop()
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from fedbroker.aggregators.round_book import RoundBook
-from fedbroker.aggregators.spool import QUARANTINE_DIR, Spool
+from fedbroker.aggregators.spool import QUARANTINE_DIR, Spool, job_folder
 from fedbroker.errors import NotFound
 from tests.faults.harness import Federation, Training, job, wait_for
 from tests.test_rounds import SPEC, stream, weights
@@ -39,6 +39,7 @@ def two_jobs(spool: Path) -> RoundBook:
     book.close("done", 1)
     book.receive_update(stream(weights(1.0), worker="w1", n=10))
     book.receive_update(stream(weights(4.0), worker="w2", n=30))
+    book.stop()  # the service stops; its spool remains
     return book
 
 
@@ -50,15 +51,20 @@ def globals_of(folder: Path) -> list[Path]:
     return sorted(folder.glob("global-*.npz"))
 
 
+def another_shape(folder: Path) -> None:
+    spool = Spool(folder.parent)
+    spool.save_global("done", int(globals_of(folder)[-1].stem.split("-")[1]), SPEC.to_json(),
+                      {"0.weight": np.zeros((9, 9), np.float32)})
+    spool.close()
+
+
 CORRUPTIONS: dict[str, Callable[[Path], None]] = {
     "truncated-job-json": lambda folder: truncate(folder / "job.json"),
     "job-json-of-another-format": lambda folder: (folder / "job.json").write_text('{"format": 99}'),
     "job-json-missing-fields": lambda folder: (folder / "job.json").write_text(
         (folder / "job.json").read_text().replace('"closed_rounds"', '"renamed"')),
     "truncated-global-model": lambda folder: truncate(globals_of(folder)[-1]),
-    "global-model-of-another-shape": lambda folder: Spool(folder.parent).save_global(
-        "done", int(globals_of(folder)[-1].stem.split("-")[1]), SPEC.to_json(),
-        {"0.weight": np.zeros((9, 9), np.float32)}),
+    "global-model-of-another-shape": another_shape,
 }
 
 
@@ -67,7 +73,7 @@ CORRUPTIONS: dict[str, Callable[[Path], None]] = {
 def test_a_job_whose_record_does_not_load_is_quarantined_and_every_other_job_is_restored(
         tmp_path: Path, corrupt: str, caplog: pytest.LogCaptureFixture) -> None:
     two_jobs(tmp_path)
-    folder = Spool(tmp_path).folder("done")
+    folder = job_folder(tmp_path, "done")
     CORRUPTIONS[corrupt](folder)
     before = quarantined("job")
 
@@ -84,6 +90,7 @@ def test_a_job_whose_record_does_not_load_is_quarantined_and_every_other_job_is_
     assert len(moved) == 1 and moved[0].name.startswith(folder.name) and (moved[0] / "job.json").exists()
     assert quarantined("job") == before + 1
     assert f"{folder} does not load" in caplog.text and "moved to" in caplog.text
+    restarted.stop()
     assert RoundBook(spool_dir=tmp_path).global_model("j")[0] == 2   # and the next start is clean
 
 
@@ -91,7 +98,7 @@ def test_a_job_whose_record_does_not_load_is_quarantined_and_every_other_job_is_
 def test_a_damaged_update_file_is_quarantined_and_its_round_goes_on_with_the_other_updates(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     two_jobs(tmp_path)
-    files = sorted((Spool(tmp_path).folder("j") / "round-1").glob("*.npz"))
+    files = sorted((job_folder(tmp_path, "j") / "round-1").glob("*.npz"))
     assert len(files) == 2
     truncate(files[0])   # w1's update, accepted first
     before = quarantined("update")
@@ -125,7 +132,7 @@ def test_service_restarts_past_a_truncated_record_of_a_finished_job_and_the_runn
              "the fast worker's round-1 update of the running job")
     fed.stop_aggregator()
     assert fed.spool_dir is not None
-    truncate(Spool(fed.spool_dir).folder(finished) / "job.json")
+    truncate(job_folder(fed.spool_dir, finished) / "job.json")
     fed.start_aggregator(spool=True)   # on old code: JSONDecodeError, the service never comes back
     training.step_delay.clear()
     fed.wait_job(running, 60)

@@ -50,6 +50,7 @@ def test_an_abandoned_round_stays_abandoned_after_a_restart_from_the_spool(tmp_p
     book.receive_update(stream(weights(1.0), worker="w1", n=10))
     book.abandon("j", 1)
     assert not any(p.name.startswith("round-") for p in (tmp_path).rglob("*") if p.is_dir())  # uploads deleted
+    book.stop()
     again = RoundBook(max_update_bytes=10_000, clock=lambda: 1000.0, spool_dir=tmp_path)
     assert again.global_model("j")[0] == 1
     # closed, and the discarded upload's worker is told it was accepted: a redelivered task trains nothing again

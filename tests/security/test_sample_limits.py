@@ -85,7 +85,8 @@ class Service:
 
     def __init__(self, spool: Path) -> None:
         self.spool = spool
-        self.server, self.port = serve(RoundBook(spool_dir=spool))
+        self.book = RoundBook(spool_dir=spool)
+        self.server, self.port = serve(self.book)
         self.client = AggregatorClient(f"127.0.0.1:{self.port}", timeout_s=5, attempts=1)
         self.client.put_global("j", 1, SPEC.to_json(), weights(0.0))
         self.client.open_buffer("j", aggregation=AGG, buffer_size=2, max_staleness=4, staleness="constant",
@@ -93,7 +94,9 @@ class Service:
 
     def restart(self) -> None:
         self.server.stop(grace=0).wait()
-        self.server, port = serve(RoundBook(spool_dir=self.spool), address=f"127.0.0.1:{self.port}")
+        self.book.stop()
+        self.book = RoundBook(spool_dir=self.spool)
+        self.server, port = serve(self.book, address=f"127.0.0.1:{self.port}")
         assert port == self.port
 
     def refusal(self, task: int, worker: str, n: int) -> RemoteError:
@@ -107,7 +110,8 @@ def service(tmp_path: Path) -> Iterator[Service]:
     svc = Service(tmp_path / "spool")
     yield svc
     svc.client.close()
-    svc.server.stop(grace=0)
+    svc.server.stop(grace=0).wait()
+    svc.book.stop()
 
 
 @pytest.mark.timeout(60)

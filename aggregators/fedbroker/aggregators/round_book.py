@@ -94,14 +94,28 @@ class RoundBook:
         self._watchers = threading.Condition(self._lock)  # notified whenever a job changes (`watch`)
         self._generation = 0                              # counts the changes
         self._changed_at: dict[str, int] = {}             # job → the generation of its last change
-        self._spool = Spool(spool_dir) if spool_dir else None
+        self._spool = Spool(spool_dir) if spool_dir else None  # SpoolInUse: another service holds the folder
         if self._spool is not None:
-            for job in restore_jobs(self._spool):  # a record that does not load is quarantined, not fatal
-                self._jobs[job.job_id] = job
-            if self._jobs:
-                log.info("restored %d job(s) from the spool %s", len(self._jobs), spool_dir)
-            for job in self._jobs.values():
-                self._restored_buffer(job)
+            try:
+                self._restore(self._spool)
+            except BaseException:
+                self._spool.close()  # a book that failed to start holds no folder
+                raise
+
+    def _restore(self, spool: Spool) -> None:
+        for job in restore_jobs(spool):  # a record that does not load is quarantined, not fatal
+            self._jobs[job.job_id] = job
+        if self._jobs:
+            log.info("restored %d job(s) from the spool %s", len(self._jobs), spool.root)
+        for job in self._jobs.values():
+            self._restored_buffer(job)
+
+    def stop(self) -> None:
+        """The service stopped: release the spool for the next service on it once the writes under way have
+        ended. This book's threads still running (gRPC cannot stop a handler) then fail on any write
+        (`SpoolClosed`) instead of changing files the next service's records name. Idempotent."""
+        if self._spool is not None:
+            self._spool.close()
 
     # ----- global model -----
 
@@ -271,8 +285,8 @@ class RoundBook:
                 spooled = self._spool.save_update(job.job_id, rnd.number, seq, update_record(entry, seq), tensors)
             with self._lock:
                 if job.round is not rnd or rnd.closed:
-                    if spooled is not None:
-                        Spool.discard(spooled)
+                    if spooled is not None and self._spool is not None:
+                        self._spool.discard(spooled)
                     raise _closed_during_upload(header)
                 rnd.accept(entry, tensors, reservation.take(rnd.rows) if reservation is not None else None)
                 self._touch(job)

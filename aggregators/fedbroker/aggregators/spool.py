@@ -13,7 +13,14 @@ fsync, rename, fsync the folder), so a crash leaves the old file or the new one,
 are numpy `.npz` archives of plain arrays, loaded with `allow_pickle=False`: nothing on disk is pickled.
 
 job.json is the single source of truth: a global file or a round folder it does not name (left by a
-crash between writing it and committing job.json) is ignored on load and deleted.
+crash between writing it and committing job.json) is ignored on load and deleted. While the service runs,
+a global file written for a record still to come (`save_global`, then `save_record` naming it) is kept by
+every record committed meanwhile.
+
+One service at a time: an open Spool holds `spool.lock` in its root (`fedbroker.files.FolderLock`), so a
+second service on the same folder is refused (`SpoolInUse`) instead of deleting the files the first one's
+records name. `close()` waits for the writes under way, then lets the next service in; a write through a
+closed spool raises `SpoolClosed`, so a handler thread that outlives its stopped service touches nothing.
 
 `job_record`/`restore_job` translate between the book's state (`aggregators.job_state`) and these records.
 """
@@ -28,6 +35,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass
@@ -40,8 +48,8 @@ from fedbroker.aggregators import metrics
 from fedbroker.aggregators.async_state import folded_from_record, new_async_state, restore_fields, state_record
 from fedbroker.aggregators.job_state import Accepted, CloseResult, Job, Receipt, UpdateSummary, new_round
 from fedbroker.aggregators.weighting.base import UpdateMeta
-from fedbroker.errors import Rejection, UploadRejected
-from fedbroker.files import TEMP_SUFFIX, write_atomic
+from fedbroker.errors import ConfigError, Rejection, Unavailable, UploadRejected
+from fedbroker.files import TEMP_SUFFIX, FolderLock, FolderLocked, write_atomic
 from fedbroker.spec import AggregationConfig, parameter_shapes, parse_model
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 QUARANTINE_DIR = "quarantine"   # records that do not load, moved aside at start (never a job folder's name)
 META_KEY = "__fedbroker_meta_json__"
+LOCK_FILE = "spool.lock"        # held by the one service writing the spool (never a job folder's name)
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
@@ -69,6 +78,17 @@ def _disk_full_is_an_outage(what: str) -> Generator[None, None, None]:
                              ) from exc
 
 
+class SpoolInUse(ConfigError):
+    """Another aggregation service holds this spool: two on one folder would delete each other's files."""
+
+    reason = "spool_in_use"
+
+
+class SpoolClosed(Unavailable):
+    """A write through a spool its service has closed (a handler thread that outlived the stop): refused, so
+    the next service on the folder is its only writer; a client retries it against that service."""
+
+
 @dataclass
 class StoredJob:
     """One job as read from its folder: its record and its kept global models."""
@@ -79,24 +99,64 @@ class StoredJob:
 
 
 class Spool:
-    """The folder of job folders (see the module docstring); every write is atomic."""
+    """The folder of job folders (see the module docstring); every write is atomic. Holds the folder's lock
+    from here to `close()`: `SpoolInUse` when another service holds it."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self._lock = FolderLock(self.root, LOCK_FILE)
+        except FolderLocked as exc:
+            raise SpoolInUse(
+                "aggregator.spool_dir",
+                f"{self.root} is in use by another aggregation service (pid {exc.holder}, which holds "
+                f"{exc.path}); two services on one spool would delete each other's files: stop that one, or "
+                f"give this one its own spool_dir",
+            ) from None
+        self._guard = threading.Condition()  # the three fields below
+        self._writers = 0                     # writes under way (`close` waits for them)
+        self._closed = False
+        self._unnamed: dict[str, set[int]] = {}  # job → global versions written that no record named yet
+
+    def close(self) -> None:
+        """Refuse every later write (`SpoolClosed`), wait for the writes under way, and let the next service
+        on the folder in (idempotent)."""
+        with self._guard:
+            self._closed = True
+            self._guard.wait_for(lambda: self._writers == 0)
+        self._lock.release()
+
+    @contextlib.contextmanager
+    def _writing(self, what: str) -> Generator[None, None, None]:
+        """One write (or deletion) in the folder, refused once the spool is closed; `close` waits for it."""
+        with self._guard:
+            if self._closed:
+                raise SpoolClosed(f"the spool {self.root} is closed (its aggregation service stopped): "
+                                  f"{what} not written")
+            self._writers += 1
+        try:
+            yield
+        finally:
+            with self._guard:
+                self._writers -= 1
+                self._guard.notify_all()
 
     # ----- paths -----
 
     def folder(self, job_id: str) -> Path:
-        """A folder name that is safe whatever the job id holds, and distinct for distinct ids."""
-        digest = hashlib.sha256(job_id.encode()).hexdigest()[:12]
-        return self.root / f"{_SAFE.sub('_', job_id)[:60]}-{digest}"
+        """The job's folder (`job_folder`)."""
+        return job_folder(self.root, job_id)
 
     # ----- writes -----
 
     def save_global(self, job_id: str, version: int, spec_json: str, tensors: Mapping[str, np.ndarray]) -> None:
-        """A global model version, on disk before the record that names it."""
-        with _disk_full_is_an_outage(f"global model {version} of job {job_id!r}"):
+        """A global model version, on disk before the record that names it: kept meanwhile by every record
+        committed by another call (it may name older versions only)."""
+        what = f"global model {version} of job {job_id!r}"
+        with self._writing(what), _disk_full_is_an_outage(what):
+            with self._guard:  # before the file exists, so no prune that sees the file can miss it
+                self._unnamed.setdefault(job_id, set()).add(version)
             folder = self.folder(job_id)
             folder.mkdir(parents=True, exist_ok=True)
             _write_npz(folder / f"global-{version}.npz", tensors, {"version": version, "spec_json": spec_json})
@@ -104,11 +164,15 @@ class Spool:
     def save_record(self, job_id: str, record: Mapping[str, Any]) -> None:
         """Commit a job's state; global files and the round folder it names must already be on disk."""
         folder = self.folder(job_id)
-        folder.mkdir(parents=True, exist_ok=True)
         doc = {"format": FORMAT_VERSION, "job_id": job_id, **record}
-        with _disk_full_is_an_outage(f"the record of job {job_id!r}"):
-            write_atomic(folder / "job.json", json.dumps(doc, sort_keys=True).encode())
-        self._prune(folder, doc)
+        what = f"the record of job {job_id!r}"
+        with self._writing(what):
+            folder.mkdir(parents=True, exist_ok=True)
+            with _disk_full_is_an_outage(what):
+                write_atomic(folder / "job.json", json.dumps(doc, sort_keys=True).encode())
+            with self._guard:
+                self._unnamed.get(job_id, set()).difference_update(int(v) for v in doc.get("versions", []))
+            self._prune(job_id, folder, doc)
 
     def save_update(self, job_id: str, round_number: int, seq: int, meta: Mapping[str, Any],
                     tensors: Mapping[str, np.ndarray]) -> Path:
@@ -122,22 +186,18 @@ class Spool:
         return self._save(self.folder(job_id) / f"buffer-{version}", seq, meta, tensors,
                           what=f"an update for the buffer of job {job_id!r}")
 
-    @staticmethod
-    def _save(folder: Path, seq: int, meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *,
+    def _save(self, folder: Path, seq: int, meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *,
               what: str) -> Path:
         path = folder / f"{seq:06d}.npz"
-        with _disk_full_is_an_outage(what):
+        with self._writing(what), _disk_full_is_an_outage(what):
             folder.mkdir(parents=True, exist_ok=True)
             _write_npz(path, tensors, dict(meta))
         return path
 
-    @staticmethod
-    def discard(path: Path) -> None:
+    def discard(self, path: Path) -> None:
         """Delete an update file that was not counted (its round closed during the upload)."""
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+        with self._writing(f"the deletion of {path}"):
+            path.unlink(missing_ok=True)
 
     # ----- reads -----
 
@@ -176,8 +236,9 @@ class Spool:
         were accepted (the running mean sums in that order), each with its file; a file that does not load is
         quarantined and skipped."""
         folder = stored.folder / f"{kind}-{round_number}"
-        for path in folder.glob(f".*{TEMP_SUFFIX}"):  # an upload that crashed before its receipt: never acknowledged
-            path.unlink(missing_ok=True)
+        with self._writing(f"the cleanup of {folder}"):
+            for path in folder.glob(f".*{TEMP_SUFFIX}"):  # an upload that crashed before its receipt: never acknowledged
+                path.unlink(missing_ok=True)
         for path in sorted(folder.glob("[0-9]*.npz")):
             try:
                 tensors, meta = _read_npz(path)
@@ -197,8 +258,9 @@ class Spool:
             n += 1
             target = target.with_name(f"{target.name.split('~')[0]}~{n}")
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(path, target)
+            with self._writing(f"the quarantine of {path}"):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, target)
         except OSError as exc:
             log.error("spool: %s does not load (%s: %s) and could not be quarantined (%s); skipped this time",
                       path, type(error).__name__, error, exc)
@@ -210,20 +272,35 @@ class Spool:
 
     # ----- housekeeping -----
 
-    @staticmethod
-    def _prune(folder: Path, record: Mapping[str, Any]) -> None:
-        """Delete what the committed record no longer names: older global versions, closed rounds' folders."""
-        keep_globals = {f"global-{int(v)}.npz" for v in record.get("versions", [])}
+    def _prune(self, job_id: str, folder: Path, record: Mapping[str, Any]) -> None:
+        """Delete what the committed record no longer names: older global versions (but not one written for a
+        record still to come) and closed rounds' folders. The caller is writing (`_writing`)."""
+        with self._guard:  # a global file written meanwhile was announced first (`save_global`): it is kept
+            keep = {f"global-{int(v)}.npz" for v in [*record.get("versions", []), *self._unnamed.get(job_id, ())]}
+            for path in folder.glob("global-*.npz"):
+                if path.name not in keep:
+                    path.unlink(missing_ok=True)
         open_round = (record.get("round") or {}).get("number")
         buffer = f"buffer-{max(record.get('versions') or [0])}" if record.get("async") else None
         for path in folder.iterdir():
             name = path.name
-            if name.startswith("global-") and name.endswith(".npz") and name not in keep_globals:
-                path.unlink(missing_ok=True)
-            elif (path.is_dir() and name.startswith("round-") and name != f"round-{open_round}") or (path.is_dir() and name.startswith("buffer-") and name != buffer):
+            if path.is_dir() and ((name.startswith("round-") and name != f"round-{open_round}")
+                                  or (name.startswith("buffer-") and name != buffer)):
                 shutil.rmtree(path, ignore_errors=True)
-            elif name.startswith(".") and name.endswith(TEMP_SUFFIX):
-                path.unlink(missing_ok=True)
+
+    @staticmethod
+    def _sweep(folder: Path) -> None:
+        """Delete the temporary files a crash left in a job folder: only at start, when none is being written
+        (a running service's are writes under way)."""
+        for path in folder.glob(f".*{TEMP_SUFFIX}"):
+            path.unlink(missing_ok=True)
+
+
+def job_folder(root: Path, job_id: str) -> Path:
+    """A job's folder in the spool `root`: a name that is safe whatever the job id holds, and distinct for
+    distinct ids. Where to look without opening the spool (which only one service may hold)."""
+    digest = hashlib.sha256(job_id.encode()).hexdigest()[:12]
+    return root / f"{_SAFE.sub('_', job_id)[:60]}-{digest}"
 
 
 def _write_npz(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
@@ -358,7 +435,9 @@ def restore_jobs(spool: Spool) -> Iterator[Job]:
         except Exception as exc:
             spool.quarantine(stored.folder, exc)
             continue
-        spool._prune(stored.folder, stored.record)
+        with spool._writing(f"the cleanup of {stored.folder}"):
+            spool._prune(job.job_id, stored.folder, stored.record)
+            spool._sweep(stored.folder)
         yield job
 
 

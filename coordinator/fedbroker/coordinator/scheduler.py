@@ -306,16 +306,29 @@ class Coordinator:
         row = self.store.job(job_id)
         if row is None:
             raise JobFailed(f"job {job_id!r} is not in the coordinator's store")
+        if row.status in FINISHED:  # cancelled as `start` launched it: nothing to wait for
+            log.info("job %s is %s: not started", job_id, row.status)
+            return
         if job is None:  # resumed: the store holds the job's one wire form
             job = job_from_json(row.spec_json)
         self._await_workers(job)
-        self.store.set_job_status(job_id, JobStatus.RUNNING)
+        if not self.store.set_job_status(job_id, JobStatus.RUNNING):
+            self._not_running(job_id)
+            return
         run = self._restore(job_id, job, rounds_done=row.rounds_done)
         if job.schedule.mode == "async":  # no rounds: coordinator/asynchronous.py
             self._drive_async(run)
         else:
             SyncRounds(self.context, run).drive(first_round=row.rounds_done + 1)
         self.store.set_job_status(job_id, JobStatus.COMPLETED)
+
+    def _not_running(self, job_id: str) -> None:
+        """The store would not mark the job running: one asked to cancel is cancelled now (`Cancelled`), one
+        that ended meanwhile (a cancel landing as its thread started) is left as it ended."""
+        row = self.store.job(job_id)
+        if row is not None and row.status == JobStatus.CANCELLING:
+            raise Cancelled()
+        log.info("job %s is %s: not started", job_id, row.status if row is not None else "gone")
 
     def _restore(self, job_id: str, job: JobSpec, *, rounds_done: int) -> Run:
         """The global model the job is at: its last checkpoint, or the initial weights before its first round."""

@@ -6,12 +6,12 @@
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import stat
 
 from fedbroker.errors import ConfigError
+from fedbroker.files import FolderLock, FolderLocked
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,8 @@ class StateDirInUse(ConfigError):
 
 
 class StateDirLock:
-    """An exclusive `flock` on `<state_dir>/coordinator.lock`, holding this process's pid.
+    """An exclusive `flock` on `<state_dir>/coordinator.lock` (`fedbroker.files.FolderLock`), holding this
+    process's pid.
 
     Two coordinators on one state directory would both write the SQLite file and the checkpoints and resume
     the same jobs twice. The kernel drops the lock when the process dies, however it dies, so a stale lock
@@ -35,31 +36,19 @@ class StateDirLock:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self.path = os.path.join(directory, LOCK_FILE)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-            os.close(fd)
+            self._lock = FolderLock(directory, LOCK_FILE)
+        except FolderLocked as exc:
             raise StateDirInUse(
                 "coordinator.state_dir",
-                f"{directory} is in use by another coordinator (pid {holder}, which holds {self.path}); two "
+                f"{directory} is in use by another coordinator (pid {exc.holder}, which holds {self.path}); two "
                 f"coordinators on one state directory would overwrite each other's state: stop that one, or "
                 f"give this one its own state_dir",
             ) from None
-        except BaseException:
-            os.close(fd)
-            raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
-        self._fd: int | None = fd
 
     def release(self) -> None:
         """Let the next coordinator in (the process's exit would too)."""
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+        self._lock.release()
 
 
 def owner_only(path: str, mode: int) -> None:

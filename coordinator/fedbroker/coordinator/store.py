@@ -54,6 +54,8 @@ T = TypeVar("T")
 DB_FILE = "coordinator.sqlite"
 # Between tries of a write that a job's thread rides out (a lock held elsewhere, a full disk).
 WRITE_BACKOFF = Backoff(initial_s=0.2, max_s=10.0)
+# What a job may be in when its thread marks it running (running: resumed after a restart).
+_RUNNABLE = frozenset({JobStatus.PENDING, JobStatus.RUNNING})
 
 
 class StateUnavailable(Unavailable):
@@ -253,18 +255,23 @@ class StateStore(EpsilonTables):
 
         self._write(f"record job {job_id!r}", write)
 
-    def set_job_status(self, job_id: str, status: JobStatus, error: str = "") -> None:
-        """A job asked to cancel never goes back to `running` (a restarted coordinator finishes the cancel)."""
-        def write(db: sqlite3.Connection) -> None:
+    def set_job_status(self, job_id: str, status: JobStatus, error: str = "") -> bool:
+        """Record a job's status; whether it was written. A job that has ended never changes again, and only
+        a pending (or resumed running) job becomes `running`: one asked to cancel, or cancelled while its
+        thread was starting, never runs (a restarted coordinator finishes the cancel). On False for
+        `running`, the caller must not run the job."""
+        def write(db: sqlite3.Connection) -> bool:
             before = db.execute("SELECT status FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
-            if before is None or (status == JobStatus.RUNNING and before["status"] == JobStatus.CANCELLING):
-                return
+            if before is None or before["status"] in FINISHED or (
+                    status == JobStatus.RUNNING and before["status"] not in _RUNNABLE):
+                return False
             db.execute("UPDATE jobs SET status = ?, error = ?, updated = ? WHERE job_id = ?",
                        (status, error, time.time(), job_id))
             if before["status"] != status or error:
                 _event(db, job_id, status, message=error)
+            return True
 
-        self._write(f"record job {job_id!r} as {status}", write)
+        return self._write(f"record job {job_id!r} as {status}", write)
 
     def request_cancel(self, job_id: str, *, by: str) -> bool:
         """Mark a pending or running job `cancelling` (durably: a coordinator that stops before its thread
