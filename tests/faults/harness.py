@@ -286,3 +286,30 @@ def sample(name: str, labels: dict[str, str] | None = None) -> float:
     from prometheus_client import REGISTRY
 
     return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+
+class HoldsNth(WorkerAgent):
+    """Holds the n-th task it receives (unacked, untrained) until `release` is set; `holding` maps its worker
+    to that task's number. Which number a worker's task gets depends on the order in which the coordinator
+    hears the workers' heartbeats (one connection each: no order between them), so nothing assumes it.
+    `HoldsNth.nth(n)` makes a subclass with its own event and dict, one per worker and test."""
+
+    n = 1
+    release = threading.Event()
+    holding: ClassVar[dict[str, int]] = {}  # replaced per subclass by `nth`
+    received = 0
+
+    @classmethod
+    def nth(cls, n: int) -> type[HoldsNth]:
+        return type(f"Holds{n}", (cls,), {"n": n, "release": threading.Event(), "holding": {}, "received": 0})
+
+    def on_task(self, delivery: Any) -> None:
+        from fedbroker import envelope
+
+        cls = type(self)
+        cls.received += 1
+        if cls.received == self.n and not self.release.is_set():
+            task = envelope.decode(delivery.body, expect=("round_task",)).round_task.round
+            self.holding[self.config.id] = task
+            self.release.wait(120)
+        super().on_task(delivery)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 
 from fedbroker.worker.agent import WorkerAgent
-from tests.faults.harness import Federation, Training, job, wait_for
+from tests.faults.harness import Federation, HoldsNth, Training, job, wait_for
 
 pytestmark = [pytest.mark.integration]
 
@@ -53,33 +53,6 @@ def counted(fed: Federation, job_id: str) -> Counter[tuple[str, int]]:
     state = fed.book.buffer_status(job_id)[1]
     folded = [u for v in state.summaries for u in v.updates] + state.folded
     return Counter((u.worker_id, u.task) for u in folded)
-
-
-class HoldsNth(WorkerAgent):
-    """Holds the n-th task it receives (unacked, untrained) until `release` is set; `holding` maps its worker
-    to that task's number. Which number a worker's task gets depends on the order in which the coordinator
-    hears the workers' heartbeats (one connection each: no order between them), so nothing assumes it.
-    `HoldsNth.nth(n)` makes a subclass with its own event and dict, one per worker and test."""
-
-    n = 1
-    release = threading.Event()
-    holding: ClassVar[dict[str, int]] = {}  # replaced per subclass by `nth`
-    received = 0
-
-    @classmethod
-    def nth(cls, n: int) -> type[HoldsNth]:
-        return type(f"Holds{n}", (cls,), {"n": n, "release": threading.Event(), "holding": {}, "received": 0})
-
-    def on_task(self, delivery: Any) -> None:
-        from fedbroker import envelope
-
-        cls = type(self)
-        cls.received += 1
-        if cls.received == self.n and not self.release.is_set():
-            task = envelope.decode(delivery.body, expect=("round_task",)).round_task.round
-            self.holding[self.config.id] = task
-            self.release.wait(120)
-        super().on_task(delivery)
 
 
 def start(fed: Federation, receipts: Receipts) -> tuple[str, type[HoldsNth], int]:

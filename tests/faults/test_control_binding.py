@@ -20,7 +20,7 @@ from fedbroker.bus import Topology
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.store import StateStore
 from fedbroker.proto import fedbroker_pb2 as pb
-from tests.faults.harness import Federation, Training, job, sample, wait_for
+from tests.faults.harness import Federation, HoldsNth, Training, job, sample, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -164,12 +164,15 @@ def test_an_async_jobs_record_keeps_the_epsilon_of_trainings_refused_as_stale(
     publishes a version first): each is refused after its training spent ε. The job's record (`jobs show`: the
     largest ε per worker) must still say what the job cost the slow worker's owner: its ledger's ε for it."""
     fed = federation
-    training.step_delay["slow"] = 0.15
-    fed.add_worker("fast", index=0, count=2, dp=DP)
-    slow = fed.add_worker("slow", index=1, count=2, dp=DP)
+    held = HoldsNth.nth(1)  # the slow worker's first task waits until the fast worker has published a version:
+    fed.add_worker("fast", index=0, count=2, dp=DP)  # its update is then stale by construction, not by timing
+    slow = fed.add_worker("slow", index=1, count=2, dp=DP, agent_class=held)
     job_id = fed.submit(job(training={"rounds": 6}, schedule={
         "mode": "async", "buffer_size": 1, "max_staleness": 0, "min_workers": 2}))
-    fed.wait_job(job_id, 150)
+    wait_for(lambda: "slow" in held.holding and fed.book.buffer_status(job_id)[0] >= 1, 300,
+             "the fast worker's first version, the slow worker holding its first task")
+    held.release.set()
+    fed.wait_job(job_id, 600)
     spent = slow.ledger.epsilon(job_id)
     assert spent > 0
 
