@@ -166,18 +166,112 @@ class RoundCompleted(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_version: _Optional[int] = ..., aggregated: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., final: _Optional[bool] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("registration", "heartbeat", "task_outcome", "round_task", "round_completed")
+    __slots__ = ("registration", "heartbeat", "task_outcome", "round_task", "round_completed", "share_request", "share_reply", "evaluation_task", "evaluation_report")
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     TASK_OUTCOME_FIELD_NUMBER: _ClassVar[int]
     ROUND_TASK_FIELD_NUMBER: _ClassVar[int]
     ROUND_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    SHARE_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    SHARE_REPLY_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_TASK_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_REPORT_FIELD_NUMBER: _ClassVar[int]
     registration: Registration
     heartbeat: Heartbeat
     task_outcome: TaskOutcome
     round_task: RoundTask
     round_completed: RoundCompleted
-    def __init__(self, registration: _Optional[_Union[Registration, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., task_outcome: _Optional[_Union[TaskOutcome, _Mapping]] = ..., round_task: _Optional[_Union[RoundTask, _Mapping]] = ..., round_completed: _Optional[_Union[RoundCompleted, _Mapping]] = ...) -> None: ...
+    share_request: ShareRequest
+    share_reply: ShareReply
+    evaluation_task: EvaluationTask
+    evaluation_report: EvaluationReport
+    def __init__(self, registration: _Optional[_Union[Registration, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., task_outcome: _Optional[_Union[TaskOutcome, _Mapping]] = ..., round_task: _Optional[_Union[RoundTask, _Mapping]] = ..., round_completed: _Optional[_Union[RoundCompleted, _Mapping]] = ..., share_request: _Optional[_Union[ShareRequest, _Mapping]] = ..., share_reply: _Optional[_Union[ShareReply, _Mapping]] = ..., evaluation_task: _Optional[_Union[EvaluationTask, _Mapping]] = ..., evaluation_report: _Optional[_Union[EvaluationReport, _Mapping]] = ...) -> None: ...
+
+class ShareRequest(_message.Message):
+    __slots__ = ("job_id", "category", "histogram", "feature_statistics", "lower", "upper", "deadline_unix")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_STATISTICS_FIELD_NUMBER: _ClassVar[int]
+    LOWER_FIELD_NUMBER: _ClassVar[int]
+    UPPER_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    category: str
+    histogram: bool
+    feature_statistics: bool
+    lower: _containers.RepeatedScalarFieldContainer[float]
+    upper: _containers.RepeatedScalarFieldContainer[float]
+    deadline_unix: float
+    def __init__(self, job_id: _Optional[str] = ..., category: _Optional[str] = ..., histogram: _Optional[bool] = ..., feature_statistics: _Optional[bool] = ..., lower: _Optional[_Iterable[float]] = ..., upper: _Optional[_Iterable[float]] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
+
+class ShareReply(_message.Message):
+    __slots__ = ("job_id", "worker_id", "refused", "reason", "label_histogram", "histogram_noised", "histogram_epsilon", "feature_sum", "feature_sq_sum", "count", "statistics_noised", "statistics_epsilon", "statistics_delta")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LABEL_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAM_NOISED_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAM_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_SUM_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    STATISTICS_NOISED_FIELD_NUMBER: _ClassVar[int]
+    STATISTICS_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    STATISTICS_DELTA_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    worker_id: str
+    refused: bool
+    reason: str
+    label_histogram: _containers.RepeatedScalarFieldContainer[int]
+    histogram_noised: bool
+    histogram_epsilon: float
+    feature_sum: _containers.RepeatedScalarFieldContainer[float]
+    feature_sq_sum: _containers.RepeatedScalarFieldContainer[float]
+    count: int
+    statistics_noised: bool
+    statistics_epsilon: float
+    statistics_delta: float
+    def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., refused: _Optional[bool] = ..., reason: _Optional[str] = ..., label_histogram: _Optional[_Iterable[int]] = ..., histogram_noised: _Optional[bool] = ..., histogram_epsilon: _Optional[float] = ..., feature_sum: _Optional[_Iterable[float]] = ..., feature_sq_sum: _Optional[_Iterable[float]] = ..., count: _Optional[int] = ..., statistics_noised: _Optional[bool] = ..., statistics_epsilon: _Optional[float] = ..., statistics_delta: _Optional[float] = ...) -> None: ...
+
+class EvaluationTask(_message.Message):
+    __slots__ = ("job_id", "round", "model_version", "aggregator_target", "category", "deadline_unix")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATOR_TARGET_FIELD_NUMBER: _ClassVar[int]
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    model_version: int
+    aggregator_target: str
+    category: str
+    deadline_unix: float
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_version: _Optional[int] = ..., aggregator_target: _Optional[str] = ..., category: _Optional[str] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
+
+class EvaluationReport(_message.Message):
+    __slots__ = ("job_id", "round", "model_version", "worker_id", "refused", "reason", "loss", "accuracy", "num_samples")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    model_version: int
+    worker_id: str
+    refused: bool
+    reason: str
+    loss: float
+    accuracy: float
+    num_samples: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., refused: _Optional[bool] = ..., reason: _Optional[str] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
     __slots__ = ("job_id", "round", "worker_id", "num_samples", "ish", "has_ish", "epsilon", "train_loss", "validation_loss", "tensors")
@@ -425,7 +519,7 @@ class StatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class RoundRow(_message.Message):
-    __slots__ = ("job_id", "round", "status", "participants", "aggregated", "accuracy", "loss", "seconds", "mean_train_loss", "uploaded", "model_version", "mean_staleness")
+    __slots__ = ("job_id", "round", "status", "participants", "aggregated", "accuracy", "loss", "seconds", "mean_train_loss", "uploaded", "model_version", "mean_staleness", "federated_accuracy", "federated_loss", "federated_samples", "evaluated_sites")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -438,6 +532,10 @@ class RoundRow(_message.Message):
     UPLOADED_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    FEDERATED_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    FEDERATED_LOSS_FIELD_NUMBER: _ClassVar[int]
+    FEDERATED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    EVALUATED_SITES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     status: str
@@ -450,7 +548,33 @@ class RoundRow(_message.Message):
     uploaded: int
     model_version: int
     mean_staleness: float
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., status: _Optional[str] = ..., participants: _Optional[int] = ..., aggregated: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., mean_train_loss: _Optional[float] = ..., uploaded: _Optional[int] = ..., model_version: _Optional[int] = ..., mean_staleness: _Optional[float] = ...) -> None: ...
+    federated_accuracy: float
+    federated_loss: float
+    federated_samples: int
+    evaluated_sites: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., status: _Optional[str] = ..., participants: _Optional[int] = ..., aggregated: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., mean_train_loss: _Optional[float] = ..., uploaded: _Optional[int] = ..., model_version: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., federated_accuracy: _Optional[float] = ..., federated_loss: _Optional[float] = ..., federated_samples: _Optional[int] = ..., evaluated_sites: _Optional[int] = ...) -> None: ...
+
+class EvaluationRow(_message.Message):
+    __slots__ = ("job_id", "round", "worker_id", "status", "reason", "loss", "accuracy", "num_samples", "model_version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    worker_id: str
+    status: str
+    reason: str
+    loss: float
+    accuracy: float
+    num_samples: int
+    model_version: int
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., status: _Optional[str] = ..., reason: _Optional[str] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., num_samples: _Optional[int] = ..., model_version: _Optional[int] = ...) -> None: ...
 
 class ParticipantRow(_message.Message):
     __slots__ = ("job_id", "round", "worker_id", "status", "reason", "epsilon", "train_loss", "num_samples")
@@ -489,7 +613,7 @@ class WorkerRow(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., epsilon_spent: _Optional[float] = ..., epsilon_budget: _Optional[float] = ..., last_seen_seconds_ago: _Optional[float] = ..., active: _Optional[bool] = ...) -> None: ...
 
 class JobRow(_message.Message):
-    __slots__ = ("job_id", "status", "rounds_done", "rounds_total", "error", "submitter", "name", "category", "created_unix", "updated_unix", "spec_json", "mode")
+    __slots__ = ("job_id", "status", "rounds_done", "rounds_total", "error", "submitter", "name", "category", "created_unix", "updated_unix", "spec_json", "mode", "waiting")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_DONE_FIELD_NUMBER: _ClassVar[int]
@@ -502,6 +626,7 @@ class JobRow(_message.Message):
     UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     status: str
     rounds_done: int
@@ -514,19 +639,52 @@ class JobRow(_message.Message):
     updated_unix: float
     spec_json: str
     mode: str
-    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[str] = ..., rounds_done: _Optional[int] = ..., rounds_total: _Optional[int] = ..., error: _Optional[str] = ..., submitter: _Optional[str] = ..., name: _Optional[str] = ..., category: _Optional[str] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., spec_json: _Optional[str] = ..., mode: _Optional[str] = ...) -> None: ...
+    waiting: str
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[str] = ..., rounds_done: _Optional[int] = ..., rounds_total: _Optional[int] = ..., error: _Optional[str] = ..., submitter: _Optional[str] = ..., name: _Optional[str] = ..., category: _Optional[str] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., spec_json: _Optional[str] = ..., mode: _Optional[str] = ..., waiting: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("jobs", "rounds", "workers", "participants")
+    __slots__ = ("jobs", "rounds", "workers", "participants", "evaluations")
     JOBS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    EVALUATIONS_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobRow]
     rounds: _containers.RepeatedCompositeFieldContainer[RoundRow]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerRow]
     participants: _containers.RepeatedCompositeFieldContainer[ParticipantRow]
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobRow, _Mapping]]] = ..., rounds: _Optional[_Iterable[_Union[RoundRow, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerRow, _Mapping]]] = ..., participants: _Optional[_Iterable[_Union[ParticipantRow, _Mapping]]] = ...) -> None: ...
+    evaluations: _containers.RepeatedCompositeFieldContainer[EvaluationRow]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobRow, _Mapping]]] = ..., rounds: _Optional[_Iterable[_Union[RoundRow, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerRow, _Mapping]]] = ..., participants: _Optional[_Iterable[_Union[ParticipantRow, _Mapping]]] = ..., evaluations: _Optional[_Iterable[_Union[EvaluationRow, _Mapping]]] = ...) -> None: ...
+
+class SiteRecordRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class SiteJobRow(_message.Message):
+    __slots__ = ("job_id", "status", "epsilon", "rounds", "shared")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    status: str
+    epsilon: float
+    rounds: int
+    shared: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[str] = ..., epsilon: _Optional[float] = ..., rounds: _Optional[int] = ..., shared: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SiteRecordReply(_message.Message):
+    __slots__ = ("worker", "jobs", "epsilon_recorded")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_RECORDED_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerRow
+    jobs: _containers.RepeatedCompositeFieldContainer[SiteJobRow]
+    epsilon_recorded: float
+    def __init__(self, worker: _Optional[_Union[WorkerRow, _Mapping]] = ..., jobs: _Optional[_Iterable[_Union[SiteJobRow, _Mapping]]] = ..., epsilon_recorded: _Optional[float] = ...) -> None: ...
 
 class AbandonRoundRequest(_message.Message):
     __slots__ = ("job_id", "round")

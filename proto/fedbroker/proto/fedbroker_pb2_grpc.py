@@ -476,6 +476,11 @@ class CoordinatorStub:
                 request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.JobEventsRequest.SerializeToString,
                 response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.JobEvent.FromString,
                 _registered_method=True)
+        self.SiteRecord = channel.unary_unary(
+                '/fedbroker.v1.Coordinator/SiteRecord',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SiteRecordRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SiteRecordReply.FromString,
+                _registered_method=True)
         self.DownloadModel = channel.unary_stream(
                 '/fedbroker.v1.Coordinator/DownloadModel',
                 request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.DownloadModelRequest.SerializeToString,
@@ -510,6 +515,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SiteRecord(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DownloadModel(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -538,6 +549,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.JobEvents,
                     request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.JobEventsRequest.FromString,
                     response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.JobEvent.SerializeToString,
+            ),
+            'SiteRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.SiteRecord,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SiteRecordRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SiteRecordReply.SerializeToString,
             ),
             'DownloadModel': grpc.unary_stream_rpc_method_handler(
                     servicer.DownloadModel,
@@ -653,6 +669,33 @@ class Coordinator:
             '/fedbroker.v1.Coordinator/JobEvents',
             fedbroker_dot_proto_dot_fedbroker__pb2.JobEventsRequest.SerializeToString,
             fedbroker_dot_proto_dot_fedbroker__pb2.JobEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SiteRecord(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Coordinator/SiteRecord',
+            fedbroker_dot_proto_dot_fedbroker__pb2.SiteRecordRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.SiteRecordReply.FromString,
             options,
             channel_credentials,
             insecure,
