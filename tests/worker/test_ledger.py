@@ -128,3 +128,25 @@ def test_a_missing_ledger_is_a_warning_except_where_a_run_starts_its_workers_afr
     levels = {r.getMessage().split(":")[0]: r.levelname for r in caplog.records if "no privacy ledger" in r.getMessage()}
     assert levels == {f"no privacy ledger at {tmp_path / 'real-worker.json'}": "WARNING",
                       f"no privacy ledger at {tmp_path / 'demo-worker.json'}": "INFO"}
+
+
+def test_the_shared_log_survives_a_restart_and_charges_nothing(tmp_path):
+    path = str(tmp_path / "ledger.json")
+    ledger = PrivacyLedger(path, worker_id="site-a")
+    ledger.record("job-1", history=[(1.1, 0.01, 10)], epsilon=0.5)
+    ledger.note_shared("job-1", "histogram", epsilon=1.0)
+    ledger.note_shared("job-1", "evaluation", recipient="coordinator")
+    again = PrivacyLedger(path, worker_id="site-a")
+    assert [(s.job_id, s.what, s.epsilon) for s in again.shared()] == [("job-1", "histogram", 1.0),
+                                                                        ("job-1", "evaluation", 0.0)]
+    assert again.total_epsilon() == pytest.approx(0.5)  # the log notes ε charged elsewhere; it adds none
+
+
+def test_a_malformed_shared_log_is_refused(tmp_path):
+    path = tmp_path / "ledger.json"
+    PrivacyLedger(str(path), worker_id="site-a").note_shared("job-1", "histogram")
+    doc = json.loads(path.read_text())
+    doc["shared"][0].pop("what")
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match=r"shared\[0\]"):
+        PrivacyLedger(str(path), worker_id="site-a")

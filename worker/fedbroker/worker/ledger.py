@@ -28,6 +28,7 @@ import math
 import numbers
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -68,6 +69,18 @@ def below(total: float, other: float) -> bool:
 
 
 @dataclass(frozen=True)
+class Shared:
+    """One thing this site sent out about its data: to which job, what, when, and the ε it was charged (0 for
+    what costs no ε, e.g. an evaluation score; a release sent to a second job is charged once, at its draw)."""
+
+    job_id: str
+    what: str           # histogram | statistics | evaluation | ...
+    epsilon: float
+    time_unix: float
+    recipient: str      # coordinator | aggregator
+
+
+@dataclass(frozen=True)
 class Release:
     """A kept release (e.g. the noised label histogram): what was published and the ε of that draw."""
 
@@ -86,6 +99,7 @@ class PrivacyLedger:
         self.mark_path = path + MARK_SUFFIX
         self._lock = threading.Lock()
         self._releases: dict[str, _Release] = {}
+        self._shared: list[dict[str, Any]] = []
         self.worker_id: str | None = None  # as the file names it
         self._jobs: dict[str, _Entry] = self._load()
         self._check_mark()
@@ -162,6 +176,20 @@ class PrivacyLedger:
             self._write(self._jobs, releases)
             self._releases = releases
 
+    def note_shared(self, job_id: str, what: str, *, epsilon: float = 0.0, recipient: str = "coordinator") -> None:
+        """Log that something about this data left the site (what a site's `fedbroker ledger` lists). It charges
+        nothing: the ε is the one charged when the release was drawn (`record_release`), noted here for reading."""
+        entry = {"job_id": str(job_id), "what": str(what), "epsilon": float(epsilon), "time_unix": time.time(),
+                 "recipient": str(recipient)}
+        with self._lock:
+            self._write(self._jobs, self._releases, [*self._shared, entry])
+            self._shared.append(entry)
+
+    def shared(self) -> list[Shared]:
+        """Everything `note_shared` logged, oldest first."""
+        with self._lock:
+            return [Shared(**e) for e in self._shared]
+
     def jobs(self) -> dict[str, float]:
         """Job id → ε spent, for registration messages and metrics."""
         with self._lock:
@@ -200,6 +228,15 @@ class PrivacyLedger:
                                         "source_sha256": str(r["source_sha256"])}
             except (KeyError, TypeError, ValueError) as exc:
                 raise ConfigError(self.path, f"release {name!r} has a malformed ledger entry ({exc})") from None
+        shared = doc.get("shared", [])
+        if not isinstance(shared, list):
+            raise ConfigError(self.path, "shared must be a list")
+        for i, e in enumerate(shared):
+            try:
+                self._shared.append({"job_id": str(e["job_id"]), "what": str(e["what"]), "epsilon": float(e["epsilon"]),
+                                     "time_unix": float(e["time_unix"]), "recipient": str(e["recipient"])})
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ConfigError(self.path, f"shared[{i}] is a malformed ledger entry ({exc})") from None
         return jobs
 
     def _check_mark(self) -> None:
@@ -220,7 +257,8 @@ class PrivacyLedger:
                                          f"{self.mark_path} recorded: an older or edited ledger; restore the latest "
                                          f"one (refusing to start from less than was spent)")
 
-    def _write(self, jobs: dict[str, _Entry], releases: dict[str, _Release]) -> None:
+    def _write(self, jobs: dict[str, _Entry], releases: dict[str, _Release],
+               shared: list[dict[str, Any]] | None = None) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
         doc: dict[str, Any] = {"version": FORMAT_VERSION, "jobs": jobs}
@@ -228,6 +266,9 @@ class PrivacyLedger:
             doc["worker_id"] = self.worker_id
         if releases:
             doc["releases"] = releases
+        shared = self._shared if shared is None else shared
+        if shared:
+            doc["shared"] = shared
         write_atomic(self.path, json.dumps(doc, indent=1, sort_keys=True).encode())
         # After the ledger: a crash in between leaves a mark below the ledger, which is allowed.
         write_atomic(self.mark_path, json.dumps({"total_epsilon": _total(jobs, releases)}).encode())
