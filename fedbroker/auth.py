@@ -53,7 +53,8 @@ from fedbroker.rpc import REASON_KEY
 log = logging.getLogger(__name__)
 
 ROLE_COORDINATOR = "coordinator"   # runs rounds: OpenRound, PutGlobalModel, CloseRound, RoundStatus, Download
-ROLE_WORKER = "worker"             # a data owner: Download, UploadUpdate (its own id only), RoundStatus
+ROLE_WORKER = "worker"             # a data owner: Download, UploadUpdate (its own id only), RoundStatus; its
+                                   # own SiteRecord on the coordinator
 ROLE_SUBMITTER = "submitter"       # a data scientist: SubmitJob and Status on the coordinator
 ROLE_VIEWER = "viewer"             # read-only: Status on the coordinator
 ROLES = frozenset({ROLE_COORDINATOR, ROLE_WORKER, ROLE_SUBMITTER, ROLE_VIEWER})

@@ -183,3 +183,16 @@ class EpsilonCorrection:
     ledger_sha256: str
     ledger_epsilon: float
     note: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SiteJobRecord:
+    """One job as the coordinator recorded it for one site (`fedbroker ledger` on that site): the ε the site
+    reported for the job (the highest, as each report is the job's total on its data), the rounds in which the
+    site trained, and what else the site sent the job (histogram, statistics, evaluation)."""
+
+    job_id: str
+    status: JobStatus
+    epsilon: float
+    rounds: int
+    shared: tuple[str, ...]

@@ -3,7 +3,8 @@ shell over Coordinator and StateStore.
 
 With a token table (fedbroker.auth) a submitter's token may submit jobs and read everything; a viewer's may
 read (Status, JobEvents). Only the identity that submitted a job may cancel it or download its models: the
-job records its submitter. Without a table (authentication off) anyone may.
+job records its submitter. A site's (role worker) may call SiteRecord, for itself only, and nothing else
+(site_record.py). Without a table (authentication off) anyone may.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fedbroker import codec
 from fedbroker.auth import (
     ROLE_SUBMITTER,
     ROLE_VIEWER,
+    ROLE_WORKER,
     ClientSecurity,
     Identity,
     ServerAuth,
@@ -33,6 +35,7 @@ from fedbroker.coordinator import metrics
 from fedbroker.coordinator.checkpoints import load_checkpoint
 from fedbroker.coordinator.records import FINISHED, JobRecord, RoundRecord, RoundStatus
 from fedbroker.coordinator.scheduler import Coordinator
+from fedbroker.coordinator.site_record import site_record_reply, who_may_read
 from fedbroker.errors import ConfigError, FedbrokerError, NotFound, Rejection, UploadRejected
 from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -48,6 +51,7 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "JobEvents": frozenset({ROLE_SUBMITTER, ROLE_VIEWER}),
     "CancelJob": frozenset({ROLE_SUBMITTER}),       # and only the job's own submitter (`_own_job`)
     "DownloadModel": frozenset({ROLE_SUBMITTER}),   # likewise
+    "SiteRecord": frozenset({ROLE_WORKER}),         # a site's own record only (`who_may_read`)
 }
 MAX_FOLLOWERS = 4           # JobEvents streams held open at once: each holds one of the server's 8 threads
 FOLLOW_STREAM_S = 300.0     # one following stream's life; the client resumes after its last event
@@ -149,6 +153,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         finally:
             if request.follow:
                 self._followers.release()
+
+    def SiteRecord(self, request: pb.SiteRecordRequest, context: grpc.ServicerContext) -> pb.SiteRecordReply:
+        """A site's own record: the ε recorded for it and its jobs (site_record.py); no one else's."""
+        def run() -> pb.SiteRecordReply:
+            worker_id = who_may_read(self._caller(context), request.worker_id)
+            return site_record_reply(self.coordinator.store, worker_id,
+                                     heartbeat_timeout_s=self.coordinator.heartbeat_timeout_s)
+
+        return handle(context, run)
 
     def DownloadModel(self, request: pb.DownloadModelRequest, context: grpc.ServicerContext) -> Iterator[pb.ModelChunk]:
         """A closed round's global model (default: the last one) from the coordinator's checkpoint."""
@@ -272,6 +285,12 @@ class CoordinatorClient:
                                           timeout=max(self.timeout_s, 600.0), metadata=self._md)
         header, tensors, _ = codec.receive(stream, max_bytes=max_bytes)
         return header, tensors
+
+    def site_record(self, worker_id: str = "") -> pb.SiteRecordReply:
+        """This site's record at the coordinator ("": the caller's own, named by its token)."""
+        reply: pb.SiteRecordReply = self._stub.SiteRecord(pb.SiteRecordRequest(worker_id=worker_id),
+                                                          timeout=self.timeout_s, metadata=self._md)
+        return reply
 
     def close(self) -> None:
         """Close the channel."""

@@ -1,6 +1,7 @@
 """The part of the coordinator's state store (`StateStore`, which mixes it in) that keeps a worker's ε honest:
 what the tasks it was issued can add to its ε (the control queue's bound on a reported jump), the audit trail of
-operators' corrections, and the asynchronous trainings whose ε no version records.
+operators' corrections, the asynchronous trainings whose ε no version records, and a site's own record (its jobs,
+their ε and what it shared with each: the SiteRecord call, which a site compares with its ledger).
 
 Its tables are created on first use, so a state file written before them gets them then. As in store.py, every
 write is one transaction and no SQLite row leaves the store: reads return records.
@@ -8,12 +9,13 @@ write is one transaction and no SQLite row leaves the store: reads return record
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fedbroker.coordinator.records import EpsilonCorrection, ParticipantStatus
+from fedbroker.coordinator.records import EpsilonCorrection, JobStatus, ParticipantStatus, SiteJobRecord
 
 T = TypeVar("T")
 
@@ -25,7 +27,15 @@ CREATE TABLE IF NOT EXISTS epsilon_corrections (
     old REAL NOT NULL, new REAL NOT NULL, ledger_sha256 TEXT NOT NULL, ledger_epsilon REAL NOT NULL,
     note TEXT NOT NULL DEFAULT ''
 );
+CREATE TABLE IF NOT EXISTS site_shares (
+    job_id TEXT NOT NULL, worker_id TEXT NOT NULL, what TEXT NOT NULL, time REAL NOT NULL,
+    PRIMARY KEY (job_id, worker_id, what)
+);
 """
+# A participant's row that shows the site trained in that round: an update received, or ε reported with a failure.
+_TRAINED = "(p.status IN ('uploaded', 'aggregated', 'discarded') OR p.epsilon IS NOT NULL)"
+# what a site shared is a short name (histogram, statistics, evaluation), never its content
+_SHARE_NAME = re.compile(r"[a-z][a-z0-9_.-]{0,63}")
 MAX_SUMMARY_CHARS = 2000  # a round-0 row's summary of an asynchronous job's trainings never aggregated
 
 
@@ -116,3 +126,31 @@ class EpsilonTables:
                         f"task {task}: trained, not aggregated (ε {epsilon:.4g}): {reason}"))
 
         self._write(f"record a training of worker {worker_id!r} for job {job_id!r}", write)
+
+    def note_site_share(self, job_id: str, worker_id: str, what: str) -> None:
+        """Record that a site sent `what` (histogram, statistics, evaluation) to a job: the coordinator's side of
+        the site's shared log, listed by `site_jobs`. Noting it again changes nothing but the time."""
+        if not _SHARE_NAME.fullmatch(what):
+            raise ValueError(f"a share's name is 1-64 lower-case letters, digits, '_', '.' or '-', got {what!r}")
+        self._epsilon_tables()
+        self._write(f"record that worker {worker_id!r} shared its {what} with job {job_id!r}",
+                    lambda db: db.execute("INSERT OR REPLACE INTO site_shares (job_id, worker_id, what, time)"
+                                          " VALUES (?, ?, ?, ?)", (job_id, worker_id, what, time.time())))
+
+    def site_jobs(self, worker_id: str) -> list[SiteJobRecord]:
+        """Every job the site took part in or shared with, oldest first: its status, the highest ε the site
+        reported for it (0 when it never trained), the rounds (asynchronous: versions) in which it trained, and
+        what it shared."""
+        self._epsilon_tables()
+        rows = self._exec(
+            "SELECT j.job_id, j.status, COALESCE(MAX(p.epsilon), 0) AS epsilon,"
+            f" COALESCE(SUM(CASE WHEN p.round > 0 AND {_TRAINED} THEN 1 ELSE 0 END), 0) AS rounds,"
+            " (SELECT GROUP_CONCAT(what, ',') FROM (SELECT what FROM site_shares s WHERE s.job_id = j.job_id"
+            "   AND s.worker_id = ? ORDER BY what)) AS shared"
+            " FROM jobs j LEFT JOIN participants p ON p.job_id = j.job_id AND p.worker_id = ?"
+            " WHERE EXISTS (SELECT 1 FROM participants q WHERE q.job_id = j.job_id AND q.worker_id = ?)"
+            "    OR EXISTS (SELECT 1 FROM site_shares s WHERE s.job_id = j.job_id AND s.worker_id = ?)"
+            " GROUP BY j.job_id ORDER BY j.created, j.job_id", (worker_id, worker_id, worker_id, worker_id))
+        return [SiteJobRecord(job_id=r["job_id"], status=JobStatus(r["status"]), epsilon=float(r["epsilon"]),
+                              rounds=int(r["rounds"]), shared=tuple(r["shared"].split(",")) if r["shared"] else ())
+                for r in rows]
