@@ -69,14 +69,22 @@ def coordinator_doc(project: Project) -> dict[str, Any]:
     }
 
 
+# A site's worker serves /metrics on its own host only (its ε, budget, tasks): the site's Prometheus scrapes it
+# there; nothing on the network reads it unless the site sets metrics_addr (project.yaml: sites[i].worker).
+SITE_METRICS = {"metrics_port": 9400, "metrics_addr": "127.0.0.1"}
+
+
 def worker_doc(project: Project, site: Site) -> dict[str, Any]:
-    """A site's worker config (worker.yaml): its own worker section, with the id and categories the kit sets."""
-    worker = {"ledger_path": "state/ledger.json", **site.worker, "id": site.name, "categories": list(site.categories),
+    """A site's worker config (worker.yaml): its own worker section, with the id and categories the kit sets.
+    It names the coordinator too, which `fedbroker ledger` asks for the site's own record (SiteRecord)."""
+    worker = {"ledger_path": "state/ledger.json", **SITE_METRICS, **site.worker, "id": site.name,
+              "categories": list(site.categories),
               "coordinator_broker_user": broker_user(project, "coordinator")}  # it trains only the coordinator's tasks
     return {
         "broker": {"url_file": "secrets/broker-url", "ca_file": "ca.crt", "namespace": project.namespace,
                    "consumer_timeout_s": CONSUMER_TIMEOUT_S, **client_pair("tls/client")},
         "aggregator": {"target": target(project.host, project.aggregator_port)},
+        "coordinator": {"target": target(project.host, project.coordinator_port)},
         "client": {"token_file": "secrets/token", "ca_file": "ca.crt", **client_pair("tls/client")},
         "worker": worker,
     }

@@ -92,7 +92,9 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
     kit.write("tls/coordinator-client.key", key, secret=True)
     aggregator_table = {"coordinator": {"role": ROLE_COORDINATOR, "sha256": hash_token(tokens["coordinator"])},
                         **{s.name: {"role": ROLE_WORKER, "sha256": hash_token(tokens[s.name])} for s in project.sites}}
-    coordinator_table = {p.name: {"role": p.role, "sha256": hash_token(tokens[p.name])} for p in project.scientists}
+    # a site's token opens SiteRecord (its own record: `fedbroker ledger`) on the coordinator, and nothing else there
+    coordinator_table = {**{p.name: {"role": p.role, "sha256": hash_token(tokens[p.name])} for p in project.scientists},
+                         **{s.name: {"role": ROLE_WORKER, "sha256": hash_token(tokens[s.name])} for s in project.sites}}
     note = "# SHA-256 of each participant's token (fedbroker/auth.py): the tokens themselves are in their kits\n"
     kit.yaml("tokens/aggregator.yaml", aggregator_table, header=note, secret=True)
     kit.yaml("tokens/coordinator.yaml", coordinator_table or {}, header=note, secret=True)
