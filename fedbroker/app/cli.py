@@ -1,4 +1,4 @@
-"""The one command line: `fedbroker demo | aggregator | coordinator | worker | submit | status | jobs | workers`."""
+"""The one command line: `fedbroker demo | aggregator | coordinator | worker | submit | status | jobs | workers | ledger`."""
 
 from __future__ import annotations
 
@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Every verb's arguments; each verb's `run` is the function `main` calls."""
     from fedbroker.app.demo import DemoOptions
     from fedbroker.app.jobs import add_parser as add_jobs_parser
+    from fedbroker.app.ledger import add_parser as add_ledger_parser
     from fedbroker.app.provision.command import add_parser as add_provision_parser
     from fedbroker.app.simulate_cli import add_simulate
     from fedbroker.app.workers import add_parser as add_workers_parser
@@ -187,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_jobs_parser(sub)
     add_provision_parser(sub)
     add_workers_parser(sub)
+    add_ledger_parser(sub)
     token = sub.add_parser("token", help="make a bearer token and its token-table entry")
     token.add_argument("identity", help="who holds it: a worker's id, 'coordinator', a person")
     token.add_argument("--role", required=True, choices=["coordinator", "worker", "submitter", "viewer"])

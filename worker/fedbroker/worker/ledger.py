@@ -190,6 +190,11 @@ class PrivacyLedger:
         with self._lock:
             return [Shared(**e) for e in self._shared]
 
+    def releases(self) -> dict[str, float]:
+        """Release name → ε spent on all its draws (what the total counts; `release` gives the kept draw)."""
+        with self._lock:
+            return {name: float(r["epsilon"]) for name, r in self._releases.items()}
+
     def jobs(self) -> dict[str, float]:
         """Job id → ε spent, for registration messages and metrics."""
         with self._lock:
