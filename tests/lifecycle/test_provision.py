@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import NamedTuple
@@ -85,9 +86,15 @@ def test_each_kit_holds_its_own_token_and_the_server_holds_only_their_digests(ki
     alice = (kits / "scientists/alice/secrets/token").read_text().strip()
     assert coordinator_table.identify(alice).role == "submitter"
     assert table.identify(alice) is None  # a scientist's token opens nothing on the aggregation service
+    for site in ("hospital-a", "hospital-b"):  # a site's token reads its own record there (SiteRecord), no more
+        identity = coordinator_table.identify((kits / "sites" / site / "secrets/token").read_text().strip())
+        assert identity.name == site and identity.role == "worker"
     worker = yaml.safe_load((kits / "sites/hospital-b/worker.yaml").read_text())
     assert worker["worker"]["id"] == "hospital-b" and worker["worker"]["categories"] == ["digits", "scans"]
     assert worker["aggregator"]["target"] == "fl.example.org:50051"
+    assert worker["coordinator"] == {"target": "fl.example.org:50052"}  # what `fedbroker ledger --kit` asks
+    # metrics on, for the site's own host only
+    assert (worker["worker"]["metrics_port"], worker["worker"]["metrics_addr"]) == (9400, "127.0.0.1")
     assert (kits / "sites/hospital-a/secrets/broker-url").read_text().startswith(
         "amqps://study-hospital-a:")
 
@@ -276,12 +283,14 @@ def test_a_round_runs_over_tls_from_the_kits_alone(private_rabbitmq, tmp_path, m
     kit's rabbitmq.conf does: that leg of mutual TLS is not exercised here)."""
     broker = private_rabbitmq
     name = f"loop{uuid.uuid4().hex[:6]}"
-    ports = {"coordinator_port": free_port(), "aggregator_port": free_port(), "broker_port": free_port()}
+    ports = {"coordinator_port": free_port(), "aggregator_port": free_port(), "broker_port": free_port(),
+             "metrics_port": free_port()}
+    server = {k: v for k, v in ports.items() if k != "metrics_port"}
     project = parse_project({
         "name": name,
-        "server": {"host": "localhost", "listen": "127.0.0.1", "namespace": f"fedbroker-{name}", **ports},
+        "server": {"host": "localhost", "listen": "127.0.0.1", "namespace": f"fedbroker-{name}", **server},
         "sites": [{"name": "site0", "worker": {"dp": {"enabled": False}, "heartbeat_s": 1, "device": "cpu",
-                                                 "torch_threads": 1}}],
+                                                 "torch_threads": 1, "metrics_port": ports["metrics_port"]}}],
         "scientists": [{"name": "sci"}],
     })
     out = tmp_path / "kits"
@@ -320,6 +329,7 @@ def test_a_round_runs_over_tls_from_the_kits_alone(private_rabbitmq, tmp_path, m
         assert status == "completed", (shown, _logs(logs))
         assert [(r["round"], r["status"], r["aggregated"]) for r in shown["rounds"]] == [(1, "closed", 1)]
         assert proxy.connections >= 2  # the coordinator and the worker came in over AMQPS
+        _assert_the_site_sees_its_ledger_and_record(out / "sites/site0", job_id, ports["metrics_port"], capsys)
 
         _assert_grpc_is_mutual_tls_only((out / "sites/site0/ca.crt").read_bytes(),
                                         (ports["coordinator_port"], ports["aggregator_port"]))
@@ -344,6 +354,25 @@ def test_a_round_runs_over_tls_from_the_kits_alone(private_rabbitmq, tmp_path, m
         delete_topology(broker.url, f"fedbroker-{name}", ["site0", "ghost"])
         for user in users:  # the session's later tests share the node
             broker.ctl("delete_user", user)
+
+
+def _assert_the_site_sees_its_ledger_and_record(kit: Path, job_id: str, metrics_port: int, capsys) -> None:
+    """`fedbroker ledger --kit` asks the coordinator over mutual TLS with the kit's own certificate and token (the
+    kit names the coordinator): its record holds the job; the worker's metrics are served on the site's host."""
+    assert main(["ledger", "--kit", str(kit), "--json"]) == 0
+    view = json.loads(capsys.readouterr().out)
+    remote = view["coordinator"]
+    assert remote["error"] == "" and remote["worker"]["worker_id"] == "site0"
+    assert [(j["job_id"], j["status"], j["rounds"]) for j in remote["jobs"]] == [(job_id, "completed", 1)]
+    assert view["agreement"]["status"] == "agree", view["agreement"]
+    uploaded = 'fedbroker_worker_tasks_total{outcome="uploaded",worker_id="site0"} 1.0'
+    deadline = time.monotonic() + 60  # the worker counts its upload as it finishes the task: just after the close
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as page:
+            if uploaded in page.read().decode():
+                break
+        assert time.monotonic() < deadline, "the site's worker never counted its upload on /metrics"
+        time.sleep(0.2)
 
 
 def _assert_grpc_is_mutual_tls_only(ca: bytes, ports: tuple[int, ...]) -> None:

@@ -208,6 +208,36 @@ class TestProvisionedServices:
         sci.close()
 
 
+    def test_a_sites_kit_reads_only_its_own_record_and_nothing_else_on_the_coordinator(self, kits):
+        """With its own certificate and token a site is admitted to SiteRecord for itself (NOT_FOUND: it never
+        registered here, so the call got past authentication), refused for another site and for Status; its
+        certificate with another site's token is refused naming both."""
+        client = kits.coordinator_client(cert_of="site-a", token_of="site-a")
+        try:
+            with pytest.raises(grpc.RpcError) as own:
+                client.site_record("site-a")
+            assert own.value.code() == grpc.StatusCode.NOT_FOUND, own.value.details()
+            assert "no worker 'site-a' is registered" in own.value.details()
+            with pytest.raises(grpc.RpcError) as other:
+                client.site_record("site-b")
+            assert other.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "'site-a' may read only its own record, not worker 'site-b'" in other.value.details()
+            with pytest.raises(grpc.RpcError) as status:
+                client.status()
+            assert status.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "'site-a' (role worker) may not call Status" in status.value.details()
+        finally:
+            client.close()
+        mixed = kits.coordinator_client(cert_of="site-a", token_of="site-b")
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                mixed.site_record("site-b")
+        finally:
+            mixed.close()
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "certificate names 'site-a' but the bearer token names 'site-b'" in info.value.details()
+
+
 # ----- a TLS port without a client CA: the token alone, as before -------------------------------------
 
 
