@@ -169,7 +169,9 @@ def _site_kit(project: Project, folder: Path, ca: Authority, site: Site, token: 
     cert, key = ca.client(site.name)
     kit.write("tls/client.crt", cert)
     kit.write("tls/client.key", key, secret=True)
-    kit.yaml("worker.yaml", worker_doc(project, site), header=f"# The worker of {site.name} (start.sh). Your data, your DP policy: edit the worker section.\n"
+    doc = worker_doc(project, site)
+    metrics = doc["worker"]
+    kit.yaml("worker.yaml", doc, header=f"# The worker of {site.name} (start.sh). Your data, your DP policy: edit the worker section.\n"
               f"# Keep state/ledger.json (your privacy ledger) across restarts and upgrades.\n")
     kit.write("start.sh", _script(f"the worker of {site.name}", "worker --config worker.yaml"), executable=True)
     kit.write("README.md", (
@@ -182,7 +184,14 @@ def _site_kit(project: Project, folder: Path, ca: Authority, site: Site, token: 
         f"nothing connects in.\n"
         f"3. Keep `secrets/` and `tls/client.key` private (0600): `secrets/token` and `tls/client.*` are your "
         f"identity, `secrets/broker-url` your broker login. Keep `state/ledger.json`: it records the privacy "
-        f"you have spent.\n"))
+        f"you have spent.\n"
+        f"4. See what you spent and shared: `fedbroker ledger --config worker.yaml` in this folder (or `fedbroker "
+        f"ledger --kit PATH` from anywhere; `--json` for a document): ε in total, per job and per release, your "
+        f"budget left, what left this site for which job and when, beside the coordinator's record of you (at "
+        f"{target(project.host, project.coordinator_port)}, asked with your token and certificate: a site reads "
+        f"its own record and nothing else there). The worker serves Prometheus metrics (its ε, budget, tasks) on "
+        f"http://{metrics['metrics_addr']}:{metrics['metrics_port']}/metrics for your own Prometheus "
+        f"(`metrics_addr` and `metrics_port` in worker.yaml; 127.0.0.1 keeps it off the network).\n"))
     return folder
 
 
