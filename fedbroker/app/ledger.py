@@ -43,7 +43,6 @@ class SiteConfig:
     """The worker's config with its file paths made absolute, and whether it names the coordinator to ask."""
 
     config: Config
-    where: str                 # the config file read
     names_coordinator: bool    # coordinator.target set in the file or the environment, and a token to send
 
 
@@ -57,10 +56,9 @@ def site_config(args: argparse.Namespace) -> SiteConfig:
     if not os.path.isfile(path):
         raise ConfigError("--kit" if args.kit else "--config", f"no worker config at {path}")
     base = os.path.abspath(args.kit or os.getcwd())
-    config = load_config(path)
-    config = _rebased(config, base)
+    config = _rebased(load_config(path), base)
     named = _names_coordinator(path) and bool(config.client.token or config.client.token_file)
-    return SiteConfig(config, path, named)
+    return SiteConfig(config, named)
 
 
 def _rebased(config: Config, base: str) -> Config:
