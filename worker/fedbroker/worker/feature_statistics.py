@@ -16,6 +16,7 @@ textbook σ = Δ·sqrt(2 ln(1.25/δ))/ε holds only for ε < 1 (and is looser th
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +47,11 @@ def gaussian_sigma(*, epsilon: float, delta: float, sensitivity: float) -> float
     if not (math.isfinite(epsilon) and epsilon > 0 and 0 < delta < 1 and math.isfinite(sensitivity)
             and sensitivity > 0):
         raise ValueError(f"need ε > 0, 0 < δ < 1 and sensitivity > 0, got {epsilon}, {delta}, {sensitivity}")
+    return _unit_sigma(float(epsilon), float(delta)) * sensitivity
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_sigma(epsilon: float, delta: float) -> float:
     hi = 1.0
     while gaussian_delta(hi, epsilon=epsilon, sensitivity=1.0) > delta:
         hi *= 2.0
@@ -58,7 +64,7 @@ def gaussian_sigma(*, epsilon: float, delta: float, sensitivity: float) -> float
             hi = mid
         else:
             lo = mid
-    return hi * sensitivity
+    return hi
 
 
 def feature_bounds(lower: Sequence[float], upper: Sequence[float], features: int) -> tuple[np.ndarray, np.ndarray]:
