@@ -35,6 +35,7 @@ class Site:
         self.coordinator = InProcessBus(namespace=namespace, user="coordinator")
         self.forger = InProcessBus(namespace=namespace, user="site-b")
         self.replies: queue.Queue[pb.ShareReply] = queue.Queue()
+        self.epsilon_reported: list[float] = []  # by heartbeats, in order
         self.agent = WorkerAgent(self.config, self.worker_bus)
         self.coordinator.consume_control(self._on_control)
         self.agent.start()
@@ -45,6 +46,8 @@ class Site:
         message = envelope.decode(delivery.body, expect=("registration", "heartbeat", "share_reply"))
         if message.HasField("share_reply"):
             self.replies.put(message.share_reply)
+        if message.HasField("heartbeat"):
+            self.epsilon_reported.append(message.heartbeat.epsilon_spent)
         delivery.ack()
 
     def ask(self, request: pb.ShareRequest) -> pb.ShareReply:
@@ -88,6 +91,7 @@ def test_the_histogram_alone_when_only_it_is_asked(site: Site) -> None:
     assert not reply.feature_sum and reply.count == 0 and not reply.statistics_noised
     assert [(s.job_id, s.what, s.epsilon) for s in site.agent.ledger.shared()] == [("dwfed-job", "histogram", 1.0)]
     assert site.agent.ledger.total_epsilon() == pytest.approx(1.0)
+    assert site.epsilon_reported[-1] == pytest.approx(1.0)  # a heartbeat told the coordinator at once
 
 
 def test_both_releases_when_both_are_asked_in_rescaled_units(site: Site) -> None:
