@@ -164,3 +164,18 @@ def test_a_training_task_whose_preprocessing_contradicts_the_policy_is_refused_b
     other = parse_model(STANDARDISED if model is PLAIN else PLAIN)  # the model its data fits trains
     result = agent._train(task, TrainingConfig(), (1, other.to_json(), initial_weights(other, seed=0)))
     assert result.epsilon is None and set(result.state) == set(parameter_shapes(other))
+
+
+def test_at_start_the_worker_logs_in_one_line_what_it_will_share(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="fedbroker.worker.agent"):
+        s = Site(tmp_path)
+    try:
+        (line,) = [r.getMessage() for r in caplog.records if "shares on a job's request only" in r.getMessage()]
+        n = len(s.agent.y)
+        assert line == (f"worker site-a registers {n} training samples of shape [1, 8, 8], 10 classes; shares on a "
+                        f"job's request only: label histogram noised (Laplace, ε 1), feature statistics noised "
+                        f"(Gaussian, ε 1, δ 1e-06); data.standardize federated; DP-SGD noise 1, clip 1, δ 1e-06, "
+                        f"ε budget 10 (0 spent)")
+    finally:
+        s.close()
