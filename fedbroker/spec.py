@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.layers import LAYERS, ParamKind, ShapeProblem
+from fedbroker.layers import LAYERS, ParamKind, ShapeProblem, check_values
 from fedbroker.yamltext import load_yaml
 
 MAX_WIDTH = 65_536
@@ -277,6 +277,11 @@ def _is_int(value: Any) -> bool:
 
 
 def _check_param(errors: _Collector, where: str, kind: ParamKind, value: Any) -> Any:
+    if kind in ("values", "positive_values"):
+        value, problems = check_values(value, positive=kind == "positive_values", show=_show)
+        for suffix, problem in problems:
+            errors.add(f"{where}{suffix}", problem)
+        return value
     if kind == "width":
         ok, limit = _is_int(value) and 1 <= value <= MAX_WIDTH, f"an integer in [1, {MAX_WIDTH}]"
     elif kind == "kernel":
@@ -361,6 +366,8 @@ def parse_model(raw: Any, *, errors: _Collector | None = None, where: str = "mod
             if kind not in LAYERS:
                 errors.add(f"{at}.type", f"unknown layer type {_show(kind)}; allowed: {', '.join(sorted(LAYERS))}")
                 continue
+            if LAYERS[kind].first_only and i:
+                errors.add(f"{at}.type", f"{kind} must be the first layer: it describes the model's input")
             allowed = LAYERS[kind].params
             params: dict[str, Any] = {}
             for key in sorted(set(layer) - {"type"} - set(allowed)):
