@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="fedbroker", usage="%(prog)s [-h] [--version] COMMAND ...")
     parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     # the verbs are listed by fedbroker.app.help (grouped, in the epilog), not by argparse's one long line
-    sub = cast("Subcommands", parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+    sub = cast("Subcommands", parser.add_subparsers(prog="fedbroker", dest="command", required=True, metavar="COMMAND",
                                                     help=argparse.SUPPRESS))  # its verbs are Parsers too
     _add_demo(sub, defaults)
     add_new_parser(sub)

@@ -280,8 +280,8 @@ def test_a_round_runs_over_tls_from_the_kits_alone(private_rabbitmq, tmp_path, m
     project = parse_project({
         "name": name,
         "server": {"host": "localhost", "listen": "127.0.0.1", "namespace": f"fedbroker-{name}", **ports},
-        "sites": [{"name": "site0", "worker": {"dp": {"enabled": False}, "heartbeat_s": 1, "device": "cpu",
-                                                 "torch_threads": 1}}],
+        "sites": [{"name": "site0", "worker": {"dataset": "digits", "dp": {"enabled": False}, "heartbeat_s": 1,
+                                                 "device": "cpu", "torch_threads": 1}}],
         "scientists": [{"name": "sci"}],
     })
     out = tmp_path / "kits"
