@@ -98,6 +98,18 @@ def test_local_validation_exits_2_naming_config_or_file(tmp_path):
     assert one_error_line(done.stderr) == f"fedbroker status: file: {tmp_path}/missing.yaml: No such file or directory"
 
 
+def test_a_port_already_taken_is_one_config_line_not_a_traceback():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        done = run("aggregator", "--listen", address)
+    assert done.returncode == 2
+    assert one_error_line(done.stderr) == (
+        f"fedbroker aggregator: config: cannot listen on {address}: the port is taken, or the address is not one of "
+        f"this host's; choose another (--listen, or the service's `listen` setting)")
+
+
 def test_a_coordinator_out_of_reach_exits_1_with_the_coordinator_origin():
     done = run("status", "--coordinator", f"127.0.0.1:{free_port()}")
     assert done.returncode == 1

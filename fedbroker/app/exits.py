@@ -13,6 +13,7 @@ a script can tell whose problem it is without parsing the message. Ctrl-C exits 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import NoReturn
 
@@ -51,6 +52,10 @@ def classify(exc: BaseException, *, broker_url: str = "") -> tuple[int, str, str
         return REFUSED, "system", str(exc) or "timed out"
     if isinstance(exc, OSError):  # a path given on the command line or in a config, a port to bind
         return USAGE, "file" if exc.filename else "system", _os_message(exc)
+    bind = re.match(r"Failed to bind to address (\S+?);", str(exc)) if isinstance(exc, RuntimeError) else None
+    if bind:  # grpc's only word for a port in use: a RuntimeError
+        return USAGE, "config", (f"cannot listen on {bind.group(1)}: the port is taken, or the address is not one of "
+                                 f"this host's; choose another (--listen, or the service's `listen` setting)")
     return None
 
 
