@@ -1,4 +1,8 @@
-"""The one command line: `fedbroker demo | aggregator | coordinator | worker | submit | status | jobs | workers | ledger`."""
+"""The one command line, `fedbroker VERB`: `fedbroker --help` lists every verb (fedbroker.app.help).
+
+Exit codes and error lines follow one convention (fedbroker.app.exits): 0 ok, 1 refused by a service, 2 usage
+or local validation; each error is one line, `fedbroker VERB: ORIGIN: message`.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +15,11 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-import grpc
-
-from fedbroker.errors import ConfigError, FedbrokerError
+from fedbroker.app.exits import Parser, report
+from fedbroker.app.logs import setup_logging
+from fedbroker.errors import ConfigError
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -26,15 +30,11 @@ if TYPE_CHECKING:
 
     Subcommands: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
-# exit codes, one table: a bad config or job is the user's to fix (2); anything else we raise on purpose is 1.
-EXIT_CODES: list[tuple[type[BaseException], int]] = [(ConfigError, 2), (FedbrokerError, 1)]
-
-
 def _config(args: argparse.Namespace, overrides: dict[str, Any]) -> Config:
     from fedbroker.config import load_config
 
     config = load_config(getattr(args, "config", None), overrides=overrides)
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level)  # pika at WARNING unless log_level is DEBUG
     return config
 
 
@@ -71,8 +71,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     """Serve one data owner's tasks until SIGINT or SIGTERM; only over a real broker (a process of its own)."""
     from fedbroker.app.launch import broker_url, start_worker
+    from fedbroker.app.unfilled import refuse_unfilled
 
     config = _config(args, {"broker.url": args.broker, "worker.id": args.id})
+    refuse_unfilled(config.worker, args.config or "the worker's settings")  # a kit's data left FILL-IN
     if not broker_url(config):  # broker.url or broker.url_file (a kit's secrets/broker-url)
         raise ConfigError("broker.url", "a worker process needs a broker (amqp://...); the in-process bus "
                                         "only works inside `fedbroker demo`")
@@ -88,19 +90,6 @@ def _coordinator_client(args: argparse.Namespace) -> CoordinatorClient:
     from fedbroker.app.jobs import client
 
     return client(args)
-
-
-def cmd_submit(args: argparse.Namespace) -> int:
-    """Submit a job file and print its id; a bad job is refused here, before it travels."""
-    from fedbroker.submission import accept_job_text
-
-    with open(args.job, encoding="utf-8") as fh:
-        text = fh.read()
-    accept_job_text(text)  # refuse a bad job here, before it travels
-    client = _coordinator_client(args)
-    print(client.submit(text))
-    client.close()
-    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -119,7 +108,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """A whole federation on this machine, from the flags (fedbroker.app.demo)."""
     from fedbroker.app.demo import DemoOptions, run_demo
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.WARNING)
     options = DemoOptions(
         workers=args.workers, rounds=args.rounds, alpha=args.alpha, partition=args.partition, dp=args.dp,
         dataset=args.dataset, broker=args.broker or "", out=args.out, seed=args.seed,
@@ -137,7 +126,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from fedbroker.app.audit import run_audit
     from fedbroker.app.demo import DemoOptions
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.WARNING)
     options = DemoOptions(workers=args.workers, rounds=args.rounds, local_epochs=args.local_epochs, hidden=args.hidden,
                           partition=args.partition, dataset=args.dataset, broker=args.broker or "",
                           noise_multiplier=args.noise_multiplier, epsilon_budget=args.epsilon_budget, lr=args.lr)
@@ -169,22 +158,31 @@ def installed_version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every verb's arguments; each verb's `run` is the function `main` calls."""
+    from fedbroker.app import help as listing
     from fedbroker.app.demo import DemoOptions
     from fedbroker.app.jobs import add_parser as add_jobs_parser
     from fedbroker.app.ledger import add_parser as add_ledger_parser
+    from fedbroker.app.new import add_parser as add_new_parser
     from fedbroker.app.provision.command import add_parser as add_provision_parser
     from fedbroker.app.simulate_cli import add_simulate
+    from fedbroker.app.submit import add_parser as add_submit_parser
+    from fedbroker.app.teardown import add_parser as add_teardown_parser
     from fedbroker.app.workers import add_parser as add_workers_parser
 
     defaults = DemoOptions()
-    parser = argparse.ArgumentParser(prog="fedbroker", description=__doc__)
+    parser = Parser(prog="fedbroker", usage="%(prog)s [-h] [--version] COMMAND ...")
     parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # the verbs are listed by fedbroker.app.help (grouped, in the epilog), not by argparse's one long line
+    sub = cast("Subcommands", parser.add_subparsers(prog="fedbroker", dest="command", required=True, metavar="COMMAND",
+                                                    help=argparse.SUPPRESS))  # its verbs are Parsers too
     _add_demo(sub, defaults)
+    add_new_parser(sub)
     _add_services(sub)
     _add_audit(sub, defaults)
+    add_submit_parser(sub)
     _add_client_verbs(sub)
     add_simulate(sub)
+    add_teardown_parser(sub)
     add_jobs_parser(sub)
     add_provision_parser(sub)
     add_workers_parser(sub)
@@ -193,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("identity", help="who holds it: a worker's id, 'coordinator', a person")
     token.add_argument("--role", required=True, choices=["coordinator", "worker", "submitter", "viewer"])
     token.set_defaults(run=cmd_token)
+    listing.finish(parser, sub)  # last: it lists every verb registered above
     return parser
 
 
@@ -254,13 +253,7 @@ def _add_audit(sub: Subcommands, d: DemoOptions) -> None:
 
 
 def _add_client_verbs(sub: Subcommands) -> None:
-    """`submit` and `status`: a data scientist's calls to the coordinator."""
-    submit = sub.add_parser("submit", help="submit a job (YAML or JSON file)")
-    submit.add_argument("job")
-    submit.add_argument("--coordinator", help="host:port (default: coordinator.target, 127.0.0.1:50052)")
-    submit.add_argument("--config", help="YAML config with the client section (token, CA) and coordinator.target")
-    submit.set_defaults(run=cmd_submit)
-
+    """`status`: a data scientist's look at the coordinator (`submit` is fedbroker.app.submit)."""
     status = sub.add_parser("status", help="jobs, rounds and workers in a table")
     status.add_argument("--coordinator", help="host:port (default: coordinator.target, 127.0.0.1:50052)")
     status.add_argument("--config", help="YAML config with the client section (token, CA) and coordinator.target")
@@ -270,7 +263,7 @@ def _add_client_verbs(sub: Subcommands) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one verb; its errors become an exit code and one line on stderr, by the EXIT_CODES table."""
+    """Run one verb; its errors become an exit code and one line on stderr (fedbroker.app.exits)."""
     args = build_parser().parse_args(argv)
     try:
         code = int(args.run(args))
@@ -279,15 +272,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `fedbroker jobs logs ID | head`: stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a tool the pipe stopped
-    except grpc.RpcError as error:
-        print(f"fedbroker {args.command}: {error.code().name}: {error.details()}", file=sys.stderr)
-        return 1
     except BaseException as exc:
-        for cls, code in EXIT_CODES:
-            if isinstance(exc, cls):
-                print(f"fedbroker {args.command}: {exc}", file=sys.stderr)
-                return code
-        raise
+        reported = report(exc, args.command, broker_url=getattr(args, "broker", "") or "")
+        if reported is None:
+            raise
+        return reported
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fedbroker.app.progress import follow
 from fedbroker.errors import ConfigError, ConfigErrors, FedbrokerError
 from fedbroker.spec import JobSpec, ModelSpec, TrainingConfig, parse_job
 
@@ -403,7 +404,8 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     (run_dir / "job.json").write_text(json.dumps(job, indent=2))
     unit = "versions (async)" if options.mode == "async" else "rounds"
     privacy = (f"on (σ={options.noise_multiplier:g}, clip={options.max_grad_norm:g}, δ={options.delta:g}, planned ε "
-               f"{planned_epsilon(options, shards):.2f} of {options.epsilon_budget:g})" if options.dp else "off")
+               f"{planned_epsilon(options, shards):.2f} of its budget {options.epsilon_budget:g} per worker)"
+               if options.dp else "off")
     split = f"{options.partition}{f' α={options.alpha}' if options.partition == 'dirichlet' else ''}"
     print(f"fedbroker demo: {options.workers} workers, {demo_versions(options)} {unit}, {options.dataset} ({split}), "
           f"batch {options.batch_size}, {options.local_epochs} local epoch(s), DP {privacy}, "
@@ -414,7 +416,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         cluster.start()
         client = cluster.client()
         job_id = client.submit(json.dumps(job))
-        status = follow(client, job_id, options, cluster, tqdm)
+        status = follow(client, job_id, cluster, tqdm)
         client.close()
     finally:
         cluster.stop()
@@ -429,46 +431,6 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     if job_row.status == "failed":
         raise FederationFailed(f"the federation stopped after {job_row.rounds_done} round(s): {job_row.error}")
     return results
-
-
-def follow(client: CoordinatorClient, job_id: str, options: DemoOptions, cluster: Cluster, tqdm: Any) -> pb.StatusReply:
-    """Poll the coordinator: one progress bar per round (uploads received of participants); in async mode
-    one bar of versions."""
-    bars: dict[int, Any] = {}
-    versions = None
-    if options.mode == "async":
-        versions = tqdm(total=demo_versions(options), desc="versions", unit="version", dynamic_ncols=True)
-    while True:
-        cluster.check_alive()
-        status = client.status(job_id)
-        if versions is not None:
-            done = [r for r in status.rounds if r.status == "closed"]
-            if len(done) != versions.n:
-                versions.update(len(done) - versions.n)
-                versions.set_postfix_str(f"accuracy {done[-1].accuracy:.3f}, staleness {done[-1].mean_staleness:.2f}")
-        for r in status.rounds if versions is None else ():
-            bar = bars.get(r.round)
-            if bar is None:
-                # No rate: a round that closed between two polls would show thousands of uploads a second.
-                bar = bars[r.round] = tqdm(total=r.participants, desc=f"round {r.round}/{options.rounds}",
-                                           unit="upload", leave=True, dynamic_ncols=True,
-                                           bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} uploads [{elapsed}{postfix}]")
-            if bar.disable:
-                continue
-            if r.uploaded != bar.n:
-                bar.update(r.uploaded - bar.n)
-            if r.status != "open":
-                bar.set_postfix_str(f"accuracy {r.accuracy:.3f}" if r.status == "closed" else r.status)
-                bar.close()
-                bar.disable = True
-        job = status.jobs[0] if status.jobs else None
-        if job is not None and job.status in ("completed", "failed"):
-            for bar in bars.values():
-                bar.close()
-            if versions is not None:
-                versions.close()
-            return status
-        time.sleep(0.25)
 
 
 def collect_results(status: pb.StatusReply, job_id: str, options: DemoOptions, baseline: float, seconds: float) -> dict[str, Any]:

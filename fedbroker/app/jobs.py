@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import safetensors.numpy
 
-from fedbroker.app.status import render, table
+from fedbroker.app.status import one_line, render, table
 from fedbroker.errors import ConfigError
 from fedbroker.files import write_atomic
 
@@ -87,9 +87,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([as_dict(j) for j in jobs], indent=2))
     else:
-        print(table(["job", "name", "status", "rounds", "submitter", "submitted (UTC)"],
+        print(table(["job", "name", "status", "rounds", "submitter", "submitted (UTC)", "error"],
                     [[j.job_id, j.name, j.status, f"{j.rounds_done}/{j.rounds_total}", j.submitter or "-",
-                      _when(j.created_unix)] for j in jobs]))
+                      _when(j.created_unix), one_line(j.error)] for j in jobs]))
     return 0
 
 
@@ -193,24 +193,29 @@ def follow_events(c: Any, job_id: str, *, follow: bool) -> Iterator[Any]:
 ASYNC_KINDS = {"round_opened": "buffer_filled", "round_closed": "version_published"}  # an async job has versions, not rounds
 
 
+def print_events(c: Any, job_id: str, *, as_json: bool, follow: bool) -> None:
+    """The job's events, one line (or JSON object) each; with `follow`, until the job has ended."""
+    (job,) = c.status(job_id).jobs
+    mode = job.mode or "sync"
+    versions: dict[int, int] = {}
+    for e in follow_events(c, job_id, follow=follow):
+        if as_json:
+            print(json.dumps({**as_dict(e), "mode": mode}), flush=True)
+            continue
+        kind, where = e.kind, f"round {e.round}" if e.round else ""
+        if mode == "async" and e.round:
+            if e.round not in versions:  # the version a buffer made: from the job's rows, fetched as needed
+                versions.update({r.round: r.model_version for r in c.status(job_id).rounds})
+            kind = ASYNC_KINDS.get(kind, kind)
+            where = f"version {versions[e.round]}" if versions.get(e.round) else ""
+        print(f"{_when(e.time_unix)}  {kind:<16} {where:<11} {e.worker_id:<16} {e.message}".rstrip(), flush=True)
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     """`jobs logs ID [--follow]`: the job's events, one line (or JSON object) each."""
     c = client(args)
     try:
-        (job,) = c.status(args.job_id).jobs
-        mode = job.mode or "sync"
-        versions: dict[int, int] = {}
-        for e in follow_events(c, args.job_id, follow=args.follow):
-            if args.json:
-                print(json.dumps({**as_dict(e), "mode": mode}), flush=True)
-                continue
-            kind, where = e.kind, f"round {e.round}" if e.round else ""
-            if mode == "async" and e.round:
-                if e.round not in versions:  # the version a buffer made: from the job's rows, fetched as needed
-                    versions.update({r.round: r.model_version for r in c.status(args.job_id).rounds})
-                kind = ASYNC_KINDS.get(kind, kind)
-                where = f"version {versions[e.round]}" if versions.get(e.round) else ""
-            print(f"{_when(e.time_unix)}  {kind:<16} {where:<11} {e.worker_id:<16} {e.message}".rstrip(), flush=True)
+        print_events(c, args.job_id, as_json=args.json, follow=args.follow)
     except KeyboardInterrupt:
         return 130
     finally:

@@ -24,10 +24,11 @@ from fedbroker.app.demo import (
     FederationFailed,
     baseline_training,
     collect_results,
-    follow,
     plot,
     print_table,
 )
+from fedbroker.app.progress import dp_policy, follow
+from fedbroker.app.unfilled import refuse_unfilled
 from fedbroker.config import DPPolicy, WorkerConfig, load_config
 from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.spec import JobSpec
@@ -90,7 +91,9 @@ def simulation_data(options: SimulateOptions, job: JobSpec) -> WorkerConfig:
         # the file plus the data section's variables, as a worker would read them; the rest of a real worker's
         # environment (its broker, id, ledger) is no business of a simulation on this machine
         environ = {k: v for k, v in os.environ.items() if k.startswith(DATA_VARIABLES)}
-        return load_config(options.worker_config, environ=environ).worker
+        worker = load_config(options.worker_config, environ=environ).worker
+        refuse_unfilled(worker, options.worker_config)  # a kit's worker.yaml whose data is still FILL-IN
+        return worker
     name = options.dataset or job.evaluation.dataset
     if not name:
         raise ConfigError("--dataset", "the job names no evaluation set: give a bundled set (--dataset digits) "
@@ -140,13 +143,16 @@ def run_simulation(options: SimulateOptions) -> dict[str, Any]:
                        partition=options.partition, dp=data_config.dp.enabled if options.worker_config else options.dp,
                        dataset=data_config.dataset, broker=options.broker, out=options.out, seed=options.seed,
                        noise_multiplier=options.noise_multiplier, max_grad_norm=options.max_grad_norm,
-                       epsilon_budget=options.epsilon_budget)
+                       epsilon_budget=options.epsilon_budget, mode=job.schedule.mode)
     run_dir = Path(options.out) / f"simulate-{demo.run_id}"
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.json").write_text(json.dumps(json.loads(job.to_json()), indent=2))
-    print(f"fedbroker simulate: job {job.name!r} ({job.training.rounds} rounds), {options.workers} workers on "
-          f"{label} ({data_config.dataset}, {len(train)} training samples, {options.partition}), "
-          f"DP {'on' if demo.dp else 'off'}, bus {'RabbitMQ' if options.broker else 'in-process'}; run folder {run_dir}")
+    policy = data_config.dp if options.worker_config else demo  # the owner's file's policy, else the flags'
+    unit = "versions (async)" if job.schedule.mode == "async" else "rounds"
+    print(f"fedbroker simulate: job {job.name!r} ({job.training.rounds} {unit}), {options.workers} workers on "
+          f"{label} ({data_config.dataset}, {len(train)} training samples, {options.partition}), DP "
+          f"{dp_policy(enabled=demo.dp, noise_multiplier=policy.noise_multiplier, max_grad_norm=policy.max_grad_norm, delta=policy.delta, epsilon_budget=policy.epsilon_budget)}, "
+          f"bus {'RabbitMQ' if options.broker else 'in-process'}; run folder {run_dir}")
     cluster = SimulationCluster(demo, run_dir, data=data_config, category=job.category,
                                 own_policy=bool(options.worker_config))
     started = time.time()
@@ -154,7 +160,7 @@ def run_simulation(options: SimulateOptions) -> dict[str, Any]:
         cluster.start()
         client = cluster.client()
         job_id = client.submit(text)
-        status = follow(client, job_id, demo, cluster, tqdm)
+        status = follow(client, job_id, cluster, tqdm)
         client.close()
     finally:
         cluster.stop()

@@ -37,9 +37,10 @@ def add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the simulation the flags describe (fedbroker.app.simulate)."""
+    from fedbroker.app.logs import setup_logging
     from fedbroker.app.simulate import SimulateOptions, run_simulation
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.WARNING)
     run_simulation(SimulateOptions(
         job=args.job, workers=args.workers, partition=args.partition, alpha=args.alpha, dataset=args.dataset or "",
         worker_config=args.worker_config or "", dp=args.dp, noise_multiplier=args.noise_multiplier,

@@ -15,7 +15,12 @@ def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)  # an empty last cell leaves no trailing blanks
+
+
+def one_line(text: str) -> str:
+    """An error in full on one table row (never cut: the end of an error is often its reason)."""
+    return " ".join(text.split())
 
 
 def evaluated_jobs(status: Any) -> set[str]:
@@ -44,7 +49,7 @@ def render(status: Any, *, workers: bool = True) -> str:
     asynchronous = {j.job_id for j in status.jobs if j.mode == "async"}
     evaluated = evaluated_jobs(status)
     parts = ["JOBS", table(["job", "status", "mode", "rounds/versions", "error"],
-                           [[j.job_id, j.status, j.mode or "sync", f"{j.rounds_done}/{j.rounds_total}", j.error[:80]]
+                           [[j.job_id, j.status, j.mode or "sync", f"{j.rounds_done}/{j.rounds_total}", one_line(j.error)]
                             for j in status.jobs])]
     parts += ["", "ROUNDS", table(
         ["job", "round", "status", "uploaded", "aggregated", "accuracy", "loss", "train loss", "seconds"],

@@ -15,10 +15,11 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from fedbroker.bus.amqp_problem import ProblemLog
 from fedbroker.bus.base import mask_url
 from fedbroker.errors import BusError, ConfigError
 from fedbroker.retry import Backoff
@@ -67,6 +68,7 @@ class LinkSettings:
     reconnect: Backoff
     tls: ssl.SSLContext | None = None
     user: str = ""  # the URL's user name: every message is published with it as its (broker-validated) user_id
+    problems: ProblemLog = field(default_factory=ProblemLog, compare=False)  # both links say a problem once
 
 
 def url_user(url: str) -> str:
@@ -178,6 +180,7 @@ class Link:
     ) -> None:
         self.role = role
         self.masked_url = mask_url(settings.url)
+        self._url, self._problems = settings.url, settings.problems
         self._params = _connection_parameters(role, settings)
         self._reconnect = settings.reconnect
         self._on_connect = on_connect
@@ -274,6 +277,7 @@ class Link:
                 self._on_connect(conn)
                 self._conn = conn
                 self.connected.set()
+                self._problems.connected()
                 self._log_connected(again=ever_connected)
                 ever_connected = True
                 failures = 0
@@ -281,11 +285,7 @@ class Link:
             except _connection_errors() as exc:
                 delay = self._reconnect.delay(failures)
                 failures += 1
-                state = "lost" if self.connected.is_set() else "failed"
-                log.warning(
-                    "bus %s connection to %s %s (%s: %s); reconnecting in %.2fs",
-                    self.role, self.masked_url, state, type(exc).__name__, exc, delay,
-                )
+                self._problems.failed(self.role, exc, self._url, connected_before=self.connected.is_set(), delay=delay)
                 self._teardown(conn)
                 self._stop.wait(delay)
                 continue

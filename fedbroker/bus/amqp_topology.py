@@ -92,18 +92,25 @@ class TopologyDeclarer:
         ch.queue_bind(queue, exchange, routing_key=routing_key)
 
 
+def declared_names(names: Topology, worker_ids: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(queues, exchanges) that `TopologyDeclarer` declares for a namespace and these workers: what a teardown
+    removes. The events subscribers' queues are left out: they are exclusive and go with their connection."""
+    queues = [names.coordinator_queue, names.dead_queue, *(names.worker_queue(w) for w in worker_ids)]
+    exchanges = [names.tasks_exchange, names.control_exchange, names.events_exchange, names.dead_letter_exchange]
+    return queues, exchanges
+
+
 def delete_topology(url: str, namespace: str, worker_ids: Sequence[str]) -> None:
     """Remove a namespace's queues and exchanges from RabbitMQ (for short-lived demo and test namespaces)."""
     import pika
 
-    names = Topology(namespace)
+    queues, exchanges = declared_names(Topology(namespace), worker_ids)
     connection = pika.BlockingConnection(pika.URLParameters(url))
     try:
         channel = connection.channel()
-        for queue in [names.coordinator_queue, names.dead_queue, *(names.worker_queue(w) for w in worker_ids)]:
+        for queue in queues:
             channel.queue_delete(queue)
-        for exchange in (names.tasks_exchange, names.control_exchange, names.events_exchange,
-                         names.dead_letter_exchange):
+        for exchange in exchanges:
             channel.exchange_delete(exchange)
     finally:
         connection.close()

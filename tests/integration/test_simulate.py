@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,3 +93,22 @@ def test_simulate_over_rabbitmq_runs_every_component_as_a_process(tmp_path, rabb
     assert [r["clients"] for r in results["rounds"]] == [2, 2]
     assert {p.name for p in (run_dir / "logs").iterdir()} == {"aggregator.log", "coordinator.log", "worker-0.log",
                                                              "worker-1.log"}
+
+
+def test_simulate_of_an_async_job_shows_versions_and_states_the_dp_policy_first(tmp_path):
+    """The first line states the DP policy in full; an async job's progress (plain lines: stderr is a pipe here)
+    and its table are versions with their staleness, as the demo shows them."""
+    job = {**JOB, "training": {**JOB["training"], "rounds": 3},
+           "schedule": {**JOB["schedule"], "mode": "async", "buffer_size": 1, "max_staleness": 5}}
+    proc = simulate(tmp_path, job, "--workers", "2", "--noise-multiplier", "1.3", "--epsilon-budget", "50")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("fedbroker simulate: job 'try-it' (3 versions (async)), 2 workers"), first
+    assert "DP on (σ=1.3, clip=1, δ=1e-05, ε budget 50 per worker)" in first, first
+    assert "\r" not in proc.stderr
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("version ")]
+    assert len(progress) == 3 and all("mean staleness" in line for line in progress), proc.stderr
+    assert re.search(r"^ *version +clients +staleness +train loss +test acc", proc.stdout, re.M), proc.stdout
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["unit"] == "version" and len(results["rounds"]) == 3

@@ -289,8 +289,9 @@ def test_a_round_runs_over_tls_from_the_kits_alone(private_rabbitmq, tmp_path, m
     project = parse_project({
         "name": name,
         "server": {"host": "localhost", "listen": "127.0.0.1", "namespace": f"fedbroker-{name}", **server},
-        "sites": [{"name": "site0", "worker": {"dp": {"enabled": False}, "heartbeat_s": 1, "device": "cpu",
-                                                 "torch_threads": 1, "metrics_port": ports["metrics_port"]}}],
+        "sites": [{"name": "site0", "worker": {"dataset": "digits", "dp": {"enabled": False}, "heartbeat_s": 1,
+                                                 "device": "cpu", "torch_threads": 1,
+                                                 "metrics_port": ports["metrics_port"]}}],
         "scientists": [{"name": "sci"}],
     })
     out = tmp_path / "kits"

@@ -230,6 +230,6 @@ def test_a_worker_process_refuses_a_nan_parquet_at_start_before_registering(tmp_
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        f"fedbroker worker: worker.data.path: {path} column 'a', row index 1: nan is not a finite number")
+        f"fedbroker worker: config: worker.data.path: {path} column 'a', row index 1: nan is not a finite number")
     assert not ledger.exists()  # no ledger opened, so no ε could have been spent
     assert "register" not in done.stderr.lower()

@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import quote
 
 from fedbroker.app.provision.project import Project, Site, config_problems
+from fedbroker.app.unfilled import names_no_data, placeholders
 from fedbroker.errors import ConfigError
 
 # The consumer timeout of held tasks, the same in every kit: the broker's own (rabbitmq.conf), and every
@@ -77,7 +78,9 @@ SITE_METRICS = {"metrics_port": 9400, "metrics_addr": "127.0.0.1"}
 def worker_doc(project: Project, site: Site) -> dict[str, Any]:
     """A site's worker config (worker.yaml): its own worker section, with the id and categories the kit sets.
     It names the coordinator too, which `fedbroker ledger` asks for the site's own record (SiteRecord)."""
-    worker = {"ledger_path": "state/ledger.json", **SITE_METRICS, **site.worker, "id": site.name,
+    # a site named without its data gets FILL-IN there, which its worker refuses to start with (app/unfilled.py)
+    data = placeholders() if names_no_data(site.worker) else {}
+    worker = {"ledger_path": "state/ledger.json", **SITE_METRICS, **data, **site.worker, "id": site.name,
               "categories": list(site.categories),
               "coordinator_broker_user": broker_user(project, "coordinator")}  # it trains only the coordinator's tasks
     return {

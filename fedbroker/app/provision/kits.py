@@ -9,6 +9,7 @@ import secrets
 import shutil
 from pathlib import Path
 
+from fedbroker.app import unfilled
 from fedbroker.app.provision import k8s
 from fedbroker.app.provision.authority import Authority
 from fedbroker.app.provision.configs import (
@@ -172,12 +173,15 @@ def _site_kit(project: Project, folder: Path, ca: Authority, site: Site, token: 
     doc = worker_doc(project, site)
     metrics = doc["worker"]
     kit.yaml("worker.yaml", doc, header=f"# The worker of {site.name} (start.sh). Your data, your DP policy: edit the worker section.\n"
-              f"# Keep state/ledger.json (your privacy ledger) across restarts and upgrades.\n")
+              f"# Keep state/ledger.json (your privacy ledger) across restarts and upgrades.\n"
+              + (unfilled.HEADER if unfilled.names_no_data(site.worker) else ""))
     kit.write("start.sh", _script(f"the worker of {site.name}", "worker --config worker.yaml"), executable=True)
     kit.write("README.md", (
         f"# {site.name}: your kit for the {project.name} federation\n\n"
         f"1. {_INSTALL} Then edit the `worker` section of `worker.yaml`: your data "
-        f"set and your differential-privacy policy (`dp`), which no job can override.\n"
+        f"set and your differential-privacy policy (`dp`), which no job can override."
+        + (f" Until you name your data there, `worker.yaml` says `{unfilled.FILL_IN}` in its place and the worker "
+           f"refuses to start." if unfilled.names_no_data(site.worker) else "") + "\n"
         f"2. Start it: `./start.sh` (or `FEDBROKER='python -m fedbroker' ./start.sh`). It connects out to the "
         f"broker at {target(project.host, project.broker_port)} (AMQPS) and the aggregation service at "
         f"{target(project.host, project.aggregator_port)} (gRPC over TLS), both verified against `ca.crt`; "

@@ -1,0 +1,121 @@
+"""The demo's and simulate's progress while a job runs, and the DP policy their first line states.
+
+On a terminal: a tqdm bar per round (uploads of participants), or one bar of versions for an asynchronous job.
+Elsewhere (a file, a pipe, CI) a bar is a line of carriage returns: then one plain line per round or version as
+it ends. Whether the job has rounds or versions is the job's own `mode`, as the coordinator reports it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedbroker.proto import fedbroker_pb2 as pb
+
+ENDED = ("completed", "failed", "cancelled")
+
+
+def dp_policy(*, enabled: bool, noise_multiplier: float, max_grad_norm: float, delta: float,
+              epsilon_budget: float) -> str:
+    """`on (σ=…, clip=…, δ=…, ε budget … per worker)` or `off`: the policy every worker trains under."""
+    if not enabled:
+        return "off"
+    return (f"on (σ={noise_multiplier:g}, clip={max_grad_norm:g}, δ={delta:g}, ε budget {epsilon_budget:g} "
+            f"per worker)")
+
+
+def _round_line(r: Any, total: int) -> str:
+    score = f", accuracy {r.accuracy:.3f}" if r.status == "closed" else ""
+    return (f"round {r.round}/{total} {r.status}: {r.uploaded}/{r.participants} uploads, {r.aggregated} aggregated"
+            f"{score} ({r.seconds:.1f}s)")
+
+
+def _version_line(r: Any, total: int) -> str:
+    return (f"version {r.model_version} ({r.round}/{total}): {r.aggregated} update(s), mean staleness "
+            f"{r.mean_staleness:.2f}, accuracy {r.accuracy:.3f} ({r.seconds:.1f}s)")
+
+
+class _Plain:
+    """One line per round or version as it ends."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self.said: set[int] = set()
+
+    def show(self, status: Any, *, asynchronous: bool, total: int) -> None:
+        for r in status.rounds:
+            if r.status != "open" and r.round not in self.said:
+                self.said.add(r.round)
+                print(_version_line(r, total) if asynchronous and r.status == "closed" else _round_line(r, total),
+                      file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """Nothing to close: every line is out."""
+
+
+class _Bars:
+    """tqdm bars: one per round (uploads of participants), or one of versions."""
+
+    def __init__(self, tqdm: Any, stream: IO[str]) -> None:
+        self.tqdm, self.stream = tqdm, stream
+        self.rounds: dict[int, Any] = {}
+        self.versions: Any = None
+
+    def show(self, status: Any, *, asynchronous: bool, total: int) -> None:
+        if asynchronous:
+            self._versions(status, total)
+            return
+        for r in status.rounds:
+            bar = self.rounds.get(r.round)
+            if bar is None:
+                # No rate: a round that closed between two polls would show thousands of uploads a second.
+                bar = self.rounds[r.round] = self.tqdm(
+                    total=r.participants, desc=f"round {r.round}/{total}", unit="upload", leave=True,
+                    dynamic_ncols=True, file=self.stream,
+                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} uploads [{elapsed}{postfix}]")
+            if bar.disable:
+                continue
+            if r.uploaded != bar.n:
+                bar.update(r.uploaded - bar.n)
+            if r.status != "open":
+                bar.set_postfix_str(f"accuracy {r.accuracy:.3f}" if r.status == "closed" else r.status)
+                bar.close()
+                bar.disable = True
+
+    def _versions(self, status: Any, total: int) -> None:
+        if self.versions is None:
+            self.versions = self.tqdm(total=total, desc="versions", unit="version", dynamic_ncols=True,
+                                      file=self.stream)
+        done = [r for r in status.rounds if r.status == "closed"]
+        if len(done) != self.versions.n:
+            self.versions.update(len(done) - self.versions.n)
+            self.versions.set_postfix_str(f"accuracy {done[-1].accuracy:.3f}, staleness {done[-1].mean_staleness:.2f}")
+
+    def close(self) -> None:
+        for bar in self.rounds.values():
+            bar.close()
+        if self.versions is not None:
+            self.versions.close()
+
+
+def follow(client: Any, job_id: str, cluster: Any, tqdm: Any, *, stream: IO[str] | None = None,
+           poll_s: float = 0.25) -> pb.StatusReply:
+    """Poll the coordinator until the job ends, showing its progress on `stream` (default stderr): bars on a
+    terminal, plain lines elsewhere. `cluster.check_alive()` stops the wait when a process of it died."""
+    out = stream if stream is not None else sys.stderr
+    view: _Plain | _Bars = _Bars(tqdm, out) if out.isatty() else _Plain(out)
+    try:
+        while True:
+            cluster.check_alive()
+            status = client.status(job_id)
+            job = status.jobs[0] if status.jobs else None
+            if job is not None:
+                view.show(status, asynchronous=job.mode == "async", total=job.rounds_total)
+                if job.status in ENDED:
+                    reply: pb.StatusReply = status
+                    return reply
+            time.sleep(poll_s)
+    finally:
+        view.close()
