@@ -17,6 +17,7 @@ from fedbroker.spec import (
     JobSpec,
     ModelSpec,
     ScheduleConfig,
+    TrainingConfig,
     job_from_text,
     matched_layers,
     output_shapes,
@@ -37,10 +38,12 @@ def alignment_problems(spec: ModelSpec) -> list[str]:
     return problems
 
 
-def job_problems(*, aggregation: AggregationConfig, model: ModelSpec) -> list[ConfigError]:
+def job_problems(*, aggregation: AggregationConfig, model: ModelSpec,
+                 training: TrainingConfig | None = None) -> list[ConfigError]:
     """What the catalogue refuses in a job: an unknown algorithm or parameter, an alignment that cannot align
-    its model, a probe set the model cannot read. A `fedbroker.spec.JobCheck`: parse_job reports these with
-    its own."""
+    its model, a probe set the model cannot read, a selection its rounds never use as it says (a GA job whose
+    training.rounds never reaches a GA round). A `fedbroker.spec.JobCheck`: parse_job reports these with its
+    own."""
     problems: list[ConfigError] = []
     try:
         settings = aggregation_settings(aggregation)
@@ -50,6 +53,8 @@ def job_problems(*, aggregation: AggregationConfig, model: ModelSpec) -> list[Co
         problems.append(exc)
     else:
         problems.extend(_probe_problems(settings.selection.params.probe_set, model))
+        never = settings.selection.params.rounds_problem(training.rounds) if training is not None else None
+        problems.extend([never] if never is not None else [])
     traits = ALIGNMENTS.traits(aggregation.alignment)  # an unknown name is reported above, and checked as one
     if (traits is None or traits.aligns_units) and model.layers:
         problems.extend(ConfigError("aggregation.alignment", f"{aggregation.alignment} cannot align this model: {p}")
