@@ -91,15 +91,21 @@ def _coordinator_client(args: argparse.Namespace) -> CoordinatorClient:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    """Submit a job file and print its id; a bad job is refused here, before it travels."""
+    """Submit a job file and print its id (the coordinator's warnings about it on stderr); a bad job is refused
+    here, before it travels."""
     from fedbroker.submission import accept_job_text
 
     with open(args.job, encoding="utf-8") as fh:
         text = fh.read()
     accept_job_text(text)  # refuse a bad job here, before it travels
     client = _coordinator_client(args)
-    print(client.submit(text))
-    client.close()
+    try:
+        reply = client.submit_job(text)
+    finally:
+        client.close()
+    print(reply.job_id)
+    for warning in reply.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 
