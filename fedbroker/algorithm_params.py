@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from numbers import Integral, Real
 
 import numpy as np
@@ -215,17 +215,9 @@ class PFNMParams(AlignmentParams):
                   lambda: check_choice("output_weighting", self.output_weighting, OUTPUT_WEIGHTINGS))
 
     def matching_params(self) -> MatchingParams:
-        """The engine's parameters (checked on the way, so a bad prior fails at submission)."""
-        return MatchingParams(
-            sigma2=self.sigma2,
-            sigma0_2=self.sigma0_2,
-            gamma0=self.gamma0,
-            iterations=self.iterations,
-            popularity_coef=self.popularity_coef,
-            count_clip=self.count_clip,
-            max_global_width=self.max_global_width,
-            bias_prior_mean=self.bias_prior_mean,
-        )
+        """The engine's parameters, those this algorithm has (PFNM: no KL term; checked on the way, every bad one
+        at once, so a bad prior fails at submission)."""
+        return MatchingParams(**{f.name: getattr(self, f.name) for f in fields(MatchingParams) if hasattr(self, f.name)})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,11 +227,6 @@ class NAFIParams(PFNMParams):
     lam: float = 0.01
     kl_mode: str = "exact"
     kl_count_clip: int = 10
-
-    def matching_params(self) -> MatchingParams:
-        """PFNM's engine parameters with the KL term's."""
-        return replace(super().matching_params(), lam=self.lam, kl_mode=self.kl_mode,
-                       kl_count_clip=self.kl_count_clip)
 
 
 # ---------------------------------------------------------------- weighting

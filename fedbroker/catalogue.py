@@ -197,5 +197,5 @@ def _choose(catalogue: Catalogue[P], name: str, params: Mapping[str, Any],
     try:
         return catalogue.choose(name, params)
     except ConfigError as exc:
-        errors.append(exc)
+        errors.extend(getattr(exc, "errors", [exc]))
         return None
