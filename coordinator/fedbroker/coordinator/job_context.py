@@ -61,8 +61,10 @@ class JobContext:
 
     def poll(self, check: Callable[[], tuple[bool, T]], *, within_s: float) -> tuple[bool, T]:
         """`check()` every poll interval until it says done or `within_s` passes; its last answer either way.
-        A stopping coordinator ends the wait at once (`Stopped`), a cancel at its next look."""
+        A stopping coordinator ends the wait at once (`Stopped`), a cancel at its next look (the first one
+        included: a cancelled job does not start waiting, nor say why it would)."""
         deadline = time.monotonic() + within_s
+        self.halt_if_cancelled()
         while True:
             done, value = check()
             if done or time.monotonic() >= deadline:
