@@ -228,7 +228,7 @@ class Coordinator:
         self.store.add_job(job_id, job.name, job.to_json(), job.training.rounds, job.model.to_json(),
                            submitter=submitter)
         for warning in warnings:
-            log.warning("job %s: %s", job_id, warning)
+            log.info("job %s accepted with a warning: %s", job_id, warning)
             try:
                 self.store.note_event(job_id, "warning", warning)
             except StateUnavailable as exc:  # the job is recorded: it runs, and the submitter is told anyway
