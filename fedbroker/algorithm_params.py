@@ -17,7 +17,7 @@ from numbers import Integral, Real
 
 import numpy as np
 
-from fedbroker.errors import ConfigError
+from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.spec import EVALUATION_SETS, STALENESS_FUNCTIONS
 
 # ---------------------------------------------------------------- value checks (ValueError naming the parameter)
@@ -457,21 +457,24 @@ class Staleness:
 def staleness_function(kind: str, params: Mapping[str, object] | None = None, *,
                        where: str = "schedule") -> Staleness:
     """The named staleness function with its parameters (defaults filled in); a bad name or value raises
-    a ConfigError naming the field (`<where>.staleness`, `<where>.staleness_params.<name>`)."""
+    a ConfigError naming the field (`<where>.staleness`, `<where>.staleness_params.<name>`), every one at once."""
     if kind not in STALENESS_FUNCTIONS:
         raise ConfigError(f"{where}.staleness", f"must be one of {', '.join(STALENESS_FUNCTIONS)}, got {kind!r}")
     given = dict(params or {})
     defaults = STALENESS_DEFAULTS[kind]
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        known = ", ".join(sorted(defaults)) or "none"
-        raise ConfigError(f"{where}.staleness_params.{unknown[0]}", f"is not a parameter of {kind!r} (it takes: {known})")
+    known = ", ".join(sorted(defaults)) or "none"
+    problems = [ConfigError(f"{where}.staleness_params.{name}", f"is not a parameter of {kind!r} (it takes: {known})")
+                for name in sorted(set(given) - set(defaults))]
     values = {**defaults}
-    for name, value in given.items():
+    for name, value in sorted(given.items()):
+        if name not in defaults:
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{where}.staleness_params.{name}", f"must be a finite number, got {value!r}")
-        values[name] = float(value)
-    for name, value in values.items():  # a < 0 would make s grow with τ; hinge's b is a staleness in versions
-        if not 0.0 <= value <= 1000.0:
-            raise ConfigError(f"{where}.staleness_params.{name}", f"must be in [0, 1000], got {value:g}")
+            problems.append(ConfigError(f"{where}.staleness_params.{name}", f"must be a finite number, got {value!r}"))
+        elif not 0.0 <= value <= 1000.0:  # a < 0 would make s grow with τ; hinge's b is a staleness in versions
+            problems.append(ConfigError(f"{where}.staleness_params.{name}", f"must be in [0, 1000], got {value:g}"))
+        else:
+            values[name] = float(value)
+    if problems:
+        raise problems[0] if len(problems) == 1 else ConfigErrors(problems)
     return Staleness(kind, values.get("a", 0.0), values.get("b", 0.0))

@@ -533,12 +533,11 @@ def _raise_all(problems: list[ConfigError]) -> None:
 
 
 class JobCheck(Protocol):
-    """A check beyond the parser's (the algorithm catalogue's: see fedbroker.submission.accept_job). It gets
-    the aggregation section, the model and the training section (None when it has problems of its own) as parsed
-    so far; parse_job reports its problems together with its own."""
+    """A check beyond the parser's (the algorithm catalogue's: fedbroker.submission.accept_job), given the sections
+    as parsed so far (training None when it has problems of its own); parse_job reports its problems with its own."""
 
-    def __call__(self, *, aggregation: AggregationConfig, model: ModelSpec,
-                 training: TrainingConfig | None) -> list[ConfigError]:
+    def __call__(self, *, aggregation: AggregationConfig, model: ModelSpec, training: TrainingConfig | None,
+                 schedule: ScheduleConfig) -> list[ConfigError]:
         """The check's problems, each naming its field."""
 
 
@@ -569,7 +568,7 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     # alignment none), which this check passes, so it never echoes them
     errors.errors.extend(mode_problems(schedule=schedule, aggregation=aggregation))
     if check is not None:
-        errors.errors.extend(check(aggregation=aggregation, model=model,
+        errors.errors.extend(check(aggregation=aggregation, model=model, schedule=schedule,
                                    training=training if trained_as_written else None))
     errors.raise_if_any()
     return JobSpec(

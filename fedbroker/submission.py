@@ -38,13 +38,18 @@ def alignment_problems(spec: ModelSpec) -> list[str]:
     return problems
 
 
-def job_problems(*, aggregation: AggregationConfig, model: ModelSpec,
-                 training: TrainingConfig | None = None) -> list[ConfigError]:
+def job_problems(*, aggregation: AggregationConfig, model: ModelSpec, training: TrainingConfig | None = None,
+                 schedule: ScheduleConfig | None = None) -> list[ConfigError]:
     """What the catalogue refuses in a job: an unknown algorithm or parameter, an alignment that cannot align
     its model, a probe set the model cannot read, a selection its rounds never use as it says (a GA job whose
-    training.rounds never reaches a GA round). A `fedbroker.spec.JobCheck`: parse_job reports these with its
-    own."""
+    training.rounds never reaches a GA round), an async job's staleness function or parameters. A
+    `fedbroker.spec.JobCheck`: parse_job reports these with its own."""
     problems: list[ConfigError] = []
+    if schedule is not None:
+        try:
+            schedule_problem(schedule)
+        except ConfigError as exc:
+            problems.extend(getattr(exc, "errors", [exc]))
     try:
         settings = aggregation_settings(aggregation)
     except ConfigErrors as exc:
@@ -89,13 +94,9 @@ def schedule_problem(schedule: ScheduleConfig) -> None:
 
 def accept_job(raw: object) -> JobSpec:
     """A job given as a mapping (parsed YAML/JSON), validated in full; raises ConfigError(s) naming each bad field."""
-    job = parse_job(raw, check=job_problems)
-    schedule_problem(job.schedule)
-    return job
+    return parse_job(raw, check=job_problems)
 
 
 def accept_job_text(text: str) -> JobSpec:
     """A job given as YAML or JSON text, validated in full (see accept_job)."""
-    job = job_from_text(text, check=job_problems)
-    schedule_problem(job.schedule)
-    return job
+    return job_from_text(text, check=job_problems)

@@ -142,3 +142,13 @@ def test_a_coordinator_config_with_several_bad_values_names_each(tmp_path: Any) 
     assert found["coordinator.strict_categories"] == "must be bool, got str 'maybe'"
     good = load_config(None, environ={"FEDBROKER__COORDINATOR__STRICT_CATEGORIES": "true"})
     assert good.coordinator.strict_categories is True
+
+
+def test_an_async_jobs_staleness_problems_come_with_every_other_problem() -> None:
+    job = copy.deepcopy(JOB)
+    job["training"]["rounds"] = 0
+    job["schedule"] = {"mode": "async", "staleness": "hinge", "staleness_params": {"a": -1, "b": "x", "c": 1}}
+    found = refused(job)
+    assert set(found) == {"training.rounds", "schedule.staleness_params.a", "schedule.staleness_params.b",
+                          "schedule.staleness_params.c"}, found
+    assert found["schedule.staleness_params.c"] == "is not a parameter of 'hinge' (it takes: a, b)"

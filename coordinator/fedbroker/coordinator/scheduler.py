@@ -42,7 +42,7 @@ from fedbroker.errors import ConfigError, ConfigErrors, Conflict, NotFound
 from fedbroker.metrics import BUSES
 from fedbroker.retry import retry_call
 from fedbroker.spec import JobSpec, job_from_json
-from fedbroker.submission import job_problems, schedule_problem
+from fedbroker.submission import job_problems
 
 log = logging.getLogger(__name__)
 
@@ -179,11 +179,8 @@ class Coordinator:
         The algorithm registries check the job's aggregation too, so an in-process caller that parsed the
         job without them (`parse_job`) cannot start rounds that the aggregation service would refuse.
         Returns the warnings of a job accepted with doubts (a category no registered worker serves)."""
-        problems = job_problems(aggregation=job.aggregation, model=job.model, training=job.training)
-        try:
-            schedule_problem(job.schedule)  # an async job's staleness settings
-        except ConfigError as exc:
-            problems.extend(getattr(exc, "errors", [exc]))
+        problems = job_problems(aggregation=job.aggregation, model=job.model, training=job.training,
+                                schedule=job.schedule)
         unserved = self._unserved(job)
         warnings = [f"{unserved}; the job waits up to schedule.wait_for_workers_s "
                     f"({job.schedule.wait_for_workers_s:g}s) for one to register"] if unserved else []
