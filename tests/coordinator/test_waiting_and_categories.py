@@ -63,7 +63,7 @@ class Deployment:
         self.store = StateStore(str(tmp_path / "coordinator.sqlite"))
         self.coordinator = Coordinator(bus=InProcessBus(namespace=f"wait-{tmp_path.name}"), store=self.store,
                                        aggregator=AggregatorClient(target), aggregator_target=target,
-                                       checkpoint_dir=str(tmp_path / "ck"), poll_interval_s=0.02,
+                                       checkpoint_dir=str(tmp_path / "ck"), poll_interval_s=0.02, safety_poll_s=0.02,
                                        strict_categories=strict, broker_consumer_timeout_s=broker_consumer_timeout_s)
         self.coordinator.start()
         self.server, port = serve(self.coordinator)
@@ -190,3 +190,19 @@ def test_a_long_list_of_reasons_is_cut_and_counted() -> None:
     assert text.count("its ε budget is spent") == MAX_LISTED and text.endswith("; and 3 more)")
     assert unaffordable({}, what="round 1", category="c", rule="schedule.min_clients is 1") == (
         "no active worker of category 'c' for round 1, schedule.min_clients is 1")
+
+
+def test_an_asynchronous_job_nobody_can_afford_says_why_and_clears_it_once_a_task_goes_out(
+        deployment: Deployment) -> None:
+    register(deployment.store, "site-a", STINGY)
+    job = {**JOB, "schedule": {"mode": "async", "min_workers": 1, "wait_for_workers_s": 300, "round_timeout_s": 300}}
+    job_id = deployment.client.submit(yaml.safe_dump(job))
+    reason = wait_for("the reason", lambda: deployment.job_row(job_id).waiting)
+    assert reason.startswith("0 of 1 active worker(s) of category 'clinic' can afford a task of this asynchronous "
+                             "job, one is needed (site-a: the round would cost ε "), reason
+    assert deployment.events(job_id, "waiting") == [reason]
+    deployment.coordinator.bus.declare_worker("site-a")  # its task queue: the task waits there, held until its deadline
+    register(deployment.store, "site-a", GENEROUS)
+    wait_for("a task handed out", lambda: deployment.job_row(job_id).waiting == "")
+    time.sleep(20 * deployment.coordinator.context.poll_interval_s)
+    assert deployment.job_row(job_id).waiting == "" and deployment.events(job_id, "waiting") == [reason]
