@@ -99,7 +99,8 @@ class RoundsProtocol:
 class PaperScaleProtocol:
     """NAFI's FCNN runs (Table 2: one hidden layer with S = 15…30, 2 and 3 hidden layers with S = 10) and 2–3
     hidden layers at S = 15…30, with the NAFI authors' hyper-parameters: σ0² = 0.5,
-    γ0 = 10, σ² = 1, output layer matched without class-share weights (`output_weighting: plain`). λ is chosen
+    γ0 = 10, σ² = 1, output weights matched without class-share weights, as their use_freq=False (`output_weighting:
+    plain`). λ is chosen
     per (depth, S, seed) on a validation split carved out of the training data (never the test set) from
     `lams`; the best λ on the *test* set is reported apart, labelled, as the optimistic best-of-grid number.
     Local models start from independent initialisations (fusing pre-trained models, PFNM's and NAFI's

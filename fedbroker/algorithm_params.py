@@ -11,16 +11,40 @@ each one.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from numbers import Integral, Real
 
 import numpy as np
 
-from fedbroker.errors import ConfigError
+from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.spec import EVALUATION_SETS, STALENESS_FUNCTIONS
 
 # ---------------------------------------------------------------- value checks (ValueError naming the parameter)
+
+
+class ParamErrors(ValueError):
+    """Several bad parameters of one algorithm, each a ValueError naming its parameter (`check_all`)."""
+
+    def __init__(self, errors: list[ValueError]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(str(e) for e in errors))
+
+
+def check_all(*checks: Callable[[], object]) -> None:
+    """Run every check and raise every problem they find at once, so a job is fixed in one pass."""
+    errors: list[ValueError] = []
+    for check in checks:
+        try:
+            check()
+        except ParamErrors as exc:
+            errors.extend(exc.errors)
+        except ValueError as exc:
+            errors.append(exc)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ParamErrors(errors)
 
 
 def check_choice(name: str, value: object, choices: Sequence[str]) -> None:
@@ -65,6 +89,11 @@ def require_int(name: str, value: object, minimum: int, maximum: int | None = No
         raise ValueError(f"{name} must be an integer {allowed}, got {value}")
 
 
+def _require(ok: bool, problem: str) -> None:
+    if not ok:
+        raise ValueError(problem)
+
+
 def _is_real(value: object) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         return False
@@ -105,14 +134,19 @@ class FedDNAParams(AlignmentParams):
     static_fallback: bool = True
 
     def __post_init__(self) -> None:
-        check_choice("variant", self.variant, VARIANTS)
-        check_choice("growth", self.growth, GROWTHS)
-        check_choice("distance", self.distance, DISTANCES)
-        check_choice("layers", self.layers, LAYER_CHOICES)
-        check_bool("include_bias_in_distance", self.include_bias_in_distance)
-        check_bool("weighted_means", self.weighted_means)
-        check_bool("static_fallback", self.static_fallback)
-        if self.freeze_after is not None:
+        check_all(
+            lambda: check_choice("variant", self.variant, VARIANTS),
+            lambda: check_choice("growth", self.growth, GROWTHS),
+            lambda: check_choice("distance", self.distance, DISTANCES),
+            lambda: check_choice("layers", self.layers, LAYER_CHOICES),
+            lambda: check_bool("include_bias_in_distance", self.include_bias_in_distance),
+            lambda: check_bool("weighted_means", self.weighted_means),
+            lambda: check_bool("static_fallback", self.static_fallback),
+            self._check_freeze_after,
+        )
+
+    def _check_freeze_after(self) -> None:
+        if self.freeze_after is not None:  # None: never freeze
             check_int("freeze_after", self.freeze_after, minimum=0, maximum=MAX_FREEZE_AFTER)
 
 
@@ -145,18 +179,21 @@ class MatchingParams:
     kl_count_clip: int = 10
 
     def __post_init__(self) -> None:
-        check_real("sigma2", self.sigma2, minimum=MIN_VARIANCE, strict=False, maximum=MAX_VARIANCE)
-        check_real("sigma0_2", self.sigma0_2, minimum=MIN_VARIANCE, strict=False, maximum=MAX_VARIANCE)
-        check_real("gamma0", self.gamma0, minimum=MIN_VARIANCE, strict=False, maximum=MAX_VARIANCE)
-        check_int("iterations", self.iterations, minimum=0, maximum=MAX_ITERATIONS)
-        check_real("popularity_coef", self.popularity_coef, minimum=0.0, strict=False, maximum=MAX_COEFFICIENT)
-        check_int("count_clip", self.count_clip, minimum=1, maximum=MAX_COUNT_CLIP)
-        check_int("max_global_width", self.max_global_width, minimum=1, maximum=MAX_GLOBAL_WIDTH)
-        check_real("bias_prior_mean", self.bias_prior_mean, minimum=-MAX_COEFFICIENT, strict=False,
-                   maximum=MAX_COEFFICIENT)
-        check_real("lam", self.lam, minimum=0.0, strict=False, maximum=MAX_COEFFICIENT)
-        check_choice("kl_mode", self.kl_mode, KL_MODES)
-        check_int("kl_count_clip", self.kl_count_clip, minimum=1, maximum=MAX_COUNT_CLIP)
+        check_all(
+            lambda: check_real("sigma2", self.sigma2, minimum=MIN_VARIANCE, strict=False, maximum=MAX_VARIANCE),
+            lambda: check_real("sigma0_2", self.sigma0_2, minimum=MIN_VARIANCE, strict=False, maximum=MAX_VARIANCE),
+            lambda: check_real("gamma0", self.gamma0, minimum=MIN_VARIANCE, strict=False, maximum=MAX_VARIANCE),
+            lambda: check_int("iterations", self.iterations, minimum=0, maximum=MAX_ITERATIONS),
+            lambda: check_real("popularity_coef", self.popularity_coef, minimum=0.0, strict=False,
+                               maximum=MAX_COEFFICIENT),
+            lambda: check_int("count_clip", self.count_clip, minimum=1, maximum=MAX_COUNT_CLIP),
+            lambda: check_int("max_global_width", self.max_global_width, minimum=1, maximum=MAX_GLOBAL_WIDTH),
+            lambda: check_real("bias_prior_mean", self.bias_prior_mean, minimum=-MAX_COEFFICIENT, strict=False,
+                               maximum=MAX_COEFFICIENT),
+            lambda: check_real("lam", self.lam, minimum=0.0, strict=False, maximum=MAX_COEFFICIENT),
+            lambda: check_choice("kl_mode", self.kl_mode, KL_MODES),
+            lambda: check_int("kl_count_clip", self.kl_count_clip, minimum=1, maximum=MAX_COUNT_CLIP),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,21 +211,13 @@ class PFNMParams(AlignmentParams):
     output_weighting: str = "class_share"
 
     def __post_init__(self) -> None:
-        self.matching_params()
-        check_choice("output_weighting", self.output_weighting, OUTPUT_WEIGHTINGS)
+        check_all(self.matching_params,
+                  lambda: check_choice("output_weighting", self.output_weighting, OUTPUT_WEIGHTINGS))
 
     def matching_params(self) -> MatchingParams:
-        """The engine's parameters (checked on the way, so a bad prior fails at submission)."""
-        return MatchingParams(
-            sigma2=self.sigma2,
-            sigma0_2=self.sigma0_2,
-            gamma0=self.gamma0,
-            iterations=self.iterations,
-            popularity_coef=self.popularity_coef,
-            count_clip=self.count_clip,
-            max_global_width=self.max_global_width,
-            bias_prior_mean=self.bias_prior_mean,
-        )
+        """The engine's parameters, those this algorithm has (PFNM: no KL term; checked on the way, every bad one
+        at once, so a bad prior fails at submission)."""
+        return MatchingParams(**{f.name: getattr(self, f.name) for f in fields(MatchingParams) if hasattr(self, f.name)})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,11 +227,6 @@ class NAFIParams(PFNMParams):
     lam: float = 0.01
     kl_mode: str = "exact"
     kl_count_clip: int = 10
-
-    def matching_params(self) -> MatchingParams:
-        """PFNM's engine parameters with the KL term's."""
-        return replace(super().matching_params(), lam=self.lam, kl_mode=self.kl_mode,
-                       kl_count_clip=self.kl_count_clip)
 
 
 # ---------------------------------------------------------------- weighting
@@ -261,9 +285,7 @@ class DWFedParams(WeightingParams):
     max_share: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.ish_form not in ISH_FORMS:
-            raise ValueError(f"ish_form must be one of {', '.join(ISH_FORMS)}, got {self.ish_form!r}")
-        check_max_share(self.max_share)
+        check_all(lambda: check_choice("ish_form", self.ish_form, ISH_FORMS), lambda: check_max_share(self.max_share))
 
     @property
     def proportional(self) -> bool:
@@ -294,6 +316,10 @@ class SelectionParams:
     def probe_set(self) -> str:
         """The probe set the selection evaluates models on ("" for none), checked against the model."""
         return ""
+
+    def rounds_problem(self, rounds: int) -> ConfigError | None:
+        """Why a job of `rounds` rounds would never use this selection as it says (None when it would)."""
+        return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -345,23 +371,35 @@ class GeneticParams(SelectionParams):
     probe_seed: int = 0
 
     def __post_init__(self) -> None:
-        require_int("m", self.m, 1, MAX_M)
-        require_int("population", self.population, 2, MAX_POPULATION)
-        require_int("generations", self.generations, 1, MAX_GENERATIONS)
-        require_int("ga_gap", self.ga_gap, 1, MAX_GA_GAP)
-        require_int("probe_size", self.probe_size, 1, MAX_PROBE_SIZE)
-        require_int("probe_seed", self.probe_seed, 0, MAX_PROBE_SEED)
-        if self.population * self.m > MAX_POPULATION_TIMES_M:
-            raise ValueError(f"population × m must be <= {MAX_POPULATION_TIMES_M}, got {self.population} × {self.m}")
-        if not _is_real(self.survival) or not 0.0 < self.survival < 1.0:
-            raise ValueError(f"survival must be a number in (0, 1), got {self.survival!r}")
-        if not _is_real(self.mutation_rate) or not 0.0 <= self.mutation_rate <= 1.0:
-            raise ValueError(f"mutation_rate must be a number in [0, 1], got {self.mutation_rate!r}")
-        if not _is_real(self.mu) or not 0.0 <= self.mu <= MAX_MU:
-            raise ValueError(f"mu must be a number in [0, {MAX_MU:g}], got {self.mu!r}")
-        if self.fitness not in FITNESS_MODES:
-            raise ValueError(f"fitness must be one of {', '.join(FITNESS_MODES)}, got {self.fitness!r}")
-        self._check_probe_dataset()
+        counts = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (self.population, self.m))
+        check_all(
+            lambda: require_int("m", self.m, 1, MAX_M),
+            lambda: require_int("population", self.population, 2, MAX_POPULATION),
+            lambda: require_int("generations", self.generations, 1, MAX_GENERATIONS),
+            lambda: require_int("ga_gap", self.ga_gap, 1, MAX_GA_GAP),
+            lambda: require_int("probe_size", self.probe_size, 1, MAX_PROBE_SIZE),
+            lambda: require_int("probe_seed", self.probe_seed, 0, MAX_PROBE_SEED),
+            lambda: _require(not counts or self.population * self.m <= MAX_POPULATION_TIMES_M,
+                             f"population × m must be <= {MAX_POPULATION_TIMES_M}, got {self.population} × {self.m}"),
+            lambda: _require(_is_real(self.survival) and 0.0 < self.survival < 1.0,
+                             f"survival must be a number in (0, 1), got {self.survival!r}"),
+            lambda: _require(_is_real(self.mutation_rate) and 0.0 <= self.mutation_rate <= 1.0,
+                             f"mutation_rate must be a number in [0, 1], got {self.mutation_rate!r}"),
+            lambda: _require(_is_real(self.mu) and 0.0 <= self.mu <= MAX_MU,
+                             f"mu must be a number in [0, {MAX_MU:g}], got {self.mu!r}"),
+            lambda: check_choice("fitness", self.fitness, FITNESS_MODES),
+            self._check_probe_dataset,
+        )
+
+    def rounds_problem(self, rounds: int) -> ConfigError | None:
+        """The GA runs in rounds ga_gap, 2·ga_gap, …: a job that never reaches one would choose at random in
+        every round while it says `ga`."""
+        if rounds >= self.ga_gap:
+            return None
+        return ConfigError("aggregation.selection_params.ga_gap", (
+            f"the genetic algorithm runs every ga_gap = {self.ga_gap} rounds (rounds {self.ga_gap}, {2 * self.ga_gap}, "
+            f"…), but training.rounds is {rounds}: every round would choose {self.m} update(s) at random. Set ga_gap "
+            f"to at most {rounds}, training.rounds to at least {self.ga_gap}, or use selection: random"))
 
     def _check_probe_dataset(self) -> None:
         field = "aggregation.selection_params.probe_dataset"
@@ -419,21 +457,24 @@ class Staleness:
 def staleness_function(kind: str, params: Mapping[str, object] | None = None, *,
                        where: str = "schedule") -> Staleness:
     """The named staleness function with its parameters (defaults filled in); a bad name or value raises
-    a ConfigError naming the field (`<where>.staleness`, `<where>.staleness_params.<name>`)."""
+    a ConfigError naming the field (`<where>.staleness`, `<where>.staleness_params.<name>`), every one at once."""
     if kind not in STALENESS_FUNCTIONS:
         raise ConfigError(f"{where}.staleness", f"must be one of {', '.join(STALENESS_FUNCTIONS)}, got {kind!r}")
     given = dict(params or {})
     defaults = STALENESS_DEFAULTS[kind]
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        known = ", ".join(sorted(defaults)) or "none"
-        raise ConfigError(f"{where}.staleness_params.{unknown[0]}", f"is not a parameter of {kind!r} (it takes: {known})")
+    known = ", ".join(sorted(defaults)) or "none"
+    problems = [ConfigError(f"{where}.staleness_params.{name}", f"is not a parameter of {kind!r} (it takes: {known})")
+                for name in sorted(set(given) - set(defaults))]
     values = {**defaults}
-    for name, value in given.items():
+    for name, value in sorted(given.items()):
+        if name not in defaults:
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{where}.staleness_params.{name}", f"must be a finite number, got {value!r}")
-        values[name] = float(value)
-    for name, value in values.items():  # a < 0 would make s grow with τ; hinge's b is a staleness in versions
-        if not 0.0 <= value <= 1000.0:
-            raise ConfigError(f"{where}.staleness_params.{name}", f"must be in [0, 1000], got {value:g}")
+            problems.append(ConfigError(f"{where}.staleness_params.{name}", f"must be a finite number, got {value!r}"))
+        elif not 0.0 <= value <= 1000.0:  # a < 0 would make s grow with τ; hinge's b is a staleness in versions
+            problems.append(ConfigError(f"{where}.staleness_params.{name}", f"must be in [0, 1000], got {value:g}"))
+        else:
+            values[name] = float(value)
+    if problems:
+        raise problems[0] if len(problems) == 1 else ConfigErrors(problems)
     return Staleness(kind, values.get("a", 0.0), values.get("b", 0.0))

@@ -25,6 +25,7 @@ from fedbroker.algorithm_params import (
     GeneticParams,
     NAFIParams,
     NoAlignmentParams,
+    ParamErrors,
     PFNMParams,
     RandomParams,
     SelectionParams,
@@ -96,28 +97,36 @@ class Catalogue(Generic[P]):
         return entry.traits if entry is not None else None
 
     def choose(self, name: str, params: Mapping[str, Any] | None = None) -> Choice[P]:
-        """`name` with `params` checked into its parameter class."""
+        """`name` with `params` checked into its parameter class; every unknown, missing or bad parameter is
+        raised at once, each named by its path."""
         entry = self.entry(name)
         given = dict(params or {})
         fields = [f for f in dataclasses.fields(entry.params) if f.init]
         known = {f.name for f in fields}
-        unknown = sorted(set(given) - known)
-        if unknown:
-            raise ConfigError(
-                f"aggregation.{self.kind}_params.{unknown[0]}",
-                f"unknown parameter for {self.kind} {name!r}; known: {', '.join(sorted(known)) or 'none'}",
-            )
+        where = f"aggregation.{self.kind}_params"
+        problems = [ConfigError(f"{where}.{key}", f"unknown parameter for {self.kind} {name!r}; known: "
+                                                  f"{', '.join(sorted(known)) or 'none'}")
+                    for key in sorted(set(given) - known)]
         required = sorted(f.name for f in fields if f.name not in given and f.default is dataclasses.MISSING
                           and f.default_factory is dataclasses.MISSING)
-        if required:
-            raise ConfigError(f"aggregation.{self.kind}_params.{required[0]}",
-                              f"required for {self.kind} {name!r} ({', '.join(required)} must be given)")
-        try:
-            return Choice(name, entry.params(**given), entry.traits)
-        except ConfigError:
-            raise
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"aggregation.{self.kind}_params", f"{name}: {exc}") from exc
+        problems += [ConfigError(f"{where}.{key}", f"required for {self.kind} {name!r} ({', '.join(required)} "
+                                                   f"must be given)") for key in required]
+        if not problems:
+            try:
+                return Choice(name, entry.params(**given), entry.traits)
+            except ParamErrors as exc:
+                problems = [self._named(name, e, known) for e in exc.errors]
+            except (TypeError, ValueError) as exc:
+                problems = [self._named(name, exc, known)]
+        raise problems[0] if len(problems) == 1 else ConfigErrors(problems)
+
+    def _named(self, name: str, exc: Exception, known: set[str]) -> ConfigError:
+        """A parameter class's error under its field's path (its message starts with the parameter's name)."""
+        if isinstance(exc, ConfigError):
+            return exc
+        first = str(exc).split(" ", 1)[0]
+        where = f"aggregation.{self.kind}_params" + (f".{first}" if first in known else "")
+        return ConfigError(where, f"{name}: {exc}")
 
 
 _ALIGNS = Traits(needs_update_set=True, aligns_units=True)
@@ -188,5 +197,5 @@ def _choose(catalogue: Catalogue[P], name: str, params: Mapping[str, Any],
     try:
         return catalogue.choose(name, params)
     except ConfigError as exc:
-        errors.append(exc)
+        errors.extend(getattr(exc, "errors", [exc]))
         return None

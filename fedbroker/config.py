@@ -112,6 +112,21 @@ class CoordinatorConfig:
     # heartbeat or outcome is refused unless its broker-validated user_id is mapped to its worker id. Empty =
     # not checked (any broker user may speak for any worker; logged at start). `fedbroker provision` writes it.
     worker_broker_users: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # a job whose category no registered worker serves: refused at submission (true), or accepted with a
+    # warning naming the known categories (false: a worker of it may register later)
+    strict_categories: bool = False
+
+    def __post_init__(self) -> None:
+        _raise_all(self.problems())
+
+    def problems(self) -> list[ConfigError]:
+        """Every bad value of the section at once (load_config has checked their types)."""
+        checks = (("max_running_jobs", self.max_running_jobs, self.max_running_jobs >= 1, "an integer >= 1"),
+                  ("heartbeat_timeout_s", self.heartbeat_timeout_s, self.heartbeat_timeout_s > 0, "seconds > 0"),
+                  ("safety_poll_s", self.safety_poll_s, 0 < self.safety_poll_s <= 3600, "seconds in (0, 3600]"),
+                  ("metrics_port", self.metrics_port, 0 <= self.metrics_port <= 65535, "a port in [0, 65535]"))
+        return [ConfigError(f"coordinator.{name}", f"must be {rule}, got {value!r}")
+                for name, value, ok, rule in checks if not ok]
 
 
 @dataclass(frozen=True)
@@ -142,11 +157,7 @@ class DPPolicy:
     epsilon_budget: float = 10.0
 
     def __post_init__(self) -> None:
-        problems = self.problems() if self.enabled else []
-        if len(problems) == 1:
-            raise problems[0]
-        if problems:
-            raise ConfigErrors(problems)
+        _raise_all(self.problems() if self.enabled else [])
 
     def problems(self) -> list[ConfigError]:
         """Every bad value of the policy at once, so an owner fixes the file in one pass."""
@@ -165,6 +176,13 @@ def _is_number(value: object) -> bool:
 
 
 STANDARDIZE_MODES = ("none", "site", "federated")
+
+
+def _raise_all(problems: list[ConfigError]) -> None:
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ConfigErrors(problems)
 
 
 @dataclass(frozen=True)
@@ -266,7 +284,10 @@ def load_config(path: str | None = None, *, environ: Mapping[str, str] | None = 
     for dotted, value in (overrides or {}).items():
         if value is not None:
             _set(raw, dotted.split("."), value)
-    return _build(Config, raw, "")
+    errors: list[ConfigError] = []
+    config = _build(Config, raw, "", errors)
+    _raise_all(errors)
+    return config
 
 
 def _set(tree: dict[str, Any], parts: list[str], value: Any) -> None:
@@ -284,33 +305,54 @@ class _EnvValue(str):
         return load_yaml(str(self), where=where, max_bytes=MAX_CONFIG_BYTES) if self.strip() else ""
 
 
-def _build(cls: type[_D], raw: Any, where: str) -> _D:
-    if isinstance(raw, _EnvValue):
-        raw = raw.parsed(where or "config")
-    if not isinstance(raw, Mapping):
-        raise ConfigError(where or "config", f"must be a mapping, got {type(raw).__name__}")
+def _build(cls: type[_D], raw: Any, where: str, errors: list[ConfigError]) -> _D:
+    """`raw` as a `cls`, every problem added to `errors` under its full path (an unknown key, a wrong type, a value
+    the section's own checks refuse), so a file is fixed in one pass; the defaults stand in for what is wrong."""
+    try:
+        if isinstance(raw, _EnvValue):
+            raw = raw.parsed(where or "config")
+        if not isinstance(raw, Mapping):
+            raise ConfigError(where or "config", f"must be a mapping, got {type(raw).__name__}")
+    except ConfigError as exc:
+        errors.append(exc)
+        return cls()
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         at = f"{where}.{key}" if where else key
-        if key not in names:
-            raise ConfigError(at, f"unknown setting; known: {', '.join(sorted(names))}")
-        kwargs[key] = _coerce(hints[key], value, at)
-    return cls(**kwargs)
+        try:
+            if key not in names:
+                raise ConfigError(at, f"unknown setting; known: {', '.join(sorted(names))}")
+            kwargs[key] = _coerce(hints[key], value, at, errors)
+        except ConfigError as exc:
+            errors.extend(getattr(exc, "errors", [exc]))
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:  # the section's own checks name fields from the key its parent holds it under
+        errors.extend(_under(where, e) for e in getattr(exc, "errors", [exc]))
+        return cls()
 
 
-def _coerce(hint: Any, value: Any, at: str) -> Any:
+def _under(where: str, error: ConfigError) -> ConfigError:
+    """`error` (a section's own, `dp.delta`) named by its full path (`worker.dp.delta`)."""
+    parent, _, own = where.rpartition(".")
+    if error.field != own and not error.field.startswith(own + "."):
+        parent = where
+    return ConfigError(f"{parent}.{error.field}" if parent else error.field, error.problem)
+
+
+def _coerce(hint: Any, value: Any, at: str, errors: list[ConfigError]) -> Any:
     if isinstance(value, _EnvValue):
         value = str(value) if hint is str else value.parsed(at)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return _build(hint, value, at)
+        return _build(hint, value, at, errors)
     origin = typing.get_origin(hint)
     if origin is dict:
         if not isinstance(value, Mapping) or not all(isinstance(k, str) and k for k in value):
             raise ConfigError(at, f"must be a mapping with text keys, got {type(value).__name__} {value!r}")
         _, value_hint = typing.get_args(hint)
-        return {k: _coerce(value_hint, v, f"{at}.{k}") for k, v in value.items()}
+        return {k: _coerce(value_hint, v, f"{at}.{k}", errors) for k, v in value.items()}
     if origin is tuple:
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):

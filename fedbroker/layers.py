@@ -66,11 +66,23 @@ class LayerType:
     blocks_alignment: str = ""
     # the layer describes the model's input, so it may only be the first layer
     first_only: bool = False
+    # the parameter that must equal the width (features, channels) of the input's first axis ("" for none)
+    takes_width: str = ""
 
     @property
     def weighted(self) -> bool:
         """Alignment matches this layer's units (its weight's rows) across clients."""
         return bool(self.out_width)
+
+    def declared_input(self, params: Params, shape: Shape, problem: ShapeProblem) -> Shape | None:
+        """The input the layer says it takes, when `problem` is only that the input's width (or, for a flat
+        layer, its rank) differs from its `takes_width` parameter: validation goes on from the layer's own
+        word, so a second wrong layer is named too and one wrong width is not echoed by every later layer.
+        None for any other problem."""
+        if not self.takes_width or problem.param not in ("", self.takes_width):
+            return None
+        width = params[self.takes_width]
+        return (width, *shape[1:]) if problem.param else (width,)
 
     def parameter_count(self, params: Params) -> int:
         """Weights of one such layer, to bound a model's size before anything is built."""
@@ -190,14 +202,14 @@ LAYERS: Mapping[str, LayerType] = {
         "Linear",
         {"in_features": Param("width", required=True), "out_features": Param("width", required=True),
          "bias": Param("bool", default=True)},
-        _linear_output, _linear_tensors, out_width="out_features", in_width="in_features",
+        _linear_output, _linear_tensors, out_width="out_features", in_width="in_features", takes_width="in_features",
     ),
     "Conv2d": LayerType(
         "Conv2d",
         {"in_channels": Param("width", required=True), "out_channels": Param("width", required=True),
          "kernel_size": Param("kernel", required=True), "stride": Param("kernel", default=1),
          "padding": Param("int0", default=0), "bias": Param("bool", default=True)},
-        _conv_output, _conv_tensors, out_width="out_channels", in_width="in_channels",
+        _conv_output, _conv_tensors, out_width="out_channels", in_width="in_channels", takes_width="in_channels",
     ),
     "MaxPool2d": LayerType("MaxPool2d", _POOL_PARAMS, _pool_output("MaxPool2d")),
     "AvgPool2d": LayerType("AvgPool2d", _POOL_PARAMS, _pool_output("AvgPool2d")),
@@ -210,7 +222,7 @@ LAYERS: Mapping[str, LayerType] = {
         "GroupNorm",
         {"num_groups": Param("width", required=True), "num_channels": Param("width", required=True)},
         _group_norm_output, _group_norm_tensors,
-        blocks_alignment="permuting channels across its groups would change the function",
+        blocks_alignment="permuting channels across its groups would change the function", takes_width="num_channels",
     ),
     # (x - mean) / std on the model's input, with mean and std carried in the spec (no weights): the
     # preprocessing travels with the model (fedbroker.model.Standardize). Alignment passes over it: it never

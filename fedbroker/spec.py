@@ -403,18 +403,21 @@ def output_shapes(spec: ModelSpec) -> list[tuple[int, ...]]:
 
 
 def _check_shapes(spec: ModelSpec, errors: _Collector, where: str) -> list[tuple[int, ...]]:
-    """Every layer's output shape, from the input shape; stops at the first layer that cannot take its input
-    (later layers' problems would only echo it) or once the model holds more than MAX_PARAMETERS."""
+    """Every layer's output shape, from the input shape. A layer whose only fault is its input width is named and
+    then taken at its word (`LayerType.declared_input`), so every wrong layer is named; any other fault stops the
+    walk (later problems would only echo it), as does a model of more than MAX_PARAMETERS."""
     shape = tuple(spec.input_shape)
     shapes: list[tuple[int, ...]] = []
     params_total = 0
     for i, layer in enumerate(spec.layers):
-        at = f"{where}.layers[{i}]"
         layer_type = LAYERS[layer.type]
         out = layer_type.output_shape(layer.params, shape)
         if isinstance(out, ShapeProblem):
-            errors.add(f"{at}.{out.param}" if out.param else at, out.problem)
-            return shapes
+            errors.add(f"{where}.layers[{i}]" + (f".{out.param}" if out.param else ""), out.problem)
+            declared = layer_type.declared_input(layer.params, shape, out)
+            out = layer_type.output_shape(layer.params, declared) if declared else out
+            if isinstance(out, ShapeProblem):
+                return shapes
         shape = out
         params_total += layer_type.parameter_count(layer.params)
         shapes.append(shape)
@@ -537,11 +540,11 @@ def _raise_all(problems: list[ConfigError]) -> None:
 
 
 class JobCheck(Protocol):
-    """A check beyond the parser's (the algorithm catalogue's: see fedbroker.submission.accept_job). It gets
-    the aggregation section and the model as parsed so far; parse_job reports its problems together with its
-    own."""
+    """A check beyond the parser's (the algorithm catalogue's: fedbroker.submission.accept_job), given the sections
+    as parsed so far (training None when it has problems of its own); parse_job reports its problems with its own."""
 
-    def __call__(self, *, aggregation: AggregationConfig, model: ModelSpec) -> list[ConfigError]:
+    def __call__(self, *, aggregation: AggregationConfig, model: ModelSpec, training: TrainingConfig | None,
+                 schedule: ScheduleConfig) -> list[ConfigError]:
         """The check's problems, each naming its field."""
 
 
@@ -560,7 +563,9 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
         model = ModelSpec((), ())
     else:
         model = parse_model(raw["model"], errors=errors)
+    before = len(errors.errors)
     training = _section(errors, raw, "training", TrainingConfig)
+    trained_as_written = len(errors.errors) == before
     aggregation = _section(errors, raw, "aggregation", AggregationConfig)
     schedule = _section(errors, raw, "schedule", ScheduleConfig)
     evaluation = _section(errors, raw, "evaluation", EvaluationConfig)
@@ -570,7 +575,8 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     # alignment none), which this check passes, so it never echoes them
     errors.errors.extend(mode_problems(schedule=schedule, aggregation=aggregation))
     if check is not None:
-        errors.errors.extend(check(aggregation=aggregation, model=model))
+        errors.errors.extend(check(aggregation=aggregation, model=model, schedule=schedule,
+                                   training=training if trained_as_written else None))
     errors.raise_if_any()
     return JobSpec(
         name=raw["name"], category=raw["category"], model=model, training=training,

@@ -17,6 +17,7 @@ from fedbroker.spec import (
     JobSpec,
     ModelSpec,
     ScheduleConfig,
+    TrainingConfig,
     job_from_text,
     matched_layers,
     output_shapes,
@@ -37,11 +38,18 @@ def alignment_problems(spec: ModelSpec) -> list[str]:
     return problems
 
 
-def job_problems(*, aggregation: AggregationConfig, model: ModelSpec) -> list[ConfigError]:
+def job_problems(*, aggregation: AggregationConfig, model: ModelSpec, training: TrainingConfig | None = None,
+                 schedule: ScheduleConfig | None = None) -> list[ConfigError]:
     """What the catalogue refuses in a job: an unknown algorithm or parameter, an alignment that cannot align
-    its model, a probe set the model cannot read. A `fedbroker.spec.JobCheck`: parse_job reports these with
-    its own."""
+    its model, a probe set the model cannot read, a selection its rounds never use as it says (a GA job whose
+    training.rounds never reaches a GA round), an async job's staleness function or parameters. A
+    `fedbroker.spec.JobCheck`: parse_job reports these with its own."""
     problems: list[ConfigError] = []
+    if schedule is not None:
+        try:
+            schedule_problem(schedule)
+        except ConfigError as exc:
+            problems.extend(getattr(exc, "errors", [exc]))
     try:
         settings = aggregation_settings(aggregation)
     except ConfigErrors as exc:
@@ -50,6 +58,8 @@ def job_problems(*, aggregation: AggregationConfig, model: ModelSpec) -> list[Co
         problems.append(exc)
     else:
         problems.extend(_probe_problems(settings.selection.params.probe_set, model))
+        never = settings.selection.params.rounds_problem(training.rounds) if training is not None else None
+        problems.extend([never] if never is not None else [])
     traits = ALIGNMENTS.traits(aggregation.alignment)  # an unknown name is reported above, and checked as one
     if (traits is None or traits.aligns_units) and model.layers:
         problems.extend(ConfigError("aggregation.alignment", f"{aggregation.alignment} cannot align this model: {p}")
@@ -84,13 +94,9 @@ def schedule_problem(schedule: ScheduleConfig) -> None:
 
 def accept_job(raw: object) -> JobSpec:
     """A job given as a mapping (parsed YAML/JSON), validated in full; raises ConfigError(s) naming each bad field."""
-    job = parse_job(raw, check=job_problems)
-    schedule_problem(job.schedule)
-    return job
+    return parse_job(raw, check=job_problems)
 
 
 def accept_job_text(text: str) -> JobSpec:
     """A job given as YAML or JSON text, validated in full (see accept_job)."""
-    job = job_from_text(text, check=job_problems)
-    schedule_problem(job.schedule)
-    return job
+    return job_from_text(text, check=job_problems)

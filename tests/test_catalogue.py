@@ -94,5 +94,5 @@ def test_every_bad_name_or_parameter_of_a_section_is_reported_at_once() -> None:
                                                selection="random"))
     assert [e.field for e in info.value.errors] == [
         "aggregation.alignment", "aggregation.weighting_params.bogus", "aggregation.selection_params.m"]
-    with pytest.raises(ConfigError, match=r"aggregation.selection_params: random: m must be an integer"):
+    with pytest.raises(ConfigError, match=r"aggregation\.selection_params\.m: random: m must be an integer"):
         SELECTIONS.choose("random", {"m": 0})

@@ -84,7 +84,7 @@ def test_a_parameter_beyond_its_bound_is_refused_at_submission_naming_it(aggrega
 
 def test_parameters_at_their_bounds_are_accepted() -> None:
     accept_job(_job(selection="ga", selection_params={"m": 2, "population": 1000, "generations": 1000,
-                                                      "fitness": "reported_loss"}))
+                                                      "fitness": "reported_loss", "ga_gap": 5}))  # rounds: 5
     accept_job(_job(alignment="pfnm", alignment_params={"iterations": 100, "max_global_width": 65536}))
     accept_job(_job(weighting="fedavg", weighting_params={"max_share": 1.0}))
 

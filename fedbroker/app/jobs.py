@@ -87,9 +87,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([as_dict(j) for j in jobs], indent=2))
     else:
-        print(table(["job", "name", "status", "rounds", "submitter", "submitted (UTC)", "error"],
+        print(table(["job", "name", "status", "rounds", "submitter", "submitted (UTC)", "waiting", "error"],
                     [[j.job_id, j.name, j.status, f"{j.rounds_done}/{j.rounds_total}", j.submitter or "-",
-                      _when(j.created_unix), one_line(j.error)] for j in jobs]))
+                      _when(j.created_unix), j.waiting or "-", one_line(j.error)] for j in jobs]))
     return 0
 
 
@@ -113,10 +113,12 @@ def cmd_show(args: argparse.Namespace) -> int:
              ("updated", _when(job.updated_unix) + " UTC"), *settings(json.loads(job.spec_json or "{}"))]
     if job.error:
         facts.append(("error", job.error))
+    if job.waiting:
+        facts.append(("waiting", job.waiting))
     width = max(len(k) for k, _ in facts)
     print("\n".join(f"{k.ljust(width)}  {v}" for k, v in facts))
     print()
-    print(render(status, workers=False))
+    print(render(status, workers=False, waiting=False))
     print()
     print("WORKERS (this job)")
     print(job_workers(status))

@@ -117,7 +117,7 @@ def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorP
         evaluator=evaluate_global,
         broker_consumer_timeout_s=None if isinstance(bus, InProcessBus) else config.broker.consumer_timeout_s or None,
         max_running_jobs=c.max_running_jobs, safety_poll_s=c.safety_poll_s,
-        worker_broker_users=c.worker_broker_users,
+        worker_broker_users=c.worker_broker_users, strict_categories=c.strict_categories,
     )
     coordinator.start()
     bus.start()

@@ -44,13 +44,16 @@ def scores(r: Any, evaluated: set[str]) -> list[str]:
             f"{r.mean_train_loss:.4f}" if closed else DASH]
 
 
-def render(status: Any, *, workers: bool = True) -> str:
-    """`fedbroker status`'s tables; `workers=False` leaves out the registry's workers (`jobs show` has its own)."""
+def render(status: Any, *, workers: bool = True, waiting: bool = True) -> str:
+    """`fedbroker status`'s tables; `workers=False` leaves out the registry's workers (`jobs show` has its own),
+    `waiting=False` why jobs wait (likewise)."""
     asynchronous = {j.job_id for j in status.jobs if j.mode == "async"}
     evaluated = evaluated_jobs(status)
     parts = ["JOBS", table(["job", "status", "mode", "rounds/versions", "error"],
                            [[j.job_id, j.status, j.mode or "sync", f"{j.rounds_done}/{j.rounds_total}", one_line(j.error)]
                             for j in status.jobs])]
+    if waiting and any(j.waiting for j in status.jobs):
+        parts += ["", "WAITING", table(["job", "why"], [[j.job_id, j.waiting] for j in status.jobs if j.waiting])]
     parts += ["", "ROUNDS", table(
         ["job", "round", "status", "uploaded", "aggregated", "accuracy", "loss", "train loss", "seconds"],
         [[r.job_id, r.round, r.status, f"{r.uploaded}/{r.participants}", r.aggregated, *scores(r, evaluated),

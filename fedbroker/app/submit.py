@@ -66,8 +66,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     job = accept_job_text(text)  # refuse a bad job here, before it travels
     c = client(args)
     try:
-        job_id = c.submit(text)
-        warnings = local_warnings(job) + service_warnings(c, job, job_id)
+        reply = c.submit_job(text)
+        job_id = reply.job_id
+        warnings = [*reply.warnings, *local_warnings(job), *service_warnings(c, job, job_id)]
         if args.json:
             print(json.dumps({"job_id": job_id, "warnings": warnings}), flush=True)
         else:

@@ -118,20 +118,31 @@ def test_class_shares_decide_whose_output_weights_form_each_class() -> None:
     np.testing.assert_allclose(result.layers[1].bias, [(0.1 + net[1].bias[0]) / 2, (0.1 + other[1].bias[1]) / 2])
 
 
-def test_plain_output_weighting_gives_every_client_the_full_precision_whatever_its_class_shares() -> None:
+def test_plain_output_weighting_gives_every_clients_output_weights_the_full_precision_and_its_bias_its_class_share(
+) -> None:
+    """`plain` is the NAFI authors' use_freq=False: the outgoing weights into the output layer carry precision
+    1/σ² for every client, while the output bias is still the class-share weighted posterior of their
+    process_softmax_bias: b_c = (μ_b/σ0² + Σ_k s_kc·b_kc/σ²) / (1/σ0² + Σ_k s_kc/σ²)."""
     rng = np.random.default_rng(4)
     net = mlp(rng, [5, 6, 2])
     other = [net[0], Layer(net[1].weight + 1.0, net[1].bias - 1.0)]
-    shares = np.array([[1.0, 0.0], [0.0, 1.0]])
+    shares = np.array([[0.25, 0.6], [0.75, 0.4]])  # client k's share of class c (each class sums to 1)
     plain = PFNM(output_weighting="plain")
     result = plain.align([net, other], weights=np.full(2, 0.5), rng=np.random.default_rng(0), class_shares=shares)
     # both clients' output rows with precision τ = 1 each and the prior τ0 = 1: (0·1 + w + w')/(1 + 2)
     np.testing.assert_allclose(result.layers[1].weight, (net[1].weight + other[1].weight) / 3, rtol=1e-12)
-    np.testing.assert_allclose(result.layers[1].bias, (0.1 + net[1].bias + other[1].bias) / 3, rtol=1e-12)
-    # the class shares do not matter any more
+    biases = np.stack([net[1].bias, other[1].bias])  # (clients, classes)
+    np.testing.assert_allclose(result.layers[1].bias, (0.1 + (shares * biases).sum(axis=0)) / (1 + 1), rtol=1e-12)
+    # the class shares move the bias, never the weights
     flipped = plain.align([net, other], weights=np.full(2, 0.5), rng=np.random.default_rng(0),
                           class_shares=shares[::-1])
     np.testing.assert_array_equal(flipped.layers[1].weight, result.layers[1].weight)
+    np.testing.assert_allclose(flipped.layers[1].bias, (0.1 + (shares[::-1] * biases).sum(axis=0)) / 2, rtol=1e-12)
+    # with σ² = 0.5, σ0² = 2 the precisions differ, and the bias keeps the formula
+    tuned = PFNM(output_weighting="plain", sigma2=SIGMA2, sigma0_2=SIGMA0_2, bias_prior_mean=MU_B)
+    result = tuned.align([net, other], weights=np.full(2, 0.5), rng=np.random.default_rng(0), class_shares=shares)
+    expected = (MU_B * TAU0 + TAU * (shares * biases).sum(axis=0)) / (TAU0 + TAU * shares.sum(axis=0))
+    np.testing.assert_allclose(result.layers[1].bias, expected, rtol=1e-12)
 
 
 def test_plain_output_weighting_averages_the_retrained_output_layers_in_the_layerwise_driver() -> None:
@@ -156,6 +167,8 @@ def test_plain_output_weighting_averages_the_retrained_output_layers_in_the_laye
             np.testing.assert_allclose(result.layers[1].weight, sum(moved) / 3, rtol=1e-12)
         else:  # client k alone holds class k: row k is client k's
             np.testing.assert_allclose(result.layers[1].weight, np.stack([moved[k][k] for k in range(3)]), rtol=1e-12)
+        # the bias is class-share weighted either way (the authors' code has no plain bias)
+        np.testing.assert_allclose(result.layers[1].bias, [clients[k][1].bias[k] for k in range(3)], rtol=1e-12)
 
 
 def test_layerwise_driver_freezes_each_matched_layer_and_lets_clients_retrain_the_rest() -> None:

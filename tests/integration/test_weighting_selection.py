@@ -96,7 +96,7 @@ def test_dwfed_with_ga_selection_runs_ga_every_gap_and_weights_by_reported_ish(f
         ga_round = r.round % GA_GAP == 0
         assert r.status == "closed" and r.uploaded == WORKERS, r
         assert r.aggregated == M and stats["aggregated"] == M and stats["accepted"] == WORKERS, stats
-        assert stats["selection_ga_ran"] == (1.0 if ga_round else 0.0), (r["round"], stats)
+        assert stats["selection_ga_ran"] == stats["selection_ga_round"] == float(ga_round), (r.round, stats)
         assert stats["selection_fallback"] == 0.0 and stats["weighting_fallback"] == 0.0, stats
         if ga_round:  # the GA's own numbers reach the store; random rounds have none
             assert stats["selection_seconds"] > 0 and stats["selection_generations"] == 5, stats
@@ -105,6 +105,11 @@ def test_dwfed_with_ga_selection_runs_ga_every_gap_and_weights_by_reported_ish(f
             assert "selection_fitness" not in stats, stats
         chosen = [p.worker_id for p in federation.store.participants(job_id, r.round) if p.status == "aggregated"]
         assert chosen == sorted(replies[r.round - 1].aggregated) and len(chosen) == M
+        # `jobs logs` says, round by round, whether the GA or a random draw chose
+        (note,) = [e.message for e in federation.store.events(job_id) if e.kind == "selection" and e.round == r.round]
+        assert note == (f"the genetic algorithm chose {M} of {WORKERS} update(s) (fitness {stats['selection_fitness']:.4g})"
+                        if ga_round else f"{M} of {WORKERS} update(s) chosen at random: round {r.round} is not a GA "
+                                         f"round (the GA runs every ga_gap-th round)"), note
 
     # Every reported ISH reached the service: each chosen update's coefficient is its ISH normalised over
     # the chosen ones.

@@ -305,9 +305,10 @@ def test_following_streams_are_capped_so_they_cannot_hold_every_server_thread(se
     with pytest.raises(grpc.RpcError) as refused:
         next(stub.JobEvents(pb.JobEventsRequest(job_id=job_id, follow=True), metadata=md, timeout=30))
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    # a plain read is never refused, and a follower that goes frees its place
-    assert [e.kind for e in stub.JobEvents(pb.JobEventsRequest(job_id=job_id), metadata=md, timeout=30)] == [
-        "submitted"]
+    # a plain read is never refused, and a follower that goes frees its place (no worker has registered: the
+    # submission's warning says so, recorded with it)
+    assert [e.kind for e in stub.JobEvents(pb.JobEventsRequest(job_id=job_id), metadata=md, timeout=30)][:2] == [
+        "submitted", "warning"]
     calls[0].cancel()
     until(lambda: _opens(stub, job_id, md), what="a follower's place freed")
     for call in calls[1:]:
@@ -334,13 +335,17 @@ def _opens(stub, job_id, md) -> bool:
 def test_a_job_waiting_for_workers_is_cancelled_before_any_round_opens(served):
     job = dict(JOB, schedule=dict(JOB["schedule"], min_workers=3, wait_for_workers_s=600))
     job_id = submit(served, "alice", job)
-    until(lambda: served.fed.store.job(job_id).status == "pending", what="the job waiting for workers")
     c = served.client("alice")
+    until(lambda: c.status(job_id).jobs[0].waiting, what="the job waiting for workers, saying so")
+    (row,) = c.status(job_id).jobs
+    assert row.status == "pending" and row.waiting.startswith("0 of 3 worker(s) of category 'digits' active"), row
     assert c.cancel(job_id) == "cancelled"
+    assert c.status(job_id).jobs[0].waiting == ""  # an ended job waits for nothing
     c.close()
     assert served.fed.coordinator.wait(job_id, timeout=60) == "cancelled"
     assert served.fed.store.rounds(job_id) == [] and served.fed.store.job(job_id).error == "cancelled by alice"
-    assert [e.kind for e in served.fed.store.events(job_id)] == ["submitted", "cancelling", "cancelled"]
+    assert [e.kind for e in served.fed.store.events(job_id)] == [
+        "submitted", "warning", "waiting", "cancelling", "cancelled"]
 
 
 def test_open_rounds_and_jobs_without_an_evaluation_set_show_a_dash_not_zero():

@@ -141,7 +141,7 @@ GOOD = {
         {"type": "Flatten"}, {"type": "Linear", "in_features": 64, "out_features": 10}, {"type": "Dropout"}]},
     "training": {"rounds": 2, "local_epochs": 1, "batch_size": 16, "lr": 0.1, "optimizer": "adam"},
     "aggregation": {"alignment": "feddna", "weighting": "dwfed", "selection": "ga",
-                    "selection_params": {"m": 2, "probe_dataset": "digits"}},
+                    "selection_params": {"m": 2, "probe_dataset": "digits", "ga_gap": 2}},
     "schedule": {"clients_per_round": 3, "min_clients": 2},
     "evaluation": {"dataset": "digits"},
 }

@@ -25,5 +25,6 @@ def test_ga_without_m_names_the_missing_parameter_not_a_python_signature() -> No
 
 
 def test_ga_with_m_is_accepted() -> None:
-    job = accept_job({**JOB, "aggregation": {"selection": "ga", "selection_params": {"m": 2, "probe_dataset": "digits"}}})
+    job = accept_job({**JOB, "training": {"rounds": 10},  # ga_gap 10: round 10 is a GA round
+                      "aggregation": {"selection": "ga", "selection_params": {"m": 2, "probe_dataset": "digits"}}})
     assert job.aggregation.selection == "ga"

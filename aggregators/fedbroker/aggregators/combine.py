@@ -26,6 +26,7 @@ from fedbroker.aggregators.mean import weighted_mean_of_rows
 from fedbroker.aggregators.probe_sets import probe_arrays
 from fedbroker.aggregators.selection import Candidate, Probe
 from fedbroker.errors import Conflict
+from fedbroker.round_stats import selection_note
 from fedbroker.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, 
         spec, state = _combine(rnd, spec, [accepted[w] for w in chosen], weights, rng, stats,
                                deadline=time.monotonic() + alignment_time_limit_s)
     stats["aggregated"] = float(len(chosen))
+    note = selection_note(rnd.number, stats)
+    if note:
+        log.info("round %d: %s", rnd.number, note)
     return Combined(chosen, weights, spec, state, stats)
 
 

@@ -39,6 +39,7 @@ from fedbroker.coordinator.checkpoints import load_checkpoint, save_checkpoint
 from fedbroker.coordinator.job_context import JobContext
 from fedbroker.coordinator.job_run import JobFailed, Run, Stopped
 from fedbroker.coordinator.records import ParticipantStatus, RoundStatus
+from fedbroker.coordinator.waiting import unaffordable
 from fedbroker.errors import BusError, Rejection
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff
@@ -105,20 +106,26 @@ class AsyncJob:
 
     def _hand_out_tasks(self, unaffordable_since: float | None) -> float | None:
         """A task for every idle worker that can afford one; when nobody trains and nobody can, the job
-        waits wait_for_workers_s for a worker, then fails. Returns since when nobody could (None: somebody can)."""
-        job = self.job
+        waits wait_for_workers_s for a worker (saying why: JobRow.waiting), then fails. Returns since when nobody
+        could (None: somebody can)."""
+        job, job_id = self.job, self.run.job_id
         idle, why = self._idle_workers()
         if idle:
             self._issue(idle)
+            self.ctx.waiting.clear(job_id)
             return None
         if self.held:
+            self.ctx.waiting.clear(job_id)
             return unaffordable_since
+        now = time.time()
+        why = {w: r or (f"resting after {self.failures.get(w, 0)} refused or failed task(s)"
+                        if self.resting.get(w, 0.0) > now else "") for w, r in why.items()}
+        reason = unaffordable(why, what="a task of this asynchronous job", category=job.category,
+                              rule="one is needed")
+        self.ctx.waiting.note(job_id, reason)
         unaffordable_since = unaffordable_since or time.monotonic()
         if time.monotonic() - unaffordable_since > job.schedule.wait_for_workers_s:
-            reasons = "; ".join(f"{w}: {r}" for w, r in sorted(why.items()) if r)
-            raise JobFailed(f"no worker of category {job.category!r} can take a task of this "
-                            f"asynchronous job after {job.schedule.wait_for_workers_s:g}s"
-                            f"{' [' + reasons + ']' if reasons else ''}")
+            raise JobFailed(f"no task handed out for {job.schedule.wait_for_workers_s:g}s: {reason}")
         return unaffordable_since
 
     def _done(self, started: float) -> bool:

@@ -22,6 +22,7 @@ from fedbroker.coordinator.job_run import CancelRequests, Stopped
 from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, why_unaffordable
 from fedbroker.coordinator.service_calls import OUTAGE_BACKOFF, AggregatorCalls
 from fedbroker.coordinator.store import StateStore
+from fedbroker.coordinator.waiting import WaitingReasons
 from fedbroker.errors import BusError
 from fedbroker.retry import retry_call
 from fedbroker.spec import JobSpec
@@ -51,6 +52,7 @@ class JobContext:
     heartbeat_timeout_s: float
     poll_interval_s: float
     safety_poll_s: float
+    waiting: WaitingReasons           # why each job has not started its next round (JobRow.waiting)
     epsilon_bounds: EpsilonBounds | None = None  # told of every task before it goes out (None: bounds nothing)
 
     def halt_if_cancelled(self) -> None:
@@ -59,8 +61,10 @@ class JobContext:
 
     def poll(self, check: Callable[[], tuple[bool, T]], *, within_s: float) -> tuple[bool, T]:
         """`check()` every poll interval until it says done or `within_s` passes; its last answer either way.
-        A stopping coordinator ends the wait at once (`Stopped`), a cancel at its next look."""
+        A stopping coordinator ends the wait at once (`Stopped`), a cancel at its next look (the first one
+        included: a cancelled job does not start waiting, nor say why it would)."""
         deadline = time.monotonic() + within_s
+        self.halt_if_cancelled()
         while True:
             done, value = check()
             if done or time.monotonic() >= deadline:

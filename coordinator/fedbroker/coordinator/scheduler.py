@@ -19,6 +19,7 @@ import math
 import secrets
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import Bus
@@ -36,16 +37,25 @@ from fedbroker.coordinator.records import FINISHED, JobStatus
 from fedbroker.coordinator.service_calls import OUTAGE_BACKOFF, AggregatorCalls
 from fedbroker.coordinator.store import StateStore, StateUnavailable
 from fedbroker.coordinator.sync_rounds import SyncRounds
+from fedbroker.coordinator.waiting import WaitingReasons
 from fedbroker.errors import ConfigError, ConfigErrors, Conflict, NotFound
 from fedbroker.metrics import BUSES
 from fedbroker.retry import retry_call
 from fedbroker.spec import JobSpec, job_from_json
-from fedbroker.submission import job_problems, schedule_problem
+from fedbroker.submission import job_problems
 
 log = logging.getLogger(__name__)
 
 # What a worker needs after its round's deadline to finish an upload it started before it (and to ack).
 CONSUMER_TIMEOUT_MARGIN_S = 60.0
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """An accepted job's id, and what the coordinator doubts about it (told to the submitter, and logged)."""
+
+    job_id: str
+    warnings: list[str]
 
 
 class Coordinator:
@@ -56,7 +66,8 @@ class Coordinator:
                  evaluator: Evaluator | None = None, broker_consumer_timeout_s: float | None = None,
                  aggregator_outage_s: float = 300.0, store_outage_s: float = 300.0,
                  max_running_jobs: int = 16, safety_poll_s: float = 2.0,
-                 worker_broker_users: Mapping[str, Sequence[str]] | None = None) -> None:
+                 worker_broker_users: Mapping[str, Sequence[str]] | None = None,
+                 strict_categories: bool = False) -> None:
         """`broker_consumer_timeout_s`: RabbitMQ's consumer_timeout on this deployment (None: no limit, e.g.
         the in-process bus). `aggregator_outage_s`: how long a job waits for an unreachable aggregation
         service before it fails; `store_outage_s` likewise for a state store that cannot be written (a lock
@@ -65,7 +76,8 @@ class Coordinator:
         aggregation service's events (coordinator/events.py) and looks at its status at least this often,
         in case an event was lost; `poll_interval_s`: how often waits for workers look at the registry.
         `worker_broker_users`: broker user → the worker ids it may speak for on the control queue (None or
-        empty: not checked; control.SenderBinding)."""
+        empty: not checked; control.SenderBinding). `strict_categories`: refuse a job whose category no registered
+        worker serves (else it is accepted with a warning naming the known categories)."""
         if isinstance(max_running_jobs, bool) or not isinstance(max_running_jobs, int) or max_running_jobs < 1:
             raise ConfigError("coordinator.max_running_jobs", f"must be an integer >= 1, got {max_running_jobs!r}")
         if isinstance(safety_poll_s, bool) or not isinstance(safety_poll_s, (int, float)) or not 0 < safety_poll_s <= 3600:
@@ -77,6 +89,7 @@ class Coordinator:
         self.broker_consumer_timeout_s = broker_consumer_timeout_s
         self.store_outage_s = store_outage_s
         self.max_running_jobs = max_running_jobs
+        self.strict_categories = strict_categories
         self.events = JobWatcher(self.aggregator)
         senders = SenderBinding(worker_broker_users or {})  # a ConfigError for a bad worker id, before anything
         self.epsilon_bounds = EpsilonBounds(store)
@@ -86,7 +99,7 @@ class Coordinator:
             calls=AggregatorCalls(outage_s=aggregator_outage_s, stop=self._stop), cancels=CancelRequests(),
             budgets=WorkerBudgets(), aggregator_target=aggregator_target, checkpoint_dir=checkpoint_dir,
             evaluator=evaluator, heartbeat_timeout_s=heartbeat_timeout_s, poll_interval_s=poll_interval_s,
-            safety_poll_s=float(safety_poll_s), epsilon_bounds=self.epsilon_bounds)
+            safety_poll_s=float(safety_poll_s), waiting=WaitingReasons(store), epsilon_bounds=self.epsilon_bounds)
         self.control = ControlHandler(bus=bus, store=store, events=self.events, budgets=self.context.budgets,
                                       async_job=self._async_job, bounds=self.epsilon_bounds, senders=senders)
         self._jobs_lock = threading.Lock()
@@ -160,39 +173,75 @@ class Coordinator:
             return None
         return timeout - min(CONSUMER_TIMEOUT_MARGIN_S, 0.2 * timeout)
 
-    def check_job(self, job: JobSpec) -> None:
+    def check_job(self, job: JobSpec) -> list[str]:
         """A worker holds its task's delivery (unacked) until it has uploaded, and gives up at the round's
         deadline: the broker must not reclaim the delivery before, or it closes the worker's channel.
         The algorithm registries check the job's aggregation too, so an in-process caller that parsed the
-        job without them (`parse_job`) cannot start rounds that the aggregation service would refuse."""
-        schedule_problem(job.schedule)  # an async job's staleness settings
-        problems = job_problems(aggregation=job.aggregation, model=job.model)
+        job without them (`parse_job`) cannot start rounds that the aggregation service would refuse.
+        Returns the warnings of a job accepted with doubts (a category no registered worker serves)."""
+        problems = job_problems(aggregation=job.aggregation, model=job.model, training=job.training,
+                                schedule=job.schedule)
+        unserved = self._unserved(job)
+        warnings = [f"{unserved}; the job waits up to schedule.wait_for_workers_s "
+                    f"({job.schedule.wait_for_workers_s:g}s) for one to register"] if unserved else []
+        if unserved and self.strict_categories:
+            problems.append(ConfigError("category", f"{unserved}, and coordinator.strict_categories is on"))
+            warnings = []
         # The data its category's active workers reported: a model that cannot take it is refused here, before
         # any round, instead of failing inside every worker's training.
         problems += data_fit_problems(job.model, self.store.workers(job.category, seen_within_s=self.heartbeat_timeout_s),
                                       category=job.category)
-        if len(problems) == 1:
-            raise problems[0]
-        if problems:
-            raise ConfigErrors(problems)
         limit, timeout = self.max_round_timeout_s, self.broker_consumer_timeout_s
         if limit is not None and timeout is not None and job.schedule.round_timeout_s > limit:
-            raise ConfigError(
+            problems.append(ConfigError(
                 "schedule.round_timeout_s",
                 f"must be at most {limit:g} s here, got {job.schedule.round_timeout_s:g}: a worker holds its task "
                 f"until the round's deadline, and the broker's consumer_timeout is {timeout:g} s (less "
                 f"{timeout - limit:g} s to finish an upload); raise the broker's consumer_timeout and "
                 f"broker.consumer_timeout_s together for longer rounds",
-            )
+            ))
+        if len(problems) == 1:
+            raise problems[0]
+        if problems:
+            raise ConfigErrors(problems)
+        return warnings
+
+    def _unserved(self, job: JobSpec) -> str:
+        """Why no registered worker serves the job's category ("" when one does): a misspelt category would
+        only wait, then fail."""
+        known = sorted({c for w in self.store.workers() for c in w.categories})
+        if job.category in known:
+            return ""
+        return f"no registered worker serves category {job.category!r} (known: {', '.join(known) or 'none yet'})"
 
     def submit(self, job: JobSpec, *, submitter: str = "") -> str:
         """`submitter`: the identity whose token submitted it (the only one that may cancel or download it)."""
-        self.check_job(job)
+        return self.submit_job(job, submitter=submitter).job_id
+
+    def submit_job(self, job: JobSpec, *, submitter: str = "") -> Submitted:
+        """Check, record and start a job; its id and warnings (each also an event of the job, and logged)."""
+        warnings = self.check_job(job)
         job_id = f"{job.name[:40]}-{secrets.token_hex(4)}"
         self.store.add_job(job_id, job.name, job.to_json(), job.training.rounds, job.model.to_json(),
                            submitter=submitter)
+        for warning in warnings:
+            log.info("job %s accepted with a warning: %s", job_id, warning)
+            try:
+                self.store.note_event(job_id, "warning", warning)
+            except StateUnavailable as exc:  # the job is recorded: it runs, and the submitter is told anyway
+                log.error("job %s: its warning could not be recorded (%s)", job_id, exc)
         self._launch(job_id, job)
-        return job_id
+        return Submitted(job_id, warnings)
+
+    def waiting(self, job_id: str) -> str:
+        """Why the job has not started its next round ("" when it is not waiting): its loop's reason, or, for a
+        job queued behind max_running_jobs running ones, that."""
+        with self._jobs_lock:
+            queued = any(entry[0] == job_id for entry in self._queue)
+            running = len(self._threads)
+        if queued:
+            return f"queued: {running} job(s) running, coordinator.max_running_jobs is {self.max_running_jobs}"
+        return self.context.waiting.get(job_id)
 
     def cancel(self, job_id: str, *, by: str = "", wait_s: float = 30.0) -> str:
         """Cancel a job; its status after up to `wait_s` (`cancelled`, or `cancelling` while its thread is
@@ -278,6 +327,7 @@ class Coordinator:
                 log.exception("job %s failed", job_id)
                 self._record_failure(job_id, str(exc))
         finally:
+            self.context.waiting.clear(job_id)
             with self._jobs_lock:
                 self._threads.pop(job_id, None)
                 self.context.cancels.forget(job_id)
@@ -311,7 +361,7 @@ class Coordinator:
             return
         if job is None:  # resumed: the store holds the job's one wire form
             job = job_from_json(row.spec_json)
-        self._await_workers(job)
+        self._await_workers(job_id, job)
         if not self.store.set_job_status(job_id, JobStatus.RUNNING):
             self._not_running(job_id)
             return
@@ -354,14 +404,22 @@ class Coordinator:
     def _async_job(self, job_id: str) -> AsyncJob | None:
         return self._async_jobs.get(job_id)
 
-    def _await_workers(self, job: JobSpec) -> None:
+    def _await_workers(self, job_id: str, job: JobSpec) -> None:
+        """Until schedule.min_workers workers of the category are active, saying so (JobRow.waiting)."""
         def enough() -> tuple[bool, int]:
             active = self.store.workers(job.category, seen_within_s=self.heartbeat_timeout_s)
-            return len(active) >= job.schedule.min_workers, len(active)
+            done = len(active) >= job.schedule.min_workers
+            if not done:
+                unserved = self._unserved(job)
+                self.context.waiting.note(job_id, f"{len(active)} of {job.schedule.min_workers} worker(s) of category "
+                                                  f"{job.category!r} active (schedule.min_workers)"
+                                                  + (f"; {unserved}" if unserved else ""))
+            return done, len(active)
 
         done, active = self.context.poll(enough, within_s=job.schedule.wait_for_workers_s)
         if not done:
             raise JobFailed(
                 f"only {active} active worker(s) of category {job.category!r} registered within "
                 f"{job.schedule.wait_for_workers_s:g}s; schedule.min_workers is {job.schedule.min_workers}"
-            )
+                + (f"; {unserved}" if (unserved := self._unserved(job)) else ""))
+        self.context.waiting.clear(job_id)

@@ -96,8 +96,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
         def record() -> pb.SubmitJobReply:
             try:
-                return pb.SubmitJobReply(job_id=self.coordinator.submit(
-                    job, submitter=caller.name if caller is not None else ""))
+                submitted = self.coordinator.submit_job(job, submitter=caller.name if caller is not None else "")
+                return pb.SubmitJobReply(job_id=submitted.job_id, warnings=submitted.warnings)
             except ConfigError as exc:  # the coordinator's own checks: its workers' data, the broker's timeout
                 metrics.JOBS_REJECTED.labels(exc.reason).inc()
                 raise
@@ -203,7 +203,8 @@ def status_reply(coordinator: Coordinator, job_id: str = "") -> pb.StatusReply:
     for j in jobs:
         reply.jobs.add(job_id=j.job_id, status=j.status, rounds_done=j.rounds_done, rounds_total=j.rounds_total,
                        error=j.error, submitter=j.submitter, name=j.name, category=j.category,
-                       created_unix=j.created, updated_unix=j.updated, spec_json=j.spec_json, mode=j.mode)
+                       created_unix=j.created, updated_unix=j.updated, spec_json=j.spec_json, mode=j.mode,
+                       waiting=coordinator.waiting(j.job_id) if j.status not in FINISHED else "")
         for r in store.rounds(j.job_id):
             reply.rounds.add(job_id=r.job_id, round=r.round, status=r.status, participants=r.participants,
                              uploaded=r.uploaded, aggregated=r.aggregated, accuracy=r.accuracy or 0.0,
@@ -256,9 +257,13 @@ class CoordinatorClient:
 
     def submit(self, job_text: str) -> str:
         """The new job's id; a refused job raises grpc.RpcError naming every problem."""
+        return self.submit_job(job_text).job_id
+
+    def submit_job(self, job_text: str) -> pb.SubmitJobReply:
+        """The new job's id and the coordinator's warnings about it; a refused job raises grpc.RpcError."""
         reply: pb.SubmitJobReply = self._stub.SubmitJob(pb.SubmitJobRequest(job_yaml=job_text),
                                                         timeout=self.timeout_s, metadata=self._md)
-        return reply.job_id
+        return reply
 
     def status(self, job_id: str = "") -> pb.StatusReply:
         """One job ("": every job) with its rounds and participants, and every worker."""

@@ -26,8 +26,10 @@ from fedbroker.coordinator.job_context import JobContext
 from fedbroker.coordinator.job_run import JobFailed, OpenRound, Run, Stopped
 from fedbroker.coordinator.participants import sample_participants
 from fedbroker.coordinator.records import ParticipantStatus, RoundRecord, RoundStatus
+from fedbroker.coordinator.waiting import unaffordable
 from fedbroker.errors import BusError, Rejection
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.round_stats import selection_note
 from fedbroker.rpc import RemoteError
 
 log = logging.getLogger(__name__)
@@ -165,21 +167,26 @@ class SyncRounds:
         """The round's participants, drawn among the active workers that can afford it (by their heartbeats'
         budgets and costs: participants.why_unaffordable). Fewer than min_clients of them: no round is opened,
         so no worker spends ε on a round that would fail; the job waits up to wait_for_workers_s (a worker
-        may register, or an owner raise its budget), then fails naming each worker's reason."""
+        may register, or an owner raise its budget), then fails naming each worker's reason. While it waits,
+        the job says why (JobRow.waiting, and a `waiting` event when the reason changes)."""
         job_id, job = self.run.job_id, self.run.job
+
+        def reason(why: dict[str, str]) -> str:
+            return unaffordable(why, what=f"round {round_number}", category=job.category,
+                                rule=f"schedule.min_clients is {job.schedule.min_clients}")
 
         def affordability() -> tuple[bool, dict[str, str]]:
             why = self.ctx.why_unaffordable(job_id, job)
-            return sum(not reason for reason in why.values()) >= job.schedule.min_clients, why
+            done = sum(not r for r in why.values()) >= job.schedule.min_clients
+            if not done:
+                self.ctx.waiting.note(job_id, reason(why), round_number=round_number)
+            return done, why
 
         done, why = self.ctx.poll(affordability, within_s=job.schedule.wait_for_workers_s)
-        able = [w for w, reason in why.items() if not reason]
         if not done:
-            reasons = "; ".join(f"{w}: {reason}" for w, reason in why.items() if reason)
-            raise JobFailed(
-                f"round {round_number} not opened: {len(able)} of {len(why)} active worker(s) of category "
-                f"{job.category!r} can afford it, schedule.min_clients is {job.schedule.min_clients}"
-                f"{' [' + reasons + ']' if reasons else ''}; no worker trained (no ε spent)")
+            raise JobFailed(f"round {round_number} not opened: {reason(why)}; no worker trained (no ε spent)")
+        self.ctx.waiting.clear(job_id)
+        able = [w for w, r in why.items() if not r]
         return sample_participants(able, job.schedule.clients_per_round, seed=job.seed, round_number=round_number)
 
     def _open_at_aggregator(self, rnd: OpenRound, *, reinstall: bool = True) -> None:
@@ -277,6 +284,10 @@ class SyncRounds:
             model_spec_json=new_spec_json,
         )
         run.version, run.spec_json, run.tensors, run.round = new_version, new_spec_json, tensors, None
+        chose = selection_note(round_number, reply.stats)
+        if chose:  # which updates went in, and whether the GA or a random draw chose them (`jobs logs`)
+            log.info("round %d of %s: %s", round_number, job_id, chose)
+            self.ctx.store.note_event(job_id, "selection", chose, round_number=round_number)
         metrics.ROUNDS_COMPLETED.labels(job_id).inc()
         metrics.ROUND_DURATION.observe(seconds)
         metrics.ROUND_OPEN.labels(job_id).set(0)

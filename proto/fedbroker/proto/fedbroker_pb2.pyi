@@ -507,10 +507,12 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, job_yaml: _Optional[str] = ...) -> None: ...
 
 class SubmitJobReply(_message.Message):
-    __slots__ = ("job_id",)
+    __slots__ = ("job_id", "warnings")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -4,12 +4,14 @@ One-shot (`align`), from the top hidden layer down: a neuron of hidden layer c i
 outgoing weights re-indexed into the already-matched layer c+1's global order (zeros where the client
 lacks a global neuron); layer 0 also carries its incoming weights. Outgoing weights into the output layer
 get precision share/σ² per class (each client's share of that class), so the output layer and its bias
-are per-class weighted posteriors; `output_weighting="plain"` gives every client precision 1/σ² there
-instead (what the NAFI authors' runs do). Global widths are inferred and may exceed every client's.
+are per-class weighted posteriors; `output_weighting="plain"` gives every client's outgoing weights precision
+1/σ² instead while the output bias keeps its class shares, as the NAFI authors' code does with use_freq=False
+(its process_softmax_bias always reads them). Global widths are inferred and may exceed every client's.
 
 Layer-wise (`align_layerwise`): match layer ℓ on incoming weights + bias, hand the frozen global prefix to
 the caller's `retrain` (clients retrain the layers above), repeat; the output layer is the class-share
-weighted average of the retrained clients' output layers.
+weighted average of the retrained clients' output layers (under "plain" its weights are their plain mean, its
+bias still class-share weighted).
 """
 
 from __future__ import annotations
@@ -62,21 +64,24 @@ def _posterior(values: Sequence[np.ndarray], precisions: Sequence[np.ndarray], m
     return np.asarray(num / den)
 
 
-def output_shares(shares: np.ndarray, output_weighting: str, *, normalised: bool) -> np.ndarray:
-    """Each client's weight per class in the output layer: its class shares, or under "plain" the same for
-    every client (1, a full precision 1/σ², for the one-shot posterior; 1/J for the layer-wise average)."""
+def output_shares(shares: np.ndarray, output_weighting: str, *, normalised: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each client's weight per class in the output layer, (for its weights, for its bias). `class_share`: its
+    class shares for both. `plain`: the weights the same for every client (1, a full precision 1/σ², for the
+    one-shot posterior; 1/J for the layer-wise average) and the bias still its class shares, as in the NAFI
+    authors' code with use_freq=False, whose output bias (process_softmax_bias) always reads them."""
     check_choice("output_weighting", output_weighting, OUTPUT_WEIGHTINGS)
     if output_weighting == "class_share":
-        return shares
-    return np.full_like(shares, 1.0 / shares.shape[0] if normalised else 1.0)
+        return shares, shares
+    return np.full_like(shares, 1.0 / shares.shape[0] if normalised else 1.0), shares
 
 
 def match_network(
     nets: Sequence[Network], *, params: MatchingParams, shares: np.ndarray, rng: np.random.Generator,
-    deadline: float | None = None,
+    deadline: float | None = None, bias_shares: np.ndarray | None = None,
 ) -> tuple[Network, list[LayerMatch]]:
     """One-shot PFNM/NAFI over validated networks; the global network and each hidden layer's match.
-    `shares[k, c]` scales client k's precision for class c in the output layer (see `output_shares`).
+    `shares[k, c]` scales client k's precision for class c in the output layer's weights, `bias_shares[k, c]`
+    (default: `shares`) in its bias (see `output_shares`).
     `deadline` (time.monotonic()) is checked before every client's assignment (DeadlinePassed)."""
     n_layers = len(nets[0])
     tau, tau0 = 1.0 / params.sigma2, 1.0 / params.sigma0_2
@@ -125,13 +130,14 @@ def match_network(
         g_weights[c + 1] = _incoming(theta[:, n_lead:], next_width, nets[0][c + 1].weight)
         matches.append(match)
         next_assign, next_width = match.assignments, match.width
-    class_tau = [shares[k][:, None] * tau for k in range(len(nets))]
-    if has_bias[-1]:
+    if has_bias[-1]:  # as the reference code's process_softmax_bias: precision bias_share/σ², prior N(μ_b, σ0²)
         biases = [net[-1].bias[:, None] for net in nets]  # type: ignore[index]
-        g_biases[-1] = _posterior(biases, class_tau, params.bias_prior_mean, tau0)[:, 0]
+        bias_tau = [(shares if bias_shares is None else bias_shares)[k][:, None] * tau for k in range(len(nets))]
+        g_biases[-1] = _posterior(biases, bias_tau, params.bias_prior_mean, tau0)[:, 0]
     if n_layers == 1:  # nothing to match: the output layer's weights are per-class posteriors too
         rows = [net[0].weight.reshape(n_classes, -1) for net in nets]
-        g_weights[0] = _posterior(rows, class_tau, 0.0, tau0).reshape(first_shape)
+        g_weights[0] = _posterior(rows, [shares[k][:, None] * tau for k in range(len(nets))], 0.0,
+                                  tau0).reshape(first_shape)
     layers = [Layer(np.asarray(w_), b_) for w_, b_ in zip(g_weights, g_biases)]
     return layers, matches[::-1]
 
@@ -154,9 +160,9 @@ class PFNM(PFNMParams):
         nets = validate_clients(clients, same_widths=False, spatial=spatial)
         w = validate_weights(weights, len(nets))
         shares = validate_class_shares(class_shares, w, nets[0][-1].weight.shape[0])
-        shares = output_shares(shares, self.output_weighting, normalised=False)
-        layers, matches = match_network(nets, params=self.matching_params(), shares=shares, rng=rng,
-                                        deadline=deadline)
+        weight_shares, bias_shares = output_shares(shares, self.output_weighting, normalised=False)
+        layers, matches = match_network(nets, params=self.matching_params(), shares=weight_shares, rng=rng,
+                                        deadline=deadline, bias_shares=bias_shares)
         permutations = [[m.assignments[k] for m in matches] for k in range(len(nets))]
         return AlignmentResult(
             layers=layers, permutations=permutations, widths=widths_of(layers), stats=_width_stats(matches)
@@ -215,7 +221,7 @@ def align_layerwise(
     n_clients, n_layers = len(nets), len(nets[0])
     w = validate_weights(weights, n_clients)
     shares = validate_class_shares(class_shares, w, nets[0][-1].weight.shape[0])
-    shares = output_shares(shares, output_weighting, normalised=True)
+    weight_shares, bias_shares = output_shares(shares, output_weighting, normalised=True)
     prefix: list[Layer] = []
     matches: list[LayerMatch] = []
     for ell in range(n_layers - 1):
@@ -237,13 +243,13 @@ def align_layerwise(
                         f"client {k} layer {i}: retrain({ell}) returned shape {net[i].weight.shape},"
                         f" the frozen global layer has {frozen.weight.shape}"
                     )
-    # output layer: per-class weighted average by each client's share of that class (Algorithm 2, line 7),
-    # or the plain mean
+    # output layer: per-class weighted average by each client's share of that class (Algorithm 2, line 7); under
+    # "plain" its weights are the plain mean
     row_shape = (-1,) + (1,) * (nets[0][-1].weight.ndim - 1)
-    out_w = sum(shares[k].reshape(row_shape) * net[-1].weight for k, net in enumerate(nets))
+    out_w = sum(weight_shares[k].reshape(row_shape) * net[-1].weight for k, net in enumerate(nets))
     out_b = None
     if nets[0][-1].bias is not None:
-        out_b = sum(shares[k] * net[-1].bias for k, net in enumerate(nets))
+        out_b = sum(bias_shares[k] * net[-1].bias for k, net in enumerate(nets))
     layers = prefix + [Layer(np.asarray(out_w), None if out_b is None else np.asarray(out_b))]
     permutations = [[m.assignments[k] for m in matches] for k in range(n_clients)]
     return AlignmentResult(layers=layers, permutations=permutations, widths=widths_of(layers), stats=_width_stats(matches))

@@ -358,13 +358,16 @@ class GeneticSelection(GeneticParams):
         deadline: float | None = None,
         probe: Probe | None = None,
     ) -> Selection:
-        """The GA's best m-subset on GA rounds, m at random on the others (or when the GA overruns)."""
+        """The GA's best m-subset on GA rounds, m at random on the others (or when the GA overruns). Stats say
+        which chose: `ga_round` (this round is one of the GA's), `ga_ran`, `fallback` (the GA overran)."""
         check_candidates(candidates, round_index=round_index)
+        ga_round = float(self.is_ga_round(round_index))
         if self.m >= len(candidates):
-            return Selection(chosen=[c.worker_id for c in candidates], stats={"ga_ran": 0.0, "fallback": 0.0})
-        if not self.is_ga_round(round_index):
+            return Selection(chosen=[c.worker_id for c in candidates],
+                             stats={"ga_round": ga_round, "ga_ran": 0.0, "fallback": 0.0})
+        if not ga_round:
             chosen = random_choice(candidates, self.m, rng)
-            return Selection(chosen=chosen, stats={"ga_ran": 0.0, "fallback": 0.0})
+            return Selection(chosen=chosen, stats={"ga_round": 0.0, "ga_ran": 0.0, "fallback": 0.0})
 
         started = time.monotonic()
         fitness, loss1, loss2 = self.fitness_for(candidates, global_vector, probe)
@@ -384,6 +387,7 @@ class GeneticSelection(GeneticParams):
             return Selection(
                 chosen=random_choice(candidates, self.m, rng),
                 stats={
+                    "ga_round": 1.0,
                     "ga_ran": 0.0,
                     "fallback": 1.0,
                     "seconds": seconds,
@@ -396,6 +400,7 @@ class GeneticSelection(GeneticParams):
             )
         best = result.best[None, :]
         stats = {
+            "ga_round": 1.0,
             "ga_ran": 1.0,
             "fallback": 0.0,
             "fitness": result.best_fitness,
