@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.layers import LAYERS, ParamKind, ShapeProblem
+from fedbroker.spec_data import DataConfig, data_problems, parse_data
 from fedbroker.yamltext import load_yaml
 
 MAX_WIDTH = 65_536
@@ -241,16 +242,18 @@ class JobSpec:
     schedule: ScheduleConfig
     evaluation: EvaluationConfig
     seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)  # preprocessing (fedbroker.spec_data)
 
     def __post_init__(self) -> None:
         _raise_all(_identity_problems(self.name, self.category, self.seed)
                    or cross_section_problems(model=self.model, training=self.training, evaluation=self.evaluation)
-                   or mode_problems(schedule=self.schedule, aggregation=self.aggregation))
+                   or mode_problems(schedule=self.schedule, aggregation=self.aggregation) or data_problems(
+                       self.data, input_shape=self.model.input_shape, layer_types=[x.type for x in self.model.layers]))
 
     def to_dict(self) -> dict[str, Any]:
         """The job as plain data (its model as a job writes it)."""
         out = asdict(self)
-        out["model"] = self.model.to_dict()
+        out["model"], out["data"] = self.model.to_dict(), self.data.to_dict()
         return out
 
     def to_json(self) -> str:
@@ -431,7 +434,7 @@ def parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             for suffix, shape in LAYERS[layer.type].tensors(layer.params).items()}
 
 
-_SECTIONS = ("name", "category", "model", "training", "aggregation", "schedule", "evaluation", "seed")
+_SECTIONS = ("name", "category", "model", "training", "aggregation", "schedule", "evaluation", "seed", "data")
 
 
 _S = TypeVar("_S", bound=_Section)
@@ -557,6 +560,8 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     aggregation = _section(errors, raw, "aggregation", AggregationConfig)
     schedule = _section(errors, raw, "schedule", ScheduleConfig)
     evaluation = _section(errors, raw, "evaluation", EvaluationConfig)
+    data = parse_data(raw.get("data"), errors.errors)
+    errors.errors.extend(data_problems(data, input_shape=model.input_shape, layer_types=[x.type for x in model.layers]))
     if not errors.errors:  # across sections: only meaningful once each section is valid on its own
         errors.errors.extend(cross_section_problems(model=model, training=training, evaluation=evaluation))
     # reported with every other problem: a section with problems of its own came back as the defaults (sync,
@@ -567,7 +572,7 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     errors.raise_if_any()
     return JobSpec(
         name=raw["name"], category=raw["category"], model=model, training=training,
-        aggregation=aggregation, schedule=schedule, evaluation=evaluation, seed=seed,
+        aggregation=aggregation, schedule=schedule, evaluation=evaluation, seed=seed, data=data,
     )
 
 

@@ -98,6 +98,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     c = client(args)
     try:
         status = c.status(args.job_id)
+        shared = [e for e in c.events(args.job_id) if e.kind in SHARE_EVENTS]
     finally:
         c.close()
     (job,) = status.jobs
@@ -105,12 +106,15 @@ def cmd_show(args: argparse.Namespace) -> int:
         doc = as_dict(job)
         doc["rounds"] = [as_dict(r) for r in status.rounds]
         doc["participants"] = [as_dict(p) for p in status.participants]
+        doc["sharing"] = [as_dict(e) for e in shared]  # what its sites shared before round 1
         print(json.dumps(doc, indent=2))
         return 0
     facts = [("job", job.job_id), ("name", job.name), ("status", job.status), ("category", job.category),
              ("mode", job.mode or "sync"), ("rounds", f"{job.rounds_done}/{job.rounds_total}"),
              ("submitter", job.submitter or "-"), ("submitted", _when(job.created_unix) + " UTC"),
              ("updated", _when(job.updated_unix) + " UTC"), *settings(json.loads(job.spec_json or "{}"))]
+    facts += [("standardised" if e.kind == "statistics_agreed" else "sharing",
+               f"{e.worker_id + ': ' if e.worker_id else ''}{e.message}") for e in shared]
     if job.error:
         facts.append(("error", job.error))
     width = max(len(k) for k, _ in facts)
@@ -128,7 +132,7 @@ def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
     model = spec.get("model") or {}
     layers = " → ".join(_layer(layer) for layer in model.get("layers", []))
     out = [("model", f"input {model.get('input_shape')}: {layers}")] if model else []
-    for section in ("training", "schedule", "aggregation", "evaluation"):
+    for section in ("training", "schedule", "aggregation", "evaluation", "data"):
         values = spec.get(section)
         if values:
             out.append((section, ", ".join(f"{k} {json.dumps(v) if isinstance(v, (dict, list)) else v}"
@@ -190,6 +194,8 @@ def follow_events(c: Any, job_id: str, *, follow: bool) -> Iterator[Any]:
             return
 
 
+# What sites shared with the job before round 1 (coordinator/sharing.py), as `jobs show` lists it.
+SHARE_EVENTS = ("share_requested", "shared", "share_refused", "not_shared", "histograms_shared", "statistics_agreed")
 ASYNC_KINDS = {"round_opened": "buffer_filled", "round_closed": "version_published"}  # an async job has versions, not rounds
 
 
