@@ -155,7 +155,7 @@ def _close(ctx: JobContext, job_id: str, job: JobSpec, phase: SharePhaseRecord) 
 def _part(share: ShareRecord, waited: float) -> str:
     if share.status == ShareStatus.REFUSED:
         return f"refused ({share.reason or 'no reason given'})"
-    if share.status == ShareStatus.SILENT:
+    if share.status in (ShareStatus.ASKED, ShareStatus.SILENT):  # asked: the phase is closing without its reply
         return f"no reply within {waited:.0f}s"
     if share.status == ShareStatus.NOT_ASKED:
         return f"not asked ({share.reason})"
