@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import safetensors.numpy
 
+from fedbroker.app.model_readme import input_section
 from fedbroker.app.status import render, table
 from fedbroker.errors import ConfigError
 from fedbroker.files import write_atomic
@@ -241,6 +242,7 @@ def write_model(out: Path, header: Any, tensors: dict[str, np.ndarray], job_spec
         f"- `{MODEL_FILE}`: the weights (safetensors; tensor names are the model's `state_dict` keys)\n"
         f"- `{SPEC_FILE}`: the model spec the weights belong to (alignment may have grown a layer)\n"
         f"- `{JOB_FILE}`: the job as it was submitted\n\n"
+        f"{input_section(header.model_spec_json, job_spec_json)}\n"
         f"Load it into a torch model (run this in this folder, with the `fedbroker` package installed):\n\n"
         f"```python\n{snippet}```\n").encode())
     return {k: str(v) for k, v in files.items()}
