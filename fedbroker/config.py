@@ -164,12 +164,22 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+STANDARDIZE_MODES = ("none", "site", "federated")
+
+
 @dataclass(frozen=True)
 class DataSection:
     """A data owner's own file (`worker.dataset` csv, npz or parquet), read on the worker and never sent.
 
     Labels are class indices 0..K-1, or any values listed in `classes` (in class order, so every owner of a
-    category numbers the classes alike). Standardisation uses this worker's own mean and std per feature.
+    category numbers the classes alike).
+
+    `standardize` (STANDARDIZE_MODES; YAML true means `site`, false `none`, as before the modes existed):
+    `site` z-scores each feature with this worker's own mean and std at load (sites with different scales
+    then train one model on inputs normalised differently, and the model's download cannot say how);
+    `federated` keeps the data raw and trains only models whose first layer standardises their input with
+    statistics the sites agreed on (shared once, noised: `worker.statistics_epsilon`), so the preprocessing
+    travels with the model; `none` keeps the data raw and takes any model.
     """
 
     path: str = ""
@@ -179,7 +189,16 @@ class DataSection:
     labels_key: str = "y"              # npz: the labels, shape (N,)
     classes: tuple[str, ...] = ()      # the label values in class order; empty = the labels are 0..K-1 already
     num_classes: int = 0               # the category's number of classes; 0 = the largest label + 1
-    standardize: bool = False          # z-score each feature with this worker's own mean and std
+    standardize: str | bool = "none"   # none | site | federated (class docstring); true = site, false = none
+
+    def __post_init__(self) -> None:
+        mode = self.standardize
+        if isinstance(mode, bool):
+            mode = "site" if mode else "none"
+        if mode not in STANDARDIZE_MODES:
+            raise ConfigError("worker.data.standardize", f"must be {' or '.join(map(repr, STANDARDIZE_MODES))} (true "
+                                                         f"= 'site', false = 'none'), got {self.standardize!r}")
+        object.__setattr__(self, "standardize", mode)
 
 
 @dataclass(frozen=True)
@@ -203,7 +222,15 @@ class WorkerConfig:
     heartbeat_s: float = 10.0
     coordinator_broker_user: str = ""  # the broker user whose tasks this worker trains (RabbitMQ validates a
                                        # message's user_id); others are dead-lettered. "" = any (logged at start)
-    histogram_epsilon: float = 0.0     # > 0: Laplace noise on the shared label histogram at this ε; 0 = exact counts
+    # The ε of the two releases a job may ask of a site before round 1 (worker/sharing.py), each drawn once per
+    # data set, kept in the ledger and charged to it once. 0 = exact, by the owner's explicit choice.
+    # histogram_epsilon: Laplace noise of scale 1/ε on each count (one record added or removed changes one count
+    # by 1). At ε 1 a count is off by 1 on average (|Laplace(1)|; ~1.4 root mean square): a class of ~100 still
+    # reads within ~1-2 %, enough for class shares (PFNM/NAFI) and DWFed's ISH, while no exact count leaves.
+    histogram_epsilon: float = 1.0
+    # statistics_epsilon: the Gaussian mechanism on per-feature sums and sums of squares (data.standardize:
+    # federated), at this ε and the δ of the site's DP policy (1e-5 when its DP is off).
+    statistics_epsilon: float = 1.0
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
     metrics_addr: str = "0.0.0.0"     # the exporter's bind address: 0.0.0.0 for a container scraped from
                                        # outside; 127.0.0.1 on a shared host (no /metrics for the network)
@@ -290,7 +317,10 @@ def _coerce(hint: Any, value: Any, at: str) -> Any:
             raise ConfigError(at, f"must be a list of strings, got {value!r}")
         return tuple(i.strip() for i in items if i.strip())
     if origin in (typing.Union, types.UnionType):
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(options) > 1 and any(isinstance(value, a) for a in options):  # str | bool: either, as written
+            return value
+        hint = options[0]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint in (int, float) and isinstance(value, str):  # YAML 1.1 reads "1e-05" as a string

@@ -18,8 +18,9 @@ from typing import Any, Literal
 Shape = tuple[int, ...]
 # A layer's parameters after validation: each value already checked against its Param's kind.
 Params = Mapping[str, Any]
-# "width": [1, MAX_WIDTH]; "kernel": [1, 64] or None; "int0": [0, 64]; "bool"; "prob": [0, 1)
-ParamKind = Literal["width", "kernel", "int0", "bool", "prob"]
+# "width": [1, MAX_WIDTH]; "kernel": [1, 64] or None; "int0": [0, 64]; "bool"; "prob": [0, 1);
+# "values": one finite number or a list of them (per input feature); "positive_values": the same, each > 0
+ParamKind = Literal["width", "kernel", "int0", "bool", "prob", "values", "positive_values"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class LayerType:
     in_width: str = ""
     # why alignment cannot permute units through this layer ("" when it can)
     blocks_alignment: str = ""
+    # the layer describes the model's input, so it may only be the first layer
+    first_only: bool = False
 
     @property
     def weighted(self) -> bool:
@@ -145,6 +148,19 @@ def _group_norm_tensors(p: Params) -> dict[str, Shape]:
     return {"weight": (p["num_channels"],), "bias": (p["num_channels"],)}
 
 
+# ----- standardize -----------------------------------------------------------------------------------
+
+def _standardize_output(p: Params, shape: Shape) -> Shape | ShapeProblem:
+    features = math.prod(shape)
+    for name in ("mean", "std"):
+        value = p[name]
+        if isinstance(value, (list, tuple)) and len(value) != features:
+            return ShapeProblem(name, f"has {len(value)} values but the model's input has {features} features "
+                                      f"(input_shape {list(shape)} flattened): give one value per feature, or one "
+                                      f"number for all")
+    return shape
+
+
 _POOL_PARAMS = {"kernel_size": Param("kernel", required=True), "stride": Param("kernel", default=None)}
 
 LAYERS: Mapping[str, LayerType] = {
@@ -173,5 +189,13 @@ LAYERS: Mapping[str, LayerType] = {
         {"num_groups": Param("width", required=True), "num_channels": Param("width", required=True)},
         _group_norm_output, _group_norm_tensors,
         blocks_alignment="permuting channels across its groups would change the function",
+    ),
+    # (x - mean) / std on the model's input, with mean and std carried in the spec (no weights): the
+    # preprocessing travels with the model (fedbroker.model.Standardize). Alignment passes over it: it never
+    # permutes the model's inputs.
+    "standardize": LayerType(
+        "Standardize",
+        {"mean": Param("values", required=True), "std": Param("positive_values", required=True)},
+        _standardize_output, first_only=True,
     ),
 }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -10,6 +10,31 @@ from torch import nn
 
 from fedbroker.layers import LAYERS
 from fedbroker.spec import ModelSpec
+
+
+class Standardize(nn.Module):
+    """(x - mean) / std on the model's input: the spec's `standardize` layer, the preprocessing that travels
+    with the model. mean and std are one number, or one per input feature (in the flattened input's order,
+    reshaped to the input's shape). They are non-persistent buffers: not in the state_dict, so the weights on
+    the wire, aggregation and Opacus see a model without them; they follow `.to()` and `.double()`."""
+
+    mean: torch.Tensor
+    std: torch.Tensor
+
+    def __init__(self, mean: float | Sequence[float], std: float | Sequence[float]) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32), persistent=False)
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The standardised input, shaped as the input."""
+        shape = x.shape[1:]
+        mean = self.mean.reshape(shape) if self.mean.dim() else self.mean
+        std = self.std.reshape(shape) if self.std.dim() else self.std
+        return (x - mean) / std
+
+
+_OWN_MODULES: Mapping[str, type[nn.Module]] = {"Standardize": Standardize}  # layer types torch has no class for
 
 
 def build_model(spec: ModelSpec, *, seed: int | None = None) -> nn.Sequential:
@@ -20,7 +45,8 @@ def build_model(spec: ModelSpec, *, seed: int | None = None) -> nn.Sequential:
     for layer in spec.layers:
         if layer.type not in LAYERS:  # parse_model refuses unknown types; a hand-built spec may not have
             raise ValueError(f"no builder for layer type {layer.type!r}")
-        torch_class: type[nn.Module] = getattr(nn, LAYERS[layer.type].torch_class)
+        name = LAYERS[layer.type].torch_class
+        torch_class: type[nn.Module] = _OWN_MODULES.get(name) or getattr(nn, name)
         layers.append(torch_class(**layer.params))
     return nn.Sequential(*layers)
 

@@ -32,6 +32,8 @@ MAX_DEPTH = 32
 # output, and, for DP-SGD, one gradient per parameter per sample), 4 bytes each. Without it a 0.8 M-parameter
 # model with a large batch asked workers for 170 GB and failed every round after admission.
 MAX_STEP_BYTES = 8 << 30
+FLOAT32_MAX = 3.4e38          # a standardize layer's mean and std are float32 buffers: finite there, std not 0
+FLOAT32_TINY = 1.2e-38
 # The data sets the coordinator can evaluate a global model on, with one sample's shape and the number of
 # classes (fedbroker.datasets loads them; tests/test_submission_limits.py checks this table against it).
 # The IDX sets (mnist, fashion_mnist) need files only the workers hold, so they are not evaluation sets.
@@ -279,7 +281,29 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _check_values(errors: _Collector, where: str, value: Any, *, positive: bool) -> Any:
+    """One number or a non-empty list of numbers (a tuple once checked), each finite in float32 (and > 0 with
+    `positive`): a standardize layer's mean or std."""
+    limit = "a number > 0" if positive else "a number"
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if isinstance(value, (list, tuple)) and not value:
+        errors.add(where, f"must be {limit} or a non-empty list of them, got an empty list")
+        return value
+    for i, v in enumerate(values):
+        at = f"{where}[{i}]" if isinstance(value, (list, tuple)) else where
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            errors.add(at, f"must be {limit} (finite), got {_show(v)}")
+            return value
+        if abs(v) > FLOAT32_MAX or (positive and not v >= FLOAT32_TINY):
+            span = f"[{FLOAT32_TINY:g}, {FLOAT32_MAX:g}]" if positive else f"[{-FLOAT32_MAX:g}, {FLOAT32_MAX:g}]"
+            errors.add(at, f"must be {limit} within float32's range {span}, got {_show(v)}")
+            return value
+    return tuple(float(v) for v in value) if isinstance(value, (list, tuple)) else float(value)
+
+
 def _check_param(errors: _Collector, where: str, kind: ParamKind, value: Any) -> Any:
+    if kind in ("values", "positive_values"):
+        return _check_values(errors, where, value, positive=kind == "positive_values")
     if kind == "width":
         ok, limit = _is_int(value) and 1 <= value <= MAX_WIDTH, f"an integer in [1, {MAX_WIDTH}]"
     elif kind == "kernel":
@@ -364,6 +388,8 @@ def parse_model(raw: Any, *, errors: _Collector | None = None, where: str = "mod
             if kind not in LAYERS:
                 errors.add(f"{at}.type", f"unknown layer type {_show(kind)}; allowed: {', '.join(sorted(LAYERS))}")
                 continue
+            if LAYERS[kind].first_only and i:
+                errors.add(f"{at}.type", f"{kind} must be the first layer: it describes the model's input")
             allowed = LAYERS[kind].params
             params: dict[str, Any] = {}
             for key in sorted(set(layer) - {"type"} - set(allowed)):

@@ -58,3 +58,26 @@ def test_worker_torch_threads_is_set_for_the_process_and_checked():
         torch.set_num_threads(before)
     with pytest.raises(ConfigError, match="worker.torch_threads"):
         set_torch_threads(-2)
+
+
+@pytest.mark.parametrize("written, mode", [("true", "site"), ("false", "none"), ("site", "site"),
+                                           ("federated", "federated"), ("none", "none")])
+def test_data_standardize_reads_a_mode_and_the_booleans_of_older_configs(tmp_path, written, mode):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"worker: {{data: {{standardize: {written}}}}}\n")
+    assert load_config(str(path)).worker.data.standardize == mode
+    assert load_config(environ={"FEDBROKER__WORKER__DATA__STANDARDIZE": written}).worker.data.standardize == mode
+
+
+def test_an_unknown_standardize_mode_is_refused_naming_the_setting_and_the_modes():
+    with pytest.raises(ConfigError, match="worker.data.standardize: must be 'none' or 'site' or 'federated'"):
+        load_config(environ={"FEDBROKER__WORKER__DATA__STANDARDIZE": "global"})
+    with pytest.raises(ConfigError, match="worker.data.standardize: must be"):
+        load_config(environ={"FEDBROKER__WORKER__DATA__STANDARDIZE": "3"})
+
+
+def test_a_sites_releases_are_noised_by_default():
+    worker = load_config(environ={}).worker
+    assert worker.histogram_epsilon == 1.0 and worker.statistics_epsilon == 1.0
+    exact = load_config(environ={"FEDBROKER__WORKER__HISTOGRAM_EPSILON": "0"}).worker
+    assert exact.histogram_epsilon == 0.0  # exact counts: the owner's explicit choice

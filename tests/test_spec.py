@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from fedbroker.errors import ConfigError
+from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.layers import LAYERS
 from fedbroker.model import build_model
 from fedbroker.spec import job_from_text, output_shapes, parameter_shapes, parse_job, parse_model
@@ -158,6 +158,9 @@ LAYER_EXAMPLES = {
     "Dropout": [{"input_shape": [4], "layers": [{"type": "Dropout", "p": 0.25}]}],
     "GroupNorm": [{"input_shape": [4, 3, 3], "layers": [{"type": "GroupNorm", "num_groups": 2, "num_channels": 4},
                                                         {"type": "Flatten"}]}],
+    "standardize": [{"input_shape": [4], "layers": [{"type": "standardize", "mean": [1, 2, 3, 4], "std": 0.5}]},
+                    {"input_shape": [2, 1, 2], "layers": [{"type": "standardize", "mean": 3, "std": [1, 2, 4, 8]},
+                                                          {"type": "Flatten"}]}],
 }
 
 
@@ -215,3 +218,34 @@ def test_a_required_layer_parameter_given_as_null_is_refused_not_taken_as_its_de
     model = {"input_shape": [1, 8, 8], "layers": [{"type": "MaxPool2d", "kernel_size": None}, {"type": "Flatten"}]}
     with pytest.raises(ConfigError, match=r"model\.layers\[0\]\.kernel_size: is required for MaxPool2d"):
         parse_model(model)
+
+
+def test_a_standardize_layer_applies_its_mean_and_std_per_feature_and_holds_no_weights():
+    spec = parse_model(LAYER_EXAMPLES["standardize"][1])
+    model = build_model(spec)
+    assert model.state_dict() == {}  # mean and std travel in the spec, never as weights
+    x = torch.arange(8.0).reshape(2, 2, 1, 2)
+    want = ((x.reshape(2, 4) - 3.0) / torch.tensor([1.0, 2.0, 4.0, 8.0])).reshape(2, 2, 1, 2)
+    torch.testing.assert_close(model[0](x), want)
+    assert json.loads(spec.to_json())["layers"][0] == {"type": "standardize", "mean": 3.0, "std": [1.0, 2.0, 4.0, 8.0]}
+    assert parse_model(json.loads(spec.to_json())) == spec  # the wire form parses back to the same model
+
+
+def test_every_problem_of_a_standardize_layer_is_named_with_its_path():
+    layers = [{"type": "standardize", "mean": [0, 1, 2], "std": [1, 0, -2, float("inf")]},
+              {"type": "Linear", "in_features": 4, "out_features": 2}, {"type": "standardize", "mean": 0, "std": 1}]
+    with pytest.raises(ConfigErrors) as info:
+        parse_model({"input_shape": [4], "layers": layers})
+    assert [str(e) for e in info.value.errors] == [
+        "model.layers[0].std[1]: must be a number > 0 within float32's range [1.2e-38, 3.4e+38], got 0",
+        "model.layers[2].type: standardize must be the first layer: it describes the model's input"]
+    with pytest.raises(ConfigError, match=r"model.layers\[0\].mean: has 3 values but the model's input has 4 "
+                                          r"features \(input_shape \[4\] flattened\)"):
+        parse_model({"input_shape": [4], "layers": [{"type": "standardize", "mean": [0, 1, 2], "std": 1}]})
+    for bad, message in (({"mean": "0", "std": 1}, r"mean: must be a number \(finite\), got '0'"),
+                         ({"mean": [], "std": 1}, "mean: must be a number or a non-empty list of them"),
+                         ({"mean": 0, "std": [1, float("nan")]}, r"std\[1\]: must be a number > 0 \(finite\)"),
+                         ({"mean": 1e39, "std": 1}, "mean: must be a number within float32's range"),
+                         ({"std": 1}, "mean: is required for standardize")):
+        with pytest.raises(ConfigError, match=r"model\.layers\[0\]\." + message):
+            parse_model({"input_shape": [4], "layers": [{"type": "standardize", **bad}]})

@@ -5,8 +5,9 @@ share, the coordinator evaluates on the held-out split, the aggregation service 
 Every worker must turn the same raw data into the same arrays (a federation of workers holding
 differently scaled features would average nonsense), so the scaling of the bundled sets is fixed per data
 set and uses statistics of the *whole bundled set*, not of a worker's share. An owner's own file is
-scaled as the owner declares (`worker.data.standardize`: its own mean and std, computed here, on the
-worker); owners whose features differ in scale should agree on it, or standardise beforehand.
+scaled as the owner declares (`worker.data.standardize`): `site`, with its own mean and std computed here;
+`federated` and `none`, not at all here (federated: the model's first layer standardises with statistics
+the sites agreed on, so every site and the downloaded model scale alike).
 
 An owner's file is refused at the door, before the worker registers or spends ε, with a ConfigError naming
 the setting and the place in the file: see `fedbroker.datasets.dataset` for the limits every reader enforces

@@ -109,7 +109,7 @@ def own_dataset(x: np.ndarray, raw_labels: list[str], source: DataSection, *, na
     # Before standardising: one NaN would spread over its whole column. Values within float32's range cannot
     # overflow the mean or std in float64, and a z-score is at most sqrt(N), so standardised values stay finite.
     check_values(x, setting="worker.data.path", where=where)
-    if source.standardize:
+    if source.standardize == "site":  # federated: raw here, standardised by the model's first layer
         mean = x.mean(axis=0)
         std = x.std(axis=0)
         std[std == 0] = 1.0  # a constant feature stays 0 instead of becoming NaN

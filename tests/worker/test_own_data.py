@@ -51,6 +51,9 @@ def test_csv_standardisation_uses_this_workers_own_mean_and_std(tmp_path):
     assert (ds.x[:, 2] == 0).all()  # a constant feature stays 0 instead of becoming NaN
     raw = load_worker_data(worker("csv", path=path))
     assert raw.x[0].tolist() == [1.0, 13.0, 5.0]
+    for mode in ("none", "federated"):  # federated: raw here, standardised by the model's first layer
+        assert load_worker_data(worker("csv", path=path, standardize=mode)).x[0].tolist() == [1.0, 13.0, 5.0]
+    np.testing.assert_array_equal(load_worker_data(worker("csv", path=path, standardize="site")).x, ds.x)
 
 
 def test_csv_text_labels_are_numbered_by_the_declared_classes(tmp_path):
@@ -105,7 +108,7 @@ def test_the_data_section_comes_from_the_environment_as_kubernetes_sets_it(tmp_p
         "FEDBROKER__WORKER__DATA__LABEL_COLUMN": "y", "FEDBROKER__WORKER__DATA__FEATURE_COLUMNS": "c,a",
         "FEDBROKER__WORKER__DATA__STANDARDIZE": "true", "FEDBROKER__WORKER__DATA__NUM_CLASSES": "4",
     })
-    assert config.worker.data.feature_columns == ("c", "a") and config.worker.data.standardize is True
+    assert config.worker.data.feature_columns == ("c", "a") and config.worker.data.standardize == "site"
     ds = load_worker_data(config.worker)
     assert ds.input_shape == (2,) and ds.num_classes == 4
     with pytest.raises(ConfigError, match="worker.data.colour: unknown setting"):

@@ -31,8 +31,6 @@ import os
 import threading
 import time
 
-import numpy as np
-
 from fedbroker import envelope
 from fedbroker.aggregation_client import AggregatorClient, Model
 from fedbroker.auth import ClientSecurity
@@ -41,7 +39,7 @@ from fedbroker.catalogue import settings_from_json
 from fedbroker.config import DPPolicy, WorkerConfig
 from fedbroker.datasets import load_worker_data, train_test_split
 from fedbroker.errors import BudgetExceeded, ConfigError, FedbrokerError, LedgerBehind, Rejection, TaskRefused
-from fedbroker.label_stats import noisy_histogram, reported_ish
+from fedbroker.label_stats import reported_ish
 from fedbroker.metrics import BUSES
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.privacy import dp_sample_rate, job_epsilon_after_round, planned_steps, project_epsilon
@@ -50,8 +48,9 @@ from fedbroker.retry import Backoff
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import ModelSpec, TrainingConfig, parse_model, training_from_json
 from fedbroker.worker import metrics
-from fedbroker.worker.ledger import PrivacyLedger, below, source_digest
+from fedbroker.worker.ledger import PrivacyLedger, below
 from fedbroker.worker.partition import partition
+from fedbroker.worker.sharing import Sharing
 from fedbroker.worker.training import TrainResult, pick_device, train_local
 
 log = logging.getLogger(__name__)
@@ -61,7 +60,6 @@ REGISTER_EVERY_BEATS = 6
 JOB_COSTS_KEPT = 256   # jobs whose training settings a worker keeps for its heartbeats' cost reports
 JOB_COSTS_REPORTED = 1024   # jobs one heartbeat lists (the coordinator takes up to 4096): the latest ledger
                             # entries; a job left out is priced by the coordinator at its first round's cost
-HISTOGRAM_RELEASE = "label_histogram"  # the ledger's name for the noised label histogram
 
 
 class _PoisonTask(FedbrokerError):
@@ -104,9 +102,12 @@ class WorkerAgent:
         index = shards[p.client_index]
         self.x, self.y = train.x[index], train.y[index]
         self.num_classes = data.num_classes
-        self.histogram = np.bincount(self.y, minlength=self.num_classes)
-        # What the coordinator sees, and all that DWFed's ISH is computed from (never the exact counts).
-        self.shared_histogram = self._release_histogram(config.histogram_epsilon)
+        # What a job may ask of this site before round 1 (its label histogram, feature statistics), released
+        # only then, noised, and charged once; DWFed's ISH is computed from the released histogram.
+        self.sharing = Sharing(worker_id=config.id, categories=config.categories, ledger=self.ledger, dp=self.dp,
+                               histogram_epsilon=config.histogram_epsilon,
+                               statistics_epsilon=config.statistics_epsilon, standardize=str(config.data.standardize),
+                               x=self.x, y=self.y, num_classes=self.num_classes)
         self._state = "idle"
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -132,6 +133,7 @@ class WorkerAgent:
         BUSES.watch(self.bus, client=self.config.id)
         metrics.worker_started(self.config.id)
         self._export_privacy()
+        log.info("%s", self.sharing.summary())
         self.bus.declare_worker(self.config.id)
         self.register()
         self.send_heartbeat()  # at once: the coordinator opens rounds only with workers that reported a budget
@@ -156,42 +158,17 @@ class WorkerAgent:
             self._channel = AggregatorClient(target, security=self.security)
         return self._channel
 
-    def _release_histogram(self, epsilon: float) -> np.ndarray:
-        """The label histogram this worker shares: exact with `histogram_epsilon` 0, else a Laplace draw at
-        that ε, charged to the ledger (a pure ε-DP release composing with training by basic composition).
-
-        Noise is drawn once per data set, not per registration: fresh draws would let the coordinator
-        average the noise away. The ledger keeps the draw, so a restart re-sends it at no new cost; a
-        changed data set or ε draws (and pays for) a new one, refused if it would pass the owner's budget."""
-        if not epsilon:
-            return self.histogram
-        kept = self.ledger.release(HISTOGRAM_RELEASE)
-        if (kept is not None and kept.draw_epsilon == epsilon and len(kept.value) == len(self.histogram)
-                and kept.source_sha256 == source_digest([int(c) for c in self.histogram])):
-            return np.asarray(kept.value, dtype=np.int64)
-        dp = self.dp
-        if dp is not None and self.ledger.total_epsilon() + epsilon > dp.epsilon_budget:
-            raise ConfigError("worker.histogram_epsilon",
-                              f"releasing the label histogram at ε {epsilon:g} would bring ε to "
-                              f"{self.ledger.total_epsilon() + epsilon:.3f}, above the owner's budget "
-                              f"{dp.epsilon_budget:g}")
-        released = noisy_histogram(self.histogram, epsilon=epsilon, rng=np.random.default_rng())
-        self.ledger.record_release(HISTOGRAM_RELEASE, value=[int(c) for c in released], epsilon=epsilon,
-                                   source=[int(c) for c in self.histogram])
-        log.info("worker %s released its label histogram at ε %g (charged to its ledger)", self.config.id, epsilon)
-        return released
-
     def _export_privacy(self) -> None:
         dp = self.dp
         metrics.set_privacy(self.config.id, spent=self.ledger.total_epsilon(),
                             budget=dp.epsilon_budget if dp is not None else None)
 
     def register(self) -> None:
-        """Tell the coordinator what this worker holds and allows: categories, shared histogram, DP policy, ε spent."""
+        """Tell the coordinator what this worker holds and allows: categories, data shape and count, DP policy, ε
+        spent. No label histogram: it goes only to a job that asks (worker/sharing.py)."""
         dp = self.dp
         registration = pb.Registration(
-            worker_id=self.config.id, categories=list(self.config.categories),
-            label_histogram=[int(c) for c in self.shared_histogram], dp_enabled=dp is not None,
+            worker_id=self.config.id, categories=list(self.config.categories), dp_enabled=dp is not None,
             dp_policy=pb.DPPolicy(noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
                                   delta=dp.delta, epsilon_budget=dp.epsilon_budget) if dp else None,
             epsilon_spent=self.ledger.total_epsilon(), device=self.device, num_samples=len(self.y),
@@ -279,12 +256,16 @@ class WorkerAgent:
             delivery.nack(requeue=False)
             return
         try:
-            task = envelope.decode(delivery.body, expect=("round_task",)).round_task
+            message = envelope.decode(delivery.body, expect=("round_task", "share_request"))
         except envelope.MalformedMessage as exc:
             log.error("worker %s dead-letters a malformed task: %s", me, exc)
             metrics.TASKS.labels(me, "malformed").inc()
             delivery.nack(requeue=False)
             return
+        if message.HasField("share_request"):
+            self._answer_share(delivery, message.share_request)
+            return
+        task = message.round_task
         try:
             outcome = "uploaded" if self.run_task(task) is not None else "already_uploaded"
         except TaskRefused as exc:
@@ -317,6 +298,28 @@ class WorkerAgent:
         delivery.ack()
         metrics.TASKS.labels(me, outcome).inc()
         metrics.TASKS_ACKED.labels(me).inc()
+
+    def _answer_share(self, delivery: Delivery, request: pb.ShareRequest) -> None:
+        """Reply to a job's share request on the control bus, then ack; one past its deadline is acked unanswered.
+        A reply the bus could not take goes back to the queue: its releases are kept, so the retry costs no ε."""
+        if request.deadline_unix and time.time() > request.deadline_unix:
+            log.info("worker %s drops job %s's share request: its deadline passed", self.config.id, request.job_id)
+            metrics.SHARE_REQUESTS.labels(self.config.id, "expired").inc()
+            delivery.ack()
+            return
+        reply = self.sharing.reply(request)
+        try:
+            self.bus.publish_control(envelope.encode(share_reply=reply))
+        except BusError as exc:
+            log.warning("worker %s: reply to job %s's share request not sent (%s); retried", self.config.id,
+                        request.job_id, exc)
+            delivery.nack(requeue=True)
+            return
+        self.sharing.note_sent(reply)
+        self._export_privacy()
+        metrics.SHARE_REQUESTS.labels(self.config.id, "refused" if reply.refused else "shared").inc()
+        delivery.ack()
+        metrics.TASKS_ACKED.labels(self.config.id).inc()
 
     def _retry_later(self, delivery: Delivery, task: pb.RoundTask, exc: Exception) -> None:
         me = self.config.id
@@ -375,6 +378,8 @@ class WorkerAgent:
         while len(self._job_configs) > JOB_COSTS_KEPT:
             self._job_configs.popitem(last=False)
         self.check_ledger(task.recorded_epsilon_spent)
+        if task.population_distribution:  # DWFed's ISH needs the released histogram: drawn (and charged) first
+            self.sharing.histogram()
         self.check_budget(task.job_id, config)
         key = (task.job_id, task.round, task.model_version)
         # Every call retries through an outage (or a full spool) for as long as the round can use it.
@@ -411,6 +416,7 @@ class WorkerAgent:
         except (ValueError, TypeError, KeyError, RuntimeError) as exc:
             raise _PoisonTask(f"the global model {version} cannot be built: {exc}") from None
         self.check_data_fits(spec)
+        self.sharing.check_model(spec)  # its preprocessing against data.standardize
 
         def give_up_at_deadline(step: int, total: int) -> None:
             # Past the deadline the service refuses the update: stop holding the task (and the broker's
@@ -499,5 +505,5 @@ class WorkerAgent:
     def _ish(self, task: pb.RoundTask) -> float | None:
         if not task.population_distribution:
             return None
-        return reported_ish(self.shared_histogram, task.population_distribution, participants=task.participants,
+        return reported_ish(self.sharing.histogram()[0], task.population_distribution, participants=task.participants,
                             settings=settings_from_json(task.aggregation_json))

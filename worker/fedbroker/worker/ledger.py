@@ -5,10 +5,11 @@ crash leaves either the old or the new ledger, never half of one. A
 ledger that cannot be read raises instead of starting empty: forgetting spent ε would let the
 worker overspend its budget.
 
-Besides the jobs' training, the ledger charges one-off releases about the data (`record_release`): the
-noised label histogram a worker shares at registration is a pure ε-DP release, drawn once and kept here
-so that a restart re-sends the same release instead of drawing (and spending) again. The total is the
-plain sum (basic composition): jobs' (ε_job, δ) and releases' (ε_release, 0) compose to (Σε, δ).
+Besides the jobs' training, the ledger charges one-off releases about the data (`record_release`, see
+worker/sharing.py): the noised label histogram (pure ε-DP) and feature statistics (Gaussian, (ε, δ_s)), each
+drawn once and kept here so that a later request or a restart re-sends the same release instead of drawing
+(and spending) again. The total is the plain sum (basic composition): jobs' (ε_job, δ) and releases'
+(ε_release, δ_release) compose to (Σε, δ + Σδ_release); the budget caps Σε.
 
 Next to the ledger, a mark file (`<ledger>.mark`) holds the highest total ever written. A ledger whose
 total is below its mark (an older copy restored, an edit), or a missing ledger whose mark says ε was
@@ -56,8 +57,9 @@ def fresh_ledgers() -> Iterator[None]:
 FORMAT_VERSION = 1
 MARK_SUFFIX = ".mark"
 _Entry = dict[str, Any]  # {"epsilon": float, "history": [[noise_multiplier, sample_rate, steps], ...]}
-# A release: {"epsilon": ε spent on all its draws, "draw_epsilon": ε of the kept draw, "value": [...],
-#             "source_sha256": digest of what it was drawn from (stays on the owner's disk)}
+# A release: {"epsilon": ε spent on all its draws, "draw_epsilon": ε of the kept draw, "value": [...] (counts or
+#             floats), "source_sha256": digest of what it was drawn from (stays on the owner's disk), and
+#             "delta": δ of the kept draw (absent: 0, a pure ε-DP release, as every ledger before it had)}
 _Release = dict[str, Any]
 # Totals are sums of floats in dict order, which a reload may change: compare them with this slack.
 _SLACK = 1e-9
@@ -82,11 +84,12 @@ class Shared:
 
 @dataclass(frozen=True)
 class Release:
-    """A kept release (e.g. the noised label histogram): what was published and the ε of that draw."""
+    """A kept release (e.g. the noised label histogram): what was published and the ε (and δ) of that draw."""
 
-    value: list[int]
+    value: list[float]   # ints for counts
     draw_epsilon: float
     source_sha256: str
+    delta: float = 0.0
 
 
 class PrivacyLedger:
@@ -160,19 +163,27 @@ class PrivacyLedger:
         """The kept draw of a one-off release (None: never released)."""
         with self._lock:
             r = self._releases.get(name)
-            return Release(list(r["value"]), float(r["draw_epsilon"]), str(r["source_sha256"])) if r else None
+            return Release(list(r["value"]), float(r["draw_epsilon"]), str(r["source_sha256"]),
+                           float(r.get("delta", 0.0))) if r else None
 
-    def record_release(self, name: str, *, value: Sequence[int], epsilon: float, source: Sequence[int]) -> None:
-        """Charge a new ε-DP release of `source` (published as `value`) and keep it for later restarts.
+    def record_release(self, name: str, *, value: Sequence[float], epsilon: float, source: Sequence[float],
+                       delta: float = 0.0) -> None:
+        """Charge a new (ε, δ)-DP release of `source` (published as `value`: counts or finite floats) and keep it
+        for later requests and restarts.
 
         A release replaced by a new draw still counts: its ε is added to what the name spent before."""
         if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 < epsilon < math.inf:
             raise ConfigError("epsilon", f"must be a finite number > 0, got {epsilon!r}")
+        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 <= delta < 1:
+            raise ConfigError("delta", f"must be a number in [0, 1), got {delta!r}")
+        values = [_number(v, f"value[{i}]") for i, v in enumerate(value)]
         with self._lock:
             spent = float(self._releases[name]["epsilon"]) if name in self._releases else 0.0
             releases = dict(self._releases)
-            releases[name] = {"epsilon": spent + float(epsilon), "draw_epsilon": float(epsilon),
-                              "value": [int(v) for v in value], "source_sha256": source_digest(source)}
+            releases[name] = {"epsilon": spent + float(epsilon), "draw_epsilon": float(epsilon), "value": values,
+                              "source_sha256": source_digest(source)}
+            if delta:
+                releases[name]["delta"] = float(delta)
             self._write(self._jobs, releases)
             self._releases = releases
 
@@ -224,8 +235,10 @@ class PrivacyLedger:
         for name, r in releases.items():
             try:
                 self._releases[name] = {"epsilon": float(r["epsilon"]), "draw_epsilon": float(r["draw_epsilon"]),
-                                        "value": [int(v) for v in r["value"]],
+                                        "value": [_number(v, "value") for v in r["value"]],
                                         "source_sha256": str(r["source_sha256"])}
+                if "delta" in r:
+                    self._releases[name]["delta"] = float(r["delta"])
             except (KeyError, TypeError, ValueError) as exc:
                 raise ConfigError(self.path, f"release {name!r} has a malformed ledger entry ({exc})") from None
         shared = doc.get("shared", [])
@@ -278,9 +291,19 @@ def _total(jobs: dict[str, _Entry], releases: dict[str, _Release]) -> float:
     return float(sum(e["epsilon"] for e in jobs.values()) + sum(r["epsilon"] for r in releases.values()))
 
 
-def source_digest(counts: Sequence[int]) -> str:
-    """Identifies what a release was drawn from, so a changed data set draws (and pays for) a new one."""
-    return hashlib.sha256(json.dumps([int(c) for c in counts]).encode()).hexdigest()
+def source_digest(values: Sequence[float]) -> str:
+    """Identifies what a release was drawn from, so a changed data set draws (and pays for) a new one. Counts
+    digest as the integers they are (as ledgers always did); other values as floats."""
+    return hashlib.sha256(json.dumps([_number(v, "source") for v in values]).encode()).hexdigest()
+
+
+def _number(value: object, what: str) -> int | float:
+    """An integer kept as one (counts), any other real as a finite float; anything else raises ValueError."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value)):
+        return float(value)
+    raise ValueError(f"{what} must be a finite number, got {value!r}")
 
 
 def _entry(i: int, e: Sequence[float]) -> list[float | int]:

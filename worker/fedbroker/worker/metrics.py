@@ -50,7 +50,8 @@ NEXT_ROUND_EPSILON = Gauge(
     "worker refuses such rounds.", ["worker_id"])
 TASKS_REFUSED = Counter(
     "fedbroker_worker_tasks_refused_total",
-    "Tasks refused before training, by reason: task_refused (category, deadline, round closed), "
+    "Tasks refused before training, by reason: task_refused (category, deadline, round closed, a model whose "
+    "input preprocessing contradicts data.standardize), "
     "privacy_budget_exceeded, ledger_behind (the ledger holds less ε than the coordinator recorded: it was lost "
     "or replaced; the worker trains no more until it is restored).", ["worker_id", "reason"])
 REFUSAL_REASONS = ("task_refused", "privacy_budget_exceeded", "ledger_behind")
@@ -60,6 +61,12 @@ TASKS_FAILED = Counter(
     "this worker's data), deadline_passed (training outlived the round), update_refused (the aggregation "
     "service refused the update for good).",
     ["worker_id", "reason"])
+SHARE_REQUESTS = Counter(
+    "fedbroker_worker_share_requests_total",
+    "Jobs' share requests (label histogram, feature statistics before round 1), by outcome: shared, refused "
+    "(the site's policy, budget or a bad range: the reply says why), expired (past its deadline, unanswered).",
+    ["worker_id", "outcome"])
+SHARE_OUTCOMES = ("shared", "refused", "expired")
 SENT_BYTES = Counter("fedbroker_worker_sent_bytes_total", "Tensor bytes uploaded to the aggregation service.",
                      ["worker_id"])
 RECEIVED_BYTES = Counter(
@@ -87,6 +94,8 @@ def worker_started(worker_id: str) -> None:
         TASKS.labels(worker_id, outcome)
     for reason in REFUSAL_REASONS:
         TASKS_REFUSED.labels(worker_id, reason)
+    for outcome in SHARE_OUTCOMES:
+        SHARE_REQUESTS.labels(worker_id, outcome)
     TRAINING_SECONDS.labels(worker_id)
 
 

@@ -72,6 +72,10 @@ def _layer(layer: LayerSpec, h: np.ndarray, tensors: Mapping[str, np.ndarray]) -
         return np.asarray(expit(h))
     if kind == "Dropout":
         return h
+    if kind == "standardize":  # numbers from the spec, per flattened input feature or one for all
+        mean, std = (np.asarray(p[name], dtype=np.float64) for name in ("mean", "std"))
+        shape = h.shape[2:]
+        return np.asarray((h - (mean.reshape(shape) if mean.ndim else mean)) / (std.reshape(shape) if std.ndim else std))
     if kind == "GroupNorm":
         assert w is not None and b is not None
         return _group_norm(h, w, b, int(p["num_groups"]))
