@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.layers import LAYERS, ParamKind, ShapeProblem
-from fedbroker.spec_data import DataConfig, data_problems, parse_data
+from fedbroker.spec_data import DataConfig, check_values, data_problems, parse_data
 from fedbroker.yamltext import load_yaml
 
 MAX_WIDTH = 65_536
@@ -32,8 +32,6 @@ MAX_DEPTH = 32
 # output, and, for DP-SGD, one gradient per parameter per sample), 4 bytes each. Without it a 0.8 M-parameter
 # model with a large batch asked workers for 170 GB and failed every round after admission.
 MAX_STEP_BYTES = 8 << 30
-FLOAT32_MAX = 3.4e38          # a standardize layer's mean and std are float32 buffers: finite there, std not 0
-FLOAT32_TINY = 1.2e-38
 # The data sets the coordinator can evaluate a global model on, with one sample's shape and the number of
 # classes (fedbroker.datasets loads them; tests/test_submission_limits.py checks this table against it).
 # The IDX sets (mnist, fashion_mnist) need files only the workers hold, so they are not evaluation sets.
@@ -249,8 +247,7 @@ class JobSpec:
     def __post_init__(self) -> None:
         _raise_all(_identity_problems(self.name, self.category, self.seed)
                    or cross_section_problems(model=self.model, training=self.training, evaluation=self.evaluation)
-                   or mode_problems(schedule=self.schedule, aggregation=self.aggregation) or data_problems(
-                       self.data, input_shape=self.model.input_shape, layer_types=[x.type for x in self.model.layers]))
+                   or mode_problems(schedule=self.schedule, aggregation=self.aggregation) or data_problems(self.data, self.model))
 
     def to_dict(self) -> dict[str, Any]:
         """The job as plain data (its model as a job writes it)."""
@@ -281,29 +278,9 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_values(errors: _Collector, where: str, value: Any, *, positive: bool) -> Any:
-    """One number or a non-empty list of numbers (a tuple once checked), each finite in float32 (and > 0 with
-    `positive`): a standardize layer's mean or std."""
-    limit = "a number > 0" if positive else "a number"
-    values = value if isinstance(value, (list, tuple)) else [value]
-    if isinstance(value, (list, tuple)) and not value:
-        errors.add(where, f"must be {limit} or a non-empty list of them, got an empty list")
-        return value
-    for i, v in enumerate(values):
-        at = f"{where}[{i}]" if isinstance(value, (list, tuple)) else where
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-            errors.add(at, f"must be {limit} (finite), got {_show(v)}")
-            return value
-        if abs(v) > FLOAT32_MAX or (positive and not v >= FLOAT32_TINY):
-            span = f"[{FLOAT32_TINY:g}, {FLOAT32_MAX:g}]" if positive else f"[{-FLOAT32_MAX:g}, {FLOAT32_MAX:g}]"
-            errors.add(at, f"must be {limit} within float32's range {span}, got {_show(v)}")
-            return value
-    return tuple(float(v) for v in value) if isinstance(value, (list, tuple)) else float(value)
-
-
 def _check_param(errors: _Collector, where: str, kind: ParamKind, value: Any) -> Any:
-    if kind in ("values", "positive_values"):
-        return _check_values(errors, where, value, positive=kind == "positive_values")
+    if kind in ("values", "positive_values"):  # a standardize layer's mean or std (fedbroker.spec_data)
+        return check_values(errors.errors, where, value, positive=kind == "positive_values")
     if kind == "width":
         ok, limit = _is_int(value) and 1 <= value <= MAX_WIDTH, f"an integer in [1, {MAX_WIDTH}]"
     elif kind == "kernel":
@@ -586,8 +563,7 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     aggregation = _section(errors, raw, "aggregation", AggregationConfig)
     schedule = _section(errors, raw, "schedule", ScheduleConfig)
     evaluation = _section(errors, raw, "evaluation", EvaluationConfig)
-    data = parse_data(raw.get("data"), errors.errors)
-    errors.errors.extend(data_problems(data, input_shape=model.input_shape, layer_types=[x.type for x in model.layers]))
+    data = parse_data(raw.get("data"), errors.errors, model)
     if not errors.errors:  # across sections: only meaningful once each section is valid on its own
         errors.errors.extend(cross_section_problems(model=model, training=training, evaluation=evaluation))
     # reported with every other problem: a section with problems of its own came back as the defaults (sync,

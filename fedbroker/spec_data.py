@@ -1,4 +1,5 @@
-"""A job's `data` section: how the sites' inputs are preprocessed, so the model carries its preprocessing.
+"""A job's `data` section, and the `standardize` layer's values: how the sites' inputs are preprocessed, so
+that the model carries its preprocessing.
 
 `standardize: federated` has the sites agree, before round 1, on one mean and std per flattened input feature
 from their sums, sums of squares and counts (each site releases them under its own DP policy); the
@@ -7,7 +8,9 @@ and the downloaded model is applied, on inputs standardised the same way. The st
 values clipped to `bounds` (which also fix the sensitivity of each site's release), so bounds are required:
 `[lo, hi]` for every feature, or one `[lo, hi]` per flattened input feature.
 
-Kept apart from `fedbroker.spec` (which imports it) so that the parser stays within its file.
+The `standardize` layer holds its mean and std as float32 buffers (fedbroker.model): `check_values` keeps each
+finite there, and a std above 0. Kept apart from `fedbroker.spec` (which imports it) so that the parser stays
+within its file.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fedbroker.errors import ConfigError, ConfigErrors
 
+FLOAT32_MAX = 3.4e38          # a standardize layer's mean and std are float32 buffers: finite there, std not 0
+FLOAT32_TINY = 1.2e-38
 STANDARDIZE = ("none", "federated")
 STANDARDIZE_LAYER = "standardize"   # the layer type `standardize: federated` puts in front of the model
 _FIELDS = ("standardize", "bounds")
@@ -101,9 +106,27 @@ def _pair_problem(pair: Any) -> str:
     return ""
 
 
-def parse_data(raw: Any, errors: list[ConfigError]) -> DataConfig:
-    """The `data` section of a job (absent or null: the defaults); every problem of it is added to `errors`
-    (the defaults come back for a section whose values are wrong)."""
+class _Layer(Protocol):
+    @property
+    def type(self) -> str: ...
+
+
+class _Model(Protocol):  # fedbroker.spec.ModelSpec, which this module cannot import (spec imports it)
+    @property
+    def input_shape(self) -> tuple[int, ...]: ...
+    @property
+    def layers(self) -> Sequence[_Layer]: ...
+
+
+def parse_data(raw: Any, errors: list[ConfigError], model: _Model) -> DataConfig:
+    """The `data` section of a job (absent or null: the defaults) for `model`; every problem of it, alone and
+    with the model (`data_problems`), is added to `errors` (the defaults come back for wrong values)."""
+    data = _parse_data(raw, errors)
+    errors.extend(data_problems(data, model))
+    return data
+
+
+def _parse_data(raw: Any, errors: list[ConfigError]) -> DataConfig:
     if raw is None:
         return DataConfig()
     if not isinstance(raw, Mapping):
@@ -125,9 +148,11 @@ def parse_data(raw: Any, errors: list[ConfigError]) -> DataConfig:
     return DataConfig(standardize=standardize, bounds=tuple((float(lo), float(hi)) for lo, hi in items))
 
 
-def data_problems(data: DataConfig, *, input_shape: Sequence[int], layer_types: Sequence[str]) -> list[ConfigError]:
+def data_problems(data: DataConfig, model: _Model) -> list[ConfigError]:
     """What the section cannot see alone: per-feature bounds must number the model's flattened input features,
-    and a model that standardises itself must not be standardised again."""
+    and a model that standardises itself must not be standardised again. (A model with problems of its own
+    comes as one without layers or shape: nothing to check against.)"""
+    input_shape, layer_types = model.input_shape, [layer.type for layer in model.layers]
     out: list[ConfigError] = []
     features = math.prod(input_shape) if input_shape else 0
     if len(data.bounds) > 1 and features and len(data.bounds) != features:
@@ -139,3 +164,23 @@ def data_problems(data: DataConfig, *, input_shape: Sequence[int], layer_types: 
                                                        "front of the model: remove this one, or set data.standardize "
                                                        "none"))
     return out
+
+
+def check_values(errors: list[ConfigError], where: str, value: Any, *, positive: bool) -> Any:
+    """One number or a non-empty list of numbers (a tuple once checked), each finite in float32 (and > 0 with
+    `positive`): a standardize layer's mean or std. Its problems go to `errors`; the value comes back."""
+    limit = "a number > 0" if positive else "a number"
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if isinstance(value, (list, tuple)) and not value:
+        errors.append(ConfigError(where, f"must be {limit} or a non-empty list of them, got an empty list"))
+        return value
+    for i, v in enumerate(values):
+        at = f"{where}[{i}]" if isinstance(value, (list, tuple)) else where
+        if not _finite(v):
+            errors.append(ConfigError(at, f"must be {limit} (finite), got {_show(v)}"))
+            return value
+        if abs(v) > FLOAT32_MAX or (positive and not v >= FLOAT32_TINY):
+            span = f"[{FLOAT32_TINY:g}, {FLOAT32_MAX:g}]" if positive else f"[{-FLOAT32_MAX:g}, {FLOAT32_MAX:g}]"
+            errors.append(ConfigError(at, f"must be {limit} within float32's range {span}, got {_show(v)}"))
+            return value
+    return tuple(float(v) for v in value) if isinstance(value, (list, tuple)) else float(value)
