@@ -79,3 +79,19 @@ def test_a_job_needs_histograms_when_any_of_its_algorithms_declares_it() -> None
     assert not needs_histograms(AggregationConfig())
     assert not needs_histograms(AggregationConfig(alignment="feddna", selection="ga", weighting="uniform"))
     assert not needs_histograms(AggregationConfig(weighting="magic"))  # unknown: refused at submission, not here
+
+
+def test_a_federated_job_refuses_a_model_that_standardises_itself_already() -> None:
+    model = {"input_shape": [4], "layers": [{"type": "standardize", "mean": 0.0, "std": 1.0},
+                                            {"type": "Linear", "in_features": 4, "out_features": 2}]}
+    found = problems({"name": "j", "category": "c", "model": model,
+                      "data": {"standardize": "federated", "bounds": [0, 1]}})
+    assert "puts the agreed standardize layer in front of the model" in found["model.layers[0].type"]
+    assert parse_job({"name": "j", "category": "c", "model": model}).model.layers[0].type == "standardize"
+
+
+def test_a_standardize_layers_values_must_be_float32_numbers() -> None:
+    model = {"input_shape": [2], "layers": [{"type": "standardize", "mean": [0.0, 10**400], "std": [1.0, 0.0]},
+                                            {"type": "Linear", "in_features": 2, "out_features": 2}]}
+    found = problems({"name": "j", "category": "c", "model": model})
+    assert "finite" in found["model.layers[0].mean[1]"] and "> 0" in found["model.layers[0].std[1]"]

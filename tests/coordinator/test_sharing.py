@@ -5,6 +5,7 @@ and that what a site shared never raises the ε the coordinator records for it a
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 import uuid
@@ -22,14 +23,15 @@ from fedbroker.aggregators.service import serve
 from fedbroker.bus import InProcessBus
 from fedbroker.catalogue import settings_from_json
 from fedbroker.config import DPPolicy
+from fedbroker.coordinator.checkpoints import load_checkpoint
 from fedbroker.coordinator.records import JobStatus
 from fedbroker.coordinator.scheduler import Coordinator
-from fedbroker.coordinator.sharing import receive_reply
+from fedbroker.coordinator.sharing import MIN_STD_FRACTION, receive_reply, standardized
 from fedbroker.coordinator.store import StateStore
-from fedbroker.coordinator.store_shares import ShareStatus
+from fedbroker.coordinator.store_shares import SharePhaseRecord, ShareRecord, ShareStatus
 from fedbroker.label_stats import reported_ish
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import parse_job
+from fedbroker.spec import parse_job, parse_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,8 +60,9 @@ class Site:
     histogram gives against the task's population)."""
 
     def __init__(self, namespace: str, worker_id: str, histogram: list[int], reply: Reply, *,
-                 epsilon: float = 1.0) -> None:
+                 epsilon: float = 1.0, features: int = 4) -> None:
         self.worker_id, self.histogram, self.reply_with, self.epsilon = worker_id, histogram, reply, epsilon
+        self.features = features
         self.bus = InProcessBus(namespace=namespace, user=worker_id)
         self.requests: list[pb.ShareRequest] = []
         self.tasks: list[pb.RoundTask] = []
@@ -73,7 +76,7 @@ class Site:
             worker_id=self.worker_id, categories=["c"], label_histogram=self.histogram, dp_enabled=True,
             dp_policy=pb.DPPolicy(noise_multiplier=DP.noise_multiplier, max_grad_norm=DP.max_grad_norm,
                                   delta=DP.delta, epsilon_budget=DP.epsilon_budget),
-            epsilon_spent=self.epsilon, device="cpu", num_samples=sum(self.histogram), input_shape=[4],
+            epsilon_spent=self.epsilon, device="cpu", num_samples=sum(self.histogram), input_shape=[self.features],
             num_classes=len(self.histogram))))
         self.beat()
 
@@ -348,3 +351,83 @@ def test_a_coordinator_stopped_in_the_share_phase_resumes_it_asking_again_who_di
     assert len(a.requests) == 1 and len(b.requests) == 2  # a had answered: not asked again
     assert [s.status for s in deployment.store.shares(job_id)] == ["shared", "shared"]
     assert len(a.tasks) == len(b.tasks) == 2
+
+
+# ----- federated standardisation -----
+
+BOUNDS = [[0.0, 10.0], [-5.0, 5.0], [0.0, 1.0]]
+
+
+def exact_statistics(x: np.ndarray, lower: list[float], upper: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """A site's exact release: per feature, the sums of its values clipped to the bounds and rescaled to [0, 1]."""
+    lo, hi = np.asarray(lower), np.asarray(upper)
+    unit = (np.clip(x, lo, hi) - lo) / (hi - lo)
+    return unit.sum(axis=0), (unit**2).sum(axis=0)
+
+
+def site_data() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return {worker_id: np.column_stack([rng.normal(loc, 3.0, size=n), rng.uniform(-8, 8, size=n), np.full(n, 0.5)])
+            for worker_id, loc, n in (("a", 2.0, 40), ("b", 6.0, 90), ("c", 4.0, 25))}
+
+
+def test_the_agreed_mean_and_std_are_the_pooled_ones_of_the_clipped_values_and_a_dead_variance_is_floored() -> None:
+    data = site_data()
+    lower, upper = [lo for lo, _ in BOUNDS], [hi for _, hi in BOUNDS]
+    phase = SharePhaseRecord(job_id="j", open=False, histogram=False, statistics=True, lower=tuple(lower),
+                             upper=tuple(upper), features=3, classes=2, started=0.0, deadline=1.0, finished=None,
+                             model_spec_json="")
+    shared = []
+    for worker_id, x in data.items():
+        sums, squares = exact_statistics(x, lower, upper)
+        shared.append(ShareRecord(job_id="j", worker_id=worker_id, status=ShareStatus.SHARED, reason="", time=0.0,
+                                  histogram=(), histogram_noised=False, histogram_epsilon=0.0,
+                                  feature_sum=tuple(sums), feature_sq_sum=tuple(squares), count=len(x),
+                                  statistics_noised=False, statistics_epsilon=0.0, statistics_delta=0.0,
+                                  charged_epsilon=0.0))
+    model = parse_model({"input_shape": [3], "layers": [{"type": "Linear", "in_features": 3, "out_features": 2}]})
+    spec, summary = standardized(model, phase, shared)
+    pooled = np.clip(np.concatenate(list(data.values())), lower, upper)
+    layer = spec.layers[0]
+    assert layer.type == "standardize" and spec.layers[1:] == model.layers
+    np.testing.assert_allclose(layer.params["mean"], pooled.mean(axis=0), rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(layer.params["std"][:2], pooled.std(axis=0)[:2], rtol=1e-6)
+    assert layer.params["std"][2] == pytest.approx(MIN_STD_FRACTION * 1.0)  # a constant feature: floored
+    assert summary.startswith("mean and std of 3 feature(s) from 3 site(s), 155 row(s): a exact, b exact, c exact")
+    assert "1 feature(s) with a variance below" in summary and "[2]" in summary
+
+
+def statistics_of(data: dict[str, np.ndarray]) -> Reply:
+    def reply(site: Site, request: pb.ShareRequest) -> pb.ShareReply:
+        lower = list(request.lower) * 3 if len(request.lower) == 1 else list(request.lower)
+        upper = list(request.upper) * 3 if len(request.upper) == 1 else list(request.upper)
+        sums, squares = exact_statistics(data[site.worker_id], lower, upper)
+        return pb.ShareReply(job_id=request.job_id, worker_id=site.worker_id, feature_sum=sums.tolist(),
+                             feature_sq_sum=squares.tolist(), count=len(data[site.worker_id]))
+    return reply
+
+
+def test_a_federated_job_starts_from_its_model_with_the_agreed_standardisation_in_front(
+        deployment: Deployment) -> None:
+    data = site_data()
+    reply = statistics_of(data)
+    sites = [deployment.add(w, [len(x) // 2, len(x) - len(x) // 2], reply, features=3) for w, x in data.items()]
+    raw = job("std", weighting="fedavg")
+    raw["model"] = {"input_shape": [3], "layers": [{"type": "Linear", "in_features": 3, "out_features": 2}]}
+    raw["data"] = {"standardize": "federated", "bounds": BOUNDS}
+    job_id = deployment.coordinator.submit(parse_job(raw))
+    assert deployment.coordinator.wait(job_id, 60) == JobStatus.COMPLETED, deployment.store.job(job_id).error
+    (request, *_) = sites[0].requests
+    assert (request.histogram, request.feature_statistics) == (False, True)
+    assert (list(request.lower), list(request.upper)) == ([0.0, -5.0, 0.0], [10.0, 5.0, 1.0])
+    phase = deployment.store.share_phase(job_id)
+    pooled = np.clip(np.concatenate(list(data.values())), [lo for lo, _ in BOUNDS], [hi for _, hi in BOUNDS])
+    agreed = parse_model(json.loads(phase.model_spec_json))
+    np.testing.assert_allclose(agreed.layers[0].params["mean"], pooled.mean(axis=0), rtol=1e-7, atol=1e-9)
+    # every round trained the model with the layer in front, and the job's model spec says so
+    assert deployment.store.job(job_id).model_spec_json.startswith('{"input_shape": [3], "layers": [{"mean"')
+    for round_row in deployment.store.rounds(job_id):
+        _, spec_json = load_checkpoint(round_row.checkpoint)
+        assert parse_model(json.loads(spec_json)).layers[0] == agreed.layers[0]
+    kinds = [e.kind for e in deployment.store.events(job_id)]
+    assert "statistics_agreed" in kinds and "histograms_shared" not in kinds
