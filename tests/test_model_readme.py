@@ -79,3 +79,37 @@ def test_a_model_that_standardises_itself_says_raw_features_and_where_its_statis
     assert "raw features in the sites' own units" in section
     assert "layer 0 of `model_spec.json`, type `standardize`) computes (x - mean) / std" in section
     assert "clipped to the bounds [0, 10]" in section and "never standardised ones" in section
+
+
+def test_the_readmes_snippet_applies_the_models_own_standardisation_to_raw_rows(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from fedbroker.model import build_model, initial_weights
+    from fedbroker.spec import parse_model
+    from tests.source_roots import PYTHONPATH
+
+    mean, std = [1.0, -2.0, 30.0], [0.5, 4.0, 10.0]
+    spec = parse_model({"input_shape": [3], "layers": [{"type": "standardize", "mean": mean, "std": std},
+                                                       {"type": "Linear", "in_features": 3, "out_features": 2}]})
+    tensors = initial_weights(spec, seed=3)
+    header = pb.ModelHeader(job_id="j-1", round=1, version=2, model_spec_json=spec.to_json())
+    write_model(tmp_path, header, tensors, json.dumps({"name": "j", "data": {"standardize": "federated",
+                                                                            "bounds": [-100, 100]}}))
+    raw = np.random.default_rng(1).normal(10.0, 20.0, size=(8, 3)).astype(np.float32)
+    np.save(tmp_path / "raw.npy", raw)
+    (snippet,) = re.findall(r"```python\n(.*?)```", (tmp_path / README_FILE).read_text(), flags=re.S)
+    script = snippet + ("import numpy as np, torch\n"
+                        "np.save('out.npy', model(torch.from_numpy(np.load('raw.npy'))).detach().numpy())\n")
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": PYTHONPATH})
+    assert run.returncode == 0, run.stderr
+    linear = build_model(parse_model({"input_shape": [3], "layers": [
+        {"type": "Linear", "in_features": 3, "out_features": 2}]}))
+    linear.load_state_dict({"0.weight": torch.from_numpy(tensors["1.weight"]), "0.bias": torch.from_numpy(tensors["1.bias"])})
+    standardised = (raw - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    expected = linear(torch.from_numpy(standardised)).detach().numpy()
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), expected, rtol=1e-5, atol=1e-5)
