@@ -150,6 +150,28 @@ def _group_norm_tensors(p: Params) -> dict[str, Shape]:
 
 # ----- standardize -----------------------------------------------------------------------------------
 
+FLOAT32_MAX = 3.4e38          # a standardize layer's mean and std are float32 buffers: finite there, std not 0
+FLOAT32_TINY = 1.2e-38
+
+
+def check_values(value: Any, *, positive: bool, show: Callable[[Any], str] = repr) -> tuple[Any, list[tuple[str, str]]]:
+    """A "values" parameter (a standardize layer's mean or std): one number or a non-empty list of them, each
+    finite in float32 (and > 0 with `positive`). The value as kept (a float, or a tuple of floats) and its
+    first problem, as (path suffix such as "[3]", problem); `show` bounds what an error echoes."""
+    limit = "a number > 0" if positive else "a number"
+    is_list = isinstance(value, (list, tuple))
+    if is_list and not value:
+        return value, [("", f"must be {limit} or a non-empty list of them, got an empty list")]
+    for i, v in enumerate(value if is_list else [value]):
+        at = f"[{i}]" if is_list else ""
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            return value, [(at, f"must be {limit} (finite), got {show(v)}")]
+        if abs(v) > FLOAT32_MAX or (positive and not v >= FLOAT32_TINY):
+            span = f"[{FLOAT32_TINY:g}, {FLOAT32_MAX:g}]" if positive else f"[{-FLOAT32_MAX:g}, {FLOAT32_MAX:g}]"
+            return value, [(at, f"must be {limit} within float32's range {span}, got {show(v)}")]
+    return (tuple(float(v) for v in value) if is_list else float(value)), []
+
+
 def _standardize_output(p: Params, shape: Shape) -> Shape | ShapeProblem:
     features = math.prod(shape)
     for name in ("mean", "std"):

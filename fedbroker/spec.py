@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.layers import LAYERS, ParamKind, ShapeProblem
-from fedbroker.spec_data import DataConfig, check_values, data_problems, parse_data
+from fedbroker.layers import LAYERS, ParamKind, ShapeProblem, check_values
+from fedbroker.spec_data import DataConfig, data_problems, parse_data
 from fedbroker.yamltext import load_yaml
 
 MAX_WIDTH = 65_536
@@ -251,9 +251,7 @@ class JobSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """The job as plain data (its model as a job writes it)."""
-        out = asdict(self)
-        out["model"], out["data"] = self.model.to_dict(), self.data.to_dict()
-        return out
+        return {**asdict(self), "model": self.model.to_dict(), "data": self.data.to_dict()}
 
     def to_json(self) -> str:
         """The job's one wire form (the coordinator's store)."""
@@ -279,8 +277,10 @@ def _is_int(value: Any) -> bool:
 
 
 def _check_param(errors: _Collector, where: str, kind: ParamKind, value: Any) -> Any:
-    if kind in ("values", "positive_values"):  # a standardize layer's mean or std (fedbroker.spec_data)
-        return check_values(errors.errors, where, value, positive=kind == "positive_values")
+    if kind in ("values", "positive_values"):  # a standardize layer's mean or std (fedbroker.layers)
+        value, problems = check_values(value, positive=kind == "positive_values", show=_show)
+        errors.errors.extend(ConfigError(f"{where}{suffix}", problem) for suffix, problem in problems)
+        return value
     if kind == "width":
         ok, limit = _is_int(value) and 1 <= value <= MAX_WIDTH, f"an integer in [1, {MAX_WIDTH}]"
     elif kind == "kernel":

@@ -1,5 +1,4 @@
-"""A job's `data` section, and the `standardize` layer's values: how the sites' inputs are preprocessed, so
-that the model carries its preprocessing.
+"""A job's `data` section: how the sites' inputs are preprocessed, so that the model carries its preprocessing.
 
 `standardize: federated` has the sites agree, before round 1, on one mean and std per flattened input feature
 from their sums, sums of squares and counts (each site releases them under its own DP policy); the
@@ -8,9 +7,7 @@ and the downloaded model is applied, on inputs standardised the same way. The st
 values clipped to `bounds` (which also fix the sensitivity of each site's release), so bounds are required:
 `[lo, hi]` for every feature, or one `[lo, hi]` per flattened input feature.
 
-The `standardize` layer holds its mean and std as float32 buffers (fedbroker.model): `check_values` keeps each
-finite there, and a std above 0. Kept apart from `fedbroker.spec` (which imports it) so that the parser stays
-within its file.
+Kept apart from `fedbroker.spec` (which imports it) so that the parser stays within its file.
 """
 
 from __future__ import annotations
@@ -22,8 +19,6 @@ from typing import Any, Protocol
 
 from fedbroker.errors import ConfigError, ConfigErrors
 
-FLOAT32_MAX = 3.4e38          # a standardize layer's mean and std are float32 buffers: finite there, std not 0
-FLOAT32_TINY = 1.2e-38
 STANDARDIZE = ("none", "federated")
 STANDARDIZE_LAYER = "standardize"   # the layer type `standardize: federated` puts in front of the model
 _FIELDS = ("standardize", "bounds")
@@ -165,22 +160,3 @@ def data_problems(data: DataConfig, model: _Model) -> list[ConfigError]:
                                                        "none"))
     return out
 
-
-def check_values(errors: list[ConfigError], where: str, value: Any, *, positive: bool) -> Any:
-    """One number or a non-empty list of numbers (a tuple once checked), each finite in float32 (and > 0 with
-    `positive`): a standardize layer's mean or std. Its problems go to `errors`; the value comes back."""
-    limit = "a number > 0" if positive else "a number"
-    values = value if isinstance(value, (list, tuple)) else [value]
-    if isinstance(value, (list, tuple)) and not value:
-        errors.append(ConfigError(where, f"must be {limit} or a non-empty list of them, got an empty list"))
-        return value
-    for i, v in enumerate(values):
-        at = f"{where}[{i}]" if isinstance(value, (list, tuple)) else where
-        if not _finite(v):
-            errors.append(ConfigError(at, f"must be {limit} (finite), got {_show(v)}"))
-            return value
-        if abs(v) > FLOAT32_MAX or (positive and not v >= FLOAT32_TINY):
-            span = f"[{FLOAT32_TINY:g}, {FLOAT32_MAX:g}]" if positive else f"[{-FLOAT32_MAX:g}, {FLOAT32_MAX:g}]"
-            errors.append(ConfigError(at, f"must be {limit} within float32's range {span}, got {_show(v)}"))
-            return value
-    return tuple(float(v) for v in value) if isinstance(value, (list, tuple)) else float(value)

@@ -78,7 +78,8 @@ def test_dwfed_with_ga_selection_runs_ga_every_gap_and_weights_by_reported_ish(f
     replies = _record_close_replies(federation)
     for i in range(WORKERS):
         federation.add_worker(f"w{i}", index=i, count=WORKERS, scheme="dirichlet", alpha=0.3)
-    histograms = {w: agent.histogram for w, agent in federation.workers.items()}
+    # what the coordinator receives and each ISH is computed from: the released (noised, drawn once) histograms
+    histograms = {w: agent.sharing.histogram()[0] for w, agent in federation.workers.items()}
     population = np.sum(list(histograms.values()), axis=0) / sum(int(h.sum()) for h in histograms.values())
     distances = {w: float(np.abs(h / h.sum() - population).sum()) for w, h in histograms.items()}
     assert max(distances.values()) - min(distances.values()) > 0.05, distances  # the split really is non-IID

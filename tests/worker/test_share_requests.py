@@ -35,6 +35,7 @@ class Site:
         self.coordinator = InProcessBus(namespace=namespace, user="coordinator")
         self.forger = InProcessBus(namespace=namespace, user="site-b")
         self.replies: queue.Queue[pb.ShareReply] = queue.Queue()
+        self.epsilon_reported: list[float] = []  # by heartbeats, in order
         self.agent = WorkerAgent(self.config, self.worker_bus)
         self.coordinator.consume_control(self._on_control)
         self.agent.start()
@@ -45,6 +46,8 @@ class Site:
         message = envelope.decode(delivery.body, expect=("registration", "heartbeat", "share_reply"))
         if message.HasField("share_reply"):
             self.replies.put(message.share_reply)
+        if message.HasField("heartbeat"):
+            self.epsilon_reported.append(message.heartbeat.epsilon_spent)
         delivery.ack()
 
     def ask(self, request: pb.ShareRequest) -> pb.ShareReply:
@@ -88,6 +91,7 @@ def test_the_histogram_alone_when_only_it_is_asked(site: Site) -> None:
     assert not reply.feature_sum and reply.count == 0 and not reply.statistics_noised
     assert [(s.job_id, s.what, s.epsilon) for s in site.agent.ledger.shared()] == [("dwfed-job", "histogram", 1.0)]
     assert site.agent.ledger.total_epsilon() == pytest.approx(1.0)
+    assert site.epsilon_reported[-1] == pytest.approx(1.0)  # a heartbeat told the coordinator at once
 
 
 def test_both_releases_when_both_are_asked_in_rescaled_units(site: Site) -> None:
@@ -160,3 +164,18 @@ def test_a_training_task_whose_preprocessing_contradicts_the_policy_is_refused_b
     other = parse_model(STANDARDISED if model is PLAIN else PLAIN)  # the model its data fits trains
     result = agent._train(task, TrainingConfig(), (1, other.to_json(), initial_weights(other, seed=0)))
     assert result.epsilon is None and set(result.state) == set(parameter_shapes(other))
+
+
+def test_at_start_the_worker_logs_in_one_line_what_it_will_share(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="fedbroker.worker.agent"):
+        s = Site(tmp_path)
+    try:
+        (line,) = [r.getMessage() for r in caplog.records if "shares on a job's request only" in r.getMessage()]
+        n = len(s.agent.y)
+        assert line == (f"worker site-a registers {n} training samples of shape [1, 8, 8], 10 classes; shares on a "
+                        f"job's request only: label histogram noised (Laplace, ε 1), feature statistics noised "
+                        f"(Gaussian, ε 1, δ 1e-06); data.standardize federated; DP-SGD noise 1, clip 1, δ 1e-06, "
+                        f"ε budget 10 (0 spent)")
+    finally:
+        s.close()

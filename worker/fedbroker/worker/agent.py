@@ -307,7 +307,8 @@ class WorkerAgent:
             metrics.SHARE_REQUESTS.labels(self.config.id, "expired").inc()
             delivery.ack()
             return
-        reply = self.sharing.reply(request)
+        spent = self.ledger.total_epsilon()
+        reply = self.sharing.reply(request)  # an unexpected error (a ledger it cannot write) is retried by the bus
         try:
             self.bus.publish_control(envelope.encode(share_reply=reply))
         except BusError as exc:
@@ -316,7 +317,9 @@ class WorkerAgent:
             delivery.nack(requeue=True)
             return
         self.sharing.note_sent(reply)
-        self._export_privacy()
+        if self.ledger.total_epsilon() != spent:  # a new draw: the coordinator's picture of our budget, fresh
+            self._export_privacy()
+            self.send_heartbeat()
         metrics.SHARE_REQUESTS.labels(self.config.id, "refused" if reply.refused else "shared").inc()
         delivery.ack()
         metrics.TASKS_ACKED.labels(self.config.id).inc()
