@@ -47,7 +47,8 @@ class Traits:
 
     needs_update_set: bool = False   # every update of the round at once: no running mean, no asynchronous mode
     aligns_units: bool = False       # alignment: matches units across clients (the model must allow it)
-    needs_histograms: bool = False   # alignment: reads the clients' label histograms (their class shares)
+    needs_histograms: bool = False   # reads the sites' label histograms (class shares; DWFed's population P):
+                                     # a job with such an algorithm asks its sites for them before round 1
     weights_positive: bool = False   # weighting: every valid update's raw weight is > 0
 
 
@@ -141,7 +142,7 @@ ALIGNMENTS: Catalogue[AlignmentParams] = Catalogue("alignment", {
 WEIGHTINGS: Catalogue[WeightingParams] = Catalogue("weighting", {
     "fedavg": Entry(FedAvgParams, Traits(weights_positive=True)),
     "uniform": Entry(UniformParams, Traits(weights_positive=True)),
-    "dwfed": Entry(DWFedParams),    # a worker far from the population may weigh 0
+    "dwfed": Entry(DWFedParams, Traits(needs_histograms=True)),  # P: a worker far from it may weigh 0
 })
 SELECTIONS: Catalogue[SelectionParams] = Catalogue("selection", {
     "all": Entry(AllParams),
@@ -185,6 +186,13 @@ def aggregation_settings(config: AggregationConfig) -> AggregationSettings:
     if alignment is None or weighting is None or selection is None:
         raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
     return AggregationSettings(alignment, weighting, selection)
+
+
+def needs_histograms(config: AggregationConfig) -> bool:
+    """Whether any of the job's algorithms declares that it reads the sites' label histograms: only such a
+    job asks its sites for them (an unknown name declares nothing; submission refuses it)."""
+    return any(traits is not None and traits.needs_histograms for traits in (
+        ALIGNMENTS.traits(config.alignment), WEIGHTINGS.traits(config.weighting), SELECTIONS.traits(config.selection)))
 
 
 def settings_from_json(text: str) -> AggregationSettings:

@@ -176,7 +176,8 @@ def check_values(value: Any, *, positive: bool, show: Callable[[Any], str] = rep
         return value, [("", f"must be {limit} or a non-empty list of them, got an empty list")]
     for i, v in enumerate(value if is_list else [value]):
         at = f"[{i}]" if is_list else ""
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        # (an int is finite, and compares with a float exactly: math.isfinite would overflow on a huge one)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or (isinstance(v, float) and not math.isfinite(v)):
             return value, [(at, f"must be {limit} (finite), got {show(v)}")]
         if abs(v) > FLOAT32_MAX or (positive and not v >= FLOAT32_TINY):
             span = f"[{FLOAT32_TINY:g}, {FLOAT32_MAX:g}]" if positive else f"[{-FLOAT32_MAX:g}, {FLOAT32_MAX:g}]"

@@ -28,6 +28,7 @@ from fedbroker.model_spec import matched_layers as matched_layers
 from fedbroker.model_spec import output_shapes as output_shapes
 from fedbroker.model_spec import parameter_shapes as parameter_shapes
 from fedbroker.model_spec import parse_model as parse_model
+from fedbroker.spec_data import DataConfig, data_problems, parse_data
 from fedbroker.yamltext import load_yaml
 
 MAX_ROUNDS = 100_000
@@ -201,24 +202,23 @@ class JobSpec:
     schedule: ScheduleConfig
     evaluation: EvaluationConfig
     seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)  # preprocessing (fedbroker.spec_data)
 
     def __post_init__(self) -> None:
         _raise_all(_identity_problems(self.name, self.category, self.seed)
                    or cross_section_problems(model=self.model, training=self.training, evaluation=self.evaluation)
-                   or mode_problems(schedule=self.schedule, aggregation=self.aggregation))
+                   or mode_problems(schedule=self.schedule, aggregation=self.aggregation) or data_problems(self.data, self.model))
 
     def to_dict(self) -> dict[str, Any]:
         """The job as plain data (its model as a job writes it)."""
-        out = asdict(self)
-        out["model"] = self.model.to_dict()
-        return out
+        return {**asdict(self), "model": self.model.to_dict(), "data": self.data.to_dict()}
 
     def to_json(self) -> str:
         """The job's one wire form (the coordinator's store)."""
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
-_SECTIONS = ("name", "category", "model", "training", "aggregation", "schedule", "evaluation", "seed")
+_SECTIONS = ("name", "category", "model", "training", "aggregation", "schedule", "evaluation", "seed", "data")
 
 
 _S = TypeVar("_S", bound=_Section)
@@ -346,6 +346,7 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     aggregation = _section(errors, raw, "aggregation", AggregationConfig)
     schedule = _section(errors, raw, "schedule", ScheduleConfig)
     evaluation = _section(errors, raw, "evaluation", EvaluationConfig)
+    data = parse_data(raw.get("data"), errors.errors, model)
     if not errors.errors:  # across sections: only meaningful once each section is valid on its own
         errors.errors.extend(cross_section_problems(model=model, training=training, evaluation=evaluation))
     # reported with every other problem: a section with problems of its own came back as the defaults (sync,
@@ -357,7 +358,7 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     errors.raise_if_any()
     return JobSpec(
         name=raw["name"], category=raw["category"], model=model, training=training,
-        aggregation=aggregation, schedule=schedule, evaluation=evaluation, seed=seed,
+        aggregation=aggregation, schedule=schedule, evaluation=evaluation, seed=seed, data=data,
     )
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import safetensors.numpy
 
+from fedbroker.app.model_readme import input_section
 from fedbroker.app.status import one_line, render, table
 from fedbroker.errors import ConfigError
 from fedbroker.files import write_atomic
@@ -98,6 +99,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     c = client(args)
     try:
         status = c.status(args.job_id)
+        shared = [e for e in c.events(args.job_id) if e.kind in SHARE_EVENTS]
     finally:
         c.close()
     (job,) = status.jobs
@@ -105,12 +107,15 @@ def cmd_show(args: argparse.Namespace) -> int:
         doc = as_dict(job)
         doc["rounds"] = [as_dict(r) for r in status.rounds]
         doc["participants"] = [as_dict(p) for p in status.participants]
+        doc["sharing"] = [as_dict(e) for e in shared]  # what its sites shared before round 1
         print(json.dumps(doc, indent=2))
         return 0
     facts = [("job", job.job_id), ("name", job.name), ("status", job.status), ("category", job.category),
              ("mode", job.mode or "sync"), ("rounds", f"{job.rounds_done}/{job.rounds_total}"),
              ("submitter", job.submitter or "-"), ("submitted", _when(job.created_unix) + " UTC"),
              ("updated", _when(job.updated_unix) + " UTC"), *settings(json.loads(job.spec_json or "{}"))]
+    facts += [("standardised" if e.kind == "statistics_agreed" else "sharing",
+               f"{e.worker_id + ': ' if e.worker_id else ''}{e.message}") for e in shared]
     if job.error:
         facts.append(("error", job.error))
     if job.waiting:
@@ -130,7 +135,7 @@ def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
     model = spec.get("model") or {}
     layers = " → ".join(_layer(layer) for layer in model.get("layers", []))
     out = [("model", f"input {model.get('input_shape')}: {layers}")] if model else []
-    for section in ("training", "schedule", "aggregation", "evaluation"):
+    for section in ("training", "schedule", "aggregation", "evaluation", "data"):
         values = spec.get(section)
         if values:
             out.append((section, ", ".join(f"{k} {json.dumps(v) if isinstance(v, (dict, list)) else v}"
@@ -192,6 +197,8 @@ def follow_events(c: Any, job_id: str, *, follow: bool) -> Iterator[Any]:
             return
 
 
+# What sites shared with the job before round 1 (coordinator/sharing.py), as `jobs show` lists it.
+SHARE_EVENTS = ("share_requested", "shared", "share_refused", "not_shared", "histograms_shared", "statistics_agreed")
 ASYNC_KINDS = {"round_opened": "buffer_filled", "round_closed": "version_published"}  # an async job has versions, not rounds
 
 
@@ -242,6 +249,7 @@ def write_model(out: Path, header: Any, tensors: dict[str, np.ndarray], job_spec
         f"- `{MODEL_FILE}`: the weights (safetensors; tensor names are the model's `state_dict` keys)\n"
         f"- `{SPEC_FILE}`: the model spec the weights belong to (alignment may have grown a layer)\n"
         f"- `{JOB_FILE}`: the job as it was submitted\n\n"
+        f"{input_section(header.model_spec_json, job_spec_json)}\n"
         f"Load it into a torch model (run this in this folder, with the `fedbroker` package installed):\n\n"
         f"```python\n{snippet}```\n").encode())
     return {k: str(v) for k, v in files.items()}

@@ -344,7 +344,7 @@ class AsyncJob:
         run, job = self.run, self.job
         deadline = time.time() + job.schedule.round_timeout_s
         recorded = self.ctx.recorded_epsilon()
-        population = self.ctx.population(job)
+        population = self.ctx.population(run.job_id)
         batch = []
         for issued in tasks:
             task = pb.RoundTask(

@@ -1,5 +1,6 @@
-"""What the coordinator accepts on its control queue: registrations, heartbeats and task outcomes, checked
-before any of them reaches the store.
+"""What the coordinator accepts on its control queue: registrations, heartbeats, task outcomes and share
+replies, checked before any of them reaches the store (a share reply is checked again against what its job
+asked: coordinator/sharing.py).
 
 Anyone with the broker's credentials can publish there, so a message is input like a job: a worker id must
 be a name the bus can route to (a stored id it cannot route would fail the job that selects it), and every
@@ -32,13 +33,15 @@ MAX_SAMPLES = 1_000_000_000        # a worker's data set, and any one count of i
 MAX_SAMPLE_DIMS = 8                # the sizes in one sample's shape (a model takes 1 to 3)
 MAX_REASON_CHARS = 2000            # a worker's free-text reason is kept, cut to this length
 MAX_JOB_COSTS = 4096               # jobs one heartbeat may price (a worker's ledger and recent tasks)
+MAX_FEATURES = 1 << 20             # values in a share reply's feature sums (a model's flattened input, at most)
+MAX_SUM = 1e15                     # any one noised sum: far beyond any real sum of values in [0, 1]
 _CATEGORY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")   # a job's `category` (fedbroker.spec)
 _DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")     # cpu, cuda, cuda:1, mps
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")     # a job's name, '-' and 8 hex digits
 
 # The rejection reasons of the control queue's messages (metric label values).
 INVALID_REASONS = {"registration": "invalid_registration", "heartbeat": "invalid_heartbeat",
-                   "task_outcome": "invalid_task_outcome"}
+                   "task_outcome": "invalid_task_outcome", "share_reply": "invalid_share_reply"}
 # ... and those of a message whose sender may not speak for its worker id (SenderBinding).
 SENDER_REASONS = ("unidentified_sender", "foreign_sender")
 
@@ -109,6 +112,8 @@ def check_control(env: pb.Envelope) -> None:
         problems = _heartbeat_problems(env.heartbeat)
     elif kind == "task_outcome":
         problems = _outcome_problems(env.task_outcome)
+    elif kind == "share_reply":
+        problems = _share_reply_problems(env.share_reply)
     else:
         return
     if problems:
@@ -190,4 +195,36 @@ def _outcome_problems(o: pb.TaskOutcome) -> list[str]:
     out += _epsilon_problems("epsilon", o.epsilon)
     if not 0 <= o.num_samples <= MAX_SAMPLES:
         out.append(f"num_samples: must lie in [0, {MAX_SAMPLES}], got {o.num_samples}")
+    return out
+
+
+def _share_reply_problems(r: pb.ShareReply) -> list[str]:
+    """What a share reply may hold whatever its job asked (sharing.reply_problems checks it against that)."""
+    out = _worker_id_problems(r.worker_id)
+    if not _JOB_ID.fullmatch(r.job_id):
+        out.append(f"job_id: not a job id, got {r.job_id[:140]!r}")
+    if r.refused and (r.label_histogram or r.feature_sum or r.feature_sq_sum or r.count):
+        out.append("refused: a refusal shares nothing, but this one holds a histogram or statistics")
+    if len(r.label_histogram) > MAX_CLASSES:
+        out.append(f"label_histogram: at most {MAX_CLASSES} classes, got {len(r.label_histogram)}")
+    elif any(not 0 <= c <= MAX_SAMPLES for c in r.label_histogram):
+        out.append(f"label_histogram: every count must lie in [0, {MAX_SAMPLES}]")
+    out += _epsilon_problems("histogram_epsilon", r.histogram_epsilon)
+    out += _epsilon_problems("statistics_epsilon", r.statistics_epsilon)
+    if not (math.isfinite(r.statistics_delta) and 0 <= r.statistics_delta < 1):
+        out.append(f"statistics_delta: must lie in [0, 1), got {r.statistics_delta!r}")
+    if r.label_histogram and r.histogram_noised != (r.histogram_epsilon > 0):
+        out.append(f"histogram_noised: is {r.histogram_noised} but histogram_epsilon is {r.histogram_epsilon!r} "
+                   f"(noised releases state their ε > 0; exact ones 0)")
+    if r.count and r.statistics_noised != (r.statistics_epsilon > 0):
+        out.append(f"statistics_noised: is {r.statistics_noised} but statistics_epsilon is {r.statistics_epsilon!r}")
+    if len(r.feature_sum) > MAX_FEATURES or len(r.feature_sq_sum) != len(r.feature_sum):
+        out.append(f"feature_sum, feature_sq_sum: must hold as many values, at most {MAX_FEATURES}, got "
+                   f"{len(r.feature_sum)} and {len(r.feature_sq_sum)}")
+    elif not all(math.isfinite(v) and abs(v) <= MAX_SUM for v in (*r.feature_sum, *r.feature_sq_sum)):
+        out.append(f"feature_sum, feature_sq_sum: every value must be finite and within ±{MAX_SUM:g}")
+    if not 0 <= r.count <= MAX_SAMPLES:
+        out.append(f"count: must lie in [0, {MAX_SAMPLES}], got {r.count}")
+    elif bool(r.count) != bool(r.feature_sum):
+        out.append(f"count: is {r.count} with {len(r.feature_sum)} feature sums (statistics hold both, or neither)")
     return out

@@ -1,7 +1,8 @@
 """What the coordinator does with its control queue's messages once they passed `control.check_control` and
 their sender may speak for their worker (`control.SenderBinding`): a registration declares the worker's task
 queue and records it, a heartbeat refreshes it and its budget, a task outcome is recorded against its round (or
-against its asynchronous job) and wakes the job's loop.
+against its asynchronous job) and wakes the job's loop, a share reply is recorded against its job's share
+phase once it holds what the job asked (sharing.receive_reply; else it is refused like an invalid message).
 
 The ε a message claims is checked against what the worker can have spent (participants.EpsilonBounds): a claim
 above it is refused, counted (`fedbroker_coordinator_epsilon_jumps_refused_total{message}`) and never stored; the
@@ -28,6 +29,7 @@ from fedbroker.coordinator.control import (
 from fedbroker.coordinator.events import JobWatcher
 from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, budget_from_heartbeat
 from fedbroker.coordinator.records import ParticipantStatus, WorkerState
+from fedbroker.coordinator.sharing import receive_reply
 from fedbroker.coordinator.store import StateStore
 from fedbroker.proto import fedbroker_pb2 as pb
 
@@ -57,9 +59,13 @@ class ControlHandler:
         """Handle one message and ack it; one that cannot be decoded or checked, or whose sender may not speak
         for its worker, is dead-lettered with a reason, never stored."""
         try:
-            env = envelope.decode(delivery.body, expect=("registration", "heartbeat", "task_outcome"))
+            env = envelope.decode(delivery.body, expect=("registration", "heartbeat", "task_outcome", "share_reply"))
             check_control(env)  # never stored, never selected: a job never meets a worker id it cannot route
             self.senders.check(env, delivery.sender)
+            if env.WhichOneof("message") == "share_reply":  # a late, unasked or mismatched one is refused here
+                receive_reply(self.store, env.share_reply)
+                delivery.ack()
+                return
         except (envelope.MalformedMessage, InvalidControlMessage, ForeignSender) as exc:
             log.warning("dead-lettering a control message: %s", exc)
             metrics.CONTROL_REJECTED.labels(exc.reason).inc()
@@ -82,8 +88,11 @@ class ControlHandler:
         p = r.dp_policy  # checked when enabled (check_control); a disabled policy's numbers are never used
         dp = DPPolicy(enabled=r.dp_enabled, noise_multiplier=p.noise_multiplier, max_grad_norm=p.max_grad_norm,
                       delta=p.delta, epsilon_budget=p.epsilon_budget)
+        if r.label_histogram:  # a site shares its histogram with the jobs that need it, never at registration
+            log.info("worker %s registered a label histogram: not stored (a site shares it only with the jobs "
+                        "whose algorithms need it, before their round 1)", r.worker_id)
         self.store.upsert_worker(
-            worker_id=r.worker_id, categories=r.categories, histogram=r.label_histogram, dp=dp,
+            worker_id=r.worker_id, categories=r.categories, histogram=(), dp=dp,
             epsilon_spent=epsilon, device=r.device, num_samples=r.num_samples,
             input_shape=r.input_shape, num_classes=r.num_classes,
         )

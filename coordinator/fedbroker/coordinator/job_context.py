@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -22,6 +22,7 @@ from fedbroker.coordinator.job_run import CancelRequests, Stopped
 from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, why_unaffordable
 from fedbroker.coordinator.service_calls import OUTAGE_BACKOFF, AggregatorCalls
 from fedbroker.coordinator.store import StateStore
+from fedbroker.coordinator.store_shares import ShareStatus
 from fedbroker.coordinator.waiting import WaitingReasons
 from fedbroker.errors import BusError
 from fedbroker.retry import retry_call
@@ -74,21 +75,40 @@ class JobContext:
             self.halt_if_cancelled()
 
     def why_unaffordable(self, job_id: str, job: JobSpec) -> dict[str, str]:
-        """Each active worker of the job's category, and why it cannot afford the job's next round or task
-        ("" when it can): by its heartbeat's budget, else its registration's (participants.why_unaffordable)."""
+        """Each active worker of the job's category, and why it cannot take the job's next round or task ("" when
+        it can): it did not share what the job asked of its sites before round 1 (coordinator/sharing.py), or
+        cannot afford it by its heartbeat's budget, else its registration's (participants.why_unaffordable)."""
         active = self.store.workers(job.category, seen_within_s=self.heartbeat_timeout_s)
         budgets = self.budgets.snapshot()
-        return {w.worker_id: why_unaffordable(w, budgets.get(w.worker_id), job_id=job_id, training=job.training)
-                for w in active}
+        why = {w.worker_id: why_unaffordable(w, budgets.get(w.worker_id), job_id=job_id, training=job.training)
+               for w in active}
+        phase = self.store.share_phase(job_id)
+        if phase is not None and not phase.open:
+            shares = {s.worker_id: s for s in self.store.shares(job_id)}
+            late = [w for w in why if w not in shares]
+            if late:  # registered after the phase: told once, in the job's events
+                self.store.note_not_shared(job_id, late, "registered after the job's sites shared")
+            for worker_id in why:
+                share = shares.get(worker_id)
+                if share is None or share.status != ShareStatus.SHARED:
+                    part = f"{share.status}{': ' + share.reason if share.reason else ''}" if share else "not asked"
+                    why[worker_id] = f"did not share what this job needs before round 1 ({part})"
+        return why
 
     def recorded_epsilon(self) -> dict[str, float]:
         """The ε recorded for each worker: a task carries its worker's, and a worker whose ledger holds less
         refuses to train."""
         return {w.worker_id: w.epsilon_spent for w in self.store.workers()}
 
-    def population(self, job: JobSpec) -> list[float]:
-        """P over every registered worker of the category (DWFed), from their label histograms."""
-        histograms = [w.histogram for w in self.store.workers(job.category) if w.histogram]
+    def histograms(self, job_id: str, workers: Collection[str] | None = None) -> dict[str, list[int]]:
+        """The label histograms the job's sites shared with it before round 1 (of `workers`, or every site's);
+        registrations carry none."""
+        return {s.worker_id: list(s.histogram) for s in self.store.shares(job_id)
+                if s.status == ShareStatus.SHARED and s.histogram and (workers is None or s.worker_id in workers)}
+
+    def population(self, job_id: str) -> list[float]:
+        """P over every site that shared its label histogram with the job (DWFed); [] when none did."""
+        histograms = list(self.histograms(job_id).values())
         if not histograms:
             return []
         width = max(len(h) for h in histograms)

@@ -35,13 +35,14 @@ from fedbroker.coordinator.job_run import Cancelled, CancelRequests, JobFailed, 
 from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, data_fit_problems
 from fedbroker.coordinator.records import FINISHED, JobStatus
 from fedbroker.coordinator.service_calls import OUTAGE_BACKOFF, AggregatorCalls
+from fedbroker.coordinator.sharing import agreed_model
 from fedbroker.coordinator.store import StateStore, StateUnavailable
 from fedbroker.coordinator.sync_rounds import SyncRounds
 from fedbroker.coordinator.waiting import WaitingReasons
 from fedbroker.errors import ConfigError, ConfigErrors, Conflict, NotFound
 from fedbroker.metrics import BUSES
 from fedbroker.retry import retry_call
-from fedbroker.spec import JobSpec, job_from_json
+from fedbroker.spec import JobSpec, ModelSpec, job_from_json
 from fedbroker.submission import job_problems
 
 log = logging.getLogger(__name__)
@@ -365,7 +366,9 @@ class Coordinator:
         if not self.store.set_job_status(job_id, JobStatus.RUNNING):
             self._not_running(job_id)
             return
-        run = self._restore(job_id, job, rounds_done=row.rounds_done)
+        # before round 1, the sites share what the job needs (and agree on its standardisation): sharing.py
+        model = agreed_model(self.context, job_id, job, first_round=row.rounds_done == 0)
+        run = self._restore(job_id, job, model, rounds_done=row.rounds_done)
         if job.schedule.mode == "async":  # no rounds: coordinator/asynchronous.py
             self._drive_async(run)
         else:
@@ -380,8 +383,9 @@ class Coordinator:
             raise Cancelled()
         log.info("job %s is %s: not started", job_id, row.status if row is not None else "gone")
 
-    def _restore(self, job_id: str, job: JobSpec, *, rounds_done: int) -> Run:
-        """The global model the job is at: its last checkpoint, or the initial weights before its first round."""
+    def _restore(self, job_id: str, job: JobSpec, model: ModelSpec, *, rounds_done: int) -> Run:
+        """The global model the job is at: its last checkpoint, or the initial weights of `model` (the job's, or
+        with its agreed standardisation in front) before its first round."""
         last = self.store.last_checkpoint(job_id)
         # (an asynchronous version recorded without a checkpoint leaves the model to AsyncJob._install)
         if rounds_done and last is not None and last.checkpoint and last.model_version is not None:
@@ -389,7 +393,7 @@ class Coordinator:
             return Run(job_id, job, last.model_version, spec_json, tensors)
         from fedbroker.model import initial_weights
 
-        return Run(job_id, job, 1, job.model.to_json(), initial_weights(job.model, seed=job.seed))
+        return Run(job_id, job, 1, model.to_json(), initial_weights(model, seed=job.seed))
 
     def _drive_async(self, run: Run) -> None:
         driver = AsyncJob(self.context, run)

@@ -46,6 +46,7 @@ from fedbroker.coordinator.records import (
 from fedbroker.coordinator.state_dir import StateDirLock, owner_only
 from fedbroker.coordinator.store_epsilon import EpsilonTables
 from fedbroker.coordinator.store_notes import JobNotes
+from fedbroker.coordinator.store_shares import ShareTables
 from fedbroker.errors import Unavailable
 from fedbroker.retry import Backoff, retry_call
 
@@ -105,10 +106,10 @@ CREATE TABLE IF NOT EXISTS participants (
 """
 
 
-class StateStore(EpsilonTables, JobNotes):
+class StateStore(EpsilonTables, JobNotes, ShareTables):
     """The coordinator's one SQLite file; `busy_timeout_s`: how long a write waits for a lock another
     connection holds before it fails. Its ε bounds and corrections: store_epsilon.py; events of their own:
-    store_notes.py."""
+    store_notes.py; what sites shared with a job before round 1: store_shares.py."""
 
     def __init__(self, path: str, *, busy_timeout_s: float = 5.0, lock: StateDirLock | None = None) -> None:
         self.path = path

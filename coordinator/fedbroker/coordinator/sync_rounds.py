@@ -121,8 +121,7 @@ class SyncRounds:
         return rnd
 
     def _histograms(self, participants: list[str]) -> dict[str, list[int]]:
-        return {w.worker_id: list(w.histogram) for w in self.ctx.store.workers(self.run.job.category)
-                if w.worker_id in participants}
+        return self.ctx.histograms(self.run.job_id, participants)  # what they shared with this job
 
     def _resume_round(self, row: RoundRecord) -> tuple[OpenRound, pb.CloseRoundReply | None]:
         """The round that was open when this coordinator stopped: same participants, same deadline."""
@@ -214,7 +213,7 @@ class SyncRounds:
             job_id=job_id, round=rnd.number,
             training_json=json.dumps(asdict(job.training)), category=job.category, model_version=rnd.model_version,
             aggregator_target=self.ctx.aggregator_target, deadline_unix=rnd.deadline,
-            population_distribution=self.ctx.population(job), participants=len(rnd.participants),
+            population_distribution=self.ctx.population(job_id), participants=len(rnd.participants),
             seed=job.seed, aggregation_json=json.dumps(rnd.aggregation),
         )
         recipients = list(rnd.participants)

@@ -1,0 +1,308 @@
+"""The part of the coordinator's state store (`StateStore` mixes it in) that keeps what sites shared with a job
+before its round 1 (coordinator/sharing.py): the job's share phase (what it asked for, until when, the model
+it agreed on) and each site's answer, with the ε the site stated and the ε it newly cost the site.
+
+A release the site sent before (the label histogram is drawn once per data set and re-sent to every job that
+asks) costs it nothing new, so it is charged once: to the first job it reached. None of this raises the ε
+recorded for a worker (`workers.epsilon_spent`), which only the site's own reports of its ledger do: the
+coordinator's record never runs ahead of the ledger, whatever a reply states. A reply's new cost does raise
+how far the site's next report may rise (the `issued_epsilon` bound of store_epsilon.py).
+
+As in store.py, every write is one transaction and no SQLite row leaves the store: reads return the records
+below. The tables are created on first use, so a state file written before them gets them then.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import sqlite3
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS share_phases (
+    job_id TEXT PRIMARY KEY, status TEXT NOT NULL, histogram INTEGER NOT NULL, statistics INTEGER NOT NULL,
+    lower_json TEXT NOT NULL, upper_json TEXT NOT NULL, features INTEGER NOT NULL, classes INTEGER NOT NULL,
+    started REAL NOT NULL, deadline REAL NOT NULL, finished REAL, model_spec_json TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS shares (
+    job_id TEXT NOT NULL, worker_id TEXT NOT NULL, status TEXT NOT NULL, reason TEXT NOT NULL DEFAULT '',
+    time REAL, histogram_json TEXT NOT NULL DEFAULT '[]', histogram_noised INTEGER NOT NULL DEFAULT 0,
+    histogram_epsilon REAL NOT NULL DEFAULT 0, feature_sum_json TEXT NOT NULL DEFAULT '[]',
+    feature_sq_sum_json TEXT NOT NULL DEFAULT '[]', count INTEGER NOT NULL DEFAULT 0,
+    statistics_noised INTEGER NOT NULL DEFAULT 0, statistics_epsilon REAL NOT NULL DEFAULT 0,
+    statistics_delta REAL NOT NULL DEFAULT 0, charged_epsilon REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (job_id, worker_id)
+);
+CREATE INDEX IF NOT EXISTS shares_by_worker ON shares (worker_id, status);
+"""
+
+
+class ShareStatus(enum.StrEnum):
+    """A site's part in a job's share phase: `asked` until it answers (`shared`, `refused`) or the phase ends
+    without its answer (`silent`); `not_asked`: the job could not select it then (its reason says why), or it
+    registered after the phase."""
+
+    ASKED = "asked"
+    SHARED = "shared"
+    REFUSED = "refused"
+    SILENT = "silent"
+    NOT_ASKED = "not_asked"
+
+
+@dataclass(frozen=True)
+class SharePhaseRecord:
+    """What a job asked its sites for before round 1, until when, and (once `done`) the model it agreed on
+    ("" when it standardises nothing: the job's own model)."""
+
+    job_id: str
+    open: bool
+    histogram: bool
+    statistics: bool
+    lower: tuple[float, ...]
+    upper: tuple[float, ...]
+    features: int              # the values a site's sums must hold (the model's flattened input)
+    classes: int               # the most counts a histogram may hold (the model's outputs)
+    started: float
+    deadline: float
+    finished: float | None
+    model_spec_json: str
+
+
+@dataclass(frozen=True)
+class ShareRecord:
+    """One site's answer to a job's share request. `*_epsilon`: the ε the site stated for each release (0:
+    exact); `charged_epsilon`: what the answer newly cost the site (a release it had sent before: 0)."""
+
+    job_id: str
+    worker_id: str
+    status: ShareStatus
+    reason: str
+    time: float | None
+    histogram: tuple[int, ...]
+    histogram_noised: bool
+    histogram_epsilon: float
+    feature_sum: tuple[float, ...]
+    feature_sq_sum: tuple[float, ...]
+    count: int
+    statistics_noised: bool
+    statistics_epsilon: float
+    statistics_delta: float
+    charged_epsilon: float
+
+    @property
+    def shared(self) -> list[str]:
+        """What the site released to the job: histogram, statistics."""
+        return [what for what, sent in (("histogram", bool(self.histogram)), ("statistics", self.count > 0)) if sent]
+
+
+@dataclass(frozen=True)
+class ShareAnswer:
+    """A reply as it is recorded (checked before: coordinator/sharing.py)."""
+
+    refused: bool
+    reason: str
+    histogram: Sequence[int]
+    histogram_noised: bool
+    histogram_epsilon: float
+    feature_sum: Sequence[float]
+    feature_sq_sum: Sequence[float]
+    count: int
+    statistics_noised: bool
+    statistics_epsilon: float
+    statistics_delta: float
+
+
+class ShareTables:
+    """Mixed into `StateStore`: its transactions (`_write`) and reads (`_exec`) over the two share tables."""
+
+    _share_tables_ready = False
+
+    if TYPE_CHECKING:
+        def _write(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T: ...
+        def _exec(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]: ...
+        def _epsilon_tables(self) -> None: ...
+
+    def _share_tables(self) -> None:
+        if not self._share_tables_ready:
+            self._epsilon_tables()  # a reply's new cost bounds the site's next report there
+            self._write("create its share tables", lambda db: [db.execute(s) for s in SCHEMA.split(";") if s.strip()])
+            self._share_tables_ready = True
+
+    def open_share_phase(self, job_id: str, *, histogram: bool, statistics: bool, lower: Sequence[float],
+                         upper: Sequence[float], features: int, classes: int, deadline: float,
+                         asked: Sequence[str], not_asked: Mapping[str, str]) -> None:
+        """Record the job's requests before they go out: a reply is accepted only from a site asked here."""
+        self._share_tables()
+        now = time.time()
+        wants = " and ".join(w for w, on in (("label histogram", histogram), ("feature statistics", statistics)) if on)
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("INSERT OR REPLACE INTO share_phases (job_id, status, histogram, statistics, lower_json,"
+                       " upper_json, features, classes, started, deadline) VALUES (?, 'open', ?, ?, ?, ?, ?, ?, ?, ?)",
+                       (job_id, int(histogram), int(statistics), json.dumps(list(lower)), json.dumps(list(upper)),
+                        features, classes, now, deadline))
+            db.execute("DELETE FROM shares WHERE job_id = ?", (job_id,))
+            db.executemany("INSERT INTO shares (job_id, worker_id, status) VALUES (?, ?, 'asked')",
+                           [(job_id, w) for w in asked])
+            db.executemany("INSERT INTO shares (job_id, worker_id, status, reason) VALUES (?, ?, 'not_asked', ?)",
+                           [(job_id, w, why) for w, why in not_asked.items()])
+            _event(db, job_id, "share_requested", message=f"{wants} asked of {len(asked)} site(s)"
+                   + (f": {', '.join(asked)}" if asked else "") + f", within {max(0.0, deadline - now):.0f}s")
+            for worker_id, why in not_asked.items():
+                _event(db, job_id, "not_shared", worker_id=worker_id, message=f"not asked ({why}): not selected")
+
+        self._write(f"record the share requests of job {job_id!r}", write)
+
+    def share_phase(self, job_id: str) -> SharePhaseRecord | None:
+        """The job's share phase (None: it has none)."""
+        self._share_tables()
+        rows = self._exec("SELECT * FROM share_phases WHERE job_id = ?", (job_id,))
+        return _phase_record(rows[0]) if rows else None
+
+    def move_share_deadline(self, job_id: str, deadline: float) -> None:
+        """A resumed phase whose deadline passed while the coordinator was down gets a new one."""
+        self._share_tables()
+        self._write(f"move the share deadline of job {job_id!r}", lambda db: db.execute(
+            "UPDATE share_phases SET deadline = ? WHERE job_id = ? AND status = 'open'", (deadline, job_id)))
+
+    def record_share(self, job_id: str, worker_id: str, answer: ShareAnswer,
+                     check: Callable[[SharePhaseRecord], list[str]]) -> list[str]:
+        """Record a site's reply, or say why not (nothing changes then): the job must be running its share
+        phase, the site asked and not answered yet, the phase's deadline not passed, and `check` (what the
+        reply holds against what was asked) find nothing. One transaction, so a phase that closes meanwhile
+        takes no reply after its close."""
+        self._share_tables()
+        now = time.time()
+
+        def write(db: sqlite3.Connection) -> list[str]:
+            job = db.execute("SELECT status FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            if job is None or job["status"] != "running":
+                return [f"job {job_id!r} is {'unknown' if job is None else job['status']}: it takes no share reply"]
+            r = db.execute("SELECT * FROM share_phases WHERE job_id = ?", (job_id,)).fetchone()
+            phase = _phase_record(r) if r is not None else None
+            if phase is None or not phase.open:
+                return [f"job {job_id!r} is not in its share phase"]
+            row = db.execute("SELECT status FROM shares WHERE job_id = ? AND worker_id = ?", (job_id, worker_id)).fetchone()
+            if row is None or row["status"] == ShareStatus.NOT_ASKED:
+                return [f"worker {worker_id!r} was not asked to share with job {job_id!r}"]
+            if row["status"] != ShareStatus.ASKED:
+                return [f"worker {worker_id!r} already answered job {job_id!r} ({row['status']})"]
+            if now > phase.deadline:
+                return [f"late: the share phase of job {job_id!r} ended {now - phase.deadline:.0f}s before"]
+            problems = check(phase)
+            if problems:
+                return problems
+            charged = 0.0 if answer.refused else _new_cost(db, worker_id, answer)
+            db.execute(
+                "UPDATE shares SET status = ?, reason = ?, time = ?, histogram_json = ?, histogram_noised = ?,"
+                " histogram_epsilon = ?, feature_sum_json = ?, feature_sq_sum_json = ?, count = ?,"
+                " statistics_noised = ?, statistics_epsilon = ?, statistics_delta = ?, charged_epsilon = ?"
+                " WHERE job_id = ? AND worker_id = ?",
+                (ShareStatus.REFUSED if answer.refused else ShareStatus.SHARED, answer.reason, now,
+                 json.dumps([int(c) for c in answer.histogram]), int(answer.histogram_noised), answer.histogram_epsilon,
+                 json.dumps([float(v) for v in answer.feature_sum]), json.dumps([float(v) for v in answer.feature_sq_sum]),
+                 answer.count, int(answer.statistics_noised), answer.statistics_epsilon, answer.statistics_delta,
+                 charged, job_id, worker_id))
+            if charged > 0:  # its next report may include it (participants.EpsilonBounds)
+                db.execute("INSERT INTO issued_epsilon (worker_id, deadline, cost) VALUES (?, ?, ?)",
+                           (worker_id, now, charged))
+            _event(db, job_id, "share_refused" if answer.refused else "shared", worker_id=worker_id,
+                   message=answer.reason if answer.refused else _what_shared(answer, charged))
+            return []
+
+        return self._write(f"record the share reply of worker {worker_id!r} to job {job_id!r}", write)
+
+    def close_share_phase(self, job_id: str, *, model_spec_json: str,
+                          events: Sequence[tuple[str, str, str]]) -> None:
+        """End the phase: sites still `asked` are `silent`; the agreed model (if any) becomes the job's model spec;
+        `events` (kind, worker id, message) are written with it."""
+        self._share_tables()
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("UPDATE shares SET status = 'silent', reason = 'no reply before the share deadline'"
+                       " WHERE job_id = ? AND status = 'asked'", (job_id,))
+            db.execute("UPDATE share_phases SET status = 'done', finished = ?, model_spec_json = ? WHERE job_id = ?",
+                       (time.time(), model_spec_json, job_id))
+            if model_spec_json:
+                db.execute("UPDATE jobs SET model_spec_json = ?, updated = ? WHERE job_id = ?",
+                           (model_spec_json, time.time(), job_id))
+            for kind, worker_id, message in events:
+                _event(db, job_id, kind, worker_id=worker_id, message=message)
+
+        self._write(f"record the end of the share phase of job {job_id!r}", write)
+
+    def note_not_shared(self, job_id: str, worker_ids: Sequence[str], reason: str) -> None:
+        """Sites met after the job's share phase ended (registered later): recorded once each, with an event,
+        as not selected for the job."""
+        self._share_tables()
+
+        def write(db: sqlite3.Connection) -> None:
+            for worker_id in worker_ids:
+                if db.execute("INSERT OR IGNORE INTO shares (job_id, worker_id, status, reason) VALUES"
+                              " (?, ?, 'not_asked', ?)", (job_id, worker_id, reason)).rowcount:
+                    _event(db, job_id, "not_shared", worker_id=worker_id, message=f"{reason}: not selected")
+
+        self._write(f"record the sites that did not share with job {job_id!r}", write)
+
+    def shares(self, job_id: str | None = None, *, worker_id: str | None = None) -> list[ShareRecord]:
+        """The answers kept for a job (or every job), of one site (or every site), by job, then site."""
+        self._share_tables()
+        where = " AND ".join(c for c, v in (("job_id = ?", job_id), ("worker_id = ?", worker_id)) if v is not None)
+        args = [v for v in (job_id, worker_id) if v is not None]
+        rows = self._exec(f"SELECT * FROM shares{' WHERE ' + where if where else ''} ORDER BY job_id, worker_id", args)
+        return [ShareRecord(
+            job_id=r["job_id"], worker_id=r["worker_id"], status=ShareStatus(r["status"]), reason=r["reason"],
+            time=r["time"], histogram=tuple(json.loads(r["histogram_json"])), histogram_noised=bool(r["histogram_noised"]),
+            histogram_epsilon=r["histogram_epsilon"], feature_sum=tuple(json.loads(r["feature_sum_json"])),
+            feature_sq_sum=tuple(json.loads(r["feature_sq_sum_json"])), count=r["count"],
+            statistics_noised=bool(r["statistics_noised"]), statistics_epsilon=r["statistics_epsilon"],
+            statistics_delta=r["statistics_delta"], charged_epsilon=r["charged_epsilon"]) for r in rows]
+
+
+def _phase_record(r: sqlite3.Row) -> SharePhaseRecord:
+    return SharePhaseRecord(
+        job_id=r["job_id"], open=r["status"] == "open", histogram=bool(r["histogram"]),
+        statistics=bool(r["statistics"]), lower=tuple(json.loads(r["lower_json"])),
+        upper=tuple(json.loads(r["upper_json"])), features=r["features"], classes=r["classes"],
+        started=r["started"], deadline=r["deadline"], finished=r["finished"], model_spec_json=r["model_spec_json"])
+
+
+def _new_cost(db: sqlite3.Connection, worker_id: str, answer: ShareAnswer) -> float:
+    """The ε this answer newly costs its site: each noised release it holds, unless the site sent the very
+    same release (values and ε) to an earlier job, which charged it then."""
+    cost = 0.0
+    if answer.histogram and answer.histogram_epsilon > 0 and not db.execute(
+            "SELECT 1 FROM shares WHERE worker_id = ? AND status = 'shared' AND histogram_json = ?"
+            " AND histogram_epsilon = ? LIMIT 1",
+            (worker_id, json.dumps([int(c) for c in answer.histogram]), answer.histogram_epsilon)).fetchone():
+        cost += answer.histogram_epsilon
+    if answer.count and answer.statistics_epsilon > 0 and not db.execute(
+            "SELECT 1 FROM shares WHERE worker_id = ? AND status = 'shared' AND feature_sum_json = ?"
+            " AND feature_sq_sum_json = ? AND count = ? AND statistics_epsilon = ? LIMIT 1",
+            (worker_id, json.dumps([float(v) for v in answer.feature_sum]),
+             json.dumps([float(v) for v in answer.feature_sq_sum]), answer.count,
+             answer.statistics_epsilon)).fetchone():
+        cost += answer.statistics_epsilon
+    return cost
+
+
+def _what_shared(answer: ShareAnswer, charged: float) -> str:
+    parts = []
+    if answer.histogram:
+        parts.append(f"label histogram ({f'noised, ε {answer.histogram_epsilon:g}' if answer.histogram_noised else 'exact'})")
+    if answer.count:
+        parts.append(f"feature statistics of {answer.count} rows ("
+                     + (f"noised, ε {answer.statistics_epsilon:g}, δ {answer.statistics_delta:g}"
+                        if answer.statistics_noised else "exact") + ")")
+    return f"{' and '.join(parts) or 'nothing'}; new ε charged to the site: {charged:g}"
+
+
+def _event(db: sqlite3.Connection, job_id: str, kind: str, *, worker_id: str = "", message: str = "") -> None:
+    db.execute("INSERT INTO events (job_id, time, kind, round, worker_id, message) VALUES (?, ?, ?, 0, ?, ?)",
+               (job_id, time.time(), kind, worker_id, message))
