@@ -204,6 +204,7 @@ class WorkerConfig:
     coordinator_broker_user: str = ""  # the broker user whose tasks this worker trains (RabbitMQ validates a
                                        # message's user_id); others are dead-lettered. "" = any (logged at start)
     histogram_epsilon: float = 0.0     # > 0: Laplace noise on the shared label histogram at this ε; 0 = exact counts
+    evaluation: str = "allow"          # allow | deny: score jobs' global models on this site's held-out split
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
     metrics_addr: str = "0.0.0.0"     # the exporter's bind address: 0.0.0.0 for a container scraped from
                                        # outside; 127.0.0.1 on a shared host (no /metrics for the network)

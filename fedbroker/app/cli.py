@@ -92,14 +92,17 @@ def _coordinator_client(args: argparse.Namespace) -> CoordinatorClient:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """Submit a job file and print its id; a bad job is refused here, before it travels."""
+    from fedbroker.federated_evaluation import submission_warnings
     from fedbroker.submission import accept_job_text
 
     with open(args.job, encoding="utf-8") as fh:
         text = fh.read()
-    accept_job_text(text)  # refuse a bad job here, before it travels
+    job = accept_job_text(text)  # refuse a bad job here, before it travels
     client = _coordinator_client(args)
     print(client.submit(text))
     client.close()
+    for warning in submission_warnings(job):  # accepted all the same; its events say so too (`jobs logs`)
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 

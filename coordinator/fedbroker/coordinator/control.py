@@ -1,5 +1,5 @@
-"""What the coordinator accepts on its control queue: registrations, heartbeats and task outcomes, checked
-before any of them reaches the store.
+"""What the coordinator accepts on its control queue: registrations, heartbeats, task outcomes and evaluation
+reports, checked before any of them reaches the store.
 
 Anyone with the broker's credentials can publish there, so a message is input like a job: a worker id must
 be a name the bus can route to (a stored id it cannot route would fail the job that selects it), and every
@@ -38,7 +38,7 @@ _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")     # a job's name, '-
 
 # The rejection reasons of the control queue's messages (metric label values).
 INVALID_REASONS = {"registration": "invalid_registration", "heartbeat": "invalid_heartbeat",
-                   "task_outcome": "invalid_task_outcome"}
+                   "task_outcome": "invalid_task_outcome", "evaluation_report": "invalid_evaluation_report"}
 # ... and those of a message whose sender may not speak for its worker id (SenderBinding).
 SENDER_REASONS = ("unidentified_sender", "foreign_sender")
 
@@ -109,6 +109,8 @@ def check_control(env: pb.Envelope) -> None:
         problems = _heartbeat_problems(env.heartbeat)
     elif kind == "task_outcome":
         problems = _outcome_problems(env.task_outcome)
+    elif kind == "evaluation_report":
+        problems = _evaluation_problems(env.evaluation_report)
     else:
         return
     if problems:
@@ -190,4 +192,22 @@ def _outcome_problems(o: pb.TaskOutcome) -> list[str]:
     out += _epsilon_problems("epsilon", o.epsilon)
     if not 0 <= o.num_samples <= MAX_SAMPLES:
         out.append(f"num_samples: must lie in [0, {MAX_SAMPLES}], got {o.num_samples}")
+    return out
+
+
+def _evaluation_problems(r: pb.EvaluationReport) -> list[str]:
+    """A score is a weighted vote in the round's federated accuracy: finite, in range, and a count that could
+    be a held-out split (its bound against the worker's registration: coordinator/federated.py)."""
+    out = _worker_id_problems(r.worker_id)
+    if not _JOB_ID.fullmatch(r.job_id):
+        out.append(f"job_id: not a job id, got {r.job_id[:140]!r}")
+    if r.round < 1 or r.model_version < 1:
+        out.append(f"round and model_version: must be >= 1, got {r.round} and {r.model_version}")
+    if not r.refused:
+        if not (math.isfinite(r.loss) and r.loss >= 0):
+            out.append(f"loss: must be a finite number >= 0, got {r.loss!r}")
+        if not 0.0 <= r.accuracy <= 1.0:  # NaN fails too
+            out.append(f"accuracy: must lie in [0, 1], got {r.accuracy!r}")
+        if not 1 <= r.num_samples <= MAX_SAMPLES:
+            out.append(f"num_samples: must lie in [1, {MAX_SAMPLES}], got {r.num_samples}")
     return out

@@ -37,6 +37,7 @@ from fedbroker.coordinator.service_calls import OUTAGE_BACKOFF, AggregatorCalls
 from fedbroker.coordinator.store import StateStore, StateUnavailable
 from fedbroker.coordinator.sync_rounds import SyncRounds
 from fedbroker.errors import ConfigError, ConfigErrors, Conflict, NotFound
+from fedbroker.federated_evaluation import submission_warnings
 from fedbroker.metrics import BUSES
 from fedbroker.retry import retry_call
 from fedbroker.spec import JobSpec, job_from_json
@@ -191,6 +192,8 @@ class Coordinator:
         job_id = f"{job.name[:40]}-{secrets.token_hex(4)}"
         self.store.add_job(job_id, job.name, job.to_json(), job.training.rounds, job.model.to_json(),
                            submitter=submitter)
+        for warning in submission_warnings(job):  # accepted, but the submitter should know (`jobs logs`)
+            self.store.add_event(job_id, "warning", message=warning)
         self._launch(job_id, job)
         return job_id
 

@@ -45,6 +45,7 @@ from fedbroker.coordinator.records import (
 )
 from fedbroker.coordinator.state_dir import StateDirLock, owner_only
 from fedbroker.coordinator.store_epsilon import EpsilonTables
+from fedbroker.coordinator.store_evaluation import EvaluationTables, create_evaluation_tables
 from fedbroker.errors import Unavailable
 from fedbroker.retry import Backoff, retry_call
 
@@ -104,9 +105,10 @@ CREATE TABLE IF NOT EXISTS participants (
 """
 
 
-class StateStore(EpsilonTables):
+class StateStore(EpsilonTables, EvaluationTables):
     """The coordinator's one SQLite file; `busy_timeout_s`: how long a write waits for a lock another
-    connection holds before it fails. Its ε bounds and corrections: store_epsilon.py."""
+    connection holds before it fails. Its ε bounds and corrections: store_epsilon.py; federated evaluation:
+    store_evaluation.py."""
 
     def __init__(self, path: str, *, busy_timeout_s: float = 5.0, lock: StateDirLock | None = None) -> None:
         self.path = path
@@ -150,6 +152,7 @@ class StateStore(EpsilonTables):
         for statement in SCHEMA.split(";"):
             if statement.strip():
                 db.execute(statement)
+        create_evaluation_tables(db)
         columns = {r["name"] for r in db.execute("PRAGMA table_info(rounds)").fetchall()}
         if "deadline" not in columns:  # a state file written before rounds kept their deadline
             db.execute("ALTER TABLE rounds ADD COLUMN deadline REAL")

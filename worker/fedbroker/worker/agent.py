@@ -50,6 +50,7 @@ from fedbroker.retry import Backoff
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import ModelSpec, TrainingConfig, parse_model, training_from_json
 from fedbroker.worker import metrics
+from fedbroker.worker.evaluation import SiteEvaluation
 from fedbroker.worker.ledger import PrivacyLedger, below, source_digest
 from fedbroker.worker.partition import partition
 from fedbroker.worker.training import TrainResult, pick_device, train_local
@@ -95,7 +96,7 @@ class WorkerAgent:
         if isinstance(config.physical_batch_size, bool) or config.physical_batch_size < 0:
             raise ConfigError("worker.physical_batch_size",
                               f"must be a whole number >= 0 (0: the whole batch), got {config.physical_batch_size!r}")
-        train, _ = train_test_split(data, test_fraction=config.test_fraction, seed=config.split_seed)
+        train, test = train_test_split(data, test_fraction=config.test_fraction, seed=config.split_seed)
         p = config.partition
         shards = partition(train.y, scheme=p.scheme, num_clients=p.num_clients, seed=p.seed, alpha=p.alpha,
                            classes_per_client=p.classes_per_client)
@@ -118,6 +119,8 @@ class WorkerAgent:
         # heartbeats can say what each job's next round would cost; `_costs` caches the projections.
         self._job_configs: collections.OrderedDict[str, TrainingConfig] = collections.OrderedDict()
         self._costs: dict[tuple[str, tuple[tuple[float, float, int], ...], TrainingConfig], float] = {}
+        self.evaluation = SiteEvaluation(config, bus=bus, ledger=self.ledger, test=test, device=self.device,
+                                         aggregator=self._aggregator, stopping=self._stop.is_set)
         self.retry_initial_s = 1.0   # backoff before a failed task goes back to the queue
         self.retry_max_s = 30.0
         if not config.coordinator_broker_user:  # a warning where the bus has users to tell apart (RabbitMQ)
@@ -279,12 +282,16 @@ class WorkerAgent:
             delivery.nack(requeue=False)
             return
         try:
-            task = envelope.decode(delivery.body, expect=("round_task",)).round_task
+            env = envelope.decode(delivery.body, expect=("round_task", "evaluation_task"))
         except envelope.MalformedMessage as exc:
             log.error("worker %s dead-letters a malformed task: %s", me, exc)
             metrics.TASKS.labels(me, "malformed").inc()
             delivery.nack(requeue=False)
             return
+        if env.WhichOneof("message") == "evaluation_task":  # scoring a global model: worker/evaluation.py
+            self.evaluation.handle(delivery, env.evaluation_task)
+            return
+        task = env.round_task
         try:
             outcome = "uploaded" if self.run_task(task) is not None else "already_uploaded"
         except TaskRefused as exc:
