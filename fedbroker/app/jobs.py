@@ -120,13 +120,13 @@ def cmd_show(args: argparse.Namespace) -> int:
     print("\n".join(f"{k.ljust(width)}  {v}" for k, v in facts))
     print()
     print(render(status, workers=False))
-    print()
-    print("WORKERS (this job)")
-    print(job_workers(status))
     if status.evaluations:
         print()
         print("EVALUATIONS (each site's score on its own held-out split)")
         print(site_table(status))
+    print()
+    print("WORKERS (this job)")
+    print(job_workers(status))
     return 0
 
 
