@@ -5,7 +5,7 @@ category) are asked to score that round's global version on their own held-out s
 The next round does not wait for the scores: they are recorded as they arrive, until the job's
 round_timeout_s after the tasks went out, and the round's federated score (the count-weighted mean, in
 `fedbroker status`, `jobs show`, the metrics) grows with them. Only the end of the job waits, for the last
-evaluated round to settle (every site answered, or the deadline), so a finished job's final score is in.
+evaluated round's sites that uploaded in it (`await_last`), so a finished job's final score is in.
 
 A report is input from anyone who can publish to the control queue: it has passed `control.check_control`
 (finite, in range) and the sender binding of its worker id; here its count must be one the worker's
@@ -30,9 +30,9 @@ from fedbroker.coordinator import metrics
 from fedbroker.coordinator.control import MAX_REASON_CHARS
 from fedbroker.coordinator.job_context import JobContext
 from fedbroker.coordinator.job_run import Run
-from fedbroker.coordinator.records import RoundStatus
+from fedbroker.coordinator.records import ParticipantStatus, RoundStatus
 from fedbroker.coordinator.store import StateStore
-from fedbroker.coordinator.store_evaluation import EvaluationVerdict
+from fedbroker.coordinator.store_evaluation import EvaluationStatus, EvaluationVerdict
 from fedbroker.federated_evaluation import Scored, due, early_stop
 from fedbroker.proto import fedbroker_pb2 as pb
 
@@ -93,6 +93,8 @@ def accept_report(store: StateStore, r: pb.EvaluationReport) -> EvaluationVerdic
     elif verdict == EvaluationVerdict.DUPLICATE:
         log.info("a copy of worker %s's evaluation of round %d of %s: already recorded", r.worker_id, r.round, r.job_id)
     else:
+        if verdict == EvaluationVerdict.LATE:  # a round past its deadline that nobody settled yet (its job ended)
+            store.settle_evaluations(r.job_id)
         metrics.EVALUATION_REPORTS_REFUSED.labels(verdict).inc()
         log.warning("evaluation report for worker %s, round %d (version %d) of job %s refused: %s", r.worker_id,
                     r.round, r.model_version, r.job_id[:140], {
@@ -140,18 +142,23 @@ def stopped_early(ctx: JobContext, run: Run) -> bool:
 
 
 def await_last(ctx: JobContext, run: Run) -> None:
-    """Before the job is recorded complete: wait for its last evaluated round to settle (every site asked
-    answered, or its deadline passed), so its final federated score is in."""
+    """Before the job is recorded complete: wait (until its deadline at most) for the last evaluated round's
+    sites whose update that round took, which are alive by that evidence, so the final federated score is in.
+    A site asked that did not upload (a straggler, a category site) is not waited for: its report is still
+    recorded if it comes before the deadline, and the round settles then."""
     rounds = ctx.store.evaluation_rounds(run.job_id)
     if not rounds or rounds[-1].settled:
         return
     last = rounds[-1]
+    alive = {p.worker_id for p in ctx.store.participants(run.job_id, last.round)
+             if p.status in (ParticipantStatus.AGGREGATED, ParticipantStatus.UPLOADED)}
 
-    def settled() -> tuple[bool, None]:
+    def answered() -> tuple[bool, None]:
         ctx.store.settle_evaluations(run.job_id)
-        return next(e.settled for e in ctx.store.evaluation_rounds(run.job_id) if e.round == last.round), None
+        return not any(e.status == EvaluationStatus.ASKED and e.worker_id in alive
+                       for e in ctx.store.evaluations(run.job_id) if e.round == last.round), None
 
-    ctx.poll(settled, within_s=max(0.0, last.deadline - time.time()) + SETTLE_MARGIN_S)
+    ctx.poll(answered, within_s=max(0.0, last.deadline - time.time()) + SETTLE_MARGIN_S)
 
 
 def fill_status(store: StateStore, job_id: str, reply: pb.StatusReply) -> None:
