@@ -64,6 +64,7 @@ def test_a_round_past_its_deadline_settles_with_the_silent_sites_missed_and_refu
     assert store.settle_evaluations("j-1") == []
     (one, two) = store.evaluation_rounds("j-1")
     assert not one.settled and two.settled and two.score is None
+    assert store.evaluation_rounds("j-1", 2) == [two] and [e.round for e in store.evaluations("j-1", 1)] == [1, 1]
     assert record(store, "b", round_number=2, version=3) == EvaluationVerdict.LATE
     assert store.events("j-1")[-1].message == "no score: none of 2 site(s) evaluated"
     store.evaluation_undelivered("j-1", 1, ["b"])  # its task never went out: nothing will come

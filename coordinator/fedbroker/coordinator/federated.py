@@ -111,7 +111,7 @@ def _show(store: StateStore, job_id: str, round_number: int) -> None:
         if _shown.get(job_id, 0) > round_number:
             return
         _shown[job_id] = round_number
-    score = next((e.score for e in store.evaluation_rounds(job_id) if e.round == round_number), None)
+    score = next((e.score for e in store.evaluation_rounds(job_id, round_number)), None)
     if score is not None:
         metrics.FEDERATED_ACCURACY.labels(job_id).set(score.accuracy)
         metrics.FEDERATED_LOSS.labels(job_id).set(score.loss)
@@ -156,7 +156,7 @@ def await_last(ctx: JobContext, run: Run) -> None:
     def answered() -> tuple[bool, None]:
         ctx.store.settle_evaluations(run.job_id)
         return not any(e.status == EvaluationStatus.ASKED and e.worker_id in alive
-                       for e in ctx.store.evaluations(run.job_id) if e.round == last.round), None
+                       for e in ctx.store.evaluations(run.job_id, last.round)), None
 
     ctx.poll(answered, within_s=max(0.0, last.deadline - time.time()) + SETTLE_MARGIN_S)
 

@@ -181,11 +181,12 @@ class EvaluationTables:
 
         return self._write(f"settle the evaluations of job {job_id!r}", write)
 
-    def evaluations(self, job_id: str) -> list[EvaluationRecord]:
-        """Every site's evaluation of the job's rounds, by round, then worker id; a site still `asked` after the
-        deadline reads as `missed`."""
+    def evaluations(self, job_id: str, round_number: int | None = None) -> list[EvaluationRecord]:
+        """Every site's evaluation of the job's rounds (of one round), by round, then worker id; a site still
+        `asked` after the deadline reads as `missed`."""
         rows = self._exec("SELECT e.*, r.deadline FROM evaluations e JOIN evaluation_rounds r USING (job_id, round)"
-                          " WHERE e.job_id = ? ORDER BY e.round, e.worker_id", (job_id,))
+                          " WHERE e.job_id = ? AND (? IS NULL OR e.round = ?) ORDER BY e.round, e.worker_id",
+                          (job_id, round_number, round_number))
         now = time.time()
         out = []
         for r in rows:
@@ -198,11 +199,12 @@ class EvaluationTables:
                 accuracy=r["accuracy"], num_samples=r["num_samples"], model_version=r["model_version"], time=r["time"]))
         return out
 
-    def evaluation_rounds(self, job_id: str) -> list[EvaluationRound]:
-        """The job's evaluated rounds, oldest first, each with its federated score so far."""
-        rounds = self._exec("SELECT * FROM evaluation_rounds WHERE job_id = ? ORDER BY round", (job_id,))
+    def evaluation_rounds(self, job_id: str, round_number: int | None = None) -> list[EvaluationRound]:
+        """The job's evaluated rounds (or one), oldest first, each with its federated score so far."""
+        rounds = self._exec("SELECT * FROM evaluation_rounds WHERE job_id = ? AND (? IS NULL OR round = ?)"
+                            " ORDER BY round", (job_id, round_number, round_number))
         by_round: dict[int, list[EvaluationRecord]] = {}
-        for e in self.evaluations(job_id):
+        for e in self.evaluations(job_id, round_number):
             by_round.setdefault(e.round, []).append(e)
         out = []
         for r in rounds:
