@@ -33,7 +33,8 @@ def test_rounds_show_the_sites_score_beside_the_central_one_and_a_dash_where_non
     text = render(status(central=True))
     head = text.split("ROUNDS")[1].splitlines()[1].split()
     assert head[5:12] == ["accuracy", "loss", "train", "loss", "site", "acc", "sites"]
-    rows = {line.split()[1]: line.split() for line in text.split("ROUNDS")[1].splitlines()[3:] if line.strip()}
+    rows = {line.split()[1]: line.split() for line in text.split("ROUNDS")[1].split("WORKERS")[0].splitlines()[3:]
+            if line.strip()}
     assert rows["1"][5:10] == ["0.9000", "0.3000", "0.5000", "0.6000", "2"]
     assert rows["3"][8:10] == ["-", "-"] and rows["4"][8:10] == ["-", "-"]
     sites = site_table(status(central=True)).splitlines()
