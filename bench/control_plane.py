@@ -177,6 +177,7 @@ def run_ours(count: int, rounds: int, url: str | None, timeout_s: float) -> dict
             "name": f"cp{count}", "category": CATEGORY, "seed": 1, "model": MODEL,
             "training": {"rounds": rounds, "local_epochs": 1, "batch_size": 32, "lr": 0.1},
             "schedule": {"min_workers": count, "wait_for_workers_s": timeout_s, "round_timeout_s": timeout_s},
+            "evaluation": {"every": 0},  # the round's control plane only: the stubs score nothing (as Flower's)
         })
         job_id = coordinator.submit(job)
         status = coordinator.wait(job_id, timeout=timeout_s)

@@ -249,6 +249,7 @@ class WorkerConfig:
     # statistics_epsilon: the Gaussian mechanism on per-feature sums and sums of squares (data.standardize:
     # federated), at this ε and the δ of the site's DP policy (1e-5 when its DP is off).
     statistics_epsilon: float = 1.0
+    evaluation: str = "allow"          # allow | deny: score jobs' global models on this site's held-out split
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
     metrics_addr: str = "0.0.0.0"     # the exporter's bind address: 0.0.0.0 for a container scraped from
                                        # outside; 127.0.0.1 on a shared host (no /metrics for the network)

@@ -178,16 +178,22 @@ class ScheduleConfig(_Section):
 
 @dataclass(frozen=True)
 class EvaluationConfig(_Section):
-    """The coordinator's held-out test split. Checked at submission (with the model: `cross_section_problems`),
-    so a job that could never be evaluated is refused before any worker spends ε on it."""
+    """The coordinator's held-out test split (checked with the model at submission: `cross_section_problems`)
+    and federated evaluation: every `every`-th round (async: version) the sites score the global model on their
+    own held-out splits (docs/evaluation.md); `patience` > 0 ends a job whose score stops improving."""
 
     dataset: str = ""               # "" = the coordinator holds no evaluation set
     test_fraction: float = 0.2
     split_seed: int = 0
+    every: int = 1                  # federated evaluation after every k-th round (and the last); 0 = none
+    sites: str = "participants"     # the round's selected sites, or every active site of the category
+    patience: int = 0               # evaluated rounds without a better score before the job ends; 0 = never
 
     SECTION: ClassVar[str] = "evaluation"
-    LIMITS: ClassVar[Mapping[str, tuple[float, float]]] = {"test_fraction": (0.01, 0.9), "split_seed": (0, 2**32 - 1)}
-    CHOICES: ClassVar[Mapping[str, tuple[str, ...]]] = {"dataset": ("", *EVALUATION_SETS)}
+    LIMITS: ClassVar[Mapping[str, tuple[float, float]]] = {"test_fraction": (0.01, 0.9), "split_seed": (0, 2**32 - 1),
+                                                           "every": (0, MAX_ROUNDS), "patience": (0, MAX_ROUNDS)}
+    CHOICES: ClassVar[Mapping[str, tuple[str, ...]]] = {"dataset": ("", *EVALUATION_SETS),
+                                                        "sites": ("participants", "category")}
 
 
 @dataclass(frozen=True)

@@ -442,7 +442,8 @@ def collect_results(status: pb.StatusReply, job_id: str, options: DemoOptions, b
         rounds.append({"round": r.round, "clients": r.aggregated, "mean_train_loss": round(r.mean_train_loss, 4),
                        "accuracy": round(r.accuracy, 4), "loss": round(r.loss, 4), "epsilon": epsilon,
                        "seconds": round(r.seconds, 2), "model_version": r.model_version,
-                       "mean_staleness": round(r.mean_staleness, 2)})
+                       "mean_staleness": round(r.mean_staleness, 2),  # and the sites' own score, if they gave one
+                       "site_accuracy": round(r.federated_accuracy, 4) if r.federated_samples else None})
     refusals = [{"round": p.round, "worker": p.worker_id, "status": p.status, "reason": p.reason}
                 for p in status.participants if p.status in ("refused", "failed", "missed")]
     return {
@@ -468,12 +469,13 @@ def print_table(results: dict[str, Any]) -> None:
     """The per-round (or per-version) table and the summary line under it."""
     workers = sorted({w for r in results["rounds"] for w in r["epsilon"]})
     versions = results.get("unit") == "version"  # async: a row per global version, with its staleness
+    sites = any(r.get("site_accuracy") is not None for r in results["rounds"])  # federated evaluation's column
     head = ["version" if versions else "round", "clients", *(["staleness"] if versions else []), "train loss",
-            "test acc", *[f"ε {w}" for w in workers], "seconds"]
+            "test acc", *(["site acc"] if sites else []), *[f"ε {w}" for w in workers], "seconds"]
     rows = [[str(r["model_version"] if versions else r["round"]), str(r["clients"]),
              *([f"{r['mean_staleness']:.2f}"] if versions else []), f"{r['mean_train_loss']:.4f}",
-             f"{r['accuracy']:.4f}", *[f"{r['epsilon'][w]:.3f}" if w in r["epsilon"] else "—" for w in workers],
-             f"{r['seconds']:.1f}"]
+             f"{r['accuracy']:.4f}", *([_score(r.get("site_accuracy"))] if sites else []),
+             *[f"{r['epsilon'][w]:.3f}" if w in r["epsilon"] else "—" for w in workers], f"{r['seconds']:.1f}"]
             for r in results["rounds"]]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     line = "  ".join(h.rjust(w) for h, w in zip(head, widths))
@@ -489,6 +491,10 @@ def print_table(results: dict[str, Any]) -> None:
           f"{s['centralized_accuracy']:.4f}  |  bus {s['broker']}  |  {s['seconds']:.0f}s")
     for r in results["refusals"]:
         print(f"{results.get('unit', 'round')} {r['round']}: {r['worker']} {r['status']}: {r['reason']}")
+
+
+def _score(value: float | None) -> str:
+    return f"{value:.4f}" if value is not None else "—"
 
 
 def plot(results: dict[str, Any], path: Path, *, title: str | None = None) -> None:

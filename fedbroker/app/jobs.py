@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import safetensors.numpy
 
+from fedbroker.app.evaluation_view import best, site_table
 from fedbroker.app.model_readme import input_section
 from fedbroker.app.status import one_line, render, table
 from fedbroker.errors import ConfigError
@@ -108,6 +110,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         doc["rounds"] = [as_dict(r) for r in status.rounds]
         doc["participants"] = [as_dict(p) for p in status.participants]
         doc["sharing"] = [as_dict(e) for e in shared]  # what its sites shared before round 1
+        doc["evaluations"] = [as_dict(e) for e in status.evaluations]
         print(json.dumps(doc, indent=2))
         return 0
     facts = [("job", job.job_id), ("name", job.name), ("status", job.status), ("category", job.category),
@@ -124,6 +127,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     print("\n".join(f"{k.ljust(width)}  {v}" for k, v in facts))
     print()
     print(render(status, workers=False, waiting=False))
+    if status.evaluations:
+        print()
+        print("EVALUATIONS (each site's score on its own held-out split)")
+        print(site_table(status))
     print()
     print("WORKERS (this job)")
     print(job_workers(status))
@@ -262,14 +269,18 @@ def cmd_download(args: argparse.Namespace) -> int:
         raise ConfigError("--out", f"{out} is a file; give a folder (it is created if missing)")
     c = client(args)
     try:
-        header, tensors = c.download(args.job_id, args.round or 0)
+        chosen = best(c.status(args.job_id), args.job_id) if args.best else None
+        header, tensors = c.download(args.job_id, chosen[0] if chosen else args.round or 0)
         (job,) = c.status(args.job_id).jobs
     finally:
         c.close()
     files = write_model(Path(args.out), header, tensors, job.spec_json)
+    if chosen:
+        print(f"round {chosen[0]} is the best by {chosen[2]} accuracy ({chosen[1]:.4f})", file=sys.stderr)
     if args.json:
         print(json.dumps({"job_id": header.job_id, "round": header.round, "model_version": header.version,
-                          "files": files}, indent=2))
+                          "files": files, **({"best_by": chosen[2], "accuracy": chosen[1]} if chosen else {})},
+                         indent=2))
     else:
         print(f"round {header.round} of {header.job_id} (version {header.version}) written to {args.out}: "
               f"{MODEL_FILE}, {SPEC_FILE}, {JOB_FILE}, {README_FILE}")
@@ -310,6 +321,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     logs = verb("logs", cmd_logs, "the job's events (round opened, uploads, refusals, closes, the end)")
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing events until the job ends")
     download = verb("download", cmd_download, "a round's (default: the last) global model, as safetensors")
-    download.add_argument("--round", type=round_number, default=0, help="the round (default: the last closed one)")
+    which = download.add_mutually_exclusive_group()
+    which.add_argument("--round", type=round_number, default=0, help="the round (default: the last closed one)")
+    which.add_argument("--best", action="store_true", help="the round with the best federated accuracy (the sites' "
+                                                           "scores), else the best on the job's evaluation set")
     download.add_argument("--out", required=True, help="folder to write the model, its spec and a README into")
 

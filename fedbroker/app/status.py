@@ -44,6 +44,14 @@ def scores(r: Any, evaluated: set[str]) -> list[str]:
             f"{r.mean_train_loss:.4f}" if closed else DASH]
 
 
+def site_scores(r: Any) -> list[str]:
+    """A round's federated accuracy (the sites' scores on their held-out splits, weighted by count) and how many
+    sites it holds; dashes while no site has scored it."""
+    if not r.federated_samples:
+        return [DASH, DASH]
+    return [f"{r.federated_accuracy:.4f}", str(r.evaluated_sites)]
+
+
 def render(status: Any, *, workers: bool = True, waiting: bool = True) -> str:
     """`fedbroker status`'s tables; `workers=False` leaves out the registry's workers (`jobs show` has its own),
     `waiting=False` why jobs wait (likewise)."""
@@ -55,15 +63,17 @@ def render(status: Any, *, workers: bool = True, waiting: bool = True) -> str:
     if waiting and any(j.waiting for j in status.jobs):
         parts += ["", "WAITING", table(["job", "why"], [[j.job_id, j.waiting] for j in status.jobs if j.waiting])]
     parts += ["", "ROUNDS", table(
-        ["job", "round", "status", "uploaded", "aggregated", "accuracy", "loss", "train loss", "seconds"],
+        ["job", "round", "status", "uploaded", "aggregated", "accuracy", "loss", "train loss", "site acc", "sites",
+         "seconds"],
         [[r.job_id, r.round, r.status, f"{r.uploaded}/{r.participants}", r.aggregated, *scores(r, evaluated),
-          f"{r.seconds:.1f}"]
+          *site_scores(r), f"{r.seconds:.1f}"]
          for r in status.rounds if r.job_id not in asynchronous])]
     if asynchronous:  # asynchronous jobs have no rounds: a row per global version its buffer published
         parts += ["", "VERSIONS (asynchronous jobs)", table(
-            ["job", "version", "workers", "mean staleness", "accuracy", "loss", "train loss", "seconds"],
+            ["job", "version", "workers", "mean staleness", "accuracy", "loss", "train loss", "site acc", "sites",
+             "seconds"],
             [[r.job_id, r.model_version, r.aggregated, f"{r.mean_staleness:.2f}", *scores(r, evaluated),
-              f"{r.seconds:.1f}"]
+              *site_scores(r), f"{r.seconds:.1f}"]
              for r in status.rounds if r.job_id in asynchronous])]
     parts += [] if not workers else ["", "WORKERS", table(
         ["worker", "device", "active", "ε spent", "ε budget", "last seen"],

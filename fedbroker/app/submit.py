@@ -28,15 +28,6 @@ class JobDidNotComplete(FedbrokerError):
     reason = "job_failed"
 
 
-def local_warnings(job: JobSpec) -> list[str]:
-    """What the submitter should know about an acceptable job before it runs."""
-    out = []
-    if not job.evaluation.dataset:
-        out.append("evaluation.dataset is empty: the coordinator scores no round (accuracy and test loss show '-'); "
-                   "`fedbroker simulate` scores the job on data of your own")
-    return out
-
-
 def service_warnings(c: Any, job: JobSpec, job_id: str) -> list[str]:
     """What the coordinator's view says right after the submission: no active worker, or why the job waits.
     A caller that may not read the status gets no such warnings (the job was accepted all the same)."""
@@ -68,7 +59,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     try:
         reply = c.submit_job(text)
         job_id = reply.job_id
-        warnings = [*reply.warnings, *local_warnings(job), *service_warnings(c, job, job_id)]
+        warnings = [*reply.warnings, *service_warnings(c, job, job_id)]
         if args.json:
             print(json.dumps({"job_id": job_id, "warnings": warnings}), flush=True)
         else:

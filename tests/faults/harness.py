@@ -307,9 +307,13 @@ class HoldsNth(WorkerAgent):
         from fedbroker import envelope
 
         cls = type(self)
+        try:  # round tasks only: an evaluation task (federated evaluation) is not one of the tasks counted
+            task = envelope.decode(delivery.body, expect=("round_task",)).round_task.round
+        except envelope.MalformedMessage:
+            super().on_task(delivery)
+            return
         cls.received += 1
         if cls.received == self.n and not self.release.is_set():
-            task = envelope.decode(delivery.body, expect=("round_task",)).round_task.round
             self.holding[self.config.id] = task
             self.release.wait(120)
         super().on_task(delivery)

@@ -100,7 +100,9 @@ class Recorder(WorkerAgent):
     deliveries: list[tuple[int, int]]
 
     def on_task(self, delivery: Any) -> None:
-        self.deliveries.append((envelope.decode(delivery.body, expect=("round_task",)).round_task.round, delivery.attempts))
+        env = envelope.decode(delivery.body, expect=("round_task", "evaluation_task"))
+        if env.HasField("round_task"):  # round tasks only (not federated evaluation's)
+            self.deliveries.append((env.round_task.round, delivery.attempts))
         super().on_task(delivery)
 
 

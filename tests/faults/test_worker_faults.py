@@ -140,8 +140,9 @@ class CutAfterUpload(WorkerAgent):
     deliveries: list[tuple[int, int, bool]]
 
     def on_task(self, delivery: Any) -> None:
-        task = envelope.decode(delivery.body, expect=("round_task",)).round_task
-        self.deliveries.append((task.round, delivery.attempts, delivery.redelivered))
+        env = envelope.decode(delivery.body, expect=("round_task", "evaluation_task"))
+        if env.HasField("round_task"):  # round tasks only (not federated evaluation's)
+            self.deliveries.append((env.round_task.round, delivery.attempts, delivery.redelivered))
         super().on_task(delivery)
 
     def run_task(self, task: pb.RoundTask) -> pb.UploadReceipt | None:

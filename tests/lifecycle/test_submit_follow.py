@@ -47,7 +47,7 @@ def test_submit_json_follow_streams_the_events_and_exits_0_when_the_job_complete
 def test_submit_wait_exits_1_with_the_jobs_error_and_warns_what_it_can_see(served, capsys):
     served.worker("w0")  # active, but of another category than the job's
     until(lambda: served.fed.store.workers("digits"), what="w0 registered")
-    job = {k: v for k, v in JOB.items() if k != "evaluation"}
+    job = {**JOB, "evaluation": {"every": 0}}  # own data, nothing to score it: the coordinator warns
     job.update(name="lonely", category="nobody", schedule={**JOB["schedule"], "wait_for_workers_s": 1})
     code = main(["submit", job_file(served, job), "--wait", "--config", served.config("alice")])
     out, err = capsys.readouterr()
@@ -55,7 +55,8 @@ def test_submit_wait_exits_1_with_the_jobs_error_and_warns_what_it_can_see(serve
     job_id = out.splitlines()[0]  # the id first, alone on its line: JOB=$(fedbroker submit ...) still works
     assert served.fed.store.job(job_id).status == "failed"
     assert out.splitlines()[1] == f"job {job_id} failed (0/2)"
-    assert "fedbroker submit: warning: evaluation.dataset is empty" in err
+    assert "fedbroker submit: warning: evaluation.every is 0 and the job names no evaluation.dataset" in err
+    assert "fedbroker submit: warning: no registered worker serves category 'nobody'" in err
     (error,) = [line for line in err.splitlines() if not line.startswith("fedbroker submit: warning:")]
     assert error.startswith(f"fedbroker submit: job: job {job_id} failed after 0/2: only 0 active worker(s) of "
                             f"category 'nobody'")

@@ -41,8 +41,10 @@ class TakesTasks(WorkerAgent):
         self._tasks_lock = threading.Lock()
 
     def on_task(self, delivery: Any) -> None:
-        with self._tasks_lock:
-            self.tasks.append(envelope.decode(delivery.body, expect=("round_task",)).round_task)
+        env = envelope.decode(delivery.body, expect=("round_task", "evaluation_task"))
+        if env.HasField("round_task"):  # round tasks only (not federated evaluation's)
+            with self._tasks_lock:
+                self.tasks.append(env.round_task)
         delivery.ack()
 
 

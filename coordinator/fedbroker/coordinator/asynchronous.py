@@ -5,7 +5,8 @@ names their base version (always the newest: `IssueTasks`), folds each accepted 
 and publishes a version every `buffer_size` updates. The coordinator watches the service
 (`BufferStatus`): a worker whose update was accepted gets its next task at once, each new version is
 downloaded, checkpointed, evaluated and recorded as one row of the job's table (row k = version k + 1,
-so `fedbroker status` and a resumed coordinator count versions where a synchronous job counts rounds).
+so `fedbroker status` and a resumed coordinator count versions where a synchronous job counts rounds), and
+every `evaluation.every` rows the sites that made it are asked to score it (federated.py).
 The job ends after `training.rounds` versions or `schedule.time_budget_s` of wall-clock time.
 
 Each task carries its worker's registered sample count to the service (`IssueTasks`), so a worker that
@@ -34,7 +35,7 @@ import grpc
 import numpy as np
 
 from fedbroker import envelope
-from fedbroker.coordinator import metrics
+from fedbroker.coordinator import federated, metrics
 from fedbroker.coordinator.checkpoints import load_checkpoint, save_checkpoint
 from fedbroker.coordinator.job_context import JobContext
 from fedbroker.coordinator.job_run import JobFailed, Run, Stopped
@@ -90,7 +91,7 @@ class AsyncJob:
                     raise Stopped
                 status = self._status()
                 self._record_versions(status)
-                if self._done(started):
+                if self._done(started) or federated.stopped_early(ctx, self.run):  # evaluation.patience
                     self._call("close the buffer", lambda: ctx.aggregator.close_buffer(job_id))
                     break
                 self._settle(status)
@@ -101,6 +102,7 @@ class AsyncJob:
                 if ctx.stop.is_set():
                     raise Stopped
                 ctx.halt_if_cancelled()  # the buffer is closed, never folded into a version (cancellation.py)
+            federated.await_last(ctx, self.run)  # the final federated score is in before the job completes
         finally:
             metrics.ASYNC_RUNNING.labels(job_id).set(0)
 
@@ -266,6 +268,8 @@ class AsyncJob:
         log.info("version %d of %s (%d of %d): %d update(s), mean staleness %.2f, accuracy %s", row.version, job_id,
                  number, self.job.training.rounds, len(row.updates), stats["mean_staleness"],
                  f"{accuracy:.4f}" if accuracy is not None else "n/a")
+        if tensors is not None:  # every evaluation.every versions the sites score it (a version gone: nothing to score)
+            federated.after_round(self.ctx, self.run, number, row.version, sorted(last))
 
     def _download(self, number: int, version: int) -> tuple[str, str, dict[str, np.ndarray] | None]:
         """(checkpoint path, model spec JSON, tensors) of a published version; ("", the spec we are at, None)

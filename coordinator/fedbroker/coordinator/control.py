@@ -1,6 +1,6 @@
-"""What the coordinator accepts on its control queue: registrations, heartbeats, task outcomes and share
-replies, checked before any of them reaches the store (a share reply is checked again against what its job
-asked: coordinator/sharing.py).
+"""What the coordinator accepts on its control queue: registrations, heartbeats, task outcomes, share replies
+and evaluation reports, checked before any of them reaches the store (a share reply is checked again against
+what its job asked: coordinator/sharing.py; an evaluation report against the task it answers: federated.py).
 
 Anyone with the broker's credentials can publish there, so a message is input like a job: a worker id must
 be a name the bus can route to (a stored id it cannot route would fail the job that selects it), and every
@@ -41,7 +41,8 @@ _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")     # a job's name, '-
 
 # The rejection reasons of the control queue's messages (metric label values).
 INVALID_REASONS = {"registration": "invalid_registration", "heartbeat": "invalid_heartbeat",
-                   "task_outcome": "invalid_task_outcome", "share_reply": "invalid_share_reply"}
+                   "task_outcome": "invalid_task_outcome", "share_reply": "invalid_share_reply",
+                   "evaluation_report": "invalid_evaluation_report"}
 # ... and those of a message whose sender may not speak for its worker id (SenderBinding).
 SENDER_REASONS = ("unidentified_sender", "foreign_sender")
 
@@ -114,6 +115,8 @@ def check_control(env: pb.Envelope) -> None:
         problems = _outcome_problems(env.task_outcome)
     elif kind == "share_reply":
         problems = _share_reply_problems(env.share_reply)
+    elif kind == "evaluation_report":
+        problems = _evaluation_problems(env.evaluation_report)
     else:
         return
     if problems:
@@ -227,4 +230,22 @@ def _share_reply_problems(r: pb.ShareReply) -> list[str]:
         out.append(f"count: must lie in [0, {MAX_SAMPLES}], got {r.count}")
     elif bool(r.count) != bool(r.feature_sum):
         out.append(f"count: is {r.count} with {len(r.feature_sum)} feature sums (statistics hold both, or neither)")
+    return out
+
+
+def _evaluation_problems(r: pb.EvaluationReport) -> list[str]:
+    """A score is a weighted vote in the round's federated accuracy: finite, in range, and a count that could
+    be a held-out split (its bound against the worker's registration: coordinator/federated.py)."""
+    out = _worker_id_problems(r.worker_id)
+    if not _JOB_ID.fullmatch(r.job_id):
+        out.append(f"job_id: not a job id, got {r.job_id[:140]!r}")
+    if r.round < 1 or r.model_version < 1:
+        out.append(f"round and model_version: must be >= 1, got {r.round} and {r.model_version}")
+    if not r.refused:
+        if not (math.isfinite(r.loss) and r.loss >= 0):
+            out.append(f"loss: must be a finite number >= 0, got {r.loss!r}")
+        if not 0.0 <= r.accuracy <= 1.0:  # NaN fails too
+            out.append(f"accuracy: must lie in [0, 1], got {r.accuracy!r}")
+        if not 1 <= r.num_samples <= MAX_SAMPLES:
+            out.append(f"num_samples: must lie in [1, {MAX_SAMPLES}], got {r.num_samples}")
     return out

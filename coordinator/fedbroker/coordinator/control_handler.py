@@ -2,7 +2,8 @@
 their sender may speak for their worker (`control.SenderBinding`): a registration declares the worker's task
 queue and records it, a heartbeat refreshes it and its budget, a task outcome is recorded against its round (or
 against its asynchronous job) and wakes the job's loop, a share reply is recorded against its job's share
-phase once it holds what the job asked (sharing.receive_reply; else it is refused like an invalid message).
+phase once it holds what the job asked (sharing.receive_reply; else it is refused like an invalid message), an
+evaluation report against the task it answers (coordinator/federated.py).
 
 The ε a message claims is checked against what the worker can have spent (participants.EpsilonBounds): a claim
 above it is refused, counted (`fedbroker_coordinator_epsilon_jumps_refused_total{message}`) and never stored; the
@@ -27,6 +28,7 @@ from fedbroker.coordinator.control import (
     check_control,
 )
 from fedbroker.coordinator.events import JobWatcher
+from fedbroker.coordinator.federated import accept_report
 from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, budget_from_heartbeat
 from fedbroker.coordinator.records import ParticipantStatus, WorkerState
 from fedbroker.coordinator.sharing import receive_reply
@@ -59,7 +61,8 @@ class ControlHandler:
         """Handle one message and ack it; one that cannot be decoded or checked, or whose sender may not speak
         for its worker, is dead-lettered with a reason, never stored."""
         try:
-            env = envelope.decode(delivery.body, expect=("registration", "heartbeat", "task_outcome", "share_reply"))
+            env = envelope.decode(delivery.body, expect=("registration", "heartbeat", "task_outcome", "share_reply",
+                                                         "evaluation_report"))
             check_control(env)  # never stored, never selected: a job never meets a worker id it cannot route
             self.senders.check(env, delivery.sender)
             if env.WhichOneof("message") == "share_reply":  # a late, unasked or mismatched one is refused here
@@ -76,6 +79,8 @@ class ControlHandler:
             self._register(env.registration, delivery.published_at)
         elif kind == "heartbeat":
             self._heartbeat(env.heartbeat, delivery.published_at)
+        elif kind == "evaluation_report":  # a site's score of a global model: coordinator/federated.py
+            accept_report(self.store, env.evaluation_report)
         else:
             self._outcome(env.task_outcome)
         delivery.ack()

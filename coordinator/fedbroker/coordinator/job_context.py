@@ -117,12 +117,13 @@ class JobContext:
             total[: len(h)] += h
         return [float(p) for p in total / total.sum()] if total.sum() > 0 else []
 
-    def publish_tasks(self, tasks: list[tuple[str, bytes]], deadline: float) -> set[str]:
+    def publish_tasks(self, tasks: list[tuple[str, bytes]], deadline: float, *, evaluation: bool = False) -> set[str]:
         """Persistent tasks with one wait for the broker (`Bus.publish_tasks`); through a broker outage the
         whole batch is retried until `deadline` (a worker that gets a task twice acks the copy once its update
         is in). A task that cannot be sent by then, or that is unroutable (no queue for the worker: no retry
         makes one), makes its worker a straggler at once; the round's quorum rules decide. Returns the worker
-        ids whose task went out."""
+        ids whose task went out. `evaluation`: federated evaluation tasks (coordinator/federated.py), counted
+        apart from round tasks."""
         if not tasks:
             return set()
         if self.epsilon_bounds is not None:  # first: a worker's report of what a task cost is never ahead of it
@@ -153,5 +154,5 @@ class JobContext:
         for worker_id in unroutable:
             log.error("task for %s is unroutable (no queue for it): it is a straggler", worker_id)
         sent = {worker_id for worker_id, _ in tasks} - set(unroutable)
-        metrics.TASKS_PUBLISHED.inc(len(sent))
+        (metrics.EVALUATION_TASKS_PUBLISHED if evaluation else metrics.TASKS_PUBLISHED).inc(len(sent))
         return sent

@@ -83,6 +83,30 @@ MODEL_ACCURACY = Gauge(
 MODEL_LOSS = Gauge(
     "fedbroker_coordinator_model_loss", "Mean loss of the job's latest global model on its evaluation set.",
     ["job_id"])
+# Federated evaluation (coordinator/federated.py): the sites' scores of the global model on their held-out splits.
+FEDERATED_ACCURACY = Gauge(
+    "fedbroker_coordinator_federated_accuracy",
+    "Accuracy (0-1) of the job's latest site-evaluated global model on the sites' held-out splits, their scores "
+    "weighted by their counts (federated evaluation; as reports arrive).", ["job_id"])
+FEDERATED_LOSS = Gauge(
+    "fedbroker_coordinator_federated_loss",
+    "Mean loss of the job's latest site-evaluated global model on the sites' held-out splits (weighted by count).",
+    ["job_id"])
+FEDERATED_SITES = Gauge(
+    "fedbroker_coordinator_federated_evaluated_sites",
+    "Sites whose score is in the job's latest federated accuracy.", ["job_id"])
+EVALUATION_TASKS_PUBLISHED = Counter(
+    "fedbroker_coordinator_evaluation_tasks_published_total", "Federated evaluation tasks published to sites.")
+EVALUATION_REPORTS = Counter(
+    "fedbroker_coordinator_evaluation_reports_total",
+    "Sites' evaluation reports recorded, per site and status (evaluated: a score; refused: the site's policy or "
+    "a problem it reported).", ["worker_id", "status"])
+EVALUATION_REPORTS_REFUSED = Counter(
+    "fedbroker_coordinator_evaluation_reports_refused_total",
+    "Evaluation reports not recorded, by reason: not_asked (no such task was sent to that worker: forged or "
+    "misrouted), wrong_version, late (after the round's evaluation deadline), conflict (a second, different report "
+    "for one task), implausible_count (more held-out samples than the worker's registration allows).", ["reason"])
+EVALUATION_REFUSAL_REASONS = ("not_asked", "wrong_version", "late", "conflict", "implausible_count")
 
 # Counters labelled by job, given a 0 series when a job starts (or resumes) in this process.
 # Asynchronous mode (schedule.mode async): versions instead of rounds.
@@ -122,6 +146,8 @@ def _initialise_fixed_labels() -> None:
         JOBS_REJECTED.labels(reason)
     for reason in CONTROL_REJECTION_REASONS:
         CONTROL_REJECTED.labels(reason)
+    for reason in EVALUATION_REFUSAL_REASONS:
+        EVALUATION_REPORTS_REFUSED.labels(reason)
 
 
 _initialise_fixed_labels()

@@ -40,6 +40,7 @@ from fedbroker.coordinator.store import StateStore, StateUnavailable
 from fedbroker.coordinator.sync_rounds import SyncRounds
 from fedbroker.coordinator.waiting import WaitingReasons
 from fedbroker.errors import ConfigError, ConfigErrors, Conflict, NotFound
+from fedbroker.federated_evaluation import submission_warnings
 from fedbroker.metrics import BUSES
 from fedbroker.retry import retry_call
 from fedbroker.spec import JobSpec, ModelSpec, job_from_json
@@ -221,11 +222,11 @@ class Coordinator:
 
     def submit_job(self, job: JobSpec, *, submitter: str = "") -> Submitted:
         """Check, record and start a job; its id and warnings (each also an event of the job, and logged)."""
-        warnings = self.check_job(job)
+        warnings = [*self.check_job(job), *submission_warnings(job)]
         job_id = f"{job.name[:40]}-{secrets.token_hex(4)}"
         self.store.add_job(job_id, job.name, job.to_json(), job.training.rounds, job.model.to_json(),
                            submitter=submitter)
-        for warning in warnings:
+        for warning in warnings:  # accepted, but the submitter should know (`jobs logs`)
             log.info("job %s accepted with a warning: %s", job_id, warning)
             try:
                 self.store.note_event(job_id, "warning", warning)

@@ -33,6 +33,7 @@ from fedbroker.auth import (
 )
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.checkpoints import load_checkpoint
+from fedbroker.coordinator.federated import fill_status
 from fedbroker.coordinator.records import FINISHED, JobRecord, RoundRecord, RoundStatus
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.site_record import site_record_reply, who_may_read
@@ -211,6 +212,7 @@ def status_reply(coordinator: Coordinator, job_id: str = "") -> pb.StatusReply:
                              loss=r.loss or 0.0, seconds=r.seconds or 0.0, mean_train_loss=r.mean_train_loss or 0.0,
                              model_version=r.model_version or 0,
                              mean_staleness=float(r.stats.get("mean_staleness", 0.0)))
+        fill_status(store, j.job_id, reply)  # the sites' scores: federated_* of its rounds, and its evaluations
         for p in store.participants(j.job_id):
             reply.participants.add(job_id=p.job_id, round=p.round, worker_id=p.worker_id, status=p.status,
                                    reason=p.reason, epsilon=p.epsilon or 0.0, train_loss=p.train_loss or 0.0,

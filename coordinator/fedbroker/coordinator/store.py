@@ -45,6 +45,7 @@ from fedbroker.coordinator.records import (
 )
 from fedbroker.coordinator.state_dir import StateDirLock, owner_only
 from fedbroker.coordinator.store_epsilon import EpsilonTables
+from fedbroker.coordinator.store_evaluation import EvaluationTables, create_evaluation_tables
 from fedbroker.coordinator.store_notes import JobNotes
 from fedbroker.coordinator.store_shares import ShareTables
 from fedbroker.errors import Unavailable
@@ -106,10 +107,11 @@ CREATE TABLE IF NOT EXISTS participants (
 """
 
 
-class StateStore(EpsilonTables, JobNotes, ShareTables):
+class StateStore(EpsilonTables, JobNotes, ShareTables, EvaluationTables):
     """The coordinator's one SQLite file; `busy_timeout_s`: how long a write waits for a lock another
     connection holds before it fails. Its ε bounds and corrections: store_epsilon.py; events of their own:
-    store_notes.py; what sites shared with a job before round 1: store_shares.py."""
+    store_notes.py; what sites shared with a job before round 1: store_shares.py; federated evaluation:
+    store_evaluation.py."""
 
     def __init__(self, path: str, *, busy_timeout_s: float = 5.0, lock: StateDirLock | None = None) -> None:
         self.path = path
@@ -153,6 +155,7 @@ class StateStore(EpsilonTables, JobNotes, ShareTables):
         for statement in SCHEMA.split(";"):
             if statement.strip():
                 db.execute(statement)
+        create_evaluation_tables(db)
         columns = {r["name"] for r in db.execute("PRAGMA table_info(rounds)").fetchall()}
         if "deadline" not in columns:  # a state file written before rounds kept their deadline
             db.execute("ALTER TABLE rounds ADD COLUMN deadline REAL")

@@ -1,5 +1,5 @@
 """The synchronous round loop: select → open at the aggregator → publish tasks → wait for quorum or deadline
-→ close → checkpoint, evaluate, record.
+→ close → checkpoint, evaluate, record → ask the sites to score it (federated.py; the next round does not wait).
 
 Faults (deploy/RELIABILITY.md): a round is recorded in the store before it is opened anywhere, so a
 restarted coordinator resumes the open round with the same participants and deadline instead of starting
@@ -20,7 +20,7 @@ from typing import TypeVar
 import grpc
 
 from fedbroker import envelope
-from fedbroker.coordinator import metrics
+from fedbroker.coordinator import federated, metrics
 from fedbroker.coordinator.checkpoints import save_checkpoint
 from fedbroker.coordinator.job_context import JobContext
 from fedbroker.coordinator.job_run import JobFailed, OpenRound, Run, Stopped
@@ -56,6 +56,8 @@ class SyncRounds:
             if self.ctx.stop.is_set():
                 raise Stopped
             self.ctx.halt_if_cancelled()
+            if round_number > 1 and federated.stopped_early(self.ctx, run):  # evaluation.patience
+                break
             try:
                 self._round(round_number)
             except Stopped:
@@ -64,6 +66,7 @@ class SyncRounds:
                 metrics.ROUNDS_FAILED.labels(job_id).inc()
                 metrics.ROUND_OPEN.labels(job_id).set(0)
                 raise
+        federated.await_last(self.ctx, run)  # the final federated score is in before the job completes
 
     # ----- one round -----
 
@@ -304,6 +307,7 @@ class SyncRounds:
             log.warning("RoundCompleted event of round %d of %s not published: %s", round_number, job_id, exc)
         log.info("round %d of %s closed: %d aggregated, accuracy %s, %.1fs", round_number, job_id,
                  len(reply.aggregated), f"{accuracy:.4f}" if accuracy is not None else "n/a", seconds)
+        federated.after_round(self.ctx, run, round_number, new_version, rnd.participants)  # the sites score it
 
     # ----- the aggregation service's outages -----
 

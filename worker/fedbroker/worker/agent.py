@@ -48,6 +48,7 @@ from fedbroker.retry import Backoff
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import ModelSpec, TrainingConfig, parse_model, training_from_json
 from fedbroker.worker import metrics
+from fedbroker.worker.evaluation import SiteEvaluation
 from fedbroker.worker.ledger import PrivacyLedger, below
 from fedbroker.worker.partition import partition
 from fedbroker.worker.sharing import Sharing
@@ -93,7 +94,7 @@ class WorkerAgent:
         if isinstance(config.physical_batch_size, bool) or config.physical_batch_size < 0:
             raise ConfigError("worker.physical_batch_size",
                               f"must be a whole number >= 0 (0: the whole batch), got {config.physical_batch_size!r}")
-        train, _ = train_test_split(data, test_fraction=config.test_fraction, seed=config.split_seed)
+        train, test = train_test_split(data, test_fraction=config.test_fraction, seed=config.split_seed)
         p = config.partition
         shards = partition(train.y, scheme=p.scheme, num_clients=p.num_clients, seed=p.seed, alpha=p.alpha,
                            classes_per_client=p.classes_per_client)
@@ -119,6 +120,8 @@ class WorkerAgent:
         # heartbeats can say what each job's next round would cost; `_costs` caches the projections.
         self._job_configs: collections.OrderedDict[str, TrainingConfig] = collections.OrderedDict()
         self._costs: dict[tuple[str, tuple[tuple[float, float, int], ...], TrainingConfig], float] = {}
+        self.evaluation = SiteEvaluation(config, bus=bus, ledger=self.ledger, test=test, device=self.device,
+                                         aggregator=self._aggregator, stopping=self._stop.is_set)
         self.retry_initial_s = 1.0   # backoff before a failed task goes back to the queue
         self.retry_max_s = 30.0
         if not config.coordinator_broker_user:  # a warning where the bus has users to tell apart (RabbitMQ)
@@ -256,7 +259,7 @@ class WorkerAgent:
             delivery.nack(requeue=False)
             return
         try:
-            message = envelope.decode(delivery.body, expect=("round_task", "share_request"))
+            message = envelope.decode(delivery.body, expect=("round_task", "share_request", "evaluation_task"))
         except envelope.MalformedMessage as exc:
             log.error("worker %s dead-letters a malformed task: %s", me, exc)
             metrics.TASKS.labels(me, "malformed").inc()
@@ -264,6 +267,9 @@ class WorkerAgent:
             return
         if message.HasField("share_request"):
             self._answer_share(delivery, message.share_request)
+            return
+        if message.HasField("evaluation_task"):  # scoring a global model: worker/evaluation.py
+            self.evaluation.handle(delivery, message.evaluation_task)
             return
         task = message.round_task
         try:

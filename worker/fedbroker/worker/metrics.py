@@ -84,6 +84,13 @@ def set_privacy(worker_id: str, *, spent: float, budget: float | None) -> None:
 
 # The outcomes `TASKS` counts, each given a 0 series when a worker starts.
 TASK_OUTCOMES = ("uploaded", "already_uploaded", "refused", "failed", "requeued", "malformed", "foreign_sender")
+EVALUATIONS = Counter(
+    "fedbroker_worker_evaluations_total",
+    "Federated evaluation tasks, by outcome: evaluated (scored on the held-out split and reported), refused "
+    "(reported with the reason: the owner's worker.evaluation deny, no held-out data, a model it could not fetch "
+    "or that does not fit), late (past the deadline: acked, not reported), malformed (dead-lettered).",
+    ["worker_id", "outcome"])
+EVALUATION_OUTCOMES = ("evaluated", "refused", "late", "malformed")
 
 
 def worker_started(worker_id: str) -> None:
@@ -96,6 +103,8 @@ def worker_started(worker_id: str) -> None:
         TASKS_REFUSED.labels(worker_id, reason)
     for outcome in SHARE_OUTCOMES:
         SHARE_REQUESTS.labels(worker_id, outcome)
+    for outcome in EVALUATION_OUTCOMES:
+        EVALUATIONS.labels(worker_id, outcome)
     TRAINING_SECONDS.labels(worker_id)
 
 

@@ -1,0 +1,255 @@
+"""The part of the coordinator's state store (`StateStore` mixes it in) that keeps federated evaluation: which
+sites were asked to score which round's global version and until when, and what each reported.
+
+A report is recorded only against a row written when its task was published: an evaluation for a job, round,
+worker or version nobody asked for, or one after its deadline, changes nothing (`EvaluationVerdict`). A round
+is settled once every site asked has answered or its deadline passed (those left are `missed`); its federated
+score (the count-weighted mean, `fedbroker.federated_evaluation.combine`) is then final, and one
+`federated_score` event says so. As in store.py, every write is one transaction and no SQLite row leaves the store.
+"""
+
+from __future__ import annotations
+
+import enum
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fedbroker.federated_evaluation import Combined, SiteScore, combine
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS evaluation_rounds (
+    job_id TEXT NOT NULL, round INTEGER NOT NULL, model_version INTEGER NOT NULL, published REAL NOT NULL,
+    deadline REAL NOT NULL, settled INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (job_id, round)
+);
+CREATE TABLE IF NOT EXISTS evaluations (
+    job_id TEXT NOT NULL, round INTEGER NOT NULL, worker_id TEXT NOT NULL, status TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '', loss REAL, accuracy REAL, num_samples INTEGER, model_version INTEGER NOT NULL,
+    time REAL, PRIMARY KEY (job_id, round, worker_id)
+);
+"""
+
+
+class EvaluationStatus(enum.StrEnum):
+    """A site's part in one round's evaluation: `asked` until it reports (evaluated, refused) or the deadline
+    passes without a report or with its task never delivered (missed)."""
+
+    ASKED = "asked"
+    EVALUATED = "evaluated"
+    REFUSED = "refused"
+    MISSED = "missed"
+
+
+class EvaluationVerdict(enum.StrEnum):
+    """What became of a report: recorded, a copy of one recorded (idempotent), or refused and why."""
+
+    RECORDED = "recorded"
+    DUPLICATE = "duplicate"
+    NOT_ASKED = "not_asked"            # no such job, round or worker among those sent the task
+    WRONG_VERSION = "wrong_version"    # the round was asked about another global version
+    LATE = "late"                      # after the round's evaluation deadline
+    CONFLICT = "conflict"              # a second report for the same task that differs from the first
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluationRecord:
+    """One site's evaluation of one round: its status, and its score once it reported one."""
+
+    job_id: str
+    round: int
+    worker_id: str
+    status: EvaluationStatus
+    reason: str
+    loss: float | None
+    accuracy: float | None
+    num_samples: int | None
+    model_version: int
+    time: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluationRound:
+    """A round whose global version the sites were asked to score: when, until when, and how it stands."""
+
+    job_id: str
+    round: int
+    model_version: int
+    published: float
+    deadline: float
+    settled: bool
+    asked: int
+    answered: int
+    score: Combined | None
+
+
+def create_evaluation_tables(db: sqlite3.Connection) -> None:
+    """In the store's opening transaction (its migration): a state file written before them gets them then."""
+    for statement in SCHEMA.split(";"):
+        if statement.strip():
+            db.execute(statement)
+
+
+class EvaluationTables:
+    """Mixed into `StateStore`: its transactions (`_write`) and reads (`_exec`) over two more tables."""
+
+    if TYPE_CHECKING:
+        def _write(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T: ...
+        def _exec(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]: ...
+
+    def add_event(self, job_id: str, kind: str, *, round_number: int = 0, worker_id: str = "", message: str = "") -> None:
+        """One line of a job's history written on its own (a submission warning, an early stop)."""
+        self._write(f"record a {kind} event of job {job_id!r}", lambda db: _event(
+            db, job_id, kind, round_number=round_number, worker_id=worker_id, message=message))
+
+    def ask_evaluation(self, job_id: str, round_number: int, *, model_version: int, workers: Sequence[str],
+                       deadline: float) -> None:
+        """The sites sent the round's evaluation task (before it is published, so no report can come first). A
+        round asked again (a coordinator that died while publishing) keeps what was reported."""
+        now = time.time()
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("INSERT OR IGNORE INTO evaluation_rounds (job_id, round, model_version, published, deadline)"
+                       " VALUES (?, ?, ?, ?, ?)", (job_id, round_number, model_version, now, deadline))
+            db.executemany("INSERT OR IGNORE INTO evaluations (job_id, round, worker_id, status, model_version)"
+                           " VALUES (?, ?, ?, 'asked', ?)", [(job_id, round_number, w, model_version) for w in workers])
+            _event(db, job_id, "evaluation_asked", round_number=round_number,
+                   message=f"version {model_version} to {len(workers)} site(s): {', '.join(workers)}")
+
+        self._write(f"record the evaluation tasks of round {round_number} of job {job_id!r}", write)
+
+    def evaluation_undelivered(self, job_id: str, round_number: int, workers: Sequence[str]) -> None:
+        """Sites whose task could not be published: missed at once (nothing will come from them)."""
+        if not workers:
+            return
+        self._write(f"record undelivered evaluation tasks of job {job_id!r}", lambda db: db.executemany(
+            "UPDATE evaluations SET status = 'missed', reason = 'its evaluation task could not be published', time = ?"
+            " WHERE job_id = ? AND round = ? AND worker_id = ? AND status = 'asked'",
+            [(time.time(), job_id, round_number, w) for w in workers]))
+
+    def record_evaluation(self, job_id: str, round_number: int, worker_id: str, *, model_version: int,
+                          refused: bool, reason: str, accuracy: float, loss: float, num_samples: int) -> EvaluationVerdict:
+        """A site's report, if it answers a task this coordinator published and is in time; settles the round
+        when it was the last one outstanding."""
+        status = EvaluationStatus.REFUSED if refused else EvaluationStatus.EVALUATED
+        score = (None, None, None) if refused else (loss, accuracy, num_samples)
+
+        def write(db: sqlite3.Connection) -> EvaluationVerdict:
+            now = time.time()
+            row = db.execute("SELECT e.status, e.reason, e.loss, e.accuracy, e.num_samples, r.model_version, r.deadline"
+                             " FROM evaluations e JOIN evaluation_rounds r USING (job_id, round) WHERE e.job_id = ? AND"
+                             " e.round = ? AND e.worker_id = ?", (job_id, round_number, worker_id)).fetchone()
+            if row is None:
+                return EvaluationVerdict.NOT_ASKED
+            if row["model_version"] != model_version:
+                return EvaluationVerdict.WRONG_VERSION
+            if row["status"] == EvaluationStatus.MISSED:
+                return EvaluationVerdict.LATE
+            if row["status"] != EvaluationStatus.ASKED:
+                same = (row["status"], row["loss"], row["accuracy"], row["num_samples"]) == (status, *score) and (
+                    not refused or row["reason"] == reason)
+                return EvaluationVerdict.DUPLICATE if same else EvaluationVerdict.CONFLICT
+            if now > row["deadline"]:
+                return EvaluationVerdict.LATE
+            db.execute("UPDATE evaluations SET status = ?, reason = ?, loss = ?, accuracy = ?, num_samples = ?, time = ?"
+                       " WHERE job_id = ? AND round = ? AND worker_id = ?",
+                       (status, reason, *score, now, job_id, round_number, worker_id))
+            _event(db, job_id, "evaluated" if not refused else "evaluation_refused", round_number=round_number,
+                   worker_id=worker_id, message=reason if refused else
+                   f"version {model_version}: accuracy {accuracy:.4f}, loss {loss:.4f} on {num_samples} held-out samples")
+            _settle(db, job_id, round_number, now)
+            return EvaluationVerdict.RECORDED
+
+        return self._write(f"record the evaluation of worker {worker_id!r} in round {round_number} of job {job_id!r}",
+                           write)
+
+    def settle_evaluations(self, job_id: str) -> list[int]:
+        """Settle the job's rounds whose deadline has passed (their outstanding sites `missed`); those settled now."""
+        if not self._exec("SELECT 1 FROM evaluation_rounds WHERE job_id = ? AND settled = 0 AND deadline < ? LIMIT 1",
+                          (job_id, time.time())):
+            return []  # the common case, read without taking the write lock
+
+        def write(db: sqlite3.Connection) -> list[int]:
+            now = time.time()
+            rounds = [int(r["round"]) for r in db.execute(
+                "SELECT round FROM evaluation_rounds WHERE job_id = ? AND settled = 0 AND deadline < ? ORDER BY round",
+                (job_id, now)).fetchall()]
+            return [r for r in rounds if _settle(db, job_id, r, now)]
+
+        return self._write(f"settle the evaluations of job {job_id!r}", write)
+
+    def evaluations(self, job_id: str, round_number: int | None = None) -> list[EvaluationRecord]:
+        """Every site's evaluation of the job's rounds (of one round), by round, then worker id; a site still
+        `asked` after the deadline reads as `missed`."""
+        rows = self._exec("SELECT e.*, r.deadline FROM evaluations e JOIN evaluation_rounds r USING (job_id, round)"
+                          " WHERE e.job_id = ? AND (? IS NULL OR e.round = ?) ORDER BY e.round, e.worker_id",
+                          (job_id, round_number, round_number))
+        now = time.time()
+        out = []
+        for r in rows:
+            status = EvaluationStatus(r["status"])
+            overdue = status == EvaluationStatus.ASKED and now > r["deadline"]
+            out.append(EvaluationRecord(
+                job_id=r["job_id"], round=r["round"], worker_id=r["worker_id"],
+                status=EvaluationStatus.MISSED if overdue else status,
+                reason="no report before the deadline" if overdue else r["reason"], loss=r["loss"],
+                accuracy=r["accuracy"], num_samples=r["num_samples"], model_version=r["model_version"], time=r["time"]))
+        return out
+
+    def evaluation_rounds(self, job_id: str, round_number: int | None = None) -> list[EvaluationRound]:
+        """The job's evaluated rounds (or one), oldest first, each with its federated score so far."""
+        rounds = self._exec("SELECT * FROM evaluation_rounds WHERE job_id = ? AND (? IS NULL OR round = ?)"
+                            " ORDER BY round", (job_id, round_number, round_number))
+        by_round: dict[int, list[EvaluationRecord]] = {}
+        for e in self.evaluations(job_id, round_number):
+            by_round.setdefault(e.round, []).append(e)
+        out = []
+        for r in rounds:
+            sites = by_round.get(r["round"], [])
+            out.append(EvaluationRound(
+                job_id=job_id, round=r["round"], model_version=r["model_version"], published=r["published"],
+                deadline=r["deadline"], settled=bool(r["settled"]), asked=len(sites),
+                answered=sum(e.status in (EvaluationStatus.EVALUATED, EvaluationStatus.REFUSED) for e in sites),
+                score=combine(_scores(sites))))
+        return out
+
+
+def _scores(rows: Sequence[EvaluationRecord]) -> list[SiteScore]:
+    return [SiteScore(accuracy=e.accuracy, loss=e.loss, num_samples=e.num_samples) for e in rows
+            if e.status == EvaluationStatus.EVALUATED and e.accuracy is not None and e.loss is not None
+            and e.num_samples]
+
+
+def _settle(db: sqlite3.Connection, job_id: str, round_number: int, now: float) -> bool:
+    """Settle one round if every site answered or its deadline passed: the rest `missed`, one `federated_score`
+    event with the final score. Whether it settled now."""
+    head = db.execute("SELECT deadline, settled FROM evaluation_rounds WHERE job_id = ? AND round = ?",
+                      (job_id, round_number)).fetchone()
+    if head is None or head["settled"]:
+        return False
+    waiting = db.execute("SELECT COUNT(*) AS n FROM evaluations WHERE job_id = ? AND round = ? AND status = 'asked'",
+                         (job_id, round_number)).fetchone()["n"]
+    if waiting and now <= head["deadline"]:
+        return False
+    db.execute("UPDATE evaluations SET status = 'missed', reason = 'no report before the deadline', time = ?"
+               " WHERE job_id = ? AND round = ? AND status = 'asked'", (now, job_id, round_number))
+    db.execute("UPDATE evaluation_rounds SET settled = 1 WHERE job_id = ? AND round = ?", (job_id, round_number))
+    rows = db.execute("SELECT status, accuracy, loss, num_samples FROM evaluations WHERE job_id = ? AND round = ?",
+                      (job_id, round_number)).fetchall()
+    score = combine(SiteScore(accuracy=r["accuracy"], loss=r["loss"], num_samples=r["num_samples"]) for r in rows
+                    if r["status"] == EvaluationStatus.EVALUATED)
+    _event(db, job_id, "federated_score", round_number=round_number, message=(
+        f"accuracy {score.accuracy:.4f}, loss {score.loss:.4f} on {score.num_samples} held-out samples of "
+        f"{score.sites} of {len(rows)} site(s)" if score is not None else f"no score: none of {len(rows)} site(s) "
+                                                                         f"evaluated"))
+    return True
+
+
+def _event(db: sqlite3.Connection, job_id: str, kind: str, *, round_number: int = 0, worker_id: str = "",
+           message: str = "") -> None:
+    """As store.py's: one line of a job's history, in the transaction of what it reports."""
+    db.execute("INSERT INTO events (job_id, time, kind, round, worker_id, message) VALUES (?, ?, ?, ?, ?, ?)",
+               (job_id, time.time(), kind, round_number, worker_id, message))

@@ -1,0 +1,207 @@
+"""A site's part in federated evaluation: it scores a job's global model on its own held-out split and reports
+(accuracy, mean cross-entropy, count) on the control bus; the coordinator weighs the sites' scores by count.
+
+The held-out split is the `worker.test_fraction` part of the site's data that it never trains on (the same
+stratified split as always). A simulated site (`partition.num_clients` > 1, one bundled set shared out) holds
+its own slice of that split, cut with its training share's scheme and seed, so simulated sites never score on
+each other's samples.
+
+The task arrives in the worker's task queue like a round task and is settled once (`agent.on_task` has
+checked its sender against `worker.coordinator_broker_user` and dispatches it here):
+
+* unreadable (no job, a round or version < 1, no aggregation service): dead-lettered;
+* past its deadline: acked, nothing reported (the coordinator no longer counts it);
+* the owner's policy says `worker.evaluation: deny`, the site does not serve the category, it holds no
+  held-out sample, or the model cannot be fetched or built or does not fit its data: a refused report
+  with the reason, acked;
+* else scored and reported, then acked; the report is noted in the ledger's log of what left the site.
+
+The model is the version the task names, downloaded from the aggregation service (`DownloadGlobalModel`,
+open to every worker identity: deploy/SECURITY.md) and nothing else: a reply of another version is refused.
+Scoring is inference only: no gradient, no ε (docs/privacy.md says what a score reveals).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from fedbroker import envelope
+from fedbroker.aggregation_client import AggregatorClient
+from fedbroker.bus import Bus, BusError, Delivery
+from fedbroker.config import PartitionSection, WorkerConfig
+from fedbroker.datasets import Dataset
+from fedbroker.errors import ConfigError
+from fedbroker.evaluation import evaluate
+from fedbroker.federated_evaluation import check_policy
+from fedbroker.model import build_model, load_numpy_state
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.rpc import RemoteError
+from fedbroker.spec import ModelSpec, parse_model
+from fedbroker.worker import metrics
+from fedbroker.worker.ledger import PrivacyLedger
+from fedbroker.worker.partition import partition
+
+log = logging.getLogger(__name__)
+
+
+class _Refusal(Exception):
+    """Internal: the site will not or cannot score this task; the reason goes into a refused report."""
+
+
+def held_out_slice(test: Dataset, p: PartitionSection) -> tuple[np.ndarray, np.ndarray, str]:
+    """(x, y, why empty) of this site's held-out samples: the whole split, or, for a simulated site, its slice
+    of it by its training share's scheme and seed (with no minimum size: a small split may leave a slice empty)."""
+    if p.num_clients <= 1:
+        return test.x, test.y, ""
+    try:
+        shards = _shards(test.y, p)
+    except ConfigError as exc:
+        return test.x[:0], test.y[:0], f"the held-out split of {len(test.y)} samples cannot be shared out ({exc})"
+    if not 0 <= p.client_index < len(shards):
+        return test.x[:0], test.y[:0], f"partition.client_index {p.client_index} is outside [0, {len(shards)})"
+    index = shards[p.client_index]
+    return test.x[index], test.y[index], ""
+
+
+def _shards(labels: np.ndarray, p: PartitionSection) -> list[np.ndarray]:
+    """The training call first (same draws as the training share); without a minimum size when that fails."""
+    def cut(min_size: int) -> list[np.ndarray]:
+        return partition(labels, scheme=p.scheme, num_clients=p.num_clients, seed=p.seed, alpha=p.alpha,
+                         classes_per_client=p.classes_per_client, min_size=min_size)
+
+    try:
+        return cut(1)
+    except ConfigError:
+        return cut(0)
+
+
+class SiteEvaluation:
+    """Scores and reports one site's evaluation tasks (module docstring). `aggregator(target)`: the worker's
+    channel to the aggregation service; `stopping()`: the worker is stopping (a task then goes back to the queue)."""
+
+    def __init__(self, config: WorkerConfig, *, bus: Bus, ledger: PrivacyLedger, test: Dataset, device: str,
+                 aggregator: Callable[[str], AggregatorClient], stopping: Callable[[], bool]) -> None:
+        self.config = config
+        self.policy = check_policy(config.evaluation)
+        self.bus = bus
+        self.ledger = ledger
+        self.x, self.y, self.empty_because = held_out_slice(test, config.partition)
+        self.num_classes = test.num_classes
+        self.device = device
+        self._aggregator = aggregator
+        self._stopping = stopping
+
+    @property
+    def num_samples(self) -> int:
+        """The held-out samples this site scores on (its score's weight)."""
+        return len(self.y)
+
+    def handle(self, delivery: Delivery, task: pb.EvaluationTask) -> None:
+        """Settle one evaluation task exactly once (module docstring)."""
+        me = self.config.id
+        problem = _unreadable(task)
+        if problem:
+            log.error("worker %s dead-letters an unreadable evaluation task: %s", me, problem)
+            metrics.EVALUATIONS.labels(me, "malformed").inc()
+            delivery.nack(requeue=False)
+            return
+        if time.time() > task.deadline_unix:
+            log.info("worker %s skips the evaluation of round %d of %s: its deadline passed", me, task.round,
+                     task.job_id)
+            metrics.EVALUATIONS.labels(me, "late").inc()
+            delivery.ack()
+            return
+        try:
+            accuracy, loss = self._score(task)
+        except _Refusal as exc:
+            self._report(delivery, task, refused=str(exc))
+            return
+        except Exception as exc:  # anything else: a score this site cannot give now; the round is not held up
+            if self._stopping():  # the worker closed its channel under the task: it goes back to the queue
+                delivery.nack(requeue=True)
+                return
+            if time.time() > task.deadline_unix:
+                metrics.EVALUATIONS.labels(me, "late").inc()
+                delivery.ack()
+                return
+            log.exception("worker %s could not evaluate round %d of %s", me, task.round, task.job_id)
+            self._report(delivery, task, refused=f"could not evaluate: {type(exc).__name__}: {exc}")
+            return
+        self._report(delivery, task, accuracy=accuracy, loss=loss)
+
+    def _score(self, task: pb.EvaluationTask) -> tuple[float, float]:
+        if self.policy == "deny":
+            raise _Refusal("the site's policy refuses evaluation (worker.evaluation: deny)")
+        if task.category not in self.config.categories:
+            raise _Refusal(f"category {task.category!r} is not one this worker serves "
+                           f"({list(self.config.categories)})")
+        if not self.num_samples:
+            raise _Refusal(f"no held-out samples to evaluate on{': ' + self.empty_because if self.empty_because else ''}")
+        client = self._aggregator(task.aggregator_target).until(task.deadline_unix)
+        try:
+            version, spec_json, weights = client.download(task.job_id, task.model_version)
+        except RemoteError as exc:
+            raise _Refusal(f"global model version {task.model_version} could not be fetched: {exc}") from None
+        if version != task.model_version:  # only what the task names is ever scored
+            raise _Refusal(f"asked for global model version {task.model_version}, the service sent {version}")
+        metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in weights.values()))
+        try:
+            spec = parse_model(json.loads(spec_json))
+            model = build_model(spec)
+            load_numpy_state(model, weights)
+        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+            raise _Refusal(f"the global model {version} cannot be built: {exc}") from None
+        self._check_fits(spec)
+        return evaluate(model, self.x, self.y, device=self.device)
+
+    def _check_fits(self, spec: ModelSpec) -> None:
+        sample_shape = tuple(int(d) for d in self.x.shape[1:])
+        if tuple(spec.input_shape) != sample_shape:
+            raise _Refusal(f"model.input_shape {list(spec.input_shape)} does not fit this site's data, whose samples "
+                           f"have shape {list(sample_shape)}")
+        if spec.num_outputs < self.num_classes:
+            raise _Refusal(f"the model outputs {spec.num_outputs} class scores but this site's data has "
+                           f"{self.num_classes} classes")
+
+    def _report(self, delivery: Delivery, task: pb.EvaluationTask, *, refused: str = "", accuracy: float = 0.0,
+                loss: float = 0.0) -> None:
+        """Publish the report, then ack the task (a report that cannot be sent is logged: the coordinator's
+        deadline ends its wait for us)."""
+        me = self.config.id
+        report = pb.EvaluationReport(job_id=task.job_id, round=task.round, model_version=task.model_version,
+                                     worker_id=me, refused=bool(refused), reason=refused)
+        if not refused:
+            report.accuracy, report.loss, report.num_samples = accuracy, loss, self.num_samples
+        try:
+            self.bus.publish_control(envelope.encode(evaluation_report=report))
+        except BusError as exc:
+            log.warning("worker %s: the evaluation of round %d of %s was not reported: %s", me, task.round,
+                        task.job_id, exc)
+        else:
+            if not refused:  # a score says something about the data: the site's log of what it shared says so
+                try:
+                    self.ledger.note_shared(task.job_id, "evaluation")
+                except Exception as exc:  # the score is sent; a ledger that cannot be written is the owner's alarm
+                    log.error("worker %s: the evaluation of %s could not be noted in its ledger: %s", me,
+                              task.job_id, exc)
+        if refused:
+            log.info("worker %s refuses to evaluate round %d of %s: %s", me, task.round, task.job_id, refused)
+        else:
+            log.info("worker %s evaluated version %d of %s (round %d): accuracy %.4f, loss %.4f on %d held-out "
+                     "samples", me, task.model_version, task.job_id, task.round, accuracy, loss, self.num_samples)
+        metrics.EVALUATIONS.labels(me, "refused" if refused else "evaluated").inc()
+        delivery.ack()
+
+
+def _unreadable(task: pb.EvaluationTask) -> str:
+    """What makes a task one no retry can run ("" when none)."""
+    problems = [name for name, bad in (("job_id", not task.job_id), ("round", task.round < 1),
+                                       ("model_version", task.model_version < 1),
+                                       ("aggregator_target", not task.aggregator_target),
+                                       ("deadline_unix", not task.deadline_unix)) if bad]
+    return f"missing or invalid {', '.join(problems)}" if problems else ""
