@@ -43,6 +43,7 @@ Reply = Callable[["Site", pb.ShareRequest], "pb.ShareReply | None"]
 def job(name: str, weighting: str = "dwfed", **schedule: Any) -> dict[str, Any]:
     return {"name": name, "category": "c", "model": MODEL, "training": {"rounds": 2},
             "aggregation": {"weighting": weighting},
+            "evaluation": {"every": 0},  # these sites score nothing: no job waits for their reports
             "schedule": {"min_workers": 2, "wait_for_workers_s": 30, "round_timeout_s": 30, **schedule}}
 
 
