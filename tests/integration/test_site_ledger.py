@@ -28,7 +28,7 @@ HISTOGRAM_EPSILON = 0.5
 
 
 def add_worker(federation, worker_id: str, index: int) -> WorkerAgent:
-    """A DP worker that releases a noised label histogram (charged to its ledger) as it registers."""
+    """A DP worker; its noised label histogram is released (and charged to its ledger) when a job asks for it."""
     bus = open_bus(federation.url, namespace=federation.namespace)
     agent = WorkerAgent(WorkerConfig(
         id=worker_id, partition=PartitionSection(scheme="iid", num_clients=2, client_index=index), dp=POLICY,
@@ -53,6 +53,7 @@ def test_the_sites_ledger_command_equals_its_ledger_and_the_coordinators_record(
     job = copy.deepcopy(JOB)
     job["training"]["rounds"] = 2
     job["schedule"]["min_workers"] = 2
+    job["aggregation"] = {**job.get("aggregation", {}), "weighting": "dwfed"}  # asks the sites for their histograms
     job_id = federation.coordinator.submit(parse_job(job))
     assert federation.coordinator.wait(job_id, timeout=280) == "completed", federation.store.job(job_id).error
     store = federation.store
@@ -97,7 +98,8 @@ def test_the_sites_ledger_command_equals_its_ledger_and_the_coordinators_record(
     assert remote["epsilon_recorded"] == view["epsilon_total"]
     recorded = [p.epsilon for p in store.participants(job_id) if p.worker_id == "site0"]
     assert remote["jobs"] == [{"job_id": job_id, "status": "completed", "epsilon": max(recorded), "rounds": 2,
-                               "shared": [s.what for s in store.site_jobs("site0")[0].shared]}]
+                               "shared": list(store.site_jobs("site0")[0].shared)}]
+    assert remote["jobs"][0]["shared"] == ["evaluation", "histogram"]  # what the coordinator received from it
     assert remote["jobs"][0]["epsilon"] == trained  # the ε the worker uploaded is the ε its ledger holds
     assert remote["worker"]["worker_id"] == "site0" and remote["worker"]["epsilon_budget"] == 50.0
     assert view["agreement"]["status"] == "agree"

@@ -87,6 +87,7 @@ def accept_report(store: StateStore, r: pb.EvaluationReport) -> EvaluationVerdic
     if verdict == EvaluationVerdict.RECORDED:
         metrics.EVALUATION_REPORTS.labels(r.worker_id, "refused" if r.refused else "evaluated").inc()
         if not r.refused:
+            store.note_site_share(r.job_id, r.worker_id, "evaluation")  # the site's record lists it (SiteRecord)
             _show(store, r.job_id, r.round)
         log.info("worker %s %s round %d of %s%s", r.worker_id, "refused to evaluate" if r.refused else "evaluated",
                  r.round, r.job_id, f": {reason}" if r.refused else f": accuracy {r.accuracy:.4f} on {r.num_samples}")

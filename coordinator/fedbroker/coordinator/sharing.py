@@ -217,6 +217,9 @@ def receive_reply(store: StateStore, reply: pb.ShareReply) -> None:
                                   lambda phase: reply_problems(phase, answer, worker))
     if problems:
         raise InvalidControlMessage("share_reply", problems)
+    for what, sent in (("histogram", answer.histogram), ("statistics", answer.count)):
+        if sent and not answer.refused:  # the site's record lists what it shared with the job (SiteRecord)
+            store.note_site_share(reply.job_id, reply.worker_id, what)
     log.info("worker %s %s job %s", reply.worker_id, "refused to share with" if reply.refused else "shared with",
              reply.job_id)
 
