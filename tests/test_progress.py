@@ -19,7 +19,7 @@ def snapshots(mode: str) -> list[pb.StatusReply]:
         reply.jobs.add(job_id="j", status=status, rounds_done=closed, rounds_total=2, mode=mode)
         for n in range(1, closed + 1):
             reply.rounds.add(job_id="j", round=n, status="closed", participants=3, uploaded=3, aggregated=2 + n,
-                             accuracy=0.5 + n / 10, seconds=1.5, model_version=n + 1, mean_staleness=n / 4)
+                             accuracy=0.5 + n / 10, loss=0.9, seconds=1.5, model_version=n + 1, mean_staleness=n / 4)
         if opened:
             reply.rounds.add(job_id="j", round=opened, status="open", participants=3, uploaded=1)
         replies.append(reply)
@@ -78,3 +78,17 @@ def test_the_dp_policy_is_stated_in_full():
     assert dp_policy(enabled=True, noise_multiplier=1.3, max_grad_norm=1.0, delta=1e-5, epsilon_budget=10) == (
         "on (σ=1.3, clip=1, δ=1e-05, ε budget 10 per worker)")
     assert dp_policy(enabled=False, noise_multiplier=1.3, max_grad_norm=1.0, delta=1e-5, epsilon_budget=10) == "off"
+
+
+def test_a_round_no_one_scored_shows_no_accuracy_and_a_sites_score_shows_as_such():
+    replies = snapshots("sync")
+    for reply in replies:
+        for r in reply.rounds:
+            r.accuracy, r.loss = 0.0, 0.0  # no evaluation set at the coordinator
+    replies[-1].rounds[1].federated_accuracy, replies[-1].rounds[1].federated_samples = 0.8, 90
+    out = io.StringIO()
+    follow(Script(replies), "j", Alive(), tqdm, stream=out, poll_s=0)
+    assert out.getvalue().splitlines() == [
+        "round 1/2 closed: 3/3 uploads, 3 aggregated (1.5s)",
+        "round 2/2 closed: 3/3 uploads, 4 aggregated, site acc 0.800 (1.5s)",
+    ]

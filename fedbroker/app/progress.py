@@ -26,15 +26,28 @@ def dp_policy(*, enabled: bool, noise_multiplier: float, max_grad_norm: float, d
             f"per worker)")
 
 
+def score(r: Any) -> str:
+    """A closed round's score as far as it is known: the coordinator's central accuracy, else the sites'
+    federated one, else nothing (a job without an evaluation set is scored by its sites after the round closes:
+    never a false 0.000)."""
+    if r.loss > 0:  # a central evaluation's cross-entropy is never exactly 0
+        return f"accuracy {r.accuracy:.3f}"
+    if r.federated_samples:
+        return f"site acc {r.federated_accuracy:.3f}"
+    return ""
+
+
 def _round_line(r: Any, total: int) -> str:
-    score = f", accuracy {r.accuracy:.3f}" if r.status == "closed" else ""
+    known = score(r) if r.status == "closed" else ""
+    score_text = f", {known}" if known else ""
     return (f"round {r.round}/{total} {r.status}: {r.uploaded}/{r.participants} uploads, {r.aggregated} aggregated"
-            f"{score} ({r.seconds:.1f}s)")
+            f"{score_text} ({r.seconds:.1f}s)")
 
 
 def _version_line(r: Any, total: int) -> str:
+    known = score(r)
     return (f"version {r.model_version} ({r.round}/{total}): {r.aggregated} update(s), mean staleness "
-            f"{r.mean_staleness:.2f}, accuracy {r.accuracy:.3f} ({r.seconds:.1f}s)")
+            f"{r.mean_staleness:.2f}{', ' + known if known else ''} ({r.seconds:.1f}s)")
 
 
 class _Plain:
@@ -80,7 +93,7 @@ class _Bars:
             if r.uploaded != bar.n:
                 bar.update(r.uploaded - bar.n)
             if r.status != "open":
-                bar.set_postfix_str(f"accuracy {r.accuracy:.3f}" if r.status == "closed" else r.status)
+                bar.set_postfix_str(score(r) if r.status == "closed" else r.status)
                 bar.close()
                 bar.disable = True
 
@@ -91,7 +104,8 @@ class _Bars:
         done = [r for r in status.rounds if r.status == "closed"]
         if len(done) != self.versions.n:
             self.versions.update(len(done) - self.versions.n)
-            self.versions.set_postfix_str(f"accuracy {done[-1].accuracy:.3f}, staleness {done[-1].mean_staleness:.2f}")
+            known = score(done[-1])
+            self.versions.set_postfix_str(f"{known + ', ' if known else ''}staleness {done[-1].mean_staleness:.2f}")
 
     def close(self) -> None:
         for bar in self.rounds.values():

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from fedbroker.app.demo import (
     Cluster,
     DemoOptions,
@@ -31,7 +33,7 @@ from fedbroker.app.progress import dp_policy, follow
 from fedbroker.app.unfilled import refuse_unfilled
 from fedbroker.config import DPPolicy, WorkerConfig, load_config
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.spec import JobSpec
+from fedbroker.spec import JobSpec, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,21 @@ def pooled_baseline(job: JobSpec, train: Any, test: Any, *, seed: int) -> float:
     from fedbroker.model import build_model
     from fedbroker.worker.training import train_local
 
-    model = build_model(job.model, seed=seed)
+    spec = job.model
+    if job.data.standardize == "federated":  # the sites' rows are raw: standardise as the federation does, here
+        spec = pooled_standardization(spec, train.x)  # with the pooled data's exact mean and std (no DP)
+    model = build_model(spec, seed=seed)
     train_local(model, train.x, train.y, dp=None, seed=seed, config=baseline_training(job))
     return evaluate(model, test.x, test.y)[0]
+
+
+def pooled_standardization(model: ModelSpec, x: np.ndarray) -> ModelSpec:
+    """`model` with a standardize layer of `x`'s exact per-feature mean and std in front (a constant feature
+    keeps std 1)."""
+    from fedbroker.spec import parse_model
+
+    flat = x.reshape(len(x), -1).astype(np.float64)
+    std = flat.std(axis=0)
+    layer = {"type": "standardize", "mean": [float(v) for v in flat.mean(axis=0)],
+             "std": [float(v) if v > 0 else 1.0 for v in std]}
+    return parse_model({"input_shape": list(model.input_shape), "layers": [layer, *(x.to_dict() for x in model.layers)]})
