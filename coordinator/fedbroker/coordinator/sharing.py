@@ -41,7 +41,11 @@ from fedbroker.spec_data import STANDARDIZE_LAYER
 log = logging.getLogger(__name__)
 
 MIN_SHARE_WAIT_S = 5.0     # the least a share phase waits for replies (wait_for_workers_s may be 0)
-MIN_STD_FRACTION = 1e-3    # an agreed std is at least this fraction of its feature's range
+# An agreed std is at least this fraction of its feature's range. At a few hundred rows the sites' noise can
+# drive a feature's pooled variance to 0 or below; a floor of 1e-3 then scaled that feature up 1000-fold and the
+# tabular example's training (no DP clipping to tame it) diverged to NaN. 1/20 of the range bounds the scale-up
+# at 20 range-units, and a feature whose real spread is smaller is only left less stretched than unit variance.
+MIN_STD_FRACTION = 0.05
 _SLACK = 1e-6              # float noise in an exact sum
 
 
