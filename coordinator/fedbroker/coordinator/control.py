@@ -72,14 +72,16 @@ class SenderBinding:
     unless its sender (its broker-validated user_id, `Delivery.sender`) is mapped to its worker id: a
     message without a user_id as `unidentified_sender`, one from a user not mapped to it as `foreign_sender`."""
 
-    def __init__(self, users: Mapping[str, Sequence[str]]) -> None:
+    def __init__(self, users: Mapping[str, Sequence[str]], *, shared_broker: bool = True) -> None:
+        """`shared_broker`: the bus has broker users to tell apart (RabbitMQ); on the in-process bus, where every
+        sender is this process, an unbound control queue is no risk and is only noted at INFO."""
         self._workers: dict[str, frozenset[str]] = {}
         for user, worker_ids in users.items():
             for worker_id in worker_ids:  # a ConfigError naming the setting, at start
                 check_name(f"coordinator.worker_broker_users.{user}", worker_id)
             self._workers[user] = frozenset(worker_ids)
         if not self._workers:
-            log.warning("control messages are not bound to their senders (coordinator.worker_broker_users is "
+            log.log(logging.WARNING if shared_broker else logging.INFO, "control messages are not bound to their senders (coordinator.worker_broker_users is "
                         "empty): whoever holds the broker's credentials may register, beat and report for any "
                         "worker id (deploy/SECURITY.md)")
 

@@ -93,7 +93,8 @@ class Coordinator:
         self.max_running_jobs = max_running_jobs
         self.strict_categories = strict_categories
         self.events = JobWatcher(self.aggregator)
-        senders = SenderBinding(worker_broker_users or {})  # a ConfigError for a bad worker id, before anything
+        # a ConfigError for a bad worker id, before anything; unbound senders are a warning where a broker has users
+        senders = SenderBinding(worker_broker_users or {}, shared_broker=bool(getattr(bus, "user", None)))
         self.epsilon_bounds = EpsilonBounds(store)
         self._stop = threading.Event()
         self.context = JobContext(
