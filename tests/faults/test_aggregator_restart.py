@@ -113,8 +113,10 @@ def slow_round(fed: Federation) -> tuple[str, type[HoldsRound]]:
     fed.add_worker("fast", index=0, count=2)
     fed.add_worker("slow", index=1, count=2, agent_class=held)
     job_id = fed.submit(job(training={"rounds": 2}))
-    wait_for(lambda: fed.store.round(job_id, 1) is not None and fed.book.status(job_id, 1)[0] == ["fast"]
-             and held.holding == {"slow"}, 30, "the fast worker's round-1 update, the slow one holding its task")
+    # `held.holding` first: a worker holds a round-1 task only once the coordinator opened the round on the service
+    # (asked any earlier, the service knows no round 1 yet and `status` raises: this wait once failed that way)
+    wait_for(lambda: held.holding == {"slow"} and fed.book.status(job_id, 1)[0] == ["fast"], 30,
+             "the fast worker's round-1 update, the slow one holding its task")
     return job_id, held
 
 
