@@ -24,7 +24,6 @@ for any training settings, and is dead-lettered untrained.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import math
 import os
@@ -41,14 +40,14 @@ from fedbroker.datasets import load_worker_data, train_test_split
 from fedbroker.errors import BudgetExceeded, ConfigError, FedbrokerError, LedgerBehind, Rejection, TaskRefused
 from fedbroker.label_stats import reported_ish
 from fedbroker.metrics import BUSES
-from fedbroker.model import build_model, load_numpy_state
 from fedbroker.privacy import dp_sample_rate, job_epsilon_after_round, planned_steps, project_epsilon
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff
 from fedbroker.rpc import RemoteError
-from fedbroker.spec import ModelSpec, TrainingConfig, parse_model, training_from_json
+from fedbroker.spec import ModelSpec, TrainingConfig, training_from_json
 from fedbroker.worker import metrics
 from fedbroker.worker.evaluation import SiteEvaluation
+from fedbroker.worker.global_model import build_global, fit_problem
 from fedbroker.worker.ledger import PrivacyLedger, below
 from fedbroker.worker.partition import partition
 from fedbroker.worker.sharing import Sharing
@@ -416,14 +415,11 @@ class WorkerAgent:
 
     def _train(self, task: pb.RoundTask, config: TrainingConfig, global_model: Model) -> TrainResult:
         self._state = "training"
-        version, spec_json, weights = global_model
-        metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in weights.values()))
+        metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in global_model[2].values()))
         try:
-            spec = parse_model(json.loads(spec_json))
-            model = build_model(spec)
-            load_numpy_state(model, weights)
-        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
-            raise _PoisonTask(f"the global model {version} cannot be built: {exc}") from None
+            spec, model = build_global(global_model)
+        except ValueError as exc:
+            raise _PoisonTask(str(exc)) from None
         self.check_data_fits(spec)
         self.sharing.check_model(spec)  # its preprocessing against data.standardize
 
@@ -473,15 +469,10 @@ class WorkerAgent:
         return int(task.seed) * 1000 + task.round
 
     def check_data_fits(self, spec: ModelSpec) -> None:
-        """Refuse a model whose input or output does not fit this worker's data before any training step:
-        torch would fail on the first batch, and retrying would fail the same way."""
-        sample_shape = tuple(int(d) for d in self.x.shape[1:])
-        if tuple(spec.input_shape) != sample_shape:
-            raise _DataMismatch(f"model.input_shape {list(spec.input_shape)} does not fit this worker's data, whose "
-                                f"samples have shape {list(sample_shape)}")
-        if spec.num_outputs < self.num_classes:
-            raise _DataMismatch(f"the model outputs {spec.num_outputs} class scores but this worker's data has "
-                                f"{self.num_classes} classes")
+        """Refuse a model whose input or output does not fit this worker's data before any training step."""
+        problem = fit_problem(spec, self.x, self.num_classes, holder="this worker's data")
+        if problem:
+            raise _DataMismatch(problem)
 
     def check_ledger(self, recorded: float) -> None:
         """Refuse to train when the ledger holds less ε than the coordinator recorded for this worker: the

@@ -23,7 +23,6 @@ Scoring is inference only: no gradient, no ε (docs/privacy.md says what a score
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -38,11 +37,10 @@ from fedbroker.datasets import Dataset
 from fedbroker.errors import ConfigError
 from fedbroker.evaluation import evaluate
 from fedbroker.federated_evaluation import check_policy
-from fedbroker.model import build_model, load_numpy_state
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc import RemoteError
-from fedbroker.spec import ModelSpec, parse_model
 from fedbroker.worker import metrics
+from fedbroker.worker.global_model import build_global, fit_problem
 from fedbroker.worker.ledger import PrivacyLedger
 from fedbroker.worker.partition import partition
 
@@ -144,29 +142,21 @@ class SiteEvaluation:
             raise _Refusal(f"no held-out samples to evaluate on{': ' + self.empty_because if self.empty_because else ''}")
         client = self._aggregator(task.aggregator_target).until(task.deadline_unix)
         try:
-            version, spec_json, weights = client.download(task.job_id, task.model_version)
+            downloaded = client.download(task.job_id, task.model_version)
         except RemoteError as exc:
             raise _Refusal(f"global model version {task.model_version} could not be fetched: {exc}") from None
+        version = downloaded[0]
         if version != task.model_version:  # only what the task names is ever scored
             raise _Refusal(f"asked for global model version {task.model_version}, the service sent {version}")
-        metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in weights.values()))
+        metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in downloaded[2].values()))
         try:
-            spec = parse_model(json.loads(spec_json))
-            model = build_model(spec)
-            load_numpy_state(model, weights)
-        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
-            raise _Refusal(f"the global model {version} cannot be built: {exc}") from None
-        self._check_fits(spec)
+            spec, model = build_global(downloaded)
+        except ValueError as exc:
+            raise _Refusal(str(exc)) from None
+        problem = fit_problem(spec, self.x, self.num_classes, holder="this site's data")
+        if problem:
+            raise _Refusal(problem)
         return evaluate(model, self.x, self.y, device=self.device)
-
-    def _check_fits(self, spec: ModelSpec) -> None:
-        sample_shape = tuple(int(d) for d in self.x.shape[1:])
-        if tuple(spec.input_shape) != sample_shape:
-            raise _Refusal(f"model.input_shape {list(spec.input_shape)} does not fit this site's data, whose samples "
-                           f"have shape {list(sample_shape)}")
-        if spec.num_outputs < self.num_classes:
-            raise _Refusal(f"the model outputs {spec.num_outputs} class scores but this site's data has "
-                           f"{self.num_classes} classes")
 
     def _report(self, delivery: Delivery, task: pb.EvaluationTask, *, refused: str = "", accuracy: float = 0.0,
                 loss: float = 0.0) -> None:
