@@ -130,6 +130,9 @@ class AggregationConfig(_Section):
     weighting_params: Mapping[str, Any] = field(default_factory=dict)
     selection: str = "all"
     selection_params: Mapping[str, Any] = field(default_factory=dict)
+    robust: str = "none"            # a robust rule over the individual updates (median, multi_krum, ...)
+    robust_params: Mapping[str, Any] = field(default_factory=dict)
+    secure: bool = False            # SecAgg+: the service learns only the round's sum (linear rules, sync mode)
 
     SECTION: ClassVar[str] = "aggregation"
 
