@@ -14,7 +14,7 @@ BROKER  ?=
 PARTITION ?= dirichlet
 MODE    ?= sync
 
-.PHONY: venv demo test lint test-unit test-ops ops-tools proto clean bench bench-quick bench-env
+.PHONY: experiment-robust venv demo test lint test-unit test-ops ops-tools proto clean bench bench-quick bench-env
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -87,6 +87,10 @@ experiment-weighting-selection: $(STAMP)
 .PHONY: experiment-async
 experiment-async: $(STAMP)
 	$(PY) -m experiments.async_fedbuff
+
+# poisoning: 20 workers, 0/2/4/6 attackers, 4 attacks, FedAvg / max_share / every robust rule, 3 seeds
+experiment-robust: $(STAMP)
+	$(PY) -m experiments.robust_poisoning
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto --grpc_python_out=proto proto/fedbroker/proto/fedbroker.proto

@@ -38,6 +38,7 @@ from fedbroker.worker.partition import partition
 from fedbroker.worker.training import TrainResult, train_local
 
 Metrics = Callable[[nn.Module, Dataset], dict[str, float]]
+Tamper = Callable[[int, dict[str, np.ndarray], dict[str, TrainResult]], dict[str, TrainResult]]
 
 JOB_ID = "sim"
 MIN_WORKER_SAMPLES = 10  # as in the PFNM/NAFI reference partitions; lowered when the data are too few
@@ -150,6 +151,7 @@ def simulate(
     metrics: Metrics | None = None,
     probe: Dataset | None = None,
     first_states: Mapping[str, dict[str, np.ndarray]] | None = None,
+    tamper: Tamper | None = None,
 ) -> Simulation:
     """Play the coordinator's round loop in-process and evaluate the global model on `test` after each round.
 
@@ -159,6 +161,8 @@ def simulate(
     the bundled one, so an experiment can keep it apart from both the workers' data and the test set.
     `first_states`: a worker's own starting weights for round 1 (independent initialisation), in place of
     the global model; from round 2 on every worker starts from the global model.
+    `tamper(round, global_state, trained)`: what the round's workers upload instead of what they trained (a
+    poisoning experiment's attackers), called once every chosen worker has trained.
     A worker whose DP budget would be exceeded refuses the round, as a real one does; a round nobody
     uploads to ends the simulation early.
     """
@@ -198,6 +202,7 @@ def simulate(
         _, spec_json, weights = book.global_model(JOB_ID, version)
         model_spec = parse_model(json.loads(spec_json))
         losses, counts = [], []
+        trained: dict[str, TrainResult] = {}
         for worker_id in chosen:
             worker = by_id[worker_id]
             model = build_model(model_spec)
@@ -209,10 +214,14 @@ def simulate(
             except BudgetExceeded:
                 continue
             ledgers[worker_id] = list(result.history)
-            upload(book, JOB_ID, round_number=r, worker_id=worker_id, result=result,
-                   ish=reported_ish(worker.histogram, population, participants=len(chosen), settings=settings))
+            trained[worker_id] = result
             losses.append(result.train_loss)
             counts.append(result.num_samples)
+        sent = tamper(r, weights, trained) if tamper is not None else trained
+        for worker_id, result in sent.items():
+            upload(book, JOB_ID, round_number=r, worker_id=worker_id, result=result,
+                   ish=reported_ish(by_id[worker_id].histogram, population, participants=len(chosen),
+                                    settings=settings))
         if not losses:
             break
         closed = book.close(JOB_ID, r)
