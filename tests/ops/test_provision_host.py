@@ -7,15 +7,20 @@ TLS Secret's files."""
 from __future__ import annotations
 
 import re
+import ssl
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import pika
 import pytest
 import yaml
 
 from fedbroker.app.provision import lifecycle, parse_project, provision
 from fedbroker.config import load_config
 from tests.ops.conftest import tool
+from tests.rabbitmq_node import PrivateRabbitMQ, free_ports, server_scripts
 
 PROJECT = {
     "name": "study",
@@ -105,3 +110,70 @@ def test_the_overlay_still_renders_after_add_and_revoke_with_the_crl_in_its_tls_
     assert config["coordinator"]["worker_broker_users"] == {"study-hospital-c": ["hospital-c"]}
     rabbit = next(d for d in docs if d["metadata"]["name"] == "rabbitmq-config")["data"]["rabbitmq.conf"]
     assert re.search(r"^ssl_options.cacertfile = /etc/rabbitmq-tls/ca.crt$", rabbit, re.M)
+
+
+# ----- the kit's own broker config, run by a real RabbitMQ on this host -----
+
+
+class KitBroker(PrivateRabbitMQ):
+    """A private RabbitMQ node (its own epmd, cookie, ports) run as a host operator runs the server kit's broker:
+    in the kit's folder, with the kit's rabbitmq.conf and enabled_plugins. It answers when a site logs in with
+    its kit over AMQPS (its client certificate, its broker URL)."""
+
+    def __init__(self, kit: Path, scripts: Path, site: Path) -> None:
+        super().__init__(kit, scripts)  # the node's own files (home, mnesia, log) go into the kit's folder
+        self.site = site
+        for name in ("RABBITMQ_NODE_PORT", "RABBITMQ_NODE_IP_ADDRESS"):  # the kit's config names the listener
+            self.env.pop(name)
+        self.env.update(RABBITMQ_CONFIG_FILE=str(kit / "rabbitmq/rabbitmq.conf"),
+                        RABBITMQ_ENABLED_PLUGINS_FILE=str(kit / "rabbitmq/enabled_plugins"))
+
+    def answers(self) -> bool:
+        try:
+            amqps(self.site, certificate=True).close()
+            return True
+        except Exception:  # refused, reset, handshake not yet possible: not answering
+            return False
+
+
+def amqps(kit: Path, *, certificate: bool) -> pika.BlockingConnection:
+    """A connection as a site's worker makes it: its broker URL, verifying the broker against its kit's CA."""
+    params = pika.URLParameters((kit / "secrets/broker-url").read_text().strip())
+    params.connection_attempts, params.socket_timeout = 1, 10
+    context = ssl.create_default_context(cafile=str(kit / "ca.crt"))
+    if certificate:
+        context.load_cert_chain(str(kit / "tls/client.crt"), str(kit / "tls/client.key"))
+    params.ssl_options = pika.SSLOptions(context, "localhost")
+    return pika.BlockingConnection(params)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_rabbitmq_runs_from_the_host_kit_with_mutual_tls_and_host_only_management(tmp_path):
+    """The kit's rabbitmq.conf as written (its paths relative to the kit), its two host-only ports moved to free
+    ones (this machine's 15672 may be taken): a site logs in over AMQPS with its kit; without its client
+    certificate it is refused; management and /metrics answer on 127.0.0.1."""
+    scripts = server_scripts()
+    broker_port, management, metrics = free_ports(3)
+    kits = kits_of(tmp_path, host="localhost", listen="127.0.0.1", broker_port=broker_port)
+    server = kits / "server"
+    conf_file = server / "rabbitmq/rabbitmq.conf"
+    text = conf_file.read_text()
+    assert "management.tcp.port = 15672\n" in text and "prometheus.tcp.port = 15692\n" in text
+    conf_file.write_text(text.replace("management.tcp.port = 15672", f"management.tcp.port = {management}")
+                         .replace("prometheus.tcp.port = 15692", f"prometheus.tcp.port = {metrics}"))
+    node = KitBroker(server, scripts, kits / "sites/hospital-a")
+    try:
+        node.start()
+        connection = amqps(kits / "sites/hospital-a", certificate=True)
+        assert connection.is_open
+        connection.close()
+        with pytest.raises(pika.exceptions.AMQPConnectionError):
+            amqps(kits / "sites/hospital-a", certificate=False)
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=30) as page:
+            assert "rabbitmq_" in page.read().decode()
+        with pytest.raises(urllib.error.HTTPError) as unauthorized:  # it listens, and asks who is calling
+            urllib.request.urlopen(f"http://127.0.0.1:{management}/api/overview", timeout=30)
+        assert unauthorized.value.code == 401
+    finally:
+        node.stop()
