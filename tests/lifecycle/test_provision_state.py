@@ -174,6 +174,35 @@ def test_a_bad_addition_is_refused_naming_it_and_nothing_changes(kits, site, fie
     assert snapshot(kits) == before
 
 
+def test_an_addition_that_fails_half_way_leaves_no_kit_and_no_record_of_it(kits, monkeypatch):
+    record = (kits / state.STATE_FILE).read_bytes()
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(serverkit, "set_broker_user", broken)
+    with pytest.raises(OSError, match="disk full"):
+        lifecycle.add(kits, site={"name": "hospital-c"})
+    assert not (kits / "sites/hospital-c").exists()
+    assert (kits / state.STATE_FILE).read_bytes() == record
+    monkeypatch.undo()
+    lifecycle.add(kits, site={"name": "hospital-c"})   # the same addition again, whole this time
+    assert table(kits, "aggregator").identify(token(kits, "sites/hospital-c")).name == "hospital-c"
+
+
+def test_two_commands_on_one_folder_never_run_at_once(kits):
+    import fcntl
+
+    held = os.open(kits, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(ConfigError, match="another `fedbroker provision` is changing"):
+            lifecycle.rotate_token(kits, name="alice")
+    finally:
+        os.close(held)
+    lifecycle.rotate_token(kits, name="alice")
+
+
 def test_a_revoked_name_is_never_issued_again(kits):
     lifecycle.revoke(kits, name="carol")
     with pytest.raises(ConfigError, match="'carol' was issued already \\(scientist, revoked\\)"):

@@ -98,7 +98,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     for who in record.participants.values():
         current = who.current() or who.certificates[-1:]
         first = current[0] if current else None
-        tokens = f"{len(who.tokens_sha256)}" + (" (rotating)" if who.rotating_from else "")
+        tokens = "-" if who.status == "revoked" else f"{len(who.tokens_sha256)}" + (" (rotating)" if who.rotating_from
+                                                                                   else "")
         print(f"{who.name:<24} {who.kind:<10} {who.role:<12} {who.status:<8} {first.serial if first else '-':<42} "
               f"{first.not_after if first else '-':<26} {tokens}")
     return 0

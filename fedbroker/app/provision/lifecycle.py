@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import fcntl
+import os
 import secrets
 import shutil
 from collections.abc import Mapping
@@ -30,7 +32,7 @@ from fedbroker.app.provision.kits import (
     server_certificate,
     site_kit,
 )
-from fedbroker.app.provision.project import parse_project
+from fedbroker.app.provision.project import Project, parse_project
 from fedbroker.app.provision.state import SERVER, Certificate, Participant, State
 from fedbroker.auth import ROLE_WORKER, generate_token, hash_token
 from fedbroker.errors import ConfigError, ConfigErrors
@@ -39,14 +41,38 @@ REASONS = tuple(r.name for r in x509.ReasonFlags if r.name not in ("remove_from_
 
 
 class Opened:
-    """One provisioned folder, opened for a change: its record, the project as the kits render it, its CA."""
+    """One provisioned folder, opened for a change: its record, the project as the kits render it, its CA. Used
+    as a context, it holds the folder for itself: a second command on the same folder is refused until the
+    first is done, so neither loses the other's change to the record."""
+
+    record: State
+    project: Project
+    ca: Authority
 
     def __init__(self, out: str | Path) -> None:
         self.root = Path(out)
-        self.record = state.load(self.root)
-        self.project = self.record.to_project()
-        self.ca = Authority.load(self.root / "ca", self.project.validity_days)
         self.server = self.root / "server"
+        self._lock = -1
+
+    def __enter__(self) -> Opened:
+        state.load(self.root)   # a folder without a record is refused by name before anything else
+        self._lock = os.open(self.root, os.O_RDONLY)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.record = state.load(self.root)   # as the command before this one left it
+            self.project = self.record.to_project()
+            self.ca = Authority.load(self.root / "ca", self.project.validity_days)
+        except BlockingIOError:
+            os.close(self._lock)
+            raise ConfigError("--out", f"another `fedbroker provision` is changing {self.root} now: "
+                                       f"run this one when it is done") from None
+        except BaseException:
+            os.close(self._lock)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._lock)   # closing the folder's descriptor releases the lock
 
     def save(self) -> None:
         """The CRL signed again (a fresh next update, the revoked serials), then the record: always last."""
@@ -88,19 +114,22 @@ def add(out: str | Path, *, site: Mapping[str, Any] | None = None, scientist: Ma
     of broker users. Returns the new kit's folder."""
     if (site is None) == (scientist is None):
         raise ConfigError("add", "give one of --site or --scientist")
-    opened = Opened(out)
-    entry = dict(site or scientist or {})
+    with Opened(out) as opened:
+        return _add(opened, dict(site or scientist or {}), "site" if site else "scientist")
+
+
+def _add(opened: Opened, entry: dict[str, Any], kind: str) -> Path:
     name = entry.get("name")
     if isinstance(name, str) and name in opened.record.participants:
         known = opened.record.participants[name]
-        raise ConfigError("--site" if site else "--scientist",
-                          f"{name!r} was issued already ({known.kind}, {known.status}): a name is never reused")
+        raise ConfigError(f"--{kind}", f"{name!r} was issued already ({known.kind}, {known.status}): a name is "
+                                       f"never reused")
     doc = opened.record.project_doc()
-    doc["sites" if site else "scientists"].append(entry)
+    doc[f"{kind}s"].append(entry)
     parsed = parse_project(doc)   # the name's rule, its uniqueness, and a site's worker settings as it loads them
-    kind = "site" if site else "scientist"
-    project = dataclasses.replace(opened.project, sites=(*opened.project.sites, *parsed.sites[-1:])) if site \
-        else dataclasses.replace(opened.project, scientists=(*opened.project.scientists, parsed.scientists[-1]))
+    project = dataclasses.replace(opened.project, sites=(*opened.project.sites, parsed.sites[-1])) \
+        if kind == "site" else dataclasses.replace(opened.project, scientists=(*opened.project.scientists,
+                                                                               parsed.scientists[-1]))
     problems = kit_config_problems(project)
     if problems:
         raise problems[0] if len(problems) == 1 else ConfigErrors(problems)
@@ -109,24 +138,24 @@ def add(out: str | Path, *, site: Mapping[str, Any] | None = None, scientist: Ma
         raise ConfigError("--out", f"{folder} exists already: move it away, a kit is never written over")
     token, password = generate_token(), secrets.token_urlsafe(24)
     try:
-        if site:
+        if kind == "site":
             site_kit(project, folder, opened.ca, parsed.sites[-1], token, password)
+            who = participant(opened.root, kind=kind, name=str(name), role=ROLE_WORKER, token=token,
+                              broker=broker_user(project, str(name)), site=state.site_doc(parsed.sites[-1]))
+            serverkit.set_broker_user(opened.server, project, who.name, password)
+            serverkit.set_worker_broker_users(opened.server, project)
         else:
             scientist_kit(project, folder, opened.ca, str(name), token)
+            who = participant(opened.root, kind=kind, name=str(name), role=parsed.scientists[-1].role, token=token)
+        opened.record.participants[who.name] = who
+        opened.publish_tokens(who)
+        opened.record.note("add", who.name, kind)
+        opened.save()
     except BaseException:
+        # no kit without its record: the same `add` again writes it anew (and its server entries over any
+        # this one left, which name a token and a password no kit holds)
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    if site:
-        who = participant(opened.root, kind=kind, name=str(name), role=ROLE_WORKER, token=token,
-                          broker=broker_user(project, str(name)), site=state.site_doc(parsed.sites[-1]))
-        serverkit.set_broker_user(opened.server, project, who.name, password)
-        serverkit.set_worker_broker_users(opened.server, project)
-    else:
-        who = participant(opened.root, kind=kind, name=str(name), role=parsed.scientists[-1].role, token=token)
-    opened.record.participants[who.name] = who
-    opened.publish_tokens(who)
-    opened.record.note("add", who.name, kind)
-    opened.save()
     return folder
 
 
@@ -139,7 +168,11 @@ def renew(out: str | Path, *, name: str | None = None, new_tokens: bool = False,
     too when all are renewed (same key and name, so every certificate it signed still verifies). Tokens stay
     unless `new_tokens`; the old certificates stay valid until they expire unless `revoke_old` (then the CRL
     lists them). Returns the renewed participants."""
-    opened = Opened(out)
+    with Opened(out) as opened:
+        return _renew(opened, name=name, new_tokens=new_tokens, revoke_old=revoke_old)
+
+
+def _renew(opened: Opened, *, name: str | None, new_tokens: bool, revoke_old: bool) -> list[Participant]:
     targets = [opened.active(name)] if name else [p for p in opened.record.participants.values()
                                                    if p.status == "active"]
     if name is None:
@@ -198,7 +231,11 @@ def revoke(out: str | Path, *, name: str, reason: str = "unspecified") -> tuple[
     but makes sure all of that holds. Returns (the participant, whether it was revoked before)."""
     if reason not in REASONS:
         raise ConfigError("--reason", f"must be one of {', '.join(REASONS)}, got {reason!r}")
-    opened = Opened(out)
+    with Opened(out) as opened:
+        return _revoke(opened, name=name, reason=reason)
+
+
+def _revoke(opened: Opened, *, name: str, reason: str) -> tuple[Participant, bool]:
     who = opened.record.get(name)
     if who.kind == "server":
         raise ConfigError("--name", f"{name!r} is the server's own identity: revoking it stops the federation; "
@@ -226,7 +263,11 @@ def revoke(out: str | Path, *, name: str, reason: str = "unspecified") -> tuple[
 def rotate_token(out: str | Path, *, name: str, finish: bool = False) -> Participant:
     """Step 1: a new token into `name`'s kit, its digest added to the tables beside the old one (both work).
     Step 2 (`finish`), once the participant runs with the new token: the old digest out of the tables."""
-    opened = Opened(out)
+    with Opened(out) as opened:
+        return _rotate(opened, name=name, finish=finish)
+
+
+def _rotate(opened: Opened, *, name: str, finish: bool) -> Participant:
     who = opened.active(name)
     if finish:
         if not who.rotating_from:
