@@ -243,6 +243,19 @@ def test_renewing_everything_keeps_tokens_and_changes_serials_keys_and_validity(
     assert len(crl_of(kits)) == 0   # renewal revokes nothing unless asked
 
 
+def test_a_renewal_for_a_shorter_time_gives_every_certificate_and_the_ca_that_validity(kits):
+    old = cert(kits / "sites/hospital-a/tls/client.crt")
+    assert main(["provision", "renew", "--out", str(kits), "--days", "30"]) == 0
+    for path in (kits / "sites/hospital-a/tls/client.crt", kits / "server/tls/broker.crt", kits / "ca/ca.crt"):
+        lasts = cert(path).not_valid_after_utc - cert(path).not_valid_before_utc
+        assert 29 < lasts.total_seconds() / 86400 < 31, path
+    assert cert(kits / "sites/hospital-a/tls/client.crt").not_valid_after_utc < old.not_valid_after_utc
+    record = state.load(kits).participants["hospital-a"]
+    assert record.certificates[0].not_after == old.not_valid_after_utc.isoformat()
+    with pytest.raises(ConfigError, match="--days"):
+        lifecycle.renew(kits, days=0)
+
+
 def test_renewing_one_participant_with_a_new_token_changes_only_its_kit(kits):
     others = {k: snapshot(kits / k) for k in ("sites/hospital-b", "scientists/alice", "server/tls", "ca")}
     old = token(kits, "sites/hospital-a")

@@ -49,7 +49,8 @@ def cmd_add(args: argparse.Namespace) -> int:
 
 def cmd_renew(args: argparse.Namespace) -> int:
     """New certificates (new keys) under the same CA; tokens only with --new-tokens."""
-    renewed = lifecycle.renew(args.out, name=args.name, new_tokens=args.new_tokens, revoke_old=args.revoke_old)
+    renewed = lifecycle.renew(args.out, name=args.name, new_tokens=args.new_tokens, revoke_old=args.revoke_old,
+                              days=args.days)
     for who in renewed:
         until = min(c.not_after for c in who.current())
         print(f"renewed {who.name:<24} {who.kit:<28} valid until {until}")
@@ -180,6 +181,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     renew.add_argument("--name", help="one participant only (default: all, and the CA's own certificate)")
     renew.add_argument("--new-tokens", action="store_true", help="new tokens too (the old ones stop at once)")
     renew.add_argument("--revoke-old", action="store_true", help="list the replaced certificates in the CRL")
+    renew.add_argument("--days", type=int, help="how long the new certificates last (default: validity_days)")
     revoke = verb("revoke", cmd_revoke, "revoke a participant: CRL, token tables, broker user")
     revoke.add_argument("--name", required=True)
     revoke.add_argument("--reason", choices=lifecycle.REASONS, default="unspecified")

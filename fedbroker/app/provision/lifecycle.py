@@ -162,13 +162,18 @@ def _add(opened: Opened, entry: dict[str, Any], kind: str) -> Path:
 # ----- renew -------------------------------------------------------------------------------------
 
 
-def renew(out: str | Path, *, name: str | None = None, new_tokens: bool = False,
-          revoke_old: bool = False) -> list[Participant]:
-    """New certificates (with new keys) for every active participant, or `name` only; the CA's own certificate
-    too when all are renewed (same key and name, so every certificate it signed still verifies). Tokens stay
-    unless `new_tokens`; the old certificates stay valid until they expire unless `revoke_old` (then the CRL
-    lists them). Returns the renewed participants."""
+def renew(out: str | Path, *, name: str | None = None, new_tokens: bool = False, revoke_old: bool = False,
+          days: int | None = None) -> list[Participant]:
+    """New certificates (with new keys) for every active participant, or `name` only, valid `days` (default:
+    the project's validity_days) from now; the CA's own certificate too when all are renewed (same key and
+    name, so every certificate it signed still verifies). Tokens stay unless `new_tokens`; the old
+    certificates stay valid until they expire unless `revoke_old` (then the CRL lists them). Returns the
+    renewed participants."""
+    if days is not None and not 1 <= days <= 3650:
+        raise ConfigError("--days", f"must be a whole number of days in [1, 3650], got {days}")
     with Opened(out) as opened:
+        if days is not None:
+            opened.ca.days = days
         return _renew(opened, name=name, new_tokens=new_tokens, revoke_old=revoke_old)
 
 
