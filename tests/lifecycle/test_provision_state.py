@@ -117,6 +117,22 @@ def test_a_folder_without_a_record_is_refused_by_name(tmp_path):
         lifecycle.add(tmp_path, scientist={"name": "bob"})
 
 
+@pytest.mark.parametrize("damage, message", [
+    (lambda doc: doc["project"]["server"].pop("host"), "is damaged: KeyError\\('host'\\)"),
+    (lambda doc: doc.update(version=99), "is version 99"),
+    (lambda doc: doc.update(format="other"), "is not a provisioning record"),
+])
+def test_a_damaged_record_is_refused_naming_the_file_and_nothing_changes(kits, damage, message):
+    path = kits / state.STATE_FILE
+    doc = json.loads(path.read_text())
+    damage(doc)
+    path.write_text(json.dumps(doc))
+    before = snapshot(kits)
+    with pytest.raises(ConfigError, match=f"provision-state.json: {message}"):
+        lifecycle.revoke(kits, name="alice")
+    assert snapshot(kits) == before
+
+
 # ----- add -------------------------------------------------------------------------------------------
 
 

@@ -251,7 +251,8 @@ def site_kit(project: Project, folder: Path, ca: Authority, site: Site, token: s
         f"{target(project.host, project.coordinator_port)}, asked with your token and certificate: a site reads "
         f"its own record and nothing else there). The worker serves Prometheus metrics (its ε, budget, tasks) on "
         f"http://{metrics['metrics_addr']}:{metrics['metrics_port']}/metrics for your own Prometheus "
-        f"(`metrics_addr` and `metrics_port` in worker.yaml; 127.0.0.1 keeps it off the network).\n"))
+        f"(`metrics_addr` and `metrics_port` in worker.yaml; 127.0.0.1 keeps it off the network); "
+        f"`prometheus/prometheus.yml` is a Prometheus config that scrapes it.\n"))
     return folder
 
 

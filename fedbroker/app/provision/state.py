@@ -177,8 +177,10 @@ def load(out: Path) -> State:
             if participant.kind not in KINDS:
                 raise ValueError(f"participant {participant.name!r} has an unknown kind {participant.kind!r}")
             participants[participant.name] = participant
-        return State(project=dict(raw["project"]), participants=participants,
-                     ca=[Certificate(**c) for c in raw["ca"]], crl_number=int(raw["crl_number"]),
-                     log=list(raw.get("log", [])))
+        record = State(project=dict(raw["project"]), participants=participants,
+                       ca=[Certificate(**c) for c in raw["ca"]], crl_number=int(raw["crl_number"]),
+                       log=list(raw.get("log", [])))
+        record.to_project()   # every setting the kits are rendered from is there
+        return record
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(str(path), f"is damaged: {exc!r}") from None
