@@ -288,7 +288,8 @@ def test_a_round_runs_over_tls_from_the_kits_alone(private_rabbitmq, tmp_path, m
     server = {k: v for k, v in ports.items() if k != "metrics_port"}
     project = parse_project({
         "name": name,
-        "server": {"host": "localhost", "listen": "127.0.0.1", "namespace": f"fedbroker-{name}", **server},
+        "server": {"host": "localhost", "listen": "127.0.0.1", "namespace": f"fedbroker-{name}", **server,
+                   "aggregator_metrics_port": free_port(), "coordinator_metrics_port": free_port()},
         "sites": [{"name": "site0", "worker": {"dataset": "digits", "dp": {"enabled": False}, "heartbeat_s": 1,
                                                  "device": "cpu", "torch_threads": 1,
                                                  "metrics_port": ports["metrics_port"]}}],
@@ -524,7 +525,8 @@ def test_the_server_launcher_stops_both_and_fails_when_the_coordinator_fails_at_
     """kits/server/start.sh with a coordinator that exits at once (a config error): the aggregation service
     is stopped too and the launcher exits with the coordinator's status, instead of waiting on a half server."""
     ports = {"coordinator_port": free_port(), "aggregator_port": free_port(), "broker_port": free_port()}
-    provision(parse_project({"name": "launch", "server": {"host": "localhost", "listen": "127.0.0.1", **ports},
+    provision(parse_project({"name": "launch", "server": {"host": "localhost", "listen": "127.0.0.1", **ports,
+                                                          "aggregator_metrics_port": 0, "coordinator_metrics_port": 0},
                              "sites": [{"name": "s"}]}), tmp_path / "kits")
     server = tmp_path / "kits/server"
     with open(server / "coordinator.yaml", "a") as fh:

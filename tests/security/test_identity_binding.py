@@ -124,7 +124,8 @@ def kits(tmp_path_factory: pytest.TempPathFactory, rabbitmq_url: str) -> Iterato
     ports = {"coordinator_port": _free_port(), "aggregator_port": _free_port(), "broker_port": _free_port()}
     namespace = f"fedbroker-bound{ports['coordinator_port']}"
     provision(parse_project({
-        "name": "bound", "server": {"host": "localhost", "listen": "127.0.0.1", "namespace": namespace, **ports},
+        "name": "bound", "server": {"host": "localhost", "listen": "127.0.0.1", "namespace": namespace, **ports,
+                                    "aggregator_metrics_port": 0, "coordinator_metrics_port": 0},
         "sites": [{"name": name} for name in SITES],
         "scientists": [{"name": "sci"}, {"name": "eve", "role": "viewer"}],
     }), root / "kits")

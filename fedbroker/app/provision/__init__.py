@@ -2,9 +2,11 @@
 network with nothing but its kit (the role NVFlare's provisioning plays).
 
     DIR/ca/                      the project's CA (its key signs certificates; it goes in no kit)
+    DIR/provision-state.json     the record of what was issued (serials, validity, token digests, broker users)
     DIR/server/                  the coordinator and the aggregation service (and the broker's TLS): server
-                                 certificates with their public and in-cluster names, the token tables
-                                 (SHA-256 only), the broker's users, configs, start scripts, and a
+                                 certificates with their public and in-cluster names, the CA's CRL
+                                 (crl.pem), the token tables (SHA-256 only), the broker's users, configs,
+                                 start scripts, RabbitMQ's and Prometheus's configs for a host, and a
                                  Kubernetes overlay (`kubectl kustomize DIR/server`) that exposes AMQPS 5671
                                  and gRPC over TLS through LoadBalancer Services
     DIR/sites/<name>/            a data owner: the CA certificate, its token, its broker URL, worker.yaml,
@@ -18,10 +20,15 @@ DIR/ca); every secret file is 0600 and every kit folder 0700. Paths inside a kit
 (its start script changes into it first). The project file is checked whole before anything is written,
 every problem named by its field.
 
-The modules, one job each: `project` (the project file), `authority` (the CA and its certificates),
-`configs` (what each process reads: its YAML config, the broker's users and rabbitmq.conf), `folder` (a kit's
-folder and its file modes), `k8s` (the server kit's Kubernetes overlay), `kits` (every kit, written whole or
-not at all) and `command` (the `fedbroker provision` verb).
+Later, `fedbroker provision add|renew|revoke|rotate-token --out DIR` works from the record and the CA, under the
+same CA, changing only the files that must change, each written whole.
+
+The modules, one job each: `project` (the project file), `authority` (the CA, its certificates and its CRL),
+`configs` (what each process reads: its YAML config, the broker's users, rabbitmq.conf, Prometheus's scrape
+config), `folder` (a kit's folder, its file modes, and replacing a file whole), `k8s` (the server kit's
+Kubernetes overlay), `kits` (every kit, written whole or not at all), `state` (the record of what was issued),
+`serverkit` (changes to an issued server kit), `lifecycle` (add, renew, revoke, rotate-token) and `command`
+(the `fedbroker provision` verbs).
 """
 
 from fedbroker.app.provision.kits import provision

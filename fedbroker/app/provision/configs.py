@@ -41,10 +41,16 @@ def broker_url(user: str, password: str, host: str, port: int) -> str:
     return f"amqps://{quote(user, safe='')}:{quote(password, safe='')}@{host}:{port}/%2F"
 
 
+def _metrics(addr: str, port: int) -> dict[str, Any]:
+    """A server process's exporter on a host: on `port` (0: none), bound to `addr` (127.0.0.1: this host only)."""
+    return {"metrics_port": port, "metrics_addr": addr} if port else {}
+
+
 def aggregator_doc(project: Project) -> dict[str, Any]:
     """The aggregation service's config (server kit, aggregator.yaml)."""
     return {"aggregator": {"listen": target(project.listen, project.aggregator_port),
                            "target": target(project.host, project.aggregator_port),
+                           **_metrics(project.metrics_addr, project.aggregator_metrics_port),
                            "tokens_file": "tokens/aggregator.yaml", "spool_dir": "state/spool",
                            "tls": {"cert_file": "tls/aggregator.crt", "key_file": "tls/aggregator.key",
                                    "client_ca_file": "ca.crt"}}}
@@ -60,6 +66,7 @@ def coordinator_doc(project: Project) -> dict[str, Any]:
         "aggregator": {"target": target(project.host, project.aggregator_port)},
         "coordinator": {"listen": target(project.listen, project.coordinator_port),
                         "target": target(project.host, project.coordinator_port), "state_dir": "state/coordinator",
+                        **_metrics(project.metrics_addr, project.coordinator_metrics_port),
                         "tokens_file": "tokens/coordinator.yaml",
                         "tls": {"cert_file": "tls/coordinator.crt", "key_file": "tls/coordinator.key",
                                 "client_ca_file": "ca.crt"},
@@ -116,31 +123,36 @@ def rabbitmq_password_hash(password: str) -> str:
     return base64.b64encode(salt + hashlib.sha256(salt + password.encode()).digest()).decode()
 
 
-def broker_definitions(project: Project, passwords: Mapping[str, str]) -> dict[str, Any]:
-    """RabbitMQ definitions: one user per participant, so one site is revoked alone. Everyone is confined to
-    the project's broker names; a site reads no other site's task queue. Every bus declares the shared
-    topology, and RabbitMQ lets a queue with a dead-letter exchange be declared only by a user who may read
-    it and write the exchange: so a site may still read the coordinator's queue (deploy/SECURITY.md)."""
+def broker_entry(project: Project, who: str, password: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One participant's RabbitMQ user and its permissions (definitions.json's `users` and `permissions`).
+    Everyone is confined to the project's broker names; a site reads no other site's task queue. Every bus
+    declares the shared topology, and RabbitMQ lets a queue with a dead-letter exchange be declared only by a
+    user who may read it and write the exchange: so a site may still read the coordinator's queue
+    (deploy/SECURITY.md)."""
     ns = re.escape(project.namespace)
     everything = f"^{ns}\\..*$"
-    users, permissions = [], []
-    for who, password in passwords.items():
-        user = broker_user(project, who)
-        users.append({"name": user, "password_hash": rabbitmq_password_hash(password),
-                      "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": []})
-        if who == "coordinator":
-            allowed = {"configure": everything, "write": everything, "read": everything}
-        else:
-            own = f"worker\\.{re.escape(who)}"
-            allowed = {"configure": f"^{ns}\\.(tasks|control|events|dlx|dead|coordinator|{own})$",
-                       "write": f"^{ns}\\.(tasks|control|dlx|dead|coordinator|{own})$",
-                       "read": f"^{ns}\\.(tasks|control|events|dlx|coordinator|{own})$"}
-        permissions.append({"user": user, "vhost": "/", **allowed})
-    return {"users": users, "vhosts": [{"name": "/"}], "permissions": permissions}
+    user = broker_user(project, who)
+    if who == "coordinator":
+        allowed = {"configure": everything, "write": everything, "read": everything}
+    else:
+        own = f"worker\\.{re.escape(who)}"
+        allowed = {"configure": f"^{ns}\\.(tasks|control|events|dlx|dead|coordinator|{own})$",
+                   "write": f"^{ns}\\.(tasks|control|dlx|dead|coordinator|{own})$",
+                   "read": f"^{ns}\\.(tasks|control|events|dlx|coordinator|{own})$"}
+    return ({"name": user, "password_hash": rabbitmq_password_hash(password),
+             "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": []},
+            {"user": user, "vhost": "/", **allowed})
+
+
+def broker_definitions(project: Project, passwords: Mapping[str, str]) -> dict[str, Any]:
+    """RabbitMQ definitions: one user per participant (`broker_entry`), so one site is revoked alone."""
+    entries = [broker_entry(project, who, password) for who, password in passwords.items()]
+    return {"users": [u for u, _ in entries], "vhosts": [{"name": "/"}], "permissions": [p for _, p in entries]}
 
 
 def rabbitmq_conf(*, tls_dir: str, definitions: str) -> str:
-    """The broker's config: AMQPS with mutual TLS only, the kit's users loaded from `definitions`."""
+    """The broker's config on Kubernetes: AMQPS with mutual TLS only, the kit's users loaded from `definitions`
+    (the Secrets' mount points)."""
     return (
         "# AMQPS only: no plaintext listener. Sites verify the broker against the project CA.\n"
         "listeners.tcp = none\n"
@@ -148,14 +160,79 @@ def rabbitmq_conf(*, tls_dir: str, definitions: str) -> str:
         f"ssl_options.cacertfile = {tls_dir}/ca.crt\n"
         f"ssl_options.certfile = {tls_dir}/broker.crt\n"
         f"ssl_options.keyfile = {tls_dir}/broker.key\n"
-        "# mutual TLS: every participant presents its kit's client certificate (and logs in with its user)\n"
-        "ssl_options.verify = verify_peer\n"
-        "ssl_options.fail_if_no_peer_cert = true\n"
+        + _MUTUAL_TLS +
         "management.tcp.port = 15672\n"
         "prometheus.tcp.port = 15692\n"
-        "log.console = true\n"
-        "log.file = false\n"
-        "loopback_users.guest = true\n"
-        f"consumer_timeout = {CONSUMER_TIMEOUT_S * 1000}\n"
-        f"load_definitions = {definitions}\n"
+        + _COMMON + f"load_definitions = {definitions}\n"
     )
+
+
+_MUTUAL_TLS = ("# mutual TLS: every participant presents its kit's client certificate (and logs in with its user)\n"
+               "ssl_options.verify = verify_peer\n"
+               "ssl_options.fail_if_no_peer_cert = true\n")
+_COMMON = ("log.console = true\n"
+           "log.file = false\n"
+           "loopback_users.guest = true\n"
+           f"consumer_timeout = {CONSUMER_TIMEOUT_S * 1000}\n")
+
+
+def host_rabbitmq_conf(project: Project) -> str:
+    """The broker's config on a host (the server kit's rabbitmq/rabbitmq.conf): the same AMQPS with mutual TLS,
+    its files named relative to the server kit (RabbitMQ reads a relative path from its working directory: it
+    runs in the kit's folder), AMQPS on `server.listen`:`broker_port`, the management UI and the Prometheus
+    endpoint on `server.metrics_addr` only (127.0.0.1 unless the project says otherwise)."""
+    # every address (IPv4 and IPv6) for a wildcard, else that address; RabbitMQ writes an IPv6 one unbracketed
+    public = str(project.broker_port) if project.listen in ("0.0.0.0", "::") else f"{project.listen}:{project.broker_port}"
+    return (
+        "# RabbitMQ on a host, for this server kit. Paths are relative to the kit: run RabbitMQ with this folder\n"
+        "# (the server kit's) as its working directory, RABBITMQ_CONFIG_FILE=rabbitmq/rabbitmq.conf and\n"
+        "# RABBITMQ_ENABLED_PLUGINS_FILE=rabbitmq/enabled_plugins (deploy/OPERATING.md, \"On a host\").\n"
+        "# AMQPS only: no plaintext listener. Sites verify the broker against the project CA.\n"
+        "listeners.tcp = none\n"
+        f"listeners.ssl.default = {public}\n"
+        "ssl_options.cacertfile = ca.crt\n"
+        "ssl_options.certfile = tls/broker.crt\n"
+        "ssl_options.keyfile = tls/broker.key\n"
+        + _MUTUAL_TLS +
+        "# the management UI and /metrics: this host only (server.metrics_addr)\n"
+        f"management.tcp.ip = {project.metrics_addr}\n"
+        "management.tcp.port = 15672\n"
+        f"prometheus.tcp.ip = {project.metrics_addr}\n"
+        "prometheus.tcp.port = 15692\n"
+        + _COMMON + "load_definitions = rabbitmq/definitions.json\n"
+    )
+
+
+RABBITMQ_PLUGINS = "[rabbitmq_management,rabbitmq_prometheus].\n"
+BROKER_METRICS_PORT = 15692
+
+
+def _scrape_host(addr: str) -> str:
+    """Where a local Prometheus reaches a port bound to `addr`: the address itself, loopback for a wildcard."""
+    if addr in ("0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{addr}]" if ":" in addr else addr
+
+
+def server_scrape_doc(project: Project) -> dict[str, Any]:
+    """A Prometheus config for the server's host: its aggregation service, coordinator and broker, by the job
+    names the project's alert rules use (deploy/prometheus/alerts.yml)."""
+    host = _scrape_host(project.metrics_addr)
+    jobs = [("fedbroker-aggregator", project.aggregator_metrics_port),
+            ("fedbroker-coordinator", project.coordinator_metrics_port), ("rabbitmq", BROKER_METRICS_PORT)]
+    return _scrape_doc(project, [(job, f"{host}:{port}") for job, port in jobs if port])
+
+
+def site_scrape_doc(project: Project, worker: Mapping[str, Any], site: str) -> dict[str, Any]:
+    """A Prometheus config for a site's host: its worker's /metrics (worker.yaml's metrics_addr/metrics_port)."""
+    port = int(worker.get("metrics_port", 0))
+    addr = _scrape_host(str(worker.get("metrics_addr", "127.0.0.1")))
+    return _scrape_doc(project, [("fedbroker-worker", f"{addr}:{port}")] if port else [], site=site)
+
+
+def _scrape_doc(project: Project, targets: list[tuple[str, str]], *, site: str = "") -> dict[str, Any]:
+    labels = {"project": project.name, **({"site": site} if site else {})}
+    return {"global": {"scrape_interval": "15s", "evaluation_interval": "15s",
+                       "external_labels": {"system": "fedbroker"}},
+            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [address], "labels": labels}]}
+                               for job, address in targets]}

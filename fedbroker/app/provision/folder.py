@@ -1,8 +1,10 @@
-"""A participant's kit folder: created new (never written over), with its files' modes set as they are written."""
+"""A participant's kit folder: created new (never written over), with its files' modes set as they are written;
+and the one way a file of an existing kit is changed later (`replace_file`): whole, never half."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,3 +34,32 @@ class KitFolder:
     def yaml(self, relative: str, doc: Any, *, header: str = "", secret: bool = False) -> Path:
         """`doc` as YAML in its own key order (a kit's config reads as its sections were written), after `header`."""
         return self.write(relative, header + yaml.safe_dump(doc, sort_keys=False), secret=secret)
+
+
+def replace_file(path: Path, data: str | bytes, *, secret: bool) -> None:
+    """Put `data` at `path` all at once: written to a new file beside it (its mode set from its creation on),
+    synced, then renamed over the old one, so a service that re-reads the file (a token table, the CRL) sees
+    the old content or the new, never half of either."""
+    path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+    mode = 0o600 if secret else 0o644
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".new")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a crash
+    finally:
+        os.close(directory)
+
+
+def replace_yaml(path: Path, doc: Any, *, header: str = "", secret: bool) -> None:
+    """`doc` as YAML (its own key order) after `header`, put at `path` with `replace_file`."""
+    replace_file(path, header + yaml.safe_dump(doc, sort_keys=False), secret=secret)

@@ -92,7 +92,7 @@ def overlay(project: Project, kit: KitFolder, broker_password: str, coordinator_
         "secretGenerator": [
             {"name": "fedbroker-server-tls", "options": {"labels": {"app.kubernetes.io/part-of": "fedbroker"}},
              "files": [
-                "ca.crt", "tls/aggregator.crt", "tls/aggregator.key", "tls/coordinator.crt", "tls/coordinator.key",
+                "ca.crt", "crl.pem", "tls/aggregator.crt", "tls/aggregator.key", "tls/coordinator.crt", "tls/coordinator.key",
                 "tls/broker.crt", "tls/broker.key", "tls/coordinator-client.crt", "tls/coordinator-client.key"]},
             {"name": "fedbroker-aggregator-tokens", "behavior": "replace", "files": ["tokens.yaml=tokens/aggregator.yaml"]},
             {"name": "fedbroker-coordinator-tokens", "behavior": "replace",

@@ -10,28 +10,33 @@ import shutil
 from pathlib import Path
 
 from fedbroker.app import unfilled
-from fedbroker.app.provision import k8s
+from fedbroker.app.provision import k8s, serverkit, state
 from fedbroker.app.provision.authority import Authority
 from fedbroker.app.provision.configs import (
+    RABBITMQ_PLUGINS,
     aggregator_doc,
     broker_definitions,
     broker_url,
     broker_user,
     coordinator_doc,
+    host_rabbitmq_conf,
     kit_config_problems,
-    rabbitmq_conf,
     scientist_doc,
+    server_scrape_doc,
+    site_scrape_doc,
     target,
     worker_doc,
 )
 from fedbroker.app.provision.folder import KitFolder
 from fedbroker.app.provision.project import Project, Site
+from fedbroker.app.provision.state import SERVER, Certificate, Participant, State
 from fedbroker.auth import ROLE_COORDINATOR, ROLE_WORKER, generate_token, hash_token
 from fedbroker.errors import ConfigError, ConfigErrors
 
 
 def provision(project: Project, out: str | os.PathLike[str]) -> dict[str, Path]:
-    """Write every kit under `out` (which must not exist yet, or be empty); the kits' folders by participant."""
+    """Write every kit under `out` (which must not exist yet, or be empty), and the record of what was issued
+    (`state`); the kits' folders by participant."""
     root = Path(out)
     if root.exists() and any(root.iterdir()):
         raise ConfigError("--out", f"{root} is not empty: provision into a new folder (kits are never overwritten)")
@@ -54,8 +59,8 @@ def provision(project: Project, out: str | os.PathLike[str]) -> dict[str, Path]:
 
 
 def _write_kits(project: Project, root: Path) -> dict[str, Path]:
-    """The CA first (it signs every certificate), then the server's kit and one per participant."""
-    ca = Authority(project.name, project.validity_days)
+    """The CA first (it signs every certificate), then the server's kit and one per participant, then the record."""
+    ca = Authority.create(project.name, project.validity_days)
     ca_kit = KitFolder(root / "ca")
     ca_kit.write("ca.crt", ca.cert_pem())
     ca_kit.write("ca.key", ca.key_pem(), secret=True)
@@ -67,12 +72,46 @@ def _write_kits(project: Project, root: Path) -> dict[str, Path]:
                                                                       for s in project.sites}}
     kits = {"ca": ca_kit.root, "server": _server_kit(project, root / "server", ca, tokens, broker_passwords)}
     for site in project.sites:
-        kits[f"site:{site.name}"] = _site_kit(project, root / "sites" / site.name, ca, site, tokens[site.name],
-                                              broker_passwords[site.name])
+        kits[f"site:{site.name}"] = site_kit(project, root / "sites" / site.name, ca, site, tokens[site.name],
+                                             broker_passwords[site.name])
     for person in project.scientists:
-        kits[f"scientist:{person.name}"] = _scientist_kit(project, root / "scientists" / person.name, ca,
-                                                          person.name, tokens[person.name])
+        kits[f"scientist:{person.name}"] = scientist_kit(project, root / "scientists" / person.name, ca,
+                                                         person.name, tokens[person.name])
+    record = State(project=state.settings_doc(project), participants={}, ca=[Certificate.of(root, "ca/ca.crt")])
+    record.participants[SERVER] = participant(root, kind="server", name=SERVER, role=ROLE_COORDINATOR,
+                                              token=tokens[SERVER], broker=broker_user(project, SERVER))
+    for site in project.sites:
+        record.participants[site.name] = participant(root, kind="site", name=site.name, role=ROLE_WORKER,
+                                                     token=tokens[site.name], broker=broker_user(project, site.name),
+                                                     site=state.site_doc(site))
+    for person in project.scientists:
+        record.participants[person.name] = participant(root, kind="scientist", name=person.name, role=person.role,
+                                                       token=tokens[person.name])
+    record.crl_number = 1
+    record.note("provision", project.name, f"{len(project.sites)} site(s), {len(project.scientists)} scientist(s)")
+    state.save(root, record)
     return kits
+
+
+# the certificates each kind of kit holds, relative to the kit
+SERVER_CERTIFICATES = ("tls/coordinator-client.crt", "tls/coordinator.crt", "tls/aggregator.crt", "tls/broker.crt")
+CLIENT_CERTIFICATES = ("tls/client.crt",)
+
+
+def kit_folder(kind: str, name: str) -> str:
+    """Where a participant's kit lives, relative to DIR."""
+    return "server" if kind == "server" else f"{kind}s/{name}"
+
+
+def participant(root: Path, *, kind: str, name: str, role: str, token: str, broker: str | None = None,
+                site: dict[str, object] | None = None) -> Participant:
+    """The record of a participant whose kit was just written under `root`: its certificates read back from
+    the kit, its token as a digest only."""
+    kit = kit_folder(kind, name)
+    files = SERVER_CERTIFICATES if kind == "server" else CLIENT_CERTIFICATES
+    return Participant(name=name, kind=kind, role=role, kit=kit, broker_user=broker,
+                       tokens_sha256=[hash_token(token)], site=site,
+                       certificates=[Certificate.of(root, f"{kit}/{f}") for f in files])
 
 
 def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str, str],
@@ -81,11 +120,8 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
     tables (digests only), the broker's users, start scripts and the Kubernetes overlay."""
     kit = KitFolder(folder)
     kit.write("ca.crt", ca.cert_pem())
-    public = [project.host, *project.sans]
-    for role in ("coordinator", "aggregator", "broker"):
-        svc = k8s.IN_CLUSTER[role]
-        cert, key = ca.server(f"{project.name} {role}", [*public, svc, f"{svc}.{k8s.K8S_NAMESPACE}.svc",
-                                                         f"{svc}.{k8s.K8S_NAMESPACE}.svc.cluster.local"])
+    for role in SERVER_ROLES:
+        cert, key = server_certificate(project, ca, role)
         kit.write(f"tls/{role}.crt", cert)
         kit.write(f"tls/{role}.key", key, secret=True)
     cert, key = ca.client("coordinator")  # what the coordinator presents to the aggregation service and the broker
@@ -96,9 +132,11 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
     # a site's token opens SiteRecord (its own record: `fedbroker ledger`) on the coordinator, and nothing else there
     coordinator_table = {**{p.name: {"role": p.role, "sha256": hash_token(tokens[p.name])} for p in project.scientists},
                          **{s.name: {"role": ROLE_WORKER, "sha256": hash_token(tokens[s.name])} for s in project.sites}}
-    note = "# SHA-256 of each participant's token (fedbroker/auth.py): the tokens themselves are in their kits\n"
-    kit.yaml("tokens/aggregator.yaml", aggregator_table, header=note, secret=True)
-    kit.yaml("tokens/coordinator.yaml", coordinator_table or {}, header=note, secret=True)
+    kit.yaml("tokens/aggregator.yaml", aggregator_table, header=serverkit.TABLE_NOTE, secret=True)
+    kit.yaml("tokens/coordinator.yaml", coordinator_table or {}, header=serverkit.TABLE_NOTE, secret=True)
+    # the CA's revocation list, empty until `fedbroker provision revoke`: there from the start, so a service
+    # configured to read it never finds it missing
+    kit.write(serverkit.CRL_FILE, ca.crl([], number=1, next_update_days=project.validity_days))
     kit.write("secrets/coordinator.token", tokens["coordinator"] + "\n", secret=True)
     kit.write("secrets/broker-url",
               broker_url(broker_user(project, "coordinator"), passwords["coordinator"], project.host, project.broker_port) + "\n",
@@ -110,14 +148,26 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
                     "# tell the sites' workers where to upload, and each worker only sends its token there.\n")
     kit.write("rabbitmq/definitions.json", json.dumps(broker_definitions(project, passwords), indent=2) + "\n",
               secret=True)
-    kit.write("rabbitmq/rabbitmq.conf", rabbitmq_conf(tls_dir="/etc/rabbitmq-tls",
-                                                       definitions="/etc/rabbitmq-auth/definitions.json"))
+    # on a host (Kubernetes has its own, k8s/rabbitmq.conf): paths relative to the kit, host-only management
+    kit.write("rabbitmq/rabbitmq.conf", host_rabbitmq_conf(project))
+    kit.write("rabbitmq/enabled_plugins", RABBITMQ_PLUGINS)
+    kit.yaml("prometheus/prometheus.yml", server_scrape_doc(project), header=_SCRAPE_NOTE)
     for role in ("aggregator", "coordinator"):
         kit.write(f"start-{role}.sh", _script(f"the {role}", f"{role} --config {role}.yaml"), executable=True)
     kit.write("start.sh", _START_SERVER, executable=True)
     k8s.overlay(project, kit, passwords["coordinator"], tokens["coordinator"])
     kit.write("README.md", _server_readme(project))
     return folder
+
+
+SERVER_ROLES = ("coordinator", "aggregator", "broker")
+
+
+def server_certificate(project: Project, ca: Authority, role: str) -> tuple[bytes, bytes]:
+    """(certificate, key) of one of the server's TLS ports, naming its public names and in-cluster Service."""
+    svc = k8s.IN_CLUSTER[role]
+    return ca.server(f"{project.name} {role}", [project.host, *project.sans, svc, f"{svc}.{k8s.K8S_NAMESPACE}.svc",
+                                                f"{svc}.{k8s.K8S_NAMESPACE}.svc.cluster.local"])
 
 
 def _script(what: str, args: str) -> str:
@@ -161,7 +211,12 @@ _INSTALL = ("Install fedbroker from the source release your operator names (it i
             "another), then `pip install .` in the source folder. That gives you the `fedbroker` command.")
 
 
-def _site_kit(project: Project, folder: Path, ca: Authority, site: Site, token: str, password: str) -> Path:
+_SCRAPE_NOTE = ("# A Prometheus on this host scrapes this kit's processes (`prometheus --config.file=prometheus.yml`);\n"
+                "# the alert rules are deploy/prometheus/alerts.yml in fedbroker's source.\n")
+
+
+def site_kit(project: Project, folder: Path, ca: Authority, site: Site, token: str, password: str) -> Path:
+    """A data owner's kit: its token, broker login, client certificate, worker.yaml and start script."""
     kit = KitFolder(folder)
     kit.write("ca.crt", ca.cert_pem())
     kit.write("secrets/token", token + "\n", secret=True)
@@ -175,6 +230,7 @@ def _site_kit(project: Project, folder: Path, ca: Authority, site: Site, token: 
     kit.yaml("worker.yaml", doc, header=f"# The worker of {site.name} (start.sh). Your data, your DP policy: edit the worker section.\n"
               f"# Keep state/ledger.json (your privacy ledger) across restarts and upgrades.\n"
               + (unfilled.HEADER if unfilled.names_no_data(site.worker) else ""))
+    kit.yaml("prometheus/prometheus.yml", site_scrape_doc(project, metrics, site.name), header=_SCRAPE_NOTE)
     kit.write("start.sh", _script(f"the worker of {site.name}", "worker --config worker.yaml"), executable=True)
     kit.write("README.md", (
         f"# {site.name}: your kit for the {project.name} federation\n\n"
@@ -195,11 +251,13 @@ def _site_kit(project: Project, folder: Path, ca: Authority, site: Site, token: 
         f"{target(project.host, project.coordinator_port)}, asked with your token and certificate: a site reads "
         f"its own record and nothing else there). The worker serves Prometheus metrics (its ε, budget, tasks) on "
         f"http://{metrics['metrics_addr']}:{metrics['metrics_port']}/metrics for your own Prometheus "
-        f"(`metrics_addr` and `metrics_port` in worker.yaml; 127.0.0.1 keeps it off the network).\n"))
+        f"(`metrics_addr` and `metrics_port` in worker.yaml; 127.0.0.1 keeps it off the network); "
+        f"`prometheus/prometheus.yml` is a Prometheus config that scrapes it.\n"))
     return folder
 
 
-def _scientist_kit(project: Project, folder: Path, ca: Authority, name: str, token: str) -> Path:
+def scientist_kit(project: Project, folder: Path, ca: Authority, name: str, token: str) -> Path:
+    """A data scientist's kit: its token, client certificate and the CLI's config."""
     kit = KitFolder(folder)
     kit.write("ca.crt", ca.cert_pem())
     kit.write("secrets/token", token + "\n", secret=True)
@@ -237,10 +295,16 @@ def _server_readme(project: Project) -> str:
         f"and a LoadBalancer Service per port; `kubectl apply -k .` applies it. Point `{project.host}` at the "
         f"balancers' addresses (`kubectl -n {k8s.K8S_NAMESPACE} get svc -l app.kubernetes.io/part-of=fedbroker`).\n\n"
         f"## On a host\n\n"
-        f"1. RabbitMQ 3.10 or later (the Kubernetes base runs 4.1) with `rabbitmq/rabbitmq.conf` (point its `ssl_options` and `load_definitions` at "
-        f"this kit's `ca.crt`, `tls/broker.*` and `rabbitmq/definitions.json`), listening on "
-        f"{project.broker_port}.\n"
+        f"1. RabbitMQ 3.10 or later (the Kubernetes base runs 4.1) with `rabbitmq/rabbitmq.conf` and "
+        f"`rabbitmq/enabled_plugins`, run with this folder as its working directory (the config names this kit's "
+        f"`ca.crt`, `tls/broker.*`, ``rabbitmq/definitions.json` relative to it): AMQPS on "
+        f"{project.listen}:{project.broker_port}, its management UI and metrics on {project.metrics_addr} only.\n"
         f"2. `./start.sh` starts the aggregation service and the coordinator (or `start-aggregator.sh` and "
-        f"`start-coordinator.sh` apart). State lives in `state/`.\n\n"
+        f"`start-coordinator.sh` apart), gRPC on {project.listen}, metrics on {project.metrics_addr} "
+        f"(`aggregator.metrics_port`, `coordinator.metrics_port`). State lives in `state/`.\n"
+        f"3. `prometheus/prometheus.yml` scrapes all three from this host.\n\n"
+        f"`crl.pem` (beside `ca.crt`) is the CA's revocation list; `tokens/*.yaml`, `crl.pem` and "
+        f"`rabbitmq/definitions.json` change in place (each file whole) when the operator adds, renews, revokes or "
+        f"rotates a participant (`fedbroker provision add|renew|revoke|rotate-token`).\n\n"
         f"Keep `tls/*.key`, `tokens/`, `secrets/` and `rabbitmq/definitions.json` private (0600). The CA's key "
         f"is not here: it stays with whoever provisioned the project.\n")

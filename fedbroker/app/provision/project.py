@@ -20,7 +20,10 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")   # a site's or person's 
 _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 _NAME_RULE = "must be 1-63 letters, digits, '_', '.' or '-'"
 _PROJECT_KEYS = {"name", "server", "sites", "scientists", "validity_days"}
-_SERVER_KEYS = {"host", "sans", "listen", "coordinator_port", "aggregator_port", "broker_port", "namespace"}
+_SERVER_KEYS = {"host", "sans", "listen", "coordinator_port", "aggregator_port", "broker_port", "namespace",
+                "metrics_addr", "coordinator_metrics_port", "aggregator_metrics_port"}
+# the server's own /metrics ports on a host (0: none); on Kubernetes every pod serves 9400
+_METRICS_PORTS = (("aggregator_metrics_port", 9401), ("coordinator_metrics_port", 9402))
 _SITE_KEYS = {"name", "categories", "worker"}
 
 
@@ -48,7 +51,10 @@ class Project:
     name: str
     host: str                          # the public name (or address) sites reach the server by
     sans: tuple[str, ...] = ()         # more names or addresses for the server certificates
-    listen: str = "0.0.0.0"            # where the server processes bind (the start scripts)
+    listen: str = "0.0.0.0"            # where the server's public ports bind on a host (the sites reach them)
+    metrics_addr: str = "127.0.0.1"    # where its host-only ports bind: /metrics, RabbitMQ's management
+    aggregator_metrics_port: int = 9401
+    coordinator_metrics_port: int = 9402
     coordinator_port: int = 50052
     aggregator_port: int = 50051
     broker_port: int = 5671
@@ -62,6 +68,9 @@ class _Server(NamedTuple):
     host: str
     sans: tuple[str, ...]
     listen: str
+    metrics_addr: str
+    aggregator_metrics_port: int
+    coordinator_metrics_port: int
     coordinator_port: int
     aggregator_port: int
     broker_port: int
@@ -118,6 +127,8 @@ def parse_project(raw: object) -> Project:
     if check.found:
         raise check.found[0] if len(check.found) == 1 else ConfigErrors(check.found)
     return Project(name=str(name), host=server.host, sans=server.sans, listen=server.listen,
+                   metrics_addr=server.metrics_addr, aggregator_metrics_port=server.aggregator_metrics_port,
+                   coordinator_metrics_port=server.coordinator_metrics_port,
                    coordinator_port=server.coordinator_port, aggregator_port=server.aggregator_port,
                    broker_port=server.broker_port, namespace=server.namespace, validity_days=int(validity),
                    sites=tuple(sites), scientists=tuple(people))
@@ -142,12 +153,19 @@ def _parse_server(server: object, check: _Problems) -> _Server:
         value = server.get(key, default)
         check.need(_is_int_in(value, 1, 65535), f"server.{key}", f"must be a port in [1, 65535], got {value!r}")
         ports[key] = value
+    for key, default in _METRICS_PORTS:
+        value = server.get(key, default)
+        check.need(_is_int_in(value, 0, 65535), f"server.{key}", f"must be a port in [0, 65535] (0: none), got {value!r}")
+        ports[key] = value
     listen = server.get("listen", "0.0.0.0")
     check.need(isinstance(listen, str) and _is_host(listen), "server.listen", "must be an address to bind")
+    metrics_addr = server.get("metrics_addr", "127.0.0.1")
+    check.need(isinstance(metrics_addr, str) and _is_host(metrics_addr), "server.metrics_addr",
+               "must be an address to bind (127.0.0.1: this host only)")
     namespace = server.get("namespace", "fedbroker")
     check.need(_is_name(namespace), "server.namespace", _NAME_RULE)
     return _Server(host=str(host), sans=tuple(sans) if isinstance(sans, list) else (), listen=str(listen),
-                   namespace=str(namespace), **ports)
+                   metrics_addr=str(metrics_addr), namespace=str(namespace), **ports)
 
 
 def _parse_sites(raw_sites: object, check: _Problems) -> list[Site]:

@@ -1,0 +1,179 @@
+"""A provisioned server kit runs on a host as it does on Kubernetes: its rabbitmq.conf names the kit's own files
+(relative to the kit, no Kubernetes mount points) and binds where the project says, its services serve metrics
+on the host only, and a Prometheus config beside the kit scrapes them (promtool accepts it). The Kubernetes
+rendering keeps its mounts, and after the kit has been changed in place it still renders, the CRL among its
+TLS Secret's files."""
+
+from __future__ import annotations
+
+import re
+import ssl
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pika
+import pytest
+import yaml
+
+from fedbroker.app.provision import lifecycle, parse_project, provision
+from fedbroker.config import load_config
+from tests.ops.conftest import tool
+from tests.rabbitmq_node import PrivateRabbitMQ, free_ports, server_scripts
+
+PROJECT = {
+    "name": "study",
+    "server": {"host": "fl.example.org"},
+    "sites": [{"name": "hospital-a", "worker": {"dataset": "digits"}}],
+    "scientists": [{"name": "alice"}],
+}
+
+
+def kits_of(tmp_path: Path, **server: object) -> Path:
+    out = tmp_path / "kits"
+    provision(parse_project({**PROJECT, "server": {**PROJECT["server"], **server}}), out)
+    return out
+
+
+def conf(kit: Path, name: str = "rabbitmq/rabbitmq.conf") -> dict[str, str]:
+    lines = [line for line in (kit / name).read_text().splitlines() if line and not line.startswith("#")]
+    return dict(line.split(" = ", 1) for line in lines)
+
+
+def test_the_host_rabbitmq_conf_names_the_kits_files_and_binds_management_to_this_host(tmp_path):
+    server = kits_of(tmp_path) / "server"
+    text = (server / "rabbitmq/rabbitmq.conf").read_text()
+    assert "/etc/" not in text
+    settings = conf(server)
+    for key in ("ssl_options.cacertfile", "ssl_options.certfile", "ssl_options.keyfile", "load_definitions"):
+        assert not settings[key].startswith("/") and (server / settings[key]).is_file(), key
+    assert settings["listeners.ssl.default"] == "5671" and settings["listeners.tcp"] == "none"   # the sites reach it
+    assert settings["management.tcp.ip"] == settings["prometheus.tcp.ip"] == "127.0.0.1"
+    assert settings["ssl_options.fail_if_no_peer_cert"] == "true"
+    assert (server / "rabbitmq/enabled_plugins").read_text() == "[rabbitmq_management,rabbitmq_prometheus].\n"
+    # Kubernetes keeps its own, with the Secrets' mount points
+    assert conf(server, "k8s/rabbitmq.conf")["ssl_options.cacertfile"] == "/etc/rabbitmq-tls/ca.crt"
+
+
+def test_the_host_configs_bind_where_the_project_asks(tmp_path):
+    server = kits_of(tmp_path, listen="192.0.2.10", broker_port=5800, metrics_addr="10.1.2.3",
+                     aggregator_metrics_port=9501, coordinator_metrics_port=0) / "server"
+    settings = conf(server)
+    assert settings["listeners.ssl.default"] == "192.0.2.10:5800"
+    assert settings["management.tcp.ip"] == settings["prometheus.tcp.ip"] == "10.1.2.3"
+    aggregator = load_config(str(server / "aggregator.yaml"), environ={}).aggregator
+    assert (aggregator.listen, aggregator.metrics_addr, aggregator.metrics_port) == ("192.0.2.10:50051", "10.1.2.3",
+                                                                                     9501)
+    coordinator = load_config(str(server / "coordinator.yaml"), environ={}).coordinator
+    assert coordinator.metrics_port == 0   # 0: the project turned it off
+    scrape = yaml.safe_load((server / "prometheus/prometheus.yml").read_text())
+    assert {c["job_name"]: c["static_configs"][0]["targets"] for c in scrape["scrape_configs"]} == {
+        "fedbroker-aggregator": ["10.1.2.3:9501"], "rabbitmq": ["10.1.2.3:15692"]}
+
+
+def test_metrics_are_on_by_default_on_this_host_only(tmp_path):
+    kits = kits_of(tmp_path)
+    aggregator = load_config(str(kits / "server/aggregator.yaml"), environ={}).aggregator
+    coordinator = load_config(str(kits / "server/coordinator.yaml"), environ={}).coordinator
+    assert (aggregator.metrics_addr, aggregator.metrics_port) == ("127.0.0.1", 9401)
+    assert (coordinator.metrics_addr, coordinator.metrics_port) == ("127.0.0.1", 9402)
+    scrape = yaml.safe_load((kits / "server/prometheus/prometheus.yml").read_text())
+    assert {c["job_name"]: c["static_configs"][0]["targets"] for c in scrape["scrape_configs"]} == {
+        "fedbroker-aggregator": ["127.0.0.1:9401"], "fedbroker-coordinator": ["127.0.0.1:9402"],
+        "rabbitmq": ["127.0.0.1:15692"]}
+    site = yaml.safe_load((kits / "sites/hospital-a/prometheus/prometheus.yml").read_text())
+    (job,) = site["scrape_configs"]
+    assert job["job_name"] == "fedbroker-worker" and job["static_configs"][0]["targets"] == ["127.0.0.1:9400"]
+    assert job["static_configs"][0]["labels"] == {"project": "study", "site": "hospital-a"}
+
+
+@pytest.mark.parametrize("kit", ["server", "sites/hospital-a"])
+def test_promtool_accepts_the_kits_scrape_config(tmp_path, kit):
+    folder = kits_of(tmp_path) / kit / "prometheus"
+    result = subprocess.run([tool("promtool"), "check", "config", "prometheus.yml"], cwd=folder, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_overlay_still_renders_after_add_and_revoke_with_the_crl_in_its_tls_secret(tmp_path):
+    kits = kits_of(tmp_path)
+    lifecycle.add(kits, site={"name": "hospital-c"})
+    lifecycle.revoke(kits, name="hospital-a")
+    result = subprocess.run([tool("kubectl"), "kustomize", str(kits / "server")], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "fedbroker-server-tls")
+    assert "crl.pem" in secret["data"]
+    config = yaml.safe_load(next(d for d in docs if d["metadata"]["name"] == "fedbroker-config")["data"]["config.yaml"])
+    assert config["coordinator"]["worker_broker_users"] == {"study-hospital-c": ["hospital-c"]}
+    rabbit = next(d for d in docs if d["metadata"]["name"] == "rabbitmq-config")["data"]["rabbitmq.conf"]
+    assert re.search(r"^ssl_options.cacertfile = /etc/rabbitmq-tls/ca.crt$", rabbit, re.M)
+
+
+# ----- the kit's own broker config, run by a real RabbitMQ on this host -----
+
+
+class KitBroker(PrivateRabbitMQ):
+    """A private RabbitMQ node (its own epmd, cookie, ports) run as a host operator runs the server kit's broker:
+    in the kit's folder, with the kit's rabbitmq.conf and enabled_plugins. It answers when a site logs in with
+    its kit over AMQPS (its client certificate, its broker URL)."""
+
+    def __init__(self, kit: Path, scripts: Path, site: Path) -> None:
+        super().__init__(kit, scripts)  # the node's own files (home, mnesia, log) go into the kit's folder
+        self.site = site
+        for name in ("RABBITMQ_NODE_PORT", "RABBITMQ_NODE_IP_ADDRESS"):  # the kit's config names the listener
+            self.env.pop(name)
+        self.env.update(RABBITMQ_CONFIG_FILE=str(kit / "rabbitmq/rabbitmq.conf"),
+                        RABBITMQ_ENABLED_PLUGINS_FILE=str(kit / "rabbitmq/enabled_plugins"))
+
+    def answers(self) -> bool:
+        try:
+            amqps(self.site, certificate=True).close()
+            return True
+        except Exception:  # refused, reset, handshake not yet possible: not answering
+            return False
+
+
+def amqps(kit: Path, *, certificate: bool) -> pika.BlockingConnection:
+    """A connection as a site's worker makes it: its broker URL, verifying the broker against its kit's CA."""
+    params = pika.URLParameters((kit / "secrets/broker-url").read_text().strip())
+    params.connection_attempts, params.socket_timeout = 1, 10
+    context = ssl.create_default_context(cafile=str(kit / "ca.crt"))
+    if certificate:
+        context.load_cert_chain(str(kit / "tls/client.crt"), str(kit / "tls/client.key"))
+    params.ssl_options = pika.SSLOptions(context, "localhost")
+    return pika.BlockingConnection(params)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_rabbitmq_runs_from_the_host_kit_with_mutual_tls_and_host_only_management(tmp_path):
+    """The kit's rabbitmq.conf as written (its paths relative to the kit), its two host-only ports moved to free
+    ones (this machine's 15672 may be taken): a site logs in over AMQPS with its kit; without its client
+    certificate it is refused; management and /metrics answer on 127.0.0.1."""
+    scripts = server_scripts()
+    broker_port, management, metrics = free_ports(3)
+    kits = kits_of(tmp_path, host="localhost", listen="127.0.0.1", broker_port=broker_port)
+    server = kits / "server"
+    conf_file = server / "rabbitmq/rabbitmq.conf"
+    text = conf_file.read_text()
+    assert "management.tcp.port = 15672\n" in text and "prometheus.tcp.port = 15692\n" in text
+    conf_file.write_text(text.replace("management.tcp.port = 15672", f"management.tcp.port = {management}")
+                         .replace("prometheus.tcp.port = 15692", f"prometheus.tcp.port = {metrics}"))
+    node = KitBroker(server, scripts, kits / "sites/hospital-a")
+    try:
+        node.start()
+        connection = amqps(kits / "sites/hospital-a", certificate=True)
+        assert connection.is_open
+        connection.close()
+        with pytest.raises(pika.exceptions.AMQPConnectionError):
+            amqps(kits / "sites/hospital-a", certificate=False)
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=30) as page:
+            assert "rabbitmq_" in page.read().decode()
+        with pytest.raises(urllib.error.HTTPError) as unauthorized:  # it listens, and asks who is calling
+            urllib.request.urlopen(f"http://127.0.0.1:{management}/api/overview", timeout=30)
+        assert unauthorized.value.code == 401
+    finally:
+        node.stop()
