@@ -31,6 +31,7 @@ from fedbroker.backup import BackupRefused, Part, read_manifest, verify, write_m
 from fedbroker.errors import ConfigError
 
 ARCHIVES = (".tar", ".tar.gz", ".tgz")
+PAIR_ATTEMPTS = 10
 # part name → the flag naming its source (backup) or target (restore)
 FLAGS = {"coordinator": "--state", "spool": "--spool", "ledger": "--ledger"}
 
@@ -68,8 +69,7 @@ def backup(sources: dict[str, str], out: str, *, version: str = "") -> list[Part
     target.parent.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
-        backers = _backers()
-        parts = [backers[name](source, building) for name, source in sources.items()]
+        parts = _back_up_parts(sources, building)
         write_manifest(building, parts, version=version)
         if _is_archive(out):
             _write_archive(building, target)
@@ -80,6 +80,28 @@ def backup(sources: dict[str, str], out: str, *, version: str = "") -> list[Part
     finally:
         shutil.rmtree(building, ignore_errors=True)
     return parts
+
+
+def _back_up_parts(sources: dict[str, str], building: Path) -> list[Part]:
+    """Each part into `building`. The coordinator's state first, then the spool; both again when a round opened or
+    closed in the coordinator's state meanwhile: a pair a crash could leave (the service may be ahead of the
+    coordinator by accepted updates and one close, never by a round the coordinator did not record opening)."""
+    from fedbroker.coordinator.state_backup import round_marks
+
+    backers = _backers()
+    unknown = sorted(set(sources) - set(backers))
+    if unknown:
+        raise ConfigError("sources", f"no part named {unknown[0]!r}; the parts are {', '.join(backers)}")
+    ordered = sorted(sources.items(), key=lambda item: list(backers).index(item[0]))
+    together = "coordinator" in sources and "spool" in sources
+    for _ in range(PAIR_ATTEMPTS):
+        parts = [backers[name](source, building) for name, source in ordered]
+        if not together or round_marks(building / "coordinator") == round_marks(sources["coordinator"]):
+            return parts
+        for part in parts:
+            shutil.rmtree(building / part.name)
+    raise BackupRefused(f"rounds opened or closed during each of {PAIR_ATTEMPTS} tries to copy the coordinator's state "
+                        f"and the spool together; back up between rounds, or stop the services")
 
 
 def _write_archive(folder: Path, target: Path) -> None:

@@ -281,3 +281,33 @@ def test_restore_check_reads_every_part_and_writes_nothing(tmp_path: Path, capsy
     assert main(["restore", str(tmp_path / "b.tar"), "--spool", str(tmp_path / "sp")]) == 2
     assert "the backup holds no --spool (spool); it holds: coordinator, ledger" in capsys.readouterr().err
     assert not (tmp_path / "sp").exists()
+
+
+def test_a_round_that_opens_while_the_spool_is_copied_makes_both_parts_copied_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fedbroker.app.backup as app_backup
+
+    state = live_state(tmp_path)
+    store = StateStore(str(state / "coordinator.sqlite"))  # the running coordinator's connection
+    book = spool_with_an_open_round(tmp_path / "spool")
+    real = spool_backup.backup_spool
+    calls: list[str] = []
+
+    def copy_while_the_coordinator_opens_a_round(spool_dir, root):
+        calls.append(spool_dir)
+        if len(calls) == 1:
+            store.open_round("j-1", 1, ["w0"])
+        return real(spool_dir, root)
+
+    backers = {**app_backup._backers(), "spool": copy_while_the_coordinator_opens_a_round}
+    monkeypatch.setattr(app_backup, "_backers", lambda: backers)
+    try:
+        backup({"spool": str(tmp_path / "spool"), "coordinator": str(state)}, str(tmp_path / "b"))
+    finally:
+        book.stop()
+        store.close()
+    assert len(calls) == 2
+    restore(str(tmp_path / "b"), {"coordinator": str(tmp_path / "target")})
+    restored = StateStore.in_directory(str(tmp_path / "target"))
+    assert [(r.job_id, r.round, r.status) for r in restored.rounds()] == [("j-1", 1, "open")]
+    restored.close()

@@ -67,6 +67,15 @@ def backup_state(state_dir: str | os.PathLike[str], backup_root: Path, *, busy_t
     return part
 
 
+def round_marks(state_dir: str | os.PathLike[str] | Path) -> list[tuple[str, int, str]]:
+    """Every round's (job, round, status) in the state directory (or the backup part's folder) `state_dir`: what
+    must not move while a spool backed up with this state is copied (app/backup.py)."""
+    db_path = Path(state_dir).absolute() / DB_FILE
+    with _connection(f"{db_path.as_uri()}?mode=rw", 30.0) as db:  # rw: a WAL file read-only needs its -shm
+        rows = db.execute("SELECT job_id, round, status FROM rounds ORDER BY job_id, round").fetchall()
+    return [(str(j), int(n), str(s)) for j, n, s in rows]
+
+
 def restore_state(backup_root: Path, part: Part, target: str | os.PathLike[str], *, force: bool) -> None:
     """Restore the backup's coordinator part into the state directory `target` (created 0700), its checkpoint
     paths rewritten to it; refused while a coordinator runs there, and over a non-empty one unless `force`."""
