@@ -20,7 +20,6 @@ import contextlib
 import importlib.metadata
 import os
 import shutil
-import sys
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
@@ -135,8 +134,10 @@ def opened(backup_path: str) -> Iterator[Path]:
         yield Path(tmp)
 
 
-def restore(backup_path: str, targets: dict[str, str], *, force: bool = False, check_only: bool = False) -> list[Part]:
-    """Check the backup (every part's digests and versions), then restore each part named in `targets`."""
+def restore(backup_path: str, targets: dict[str, str], *, force: bool = False, check_only: bool = False,
+            restored: Callable[[Part], object] = lambda part: None) -> list[Part]:
+    """Check the backup (every part's digests and versions), then restore each part named in `targets`, calling
+    `restored(part)` after each (a later part's refusal leaves the earlier ones restored: say which)."""
     from fedbroker.aggregators.spool import FORMAT_VERSION as SPOOL_FORMAT
     from fedbroker.backup import check_version
     from fedbroker.coordinator.store_schema import SCHEMA
@@ -160,8 +161,11 @@ def restore(backup_path: str, targets: dict[str, str], *, force: bool = False, c
             check_version(part, *known[name])
             verify(root, part)
         restorers = _restorers()
+        for name, target in targets.items():  # every target's refusals, before any part is written
+            restorers[name](root, parts[name], target, force=force, check_only=True)
         for name, target in ([] if check_only else targets.items()):
             restorers[name](root, parts[name], target, force=force)
+            restored(parts[name])
         return list(parts.values())
 
 
@@ -196,11 +200,15 @@ def cmd_backup(args: argparse.Namespace) -> int:
 def cmd_restore(args: argparse.Namespace) -> int:
     """Check, then restore; one line per part on stdout."""
     targets = _named(args)
-    parts = restore(args.backup, targets, force=args.force, check_only=args.check)
-    for part in parts:
-        where = f" → {Path(targets[part.name]).absolute()}" if part.name in targets and not args.check else ""
-        print(_describe(part) + where)
-    print("backup checked: every digest matches" if args.check else "restored", file=sys.stdout)
+
+    def say(part: Part) -> None:
+        print(f"restored {_describe(part)} → {Path(targets[part.name]).absolute()}", flush=True)
+
+    parts = restore(args.backup, targets, force=args.force, check_only=args.check, restored=say)
+    if args.check:
+        for part in parts:
+            print(_describe(part))
+        print("backup checked: every digest matches")
     return 0
 
 

@@ -311,3 +311,11 @@ def test_a_round_that_opens_while_the_spool_is_copied_makes_both_parts_copied_ag
     restored = StateStore.in_directory(str(tmp_path / "target"))
     assert [(r.job_id, r.round, r.status) for r in restored.rounds()] == [("j-1", 1, "open")]
     restored.close()
+
+
+def test_a_restore_refused_for_one_target_writes_no_other(tmp_path: Path) -> None:
+    ledger_with(tmp_path / "ledger.json", 0.5)
+    backup({"coordinator": str(live_state(tmp_path)), "ledger": str(tmp_path / "ledger.json")}, str(tmp_path / "b"))
+    with pytest.raises(BackupRefused, match="holds a ledger already"):
+        restore(str(tmp_path / "b"), {"coordinator": str(tmp_path / "target"), "ledger": str(tmp_path / "ledger.json")})
+    assert not (tmp_path / "target").exists()

@@ -107,13 +107,18 @@ def _copy_named(job_folder: Path, target: Path, record: dict[str, Any]) -> tuple
     return entries, updates
 
 
-def restore_spool(backup_root: Path, part: Part, target: str | os.PathLike[str], *, force: bool) -> None:
+def restore_spool(backup_root: Path, part: Part, target: str | os.PathLike[str], *, force: bool,
+                  check_only: bool = False) -> None:
     """Restore the backup's spool into `target`; refused while a service runs on it, and over a spool that holds
-    jobs unless `force` (which replaces its job folders; the quarantine is kept)."""
+    jobs unless `force` (which replaces its job folders; the quarantine is kept). `check_only`: the refusals only
+    (not the digests), nothing written."""
     check_version(part, FORMAT_VERSION, "of spool format")
-    verify(backup_root, part)
     folder = Path(target).absolute()
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if check_only and not folder.exists():
+        return
+    if not check_only:
+        verify(backup_root, part)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
         lock = FolderLock(folder, LOCK_FILE)
     except FolderLocked as exc:
@@ -121,6 +126,8 @@ def restore_spool(backup_root: Path, part: Part, target: str | os.PathLike[str],
                                     f"before restoring its spool") from None
     try:
         held = claim_target(folder, force=force, ignore={LOCK_FILE, QUARANTINE_DIR})
+        if check_only:
+            return
         remove(held)
         for f in part.files:
             sha, size = copy_file(backup_root / PART / f.path, folder / f.path)

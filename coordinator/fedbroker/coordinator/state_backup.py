@@ -76,17 +76,24 @@ def round_marks(state_dir: str | os.PathLike[str] | Path) -> list[tuple[str, int
     return [(str(j), int(n), str(s)) for j, n, s in rows]
 
 
-def restore_state(backup_root: Path, part: Part, target: str | os.PathLike[str], *, force: bool) -> None:
+def restore_state(backup_root: Path, part: Part, target: str | os.PathLike[str], *, force: bool,
+                  check_only: bool = False) -> None:
     """Restore the backup's coordinator part into the state directory `target` (created 0700), its checkpoint
-    paths rewritten to it; refused while a coordinator runs there, and over a non-empty one unless `force`."""
+    paths rewritten to it; refused while a coordinator runs there, and over a non-empty one unless `force`.
+    `check_only`: the refusals only (not the digests), nothing written."""
     if part.version > SCHEMA.latest or part.version < 0:
         raise SchemaTooNew(SCHEMA.what, f"the backup's {PART} part ({backup_root})", part.version, SCHEMA.latest)
-    verify(backup_root, part)
     folder = Path(target).absolute()
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if check_only and not folder.exists():
+        return
+    if not check_only:
+        verify(backup_root, part)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock = StateDirLock(str(folder))  # StateDirInUse while a coordinator runs on it
     try:
         held = claim_target(folder, force=force, ignore={LOCK_FILE})
+        if check_only:
+            return
         remove(p for p in held if p.name in {DB_FILE, f"{DB_FILE}-wal", f"{DB_FILE}-shm", CHECKPOINTS})
         source = backup_root / PART
         moved: dict[str, str] = {}

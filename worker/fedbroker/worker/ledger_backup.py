@@ -50,22 +50,30 @@ def backup_ledger(ledger_path: str | os.PathLike[str], backup_root: Path) -> Par
                 {"worker_id": copy.worker_id or "", "total_epsilon": copy.total_epsilon(), "jobs": len(copy.jobs())})
 
 
-def restore_ledger(backup_root: Path, part: Part, target: str | os.PathLike[str], *, force: bool) -> None:
+def restore_ledger(backup_root: Path, part: Part, target: str | os.PathLike[str], *, force: bool,
+                   check_only: bool = False) -> None:
     """Restore the backup's ledger to the path `target` (and its mark); refused over an existing ledger unless
-    `force`, and always where that would lower the ε the target's ledger or mark records."""
+    `force`, and always where that would lower the ε the target's ledger or mark records. `check_only`: the
+    refusals only (not the digests), nothing written."""
     check_version(part, FORMAT_VERSION, "of ledger format")
-    verify(backup_root, part)
+    if not check_only:
+        verify(backup_root, part)
     path = Path(target).absolute()
     mark = Path(f"{path}{MARK_SUFFIX}")
     if path.exists() and not force:
         raise BackupRefused(f"{path} holds a ledger already: restoring would replace it; give --force to replace it "
                             f"(a ledger holding more ε than the backup's is never replaced)")
-    restored = float(part.details.get("total_epsilon", 0.0))
+    try:  # what the file holds (its digest checked), not what the manifest says
+        restored = PrivacyLedger(str(backup_root / PART / LEDGER)).total_epsilon()
+    except ConfigError as exc:
+        raise BackupRefused(f"the backed-up ledger does not load: {exc}") from None
     spent = max(_marked(mark), _held(path))
     if below(restored, spent):
         raise BackupRefused(f"the backed-up ledger holds ε {restored:.6g}, below the {spent:.6g} that {path} (or its "
                             f"mark) records as spent: restoring it would let the site spend that ε again; keep the "
                             f"newer ledger (--force does not override this)")
+    if check_only:
+        return
     source = backup_root / PART
     content = (source / LEDGER).read_bytes()
     path.parent.mkdir(parents=True, exist_ok=True)
