@@ -319,3 +319,24 @@ def test_a_restore_refused_for_one_target_writes_no_other(tmp_path: Path) -> Non
     with pytest.raises(BackupRefused, match="holds a ledger already"):
         restore(str(tmp_path / "b"), {"coordinator": str(tmp_path / "target"), "ledger": str(tmp_path / "ledger.json")})
     assert not (tmp_path / "target").exists()
+
+
+def test_a_manifest_naming_a_path_out_of_its_target_is_refused(tmp_path: Path) -> None:
+    backup({"coordinator": str(live_state(tmp_path))}, str(tmp_path / "b"))
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    manifest["parts"]["coordinator"]["files"][0]["path"] = "../../outside"
+    (tmp_path / "b" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BackupRefused, match=r"malformed part entry .*'../../outside' is not a plain relative path"):
+        restore(str(tmp_path / "b"), {"coordinator": str(tmp_path / "target")})
+
+
+def test_backup_refuses_an_output_that_holds_something_and_a_folder_without_state(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = live_state(tmp_path)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert main(["backup", "--state", str(state), "--out", str(tmp_path / "full")]) == 2
+    assert "is not an empty folder" in capsys.readouterr().err
+    assert main(["backup", "--state", str(tmp_path / "full"), "--out", str(tmp_path / "b")]) == 2
+    assert "holds no coordinator state (no coordinator.sqlite)" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists() and [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
