@@ -78,8 +78,9 @@ class Schema:
         """Refuse a version this code does not know (`SchemaTooNew`)."""
         if found > self.latest:
             raise SchemaTooNew(self.what, path, found, self.latest)
-        if found < 0:
-            raise SchemaTooNew(self.what, path, found, self.latest)  # no release writes one: not ours to read
+        if found < 0:  # no release writes one: another program's file, or one edited by hand
+            raise Conflict(f"{path}: the {self.what} is at schema version {found}, which no fedbroker release "
+                           f"writes: not a file this fedbroker will read or change")
 
     def migrate(self, db: sqlite3.Connection, *, path: str) -> tuple[int, int]:
         """Bring the file behind `db` (autocommit mode: `isolation_level=None`) to `latest`; (before, after).

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from fedbroker.errors import Conflict
 from fedbroker.schema import Migration, MigrationFailed, Schema, SchemaTooNew, sql, user_version
 
 
@@ -62,3 +63,10 @@ def test_a_failing_migration_is_rolled_back_and_leaves_the_version_before_it(tmp
 def test_migrations_must_be_numbered_one_two_in_order(numbers: list[int]) -> None:
     with pytest.raises(ValueError, match="numbered 1, 2"):
         Schema("x", [Migration(n, "m", sql()) for n in numbers])
+
+
+def test_a_negative_version_is_no_release_of_ours(tmp_path: Path) -> None:
+    db = connect(tmp_path / "s.sqlite")
+    db.execute("PRAGMA user_version = -1")
+    with pytest.raises(Conflict, match="schema version -1, which no fedbroker release writes"):
+        SCHEMA.migrate(db, path="s")
