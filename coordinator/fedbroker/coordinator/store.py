@@ -14,7 +14,8 @@ Reads return the frozen records of `records.py`: no SQLite row leaves this modul
 
 `StateStore.in_directory` is how a coordinator process opens its state: the folder (0700) is locked
 (`state_dir.py`) so a second coordinator on it is refused, and the SQLite file is created 0600 like the
-checkpoints.
+checkpoints. Opening it migrates an older file to the schema this code knows (`store_schema`, `fedbroker.schema`)
+and refuses one a newer release wrote.
 """
 
 from __future__ import annotations
@@ -45,11 +46,13 @@ from fedbroker.coordinator.records import (
 )
 from fedbroker.coordinator.state_dir import StateDirLock, owner_only
 from fedbroker.coordinator.store_epsilon import EpsilonTables
-from fedbroker.coordinator.store_evaluation import EvaluationTables, create_evaluation_tables
+from fedbroker.coordinator.store_evaluation import EvaluationTables
 from fedbroker.coordinator.store_notes import JobNotes
+from fedbroker.coordinator.store_schema import SCHEMA
 from fedbroker.coordinator.store_shares import ShareTables
 from fedbroker.errors import Unavailable
 from fedbroker.retry import Backoff, retry_call
+from fedbroker.schema import user_version
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,39 +77,6 @@ class _RetryPolicy:
     stopping: Callable[[], bool]
 
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id TEXT PRIMARY KEY, name TEXT NOT NULL, spec_json TEXT NOT NULL,
-    status TEXT NOT NULL, rounds_total INTEGER NOT NULL, rounds_done INTEGER NOT NULL DEFAULT 0,
-    model_spec_json TEXT NOT NULL, error TEXT NOT NULL DEFAULT '', created REAL NOT NULL, updated REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS workers (
-    worker_id TEXT PRIMARY KEY, categories_json TEXT NOT NULL, histogram_json TEXT NOT NULL,
-    dp_enabled INTEGER NOT NULL, dp_json TEXT NOT NULL, epsilon_spent REAL NOT NULL, device TEXT NOT NULL,
-    num_samples INTEGER NOT NULL, registered REAL NOT NULL, last_seen REAL NOT NULL, state TEXT NOT NULL DEFAULT 'idle',
-    input_shape_json TEXT NOT NULL DEFAULT '[]', num_classes INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS rounds (
-    job_id TEXT NOT NULL, round INTEGER NOT NULL, status TEXT NOT NULL,
-    participants INTEGER NOT NULL, uploaded INTEGER NOT NULL DEFAULT 0, aggregated INTEGER NOT NULL DEFAULT 0,
-    accuracy REAL, loss REAL, mean_train_loss REAL, seconds REAL, model_version INTEGER,
-    checkpoint TEXT, stats_json TEXT NOT NULL DEFAULT '{}', started REAL NOT NULL, closed REAL,
-    deadline REAL,
-    PRIMARY KEY (job_id, round)
-);
-CREATE TABLE IF NOT EXISTS events (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, time REAL NOT NULL, kind TEXT NOT NULL,
-    round INTEGER NOT NULL DEFAULT 0, worker_id TEXT NOT NULL DEFAULT '', message TEXT NOT NULL DEFAULT ''
-);
-CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, seq);
-CREATE TABLE IF NOT EXISTS participants (
-    job_id TEXT NOT NULL, round INTEGER NOT NULL, worker_id TEXT NOT NULL, status TEXT NOT NULL,
-    reason TEXT NOT NULL DEFAULT '', epsilon REAL, train_loss REAL, num_samples INTEGER,
-    PRIMARY KEY (job_id, round, worker_id)
-);
-"""
-
-
 class StateStore(EpsilonTables, JobNotes, ShareTables, EvaluationTables):
     """The coordinator's one SQLite file; `busy_timeout_s`: how long a write waits for a lock another
     connection holds before it fails. Its ε bounds and corrections: store_epsilon.py; events of their own:
@@ -124,7 +94,11 @@ class StateStore(EpsilonTables, JobNotes, ShareTables, EvaluationTables):
             for name in (path, f"{path}-wal", f"{path}-shm"):          # and gives it to -wal and -shm
                 owner_only(name, 0o600)
         self._db = self._connect()
-        self._write("create its tables", self._migrate)
+        try:
+            self._migrate()
+        except BaseException:
+            self._db.close()
+            raise
 
     @classmethod
     def in_directory(cls, state_dir: str, *, busy_timeout_s: float = 5.0) -> StateStore:
@@ -150,22 +124,18 @@ class StateStore(EpsilonTables, JobNotes, ShareTables, EvaluationTables):
             raise StateUnavailable(f"the coordinator's state store {self.path} could not be opened: {exc}") from exc
         return db
 
-    @staticmethod
-    def _migrate(db: sqlite3.Connection) -> None:
-        for statement in SCHEMA.split(";"):
-            if statement.strip():
-                db.execute(statement)
-        create_evaluation_tables(db)
-        columns = {r["name"] for r in db.execute("PRAGMA table_info(rounds)").fetchall()}
-        if "deadline" not in columns:  # a state file written before rounds kept their deadline
-            db.execute("ALTER TABLE rounds ADD COLUMN deadline REAL")
-        columns = {r["name"] for r in db.execute("PRAGMA table_info(workers)").fetchall()}
-        if "input_shape_json" not in columns:  # a state file written before workers reported their data's shape
-            db.execute("ALTER TABLE workers ADD COLUMN input_shape_json TEXT NOT NULL DEFAULT '[]'")
-            db.execute("ALTER TABLE workers ADD COLUMN num_classes INTEGER NOT NULL DEFAULT 0")
-        job_columns = {r["name"] for r in db.execute("PRAGMA table_info(jobs)").fetchall()}
-        if "submitter" not in job_columns:  # a state file written before jobs kept who submitted them
-            db.execute("ALTER TABLE jobs ADD COLUMN submitter TEXT NOT NULL DEFAULT ''")
+    def _migrate(self) -> None:
+        """Bring the file to the schema this code knows (`store_schema`); a newer one is refused (`SchemaTooNew`)."""
+        with self._lock:
+            try:
+                SCHEMA.migrate(self._db, path=self.path)
+            except sqlite3.Error as exc:
+                raise StateUnavailable(f"the coordinator's state store {self.path} could not be migrated: {exc}") from exc
+
+    def schema_version(self) -> int:
+        """The file's schema version (`PRAGMA user_version`): `store_schema.SCHEMA.latest` once open."""
+        with self._lock:
+            return user_version(self._db)
 
     def close(self) -> None:
         """Close the file and release the state directory (if this store holds it)."""
