@@ -145,7 +145,7 @@ def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
     for section in ("training", "schedule", "aggregation", "evaluation", "data"):
         values = spec.get(section)
         if values:
-            out.append((section, ", ".join(f"{k} {json.dumps(v) if isinstance(v, (dict, list)) else v}"
+            out.append((section, ", ".join(f"{k} {json.dumps(v) if isinstance(v, (dict, list, bool)) else v}"
                                            for k, v in values.items() if v != {})))
     return out
 
