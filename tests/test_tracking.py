@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient  # the tracking extra: `make test` installs it (requirements-tracking.txt)
 
 from fedbroker.app.cli import main
-from fedbroker.app.tracking import JobTracker, Point, job_params, resolve_uri, round_points
+from fedbroker.app.tracking import JobTracker, Point, job_params, resolve_uri, round_points, weights_digest
 from fedbroker.errors import ConfigError
 from tests.lifecycle.test_jobs import JOB
 
@@ -148,3 +149,15 @@ def test_track_without_staying_with_the_job_is_refused_before_it_travels(tmp_pat
     assert code == 2
     assert "--track: needs --follow or --wait" in capsys.readouterr().err
     assert not (tmp_path / "m.db").exists()
+
+
+def test_the_weights_digest_depends_on_every_name_dtype_shape_and_value_but_not_on_order():
+    a = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, dtype=np.float32)}
+    base = weights_digest(a)
+    assert weights_digest({"b": a["b"], "w": a["w"]}) == base
+    assert weights_digest({**a, "w": a["w"].reshape(3, 2)}) != base
+    assert weights_digest({**a, "b": a["b"].astype(np.float64)}) != base
+    assert weights_digest({"w": a["w"], "c": a["b"]}) != base
+    changed = a["w"].copy()
+    changed[1, 2] += 1e-6
+    assert weights_digest({**a, "w": changed}) != base

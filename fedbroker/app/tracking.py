@@ -19,10 +19,12 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from fedbroker.errors import ConfigError, FedbrokerError
 
@@ -260,14 +262,25 @@ class JobTracker:
 
         header, tensors = coordinator.download(self.job_id, 0)
         with tempfile.TemporaryDirectory(prefix="fedbroker-track-") as folder:
-            files = write_model(Path(folder), header, tensors, spec_json)
+            write_model(Path(folder), header, tensors, spec_json)
             self.client.log_artifacts(self.run_id, folder, "model")
-            digest = hashlib.sha256(Path(files["model"]).read_bytes()).hexdigest()
         tags = {"fedbroker.model.round": str(header.round), "fedbroker.model.version": str(header.version),
-                "fedbroker.model.file": f"model/{MODEL_FILE}", MODEL_DIGEST_TAG: digest}
+                "fedbroker.model.file": f"model/{MODEL_FILE}", MODEL_DIGEST_TAG: weights_digest(tensors)}
         for key, value in tags.items():
             self.client.set_tag(self.run_id, key, value)
         self.tags.update(tags)
+
+
+def weights_digest(tensors: Mapping[str, Any]) -> str:
+    """sha256 of a model's weights, the same from the download and from any file they were saved in (a
+    safetensors file's own bytes vary with its header's order): each tensor by name, its dtype, shape and
+    bytes, in name order."""
+    sha = hashlib.sha256()
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name])
+        sha.update(json.dumps([name, array.dtype.str, list(array.shape)]).encode())
+        sha.update(array.tobytes())
+    return sha.hexdigest()
 
 
 def _artifacts_beside(tracking_uri: str) -> str | None:
