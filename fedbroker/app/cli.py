@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fedbroker.app.simulate_cli import add_simulate
     from fedbroker.app.submit import add_parser as add_submit_parser
     from fedbroker.app.teardown import add_parser as add_teardown_parser
+    from fedbroker.app.tracking import add_jobs_track
     from fedbroker.app.workers import add_parser as add_workers_parser
 
     defaults = DemoOptions()
@@ -183,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_verbs(sub)
     add_simulate(sub)
     add_teardown_parser(sub)
-    add_jobs_parser(sub)
+    add_jobs_track(add_jobs_parser(sub))
     add_provision_parser(sub)
     add_workers_parser(sub)
     add_ledger_parser(sub)

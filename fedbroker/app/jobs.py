@@ -315,8 +315,9 @@ def round_number(text: str) -> int:
     return value
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`fedbroker jobs ...` under the main parser's subcommands."""
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Callable[..., argparse.ArgumentParser]:
+    """`fedbroker jobs ...` under the main parser's subcommands; returns the function that adds a verb (with
+    --coordinator, --config, --json), for verbs that live elsewhere (`jobs track`: fedbroker.app.tracking)."""
     jobs = sub.add_parser("jobs", help="list, show, cancel, follow, download and track your jobs")
     verbs = jobs.add_subparsers(dest="verb", required=True)
 
@@ -343,12 +344,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     which.add_argument("--best", action="store_true", help="the round with the best federated accuracy (the sites' "
                                                            "scores), else the best on the job's evaluation set")
     download.add_argument("--out", required=True, help="folder to write the model, its spec and a README into")
-    from fedbroker.app.tracking import cmd_track
-
-    tracked = verb("track", cmd_track, "log the job's rounds, ε and settings to MLflow (one run per job; re-run "
-                                       "safely: it logs only what the run lacks)")
-    tracked.add_argument("--uri", default="", help="the MLflow store: sqlite:///file.db, a .db path, http://server:5000 "
-                                                   "(default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
-    tracked.add_argument("--experiment", default="", help="the MLflow experiment (default: the job's name)")
-    tracked.add_argument("--follow", "-f", action="store_true", help="keep logging as rounds close, until the job ends")
+    return verb
 

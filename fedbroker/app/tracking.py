@@ -377,3 +377,13 @@ def cmd_track(args: argparse.Namespace) -> int:
               f"{'versions' if job.mode == 'async' else 'rounds'} up to {steps} in MLflow run {tracker.run_id} "
               f"at {tracker.uri}")
     return 0
+
+
+def add_jobs_track(verb: Callable[..., argparse.ArgumentParser]) -> None:
+    """`fedbroker jobs track ID`, added with `jobs`' own verb maker (fedbroker.app.jobs.add_parser)."""
+    tracked = verb("track", cmd_track, "log the job's rounds, ε and settings to MLflow (one run per job; run it "
+                                       "again safely: it logs only what the run lacks)")
+    tracked.add_argument("--uri", default="", help="the MLflow store: sqlite:///file.db, a .db path, http://server:5000 "
+                                                   "(default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    tracked.add_argument("--experiment", default="", help="the MLflow experiment (default: the job's name)")
+    tracked.add_argument("--follow", "-f", action="store_true", help="keep logging as rounds close, until the job ends")

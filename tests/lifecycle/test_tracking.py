@@ -1,4 +1,4 @@
-"""MLflow tracking of real jobs, read back with MLflow's own client: `submit --wait --track` against the
+"""MLflow tracking of real jobs, read back with MLflow's own client: `submit --follow --track` against the
 coordinator's gRPC server, RabbitMQ and a DP worker logs the job's settings as params and one point per round
 equal to `jobs show --json`'s; `jobs track` run again logs nothing twice, and a tracker that stopped halfway
 resumes; `simulate --track` (in-process bus) logs its job the same way."""
@@ -96,11 +96,15 @@ def test_a_tracked_job_reads_back_from_mlflow_as_jobs_show_reports_it_and_tracki
     served.worker("w0", dp=DP)
     until(lambda: served.fed.store.workers("digits"), what="w0 registered")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    code, out, err = cli(capsys, "submit", job_file(served, JOB), "--wait", "--config", served.config("alice"),
-                         "--track", uri)
+    code, out, err = cli(capsys, "submit", job_file(served, JOB), "--follow", "--json", "--config",
+                         served.config("alice"), "--track", uri)
     assert code == 0, err
-    job_id = out.splitlines()[0]
+    lines = [json.loads(line) for line in out.splitlines()]  # the events stream as without --track
+    job_id = lines[0]["job_id"]
+    assert lines[-1]["status"] == "completed" and [e["kind"] for e in lines[1:-1]].count("round_closed") == 2
     doc, events = shown(served, capsys, job_id)
+    printed = [e["seq"] for e in lines[1:-1]]
+    assert printed == [e["seq"] for e in events][:len(printed)]  # each event printed once, in order
     assert doc["status"] == "completed" and [r["round"] for r in doc["rounds"]] == [1, 2]
     assert any(e["kind"] == "federated_score" and e["round"] == 2 for e in events)  # the end waits for it
 
