@@ -5,6 +5,7 @@ the job's id is stdout's first line (`JOB=$(fedbroker submit job.yaml)`) and war
 one JSON object `{"job_id", "warnings"}`. `--follow` then streams the job's events as `fedbroker jobs logs
 --follow` does (JSON lines with `--json`) and `--wait` waits without them; either way the exit code is the
 job's end: 0 completed, 1 failed or cancelled (its error on stderr), 130 when interrupted (the job goes on).
+With `--track [URI]` as well, the job is logged to MLflow while it runs (fedbroker.app.tracking).
 """
 
 from __future__ import annotations
