@@ -119,8 +119,8 @@ def round_points(doc: dict[str, Any], events: Iterable[dict[str, Any]]) -> list[
 
 
 def _participants(rows: Iterable[dict[str, Any]], round_number: int) -> dict[str, float]:
-    """A round's refusals and failures, and the ε its job had spent on each site whose update it took (the
-    largest and the mean; none without DP)."""
+    """A round's refusals and failures, and the ε its job had spent on each site that uploaded in it, kept by
+    selection or not (the largest and the mean; none without DP)."""
     mine = [p for p in rows if p["round"] == round_number]
     out: dict[str, float] = {"refused_or_failed": sum(p["status"] in ("refused", "failed", "missed") for p in mine)}
     spent = [p["epsilon"] for p in mine if p["status"] in ("aggregated", "uploaded") and p["epsilon"] > 0]
@@ -169,8 +169,8 @@ class JobTracker:
     @classmethod
     def open(cls, uri: str | None, *, job: Any, experiment: str = "", params: dict[str, str] | None = None
              ) -> JobTracker:
-        """The job's run in `experiment` (default: the job's name), created if missing; `job` is its status row,
-        `params` any settings to log beside the job's own."""
+        """The job's run, wherever the store holds it, else a new one in `experiment` (default: the job's name);
+        `job` is its status row, `params` any settings to log beside the job's own."""
         if not _JOB_ID.fullmatch(job.job_id):
             raise ConfigError("job", f"{job.job_id!r} is not a job id")
         mlflow = _mlflow()
@@ -178,11 +178,9 @@ class JobTracker:
         name = experiment or job.name or job.job_id
         try:
             client = mlflow.tracking.MlflowClient(tracking_uri=resolved)
-            found = client.get_experiment_by_name(name)
-            experiment_id = found.experiment_id if found is not None else client.create_experiment(
-                name, artifact_location=_artifacts_beside(str(client.tracking_uri)))
-            runs = client.search_runs([experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{job.job_id}'",
-                                      max_results=2)
+            every = [e.experiment_id for e in client.search_experiments()]
+            runs = client.search_runs(every, filter_string=f"tags.`{JOB_TAG}` = '{job.job_id}'",
+                                      max_results=1) if every else []
             if runs:
                 run = runs[0]
                 logged = {key: {m.step for m in client.get_metric_history(run.info.run_id, key)}
@@ -190,6 +188,9 @@ class JobTracker:
                 artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
                 return cls(client, run.info.run_id, job.job_id, logged=logged, tags=dict(run.data.tags),
                            artifacts=artifacts, params=params or {})
+            found = client.get_experiment_by_name(name)
+            experiment_id = found.experiment_id if found is not None else client.create_experiment(
+                name, artifact_location=_artifacts_beside(str(client.tracking_uri)))
             run = client.create_run(experiment_id, start_time=int(job.created_unix * 1000) or None,
                                     run_name=job.job_id, tags={JOB_TAG: job.job_id})
         except mlflow.exceptions.MlflowException as exc:
@@ -216,6 +217,7 @@ class JobTracker:
         """Log the job's settings (once), its status tags, and every point of `round_points` the run lacks."""
         from mlflow.entities import Metric, Param, RunTag
         from mlflow.exceptions import MlflowException
+
         fresh = [p for p in round_points(doc, events) if p.step not in self.logged.get(p.key, set())]
         tags = {"fedbroker.job_name": doc["name"], "fedbroker.category": doc["category"],
                 "fedbroker.mode": doc["mode"] or "sync", "fedbroker.submitter": doc["submitter"],

@@ -153,11 +153,11 @@ def test_a_tracker_that_stopped_after_round_1_resumes_at_round_2(served, capsys,
     halfway = {**doc, "rounds": doc["rounds"][:1], "status": "running"}
     JobTracker.open(uri, job=row, experiment="study").log(halfway, [e for e in events if e["round"] <= 1])
 
-    code, out, err = cli(capsys, "jobs", "track", job_id, "--uri", uri, "--experiment", "study",
-                         "--config", served.config("alice"))
+    code, out, err = cli(capsys, "jobs", "track", job_id, "--uri", uri, "--config", served.config("alice"))
     assert code == 0, err
     assert out.startswith(f"job {job_id} (completed, 2/2): ") and "rounds up to 2" in out
-    client, run = the_run(uri, "study", job_id)
+    client, run = the_run(uri, "study", job_id)  # found where it is, not in a new experiment named after the job
+    assert client.get_experiment_by_name(JOB["name"]) is None
     assert histories(client, run) == expected_history(doc, events)  # each round once, in order
     assert run.info.status == "FINISHED" and run.data.tags["fedbroker.status"] == "completed"
 
