@@ -161,3 +161,11 @@ def test_the_weights_digest_depends_on_every_name_dtype_shape_and_value_but_not_
     changed = a["w"].copy()
     changed[1, 2] += 1e-6
     assert weights_digest({**a, "w": changed}) != base
+
+
+def test_an_experiment_without_track_is_refused(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps(JOB))
+    code = main(["submit", str(job), "--wait", "--experiment", "study", "--coordinator", "127.0.0.1:1"])
+    assert code == 2
+    assert "fedbroker submit: config: --experiment: names the MLflow experiment of --track" in capsys.readouterr().err

@@ -403,7 +403,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     job = demo_job(options, data.input_shape, data.num_classes)
     spec = parse_job(job)  # the options checked before anything starts (the coordinator checks what it receives)
     pooled = baseline_training(spec)  # checked now too, though it trains only once the federation is done
-    tracking.check_store(options.track)  # MLflow missing or its store unreachable: said before anything starts
+    tracking.check_store(options.track, experiment=options.experiment)  # MLflow missing or its store unreachable: said before anything starts
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.json").write_text(json.dumps(job, indent=2))
     unit = "versions (async)" if options.mode == "async" else "rounds"

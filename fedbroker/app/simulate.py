@@ -142,7 +142,7 @@ def run_simulation(options: SimulateOptions) -> dict[str, Any]:
     data_config = simulation_data(options, job)
     data = load_worker_data(data_config)
     check_simulation(options, job, data)
-    tracking.check_store(options.track)
+    tracking.check_store(options.track, experiment=options.experiment)
     train, test = train_test_split(data, test_fraction=data_config.test_fraction, seed=data_config.split_seed)
     label = data_config.data.path or data_config.idx_dir or data_config.dataset
     demo = DemoOptions(workers=options.workers, rounds=job.training.rounds, alpha=options.alpha,

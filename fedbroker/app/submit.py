@@ -60,9 +60,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.track is not None and not (args.follow or args.wait):
         raise ConfigError("--track", "needs --follow or --wait (it logs the job while staying with it); to track a "
                                      "job without staying, run `fedbroker jobs track ID --follow`")
-    if args.experiment and args.track is None:
-        raise ConfigError("--experiment", "names the MLflow experiment of --track: give --track too")
-    tracking.check_store(args.track)  # MLflow missing or its store unreachable: refused before the job travels
+    tracking.check_store(args.track, experiment=args.experiment)  # MLflow missing or its store unreachable: refused before the job travels
     c = client(args)
     try:
         reply = c.submit_job(text)
@@ -76,6 +74,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 print(f"fedbroker submit: warning: {warning}", file=sys.stderr)
         if args.follow or args.wait:
             tracker = tracking.start(args.track, c, job_id, experiment=args.experiment)
+            if tracker is not None:  # stderr: stdout stays the id (and, with --json, JSON lines only)
+                print(f"fedbroker submit: tracking in MLflow run {tracker.run_id} at {tracker.uri}", file=sys.stderr)
             return _stay(c, job_id, as_json=args.json, quiet=args.wait, tracker=tracker)
     finally:
         c.close()

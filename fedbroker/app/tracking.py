@@ -315,10 +315,12 @@ def track(coordinator: Any, tracker: JobTracker, *, follow: bool,
     return logged
 
 
-def check_store(track: str | None) -> None:
+def check_store(track: str | None, *, experiment: str = "") -> None:
     """Refuse `--track` now, before a job is submitted or a cluster started, if MLflow is missing or its store
-    cannot be opened; None: no tracking asked for."""
+    cannot be opened; None: no tracking asked for (then no `--experiment` either)."""
     if track is None:
+        if experiment:
+            raise ConfigError("--experiment", "names the MLflow experiment of --track: give --track too")
         return
     mlflow = _mlflow()
     resolved = resolve_uri(track)

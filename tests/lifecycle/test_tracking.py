@@ -109,6 +109,7 @@ def test_a_tracked_job_reads_back_from_mlflow_as_jobs_show_reports_it_and_tracki
     assert any(e["kind"] == "federated_score" and e["round"] == 2 for e in events)  # the end waits for it
 
     client, run = the_run(uri, JOB["name"], job_id)
+    assert f"fedbroker submit: tracking in MLflow run {run.info.run_id} at {uri}" in err
     assert run.info.status == "FINISHED" and run.info.run_name == job_id
     assert run.data.params == flat(doc["spec"])  # the job's settings, as accepted
     logged = histories(client, run)
