@@ -17,9 +17,9 @@ ENV PATH=/opt/fedbroker/bin:$PATH
 RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0
 COPY requirements.txt /src/requirements.txt
 # runtime dependencies only (requirements.txt): test, lint and code-generation tools are in
-# requirements-dev.txt, which is never installed here
+# requirements-dev.txt, MLflow in requirements-tracking.txt, neither ever installed here (pyproject reads both)
 RUN pip install -r /src/requirements.txt
-COPY pyproject.toml README.md MANIFEST.in requirements-dev.txt /src/
+COPY pyproject.toml README.md MANIFEST.in requirements-dev.txt requirements-tracking.txt /src/
 COPY fedbroker /src/fedbroker
 COPY proto /src/proto
 COPY coordinator /src/coordinator

@@ -16,12 +16,13 @@ MODE    ?= sync
 
 .PHONY: experiment-robust venv demo test lint test-unit test-ops ops-tools proto clean bench bench-quick bench-env
 
-$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt requirements-tracking.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	@# torch first, pinned: a CPU wheel of 2.13.0 is local; anything else drags in GBs of CUDA packages
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	@# the tracking extra too: make test runs MLflow's client against the trackers (tests/lifecycle/test_tracking.py)
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt -r requirements-tracking.txt
 	@# the project itself, editable: puts the `fedbroker` command in .venv/bin (dependencies are in already)
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)

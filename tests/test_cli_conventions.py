@@ -21,6 +21,7 @@ from fedbroker.app import exits, jobs
 from fedbroker.app.cli import build_parser, main
 from fedbroker.app.logs import BLOCKING_LOGGER, CONNECT_LOGGERS, setup_logging
 from fedbroker.app.status import render
+from fedbroker.app.tracking import TrackingError
 from fedbroker.errors import BusError, ConfigError, NotFound
 from fedbroker.proto import fedbroker_pb2 as pb
 from tests.source_roots import PYTHONPATH
@@ -131,6 +132,7 @@ class FakeRpcError(grpc.RpcError):
     (NotFound("no worker 'w' is registered"), (1, "state", "no worker 'w' is registered")),
     (FileNotFoundError(2, "No such file or directory", "/x.yaml"), (2, "file", "/x.yaml: No such file or directory")),
     (TimeoutError("the service did not become healthy"), (1, "system", "the service did not become healthy")),
+    (TrackingError("MLflow at http://x:5000: API request failed"), (1, "tracking", "MLflow at http://x:5000: API request failed")),
 ])
 def test_each_kind_of_error_gets_its_exit_code_and_origin(error, expected):
     assert exits.classify(error) == expected

@@ -28,15 +28,20 @@ def pins(name: str) -> dict[str, str]:
     return out
 
 
-def imported_top_levels() -> set[str]:
+# Modules that may import an optional extra's distributions (lazily: the package runs without the extra).
+OPTIONAL = {ROOT / "fedbroker" / "app" / "tracking.py": "requirements-tracking.txt"}
+
+
+def imported_top_levels(paths: list[Path] | None = None) -> set[str]:
+    if paths is None:
+        paths = [p for folder in PACKAGE_DIRS for p in (ROOT / folder).rglob("*.py") if p not in OPTIONAL]
     names: set[str] = set()
-    for folder in PACKAGE_DIRS:
-        for path in (ROOT / folder).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-                if isinstance(node, ast.Import):
-                    names.update(alias.name.split(".")[0] for alias in node.names)
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names.add(node.module.split(".")[0])
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
     return names
 
 
@@ -46,9 +51,11 @@ def test_pyproject_reads_its_dependencies_from_the_requirements_files():
     dynamic = project["tool"]["setuptools"]["dynamic"]
     assert dynamic["dependencies"] == {"file": ["requirements.txt"]}
     assert dynamic["optional-dependencies"]["dev"] == {"file": ["requirements-dev.txt"]}
+    assert dynamic["optional-dependencies"]["tracking"] == {"file": ["requirements-tracking.txt"]}
     assert project["project"]["scripts"]["fedbroker"] == "fedbroker.app.cli:main"
     manifest = (ROOT / "MANIFEST.in").read_text()
-    assert "requirements.txt" in manifest and "requirements-dev.txt" in manifest  # an sdist can build
+    for name in ("requirements.txt", "requirements-dev.txt", "requirements-tracking.txt"):
+        assert name in manifest  # an sdist can build
 
 
 def test_runtime_and_dev_requirements_are_separate_and_torch_stays_pinned():
@@ -69,6 +76,25 @@ def test_every_third_party_import_of_the_package_is_a_runtime_requirement():
         if not dists & runtime.keys():
             missing[module] = sorted(dists)
     assert not missing, f"imported at run time but not in requirements.txt: {missing}"
+
+
+def test_an_optional_extra_is_imported_only_by_its_module_and_only_when_used():
+    """MLflow (the tracking extra) comes from requirements-tracking.txt, never from the runtime pins, and only
+    inside functions (or for the type checker), so `fedbroker` runs where the extra is not installed."""
+    runtime = pins("requirements.txt")
+    distributions = importlib.metadata.packages_distributions()
+    for path, extra in OPTIONAL.items():
+        allowed = pins(extra)
+        assert not allowed.keys() & runtime.keys()
+        tree = ast.parse(path.read_text(), filename=str(path))
+        third_party = imported_top_levels([path]) - sys.stdlib_module_names - {"fedbroker", "__future__"}
+        for module in third_party:
+            dists = {d.lower().replace("_", "-") for d in distributions.get(module, [module])}
+            assert dists & (allowed.keys() | runtime.keys()), (path.name, module, dists)
+        at_import = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        eager = {a.name.split(".")[0] for n in at_import for a in n.names} | {
+            n.module.split(".")[0] for n in at_import if isinstance(n, ast.ImportFrom) and n.module}
+        assert not eager & {m for m in third_party if m not in runtime}, f"{path.name} imports its extra eagerly"
 
 
 def test_the_fedbroker_command_lists_its_verbs():

@@ -113,7 +113,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         workers=args.workers, rounds=args.rounds, alpha=args.alpha, partition=args.partition, dp=args.dp,
         dataset=args.dataset, broker=args.broker or "", out=args.out, seed=args.seed,
         local_epochs=args.local_epochs, lr=args.lr, noise_multiplier=args.noise_multiplier,
-        max_grad_norm=args.max_grad_norm, epsilon_budget=args.epsilon_budget, mode=args.mode,
+        max_grad_norm=args.max_grad_norm, epsilon_budget=args.epsilon_budget, mode=args.mode, track=args.track,
+        experiment=args.experiment,
     )
     run_demo(options)
     return 0
@@ -168,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fedbroker.app.simulate_cli import add_simulate
     from fedbroker.app.submit import add_parser as add_submit_parser
     from fedbroker.app.teardown import add_parser as add_teardown_parser
+    from fedbroker.app.tracking import add_jobs_track
     from fedbroker.app.workers import add_parser as add_workers_parser
 
     defaults = DemoOptions()
@@ -184,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_verbs(sub)
     add_simulate(sub)
     add_teardown_parser(sub)
-    add_jobs_parser(sub)
+    add_jobs_track(add_jobs_parser(sub))
     add_provision_parser(sub)
     add_workers_parser(sub)
     add_ledger_parser(sub)
@@ -198,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_demo(sub: Subcommands, d: DemoOptions) -> None:
+    from fedbroker.app.tracking import add_track_arguments
+
     demo = sub.add_parser("demo", help="run a whole private federation on this machine")
     demo.add_argument("--workers", type=int, default=d.workers)
     demo.add_argument("--rounds", type=int, default=d.rounds)
@@ -215,6 +219,7 @@ def _add_demo(sub: Subcommands, d: DemoOptions) -> None:
     demo.add_argument("--noise-multiplier", type=float, default=d.noise_multiplier)
     demo.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm)
     demo.add_argument("--epsilon-budget", type=float, default=d.epsilon_budget)
+    add_track_arguments(demo, what="the demo's job")
     demo.set_defaults(run=cmd_demo)
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fedbroker.app import tracking
 from fedbroker.app.progress import follow
 from fedbroker.errors import ConfigError, ConfigErrors, FedbrokerError
 from fedbroker.spec import JobSpec, ModelSpec, TrainingConfig, parse_job
@@ -61,6 +62,8 @@ class DemoOptions:
     epsilon_budget: float = 10.0
     round_timeout_s: float = 300.0
     mode: str = "sync"   # sync (rounds) | async (FedBuff: `rounds` × workers / buffer updates, as versions)
+    track: str | None = None  # MLflow: None = no tracking, "" = MLflow's default store, else its URI
+    experiment: str = ""      # the MLflow experiment (default: the job's name)
     run_id: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
 
 
@@ -400,6 +403,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     job = demo_job(options, data.input_shape, data.num_classes)
     spec = parse_job(job)  # the options checked before anything starts (the coordinator checks what it receives)
     pooled = baseline_training(spec)  # checked now too, though it trains only once the federation is done
+    tracking.check_store(options.track, experiment=options.experiment)  # MLflow missing or its store unreachable: said before anything starts
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.json").write_text(json.dumps(job, indent=2))
     unit = "versions (async)" if options.mode == "async" else "rounds"
@@ -416,10 +420,17 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         cluster.start()
         client = cluster.client()
         job_id = client.submit(json.dumps(job))
-        status = follow(client, job_id, cluster, tqdm)
+        tracker = tracking.start(options.track, client, job_id, experiment=options.experiment, params={
+            f"demo.{k}": v if isinstance(v, str) else json.dumps(v) for k, v in vars(options).items()
+            if k not in ("broker", "out", "run_id", "track", "experiment")})
+        observe = None if tracker is None else (lambda: tracker.sync(client))
+        status = follow(client, job_id, cluster, tqdm, observe=observe)
+        tracking.end(tracker, client)
         client.close()
     finally:
         cluster.stop()
+    if tracker is not None:
+        print(f"tracked in MLflow run {tracker.run_id} at {tracker.uri}")
     job_row = status.jobs[0]
     print("training the centralised (pooled data, no DP) baseline ...")
     baseline = centralized_baseline(options, spec.model, pooled)

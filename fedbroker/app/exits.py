@@ -2,7 +2,7 @@
 
 - 0: done.
 - 1: refused or failed elsewhere: by a service (`coordinator`), the `broker`, the `job` itself, the local
-  `state` folder a command works on.
+  `state` folder a command works on, the MLflow store a job is `tracking` into.
 - 2: usage or local validation (`usage`, `config`, `file`): a bad flag, job, config or path, refused here
   before anything travels.
 
@@ -23,7 +23,7 @@ from fedbroker.errors import BusError, ConfigError, FedbrokerError, NotFound
 
 OK, REFUSED, USAGE = 0, 1, 2
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
-ORIGINS = ("usage", "config", "file", "coordinator", "broker", "job", "state", "system")
+ORIGINS = ("usage", "config", "file", "coordinator", "broker", "job", "state", "tracking", "system")
 
 
 def _pika_error() -> tuple[type[BaseException], ...]:
@@ -64,6 +64,8 @@ def _origin(exc: FedbrokerError) -> str:
     reason = str(getattr(exc, "reason", ""))
     if reason in ("job_failed", "federation_failed"):
         return "job"
+    if reason == "tracking_failed":
+        return "tracking"
     if isinstance(exc, NotFound) or reason in ("conflict", "unavailable"):
         return "state"  # remote refusals arrive as gRPC errors: these come from a local state folder
     return "system"

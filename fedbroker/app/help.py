@@ -18,7 +18,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 EXIT_CODES = ("exit codes: 0 ok, 1 refused by a service (or the job failed), 2 usage or local validation; an error is "
               "one line on stderr, `fedbroker VERB: ORIGIN: message` (ORIGIN: usage, config, file, coordinator, "
-              "broker, job, state or system).")
+              "broker, job, state, tracking or system).")
 
 
 def commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> dict[str, str]:

@@ -10,7 +10,7 @@ import argparse
 import datetime
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -106,12 +106,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         c.close()
     (job,) = status.jobs
     if args.json:
-        doc = as_dict(job)
-        doc["rounds"] = [as_dict(r) for r in status.rounds]
-        doc["participants"] = [as_dict(p) for p in status.participants]
-        doc["sharing"] = [as_dict(e) for e in shared]  # what its sites shared before round 1
-        doc["evaluations"] = [as_dict(e) for e in status.evaluations]
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(show_document(status, shared), indent=2))
         return 0
     facts = [("job", job.job_id), ("name", job.name), ("status", job.status), ("category", job.category),
              ("mode", job.mode or "sync"), ("rounds", f"{job.rounds_done}/{job.rounds_total}"),
@@ -135,6 +130,18 @@ def cmd_show(args: argparse.Namespace) -> int:
     print("WORKERS (this job)")
     print(job_workers(status))
     return 0
+
+
+def show_document(status: Any, events: Iterable[Any]) -> dict[str, Any]:
+    """`jobs show --json`'s one document: the job's row, its rounds, participants, what its sites shared before
+    round 1 (of `events`, the sharing ones) and its sites' evaluations. Tracking logs from the same document."""
+    (job,) = status.jobs
+    doc = as_dict(job)
+    doc["rounds"] = [as_dict(r) for r in status.rounds]
+    doc["participants"] = [as_dict(p) for p in status.participants]
+    doc["sharing"] = [as_dict(e) for e in events if e.kind in SHARE_EVENTS]
+    doc["evaluations"] = [as_dict(e) for e in status.evaluations]
+    return doc
 
 
 def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
@@ -211,13 +218,21 @@ ASYNC_KINDS = {"round_opened": "buffer_filled", "round_closed": "version_publish
 
 def print_events(c: Any, job_id: str, *, as_json: bool, follow: bool) -> None:
     """The job's events, one line (or JSON object) each; with `follow`, until the job has ended."""
+    show = event_printer(c, job_id, as_json=as_json)
+    for e in follow_events(c, job_id, follow=follow):
+        show(e)
+
+
+def event_printer(c: Any, job_id: str, *, as_json: bool) -> Callable[[Any], None]:
+    """Prints one event as `jobs logs` does: a line (an async job's rounds named as its versions) or JSON."""
     (job,) = c.status(job_id).jobs
     mode = job.mode or "sync"
     versions: dict[int, int] = {}
-    for e in follow_events(c, job_id, follow=follow):
+
+    def show(e: Any) -> None:
         if as_json:
             print(json.dumps({**as_dict(e), "mode": mode}), flush=True)
-            continue
+            return
         kind, where = e.kind, f"round {e.round}" if e.round else ""
         if mode == "async" and e.round:
             if e.round not in versions:  # the version a buffer made: from the job's rows, fetched as needed
@@ -225,6 +240,8 @@ def print_events(c: Any, job_id: str, *, as_json: bool, follow: bool) -> None:
             kind = ASYNC_KINDS.get(kind, kind)
             where = f"version {versions[e.round]}" if versions.get(e.round) else ""
         print(f"{_when(e.time_unix)}  {kind:<16} {where:<11} {e.worker_id:<16} {e.message}".rstrip(), flush=True)
+
+    return show
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
@@ -298,9 +315,10 @@ def round_number(text: str) -> int:
     return value
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`fedbroker jobs ...` under the main parser's subcommands."""
-    jobs = sub.add_parser("jobs", help="list, show, cancel, follow and download your jobs")
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Callable[..., argparse.ArgumentParser]:
+    """`fedbroker jobs ...` under the main parser's subcommands; returns the function that adds a verb (with
+    --coordinator, --config, --json), for verbs that live elsewhere (`jobs track`: fedbroker.app.tracking)."""
+    jobs = sub.add_parser("jobs", help="list, show, cancel, follow, download and track your jobs")
     verbs = jobs.add_subparsers(dest="verb", required=True)
 
     def verb(name: str, fn: Callable[[argparse.Namespace], int], help_text: str, *, job_id: bool = True,
@@ -326,4 +344,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     which.add_argument("--best", action="store_true", help="the round with the best federated accuracy (the sites' "
                                                            "scores), else the best on the job's evaluation set")
     download.add_argument("--out", required=True, help="folder to write the model, its spec and a README into")
+    return verb
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -115,14 +116,17 @@ class _Bars:
 
 
 def follow(client: Any, job_id: str, cluster: Any, tqdm: Any, *, stream: IO[str] | None = None,
-           poll_s: float = 0.25) -> pb.StatusReply:
+           poll_s: float = 0.25, observe: Callable[[], object] | None = None) -> pb.StatusReply:
     """Poll the coordinator until the job ends, showing its progress on `stream` (default stderr): bars on a
-    terminal, plain lines elsewhere. `cluster.check_alive()` stops the wait when a process of it died."""
+    terminal, plain lines elsewhere. `cluster.check_alive()` stops the wait when a process of it died;
+    `observe` (MLflow tracking) is called once a poll."""
     out = stream if stream is not None else sys.stderr
     view: _Plain | _Bars = _Bars(tqdm, out) if out.isatty() else _Plain(out)
     try:
         while True:
             cluster.check_alive()
+            if observe is not None:
+                observe()
             status = client.status(job_id)
             job = status.jobs[0] if status.jobs else None
             if job is not None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from fedbroker.app import tracking
 from fedbroker.app.demo import (
     Cluster,
     DemoOptions,
@@ -53,6 +54,8 @@ class SimulateOptions:
     broker: str = ""
     out: str = "runs"
     seed: int = 0
+    track: str | None = None           # MLflow: None = no tracking, "" = MLflow's default store, else its URI
+    experiment: str = ""               # the MLflow experiment (default: the job's name)
 
 
 class SimulationCluster(Cluster):
@@ -139,6 +142,7 @@ def run_simulation(options: SimulateOptions) -> dict[str, Any]:
     data_config = simulation_data(options, job)
     data = load_worker_data(data_config)
     check_simulation(options, job, data)
+    tracking.check_store(options.track, experiment=options.experiment)
     train, test = train_test_split(data, test_fraction=data_config.test_fraction, seed=data_config.split_seed)
     label = data_config.data.path or data_config.idx_dir or data_config.dataset
     demo = DemoOptions(workers=options.workers, rounds=job.training.rounds, alpha=options.alpha,
@@ -162,10 +166,16 @@ def run_simulation(options: SimulateOptions) -> dict[str, Any]:
         cluster.start()
         client = cluster.client()
         job_id = client.submit(text)
-        status = follow(client, job_id, cluster, tqdm)
+        tracker = tracking.start(options.track, client, job_id, experiment=options.experiment,
+                                 params=simulation_params(options))
+        observe = None if tracker is None else (lambda: tracker.sync(client))
+        status = follow(client, job_id, cluster, tqdm, observe=observe)
+        tracking.end(tracker, client)
         client.close()
     finally:
         cluster.stop()
+    if tracker is not None:
+        print(f"tracked in MLflow run {tracker.run_id} at {tracker.uri}")
     accuracy = score_rounds(run_dir / "coordinator" / "checkpoints", job_id, test)
     print("training the centralised (pooled data, no DP) baseline ...")
     baseline = pooled_baseline(job, train, test, seed=options.seed)
@@ -183,6 +193,13 @@ def run_simulation(options: SimulateOptions) -> dict[str, Any]:
     if row.status == "failed":
         raise FederationFailed(f"the job stopped after {row.rounds_done} round(s): {row.error}")
     return results
+
+
+def simulation_params(options: SimulateOptions) -> dict[str, str]:
+    """The simulation's own settings, logged beside the job's (`simulate.workers`, ...)."""
+    skip = {"job", "out", "broker", "track", "experiment"}
+    return {f"simulate.{k}": v if isinstance(v, str) else json.dumps(v) for k, v in vars(options).items()
+            if k not in skip}
 
 
 def score_rounds(checkpoint_dir: Path, job_id: str, test: Any) -> dict[int, float]:

@@ -9,6 +9,7 @@ import logging
 def add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`fedbroker simulate job.yaml` under the main parser's subcommands."""
     from fedbroker.app.simulate import SimulateOptions
+    from fedbroker.app.tracking import add_track_arguments
 
     d = SimulateOptions(job="")
     p = sub.add_parser("simulate", help="run your job file on this machine before submitting it",
@@ -32,6 +33,7 @@ def add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--broker", default="", help="amqp://... runs every component as a process (default: in-process)")
     p.add_argument("--out", default=d.out)
     p.add_argument("--seed", type=int, default=d.seed)
+    add_track_arguments(p, what="the simulated job")
     p.set_defaults(run=cmd_simulate)
 
 
@@ -45,5 +47,5 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         job=args.job, workers=args.workers, partition=args.partition, alpha=args.alpha, dataset=args.dataset or "",
         worker_config=args.worker_config or "", dp=args.dp, noise_multiplier=args.noise_multiplier,
         max_grad_norm=args.max_grad_norm, epsilon_budget=args.epsilon_budget, broker=args.broker, out=args.out,
-        seed=args.seed))
+        seed=args.seed, track=args.track, experiment=args.experiment))
     return 0

@@ -5,6 +5,7 @@ the job's id is stdout's first line (`JOB=$(fedbroker submit job.yaml)`) and war
 one JSON object `{"job_id", "warnings"}`. `--follow` then streams the job's events as `fedbroker jobs logs
 --follow` does (JSON lines with `--json`) and `--wait` waits without them; either way the exit code is the
 job's end: 0 completed, 1 failed or cancelled (its error on stderr), 130 when interrupted (the job goes on).
+With `--track [URI]` as well, the job is logged to MLflow while it runs (fedbroker.app.tracking).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from fedbroker.app import tracking
 from fedbroker.errors import ConfigError, FedbrokerError
 
 if TYPE_CHECKING:
@@ -55,6 +57,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError("job", f"cannot read {args.job}: {getattr(exc, 'strerror', None) or exc}") from None
     job = accept_job_text(text)  # refuse a bad job here, before it travels
+    if args.track is not None and not (args.follow or args.wait):
+        raise ConfigError("--track", "needs --follow or --wait (it logs the job while staying with it); to track a "
+                                     "job without staying, run `fedbroker jobs track ID --follow`")
+    tracking.check_store(args.track, experiment=args.experiment)  # MLflow missing or its store unreachable: refused before the job travels
     c = client(args)
     try:
         reply = c.submit_job(text)
@@ -67,17 +73,23 @@ def cmd_submit(args: argparse.Namespace) -> int:
             for warning in warnings:
                 print(f"fedbroker submit: warning: {warning}", file=sys.stderr)
         if args.follow or args.wait:
-            return _stay(c, job_id, as_json=args.json, quiet=args.wait)
+            tracker = tracking.start(args.track, c, job_id, experiment=args.experiment)
+            if tracker is not None:  # stderr: stdout stays the id (and, with --json, JSON lines only)
+                print(f"fedbroker submit: tracking in MLflow run {tracker.run_id} at {tracker.uri}", file=sys.stderr)
+            return _stay(c, job_id, as_json=args.json, quiet=args.wait, tracker=tracker)
     finally:
         c.close()
     return 0
 
 
-def _stay(c: Any, job_id: str, *, as_json: bool, quiet: bool) -> int:
-    """Stream (or, quiet, only wait for) the job's events until it ends; 0 completed, else JobDidNotComplete."""
-    from fedbroker.app.jobs import follow_events, print_events
+def _stay(c: Any, job_id: str, *, as_json: bool, quiet: bool, tracker: tracking.JobTracker | None = None) -> int:
+    """Stream (or, quiet, only wait for) the job's events until it ends, logging them to MLflow with a tracker;
+    0 completed, else JobDidNotComplete."""
+    from fedbroker.app.jobs import event_printer, follow_events, print_events
 
-    if quiet:
+    if tracker is not None:
+        tracking.track(c, tracker, follow=True, on_event=None if quiet else event_printer(c, job_id, as_json=as_json))
+    elif quiet:
         for _ in follow_events(c, job_id, follow=True):
             pass
     else:
@@ -108,4 +120,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                       help="stream the job's events until it ends; exit 0 if it completed, 1 if not")
     stay.add_argument("--wait", action="store_true",
                       help="wait until the job ends without its events; exit 0 if it completed, 1 if not")
+    tracking.add_track_arguments(submit, what="the job")
     submit.set_defaults(run=cmd_submit)
