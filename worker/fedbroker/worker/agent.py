@@ -145,6 +145,8 @@ class WorkerAgent:
         log.info("%s", self.sharing.summary())
         self.bus.declare_worker(self.config.id)
         self.register()
+        if self.log_forwarder is not None:  # the coordinator files a site's records once it knows the site
+            self.log_forwarder.start_sending()
         self.send_heartbeat()  # at once: the coordinator opens rounds only with workers that reported a budget
         self.bus.consume_tasks(self.config.id, self.on_task)
         self._heartbeat = threading.Thread(target=self._beat, name=f"heartbeat-{self.config.id}", daemon=True)

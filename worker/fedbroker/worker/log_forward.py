@@ -6,7 +6,8 @@ time, never a traceback, never data. They go over the worker's own control chann
 site's broker user. At most `burst` records at once and `per_minute` after that: the rest are dropped here and
 counted, and the next record sent says how many (`dropped_before`). Records wait in a bounded queue for a thread
 of their own, so logging never blocks on the broker (a record logged while publishing one, by the bus itself, is
-not forwarded: no loop).
+not forwarded: no loop). A forwarder installed `held` keeps what is logged before the worker registered (the
+coordinator files records only for a registered site) until `start_sending` (not `release`: logging.Handler has one).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class LogForwarder(logging.Handler):
     """A logging handler that publishes WARNING+ records as `SiteLog` control messages through `publish`."""
 
     def __init__(self, worker_id: str, publish: Callable[[bytes], None], *, burst: int = BURST,
-                 per_minute: float = PER_MINUTE, clock: Callable[[], float] = time.monotonic) -> None:
+                 per_minute: float = PER_MINUTE, clock: Callable[[], float] = time.monotonic,
+                 held: bool = False) -> None:
         super().__init__(level=logging.WARNING)
         self.worker_id = worker_id
         self._publish = publish
@@ -43,6 +45,7 @@ class LogForwarder(logging.Handler):
         self._inflight = False
         self._sending = threading.local()  # set on the sender thread while it publishes
         self._stop = False
+        self._held = held
         self._thread = threading.Thread(target=self._run, name=f"log-forward-{worker_id}", daemon=True)
         self._thread.start()
 
@@ -82,7 +85,7 @@ class LogForwarder(logging.Handler):
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stop:
+                while not self._stop and (self._held or not self._queue):
                     self._cond.wait()
                 if self._stop and not self._queue:
                     return
@@ -98,6 +101,12 @@ class LogForwarder(logging.Handler):
                 self._sending.active = False
                 with self._cond:
                     self._inflight = False
+
+    def start_sending(self) -> None:
+        """Start sending (a forwarder installed `held`, once its worker has registered)."""
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
 
     def drain(self, timeout: float = 10.0) -> bool:
         """Wait until every queued record was handed to the bus (or `timeout` passed); whether it was."""
@@ -128,8 +137,9 @@ def _cut(text: str) -> str:
 
 
 def install(worker_id: str, publish: Callable[[bytes], None]) -> LogForwarder:
-    """A forwarder on the root logger, so every WARNING+ of this worker process is forwarded; `remove` it at stop."""
-    handler = LogForwarder(worker_id, publish)
+    """A forwarder on the root logger, so every WARNING+ of this worker process is forwarded, held until the worker
+    has registered (WorkerAgent.start calls `start_sending`); `remove` it at stop."""
+    handler = LogForwarder(worker_id, publish, held=True)
     logging.getLogger().addHandler(handler)
     return handler
 
