@@ -4,6 +4,7 @@ sites, and the gRPC replies."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,9 @@ def test_a_silent_site_expires_once_and_returns_when_heard(store: StateStore) ->
     store.touch_worker("quiet", epsilon_spent=0.5, state="idle")  # type: ignore[arg-type]
     assert store.note_heard("quiet") is True
     assert kinds(store, "quiet") == ["registered", "expired", "returned"]
-    assert "no heartbeat for 300s" in store.site_events("quiet")[1].message
+    expired, returned = store.site_events("quiet")[1:]
+    assert "no heartbeat for 300s" in expired.message
+    assert re.search(r"heartbeats again after 30\ds of silence", returned.message), returned.message
 
 
 def test_a_sites_history_is_bounded_and_repeats_are_counted_not_stored_again(store: StateStore) -> None:

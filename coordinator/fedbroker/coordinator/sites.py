@@ -98,7 +98,8 @@ class SiteLogIntake:
 
 class SiteWatch:
     """A thread that writes an `expired` event for each site whose heartbeats stopped (store.mark_silent), every
-    `heartbeat_timeout_s / 4` seconds (within [1, 15])."""
+    `heartbeat_timeout_s / 4` seconds (within [1, 15]). Its first look is a heartbeat timeout after it starts: a
+    coordinator that was down heard nobody meanwhile, and its sites get the time to beat before any is silent."""
 
     def __init__(self, store: StateStore, *, heartbeat_timeout_s: float) -> None:
         self.store = store
@@ -108,7 +109,7 @@ class SiteWatch:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Look now, then every `every_s` seconds until `stop`."""
+        """Look a heartbeat timeout from now, then every `every_s` seconds until `stop`."""
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="site-watch", daemon=True)
         self._thread.start()
@@ -132,6 +133,7 @@ class SiteWatch:
         return silent
 
     def _run(self) -> None:
+        self._stop.wait(self.timeout_s)
         while not self._stop.is_set():
             self.look()
             self._stop.wait(self.every_s)

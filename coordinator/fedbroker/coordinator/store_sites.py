@@ -1,7 +1,7 @@
 """The part of the coordinator's state store (`StateStore`, which mixes it in) that an operator reads about the
 sites (`fedbroker sites`): what each runs and when it restarted (`site_info`), its own bounded history
 (`site_events`: registered, restarted, expired, returned, refused, failed, ...) and the warnings and errors it
-forwarded (`site_logs`).
+forwarded (`site_logs`). A silent site's `silent` holds when it was last heard before its silence (0: not silent).
 
 Everything here is written for sites that registered (a row in `workers`), and each site keeps only its newest
 `KEEP_EVENTS` events and `KEEP_LOGS` log records, every text cut and stripped of control characters
@@ -39,7 +39,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS site_info (
     worker_id TEXT PRIMARY KEY, software_version TEXT NOT NULL DEFAULT '', first_registered REAL NOT NULL,
     started REAL NOT NULL DEFAULT 0, restarts INTEGER NOT NULL DEFAULT 0, broker_user TEXT NOT NULL DEFAULT '',
-    silent INTEGER NOT NULL DEFAULT 0, last_error TEXT NOT NULL DEFAULT '', last_error_time REAL,
+    silent REAL NOT NULL DEFAULT 0, last_error TEXT NOT NULL DEFAULT '', last_error_time REAL,
     log_records INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS site_events (
@@ -87,9 +87,9 @@ class SiteTables:
                            " VALUES (?, ?, ?, ?, ?)", (worker_id, version, now, started, user))
                 _site_event(db, worker_id, "registered", summary + (f"; fedbroker {version}" if version else ""), now)
                 return
-            if row["silent"]:
-                _site_event(db, worker_id, "returned", f"registered again after {now - _last_seen(db, worker_id):.0f}s "
-                                                       f"of silence", now)
+            if row["silent"]:  # when it was last heard before its silence
+                _site_event(db, worker_id, "returned", f"registered again after {now - row['silent']:.0f}s of "
+                                                       f"silence", now)
             said = list(changes)
             if version and row["software_version"] and version != row["software_version"]:
                 said.insert(0, f"fedbroker {row['software_version']} → {version}")
@@ -115,11 +115,12 @@ class SiteTables:
         now = time.time()
 
         def write(db: sqlite3.Connection) -> bool:
-            seen = _last_seen(db, worker_id)
-            if not db.execute("UPDATE site_info SET silent = 0 WHERE worker_id = ? AND silent = 1",
-                              (worker_id,)).rowcount:
+            row = db.execute("SELECT silent FROM site_info WHERE worker_id = ?", (worker_id,)).fetchone()
+            if row is None or not row["silent"]:
                 return False
-            _site_event(db, worker_id, "returned", f"heartbeats again after {now - seen:.0f}s of silence", now)
+            db.execute("UPDATE site_info SET silent = 0 WHERE worker_id = ?", (worker_id,))
+            _site_event(db, worker_id, "returned", f"heartbeats again after {now - row['silent']:.0f}s of silence",
+                        now)
             return True
 
         return self._write(f"record that site {worker_id!r} is heard again", write)
@@ -136,7 +137,8 @@ class SiteTables:
                               " ORDER BY w.worker_id", (now - timeout_s,)).fetchall()
             for r in rows:
                 _ensure_site(db, r["worker_id"], now)
-                db.execute("UPDATE site_info SET silent = 1 WHERE worker_id = ?", (r["worker_id"],))
+                db.execute("UPDATE site_info SET silent = ? WHERE worker_id = ?",  # when it was last heard
+                           (max(float(r["last_seen"]), 1.0), r["worker_id"]))
                 _site_event(db, r["worker_id"], "expired", f"no heartbeat for {now - r['last_seen']:.0f}s "
                                                            f"(coordinator.heartbeat_timeout_s is {timeout_s:g})", now)
             return [str(r["worker_id"]) for r in rows]
@@ -219,11 +221,6 @@ def _site_info(r: sqlite3.Row) -> SiteInfo:
 def _ensure_site(db: sqlite3.Connection, worker_id: str, now: float) -> None:
     """A site registered before these tables existed gets its row when first written about."""
     db.execute("INSERT OR IGNORE INTO site_info (worker_id, first_registered) VALUES (?, ?)", (worker_id, now))
-
-
-def _last_seen(db: sqlite3.Connection, worker_id: str) -> float:
-    row = db.execute("SELECT last_seen FROM workers WHERE worker_id = ?", (worker_id,)).fetchone()
-    return float(row["last_seen"]) if row is not None else time.time()
 
 
 def _site_event(db: sqlite3.Connection, worker_id: str, kind: str, message: str, now: float) -> str:
