@@ -253,6 +253,9 @@ class WorkerConfig:
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
     metrics_addr: str = "0.0.0.0"     # the exporter's bind address: 0.0.0.0 for a container scraped from
                                        # outside; 127.0.0.1 on a shared host (no /metrics for the network)
+    # send this worker's own WARNING+ log lines (level, logger, text cut short, time: never data) to the
+    # coordinator, rate-limited, for the operator's `fedbroker sites logs` (worker/log_forward.py)
+    forward_logs: bool = True
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ or local validation; each error is one line, `fedbroker VERB: ORIGIN: message`.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 from fedbroker.app.exits import Parser, report
 from fedbroker.app.logs import setup_logging
 from fedbroker.errors import ConfigError
+from fedbroker.version import installed_version
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -149,14 +149,6 @@ def cmd_token(args: argparse.Namespace) -> int:
     return 0
 
 
-def installed_version() -> str:
-    """The installed distribution's version: the namespace package has no `__init__` to hold a `__version__`."""
-    try:
-        return importlib.metadata.version("fedbroker")
-    except importlib.metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, never installed
-        return "unknown (not installed)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     """Every verb's arguments; each verb's `run` is the function `main` calls."""
     from fedbroker.app import help as listing
@@ -167,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fedbroker.app.new import add_parser as add_new_parser
     from fedbroker.app.provision.command import add_parser as add_provision_parser
     from fedbroker.app.simulate_cli import add_simulate
+    from fedbroker.app.sites import add_parser as add_sites_parser
     from fedbroker.app.submit import add_parser as add_submit_parser
     from fedbroker.app.teardown import add_parser as add_teardown_parser
     from fedbroker.app.tracking import add_jobs_track
@@ -189,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_jobs_track(add_jobs_parser(sub))
     add_provision_parser(sub)
     add_workers_parser(sub)
+    add_sites_parser(sub)
     add_ledger_parser(sub)
     add_backup_parser(sub)
     token = sub.add_parser("token", help="make a bearer token and its token-table entry")

@@ -143,15 +143,26 @@ def set_torch_threads(threads: int) -> None:
 
 
 def start_worker(config: Config, *, bus: Bus | None = None) -> WorkerAgent:
-    """A worker consuming its task queue; `bus` is the demo's in-process bus, else the config's broker."""
+    """A worker consuming its task queue; `bus` is the demo's in-process bus, else the config's broker. A worker
+    process of its own (no `bus` given) forwards its warnings to the coordinator unless `worker.forward_logs` is
+    off (the demo's workers share a process, and a console, with the coordinator)."""
     from fedbroker.worker.agent import WorkerAgent
+    from fedbroker.worker.log_forward import install, remove
 
     keep_freed_memory()  # every round streams the global model in and the update out
     w = config.worker
     set_torch_threads(w.torch_threads)
     _export("worker", w.metrics_port, w.metrics_addr)
-    agent = WorkerAgent(w, bus or make_bus(config),
-                        security=client_security(config, expected_target=config.aggregator.target))
+    own_bus = bus is None
+    bus = bus or make_bus(config)
+    forwarder = install(w.id, bus.publish_control) if own_bus and w.forward_logs else None
+    try:
+        agent = WorkerAgent(w, bus, security=client_security(config, expected_target=config.aggregator.target),
+                            log_forwarder=forwarder)
+    except BaseException:
+        if forwarder is not None:
+            remove(forwarder)
+        raise
     agent.start()
     agent.bus.start()
     return agent

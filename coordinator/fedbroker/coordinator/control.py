@@ -38,11 +38,15 @@ MAX_SUM = 1e15                     # any one noised sum: far beyond any real sum
 _CATEGORY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")   # a job's `category` (fedbroker.spec)
 _DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")     # cpu, cuda, cuda:1, mps
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")     # a job's name, '-' and 8 hex digits
+_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._+()-]{0,63}")   # 0.1.0, 1.2.0rc1+local, unknown (not installed)
+LOG_LEVELS = ("WARNING", "ERROR", "CRITICAL")  # what a site forwards of its log (worker/log_forward.py)
+MAX_LOG_MESSAGE_CHARS = 4000       # a site log's text; the store keeps less (a worker sends less still)
+MAX_LOGGER_CHARS = 200
 
 # The rejection reasons of the control queue's messages (metric label values).
 INVALID_REASONS = {"registration": "invalid_registration", "heartbeat": "invalid_heartbeat",
                    "task_outcome": "invalid_task_outcome", "share_reply": "invalid_share_reply",
-                   "evaluation_report": "invalid_evaluation_report"}
+                   "evaluation_report": "invalid_evaluation_report", "site_log": "invalid_site_log"}
 # ... and those of a message whose sender may not speak for its worker id (SenderBinding).
 SENDER_REASONS = ("unidentified_sender", "foreign_sender")
 
@@ -95,7 +99,7 @@ class SenderBinding:
         if not self._workers:
             return
         kind = env.WhichOneof("message")
-        if kind not in INVALID_REASONS:
+        if kind not in INVALID_REASONS or kind == "site_log":  # a site log is filed under its sender (`site_for`)
             return
         worker_id = str(getattr(env, kind).worker_id)
         if not sender:
@@ -104,6 +108,22 @@ class SenderBinding:
         if worker_id not in self._workers.get(sender, frozenset()):
             raise ForeignSender("foreign_sender", f"{kind} for worker {worker_id!r} refused: broker user "
                                                   f"{sender[:140]!r} may not speak for it")
+
+
+    def site_for(self, sender: str | None, claimed: str) -> str | None:
+        """The site a message from `sender` is about, whatever worker id it claims: unchecked, the claim (as for
+        every control message); else the claim when the sender may speak for it, or the one worker the sender
+        speaks for; None when the sender speaks for none (or for several, none of them the one claimed)."""
+        if not self._workers:
+            return claimed
+        mine = self._workers.get(sender or "", frozenset())
+        if claimed in mine:
+            return claimed
+        return next(iter(mine)) if len(mine) == 1 else None
+
+    def provisioned(self) -> frozenset[str]:
+        """Every worker id some broker user may speak for (empty: nothing is checked)."""
+        return frozenset().union(*self._workers.values()) if self._workers else frozenset()
 
 
 def check_control(env: pb.Envelope) -> None:
@@ -119,6 +139,8 @@ def check_control(env: pb.Envelope) -> None:
         problems = _share_reply_problems(env.share_reply)
     elif kind == "evaluation_report":
         problems = _evaluation_problems(env.evaluation_report)
+    elif kind == "site_log":
+        problems = _site_log_problems(env.site_log)
     else:
         return
     if problems:
@@ -156,6 +178,9 @@ def _registration_problems(r: pb.Registration) -> list[str]:
     elif r.num_classes and r.label_histogram and len(r.label_histogram) != r.num_classes:
         out.append(f"num_classes: is {r.num_classes} but label_histogram has {len(r.label_histogram)} counts")
     out += _epsilon_problems("epsilon_spent", r.epsilon_spent)
+    if r.software_version and not _VERSION.fullmatch(r.software_version):
+        out.append(f"software_version: must be 1-64 letters, digits, spaces or '._+()-', got {r.software_version[:80]!r}")
+    out += _epsilon_problems("started_unix", r.started_unix)
     if not _DEVICE.fullmatch(r.device):
         out.append(f"device: must be 1-64 letters, digits, '_', '.', ':' or '-', got {r.device[:80]!r}")
     if r.dp_enabled:
@@ -250,4 +275,19 @@ def _evaluation_problems(r: pb.EvaluationReport) -> list[str]:
             out.append(f"accuracy: must lie in [0, 1], got {r.accuracy!r}")
         if not 1 <= r.num_samples <= MAX_SAMPLES:
             out.append(f"num_samples: must lie in [1, {MAX_SAMPLES}], got {r.num_samples}")
+    return out
+
+
+def _site_log_problems(r: pb.SiteLog) -> list[str]:
+    """A site's log record: a level it may forward and bounded text (control characters are the store's to strip:
+    fedbroker.printable). The worker id is only a claim (SenderBinding.site_for), but it must be a name."""
+    out = _worker_id_problems(r.worker_id)
+    if r.level not in LOG_LEVELS:
+        out.append(f"level: must be one of {', '.join(LOG_LEVELS)}, got {r.level[:20]!r}")
+    if len(r.message) > MAX_LOG_MESSAGE_CHARS or len(r.logger) > MAX_LOGGER_CHARS:
+        out.append(f"message, logger: at most {MAX_LOG_MESSAGE_CHARS} and {MAX_LOGGER_CHARS} characters, got "
+                   f"{len(r.message)} and {len(r.logger)}")
+    out += _epsilon_problems("time_unix", r.time_unix)
+    if r.dropped_before < 0:
+        out.append(f"dropped_before: must be >= 0, got {r.dropped_before}")
     return out

@@ -3,7 +3,10 @@ their sender may speak for their worker (`control.SenderBinding`): a registratio
 queue and records it, a heartbeat refreshes it and its budget, a task outcome is recorded against its round (or
 against its asynchronous job) and wakes the job's loop, a share reply is recorded against its job's share
 phase once it holds what the job asked (sharing.receive_reply; else it is refused like an invalid message), an
-evaluation report against the task it answers (coordinator/federated.py).
+evaluation report against the task it answers (coordinator/federated.py), a site's forwarded log record under the
+site its sender speaks for (sites.SiteLogIntake). What it learns about a site (registered, restarted, refused a
+task and why, failed, refused to evaluate, a message naming it from another broker user) goes into that site's
+own history (store_sites.py) for the operator (`fedbroker sites show`).
 
 The ε a message claims is checked against what the worker can have spent (participants.EpsilonBounds): a claim
 above it is refused, counted (`fedbroker_coordinator_epsilon_jumps_refused_total{message}`) and never stored; the
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from fedbroker import envelope
 from fedbroker.bus import Bus, Delivery
@@ -32,7 +36,9 @@ from fedbroker.coordinator.federated import accept_report
 from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, budget_from_heartbeat
 from fedbroker.coordinator.records import ParticipantStatus, WorkerState
 from fedbroker.coordinator.sharing import receive_reply
-from fedbroker.coordinator.store import StateStore
+from fedbroker.coordinator.sites import SiteLogIntake, registration_changes, registration_summary
+from fedbroker.coordinator.store import StateStore, StateUnavailable
+from fedbroker.coordinator.store_evaluation import EvaluationVerdict
 from fedbroker.proto import fedbroker_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -55,6 +61,7 @@ class ControlHandler:
         self.budgets = budgets
         self.bounds = bounds
         self.senders = senders or SenderBinding({})
+        self.site_logs = SiteLogIntake(store, self.senders)
         self._async_job = async_job
 
     def on_control(self, delivery: Delivery) -> None:
@@ -62,8 +69,12 @@ class ControlHandler:
         for its worker, is dead-lettered with a reason, never stored."""
         try:
             env = envelope.decode(delivery.body, expect=("registration", "heartbeat", "task_outcome", "share_reply",
-                                                         "evaluation_report"))
+                                                         "evaluation_report", "site_log"))
             check_control(env)  # never stored, never selected: a job never meets a worker id it cannot route
+            if env.WhichOneof("message") == "site_log":  # filed under its sender's site, whatever it claims
+                self.site_logs.receive(env.site_log, delivery.sender)
+                delivery.ack()
+                return
             self.senders.check(env, delivery.sender)
             if env.WhichOneof("message") == "share_reply":  # a late, unasked or mismatched one is refused here
                 receive_reply(self.store, env.share_reply)
@@ -73,19 +84,24 @@ class ControlHandler:
             log.warning("dead-lettering a control message: %s", exc)
             metrics.CONTROL_REJECTED.labels(exc.reason).inc()
             delivery.nack(requeue=False)
+            if isinstance(exc, ForeignSender):  # the site it claims to be learns of it (a registered one only)
+                kind = env.WhichOneof("message") or ""
+                self._site_event(str(getattr(env, kind).worker_id), "refused_sender",
+                                 f"a {kind} naming this site from broker user {(delivery.sender or '')[:140]!r} "
+                                 f"was refused ({exc.reason})")
             return
         kind = env.WhichOneof("message")
         if kind == "registration":
-            self._register(env.registration, delivery.published_at)
+            self._register(env.registration, delivery.published_at, delivery.sender)
         elif kind == "heartbeat":
             self._heartbeat(env.heartbeat, delivery.published_at)
         elif kind == "evaluation_report":  # a site's score of a global model: coordinator/federated.py
-            accept_report(self.store, env.evaluation_report)
+            self._evaluation(env.evaluation_report)
         else:
             self._outcome(env.task_outcome)
         delivery.ack()
 
-    def _register(self, r: pb.Registration, sent_at: float | None) -> None:
+    def _register(self, r: pb.Registration, sent_at: float | None, sender: str | None = None) -> None:
         # Its task queue exists before any task is published to it: a worker that registered but never
         # consumes holds its task there and is a straggler, instead of an unroutable publish.
         self.bus.declare_worker(r.worker_id)
@@ -96,6 +112,7 @@ class ControlHandler:
         if r.label_histogram:  # a site shares its histogram with the jobs that need it, never at registration
             log.info("worker %s registered a label histogram: not stored (a site shares it only with the jobs "
                         "whose algorithms need it, before their round 1)", r.worker_id)
+        old = next((w for w in self.store.workers() if w.worker_id == r.worker_id), None)
         self.store.upsert_worker(
             worker_id=r.worker_id, categories=r.categories, histogram=(), dp=dp,
             epsilon_spent=epsilon, device=r.device, num_samples=r.num_samples,
@@ -103,6 +120,9 @@ class ControlHandler:
         )
         log.info("worker %s registered (%s, %d samples, categories %s)", r.worker_id, r.device, r.num_samples,
                  list(r.categories))
+        self._quietly(self.store.note_registration, r.worker_id, software_version=r.software_version,
+                      started=r.started_unix, broker_user=sender or "", summary=registration_summary(r),
+                      changes=registration_changes(old, r))
 
     def _heartbeat(self, h: pb.Heartbeat, sent_at: float | None) -> None:
         epsilon = self._epsilon(h.worker_id, h.epsilon_spent, "heartbeat", sent_at)
@@ -110,6 +130,7 @@ class ControlHandler:
             log.warning("heartbeat from unknown worker %r ignored", h.worker_id)
         else:
             self.budgets.note(h.worker_id, budget_from_heartbeat(h))
+            self._quietly(self.store.note_heard, h.worker_id)
 
     def _outcome(self, o: pb.TaskOutcome) -> None:
         status = ParticipantStatus(pb.TaskOutcome.Status.Name(o.status).lower())
@@ -132,7 +153,32 @@ class ControlHandler:
             log.warning("outcome from %r for unknown task (%s, round %d) ignored", o.worker_id, o.job_id, o.round)
         else:
             log.info("worker %s %s round %d of %s: %s", o.worker_id, status, o.round, o.job_id, o.reason)
+        if status in (ParticipantStatus.REFUSED, ParticipantStatus.FAILED):
+            where = f"task {o.round}" if driver is not None or (job is not None and job.mode == "async") else \
+                f"round {o.round}"
+            self._site_event(o.worker_id, str(status), f"{where} of job {o.job_id}: {reason}",
+                             error=status == ParticipantStatus.FAILED)
         self.events.poke(o.job_id)  # the round (or async job) waiting on it looks again now
+
+    def _evaluation(self, r: pb.EvaluationReport) -> None:
+        """Record a site's score (coordinator/federated.py); a refusal, the site's or ours, goes into its history."""
+        verdict = accept_report(self.store, r)
+        where = f"round {r.round} of job {r.job_id}"
+        if verdict == EvaluationVerdict.RECORDED and r.refused:
+            self._site_event(r.worker_id, "evaluation_refused", f"{where}: {r.reason[:MAX_REASON_CHARS]}")
+        elif verdict not in (EvaluationVerdict.RECORDED, EvaluationVerdict.DUPLICATE):
+            self._site_event(r.worker_id, "evaluation_report_rejected", f"{where}: {verdict}")
+
+    def _site_event(self, worker_id: str, kind: str, message: str, *, error: bool = False) -> None:
+        self._quietly(self.store.note_site_event, worker_id, kind, message, error=error)
+
+    @staticmethod
+    def _quietly(write: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """A write to a site's history: a store outage loses that line (logged), never the message it is about."""
+        try:
+            write(*args, **kwargs)
+        except StateUnavailable as exc:
+            log.warning("a site's history was not written: %s", exc)
 
     def _epsilon(self, worker_id: str, reported: float, message: str, sent_at: float | None) -> float:
         """The total ε to store from a registration or heartbeat: the reported one when it is within the

@@ -19,12 +19,12 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Metric
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 import fedbroker.metrics  # noqa: F401  (the shared gRPC and broker metrics belong to every process)
 from fedbroker.coordinator.control import INVALID_REASONS, SENDER_REASONS
-from fedbroker.coordinator.records import JobStatus
+from fedbroker.coordinator.records import JobStatus, WorkerRecord
 from fedbroker.coordinator.store import StateStore
 from fedbroker.proto import fedbroker_pb2 as pb
 
@@ -107,6 +107,16 @@ EVALUATION_REPORTS_REFUSED = Counter(
     "misrouted), wrong_version, late (after the round's evaluation deadline), conflict (a second, different report "
     "for one task), implausible_count (more held-out samples than the worker's registration allows).", ["reason"])
 EVALUATION_REFUSAL_REASONS = ("not_asked", "wrong_version", "late", "conflict", "implausible_count")
+# Sites' forwarded warnings and errors (coordinator/sites.py), by what became of them.
+SITE_LOG_RECORDS = Counter(
+    "fedbroker_coordinator_site_log_records_total",
+    "Warnings and errors sites forwarded, by outcome: stored; misattributed (stored under the site its broker user "
+    "speaks for, though it named another); rate_limited (over the site's allowance: dropped); unknown_site (no "
+    "registered site); foreign_sender (its broker user speaks for no site).", ["outcome"])
+SITE_LOG_OUTCOMES = ("stored", "misattributed", "rate_limited", "unknown_site", "foreign_sender")
+# Per-site series (a worker_id label) only for a bounded set: the provisioned sites where senders are bound
+# (coordinator.worker_broker_users), else at most this many registered sites, by id.
+MAX_SITE_SERIES = 64
 
 # Counters labelled by job, given a 0 series when a job starts (or resumes) in this process.
 # Asynchronous mode (schedule.mode async): versions instead of rounds.
@@ -148,6 +158,8 @@ def _initialise_fixed_labels() -> None:
         CONTROL_REJECTED.labels(reason)
     for reason in EVALUATION_REFUSAL_REASONS:
         EVALUATION_REPORTS_REFUSED.labels(reason)
+    for outcome in SITE_LOG_OUTCOMES:
+        SITE_LOG_RECORDS.labels(outcome)
 
 
 _initialise_fixed_labels()
@@ -177,6 +189,11 @@ class Registry(Protocol):
     @property
     def bus(self) -> DeadLetters:
         """Asked for the dead-letter queue's depth."""
+        ...
+
+    @property
+    def provisioned_sites(self) -> frozenset[str]:
+        """The worker ids broker users may speak for (empty: senders are not checked)."""
         ...
 
 
@@ -225,7 +242,15 @@ class RegistryCollector(Collector):
             "fedbroker_coordinator_dead_letter_messages",
             "Messages in the broker's dead-letter queue (<namespace>.dead): tasks and control messages that "
             "failed on every attempt or could not be read. Left out when the broker does not answer.")
-        families: list[Metric] = [registered, active, jobs, category_active, category_jobs, dead]
+        ages = GaugeMetricFamily(
+            "fedbroker_coordinator_site_heartbeat_age_seconds",
+            "Seconds since each site's last registration or heartbeat (the provisioned sites; without "
+            f"worker_broker_users, the first {MAX_SITE_SERIES} registered by id).", labels=["worker_id"])
+        site_logs = CounterMetricFamily(
+            "fedbroker_coordinator_site_log_records_stored",
+            "Warnings and errors each site forwarded and the coordinator kept, all time (the sites of "
+            "fedbroker_coordinator_site_heartbeat_age_seconds).", labels=["worker_id"])
+        families: list[Metric] = [registered, active, jobs, category_active, category_jobs, dead, ages, site_logs]
         if coordinator is None:
             return families
         try:
@@ -250,11 +275,28 @@ class RegistryCollector(Collector):
             category_active.add_metric([category], float(sum(category in w.categories for w in live)))
             for status in _WAITING:
                 category_jobs.add_metric([category, status], float(waiting.get((category, status), 0)))
+        _add_sites(ages, site_logs, coordinator, workers, now)
         try:
             dead.add_metric([], float(coordinator.bus.dead_letter_count(timeout_s=DEAD_LETTER_TIMEOUT_S)))
         except Exception as exc:  # a broker outage: no sample, and FedbrokerBrokerConnectionLost says why
             log.debug("dead-letter queue depth unavailable: %s", exc)
         return families
+
+
+def _add_sites(ages: GaugeMetricFamily, site_logs: CounterMetricFamily, coordinator: Registry,
+               workers: list[WorkerRecord], now: float) -> None:
+    """Each site's heartbeat age and forwarded records, for a bounded set of sites (MAX_SITE_SERIES)."""
+    provisioned = coordinator.provisioned_sites
+    shown = [w for w in workers if w.worker_id in provisioned] if provisioned else workers[:MAX_SITE_SERIES]
+    try:
+        infos = coordinator.store.site_infos()
+    except Exception as exc:  # as above: leave the series out rather than fail the scrape
+        log.debug("site metrics unavailable: %s", exc)
+        return
+    for w in shown:
+        ages.add_metric([w.worker_id], max(0.0, now - w.last_seen))
+        info = infos.get(w.worker_id)
+        site_logs.add_metric([w.worker_id], float(info.log_records if info is not None else 0))
 
 
 REGISTRY_COLLECTOR = RegistryCollector()

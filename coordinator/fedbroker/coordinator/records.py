@@ -196,3 +196,52 @@ class SiteJobRecord:
     epsilon: float
     rounds: int
     shared: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SiteInfo:
+    """What the coordinator keeps about a site beside its registration row (`fedbroker sites`): the release it
+    runs, when it first registered, how often its process restarted, the broker user it registers from, whether
+    it is silent (its heartbeats stopped: an `expired` event was written), its last error and how many warnings
+    and errors it forwarded."""
+
+    worker_id: str
+    software_version: str
+    first_registered: float
+    started: float                     # its process's start, as its last registration said (0: not reported)
+    restarts: int
+    broker_user: str
+    silent: bool
+    last_error: str
+    last_error_time: float | None
+    log_records: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SiteEvent:
+    """One line of a site's own history: identical lines in a row are one, with a count and a first time."""
+
+    seq: int
+    worker_id: str
+    time: float
+    kind: str
+    message: str
+    count: int
+    first_time: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SiteLogRecord:
+    """A warning or error a site forwarded, filed under the site its broker user speaks for (`sender`);
+    `claimed`: the worker id the message named when that was another one."""
+
+    seq: int
+    worker_id: str
+    received: float
+    site_time: float
+    level: str
+    logger: str
+    message: str
+    sender: str
+    claimed: str
+    dropped_before: int

@@ -36,6 +36,7 @@ from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, dat
 from fedbroker.coordinator.records import FINISHED, JobStatus
 from fedbroker.coordinator.service_calls import OUTAGE_BACKOFF, AggregatorCalls
 from fedbroker.coordinator.sharing import agreed_model
+from fedbroker.coordinator.sites import SiteWatch, note_revoked
 from fedbroker.coordinator.store import StateStore, StateUnavailable
 from fedbroker.coordinator.sync_rounds import SyncRounds
 from fedbroker.coordinator.waiting import WaitingReasons
@@ -105,6 +106,7 @@ class Coordinator:
             safety_poll_s=float(safety_poll_s), waiting=WaitingReasons(store), epsilon_bounds=self.epsilon_bounds)
         self.control = ControlHandler(bus=bus, store=store, events=self.events, budgets=self.context.budgets,
                                       async_job=self._async_job, bounds=self.epsilon_bounds, senders=senders)
+        self.site_watch = SiteWatch(store, heartbeat_timeout_s=heartbeat_timeout_s)  # `expired` site events
         self._jobs_lock = threading.Lock()
         self._threads: dict[str, threading.Thread] = {}  # the running jobs' threads
         self._queue: collections.deque[tuple[str, JobSpec | None]] = collections.deque()  # jobs waiting for one
@@ -118,6 +120,9 @@ class Coordinator:
         metrics.REGISTRY_COLLECTOR.bind(self)
         BUSES.watch(self.bus, client="coordinator")
         self.events.start()
+        for worker_id in note_revoked(self.store, self.control.senders):
+            log.warning("site %s is registered but no broker user may speak for it any more: revoked", worker_id)
+        self.site_watch.start()
         self.bus.consume_control(self.control.on_control)
         for row in self.store.jobs(status=JobStatus.CANCELLING):  # asked to cancel before we stopped: finish that
             self.context.cancels.request(row.job_id, row.submitter)
@@ -137,6 +142,7 @@ class Coordinator:
         for thread in threads:
             thread.join(timeout=10)
         self.events.stop()
+        self.site_watch.stop()
         metrics.REGISTRY_COLLECTOR.unbind(self)
         BUSES.unwatch("coordinator")
 
@@ -165,6 +171,12 @@ class Coordinator:
             log.warning("RabbitMQ %s applies its own broker-wide consumer_timeout to held tasks (per-queue "
                         "x-consumer-timeout needs 3.12): broker.consumer_timeout_s (%g s) must equal it, or a task "
                         "held longer is redelivered", version, timeout)
+
+    @property
+    def provisioned_sites(self) -> frozenset[str]:
+        """The worker ids some broker user may speak for (empty: senders are not checked): the bounded set of sites
+        the per-site metrics are exported for."""
+        return self.control.senders.provisioned()
 
     # ----- intake -----
 

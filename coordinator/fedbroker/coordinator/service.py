@@ -4,7 +4,8 @@ shell over Coordinator and StateStore.
 With a token table (fedbroker.auth) a submitter's token may submit jobs and read everything; a viewer's may
 read (Status, JobEvents). Only the identity that submitted a job may cancel it or download its models: the
 job records its submitter. A site's (role worker) may call SiteRecord, for itself only, and nothing else
-(site_record.py). Without a table (authentication off) anyone may.
+(site_record.py). The operator's view of every site (ListSites, SiteDetail, SiteLogs: site_views.py) is for
+submitters and viewers, never a site. Without a table (authentication off) anyone may.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from fedbroker.coordinator.federated import fill_status
 from fedbroker.coordinator.records import FINISHED, JobRecord, RoundRecord, RoundStatus
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.site_record import site_record_reply, who_may_read
+from fedbroker.coordinator.site_views import list_sites_reply, site_detail_reply, site_logs_reply
 from fedbroker.errors import ConfigError, FedbrokerError, NotFound, Rejection, UploadRejected
 from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -53,6 +55,9 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "CancelJob": frozenset({ROLE_SUBMITTER}),       # and only the job's own submitter (`_own_job`)
     "DownloadModel": frozenset({ROLE_SUBMITTER}),   # likewise
     "SiteRecord": frozenset({ROLE_WORKER}),         # a site's own record only (`who_may_read`)
+    "ListSites": frozenset({ROLE_SUBMITTER, ROLE_VIEWER}),   # every site: never a site's to read
+    "SiteDetail": frozenset({ROLE_SUBMITTER, ROLE_VIEWER}),
+    "SiteLogs": frozenset({ROLE_SUBMITTER, ROLE_VIEWER}),
 }
 MAX_FOLLOWERS = 4           # JobEvents streams held open at once: each holds one of the server's 8 threads
 FOLLOW_STREAM_S = 300.0     # one following stream's life; the client resumes after its last event
@@ -163,6 +168,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                                      heartbeat_timeout_s=self.coordinator.heartbeat_timeout_s)
 
         return handle(context, run)
+
+    def ListSites(self, request: pb.ListSitesRequest, context: grpc.ServicerContext) -> pb.ListSitesReply:
+        """Every site that ever registered (site_views.py)."""
+        timeout = self.coordinator.heartbeat_timeout_s
+        return handle(context, lambda: list_sites_reply(self.coordinator.store, heartbeat_timeout_s=timeout))
+
+    def SiteDetail(self, request: pb.SiteDetailRequest, context: grpc.ServicerContext) -> pb.SiteDetailReply:
+        """One site: its row, jobs and history; NOT_FOUND for an id never registered."""
+        timeout = self.coordinator.heartbeat_timeout_s
+        return handle(context, lambda: site_detail_reply(self.coordinator.store, request.worker_id,
+                                                         heartbeat_timeout_s=timeout))
+
+    def SiteLogs(self, request: pb.SiteLogsRequest, context: grpc.ServicerContext) -> pb.SiteLogsReply:
+        """The warnings and errors a site forwarded after `after` (a follower asks again with its last seq)."""
+        return handle(context, lambda: site_logs_reply(self.coordinator.store, request))
 
     def DownloadModel(self, request: pb.DownloadModelRequest, context: grpc.ServicerContext) -> Iterator[pb.ModelChunk]:
         """A closed round's global model (default: the last one) from the coordinator's checkpoint."""
@@ -297,6 +317,24 @@ class CoordinatorClient:
         """This site's record at the coordinator ("": the caller's own, named by its token)."""
         reply: pb.SiteRecordReply = self._stub.SiteRecord(pb.SiteRecordRequest(worker_id=worker_id),
                                                           timeout=self.timeout_s, metadata=self._md)
+        return reply
+
+    def list_sites(self) -> pb.ListSitesReply:
+        """Every site that ever registered at the coordinator."""
+        reply: pb.ListSitesReply = self._stub.ListSites(pb.ListSitesRequest(), timeout=self.timeout_s,
+                                                        metadata=self._md)
+        return reply
+
+    def site_detail(self, worker_id: str) -> pb.SiteDetailReply:
+        """One site's row, jobs and history."""
+        reply: pb.SiteDetailReply = self._stub.SiteDetail(pb.SiteDetailRequest(worker_id=worker_id),
+                                                          timeout=self.timeout_s, metadata=self._md)
+        return reply
+
+    def site_logs(self, worker_id: str, *, after: int = 0, limit: int = 0) -> pb.SiteLogsReply:
+        """The site's forwarded warnings and errors with a seq above `after` (the newest `limit`; 0: the server's)."""
+        reply: pb.SiteLogsReply = self._stub.SiteLogs(pb.SiteLogsRequest(worker_id=worker_id, after=after, limit=limit),
+                                                      timeout=self.timeout_s, metadata=self._md)
         return reply
 
     def close(self) -> None:

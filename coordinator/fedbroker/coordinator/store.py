@@ -50,6 +50,7 @@ from fedbroker.coordinator.store_evaluation import EvaluationTables
 from fedbroker.coordinator.store_notes import JobNotes
 from fedbroker.coordinator.store_schema import SCHEMA
 from fedbroker.coordinator.store_shares import ShareTables
+from fedbroker.coordinator.store_sites import SiteTables
 from fedbroker.errors import Unavailable
 from fedbroker.retry import Backoff, retry_call
 from fedbroker.schema import user_version
@@ -77,11 +78,11 @@ class _RetryPolicy:
     stopping: Callable[[], bool]
 
 
-class StateStore(EpsilonTables, JobNotes, ShareTables, EvaluationTables):
+class StateStore(EpsilonTables, JobNotes, ShareTables, EvaluationTables, SiteTables):
     """The coordinator's one SQLite file; `busy_timeout_s`: how long a write waits for a lock another
     connection holds before it fails. Its ε bounds and corrections: store_epsilon.py; events of their own:
     store_notes.py; what sites shared with a job before round 1: store_shares.py; federated evaluation:
-    store_evaluation.py."""
+    store_evaluation.py; what an operator reads about the sites: store_sites.py."""
 
     def __init__(self, path: str, *, busy_timeout_s: float = 5.0, lock: StateDirLock | None = None) -> None:
         self.path = path

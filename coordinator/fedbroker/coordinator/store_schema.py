@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from fedbroker.coordinator import store_epsilon, store_shares
+from fedbroker.coordinator import store_epsilon, store_shares, store_sites
 from fedbroker.coordinator.store_evaluation import create_evaluation_tables
 from fedbroker.schema import Migration, Schema
 
@@ -68,8 +68,15 @@ def _unversioned_layout(db: sqlite3.Connection) -> None:
             db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
 
 
+def _site_tables(db: sqlite3.Connection) -> None:
+    """Version 2: what an operator reads about the sites (`fedbroker sites`)."""
+    for statement in _statements(store_sites.SCHEMA):
+        db.execute(statement)
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "the tables and columns of the releases before schema versions", _unversioned_layout),
+    Migration(2, "the sites' own record: version, restarts, events and forwarded warnings", _site_tables),
 ]
 
 SCHEMA = Schema("coordinator's state", MIGRATIONS)

@@ -36,7 +36,7 @@ class DPPolicy(_message.Message):
     def __init__(self, noise_multiplier: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., delta: _Optional[float] = ..., epsilon_budget: _Optional[float] = ...) -> None: ...
 
 class Registration(_message.Message):
-    __slots__ = ("worker_id", "categories", "label_histogram", "dp_policy", "dp_enabled", "epsilon_spent", "device", "num_samples", "input_shape", "num_classes")
+    __slots__ = ("worker_id", "categories", "label_histogram", "dp_policy", "dp_enabled", "epsilon_spent", "device", "num_samples", "input_shape", "num_classes", "software_version", "started_unix")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CATEGORIES_FIELD_NUMBER: _ClassVar[int]
     LABEL_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,8 @@ class Registration(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     categories: _containers.RepeatedScalarFieldContainer[str]
     label_histogram: _containers.RepeatedScalarFieldContainer[int]
@@ -57,7 +59,9 @@ class Registration(_message.Message):
     num_samples: int
     input_shape: _containers.RepeatedScalarFieldContainer[int]
     num_classes: int
-    def __init__(self, worker_id: _Optional[str] = ..., categories: _Optional[_Iterable[str]] = ..., label_histogram: _Optional[_Iterable[int]] = ..., dp_policy: _Optional[_Union[DPPolicy, _Mapping]] = ..., dp_enabled: _Optional[bool] = ..., epsilon_spent: _Optional[float] = ..., device: _Optional[str] = ..., num_samples: _Optional[int] = ..., input_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ...) -> None: ...
+    software_version: str
+    started_unix: float
+    def __init__(self, worker_id: _Optional[str] = ..., categories: _Optional[_Iterable[str]] = ..., label_histogram: _Optional[_Iterable[int]] = ..., dp_policy: _Optional[_Union[DPPolicy, _Mapping]] = ..., dp_enabled: _Optional[bool] = ..., epsilon_spent: _Optional[float] = ..., device: _Optional[str] = ..., num_samples: _Optional[int] = ..., input_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., software_version: _Optional[str] = ..., started_unix: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("worker_id", "epsilon_spent", "state", "budget_limited", "epsilon_left", "job_costs")
@@ -166,7 +170,7 @@ class RoundCompleted(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_version: _Optional[int] = ..., aggregated: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., final: _Optional[bool] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("registration", "heartbeat", "task_outcome", "round_task", "round_completed", "share_request", "share_reply", "evaluation_task", "evaluation_report")
+    __slots__ = ("registration", "heartbeat", "task_outcome", "round_task", "round_completed", "share_request", "share_reply", "evaluation_task", "evaluation_report", "site_log")
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     TASK_OUTCOME_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +180,7 @@ class Envelope(_message.Message):
     SHARE_REPLY_FIELD_NUMBER: _ClassVar[int]
     EVALUATION_TASK_FIELD_NUMBER: _ClassVar[int]
     EVALUATION_REPORT_FIELD_NUMBER: _ClassVar[int]
+    SITE_LOG_FIELD_NUMBER: _ClassVar[int]
     registration: Registration
     heartbeat: Heartbeat
     task_outcome: TaskOutcome
@@ -185,7 +190,8 @@ class Envelope(_message.Message):
     share_reply: ShareReply
     evaluation_task: EvaluationTask
     evaluation_report: EvaluationReport
-    def __init__(self, registration: _Optional[_Union[Registration, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., task_outcome: _Optional[_Union[TaskOutcome, _Mapping]] = ..., round_task: _Optional[_Union[RoundTask, _Mapping]] = ..., round_completed: _Optional[_Union[RoundCompleted, _Mapping]] = ..., share_request: _Optional[_Union[ShareRequest, _Mapping]] = ..., share_reply: _Optional[_Union[ShareReply, _Mapping]] = ..., evaluation_task: _Optional[_Union[EvaluationTask, _Mapping]] = ..., evaluation_report: _Optional[_Union[EvaluationReport, _Mapping]] = ...) -> None: ...
+    site_log: SiteLog
+    def __init__(self, registration: _Optional[_Union[Registration, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., task_outcome: _Optional[_Union[TaskOutcome, _Mapping]] = ..., round_task: _Optional[_Union[RoundTask, _Mapping]] = ..., round_completed: _Optional[_Union[RoundCompleted, _Mapping]] = ..., share_request: _Optional[_Union[ShareRequest, _Mapping]] = ..., share_reply: _Optional[_Union[ShareReply, _Mapping]] = ..., evaluation_task: _Optional[_Union[EvaluationTask, _Mapping]] = ..., evaluation_report: _Optional[_Union[EvaluationReport, _Mapping]] = ..., site_log: _Optional[_Union[SiteLog, _Mapping]] = ...) -> None: ...
 
 class ShareRequest(_message.Message):
     __slots__ = ("job_id", "category", "histogram", "feature_statistics", "lower", "upper", "deadline_unix")
@@ -272,6 +278,22 @@ class EvaluationReport(_message.Message):
     accuracy: float
     num_samples: int
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., refused: _Optional[bool] = ..., reason: _Optional[str] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., num_samples: _Optional[int] = ...) -> None: ...
+
+class SiteLog(_message.Message):
+    __slots__ = ("worker_id", "time_unix", "level", "logger", "message", "dropped_before")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    LOGGER_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    time_unix: float
+    level: str
+    logger: str
+    message: str
+    dropped_before: int
+    def __init__(self, worker_id: _Optional[str] = ..., time_unix: _Optional[float] = ..., level: _Optional[str] = ..., logger: _Optional[str] = ..., message: _Optional[str] = ..., dropped_before: _Optional[int] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
     __slots__ = ("job_id", "round", "worker_id", "num_samples", "ish", "has_ish", "epsilon", "train_loss", "validation_loss", "tensors")
@@ -687,6 +709,136 @@ class SiteRecordReply(_message.Message):
     jobs: _containers.RepeatedCompositeFieldContainer[SiteJobRow]
     epsilon_recorded: float
     def __init__(self, worker: _Optional[_Union[WorkerRow, _Mapping]] = ..., jobs: _Optional[_Iterable[_Union[SiteJobRow, _Mapping]]] = ..., epsilon_recorded: _Optional[float] = ...) -> None: ...
+
+class ListSitesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SiteRow(_message.Message):
+    __slots__ = ("worker_id", "software_version", "last_heartbeat_unix", "last_seen_seconds_ago", "active", "state", "categories", "input_shape", "num_classes", "num_samples", "device", "dp_enabled", "dp_policy", "epsilon_recorded", "first_registered_unix", "restarts", "broker_user", "last_error", "last_error_unix", "current_jobs", "past_jobs", "log_records")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CATEGORIES_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DP_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    DP_POLICY_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_RECORDED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_REGISTERED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    BROKER_USER_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_UNIX_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_JOBS_FIELD_NUMBER: _ClassVar[int]
+    PAST_JOBS_FIELD_NUMBER: _ClassVar[int]
+    LOG_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    software_version: str
+    last_heartbeat_unix: float
+    last_seen_seconds_ago: float
+    active: bool
+    state: str
+    categories: _containers.RepeatedScalarFieldContainer[str]
+    input_shape: _containers.RepeatedScalarFieldContainer[int]
+    num_classes: int
+    num_samples: int
+    device: str
+    dp_enabled: bool
+    dp_policy: DPPolicy
+    epsilon_recorded: float
+    first_registered_unix: float
+    restarts: int
+    broker_user: str
+    last_error: str
+    last_error_unix: float
+    current_jobs: int
+    past_jobs: int
+    log_records: int
+    def __init__(self, worker_id: _Optional[str] = ..., software_version: _Optional[str] = ..., last_heartbeat_unix: _Optional[float] = ..., last_seen_seconds_ago: _Optional[float] = ..., active: _Optional[bool] = ..., state: _Optional[str] = ..., categories: _Optional[_Iterable[str]] = ..., input_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., num_samples: _Optional[int] = ..., device: _Optional[str] = ..., dp_enabled: _Optional[bool] = ..., dp_policy: _Optional[_Union[DPPolicy, _Mapping]] = ..., epsilon_recorded: _Optional[float] = ..., first_registered_unix: _Optional[float] = ..., restarts: _Optional[int] = ..., broker_user: _Optional[str] = ..., last_error: _Optional[str] = ..., last_error_unix: _Optional[float] = ..., current_jobs: _Optional[int] = ..., past_jobs: _Optional[int] = ..., log_records: _Optional[int] = ...) -> None: ...
+
+class ListSitesReply(_message.Message):
+    __slots__ = ("sites", "heartbeat_timeout_s")
+    SITES_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    sites: _containers.RepeatedCompositeFieldContainer[SiteRow]
+    heartbeat_timeout_s: float
+    def __init__(self, sites: _Optional[_Iterable[_Union[SiteRow, _Mapping]]] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+
+class SiteDetailRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class SiteEventRow(_message.Message):
+    __slots__ = ("seq", "time_unix", "kind", "message", "count", "first_time_unix")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    time_unix: float
+    kind: str
+    message: str
+    count: int
+    first_time_unix: float
+    def __init__(self, seq: _Optional[int] = ..., time_unix: _Optional[float] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., count: _Optional[int] = ..., first_time_unix: _Optional[float] = ...) -> None: ...
+
+class SiteDetailReply(_message.Message):
+    __slots__ = ("site", "jobs", "events")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    site: SiteRow
+    jobs: _containers.RepeatedCompositeFieldContainer[SiteJobRow]
+    events: _containers.RepeatedCompositeFieldContainer[SiteEventRow]
+    def __init__(self, site: _Optional[_Union[SiteRow, _Mapping]] = ..., jobs: _Optional[_Iterable[_Union[SiteJobRow, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[SiteEventRow, _Mapping]]] = ...) -> None: ...
+
+class SiteLogsRequest(_message.Message):
+    __slots__ = ("worker_id", "after", "limit")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    after: int
+    limit: int
+    def __init__(self, worker_id: _Optional[str] = ..., after: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class SiteLogRow(_message.Message):
+    __slots__ = ("seq", "received_unix", "site_time_unix", "level", "logger", "message", "sender", "claimed", "dropped_before")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SITE_TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    LOGGER_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    received_unix: float
+    site_time_unix: float
+    level: str
+    logger: str
+    message: str
+    sender: str
+    claimed: str
+    dropped_before: int
+    def __init__(self, seq: _Optional[int] = ..., received_unix: _Optional[float] = ..., site_time_unix: _Optional[float] = ..., level: _Optional[str] = ..., logger: _Optional[str] = ..., message: _Optional[str] = ..., sender: _Optional[str] = ..., claimed: _Optional[str] = ..., dropped_before: _Optional[int] = ...) -> None: ...
+
+class SiteLogsReply(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[SiteLogRow]
+    def __init__(self, records: _Optional[_Iterable[_Union[SiteLogRow, _Mapping]]] = ...) -> None: ...
 
 class AbandonRoundRequest(_message.Message):
     __slots__ = ("job_id", "round")

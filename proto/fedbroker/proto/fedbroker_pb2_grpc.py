@@ -486,6 +486,21 @@ class CoordinatorStub:
                 request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.DownloadModelRequest.SerializeToString,
                 response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.ModelChunk.FromString,
                 _registered_method=True)
+        self.ListSites = channel.unary_unary(
+                '/fedbroker.v1.Coordinator/ListSites',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.ListSitesRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.ListSitesReply.FromString,
+                _registered_method=True)
+        self.SiteDetail = channel.unary_unary(
+                '/fedbroker.v1.Coordinator/SiteDetail',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SiteDetailRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SiteDetailReply.FromString,
+                _registered_method=True)
+        self.SiteLogs = channel.unary_unary(
+                '/fedbroker.v1.Coordinator/SiteLogs',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SiteLogsRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SiteLogsReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -527,6 +542,25 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSites(self, request, context):
+        """The operator's view of the sites (`fedbroker sites`): scientists and viewers, never a site.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SiteDetail(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SiteLogs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -559,6 +593,21 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.DownloadModel,
                     request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.DownloadModelRequest.FromString,
                     response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.ModelChunk.SerializeToString,
+            ),
+            'ListSites': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSites,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.ListSitesRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.ListSitesReply.SerializeToString,
+            ),
+            'SiteDetail': grpc.unary_unary_rpc_method_handler(
+                    servicer.SiteDetail,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SiteDetailRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SiteDetailReply.SerializeToString,
+            ),
+            'SiteLogs': grpc.unary_unary_rpc_method_handler(
+                    servicer.SiteLogs,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SiteLogsRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SiteLogsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -723,6 +772,87 @@ class Coordinator:
             '/fedbroker.v1.Coordinator/DownloadModel',
             fedbroker_dot_proto_dot_fedbroker__pb2.DownloadModelRequest.SerializeToString,
             fedbroker_dot_proto_dot_fedbroker__pb2.ModelChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSites(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Coordinator/ListSites',
+            fedbroker_dot_proto_dot_fedbroker__pb2.ListSitesRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.ListSitesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SiteDetail(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Coordinator/SiteDetail',
+            fedbroker_dot_proto_dot_fedbroker__pb2.SiteDetailRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.SiteDetailReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SiteLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Coordinator/SiteLogs',
+            fedbroker_dot_proto_dot_fedbroker__pb2.SiteLogsRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.SiteLogsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,10 +45,12 @@ from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import ModelSpec, TrainingConfig, training_from_json
+from fedbroker.version import installed_version
 from fedbroker.worker import metrics
 from fedbroker.worker.evaluation import SiteEvaluation
 from fedbroker.worker.global_model import build_global, fit_problem
 from fedbroker.worker.ledger import PrivacyLedger, below
+from fedbroker.worker.log_forward import LogForwarder, remove
 from fedbroker.worker.partition import partition
 from fedbroker.worker.sharing import Sharing
 from fedbroker.worker.training import TrainResult, pick_device, train_local
@@ -81,11 +83,16 @@ _FAILURE_REASONS: dict[type[Exception], str] = {_DataMismatch: "data_mismatch", 
 class WorkerAgent:
     """One data owner's worker: its data share, its privacy ledger, and the task loop on the bus (module docstring)."""
 
-    def __init__(self, config: WorkerConfig, bus: Bus, *, security: ClientSecurity | None = None) -> None:
-        """`security`: this worker's token (and TLS) for the aggregation service, read from its secrets."""
+    def __init__(self, config: WorkerConfig, bus: Bus, *, security: ClientSecurity | None = None,
+                 log_forwarder: LogForwarder | None = None) -> None:
+        """`security`: this worker's token (and TLS) for the aggregation service, read from its secrets;
+        `log_forwarder`: the process's forwarder of its warnings to the coordinator (launch.start_worker), taken
+        off the root logger at `stop`."""
         self.config = config
         self.bus = bus
         self.security = security
+        self.log_forwarder = log_forwarder
+        self.started_unix = time.time()  # a registration with a new one tells the coordinator we restarted
         self.dp: DPPolicy | None = config.dp if config.dp.enabled else None
         data = load_worker_data(config)  # first: a data owner's bad file is named before anything else happens
         self.ledger = PrivacyLedger(config.ledger_path, worker_id=config.id)
@@ -138,6 +145,8 @@ class WorkerAgent:
         log.info("%s", self.sharing.summary())
         self.bus.declare_worker(self.config.id)
         self.register()
+        if self.log_forwarder is not None:  # the coordinator files a site's records once it knows the site
+            self.log_forwarder.start_sending()
         self.send_heartbeat()  # at once: the coordinator opens rounds only with workers that reported a budget
         self.bus.consume_tasks(self.config.id, self.on_task)
         self._heartbeat = threading.Thread(target=self._beat, name=f"heartbeat-{self.config.id}", daemon=True)
@@ -147,6 +156,9 @@ class WorkerAgent:
         """Stop beating and close the channel to the aggregation service; a running task goes back to the queue."""
         self._stop.set()
         BUSES.unwatch(self.config.id)
+        forwarder, self.log_forwarder = self.log_forwarder, None
+        if forwarder is not None:
+            remove(forwarder)
         channel, self._channel = self._channel, None
         if channel is not None:  # a task still running fails, and its delivery goes back to the queue
             channel.close()
@@ -175,6 +187,7 @@ class WorkerAgent:
                                   delta=dp.delta, epsilon_budget=dp.epsilon_budget) if dp else None,
             epsilon_spent=self.ledger.total_epsilon(), device=self.device, num_samples=len(self.y),
             input_shape=[int(d) for d in self.x.shape[1:]], num_classes=self.num_classes,
+            software_version=installed_version(), started_unix=self.started_unix,
         )
         self.bus.publish_control(envelope.encode(registration=registration))
 
