@@ -35,7 +35,7 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
-from fedbroker.auth import Identity, ServerTLS, TokenTable, admitting
+from fedbroker.auth import Identity, ServerTLS, TokenTable, admitting, read_pem
 from fedbroker.errors import ConfigError, Rejection
 from fedbroker.metrics import AUTH_FILE_RELOADS, GRPC_SERVER_AUTH_FAILURES
 from fedbroker.rpc import REASON_KEY
@@ -252,9 +252,14 @@ def revocation_interceptors(tls: ServerTLS | None, *, service: str,
     """[RevocationCheck] for a mutual-TLS port configured from files, else [] (no client certificates)."""
     if tls is None or tls.client_ca is None or not tls.client_ca_file:
         return []
-    cas = load_cas(tls.client_ca, where=f"{service}: tls.client_ca_file")
-    path = crl_path(tls.client_ca_file)
-    crl = Followed(path, lambda p: load_crl(p, cas), kind="crl", absent=NOTHING_REVOKED)
+    ca_file, where = tls.client_ca_file, f"{service}: tls.client_ca_file"
+    load_cas(tls.client_ca, where=where)   # readable now, or the service does not start
+
+    def load(path: str) -> Revoked:   # the CA as it is when the CRL changes (`provision renew` may renew it)
+        return load_crl(path, load_cas(read_pem(ca_file, field=where) or b"", where=where))
+
+    path = crl_path(ca_file)
+    crl = Followed(path, load, kind="crl", absent=NOTHING_REVOKED)
     log.info("%s: certificate revocation list %s (%d revoked; re-read when it changes)", service, path,
              len(crl.current().serials))
     return [RevocationCheck(crl, service=service, on_reject=on_reject)]
