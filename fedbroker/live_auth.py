@@ -284,17 +284,17 @@ class _CertificateFiles:
         keys = self._file_keys()
         if keys == self._keys:
             return None
+        self._keys = keys   # a version refused below is looked at again only when a file changes again
         try:
             renewed = ServerTLS.from_files(self.tls.cert_file, self.tls.key_file, self.tls.client_ca_file,
                                            where="tls")
             if renewed is None:
                 raise ConfigError("tls", "the certificate files are gone")
             _check_pair(renewed.cert_chain, renewed.private_key)
-        except ConfigError as exc:
+        except Exception as exc:  # a handshake callback: whatever went wrong, keep serving the old files
             log.error("server certificate files changed but cannot be used, the last good ones stay in force: %s", exc)
             AUTH_FILE_RELOADS.labels("tls", "refused").inc()
             return None
-        self._keys = keys
         log.info("server certificate files reloaded: new connections get them")
         AUTH_FILE_RELOADS.labels("tls", "loaded").inc()
         return configuration(renewed)

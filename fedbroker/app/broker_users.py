@@ -17,6 +17,9 @@ It speaks to the node with `rabbitmqctl` (the node's Erlang cookie, so it runs o
 A user is the project's when its name starts with `<project>-`; users of another project whose name starts
 the same way (`<project>-x-coordinator`, a project named `<project>-x`), administrators and users outside the
 prefix are never touched. `--dry-run` prints the plan and changes nothing.
+
+With `--crl` and `--crl-dir` it first installs the server kit's CRL where the broker checks client certificates
+(fedbroker.app.broker_crl), so a revoked certificate gets no TLS handshake at the broker either.
 """
 
 from __future__ import annotations
@@ -146,6 +149,14 @@ def sync(definitions_path: str, ctl: Ctl, *, project: str = "", dry_run: bool = 
 
 def cmd_sync(args: argparse.Namespace) -> int:
     """Print the plan, and carry it out unless --dry-run."""
+    if bool(args.crl) != bool(args.crl_dir):
+        raise ConfigError("--crl-dir" if args.crl else "--crl", "--crl and --crl-dir go together")
+    if args.crl and not args.dry_run:   # first: from now on a revoked certificate gets no TLS handshake
+        from fedbroker.app.broker_crl import install_crl
+
+        print(f"installed {args.crl} as {install_crl(args.crl, args.crl_dir)}")
+    elif args.crl:
+        print(f"would install {args.crl} in {args.crl_dir}")
     plan = sync(args.definitions, Ctl(shlex.split(args.rabbitmqctl)), project=args.project, dry_run=args.dry_run)
     would = "would " if args.dry_run else ""
     for user in plan.delete:
@@ -169,5 +180,7 @@ def add_parser(sub: Any) -> None:
                    help="how to run rabbitmqctl against the node (default: rabbitmqctl; in Kubernetes e.g. "
                         "'kubectl exec -i -n fedbroker rabbitmq-0 -- rabbitmqctl')")
     p.add_argument("--project", default="", help="the project's name (default: read off '<project>-coordinator')")
+    p.add_argument("--crl", default="", help="the server kit's crl.pem: also install it where the broker checks it")
+    p.add_argument("--crl-dir", default="", help="the folder of the broker's crl_cache (ssl_crl_hash_dir), on its host")
     p.add_argument("--dry-run", action="store_true", help="print what would change, change nothing")
     p.set_defaults(run=cmd_sync)

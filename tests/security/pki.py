@@ -79,6 +79,10 @@ class Authority:
             builder = builder.add_extension(x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False)
         return _write(self.folder, stem, builder.sign(self._key, hashes.SHA256()), key)
 
+    def crl_issuer(self) -> x509.Name:
+        """The name this CA signs its CRLs with."""
+        return self._cert.subject
+
     def crl(self, *revoked: Path) -> bytes:
         """A CRL (PEM) this CA signed, listing the certificates in the files `revoked`, as `provision revoke`
         writes one."""

@@ -2,25 +2,32 @@
 private node (never the machine's broker), a site removed from definitions.json is deleted, its open connection
 closed and its next login refused, while the other site keeps publishing on its connection and logging in, and
 a site added to the file can log in, all without restarting the node. Another project's users that share the
-name prefix, and administrators, are left alone."""
+name prefix, and administrators, are left alone. With the broker's own CRL check set up (Erlang's crl_check and
+a hashed CRL folder), the CRL that `sync --crl` installs refuses a revoked certificate's next TLS handshake."""
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shlex
+import ssl
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pika
 import pika.exceptions
 import pytest
 
+from fedbroker.app.broker_crl import install_crl, name_hash
 from fedbroker.app.broker_users import Ctl, make_plan, project_prefix, sync
 from fedbroker.app.cli import main
 from fedbroker.app.provision.configs import rabbitmq_password_hash
 from fedbroker.errors import BusError, ConfigError
+from tests.rabbitmq_node import PrivateRabbitMQ, free_ports, start_private_rabbitmq
+from tests.security.pki import Authority, Pair
 
 WAIT_S = 120.0
 
@@ -153,3 +160,113 @@ def test_a_missing_rabbitmqctl_or_a_failing_one_is_a_broker_error_naming_it():
         Ctl(["/nonexistent/rabbitmqctl"]).users()
     with pytest.raises(BusError, match=r"failed \(3\): boom"):
         Ctl(["sh", "-c", "echo boom >&2; exit 3"])("list_users")
+
+
+# ----- the broker's own CRL check -------------------------------------------------------------------------
+
+
+@dataclass
+class TlsBroker:
+    node: PrivateRabbitMQ
+    port: int
+    ca: Authority
+    crls: Path
+
+    def connect(self, pair: Pair) -> pika.BlockingConnection:
+        context = ssl.create_default_context(cafile=str(self.ca.ca))
+        context.load_cert_chain(str(pair.cert), str(pair.key))
+        return pika.BlockingConnection(pika.ConnectionParameters(
+            "localhost", self.port, "/", pika.PlainCredentials("guest", "guest"),
+            ssl_options=pika.SSLOptions(context, "localhost"), connection_attempts=1, socket_timeout=10))
+
+
+@pytest.fixture(scope="module")
+def tls_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsBroker]:
+    """A private node with an AMQPS listener that checks client certificates against the CRLs in a folder,
+    set up as deploy/OPERATING.md says (the whole ssl_options in advanced.config, crl_check = peer); the
+    project's CRL is there from the start, empty, as a kit's is."""
+    folder = tmp_path_factory.mktemp("tls-broker")
+    ca = Authority(folder / "pki")
+    server = ca.issue("broker", "localhost", server=True)
+    crls = folder / "crls"
+    crls.mkdir()
+    (folder / "crl.pem").write_bytes(ca.crl())
+    install_crl(str(folder / "crl.pem"), str(crls))
+    ports: list[int] = []
+
+    def configure(node: PrivateRabbitMQ) -> None:
+        ports[:] = free_ports(1)
+        with open(node.base / "rabbitmq.conf", "a") as conf:
+            conf.write(f"listeners.ssl.default = 127.0.0.1:{ports[0]}\n")
+        (node.base / "advanced.config").write_text(
+            f'[{{rabbit, [{{ssl_options, [{{cacertfile, "{ca.ca}"}}, {{certfile, "{server.cert}"}}, '
+            f'{{keyfile, "{server.key}"}}, {{verify, verify_peer}}, {{fail_if_no_peer_cert, true}}, '
+            f'{{crl_check, peer}}, {{crl_cache, {{ssl_crl_hash_dir, {{internal, [{{dir, "{crls}"}}]}}}}}}]}}]}}].\n')
+
+    node = start_private_rabbitmq(folder, configure=configure)
+    try:
+        yield TlsBroker(node, ports[0], ca, crls)
+    finally:
+        node.stop()
+
+
+def handshake_refused(broker: TlsBroker, pair: Pair) -> str:
+    with pytest.raises(pika.exceptions.AMQPConnectionError) as info:
+        broker.connect(pair).close()
+    return repr(info.value)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_the_broker_refuses_a_revoked_certificates_handshake_once_sync_installs_the_crl(tls_broker, tmp_path,
+                                                                                       monkeypatch, capsys):
+    site_a = tls_broker.ca.issue("site-a", "site-a", server=False)
+    site_b = tls_broker.ca.issue("site-b", "site-b", server=False)
+    open_a = tls_broker.connect(site_a)
+    tls_broker.connect(site_b).close()
+
+    crl = tmp_path / "crl.pem"
+    crl.write_bytes(tls_broker.ca.crl(site_a.cert))   # `provision revoke` writes the kit's
+    project = f"rv{secrets.token_hex(3)}"
+    definitions_file = tmp_path / "definitions.json"
+    definitions_file.write_text(json.dumps(definitions({f"{project}-coordinator": "pw-coordinator"})))
+    ctl = Ctl([str(tls_broker.node.scripts / "rabbitmqctl"), "-n", tls_broker.node.name], env=tls_broker.node.env)
+    for key, value in tls_broker.node.env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["broker", "sync", str(definitions_file), "--rabbitmqctl", shlex.join(ctl.command),
+                 "--crl", str(crl), "--crl-dir", str(tls_broker.crls)]) == 0
+    installed = tls_broker.crls / f"{name_hash(tls_broker.ca.crl_issuer())}.r0"
+    assert f"installed {crl} as {installed}" in capsys.readouterr().out
+    assert sorted(os.listdir(tls_broker.crls)) == [installed.name]   # replaced whole, no temporary left
+
+    assert "CERTIFICATE_REVOKED" in handshake_refused(tls_broker, site_a)
+    tls_broker.connect(site_b).close()
+    # the CRL is checked at the handshake only: a connection open before stays open (deleting the site's
+    # broker user is what closes it, above)
+    open_a.process_data_events(time_limit=0)
+    assert open_a.is_open
+    open_a.close()
+    ctl("delete_user", f"{project}-coordinator")
+
+
+def test_the_crl_file_name_is_openssls_hash_of_the_issuer(tmp_path):
+    import shutil
+    import subprocess
+
+    from cryptography import x509
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: nothing to compare with")
+    for name in ("fedbroker test CA", "  Cancer   Study\tCA ", "Ärzte CA"):
+        ca = Authority(tmp_path / secrets.token_hex(3), name=name)
+        path = tmp_path / "crl.pem"
+        path.write_bytes(ca.crl())
+        expected = subprocess.run(["openssl", "crl", "-hash", "-noout", "-in", str(path)], capture_output=True,
+                                  text=True, check=True).stdout.strip()
+        assert name_hash(x509.load_pem_x509_crl(path.read_bytes()).issuer) == expected, name
+    with pytest.raises(ConfigError, match="is not an X.509 CRL"):
+        path.write_text("nonsense")
+        install_crl(str(path), str(tmp_path))
+    path.write_bytes(ca.crl())
+    with pytest.raises(ConfigError, match="is not a folder"):
+        install_crl(str(path), str(tmp_path / "absent"))
