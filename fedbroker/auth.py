@@ -13,7 +13,8 @@ A port without a client CA asks for no certificate, and the token alone names th
 
 The table keeps SHA-256 digests, so a leaked table does not leak tokens, and every lookup compares the
 presented token's digest with every entry in constant time. Without a table, authentication is off (the
-single-machine demo, unit tests): a service then says so once in its log.
+single-machine demo, unit tests): a service then says so once in its log. A service started from its config
+follows its table's file while it runs (`fedbroker.live_auth`: revocation and rotation need no restart).
 
 Token table format (one entry per identity; a worker's identity is its worker id):
 

@@ -81,21 +81,22 @@ class Followed(Generic[T]):
         return self._value
 
     def _reload(self, key: FileKey | None) -> None:
-        self._key = key   # a refused version is not parsed again on every call, only the next change
+        """Under the lock. The key is set last, so a call that comes meanwhile waits for the new value instead
+        of taking the old one; a refused version is not parsed again on every call, only after its next change."""
         if key is None:
             log.error("%s %s is gone: the last one loaded stays in force (write a new one to change it)",
                       self.kind, self.path)
             AUTH_FILE_RELOADS.labels(self.kind, "refused").inc()
-            return
-        try:
-            value = self._load(self.path)
-        except ConfigError as exc:
-            log.error("%s %s changed but cannot be used, the last good one stays in force: %s", self.kind, self.path, exc)
-            AUTH_FILE_RELOADS.labels(self.kind, "refused").inc()
-            return
-        self._value = value
-        log.info("%s %s reloaded", self.kind, self.path)
-        AUTH_FILE_RELOADS.labels(self.kind, "loaded").inc()
+        else:
+            try:
+                self._value = self._load(self.path)
+                log.info("%s %s reloaded", self.kind, self.path)
+                AUTH_FILE_RELOADS.labels(self.kind, "loaded").inc()
+            except ConfigError as exc:
+                log.error("%s %s changed but cannot be used, the last good one stays in force: %s", self.kind,
+                          self.path, exc)
+                AUTH_FILE_RELOADS.labels(self.kind, "refused").inc()
+        self._key = key
 
 
 class LiveTokenTable:
