@@ -14,7 +14,7 @@ trust rests on while it runs.
 
 A file that changed but cannot be used (invalid YAML, an empty table, a CRL the CA did not sign, a key that does
 not match its certificate) keeps the last good one in force: the error is logged naming the file and the
-problem, and counted in `fedbroker_auth_file_reloads_total{file, outcome="refused"}`. A file that disappears is
+problem, and counted in `fedbroker_auth_file_reloads_total{kind, outcome="refused"}`. A file that disappears is
 treated the same way (a revocation list never silently empties). A bad file at start stops the service, as
 before. Writers should replace files atomically (write a temporary file, rename it over the old one).
 """
@@ -68,6 +68,7 @@ class Followed(Generic[T]):
         self.kind = kind
         self._load = load
         self._lock = threading.Lock()
+        AUTH_FILE_RELOADS.labels(kind, "refused")   # at 0 from the start, so the first refusal is an increase
         self._key = file_key(path)
         self._value: T = absent if self._key is None and absent is not None else load(path)
 

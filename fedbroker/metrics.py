@@ -59,9 +59,9 @@ GRPC_SERVER_AUTH_FAILURES = Counter(
 
 AUTH_FILE_RELOADS = Counter(
     "fedbroker_auth_file_reloads_total",
-    "Changes a gRPC service saw in a file its authentication rests on (file: tokens, crl, tls): loaded, or "
+    "Changes a gRPC service saw in a file its authentication rests on (kind: tokens, crl, tls): loaded, or "
     "refused (invalid, unsigned, a key that does not match, or gone: the last good one stays in force).",
-    ["file", "outcome"],
+    ["kind", "outcome"],
 )
 
 GRPC_SERVER_CALLS_REFUSED = Counter(

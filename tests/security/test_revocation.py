@@ -313,3 +313,28 @@ def test_a_half_renewed_key_and_certificate_are_not_served_until_they_match(tmp_
     replace(key, second.key.read_bytes())
     assert fetch() is not None                      # the matching pair, once
     assert fetch() is None
+
+
+def test_a_refused_change_is_counted_and_logged_once_and_the_next_good_one_loads(tmp_path, caplog):
+    from prometheus_client import REGISTRY
+
+    from fedbroker.live_auth import LiveTokenTable
+
+    def refused() -> float:
+        return REGISTRY.get_sample_value("fedbroker_auth_file_reloads_total",
+                                         {"kind": "tokens", "outcome": "refused"}) or 0.0
+
+    token, rotated = generate_token(), generate_token()
+    path = tmp_path / "tokens.yaml"
+    path.write_bytes(table_text({"w": ("worker", [token])}))
+    table = LiveTokenTable(str(path))
+    before = refused()
+    replace(path, b"{}\n")   # an empty table: authentication would be off, so it is refused
+    for _ in range(3):
+        assert table.identify(token) is not None
+    assert refused() == before + 1
+    assert [r.message for r in caplog.records].count(
+        f"tokens {path} changed but cannot be used, the last good one stays in force: tokens: the token table is "
+        f"empty; leave the tokens file unset to turn auth off") == 1
+    replace(path, table_text({"w": ("worker", [rotated])}))
+    assert table.identify(rotated) is not None and table.identify(token) is None
