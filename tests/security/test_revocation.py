@@ -338,3 +338,44 @@ def test_a_refused_change_is_counted_and_logged_once_and_the_next_good_one_loads
         f"empty; leave the tokens file unset to turn auth off") == 1
     replace(path, table_text({"w": ("worker", [rotated])}))
     assert table.identify(rotated) is not None and table.identify(token) is None
+
+
+@pytest.mark.integration
+def test_the_coordinators_port_refuses_a_revoked_scientist_and_serves_the_others(tmp_path):
+    from fedbroker.bus import InProcessBus
+    from fedbroker.coordinator.scheduler import Coordinator
+    from fedbroker.coordinator.service import CoordinatorClient
+    from fedbroker.coordinator.service import serve as serve_coordinator
+    from fedbroker.coordinator.store import StateStore
+    from fedbroker.live_auth import follow_table
+
+    ca = Authority(tmp_path / "ca")
+    server_pair = ca.issue("server", "localhost", server=True)
+    people = {"sci": "submitter", "eve": "viewer"}
+    pairs = {who: ca.issue(who, who, server=False) for who in people}
+    tokens = {who: generate_token() for who in people}
+    table = tmp_path / "tokens.yaml"
+    table.write_bytes(table_text({who: (role, [tokens[who]]) for who, role in people.items()}))
+    store = StateStore(str(tmp_path / "coordinator.sqlite"))
+    coordinator = Coordinator(bus=InProcessBus(namespace="revocation"), store=store,
+                              aggregator=AggregatorClient("127.0.0.1:1"), aggregator_target="127.0.0.1:1",
+                              checkpoint_dir=str(tmp_path / "ck"))
+    server, port = serve_coordinator(coordinator, tokens=follow_table(str(table), service="coordinator"),
+                                     tls=ServerTLS.from_files(str(server_pair.cert), str(server_pair.key), str(ca.ca),
+                                                              where="coordinator.tls"))
+    clients = {who: CoordinatorClient(f"localhost:{port}", timeout_s=10, security=ClientSecurity(
+        token=tokens[who], ca=ca.ca.read_bytes(), cert_chain=pairs[who].cert.read_bytes(),
+        private_key=pairs[who].key.read_bytes())) for who in people}
+    try:
+        assert not clients["sci"].status().jobs and not clients["eve"].status().jobs
+        replace(ca.folder / "crl.pem", ca.crl(pairs["sci"].cert))
+        with pytest.raises(grpc.RpcError) as info:
+            clients["sci"].status()
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "certificate revoked" in info.value.details()
+        assert not clients["eve"].status().jobs
+    finally:
+        for client in clients.values():
+            client.close()
+        server.stop(grace=0)
+        store.close()
