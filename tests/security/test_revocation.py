@@ -114,8 +114,11 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
                                    stderr=subprocess.STDOUT)
     found = Service(process, f"localhost:{port}", ca, folder, tokens, certs, log)
     try:
-        channel = found.client("coordinator")._channel
-        wait_for(lambda: _ready(channel) or process.poll() is not None, "the service to serve", log)
+        probe = found.client("coordinator")
+        try:
+            wait_for(lambda: _ready(probe._channel) or process.poll() is not None, "the service to serve", log)
+        finally:
+            probe.close()
         assert process.poll() is None, log.read_text(errors="replace")
         with found.client("coordinator") as coordinator:
             coordinator.put_global("j", 1, SPEC.to_json(), weights(1.0))
