@@ -13,7 +13,8 @@ A port without a client CA asks for no certificate, and the token alone names th
 
 The table keeps SHA-256 digests, so a leaked table does not leak tokens, and every lookup compares the
 presented token's digest with every entry in constant time. Without a table, authentication is off (the
-single-machine demo, unit tests): a service then says so once in its log.
+single-machine demo, unit tests): a service then says so once in its log. A service started from its config
+follows its table's file while it runs (`fedbroker.live_auth`: revocation and rotation need no restart).
 
 Token table format (one entry per identity; a worker's identity is its worker id):
 
@@ -40,7 +41,7 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from cryptography import x509
@@ -231,6 +232,15 @@ Rejected = Callable[[str, str], None]   # (method, reason) → count it
 Refusal = tuple[grpc.StatusCode, str, str]   # (status, reason, message)
 
 
+class TokenLookup(Protocol):
+    """What `ServerAuth` asks of a token table: a `TokenTable`, or one that follows its file
+    (`fedbroker.live_auth.LiveTokenTable`: revocation and rotation without a restart)."""
+
+    def identify(self, token: str) -> Identity | None:
+        """The token's identity, or None."""
+        ...
+
+
 class ServerAuth(grpc.ServerInterceptor):
     """Authenticates every call of one service (its token, and on mutual TLS a certificate naming the same
     identity) and checks the caller's role against `permissions`.
@@ -239,7 +249,7 @@ class ServerAuth(grpc.ServerInterceptor):
     to everyone (deny by default). `on_reject(method, reason)` counts a refusal in the service's metrics.
     """
 
-    def __init__(self, table: TokenTable, permissions: Mapping[str, frozenset[str]], *,
+    def __init__(self, table: TokenLookup, permissions: Mapping[str, frozenset[str]], *,
                  service: str, on_reject: Rejected | None = None) -> None:
         self.table = table
         self.permissions = dict(permissions)
@@ -302,10 +312,10 @@ class ServerAuth(grpc.ServerInterceptor):
             context.set_trailing_metadata(((REASON_KEY, reason),))
             context.abort(code, message)
 
-        return _admitting(handler, admit)
+        return admitting(handler, admit)
 
 
-def _admitting(handler: grpc.RpcMethodHandler[Any, Any],
+def admitting(handler: grpc.RpcMethodHandler[Any, Any],
                admit: Callable[[grpc.ServicerContext], None]) -> grpc.RpcMethodHandler[Any, Any]:
     """A handler of the same kind that runs `admit` (which ends a refused call) before the handler's own code."""
     kwargs = {"request_deserializer": handler.request_deserializer,
@@ -337,6 +347,10 @@ class ServerTLS:
     cert_chain: bytes
     private_key: bytes = b""
     client_ca: bytes | None = None
+    # the files they were read from (`from_files`), which `fedbroker.live_auth` follows while the service runs
+    cert_file: str = ""
+    key_file: str = ""
+    client_ca_file: str = ""
 
     def __repr__(self) -> str:
         return f"ServerTLS(mtls={self.client_ca is not None})"
@@ -357,22 +371,8 @@ class ServerTLS:
             raise ConfigError(f"{where}.cert_file", "TLS needs both cert_file and key_file")
         return cls(read_pem(cert_file, field=f"{where}.cert_file") or b"",
                    read_pem(key_file, field=f"{where}.key_file") or b"",
-                   read_pem(client_ca_file, field=f"{where}.client_ca_file"))
-
-
-def load_table(path: str, *, service: str) -> TokenTable | None:
-    """A service's token table, or None (authentication off), logged either way so an open service is noticed."""
-    if not path:
-        log.warning("%s: no token table configured: authentication is OFF (set tokens_file)", service)
-        return None
-    table = TokenTable.from_file(path)
-    log.info("%s: authentication on, %d token(s) loaded from the token table", service, len(table))
-    return table
-
-
-def add_port(server: grpc.Server, address: str, tls: ServerTLS | None) -> int:
-    """Bind `address` with TLS when configured, else plaintext; returns the bound port (for address port 0)."""
-    return server.add_secure_port(address, tls.credentials()) if tls is not None else server.add_insecure_port(address)
+                   read_pem(client_ca_file, field=f"{where}.client_ca_file"),
+                   cert_file=cert_file, key_file=key_file, client_ca_file=client_ca_file)
 
 
 # ----- the client side ------------------------------------------------------------------------------

@@ -57,6 +57,13 @@ GRPC_SERVER_AUTH_FAILURES = Counter(
     ["grpc_service", "grpc_method", "reason"],
 )
 
+AUTH_FILE_RELOADS = Counter(
+    "fedbroker_auth_file_reloads_total",
+    "Changes a gRPC service saw in a file its authentication rests on (kind: tokens, crl, tls): loaded, or "
+    "refused (invalid, unsigned, a key that does not match, or gone: the last good one stays in force).",
+    ["kind", "outcome"],
+)
+
 GRPC_SERVER_CALLS_REFUSED = Counter(
     "fedbroker_grpc_server_calls_refused_total",
     "Calls a gRPC server's thread budget refused or ended (fedbroker.callguard): server_busy, too_many_streams "

@@ -228,9 +228,11 @@ class PrivateRabbitMQ:
         return True
 
 
-def start_private_rabbitmq(root: Path, *, attempts: int = 3) -> PrivateRabbitMQ:
+def start_private_rabbitmq(root: Path, *, attempts: int = 3,
+                           configure: Callable[[PrivateRabbitMQ], None] | None = None) -> PrivateRabbitMQ:
     """A started private node under `root`. A port chosen free may be taken by another process before the node
-    binds it: such a start is retried on new ports. Any other failure fails the test with the node's log."""
+    binds it: such a start is retried on new ports. Any other failure fails the test with the node's log.
+    `configure(node)` may add to the node's files (`node.base`: rabbitmq.conf, advanced.config) before it starts."""
     scripts = server_scripts()
     if shutil.which("epmd") is None:
         missing("epmd (Erlang's port mapper, part of erlang-base) is not on PATH: a private RabbitMQ node needs it")
@@ -238,6 +240,8 @@ def start_private_rabbitmq(root: Path, *, attempts: int = 3) -> PrivateRabbitMQ:
     for attempt in range(1, attempts + 1):
         node = PrivateRabbitMQ(root / f"node{attempt}", scripts)
         try:
+            if configure is not None:
+                configure(node)
             node.start()
             return node
         except RuntimeError as exc:

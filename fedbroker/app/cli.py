@@ -153,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Every verb's arguments; each verb's `run` is the function `main` calls."""
     from fedbroker.app import help as listing
     from fedbroker.app.backup import add_parser as add_backup_parser
+    from fedbroker.app.broker_users import add_parser as add_broker_parser
     from fedbroker.app.demo import DemoOptions
     from fedbroker.app.jobs import add_parser as add_jobs_parser
     from fedbroker.app.ledger import add_parser as add_ledger_parser
@@ -181,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_teardown_parser(sub)
     add_jobs_track(add_jobs_parser(sub))
     add_provision_parser(sub)
+    add_broker_parser(sub)
     add_workers_parser(sub)
     add_sites_parser(sub)
     add_ledger_parser(sub)

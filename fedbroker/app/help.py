@@ -14,7 +14,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("try it on this machine", ("demo", "new", "simulate", "audit")),
     ("submit and follow jobs", ("submit", "status", "jobs")),
     ("run a federation", ("provision", "token", "aggregator", "coordinator", "worker", "teardown")),
-    ("operate", ("workers", "sites", "ledger", "backup", "restore")),
+    ("operate", ("workers", "sites", "ledger", "backup", "restore", "broker")),
 )
 EXIT_CODES = ("exit codes: 0 ok, 1 refused by a service (or the job failed), 2 usage or local validation; an error is "
               "one line on stderr, `fedbroker VERB: ORIGIN: message` (ORIGIN: usage, config, file, coordinator, "

@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from fedbroker.auth import ClientSecurity, ServerTLS, load_table, read_secret
+from fedbroker.auth import ClientSecurity, ServerTLS, read_secret
 from fedbroker.bus import Bus, InProcessBus, mask_url, open_bus
 from fedbroker.callguard import CallLimits
 from fedbroker.config import Config
 from fedbroker.errors import ConfigError
 from fedbroker.glibc_malloc import keep_freed_memory
+from fedbroker.live_auth import follow_table
 from fedbroker.metrics import start_exporter
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def start_aggregator(config: Config) -> tuple[grpc.Server, int]:
 
     keep_freed_memory()  # every upload streams a model through the heap
     a = config.aggregator
-    tokens = load_table(a.tokens_file, service=SERVICE_NAME)
+    tokens = follow_table(a.tokens_file, service=SERVICE_NAME)
     tls = ServerTLS.from_files(a.tls.cert_file, a.tls.key_file, a.tls.client_ca_file, where="aggregator.tls")
     book = RoundBook(max_update_bytes=a.max_update_bytes, selection_time_limit_s=a.selection_time_limit_s,
                      alignment_time_limit_s=a.alignment_time_limit_s, spool_dir=a.spool_dir or None)
@@ -103,7 +104,7 @@ def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorP
     from fedbroker.coordinator.store import StateStore
 
     c = config.coordinator
-    tokens = load_table(c.tokens_file, service=SERVICE_NAME)
+    tokens = follow_table(c.tokens_file, service=SERVICE_NAME)
     tls = ServerTLS.from_files(c.tls.cert_file, c.tls.key_file, c.tls.client_ca_file, where="coordinator.tls")
     security = client_security(config, expected_target=config.aggregator.target)
     _export("coordinator", c.metrics_port, c.metrics_addr)

@@ -78,3 +78,19 @@ class Authority:
         if server:
             builder = builder.add_extension(x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False)
         return _write(self.folder, stem, builder.sign(self._key, hashes.SHA256()), key)
+
+    def crl_issuer(self) -> x509.Name:
+        """The name this CA signs its CRLs with."""
+        return self._cert.subject
+
+    def crl(self, *revoked: Path) -> bytes:
+        """A CRL (PEM) this CA signed, listing the certificates in the files `revoked`, as `provision revoke`
+        writes one."""
+        now = datetime.datetime.now(datetime.UTC)
+        builder = (x509.CertificateRevocationListBuilder().issuer_name(self._cert.subject)
+                   .last_update(now - datetime.timedelta(minutes=5)).next_update(now + datetime.timedelta(days=1)))
+        for path in revoked:
+            serial = x509.load_pem_x509_certificate(path.read_bytes()).serial_number
+            builder = builder.add_revoked_certificate(
+                x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build())
+        return builder.sign(self._key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)

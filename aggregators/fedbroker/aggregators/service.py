@@ -25,9 +25,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from fedbroker import codec
 from fedbroker.aggregators import metrics
 from fedbroker.aggregators.round_book import RoundBook
-from fedbroker.auth import ROLE_COORDINATOR, ROLE_WORKER, Identity, ServerAuth, ServerTLS, TokenTable, add_port
+from fedbroker.auth import ROLE_COORDINATOR, ROLE_WORKER, Identity, ServerAuth, ServerTLS, TokenLookup
 from fedbroker.callguard import CallGuard, CallLimits
 from fedbroker.errors import Rejection, UploadRejected
+from fedbroker.live_auth import add_port, revocation_interceptors
 from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
@@ -336,7 +337,7 @@ def _add_servicer(servicer: AggregationServicer, server: grpc.Server) -> None:
 
 
 def serve(book: RoundBook, *, address: str = "127.0.0.1:0", limits: CallLimits | None = None,
-          tokens: TokenTable | None = None, tls: ServerTLS | None = None) -> tuple[grpc.Server, int]:
+          tokens: TokenLookup | None = None, tls: ServerTLS | None = None) -> tuple[grpc.Server, int]:
     """Start the service (with standard gRPC health checking) and return it with its bound port.
 
     `limits`: how its threads are shared out (`fedbroker.callguard`: health checks keep threads of their
@@ -344,7 +345,8 @@ def serve(book: RoundBook, *, address: str = "127.0.0.1:0", limits: CallLimits |
     `tokens`: authenticate every call (None = authentication off); `tls`: serve TLS instead of plaintext.
     """
     limits = limits or CallLimits()
-    interceptors: list[grpc.ServerInterceptor] = [GrpcMetricsInterceptor()]
+    interceptors: list[grpc.ServerInterceptor] = [
+        GrpcMetricsInterceptor(), *revocation_interceptors(tls, service=SERVICE_NAME, on_reject=_count_refusal)]
     auth = None
     if tokens is not None:
         auth = ServerAuth(tokens, PERMISSIONS, service=SERVICE_NAME, on_reject=_count_refusal)

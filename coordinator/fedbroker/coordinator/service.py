@@ -29,8 +29,7 @@ from fedbroker.auth import (
     Identity,
     ServerAuth,
     ServerTLS,
-    TokenTable,
-    add_port,
+    TokenLookup,
 )
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.checkpoints import load_checkpoint
@@ -40,6 +39,7 @@ from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.site_record import site_record_reply, who_may_read
 from fedbroker.coordinator.site_views import list_sites_reply, site_detail_reply, site_logs_reply
 from fedbroker.errors import ConfigError, FedbrokerError, NotFound, Rejection, UploadRejected
+from fedbroker.live_auth import add_port, revocation_interceptors
 from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
@@ -245,10 +245,11 @@ def status_reply(coordinator: Coordinator, job_id: str = "") -> pb.StatusReply:
     return reply
 
 
-def serve(coordinator: Coordinator, *, address: str = "127.0.0.1:0", tokens: TokenTable | None = None,
+def serve(coordinator: Coordinator, *, address: str = "127.0.0.1:0", tokens: TokenLookup | None = None,
           tls: ServerTLS | None = None) -> tuple[grpc.Server, int]:
     """`tokens`: authenticate every call (None = authentication off); `tls`: serve TLS instead of plaintext."""
-    interceptors: list[grpc.ServerInterceptor] = [GrpcMetricsInterceptor()]
+    interceptors: list[grpc.ServerInterceptor] = [
+        GrpcMetricsInterceptor(), *revocation_interceptors(tls, service=SERVICE_NAME, on_reject=_count_refusal)]
     auth = None
     if tokens is not None:
         auth = ServerAuth(tokens, PERMISSIONS, service=SERVICE_NAME, on_reject=_count_refusal)
