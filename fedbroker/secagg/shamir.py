@@ -49,7 +49,7 @@ def split(secret: bytes, holders: Sequence[str], threshold: int, *,
     if not 1 <= threshold <= len(holders):
         raise ValueError(f"threshold must be in 1..{len(holders)} holders, got {threshold}")
     points = {h: share_point(h) for h in holders}
-    if len(set(points.values())) != len(points):
+    if len(set(points.values())) != len(holders):
         raise ValueError("two holders' ids map to one share point (or a holder is listed twice)")
     coefficients = [int.from_bytes(secret, "big")] + [randbelow(PRIME) for _ in range(threshold - 1)]
     return {h: _poly_eval(coefficients, x) for h, x in points.items()}
