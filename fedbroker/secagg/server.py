@@ -20,7 +20,7 @@ from numpy.typing import NDArray
 
 from fedbroker.secagg import shamir
 from fedbroker.secagg.client import check_round_seed
-from fedbroker.secagg.crypto import PublicKeys, agree, neighbour_graph, prg, public_bytes
+from fedbroker.secagg.crypto import PublicKeys, agree, neighbour_graph, prg, prg_scratch, public_bytes
 from fedbroker.secagg.errors import SecAggError, ShareMismatch, TooFewSurvivors
 from fedbroker.secagg.params import SecAggParams, dequantise_sum, mask_ring, sum_error_bound
 
@@ -195,15 +195,15 @@ class SecAggServer:
         survivors = sorted(self._masked)
         dropped = sorted(self._sent - self._masked)
         bits, length = self.params.bits, self._sum.shape[0]
-        total = self._sum
+        total, scratch = self._sum, prg_scratch(length, bits)
         for i in survivors:
-            total -= prg(self._rebuild(i, "self-mask seed b"), length, bits)
+            total -= prg(self._rebuild(i, "self-mask seed b"), length, bits, scratch=scratch)
         for j in dropped:
             s_key = X25519PrivateKey.from_private_bytes(self._rebuild(j, "mask key s"))
             if public_bytes(s_key) != self._keys[j].s_pk:
                 raise ShareMismatch(f"the rebuilt mask key of worker {j!r} does not match its advertised s_pk")
             for i in sorted(self._graph[j] & self._masked):
-                mask = prg(agree(s_key, self._keys[i].s_pk, self.round_seed, b"mask"), length, bits)
+                mask = prg(agree(s_key, self._keys[i].s_pk, self.round_seed, b"mask"), length, bits, scratch=scratch)
                 if i < j:  # i added +PRG(s_ij) for the higher-id peer j: take it back
                     total -= mask
                 else:
