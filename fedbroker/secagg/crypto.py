@@ -106,7 +106,7 @@ def prg(seed: bytes, length: int, bits: int, *,
     if out.shape[0] < size + 16:
         raise SecAggError(f"PRG scratch of {out.shape[0]} bytes is too small for {length} words")
     encryptor = Cipher(algorithms.AES(seed), modes.CTR(_PRG_COUNTER)).encryptor()
-    encryptor.update_into(memoryview(zeros)[:size], out)
+    encryptor.update_into(memoryview(zeros)[:size], memoryview(out))  # type: ignore[arg-type]
     words = out[:size].view(dtype.newbyteorder("<")).astype(dtype, copy=False)
     return mask_ring(words, bits)
 
