@@ -10,9 +10,11 @@ shares it routes are opaque to it. After unmasking it holds Σ_{i∈U3} q(w_i·x
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -25,6 +27,17 @@ from fedbroker.secagg.errors import SecAggError, ShareMismatch, TooFewSurvivors
 from fedbroker.secagg.params import SecAggParams, dequantise_sum, mask_ring, sum_error_bound
 
 _STAGES = ("keys", "shares", "masked", "unmask", "finished")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(method: Callable[Concatenate[SecAggServer, _P], _R]) -> Callable[Concatenate[SecAggServer, _P], _R]:
+    """One call at a time: a service's handler threads may add masked inputs concurrently."""
+    @functools.wraps(method)
+    def call(self: SecAggServer, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return call
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,7 @@ class SecAggServer:
         self._sum: NDArray[np.unsignedinteger[Any]] | None = None
         self._requests: dict[str, UnmaskRequest] = {}
         self._replies: dict[str, dict[str, bytes]] = {}  # replier → owner → share (revealed by design)
+        self._lock = threading.Lock()
 
     def _in_stage(self, stage: str, call: str) -> None:
         if _STAGES[self._stage] != stage:
@@ -72,6 +86,7 @@ class SecAggServer:
         self._in_stage(stage, call)
         self._stage += 1
 
+    @_locked
     def add_keys(self, worker_id: str, keys: PublicKeys) -> None:
         """Record a worker's advertised keys (U1)."""
         self._in_stage("keys", f"keys from {worker_id!r}")
@@ -81,6 +96,7 @@ class SecAggServer:
             raise SecAggError(f"worker {worker_id!r} would exceed n_max={self.params.n_max}")
         self._keys[worker_id] = keys
 
+    @_locked
     def rosters(self) -> dict[str, dict[str, PublicKeys]]:
         """Close advertising; each worker's neighbours' keys. Refused if any secret could never be rebuilt."""
         self._close("keys", "rosters")
@@ -90,6 +106,7 @@ class SecAggServer:
         self._graph = neighbour_graph(list(self._keys), self.params.neighbours, self.round_seed)
         return {i: {j: self._keys[j] for j in sorted(nbrs)} for i, nbrs in self._graph.items()}
 
+    @_locked
     def add_shares(self, worker_id: str, ciphertexts: Mapping[str, bytes]) -> None:
         """Record a worker's sealed shares (U2), one per neighbour, for routing."""
         self._in_stage("shares", f"shares from {worker_id!r}")
@@ -106,6 +123,7 @@ class SecAggServer:
             self._inboxes.setdefault(receiver, {})[worker_id] = bytes(ciphertext)
         self._sent.add(worker_id)
 
+    @_locked
     def inboxes(self) -> dict[str, dict[str, bytes]]:
         """Close sharing; for each worker that shared, the sealed shares its neighbours sent it.
 
@@ -118,6 +136,7 @@ class SecAggServer:
                          for i in sorted(self._sent)}
         return {i: dict(box) for i, box in self._inboxes.items()}
 
+    @_locked
     def add_masked(self, worker_id: str, masked: NDArray[np.unsignedinteger[Any]]) -> None:
         """Fold one masked input into the running sum mod R (the input itself is not kept)."""
         self._in_stage("masked", f"masked input from {worker_id!r}")
@@ -139,6 +158,7 @@ class SecAggServer:
             self._sum += y
         self._masked.add(worker_id)
 
+    @_locked
     def unmask_requests(self) -> dict[str, UnmaskRequest]:
         """Close masking: survivors are U3, dropped are U2 − U3; what each survivor is asked for."""
         self._close("masked", "unmask_requests")
@@ -156,6 +176,7 @@ class SecAggServer:
         self._inboxes.clear()  # routed and used: nothing more to hand out
         return dict(self._requests)
 
+    @_locked
     def add_unmask(self, worker_id: str, shares: Mapping[str, bytes]) -> None:
         """Record a survivor's revealed shares; each must be one the request asked this worker for."""
         self._in_stage("unmask", f"unmask reply from {worker_id!r}")
@@ -187,6 +208,7 @@ class SecAggServer:
         except ShareMismatch as exc:
             raise ShareMismatch(f"{kind} of worker {owner!r}: {exc}") from exc
 
+    @_locked
     def finish(self) -> SecAggResult:
         """Rebuild the secrets, strip every mask from the running sum, and dequantise it."""
         self._close("unmask", "finish")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,7 @@ def test_the_server_never_holds_an_individual_input() -> None:
             assert not np.allclose(a.astype(np.float64), inputs[w])
     kept = {k: type(v).__name__ for k, v in vars(server).items()}
     assert set(kept) == {"params", "round_seed", "length", "_stage", "_keys", "_graph", "_inboxes", "_sent",
-                         "_masked", "_sum", "_requests", "_replies"}, "a new attribute: check it holds no input"
+                         "_masked", "_sum", "_requests", "_replies", "_lock"}, "a new attribute: check it holds no input"
     requests = server.unmask_requests()
     for w, r in requests.items():
         server.add_unmask(w, clients[w].unmask(r.survivors, r.dropped))
@@ -276,3 +277,22 @@ def test_the_package_imports_no_transport() -> None:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.split(".")[0] in banned for n in names), f"{path.name} imports {names}"
+
+
+def test_masked_inputs_added_from_many_threads_give_the_same_sum() -> None:
+    n, length = 8, 200_000
+    params = SecAggParams.choose(n, 1.0)
+    server, clients, inboxes = _through_inboxes(n, params, length=length)
+    inputs = {w: x[:length] for w, x in zip(sorted(clients), _inputs(n, length, seed=6).values())}
+    masked = {w: c.masked_input(inputs[w], inboxes[w]) for w, c in clients.items()}
+    threads = [threading.Thread(target=server.add_masked, args=(w, y)) for w, y in masked.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    requests = server.unmask_requests()
+    assert set(requests) == set(clients)
+    for w, r in requests.items():
+        server.add_unmask(w, clients[w].unmask(r.survivors, r.dropped))
+    result = server.finish()
+    assert np.abs(result.total - _plain(inputs, sorted(inputs))).max() <= result.error_max
