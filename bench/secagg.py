@@ -84,6 +84,10 @@ def run(*, quick: bool) -> Section:
         "arithmetic, same k, t, dropout). Dropped workers share keys, then send nothing. `quant err` is the "
         "std over coordinates of secure − plain sum; `DP std` the noise one DP-SGD step leaves in that sum.",
     )
+    section.notes.append("Flower's client stage returns its masked vector as bytes (np.save) that its server reads "
+                         "back; that serialisation is inside Flower's times and has no counterpart in ours (in "
+                         "process, arrays). Its masks are int64 words from numpy's Mersenne Twister, ours uint32 "
+                         "words from AES-256-CTR")
     python = bench_python()
     if python is None:
         section.notes.append("Flower's SecAgg+ not measured: no `.venv-bench` with Flower (`make bench-env`)")
