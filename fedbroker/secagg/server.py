@@ -166,10 +166,10 @@ class SecAggServer:
         if len(survivors) < self.params.threshold:
             raise TooFewSurvivors(f"{len(survivors)} masked inputs arrived, the threshold is {self.params.threshold}")
         dropped = frozenset(self._sent - survivors)
-        for i in survivors:
+        for i in sorted(self._sent):  # a survivor's b_i is held by itself and its neighbours, a dropped s_j by its neighbours
             near = survivors & (self._graph[i] | {i})
             if len(near) < self.params.threshold:
-                raise TooFewSurvivors(f"worker {i!r} has {len(near)} survivors in its neighbourhood, "
+                raise TooFewSurvivors(f"worker {i!r} has {len(near)} survivors among the holders of its shares, "
                                       f"the threshold is {self.params.threshold}")
         self._requests = {i: UnmaskRequest(survivors=survivors & (self._graph[i] | {i}),
                                            dropped=dropped & self._graph[i]) for i in sorted(survivors)}

@@ -296,3 +296,13 @@ def test_masked_inputs_added_from_many_threads_give_the_same_sum() -> None:
         server.add_unmask(w, clients[w].unmask(r.survivors, r.dropped))
     result = server.finish()
     assert np.abs(result.total - _plain(inputs, sorted(inputs))).max() <= result.error_max
+
+
+def test_a_dropped_worker_whose_neighbours_all_dropped_fails_the_round_before_unmasking() -> None:
+    n = 30
+    params = SecAggParams.choose(n, 1.0, neighbours=4)  # t = 3 of 5 holders
+    ids = [f"w{i:02d}" for i in range(n)]
+    graph = neighbour_graph(ids, 4, SEED)
+    gone = {"w00", *graph["w00"]}
+    with pytest.raises(TooFewSurvivors, match="'w00' has 0 survivors among the holders of its shares"):
+        run_round({w: np.zeros(8) for w in ids}, params, SEED, rng=np.random.default_rng(0), drop_before_masking=gone)
