@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedbroker.secagg import (
     PublicKeys,
@@ -75,6 +77,18 @@ def test_a_sparse_graph_of_100_recovers_with_ten_percent_dropout() -> None:
     gone = list(np.random.default_rng(3).choice(sorted(inputs), 10, replace=False))
     result = run_round(inputs, params, SEED, rng=np.random.default_rng(3), drop_before_masking=gone)
     assert len(result.survivors) == 90
+    assert np.abs(result.total - _plain(inputs, result.survivors)).max() <= result.error_max
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(3, 14), data=st.data())
+def test_any_dropout_set_leaving_t_survivors_recovers_their_sum(n: int, data: st.DataObject) -> None:
+    params = SecAggParams.choose(n, 0.5)
+    inputs = {w: np.clip(x, -0.5, 0.5) for w, x in _inputs(n, 40, seed=n).items()}
+    ids = sorted(inputs)
+    gone = data.draw(st.lists(st.sampled_from(ids), max_size=n - params.threshold, unique=True), label="gone")
+    result = run_round(inputs, params, SEED, rng=np.random.default_rng(n), drop_before_masking=gone)
+    assert result.survivors == tuple(w for w in ids if w not in gone)
     assert np.abs(result.total - _plain(inputs, result.survivors)).max() <= result.error_max
 
 
