@@ -4,9 +4,9 @@
 
 The client side is Flower's own code: `secaggplus_mod`'s stage functions (`_setup`, `_share_keys`,
 `_collect_masked_vectors`, `_unmask`), called with the configs its messages would carry. The server side
-is a line-by-line transcript of `SecAggPlusWorkflow`'s stage bodies (routing, `parameters_addition`,
-`parameters_mod`, `combine_shares`, `pseudo_rand_gen`, `dequantize`) without the messaging, because the
-workflow methods need a live Grid. Dropped workers share keys and then send no masked vector, as in
+calls the Flower functions `SecAggPlusWorkflow`'s stages use (`parameters_addition`, `parameters_mod`,
+`combine_shares`, `pseudo_rand_gen`, `dequantize`) in the order its stages apply them, with plain dicts for the
+routing, because the workflow's own methods need a live Grid; none of Flower's code is reproduced here. Dropped workers share keys and then send no masked vector, as in
 bench.secagg. Inputs are already weighted: every client reports num_examples = max_weight (ratio 1), so
 Flower's result is the survivors' mean; it is multiplied back by the survivor count to compare sums.
 """
