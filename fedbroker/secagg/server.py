@@ -1,0 +1,216 @@
+"""The aggregation service's side of one SecAgg+ round: route, accumulate, unmask the sum only.
+
+Stages, each closed by the call that moves to the next (a late call for a closed stage is refused):
+  add_keys* → rosters() → add_shares* → inboxes() → add_masked* → unmask_requests() → add_unmask* → finish()
+
+U1 advertised keys, U2 ⊆ U1 sent their shares, U3 ⊆ U2 sent a masked input (survivors), the rest of U2
+dropped. The service keeps the running sum of masked inputs mod R and never any single one; the sealed
+shares it routes are opaque to it. After unmasking it holds Σ_{i∈U3} q(w_i·x_i) and nothing finer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from numpy.typing import NDArray
+
+from fedbroker.secagg import shamir
+from fedbroker.secagg.client import check_round_seed
+from fedbroker.secagg.crypto import PublicKeys, agree, neighbour_graph, prg, public_bytes
+from fedbroker.secagg.errors import SecAggError, ShareMismatch, TooFewSurvivors
+from fedbroker.secagg.params import SecAggParams, dequantise_sum, mask_ring, sum_error_bound
+
+_STAGES = ("keys", "shares", "masked", "unmask", "finished")
+
+
+@dataclass(frozen=True)
+class UnmaskRequest:
+    """What the service asks one survivor for: b-shares of `survivors`, s-shares of `dropped`."""
+
+    survivors: frozenset[str]
+    dropped: frozenset[str]
+
+
+@dataclass(frozen=True)
+class SecAggResult:
+    """The unmasked round: Σ_{i∈survivors} w_i·x_i (quantised), who is in it, and its error bound."""
+
+    total: NDArray[np.float64]
+    survivors: tuple[str, ...]
+    dropped: tuple[str, ...]
+    error_max: float  # per coordinate, worst case
+    error_std: float  # per coordinate, standard-deviation bound
+
+
+class SecAggServer:
+    """One round's service state: keys, routed ciphertexts, a running masked sum, then unmask shares."""
+
+    def __init__(self, params: SecAggParams, round_seed: bytes, *, length: int | None = None) -> None:
+        """`length`: the input's size when known ahead (else the first masked input fixes it)."""
+        self.params = params
+        self.round_seed = check_round_seed(round_seed)
+        self.length = length
+        self._stage = 0
+        self._keys: dict[str, PublicKeys] = {}
+        self._graph: dict[str, frozenset[str]] = {}
+        self._inboxes: dict[str, dict[str, bytes]] = {}  # receiver → sender → sealed shares
+        self._sent: set[str] = set()  # U2
+        self._masked: set[str] = set()  # U3 so far
+        self._sum: NDArray[np.unsignedinteger[Any]] | None = None
+        self._requests: dict[str, UnmaskRequest] = {}
+        self._replies: dict[str, dict[str, bytes]] = {}  # replier → owner → share (revealed by design)
+
+    def _in_stage(self, stage: str, call: str) -> None:
+        if _STAGES[self._stage] != stage:
+            raise SecAggError(f"{call} refused: the round is in stage {_STAGES[self._stage]!r}, not {stage!r}")
+
+    def _close(self, stage: str, call: str) -> None:
+        self._in_stage(stage, call)
+        self._stage += 1
+
+    def add_keys(self, worker_id: str, keys: PublicKeys) -> None:
+        """Record a worker's advertised keys (U1)."""
+        self._in_stage("keys", f"keys from {worker_id!r}")
+        if worker_id in self._keys:
+            raise SecAggError(f"worker {worker_id!r} advertised keys twice")
+        if len(self._keys) >= self.params.n_max:
+            raise SecAggError(f"worker {worker_id!r} would exceed n_max={self.params.n_max}")
+        self._keys[worker_id] = keys
+
+    def rosters(self) -> dict[str, dict[str, PublicKeys]]:
+        """Close advertising; each worker's neighbours' keys. Refused if any secret could never be rebuilt."""
+        self._close("keys", "rosters")
+        if len(self._keys) < self.params.threshold:
+            raise TooFewSurvivors(f"{len(self._keys)} workers advertised keys, the threshold is "
+                                  f"{self.params.threshold}")
+        self._graph = neighbour_graph(list(self._keys), self.params.neighbours, self.round_seed)
+        return {i: {j: self._keys[j] for j in sorted(nbrs)} for i, nbrs in self._graph.items()}
+
+    def add_shares(self, worker_id: str, ciphertexts: Mapping[str, bytes]) -> None:
+        """Record a worker's sealed shares (U2), one per neighbour, for routing."""
+        self._in_stage("shares", f"shares from {worker_id!r}")
+        if worker_id not in self._graph:
+            raise SecAggError(f"shares from unknown worker {worker_id!r}")
+        if worker_id in self._sent:
+            raise SecAggError(f"worker {worker_id!r} sent its shares twice")
+        if set(ciphertexts) != set(self._graph[worker_id]):
+            missing = sorted(self._graph[worker_id] - set(ciphertexts))
+            extra = sorted(set(ciphertexts) - self._graph[worker_id])
+            raise SecAggError(f"worker {worker_id!r}: shares must go to exactly its neighbours "
+                              f"(missing {missing}, not neighbours {extra})")
+        for receiver, ciphertext in ciphertexts.items():
+            self._inboxes.setdefault(receiver, {})[worker_id] = bytes(ciphertext)
+        self._sent.add(worker_id)
+
+    def inboxes(self) -> dict[str, dict[str, bytes]]:
+        """Close sharing; for each worker that shared, the sealed shares its neighbours sent it.
+
+        A worker's inbox names exactly the peers it will mask with (its neighbours in U2).
+        """
+        self._close("shares", "inboxes")
+        if len(self._sent) < self.params.threshold:
+            raise TooFewSurvivors(f"{len(self._sent)} workers shared keys, the threshold is {self.params.threshold}")
+        self._inboxes = {i: {j: ct for j, ct in sorted(self._inboxes.get(i, {}).items()) if j in self._sent}
+                         for i in sorted(self._sent)}
+        return {i: dict(box) for i, box in self._inboxes.items()}
+
+    def add_masked(self, worker_id: str, masked: NDArray[np.unsignedinteger[Any]]) -> None:
+        """Fold one masked input into the running sum mod R (the input itself is not kept)."""
+        self._in_stage("masked", f"masked input from {worker_id!r}")
+        if worker_id not in self._sent:
+            raise SecAggError(f"masked input from {worker_id!r}, which did not share keys this round")
+        if worker_id in self._masked:
+            raise SecAggError(f"worker {worker_id!r} sent its masked input twice")
+        y = np.asarray(masked)
+        if y.dtype != np.dtype(self.params.dtype) or y.ndim != 1:
+            raise SecAggError(f"masked input from {worker_id!r} must be a flat {np.dtype(self.params.dtype)} "
+                              f"vector, got {y.dtype} of shape {y.shape}")
+        if self.length is None:
+            self.length = y.shape[0]
+        if y.shape[0] != self.length:
+            raise SecAggError(f"masked input from {worker_id!r} has {y.shape[0]} values, expected {self.length}")
+        if self._sum is None:
+            self._sum = y.copy()
+        else:
+            self._sum += y
+        self._masked.add(worker_id)
+
+    def unmask_requests(self) -> dict[str, UnmaskRequest]:
+        """Close masking: survivors are U3, dropped are U2 − U3; what each survivor is asked for."""
+        self._close("masked", "unmask_requests")
+        survivors = frozenset(self._masked)
+        if len(survivors) < self.params.threshold:
+            raise TooFewSurvivors(f"{len(survivors)} masked inputs arrived, the threshold is {self.params.threshold}")
+        dropped = frozenset(self._sent - survivors)
+        for i in survivors:
+            near = survivors & (self._graph[i] | {i})
+            if len(near) < self.params.threshold:
+                raise TooFewSurvivors(f"worker {i!r} has {len(near)} survivors in its neighbourhood, "
+                                      f"the threshold is {self.params.threshold}")
+        self._requests = {i: UnmaskRequest(survivors=survivors & (self._graph[i] | {i}),
+                                           dropped=dropped & self._graph[i]) for i in sorted(survivors)}
+        self._inboxes.clear()  # routed and used: nothing more to hand out
+        return dict(self._requests)
+
+    def add_unmask(self, worker_id: str, shares: Mapping[str, bytes]) -> None:
+        """Record a survivor's revealed shares; each must be one the request asked this worker for."""
+        self._in_stage("unmask", f"unmask reply from {worker_id!r}")
+        request = self._requests.get(worker_id)
+        if request is None:
+            raise SecAggError(f"unmask reply from {worker_id!r}, which is not a survivor")
+        if worker_id in self._replies:
+            raise SecAggError(f"worker {worker_id!r} sent its unmask reply twice")
+        asked = request.survivors | request.dropped
+        extra = sorted(set(shares) - asked)
+        if extra:
+            raise SecAggError(f"unmask reply from {worker_id!r} holds shares nobody asked for: {extra}")
+        for owner, share in shares.items():
+            try:
+                shamir.decode_share(share)
+            except ShareMismatch as exc:
+                raise ShareMismatch(f"unmask reply from {worker_id!r}, share of {owner!r}: {exc}") from exc
+        self._replies[worker_id] = dict(shares)
+
+    def _shares_of(self, owner: str) -> dict[str, int]:
+        return {holder: shamir.decode_share(reply[owner]) for holder, reply in self._replies.items() if owner in reply}
+
+    def _rebuild(self, owner: str, kind: str) -> bytes:
+        shares = self._shares_of(owner)
+        try:
+            return shamir.reconstruct(shares, self.params.threshold)
+        except TooFewSurvivors as exc:
+            raise TooFewSurvivors(f"{kind} of worker {owner!r}: {exc}") from exc
+        except ShareMismatch as exc:
+            raise ShareMismatch(f"{kind} of worker {owner!r}: {exc}") from exc
+
+    def finish(self) -> SecAggResult:
+        """Rebuild the secrets, strip every mask from the running sum, and dequantise it."""
+        self._close("unmask", "finish")
+        if self._sum is None:
+            raise TooFewSurvivors("no masked input arrived")
+        survivors = sorted(self._masked)
+        dropped = sorted(self._sent - self._masked)
+        bits, length = self.params.bits, self._sum.shape[0]
+        total = self._sum
+        for i in survivors:
+            total -= prg(self._rebuild(i, "self-mask seed b"), length, bits)
+        for j in dropped:
+            s_key = X25519PrivateKey.from_private_bytes(self._rebuild(j, "mask key s"))
+            if public_bytes(s_key) != self._keys[j].s_pk:
+                raise ShareMismatch(f"the rebuilt mask key of worker {j!r} does not match its advertised s_pk")
+            for i in sorted(self._graph[j] & self._masked):
+                mask = prg(agree(s_key, self._keys[i].s_pk, self.round_seed, b"mask"), length, bits)
+                if i < j:  # i added +PRG(s_ij) for the higher-id peer j: take it back
+                    total -= mask
+                else:
+                    total += mask
+        mask_ring(total, bits)
+        self._sum = None
+        self._replies.clear()
+        worst, std = sum_error_bound(self.params, len(survivors))
+        return SecAggResult(total=dequantise_sum(total, len(survivors), self.params), survivors=tuple(survivors),
+                            dropped=tuple(dropped), error_max=worst, error_std=std)

@@ -1,0 +1,278 @@
+"""A whole SecAgg+ round: the service recovers exactly the survivors' weighted sum, and nothing finer."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedbroker.secagg import (
+    PublicKeys,
+    SecAggClient,
+    SecAggError,
+    SecAggParams,
+    SecAggServer,
+    ShareMismatch,
+    TooFewSurvivors,
+    neighbour_graph,
+    shamir,
+)
+from fedbroker.secagg.local import run_round
+
+SEED = b"job-7/round-3/seed"
+
+
+def _inputs(n: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    weights = rng.uniform(0.5, 2.0, n)
+    weights /= weights.sum()
+    return {f"w{i:03d}": weights[i] * rng.normal(0, 0.3, length) for i in range(n)}
+
+
+def _plain(inputs: dict[str, np.ndarray], who: list[str] | tuple[str, ...]) -> np.ndarray:
+    return np.sum([inputs[w] for w in who], axis=0)
+
+
+def test_unmasked_sum_equals_the_plain_weighted_sum_within_the_quantisation_bound() -> None:
+    inputs = _inputs(8, 1000)
+    params = SecAggParams.choose(8, 1.0)
+    result = run_round(inputs, params, SEED, rng=np.random.default_rng(0))
+    assert result.survivors == tuple(sorted(inputs)) and result.dropped == ()
+    assert np.abs(result.total - _plain(inputs, sorted(inputs))).max() <= result.error_max
+
+
+def test_n_minus_t_dropouts_after_masking_are_recovered() -> None:
+    n = 10
+    params = SecAggParams.choose(n, 1.0)
+    inputs = _inputs(n, 500, seed=1)
+    gone = sorted(inputs)[: n - params.threshold]
+    result = run_round(inputs, params, SEED, rng=np.random.default_rng(1), drop_before_masking=gone)
+    assert len(result.survivors) == params.threshold and result.dropped == tuple(gone)
+    assert np.abs(result.total - _plain(inputs, result.survivors)).max() <= result.error_max
+
+
+def test_dropouts_at_every_stage_still_give_the_survivors_sum() -> None:
+    n = 12
+    params = SecAggParams.choose(n, 1.0)
+    inputs = _inputs(n, 300, seed=2)
+    ids = sorted(inputs)
+    result = run_round(inputs, params, SEED, rng=np.random.default_rng(2), drop_before_sharing=ids[:1],
+                       drop_before_masking=ids[1:3], drop_before_unmask=ids[3:4])
+    assert result.survivors == tuple(ids[3:])  # a worker silent at unmask still masked its input: it counts
+    assert result.dropped == tuple(ids[1:3])
+    assert np.abs(result.total - _plain(inputs, ids[3:])).max() <= result.error_max
+
+
+def test_a_sparse_graph_of_100_recovers_with_ten_percent_dropout() -> None:
+    n = 100
+    params = SecAggParams.choose(n, 1.0)
+    assert not params.complete_graph(n)
+    inputs = _inputs(n, 200, seed=3)
+    gone = list(np.random.default_rng(3).choice(sorted(inputs), 10, replace=False))
+    result = run_round(inputs, params, SEED, rng=np.random.default_rng(3), drop_before_masking=gone)
+    assert len(result.survivors) == 90
+    assert np.abs(result.total - _plain(inputs, result.survivors)).max() <= result.error_max
+
+
+def _through_inboxes(n: int, params: SecAggParams, length: int = 64) -> tuple[SecAggServer, dict[str, SecAggClient],
+                                                                               dict[str, dict[str, bytes]]]:
+    server = SecAggServer(params, SEED, length=length)
+    clients = {f"w{i}": SecAggClient(f"w{i}", params, SEED, np.random.default_rng(i)) for i in range(n)}
+    for w, c in clients.items():
+        server.add_keys(w, c.advertise())
+    rosters = server.rosters()
+    for w, c in clients.items():
+        server.add_shares(w, c.share_keys(rosters[w]))
+    return server, clients, server.inboxes()
+
+
+def _arrays(value: Any, seen: set[int]) -> list[np.ndarray]:
+    """Every numpy array reachable from an object's attributes (dicts, lists, tuples, sets followed)."""
+    if id(value) in seen:
+        return []
+    seen.add(id(value))
+    if isinstance(value, np.ndarray):
+        return [value]
+    if isinstance(value, dict):
+        return [a for k, v in value.items() for a in _arrays(k, seen) + _arrays(v, seen)]
+    if isinstance(value, list | tuple | set | frozenset):
+        return [a for v in value for a in _arrays(v, seen)]
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return _arrays(vars(value), seen)
+    return []
+
+
+def test_the_server_never_holds_an_individual_input() -> None:
+    params = SecAggParams.choose(5, 1.0)
+    server, clients, inboxes = _through_inboxes(5, params)
+    inputs = {w: x for w, x in zip(sorted(clients), _inputs(5, 64, seed=4).values())}
+    masked = {}
+    for w, c in clients.items():
+        masked[w] = c.masked_input(inputs[w], inboxes[w])
+        server.add_masked(w, masked[w])
+        arrays = _arrays(server, set())
+        assert len(arrays) == 1 and arrays[0] is server._sum  # the running sum and nothing else
+        assert all(arrays[0] is not y and not np.shares_memory(arrays[0], y) for y in masked.values())
+    for a in _arrays(server, set()):
+        for w in inputs:
+            assert not np.allclose(a.astype(np.float64), inputs[w])
+    kept = {k: type(v).__name__ for k, v in vars(server).items()}
+    assert set(kept) == {"params", "round_seed", "length", "_stage", "_keys", "_graph", "_inboxes", "_sent",
+                         "_masked", "_sum", "_requests", "_replies"}, "a new attribute: check it holds no input"
+    requests = server.unmask_requests()
+    for w, r in requests.items():
+        server.add_unmask(w, clients[w].unmask(r.survivors, r.dropped))
+    result = server.finish()
+    assert _arrays(server, set()) == []  # the running sum is released with the result
+    assert np.abs(result.total - _plain(inputs, sorted(inputs))).max() <= result.error_max
+
+
+def test_the_service_sees_only_sealed_shares_bound_to_sender_receiver_and_round() -> None:
+    params = SecAggParams.choose(4, 1.0)
+    _, clients, inboxes = _through_inboxes(4, params)
+    sealed = inboxes["w0"]["w1"]
+    misrouted = {**inboxes["w2"], "w1": sealed}  # w1's message to w0, handed to w2
+    with pytest.raises(SecAggError, match="fails authentication"):
+        clients["w2"].masked_input(np.zeros(64), misrouted)
+    tampered = {**inboxes["w0"], "w1": sealed[:-1] + bytes([sealed[-1] ^ 1])}
+    with pytest.raises(SecAggError, match="fails authentication"):
+        clients["w0"].masked_input(np.zeros(64), tampered)
+    _, clients, inboxes = _through_inboxes(4, params)
+    clients["w0"].masked_input(np.zeros(64), inboxes["w0"])
+    b_share, s_share = clients["w0"]._held["w1"]
+    routed = b"".join(ct for box in inboxes.values() for ct in box.values())
+    assert shamir.encode_share(b_share) not in routed and shamir.encode_share(s_share) not in routed
+
+
+def test_a_client_refuses_to_reveal_both_shares_for_one_peer() -> None:
+    params = SecAggParams.choose(5, 1.0)
+    _, clients, inboxes = _through_inboxes(5, params)
+    for w, c in clients.items():
+        c.masked_input(np.zeros(64), inboxes[w])
+    everyone = set(clients)
+    with pytest.raises(SecAggError, match="both survivor and dropped"):
+        clients["w0"].unmask(everyone, {"w3"})
+    with pytest.raises(SecAggError, match="next step is done"):  # and it never answers again
+        clients["w0"].unmask(everyone - {"w3"}, {"w3"})
+    shares = clients["w1"].unmask(everyone - {"w3"}, {"w3"})
+    assert set(shares) == everyone  # b-shares of 4 survivors (itself included), the s-share of w3, once each
+    with pytest.raises(SecAggError, match="next step is done"):
+        clients["w1"].unmask(everyone, set())
+
+
+def test_a_client_refuses_to_unmask_when_fewer_than_t_survived_or_it_is_not_a_survivor() -> None:
+    params = SecAggParams.choose(5, 1.0)  # t = 3
+    _, clients, inboxes = _through_inboxes(5, params)
+    for w, c in clients.items():
+        c.masked_input(np.zeros(64), inboxes[w])
+    with pytest.raises(TooFewSurvivors):
+        clients["w0"].unmask({"w0", "w1"}, {"w2", "w3", "w4"})
+    with pytest.raises(SecAggError, match="not listed as a survivor"):
+        clients["w1"].unmask({"w2", "w3", "w4"}, {"w1"})
+
+
+def test_a_client_refuses_steps_out_of_order() -> None:
+    client = SecAggClient("a", SecAggParams.choose(3, 1.0), SEED, np.random.default_rng(0))
+    with pytest.raises(SecAggError, match="next step is advertise"):
+        client.masked_input(np.zeros(3), {})
+    with pytest.raises(SecAggError, match="round seed"):
+        SecAggClient("a", SecAggParams.choose(3, 1.0), b"short", np.random.default_rng(0))
+
+
+def test_the_server_refuses_duplicate_unknown_and_malformed_messages() -> None:
+    params = SecAggParams.choose(4, 1.0)
+    server = SecAggServer(params, SEED, length=8)
+    clients = {w: SecAggClient(w, params, SEED, np.random.default_rng(0)) for w in "abcd"}
+    for w, c in clients.items():
+        server.add_keys(w, c.advertise())
+    with pytest.raises(SecAggError, match="twice"):
+        server.add_keys("a", PublicKeys(b"1" * 32, b"2" * 32))
+    rosters = server.rosters()
+    with pytest.raises(SecAggError, match="stage"):
+        server.add_keys("e", PublicKeys(b"1" * 32, b"2" * 32))
+    shares = {w: c.share_keys(rosters[w]) for w, c in clients.items()}
+    with pytest.raises(SecAggError, match="unknown worker"):
+        server.add_shares("z", shares["a"])
+    with pytest.raises(SecAggError, match="exactly its neighbours"):
+        server.add_shares("a", {k: v for k, v in shares["a"].items() if k != "b"})
+    for w in "abcd":
+        server.add_shares(w, shares[w])
+    with pytest.raises(SecAggError, match="twice"):
+        server.add_shares("a", shares["a"])
+    inboxes = server.inboxes()
+    masked = {w: c.masked_input(np.zeros(8), inboxes[w]) for w, c in clients.items()}
+    with pytest.raises(SecAggError, match="8"):
+        server.add_masked("a", masked["a"][:7])
+    with pytest.raises(SecAggError, match="uint32"):
+        server.add_masked("a", masked["a"].astype(np.int64))
+    with pytest.raises(SecAggError, match="did not share"):
+        server.add_masked("z", masked["a"])
+    for w in "abc":
+        server.add_masked(w, masked[w])
+    with pytest.raises(SecAggError, match="twice"):
+        server.add_masked("a", masked["a"])
+    requests = server.unmask_requests()
+    assert requests["a"].dropped == {"d"}
+    with pytest.raises(SecAggError, match="not a survivor"):
+        server.add_unmask("d", {})
+    reply = clients["a"].unmask(requests["a"].survivors, requests["a"].dropped)
+    with pytest.raises(SecAggError, match="nobody asked"):
+        server.add_unmask("a", {**reply, "zz": reply["a"]})
+    with pytest.raises(ShareMismatch, match="66 bytes"):
+        server.add_unmask("a", {**reply, "b": reply["b"][:10]})
+
+
+def test_too_few_survivors_is_a_clear_error() -> None:
+    params = SecAggParams.choose(5, 1.0)  # t = 3
+    server, clients, inboxes = _through_inboxes(5, params, length=4)
+    for w in ("w0", "w1"):
+        server.add_masked(w, clients[w].masked_input(np.zeros(4), inboxes[w]))
+    with pytest.raises(TooFewSurvivors, match="2 masked inputs arrived, the threshold is 3"):
+        server.unmask_requests()
+
+
+def test_too_few_unmask_replies_or_a_corrupt_share_fail_reconstruction_loudly() -> None:
+    params = SecAggParams.choose(5, 1.0)  # t = 3
+    server, clients, inboxes = _through_inboxes(5, params, length=4)
+    for w in ("w0", "w1", "w2", "w3"):
+        server.add_masked(w, clients[w].masked_input(np.ones(4), inboxes[w]))
+    requests = server.unmask_requests()
+    for w in ("w0", "w1"):
+        server.add_unmask(w, clients[w].unmask(requests[w].survivors, requests[w].dropped))
+    with pytest.raises(TooFewSurvivors, match="2 shares, the threshold is 3"):
+        server.finish()
+
+    server, clients, inboxes = _through_inboxes(5, params, length=4)
+    for w, c in clients.items():
+        server.add_masked(w, c.masked_input(np.ones(4), inboxes[w]))
+    requests = server.unmask_requests()
+    for w, c in clients.items():
+        reply = c.unmask(requests[w].survivors, requests[w].dropped)
+        if w == "w4":
+            reply["w0"] = bytes(65) + b"\x01"  # a wrong share of w0's self-mask seed
+        server.add_unmask(w, reply)
+    with pytest.raises(ShareMismatch, match="w0"):
+        server.finish()
+
+
+def test_the_neighbour_graph_is_k_regular_symmetric_and_drawn_from_the_round_seed() -> None:
+    ids = [f"w{i:03d}" for i in range(100)]
+    graph = neighbour_graph(ids, 20, SEED)
+    assert all(len(nbrs) == 20 and w not in nbrs for w, nbrs in graph.items())
+    assert all(w in graph[v] for w, nbrs in graph.items() for v in nbrs)
+    assert graph == neighbour_graph(list(reversed(ids)), 20, SEED)
+    assert graph != neighbour_graph(ids, 20, b"another round seed")
+    assert neighbour_graph(ids[:5], 20, SEED)["w000"] == frozenset(ids[1:5])
+
+
+def test_the_package_imports_no_transport() -> None:
+    package = Path(__file__).resolve().parents[2] / "fedbroker" / "secagg"
+    banned = ("grpc", "pika", "prometheus_client", "torch")
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] in banned for n in names), f"{path.name} imports {names}"
