@@ -234,7 +234,7 @@ class AggregatorClient:
                 return None
             wait = min(LONG_POLL_S, left)
             request = pb.SecWaitRequest(job_id=job_id, round=round, worker_id=worker_id, wait_s=wait)
-            reply = self._retry(lambda: call(request, timeout=wait + self.timeout_s, metadata=self._md),
+            reply = self._retry(lambda r=request, w=wait: call(r, timeout=w + self.timeout_s, metadata=self._md),
                                 what=f"{method} of {worker_id} for round {round}", idempotent=True)
             if reply.ready:
                 return reply

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedbroker.aggregation_client import AggregatorClient
+from fedbroker.aggregation_client import AggregatorClient, Model
 from fedbroker.errors import FedbrokerError
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.secagg.client import SecAggClient
@@ -77,25 +77,32 @@ class SecureRun:
         self._inbox: dict[str, bytes] | None = None
         self.masked: np.ndarray | None = None
         self.unmasked = False
+        self.global_model: Model | None = None  # the model the task trains from: the masked delta is against it
 
-    def exchange_keys(self, client: AggregatorClient) -> None:
-        """Advertise, wait for the roster, send the sealed shares, wait for the inbox (each step once)."""
+    def advertise(self, client: AggregatorClient) -> None:
+        """Draw the round's keys (settings from the task) and advertise them; the service must run the same
+        settings. Once: a retry re-sends the same keys."""
         task, me = self.task, self.worker_id
-        if self.crypto is None:  # the round's settings follow from the task: the service must run the same
+        if self.crypto is None:
             params = round_params(task.participants)
             seed = round_seed(task.job_id, task.round, task.model_version)
             self.crypto = SecAggClient(me, params, seed, np.random.default_rng(int.from_bytes(os.urandom(8), "little")))
             self._keys = self.crypto.advertise()
-        if self._advert is None:
-            advert = client.sec_advertise(self._advertisement())
-            p = advert.params
-            ours = self.crypto.params
-            if (advert.round_seed != self.crypto.round_seed or (p.n_max, p.threshold, p.neighbours, p.ring_bits, p.clip)
-                    != (ours.n_max, ours.threshold, ours.neighbours, ours.bits, ours.clip)):
-                raise SecureStepFailed(f"round {task.round} of {task.job_id}: the service runs other secure settings "
-                                       f"({p.n_max} inputs, t {p.threshold}, ring 2^{p.ring_bits}, clip {p.clip}) than "
-                                       f"the task implies ({ours.n_max}, t {ours.threshold}, 2^{ours.bits}, {ours.clip})")
-            self._advert, self.length, self.dtype = advert, int(p.length), p.ring_dtype
+        if self._advert is not None:
+            return
+        advert = client.sec_advertise(self._advertisement())
+        p, ours = advert.params, self.crypto.params
+        if (advert.round_seed != self.crypto.round_seed or (p.n_max, p.threshold, p.neighbours, p.ring_bits, p.clip)
+                != (ours.n_max, ours.threshold, ours.neighbours, ours.bits, ours.clip)):
+            raise SecureStepFailed(f"round {task.round} of {task.job_id}: the service runs other secure settings "
+                                   f"({p.n_max} inputs, t {p.threshold}, ring 2^{p.ring_bits}, clip {p.clip}) than "
+                                   f"the task implies ({ours.n_max}, t {ours.threshold}, 2^{ours.bits}, {ours.clip})")
+        self._advert, self.length, self.dtype = advert, int(p.length), p.ring_dtype
+
+    def exchange_keys(self, client: AggregatorClient) -> None:
+        """Advertise, wait for the roster, send the sealed shares, wait for the inbox (each step once)."""
+        task, me = self.task, self.worker_id
+        self.advertise(client)
         assert self.crypto is not None
         if self._shares is None:
             roster = client.sec_roster(task.job_id, task.round, me, until=task.deadline_unix)
