@@ -22,6 +22,7 @@ import json
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import grpc
@@ -232,9 +233,9 @@ class AggregatorClient:
             left = until - time.time()
             if left <= 0:
                 return None
-            wait = min(LONG_POLL_S, left)
-            request = pb.SecWaitRequest(job_id=job_id, round=round, worker_id=worker_id, wait_s=wait)
-            reply = self._retry(lambda r=request, w=wait: call(r, timeout=w + self.timeout_s, metadata=self._md),
+            reply = self._retry(partial(call, pb.SecWaitRequest(job_id=job_id, round=round, worker_id=worker_id,
+                                                                wait_s=min(LONG_POLL_S, left)),
+                                        timeout=min(LONG_POLL_S, left) + self.timeout_s, metadata=self._md),
                                 what=f"{method} of {worker_id} for round {round}", idempotent=True)
             if reply.ready:
                 return reply

@@ -22,6 +22,8 @@ from fedbroker.app.model_readme import input_section
 from fedbroker.app.status import one_line, render, table
 from fedbroker.errors import ConfigError
 from fedbroker.files import write_atomic
+from fedbroker.secure_round import describe as describe_secure
+from fedbroker.secure_round import round_params
 
 if TYPE_CHECKING:
     from fedbroker.coordinator.service import CoordinatorClient
@@ -105,8 +107,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     finally:
         c.close()
     (job,) = status.jobs
+    spec = json.loads(job.spec_json or "{}")
+    secure_n = secure_round_size(spec, status.rounds)
     if args.json:
         doc = as_dict(job)
+        if secure_n:  # what a secure round of this job runs with: ring bits, clip range, threshold
+            doc["secure"] = {"participants": secure_n, **round_params(secure_n).describe()}
         doc["rounds"] = [as_dict(r) for r in status.rounds]
         doc["participants"] = [as_dict(p) for p in status.participants]
         doc["sharing"] = [as_dict(e) for e in shared]  # what its sites shared before round 1
@@ -116,7 +122,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     facts = [("job", job.job_id), ("name", job.name), ("status", job.status), ("category", job.category),
              ("mode", job.mode or "sync"), ("rounds", f"{job.rounds_done}/{job.rounds_total}"),
              ("submitter", job.submitter or "-"), ("submitted", _when(job.created_unix) + " UTC"),
-             ("updated", _when(job.updated_unix) + " UTC"), *settings(json.loads(job.spec_json or "{}"))]
+             ("updated", _when(job.updated_unix) + " UTC"), *settings(spec)]
+    if secure_n:
+        facts.append(("secure", describe_secure(secure_n)))
     facts += [("standardised" if e.kind == "statistics_agreed" else "sharing",
                f"{e.worker_id + ': ' if e.worker_id else ''}{e.message}") for e in shared]
     if job.error:
@@ -148,6 +156,16 @@ def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
             out.append((section, ", ".join(f"{k} {json.dumps(v) if isinstance(v, (dict, list)) else v}"
                                            for k, v in values.items() if v != {})))
     return out
+
+
+def secure_round_size(spec: dict[str, Any], rounds: Any) -> int:
+    """For a secure job, the participants its secure settings are shown for: its last round's, else what its
+    schedule asks for (clients_per_round, else min_workers); 0 for a job that is not secure."""
+    if not (spec.get("aggregation") or {}).get("secure"):
+        return 0
+    schedule = spec.get("schedule") or {}
+    last = max((int(r.participants) for r in rounds), default=0)
+    return max(2, last or int(schedule.get("clients_per_round") or 0) or int(schedule.get("min_workers") or 1))
 
 
 def _layer(layer: dict[str, Any]) -> str:
