@@ -105,6 +105,9 @@ def test_the_close_gives_the_survivors_weighted_mean_with_a_dropout_before_uploa
         time.sleep(0.05)
     assert not errors, errors
     assert book.status(JOB, ROUND)[0] == ["w1", "w2", "w4", "w5"]
+    rnd = book._jobs[JOB].round  # the service's memory: no accepted update has tensors or a row of the mean
+    assert rnd is not None and all(a.tensors is None and a.slot is None for a in rnd.accepted.values())
+    assert rnd.rows.mean is None or rnd.rows.mean.count == 0
     result = book.close(JOB, ROUND)  # w3 dropped (its mask keys rebuilt); w4 survives but never unmasks
     for t in threads:
         t.join(60)

@@ -79,6 +79,14 @@ class SecureSession:
                           f"held only in memory, so the round cannot be unmasked")
         return session
 
+    def end(self, why: str) -> None:
+        """The round ended without a close (a cancelled job's round was abandoned): every waiting worker is
+        answered at once, with `why`, instead of at its deadline."""
+        with self._cond:
+            if self.failed is None:
+                self.failed = f"{self.where} ended: {why}"
+            self._cond.notify_all()
+
     # ----- keys -----
 
     def advertise(self, worker_id: str, keys: PublicKeys, samples: int, raw_weight: float) -> None:

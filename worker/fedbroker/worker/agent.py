@@ -79,7 +79,7 @@ class _DataMismatch(FedbrokerError):
 
 
 _FAILURE_REASONS: dict[type[Exception], str] = {_DataMismatch: "data_mismatch", _DeadlinePassed: "deadline_passed",
-                                                SecureStepFailed: "secure_protocol", SecAggError: "secure_protocol"}
+                                                SecureStepFailed: Rejection.SECURE_PROTOCOL, SecAggError: Rejection.SECURE_PROTOCOL}
 
 
 class WorkerAgent:
