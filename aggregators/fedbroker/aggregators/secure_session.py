@@ -68,6 +68,7 @@ class SecureSession:
         self._requests: dict[str, UnmaskRequest] | None = None
         self._replies: dict[str, dict[str, bytes]] = {}
         self.failed: str | None = None
+        self.done = False                                  # the sum is unmasked: later unmask replies are not needed
 
     @classmethod
     def lost(cls, *, job_id: str, round_number: int, participants: frozenset[str], length: int) -> SecureSession:
@@ -210,6 +211,8 @@ class SecureSession:
                 if held != dict(shares):
                     raise refused(f"{self.where}: worker {worker_id!r} sent other unmask shares before")
                 return
+            if self.done:  # the sum was unmasked with the first t replies: this one is not needed (nor kept)
+                return
             self._step(lambda: self._server.add_unmask(worker_id, shares))
             self._replies[worker_id] = dict(shares)
             self._cond.notify_all()
@@ -225,7 +228,10 @@ class SecureSession:
                     self._fail(f"{len(self._replies)} survivor(s) sent unmask shares within {wait_s:g}s; "
                                f"{self.params.threshold} per secret are needed")
                 self._cond.wait(min(left, LONG_POLL_S))
-            return self._step(self._server.finish)
+            result = self._step(self._server.finish)
+            self.done = True
+            self._replies.clear()
+            return result
 
     def _can_finish(self) -> bool:
         if self._requests is None:
