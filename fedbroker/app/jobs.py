@@ -154,8 +154,11 @@ def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
         values = spec.get(section)
         if values:
             out.append((section, ", ".join(f"{k} {json.dumps(v) if isinstance(v, (dict, list)) else v}"
-                                           for k, v in values.items() if v != {})))
+                                           for k, v in values.items() if v != {} and _UNSET.get(k) != v)))
     return out
+
+
+_UNSET = {"secure": False, "robust": "none"}  # settings left out of a job's line at their defaults (secure: its own line)
 
 
 def secure_round_size(spec: dict[str, Any], rounds: Any) -> int:

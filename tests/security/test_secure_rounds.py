@@ -16,6 +16,7 @@ import pytest
 from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
+from fedbroker.auth import ClientSecurity
 from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc import RemoteError
@@ -24,6 +25,7 @@ from fedbroker.secure_round import round_params
 from fedbroker.spec import parameter_shapes, parse_model
 from fedbroker.submission import accept_job
 from fedbroker.worker.secure_task import SecureRun, SecureStepFailed, weighted_vector
+from tests.security.conftest import token_table
 
 MODEL = {"input_shape": [6], "layers": [{"type": "Linear", "in_features": 6, "out_features": 5}, {"type": "ReLU"},
                                         {"type": "Linear", "in_features": 5, "out_features": 3}]}
@@ -220,3 +222,24 @@ def test_submission_names_every_setting_secure_aggregation_cannot_take():
     ok = accept_job({**job, "aggregation": {"secure": True, "weighting": "fedavg"},
                      "schedule": {"min_clients": 3, "min_workers": 4}})
     assert ok.aggregation.secure
+
+
+def test_with_tokens_a_worker_takes_part_only_as_itself_and_the_coordinator_not_at_all(tmp_path: Path):
+    table, tokens = token_table({"coordinator": "coordinator", "w1": "worker", "w2": "worker"})
+    book = RoundBook()
+    server, port = serve(book, tokens=table)
+    clients = {name: AggregatorClient(f"127.0.0.1:{port}", timeout_s=5, security=ClientSecurity(token=token))
+               for name, token in tokens.items()}
+    try:
+        task = open_secure_round(book, global_state())
+        SecureRun(worker_id="w1", task=task, num_samples=SAMPLES["w1"], ish=None).advertise(clients["w1"])
+        with pytest.raises(RemoteError) as other:  # w2's token advertising keys as w1
+            SecureRun(worker_id="w1", task=task, num_samples=SAMPLES["w1"], ish=None).advertise(clients["w2"])
+        assert other.value.reason == Rejection.PERMISSION_DENIED
+        with pytest.raises(RemoteError) as coordinator:  # the Sec* calls are the workers' only
+            clients["coordinator"].sec_roster(JOB, ROUND, "w1", until=time.time() + 5)
+        assert coordinator.value.reason == Rejection.PERMISSION_DENIED
+    finally:
+        for client in clients.values():
+            client.close()
+        server.stop(grace=0)
