@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from fedbroker.auth import ClientSecurity
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import CHANNEL_OPTIONS, RPC_ATTEMPTS, call_with_retry
-from fedbroker.secure_round import LONG_POLL_S
+from fedbroker.secure_round import LONG_POLL_S, REPOLL_S
 
 T = TypeVar("T")
 
@@ -227,7 +228,8 @@ class AggregatorClient:
 
     def _sec_wait(self, method: str, job_id: str, round: int, worker_id: str, until: float) -> Any:
         """Long-poll `method` until its reply is ready, or None once `until` (a Unix time) has passed; the
-        service holds each call at most LONG_POLL_S, and each is retried like any idempotent call."""
+        service holds each call at most LONG_POLL_S (and at most WAITING_CALLS at once: beyond, it answers
+        "not yet" at once), and each is retried like any idempotent call."""
         call = getattr(self._stub, method)
         while True:
             left = until - time.time()
@@ -239,6 +241,7 @@ class AggregatorClient:
                                 what=f"{method} of {worker_id} for round {round}", idempotent=True)
             if reply.ready:
                 return reply
+            time.sleep(min(random.uniform(*REPOLL_S), max(until - time.time(), 0.0)))  # held or not: a pause
 
     def open_round(self, job_id: str, round: int, participants: Sequence[str], deadline_unix: float,
                    aggregation: Mapping[str, object], *, seed: int,

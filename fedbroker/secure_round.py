@@ -22,6 +22,8 @@ KEY_FRACTION = 0.25        # the roster is fixed once every participant advertis
 SHARE_FRACTION = 0.5       # the inboxes are fixed once every roster member shared, or at this share of the round
 UNMASK_WAIT_S = 60.0       # after the survivors are named: how long the close waits for enough unmask shares
 LONG_POLL_S = 20.0         # the longest the service holds one waiting call (the worker asks again)
+WAITING_CALLS = 16         # waiting calls the service holds at once; beyond, it answers "not yet" at once
+REPOLL_S = (0.2, 1.0)      # a worker's pause before asking again after "not yet" (uniform, jittered)
 
 
 def round_params(n: int) -> SecAggParams:

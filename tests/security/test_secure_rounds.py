@@ -15,6 +15,7 @@ import pytest
 
 from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
+from fedbroker.aggregators.secure_rounds import SecureRounds
 from fedbroker.aggregators.service import serve
 from fedbroker.auth import ClientSecurity
 from fedbroker.errors import Rejection, UploadRejected
@@ -129,6 +130,25 @@ def test_the_close_gives_the_survivors_weighted_mean_with_a_dropout_before_uploa
     weights = {u.worker_id: u.weight for u in result.updates}
     runs["w4"].unmask(client)  # a survivor's reply after the sum was unmasked is answered, not refused
     assert "w3" not in weights and weights["w2"] == pytest.approx(SAMPLES["w2"] / sum(SAMPLES[w] for w in survivors))
+
+
+def test_waiters_beyond_the_services_waiting_slots_are_answered_at_once_and_the_round_still_completes(service):
+    book, client = service
+    book.secure = SecureRounds(book, waiting_calls=0)  # no call may wait: every poll is answered "not yet" at once
+    base = global_state(2)
+    task = open_secure_round(book, base)
+    errors: list[BaseException] = []
+    threads = [threading.Thread(target=run_worker, args=(client, task, w, base, "done", errors)) for w in WORKERS]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 120
+    while len(book.status(JOB, ROUND)[0]) < len(WORKERS) and time.monotonic() < end and not errors:
+        time.sleep(0.05)
+    result = book.close(JOB, ROUND)
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert sorted(result.aggregated) == WORKERS
 
 
 def test_the_spool_never_holds_a_clear_or_masked_update(service, tmp_path: Path):

@@ -11,6 +11,7 @@ then the coordinator see the round fail, by name, instead of a sum that silently
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Protocol
@@ -26,6 +27,7 @@ from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.secagg import PublicKeys, SecAggError, UnmaskRequest
+from fedbroker.secure_round import WAITING_CALLS
 from fedbroker.spec import ModelSpec, parameter_shapes
 
 
@@ -55,8 +57,21 @@ def new_session(job_id: str, round_number: int, version: int, participants: froz
 class SecureRounds:
     """The secure calls of one round book (see the module docstring)."""
 
-    def __init__(self, book: Book) -> None:
+    def __init__(self, book: Book, *, waiting_calls: int = WAITING_CALLS) -> None:
         self.book = book
+        # The waiting calls (roster, inbox, survivors) hold a server thread each: at most `waiting_calls` at once,
+        # so a large round's waiters never take the threads the coordinator's calls and the uploads need.
+        self._waiting = threading.BoundedSemaphore(waiting_calls)
+
+    @contextlib.contextmanager
+    def _hold(self, wait_s: float) -> Iterator[float]:
+        """How long this call may wait: `wait_s` while a waiting slot is free, else 0 (answered at once)."""
+        held = self._waiting.acquire(blocking=False)
+        try:
+            yield wait_s if held else 0.0
+        finally:
+            if held:
+                self._waiting.release()
 
     def _session(self, job_id: str, round_number: int, worker_id: str) -> tuple[Round, SecureSession]:
         job = self.book._job(job_id)
@@ -93,8 +108,9 @@ class SecureRounds:
 
     def roster(self, request: pb.SecWaitRequest) -> Roster | None:
         """The worker's peers and weight share, or None while the roster is not fixed."""
-        return self._session(request.job_id, request.round, request.worker_id)[1].roster(request.worker_id,
-                                                                                          request.wait_s)
+        session = self._session(request.job_id, request.round, request.worker_id)[1]
+        with self._hold(request.wait_s) as wait_s:
+            return session.roster(request.worker_id, wait_s)
 
     def share(self, request: pb.SecShareRequest) -> None:
         """Route the worker's sealed shares."""
@@ -106,13 +122,15 @@ class SecureRounds:
 
     def inbox(self, request: pb.SecWaitRequest) -> dict[str, bytes] | None:
         """The sealed shares for the worker, or None while the inboxes are not fixed."""
-        return self._session(request.job_id, request.round, request.worker_id)[1].inbox(request.worker_id,
-                                                                                         request.wait_s)
+        session = self._session(request.job_id, request.round, request.worker_id)[1]
+        with self._hold(request.wait_s) as wait_s:
+            return session.inbox(request.worker_id, wait_s)
 
     def survivors(self, request: pb.SecWaitRequest) -> UnmaskRequest | None:
         """Whose shares the worker must send, or None while the round is open."""
-        return self._session(request.job_id, request.round, request.worker_id)[1].survivors(request.worker_id,
-                                                                                             request.wait_s)
+        session = self._session(request.job_id, request.round, request.worker_id)[1]
+        with self._hold(request.wait_s) as wait_s:
+            return session.survivors(request.worker_id, wait_s)
 
     def unmask(self, request: pb.SecUnmaskRequest) -> None:
         """A survivor's shares for the close."""

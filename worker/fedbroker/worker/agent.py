@@ -46,7 +46,7 @@ from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff
 from fedbroker.rpc import RemoteError
 from fedbroker.secagg import SecAggError
-from fedbroker.spec import ModelSpec, TrainingConfig, training_from_json
+from fedbroker.spec import ModelSpec, TrainingConfig, parse_model, training_from_json
 from fedbroker.worker import metrics
 from fedbroker.worker.evaluation import SiteEvaluation
 from fedbroker.worker.global_model import build_global, fit_problem
@@ -465,8 +465,7 @@ class WorkerAgent:
     def _upload_masked(self, client: AggregatorClient, secure: SecureRun, result: TrainResult) -> pb.UploadReceipt:
         """Mask the weighted update, upload it, then send the unmask shares once the round names its survivors."""
         assert secure.global_model is not None
-        spec, _ = build_global(secure.global_model)
-        secure.mask(result.state, secure.global_model[2], spec)
+        secure.mask(result.state, secure.global_model[2], parse_model(json.loads(secure.global_model[1])))
         assert secure.masked is not None
         task = secure.task
         receipt = client.upload_masked(job_id=task.job_id, round=task.round, worker_id=self.config.id,
