@@ -100,7 +100,7 @@ audit: $(STAMP)
 	$(PY) -m fedbroker audit --out runs
 
 # benchmarks (bench/): Flower and the profilers live in .venv-bench only, never in the project's environment
-# (Flower pins protobuf < 7; fedbroker's generated code needs 7). `make bench` takes ~15 min on 2 cores.
+# (Flower pins protobuf < 7; fedbroker's generated code needs 7). `make bench` takes ~20 min on 2 cores.
 BENCH_VENV  := .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed
 

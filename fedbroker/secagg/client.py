@@ -15,9 +15,9 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from numpy.typing import NDArray
 
 from fedbroker.secagg import shamir
-from fedbroker.secagg.crypto import KEY_BYTES, PublicKeys, agree, open_sealed, prg, public_bytes, seal
+from fedbroker.secagg.crypto import KEY_BYTES, PublicKeys, agree, open_sealed, prg, prg_scratch, public_bytes, seal
 from fedbroker.secagg.errors import SecAggError, TooFewSurvivors
-from fedbroker.secagg.params import SecAggParams, mask_ring, quantise
+from fedbroker.secagg.params import SecAggParams, clipped_count, mask_ring, quantise
 
 _STEPS = ("advertise", "share_keys", "masked_input", "unmask", "done")
 MIN_ROUND_SEED_BYTES = 16
@@ -105,13 +105,14 @@ class SecAggClient:
                 raise SecAggError(f"worker {self.worker_id!r}: the share message from {sender!r} has a wrong length")
             self._held[sender] = (shamir.decode_share(plaintext[:shamir.SHARE_BYTES]),
                                   shamir.decode_share(plaintext[shamir.SHARE_BYTES:]))
-        x = np.asarray(vector, dtype=np.float64)
-        self.clipped = int(np.count_nonzero(np.abs(x) > self.params.clip)) if x.ndim == 1 else 0
-        y = quantise(x, self.params, self._rng)
-        bits = self.params.bits
-        y += prg(self._b_seed, y.shape[0], bits)
+        y = quantise(vector, self.params, self._rng)
+        self.clipped = clipped_count(vector, self.params)
+        bits, length = self.params.bits, y.shape[0]
+        scratch = prg_scratch(length, bits)
+        y += prg(self._b_seed, length, bits, scratch=scratch)
         for peer in sorted(inbox):
-            mask = prg(agree(self._s_key, self._roster[peer].s_pk, self.round_seed, b"mask"), y.shape[0], bits)
+            seed = agree(self._s_key, self._roster[peer].s_pk, self.round_seed, b"mask")
+            mask = prg(seed, length, bits, scratch=scratch)
             if self.worker_id < peer:
                 y += mask
             else:

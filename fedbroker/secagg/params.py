@@ -21,7 +21,7 @@ from numpy.typing import NDArray
 
 from fedbroker.errors import ConfigError
 
-MAX_LEVELS = 2**52  # float64 represents every level and its fractional part exactly below 2^53
+MAX_LEVELS = 2**40  # float64 keeps 12 fractional bits of every scaled value: the rounding stays unbiased
 RING_BITS = (32, 64)  # the ring sizes `choose` picks from (any 8..64 is accepted when given)
 
 
@@ -74,7 +74,7 @@ class SecAggParams:
 
     @property
     def levels(self) -> int:
-        """L, the top quantisation level: as many as fit n_max·L < 2^bits, at most 2^52."""
+        """L, the top quantisation level: as many as fit n_max·L < 2^bits, at most 2^40."""
         return min(((1 << self.bits) - 1) // self.n_max, MAX_LEVELS)
 
     @property
@@ -150,14 +150,12 @@ def quantise(x: NDArray[np.floating[Any]], params: SecAggParams,
         raise ConfigError("secagg.input", f"must be a flat vector, got shape {x.shape}")
     if not np.isfinite(x).all():
         raise ConfigError("secagg.input", "holds NaN or infinity")
-    scaled = np.clip(x, -params.clip, params.clip)
-    scaled += params.clip
-    scaled *= params.levels / (2.0 * params.clip)
-    np.minimum(scaled, float(params.levels), out=scaled)  # (B + B)·L/2B may round a hair above L
-    low = np.floor(scaled)
-    scaled -= low  # the fractional part: round up with that probability
-    low += rng.random(x.shape[0]) < scaled
-    levels: NDArray[np.unsignedinteger[Any]] = low.astype(params.dtype)
+    scale = params.levels / (2.0 * params.clip)
+    scaled = np.multiply(x, scale)
+    scaled += params.clip * scale + rng.random(x.shape[0])  # floor(v + U) rounds v up with prob. frac(v)
+    np.floor(scaled, out=scaled)
+    np.clip(scaled, 0.0, float(params.levels), out=scaled)  # clipping to ±B, in level units
+    levels: NDArray[np.unsignedinteger[Any]] = scaled.astype(params.dtype)
     return levels
 
 

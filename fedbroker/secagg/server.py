@@ -10,9 +10,11 @@ shares it routes are opaque to it. After unmasking it holds Σ_{i∈U3} q(w_i·x
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -20,11 +22,22 @@ from numpy.typing import NDArray
 
 from fedbroker.secagg import shamir
 from fedbroker.secagg.client import check_round_seed
-from fedbroker.secagg.crypto import PublicKeys, agree, neighbour_graph, prg, public_bytes
+from fedbroker.secagg.crypto import PublicKeys, agree, neighbour_graph, prg, prg_scratch, public_bytes
 from fedbroker.secagg.errors import SecAggError, ShareMismatch, TooFewSurvivors
 from fedbroker.secagg.params import SecAggParams, dequantise_sum, mask_ring, sum_error_bound
 
 _STAGES = ("keys", "shares", "masked", "unmask", "finished")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(method: Callable[Concatenate[SecAggServer, _P], _R]) -> Callable[Concatenate[SecAggServer, _P], _R]:
+    """One call at a time: a service's handler threads may add masked inputs concurrently."""
+    @functools.wraps(method)
+    def call(self: SecAggServer, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return call
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,7 @@ class SecAggServer:
         self._sum: NDArray[np.unsignedinteger[Any]] | None = None
         self._requests: dict[str, UnmaskRequest] = {}
         self._replies: dict[str, dict[str, bytes]] = {}  # replier → owner → share (revealed by design)
+        self._lock = threading.Lock()
 
     def _in_stage(self, stage: str, call: str) -> None:
         if _STAGES[self._stage] != stage:
@@ -72,6 +86,7 @@ class SecAggServer:
         self._in_stage(stage, call)
         self._stage += 1
 
+    @_locked
     def add_keys(self, worker_id: str, keys: PublicKeys) -> None:
         """Record a worker's advertised keys (U1)."""
         self._in_stage("keys", f"keys from {worker_id!r}")
@@ -81,6 +96,7 @@ class SecAggServer:
             raise SecAggError(f"worker {worker_id!r} would exceed n_max={self.params.n_max}")
         self._keys[worker_id] = keys
 
+    @_locked
     def rosters(self) -> dict[str, dict[str, PublicKeys]]:
         """Close advertising; each worker's neighbours' keys. Refused if any secret could never be rebuilt."""
         self._close("keys", "rosters")
@@ -90,6 +106,7 @@ class SecAggServer:
         self._graph = neighbour_graph(list(self._keys), self.params.neighbours, self.round_seed)
         return {i: {j: self._keys[j] for j in sorted(nbrs)} for i, nbrs in self._graph.items()}
 
+    @_locked
     def add_shares(self, worker_id: str, ciphertexts: Mapping[str, bytes]) -> None:
         """Record a worker's sealed shares (U2), one per neighbour, for routing."""
         self._in_stage("shares", f"shares from {worker_id!r}")
@@ -106,6 +123,7 @@ class SecAggServer:
             self._inboxes.setdefault(receiver, {})[worker_id] = bytes(ciphertext)
         self._sent.add(worker_id)
 
+    @_locked
     def inboxes(self) -> dict[str, dict[str, bytes]]:
         """Close sharing; for each worker that shared, the sealed shares its neighbours sent it.
 
@@ -118,6 +136,7 @@ class SecAggServer:
                          for i in sorted(self._sent)}
         return {i: dict(box) for i, box in self._inboxes.items()}
 
+    @_locked
     def add_masked(self, worker_id: str, masked: NDArray[np.unsignedinteger[Any]]) -> None:
         """Fold one masked input into the running sum mod R (the input itself is not kept)."""
         self._in_stage("masked", f"masked input from {worker_id!r}")
@@ -139,6 +158,7 @@ class SecAggServer:
             self._sum += y
         self._masked.add(worker_id)
 
+    @_locked
     def unmask_requests(self) -> dict[str, UnmaskRequest]:
         """Close masking: survivors are U3, dropped are U2 − U3; what each survivor is asked for."""
         self._close("masked", "unmask_requests")
@@ -146,16 +166,17 @@ class SecAggServer:
         if len(survivors) < self.params.threshold:
             raise TooFewSurvivors(f"{len(survivors)} masked inputs arrived, the threshold is {self.params.threshold}")
         dropped = frozenset(self._sent - survivors)
-        for i in survivors:
+        for i in sorted(self._sent):  # a survivor's b_i is held by itself and its neighbours, a dropped s_j by its neighbours
             near = survivors & (self._graph[i] | {i})
             if len(near) < self.params.threshold:
-                raise TooFewSurvivors(f"worker {i!r} has {len(near)} survivors in its neighbourhood, "
+                raise TooFewSurvivors(f"worker {i!r} has {len(near)} survivors among the holders of its shares, "
                                       f"the threshold is {self.params.threshold}")
         self._requests = {i: UnmaskRequest(survivors=survivors & (self._graph[i] | {i}),
                                            dropped=dropped & self._graph[i]) for i in sorted(survivors)}
         self._inboxes.clear()  # routed and used: nothing more to hand out
         return dict(self._requests)
 
+    @_locked
     def add_unmask(self, worker_id: str, shares: Mapping[str, bytes]) -> None:
         """Record a survivor's revealed shares; each must be one the request asked this worker for."""
         self._in_stage("unmask", f"unmask reply from {worker_id!r}")
@@ -187,6 +208,7 @@ class SecAggServer:
         except ShareMismatch as exc:
             raise ShareMismatch(f"{kind} of worker {owner!r}: {exc}") from exc
 
+    @_locked
     def finish(self) -> SecAggResult:
         """Rebuild the secrets, strip every mask from the running sum, and dequantise it."""
         self._close("unmask", "finish")
@@ -195,15 +217,15 @@ class SecAggServer:
         survivors = sorted(self._masked)
         dropped = sorted(self._sent - self._masked)
         bits, length = self.params.bits, self._sum.shape[0]
-        total = self._sum
+        total, scratch = self._sum, prg_scratch(length, bits)
         for i in survivors:
-            total -= prg(self._rebuild(i, "self-mask seed b"), length, bits)
+            total -= prg(self._rebuild(i, "self-mask seed b"), length, bits, scratch=scratch)
         for j in dropped:
             s_key = X25519PrivateKey.from_private_bytes(self._rebuild(j, "mask key s"))
             if public_bytes(s_key) != self._keys[j].s_pk:
                 raise ShareMismatch(f"the rebuilt mask key of worker {j!r} does not match its advertised s_pk")
             for i in sorted(self._graph[j] & self._masked):
-                mask = prg(agree(s_key, self._keys[i].s_pk, self.round_seed, b"mask"), length, bits)
+                mask = prg(agree(s_key, self._keys[i].s_pk, self.round_seed, b"mask"), length, bits, scratch=scratch)
                 if i < j:  # i added +PRG(s_ij) for the higher-id peer j: take it back
                     total -= mask
                 else:

@@ -55,17 +55,29 @@ def split(secret: bytes, holders: Sequence[str], threshold: int, *,
     return {h: _poly_eval(coefficients, x) for h, x in points.items()}
 
 
-def _interpolate_at(points: Sequence[tuple[int, int]], x: int) -> int:
-    """f(x) for the unique polynomial of degree < len(points) through `points` (Lagrange)."""
-    total = 0
-    for j, (xj, yj) in enumerate(points):
-        num, den = 1, 1
-        for m, (xm, _) in enumerate(points):
-            if m != j:
-                num = num * (x - xm) % PRIME
-                den = den * (xj - xm) % PRIME
-        total = (total + yj * num * pow(den, -1, PRIME)) % PRIME
-    return total
+class _Lagrange:
+    """The polynomial of degree < len(points) through `points`, evaluated anywhere; its Lagrange
+    denominators are inverted once, so checking many further shares costs no more inversions."""
+
+    def __init__(self, points: Sequence[tuple[int, int]]) -> None:
+        self.xs = [x for x, _ in points]
+        self.weights = []
+        for j, (xj, yj) in enumerate(points):
+            den = 1
+            for m, xm in enumerate(self.xs):
+                if m != j:
+                    den = den * (xj - xm) % PRIME
+            self.weights.append(yj * pow(den, -1, PRIME) % PRIME)
+
+    def at(self, x: int) -> int:
+        total = 0
+        for j, w in enumerate(self.weights):
+            num = w
+            for m, xm in enumerate(self.xs):
+                if m != j:
+                    num = num * (x - xm) % PRIME
+            total += num
+        return total % PRIME
 
 
 def reconstruct(shares: Mapping[str, int], threshold: int) -> bytes:
@@ -82,11 +94,11 @@ def reconstruct(shares: Mapping[str, int], threshold: int) -> bytes:
     ordered = sorted((share_point(h), y) for h, y in shares.items())
     if len({x for x, _ in ordered}) != len(ordered):
         raise ShareMismatch("two shares sit at one point")
-    basis, extra = ordered[:threshold], ordered[threshold:]
-    for x, y in extra:
-        if _interpolate_at(basis, x) != y:
+    polynomial = _Lagrange(ordered[:threshold])
+    for x, y in ordered[threshold:]:
+        if polynomial.at(x) != y:
             raise ShareMismatch(f"{len(shares)} shares do not lie on one polynomial of degree {threshold - 1}")
-    secret = _interpolate_at(basis, 0)
+    secret = polynomial.at(0)
     if secret >= 1 << (8 * SECRET_BYTES):
         raise ShareMismatch("the rebuilt secret is longer than 32 bytes: a share is corrupt")
     return secret.to_bytes(SECRET_BYTES, "big")

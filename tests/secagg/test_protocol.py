@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import ast
+import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedbroker.secagg import (
     PublicKeys,
@@ -77,6 +80,18 @@ def test_a_sparse_graph_of_100_recovers_with_ten_percent_dropout() -> None:
     assert np.abs(result.total - _plain(inputs, result.survivors)).max() <= result.error_max
 
 
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(3, 14), data=st.data())
+def test_any_dropout_set_leaving_t_survivors_recovers_their_sum(n: int, data: st.DataObject) -> None:
+    params = SecAggParams.choose(n, 0.5)
+    inputs = {w: np.clip(x, -0.5, 0.5) for w, x in _inputs(n, 40, seed=n).items()}
+    ids = sorted(inputs)
+    gone = data.draw(st.lists(st.sampled_from(ids), max_size=n - params.threshold, unique=True), label="gone")
+    result = run_round(inputs, params, SEED, rng=np.random.default_rng(n), drop_before_masking=gone)
+    assert result.survivors == tuple(w for w in ids if w not in gone)
+    assert np.abs(result.total - _plain(inputs, result.survivors)).max() <= result.error_max
+
+
 def _through_inboxes(n: int, params: SecAggParams, length: int = 64) -> tuple[SecAggServer, dict[str, SecAggClient],
                                                                                dict[str, dict[str, bytes]]]:
     server = SecAggServer(params, SEED, length=length)
@@ -121,7 +136,7 @@ def test_the_server_never_holds_an_individual_input() -> None:
             assert not np.allclose(a.astype(np.float64), inputs[w])
     kept = {k: type(v).__name__ for k, v in vars(server).items()}
     assert set(kept) == {"params", "round_seed", "length", "_stage", "_keys", "_graph", "_inboxes", "_sent",
-                         "_masked", "_sum", "_requests", "_replies"}, "a new attribute: check it holds no input"
+                         "_masked", "_sum", "_requests", "_replies", "_lock"}, "a new attribute: check it holds no input"
     requests = server.unmask_requests()
     for w, r in requests.items():
         server.add_unmask(w, clients[w].unmask(r.survivors, r.dropped))
@@ -276,3 +291,32 @@ def test_the_package_imports_no_transport() -> None:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.split(".")[0] in banned for n in names), f"{path.name} imports {names}"
+
+
+def test_masked_inputs_added_from_many_threads_give_the_same_sum() -> None:
+    n, length = 8, 200_000
+    params = SecAggParams.choose(n, 1.0)
+    server, clients, inboxes = _through_inboxes(n, params, length=length)
+    inputs = {w: x[:length] for w, x in zip(sorted(clients), _inputs(n, length, seed=6).values())}
+    masked = {w: c.masked_input(inputs[w], inboxes[w]) for w, c in clients.items()}
+    threads = [threading.Thread(target=server.add_masked, args=(w, y)) for w, y in masked.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    requests = server.unmask_requests()
+    assert set(requests) == set(clients)
+    for w, r in requests.items():
+        server.add_unmask(w, clients[w].unmask(r.survivors, r.dropped))
+    result = server.finish()
+    assert np.abs(result.total - _plain(inputs, sorted(inputs))).max() <= result.error_max
+
+
+def test_a_dropped_worker_whose_neighbours_all_dropped_fails_the_round_before_unmasking() -> None:
+    n = 30
+    params = SecAggParams.choose(n, 1.0, neighbours=4)  # t = 3 of 5 holders
+    ids = [f"w{i:02d}" for i in range(n)]
+    graph = neighbour_graph(ids, 4, SEED)
+    gone = {"w00", *graph["w00"]}
+    with pytest.raises(TooFewSurvivors, match="'w00' has 0 survivors among the holders of its shares"):
+        run_round({w: np.zeros(8) for w in ids}, params, SEED, rng=np.random.default_rng(0), drop_before_masking=gone)
