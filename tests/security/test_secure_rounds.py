@@ -132,6 +132,47 @@ def test_the_close_gives_the_survivors_weighted_mean_with_a_dropout_before_uploa
     assert "w3" not in weights and weights["w2"] == pytest.approx(SAMPLES["w2"] / sum(SAMPLES[w] for w in survivors))
 
 
+def test_dwfed_weights_are_applied_before_masking_and_the_close_divides_by_the_survivors_ish(service):
+    book, client = service
+    base = global_state(3)
+    book.put_global(JOB, 1, SPEC_JSON, base)
+    deadline = time.time() + 600
+    aggregation = {"secure": True, "weighting": "dwfed"}
+    book.open_round(JOB, ROUND, WORKERS, deadline, aggregation, seed=3, num_samples=SAMPLES)
+    task = pb.RoundTask(job_id=JOB, round=ROUND, model_version=1, deadline_unix=deadline, participants=len(WORKERS),
+                        aggregation_json=json.dumps(aggregation))
+    ish = {"w1": 0.9, "w2": 0.2, "w3": 0.5, "w4": 0.7, "w5": 0.4}
+    errors: list[BaseException] = []
+
+    def run(worker: str) -> None:
+        try:
+            r = SecureRun(worker_id=worker, task=task, num_samples=SAMPLES[worker], ish=ish[worker])
+            r.exchange_keys(client)
+            r.mask(trained_state(worker, base), base, SPEC)
+            assert r.masked is not None
+            client.upload_masked(job_id=JOB, round=ROUND, worker_id=worker, num_samples=SAMPLES[worker],
+                                 masked=r.masked, ish=ish[worker])
+            r.unmask(client)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in WORKERS]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 120
+    while len(book.status(JOB, ROUND)[0]) < len(WORKERS) and time.monotonic() < end and not errors:
+        time.sleep(0.05)
+    book.close(JOB, ROUND)
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    _, _, new = book.global_model(JOB)
+    total = sum(ish.values())
+    for name in base:
+        want = base[name] + sum(ish[w] / total * (trained_state(w, base)[name] - base[name]) for w in WORKERS)
+        np.testing.assert_allclose(new[name], want, atol=1e-5)
+
+
 def test_waiters_beyond_the_services_waiting_slots_are_answered_at_once_and_the_round_still_completes(service):
     book, client = service
     book.secure = SecureRounds(book, waiting_calls=0)  # no call may wait: every poll is answered "not yet" at once
