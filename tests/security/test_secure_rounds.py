@@ -129,6 +129,8 @@ def test_the_close_gives_the_survivors_weighted_mean_with_a_dropout_before_uploa
         np.testing.assert_allclose(new[name], want[name], atol=bound + 1e-5)
     weights = {u.worker_id: u.weight for u in result.updates}
     runs["w4"].unmask(client)  # a survivor's reply after the sum was unmasked is answered, not refused
+    runs["w1"].unmasked = False  # as if its reply had been lost: the retry re-sends the same shares (asked once)
+    runs["w1"].unmask(client)
     assert "w3" not in weights and weights["w2"] == pytest.approx(SAMPLES["w2"] / sum(SAMPLES[w] for w in survivors))
 
 

@@ -78,8 +78,10 @@ class _DataMismatch(FedbrokerError):
     reported as failed with the reason and acked, never retried into the dead-letter queue."""
 
 
-_FAILURE_REASONS: dict[type[Exception], str] = {_DataMismatch: "data_mismatch", _DeadlinePassed: "deadline_passed",
-                                                SecureStepFailed: Rejection.SECURE_PROTOCOL, SecAggError: Rejection.SECURE_PROTOCOL}
+_FAILURE_REASONS: dict[type[Exception], str] = {
+    _DataMismatch: "data_mismatch", _DeadlinePassed: "deadline_passed",
+    SecureStepFailed: Rejection.SECURE_PROTOCOL, SecAggError: Rejection.SECURE_PROTOCOL,
+}
 
 
 class WorkerAgent:

@@ -77,6 +77,7 @@ class SecureRun:
         self._inbox: dict[str, bytes] | None = None
         self.masked: np.ndarray | None = None
         self.unmasked = False
+        self._unmask_shares: dict[str, bytes] | None = None
         self.global_model: Model | None = None  # the model the task trains from: the masked delta is against it
 
     def advertise(self, client: AggregatorClient) -> None:
@@ -152,10 +153,12 @@ class SecureRun:
         assert self.crypto is not None
         _test_exit(self.worker_id, "uploaded")
         until = task.deadline_unix + UNMASK_WAIT_S  # a round closes at its deadline at the latest
-        named = client.sec_survivors(task.job_id, task.round, self.worker_id, until=until)
-        if named is None:
-            raise SecureStepFailed(f"round {task.round} of {task.job_id} named no survivors in time")
-        shares = self.crypto.unmask(list(named.survivors), list(named.dropped))
+        if self._unmask_shares is None:  # the crypto answers once; a retry re-sends the same shares
+            named = client.sec_survivors(task.job_id, task.round, self.worker_id, until=until)
+            if named is None:
+                raise SecureStepFailed(f"round {task.round} of {task.job_id} named no survivors in time")
+            self._unmask_shares = self.crypto.unmask(list(named.survivors), list(named.dropped))
+        shares = self._unmask_shares
         client.sec_unmask(pb.SecUnmaskRequest(job_id=task.job_id, round=task.round, worker_id=self.worker_id,
                                               shares=[pb.SecShareValue(peer=peer, share=share)
                                                       for peer, share in sorted(shares.items())]))
