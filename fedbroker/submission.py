@@ -94,7 +94,8 @@ def secure_problems(aggregation: AggregationConfig, schedule: ScheduleConfig | N
     if aggregation.robust != "none":
         refuse("aggregation.robust", f"{aggregation.robust!r} reads each update; secure aggregation reveals only "
                                      f"their sum (use 'none')")
-    if float(aggregation.weighting_params.get("max_share", 1.0) or 1.0) < 1.0:
+    share = aggregation.weighting_params.get("max_share", 1.0)  # a bad value is the catalogue's to report
+    if isinstance(share, (int, float)) and not isinstance(share, bool) and share < 1.0:
         refuse("aggregation.weighting_params.max_share", "a cap makes each coefficient depend on which updates "
                                                          "arrive; secure weights are fixed before masking")
     if schedule is None:
