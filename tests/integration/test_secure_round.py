@@ -174,6 +174,9 @@ def test_a_secure_round_closes_with_the_survivors_weighted_mean_and_the_service_
     (rnd,) = doc["rounds"]
     survivors = ["site-1", "site-2", "site-4", "site-5"]
     assert rnd["aggregated"] == len(survivors)
+    status = {p["worker_id"]: p for p in doc["participants"]}
+    assert {w for w, p in status.items() if p["status"] == "aggregated"} == set(survivors)
+    assert all(status[w]["epsilon"] > 0 for w in survivors)  # DP training and its ε as without secure
     params = round_params(len(WORKERS))
     assert doc["secure"]["threshold"] == params.threshold and doc["secure"]["bits"] == params.bits
     assert "threshold 3 of 5" in d.cli("jobs", "show", job_id)
