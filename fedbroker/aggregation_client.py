@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import copy
 import json
+import random
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from functools import partial
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -31,6 +34,7 @@ from fedbroker.auth import ClientSecurity
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import CHANNEL_OPTIONS, RPC_ATTEMPTS, call_with_retry
+from fedbroker.secure_round import LONG_POLL_S, REPOLL_S
 
 T = TypeVar("T")
 
@@ -166,6 +170,78 @@ class AggregatorClient:
                                         timeout=self.transfer_timeout_s, metadata=self._md)
         receipt: pb.UploadReceipt = self._retry(call, what=f"upload of {worker_id} for round {round}", idempotent=True)
         return receipt
+
+    def upload_masked(self, *, job_id: str, round: int, worker_id: str, num_samples: int, masked: np.ndarray,
+                      ish: float | None = None, epsilon: float = 0.0, train_loss: float = 0.0) -> pb.UploadReceipt:
+        """A secure round's upload: the masked ring vector as the one tensor `masked`, through the same
+        path, checks and idempotence as `upload` (the header says `masked`)."""
+        tensors = {"masked": masked}
+        header = pb.UpdateHeader(job_id=job_id, round=round, worker_id=worker_id, num_samples=num_samples,
+                                 ish=ish or 0.0, has_ish=ish is not None, epsilon=epsilon, train_loss=train_loss,
+                                 tensors=codec.tensor_specs(tensors), masked=True)
+        call: Callable[[], pb.UploadReceipt]
+        if masked.nbytes <= codec.INLINE_BYTES:
+            whole = pb.WholeUpdate(header=header, data=codec.joined(tensors), sha256=codec.tensors_sha256(tensors))
+            call = lambda: self._stub.UploadWhole(whole, timeout=self.transfer_timeout_s,  # noqa: E731
+                                                  metadata=self._md)
+        else:
+            call = lambda: self._upload(codec.encoded_stream(pb.UpdateChunk, header, tensors),  # noqa: E731
+                                        timeout=self.transfer_timeout_s, metadata=self._md)
+        receipt: pb.UploadReceipt = self._retry(call, what=f"masked upload of {worker_id} for round {round}",
+                                                idempotent=True)
+        return receipt
+
+    # ----- a secure round's key and share messages (a worker's, under its own identity) -----
+
+    def sec_advertise(self, request: pb.SecAdvertiseRequest) -> pb.SecAdvertiseReply:
+        """The worker's public keys and weight; the round's settings back (idempotent for the same keys)."""
+        reply: pb.SecAdvertiseReply = self._retry(
+            lambda: self._stub.SecAdvertise(request, timeout=self.timeout_s, metadata=self._md),
+            what=f"secure keys of {request.worker_id} for round {request.round}", idempotent=True)
+        return reply
+
+    def sec_share(self, request: pb.SecShareRequest) -> None:
+        """The worker's encrypted shares, one per peer (idempotent for the same set)."""
+        self._retry(lambda: self._stub.SecShare(request, timeout=self.timeout_s, metadata=self._md),
+                    what=f"secure shares of {request.worker_id} for round {request.round}", idempotent=True)
+
+    def sec_unmask(self, request: pb.SecUnmaskRequest) -> None:
+        """The worker's shares for the survivors' self-masks and the dropped workers' mask keys."""
+        self._retry(lambda: self._stub.SecUnmask(request, timeout=self.timeout_s, metadata=self._md),
+                    what=f"unmask shares of {request.worker_id} for round {request.round}", idempotent=True)
+
+    def sec_roster(self, job_id: str, round: int, worker_id: str, *, until: float) -> pb.SecRosterReply | None:
+        """The worker's peers and their keys once the roster is fixed; None if `until` passes first."""
+        reply: pb.SecRosterReply | None = self._sec_wait("SecRoster", job_id, round, worker_id, until)
+        return reply
+
+    def sec_inbox(self, job_id: str, round: int, worker_id: str, *, until: float) -> pb.SecInboxReply | None:
+        """The shares peers encrypted for the worker once the inboxes are fixed; None if `until` passes first."""
+        reply: pb.SecInboxReply | None = self._sec_wait("SecInbox", job_id, round, worker_id, until)
+        return reply
+
+    def sec_survivors(self, job_id: str, round: int, worker_id: str, *,
+                      until: float) -> pb.SecSurvivorsReply | None:
+        """Who is in the sum and who dropped, once the round is closing; None if `until` passes first."""
+        reply: pb.SecSurvivorsReply | None = self._sec_wait("SecSurvivors", job_id, round, worker_id, until)
+        return reply
+
+    def _sec_wait(self, method: str, job_id: str, round: int, worker_id: str, until: float) -> Any:
+        """Long-poll `method` until its reply is ready, or None once `until` (a Unix time) has passed; the
+        service holds each call at most LONG_POLL_S (and at most WAITING_CALLS at once: beyond, it answers
+        "not yet" at once), and each is retried like any idempotent call."""
+        call = getattr(self._stub, method)
+        while True:
+            left = until - time.time()
+            if left <= 0:
+                return None
+            reply = self._retry(partial(call, pb.SecWaitRequest(job_id=job_id, round=round, worker_id=worker_id,
+                                                                wait_s=min(LONG_POLL_S, left)),
+                                        timeout=min(LONG_POLL_S, left) + self.timeout_s, metadata=self._md),
+                                what=f"{method} of {worker_id} for round {round}", idempotent=True)
+            if reply.ready:
+                return reply
+            time.sleep(min(random.uniform(*REPOLL_S), max(until - time.time(), 0.0)))  # held or not: a pause
 
     def open_round(self, job_id: str, round: int, participants: Sequence[str], deadline_unix: float,
                    aggregation: Mapping[str, object], *, seed: int,

@@ -28,7 +28,7 @@ from fedbroker.proto import fedbroker_pb2 as pb
 CHUNK_BYTES = 2 * 1024 * 1024
 INLINE_BYTES = 1024 * 1024  # a model or update this small travels in one unary message (StartTask, UploadWhole)
 HASH_THREAD_BYTES = 8 * 1024 * 1024
-ALLOWED_DTYPES = frozenset({"float16", "float32", "float64", "int32", "int64"})
+ALLOWED_DTYPES = frozenset({"float16", "float32", "float64", "int32", "int64", "uint32", "uint64"})  # uint: masked ring data
 MAX_TENSORS = 4096
 MAX_RANK = 8
 

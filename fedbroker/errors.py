@@ -86,6 +86,9 @@ class Rejection(StrEnum):
     NON_FINITE = "non_finite", True
     # asynchronous mode (FedBuff): the update's base version is more than max_staleness versions behind
     STALE = "stale", True, "FAILED_PRECONDITION"
+    # a secure round (aggregation.secure): a step out of its phase, a second different message, or a round
+    # whose protocol failed (too few workers left, the service restarted): no retry of the task can help
+    SECURE_PROTOCOL = "secure_protocol", True, "FAILED_PRECONDITION"
 
     @classmethod
     def is_final(cls, reason: str) -> bool:

@@ -60,10 +60,57 @@ def job_problems(*, aggregation: AggregationConfig, model: ModelSpec, training: 
         problems.extend(_probe_problems(settings.selection.params.probe_set, model))
         never = settings.selection.params.rounds_problem(training.rounds) if training is not None else None
         problems.extend([never] if never is not None else [])
+    if aggregation.secure:
+        problems.extend(secure_problems(aggregation, schedule))
     traits = ALIGNMENTS.traits(aggregation.alignment)  # an unknown name is reported above, and checked as one
     if (traits is None or traits.aligns_units) and model.layers:
         problems.extend(ConfigError("aggregation.alignment", f"{aggregation.alignment} cannot align this model: {p}")
                         for p in alignment_problems(model))
+    return problems
+
+
+SECURE_MIN_CLIENTS = 3  # with two, each site learns the other's update from the sum; with one, the service does
+
+
+def secure_problems(aggregation: AggregationConfig, schedule: ScheduleConfig | None) -> list[ConfigError]:
+    """What `aggregation.secure` cannot be combined with, every problem at once. Secure aggregation gives the
+    service only the round's weighted sum, so every rule must be a fixed linear combination of the updates
+    whose coefficients come from what the service sees anyway (sample counts, DWFed's ISH): FedAvg, uniform and
+    DWFed are; alignment (it matches units inside each update), a selection at the close (random and GA choose
+    among the updates themselves; `schedule.clients_per_round` already draws a seeded random subset of workers
+    before the round, which is sound), a robust rule (it reads each update), a `max_share` cap (its coefficients
+    depend on which updates arrive) and asynchronous mode (it folds one update at a time) are not."""
+    def refuse(field: str, why: str) -> None:
+        problems.append(ConfigError(field, f"cannot be combined with aggregation.secure: {why}"))
+
+    problems: list[ConfigError] = []
+    if aggregation.alignment != "none":
+        refuse("aggregation.alignment", f"{aggregation.alignment!r} matches units inside each update, which the "
+                                        f"service never sees in the clear (use 'none')")
+    if aggregation.selection != "all":
+        refuse("aggregation.selection", f"{aggregation.selection!r} chooses among the updates themselves at the close "
+                                        f"(use 'all'; schedule.clients_per_round draws a random subset of workers "
+                                        f"before each round, which is sound)")
+    if aggregation.robust != "none":
+        refuse("aggregation.robust", f"{aggregation.robust!r} reads each update; secure aggregation reveals only "
+                                     f"their sum (use 'none')")
+    share = aggregation.weighting_params.get("max_share", 1.0)  # a bad value is the catalogue's to report
+    if isinstance(share, (int, float)) and not isinstance(share, bool) and share < 1.0:
+        refuse("aggregation.weighting_params.max_share", "a cap makes each coefficient depend on which updates "
+                                                         "arrive; secure weights are fixed before masking")
+    if schedule is None:
+        return problems
+    if schedule.mode != "sync":
+        refuse("schedule.mode", f"{schedule.mode!r} folds one update at a time; secure rounds are synchronous")
+    for name in ("min_clients", "min_workers"):
+        value = getattr(schedule, name)
+        if value < SECURE_MIN_CLIENTS:
+            refuse(f"schedule.{name}", f"is {value}, below {SECURE_MIN_CLIENTS}: a round's sum over fewer "
+                                       f"updates gives them away (the threshold needs at least "
+                                       f"{SECURE_MIN_CLIENTS} workers)")
+    if 0 < schedule.clients_per_round < SECURE_MIN_CLIENTS:
+        refuse("schedule.clients_per_round", f"is {schedule.clients_per_round}, below {SECURE_MIN_CLIENTS} "
+                                             f"(see schedule.min_clients)")
     return problems
 
 

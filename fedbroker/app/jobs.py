@@ -22,6 +22,8 @@ from fedbroker.app.model_readme import input_section
 from fedbroker.app.status import one_line, render, table
 from fedbroker.errors import ConfigError
 from fedbroker.files import write_atomic
+from fedbroker.secure_round import describe as describe_secure
+from fedbroker.secure_round import round_params
 
 if TYPE_CHECKING:
     from fedbroker.coordinator.service import CoordinatorClient
@@ -105,13 +107,20 @@ def cmd_show(args: argparse.Namespace) -> int:
     finally:
         c.close()
     (job,) = status.jobs
+    spec = json.loads(job.spec_json or "{}")
+    secure_n = secure_round_size(spec, status.rounds)
     if args.json:
-        print(json.dumps(show_document(status, shared), indent=2))
+        doc = show_document(status, shared)
+        if secure_n:  # what a secure round of this job runs with: ring bits, clip range, threshold
+            doc["secure"] = {"participants": secure_n, **round_params(secure_n).describe()}
+        print(json.dumps(doc, indent=2))
         return 0
     facts = [("job", job.job_id), ("name", job.name), ("status", job.status), ("category", job.category),
              ("mode", job.mode or "sync"), ("rounds", f"{job.rounds_done}/{job.rounds_total}"),
              ("submitter", job.submitter or "-"), ("submitted", _when(job.created_unix) + " UTC"),
-             ("updated", _when(job.updated_unix) + " UTC"), *settings(json.loads(job.spec_json or "{}"))]
+             ("updated", _when(job.updated_unix) + " UTC"), *settings(spec)]
+    if secure_n:
+        facts.append(("secure", describe_secure(secure_n)))
     facts += [("standardised" if e.kind == "statistics_agreed" else "sharing",
                f"{e.worker_id + ': ' if e.worker_id else ''}{e.message}") for e in shared]
     if job.error:
@@ -153,8 +162,21 @@ def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
         values = spec.get(section)
         if values:
             out.append((section, ", ".join(f"{k} {json.dumps(v) if isinstance(v, (dict, list, bool)) else v}"
-                                           for k, v in values.items() if v != {})))
+                                           for k, v in values.items() if v != {} and _UNSET.get(k) != v)))
     return out
+
+
+_UNSET = {"secure": False, "robust": "none"}  # settings left out of a job's line at their defaults (secure: its own line)
+
+
+def secure_round_size(spec: dict[str, Any], rounds: Any) -> int:
+    """For a secure job, the participants its secure settings are shown for: its last round's, else what its
+    schedule asks for (clients_per_round, else min_workers); 0 for a job that is not secure."""
+    if not (spec.get("aggregation") or {}).get("secure"):
+        return 0
+    schedule = spec.get("schedule") or {}
+    last = max((int(r.participants) for r in rounds), default=0)
+    return max(2, last or int(schedule.get("clients_per_round") or 0) or int(schedule.get("min_workers") or 1))
 
 
 def _layer(layer: dict[str, Any]) -> str:

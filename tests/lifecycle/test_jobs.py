@@ -199,7 +199,7 @@ def test_only_the_submitter_may_cancel_or_download_and_unknown_ids_exit_nonzero(
     assert "in_features=64" in model[1] and "out_features=10" in model[1]
     assert re.search(r"^training +batch_size 32, local_epochs 1, lr 0.1, .*rounds 1$", out, re.M)
     assert re.search(r"^schedule .*min_workers 1, mode sync", out, re.M)
-    assert re.search(r"^aggregation +alignment none, robust none, secure false, selection all, weighting fedavg$", out, re.M)
+    assert re.search(r"^aggregation +alignment none, selection all, weighting fedavg$", out, re.M)
     assert re.search(r"^evaluation +dataset digits", out, re.M)
     workers = out.split("WORKERS (this job)")[1].strip().splitlines()
     assert len(workers) == 3 and workers[2].split()[:3] == ["w0", "1", "0"], out

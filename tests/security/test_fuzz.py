@@ -53,7 +53,7 @@ def arrays(draw: Any) -> dict[str, np.ndarray]:
         dtype = draw(st.sampled_from(sorted(codec.ALLOWED_DTYPES)))
         shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
         out[f"{i}.w"] = np.asarray(draw(st.lists(st.floats(allow_nan=True, width=16) if "float" in dtype
-                                                 else st.integers(-100, 100),
+                                                 else st.integers(0 if dtype.startswith("uint") else -100, 100),
                                                  min_size=int(np.prod(shape)), max_size=int(np.prod(shape)))),
                                    dtype=dtype).reshape(shape)
     return out

@@ -21,6 +21,7 @@ from fedbroker.aggregators.async_state import AsyncState
 from fedbroker.aggregators.job_algorithms import Algorithms, build_algorithms
 from fedbroker.aggregators.mean import Layout, Slot, UpdateRows
 from fedbroker.aggregators.rows import Rows
+from fedbroker.aggregators.secure_session import SecureSession
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.errors import Conflict, NotFound, Rejection, UploadRejected
 from fedbroker.spec import AggregationConfig, ModelSpec, parameter_shapes
@@ -118,6 +119,7 @@ class Round:
     phase: Phase = Phase.OPEN
     sample_limits: dict[str, int] = field(default_factory=dict)  # registered sample counts: no upload claims more
     next_seq: int = 0                            # acceptance order of the spooled updates
+    secure: SecureSession | None = None          # aggregation.secure: keys, shares and the masked sum
 
     @property
     def closed(self) -> bool:
@@ -151,13 +153,15 @@ class Round:
 
 def new_round(number: int, members: frozenset[str], deadline: float, algorithms: Algorithms,
               aggregation: dict[str, Any], histograms: dict[str, list[int]], spec: ModelSpec,
-              spare_rows: UpdateRows | None = None, *, sample_limits: Mapping[str, int] | None = None) -> Round:
-    """`sample_limits`: each participant's registered sample count (a participant not in it is unbounded)."""
+              spare_rows: UpdateRows | None = None, *, sample_limits: Mapping[str, int] | None = None,
+              secure: SecureSession | None = None) -> Round:
+    """`sample_limits`: each participant's registered sample count (a participant not in it is unbounded);
+    `secure`: the round's SecAgg+ session (aggregation.secure), which then receives every upload instead."""
     settings = algorithms.settings
     rows = Rows(Layout(parameter_shapes(spec)), incremental=settings.incremental,
                 weights_positive=settings.weights_positive, spare=spare_rows)
     return Round(number, members, deadline, algorithms, rows, aggregation, histograms,
-                 sample_limits={w: int(n) for w, n in (sample_limits or {}).items()})
+                 sample_limits={w: int(n) for w, n in (sample_limits or {}).items()}, secure=secure)
 
 
 @dataclass
@@ -314,6 +318,8 @@ class Job:
         if rnd.phase is not Phase.OPEN:
             raise Conflict(f"round {number} of job {self.job_id!r} is {rnd.phase.value}: it cannot be abandoned")
         dropped = list(rnd.accepted.values())
+        if rnd.secure is not None:
+            rnd.secure.end("the round was abandoned (its job was cancelled)")
         self.closed_rounds.add(number)
         self.closed_deadlines[number] = rnd.deadline
         self.closed_accepted[number] = sorted(rnd.accepted)

@@ -15,10 +15,10 @@ returns its version, `close` of the last closed round returns that close's resul
 repeated while the first is still aggregating (a client that lost its connection) waits for that close
 and returns its result: it is never told "already closed".
 
-The book is the thin coordinator of its parts: `admission` (may this upload enter?), `job_state` (the
-rounds' state machine, and the job's algorithms, built once), `async_state` (asynchronous mode's tasks),
-`rows` (which update lives in which row), `combine` (the close's aggregation) and `spool` (the records on
-disk). It holds the locks and decides what is on disk before which reply.
+The book is the thin coordinator of its parts: `admission` (may this upload enter?), `job_state` (the rounds'
+state machine, the job's algorithms), `async_state` (async tasks), `rows` (which update lives in which row),
+`combine` (the close), `secure_rounds` (aggregation.secure) and `spool` (the records on disk). It holds the
+locks and decides what is on disk before which reply.
 """
 
 from __future__ import annotations
@@ -58,10 +58,12 @@ from fedbroker.aggregators.job_state import (
 )
 from fedbroker.aggregators.probe_sets import probe_arrays
 from fedbroker.aggregators.rows import Reservation
+from fedbroker.aggregators.secure_rounds import SecureRounds, new_session
 from fedbroker.aggregators.spool import Spool, job_record, restore_jobs, update_record
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.errors import Conflict, NotFound, Rejection, UnknownJob, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.secure_round import UNMASK_WAIT_S
 from fedbroker.spec import AggregationConfig, ModelSpec, parameter_shapes, parse_model
 
 log = logging.getLogger(__name__)
@@ -81,12 +83,14 @@ class RoundBook:
         clock: Callable[[], float] = time.time,
         spool_dir: str | os.PathLike[str] | None = None,
         probe_sets: ProbeLoader = probe_arrays,
+        secure_unmask_s: float = UNMASK_WAIT_S,
     ) -> None:
         self.max_update_bytes = max_update_bytes
         self.probe_sets = probe_sets  # (dataset, size, seed) -> (x, y): the probe sets the GA's fitness reads
         self.selection_time_limit_s = selection_time_limit_s
         self.alignment_time_limit_s = alignment_time_limit_s  # then the close falls back to the weighted mean
         self.clock = clock
+        self.secure_unmask_s, self.secure = secure_unmask_s, SecureRounds(self)  # the close's wait for unmask shares
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._closed = threading.Condition(self._lock)  # notified whenever a close ends, done or not
@@ -168,7 +172,9 @@ class RoundBook:
             algorithms = job.algorithms_for(config)  # built when the job's first round opens, not every round
             changed = job.open(round_number, members, deadline, seed=seed, build=lambda: new_round(
                 round_number, members, deadline, algorithms, dict(aggregation), counts, job.spec, job.spare_rows,
-                sample_limits=limits))
+                sample_limits=limits, secure=new_session(job_id, round_number, job.version, members, job.spec,
+                                                         opened=self.clock(), deadline=deadline, clock=self.clock)
+                if config.secure else None))
             if changed:
                 self._commit(job)
             return job.version
@@ -211,6 +217,8 @@ class RoundBook:
             return first.judge(codec.receive_payload(stream, header, size, buffer=None)[1])
         if first is not None:
             return first
+        if header.masked:  # admitted to a secure round: into its masked sum, never into a row or the spool
+            return self.secure.receive_masked(header, stream, size)
         if self._jobs[header.job_id].asynchronous is not None:
             tensors, digest = codec.receive_payload(stream, header, size, buffer=None)
             admission.check_finite(tensors, who=f"worker {header.worker_id!r}")
@@ -246,8 +254,11 @@ class RoundBook:
                     return AfterClose(kept, f"round {header.round} of job {header.job_id!r} is closed")
             standing = job.standing(header.round)
             admission.check_membership(header, standing, now=self.clock())
-            shapes = parameter_shapes(job.spec)
-        admission.check_header(header, shapes, max_samples=standing.sample_limits.get(header.worker_id))
+            shapes, secure = parameter_shapes(job.spec), rnd.secure if rnd is not None else None
+        if secure is not None or header.masked:  # a secure round's masked vector (or a masked upload elsewhere)
+            SecureRounds.check_header(header, secure)
+        else:
+            admission.check_header(header, shapes, max_samples=standing.sample_limits.get(header.worker_id))
         return None
 
     def _reserve(self, header: pb.UpdateHeader) -> Reservation | None:
@@ -344,9 +355,9 @@ class RoundBook:
 
     def _close(self, job: Job, rnd: Round, accepted: dict[str, Accepted], current: dict[str, np.ndarray],
                spec: ModelSpec, started: float) -> CloseResult:
-        combined = combine(rnd, accepted, current, spec, seed=job.seed,
-                           selection_time_limit_s=self.selection_time_limit_s,
-                           alignment_time_limit_s=self.alignment_time_limit_s, probe_sets=self.probe_sets)
+        combined = self.secure.combine_secure(rnd, current, spec) if rnd.secure is not None else combine(
+            rnd, accepted, current, spec, seed=job.seed, selection_time_limit_s=self.selection_time_limit_s,
+            alignment_time_limit_s=self.alignment_time_limit_s, probe_sets=self.probe_sets)
         coefficient = dict(zip(combined.chosen, combined.weights))
         updates = [
             UpdateSummary(w, a.num_samples, a.epsilon, a.train_loss, float(coefficient.get(w, 0.0)))
@@ -586,5 +597,4 @@ def _snapshot(job: Job) -> JobSnapshot:
 
 
 def _closed_during_upload(header: pb.UpdateHeader) -> UploadRejected:
-    return UploadRejected(Rejection.ROUND_CLOSED,
-                          f"round {header.round} of job {header.job_id!r} closed during the upload")
+    return UploadRejected(Rejection.ROUND_CLOSED, f"round {header.round} of job {header.job_id!r} closed during the upload")

@@ -37,6 +37,7 @@ from fedbroker.rpc import CHANNEL_OPTIONS, handle
 log = logging.getLogger(__name__)
 SERVICE_NAME = "fedbroker.v1.Aggregation"
 
+SECURE_CALLS = ("SecAdvertise", "SecRoster", "SecShare", "SecInbox", "SecSurvivors", "SecUnmask")
 # Who may call what when authentication is on (anything unlisted is refused to everyone).
 PERMISSIONS: dict[str, frozenset[str]] = {
     "PutGlobalModel": frozenset({ROLE_COORDINATOR}),
@@ -53,6 +54,7 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "BufferStatus": frozenset({ROLE_COORDINATOR}),
     "CloseBuffer": frozenset({ROLE_COORDINATOR}),
     "Watch": frozenset({ROLE_COORDINATOR}),
+    **{method: frozenset({ROLE_WORKER}) for method in SECURE_CALLS},
 }
 UPLOADS = frozenset({"UploadUpdate", "UploadWhole"})
 WATCH_KEEPALIVE_S = 5.0  # an empty JobChanges this often: the stream is never idle
@@ -148,6 +150,79 @@ class AggregationServicer(pb_grpc.AggregationServicer):
                 reply.data = codec.joined(tensors)
                 metrics.SENT_BYTES.labels("StartTask").inc(size)
             return reply
+
+        return handle(context, run)
+
+    # ----- a secure round's steps (aggregation.secure): each under the caller's own worker id -----
+
+    def _own(self, context: grpc.ServicerContext, worker_id: str) -> None:
+        caller = self._caller(context)
+        if caller is not None and caller.role == ROLE_WORKER and worker_id != caller.name:
+            raise UploadRejected(Rejection.PERMISSION_DENIED, f"worker {caller.name!r} may take part in a secure "
+                                                              f"round only as itself, not as {worker_id!r}")
+
+    def SecAdvertise(self, request: pb.SecAdvertiseRequest, context: grpc.ServicerContext) -> pb.SecAdvertiseReply:
+        """The worker's public keys and declared weight; the round's settings back."""
+        def run() -> pb.SecAdvertiseReply:
+            self._own(context, request.worker_id)
+            session = self.book.secure.advertise(request)
+            p = session.params
+            return pb.SecAdvertiseReply(round_seed=session.seed, params=pb.SecParams(
+                threshold=p.threshold, neighbours=p.neighbours, ring_bits=p.bits, clip=p.clip,
+                ring_dtype=np.dtype(p.dtype).name, length=session.length, n_max=p.n_max))
+
+        return handle(context, run)
+
+    def SecRoster(self, request: pb.SecWaitRequest, context: grpc.ServicerContext) -> pb.SecRosterReply:
+        """Long poll: the worker's peers and weight share once the roster is fixed."""
+        def run() -> pb.SecRosterReply:
+            self._own(context, request.worker_id)
+            roster = self.book.secure.roster(request)
+            if roster is None:
+                return pb.SecRosterReply(ready=False)
+            return pb.SecRosterReply(ready=True, scale=roster.scale, roster_size=roster.size, peers=[
+                pb.SecPeer(worker_id=w, cipher_key=k.c_pk, mask_key=k.s_pk) for w, k in sorted(roster.peers.items())])
+
+        return handle(context, run)
+
+    def SecShare(self, request: pb.SecShareRequest, context: grpc.ServicerContext) -> pb.SecShareReply:
+        """The worker's sealed shares, routed to its peers' inboxes."""
+        def run() -> pb.SecShareReply:
+            self._own(context, request.worker_id)
+            self.book.secure.share(request)
+            return pb.SecShareReply()
+
+        return handle(context, run)
+
+    def SecInbox(self, request: pb.SecWaitRequest, context: grpc.ServicerContext) -> pb.SecInboxReply:
+        """Long poll: the sealed shares peers sent the worker, once the inboxes are fixed."""
+        def run() -> pb.SecInboxReply:
+            self._own(context, request.worker_id)
+            box = self.book.secure.inbox(request)
+            if box is None:
+                return pb.SecInboxReply(ready=False)
+            return pb.SecInboxReply(ready=True, ciphertexts=[pb.SecCiphertext(peer=w, data=d)
+                                                             for w, d in sorted(box.items())])
+
+        return handle(context, run)
+
+    def SecSurvivors(self, request: pb.SecWaitRequest, context: grpc.ServicerContext) -> pb.SecSurvivorsReply:
+        """Long poll: at the close, the survivors and the dropped workers this worker holds shares of."""
+        def run() -> pb.SecSurvivorsReply:
+            self._own(context, request.worker_id)
+            named = self.book.secure.survivors(request)
+            if named is None:
+                return pb.SecSurvivorsReply(ready=False)
+            return pb.SecSurvivorsReply(ready=True, survivors=sorted(named.survivors), dropped=sorted(named.dropped))
+
+        return handle(context, run)
+
+    def SecUnmask(self, request: pb.SecUnmaskRequest, context: grpc.ServicerContext) -> pb.SecUnmaskReply:
+        """A survivor's shares, which remove the masks from the round's sum."""
+        def run() -> pb.SecUnmaskReply:
+            self._own(context, request.worker_id)
+            self.book.secure.unmask(request)
+            return pb.SecUnmaskReply()
 
         return handle(context, run)
 

@@ -47,6 +47,7 @@ import numpy as np
 from fedbroker.aggregators import metrics
 from fedbroker.aggregators.async_state import folded_from_record, new_async_state, restore_fields, state_record
 from fedbroker.aggregators.job_state import Accepted, CloseResult, Job, Receipt, UpdateSummary, new_round
+from fedbroker.aggregators.secure_session import SecureSession
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.errors import ConfigError, Rejection, Unavailable, UploadRejected
 from fedbroker.files import TEMP_SUFFIX, FolderLock, FolderLocked, write_atomic
@@ -387,6 +388,10 @@ def restore_job(spool: Spool, stored: StoredJob) -> Job:
                               {w: list(h) for w, h in r["histograms"].items()}, job.spec,
                               sample_limits={w: int(n) for w, n in (r.get("num_samples") or {}).items()})
         shapes = parameter_shapes(job.spec)
+        if aggregation.get("secure"):  # its keys and masked sum were in the dead service's memory only
+            job.round.secure = SecureSession.lost(job_id=job.job_id, round_number=job.round.number,
+                                                  participants=job.round.participants, length=0)
+            log.warning("job %s: %s", job.job_id, job.round.secure.failed)
         for path, meta, tensors in spool.updates(stored, job.round.number):
             try:
                 entry = _accepted_from_record(meta)

@@ -31,6 +31,7 @@ from fedbroker.errors import BusError, Rejection
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.round_stats import selection_note
 from fedbroker.rpc import RemoteError
+from fedbroker.secure_round import needed_uploads, threshold_note
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,7 +90,7 @@ class SyncRounds:
                 raise Stopped  # the round stays open in the store: a restarted coordinator resumes it
             self.ctx.halt_if_cancelled()
             self._count_stragglers(rnd, accepted)
-            if len(accepted) < self.run.job.schedule.min_clients:
+            if len(accepted) < self._fewest(rnd):
                 self._fail_round(rnd, accepted)
             # Idempotent at the service: a retry after a lost reply gets the same result back.
             reply = self._call(f"close round {round_number}",
@@ -109,7 +110,15 @@ class SyncRounds:
         reasons = "; ".join(f"{p.worker_id}: {p.status}{' (' + p.reason + ')' if p.reason else ''}"
                             for p in store.participants(job_id, rnd.number))
         raise JobFailed(f"round {rnd.number}: {len(accepted)} upload(s), schedule.min_clients is "
-                        f"{self.run.job.schedule.min_clients} [{reasons}]")
+                        f"{self.run.job.schedule.min_clients}"
+                        f"{'; ' + threshold_note(len(rnd.participants)) if self.run.job.aggregation.secure else ''}"
+                        f" [{reasons}]")
+
+    def _fewest(self, rnd: OpenRound) -> int:
+        """The fewest uploads the round may close with: min_clients, and for a secure round at least its
+        threshold t (fewer masked inputs cannot be unmasked: fedbroker.secure_round)."""
+        fewest = self.run.job.schedule.min_clients
+        return max(fewest, needed_uploads(len(rnd.participants))) if self.run.job.aggregation.secure else fewest
 
     def _new_round(self, round_number: int) -> OpenRound:
         run, job = self.run, self.run.job
@@ -237,7 +246,7 @@ class SyncRounds:
 
     def _wait_for_quorum(self, rnd: OpenRound) -> list[str]:
         job_id, round_number = self.run.job_id, rnd.number
-        quorum = self.run.job.schedule.quorum or len(rnd.participants)
+        quorum = max(self.run.job.schedule.quorum or len(rnd.participants), self._fewest(rnd))
         accepted: list[str] = []
         while not self.ctx.stop.is_set():
             accepted, _ = self._call(f"status of round {round_number}",

@@ -296,7 +296,7 @@ class SiteLog(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., time_unix: _Optional[float] = ..., level: _Optional[str] = ..., logger: _Optional[str] = ..., message: _Optional[str] = ..., dropped_before: _Optional[int] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("job_id", "round", "worker_id", "num_samples", "ish", "has_ish", "epsilon", "train_loss", "validation_loss", "tensors")
+    __slots__ = ("job_id", "round", "worker_id", "num_samples", "ish", "has_ish", "epsilon", "train_loss", "validation_loss", "tensors", "masked")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +307,7 @@ class UpdateHeader(_message.Message):
     TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
     VALIDATION_LOSS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    MASKED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     worker_id: str
@@ -317,7 +318,8 @@ class UpdateHeader(_message.Message):
     train_loss: float
     validation_loss: float
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., ish: _Optional[float] = ..., has_ish: _Optional[bool] = ..., epsilon: _Optional[float] = ..., train_loss: _Optional[float] = ..., validation_loss: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    masked: bool
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., ish: _Optional[float] = ..., has_ish: _Optional[bool] = ..., epsilon: _Optional[float] = ..., train_loss: _Optional[float] = ..., validation_loss: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., masked: _Optional[bool] = ...) -> None: ...
 
 class UpdateChunk(_message.Message):
     __slots__ = ("header", "data", "trailer")
@@ -483,6 +485,154 @@ class CloseRoundReply(_message.Message):
     seconds: float
     updates: _containers.RepeatedCompositeFieldContainer[UpdateSummary]
     def __init__(self, model_version: _Optional[int] = ..., aggregated: _Optional[_Iterable[str]] = ..., model_spec_json: _Optional[str] = ..., stats: _Optional[_Mapping[str, float]] = ..., seconds: _Optional[float] = ..., updates: _Optional[_Iterable[_Union[UpdateSummary, _Mapping]]] = ...) -> None: ...
+
+class SecAdvertiseRequest(_message.Message):
+    __slots__ = ("job_id", "round", "worker_id", "cipher_key", "mask_key", "num_samples", "ish", "has_ish")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CIPHER_KEY_FIELD_NUMBER: _ClassVar[int]
+    MASK_KEY_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ISH_FIELD_NUMBER: _ClassVar[int]
+    HAS_ISH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    worker_id: str
+    cipher_key: bytes
+    mask_key: bytes
+    num_samples: int
+    ish: float
+    has_ish: bool
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., cipher_key: _Optional[bytes] = ..., mask_key: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., ish: _Optional[float] = ..., has_ish: _Optional[bool] = ...) -> None: ...
+
+class SecParams(_message.Message):
+    __slots__ = ("threshold", "neighbours", "ring_bits", "clip", "fraction_bits", "ring_dtype", "length", "n_max")
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
+    RING_BITS_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FIELD_NUMBER: _ClassVar[int]
+    FRACTION_BITS_FIELD_NUMBER: _ClassVar[int]
+    RING_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    N_MAX_FIELD_NUMBER: _ClassVar[int]
+    threshold: int
+    neighbours: int
+    ring_bits: int
+    clip: float
+    fraction_bits: int
+    ring_dtype: str
+    length: int
+    n_max: int
+    def __init__(self, threshold: _Optional[int] = ..., neighbours: _Optional[int] = ..., ring_bits: _Optional[int] = ..., clip: _Optional[float] = ..., fraction_bits: _Optional[int] = ..., ring_dtype: _Optional[str] = ..., length: _Optional[int] = ..., n_max: _Optional[int] = ...) -> None: ...
+
+class SecAdvertiseReply(_message.Message):
+    __slots__ = ("params", "round_seed")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SEED_FIELD_NUMBER: _ClassVar[int]
+    params: SecParams
+    round_seed: bytes
+    def __init__(self, params: _Optional[_Union[SecParams, _Mapping]] = ..., round_seed: _Optional[bytes] = ...) -> None: ...
+
+class SecWaitRequest(_message.Message):
+    __slots__ = ("job_id", "round", "worker_id", "wait_s")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    worker_id: str
+    wait_s: float
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class SecPeer(_message.Message):
+    __slots__ = ("worker_id", "cipher_key", "mask_key")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CIPHER_KEY_FIELD_NUMBER: _ClassVar[int]
+    MASK_KEY_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    cipher_key: bytes
+    mask_key: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., cipher_key: _Optional[bytes] = ..., mask_key: _Optional[bytes] = ...) -> None: ...
+
+class SecRosterReply(_message.Message):
+    __slots__ = ("ready", "peers", "scale", "roster_size")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    ROSTER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    peers: _containers.RepeatedCompositeFieldContainer[SecPeer]
+    scale: float
+    roster_size: int
+    def __init__(self, ready: _Optional[bool] = ..., peers: _Optional[_Iterable[_Union[SecPeer, _Mapping]]] = ..., scale: _Optional[float] = ..., roster_size: _Optional[int] = ...) -> None: ...
+
+class SecCiphertext(_message.Message):
+    __slots__ = ("peer", "data")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    data: bytes
+    def __init__(self, peer: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SecShareRequest(_message.Message):
+    __slots__ = ("job_id", "round", "worker_id", "ciphertexts")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CIPHERTEXTS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    worker_id: str
+    ciphertexts: _containers.RepeatedCompositeFieldContainer[SecCiphertext]
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., ciphertexts: _Optional[_Iterable[_Union[SecCiphertext, _Mapping]]] = ...) -> None: ...
+
+class SecShareReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SecInboxReply(_message.Message):
+    __slots__ = ("ready", "ciphertexts")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    CIPHERTEXTS_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    ciphertexts: _containers.RepeatedCompositeFieldContainer[SecCiphertext]
+    def __init__(self, ready: _Optional[bool] = ..., ciphertexts: _Optional[_Iterable[_Union[SecCiphertext, _Mapping]]] = ...) -> None: ...
+
+class SecSurvivorsReply(_message.Message):
+    __slots__ = ("ready", "survivors", "dropped")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    SURVIVORS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    survivors: _containers.RepeatedScalarFieldContainer[str]
+    dropped: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ready: _Optional[bool] = ..., survivors: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SecShareValue(_message.Message):
+    __slots__ = ("peer", "share")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    share: bytes
+    def __init__(self, peer: _Optional[str] = ..., share: _Optional[bytes] = ...) -> None: ...
+
+class SecUnmaskRequest(_message.Message):
+    __slots__ = ("job_id", "round", "worker_id", "shares")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    worker_id: str
+    shares: _containers.RepeatedCompositeFieldContainer[SecShareValue]
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[SecShareValue, _Mapping]]] = ...) -> None: ...
+
+class SecUnmaskReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class StartTaskRequest(_message.Message):
     __slots__ = ("job_id", "round", "worker_id", "version", "inline_bytes")

@@ -79,6 +79,36 @@ class AggregationStub:
                 request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.WholeUpdate.SerializeToString,
                 response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.UploadReceipt.FromString,
                 _registered_method=True)
+        self.SecAdvertise = channel.unary_unary(
+                '/fedbroker.v1.Aggregation/SecAdvertise',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecAdvertiseRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecAdvertiseReply.FromString,
+                _registered_method=True)
+        self.SecRoster = channel.unary_unary(
+                '/fedbroker.v1.Aggregation/SecRoster',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecWaitRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecRosterReply.FromString,
+                _registered_method=True)
+        self.SecShare = channel.unary_unary(
+                '/fedbroker.v1.Aggregation/SecShare',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecShareRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecShareReply.FromString,
+                _registered_method=True)
+        self.SecInbox = channel.unary_unary(
+                '/fedbroker.v1.Aggregation/SecInbox',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecWaitRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecInboxReply.FromString,
+                _registered_method=True)
+        self.SecSurvivors = channel.unary_unary(
+                '/fedbroker.v1.Aggregation/SecSurvivors',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecWaitRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecSurvivorsReply.FromString,
+                _registered_method=True)
+        self.SecUnmask = channel.unary_unary(
+                '/fedbroker.v1.Aggregation/SecUnmask',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecUnmaskRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecUnmaskReply.FromString,
+                _registered_method=True)
 
 
 class AggregationServicer:
@@ -144,6 +174,51 @@ class AggregationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SecAdvertise(self, request, context):
+        """A secure round (SecAgg+, docs/architecture.md): each worker's calls, under its own identity only, each
+        idempotent (a retry with the same content gets the same answer). The waits are long polls: the service
+        answers `ready` false after at most `wait_s`, and the worker asks again until its round's deadline.
+        the worker's two public keys
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SecRoster(self, request, context):
+        """every peer's keys, once fixed
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SecShare(self, request, context):
+        """encrypted shares, one per peer
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SecInbox(self, request, context):
+        """the shares peers encrypted for it
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SecSurvivors(self, request, context):
+        """at the close: who is in the sum
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SecUnmask(self, request, context):
+        """its shares for the survivors/dropped
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -191,6 +266,36 @@ def add_AggregationServicer_to_server(servicer, server):
                     servicer.UploadWhole,
                     request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.WholeUpdate.FromString,
                     response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.UploadReceipt.SerializeToString,
+            ),
+            'SecAdvertise': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecAdvertise,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecAdvertiseRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecAdvertiseReply.SerializeToString,
+            ),
+            'SecRoster': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecRoster,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecWaitRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecRosterReply.SerializeToString,
+            ),
+            'SecShare': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecShare,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecShareRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecShareReply.SerializeToString,
+            ),
+            'SecInbox': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecInbox,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecWaitRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecInboxReply.SerializeToString,
+            ),
+            'SecSurvivors': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecSurvivors,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecWaitRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecSurvivorsReply.SerializeToString,
+            ),
+            'SecUnmask': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecUnmask,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecUnmaskRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecUnmaskReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -436,6 +541,168 @@ class Aggregation:
             '/fedbroker.v1.Aggregation/UploadWhole',
             fedbroker_dot_proto_dot_fedbroker__pb2.WholeUpdate.SerializeToString,
             fedbroker_dot_proto_dot_fedbroker__pb2.UploadReceipt.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecAdvertise(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Aggregation/SecAdvertise',
+            fedbroker_dot_proto_dot_fedbroker__pb2.SecAdvertiseRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.SecAdvertiseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecRoster(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Aggregation/SecRoster',
+            fedbroker_dot_proto_dot_fedbroker__pb2.SecWaitRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.SecRosterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecShare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Aggregation/SecShare',
+            fedbroker_dot_proto_dot_fedbroker__pb2.SecShareRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.SecShareReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecInbox(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Aggregation/SecInbox',
+            fedbroker_dot_proto_dot_fedbroker__pb2.SecWaitRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.SecInboxReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecSurvivors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Aggregation/SecSurvivors',
+            fedbroker_dot_proto_dot_fedbroker__pb2.SecWaitRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.SecSurvivorsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecUnmask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Aggregation/SecUnmask',
+            fedbroker_dot_proto_dot_fedbroker__pb2.SecUnmaskRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.SecUnmaskReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,6 +24,7 @@ for any training settings, and is dead-lettered untrained.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import math
 import os
@@ -44,7 +45,8 @@ from fedbroker.privacy import dp_sample_rate, job_epsilon_after_round, planned_s
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff
 from fedbroker.rpc import RemoteError
-from fedbroker.spec import ModelSpec, TrainingConfig, training_from_json
+from fedbroker.secagg import SecAggError
+from fedbroker.spec import ModelSpec, TrainingConfig, parse_model, training_from_json
 from fedbroker.version import installed_version
 from fedbroker.worker import metrics
 from fedbroker.worker.evaluation import SiteEvaluation
@@ -52,6 +54,7 @@ from fedbroker.worker.global_model import build_global, fit_problem
 from fedbroker.worker.ledger import PrivacyLedger, below
 from fedbroker.worker.log_forward import LogForwarder, remove
 from fedbroker.worker.partition import partition
+from fedbroker.worker.secure_task import SecureRun, SecureStepFailed
 from fedbroker.worker.sharing import Sharing
 from fedbroker.worker.training import TrainResult, pick_device, train_local
 
@@ -77,7 +80,10 @@ class _DataMismatch(FedbrokerError):
     reported as failed with the reason and acked, never retried into the dead-letter queue."""
 
 
-_FAILURE_REASONS: dict[type[Exception], str] = {_DataMismatch: "data_mismatch", _DeadlinePassed: "deadline_passed"}
+_FAILURE_REASONS: dict[type[Exception], str] = {
+    _DataMismatch: "data_mismatch", _DeadlinePassed: "deadline_passed",
+    SecureStepFailed: Rejection.SECURE_PROTOCOL, SecAggError: Rejection.SECURE_PROTOCOL,
+}
 
 
 class WorkerAgent:
@@ -119,6 +125,7 @@ class WorkerAgent:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._trained: dict[tuple[str, int, int], TrainResult] = {}  # an update whose upload failed, kept for the retry
+        self._secure: dict[tuple[str, int, int], SecureRun] = {}  # a secure task's protocol state, kept for the retry
         # One channel to the aggregation service, kept from task to task: a channel per task paid a TCP (and,
         # with TLS, a handshake) per round, ~0.7 ms of a stub worker's ~4 ms control-plane cost on loopback.
         self._channel: AggregatorClient | None = None
@@ -296,7 +303,7 @@ class WorkerAgent:
             metrics.TASKS.labels(me, "malformed").inc()
             delivery.nack(requeue=False)
             return
-        except (_DeadlinePassed, _DataMismatch, RemoteError) as exc:
+        except (_DeadlinePassed, _DataMismatch, RemoteError, SecureStepFailed, SecAggError) as exc:
             if isinstance(exc, RemoteError) and not Rejection.is_final(exc.reason):  # retried: it may get better
                 self._retry_later(delivery, task, exc)
                 return
@@ -406,20 +413,27 @@ class WorkerAgent:
         # Every call retries through an outage (or a full spool) for as long as the round can use it.
         client = self._aggregator(task.aggregator_target).until(task.deadline_unix)
         result = self._trained.get(key)  # an upload that failed before: send the same update, spend no ε again
-        start = client.start_task(task.job_id, task.round, self.config.id, task.model_version, model=result is None)
+        secure = self._secure_run(task, key)
+        start = client.start_task(task.job_id, task.round, self.config.id, task.model_version,
+                                  model=result is None or (secure is not None and secure.global_model is None))
         if start.accepted:
+            if secure is not None and secure.masked is not None:  # our masked input is in: help unmask the sum
+                secure.unmask(client)
             log.info("round %d of %s already has our update: acking the redelivered task", task.round, task.job_id)
             self._forget(task)
             return None
         if not start.open:
             raise TaskRefused(f"round {task.round} of job {task.job_id} is no longer open")
+        if secure is not None:  # the keys and shares before training: a worker that fails here spent no ε
+            secure.global_model = secure.global_model or start.model
+            secure.exchange_keys(client)
         if result is None:
             assert start.model is not None  # asked for, and the round wants our update
             result = self._train(task, config, start.model)
             self._trained = {key: result}
         self._state = "uploading"
-        receipt = self._upload(client, task, result)
-        self._trained.pop(key, None)
+        receipt = self._upload(client, task, result) if secure is None else self._upload_masked(client, secure, result)
+        self._forget(task)
         metrics.SENT_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in result.state.values()))
         log.info("worker %s uploaded round %d of %s (loss %.4f, ε %s, %.1fs)", self.config.id, task.round,
                  task.job_id, result.train_loss, f"{result.epsilon:.3f}" if result.epsilon is not None else "off",
@@ -453,6 +467,29 @@ class WorkerAgent:
         self._export_training(result)
         return result
 
+    def _secure_run(self, task: pb.RoundTask, key: tuple[str, int, int]) -> SecureRun | None:
+        """The secure protocol's state of this task (aggregation.secure), kept across its retries; else None."""
+        if not json.loads(task.aggregation_json or "{}").get("secure"):
+            return None
+        run = self._secure.get(key)
+        if run is None:
+            run = SecureRun(worker_id=self.config.id, task=task, num_samples=len(self.y), ish=self._ish(task))
+            self._secure = {key: run}
+        return run
+
+    def _upload_masked(self, client: AggregatorClient, secure: SecureRun, result: TrainResult) -> pb.UploadReceipt:
+        """Mask the weighted update, upload it, then send the unmask shares once the round names its survivors."""
+        assert secure.global_model is not None
+        secure.mask(result.state, secure.global_model[2], parse_model(json.loads(secure.global_model[1])))
+        assert secure.masked is not None
+        task = secure.task
+        receipt = client.upload_masked(job_id=task.job_id, round=task.round, worker_id=self.config.id,
+                                       num_samples=secure.num_samples, masked=secure.masked, ish=secure.ish,
+                                       epsilon=result.epsilon or 0.0, train_loss=result.train_loss)
+        log.info("worker %s uploaded its masked update for round %d of %s", self.config.id, task.round, task.job_id)
+        secure.unmask(client)
+        return receipt
+
     def _upload(self, client: AggregatorClient, task: pb.RoundTask, result: TrainResult) -> pb.UploadReceipt:
         return client.upload(
             job_id=task.job_id, round=task.round, worker_id=self.config.id,
@@ -461,7 +498,8 @@ class WorkerAgent:
         )
 
     def _forget(self, task: pb.RoundTask) -> TrainResult | None:
-        """Drop the update kept for this task's retry; the dropped one, if any."""
+        """Drop the update (and secure state) kept for this task's retry; the dropped update, if any."""
+        self._secure.pop((task.job_id, task.round, task.model_version), None)
         return self._trained.pop((task.job_id, task.round, task.model_version), None)
 
     def _export_training(self, result: TrainResult) -> None:

@@ -1,0 +1,202 @@
+"""The round book's secure rounds (aggregation.secure): each call finds the round's `SecureSession` and passes
+the worker's message on, the masked upload goes into the session's running sum, and the close unmasks it.
+
+Beside `round_book` (which calls `receive_masked` and `combine_secure`, and holds the locks named here) so the
+book stays the thin coordinator of its parts. What a secure round keeps: each accepted worker's receipt and
+declared weight (as any round), the session's keys and routed shares, and the masked sum. It writes no
+update to the spool: a secure round's only durable trace is the round's definition in job.json, and a
+service restarted on its spool refuses that round's every step (`SecureSession.lost`), so its workers and
+then the coordinator see the round fail, by name, instead of a sum that silently lost inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import numpy as np
+
+from fedbroker import codec
+from fedbroker.aggregators.combine import Combined
+from fedbroker.aggregators.job_state import Accepted, Job, Receipt, Round
+from fedbroker.aggregators.mean import Layout
+from fedbroker.aggregators.secure_session import Roster, SecureSession, refused
+from fedbroker.aggregators.weighting.base import UpdateMeta
+from fedbroker.errors import Rejection, UploadRejected
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.secagg import PublicKeys, SecAggError, UnmaskRequest
+from fedbroker.secure_round import WAITING_CALLS
+from fedbroker.spec import ModelSpec, parameter_shapes
+
+
+class Book(Protocol):
+    """What the secure calls use of the round book (`fedbroker.aggregators.round_book.RoundBook`)."""
+
+    clock: Callable[[], float]
+    secure_unmask_s: float
+    _lock: threading.Lock
+    _accept_lock: threading.Lock
+
+    def _job(self, job_id: str) -> Job: ...
+
+    @staticmethod
+    def _receiving(job: Job, header: pb.UpdateHeader) -> Round: ...
+
+    def _touch(self, job: Job) -> None: ...
+
+
+def new_session(job_id: str, round_number: int, version: int, participants: frozenset[str], spec: ModelSpec, *,
+                opened: float, deadline: float, clock: Callable[[], float]) -> SecureSession:
+    """The session of a secure round being opened."""
+    return SecureSession(job_id=job_id, round_number=round_number, version=version, participants=participants,
+                         length=Layout(parameter_shapes(spec)).size, opened=opened, deadline=deadline, clock=clock)
+
+
+class SecureRounds:
+    """The secure calls of one round book (see the module docstring)."""
+
+    def __init__(self, book: Book, *, waiting_calls: int = WAITING_CALLS) -> None:
+        self.book = book
+        # The waiting calls (roster, inbox, survivors) hold a server thread each: at most `waiting_calls` at once,
+        # so a large round's waiters never take the threads the coordinator's calls and the uploads need.
+        self._waiting = threading.BoundedSemaphore(waiting_calls)
+
+    @contextlib.contextmanager
+    def _hold(self, wait_s: float) -> Iterator[float]:
+        """How long this call may wait: `wait_s` while a waiting slot is free, else 0 (answered at once)."""
+        held = self._waiting.acquire(blocking=False)
+        try:
+            yield wait_s if held else 0.0
+        finally:
+            if held:
+                self._waiting.release()
+
+    def _session(self, job_id: str, round_number: int, worker_id: str) -> tuple[Round, SecureSession]:
+        job = self.book._job(job_id)
+        with self.book._lock:
+            rnd = job.current(round_number)
+        if rnd is None:
+            raise UploadRejected(Rejection.UNKNOWN_ROUND, f"round {round_number} of job {job_id!r} is not open")
+        if rnd.secure is None:
+            raise refused(f"round {round_number} of job {job_id!r} is not a secure round")
+        if worker_id not in rnd.participants:
+            raise UploadRejected(Rejection.UNKNOWN_WORKER,
+                                 f"worker {worker_id!r} is not a participant of round {round_number}")
+        return rnd, rnd.secure
+
+    def advertise(self, request: pb.SecAdvertiseRequest) -> SecureSession:
+        """Record the worker's keys and declared weight (checked as an upload's header would be)."""
+        rnd, session = self._session(request.job_id, request.round, request.worker_id)
+        if rnd.closed:
+            raise refused(f"round {request.round} of job {request.job_id!r} is closing: it takes no new keys")
+        limit = rnd.sample_limits.get(request.worker_id)
+        if request.num_samples <= 0 or (limit is not None and request.num_samples > limit):
+            raise UploadRejected(Rejection.TOO_MANY_SAMPLES if request.num_samples > 0 else Rejection.BAD_HEADER,
+                                 f"worker {request.worker_id!r} declares {request.num_samples} samples "
+                                 f"(registered: {limit if limit is not None else 'unbounded'})")
+        meta = UpdateMeta(worker_id=request.worker_id, num_samples=int(request.num_samples),
+                          ish=request.ish if request.has_ish else None)
+        try:
+            raw = float(rnd.algorithms.weighting.raw_weight(meta))
+            keys = PublicKeys(c_pk=bytes(request.cipher_key), s_pk=bytes(request.mask_key))
+        except (ValueError, SecAggError) as exc:
+            raise UploadRejected(Rejection.BAD_HEADER, f"worker {request.worker_id!r}: {exc}") from exc
+        session.advertise(request.worker_id, keys, int(request.num_samples), raw)
+        return session
+
+    def roster(self, request: pb.SecWaitRequest) -> Roster | None:
+        """The worker's peers and weight share, or None while the roster is not fixed."""
+        session = self._session(request.job_id, request.round, request.worker_id)[1]
+        with self._hold(request.wait_s) as wait_s:
+            return session.roster(request.worker_id, wait_s)
+
+    def share(self, request: pb.SecShareRequest) -> None:
+        """Route the worker's sealed shares."""
+        _, session = self._session(request.job_id, request.round, request.worker_id)
+        ciphertexts = {c.peer: bytes(c.data) for c in request.ciphertexts}
+        if len(ciphertexts) != len(request.ciphertexts):
+            raise UploadRejected(Rejection.BAD_HEADER, f"worker {request.worker_id!r} names a peer twice")
+        session.share(request.worker_id, ciphertexts)
+
+    def inbox(self, request: pb.SecWaitRequest) -> dict[str, bytes] | None:
+        """The sealed shares for the worker, or None while the inboxes are not fixed."""
+        session = self._session(request.job_id, request.round, request.worker_id)[1]
+        with self._hold(request.wait_s) as wait_s:
+            return session.inbox(request.worker_id, wait_s)
+
+    def survivors(self, request: pb.SecWaitRequest) -> UnmaskRequest | None:
+        """Whose shares the worker must send, or None while the round is open."""
+        session = self._session(request.job_id, request.round, request.worker_id)[1]
+        with self._hold(request.wait_s) as wait_s:
+            return session.survivors(request.worker_id, wait_s)
+
+    def unmask(self, request: pb.SecUnmaskRequest) -> None:
+        """A survivor's shares for the close."""
+        _, session = self._session(request.job_id, request.round, request.worker_id)
+        shares = {s.peer: bytes(s.share) for s in request.shares}
+        if len(shares) != len(request.shares):
+            raise UploadRejected(Rejection.BAD_HEADER, f"worker {request.worker_id!r} names a peer twice")
+        session.unmask(request.worker_id, shares)
+
+    # ----- the masked upload -----
+
+    @staticmethod
+    def check_header(header: pb.UpdateHeader, session: SecureSession | None) -> None:
+        """A secure round's upload is one flat ring vector named `masked`, of the round's dtype and length,
+        for the samples its worker advertised (checked against its registered count then); only it is."""
+        if session is None:
+            raise UploadRejected(Rejection.BAD_HEADER, f"round {header.round} of job {header.job_id!r} is not a "
+                                                       f"secure round: it takes no masked upload")
+        if not header.masked:
+            raise UploadRejected(Rejection.BAD_HEADER, f"{session.where} takes only masked uploads (the worker "
+                                                       f"must run the secure protocol)")
+        want = [("masked", np.dtype(session.params.dtype).name, [session.length])]
+        got = [(t.name, t.dtype, list(t.shape)) for t in header.tensors]
+        if got != want:
+            raise UploadRejected(Rejection.WRONG_SHAPE, f"worker {header.worker_id!r}: a masked upload of "
+                                                        f"{session.where} is {want}, got {got}")
+        session.check_masked(header.worker_id, int(header.num_samples))
+
+    def receive_masked(self, header: pb.UpdateHeader, stream: Iterator[pb.UpdateChunk], size: int) -> Receipt:
+        """Read the masked vector, add it to the round's running sum, count the worker: nothing is spooled."""
+        book = self.book
+        tensors, digest = codec.receive_payload(stream, header, size, buffer=None)
+        job = book._job(header.job_id)
+        meta = UpdateMeta(worker_id=header.worker_id, num_samples=int(header.num_samples),
+                          ish=header.ish if header.has_ish else None, loss=header.validation_loss or header.train_loss)
+        with book._accept_lock, book._lock:
+            rnd = book._receiving(job, header)
+            first = rnd.receipt(header.job_id, header.worker_id)
+            if first is not None:  # a concurrent retry won the race: counted once
+                return first
+            assert rnd.secure is not None
+            rnd.secure.add_masked(header.worker_id, tensors.pop("masked"))
+            raw = rnd.secure.weights[header.worker_id][1]
+            rnd.accepted[header.worker_id] = Accepted(header.worker_id, meta.num_samples, raw, digest, size, meta,
+                                                      epsilon=header.epsilon, train_loss=header.train_loss)
+            book._touch(job)
+        return Receipt(header.job_id, header.round, header.worker_id, False, size, digest)
+
+    # ----- the close -----
+
+    def combine_secure(self, rnd: Round, current: dict[str, np.ndarray], spec: ModelSpec) -> Combined:
+        """Name the survivors, wait for their unmask shares, and make the next global model from the sum:
+        x_global + Σ_U scale_i·Δ_i / Σ_U scale_i, the weighted mean delta of the survivors."""
+        session = rnd.secure
+        assert session is not None
+        session.decide()
+        result = session.finish(wait_s=self.book.secure_unmask_s)
+        share = session.scale_sum(result.survivors)
+        if share <= 0:
+            raise refused(f"{session.where}: the survivors' weights sum to 0")
+        layout = Layout(parameter_shapes(spec))
+        mean = result.total / share
+        state = {name: (np.asarray(current[name], dtype=np.float64) + mean[start:stop].reshape(shape)).astype(np.float32)
+                 for (name, shape), (start, stop) in zip(layout.shapes.items(), layout.offsets.values())}
+        raw = np.array([session.weights[w][1] for w in result.survivors])
+        stats = {"accepted": float(len(rnd.accepted)), "aggregated": float(len(result.survivors)),
+                 "secure_dropped": float(len(result.dropped)), "secure_error_max": result.error_max / share,
+                 "secure_threshold": float(session.params.threshold)}
+        return Combined(list(result.survivors), raw / raw.sum(), spec, state, stats)

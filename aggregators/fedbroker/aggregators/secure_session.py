@@ -1,0 +1,289 @@
+"""One secure round at the aggregation service (aggregation.secure): the SecAgg+ server's stages, made safe
+for a network.
+
+`fedbroker.secagg.SecAggServer` runs each stage once, in order, and refuses a repeat. Workers retry calls
+(a lost reply, a restarted connection), so the session answers a repeat with the same content by the same
+answer and refuses only a *different* second message (other keys, other shares). It also decides when a
+stage ends: the roster once every participant advertised or at the key deadline, the inboxes once every
+roster member shared or at the share deadline, the survivors when the round closes; the waits are long
+polls on one condition.
+
+What the session holds: public keys, the sealed shares it routes (opaque to it), the raw weights the
+workers declared (their sample counts or ISH weights, which the service sees on every upload anyway), the
+running masked sum (inside the SecAggServer: a masked input is added and dropped, never kept), then the
+unmask shares it needs for the sum. Never an update in the clear; nothing of it is written to disk.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+from fedbroker.errors import Rejection, UploadRejected
+from fedbroker.secagg import PublicKeys, SecAggError, SecAggParams, SecAggResult, SecAggServer, UnmaskRequest
+from fedbroker.secure_round import LONG_POLL_S, UNMASK_WAIT_S, phase_deadlines, round_params, round_seed
+
+_T = TypeVar("_T")
+
+
+def refused(why: str) -> UploadRejected:
+    """A secure step the round cannot take (late, a second different message, the round failed): final."""
+    return UploadRejected(Rejection.SECURE_PROTOCOL, why)
+
+
+@dataclass(frozen=True)
+class Roster:
+    """What one worker learns when the roster is fixed."""
+
+    peers: dict[str, PublicKeys]
+    scale: float      # its weight share: w_i / Σ_roster w_j
+    size: int
+
+
+class SecureSession:
+    """One secure round's state at the service (see the module docstring). Thread-safe."""
+
+    def __init__(self, *, job_id: str, round_number: int, version: int, participants: frozenset[str], length: int,
+                 opened: float, deadline: float, clock: Callable[[], float], n: int = 0) -> None:
+        """`n`: the ring's size in inputs (default: the participants)."""
+        self.where = f"secure round {round_number} of job {job_id!r}"
+        self.participants = participants
+        self.params: SecAggParams = round_params(n or len(participants))
+        self.seed = round_seed(job_id, round_number, version)
+        self.length = length
+        self.key_deadline, self.share_deadline = phase_deadlines(opened, deadline)
+        self.clock = clock
+        self._server = SecAggServer(self.params, self.seed, length=length)
+        self._cond = threading.Condition()
+        self._keys: dict[str, PublicKeys] = {}
+        self.weights: dict[str, tuple[int, float]] = {}   # worker → (declared samples, raw weight)
+        self._rosters: dict[str, dict[str, PublicKeys]] | None = None
+        self._sent: dict[str, dict[str, bytes]] = {}
+        self._inboxes: dict[str, dict[str, bytes]] | None = None
+        self.masked: set[str] = set()
+        self._requests: dict[str, UnmaskRequest] | None = None
+        self._replies: dict[str, dict[str, bytes]] = {}
+        self.failed: str | None = None
+        self.done = False                                  # the sum is unmasked: later unmask replies are not needed
+
+    @classmethod
+    def lost(cls, *, job_id: str, round_number: int, participants: frozenset[str], length: int) -> SecureSession:
+        """A secure round a restarted service found in its spool: its keys and masked sum lived only in the
+        memory of the service that died, so the round cannot be unmasked and every step is refused."""
+        session = cls(job_id=job_id, round_number=round_number, version=0, participants=participants, length=length,
+                      opened=0.0, deadline=0.0, clock=lambda: 0.0, n=max(len(participants), 2))
+        session.failed = (f"the aggregation service restarted during {session.where}: its keys and masked sum were "
+                          f"held only in memory, so the round cannot be unmasked")
+        return session
+
+    def end(self, why: str) -> None:
+        """The round ended without a close (a cancelled job's round was abandoned): every waiting worker is
+        answered at once, with `why`, instead of at its deadline."""
+        with self._cond:
+            if self.failed is None:
+                self.failed = f"{self.where} ended: {why}"
+            self._cond.notify_all()
+
+    # ----- keys -----
+
+    def advertise(self, worker_id: str, keys: PublicKeys, samples: int, raw_weight: float) -> None:
+        """Record a worker's public keys and declared weight; the same advertisement again is a no-op."""
+        with self._cond:
+            self._check_alive()
+            held = self._keys.get(worker_id)
+            if held is not None:
+                if held != keys or self.weights[worker_id] != (samples, raw_weight):
+                    raise refused(f"{self.where}: worker {worker_id!r} advertised other keys or another weight "
+                                  f"before; a round takes one advertisement per worker")
+                return
+            if self._rosters is not None:
+                raise refused(f"{self.where}: the roster was fixed before worker {worker_id!r} advertised")
+            self._step(lambda: self._server.add_keys(worker_id, keys))
+            self._keys[worker_id], self.weights[worker_id] = keys, (samples, raw_weight)
+            if set(self._keys) >= self.participants:
+                self._fix_roster()
+            self._cond.notify_all()
+
+    def roster(self, worker_id: str, wait_s: float) -> Roster | None:
+        """The worker's peers and weight share once the roster is fixed; None while it is not (ask again)."""
+        with self._cond:
+            if not self._wait(lambda: self._rosters is not None, self.key_deadline, wait_s, self._fix_roster):
+                return None
+            assert self._rosters is not None
+            peers = self._rosters.get(worker_id)
+            if peers is None:
+                raise refused(f"{self.where}: worker {worker_id!r} is not on the roster (it advertised no keys in time)")
+            total = sum(self.weights[w][1] for w in self._rosters)
+            return Roster(dict(peers), self.weights[worker_id][1] / total, len(self._rosters))
+
+    def _fix_roster(self) -> None:
+        self._rosters = self._step(self._server.rosters)
+        if sum(self.weights[w][1] for w in self._rosters) <= 0:
+            self._fail("every worker on the roster declared weight 0: the round has no weighted mean")
+
+    # ----- shares -----
+
+    def share(self, worker_id: str, ciphertexts: Mapping[str, bytes]) -> None:
+        """Route a worker's sealed shares; the same shares again are a no-op."""
+        with self._cond:
+            self._check_alive()
+            held = self._sent.get(worker_id)
+            if held is not None:
+                if held != dict(ciphertexts):
+                    raise refused(f"{self.where}: worker {worker_id!r} sent other shares before")
+                return
+            if self._rosters is None or self._inboxes is not None:
+                raise refused(f"{self.where}: shares from worker {worker_id!r} outside the share phase")
+            self._step(lambda: self._server.add_shares(worker_id, ciphertexts))
+            self._sent[worker_id] = dict(ciphertexts)
+            if set(self._sent) >= set(self._rosters):
+                self._fix_inboxes()
+            self._cond.notify_all()
+
+    def inbox(self, worker_id: str, wait_s: float) -> dict[str, bytes] | None:
+        """The sealed shares peers sent the worker once the inboxes are fixed; None while they are not."""
+        with self._cond:
+            if not self._wait(lambda: self._inboxes is not None, self.share_deadline, wait_s, self._fix_inboxes):
+                return None
+            assert self._inboxes is not None
+            box = self._inboxes.get(worker_id)
+            if box is None:
+                raise refused(f"{self.where}: worker {worker_id!r} sent no shares in time; it cannot mask")
+            return dict(box)
+
+    def _fix_inboxes(self) -> None:
+        if self._rosters is None:
+            self._fix_roster()
+        self._inboxes = self._step(self._server.inboxes)
+
+    # ----- masked inputs, survivors, unmasking -----
+
+    def check_masked(self, worker_id: str, samples: int) -> None:
+        """Whether this worker may upload a masked input now, declaring `samples` (as it advertised)."""
+        with self._cond:
+            self._check_alive()
+            if self._inboxes is None or worker_id not in self._inboxes:
+                raise refused(f"{self.where}: worker {worker_id!r} got no inbox, so it has nothing to mask with")
+            if self.weights[worker_id][0] != samples:
+                raise UploadRejected(Rejection.BAD_HEADER, f"{self.where}: worker {worker_id!r} uploads for "
+                                                           f"{samples} samples but advertised "
+                                                           f"{self.weights[worker_id][0]}")
+
+    def add_masked(self, worker_id: str, masked: np.ndarray) -> None:
+        """Add a masked input to the running sum (the array is not kept)."""
+        with self._cond:
+            self._check_alive()
+            self._step(lambda: self._server.add_masked(worker_id, masked))
+            self.masked.add(worker_id)
+
+    def decide(self) -> None:
+        """The round closes: the survivors are the workers whose masked input is in the sum (idempotent)."""
+        with self._cond:
+            self._check_alive()
+            if self._requests is None:
+                if self._inboxes is None:
+                    self._fail("the round closed before the inboxes were fixed")
+                self._requests = self._step(self._server.unmask_requests)
+            self._cond.notify_all()
+
+    def survivors(self, worker_id: str, wait_s: float) -> UnmaskRequest | None:
+        """Whose shares the worker must send, once the round closes; None while it is open."""
+        with self._cond:
+            if not self._wait(lambda: self._requests is not None, None, wait_s, None):
+                return None
+            assert self._requests is not None
+            request = self._requests.get(worker_id)
+            if request is None:
+                raise refused(f"{self.where}: worker {worker_id!r} is not a survivor (its masked input is not in the "
+                              f"sum)")
+            return request
+
+    def unmask(self, worker_id: str, shares: Mapping[str, bytes]) -> None:
+        """A survivor's shares; the same again is a no-op."""
+        with self._cond:
+            self._check_alive()
+            held = self._replies.get(worker_id)
+            if held is not None:
+                if held != dict(shares):
+                    raise refused(f"{self.where}: worker {worker_id!r} sent other unmask shares before")
+                return
+            if self.done:  # the sum was unmasked with the first t replies: this one is not needed (nor kept)
+                return
+            self._step(lambda: self._server.add_unmask(worker_id, shares))
+            self._replies[worker_id] = dict(shares)
+            self._cond.notify_all()
+
+    def finish(self, *, wait_s: float = UNMASK_WAIT_S) -> SecAggResult:
+        """Wait until every secret has its t shares (at most `wait_s`), then unmask the sum."""
+        with self._cond:
+            end = self.clock() + wait_s
+            while not self._can_finish():
+                self._check_alive()
+                left = end - self.clock()
+                if left <= 0:
+                    self._fail(f"{len(self._replies)} survivor(s) sent unmask shares within {wait_s:g}s; "
+                               f"{self.params.threshold} per secret are needed")
+                self._cond.wait(min(left, LONG_POLL_S))
+            result = self._step(self._server.finish)
+            self.done = True
+            self._replies.clear()
+            return result
+
+    def _can_finish(self) -> bool:
+        if self._requests is None:
+            return False
+        counts: dict[str, int] = {}
+        for replier in self._replies:
+            request = self._requests[replier]
+            for owner in request.survivors | request.dropped:
+                counts[owner] = counts.get(owner, 0) + 1
+        owners = set(self._requests) | {d for r in self._requests.values() for d in r.dropped}
+        return all(counts.get(o, 0) >= self.params.threshold for o in owners)
+
+    def scale_sum(self, survivors: tuple[str, ...]) -> float:
+        """Σ_survivors w_i / Σ_roster w_j: what the unmasked sum is divided by to give the weighted mean."""
+        assert self._rosters is not None
+        total = sum(self.weights[w][1] for w in self._rosters)
+        return sum(self.weights[w][1] for w in survivors) / total
+
+    # ----- helpers (under the condition) -----
+
+    def _wait(self, done: Callable[[], bool], stage_deadline: float | None, wait_s: float,
+              close_stage: Callable[[], None] | None) -> bool:
+        """Wait for `done` at most `wait_s` (capped); past `stage_deadline` the waiter closes the stage itself."""
+        end = self.clock() + max(0.0, min(wait_s, LONG_POLL_S))
+        while True:
+            self._check_alive()
+            if done():
+                return True
+            now = self.clock()
+            if stage_deadline is not None and now >= stage_deadline and close_stage is not None:
+                close_stage()
+                self._cond.notify_all()
+                continue
+            wake = end if stage_deadline is None else min(end, stage_deadline)
+            if now >= end:
+                return False
+            self._cond.wait(max(wake - now, 0.01))
+
+    def _step(self, fn: Callable[[], _T]) -> _T:
+        try:
+            return fn()
+        except SecAggError as exc:
+            if exc.reason == "secagg_too_few_survivors":
+                self._fail(str(exc))
+            raise refused(f"{self.where}: {exc}") from exc
+
+    def _fail(self, why: str) -> None:
+        self.failed = f"{self.where} failed: {why}"
+        self._cond.notify_all()
+        raise refused(self.failed)
+
+    def _check_alive(self) -> None:
+        if self.failed is not None:
+            raise refused(self.failed)
+

@@ -1,0 +1,63 @@
+"""One secure round's settings and timing, shared by the coordinator, the aggregation service and the workers.
+
+The crypto is `fedbroker.secagg` (SecAgg+); this module only fixes what every party must agree on for a
+round of n participants: the ring, the clip range and the threshold (`round_params`), and how long each
+phase may wait. The settings follow from n alone, so the coordinator (how many uploads a round needs), the
+service (the round's session) and the job's view (`describe`) compute the same ones without a message.
+
+What a worker masks is its weighted update: (w_i / Σ_roster w_j) · (x_i − x_global), the weights being its
+sample count or DWFed's ISH weight, which the service knows anyway. Each coordinate is clipped to
+[−CLIP, CLIP]; an update of a sane learning rate moves no weight by that much in one round, and the worker
+logs how many coordinates it clipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from fedbroker.secagg.params import SecAggParams
+
+CLIP = 8.0                 # B: each weighted coordinate of the update delta is clipped to [-B, B]
+KEY_FRACTION = 0.25        # the roster is fixed once every participant advertised, or at this share of the round
+SHARE_FRACTION = 0.5       # the inboxes are fixed once every roster member shared, or at this share of the round
+UNMASK_WAIT_S = 60.0       # after the survivors are named: how long the close waits for enough unmask shares
+LONG_POLL_S = 20.0         # the longest the service holds one waiting call (the worker asks again)
+WAITING_CALLS = 16         # waiting calls the service holds at once; beyond, it answers "not yet" at once
+REPOLL_S = (0.2, 1.0)      # a worker's pause before asking again after "not yet" (uniform, jittered)
+
+
+def round_params(n: int) -> SecAggParams:
+    """The settings of a secure round of `n` participants (at least 2; submission asks for 3)."""
+    return SecAggParams.choose(n, CLIP)
+
+
+def round_seed(job_id: str, round_number: int, version: int) -> bytes:
+    """The round's public seed, which both ends derive from what they already share (no message): it binds
+    the keys, shares and masks to this job, round and global version."""
+    return hashlib.sha256(f"fedbroker secagg\x00{job_id}\x00{round_number}\x00{version}".encode()).digest()
+
+
+def needed_uploads(n: int) -> int:
+    """The fewest masked uploads a round of `n` participants can close with: its threshold t (the survivors
+    must hold t shares of every secret to unmask the sum)."""
+    return round_params(n).threshold
+
+
+def describe(n: int) -> str:
+    """The settings a round of `n` participants runs with, in words (the job's view)."""
+    p = round_params(n)
+    graph = "every peer" if p.complete_graph(n) else f"{p.neighbours} neighbours each"
+    return (f"SecAgg+ ring 2^{p.bits}, clip ±{p.clip:g} per weighted coordinate of the update (quantisation "
+            f"step {p.step:.3g}), threshold {p.threshold} of {n} ({graph})")
+
+
+def phase_deadlines(opened: float, deadline: float) -> tuple[float, float]:
+    """(roster fixed by, inboxes fixed by): shares of the round's time, so training keeps the rest."""
+    span = max(deadline - opened, 0.0)
+    return opened + KEY_FRACTION * span, opened + SHARE_FRACTION * span
+
+
+def threshold_note(n: int) -> str:
+    """Why a round of `n` cannot close with fewer uploads, for a refusal's message."""
+    return f"a secure round of {n} needs {needed_uploads(n)} masked uploads (its threshold) to be unmasked"
+

@@ -1,0 +1,212 @@
+"""A secure job (aggregation.secure) in a real deployment: the aggregation service, the coordinator and five
+workers, each its own `fedbroker` process, over the machine's RabbitMQ under a private namespace.
+
+One worker exits right after masking its update (before uploading it: it dropped, and its pairwise masks
+are rebuilt from its peers' shares), another right after its masked upload (before unmasking: it is in the
+sum, and its self-mask is rebuilt without it). The round still closes, with the four survivors' weighted
+mean: each worker writes the clear weighted update it masked to a test-only folder
+(FEDBROKER_TEST_SECURE_RECORD_DIR), and the new global model in the service's spool equals the global model
+before the round plus their sum over their weight share, to the quantisation bound. Nothing the service
+wrote (its spool, its log) holds any of those updates, masked or clear: no update file at all, and none of
+their bytes or printed values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedbroker.aggregators.spool import job_folder
+from fedbroker.bus import delete_topology
+from fedbroker.secagg import sum_error_bound
+from fedbroker.secure_round import round_params
+from fedbroker.spec import parameter_shapes, parse_model
+from fedbroker.worker.secure_task import TEST_EXIT_AT, TEST_RECORD_DIR
+from tests.source_roots import PYTHONPATH
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+WORKERS = ["site-1", "site-2", "site-3", "site-4", "site-5"]
+EXITS = {"site-3": "masked", "site-4": "uploaded"}  # site-3 drops before its upload, site-4 before unmasking
+MODEL = {"input_shape": [1, 8, 8], "layers": [{"type": "Flatten"}, {"type": "Linear", "in_features": 64, "out_features": 24},
+                                              {"type": "ReLU"}, {"type": "Linear", "in_features": 24, "out_features": 10}]}
+JOB = {
+    "name": "secure-digits", "category": "digits", "seed": 5, "model": MODEL,
+    "training": {"rounds": 1, "local_epochs": 1, "batch_size": 32, "lr": 0.1},
+    "aggregation": {"secure": True, "weighting": "fedavg"},
+    "evaluation": {"every": 0},  # no site scoring: the two crashed sites would keep the job waiting for theirs
+    # quorum 4: the round closes once four masked uploads are in (site-3 never uploads)
+    "schedule": {"min_workers": 5, "min_clients": 3, "quorum": 4, "wait_for_workers_s": 240, "round_timeout_s": 300},
+}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Deployment:
+    """`fedbroker <command>` processes with their settings in the environment, as a kit starts them."""
+
+    def __init__(self, url: str, tmp: Path) -> None:
+        self.url, self.tmp = url, tmp
+        self.namespace = f"fedbroker-secure-{uuid.uuid4().hex[:8]}"
+        self.aggregator = f"127.0.0.1:{free_port()}"
+        self.coordinator = f"127.0.0.1:{free_port()}"
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(self, name: str, command: str, settings: dict[str, Any], extra_env: dict[str, str] | None = None) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER")}
+        env["PYTHONPATH"] = PYTHONPATH
+        base = {"broker.url": self.url, "broker.namespace": self.namespace, "aggregator.target": self.aggregator,
+                "coordinator.target": self.coordinator, "log_level": "INFO"}
+        for key, value in {**base, **settings}.items():
+            env["FEDBROKER__" + key.upper().replace(".", "__")] = str(value)
+        env.update(extra_env or {})
+        log = (self.tmp / f"{name}.log").open("ab")
+        self.processes[name] = subprocess.Popen([sys.executable, "-m", "fedbroker", command], env=env, stdout=log,
+                                                stderr=subprocess.STDOUT)
+
+    def cli(self, *args: str) -> str:
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER")}, "PYTHONPATH": PYTHONPATH}
+        done = subprocess.run([sys.executable, "-m", "fedbroker", *args, "--coordinator", self.coordinator],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"fedbroker {' '.join(args)}: {done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.tmp.glob("*.log")))
+
+    def alive(self, *names: str) -> None:
+        for name in names:
+            process = self.processes[name]
+            assert process.poll() is None, f"{name} exited with {process.returncode}\n{self.logs()}"
+
+    def close(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        delete_topology(self.url, namespace=self.namespace, worker_ids=WORKERS)
+
+
+@pytest.fixture
+def deployment(rabbitmq_url: str, tmp_path: Path) -> Iterator[Deployment]:
+    d = Deployment(rabbitmq_url, tmp_path)
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def wait_for(predicate: Any, timeout: float, what: str, d: Deployment) -> Any:
+    """A hang guard, not a deadline the test relies on: the predicate is a state, not a timing."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        d.alive("aggregator", "coordinator")
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}\n{d.logs()}")
+
+
+def worker_settings(d: Deployment, index: int, worker: str) -> dict[str, Any]:
+    return {"worker.id": worker, "worker.categories": "digits", "worker.dataset": "digits",
+            "worker.partition.num_clients": len(WORKERS), "worker.partition.client_index": index,
+            "worker.ledger_path": str(d.tmp / f"{worker}-ledger.json"), "worker.device": "cpu",
+            "worker.heartbeat_s": 0.5, "worker.torch_threads": 1, "worker.dp.noise_multiplier": 0.8,
+            "worker.dp.max_grad_norm": 1.0, "worker.dp.epsilon_budget": 50}
+
+
+def test_a_secure_round_closes_with_the_survivors_weighted_mean_and_the_service_never_holds_an_update(
+        deployment: Deployment) -> None:
+    d = deployment
+    records = d.tmp / "clear-updates"
+    records.mkdir()
+    spool = d.tmp / "spool"
+    d.spawn("aggregator", "aggregator", {"aggregator.listen": d.aggregator, "aggregator.spool_dir": spool})
+    d.spawn("coordinator", "coordinator", {"coordinator.listen": d.coordinator,
+                                           "coordinator.state_dir": d.tmp / "state"})
+    for i, worker in enumerate(WORKERS):
+        hooks = {TEST_RECORD_DIR: str(records)}
+        if worker in EXITS:
+            hooks[TEST_EXIT_AT] = f"{worker}:{EXITS[worker]}"
+        d.spawn(worker, "worker", worker_settings(d, i, worker), hooks)
+
+    def registered() -> bool:
+        try:
+            return len(json.loads(d.cli("status", "--json"))["workers"]) == len(WORKERS)
+        except AssertionError:  # the coordinator is still starting
+            return False
+
+    wait_for(registered, 240, "the five workers to register", d)
+    job_file = d.tmp / "job.json"
+    job_file.write_text(json.dumps(JOB))
+    job_id = json.loads(d.cli("submit", str(job_file), "--json"))["job_id"]
+
+    def finished() -> dict[str, Any] | None:
+        doc: dict[str, Any] = json.loads(d.cli("jobs", "show", job_id, "--json"))
+        return doc if doc["status"] in ("completed", "failed", "cancelled") else None
+
+    doc = wait_for(finished, 480, "the secure job to end", d)
+    assert doc["status"] == "completed", f"{doc.get('error')}\n{d.logs()}"
+    for worker, step in EXITS.items():  # the two crashes happened where the test put them
+        assert d.processes[worker].wait(30) == 17, d.logs()
+        assert f"exits after step {step!r}" in (d.tmp / f"{worker}.log").read_text()
+    (rnd,) = doc["rounds"]
+    survivors = ["site-1", "site-2", "site-4", "site-5"]
+    assert rnd["aggregated"] == len(survivors)
+    status = {p["worker_id"]: p for p in doc["participants"]}
+    assert {w for w, p in status.items() if p["status"] == "aggregated"} == set(survivors)
+    assert all(status[w]["epsilon"] > 0 for w in survivors)  # DP training and its ε as without secure
+    params = round_params(len(WORKERS))
+    assert doc["secure"]["threshold"] == params.threshold and doc["secure"]["bits"] == params.bits
+    assert "threshold 3 of 5" in d.cli("jobs", "show", job_id)
+
+    # The new global model (version 2 in the service's spool) against the survivors' clear weighted updates.
+    folder = job_folder(spool, job_id)
+    before, after = (dict(np.load(folder / f"global-{v}.npz", allow_pickle=False)) for v in (1, 2))
+    clear = {w: np.load(records / f"{job_id}-1-{w}.npz") for w in WORKERS}
+    share = sum(float(clear[w]["scale"]) for w in survivors)
+    mean = sum(clear[w]["vector"] for w in survivors) / share
+    bound = sum_error_bound(params, len(survivors))[0] / share
+    start = 0
+    for name, shape in parameter_shapes(parse_model(MODEL)).items():
+        count = int(np.prod(shape))
+        want = before[name].astype(np.float64) + mean[start:start + count].reshape(shape)
+        np.testing.assert_allclose(after[name], want, atol=bound + 1e-5)
+        start += count
+    assert start == mean.size
+    assert not np.allclose(after[next(iter(after))], before[next(iter(before))])  # the round moved the model
+
+    # Nothing the service wrote holds an update: no update file, and none of any worker's values.
+    written = [p for p in spool.rglob("*") if p.is_file()]
+    assert not [p for p in written if "round-" in p.as_posix() or "buffer-" in p.as_posix()], written
+    blobs = [p.read_bytes() for p in written] + [(d.tmp / "aggregator.log").read_bytes()]
+    text = (d.tmp / "aggregator.log").read_text()
+    for worker in WORKERS:
+        vector = clear[worker]["vector"]
+        scale = float(clear[worker]["scale"])
+        for candidate in (vector, vector / scale):  # the weighted update and the plain one
+            for dtype in (np.float32, np.float64):
+                needle = candidate[:8].astype(dtype).tobytes()
+                assert not any(needle in blob for blob in blobs), (worker, dtype)
+            assert f"{candidate[np.argmax(np.abs(candidate))]:.6g}" not in text  # its largest value, printed

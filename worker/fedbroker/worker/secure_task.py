@@ -1,0 +1,180 @@
+"""A worker's side of a secure round (aggregation.secure): the SecAgg+ steps around its training.
+
+Before training it advertises two public keys, fetches its peers' keys once the roster is fixed, sends
+each peer its sealed Shamir shares and collects the shares peers sealed for it (`exchange_keys`): the
+key phase costs the round no training time, and a worker that fails here has spent no ε. After training
+it uploads its weighted update masked into the ring (`upload`): (w_i / Σ_roster w_j)·(x_i − x_global),
+flattened in the model's parameter order, so that the sum over the survivors divided by their weight
+share is FedAvg's (or DWFed's) mean delta. At the close it sends the shares the service needs to remove
+the masks (`unmask`): of the survivors' self-mask seeds and the dropped workers' mask keys, never both
+for one peer (the crypto refuses). Nothing here changes what the worker trains or spends.
+
+Every call goes through the aggregation service's gRPC channel under the worker's own identity; each is
+idempotent, and a `SecureRun` is kept between a task's retries so a retry sends the same keys, shares and
+masked bytes again (the crypto object runs each step once).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from fedbroker.aggregation_client import AggregatorClient, Model
+from fedbroker.errors import FedbrokerError
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.secagg.client import SecAggClient
+from fedbroker.secagg.crypto import PublicKeys
+from fedbroker.secure_round import UNMASK_WAIT_S, round_params, round_seed
+from fedbroker.spec import ModelSpec, parameter_shapes
+
+log = logging.getLogger(__name__)
+
+# Test-only hooks (tests/integration/test_secure_round.py): where to write the clear update the test compares
+# the service's sum with, and at which step to exit the process as a crashed site would. Unset in production.
+TEST_RECORD_DIR = "FEDBROKER_TEST_SECURE_RECORD_DIR"
+TEST_EXIT_AT = "FEDBROKER_TEST_SECURE_EXIT_AT"   # "<worker id>:masked" or "<worker id>:uploaded"
+
+
+class SecureStepFailed(FedbrokerError):
+    """A step of the secure protocol could not complete before its round's deadline (the roster or the
+    inboxes were not fixed in time, or the round never named its survivors): the task fails."""
+
+
+def weighted_vector(trained: Mapping[str, np.ndarray], global_state: Mapping[str, np.ndarray], spec: ModelSpec,
+                    scale: float) -> np.ndarray:
+    """scale·(trained − global), flattened in the model's parameter order (the service's layout)."""
+    names = list(parameter_shapes(spec))
+    out = np.empty(sum(int(np.asarray(global_state[n]).size) for n in names), dtype=np.float64)
+    start = 0
+    for name in names:
+        g = np.asarray(global_state[name], dtype=np.float64).reshape(-1)
+        t = np.asarray(trained[name], dtype=np.float64).reshape(-1)
+        np.subtract(t, g, out=out[start:start + g.size])
+        start += g.size
+    out *= scale
+    return out
+
+
+class SecureRun:
+    """One secure task on one worker (see the module docstring)."""
+
+    def __init__(self, *, worker_id: str, task: pb.RoundTask, num_samples: int, ish: float | None) -> None:
+        self.worker_id = worker_id
+        self.task = task
+        self.num_samples = num_samples
+        self.ish = ish
+        self.crypto: SecAggClient | None = None
+        self.scale = 0.0
+        self.length = 0
+        self.dtype = ""
+        self._keys: PublicKeys | None = None
+        self._advert: pb.SecAdvertiseReply | None = None
+        self._shares: dict[str, bytes] | None = None
+        self._inbox: dict[str, bytes] | None = None
+        self.masked: np.ndarray | None = None
+        self.unmasked = False
+        self._unmask_shares: dict[str, bytes] | None = None
+        self.global_model: Model | None = None  # the model the task trains from: the masked delta is against it
+
+    def advertise(self, client: AggregatorClient) -> None:
+        """Draw the round's keys (settings from the task) and advertise them; the service must run the same
+        settings. Once: a retry re-sends the same keys."""
+        task, me = self.task, self.worker_id
+        if self.crypto is None:
+            params = round_params(task.participants)
+            seed = round_seed(task.job_id, task.round, task.model_version)
+            self.crypto = SecAggClient(me, params, seed, np.random.default_rng(int.from_bytes(os.urandom(8), "little")))
+            self._keys = self.crypto.advertise()
+        if self._advert is not None:
+            return
+        advert = client.sec_advertise(self._advertisement())
+        p, ours = advert.params, self.crypto.params
+        if (advert.round_seed != self.crypto.round_seed or (p.n_max, p.threshold, p.neighbours, p.ring_bits, p.clip)
+                != (ours.n_max, ours.threshold, ours.neighbours, ours.bits, ours.clip)):
+            raise SecureStepFailed(f"round {task.round} of {task.job_id}: the service runs other secure settings "
+                                   f"({p.n_max} inputs, t {p.threshold}, ring 2^{p.ring_bits}, clip {p.clip}) than "
+                                   f"the task implies ({ours.n_max}, t {ours.threshold}, 2^{ours.bits}, {ours.clip})")
+        self._advert, self.length, self.dtype = advert, int(p.length), p.ring_dtype
+
+    def exchange_keys(self, client: AggregatorClient) -> None:
+        """Advertise, wait for the roster, send the sealed shares, wait for the inbox (each step once)."""
+        task, me = self.task, self.worker_id
+        self.advertise(client)
+        assert self.crypto is not None
+        if self._shares is None:
+            roster = client.sec_roster(task.job_id, task.round, me, until=task.deadline_unix)
+            if roster is None:
+                raise SecureStepFailed(f"round {task.round} of {task.job_id}: the roster was not fixed before the "
+                                       f"round's deadline")
+            self.scale = roster.scale
+            peers = {p.worker_id: PublicKeys(c_pk=p.cipher_key, s_pk=p.mask_key) for p in roster.peers}
+            self._shares = self.crypto.share_keys(peers)
+        client.sec_share(pb.SecShareRequest(job_id=task.job_id, round=task.round, worker_id=me, ciphertexts=[
+            pb.SecCiphertext(peer=peer, data=data) for peer, data in sorted(self._shares.items())]))
+        if self._inbox is None:
+            inbox = client.sec_inbox(task.job_id, task.round, me, until=task.deadline_unix)
+            if inbox is None:
+                raise SecureStepFailed(f"round {task.round} of {task.job_id}: the inboxes were not fixed before the "
+                                       f"round's deadline")
+            self._inbox = {c.peer: c.data for c in inbox.ciphertexts}
+
+    def _advertisement(self) -> pb.SecAdvertiseRequest:
+        keys = self._keys
+        return pb.SecAdvertiseRequest(
+            job_id=self.task.job_id, round=self.task.round, worker_id=self.worker_id,
+            cipher_key=keys.c_pk if keys else b"", mask_key=keys.s_pk if keys else b"",
+            num_samples=self.num_samples, ish=self.ish or 0.0, has_ish=self.ish is not None)
+
+    def mask(self, trained: Mapping[str, np.ndarray], global_state: Mapping[str, np.ndarray], spec: ModelSpec) -> None:
+        """The masked ring vector of this worker's weighted update (once; a retry re-sends the same bytes)."""
+        if self.masked is not None:
+            return
+        assert self.crypto is not None and self._inbox is not None
+        vector = weighted_vector(trained, global_state, spec, self.scale)
+        if vector.size != self.length:
+            raise SecureStepFailed(f"the update has {vector.size} values, the round masks {self.length}")
+        _test_record(self.worker_id, self.task, vector, self.scale)
+        self.masked = np.ascontiguousarray(self.crypto.masked_input(vector, self._inbox), dtype=self.dtype)
+        if self.crypto.clipped:
+            log.warning("worker %s: %d of %d weighted coordinates of round %d's update were clipped to ±%g before "
+                        "masking", self.worker_id, self.crypto.clipped, vector.size, self.task.round,
+                        self.crypto.params.clip)
+        _test_exit(self.worker_id, "masked")
+
+    def unmask(self, client: AggregatorClient) -> None:
+        """Wait for the survivors to be named, then send the shares that remove their masks (once)."""
+        task = self.task
+        if self.unmasked:
+            return
+        assert self.crypto is not None
+        _test_exit(self.worker_id, "uploaded")
+        until = task.deadline_unix + UNMASK_WAIT_S  # a round closes at its deadline at the latest
+        if self._unmask_shares is None:  # the crypto answers once; a retry re-sends the same shares
+            named = client.sec_survivors(task.job_id, task.round, self.worker_id, until=until)
+            if named is None:
+                raise SecureStepFailed(f"round {task.round} of {task.job_id} named no survivors in time")
+            self._unmask_shares = self.crypto.unmask(list(named.survivors), list(named.dropped))
+        shares = self._unmask_shares
+        client.sec_unmask(pb.SecUnmaskRequest(job_id=task.job_id, round=task.round, worker_id=self.worker_id,
+                                              shares=[pb.SecShareValue(peer=peer, share=share)
+                                                      for peer, share in sorted(shares.items())]))
+        self.unmasked = True
+
+
+def _test_record(worker_id: str, task: pb.RoundTask, vector: np.ndarray, scale: float) -> None:
+    """Test-only: write the clear weighted update where a test asked for it (never set in production)."""
+    folder = os.environ.get(TEST_RECORD_DIR)
+    if folder:
+        np.savez(Path(folder) / f"{task.job_id}-{task.round}-{worker_id}.npz", vector=vector, scale=np.float64(scale))
+
+
+def _test_exit(worker_id: str, step: str) -> None:
+    """Test-only: exit the process at `step`, as a site that crashes there would (never set in production)."""
+    if os.environ.get(TEST_EXIT_AT) == f"{worker_id}:{step}":
+        log.warning("worker %s exits after step %r (%s is set: a test's crash)", worker_id, step, TEST_EXIT_AT)
+        logging.shutdown()
+        os._exit(17)
