@@ -153,7 +153,8 @@ def test_a_job_waiting_for_workers_to_register_says_how_many_and_which_category_
     assert deployment.events(reply.job_id, "warning") == [warning]
     path = tmp_path / "job.yaml"  # `fedbroker submit` prints the id, and the warning on stderr
     path.write_text(yaml.safe_dump({**JOB, "category": "digts"}))
-    printed = cli(deployment, capsys, cmd_submit, job=str(path), follow=False, wait=False)
+    printed = cli(deployment, capsys, cmd_submit, job=str(path), follow=False, wait=False, track=None,
+                  experiment=None)
     assert printed.startswith("wait-")
     assert f"fedbroker submit: warning: {warning}" in capsys.readouterr().err.splitlines()
     assert deployment.events(printed.strip(), "warning") == [warning]
