@@ -104,10 +104,11 @@ class MultiKrumParams(RobustParams):
 
 @dataclass(frozen=True, kw_only=True)
 class GeometricMedianParams(RobustParams):
-    """`geometric_median`: the smoothed Weiszfeld iterations of RFA, the smoothing ν, and the relative change
-    of the objective below which it stops early."""
+    """`geometric_median`: the most smoothed Weiszfeld iterations of RFA (each costs O(n²) on the updates' Gram
+    matrix, not a pass over the model), the smoothing ν, and the step (relative to the median distance to the
+    estimate) below which it stops early."""
 
-    iterations: int = 10
+    iterations: int = 100
     nu: float = 1e-6
     tolerance: float = 1e-6
 

@@ -16,6 +16,7 @@ decide every coordinate.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 
@@ -65,7 +66,7 @@ class TrimmedMean(RuleBase, TrimmedMeanParams):
 
     def trim(self, n: int) -> tuple[int, bool]:
         """k = ⌈βn⌉ values dropped per side, and whether it had to be lowered so one value is left."""
-        k = math.ceil(self.beta * n - 1e-12)  # βn an integer up to rounding: ⌈βn⌉ is βn
+        k = math.ceil(Fraction(repr(float(self.beta))) * n)  # β as written: ⌈0.1 · 30⌉ is 3, not 4
         most = (n - 1) // 2
         return min(k, most), k > most
 
