@@ -12,8 +12,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 import fedbroker.metrics  # noqa: F401  (the shared gRPC and broker metrics belong to every process)
 from fedbroker.errors import Rejection
-from fedbroker.round_stats import ROBUST_KEPT
 from fedbroker.robust_params import DISCARDED_BELOW, DOWNWEIGHTED_BELOW
+from fedbroker.round_stats import ROBUST_KEPT
 from fedbroker.spec import AggregationConfig
 
 UPLOADS_ACCEPTED = Counter(
