@@ -72,8 +72,10 @@ def run(*, quick: bool) -> Section:
                 section.rows.append({"rule": name, "K": k, "P": p, "time (s)": stat,
                                      "× weighted mean (fastest runs)": round(stat.min / base, 1)})
             deltas = np.zeros((0, 0), dtype=np.float32)  # let the next size reuse the memory
-    k, p = 50, sizes[0]
-    for name in ("median", "trimmed_mean"):
+    k, p = 50, 1_000_000
+    if quick:  # P = 100k fits in cache, where the mean is cheaper than any pass that copies: no goal there
+        section.notes.append("quick mode: P = 100k only; the ≤ 10× goal is judged at P = 1M (`make bench`)")
+    for name in ("median", "trimmed_mean") if not quick else ():
         ratio = ratios.get((name, k, p))
         section.goals.append(Goal(f"{name} at K={k}, P={p:,} (× weighted mean)",
                                   None if ratio is None else round(ratio, 1), f"≤ {GOAL_RATIO:g}×",
