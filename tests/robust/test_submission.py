@@ -7,10 +7,16 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
+
+from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.catalogue import aggregation_settings
+from fedbroker.errors import ConfigError
 from fedbroker.spec import AggregationConfig
 from fedbroker.submission import accept_job
+from tests.test_async_book import AGG, config
 from tests.test_every_problem import JOB, refused
+from tests.test_rounds import SPEC, weights
 
 
 def job(**aggregation: Any) -> dict[str, Any]:
@@ -54,3 +60,11 @@ def test_fltrust_s_root_set_must_fit_the_model() -> None:
     assert "samples of shape" in found["aggregation.robust_params.probe_dataset"]
     found = refused(job(robust="fltrust", robust_params={"probe_dataset": "imagenet", "lr": -1}))
     assert set(found) == {"aggregation.robust_params.probe_dataset", "aggregation.robust_params.lr"}
+
+
+def test_the_service_refuses_an_asynchronous_buffer_with_a_rule_naming_the_field() -> None:
+    book = RoundBook(max_update_bytes=10_000)
+    book.put_global("j", 1, SPEC.to_json(), weights(0.0))
+    with pytest.raises(ConfigError) as info:
+        book.open_buffer("j", config(aggregation={**AGG, "robust": "median"}))
+    assert info.value.field == "aggregation.robust" and "schedule.mode async" in info.value.problem
