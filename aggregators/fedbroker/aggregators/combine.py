@@ -9,7 +9,8 @@ Every stage has a cooperative time limit, so a close ends within minutes whateve
 selection past `selection_time_limit_s` falls back to a random choice (the GA says why); an alignment past
 `alignment_time_limit_s` stops and the round's model is the plain weighted mean of the chosen updates
 (FedAvg of the same coefficients: every update has the global model's shapes), logged and recorded as
-`alignment_fallback = 1` in the close's stats.
+`alignment_fallback = 1` in the close's stats. A robust rule needs no limit: its parameters are bounded so
+that it costs a few passes over the updates (docs/performance.md), plus FLTrust's few SGD steps on a probe set.
 """
 
 from __future__ import annotations
