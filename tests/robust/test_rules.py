@@ -7,10 +7,12 @@ import math
 from fractions import Fraction
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedbroker.aggregators.robust import FLTrust, GeometricMedian, Median, MultiKrum, NormBound, TrimmedMean
+from fedbroker.aggregators.robust import FLTrust, GeometricMedian, Median, MultiKrum, NormBound, TrimmedMean, trimmed
+from fedbroker.aggregators.robust.coordinatewise import NETWORK_UP_TO, sorting_network
 
 RNG = np.random.default_rng(0)
 SEEDS = st.integers(0, 2**32 - 1)
@@ -146,3 +148,26 @@ def test_fltrust_keeps_the_global_model_when_it_trusts_no_update() -> None:
     result = FLTrust(probe_dataset="digits").aggregate(np.array([[-1.0, 0.0], [0.0, 3.0]]), uniform(2), rng=RNG,
                                                        root_update=g0)
     assert np.all(result.delta == 0) and np.all(result.kept_weight == 0) and result.notes["fltrust_trusted"] == 0
+
+
+@pytest.mark.parametrize("n", range(1, NETWORK_UP_TO + 1))
+def test_the_sorting_network_sorts_every_zero_one_input_and_random_ones(n: int) -> None:
+    """By the 0-1 principle a comparator network that sorts every 0-1 input sorts every input: exhaustive up to
+    n = 14, random 0-1 inputs above, and random reals for every n."""
+    rng = np.random.default_rng(n)
+    count = 2**n if n <= 14 else 20_000
+    codes = np.arange(count) if n <= 14 else rng.integers(0, 2**n, size=count)
+    values = np.vstack([((codes >> i) & 1).astype(np.float64) for i in range(n)])  # (n, count): a column each
+    values = np.hstack([values, rng.normal(size=(n, 500))])
+    for i, j in sorting_network(n):
+        values[i], values[j] = np.minimum(values[i], values[j]), np.maximum(values[i], values[j])
+    assert np.all(np.diff(values, axis=0) >= 0)
+
+
+@pytest.mark.parametrize("n", [3, NETWORK_UP_TO, NETWORK_UP_TO + 1, 40])
+def test_the_network_and_the_sort_give_the_same_trimmed_mean(n: int) -> None:
+    deltas = np.random.default_rng(n).normal(size=(n, 20_000)).astype(np.float32)
+    for k in {0, 1, (n - 1) // 2}:
+        got, _ = trimmed(deltas, k)
+        np.testing.assert_allclose(got, np.sort(deltas.astype(np.float64), axis=0)[k:n - k].mean(axis=0), rtol=1e-6,
+                                   atol=1e-6)

@@ -5,7 +5,9 @@ and averages the n − 2k left; the median is the same with k = ⌊(n − 1)/2�
 of the two middle ones). Each coordinate is judged alone, so an update can be kept in one coordinate and
 dropped in the next: an update's `kept_weight` is the mean over coordinates of the share it got.
 
-How: the (n, P) updates go a block of columns at a time into a (block, n) copy whose rows are one coordinate
+How: up to 24 updates, a block of coordinates at a time goes through a sorting network (Batcher's odd-even
+merge sort: each compare-exchange is an elementwise min and max over the block, 2.5× faster than a sort at
+n = 10). More updates go a block of columns at a time into a (block, n) copy whose rows are one coordinate
 each, and each row is sorted in place. At n ≤ a few hundred a sort of such short contiguous rows (numpy's
 vectorised sort) is faster than `np.partition` with the two order statistics a trimmed mean needs (0.26 s
 against 0.15 s at n = 50, P = 1M, the weighted mean 0.012 s), and even with the one a median needs (0.18 s
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from functools import lru_cache
 
 import numpy as np
 
@@ -25,6 +28,8 @@ from fedbroker.aggregators.robust.base import ROBUST, RobustResult, RuleBase, ch
 from fedbroker.robust_params import MedianParams, TrimmedMeanParams
 
 BLOCK = 1 << 12          # coordinates per sorted block: (BLOCK, n) stays in cache
+NETWORK_BLOCK = 1 << 13  # coordinates per block through the sorting network: n rows of it stay in cache
+NETWORK_UP_TO = 24       # at most this many updates go through a sorting network, more through np.sort
 SHARE_SAMPLE = 1 << 16   # coordinates, evenly spread, that each update's kept share is measured on
 
 
@@ -35,11 +40,47 @@ def trimmed(deltas: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     if not 0 <= 2 * k < n:
         raise ValueError(f"cannot drop {k} value(s) at each end of {n} update(s)")
     out = np.empty(p)
+    if n <= NETWORK_UP_TO:
+        _network_trimmed(deltas, k, out)
+        return out, kept_shares(deltas, k)
     for start in range(0, p, BLOCK):
         block = np.ascontiguousarray(deltas[:, start:start + BLOCK].T)   # (b, n): one coordinate per row
         block.sort(axis=1)
         out[start:start + BLOCK] = block[:, k:n - k].sum(axis=1, dtype=np.float64) / (n - 2 * k)
     return out, kept_shares(deltas, k)
+
+
+@lru_cache(maxsize=NETWORK_UP_TO + 1)
+def sorting_network(n: int) -> tuple[tuple[int, int], ...]:
+    """Batcher's odd-even merge sort as compare-exchange pairs (i < j: afterwards x_i <= x_j) sorting n values
+    (Knuth, TAOCP vol. 3, 5.3.4; O(n log² n) pairs: 32 for n = 10)."""
+    pairs: list[tuple[int, int]] = []
+    p = 1
+    while p < n:
+        k = p
+        while k >= 1:
+            for j in range(k % p, n - k, 2 * k):
+                pairs.extend((i + j, i + j + k) for i in range(min(k, n - j - k))
+                             if (i + j) // (2 * p) == (i + j + k) // (2 * p))
+            k //= 2
+        p *= 2
+    return tuple(pairs)
+
+
+def _network_trimmed(deltas: np.ndarray, k: int, out: np.ndarray) -> None:
+    """The trimmed mean of few updates: a block of coordinates (n contiguous rows) goes through the sorting
+    network, each compare-exchange an elementwise min and max over the block, with no transposition."""
+    n, p = deltas.shape
+    pairs = sorting_network(n)
+    low = np.empty(min(p, NETWORK_BLOCK), dtype=deltas.dtype)
+    for start in range(0, p, NETWORK_BLOCK):
+        block = np.array(deltas[:, start:start + NETWORK_BLOCK])
+        scratch = low[:block.shape[1]]
+        for i, j in pairs:
+            np.minimum(block[i], block[j], out=scratch)
+            np.maximum(block[i], block[j], out=block[j])
+            block[i] = scratch
+        out[start:start + NETWORK_BLOCK] = block[k:n - k].sum(axis=0, dtype=np.float64) / (n - 2 * k)
 
 
 def kept_shares(deltas: np.ndarray, k: int) -> np.ndarray:
