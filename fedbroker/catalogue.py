@@ -1,7 +1,7 @@
 """The algorithms a job may name, per kind: their typed parameters and the traits they declare.
 
 The catalogue is what the coordinator, the workers and the aggregation service agree on: a job chooses an
-alignment, a weighting and a selection by these names (never by dotted class paths), the coordinator
+alignment, a weighting, a selection and a robust rule by these names (never by dotted class paths), the coordinator
 validates them here at submission, and the aggregation service binds an implementation to every name
 (`fedbroker.aggregators.registry`; a contract test holds the two lists equal). What the service must know
 of an algorithm (does it need every update at once? are its weights always positive?) is a declared
@@ -33,6 +33,16 @@ from fedbroker.algorithm_params import (
     WeightingParams,
 )
 from fedbroker.errors import ConfigError, ConfigErrors
+from fedbroker.robust_params import (
+    FLTrustParams,
+    GeometricMedianParams,
+    MedianParams,
+    MultiKrumParams,
+    NormBoundParams,
+    NoRobustParams,
+    RobustParams,
+    TrimmedMeanParams,
+)
 from fedbroker.spec import AggregationConfig
 
 if TYPE_CHECKING:
@@ -149,6 +159,16 @@ SELECTIONS: Catalogue[SelectionParams] = Catalogue("selection", {
     "random": Entry(RandomParams, Traits(needs_update_set=True)),
     "ga": Entry(GeneticParams, Traits(needs_update_set=True)),
 })
+_INDIVIDUAL = Traits(needs_update_set=True)  # a robust rule reads every update apart: no running mean
+ROBUST_RULES: Catalogue[RobustParams] = Catalogue("robust", {
+    "none": Entry(NoRobustParams),
+    "median": Entry(MedianParams, _INDIVIDUAL),
+    "trimmed_mean": Entry(TrimmedMeanParams, _INDIVIDUAL),
+    "multi_krum": Entry(MultiKrumParams, _INDIVIDUAL),
+    "geometric_median": Entry(GeometricMedianParams, _INDIVIDUAL),
+    "norm_bound": Entry(NormBoundParams, _INDIVIDUAL),
+    "fltrust": Entry(FLTrustParams, _INDIVIDUAL),
+})
 
 
 @dataclass(frozen=True)
@@ -158,13 +178,15 @@ class AggregationSettings:
     alignment: Choice[AlignmentParams]
     weighting: Choice[WeightingParams]
     selection: Choice[SelectionParams]
+    robust: Choice[RobustParams]
 
     @property
     def incremental(self) -> bool:
         """True when every accepted update can be folded into a running mean and then dropped (not when an
-        algorithm needs the whole set, nor when a `max_share` cap makes the coefficients depend on it)."""
+        algorithm or a robust rule needs the whole set, nor when a `max_share` cap makes the coefficients depend
+        on it)."""
         return (not self.alignment.traits.needs_update_set and not self.selection.traits.needs_update_set
-                and self.weighting.params.proportional)
+                and not self.robust.traits.needs_update_set and self.weighting.params.proportional)
 
     @property
     def weights_positive(self) -> bool:
@@ -183,9 +205,10 @@ def aggregation_settings(config: AggregationConfig) -> AggregationSettings:
     alignment = _choose(ALIGNMENTS, config.alignment, config.alignment_params, errors)
     weighting = _choose(WEIGHTINGS, config.weighting, config.weighting_params, errors)
     selection = _choose(SELECTIONS, config.selection, config.selection_params, errors)
-    if alignment is None or weighting is None or selection is None:
+    robust = _choose(ROBUST_RULES, config.robust, config.robust_params, errors)
+    if alignment is None or weighting is None or selection is None or robust is None:
         raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
-    return AggregationSettings(alignment, weighting, selection)
+    return AggregationSettings(alignment, weighting, selection, robust)
 
 
 def needs_histograms(config: AggregationConfig) -> bool:

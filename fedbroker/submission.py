@@ -42,7 +42,8 @@ def job_problems(*, aggregation: AggregationConfig, model: ModelSpec, training: 
                  schedule: ScheduleConfig | None = None) -> list[ConfigError]:
     """What the catalogue refuses in a job: an unknown algorithm or parameter, an alignment that cannot align
     its model, a probe set the model cannot read, a selection its rounds never use as it says (a GA job whose
-    training.rounds never reaches a GA round), an async job's staleness function or parameters. A
+    training.rounds never reaches a GA round), an async job's staleness function or parameters, a robust rule
+    where it cannot see the individual updates (`robust_problems`). A
     `fedbroker.spec.JobCheck`: parse_job reports these with its own."""
     problems: list[ConfigError] = []
     if schedule is not None:
@@ -58,10 +59,13 @@ def job_problems(*, aggregation: AggregationConfig, model: ModelSpec, training: 
         problems.append(exc)
     else:
         problems.extend(_probe_problems(settings.selection.params.probe_set, model))
+        problems.extend(_probe_problems(settings.robust.params.probe_set, model,
+                                        field="aggregation.robust_params.probe_dataset"))
         never = settings.selection.params.rounds_problem(training.rounds) if training is not None else None
         problems.extend([never] if never is not None else [])
     if aggregation.secure:
         problems.extend(secure_problems(aggregation, schedule))
+    problems.extend(robust_problems(aggregation, schedule))
     traits = ALIGNMENTS.traits(aggregation.alignment)  # an unknown name is reported above, and checked as one
     if (traits is None or traits.aligns_units) and model.layers:
         problems.extend(ConfigError("aggregation.alignment", f"{aggregation.alignment} cannot align this model: {p}")
@@ -114,9 +118,36 @@ def secure_problems(aggregation: AggregationConfig, schedule: ScheduleConfig | N
     return problems
 
 
-def _probe_problems(dataset: str, model: ModelSpec) -> list[ConfigError]:
+def robust_problems(aggregation: AggregationConfig, schedule: ScheduleConfig | None) -> list[ConfigError]:
+    """A robust rule (`aggregation.robust`) reads every update of a round apart, as a vector beside the global
+    model's; the settings under which it cannot are refused:
+
+    - asynchronous mode: FedBuff folds each update into its buffer's running sum as it arrives, staleness-scaled,
+      so no set of individual updates ever exists to take a median of;
+    - an alignment: it permutes (and may re-count) each client's units before averaging, so Δ_i = x_i − x_global
+      compares unmatched units, and the aligned model's widths may differ from the global one's.
+    (A rule with `aggregation.secure` is refused by `secure_problems`, once.)
+    """
+    if aggregation.robust == "none":
+        return []
+    field, rule = "aggregation.robust", aggregation.robust
+    out = []
+    if schedule is not None and schedule.mode == "async":
+        out.append(ConfigError(field, f"{rule!r} needs every update of a round apart, but schedule.mode async folds "
+                                      f"each update into a running buffer as it arrives; use robust: none or "
+                                      f"schedule.mode sync"))
+    if aggregation.alignment != "none":
+        out.append(ConfigError(field, f"{rule!r} cannot follow alignment {aggregation.alignment!r}: it compares the "
+                                      f"updates unit by unit against the global model, which an alignment permutes "
+                                      f"(and may resize); use alignment: none or robust: none"))
+    return out
+
+
+def _probe_problems(dataset: str, model: ModelSpec, *,
+                    field: str = "aggregation.selection_params.probe_dataset") -> list[ConfigError]:
     """A probe set the model cannot read (its samples are not the model's input, or it has more classes
-    than the model has outputs) would fail every GA round: refuse it at submission."""
+    than the model has outputs) would fail every round that reads it (the GA's, FLTrust's): refuse it at
+    submission."""
     if not dataset or not model.layers:
         return []
     try:
@@ -124,7 +155,6 @@ def _probe_problems(dataset: str, model: ModelSpec) -> list[ConfigError]:
     except ConfigError:  # the model's own problems are reported where it is parsed
         return []
     sample, classes = EVALUATION_SETS[dataset]
-    field = "aggregation.selection_params.probe_dataset"
     if tuple(model.input_shape) != sample:
         return [ConfigError(field, f"{dataset!r} has samples of shape {list(sample)} but model.input_shape is "
                                    f"{list(model.input_shape)}")]

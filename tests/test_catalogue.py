@@ -11,11 +11,13 @@ import pytest
 
 from fedbroker.aggregators.alignment import ALIGNMENT
 from fedbroker.aggregators.registry import Registry
+from fedbroker.aggregators.robust import ROBUST
 from fedbroker.aggregators.selection import SELECTION
 from fedbroker.aggregators.weighting import WEIGHTING
 from fedbroker.algorithm_params import AlignmentParams, FedAvgParams, SelectionParams, WeightingParams
 from fedbroker.catalogue import (
     ALIGNMENTS,
+    ROBUST_RULES,
     SELECTIONS,
     WEIGHTINGS,
     Catalogue,
@@ -24,13 +26,15 @@ from fedbroker.catalogue import (
     settings_from_json,
 )
 from fedbroker.errors import ConfigError, ConfigErrors
+from fedbroker.robust_params import RobustParams
 from fedbroker.spec import AggregationConfig
 
 PAIRS: list[tuple[Catalogue[Any], Registry[Any], type]] = [
     (ALIGNMENTS, ALIGNMENT, AlignmentParams), (WEIGHTINGS, WEIGHTING, WeightingParams),
-    (SELECTIONS, SELECTION, SelectionParams),
+    (SELECTIONS, SELECTION, SelectionParams), (ROBUST_RULES, ROBUST, RobustParams),
 ]
-REQUIRED = {"random": {"m": 2}, "ga": {"m": 2, "fitness": "reported_loss"}}
+REQUIRED = {"random": {"m": 2}, "ga": {"m": 2, "fitness": "reported_loss"}, "norm_bound": {"max_norm": 1.0},
+            "fltrust": {"probe_dataset": "digits"}}
 
 
 @pytest.mark.parametrize(("catalogue", "registry", "base"), PAIRS, ids=lambda v: getattr(v, "kind", ""))

@@ -15,6 +15,7 @@ import pytest
 
 from fedbroker.aggregators.alignment import ALIGNMENT
 from fedbroker.aggregators.registry import Registry
+from fedbroker.aggregators.robust import ROBUST
 from fedbroker.aggregators.selection import SELECTION
 from fedbroker.aggregators.weighting import WEIGHTING
 
@@ -23,7 +24,8 @@ DOC = ROOT / "docs" / "algorithms.md"
 # Built from pieces so this file does not match its own search.
 FORBIDDEN = ("ALGORITHMS" + ".md", ".." + "/shared")
 SKIP_DIRS = {".git", ".venv", "venv", "node_modules", "build", "dist", "docs", "__pycache__"}
-REGISTRIES: dict[str, Registry[Any]] = {"alignment": ALIGNMENT, "weighting": WEIGHTING, "selection": SELECTION}
+REGISTRIES: dict[str, Registry[Any]] = {"alignment": ALIGNMENT, "weighting": WEIGHTING, "selection": SELECTION,
+                                        "robust": ROBUST}
 
 
 def _repository_files() -> list[Path]:

@@ -131,6 +131,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     print("\n".join(f"{k.ljust(width)}  {v}" for k, v in facts))
     print()
     print(render(status, workers=False, waiting=False))
+    noted = [p for p in status.participants if p.status in ("uploaded", "aggregated") and p.reason]
+    if noted:  # a robust rule's verdicts (`aggregation.robust`): who it discarded or down-weighted, per round
+        print()
+        print("UPLOADS WITH A NOTE (e.g. discarded or down-weighted by the robust rule)")
+        print(table(["round", "worker", "status", "note"], [[p.round, p.worker_id, p.status, p.reason] for p in noted]))
     if status.evaluations:
         print()
         print("EVALUATIONS (each site's score on its own held-out split)")

@@ -29,6 +29,7 @@ from fedbroker.aggregators.job_algorithms import Algorithms
 from fedbroker.algorithm_params import staleness_function
 from fedbroker.errors import ConfigError, Rejection, UploadRejected
 from fedbroker.spec import AggregationConfig, ScheduleConfig, mode_problems
+from fedbroker.submission import robust_problems
 
 KEEP_VERSION_ROWS = 64   # the newest versions' summaries (the coordinator records each one)
 
@@ -175,7 +176,7 @@ def new_async_state(config: dict[str, Any], sample_limits: dict[str, int],
     schedule = ScheduleConfig(mode="async", max_staleness=config["max_staleness"], staleness=config["staleness"],
                               staleness_params=dict(config["staleness_params"]), server_lr=config["server_lr"],
                               buffer_size=config["buffer_size"])
-    problems = mode_problems(schedule=schedule, aggregation=aggregation)
+    problems = mode_problems(schedule=schedule, aggregation=aggregation) + robust_problems(aggregation, schedule)
     if problems:
         raise problems[0]
     if schedule.buffer_size < 1:

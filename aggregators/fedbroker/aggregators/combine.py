@@ -1,13 +1,16 @@
-"""A closing round's accepted updates → the next global model: selection, weighting, then the mean or alignment.
+"""A closing round's accepted updates → the next global model: selection, weighting, then the mean, an
+alignment, or a robust rule over the chosen updates Δ_i = x_i − x_global (`aggregation.robust`).
 
 Pure given the round: no locks (the round is CLOSING, so nothing is added meanwhile), and no I/O but
-reading the bundled probe set a GA round with `fitness: probe` asks for (`aggregators.probe_sets`, cached).
+reading the bundled probe set a GA round with `fitness: probe` or an FLTrust round asks for
+(`aggregators.probe_sets`, cached); FLTrust's root update g_0 is trained on it here (`aggregators.root_update`).
 
 Every stage has a cooperative time limit, so a close ends within minutes whatever the job asked for:
 selection past `selection_time_limit_s` falls back to a random choice (the GA says why); an alignment past
 `alignment_time_limit_s` stops and the round's model is the plain weighted mean of the chosen updates
 (FedAvg of the same coefficients: every update has the global model's shapes), logged and recorded as
-`alignment_fallback = 1` in the close's stats.
+`alignment_fallback = 1` in the close's stats. A robust rule needs no limit: its parameters are bounded so
+that it costs a few passes over the updates (docs/performance.md), plus FLTrust's few SGD steps on a probe set.
 """
 
 from __future__ import annotations
@@ -24,15 +27,19 @@ from fedbroker.aggregators.job_state import Accepted, Round
 from fedbroker.aggregators.layer_conversion import from_layers, to_layers
 from fedbroker.aggregators.mean import weighted_mean_of_rows
 from fedbroker.aggregators.probe_sets import probe_arrays
+from fedbroker.aggregators.robust import RobustResult
+from fedbroker.aggregators.root_update import train_root_update
 from fedbroker.aggregators.selection import Candidate, Probe
 from fedbroker.errors import Conflict
-from fedbroker.round_stats import selection_note
+from fedbroker.round_stats import ROBUST_KEPT, robust_note, selection_note
 from fedbroker.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 ProbeLoader = Callable[[str, int, int], tuple[np.ndarray, np.ndarray]]
 """(dataset, size, seed) -> (x, y) of a probe set the service holds."""
+RootTrainer = Callable[..., dict[str, np.ndarray]]
+"""`train_root_update`'s signature: (spec, global state, x, y, *, epochs, lr, batch_size, seed) -> g_0 by tensor."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,7 @@ class Combined:
 
 def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray], spec: ModelSpec, *,
             seed: int, selection_time_limit_s: float, alignment_time_limit_s: float = 120.0,
-            probe_sets: ProbeLoader = probe_arrays) -> Combined:
+            probe_sets: ProbeLoader = probe_arrays, root_trainer: RootTrainer = train_root_update) -> Combined:
     """The next global model from a closing round's accepted updates (seeded by the job's seed and the round)."""
     rng = np.random.default_rng([seed, rnd.number])
     stats: dict[str, float] = {"accepted": float(len(accepted))}
@@ -57,12 +64,17 @@ def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, 
         state, weights = _running_result(rnd, accepted, stats)
     else:
         chosen, weights = _choose(rnd, accepted, current, spec, rng, stats, selection_time_limit_s, probe_sets)
-        spec, state = _combine(rnd, spec, [accepted[w] for w in chosen], weights, rng, stats,
-                               deadline=time.monotonic() + alignment_time_limit_s)
+        stats["selected"] = float(len(chosen))
+        if rnd.algorithms.settings.robust.traits.needs_update_set:
+            chosen, weights, state = _robust(rnd, [accepted[w] for w in chosen], weights, current, spec, rng, stats,
+                                             probe_sets, root_trainer)
+        else:
+            spec, state = _combine(rnd, spec, [accepted[w] for w in chosen], weights, rng, stats,
+                                   deadline=time.monotonic() + alignment_time_limit_s)
     stats["aggregated"] = float(len(chosen))
-    note = selection_note(rnd.number, stats)
-    if note:
-        log.info("round %d: %s", rnd.number, note)
+    for note in (selection_note(rnd.number, stats), robust_note(rnd.algorithms.settings.robust.name, stats)):
+        if note:
+            log.info("round %d: %s", rnd.number, note)
     return Combined(chosen, weights, spec, state, stats)
 
 
@@ -132,6 +144,44 @@ def _combine(rnd: Round, spec: ModelSpec, updates: list[Accepted], weights: np.n
     stats.update({f"alignment_{k}": float(v) for k, v in result.stats.items()})
     stats["alignment_fallback"] = 0.0
     return from_layers(spec, result.layers)
+
+
+def _robust(rnd: Round, updates: list[Accepted], weights: np.ndarray, current: Mapping[str, np.ndarray],
+            spec: ModelSpec, rng: np.random.Generator, stats: dict[str, float], probe_sets: ProbeLoader,
+            root_trainer: RootTrainer) -> tuple[list[str], np.ndarray, dict[str, np.ndarray]]:
+    """The robust rule over Δ_i = x_i − x_global of the chosen updates: (the updates it did not discard, the
+    weights it gave them, the next global model). Every update's kept/expected ratio goes into the stats
+    (`robust_kept:<worker>`), with counts of the discarded and down-weighted ones."""
+    layout = rnd.rows.layout
+    names = list(layout.shapes)
+    base = _flatten(current, names).astype(np.float64)
+    deltas = np.empty((len(updates), layout.size), dtype=np.float32)
+    for row, update in zip(deltas, updates):
+        np.subtract(_vector(update, names), base, out=row, casting="same_kind")
+    rule = rnd.algorithms.robust
+    request = rule.root_request()
+    root = None
+    if request is not None:
+        x, y = probe_sets(request.probe.dataset, request.probe.size, request.probe.seed)
+        seed = int(rng.integers(2**31))  # the rules draw nothing from rng: this draw changes no other result
+        g0 = root_trainer(spec, current, x, y, epochs=request.epochs, lr=request.lr, batch_size=request.batch_size,
+                          seed=seed)
+        root = _flatten(g0, names)
+    result = rule.aggregate(deltas, weights, rng=rng, root_update=root)
+    stats.update(_robust_stats(result, [u.worker_id for u in updates]))
+    discarded = result.discarded()
+    chosen = [u.worker_id for u, out in zip(updates, discarded) if not out]
+    kept = result.kept_weight[~discarded]
+    state = layout.views((base + result.delta).astype(np.float32))
+    return chosen, kept, {name: np.asarray(t, dtype=current[name].dtype) for name, t in state.items()}
+
+
+def _robust_stats(result: RobustResult, workers: list[str]) -> dict[str, float]:
+    stats = {f"robust_{k}": v for k, v in result.notes.items()}
+    stats.update({f"{ROBUST_KEPT}{w}": float(r) for w, r in zip(workers, result.ratios())})
+    stats["robust_discarded"] = float(result.discarded().sum())
+    stats["robust_downweighted"] = float(result.downweighted().sum())
+    return stats
 
 
 def _mean(rnd: Round, updates: list[Accepted], weights: np.ndarray) -> dict[str, np.ndarray]:

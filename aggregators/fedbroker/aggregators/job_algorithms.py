@@ -7,10 +7,13 @@ import json
 from dataclasses import asdict, dataclass
 
 from fedbroker.aggregators.alignment import ALIGNMENT, Alignment
+from fedbroker.aggregators.robust import ROBUST, RobustRule
 from fedbroker.aggregators.selection import SELECTION, Selector
 from fedbroker.aggregators.weighting import WEIGHTING, Weighting
 from fedbroker.catalogue import AggregationSettings, aggregation_settings
+from fedbroker.errors import ConfigErrors
 from fedbroker.spec import AggregationConfig
+from fedbroker.submission import robust_problems
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class Algorithms:
     alignment: Alignment
     weighting: Weighting
     selection: Selector
+    robust: RobustRule
 
     def built_from(self, config: AggregationConfig) -> bool:
         """Whether `config` is the section these were built from (a job whose settings changed rebuilds)."""
@@ -29,10 +33,15 @@ class Algorithms:
 
 
 def build_algorithms(config: AggregationConfig) -> Algorithms:
-    """Raises every bad name or parameter of the three algorithms at once."""
+    """Raises every bad name or parameter of the four algorithms at once, and a robust rule beside an alignment
+    or secure aggregation (which the coordinator refuses at submission too)."""
     settings = aggregation_settings(config)
+    problems = robust_problems(config, None)
+    if problems:
+        raise problems[0] if len(problems) == 1 else ConfigErrors(problems)
     return Algorithms(_canonical(config), settings, ALIGNMENT.build(settings.alignment),
-                      WEIGHTING.build(settings.weighting), SELECTION.build(settings.selection))
+                      WEIGHTING.build(settings.weighting), SELECTION.build(settings.selection),
+                      ROBUST.build(settings.robust))
 
 
 def _canonical(config: AggregationConfig) -> str:

@@ -1,15 +1,19 @@
 """The aggregation service's metrics, defined once per process (see `fedbroker.metrics` for why the default
-registry). No label names a job, a round or a worker: reasons and algorithm names are short fixed sets."""
+registry). No label names a job or a round: reasons and algorithm names are short fixed sets. The robust rules'
+verdicts carry `worker_id`, the workers' own label (`fedbroker.worker.metrics`): workers are few and long-lived
+(one per provisioned data owner), and only the participants of a round the coordinator opened are judged."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
 import fedbroker.metrics  # noqa: F401  (the shared gRPC and broker metrics belong to every process)
 from fedbroker.errors import Rejection
+from fedbroker.robust_params import DISCARDED_BELOW, DOWNWEIGHTED_BELOW
+from fedbroker.round_stats import ROBUST_KEPT
 from fedbroker.spec import AggregationConfig
 
 UPLOADS_ACCEPTED = Counter(
@@ -76,6 +80,20 @@ BUFFER_CAPACITY = Gauge(
 VERSIONS = Counter(
     "fedbroker_aggregator_versions_published_total", "Global versions published by asynchronous buffers.")
 
+# Robust aggregation (aggregation.robust): each update a rule judged, and its verdict (fedbroker.robust_params).
+ROBUST_JUDGED = Counter(
+    "fedbroker_aggregator_robust_updates_judged_total",
+    "Updates a robust rule judged at a round's close, by rule and worker.", ["robust", "worker_id"])
+ROBUST_DISCARDED = Counter(
+    "fedbroker_aggregator_robust_updates_discarded_total",
+    "Updates a robust rule discarded (kept less than a tenth of the weight the plain mean would give them), by rule "
+    "and worker.", ["robust", "worker_id"])
+ROBUST_DOWNWEIGHTED = Counter(
+    "fedbroker_aggregator_robust_updates_downweighted_total",
+    "Updates a robust rule down-weighted (kept a tenth to a half of the weight the plain mean would give them), by "
+    "rule and worker.", ["robust", "worker_id"])
+_ROBUST_COUNTERS = (ROBUST_JUDGED, ROBUST_DISCARDED, ROBUST_DOWNWEIGHTED)
+
 # Which CloseRound stats carry the alignment cost and the GA's fitness (with or without a prefix).
 _DISTANCE_KEYS = ("alignment_total_matched_distance", "total_matched_distance")
 
@@ -85,6 +103,36 @@ def algorithm_labels(aggregation: Mapping[str, Any]) -> dict[str, str]:
     job spec's defaults."""
     config = AggregationConfig(**aggregation)
     return {"alignment": config.alignment, "weighting": config.weighting, "selection": config.selection}
+
+
+def robust_rule(aggregation: Mapping[str, Any]) -> str:
+    """The robust rule a round's aggregation section names (`none` by default)."""
+    return AggregationConfig(**aggregation).robust
+
+
+def robust_round_opened(rule: str, participants: Iterable[str]) -> None:
+    """Give every participant's verdict series a 0 when its round opens, so the first discard is an increase
+    (a series that first appears at 1 hides it from `increase()`, and the alert could not fire)."""
+    if rule == "none":
+        return
+    for worker in participants:
+        for counter in _ROBUST_COUNTERS:
+            counter.labels(rule, worker)
+
+
+def record_robust(rule: str, stats: Mapping[str, float]) -> None:
+    """The verdicts in a close's stats (`robust_kept:<worker>`: the weight kept over the plain mean's)."""
+    if rule == "none":
+        return
+    for key, ratio in stats.items():
+        if not key.startswith(ROBUST_KEPT):
+            continue
+        worker = key[len(ROBUST_KEPT):]
+        ROBUST_JUDGED.labels(rule, worker).inc()
+        if ratio < DISCARDED_BELOW:
+            ROBUST_DISCARDED.labels(rule, worker).inc()
+        elif ratio < DOWNWEIGHTED_BELOW:
+            ROBUST_DOWNWEIGHTED.labels(rule, worker).inc()
 
 
 def record_close(algorithms: Mapping[str, str], seconds: float, aggregated: int, stats: Mapping[str, float]) -> None:

@@ -97,7 +97,9 @@ class AggregationServicer(pb_grpc.AggregationServicer):
                                            request.deadline_unix, aggregation, seed=request.seed,
                                            histograms={w: list(h.counts) for w, h in request.histograms.items()},
                                            num_samples=dict(request.num_samples))
-            self._algorithms[request.job_id] = metrics.algorithm_labels(aggregation)
+            rule = metrics.robust_rule(aggregation)
+            self._algorithms[request.job_id] = {**metrics.algorithm_labels(aggregation), "robust": rule}
+            metrics.robust_round_opened(rule, request.participants)
             return pb.OpenRoundReply(model_version=version)
 
         return handle(context, run)
@@ -250,8 +252,9 @@ class AggregationServicer(pb_grpc.AggregationServicer):
     def CloseRound(self, request: pb.CloseRoundRequest, context: grpc.ServicerContext) -> pb.CloseRoundReply:
         """Aggregate a round into the next global version (safe to repeat)."""
         result = handle(context, lambda: self.book.close(request.job_id, request.round))
-        metrics.record_close(self._algorithms.get(request.job_id, {}), result.seconds, len(result.aggregated),
-                             result.stats)
+        algorithms = self._algorithms.get(request.job_id, {})
+        metrics.record_close(algorithms, result.seconds, len(result.aggregated), result.stats)
+        metrics.record_robust(algorithms.get("robust", "none"), result.stats)
         return pb.CloseRoundReply(model_version=result.model_version, aggregated=result.aggregated,
                                   model_spec_json=result.model_spec_json, stats=result.stats, seconds=result.seconds,
                                   updates=[pb.UpdateSummary(worker_id=u.worker_id, num_samples=u.num_samples,

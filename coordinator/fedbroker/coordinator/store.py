@@ -27,7 +27,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -449,8 +449,10 @@ class StateStore(EpsilonTables, JobNotes, ShareTables, EvaluationTables, SiteTab
 
     def close_round(self, job_id: str, round_number: int, *, model_version: int, aggregated: Sequence[str],
                     updates: Iterable[tuple[str, int, float, float]], accuracy: float | None, loss: float | None,
-                    seconds: float, checkpoint: str, stats: dict[str, float], model_spec_json: str) -> None:
-        """Record a closed round and advance the job in one transaction: resume starts after it."""
+                    seconds: float, checkpoint: str, stats: dict[str, float], model_spec_json: str,
+                    reasons: Mapping[str, str] | None = None) -> None:
+        """Record a closed round and advance the job in one transaction: resume starts after it. `reasons`: why
+        an uploaded update was not aggregated or was down-weighted (a robust rule's verdict), by worker."""
         updates = list(updates)
         mean_loss = sum(u[3] for u in updates) / len(updates) if updates else None
         chosen = set(aggregated)
@@ -462,6 +464,9 @@ class StateStore(EpsilonTables, JobNotes, ShareTables, EvaluationTables, SiteTab
                     ("aggregated" if worker_id in chosen else "uploaded", epsilon, train_loss, num_samples,
                      job_id, round_number, worker_id),
                 )
+            for worker_id, reason in (reasons or {}).items():
+                db.execute("UPDATE participants SET reason = ? WHERE job_id = ? AND round = ? AND worker_id = ?",
+                           (reason, job_id, round_number, worker_id))
             db.execute(
                 "UPDATE participants SET status = 'missed', reason = 'no upload before the round closed'"
                 " WHERE job_id = ? AND round = ? AND status = 'published'", (job_id, round_number),
