@@ -100,7 +100,9 @@ class Protocol:
             "multi_krum": {"f": self.krum_f, "m": self.workers - self.krum_f},
             "geometric_median": {},
             "norm_bound": {"max_norm": round(self.norm_bound(), 3)},
-            "fltrust": {"probe_dataset": "digits", "probe_size": self.root_size},
+            # the service trains g_0 on its root set as the sites train (FLTrust §4: same local procedure), no DP
+            "fltrust": {"probe_dataset": "digits", "probe_size": self.root_size, "epochs": self.epochs,
+                        "lr": self.lr, "batch_size": self.batch_size},
         }[rule]
         return {"weighting": "fedavg", "robust": rule, "robust_params": params}
 
