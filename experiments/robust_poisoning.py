@@ -240,8 +240,21 @@ def _run_task(task: Task) -> dict[str, Any]:
                    tamper=Attack(p, task.attack, bad, p.workers, task.seed))
     return {"key": list(task.key), "seed": task.seed, "seconds": time.perf_counter() - started,
             "attackers": bad, "accuracy": [r.accuracy for r in sim.rounds],
-            "stats": [{k: v for k, v in r.stats.items() if k.startswith(("robust", "aggregated"))}
-                      for r in sim.rounds]}
+            "discarded": [discarded(r.stats, bad) for r in sim.rounds]}
+
+
+DETECTION_ATTACKERS = 4
+DISCARDED = 0.1  # the service's own verdict: an update kept under a tenth of its plain-mean share is discarded
+
+
+def discarded(stats: Mapping[str, float], attackers: Sequence[str]) -> dict[str, int]:
+    """How many attackers' and honest workers' updates the round's rule discarded (from `robust_kept:<worker>`)."""
+    kept = {k.split(":", 1)[1]: v for k, v in stats.items() if k.startswith("robust_kept:")}
+    out = {"attackers": 0, "honest": 0}
+    for worker, ratio in kept.items():
+        if ratio < DISCARDED:
+            out["attackers" if worker in attackers else "honest"] += 1
+    return out
 
 
 # ---------------------------------------------------------------- tables and plot
@@ -270,6 +283,29 @@ def table(protocol: Protocol, runs: Sequence[Mapping[str, Any]]) -> str:
             acc = by_cell.get((attack, f, rule), [])
             values.append(f"{np.mean(acc):.3f} ± {np.std(acc):.3f}" if acc else "—")
         lines.append(f"| {attack} | {f} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
+def detection_table(protocol: Protocol, runs: Sequence[Mapping[str, Any]], attackers: int) -> str:
+    """Per attack and rule: the share of the attackers' updates and of the honest ones the rule discarded."""
+    counts: dict[tuple[str, str], list[int]] = {}
+    for run in runs:
+        attack, f, rule = run["key"]
+        if int(f) != attackers:
+            continue
+        c = counts.setdefault((attack, rule), [0, 0, 0, 0])
+        for round_ in run["discarded"]:
+            c[0] += round_["attackers"]
+            c[1] += attackers
+            c[2] += round_["honest"]
+            c[3] += protocol.workers - attackers
+    lines = ["| attack | " + " | ".join(protocol.rules) + " |", "|" + "---|" * (len(protocol.rules) + 1)]
+    for attack in protocol.attacks:
+        cells_ = []
+        for rule in protocol.rules:
+            c = counts.get((attack, rule))
+            cells_.append(f"{c[0] / c[1]:.2f} / {c[2] / c[3]:.2f}" if c and c[1] and c[3] else "—")
+        lines.append(f"| {attack} | " + " | ".join(cells_) + " |")
     return "\n".join(lines)
 
 
@@ -304,16 +340,21 @@ def plot(protocol: Protocol, runs: Sequence[Mapping[str, Any]], path: str) -> No
     plt.close(fig)
 
 
-def write_results(protocol: Protocol, runs: Sequence[Mapping[str, Any]], out: str, seconds: float) -> str:
+def write_results(protocol: Protocol, runs: Sequence[Mapping[str, Any]], out: str, seconds: float,
+                  machine: str | None = None) -> str:
     os.makedirs(out, exist_ok=True)
+    machine = machine or f"{platform.machine()} {os.cpu_count()} cores, python {sys.version.split()[0]}"
     with open(os.path.join(out, f"{PREFIX}.json"), "w") as fh:
-        json.dump({"protocol": asdict(protocol), "runs": list(runs), "seconds": seconds,
-                   "machine": f"{platform.machine()} {os.cpu_count()} cores, python {sys.version.split()[0]}"},
-                  fh, indent=1)
+        json.dump({"protocol": asdict(protocol), "runs": list(runs), "seconds": seconds, "machine": machine}, fh,
+                  separators=(",", ":"))
     md = (f"# Poisoning: final test accuracy (mean ± std over {len(protocol.seeds)} seeds)\n\n"
           f"Protocol, fixed before any run: {json.dumps(asdict(protocol))}\n\n"
           f"ALIE's z: " + ", ".join(f"f={f}: {alie_z(protocol.workers, f):.3f}" for f in protocol.attackers if f)
-          + f"\n\n{table(protocol, runs)}\n\n{len(runs)} runs, {seconds / 60:.1f} min.\n")
+          + f"\n\n{table(protocol, runs)}\n\n"
+          f"## Updates discarded with {DETECTION_ATTACKERS} attackers (attackers' share / honest share, all rounds)\n\n"
+          f"A rule discards an update it keeps under a tenth of its plain-mean share. Median, trimmed mean and "
+          f"norm bounding act per coordinate or by scaling, so they seldom discard a whole update.\n\n"
+          f"{detection_table(protocol, runs, DETECTION_ATTACKERS)}\n\n{len(runs)} runs, {seconds / 60:.1f} min.\n")
     with open(os.path.join(out, f"{PREFIX}_poisoning.md"), "w") as fh:
         fh.write(md)
     plot(protocol, runs, os.path.join(out, f"{PREFIX}_poisoning.png"))
@@ -339,7 +380,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few minutes")
     parser.add_argument("--out", help="results folder (default experiments/results, or a temporary one with --quick)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="pool processes")
+    parser.add_argument("--report", action="store_true", help="rewrite the table and plot from --out's robust.json")
     args = parser.parse_args(argv)
+    if args.report:
+        out = args.out or RESULTS
+        with open(os.path.join(out, f"{PREFIX}.json")) as fh:
+            saved = json.load(fh)
+        protocol = Protocol(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["protocol"].items()})
+        print(write_results(protocol, saved["runs"], out, saved["seconds"], saved["machine"]))
+        return 0
     protocol = quick_protocol() if args.quick else Protocol()
     out = args.out or (tempfile.mkdtemp(prefix="robust-") if args.quick else RESULTS)
     print(run(protocol, out, args.jobs))

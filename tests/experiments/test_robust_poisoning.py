@@ -107,3 +107,10 @@ def test_every_rule_of_the_protocol_is_a_job_the_service_accepts(rule):
     from fedbroker.spec import parse_job
 
     aggregation_settings(parse_job(rp.Protocol().job(rule, 0)).aggregation)
+
+
+def test_a_discarded_update_is_one_the_rule_kept_under_a_tenth_of_its_share():
+    stats = {"robust_kept:w0": 0.0, "robust_kept:w1": 0.09, "robust_kept:w2": 0.5, "robust_kept:w3": 1.2,
+             "aggregated": 2.0}
+    assert rp.discarded(stats, ["w0", "w2"]) == {"attackers": 1, "honest": 1}
+    assert rp.discarded({"aggregated": 4.0}, ["w0"]) == {"attackers": 0, "honest": 0}  # FedAvg judges nobody
