@@ -160,16 +160,7 @@ class AggregatorClient:
             ish=ish or 0.0, has_ish=ish is not None, epsilon=epsilon, train_loss=train_loss,
             validation_loss=validation_loss, tensors=codec.tensor_specs(tensors),
         )
-        call: Callable[[], pb.UploadReceipt]
-        if sum(a.nbytes for a in tensors.values()) <= codec.INLINE_BYTES:
-            whole = pb.WholeUpdate(header=header, data=codec.joined(tensors), sha256=codec.tensors_sha256(tensors))
-            call = lambda: self._stub.UploadWhole(whole, timeout=self.transfer_timeout_s,  # noqa: E731
-                                                  metadata=self._md)
-        else:
-            call = lambda: self._upload(codec.encoded_stream(pb.UpdateChunk, header, tensors),  # noqa: E731
-                                        timeout=self.transfer_timeout_s, metadata=self._md)
-        receipt: pb.UploadReceipt = self._retry(call, what=f"upload of {worker_id} for round {round}", idempotent=True)
-        return receipt
+        return self._send(header, tensors, what=f"upload of {worker_id} for round {round}")
 
     def upload_masked(self, *, job_id: str, round: int, worker_id: str, num_samples: int, masked: np.ndarray,
                       ish: float | None = None, epsilon: float = 0.0, train_loss: float = 0.0) -> pb.UploadReceipt:
@@ -179,16 +170,20 @@ class AggregatorClient:
         header = pb.UpdateHeader(job_id=job_id, round=round, worker_id=worker_id, num_samples=num_samples,
                                  ish=ish or 0.0, has_ish=ish is not None, epsilon=epsilon, train_loss=train_loss,
                                  tensors=codec.tensor_specs(tensors), masked=True)
+        return self._send(header, tensors, what=f"masked upload of {worker_id} for round {round}")
+
+    def _send(self, header: pb.UpdateHeader, tensors: Mapping[str, np.ndarray], *, what: str) -> pb.UploadReceipt:
+        """One upload, retried (the service is idempotent on job, round and worker): at most
+        `codec.INLINE_BYTES` in one message, a larger one streamed."""
         call: Callable[[], pb.UploadReceipt]
-        if masked.nbytes <= codec.INLINE_BYTES:
+        if sum(a.nbytes for a in tensors.values()) <= codec.INLINE_BYTES:
             whole = pb.WholeUpdate(header=header, data=codec.joined(tensors), sha256=codec.tensors_sha256(tensors))
             call = lambda: self._stub.UploadWhole(whole, timeout=self.transfer_timeout_s,  # noqa: E731
                                                   metadata=self._md)
         else:
             call = lambda: self._upload(codec.encoded_stream(pb.UpdateChunk, header, tensors),  # noqa: E731
                                         timeout=self.transfer_timeout_s, metadata=self._md)
-        receipt: pb.UploadReceipt = self._retry(call, what=f"masked upload of {worker_id} for round {round}",
-                                                idempotent=True)
+        receipt: pb.UploadReceipt = self._retry(call, what=what, idempotent=True)
         return receipt
 
     # ----- a secure round's key and share messages (a worker's, under its own identity) -----
