@@ -59,7 +59,7 @@ def moved(before: dict[str, float]) -> dict[str, float]:
 
 def refusals(call: str, reason: Rejection) -> float:
     return REGISTRY.get_sample_value("fedbroker_aggregator_secure_refusals_total",
-                                     {"call": call, "reason": reason.value}) or 0.0
+                                     {"grpc_method": call, "reason": reason.value}) or 0.0
 
 
 def global_state(seed: int = 0) -> dict[str, np.ndarray]:

@@ -125,7 +125,7 @@ SECURE_CALLS = ("SecAdvertise", "SecRoster", "SecShare", "SecInbox", "SecSurvivo
 SECURE_REFUSALS = Counter(
     "fedbroker_aggregator_secure_refusals_total",
     "Secure-protocol calls refused, by call and reason code (fedbroker.errors.Rejection); refused masked uploads "
-    "are uploads_rejected_total (reason secure_protocol among others).", ["call", "reason"])
+    "are uploads_rejected_total (reason secure_protocol among others).", ["grpc_method", "reason"])
 for _call in SECURE_CALLS:
     SECURE_REFUSALS.labels(_call, Rejection.SECURE_PROTOCOL)
 
