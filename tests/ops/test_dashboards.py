@@ -114,7 +114,9 @@ def test_dashboards_are_importable_grafana_json(path: Path):
                      "fedbroker_aggregator_sent_bytes_total", "fedbroker_aggregator_uploads_rejected_total",
                      "fedbroker_aggregator_alignment_matched_distance", "fedbroker_aggregator_selection_fitness",
                      "fedbroker_grpc_server_handling_seconds_bucket",
-                     "fedbroker_aggregator_robust_updates_discarded_total"}),
+                     "fedbroker_aggregator_robust_updates_discarded_total",
+                     "fedbroker_aggregator_secure_rounds_total", "fedbroker_aggregator_secure_workers_dropped_total",
+                     "fedbroker_aggregator_secure_unmask_seconds_bucket"}),
 ])
 def test_each_dashboard_shows_what_its_operators_look_for(name, needed):
     dashboard = json.loads((DEPLOY / "grafana" / f"{name}.json").read_text())
@@ -126,7 +128,8 @@ def test_no_metric_has_a_per_round_or_per_sample_label():
     from prometheus_client.metrics import MetricWrapperBase
 
     allowed = {"job_id", "worker_id", "client", "reason", "rpc", "status", "outcome", "category", "message", "kind",
-               "alignment", "weighting", "selection", "robust", "grpc_service", "grpc_method", "grpc_code"}
+               "alignment", "weighting", "selection", "robust", "grpc_service", "grpc_method", "grpc_code",
+               "stage", "part"}
     seen = 0
     for module in (aggregator_metrics, coordinator_metrics, worker_metrics, shared_metrics):
         for name, value in vars(module).items():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
@@ -35,6 +36,30 @@ SPEC_JSON = SPEC.to_json()
 WORKERS = ["w1", "w2", "w3", "w4", "w5"]
 SAMPLES = {"w1": 100, "w2": 250, "w3": 40, "w4": 310, "w5": 77}
 JOB, ROUND = "job-s", 1
+
+
+def secure_counts() -> dict[str, float]:
+    """The secure rounds' counters now (outcomes, dropped workers per stage, the reconstructions timed)."""
+    def value(name: str, labels: dict[str, str]) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    counts = {o: value("fedbroker_aggregator_secure_rounds_total", {"outcome": o})
+              for o in ("closed", "too_few_survivors", "failed", "lost", "abandoned")}
+    counts |= {f"dropped_{s}": value("fedbroker_aggregator_secure_workers_dropped_total", {"stage": s})
+               for s in ("keys", "shares", "upload", "unmask")}
+    counts["reconstructions"] = value("fedbroker_aggregator_secure_unmask_seconds_count", {"part": "reconstruct"})
+    counts["waits"] = value("fedbroker_aggregator_secure_unmask_seconds_count", {"part": "wait"})
+    return counts
+
+
+def moved(before: dict[str, float]) -> dict[str, float]:
+    """The counters that moved since `before`, by how much."""
+    return {k: v - before[k] for k, v in secure_counts().items() if v != before[k]}
+
+
+def refusals(call: str, reason: Rejection) -> float:
+    return REGISTRY.get_sample_value("fedbroker_aggregator_secure_refusals_total",
+                                     {"grpc_method": call, "reason": reason.value}) or 0.0
 
 
 def global_state(seed: int = 0) -> dict[str, np.ndarray]:
@@ -99,6 +124,7 @@ def expected_global(base: dict[str, np.ndarray], survivors: list[str]) -> dict[s
 def test_the_close_gives_the_survivors_weighted_mean_with_a_dropout_before_upload_and_one_before_unmask(service):
     book, client = service
     base = global_state()
+    before = secure_counts()
     task = open_secure_round(book, base)
     errors: list[BaseException] = []
     plan = {"w1": "done", "w2": "done", "w3": "masked", "w4": "uploaded", "w5": "done"}
@@ -132,6 +158,8 @@ def test_the_close_gives_the_survivors_weighted_mean_with_a_dropout_before_uploa
     runs["w1"].unmasked = False  # as if its reply had been lost: the retry re-sends the same shares (asked once)
     runs["w1"].unmask(client)
     assert "w3" not in weights and weights["w2"] == pytest.approx(SAMPLES["w2"] / sum(SAMPLES[w] for w in survivors))
+    # t = 3 of 5: the sum needs the shares of w1, w2 and w5, so w4 (which never unmasks) had not sent its own
+    assert moved(before) == {"closed": 1, "dropped_upload": 1, "dropped_unmask": 1, "reconstructions": 1, "waits": 1}
 
 
 def test_dwfed_weights_are_applied_before_masking_and_the_close_divides_by_the_survivors_ish(service):
@@ -254,7 +282,9 @@ def test_a_restarted_service_fails_the_secure_round_by_name(tmp_path: Path):
     book = RoundBook(spool_dir=tmp_path / "spool")
     open_secure_round(book, global_state())
     book.stop()
+    before = secure_counts()
     again = RoundBook(spool_dir=tmp_path / "spool")
+    assert moved(before) == {"lost": 1}
     try:
         with pytest.raises(UploadRejected, match="restarted during secure round 1") as refused:
             again.secure.advertise(pb.SecAdvertiseRequest(job_id=JOB, round=ROUND, worker_id="w1", num_samples=5,
@@ -268,8 +298,30 @@ def test_a_roster_that_is_not_fixed_by_the_deadline_fails_the_worker_step(servic
     book, client = service
     task = open_secure_round(book, global_state(), timeout_s=1.0)  # roster by 0.25 s, inboxes by 0.5 s
     run = SecureRun(worker_id="w1", task=task, num_samples=SAMPLES["w1"], ish=None)
+    before, refused_before = secure_counts(), refusals("SecRoster", Rejection.SECURE_PROTOCOL)
     with pytest.raises((SecureStepFailed, RemoteError)):  # alone on the roster: below the threshold
         run.exchange_keys(client)
+    assert moved(before) == {"too_few_survivors": 1, "dropped_keys": 4}  # the four that advertised nothing
+    assert refusals("SecRoster", Rejection.SECURE_PROTOCOL) > refused_before
+    book.abandon(JOB, ROUND)  # a failed round abandoned later stays counted as failed, once
+    assert moved(before) == {"too_few_survivors": 1, "dropped_keys": 4}
+
+
+def test_an_abandoned_secure_round_is_counted_as_abandoned_and_its_refusals_by_call(service):
+    book, client = service
+    task = open_secure_round(book, global_state())
+    before = secure_counts()
+    first = SecureRun(worker_id="w1", task=task, num_samples=SAMPLES["w1"], ish=None)
+    first.advertise(client)
+    protocol, samples = (refusals("SecAdvertise", r) for r in (Rejection.SECURE_PROTOCOL, Rejection.TOO_MANY_SAMPLES))
+    with pytest.raises(RemoteError):  # other keys for the same worker
+        SecureRun(worker_id="w1", task=task, num_samples=SAMPLES["w1"], ish=None).advertise(client)
+    with pytest.raises(RemoteError):  # more samples than registered
+        SecureRun(worker_id="w2", task=task, num_samples=SAMPLES["w2"] + 1, ish=None).advertise(client)
+    assert refusals("SecAdvertise", Rejection.SECURE_PROTOCOL) == protocol + 1
+    assert refusals("SecAdvertise", Rejection.TOO_MANY_SAMPLES) == samples + 1
+    book.abandon(JOB, ROUND)
+    assert moved(before) == {"abandoned": 1}
 
 
 def test_submission_names_every_setting_secure_aggregation_cannot_take():

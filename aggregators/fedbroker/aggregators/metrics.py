@@ -94,6 +94,41 @@ ROBUST_DOWNWEIGHTED = Counter(
     "rule and worker.", ["robust", "worker_id"])
 _ROBUST_COUNTERS = (ROBUST_JUDGED, ROBUST_DISCARDED, ROBUST_DOWNWEIGHTED)
 
+# Secure rounds (aggregation.secure): counts and times of the protocol only. No series depends on what one worker
+# sent: the service never holds a clear update, and the quantisation bound it computes is not exported either.
+SECURE_OUTCOMES = ("closed", "too_few_survivors", "failed", "lost", "abandoned")
+SECURE_ROUNDS = Counter(
+    "fedbroker_aggregator_secure_rounds_total",
+    "Secure rounds that ended, by outcome: closed (a new global version), too_few_survivors (fewer than the threshold "
+    "of workers advertised, shared, uploaded or sent unmask shares in time), failed (another protocol failure, e.g. "
+    "every weight 0), lost (the service restarted mid-round) or abandoned (its job was cancelled).", ["outcome"])
+for _outcome in SECURE_OUTCOMES:
+    SECURE_ROUNDS.labels(_outcome)
+SECURE_STAGES = ("keys", "shares", "upload", "unmask")
+SECURE_DROPPED = Counter(
+    "fedbroker_aggregator_secure_workers_dropped_total",
+    "Participants of secure rounds that missed a step, by the first step missed: keys (advertised none before the "
+    "roster was fixed), shares (on the roster, shared none before the inboxes were fixed), upload (got its inbox, "
+    "its masked input is not in the sum: its masks were rebuilt at the close) or unmask (a survivor whose unmask "
+    "shares had not come when the sum was unmasked; the sum needs only t per secret, so a slow survivor counts too).",
+    ["stage"])
+for _stage in SECURE_STAGES:
+    SECURE_DROPPED.labels(_stage)
+SECURE_UNMASK_SECONDS = Histogram(
+    "fedbroker_aggregator_secure_unmask_seconds",
+    "Seconds a secure round's close spent unmasking, by part: wait (for the survivors' unmask shares) or "
+    "reconstruct (rebuilding the secrets and stripping the masks from the sum).", ["part"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0))
+for _part in ("wait", "reconstruct"):
+    SECURE_UNMASK_SECONDS.labels(_part)
+SECURE_CALLS = ("SecAdvertise", "SecRoster", "SecShare", "SecInbox", "SecSurvivors", "SecUnmask")
+SECURE_REFUSALS = Counter(
+    "fedbroker_aggregator_secure_refusals_total",
+    "Secure-protocol calls refused, by call and reason code (fedbroker.errors.Rejection); refused masked uploads "
+    "are uploads_rejected_total (reason secure_protocol among others).", ["grpc_method", "reason"])
+for _call in SECURE_CALLS:
+    SECURE_REFUSALS.labels(_call, Rejection.SECURE_PROTOCOL)
+
 # Which CloseRound stats carry the alignment cost and the GA's fitness (with or without a prefix).
 _DISTANCE_KEYS = ("alignment_total_matched_distance", "total_matched_distance")
 
@@ -169,3 +204,8 @@ def record_rejection(reason: Rejection) -> None:
     UPLOADS_REJECTED.labels(reason).inc()
     if reason in _LATE:
         LATE_UPLOADS.inc()
+
+
+def record_secure_refusal(call: str, reason: Rejection) -> None:
+    """Count one refused secure-protocol call (`call`: one of SECURE_CALLS)."""
+    SECURE_REFUSALS.labels(call if call in SECURE_CALLS else "other", reason).inc()

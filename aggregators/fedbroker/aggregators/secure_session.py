@@ -12,17 +12,23 @@ What the session holds: public keys, the sealed shares it routes (opaque to it),
 workers declared (their sample counts or ISH weights, which the service sees on every upload anyway), the
 running masked sum (inside the SecAggServer: a masked input is added and dropped, never kept), then the
 unmask shares it needs for the sum. Never an update in the clear; nothing of it is written to disk.
+
+What it counts (`fedbroker.aggregators.metrics`): how the round ended (once), the participants that missed each
+step as the step is fixed, and the close's unmasking seconds; counts and times of the protocol, never a value
+that depends on what a worker sent.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
+from fedbroker.aggregators import metrics
 from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.secagg import PublicKeys, SecAggError, SecAggParams, SecAggResult, SecAggServer, UnmaskRequest
 from fedbroker.secure_round import LONG_POLL_S, UNMASK_WAIT_S, phase_deadlines, round_params, round_seed
@@ -69,6 +75,7 @@ class SecureSession:
         self._replies: dict[str, dict[str, bytes]] = {}
         self.failed: str | None = None
         self.done = False                                  # the sum is unmasked: later unmask replies are not needed
+        self.outcome: str | None = None                    # how the round ended (metrics.SECURE_OUTCOMES), once
 
     @classmethod
     def lost(cls, *, job_id: str, round_number: int, participants: frozenset[str], length: int) -> SecureSession:
@@ -78,6 +85,7 @@ class SecureSession:
                       opened=0.0, deadline=0.0, clock=lambda: 0.0, n=max(len(participants), 2))
         session.failed = (f"the aggregation service restarted during {session.where}: its keys and masked sum were "
                           f"held only in memory, so the round cannot be unmasked")
+        session._ended("lost")
         return session
 
     def end(self, why: str) -> None:
@@ -86,6 +94,7 @@ class SecureSession:
         with self._cond:
             if self.failed is None:
                 self.failed = f"{self.where} ended: {why}"
+            self._ended("abandoned")
             self._cond.notify_all()
 
     # ----- keys -----
@@ -121,6 +130,7 @@ class SecureSession:
             return Roster(dict(peers), self.weights[worker_id][1] / total, len(self._rosters))
 
     def _fix_roster(self) -> None:
+        self._dropped("keys", self.participants - set(self._keys))
         self._rosters = self._step(self._server.rosters)
         if sum(self.weights[w][1] for w in self._rosters) <= 0:
             self._fail("every worker on the roster declared weight 0: the round has no weighted mean")
@@ -158,6 +168,8 @@ class SecureSession:
     def _fix_inboxes(self) -> None:
         if self._rosters is None:
             self._fix_roster()
+        assert self._rosters is not None
+        self._dropped("shares", set(self._rosters) - set(self._sent))
         self._inboxes = self._step(self._server.inboxes)
 
     # ----- masked inputs, survivors, unmasking -----
@@ -187,6 +199,8 @@ class SecureSession:
             if self._requests is None:
                 if self._inboxes is None:
                     self._fail("the round closed before the inboxes were fixed")
+                assert self._inboxes is not None
+                self._dropped("upload", set(self._inboxes) - self.masked)
                 self._requests = self._step(self._server.unmask_requests)
             self._cond.notify_all()
 
@@ -220,15 +234,20 @@ class SecureSession:
     def finish(self, *, wait_s: float = UNMASK_WAIT_S) -> SecAggResult:
         """Wait until every secret has its t shares (at most `wait_s`), then unmask the sum."""
         with self._cond:
-            end = self.clock() + wait_s
+            end, waited = self.clock() + wait_s, time.perf_counter()
             while not self._can_finish():
                 self._check_alive()
                 left = end - self.clock()
                 if left <= 0:
+                    self._unmask_dropped(waited)
                     self._fail(f"{len(self._replies)} survivor(s) sent unmask shares within {wait_s:g}s; "
-                               f"{self.params.threshold} per secret are needed")
+                               f"{self.params.threshold} per secret are needed", outcome="too_few_survivors")
                 self._cond.wait(min(left, LONG_POLL_S))
+            self._unmask_dropped(waited)
+            started = time.perf_counter()
             result = self._step(self._server.finish)
+            metrics.SECURE_UNMASK_SECONDS.labels("reconstruct").observe(time.perf_counter() - started)
+            self._ended("closed")
             self.done = True
             self._replies.clear()
             return result
@@ -275,13 +294,31 @@ class SecureSession:
             return fn()
         except SecAggError as exc:
             if exc.reason == "secagg_too_few_survivors":
-                self._fail(str(exc))
+                self._fail(str(exc), outcome="too_few_survivors")
             raise refused(f"{self.where}: {exc}") from exc
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str, *, outcome: str = "failed") -> None:
         self.failed = f"{self.where} failed: {why}"
+        self._ended(outcome)
         self._cond.notify_all()
         raise refused(self.failed)
+
+    def _ended(self, outcome: str) -> None:
+        """Count how the round ended, the first time only (a failed round abandoned later stays failed)."""
+        if self.outcome is None:
+            self.outcome = outcome
+            metrics.SECURE_ROUNDS.labels(outcome).inc()
+
+    @staticmethod
+    def _dropped(stage: str, workers: set[str] | frozenset[str]) -> None:
+        if workers:
+            metrics.SECURE_DROPPED.labels(stage).inc(len(workers))
+
+    def _unmask_dropped(self, waited: float) -> None:
+        """At the end of the close's wait: its seconds, and the survivors whose unmask shares had not come."""
+        metrics.SECURE_UNMASK_SECONDS.labels("wait").observe(time.perf_counter() - waited)
+        if self._requests is not None:
+            self._dropped("unmask", set(self._requests) - set(self._replies))
 
     def _check_alive(self) -> None:
         if self.failed is not None:

@@ -13,10 +13,10 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -37,7 +37,7 @@ from fedbroker.rpc import CHANNEL_OPTIONS, handle
 log = logging.getLogger(__name__)
 SERVICE_NAME = "fedbroker.v1.Aggregation"
 
-SECURE_CALLS = ("SecAdvertise", "SecRoster", "SecShare", "SecInbox", "SecSurvivors", "SecUnmask")
+SECURE_CALLS = metrics.SECURE_CALLS  # a secure round's steps (aggregation.secure)
 # Who may call what when authentication is on (anything unlisted is refused to everyone).
 PERMISSIONS: dict[str, frozenset[str]] = {
     "PutGlobalModel": frozenset({ROLE_COORDINATOR}),
@@ -56,6 +56,7 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "Watch": frozenset({ROLE_COORDINATOR}),
     **{method: frozenset({ROLE_WORKER}) for method in SECURE_CALLS},
 }
+_T = TypeVar("_T")
 UPLOADS = frozenset({"UploadUpdate", "UploadWhole"})
 WATCH_KEEPALIVE_S = 5.0  # an empty JobChanges this often: the stream is never idle
 
@@ -64,6 +65,18 @@ def _count_refusal(method: str, reason: str) -> None:
     """The authentication interceptor's refusals (unauthenticated, permission_denied) of uploads."""
     if method in UPLOADS:
         metrics.record_rejection(Rejection(reason))
+
+
+def _counted(call: str, fn: Callable[[], _T]) -> Callable[[], _T]:
+    """A secure-protocol call whose refusals are counted by call and reason."""
+    def run() -> _T:
+        try:
+            return fn()
+        except UploadRejected as exc:
+            metrics.record_secure_refusal(call, exc.reason)
+            raise
+
+    return run
 
 
 class AggregationServicer(pb_grpc.AggregationServicer):
@@ -173,7 +186,7 @@ class AggregationServicer(pb_grpc.AggregationServicer):
                 threshold=p.threshold, neighbours=p.neighbours, ring_bits=p.bits, clip=p.clip,
                 ring_dtype=np.dtype(p.dtype).name, length=session.length, n_max=p.n_max))
 
-        return handle(context, run)
+        return handle(context, _counted("SecAdvertise", run))
 
     def SecRoster(self, request: pb.SecWaitRequest, context: grpc.ServicerContext) -> pb.SecRosterReply:
         """Long poll: the worker's peers and weight share once the roster is fixed."""
@@ -185,7 +198,7 @@ class AggregationServicer(pb_grpc.AggregationServicer):
             return pb.SecRosterReply(ready=True, scale=roster.scale, roster_size=roster.size, peers=[
                 pb.SecPeer(worker_id=w, cipher_key=k.c_pk, mask_key=k.s_pk) for w, k in sorted(roster.peers.items())])
 
-        return handle(context, run)
+        return handle(context, _counted("SecRoster", run))
 
     def SecShare(self, request: pb.SecShareRequest, context: grpc.ServicerContext) -> pb.SecShareReply:
         """The worker's sealed shares, routed to its peers' inboxes."""
@@ -194,7 +207,7 @@ class AggregationServicer(pb_grpc.AggregationServicer):
             self.book.secure.share(request)
             return pb.SecShareReply()
 
-        return handle(context, run)
+        return handle(context, _counted("SecShare", run))
 
     def SecInbox(self, request: pb.SecWaitRequest, context: grpc.ServicerContext) -> pb.SecInboxReply:
         """Long poll: the sealed shares peers sent the worker, once the inboxes are fixed."""
@@ -206,7 +219,7 @@ class AggregationServicer(pb_grpc.AggregationServicer):
             return pb.SecInboxReply(ready=True, ciphertexts=[pb.SecCiphertext(peer=w, data=d)
                                                              for w, d in sorted(box.items())])
 
-        return handle(context, run)
+        return handle(context, _counted("SecInbox", run))
 
     def SecSurvivors(self, request: pb.SecWaitRequest, context: grpc.ServicerContext) -> pb.SecSurvivorsReply:
         """Long poll: at the close, the survivors and the dropped workers this worker holds shares of."""
@@ -217,7 +230,7 @@ class AggregationServicer(pb_grpc.AggregationServicer):
                 return pb.SecSurvivorsReply(ready=False)
             return pb.SecSurvivorsReply(ready=True, survivors=sorted(named.survivors), dropped=sorted(named.dropped))
 
-        return handle(context, run)
+        return handle(context, _counted("SecSurvivors", run))
 
     def SecUnmask(self, request: pb.SecUnmaskRequest, context: grpc.ServicerContext) -> pb.SecUnmaskReply:
         """A survivor's shares, which remove the masks from the round's sum."""
@@ -226,7 +239,7 @@ class AggregationServicer(pb_grpc.AggregationServicer):
             self.book.secure.unmask(request)
             return pb.SecUnmaskReply()
 
-        return handle(context, run)
+        return handle(context, _counted("SecUnmask", run))
 
     def DownloadGlobalModel(self, request: pb.GlobalModelRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Serialized ModelChunk messages (the method is registered without a serializer, see `_add_servicer`).
