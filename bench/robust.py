@@ -1,4 +1,4 @@
-"""Benchmark 7: the cost of each robust aggregation rule against the weighted mean it replaces.
+"""Benchmark 9: the cost of each robust aggregation rule against the weighted mean it replaces.
 
 Every rule's `aggregate` over K float32 updates of P parameters (Δ_i = x_i − x_global, as a close builds
 them), beside the `none` rule (the job's weighted mean: one float32 matrix-vector product) on the same
@@ -45,7 +45,7 @@ def run(*, quick: bool) -> Section:
 
     started = time.perf_counter()
     section = Section(
-        "robust", "7. Robust aggregation cost",
+        "robust", "9. Robust aggregation cost",
         "Seconds per robust rule `aggregate` over K float32 updates of P parameters, and its cost in weighted means "
         "(the `none` rule on the same array; fastest run over fastest run, the pair least disturbed by other load); "
         "one BLAS thread; FLTrust without training g_0.",

@@ -1,4 +1,4 @@
-"""Benchmark 9: a secure round against a plain round, both through the aggregation service's own code, in one
+"""Benchmark 8: a secure round against a plain round, both through the aggregation service's own code, in one
 process, without training.
 
 `plain`: N workers' updates streamed into `RoundBook.receive_update` (`fedbroker.codec.stream_messages`, as
@@ -225,7 +225,7 @@ def _ratio(secure: Stat, plain: Stat) -> float:
 def run(*, quick: bool) -> Section:
     started = time.perf_counter()
     section = Section(
-        "secure_round", "9. Secure round vs plain round (the service's path)",
+        "secure_round", "8. Secure round vs plain round (the service's path)",
         "Seconds for one round of N workers × P parameters through the aggregation service's code in one process, "
         "no training, no network: plain (each update streamed into RoundBook.receive_update, then close) against "
         "secure (the servicer's Sec* methods, the masked uploads through receive_update, the close). `all work`: the "
