@@ -10,12 +10,15 @@ import shutil
 from pathlib import Path
 
 from fedbroker.app import unfilled
+from fedbroker.app.broker_crl import crl_file_name
 from fedbroker.app.provision import k8s, serverkit, state
 from fedbroker.app.provision.authority import Authority
 from fedbroker.app.provision.configs import (
+    CRL_DIR,
     RABBITMQ_PLUGINS,
     aggregator_doc,
     broker_definitions,
+    broker_ssl_config,
     broker_url,
     broker_user,
     coordinator_doc,
@@ -136,7 +139,10 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
     kit.yaml("tokens/coordinator.yaml", coordinator_table or {}, header=serverkit.TABLE_NOTE, secret=True)
     # the CA's revocation list, empty until `fedbroker provision revoke`: there from the start, so a service
     # configured to read it never finds it missing
-    kit.write(serverkit.CRL_FILE, ca.crl([], number=1, next_update_days=project.validity_days))
+    crl = ca.crl([], number=1, next_update_days=project.validity_days)
+    kit.write(serverkit.CRL_FILE, crl)
+    # ... and where the broker checks it (advanced.config's crl_cache): it refuses every client without one
+    kit.write(f"{CRL_DIR}/{crl_file_name(ca.cert.subject)}", crl)
     kit.write("secrets/coordinator.token", tokens["coordinator"] + "\n", secret=True)
     kit.write("secrets/broker-url",
               broker_url(broker_user(project, "coordinator"), passwords["coordinator"], project.host, project.broker_port) + "\n",
@@ -150,12 +156,14 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
               secret=True)
     # on a host (Kubernetes has its own, k8s/rabbitmq.conf): paths relative to the kit, host-only management
     kit.write("rabbitmq/rabbitmq.conf", host_rabbitmq_conf(project))
+    kit.write("rabbitmq/advanced.config", broker_ssl_config(cacertfile="ca.crt", certfile="tls/broker.crt",
+                                                            keyfile="tls/broker.key", crl_dir=CRL_DIR))
     kit.write("rabbitmq/enabled_plugins", RABBITMQ_PLUGINS)
     kit.yaml("prometheus/prometheus.yml", server_scrape_doc(project), header=_SCRAPE_NOTE)
     for role in ("aggregator", "coordinator"):
         kit.write(f"start-{role}.sh", _script(f"the {role}", f"{role} --config {role}.yaml"), executable=True)
     kit.write("start.sh", _START_SERVER, executable=True)
-    k8s.overlay(project, kit, passwords["coordinator"], tokens["coordinator"])
+    k8s.overlay(project, kit, passwords["coordinator"], tokens["coordinator"], crl_file_name(ca.cert.subject))
     kit.write("README.md", _server_readme(project))
     return folder
 
