@@ -4,17 +4,20 @@ time, then `provision add|renew|revoke|rotate-token|show --out DIR` on the same 
 from __future__ import annotations
 
 import argparse
+import shlex
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from fedbroker.app.provision import lifecycle
+from fedbroker.app.provision.configs import CRL_DIR
 from fedbroker.app.provision.kits import provision
 from fedbroker.app.provision.project import MAX_PROJECT_BYTES, load_project
-from fedbroker.app.provision.serverkit import CRL_FILE
+from fedbroker.app.provision.serverkit import CRL_FILE, DEFINITIONS
 from fedbroker.errors import ConfigError
 from fedbroker.yamltext import load_yaml
 
+K8S_RABBITMQCTL = "kubectl exec -i -n fedbroker rabbitmq-0 -- rabbitmqctl"
 FIRST = "new"   # `provision project.yaml` is `provision new project.yaml`
 
 
@@ -44,6 +47,8 @@ def cmd_add(args: argparse.Namespace) -> int:
     print(f"updated {Path(args.out) / 'server'}: tokens/*.yaml" + (", rabbitmq/definitions.json, coordinator.yaml, "
                                                                    "k8s/config.yaml" if args.site else ""))
     print(_APPLY)
+    if args.site:
+        _print_sync(args.out, "its broker user, so that its worker can log in", crl=False)
     return 0
 
 
@@ -71,10 +76,9 @@ def cmd_revoke(args: argparse.Namespace) -> int:
         print(f"revoked {who.name} ({args.reason}): certificate serial(s) {serials} in server/{CRL_FILE}")
     print("its token is out of the server's token tables" + (f" and its broker user {who.broker_user} out of "
                                                              f"rabbitmq/definitions.json" if who.broker_user else ""))
-    if who.broker_user:
-        print(f"a running broker keeps the user until it reloads its definitions: `rabbitmqctl delete_user "
-              f"{who.broker_user}` removes it now")
     print(_APPLY)
+    _print_sync(args.out, "the CRL and, for a site, the deletion of its broker user (its connections closed)",
+                crl=True)
     return 0
 
 
@@ -108,6 +112,24 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 _APPLY = ("on Kubernetes, `kubectl apply -k server/` carries the server kit's changes to the cluster; on a host the "
           "services read the changed files as they do (see deploy/OPERATING.md, \"Month three\")")
+
+
+def sync_command(out: str | Path, *, crl: bool, rabbitmqctl: str = "") -> list[str]:
+    """`fedbroker broker sync` for the server kit under `out`, as the broker's host runs it: the kit's users,
+    and (`crl`) its CRL into the folder the kit's advanced.config names. `rabbitmqctl`: how to reach the node."""
+    server = Path(out) / "server"
+    line = ["fedbroker", "broker", "sync", str(server / DEFINITIONS)]
+    if crl:
+        line += ["--crl", str(server / CRL_FILE), "--crl-dir", str(server / CRL_DIR)]
+    return line + (["--rabbitmqctl", rabbitmqctl] if rabbitmqctl else [])
+
+
+def _print_sync(out: str | Path, what: str, *, crl: bool) -> None:
+    """The exact commands that carry `what` to a running broker: a broker reads its users only when it starts."""
+    print(f"a running broker needs {what}: on the broker's host (paths as there), run")
+    print(f"  {shlex.join(sync_command(out, crl=crl))}")
+    print(f"on Kubernetes, after `kubectl apply -k {Path(out) / 'server'}`:")
+    print(f"  {shlex.join(sync_command(out, crl=False, rabbitmqctl=K8S_RABBITMQCTL))}")
 
 
 def _worker_settings(path: str) -> dict[str, Any]:
