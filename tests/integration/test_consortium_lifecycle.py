@@ -244,6 +244,16 @@ def test_a_consortium_grows_renews_and_revokes_a_site_while_its_services_run(con
     first = c.run_job("first", rounds=2, workers=2)
     assert trained(first) == {"site-a", "site-b"}
 
+    add_a_site(c, capsys)
+    renew_everything(c, capsys)
+    revoke_a_site(c, capsys, first["job_id"])
+    # ... and the other two sites, restarted with their renewed kits, train on without it
+    third = c.run_job("third", rounds=1, workers=2)
+    assert trained(third) == {"site-a", "site-c"}
+
+
+def add_a_site(c: Consortium, capsys: pytest.CaptureFixture[str]) -> None:
+    """Step 2: `provision add` and the sync it prints; the new site registers and trains, the others unchanged."""
     # 2. a third site: its kit, the broker user `provision add` printed the sync for, its worker registers
     extra = c.root / "site-c-worker.yaml"
     extra.write_text(yaml.safe_dump(worker_settings(2)))
@@ -266,6 +276,9 @@ def test_a_consortium_grows_renews_and_revokes_a_site_while_its_services_run(con
     assert trained(second) == {"site-a", "site-b", "site-c"}
     c.until(lambda: c.sites()["site-c"]["epsilon_recorded"] > 0, "site-c's ε to reach the coordinator")
 
+
+def renew_everything(c: Consortium, capsys: pytest.CaptureFixture[str]) -> None:
+    """Step 3: `provision renew`; the services serve the renewed certificates, the restarted workers register."""
     # 3. renew every certificate (tokens kept): the running services serve the renewed ones on new handshakes
     tokens = {site: (c.kit(site) / "secrets/token").read_bytes() for site in ("site-a", "site-b", "site-c")}
     old = pem_to_der(c.server / "tls/coordinator.crt")
@@ -285,6 +298,9 @@ def test_a_consortium_grows_renews_and_revokes_a_site_while_its_services_run(con
     c.until(lambda: all(s["restarts"] > restarts[w] and s["active"] for w, s in c.sites().items()),
             "the workers to register again with their renewed kits")
 
+
+def revoke_a_site(c: Consortium, capsys: pytest.CaptureFixture[str], first_job: str) -> None:
+    """Step 4: `provision revoke` site-b and the sync it prints: refused by gRPC and by the broker."""
     # 4. revoke site-b: the CRL, its token, its broker user; the printed sync applies it to the running broker
     coordinator = f"localhost:{c.ports['coordinator_port']}"
     assert site_record(coordinator, c.kit("site-b")).worker.worker_id == "site-b"   # its own record, until revoked
@@ -301,7 +317,7 @@ def test_a_consortium_grows_renews_and_revokes_a_site_while_its_services_run(con
 
     with AggregatorClient(f"localhost:{c.ports['aggregator_port']}", security=security(c.kit("site-b")),
                           timeout_s=30) as client, pytest.raises(RemoteError) as refused:
-        client.download(first["job_id"])
+        client.download(first_job)
     assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED and "certificate revoked" in str(refused.value)
     with pytest.raises(grpc.RpcError) as info:
         site_record(coordinator, c.kit("site-b"))
@@ -313,10 +329,6 @@ def test_a_consortium_grows_renews_and_revokes_a_site_while_its_services_run(con
         amqps(c.kit("site-b"), cert_of=c.kit("site-a")).close()   # its password, another site's valid certificate
     amqps(c.kit("site-a")).close()   # the others log in as before
     assert site_record(coordinator, c.kit("site-a")).worker.worker_id == "site-a"
-
-    # ... and the other two sites, restarted with their renewed kits, train on
-    third = c.run_job("third", rounds=1, workers=2)
-    assert trained(third) == {"site-a", "site-c"}
 
 
 def site_record(target: str, kit: Path) -> Any:
