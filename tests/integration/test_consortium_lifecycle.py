@@ -314,6 +314,9 @@ def revoke_a_site(c: Consortium, capsys: pytest.CaptureFixture[str], first_job: 
     synced = c.sync(printed)
     assert f"delete and disconnect {c.name}-site-b" in synced and "installed" in synced
     c.until(lambda: f"{c.name}-site-b" not in connected(), "the broker to close site-b's connections")
+    log = c.logs / "site-b.log"   # its worker tells its operator why it cannot reconnect
+    c.until(lambda: "the broker refused this client's certificate: it is revoked" in log.read_text(errors="replace"),
+            "site-b's worker to log that its certificate is revoked")
 
     with AggregatorClient(f"localhost:{c.ports['aggregator_port']}", security=security(c.kit("site-b")),
                           timeout_s=30) as client, pytest.raises(RemoteError) as refused:
