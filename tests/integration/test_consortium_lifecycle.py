@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import ssl
@@ -42,7 +43,7 @@ from fedbroker.app.cli import main
 from fedbroker.auth import ClientSecurity
 from fedbroker.coordinator.service import CoordinatorClient
 from fedbroker.rpc import RemoteError
-from tests.rabbitmq_node import KitBroker, amqps, free_ports, server_scripts
+from tests.rabbitmq_node import KitBroker, amqps, free_ports, missing, server_scripts
 from tests.source_roots import PYTHONPATH
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
@@ -217,6 +218,8 @@ def test_a_consortium_grows_renews_and_revokes_a_site_while_its_services_run(con
                                                                              capsys: pytest.CaptureFixture[str]):
     c = consortium
     scripts = server_scripts()   # RabbitMQ is needed: a failure on CI, a skip on a machine without it
+    if shutil.which("epmd") is None:
+        missing("epmd (Erlang's port mapper, part of erlang-base) is not on PATH: the kit's broker needs it")
     # 0. provision, as the operator does
     project = c.root / "project.yaml"
     project.write_text(yaml.safe_dump({

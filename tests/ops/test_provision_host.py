@@ -127,6 +127,16 @@ def test_the_overlay_still_renders_after_add_and_revoke_with_the_crl_in_its_tls_
     (hashed,) = [key for key in secret["data"] if key.endswith(".r0")]
     assert secret["data"][hashed] == secret["data"]["crl.pem"]
     assert base64.b64decode(secret["data"]["crl.pem"]) == (kits / "server/crl.pem").read_bytes()
+    # the gRPC services read crl.pem beside their client CA: the whole Secret mounted there (no subPath, so a
+    # `kubectl apply -k` after a revocation reaches the running pods)
+    for role in ("aggregator", "coordinator"):
+        assert config[role]["tls"]["client_ca_file"] == "/etc/fedbroker-tls/ca.crt"
+        (deployment,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == f"fedbroker-{role}"]
+        pod = deployment["spec"]["template"]["spec"]
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/etc/fedbroker-tls"]
+        assert "subPath" not in mount
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"]["secretName"] == "fedbroker-server-tls"
     (broker,) = [d for d in docs if d["kind"] == "StatefulSet"]
     mounts = {m["mountPath"]: m for m in broker["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
     assert mounts["/etc/rabbitmq/advanced.config"]["subPath"] == "advanced.config"
