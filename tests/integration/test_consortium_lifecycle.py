@@ -247,7 +247,7 @@ def test_a_consortium_grows_renews_and_revokes_a_site_while_its_services_run(con
     first = c.run_job("first", rounds=2, workers=2)
     assert trained(first) == {"site-a", "site-b"}
 
-    add_a_site(c, capsys)
+    add_a_site(c)
     renew_everything(c, capsys)
     revoke_a_site(c, capsys, first["job_id"])
     # ... and the other two sites, restarted with their renewed kits, train on without it
@@ -255,15 +255,17 @@ def test_a_consortium_grows_renews_and_revokes_a_site_while_its_services_run(con
     assert trained(third) == {"site-a", "site-c"}
 
 
-def add_a_site(c: Consortium, capsys: pytest.CaptureFixture[str]) -> None:
-    """Step 2: `provision add` and the sync it prints; the new site registers and trains, the others unchanged."""
-    # 2. a third site: its kit, the broker user `provision add` printed the sync for, its worker registers
+def add_a_site(c: Consortium) -> None:
+    """Step 2: `provision add --apply-broker`; the new site registers and trains, the kits handed out unchanged."""
+    # 2. a third site: its kit, its broker user synced by `provision add --apply-broker`, its worker registers
     extra = c.root / "site-c-worker.yaml"
     extra.write_text(yaml.safe_dump(worker_settings(2)))
     untouched = {site: _files(c.kit(site)) for site in ("site-a", "site-b")}
-    assert main(["provision", "add", "--out", str(c.kits), "--site", "site-c", "--worker", str(extra)]) == 0
-    printed = capsys.readouterr().out
-    assert f"add {c.name}-site-c" in c.sync(printed)
+    assert c.broker is not None   # on the broker's host: `--apply-broker` runs the sync line it prints
+    printed = c.fedbroker("provision", "add", "--out", str(c.kits), "--site", "site-c", "--worker", str(extra),
+                          "--apply-broker", "--rabbitmqctl", shlex.join(c.broker.rabbitmqctl()),
+                          env=c.environment(**c.broker.env))
+    assert "fedbroker broker sync " in printed and f"add {c.name}-site-c" in printed, printed
     assert {site: _files(c.kit(site)) for site in ("site-a", "site-b")} == untouched   # the kits handed out
     c.start("site-c", c.kit("site-c") / "start.sh")
 

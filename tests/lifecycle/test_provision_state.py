@@ -317,6 +317,19 @@ def test_revoking_a_site_lists_its_serial_in_the_crl_and_drops_its_token_and_bro
     assert {c.status for c in who.certificates} == {"revoked"}
 
 
+def test_apply_broker_that_cannot_reach_the_broker_fails_after_the_kit_changed_and_names_the_line_to_run(kits,
+                                                                                                      capsys):
+    assert main(["provision", "revoke", "--out", str(kits), "--name", "hospital-b", "--apply-broker",
+                 "--rabbitmqctl", "/nonexistent/rabbitmqctl"]) == 1
+    out, err = capsys.readouterr()
+    assert "fedbroker broker sync " in out and "applying it to the running broker" in out
+    assert "/nonexistent/rabbitmqctl not found" in err
+    assert state.load(kits).participants["hospital-b"].status == "revoked"   # the kit changed: run the line later
+    # the CRL went in first (it needs no rabbitmqctl): the broker's copy in the kit is the kit's CRL
+    (copy,) = (kits / "server" / serverkit.CRL_DIR).iterdir()
+    assert copy.read_bytes() == (kits / "server" / serverkit.CRL_FILE).read_bytes()
+
+
 def test_revoking_twice_changes_nothing_more(kits):
     _, before = lifecycle.revoke(kits, name="alice")
     assert not before
