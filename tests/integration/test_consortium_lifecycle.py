@@ -109,7 +109,10 @@ class Consortium:
     def stop(self, name: str) -> None:
         process = self.processes.pop(name)
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)   # the start script's session: it and its worker
+            try:
+                os.killpg(process.pid, signal.SIGTERM)   # the start script's session: it and its worker
+            except ProcessLookupError:   # exited meanwhile
+                pass
         try:
             process.wait(60)
         except subprocess.TimeoutExpired:
@@ -175,6 +178,9 @@ class Consortium:
         return doc
 
     def close(self) -> None:
+        for process in self.processes.values():   # all asked to stop at once, then each waited for
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
         for name in list(self.processes):
             self.stop(name)
         if self.broker is not None:
@@ -294,8 +300,8 @@ def renew_everything(c: Consortium, capsys: pytest.CaptureFixture[str]) -> None:
     assert renewed != old
     c.until(lambda: served_certificate(c.ports["coordinator_port"], c.kit("site-a")) == renewed,
             "the coordinator to serve its renewed certificate")
-    assert served_certificate(c.ports["aggregator_port"], c.kit("site-a")) == pem_to_der(
-        c.server / "tls/aggregator.crt")
+    c.until(lambda: served_certificate(c.ports["aggregator_port"], c.kit("site-a")) == pem_to_der(
+        c.server / "tls/aggregator.crt"), "the aggregation service to serve its renewed certificate")
     restarts = {site: info["restarts"] for site, info in c.sites().items()}   # the scientist's renewed kit
     for site in ("site-a", "site-b", "site-c"):   # each site restarts its worker with its renewed kit
         c.stop(site)
