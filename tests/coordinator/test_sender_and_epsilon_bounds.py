@@ -94,6 +94,12 @@ def test_the_binding_follows_the_config_file_so_an_added_site_is_accepted_withou
     replace_yaml(config, {"coordinator": {"worker_broker_users": {"site-a": ["a"], "site-c": ["c"]}}}, secret=False)
     binding.check(registration, "site-c")
     assert binding.provisioned() == {"a", "c"}
+    unbound: list[list[str]] = []
+    binding.on_unbound = unbound.append
+    replace_yaml(config, {"coordinator": {"worker_broker_users": {"site-c": ["c"]}}}, secret=False)   # `revoke`
+    assert binding.provisioned() == {"c"} and unbound == [["a"]]
+    replace_yaml(config, {"coordinator": {"worker_broker_users": {"site-a": ["a"], "site-c": ["c"]}}}, secret=False)
+    assert binding.provisioned() == {"a", "c"} and unbound == [["a"]]
     # a file that does not load (a bad worker id) keeps the last good map in force
     replace_yaml(config, {"coordinator": {"worker_broker_users": {"site-d": ["d d"]}}}, secret=False)
     binding.check(registration, "site-c")

@@ -342,6 +342,9 @@ def revoke_a_site(c: Consortium, capsys: pytest.CaptureFixture[str], first_job: 
     with pytest.raises((pika.exceptions.ProbableAuthenticationError, pika.exceptions.AuthenticationError)):
         amqps(c.kit("site-b"), cert_of=c.kit("site-a")).close()   # its password, another site's valid certificate
     amqps(c.kit("site-a")).close()   # the others log in as before
+    # the operator's view: the running coordinator noted the revocation as it saw coordinator.yaml change
+    c.until(lambda: "revoked" in [e["kind"] for e in c.scientist("sites", "show", "site-b")["events"]],
+            "site-b's revoked event in `sites show`")
     assert site_record(coordinator, c.kit("site-a")).worker.worker_id == "site-a"
 
 

@@ -85,6 +85,8 @@ class SenderBinding:
         mapping than before. A mapping it returns must hold valid worker ids (its loader checks them)."""
         self._follow = follow
         self._users = users
+        # called with the worker ids a changed map no longer binds to any user (a site revoked while running)
+        self.on_unbound: Callable[[list[str]], None] | None = None
         self._workers = self._parse(users)
         if not self._workers:
             log.log(logging.WARNING if shared_broker else logging.INFO, "control messages are not bound to their senders (coordinator.worker_broker_users is "
@@ -105,7 +107,11 @@ class SenderBinding:
         if self._follow is not None:
             users = self._follow()
             if users is not self._users:
+                before = self._workers
                 self._workers, self._users = self._parse(users), users   # one assignment each: a check sees either
+                unbound = _bound(before) - _bound(self._workers)
+                if unbound and self.on_unbound is not None:
+                    self.on_unbound(sorted(unbound))
         return self._workers
 
     @property
@@ -144,8 +150,11 @@ class SenderBinding:
 
     def provisioned(self) -> frozenset[str]:
         """Every worker id some broker user may speak for (empty: nothing is checked)."""
-        workers = self._current()
-        return frozenset().union(*workers.values()) if workers else frozenset()
+        return _bound(self._current())
+
+
+def _bound(workers: Mapping[str, frozenset[str]]) -> frozenset[str]:
+    return frozenset().union(*workers.values()) if workers else frozenset()
 
 
 def check_control(env: pb.Envelope) -> None:

@@ -123,8 +123,7 @@ class Coordinator:
         metrics.REGISTRY_COLLECTOR.bind(self)
         BUSES.watch(self.bus, client="coordinator")
         self.events.start()
-        for worker_id in note_revoked(self.store, self.control.senders):
-            log.warning("site %s is registered but no broker user may speak for it any more: revoked", worker_id)
+        note_revoked(self.store, self.control.senders)   # and, from now on, as the followed map changes
         self.site_watch.start()
         self.bus.consume_control(self.control.on_control)
         for row in self.store.jobs(status=JobStatus.CANCELLING):  # asked to cancel before we stopped: finish that
