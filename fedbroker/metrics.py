@@ -59,7 +59,8 @@ GRPC_SERVER_AUTH_FAILURES = Counter(
 
 AUTH_FILE_RELOADS = Counter(
     "fedbroker_auth_file_reloads_total",
-    "Changes a gRPC service saw in a file its authentication rests on (kind: tokens, crl, tls): loaded, or "
+    "Changes a service saw in a file its authentication rests on (kind: tokens, crl, tls; senders: the "
+    "coordinator's worker_broker_users in its config file): loaded, or "
     "refused (invalid, unsigned, a key that does not match, or gone: the last good one stays in force).",
     ["kind", "outcome"],
 )

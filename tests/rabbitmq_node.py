@@ -18,7 +18,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -286,3 +286,49 @@ def _read_machine(command: list[str], *args: str) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"{shlex.join([*command, *args])} failed: {done.stdout} {done.stderr}")
     return done.stdout.strip()
+
+
+# ----- a server kit's broker, run as a host operator runs it ---------------------------------------------------
+
+
+class KitBroker(PrivateRabbitMQ):
+    """A private RabbitMQ node (its own epmd, cookie, ports) run as a host operator runs the server kit's broker:
+    in the kit's folder, with the kit's rabbitmq.conf, advanced.config (TLS, the CRL check) and enabled_plugins.
+    It answers when `site` (a site's kit) logs in over AMQPS with its client certificate and broker URL."""
+
+    def __init__(self, kit: Path, scripts: Path, site: Path) -> None:
+        super().__init__(kit, scripts)  # the node's own files (home, mnesia, log) go into the kit's folder
+        self.site = site
+        for name in ("RABBITMQ_NODE_PORT", "RABBITMQ_NODE_IP_ADDRESS"):  # the kit's config names the listener
+            self.env.pop(name)
+        self.env.update(RABBITMQ_CONFIG_FILE=str(kit / "rabbitmq/rabbitmq.conf"),
+                        RABBITMQ_ADVANCED_CONFIG_FILE=str(kit / "rabbitmq/advanced.config"),
+                        RABBITMQ_ENABLED_PLUGINS_FILE=str(kit / "rabbitmq/enabled_plugins"))
+
+    def answers(self) -> bool:
+        try:
+            amqps(self.site).close()
+            return True
+        except Exception:  # refused, reset, handshake not yet possible: not answering
+            return False
+
+    def rabbitmqctl(self) -> list[str]:
+        """The command line that reaches this node (with `env`), as `fedbroker broker sync --rabbitmqctl` takes it."""
+        return [str(self.scripts / "rabbitmqctl"), "-n", self.name]
+
+
+def amqps(kit: Path, *, certificate: bool = True, cert_of: Path | None = None) -> Any:
+    """A pika connection as a site's worker makes it: its kit's broker URL, verifying the broker against its
+    kit's CA, presenting its kit's client certificate (or `cert_of`'s, another kit's; none: `certificate=False`)."""
+    import ssl
+
+    import pika
+
+    params = pika.URLParameters((kit / "secrets/broker-url").read_text().strip())
+    params.connection_attempts, params.socket_timeout = 1, 10
+    context = ssl.create_default_context(cafile=str(kit / "ca.crt"))
+    if certificate:
+        holder = cert_of or kit
+        context.load_cert_chain(str(holder / "tls/client.crt"), str(holder / "tls/client.key"))
+    params.ssl_options = pika.SSLOptions(context, "localhost")
+    return pika.BlockingConnection(params)

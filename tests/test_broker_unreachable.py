@@ -73,6 +73,11 @@ def test_a_worker_out_of_reach_of_its_broker_logs_one_clear_line_and_no_pika_tra
     (lambda: socket.gaierror(-2, "Name or service not known"),
      "the host name 'broker.invalid' does not resolve (Name or service not known)"),
     (lambda: TimeoutError("timed out"), "no answer (timed out); check a firewall"),
+    # as pika reports a handshake the broker refused with a TLS alert (a revoked certificate, with its CRL check)
+    (lambda: __import__("pika.exceptions").exceptions.IncompatibleProtocolError(
+        "StreamLostError: (\"Stream connection lost: SSLError(1, '[SSL: SSLV3_ALERT_CERTIFICATE_REVOKED] sslv3 "
+        "alert certificate revoked (_ssl.c:2580)')\",)"),
+     "the broker refused this client's certificate: it is revoked (the project's CRL); check with the project's"),
 ])
 def test_each_kind_of_connect_failure_names_its_reason(make, reason):
     host = "broker.invalid" if "resolve" in reason else "127.0.0.1"

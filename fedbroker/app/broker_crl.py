@@ -67,6 +67,11 @@ def name_hash(name: x509.Name) -> str:
     return f"{int.from_bytes(hashlib.sha1(encoded).digest()[:4], 'little'):08x}"  # SHA-1: OpenSSL's choice, not ours
 
 
+def crl_file_name(issuer: x509.Name) -> str:
+    """The name the broker's `ssl_crl_hash_dir` looks for the CRL of `issuer` under: `<hash>.r0`."""
+    return f"{name_hash(issuer)}.r0"
+
+
 def install_crl(crl_file: str, folder: str) -> Path:
     """Write the CRL in `crl_file` into `folder` as `<issuer hash>.r0` (PEM), whole: a temporary file renamed
     over the old one, so a handshake reads the old list or the new one. Returns the path written."""
@@ -82,7 +87,7 @@ def install_crl(crl_file: str, folder: str) -> Path:
         raise ConfigError("--crl-dir", f"{folder} is not a folder (the one the broker's crl_cache names)")
     from cryptography.hazmat.primitives.serialization import Encoding
 
-    target = Path(folder) / f"{name_hash(crl.issuer)}.r0"
+    target = Path(folder) / crl_file_name(crl.issuer)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".crl-")
     try:
         with os.fdopen(fd, "wb") as fh:

@@ -59,10 +59,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     """Run jobs until SIGINT or SIGTERM; the flags override the config file and FEDBROKER__ variables."""
     from fedbroker.app.launch import start_coordinator
 
-    process = start_coordinator(_config(args, {
-        "broker.url": args.broker, "coordinator.listen": args.listen, "aggregator.target": args.aggregator,
-        "coordinator.state_dir": args.state_dir,
-    }))
+    overrides = {"broker.url": args.broker, "coordinator.listen": args.listen, "aggregator.target": args.aggregator,
+                 "coordinator.state_dir": args.state_dir}
+    process = start_coordinator(_config(args, overrides), config_file=args.config, overrides=overrides)
     _wait_for_signal()
     process.stop()
     return 0

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -19,7 +20,7 @@ from fedbroker.callguard import CallLimits
 from fedbroker.config import Config
 from fedbroker.errors import ConfigError
 from fedbroker.glibc_malloc import keep_freed_memory
-from fedbroker.live_auth import follow_table
+from fedbroker.live_auth import Followed, follow_table
 from fedbroker.metrics import start_exporter
 
 if TYPE_CHECKING:
@@ -95,8 +96,11 @@ class CoordinatorProcess:
         self.coordinator.store.close()  # releases the state directory's lock
 
 
-def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorProcess:
-    """The coordinator scheduling and serving on coordinator.listen, its state in coordinator.state_dir."""
+def start_coordinator(config: Config, *, bus: Bus | None = None, config_file: str | None = None,
+                      overrides: Mapping[str, Any] | None = None) -> CoordinatorProcess:
+    """The coordinator scheduling and serving on coordinator.listen, its state in coordinator.state_dir.
+    `config_file` (with the `overrides` it was loaded with): the file `config` came from, whose
+    coordinator.worker_broker_users it follows while it runs (`broker_users_of`)."""
     from fedbroker.aggregation_client import AggregatorClient
     from fedbroker.coordinator.evaluation import evaluate_global
     from fedbroker.coordinator.scheduler import Coordinator
@@ -119,6 +123,7 @@ def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorP
         broker_consumer_timeout_s=None if isinstance(bus, InProcessBus) else config.broker.consumer_timeout_s or None,
         max_running_jobs=c.max_running_jobs, safety_poll_s=c.safety_poll_s,
         worker_broker_users=c.worker_broker_users, strict_categories=c.strict_categories,
+        follow_broker_users=broker_users_of(config_file, overrides) if config_file else None,
     )
     coordinator.start()
     bus.start()
@@ -126,6 +131,27 @@ def start_coordinator(config: Config, *, bus: Bus | None = None) -> CoordinatorP
     server, port = serve(coordinator, address=c.listen, tokens=tokens, tls=tls)
     log.info("coordinator listening on port %d", port)
     return CoordinatorProcess(coordinator, server, port, bus)
+
+
+def broker_users_of(config_file: str, overrides: Mapping[str, Any] | None) -> Callable[[], Mapping[str, Any]]:
+    """coordinator.worker_broker_users as `config_file` says now (with the environment and `overrides` as at
+    start), read again when the file changes: `fedbroker provision add` binds a new site's broker user there,
+    and the coordinator accepts its registration without a restart. A changed file that does not load keeps the
+    last good map in force, logged and counted as any followed file (live_auth.Followed, kind "senders")."""
+    from fedbroker.bus.base import check_name
+    from fedbroker.config import load_config
+
+    def load(path: str) -> Mapping[str, Any]:
+        try:
+            users = load_config(path, overrides=overrides).coordinator.worker_broker_users
+        except OSError as exc:
+            raise ConfigError(path, f"cannot read it: {exc.strerror}") from None
+        for user, worker_ids in users.items():
+            for worker_id in worker_ids:
+                check_name(f"coordinator.worker_broker_users.{user}", worker_id)
+        return users
+
+    return Followed(config_file, load, kind="senders").current
 
 
 def set_torch_threads(threads: int) -> None:

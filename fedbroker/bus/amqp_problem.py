@@ -51,6 +51,9 @@ def reason(exc: BaseException, url: str) -> tuple[str, str]:
 
     host, _port, vhost, user = where(url)
     causes = list(_causes(exc))
+    refused = _tls_alert(causes)
+    if refused:
+        return refused
     for e in causes:
         if isinstance(e, (pex.ProbableAuthenticationError, pex.AuthenticationError)):
             return (f"the broker refused the login of user {user!r}",
@@ -82,6 +85,29 @@ def reason(exc: BaseException, url: str) -> tuple[str, str]:
         if text:
             return f"{type(e).__name__}: {text}", "the broker's log and its network"
     return type(exc).__name__, "the broker's log and its network"
+
+
+# TLS alerts the broker sends about this client's certificate (OpenSSL's names), and what they mean to a site. pika
+# reports them as a lost stream, then as an incompatible protocol: only the alert's text tells what happened.
+_ALERTS = {
+    "ALERT_CERTIFICATE_REVOKED": ("the broker refused this client's certificate: it is revoked (the project's CRL)",
+                                  "with the project's operator whether this participant was revoked; a renewed kit's "
+                                  "tls/client.* in broker.cert_file/key_file"),
+    "ALERT_CERTIFICATE_EXPIRED": ("the broker refused this client's certificate: it has expired",
+                                  "the kit's renewed tls/client.* (fedbroker provision renew) in broker.cert_file/key_file"),
+    "ALERT_CERTIFICATE_REQUIRED": ("the broker requires a client certificate and got none",
+                                   "broker.cert_file and broker.key_file (the kit's tls/client.*)"),
+    "ALERT_UNKNOWN_CA": ("the broker does not trust this client's certificate (unknown CA)",
+                         "that broker.cert_file is this project's kit's tls/client.crt"),
+    "ALERT_BAD_CERTIFICATE": ("the broker refused this client's certificate",
+                              "broker.cert_file/key_file and the broker's log"),
+}
+
+
+def _tls_alert(causes: list[BaseException]) -> tuple[str, str] | None:
+    """(reason, check) for a TLS alert the broker sent about this client's certificate, named in any cause's text."""
+    text = " ".join(str(e) for e in causes).upper()
+    return next((said for alert, said in _ALERTS.items() if alert in text), None)
 
 
 def describe(exc: BaseException, url: str, *, lost: bool = False) -> str:

@@ -18,7 +18,7 @@ from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.app.provision import parse_project, provision
 from fedbroker.bus import InProcessBus
 from fedbroker.config import DPPolicy, load_config
-from fedbroker.coordinator.control import SenderBinding
+from fedbroker.coordinator.control import ForeignSender, SenderBinding
 from fedbroker.coordinator.participants import REPORT_GRACE_S, EpsilonBounds
 from fedbroker.coordinator.records import ParticipantStatus
 from fedbroker.coordinator.scheduler import Coordinator
@@ -77,6 +77,33 @@ def test_a_binding_names_a_bad_worker_id_as_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"coordinator.worker_broker_users.site-a"):
         SenderBinding({"site-a": ["a b"]})
     assert not SenderBinding({}).enabled
+
+
+def test_the_binding_follows_the_config_file_so_an_added_site_is_accepted_without_a_restart(tmp_path: Path) -> None:
+    from fedbroker.app.launch import broker_users_of
+    from fedbroker.app.provision.folder import replace_yaml
+
+    config = tmp_path / "coordinator.yaml"
+    config.write_text(yaml.safe_dump({"coordinator": {"worker_broker_users": {"site-a": ["a"]}}}))
+    follow = broker_users_of(str(config), None)
+    binding = SenderBinding(follow(), follow=follow)
+    registration = pb.Envelope(registration=pb.Registration(worker_id="c"))
+    with pytest.raises(ForeignSender, match="broker user .site-c. may not speak for it"):
+        binding.check(registration, "site-c")
+    # `fedbroker provision add` rewrites the file whole (a new inode): the next message sees the new map
+    replace_yaml(config, {"coordinator": {"worker_broker_users": {"site-a": ["a"], "site-c": ["c"]}}}, secret=False)
+    binding.check(registration, "site-c")
+    assert binding.provisioned() == {"a", "c"}
+    unbound: list[list[str]] = []
+    binding.on_unbound = unbound.append
+    replace_yaml(config, {"coordinator": {"worker_broker_users": {"site-c": ["c"]}}}, secret=False)   # `revoke`
+    assert binding.provisioned() == {"c"} and unbound == [["a"]]
+    replace_yaml(config, {"coordinator": {"worker_broker_users": {"site-a": ["a"], "site-c": ["c"]}}}, secret=False)
+    assert binding.provisioned() == {"a", "c"} and unbound == [["a"]]
+    # a file that does not load (a bad worker id) keeps the last good map in force
+    replace_yaml(config, {"coordinator": {"worker_broker_users": {"site-d": ["d d"]}}}, secret=False)
+    binding.check(registration, "site-c")
+    assert binding.site_for("site-a", "a") == "a"
 
 
 def test_a_workers_epsilon_may_rise_by_what_its_tasks_can_cost_and_the_bound_outlives_a_restart(

@@ -296,7 +296,9 @@ def test_revoking_a_site_lists_its_serial_in_the_crl_and_drops_its_token_and_bro
     site_token = token(kits, "sites/hospital-b")
     assert main(["provision", "revoke", "--out", str(kits), "--name", "hospital-b", "--reason",
                  "key_compromise"]) == 0
-    assert "rabbitmqctl delete_user study-hospital-b" in capsys.readouterr().out
+    server = kits / "server"
+    assert (f"fedbroker broker sync {server}/rabbitmq/definitions.json --crl {server}/crl.pem --crl-dir "
+            f"{server}/rabbitmq/crls\n") in capsys.readouterr().out   # the exact command, for the broker's host
     crl = crl_of(kits)
     assert crl.is_signature_valid(ca_of(kits).public_key())
     assert crl.issuer == ca_of(kits).subject and crl.next_update_utc > crl.last_update_utc
@@ -315,14 +317,28 @@ def test_revoking_a_site_lists_its_serial_in_the_crl_and_drops_its_token_and_bro
     assert {c.status for c in who.certificates} == {"revoked"}
 
 
+def test_apply_broker_that_cannot_reach_the_broker_fails_after_the_kit_changed_and_names_the_line_to_run(kits,
+                                                                                                      capsys):
+    assert main(["provision", "revoke", "--out", str(kits), "--name", "hospital-b", "--apply-broker",
+                 "--rabbitmqctl", "/nonexistent/rabbitmqctl"]) == 1
+    out, err = capsys.readouterr()
+    assert "fedbroker broker sync " in out and "applying it to the running broker" in out
+    assert "/nonexistent/rabbitmqctl not found" in err
+    assert state.load(kits).participants["hospital-b"].status == "revoked"   # the kit changed: run the line later
+    # the CRL went in first (it needs no rabbitmqctl): the broker's copy in the kit is the kit's CRL
+    (copy,) = (kits / "server" / serverkit.CRL_DIR).iterdir()
+    assert copy.read_bytes() == (kits / "server" / serverkit.CRL_FILE).read_bytes()
+
+
 def test_revoking_twice_changes_nothing_more(kits):
     _, before = lifecycle.revoke(kits, name="alice")
     assert not before
-    files = {k: v for k, v in snapshot(kits / "server").items() if k != serverkit.CRL_FILE}
+    signed = (serverkit.CRL_FILE, serverkit.CRL_DIR)   # the CRL is signed anew (its copy for the broker too)
+    files = {k: v for k, v in snapshot(kits / "server").items() if not k.startswith(signed)}
     serials = {r.serial_number for r in crl_of(kits)}
     who, before = lifecycle.revoke(kits, name="alice", reason="superseded")
     assert before and who.revoked_reason == "unspecified"
-    assert {k: v for k, v in snapshot(kits / "server").items() if k != serverkit.CRL_FILE} == files
+    assert {k: v for k, v in snapshot(kits / "server").items() if not k.startswith(signed)} == files
     assert {r.serial_number for r in crl_of(kits)} == serials
 
 

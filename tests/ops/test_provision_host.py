@@ -6,8 +6,8 @@ TLS Secret's files."""
 
 from __future__ import annotations
 
+import base64
 import re
-import ssl
 import subprocess
 import urllib.error
 import urllib.request
@@ -20,7 +20,8 @@ import yaml
 from fedbroker.app.provision import lifecycle, parse_project, provision
 from fedbroker.config import load_config
 from tests.ops.conftest import tool
-from tests.rabbitmq_node import PrivateRabbitMQ, free_ports, server_scripts
+from tests.ops.test_k8s import K8S_VERSION, validator
+from tests.rabbitmq_node import KitBroker, amqps, free_ports, server_scripts
 
 PROJECT = {
     "name": "study",
@@ -46,14 +47,24 @@ def test_the_host_rabbitmq_conf_names_the_kits_files_and_binds_management_to_thi
     text = (server / "rabbitmq/rabbitmq.conf").read_text()
     assert "/etc/" not in text
     settings = conf(server)
-    for key in ("ssl_options.cacertfile", "ssl_options.certfile", "ssl_options.keyfile", "load_definitions"):
-        assert not settings[key].startswith("/") and (server / settings[key]).is_file(), key
+    assert not settings["load_definitions"].startswith("/") and (server / settings["load_definitions"]).is_file()
     assert settings["listeners.ssl.default"] == "5671" and settings["listeners.tcp"] == "none"   # the sites reach it
     assert settings["management.tcp.ip"] == settings["prometheus.tcp.ip"] == "127.0.0.1"
-    assert settings["ssl_options.fail_if_no_peer_cert"] == "true"
+    assert not [key for key in settings if key.startswith("ssl_options")]   # advanced.config's would replace them
+    ssl_options = (server / "rabbitmq/advanced.config").read_text()
+    files = dict(re.findall(r"\{(cacertfile|certfile|keyfile|dir), \"([^\"]+)\"\}", ssl_options))
+    assert files == {"cacertfile": "ca.crt", "certfile": "tls/broker.crt", "keyfile": "tls/broker.key",
+                     "dir": "rabbitmq/crls"}
+    for name in files.values():
+        assert (server / name).exists(), name
+    for option in ("{verify, verify_peer}", "{fail_if_no_peer_cert, true}", "{crl_check, peer}"):
+        assert option in ssl_options
+    # the broker refuses every client certificate without a CRL of the CA: the kit has the (empty) one there
+    (crl,) = (server / "rabbitmq/crls").iterdir()
+    assert crl.name.endswith(".r0") and crl.read_bytes() == (server / "crl.pem").read_bytes()
     assert (server / "rabbitmq/enabled_plugins").read_text() == "[rabbitmq_management,rabbitmq_prometheus].\n"
     # Kubernetes keeps its own, with the Secrets' mount points
-    assert conf(server, "k8s/rabbitmq.conf")["ssl_options.cacertfile"] == "/etc/rabbitmq-tls/ca.crt"
+    assert '{cacertfile, "/etc/rabbitmq-tls/ca.crt"}' in (server / "k8s/advanced.config").read_text()
 
 
 def test_the_host_configs_bind_where_the_project_asks(tmp_path):
@@ -108,43 +119,37 @@ def test_the_overlay_still_renders_after_add_and_revoke_with_the_crl_in_its_tls_
     assert "crl.pem" in secret["data"]
     config = yaml.safe_load(next(d for d in docs if d["metadata"]["name"] == "fedbroker-config")["data"]["config.yaml"])
     assert config["coordinator"]["worker_broker_users"] == {"study-hospital-c": ["hospital-c"]}
-    rabbit = next(d for d in docs if d["metadata"]["name"] == "rabbitmq-config")["data"]["rabbitmq.conf"]
-    assert re.search(r"^ssl_options.cacertfile = /etc/rabbitmq-tls/ca.crt$", rabbit, re.M)
+    rabbit = next(d for d in docs if d["metadata"]["name"] == "rabbitmq-config")["data"]
+    assert not re.search(r"^ssl_options", rabbit["rabbitmq.conf"], re.M)
+    assert '{cacertfile, "/etc/rabbitmq-tls/ca.crt"}' in rabbit["advanced.config"]
+    assert '{crl_cache, {ssl_crl_hash_dir, {internal, [{dir, "/etc/rabbitmq-tls"}]}}}' in rabbit["advanced.config"]
+    # the broker's CRL folder is the TLS Secret's mount: the CRL is there under the name the cache looks for
+    (hashed,) = [key for key in secret["data"] if key.endswith(".r0")]
+    assert secret["data"][hashed] == secret["data"]["crl.pem"]
+    assert base64.b64decode(secret["data"]["crl.pem"]) == (kits / "server/crl.pem").read_bytes()
+    # the gRPC services read crl.pem beside their client CA: the whole Secret mounted there (no subPath, so a
+    # `kubectl apply -k` after a revocation reaches the running pods)
+    for role in ("aggregator", "coordinator"):
+        assert config[role]["tls"]["client_ca_file"] == "/etc/fedbroker-tls/ca.crt"
+        (deployment,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == f"fedbroker-{role}"]
+        pod = deployment["spec"]["template"]["spec"]
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/etc/fedbroker-tls"]
+        assert "subPath" not in mount
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"]["secretName"] == "fedbroker-server-tls"
+    (broker,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    mounts = {m["mountPath"]: m for m in broker["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["/etc/rabbitmq/advanced.config"]["subPath"] == "advanced.config"
+    assert mounts["/etc/rabbitmq-tls"]["name"] == "tls"
+    kv = validator()
+    for doc in docs:   # the changed kit still renders objects the cluster accepts
+        try:
+            kv.validate(doc, K8S_VERSION, strict=True)
+        except kv.ValidationError as exc:
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {exc.message} at {list(exc.path)}")
 
 
 # ----- the kit's own broker config, run by a real RabbitMQ on this host -----
-
-
-class KitBroker(PrivateRabbitMQ):
-    """A private RabbitMQ node (its own epmd, cookie, ports) run as a host operator runs the server kit's broker:
-    in the kit's folder, with the kit's rabbitmq.conf and enabled_plugins. It answers when a site logs in with
-    its kit over AMQPS (its client certificate, its broker URL)."""
-
-    def __init__(self, kit: Path, scripts: Path, site: Path) -> None:
-        super().__init__(kit, scripts)  # the node's own files (home, mnesia, log) go into the kit's folder
-        self.site = site
-        for name in ("RABBITMQ_NODE_PORT", "RABBITMQ_NODE_IP_ADDRESS"):  # the kit's config names the listener
-            self.env.pop(name)
-        self.env.update(RABBITMQ_CONFIG_FILE=str(kit / "rabbitmq/rabbitmq.conf"),
-                        RABBITMQ_ENABLED_PLUGINS_FILE=str(kit / "rabbitmq/enabled_plugins"))
-
-    def answers(self) -> bool:
-        try:
-            amqps(self.site, certificate=True).close()
-            return True
-        except Exception:  # refused, reset, handshake not yet possible: not answering
-            return False
-
-
-def amqps(kit: Path, *, certificate: bool) -> pika.BlockingConnection:
-    """A connection as a site's worker makes it: its broker URL, verifying the broker against its kit's CA."""
-    params = pika.URLParameters((kit / "secrets/broker-url").read_text().strip())
-    params.connection_attempts, params.socket_timeout = 1, 10
-    context = ssl.create_default_context(cafile=str(kit / "ca.crt"))
-    if certificate:
-        context.load_cert_chain(str(kit / "tls/client.crt"), str(kit / "tls/client.key"))
-    params.ssl_options = pika.SSLOptions(context, "localhost")
-    return pika.BlockingConnection(params)
 
 
 @pytest.mark.integration

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from fedbroker.bus.base import check_name
 from fedbroker.config import DPPolicy
@@ -76,27 +76,53 @@ class SenderBinding:
     unless its sender (its broker-validated user_id, `Delivery.sender`) is mapped to its worker id: a
     message without a user_id as `unidentified_sender`, one from a user not mapped to it as `foreign_sender`."""
 
-    def __init__(self, users: Mapping[str, Sequence[str]], *, shared_broker: bool = True) -> None:
+    def __init__(self, users: Mapping[str, Sequence[str]], *, shared_broker: bool = True,
+                 follow: Callable[[], Mapping[str, Sequence[str]]] | None = None) -> None:
         """`shared_broker`: the bus has broker users to tell apart (RabbitMQ); on the in-process bus, where every
-        sender is this process, an unbound control queue is no risk and is only noted at INFO."""
-        self._workers: dict[str, frozenset[str]] = {}
-        for user, worker_ids in users.items():
-            for worker_id in worker_ids:  # a ConfigError naming the setting, at start
-                check_name(f"coordinator.worker_broker_users.{user}", worker_id)
-            self._workers[user] = frozenset(worker_ids)
+        sender is this process, an unbound control queue is no risk and is only noted at INFO. `follow`: the
+        map as it is now (the coordinator's config file, followed while it runs: a site `fedbroker provision
+        add` binds is accepted without a restart); asked on every check, parsed again when it returns another
+        mapping than before. A mapping it returns must hold valid worker ids (its loader checks them)."""
+        self._follow = follow
+        self._users = users
+        # called with the worker ids a changed map no longer binds to any user (a site revoked while running)
+        self.on_unbound: Callable[[list[str]], None] | None = None
+        self._workers = self._parse(users)
         if not self._workers:
             log.log(logging.WARNING if shared_broker else logging.INFO, "control messages are not bound to their senders (coordinator.worker_broker_users is "
                         "empty): whoever holds the broker's credentials may register, beat and report for any "
                         "worker id (deploy/SECURITY.md)")
 
+    @staticmethod
+    def _parse(users: Mapping[str, Sequence[str]]) -> dict[str, frozenset[str]]:
+        workers: dict[str, frozenset[str]] = {}
+        for user, worker_ids in users.items():
+            for worker_id in worker_ids:  # a ConfigError naming the setting, at start
+                check_name(f"coordinator.worker_broker_users.{user}", worker_id)
+            workers[user] = frozenset(worker_ids)
+        return workers
+
+    def _current(self) -> dict[str, frozenset[str]]:
+        """The map in force: the followed one as it is now, else the one given at start."""
+        if self._follow is not None:
+            users = self._follow()
+            if users is not self._users:
+                before = self._workers
+                self._workers, self._users = self._parse(users), users   # one assignment each: a check sees either
+                unbound = _bound(before) - _bound(self._workers)
+                if unbound and self.on_unbound is not None:
+                    self.on_unbound(sorted(unbound))
+        return self._workers
+
     @property
     def enabled(self) -> bool:
         """Whether senders are checked at all."""
-        return bool(self._workers)
+        return bool(self._current())
 
     def check(self, env: pb.Envelope, sender: str | None) -> None:
         """Raise `ForeignSender` when the message's sender may not speak for the worker id it names."""
-        if not self._workers:
+        workers = self._current()
+        if not workers:
             return
         kind = env.WhichOneof("message")
         if kind not in INVALID_REASONS or kind == "site_log":  # a site log is filed under its sender (`site_for`)
@@ -105,7 +131,7 @@ class SenderBinding:
         if not sender:
             raise ForeignSender("unidentified_sender", f"{kind} for worker {worker_id!r} refused: it carries no "
                                                        f"user_id, so nothing binds it to a broker user")
-        if worker_id not in self._workers.get(sender, frozenset()):
+        if worker_id not in workers.get(sender, frozenset()):
             raise ForeignSender("foreign_sender", f"{kind} for worker {worker_id!r} refused: broker user "
                                                   f"{sender[:140]!r} may not speak for it")
 
@@ -114,16 +140,21 @@ class SenderBinding:
         """The site a message from `sender` is about, whatever worker id it claims: unchecked, the claim (as for
         every control message); else the claim when the sender may speak for it, or the one worker the sender
         speaks for; None when the sender speaks for none (or for several, none of them the one claimed)."""
-        if not self._workers:
+        workers = self._current()
+        if not workers:
             return claimed
-        mine = self._workers.get(sender or "", frozenset())
+        mine = workers.get(sender or "", frozenset())
         if claimed in mine:
             return claimed
         return next(iter(mine)) if len(mine) == 1 else None
 
     def provisioned(self) -> frozenset[str]:
         """Every worker id some broker user may speak for (empty: nothing is checked)."""
-        return frozenset().union(*self._workers.values()) if self._workers else frozenset()
+        return _bound(self._current())
+
+
+def _bound(workers: Mapping[str, frozenset[str]]) -> frozenset[str]:
+    return frozenset().union(*workers.values()) if workers else frozenset()
 
 
 def check_control(env: pb.Envelope) -> None:

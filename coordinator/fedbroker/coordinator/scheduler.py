@@ -18,7 +18,7 @@ import logging
 import math
 import secrets
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fedbroker.aggregation_client import AggregatorClient
@@ -70,6 +70,7 @@ class Coordinator:
                  aggregator_outage_s: float = 300.0, store_outage_s: float = 300.0,
                  max_running_jobs: int = 16, safety_poll_s: float = 2.0,
                  worker_broker_users: Mapping[str, Sequence[str]] | None = None,
+                 follow_broker_users: Callable[[], Mapping[str, Sequence[str]]] | None = None,
                  strict_categories: bool = False) -> None:
         """`broker_consumer_timeout_s`: RabbitMQ's consumer_timeout on this deployment (None: no limit, e.g.
         the in-process bus). `aggregator_outage_s`: how long a job waits for an unreachable aggregation
@@ -79,7 +80,8 @@ class Coordinator:
         aggregation service's events (coordinator/events.py) and looks at its status at least this often,
         in case an event was lost; `poll_interval_s`: how often waits for workers look at the registry.
         `worker_broker_users`: broker user → the worker ids it may speak for on the control queue (None or
-        empty: not checked; control.SenderBinding). `strict_categories`: refuse a job whose category no registered
+        empty: not checked; control.SenderBinding); `follow_broker_users`: that map as it is now, while the
+        coordinator runs (its config file, followed). `strict_categories`: refuse a job whose category no registered
         worker serves (else it is accepted with a warning naming the known categories)."""
         if isinstance(max_running_jobs, bool) or not isinstance(max_running_jobs, int) or max_running_jobs < 1:
             raise ConfigError("coordinator.max_running_jobs", f"must be an integer >= 1, got {max_running_jobs!r}")
@@ -95,7 +97,8 @@ class Coordinator:
         self.strict_categories = strict_categories
         self.events = JobWatcher(self.aggregator)
         # a ConfigError for a bad worker id, before anything; unbound senders are a warning where a broker has users
-        senders = SenderBinding(worker_broker_users or {}, shared_broker=bool(getattr(bus, "user", None)))
+        senders = SenderBinding(worker_broker_users or {}, shared_broker=bool(getattr(bus, "user", None)),
+                                follow=follow_broker_users)
         self.epsilon_bounds = EpsilonBounds(store)
         self._stop = threading.Event()
         self.context = JobContext(
@@ -120,8 +123,7 @@ class Coordinator:
         metrics.REGISTRY_COLLECTOR.bind(self)
         BUSES.watch(self.bus, client="coordinator")
         self.events.start()
-        for worker_id in note_revoked(self.store, self.control.senders):
-            log.warning("site %s is registered but no broker user may speak for it any more: revoked", worker_id)
+        note_revoked(self.store, self.control.senders)   # and, from now on, as the followed map changes
         self.site_watch.start()
         self.bus.consume_control(self.control.on_control)
         for row in self.store.jobs(status=JobStatus.CANCELLING):  # asked to cancel before we stopped: finish that

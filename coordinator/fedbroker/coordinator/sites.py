@@ -141,15 +141,26 @@ class SiteWatch:
 
 def note_revoked(store: StateStore, senders: SenderBinding) -> list[str]:
     """At start: every registered site that no broker user may speak for any more (removed from
-    coordinator.worker_broker_users) gets a `revoked` event; their ids. Nothing when senders are not checked."""
+    coordinator.worker_broker_users) gets a `revoked` event; their ids. Nothing when senders are not checked.
+    While the coordinator runs, a site the followed map stops binding gets one as the change is seen."""
     provisioned = senders.provisioned()
     if not senders.enabled:
         return []
     revoked = [w.worker_id for w in store.workers() if w.worker_id not in provisioned]
-    for worker_id in revoked:
+    _note(store, revoked)
+
+    def unbound(worker_ids: list[str]) -> None:
+        _note(store, [w.worker_id for w in store.workers() if w.worker_id in worker_ids])
+
+    senders.on_unbound = unbound
+    return revoked
+
+
+def _note(store: StateStore, worker_ids: list[str]) -> None:
+    for worker_id in worker_ids:
         store.note_site_event(worker_id, "revoked", "no broker user may speak for it any more (not in "
                                                     "coordinator.worker_broker_users): its messages are refused")
-    return revoked
+        log.warning("site %s is registered but no broker user may speak for it any more: revoked", worker_id)
 
 
 def registration_summary(r: pb.Registration) -> str:

@@ -4,17 +4,20 @@ time, then `provision add|renew|revoke|rotate-token|show --out DIR` on the same 
 from __future__ import annotations
 
 import argparse
+import shlex
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from fedbroker.app.provision import lifecycle
+from fedbroker.app.provision.configs import CRL_DIR
 from fedbroker.app.provision.kits import provision
 from fedbroker.app.provision.project import MAX_PROJECT_BYTES, load_project
-from fedbroker.app.provision.serverkit import CRL_FILE
+from fedbroker.app.provision.serverkit import CRL_FILE, DEFINITIONS
 from fedbroker.errors import ConfigError
 from fedbroker.yamltext import load_yaml
 
+K8S_RABBITMQCTL = "kubectl exec -i -n fedbroker rabbitmq-0 -- rabbitmqctl"
 FIRST = "new"   # `provision project.yaml` is `provision new project.yaml`
 
 
@@ -44,6 +47,9 @@ def cmd_add(args: argparse.Namespace) -> int:
     print(f"updated {Path(args.out) / 'server'}: tokens/*.yaml" + (", rabbitmq/definitions.json, coordinator.yaml, "
                                                                    "k8s/config.yaml" if args.site else ""))
     print(_APPLY)
+    if args.site:
+        _print_sync(args.out, "its broker user, so that its worker can log in", crl=False)
+        _apply_broker(args, crl=False)
     return 0
 
 
@@ -71,10 +77,10 @@ def cmd_revoke(args: argparse.Namespace) -> int:
         print(f"revoked {who.name} ({args.reason}): certificate serial(s) {serials} in server/{CRL_FILE}")
     print("its token is out of the server's token tables" + (f" and its broker user {who.broker_user} out of "
                                                              f"rabbitmq/definitions.json" if who.broker_user else ""))
-    if who.broker_user:
-        print(f"a running broker keeps the user until it reloads its definitions: `rabbitmqctl delete_user "
-              f"{who.broker_user}` removes it now")
     print(_APPLY)
+    _print_sync(args.out, "the CRL and, for a site, the deletion of its broker user (its connections closed)",
+                crl=True)
+    _apply_broker(args, crl=True)
     return 0
 
 
@@ -110,6 +116,38 @@ _APPLY = ("on Kubernetes, `kubectl apply -k server/` carries the server kit's ch
           "services read the changed files as they do (see deploy/OPERATING.md, \"Month three\")")
 
 
+def sync_command(out: str | Path, *, crl: bool, rabbitmqctl: str = "") -> list[str]:
+    """`fedbroker broker sync` for the server kit under `out`, as the broker's host runs it: the kit's users,
+    and (`crl`) its CRL into the folder the kit's advanced.config names. `rabbitmqctl`: how to reach the node."""
+    server = Path(out) / "server"
+    line = ["fedbroker", "broker", "sync", str(server / DEFINITIONS)]
+    if crl:
+        line += ["--crl", str(server / CRL_FILE), "--crl-dir", str(server / CRL_DIR)]
+    return line + (["--rabbitmqctl", rabbitmqctl] if rabbitmqctl else [])
+
+
+def _print_sync(out: str | Path, what: str, *, crl: bool) -> None:
+    """The exact commands that carry `what` to a running broker: a broker reads its users only when it starts."""
+    print(f"a running broker needs {what}: on the broker's host (paths as there), run")
+    print(f"  {shlex.join(sync_command(out, crl=crl))}")
+    print(f"on Kubernetes, after `kubectl apply -k {Path(out) / 'server'}`:")
+    print(f"  {shlex.join(sync_command(out, crl=False, rabbitmqctl=K8S_RABBITMQCTL))}")
+
+
+def _apply_broker(args: argparse.Namespace, *, crl: bool) -> None:
+    """With --apply-broker: run that `broker sync` here, on the broker's host (the kit's files are the broker's
+    own, and `--rabbitmqctl` reaches the node). The kit has changed by then: if the sync fails, the command fails
+    saying why, and the printed line applies the change once the broker is reachable."""
+    if not args.apply_broker:
+        return
+    from fedbroker.app.broker_users import cmd_sync
+
+    line = sync_command(args.out, crl=crl)
+    print("applying it to the running broker:")
+    cmd_sync(argparse.Namespace(definitions=line[3], rabbitmqctl=args.rabbitmqctl, project="", dry_run=False,
+                                crl=line[5] if crl else "", crl_dir=line[7] if crl else ""))
+
+
 def _worker_settings(path: str) -> dict[str, Any]:
     """A site's worker settings (as sites[i].worker in project.yaml) from a YAML file."""
     with open(path, "rb") as fh:
@@ -118,6 +156,14 @@ def _worker_settings(path: str) -> dict[str, Any]:
         raise ConfigError("--worker", f"{path} must be a mapping of worker settings, as sites[i].worker in "
                                       f"project.yaml")
     return dict(raw)
+
+
+def _broker_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--apply-broker", action="store_true",
+                        help="on the broker's host: also run the `fedbroker broker sync` it prints (a site's broker "
+                             "user, the CRL) against the running RabbitMQ")
+    parser.add_argument("--rabbitmqctl", default="rabbitmqctl",
+                        help="with --apply-broker: how to run rabbitmqctl against the node (default: rabbitmqctl)")
 
 
 class _AnyVerb(Mapping[str, argparse.ArgumentParser]):
@@ -177,6 +223,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add.add_argument("--category", action="append", help="a data category the site serves (repeat; default digits)")
     add.add_argument("--worker", help="a YAML file of the site's worker settings (as sites[i].worker in project.yaml)")
     add.add_argument("--role", choices=["submitter", "viewer"], default="submitter", help="a scientist's role")
+    _broker_options(add)
     renew = verb("renew", cmd_renew, "new certificates (new keys) under the same CA, tokens kept")
     renew.add_argument("--name", help="one participant only (default: all, and the CA's own certificate)")
     renew.add_argument("--new-tokens", action="store_true", help="new tokens too (the old ones stop at once)")
@@ -185,6 +232,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     revoke = verb("revoke", cmd_revoke, "revoke a participant: CRL, token tables, broker user")
     revoke.add_argument("--name", required=True)
     revoke.add_argument("--reason", choices=lifecycle.REASONS, default="unspecified")
+    _broker_options(revoke)
     rotate = verb("rotate-token", cmd_rotate, "a new token beside the old one; --finish retires the old one")
     rotate.add_argument("--name", required=True)
     rotate.add_argument("--finish", action="store_true", help="step 2: the old token is refused from now on")

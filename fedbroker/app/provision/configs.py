@@ -150,26 +150,42 @@ def broker_definitions(project: Project, passwords: Mapping[str, str]) -> dict[s
     return {"users": [u for u, _ in entries], "vhosts": [{"name": "/"}], "permissions": [p for _, p in entries]}
 
 
-def rabbitmq_conf(*, tls_dir: str, definitions: str) -> str:
-    """The broker's config on Kubernetes: AMQPS with mutual TLS only, the kit's users loaded from `definitions`
-    (the Secrets' mount points)."""
+def rabbitmq_conf(*, definitions: str) -> str:
+    """The broker's config on Kubernetes: AMQPS only, the kit's users loaded from `definitions` (the Secrets'
+    mount point); its TLS settings are in advanced.config (`broker_ssl_config`)."""
     return (
         "# AMQPS only: no plaintext listener. Sites verify the broker against the project CA.\n"
         "listeners.tcp = none\n"
         "listeners.ssl.default = 5671\n"
-        f"ssl_options.cacertfile = {tls_dir}/ca.crt\n"
-        f"ssl_options.certfile = {tls_dir}/broker.crt\n"
-        f"ssl_options.keyfile = {tls_dir}/broker.key\n"
-        + _MUTUAL_TLS +
+        + _SSL_NOTE +
         "management.tcp.port = 15672\n"
         "prometheus.tcp.port = 15692\n"
         + _COMMON + f"load_definitions = {definitions}\n"
     )
 
 
-_MUTUAL_TLS = ("# mutual TLS: every participant presents its kit's client certificate (and logs in with its user)\n"
-               "ssl_options.verify = verify_peer\n"
-               "ssl_options.fail_if_no_peer_cert = true\n")
+_SSL_NOTE = ("# TLS (the broker's certificate, mutual TLS, the CRL check): rabbitmq/advanced.config, whose ssl_options\n"
+             "# would replace any ssl_options.* set here\n")
+CRL_DIR = "rabbitmq/crls"   # the server kit's folder of the CA's CRL, as the broker's crl_cache reads it (host)
+
+
+def _erlang_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def broker_ssl_config(*, cacertfile: str, certfile: str, keyfile: str, crl_dir: str) -> str:
+    """The broker's advanced.config: its TLS options whole (RabbitMQ takes a CRL folder only here, and an
+    ssl_options here replaces rabbitmq.conf's). Mutual TLS, and every client certificate checked against the
+    project's CRL in `crl_dir` (`<hash of the CA's name>.r0`, read on every handshake: a revoked certificate
+    gets no TLS handshake). The CRL must be there before the broker starts: without one for the CA, `crl_check,
+    peer` refuses every client certificate; `fedbroker provision` writes it there from the start."""
+    options = [f"{{cacertfile, {_erlang_string(cacertfile)}}}", f"{{certfile, {_erlang_string(certfile)}}}",
+               f"{{keyfile, {_erlang_string(keyfile)}}}", "{verify, verify_peer}", "{fail_if_no_peer_cert, true}",
+               "{crl_check, peer}",
+               f"{{crl_cache, {{ssl_crl_hash_dir, {{internal, [{{dir, {_erlang_string(crl_dir)}}}]}}}}}}"]
+    return ("%% The broker's TLS (RABBITMQ_ADVANCED_CONFIG_FILE): mutual TLS, each participant's certificate checked\n"
+            "%% against the project's CRL on every handshake (fedbroker provision revoke; fedbroker broker sync --crl).\n"
+            "[{rabbit, [{ssl_options, [\n    " + ",\n    ".join(options) + "]}]}].\n")
 _COMMON = ("log.console = true\n"
            "log.file = false\n"
            "loopback_users.guest = true\n"
@@ -185,15 +201,13 @@ def host_rabbitmq_conf(project: Project) -> str:
     public = str(project.broker_port) if project.listen in ("0.0.0.0", "::") else f"{project.listen}:{project.broker_port}"
     return (
         "# RabbitMQ on a host, for this server kit. Paths are relative to the kit: run RabbitMQ with this folder\n"
-        "# (the server kit's) as its working directory, RABBITMQ_CONFIG_FILE=rabbitmq/rabbitmq.conf and\n"
+        "# (the server kit's) as its working directory, RABBITMQ_CONFIG_FILE=rabbitmq/rabbitmq.conf,\n"
+        "# RABBITMQ_ADVANCED_CONFIG_FILE=rabbitmq/advanced.config and\n"
         "# RABBITMQ_ENABLED_PLUGINS_FILE=rabbitmq/enabled_plugins (deploy/OPERATING.md, \"On a host\").\n"
         "# AMQPS only: no plaintext listener. Sites verify the broker against the project CA.\n"
         "listeners.tcp = none\n"
         f"listeners.ssl.default = {public}\n"
-        "ssl_options.cacertfile = ca.crt\n"
-        "ssl_options.certfile = tls/broker.crt\n"
-        "ssl_options.keyfile = tls/broker.key\n"
-        + _MUTUAL_TLS +
+        + _SSL_NOTE +
         "# the management UI and /metrics: this host only (server.metrics_addr)\n"
         f"management.tcp.ip = {project.metrics_addr}\n"
         "management.tcp.port = 15672\n"

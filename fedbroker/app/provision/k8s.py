@@ -12,6 +12,7 @@ import yaml
 
 from fedbroker.app.provision.configs import (
     CONSUMER_TIMEOUT_S,
+    broker_ssl_config,
     broker_url,
     broker_user,
     client_pair,
@@ -25,6 +26,7 @@ from fedbroker.errors import ConfigError
 
 K8S_NAMESPACE = "fedbroker"
 # the base manifests' in-cluster Service names: each server certificate also carries them
+BROKER_TLS = "/etc/rabbitmq-tls"   # the TLS Secret's mount in the broker's pod: its certificates and its CRL folder
 IN_CLUSTER = {"coordinator": "fedbroker-coordinator", "aggregator": "fedbroker-aggregator", "broker": "rabbitmq"}
 
 
@@ -49,10 +51,11 @@ def check_base() -> None:
                                        f"installation ({BASE}): reinstall fedbroker from its source (pip install .)")
 
 
-def overlay(project: Project, kit: KitFolder, broker_password: str, coordinator_token: str) -> None:
+def overlay(project: Project, kit: KitFolder, broker_password: str, coordinator_token: str, crl_name: str) -> None:
     """`kubectl kustomize <server kit>`: the repository's base (copied into k8s/base, without its example
     workers: the sites run outside), TLS everywhere, the kit's token tables, broker users and certificates
-    as Secrets, and LoadBalancer Services for AMQPS and the two gRPC ports."""
+    as Secrets, and LoadBalancer Services for AMQPS and the two gRPC ports. `crl_name`: the CRL's file name in
+    the broker's CRL folder (broker_crl.crl_file_name)."""
     base = kit.root / "k8s" / "base"
     shutil.copytree(BASE, base)
     for name in WORKER_MANIFESTS:
@@ -92,7 +95,7 @@ def overlay(project: Project, kit: KitFolder, broker_password: str, coordinator_
         "secretGenerator": [
             {"name": "fedbroker-server-tls", "options": {"labels": {"app.kubernetes.io/part-of": "fedbroker"}},
              "files": [
-                "ca.crt", "crl.pem", "tls/aggregator.crt", "tls/aggregator.key", "tls/coordinator.crt", "tls/coordinator.key",
+                "ca.crt", "crl.pem", f"{crl_name}=crl.pem", "tls/aggregator.crt", "tls/aggregator.key", "tls/coordinator.crt", "tls/coordinator.key",
                 "tls/broker.crt", "tls/broker.key", "tls/coordinator-client.crt", "tls/coordinator-client.key"]},
             {"name": "fedbroker-aggregator-tokens", "behavior": "replace", "files": ["tokens.yaml=tokens/aggregator.yaml"]},
             {"name": "fedbroker-coordinator-tokens", "behavior": "replace",
@@ -103,12 +106,17 @@ def overlay(project: Project, kit: KitFolder, broker_password: str, coordinator_
         ],
         "configMapGenerator": [
             {"name": "fedbroker-config", "behavior": "replace", "files": ["config.yaml=k8s/config.yaml"]},
-            {"name": "rabbitmq-config", "behavior": "merge", "files": ["rabbitmq.conf=k8s/rabbitmq.conf"]},
+            {"name": "rabbitmq-config", "behavior": "merge", "files": ["rabbitmq.conf=k8s/rabbitmq.conf",
+                                                                         "advanced.config=k8s/advanced.config"]},
         ],
         "patches": _patches(),
     }, header="# The server side on Kubernetes: `kubectl kustomize .` renders it, `kubectl apply -k .` applies it.\n")
-    kit.write("k8s/rabbitmq.conf", rabbitmq_conf(tls_dir="/etc/rabbitmq-tls",
-                                                  definitions="/etc/rabbitmq-auth/definitions.json"))
+    kit.write("k8s/rabbitmq.conf", rabbitmq_conf(definitions="/etc/rabbitmq-auth/definitions.json"))
+    # the CRL is a key of the TLS Secret, named as the broker's crl_cache looks for it: the Secret's mount is
+    # the broker's CRL folder, and `kubectl apply -k` after a revocation updates it there (read per handshake)
+    kit.write("k8s/advanced.config", broker_ssl_config(
+        cacertfile=f"{BROKER_TLS}/ca.crt", certfile=f"{BROKER_TLS}/broker.crt", keyfile=f"{BROKER_TLS}/broker.key",
+        crl_dir=BROKER_TLS))
 
 
 def _public_objects() -> list[dict[str, Any]]:
@@ -164,7 +172,10 @@ def _patches() -> list[dict[str, Any]]:
     broker_ops = [
         {"op": "add", "path": "/spec/template/spec/volumes/-", "value": tls_volume},
         {"op": "add", "path": "/spec/template/spec/containers/0/volumeMounts/-",
-         "value": {"name": "tls", "mountPath": "/etc/rabbitmq-tls", "readOnly": True}},
+         "value": {"name": "tls", "mountPath": BROKER_TLS, "readOnly": True}},
+        {"op": "add", "path": "/spec/template/spec/containers/0/volumeMounts/-",
+         "value": {"name": "config", "mountPath": "/etc/rabbitmq/advanced.config", "subPath": "advanced.config",
+                   "readOnly": True}},
         {"op": "add", "path": "/spec/template/spec/containers/0/volumeMounts/-",
          "value": {"name": "auth", "mountPath": "/etc/rabbitmq-auth", "readOnly": True}},
         {"op": "replace", "path": "/spec/template/spec/containers/0/ports/0",

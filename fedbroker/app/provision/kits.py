@@ -10,12 +10,15 @@ import shutil
 from pathlib import Path
 
 from fedbroker.app import unfilled
+from fedbroker.app.broker_crl import crl_file_name
 from fedbroker.app.provision import k8s, serverkit, state
 from fedbroker.app.provision.authority import Authority
 from fedbroker.app.provision.configs import (
+    CRL_DIR,
     RABBITMQ_PLUGINS,
     aggregator_doc,
     broker_definitions,
+    broker_ssl_config,
     broker_url,
     broker_user,
     coordinator_doc,
@@ -136,7 +139,10 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
     kit.yaml("tokens/coordinator.yaml", coordinator_table or {}, header=serverkit.TABLE_NOTE, secret=True)
     # the CA's revocation list, empty until `fedbroker provision revoke`: there from the start, so a service
     # configured to read it never finds it missing
-    kit.write(serverkit.CRL_FILE, ca.crl([], number=1, next_update_days=project.validity_days))
+    crl = ca.crl([], number=1, next_update_days=project.validity_days)
+    kit.write(serverkit.CRL_FILE, crl)
+    # ... and where the broker checks it (advanced.config's crl_cache): it refuses every client without one
+    kit.write(f"{CRL_DIR}/{crl_file_name(ca.cert.subject)}", crl)
     kit.write("secrets/coordinator.token", tokens["coordinator"] + "\n", secret=True)
     kit.write("secrets/broker-url",
               broker_url(broker_user(project, "coordinator"), passwords["coordinator"], project.host, project.broker_port) + "\n",
@@ -150,12 +156,14 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
               secret=True)
     # on a host (Kubernetes has its own, k8s/rabbitmq.conf): paths relative to the kit, host-only management
     kit.write("rabbitmq/rabbitmq.conf", host_rabbitmq_conf(project))
+    kit.write("rabbitmq/advanced.config", broker_ssl_config(cacertfile="ca.crt", certfile="tls/broker.crt",
+                                                            keyfile="tls/broker.key", crl_dir=CRL_DIR))
     kit.write("rabbitmq/enabled_plugins", RABBITMQ_PLUGINS)
     kit.yaml("prometheus/prometheus.yml", server_scrape_doc(project), header=_SCRAPE_NOTE)
     for role in ("aggregator", "coordinator"):
         kit.write(f"start-{role}.sh", _script(f"the {role}", f"{role} --config {role}.yaml"), executable=True)
     kit.write("start.sh", _START_SERVER, executable=True)
-    k8s.overlay(project, kit, passwords["coordinator"], tokens["coordinator"])
+    k8s.overlay(project, kit, passwords["coordinator"], tokens["coordinator"], crl_file_name(ca.cert.subject))
     kit.write("README.md", _server_readme(project))
     return folder
 
@@ -295,16 +303,20 @@ def _server_readme(project: Project) -> str:
         f"and a LoadBalancer Service per port; `kubectl apply -k .` applies it. Point `{project.host}` at the "
         f"balancers' addresses (`kubectl -n {k8s.K8S_NAMESPACE} get svc -l app.kubernetes.io/part-of=fedbroker`).\n\n"
         f"## On a host\n\n"
-        f"1. RabbitMQ 3.10 or later (the Kubernetes base runs 4.1) with `rabbitmq/rabbitmq.conf` and "
-        f"`rabbitmq/enabled_plugins`, run with this folder as its working directory (the config names this kit's "
-        f"`ca.crt`, `tls/broker.*`, ``rabbitmq/definitions.json` relative to it): AMQPS on "
-        f"{project.listen}:{project.broker_port}, its management UI and metrics on {project.metrics_addr} only.\n"
+        f"1. RabbitMQ 3.10 or later (the Kubernetes base runs 4.1) with `rabbitmq/rabbitmq.conf`, "
+        f"`rabbitmq/advanced.config` and `rabbitmq/enabled_plugins` (RABBITMQ_CONFIG_FILE, "
+        f"RABBITMQ_ADVANCED_CONFIG_FILE, RABBITMQ_ENABLED_PLUGINS_FILE), run with this folder as its working "
+        f"directory (they name this kit's `ca.crt`, `tls/broker.*`, `rabbitmq/definitions.json` and the CRL folder "
+        f"`rabbitmq/crls` relative to it): AMQPS on {project.listen}:{project.broker_port} with mutual TLS and the "
+        f"CRL checked on every handshake, its management UI and metrics on {project.metrics_addr} only.\n"
         f"2. `./start.sh` starts the aggregation service and the coordinator (or `start-aggregator.sh` and "
         f"`start-coordinator.sh` apart), gRPC on {project.listen}, metrics on {project.metrics_addr} "
         f"(`aggregator.metrics_port`, `coordinator.metrics_port`). State lives in `state/`.\n"
         f"3. `prometheus/prometheus.yml` scrapes all three from this host.\n\n"
-        f"`crl.pem` (beside `ca.crt`) is the CA's revocation list; `tokens/*.yaml`, `crl.pem` and "
-        f"`rabbitmq/definitions.json` change in place (each file whole) when the operator adds, renews, revokes or "
-        f"rotates a participant (`fedbroker provision add|renew|revoke|rotate-token`).\n\n"
+        f"`crl.pem` (beside `ca.crt`, and its copy in `rabbitmq/crls/`) is the CA's revocation list; `tokens/*.yaml`, "
+        f"`crl.pem` and `rabbitmq/definitions.json` change in place (each file whole) when the operator adds, "
+        f"renews, revokes or rotates a participant (`fedbroker provision add|renew|revoke|rotate-token`): the "
+        f"services follow them; the broker's users follow with the `fedbroker broker sync` line the command "
+        f"prints.\n\n"
         f"Keep `tls/*.key`, `tokens/`, `secrets/` and `rabbitmq/definitions.json` private (0600). The CA's key "
         f"is not here: it stays with whoever provisioned the project.\n")

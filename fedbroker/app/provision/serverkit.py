@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from cryptography import x509
 
-from fedbroker.app.provision.configs import broker_entry, broker_user
+from fedbroker.app.broker_crl import crl_file_name
+from fedbroker.app.provision.configs import CRL_DIR, broker_entry, broker_user
 from fedbroker.app.provision.folder import replace_file, replace_yaml
 from fedbroker.app.provision.project import Project
 from fedbroker.auth import TokenTable
@@ -87,7 +89,10 @@ def set_coordinator_token(server: Path, token: str) -> None:
 
 
 def write_crl(server: Path, pem: bytes) -> Path:
-    """The CA's CRL beside the CA certificate the services use (server kit's crl.pem); readable, like ca.crt."""
+    """The CA's CRL beside the CA certificate the services use (server kit's crl.pem; readable, like ca.crt), and
+    where the broker checks client certificates on a host (rabbitmq/crls/<hash>.r0, configs.CRL_DIR): a broker
+    run from this kit refuses a revoked certificate's next handshake as soon as the file is replaced."""
     path = server / CRL_FILE
     replace_file(path, pem, secret=False)
+    replace_file(server / CRL_DIR / crl_file_name(x509.load_pem_x509_crl(pem).issuer), pem, secret=False)
     return path
