@@ -132,10 +132,12 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 
 
 def _ready(channel: grpc.Channel) -> bool:
+    future = grpc.channel_ready_future(channel)
     try:
-        grpc.channel_ready_future(channel).result(timeout=1)
+        future.result(timeout=1)
         return True
     except grpc.FutureTimeoutError:
+        future.cancel()  # unsubscribes its poller, which would otherwise outlive the channel's close and raise
         return False
 
 
