@@ -13,10 +13,7 @@ import json
 import os
 import re
 import sqlite3
-import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,10 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedbroker.bus import delete_topology
 from fedbroker.config import DataSection, WorkerConfig
 from fedbroker.datasets import load_worker_data, train_test_split
-from tests.source_roots import PYTHONPATH
+from tests.integration.processes import Deployment
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -54,63 +50,9 @@ def write_site_csv(path: Path, centre: tuple[float, float, float], seed: int, n:
     path.write_text("\n".join(lines) + "\n")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Deployment:
-    """Processes started with `fedbroker <command>` and their settings in the environment, as a kit does."""
-
-    def __init__(self, url: str, tmp: Path) -> None:
-        self.url, self.tmp = url, tmp
-        self.namespace = f"fedbroker-study-{uuid.uuid4().hex[:8]}"
-        self.aggregator = f"127.0.0.1:{free_port()}"
-        self.coordinator = f"127.0.0.1:{free_port()}"
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
-
-    def spawn(self, name: str, command: str, settings: dict[str, Any]) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER__")}
-        env["PYTHONPATH"] = PYTHONPATH
-        base = {"broker.url": self.url, "broker.namespace": self.namespace, "aggregator.target": self.aggregator,
-                "coordinator.target": self.coordinator, "log_level": "INFO"}
-        for key, value in {**base, **settings}.items():
-            env["FEDBROKER__" + key.upper().replace(".", "__")] = str(value)
-        log = (self.tmp / f"{name}.log").open("ab")
-        self.processes[name] = subprocess.Popen([sys.executable, "-m", "fedbroker", command], env=env, stdout=log,
-                                                stderr=subprocess.STDOUT)
-
-    def cli(self, *args: str) -> str:
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER__")}, "PYTHONPATH": PYTHONPATH}
-        done = subprocess.run([sys.executable, "-m", "fedbroker", *args, "--coordinator", self.coordinator],
-                              env=env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, f"fedbroker {' '.join(args)}: {done.stdout}\n{done.stderr}"
-        return done.stdout
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.tmp.glob("*.log")))
-
-    def alive(self) -> None:
-        for name, process in self.processes.items():
-            assert process.poll() is None, f"{name} exited with {process.returncode}\n{self.logs()}"
-
-    def close(self) -> None:
-        for process in self.processes.values():
-            process.terminate()
-        for process in self.processes.values():
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        delete_topology(self.url, namespace=self.namespace, worker_ids=list(SITES))
-
-
 @pytest.fixture
 def deployment(rabbitmq_url: str, tmp_path: Path) -> Iterator[Deployment]:
-    d = Deployment(rabbitmq_url, tmp_path)
+    d = Deployment(rabbitmq_url, tmp_path, name="study", worker_ids=list(SITES))
     try:
         yield d
     finally:

@@ -14,11 +14,7 @@ their bytes or printed values.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,12 +23,11 @@ import numpy as np
 import pytest
 
 from fedbroker.aggregators.spool import job_folder
-from fedbroker.bus import delete_topology
 from fedbroker.secagg import sum_error_bound
 from fedbroker.secure_round import round_params
 from fedbroker.spec import parameter_shapes, parse_model
 from fedbroker.worker.secure_task import TEST_EXIT_AT, TEST_RECORD_DIR
-from tests.source_roots import PYTHONPATH
+from tests.integration.processes import Deployment
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -50,66 +45,9 @@ JOB = {
 }
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Deployment:
-    """`fedbroker <command>` processes with their settings in the environment, as a kit starts them."""
-
-    def __init__(self, url: str, tmp: Path) -> None:
-        self.url, self.tmp = url, tmp
-        self.namespace = f"fedbroker-secure-{uuid.uuid4().hex[:8]}"
-        self.aggregator = f"127.0.0.1:{free_port()}"
-        self.coordinator = f"127.0.0.1:{free_port()}"
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
-
-    def spawn(self, name: str, command: str, settings: dict[str, Any], extra_env: dict[str, str] | None = None) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER")}
-        env["PYTHONPATH"] = PYTHONPATH
-        base = {"broker.url": self.url, "broker.namespace": self.namespace, "aggregator.target": self.aggregator,
-                "coordinator.target": self.coordinator, "log_level": "INFO"}
-        for key, value in {**base, **settings}.items():
-            env["FEDBROKER__" + key.upper().replace(".", "__")] = str(value)
-        env.update(extra_env or {})
-        log = (self.tmp / f"{name}.log").open("ab")
-        self.processes[name] = subprocess.Popen([sys.executable, "-m", "fedbroker", command], env=env, stdout=log,
-                                                stderr=subprocess.STDOUT)
-
-    def cli(self, *args: str) -> str:
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER")}, "PYTHONPATH": PYTHONPATH}
-        done = subprocess.run([sys.executable, "-m", "fedbroker", *args, "--coordinator", self.coordinator],
-                              env=env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, f"fedbroker {' '.join(args)}: {done.stdout}\n{done.stderr}"
-        return done.stdout
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.tmp.glob("*.log")))
-
-    def alive(self, *names: str) -> None:
-        for name in names:
-            process = self.processes[name]
-            assert process.poll() is None, f"{name} exited with {process.returncode}\n{self.logs()}"
-
-    def close(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes.values():
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        delete_topology(self.url, namespace=self.namespace, worker_ids=WORKERS)
-
-
 @pytest.fixture
 def deployment(rabbitmq_url: str, tmp_path: Path) -> Iterator[Deployment]:
-    d = Deployment(rabbitmq_url, tmp_path)
+    d = Deployment(rabbitmq_url, tmp_path, name="secure", worker_ids=WORKERS)
     try:
         yield d
     finally:

@@ -1,0 +1,79 @@
+"""A deployment of `fedbroker` processes for the end-to-end tests: the aggregation service, the coordinator and
+workers, each started as a kit starts it (`fedbroker <command>`, its settings in FEDBROKER__* variables), on the
+machine's RabbitMQ under a namespace of their own that `close` removes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fedbroker.bus import delete_topology
+from tests.source_roots import PYTHONPATH
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _clean_env() -> dict[str, str]:
+    """This process's environment without its FEDBROKER__ settings, so each process gets only its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER__")}
+    env["PYTHONPATH"] = PYTHONPATH
+    return env
+
+
+class Deployment:
+    """Processes started with `fedbroker <command>` and their settings in the environment, as a kit does."""
+
+    def __init__(self, url: str, tmp: Path, *, name: str, worker_ids: Sequence[str]) -> None:
+        self.url, self.tmp, self.worker_ids = url, tmp, list(worker_ids)
+        self.namespace = f"fedbroker-{name}-{uuid.uuid4().hex[:8]}"
+        self.aggregator = f"127.0.0.1:{free_port()}"
+        self.coordinator = f"127.0.0.1:{free_port()}"
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(self, name: str, command: str, settings: dict[str, Any], extra_env: dict[str, str] | None = None) -> None:
+        env = _clean_env()
+        base = {"broker.url": self.url, "broker.namespace": self.namespace, "aggregator.target": self.aggregator,
+                "coordinator.target": self.coordinator, "log_level": "INFO"}
+        for key, value in {**base, **settings}.items():
+            env["FEDBROKER__" + key.upper().replace(".", "__")] = str(value)
+        env.update(extra_env or {})
+        log = (self.tmp / f"{name}.log").open("ab")
+        self.processes[name] = subprocess.Popen([sys.executable, "-m", "fedbroker", command], env=env, stdout=log,
+                                                stderr=subprocess.STDOUT)
+
+    def cli(self, *args: str) -> str:
+        """`fedbroker ARGS --coordinator …`'s output; a non-zero exit fails the test with both streams."""
+        done = subprocess.run([sys.executable, "-m", "fedbroker", *args, "--coordinator", self.coordinator],
+                              env=_clean_env(), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"fedbroker {' '.join(args)}: {done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.tmp.glob("*.log")))
+
+    def alive(self, *names: str) -> None:
+        """The named processes (all when none is named) still run; else the test fails with every log."""
+        for name in names or tuple(self.processes):
+            process = self.processes[name]
+            assert process.poll() is None, f"{name} exited with {process.returncode}\n{self.logs()}"
+
+    def close(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        delete_topology(self.url, namespace=self.namespace, worker_ids=self.worker_ids)
