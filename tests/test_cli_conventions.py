@@ -19,6 +19,7 @@ import yaml
 
 from fedbroker.app import exits, jobs
 from fedbroker.app.cli import build_parser, main
+from fedbroker.app.demo import free_port
 from fedbroker.app.logs import BLOCKING_LOGGER, CONNECT_LOGGERS, setup_logging
 from fedbroker.app.status import render
 from fedbroker.app.tracking import TrackingError
@@ -63,12 +64,6 @@ def test_a_verb_registered_without_a_group_is_still_listed():
 def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "fedbroker", *argv], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": PYTHONPATH})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def one_error_line(stderr: str) -> str:

@@ -5,7 +5,6 @@ machine's RabbitMQ under a namespace of their own that `close` removes."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -13,14 +12,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedbroker.app.demo import free_port
 from fedbroker.bus import delete_topology
 from tests.source_roots import PYTHONPATH
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def stop_all(processes: Sequence[subprocess.Popen[bytes]], *, timeout_s: float = 30.0) -> None:
+    """Ask every process to stop at once (so their shutdowns overlap), then kill any still running after
+    `timeout_s`."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def _clean_env() -> dict[str, str]:
@@ -68,12 +75,5 @@ class Deployment:
             assert process.poll() is None, f"{name} exited with {process.returncode}\n{self.logs()}"
 
     def close(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes.values():
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_all(list(self.processes.values()), timeout_s=20)
         delete_topology(self.url, namespace=self.namespace, worker_ids=self.worker_ids)

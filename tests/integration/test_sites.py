@@ -29,6 +29,7 @@ from fedbroker.app.demo import free_port
 from fedbroker.bus import delete_topology, open_bus
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.worker.ledger import PrivacyLedger
+from tests.integration.processes import stop_all
 from tests.rabbitmq_node import PrivateRabbitMQ
 from tests.source_roots import PYTHONPATH
 
@@ -108,13 +109,7 @@ class Deployment:
         return code, out
 
     def close(self) -> None:
-        for p in reversed(self.processes):
-            p.terminate()
-        for p in self.processes:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(list(reversed(self.processes)))
         self.server.stop(grace=0)
         delete_topology(self.node.url, self.namespace, list(SITES.values()))
         for user in SITES:  # the session's later tests share the node

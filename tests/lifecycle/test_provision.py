@@ -28,6 +28,7 @@ from cryptography import x509
 from fedbroker.app.cli import main
 from fedbroker.app.provision import Project, Site, k8s, parse_project, provision
 from fedbroker.errors import ConfigError
+from tests.integration.processes import stop_all
 from tests.ops.conftest import tool
 from tests.security.tlsproxy import TlsProxy
 from tests.source_roots import PYTHONPATH, SOURCE_ROOTS
@@ -343,13 +344,7 @@ def test_a_round_runs_over_tls_from_the_kits_alone(private_rabbitmq, tmp_path, m
             _basic_get((out / "sites/site0/secrets/broker-url").read_text().strip(), out / "sites/site0",
                        f"fedbroker-{name}.worker.ghost")
     finally:
-        for p in reversed(processes):
-            p.terminate()
-        for p in processes:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(list(reversed(processes)))
         proxy.close()
         from fedbroker.bus import delete_topology
 

@@ -24,6 +24,7 @@ from fedbroker.auth import ClientSecurity
 from fedbroker.coordinator.service import CoordinatorClient
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import parse_model
+from tests.integration.processes import stop_all
 from tests.source_roots import PYTHONPATH
 
 SPEC = parse_model({"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 2}]})
@@ -109,13 +110,7 @@ def changed(tmp_path_factory: pytest.TempPathFactory, rabbitmq_url: str) -> Iter
         wait_serving([found.aggregator, found.coordinator], security(kits, "server"), processes, logs)
         yield found
     finally:
-        for p in processes:
-            p.terminate()
-        for p in processes:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(processes)
         delete_topology(rabbitmq_url, namespace, [])
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from fedbroker.app.demo import free_port
 from fedbroker.config import DPPolicy
 from fedbroker.metrics import start_ephemeral_exporter
 from fedbroker.spec import parse_job
@@ -37,12 +37,6 @@ def job(rounds: int) -> dict[str, Any]:
         "schedule": {"min_workers": len(WORKERS), "wait_for_workers_s": 30, "round_timeout_s": 60},
         "evaluation": {"dataset": "digits"},
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class PrometheusServer:

@@ -37,6 +37,7 @@ from fedbroker.coordinator.service import CoordinatorClient
 from fedbroker.errors import Rejection
 from fedbroker.rpc import RemoteError, reason_of
 from fedbroker.spec import parse_model
+from tests.integration.processes import stop_all
 from tests.security.conftest import token_table
 from tests.source_roots import PYTHONPATH
 
@@ -139,13 +140,7 @@ def kits(tmp_path_factory: pytest.TempPathFactory, rabbitmq_url: str) -> Iterato
         _wait_serving(found, processes, logs)
         yield found
     finally:
-        for p in processes:
-            p.terminate()
-        for p in processes:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(processes)
         delete_topology(rabbitmq_url, namespace, [])
 
 
