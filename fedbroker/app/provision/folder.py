@@ -4,11 +4,12 @@ and the one way a file of an existing kit is changed later (`replace_file`): who
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from fedbroker.files import write_atomic
 
 
 class KitFolder:
@@ -37,27 +38,10 @@ class KitFolder:
 
 
 def replace_file(path: Path, data: str | bytes, *, secret: bool) -> None:
-    """Put `data` at `path` all at once: written to a new file beside it (its mode set from its creation on),
-    synced, then renamed over the old one, so a service that re-reads the file (a token table, the CRL) sees
-    the old content or the new, never half of either."""
+    """Put `data` at `path` all at once (`fedbroker.files.write_atomic`), so a service that re-reads the file (a
+    token table, the CRL) sees the old content or the new, never half of either; a secret stays 0600."""
     path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
-    mode = 0o600 if secret else 0o644
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".new")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data.encode() if isinstance(data, str) else data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the rename itself survives a crash
-    finally:
-        os.close(directory)
+    write_atomic(path, data.encode() if isinstance(data, str) else data, mode=0o600 if secret else 0o644)
 
 
 def replace_yaml(path: Path, doc: Any, *, header: str = "", secret: bool) -> None:
