@@ -49,8 +49,45 @@ def server_scripts() -> Path:
             f"{SCRIPTS_ENV} to the folder holding them): the tests that stop or reconfigure a broker start their own")
 
 
+LOWEST_PORT = 10_000  # below: well-known and registered services' ports
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out for outgoing connections and `bind(0)` (Linux: 32768-60999 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low, high = (int(v) for v in fh.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_ports(count: int) -> list[int]:
-    """Distinct loopback ports free now (held together while chosen, so they differ from each other)."""
+    """Distinct loopback ports free now, taken from below the kernel's ephemeral range: a port that is written
+    into a config (a kit's broker URL) and bound seconds or minutes later can then never be taken meanwhile by
+    an outgoing connection, which draws from that range (seen: a kit's AMQPS port taken during a full run).
+    Each is bound while the others are chosen, so they differ; a random draw keeps two runs apart."""
+    low, _ = _ephemeral_range()
+    if low - LOWEST_PORT < 1000:  # no room below the range on this machine: let the kernel choose
+        return _kernel_ports(count)
+    draw = secrets.SystemRandom()
+    sockets: list[socket.socket] = []
+    try:
+        while len(sockets) < count:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", draw.randrange(LOWEST_PORT, low)))
+            except OSError:  # in use: draw again
+                s.close()
+                continue
+            sockets.append(s)
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _kernel_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     try:
         for s in sockets:
