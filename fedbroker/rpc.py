@@ -19,6 +19,7 @@ from fedbroker.errors import (
     Unavailable,
     UploadRejected,
 )
+from fedbroker.printable import printable
 from fedbroker.retry import Backoff, retry_call
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def status_for(exc: FedbrokerError) -> grpc.StatusCode:
 def abort(context: grpc.ServicerContext, exc: FedbrokerError) -> NoReturn:
     """End the call with the mapped status; the reason code rides in trailing metadata for clients and metrics."""
     context.set_trailing_metadata(((REASON_KEY, exc.reason),))
-    context.abort(status_for(exc), short_details(str(exc)))
+    context.abort(status_for(exc), short_details(printable(str(exc))))  # it may quote what a caller sent
     raise AssertionError("unreachable")  # context.abort raises
 
 

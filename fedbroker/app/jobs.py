@@ -22,6 +22,7 @@ from fedbroker.app.model_readme import input_section
 from fedbroker.app.status import one_line, render, table
 from fedbroker.errors import ConfigError
 from fedbroker.files import write_atomic
+from fedbroker.printable import printable
 from fedbroker.secure_round import describe as describe_secure
 from fedbroker.secure_round import round_params
 
@@ -128,7 +129,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if job.waiting:
         facts.append(("waiting", job.waiting))
     width = max(len(k) for k, _ in facts)
-    print("\n".join(f"{k.ljust(width)}  {v}" for k, v in facts))
+    print("\n".join(f"{k.ljust(width)}  {printable(str(v))}" for k, v in facts))
     print()
     print(render(status, workers=False, waiting=False))
     noted = [p for p in status.participants if p.status in ("uploaded", "aggregated") and p.reason]

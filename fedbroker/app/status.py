@@ -6,12 +6,15 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from fedbroker.printable import printable
+
 DASH = "-"  # a value that does not exist yet (an open round) or at all (a job without an evaluation set)
 
 
 def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Columns padded to their widest cell, under a header and a rule: readable in any terminal."""
-    cells = [[str(c) for c in row] for row in rows]
+    """Columns padded to their widest cell, under a header and a rule: readable in any terminal (a cell is
+    `printable`: a site's text cannot move the cursor or break the row)."""
+    cells = [[printable(str(c)) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]

@@ -39,6 +39,7 @@ from fedbroker.coordinator.sharing import receive_reply
 from fedbroker.coordinator.sites import SiteLogIntake, registration_changes, registration_summary
 from fedbroker.coordinator.store import StateStore, StateUnavailable
 from fedbroker.coordinator.store_evaluation import EvaluationVerdict
+from fedbroker.printable import printable, printable_fields
 from fedbroker.proto import fedbroker_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class ControlHandler:
             env = envelope.decode(delivery.body, expect=("registration", "heartbeat", "task_outcome", "share_reply",
                                                          "evaluation_report", "site_log"))
             check_control(env)  # never stored, never selected: a job never meets a worker id it cannot route
+            printable_fields(env, limit=MAX_REASON_CHARS)  # every string it holds, before any is logged or stored
             if env.WhichOneof("message") == "site_log":  # filed under its sender's site, whatever it claims
                 self.site_logs.receive(env.site_log, delivery.sender)
                 delivery.ack()
@@ -81,7 +83,7 @@ class ControlHandler:
                 delivery.ack()
                 return
         except (envelope.MalformedMessage, InvalidControlMessage, ForeignSender) as exc:
-            log.warning("dead-lettering a control message: %s", exc)
+            log.warning("dead-lettering a control message: %s", printable(str(exc), limit=MAX_REASON_CHARS))
             metrics.CONTROL_REJECTED.labels(exc.reason).inc()
             delivery.nack(requeue=False)
             if isinstance(exc, ForeignSender):  # the site it claims to be learns of it (a registered one only)
@@ -135,7 +137,7 @@ class ControlHandler:
     def _outcome(self, o: pb.TaskOutcome) -> None:
         status = ParticipantStatus(pb.TaskOutcome.Status.Name(o.status).lower())
         metrics.TASK_OUTCOMES.labels(status).inc()
-        reason = o.reason[:MAX_REASON_CHARS]
+        reason = o.reason  # printable and cut on entry (on_control)
         # The job's ε on the worker's data (checked finite by check_control), bounded as a total is (it is part of
         # the worker's total); none is taken from a worker never registered
         limit = self.bounds.limit(o.worker_id)
@@ -152,7 +154,7 @@ class ControlHandler:
         elif not self.store.record_outcome(o.job_id, o.round, o.worker_id, status, reason, epsilon=epsilon):
             log.warning("outcome from %r for unknown task (%s, round %d) ignored", o.worker_id, o.job_id, o.round)
         else:
-            log.info("worker %s %s round %d of %s: %s", o.worker_id, status, o.round, o.job_id, o.reason)
+            log.info("worker %s %s round %d of %s: %s", o.worker_id, status, o.round, o.job_id, reason)
         if status in (ParticipantStatus.REFUSED, ParticipantStatus.FAILED):
             where = f"task {o.round}" if driver is not None or (job is not None and job.mode == "async") else \
                 f"round {o.round}"
@@ -165,7 +167,7 @@ class ControlHandler:
         verdict = accept_report(self.store, r)
         where = f"round {r.round} of job {r.job_id}"
         if verdict == EvaluationVerdict.RECORDED and r.refused:
-            self._site_event(r.worker_id, "evaluation_refused", f"{where}: {r.reason[:MAX_REASON_CHARS]}")
+            self._site_event(r.worker_id, "evaluation_refused", f"{where}: {r.reason}")
         elif verdict not in (EvaluationVerdict.RECORDED, EvaluationVerdict.DUPLICATE):
             self._site_event(r.worker_id, "evaluation_report_rejected", f"{where}: {verdict}")
 
