@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 ENV_PREFIX = "FEDBROKER__"
 MAX_CONFIG_BYTES = 1 << 20   # a config file is read (bounded: fedbroker.yamltext) only up to this size
+_PATH_KEY = re.compile(r"(^|_)(file|dir|path)$")   # a setting that names a file or folder (ca_file, state_dir, ...)
 _D = TypeVar("_D", bound="DataclassInstance")
 
 
@@ -280,7 +282,7 @@ def load_config(path: str | None = None, *, environ: Mapping[str, str] | None = 
         loaded = load_yaml(text, where=path, max_bytes=MAX_CONFIG_BYTES) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(path, "the config file must hold a mapping")
-        raw = loaded
+        raw = _paths_from(loaded, os.path.dirname(os.path.abspath(path)))
     for key, value in sorted((environ if environ is not None else os.environ).items()):
         if key.startswith(ENV_PREFIX):
             parts = [p.lower() for p in key[len(ENV_PREFIX):].split("__")]
@@ -292,6 +294,21 @@ def load_config(path: str | None = None, *, environ: Mapping[str, str] | None = 
     config = _build(Config, raw, "", errors)
     _raise_all(errors)
     return config
+
+
+def _paths_from(tree: dict[str, Any], folder: str) -> dict[str, Any]:
+    """The file's own relative paths (every `*_file`, `*_dir`, `*_path` and `path` setting) made absolute from
+    its folder: a file means the same files from whichever folder a process or a viewer starts (from the current
+    folder, `--config kit/viewer.yaml` read another identity's `secrets/token`). Variables and flags stay
+    relative to the current folder."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            value = _paths_from(value, folder)
+        elif isinstance(key, str) and _PATH_KEY.search(key) and isinstance(value, str) and value:
+            value = os.path.join(folder, value)
+        out[key] = value
+    return out
 
 
 def _set(tree: dict[str, Any], parts: list[str], value: Any) -> None:

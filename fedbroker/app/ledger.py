@@ -47,8 +47,9 @@ class SiteConfig:
 
 
 def site_config(args: argparse.Namespace) -> SiteConfig:
-    """From `--kit FOLDER` (its worker.yaml; relative paths from the kit) or `--config FILE` (relative paths from
-    here, as the worker reads them); FEDBROKER__ variables override either, as they do for the worker."""
+    """From `--kit FOLDER` (its worker.yaml) or `--config FILE`: the file's relative paths from its own folder
+    (fedbroker.config), those of FEDBROKER__ variables (which override either, as they do for the worker) from the
+    kit or from here."""
     if bool(args.kit) == bool(args.config):
         raise ConfigError("--config/--kit", "give the site's worker config (--config worker.yaml) or its kit folder "
                                             "(--kit FOLDER), one of them")
