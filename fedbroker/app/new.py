@@ -164,8 +164,11 @@ schedule:                        # who trains when
   min_clients: 2                 # the fewest uploads a round may close with at its deadline
   round_timeout_s: 300           # a round's deadline in seconds: later uploads are refused
   wait_for_workers_s: 60         # how long the job waits for min_workers before it fails
-# no evaluation section: the coordinator holds none of the sites' data; `fedbroker simulate` scores each
-# round on the held-out part of your own file, and every site can score the downloaded model on its own
+data:                            # the sites' raw measurements, in their own units (docs/evaluation.md)
+  standardize: federated         # before round 1 the sites agree on one mean and std per feature (noised sums)
+  bounds:                        # per feature, clipping the shared sums only: known from the measurement, not the data
+    [[5, 30], [5, 40], [40, 200], [100, 2600], [0.05, 0.17], [0, 0.35], [0, 0.45], [0, 0.21], [0.1, 0.31], [0.04, 0.1]]
+evaluation: {every: 1}           # no set at the coordinator: each site scores every round on its own held-out rows
 """
 
 TEMPLATES = {"sync": SYNC, "async": ASYNC, "alignment": ALIGNMENT, "own-data": OWN_DATA}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,12 +23,22 @@ from fedbroker.coordinator.control import MAX_REASON_CHARS
 from fedbroker.printable import printable
 from fedbroker.proto import fedbroker_pb2 as pb
 from tests.faults.harness import job
-from tests.integration.test_sites import Deployment, deployment, until, url_of  # noqa: F401  (the fixture)
+from tests.integration.test_sites import Deployment, until, url_of
+from tests.rabbitmq_node import PrivateRabbitMQ
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 FORGED_LINE = "2026-01-01 00:00:00,000 CRITICAL fedbroker.coordinator: the operator's key is FORGED"
 REASON = "training failed\n" + FORGED_LINE + "\r\x1b[2J\x1b[31m\x1b]0;owned\x07\u202e" + "A" * 5_000_000
+
+
+@pytest.fixture
+def deployment(private_rabbitmq: PrivateRabbitMQ, tmp_path: Path) -> Iterator[Deployment]:
+    d = Deployment(private_rabbitmq, tmp_path)
+    try:
+        yield d
+    finally:
+        d.close()
 
 
 def test_a_forged_reason_from_a_site_leaves_no_forged_line_in_the_log_and_is_shown_bounded_and_escaped(

@@ -29,7 +29,7 @@ from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import PERMISSIONS, serve
 from fedbroker.auth import ROLE_WORKER
 from fedbroker.bus import InProcessBus
-from fedbroker.coordinator.control import MAX_REASON_CHARS, INVALID_REASONS, SenderBinding
+from fedbroker.coordinator.control import INVALID_REASONS, MAX_REASON_CHARS, SenderBinding
 from fedbroker.coordinator.control_handler import ControlHandler
 from fedbroker.coordinator.events import JobWatcher
 from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets
