@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedbroker.aggregators.alignment import DeadlinePassed
+from fedbroker.aggregators.alignment import AlignInput, DeadlinePassed
 from fedbroker.aggregators.job_state import Accepted, Round
 from fedbroker.aggregators.layer_conversion import from_layers, to_layers
 from fedbroker.aggregators.mean import weighted_mean_of_rows
@@ -133,9 +133,9 @@ def _combine(rnd: Round, spec: ModelSpec, updates: list[Accepted], weights: np.n
     clients = [to_layers(spec, u.tensors or {}) for u in updates]
     shares = _class_shares(rnd, updates) if alignment.traits.needs_histograms else None
     try:
-        result = rnd.algorithms.alignment.align(
-            clients, weights=weights, rng=rng, round_index=rnd.number, class_shares=shares, deadline=deadline,
-        )
+        result = rnd.algorithms.alignment.align(AlignInput(
+            clients=clients, weights=weights, rng=rng, round_index=rnd.number, class_shares=shares, deadline=deadline,
+        ))
     except DeadlinePassed as exc:
         log.warning("round %d: %s alignment stopped (%s); the round's model is the weighted mean of its %d "
                     "update(s) instead", rnd.number, name, exc, len(updates))
