@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from fedbroker.aggregators.selection import AllSelection, GeneticSelection, RandomSelection, Selection
+from fedbroker.aggregators.selection import AllSelection, GeneticSelection, RandomSelection, Selection, SelectionInput
 from fedbroker.round_stats import selection_note
 from tests.selection.test_ga import random_problem
 
@@ -24,8 +24,8 @@ def test_the_note_says_whether_the_ga_or_a_random_draw_chose() -> None:
     ga = GeneticSelection(fitness="reported_loss", m=2, ga_gap=3, population=10, generations=2)
 
     def choose(round_index: int, among: int = 6, deadline: float | None = None) -> Selection:
-        return ga.choose(candidates[:among], round_index=round_index, global_vector=g, rng=np.random.default_rng(0),
-                         deadline=deadline)
+        return ga.choose(SelectionInput(candidates=candidates[:among], round_index=round_index, global_vector=g, rng=np.random.default_rng(0),
+                         deadline=deadline))
 
     chose = choose(3)
     assert chose.stats["ga_round"] == 1.0 == chose.stats["ga_ran"]
@@ -38,6 +38,6 @@ def test_the_note_says_whether_the_ga_or_a_random_draw_chose() -> None:
     assert note(6, choose(6, among=2), 2) == (
         "all 2 update(s) aggregated: no more arrived than the genetic algorithm chooses (m)")
     kwargs = {"round_index": 5, "global_vector": g, "rng": np.random.default_rng(0)}
-    assert note(5, RandomSelection(m=2).choose(candidates, **kwargs), 6) == "2 of 6 update(s) chosen at random"
-    assert note(5, AllSelection().choose(candidates, **kwargs), 6) == ""
+    assert note(5, RandomSelection(m=2).choose(SelectionInput(candidates=candidates, **kwargs)), 6) == "2 of 6 update(s) chosen at random"
+    assert note(5, AllSelection().choose(SelectionInput(candidates=candidates, **kwargs)), 6) == ""
     assert selection_note(1, {"accepted": 3.0, "aggregated": 3.0}) == ""  # a running mean: nothing chosen

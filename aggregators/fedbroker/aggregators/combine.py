@@ -29,7 +29,7 @@ from fedbroker.aggregators.mean import weighted_mean_of_rows
 from fedbroker.aggregators.probe_sets import probe_arrays
 from fedbroker.aggregators.robust import RobustResult
 from fedbroker.aggregators.root_update import train_root_update
-from fedbroker.aggregators.selection import Candidate, Probe
+from fedbroker.aggregators.selection import Candidate, Probe, SelectionInput
 from fedbroker.errors import Conflict
 from fedbroker.round_stats import ROBUST_KEPT, robust_note, selection_note
 from fedbroker.spec import ModelSpec
@@ -108,10 +108,11 @@ def _choose(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, 
         for w in ids
     ]
     deadline = time.monotonic() + selection_time_limit_s  # loading the probe set counts against the limit
-    chosen_by = selection.choose(
-        candidates, round_index=rnd.number, global_vector=_flatten(current, names) if vectors else np.zeros(0),
+    chosen_by = selection.choose(SelectionInput(
+        candidates=candidates, round_index=rnd.number,
+        global_vector=_flatten(current, names) if vectors else np.zeros(0),
         rng=rng, deadline=deadline, probe=_probe(rnd, spec, probe_sets),
-    )
+    ))
     if chosen_by.reason:
         log.warning("selection for round %d fell back: %s", rnd.number, chosen_by.reason)
     stats.update({f"selection_{k}": float(v) for k, v in chosen_by.stats.items()})

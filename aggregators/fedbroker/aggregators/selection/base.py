@@ -53,35 +53,42 @@ class Selector(Protocol):
     def probe_request(self, round_index: int) -> ProbeRequest | None:
         """The probe set this round's choice evaluates models on (None: it needs none)."""
 
-    def choose(
-        self,
-        candidates: Sequence[Candidate],
-        *,
-        round_index: int,
-        global_vector: np.ndarray,
-        rng: np.random.Generator,
-        deadline: float | None = None,
-        probe: Probe | None = None,
-    ) -> Selection:
-        """The ids of the updates to aggregate, in candidate order, seeded by `rng`."""
+    def choose(self, problem: SelectionInput) -> Selection:
+        """The ids of the updates to aggregate, in candidate order, seeded by the problem's `rng`."""
 
 
 SELECTION: Registry[Selector] = Registry(SELECTIONS)
 
 
-def check_candidates(candidates: Sequence[Candidate], *, round_index: int) -> None:
-    """Reject what no selector can work with: no candidates, repeated ids, negative counts, bad rounds."""
-    require_int("round_index", round_index, 1)
-    if len(candidates) == 0:
-        raise ValueError("selection needs at least one candidate update")
-    seen: set[str] = set()
-    for c in candidates:
-        if c.worker_id in seen:
-            raise ValueError(f"worker {c.worker_id!r} appears more than once among the candidates")
-        seen.add(c.worker_id)
-        n = c.num_samples
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"worker {c.worker_id!r}: num_samples must be an integer >= 0, got {n!r}")
+@dataclass(frozen=True)
+class SelectionInput:
+    """One round's selection problem, as one object so every selector takes one argument; built only past the
+    checks no selector can work without (candidates, distinct ids, counts >= 0, a round >= 1).
+
+    `global_vector`: the current global model flattened (empty when `needs_vectors` said no). `deadline` (a
+    time.monotonic() value) bounds a search such as the GA's; `probe` is the service's probe set when
+    `probe_request` asked for one.
+    """
+
+    candidates: Sequence[Candidate]
+    round_index: int
+    global_vector: np.ndarray
+    rng: np.random.Generator
+    deadline: float | None = None
+    probe: Probe | None = None
+
+    def __post_init__(self) -> None:
+        require_int("round_index", self.round_index, 1)
+        if len(self.candidates) == 0:
+            raise ValueError("selection needs at least one candidate update")
+        seen: set[str] = set()
+        for c in self.candidates:
+            if c.worker_id in seen:
+                raise ValueError(f"worker {c.worker_id!r} appears more than once among the candidates")
+            seen.add(c.worker_id)
+            n = c.num_samples
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+                raise ValueError(f"worker {c.worker_id!r}: num_samples must be an integer >= 0, got {n!r}")
 
 
 def random_choice(candidates: Sequence[Candidate], m: int, rng: np.random.Generator) -> list[str]:
