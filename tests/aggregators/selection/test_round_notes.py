@@ -9,7 +9,7 @@ import numpy as np
 
 from fedbroker.aggregators.selection import AllSelection, GeneticSelection, RandomSelection, Selection, SelectionInput
 from fedbroker.round_stats import selection_note
-from tests.selection.test_ga import random_problem
+from tests.aggregators.selection.test_ga import random_problem
 
 
 def note(round_number: int, selection: Selection, accepted: int) -> str:

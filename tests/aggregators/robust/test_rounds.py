@@ -14,7 +14,7 @@ from fedbroker.aggregators.root_update import train_root_update
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.coordinator.store import StateStore
 from fedbroker.round_stats import robust_note, robust_verdicts, selection_note
-from tests.test_rounds import SPEC, stream
+from tests.aggregators.test_rounds import SPEC, stream
 
 HONEST = {"w1": 1.0, "w2": 1.2, "w3": 0.8, "w4": 1.1}
 RULES: dict[str, dict[str, Any]] = {
