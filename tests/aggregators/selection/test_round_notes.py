@@ -1,4 +1,4 @@
-"""Each round says, in words, how its updates were chosen (`fedbroker.round_stats.selection_note`): the GA, a random
+"""Each round says, in words, how its updates were chosen (`fedbroker.app.round_notes.selection_note`): the GA, a random
 draw on a round that is not a GA round, a random draw after the GA overran, or no choice at all."""
 
 from __future__ import annotations
@@ -8,15 +8,17 @@ import time
 import numpy as np
 
 from fedbroker.aggregators.selection import AllSelection, GeneticSelection, RandomSelection, Selection, SelectionInput
-from fedbroker.round_stats import selection_note
+from fedbroker.app.round_notes import event_words, selection_note
+from fedbroker.close_report import SelectionRecord, to_json
 from tests.aggregators.selection.test_ga import random_problem
 
 
-def note(round_number: int, selection: Selection, accepted: int) -> str:
-    """The note of a close whose selection chose `selection` among `accepted` updates, as combine records it."""
-    stats = {"accepted": float(accepted), "aggregated": float(len(selection.chosen)),
-             **{f"selection_{k}": float(v) for k, v in selection.stats.items()}}
-    return selection_note(round_number, stats)
+def note(round_number: int, selection: Selection, accepted: int, method: str = "ga") -> str:
+    """The note of a close whose selection chose `selection` among `accepted` updates, as combine records it and
+    the face shows it (the record travels as the coordinator keeps it, in a `selection` event)."""
+    record = selection.record(method=method, accepted=accepted)
+    assert event_words("selection", round_number, to_json(record)) == (selection_note(round_number, record) or to_json(record))
+    return selection_note(round_number, record)
 
 
 def test_the_note_says_whether_the_ga_or_a_random_draw_chose() -> None:
@@ -38,6 +40,13 @@ def test_the_note_says_whether_the_ga_or_a_random_draw_chose() -> None:
     assert note(6, choose(6, among=2), 2) == (
         "all 2 update(s) aggregated: no more arrived than the genetic algorithm chooses (m)")
     kwargs = {"round_index": 5, "global_vector": g, "rng": np.random.default_rng(0)}
-    assert note(5, RandomSelection(m=2).choose(SelectionInput(candidates=candidates, **kwargs)), 6) == "2 of 6 update(s) chosen at random"
-    assert note(5, AllSelection().choose(SelectionInput(candidates=candidates, **kwargs)), 6) == ""
-    assert selection_note(1, {"accepted": 3.0, "aggregated": 3.0}) == ""  # a running mean: nothing chosen
+    assert note(5, RandomSelection(m=2).choose(SelectionInput(candidates=candidates, **kwargs)), 6,
+                "random") == "2 of 6 update(s) chosen at random"
+    assert note(5, AllSelection().choose(SelectionInput(candidates=candidates, **kwargs)), 6, "all") == ""
+    assert selection_note(1, SelectionRecord("all", 3, 3)) == ""  # a running mean: nothing chosen
+
+
+def test_an_event_recorded_before_the_typed_records_is_shown_as_it_was_written() -> None:
+    assert event_words("selection", 2, "2 of 6 update(s) chosen at random") == "2 of 6 update(s) chosen at random"
+    assert event_words("robust", 2, "[{\"worker_id\": 1}]") == "[{\"worker_id\": 1}]"
+    assert event_words("waiting", 2, "{}") == "{}"

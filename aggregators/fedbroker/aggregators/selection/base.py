@@ -12,6 +12,7 @@ from fedbroker.aggregators.registry import Registry
 from fedbroker.aggregators.selection.probe import Probe
 from fedbroker.algorithm_params import require_int
 from fedbroker.catalogue import SELECTIONS
+from fedbroker.close_report import SelectionRecord
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,14 @@ class Selection:
     chosen: list[str]
     stats: dict[str, float] = field(default_factory=dict)
     reason: str = ""
+
+    def record(self, *, method: str, accepted: int) -> SelectionRecord:
+        """The close report's record of this choice by the selection `method` among `accepted` updates."""
+        fitness = self.stats.get("fitness")
+        return SelectionRecord(method=method, accepted=accepted, chosen=len(self.chosen),
+                               ga_round=bool(self.stats.get("ga_round", 0.0)), ga_ran=bool(self.stats.get("ga_ran", 0.0)),
+                               fallback=bool(self.stats.get("fallback", 0.0)),
+                               fitness=None if fitness is None else float(fitness))
 
 
 @dataclass(frozen=True)
