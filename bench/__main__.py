@@ -1,7 +1,7 @@
 """`python -m bench [--quick] [--only a,b] [--out DIR]`: run the benchmarks, write results.json and results.md.
 
 Full mode (`make bench`) takes about 20 minutes on 2 cores; `--quick` (about 3 minutes) runs every
-benchmark at small sizes, which is what tests/test_bench_quick.py checks. Flower's baselines need
+benchmark at small sizes, which is what tests/house/test_bench_quick.py checks. Flower's baselines need
 `.venv-bench` (`make bench-env`); without it they are reported as missing, never faked.
 """
 

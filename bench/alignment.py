@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from bench.harness import Goal, Section, Stat, loglog_slope, repeat
+from fedbroker.aggregators.alignment import AlignInput
 
 PAPER = {  # (exponent in n, exponent in K, as the papers state the cost)
     "feddna": (2.0, 1.0, "O(K·n²·m)"),
@@ -94,7 +95,7 @@ def run(*, quick: bool) -> Section:
                 seed = iter(range(100))
 
                 def call() -> None:
-                    alg.align(clients, weights=weights, rng=np.random.default_rng(next(seed)), round_index=1)
+                    alg.align(AlignInput(clients=clients, weights=weights, rng=np.random.default_rng(next(seed)), round_index=1))
 
                 first = repeat(call, repeats=1, warmup=0)[0]
                 more = 2 if first < 1.0 else 1 if first < 10.0 else 0

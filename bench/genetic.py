@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from bench.harness import Goal, Section, Stat, loglog_slope, repeat
+from fedbroker.aggregators.selection import SelectionInput
 
 PARAMETERS = 64 * 64 + 64 + 64 * 10 + 10
 
@@ -49,8 +50,8 @@ def run(*, quick: bool) -> Section:
         last = {}
 
         def call() -> None:
-            last["s"] = selector.choose(candidates, round_index=1, global_vector=global_vector,
-                                        rng=np.random.default_rng(next(seeds)), probe=probe)
+            last["s"] = selector.choose(SelectionInput(candidates=candidates, round_index=1, global_vector=global_vector,
+                                        rng=np.random.default_rng(next(seeds)), probe=probe))
 
         stat = Stat.of(repeat(call, repeats=3 if quick else 5, warmup=1), "s")
         assert last["s"].stats.get("ga_ran") == 1.0, last["s"]

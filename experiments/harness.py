@@ -23,6 +23,7 @@ from torch import nn
 from fedbroker import codec
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.catalogue import aggregation_settings
+from fedbroker.close_report import Verdict
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.participants import sample_participants
 from fedbroker.datasets import Dataset, load_dataset, train_test_split
@@ -91,6 +92,7 @@ class RoundRecord:
     widths: list[int]
     train_loss: float
     extra: dict[str, float] = field(default_factory=dict)
+    verdicts: list[Verdict] = field(default_factory=list)  # the robust rule's, one per judged update
 
 
 @dataclass
@@ -232,6 +234,7 @@ def simulate(
             round=r, accuracy=accuracy, loss=loss, participants=len(chosen), aggregated=len(closed.aggregated),
             seconds=time.perf_counter() - started, stats=dict(closed.stats), widths=widths_of(model_spec),
             train_loss=float(np.average(losses, weights=counts)), extra=dict(extra),
+            verdicts=list(closed.verdicts),
         ))
         if bar is not None:
             bar.set_postfix(acc=f"{accuracy:.3f}", loss=f"{loss:.3f}")

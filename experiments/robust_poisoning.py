@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from fedbroker.close_report import Verdict
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 PREFIX = "robust"
 CLEAN = "none"
@@ -240,20 +242,19 @@ def _run_task(task: Task) -> dict[str, Any]:
                    tamper=Attack(p, task.attack, bad, p.workers, task.seed))
     return {"key": list(task.key), "seed": task.seed, "seconds": time.perf_counter() - started,
             "attackers": bad, "accuracy": [r.accuracy for r in sim.rounds],
-            "discarded": [discarded(r.stats, bad) for r in sim.rounds]}
+            "discarded": [discarded(r.verdicts, bad) for r in sim.rounds]}
 
 
 DETECTION_ATTACKERS = 4
-DISCARDED = 0.1  # the service's own verdict: an update kept under a tenth of its plain-mean share is discarded
 
 
-def discarded(stats: Mapping[str, float], attackers: Sequence[str]) -> dict[str, int]:
-    """How many attackers' and honest workers' updates the round's rule discarded (from `robust_kept:<worker>`)."""
-    kept = {k.split(":", 1)[1]: v for k, v in stats.items() if k.startswith("robust_kept:")}
+def discarded(verdicts: Sequence[Verdict], attackers: Sequence[str]) -> dict[str, int]:
+    """How many attackers' and honest workers' updates the round's rule discarded (the service's own verdict:
+    an update kept under a tenth of its plain-mean share)."""
     out = {"attackers": 0, "honest": 0}
-    for worker, ratio in kept.items():
-        if ratio < DISCARDED:
-            out["attackers" if worker in attackers else "honest"] += 1
+    for verdict in verdicts:
+        if verdict.judgement == "discarded":
+            out["attackers" if verdict.worker_id in attackers else "honest"] += 1
     return out
 
 

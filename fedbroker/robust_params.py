@@ -24,7 +24,7 @@ from fedbroker.spec import EVALUATION_SETS
 
 # How a close judges each update a rule saw, from kept / expected: the weight the rule gave it over what the
 # plain mean it replaces would have (docs/algorithms.md, "Robust aggregation"). Read by the aggregation service's
-# stats and metrics and by the coordinator's round notes (fedbroker.round_stats).
+# stats and metrics and by the close report's verdicts (fedbroker.close_report).
 DISCARDED_BELOW = 0.1      # less than a tenth of its share: discarded (0 for a rule that drops it outright)
 DOWNWEIGHTED_BELOW = 0.5   # less than half of it: down-weighted
 

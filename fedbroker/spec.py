@@ -37,7 +37,7 @@ MAX_ROUNDS = 100_000
 # model with a large batch asked workers for 170 GB and failed every round after admission.
 MAX_STEP_BYTES = 8 << 30
 # The data sets the coordinator can evaluate a global model on, with one sample's shape and the number of
-# classes (fedbroker.datasets loads them; tests/test_submission_limits.py checks this table against it).
+# classes (fedbroker.datasets loads them; tests/kernel/test_submission_limits.py checks this table against it).
 # The IDX sets (mnist, fashion_mnist) need files only the workers hold, so they are not evaluation sets.
 EVALUATION_SETS: Mapping[str, tuple[tuple[int, ...], int]] = {
     "digits": ((1, 8, 8), 10), "breast_cancer": ((30,), 2), "wine": ((13,), 3), "iris": ((4,), 3),

@@ -19,6 +19,7 @@ import safetensors.numpy
 
 from fedbroker.app.evaluation_view import best, site_table
 from fedbroker.app.model_readme import input_section
+from fedbroker.app.round_notes import event_words
 from fedbroker.app.status import one_line, render, table
 from fedbroker.errors import ConfigError
 from fedbroker.files import write_atomic
@@ -261,13 +262,13 @@ def event_printer(c: Any, job_id: str, *, as_json: bool) -> Callable[[Any], None
         if as_json:
             print(json.dumps({**as_dict(e), "mode": mode}), flush=True)
             return
-        kind, where = e.kind, f"round {e.round}" if e.round else ""
+        kind, where, words = e.kind, f"round {e.round}" if e.round else "", event_words(e.kind, e.round, e.message)
         if mode == "async" and e.round:
             if e.round not in versions:  # the version a buffer made: from the job's rows, fetched as needed
                 versions.update({r.round: r.model_version for r in c.status(job_id).rounds})
             kind = ASYNC_KINDS.get(kind, kind)
             where = f"version {versions[e.round]}" if versions.get(e.round) else ""
-        print(f"{_when(e.time_unix)}  {kind:<16} {where:<11} {e.worker_id:<16} {e.message}".rstrip(), flush=True)
+        print(f"{_when(e.time_unix)}  {kind:<16} {where:<11} {e.worker_id:<16} {words}".rstrip(), flush=True)
 
     return show
 

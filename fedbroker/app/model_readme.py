@@ -3,7 +3,7 @@
 A model whose first layer is `standardize` (the job's `data.standardize: federated`) takes raw features in
 the sites' units and standardises them itself; any other model takes its input exactly as the sites' loaders
 produced it for training, which the README spells out per loader (`LOADER_SCALING`, held equal to
-`fedbroker.datasets` by tests/test_model_readme.py).
+`fedbroker.datasets` by tests/app/test_model_readme.py).
 """
 
 from __future__ import annotations

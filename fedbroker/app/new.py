@@ -2,7 +2,7 @@
 
 The templates are the examples' jobs (examples/: the image CNN, one-shot PFNM fusion, the tabular CSV with
 DWFed) written out with a comment on each setting; they live here, not read from examples/, so an installed
-`fedbroker` has them too. tests/test_new_job.py holds each to the example it comes from and passes each
+`fedbroker` has them too. tests/app/test_new_job.py holds each to the example it comes from and passes each
 through the coordinator's own submission parser.
 """
 

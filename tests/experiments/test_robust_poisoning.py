@@ -10,6 +10,7 @@ import pytest
 
 from experiments import robust_poisoning as rp
 from experiments.harness import simulate
+from fedbroker.close_report import Verdict
 from fedbroker.worker.training import TrainResult
 
 
@@ -110,7 +111,6 @@ def test_every_rule_of_the_protocol_is_a_job_the_service_accepts(rule):
 
 
 def test_a_discarded_update_is_one_the_rule_kept_under_a_tenth_of_its_share():
-    stats = {"robust_kept:w0": 0.0, "robust_kept:w1": 0.09, "robust_kept:w2": 0.5, "robust_kept:w3": 1.2,
-             "aggregated": 2.0}
-    assert rp.discarded(stats, ["w0", "w2"]) == {"attackers": 1, "honest": 1}
-    assert rp.discarded({"aggregated": 4.0}, ["w0"]) == {"attackers": 0, "honest": 0}  # FedAvg judges nobody
+    verdicts = [Verdict(w, "median", kept, 1.0) for w, kept in (("w0", 0.0), ("w1", 0.09), ("w2", 0.5), ("w3", 1.2))]
+    assert rp.discarded(verdicts, ["w0", "w2"]) == {"attackers": 1, "honest": 1}
+    assert rp.discarded([], ["w0"]) == {"attackers": 0, "honest": 0}  # FedAvg judges nobody

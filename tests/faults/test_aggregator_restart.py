@@ -13,8 +13,8 @@ import pytest
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.spool import Spool
 from fedbroker.errors import UploadRejected
+from tests.aggregators.test_rounds import SPEC, stream, weights
 from tests.faults.harness import Federation, HoldsRound, Training, job, wait_for
-from tests.test_rounds import SPEC, stream, weights
 
 pytestmark = [pytest.mark.integration]
 

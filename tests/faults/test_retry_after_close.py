@@ -15,7 +15,7 @@ from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.errors import Rejection
 from fedbroker.rpc import RemoteError
-from tests.test_rounds import SPEC, weights
+from tests.aggregators.test_rounds import SPEC, weights
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -16,8 +16,8 @@ from prometheus_client import REGISTRY
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.spool import QUARANTINE_DIR, Spool, job_folder
 from fedbroker.errors import NotFound
+from tests.aggregators.test_rounds import SPEC, stream, weights
 from tests.faults.harness import Federation, Training, job, wait_for
-from tests.test_rounds import SPEC, stream, weights
 
 pytestmark = [pytest.mark.integration]
 

@@ -20,8 +20,8 @@ from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.spool import LOCK_FILE, QUARANTINE_DIR, SpoolClosed, SpoolInUse, job_folder
 from fedbroker.app.cli import main
 from fedbroker.errors import ConfigError, Unavailable
-from tests.test_async_book import config
-from tests.test_rounds import SPEC, stream, weights
+from tests.aggregators.test_async_book import config
+from tests.aggregators.test_rounds import SPEC, stream, weights
 
 pytestmark = [pytest.mark.timeout(60)]
 

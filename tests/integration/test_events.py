@@ -12,8 +12,8 @@ from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.spec import parse_job
+from tests.aggregators.test_rounds import SPEC, stream, weights
 from tests.integration.conftest import Federation
-from tests.test_rounds import SPEC, stream, weights
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

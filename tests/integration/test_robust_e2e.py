@@ -1,6 +1,6 @@
 """A robust rule end to end over the real RabbitMQ and gRPC on loopback: Multi-Krum (f = 1) averages n − f of
 the round's updates, and the coordinator records which site it discarded on the round's participants and as a
-`robust` event, from the stats the aggregation service's close returned."""
+`robust` event, from the verdicts the aggregation service's close returned (the face words it)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from fedbroker.app.round_notes import event_words
 from fedbroker.spec import parse_job
 from tests.integration.test_weighting_selection import JOB as GA_JOB
 
@@ -38,6 +39,6 @@ def test_multi_krum_discards_one_update_a_round_and_the_coordinator_names_it(fed
         (dropped,) = [p for p in participants if p.status == "uploaded"]
         assert dropped.reason == "multi_krum discarded its update (0% of its share)"
         assert all(p.reason == "" for p in participants if p.status == "aggregated")
-        (note,) = [e.message for e in events if e.kind == "robust" and e.round == r.round]
+        (note,) = [event_words(e.kind, e.round, e.message) for e in events if e.kind == "robust" and e.round == r.round]
         assert note == f"multi_krum discarded {dropped.worker_id} (0% of its share)"
         assert not [e for e in events if e.kind == "selection" and e.round == r.round]  # `all` chose every update

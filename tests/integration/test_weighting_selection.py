@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 import fedbroker.aggregators.metrics  # noqa: F401  (registers the service's metrics before any round)
+from fedbroker.app.round_notes import event_words
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import parse_job
 
@@ -106,7 +107,8 @@ def test_dwfed_with_ga_selection_runs_ga_every_gap_and_weights_by_reported_ish(f
         chosen = [p.worker_id for p in federation.store.participants(job_id, r.round) if p.status == "aggregated"]
         assert chosen == sorted(replies[r.round - 1].aggregated) and len(chosen) == M
         # `jobs logs` says, round by round, whether the GA or a random draw chose
-        (note,) = [e.message for e in federation.store.events(job_id) if e.kind == "selection" and e.round == r.round]
+        (note,) = [event_words(e.kind, e.round, e.message) for e in federation.store.events(job_id)
+                       if e.kind == "selection" and e.round == r.round]
         assert note == (f"the genetic algorithm chose {M} of {WORKERS} update(s) (fitness {stats['selection_fitness']:.4g})"
                         if ga_round else f"{M} of {WORKERS} update(s) chosen at random: round {r.round} is not a GA "
                                          f"round (the GA runs every ga_gap-th round)"), note

@@ -7,7 +7,7 @@ import pytest
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.errors import Conflict, NotFound, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
-from tests.test_rounds import AGG, SPEC, stream, weights
+from tests.aggregators.test_rounds import AGG, SPEC, stream, weights
 
 
 def opened(**kwargs) -> RoundBook:

@@ -26,7 +26,7 @@ from fedbroker.coordinator.store import StateStore
 from fedbroker.coordinator.store_schema import SCHEMA
 from fedbroker.schema import SchemaTooNew
 from fedbroker.worker.ledger import PrivacyLedger
-from tests.test_rounds import AGG, SPEC, stream, weights
+from tests.aggregators.test_rounds import AGG, SPEC, stream, weights
 
 pytestmark = [pytest.mark.timeout(120)]
 TENSORS = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}

@@ -22,8 +22,8 @@ from fedbroker.errors import Rejection
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc import RemoteError
 from fedbroker.worker.agent import WorkerAgent
+from tests.aggregators.test_rounds import SPEC, weights
 from tests.faults.harness import Federation, job, wait_for
-from tests.test_rounds import SPEC, weights
 
 pytestmark = [pytest.mark.integration]
 

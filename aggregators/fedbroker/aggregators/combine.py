@@ -22,16 +22,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedbroker.aggregators.alignment import DeadlinePassed
-from fedbroker.aggregators.job_state import Accepted, Round
+from fedbroker.aggregators.alignment import AlignInput, DeadlinePassed
+from fedbroker.aggregators.job_state import Accepted, CloseResult, Round, UpdateSummary
 from fedbroker.aggregators.layer_conversion import from_layers, to_layers
 from fedbroker.aggregators.mean import weighted_mean_of_rows
 from fedbroker.aggregators.probe_sets import probe_arrays
 from fedbroker.aggregators.robust import RobustResult
 from fedbroker.aggregators.root_update import train_root_update
-from fedbroker.aggregators.selection import Candidate, Probe
+from fedbroker.aggregators.selection import Candidate, Probe, SelectionInput
+from fedbroker.close_report import SelectionRecord, Verdict
 from fedbroker.errors import Conflict
-from fedbroker.round_stats import ROBUST_KEPT, robust_note, selection_note
 from fedbroker.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,13 @@ class Combined:
     spec: ModelSpec             # the new global model's spec (alignment may change widths)
     state: dict[str, np.ndarray]
     stats: dict[str, float]
+    selection: SelectionRecord
+    verdicts: list[Verdict]     # each chosen update as the robust rule judged it (none without a rule)
+
+    def report(self, version: int, spec_json: str, seconds: float, updates: list[UpdateSummary]) -> CloseResult:
+        """The close's result as the service keeps and returns it (a repeated close returns it again)."""
+        return CloseResult(version, self.chosen, spec_json, self.stats, seconds, updates, self.selection,
+                           self.verdicts)
 
 
 def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray], spec: ModelSpec, *,
@@ -59,23 +66,27 @@ def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, 
     """The next global model from a closing round's accepted updates (seeded by the job's seed and the round)."""
     rng = np.random.default_rng([seed, rnd.number])
     stats: dict[str, float] = {"accepted": float(len(accepted))}
+    verdicts: list[Verdict] = []
     if rnd.rows.mean is not None:
         chosen = sorted(accepted)
         state, weights = _running_result(rnd, accepted, stats)
+        selection = SelectionRecord(method=rnd.algorithms.settings.selection.name, accepted=len(accepted),
+                                    chosen=len(chosen))
     else:
-        chosen, weights = _choose(rnd, accepted, current, spec, rng, stats, selection_time_limit_s, probe_sets)
+        chosen, weights, selection = _choose(rnd, accepted, current, spec, rng, stats, selection_time_limit_s,
+                                             probe_sets)
         stats["selected"] = float(len(chosen))
         if rnd.algorithms.settings.robust.traits.needs_update_set:
-            chosen, weights, state = _robust(rnd, [accepted[w] for w in chosen], weights, current, spec, rng, stats,
-                                             probe_sets, root_trainer)
+            chosen, weights, state, verdicts = _robust(rnd, [accepted[w] for w in chosen], weights, current, spec,
+                                                       rng, stats, probe_sets, root_trainer)
         else:
             spec, state = _combine(rnd, spec, [accepted[w] for w in chosen], weights, rng, stats,
                                    deadline=time.monotonic() + alignment_time_limit_s)
     stats["aggregated"] = float(len(chosen))
-    for note in (selection_note(rnd.number, stats), robust_note(rnd.algorithms.settings.robust.name, stats)):
-        if note:
-            log.info("round %d: %s", rnd.number, note)
-    return Combined(chosen, weights, spec, state, stats)
+    log.info("round %d: %d of %d accepted update(s) chosen by %s, %d aggregated%s", rnd.number, selection.chosen,
+             selection.accepted, selection.method, len(chosen),
+             f"; {rnd.algorithms.settings.robust.name} judged {len(verdicts)}" if verdicts else "")
+    return Combined(chosen, weights, spec, state, stats, selection, verdicts)
 
 
 def _running_result(rnd: Round, accepted: Mapping[str, Accepted],
@@ -95,7 +106,7 @@ def _running_result(rnd: Round, accepted: Mapping[str, Accepted],
 
 def _choose(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray], spec: ModelSpec,
             rng: np.random.Generator, stats: dict[str, float],
-            selection_time_limit_s: float, probe_sets: ProbeLoader) -> tuple[list[str], np.ndarray]:
+            selection_time_limit_s: float, probe_sets: ProbeLoader) -> tuple[list[str], np.ndarray, SelectionRecord]:
     """Selection picks which updates enter the mean; weighting gives their coefficients."""
     selection = rnd.algorithms.selection
     vectors = selection.needs_vectors(rnd.number)
@@ -108,17 +119,19 @@ def _choose(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, 
         for w in ids
     ]
     deadline = time.monotonic() + selection_time_limit_s  # loading the probe set counts against the limit
-    chosen_by = selection.choose(
-        candidates, round_index=rnd.number, global_vector=_flatten(current, names) if vectors else np.zeros(0),
+    chosen_by = selection.choose(SelectionInput(
+        candidates=candidates, round_index=rnd.number,
+        global_vector=_flatten(current, names) if vectors else np.zeros(0),
         rng=rng, deadline=deadline, probe=_probe(rnd, spec, probe_sets),
-    )
+    ))
     if chosen_by.reason:
         log.warning("selection for round %d fell back: %s", rnd.number, chosen_by.reason)
     stats.update({f"selection_{k}": float(v) for k, v in chosen_by.stats.items()})
     chosen = list(chosen_by.chosen)
+    record = chosen_by.record(method=rnd.algorithms.settings.selection.name, accepted=len(candidates))
     weights, fell_back = rnd.algorithms.weighting.normalise(np.array([accepted[w].raw_weight for w in chosen]))
     stats["weighting_fallback"] = float(fell_back)
-    return chosen, weights
+    return chosen, weights, record
 
 
 def _combine(rnd: Round, spec: ModelSpec, updates: list[Accepted], weights: np.ndarray,
@@ -133,9 +146,9 @@ def _combine(rnd: Round, spec: ModelSpec, updates: list[Accepted], weights: np.n
     clients = [to_layers(spec, u.tensors or {}) for u in updates]
     shares = _class_shares(rnd, updates) if alignment.traits.needs_histograms else None
     try:
-        result = rnd.algorithms.alignment.align(
-            clients, weights=weights, rng=rng, round_index=rnd.number, class_shares=shares, deadline=deadline,
-        )
+        result = rnd.algorithms.alignment.align(AlignInput(
+            clients=clients, weights=weights, rng=rng, round_index=rnd.number, class_shares=shares, deadline=deadline,
+        ))
     except DeadlinePassed as exc:
         log.warning("round %d: %s alignment stopped (%s); the round's model is the weighted mean of its %d "
                     "update(s) instead", rnd.number, name, exc, len(updates))
@@ -148,10 +161,10 @@ def _combine(rnd: Round, spec: ModelSpec, updates: list[Accepted], weights: np.n
 
 def _robust(rnd: Round, updates: list[Accepted], weights: np.ndarray, current: Mapping[str, np.ndarray],
             spec: ModelSpec, rng: np.random.Generator, stats: dict[str, float], probe_sets: ProbeLoader,
-            root_trainer: RootTrainer) -> tuple[list[str], np.ndarray, dict[str, np.ndarray]]:
+            root_trainer: RootTrainer) -> tuple[list[str], np.ndarray, dict[str, np.ndarray], list[Verdict]]:
     """The robust rule over Δ_i = x_i − x_global of the chosen updates: (the updates it did not discard, the
-    weights it gave them, the next global model). Every update's kept/expected ratio goes into the stats
-    (`robust_kept:<worker>`), with counts of the discarded and down-weighted ones."""
+    weights it gave them, the next global model, its verdict on every update). The stats get the rule's notes
+    and counts of the discarded and down-weighted updates."""
     layout = rnd.rows.layout
     names = list(layout.shapes)
     base = _flatten(current, names).astype(np.float64)
@@ -168,17 +181,18 @@ def _robust(rnd: Round, updates: list[Accepted], weights: np.ndarray, current: M
                           seed=seed)
         root = _flatten(g0, names)
     result = rule.aggregate(deltas, weights, rng=rng, root_update=root)
-    stats.update(_robust_stats(result, [u.worker_id for u in updates]))
+    stats.update(_robust_stats(result))
+    verdicts = [Verdict(u.worker_id, rnd.algorithms.settings.robust.name, float(k), float(e))
+                for u, k, e in zip(updates, result.kept_weight, result.expected)]
     discarded = result.discarded()
     chosen = [u.worker_id for u, out in zip(updates, discarded) if not out]
     kept = result.kept_weight[~discarded]
     state = layout.views((base + result.delta).astype(np.float32))
-    return chosen, kept, {name: np.asarray(t, dtype=current[name].dtype) for name, t in state.items()}
+    return chosen, kept, {name: np.asarray(t, dtype=current[name].dtype) for name, t in state.items()}, verdicts
 
 
-def _robust_stats(result: RobustResult, workers: list[str]) -> dict[str, float]:
+def _robust_stats(result: RobustResult) -> dict[str, float]:
     stats = {f"robust_{k}": v for k, v in result.notes.items()}
-    stats.update({f"{ROBUST_KEPT}{w}": float(r) for w, r in zip(workers, result.ratios())})
     stats["robust_discarded"] = float(result.discarded().sum())
     stats["robust_downweighted"] = float(result.downweighted().sum())
     return stats

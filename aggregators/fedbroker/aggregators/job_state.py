@@ -23,6 +23,7 @@ from fedbroker.aggregators.mean import Layout, Slot, UpdateRows
 from fedbroker.aggregators.rows import Rows
 from fedbroker.aggregators.secure_session import SecureSession
 from fedbroker.aggregators.weighting.base import UpdateMeta
+from fedbroker.close_report import SelectionRecord, Verdict
 from fedbroker.errors import Conflict, NotFound, Rejection, UploadRejected
 from fedbroker.spec import AggregationConfig, ModelSpec, parameter_shapes
 
@@ -86,6 +87,8 @@ class CloseResult:
     stats: dict[str, float]
     seconds: float
     updates: list[UpdateSummary]
+    selection: SelectionRecord | None = None
+    verdicts: list[Verdict] = field(default_factory=list)
 
 
 @dataclass

@@ -5,15 +5,14 @@ verdicts carry `worker_id`, the workers' own label (`fedbroker.worker.metrics`):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
 import fedbroker.metrics  # noqa: F401  (the shared gRPC and broker metrics belong to every process)
+from fedbroker.close_report import Verdict
 from fedbroker.errors import Rejection
-from fedbroker.robust_params import DISCARDED_BELOW, DOWNWEIGHTED_BELOW
-from fedbroker.round_stats import ROBUST_KEPT
 from fedbroker.spec import AggregationConfig
 
 UPLOADS_ACCEPTED = Counter(
@@ -155,19 +154,14 @@ def robust_round_opened(rule: str, participants: Iterable[str]) -> None:
             counter.labels(rule, worker)
 
 
-def record_robust(rule: str, stats: Mapping[str, float]) -> None:
-    """The verdicts in a close's stats (`robust_kept:<worker>`: the weight kept over the plain mean's)."""
-    if rule == "none":
-        return
-    for key, ratio in stats.items():
-        if not key.startswith(ROBUST_KEPT):
-            continue
-        worker = key[len(ROBUST_KEPT):]
-        ROBUST_JUDGED.labels(rule, worker).inc()
-        if ratio < DISCARDED_BELOW:
-            ROBUST_DISCARDED.labels(rule, worker).inc()
-        elif ratio < DOWNWEIGHTED_BELOW:
-            ROBUST_DOWNWEIGHTED.labels(rule, worker).inc()
+def record_robust(verdicts: Sequence[Verdict]) -> None:
+    """A close's robust verdicts: each judged update counted, and the discarded and down-weighted ones apart."""
+    for verdict in verdicts:
+        ROBUST_JUDGED.labels(verdict.rule, verdict.worker_id).inc()
+        if verdict.judgement == "discarded":
+            ROBUST_DISCARDED.labels(verdict.rule, verdict.worker_id).inc()
+        elif verdict.judgement == "down-weighted":
+            ROBUST_DOWNWEIGHTED.labels(verdict.rule, verdict.worker_id).inc()
 
 
 def record_close(algorithms: Mapping[str, str], seconds: float, aggregated: int, stats: Mapping[str, float]) -> None:

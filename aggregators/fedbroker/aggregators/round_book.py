@@ -368,7 +368,7 @@ class RoundBook:
         if self._spool is not None:
             self._spool.save_global(job.job_id, version, new_spec_json, combined.state)
         seconds = time.perf_counter() - started
-        result = CloseResult(version, combined.chosen, new_spec_json, combined.stats, seconds, updates)
+        result = combined.report(version, new_spec_json, seconds, updates)
         with self._lock:
             job.finish_close(rnd, result, current, combined.state, combined.spec)
             self._commit(job)

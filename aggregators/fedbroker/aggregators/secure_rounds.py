@@ -24,6 +24,7 @@ from fedbroker.aggregators.job_state import Accepted, Job, Receipt, Round
 from fedbroker.aggregators.mean import Layout
 from fedbroker.aggregators.secure_session import Roster, SecureSession, refused
 from fedbroker.aggregators.weighting.base import UpdateMeta
+from fedbroker.close_report import SelectionRecord
 from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.secagg import PublicKeys, SecAggError, UnmaskRequest
@@ -199,4 +200,6 @@ class SecureRounds:
         stats = {"accepted": float(len(rnd.accepted)), "aggregated": float(len(result.survivors)),
                  "secure_dropped": float(len(result.dropped)), "secure_error_max": result.error_max / share,
                  "secure_threshold": float(session.params.threshold)}
-        return Combined(list(result.survivors), raw / raw.sum(), spec, state, stats)
+        selection = SelectionRecord(method=rnd.algorithms.settings.selection.name, accepted=len(rnd.accepted),
+                                    chosen=len(result.survivors))
+        return Combined(list(result.survivors), raw / raw.sum(), spec, state, stats, selection, [])

@@ -267,9 +267,11 @@ class AggregationServicer(pb_grpc.AggregationServicer):
         result = handle(context, lambda: self.book.close(request.job_id, request.round))
         algorithms = self._algorithms.get(request.job_id, {})
         metrics.record_close(algorithms, result.seconds, len(result.aggregated), result.stats)
-        metrics.record_robust(algorithms.get("robust", "none"), result.stats)
+        metrics.record_robust(result.verdicts)
         return pb.CloseRoundReply(model_version=result.model_version, aggregated=result.aggregated,
                                   model_spec_json=result.model_spec_json, stats=result.stats, seconds=result.seconds,
+                                  verdicts=[v.to_proto() for v in result.verdicts],
+                                  selection=result.selection.to_proto() if result.selection else None,
                                   updates=[pb.UpdateSummary(worker_id=u.worker_id, num_samples=u.num_samples,
                                                             epsilon=u.epsilon, train_loss=u.train_loss, weight=u.weight)
                                            for u in result.updates])

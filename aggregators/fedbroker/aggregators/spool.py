@@ -38,7 +38,7 @@ import shutil
 import threading
 import time
 from collections.abc import Generator, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -49,6 +49,7 @@ from fedbroker.aggregators.async_state import folded_from_record, new_async_stat
 from fedbroker.aggregators.job_state import Accepted, CloseResult, Job, Receipt, UpdateSummary, new_round
 from fedbroker.aggregators.secure_session import SecureSession
 from fedbroker.aggregators.weighting.base import UpdateMeta
+from fedbroker.close_report import SelectionRecord, Verdict
 from fedbroker.errors import ConfigError, Rejection, Unavailable, UploadRejected
 from fedbroker.files import TEMP_SUFFIX, FolderLock, FolderLocked, write_atomic
 from fedbroker.spec import AggregationConfig, parameter_shapes, parse_model
@@ -334,7 +335,9 @@ def job_record(job: Job) -> dict[str, Any]:
         n, r = job.last_close
         last = {"round": n, "model_version": r.model_version, "aggregated": r.aggregated,
                 "model_spec_json": r.model_spec_json, "stats": r.stats, "seconds": r.seconds,
-                "updates": [vars(u) for u in r.updates]}
+                "updates": [vars(u) for u in r.updates],
+                "selection": None if r.selection is None else asdict(r.selection),
+                "verdicts": [asdict(v) for v in r.verdicts]}
     return {
         "seed": job.seed,
         "versions": sorted(job.versions),
@@ -379,7 +382,9 @@ def restore_job(spool: Spool, stored: StoredJob) -> Job:
         job.last_close = (int(last["round"]), CloseResult(
             int(last["model_version"]), list(last["aggregated"]), last["model_spec_json"],
             {k: float(v) for k, v in last["stats"].items()}, float(last["seconds"]),
-            [UpdateSummary(**u) for u in last["updates"]]))
+            [UpdateSummary(**u) for u in last["updates"]],
+            SelectionRecord(**last["selection"]) if last.get("selection") else None,
+            [Verdict(**v) for v in last.get("verdicts", [])]))
     r = record.get("round")
     if r:
         aggregation = dict(r["aggregation"])

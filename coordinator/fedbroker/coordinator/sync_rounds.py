@@ -20,6 +20,7 @@ from typing import TypeVar
 import grpc
 
 from fedbroker import envelope
+from fedbroker.close_report import SelectionRecord, Verdict, judged, to_json
 from fedbroker.coordinator import federated, metrics
 from fedbroker.coordinator.checkpoints import save_checkpoint
 from fedbroker.coordinator.job_context import JobContext
@@ -29,7 +30,6 @@ from fedbroker.coordinator.records import ParticipantStatus, RoundRecord, RoundS
 from fedbroker.coordinator.waiting import unaffordable
 from fedbroker.errors import BusError, Rejection
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.round_stats import robust_note, robust_verdicts, selection_note
 from fedbroker.rpc import RemoteError
 from fedbroker.secure_round import needed_uploads, threshold_note
 
@@ -288,25 +288,23 @@ class SyncRounds:
         scores = self.ctx.evaluator(run.job, new_spec_json, tensors) if self.ctx.evaluator else None
         accuracy, loss = scores if scores else (None, None)
         seconds = time.time() - rnd.started
-        rule = run.job.aggregation.robust
-        verdicts = robust_verdicts(reply.stats)
+        verdicts = judged([Verdict.from_proto(v) for v in reply.verdicts])
         self.ctx.store.close_round(
             job_id, round_number, model_version=new_version, aggregated=list(reply.aggregated),
             updates=[(u.worker_id, u.num_samples, u.epsilon, u.train_loss) for u in reply.updates],
             accuracy=accuracy, loss=loss, seconds=seconds, checkpoint=checkpoint, stats=dict(reply.stats),
             model_spec_json=new_spec_json,
-            reasons={w: f"{rule} {verdict} its update ({ratio:.0%} of its share)"
-                     for w, (verdict, ratio) in verdicts.items()},
+            reasons={v.worker_id: f"{v.rule} {v.judgement} its update ({v.ratio:.0%} of its share)" for v in verdicts},
         )
         run.version, run.spec_json, run.tensors, run.round = new_version, new_spec_json, tensors, None
-        chose = selection_note(round_number, reply.stats)
-        if chose:  # which updates went in, and whether the GA or a random draw chose them (`jobs logs`)
-            log.info("round %d of %s: %s", round_number, job_id, chose)
-            self.ctx.store.note_event(job_id, "selection", chose, round_number=round_number)
-        judged = robust_note(rule, reply.stats)
-        if judged:  # which updates the robust rule discarded or down-weighted (`jobs logs`, `jobs show`)
-            log.info("round %d of %s: %s", round_number, job_id, judged)
-            self.ctx.store.note_event(job_id, "robust", judged, round_number=round_number)
+        selection = SelectionRecord.from_proto(reply.selection)
+        if selection.chosen < selection.accepted or selection.method == "ga":
+            # which updates went in, and whether the GA or a random draw chose them: the face words it (`jobs logs`)
+            self.ctx.store.note_event(job_id, "selection", to_json(selection), round_number=round_number)
+        if verdicts:  # which updates the robust rule discarded or down-weighted (`jobs logs`, `jobs show`)
+            log.info("round %d of %s: %s %s", round_number, job_id, verdicts[0].rule,
+                     ", ".join(f"{v.judgement} {v.worker_id}" for v in verdicts))
+            self.ctx.store.note_event(job_id, "robust", to_json(verdicts), round_number=round_number)
         metrics.ROUNDS_COMPLETED.labels(job_id).inc()
         metrics.ROUND_DURATION.observe(seconds)
         metrics.ROUND_OPEN.labels(job_id).set(0)

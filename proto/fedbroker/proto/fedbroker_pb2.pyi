@@ -464,7 +464,7 @@ class UpdateSummary(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., epsilon: _Optional[float] = ..., train_loss: _Optional[float] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class CloseRoundReply(_message.Message):
-    __slots__ = ("model_version", "aggregated", "model_spec_json", "stats", "seconds", "updates")
+    __slots__ = ("model_version", "aggregated", "model_spec_json", "stats", "seconds", "updates", "verdicts", "selection")
     class StatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -478,13 +478,51 @@ class CloseRoundReply(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     UPDATES_FIELD_NUMBER: _ClassVar[int]
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    SELECTION_FIELD_NUMBER: _ClassVar[int]
     model_version: int
     aggregated: _containers.RepeatedScalarFieldContainer[str]
     model_spec_json: str
     stats: _containers.ScalarMap[str, float]
     seconds: float
     updates: _containers.RepeatedCompositeFieldContainer[UpdateSummary]
-    def __init__(self, model_version: _Optional[int] = ..., aggregated: _Optional[_Iterable[str]] = ..., model_spec_json: _Optional[str] = ..., stats: _Optional[_Mapping[str, float]] = ..., seconds: _Optional[float] = ..., updates: _Optional[_Iterable[_Union[UpdateSummary, _Mapping]]] = ...) -> None: ...
+    verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
+    selection: SelectionRecord
+    def __init__(self, model_version: _Optional[int] = ..., aggregated: _Optional[_Iterable[str]] = ..., model_spec_json: _Optional[str] = ..., stats: _Optional[_Mapping[str, float]] = ..., seconds: _Optional[float] = ..., updates: _Optional[_Iterable[_Union[UpdateSummary, _Mapping]]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., selection: _Optional[_Union[SelectionRecord, _Mapping]] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("worker_id", "rule", "kept_weight", "expected_weight", "discarded", "reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    KEPT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    rule: str
+    kept_weight: float
+    expected_weight: float
+    discarded: bool
+    reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., rule: _Optional[str] = ..., kept_weight: _Optional[float] = ..., expected_weight: _Optional[float] = ..., discarded: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SelectionRecord(_message.Message):
+    __slots__ = ("method", "accepted", "chosen", "ga_round", "ga_ran", "fallback", "fitness")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    GA_ROUND_FIELD_NUMBER: _ClassVar[int]
+    GA_RAN_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    FITNESS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    accepted: int
+    chosen: int
+    ga_round: bool
+    ga_ran: bool
+    fallback: bool
+    fitness: float
+    def __init__(self, method: _Optional[str] = ..., accepted: _Optional[int] = ..., chosen: _Optional[int] = ..., ga_round: _Optional[bool] = ..., ga_ran: _Optional[bool] = ..., fallback: _Optional[bool] = ..., fitness: _Optional[float] = ...) -> None: ...
 
 class SecAdvertiseRequest(_message.Message):
     __slots__ = ("job_id", "round", "worker_id", "cipher_key", "mask_key", "num_samples", "ish", "has_ish")

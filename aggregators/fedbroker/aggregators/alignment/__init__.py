@@ -1,10 +1,18 @@
 """Neuron alignment before aggregation, chosen by registry name (`none`, `feddna`, `pfnm`, `nafi`).
 
-Pure numpy/scipy: every algorithm takes the clients' networks (lists of `Layer`), the aggregation weights
-and a seeded `np.random.Generator`, and returns an `AlignmentResult`.
+Pure numpy/scipy: every algorithm takes one `AlignInput` (the clients' networks as lists of `Layer`, the
+aggregation weights, a seeded `np.random.Generator`, the round and its deadline) and returns an
+`AlignmentResult`.
 """
 
-from fedbroker.aggregators.alignment.base import Alignment, AlignmentResult, DeadlinePassed, Layer, NoAlignment
+from fedbroker.aggregators.alignment.base import (
+    AlignInput,
+    Alignment,
+    AlignmentResult,
+    DeadlinePassed,
+    Layer,
+    NoAlignment,
+)
 from fedbroker.aggregators.alignment.bn import fold_batchnorm, fold_batchnorm_layer
 from fedbroker.aggregators.alignment.feddna import (
     FedDNA,
@@ -30,6 +38,7 @@ __all__ = [
     "ALIGNMENT",
     "NAFI",
     "PFNM",
+    "AlignInput",
     "Alignment",
     "AlignmentResult",
     "DeadlinePassed",

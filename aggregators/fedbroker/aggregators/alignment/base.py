@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Integral
 from typing import Any, Protocol
 
@@ -36,29 +36,60 @@ class AlignmentResult:
     stats: dict[str, float]
 
 
-class Alignment(Protocol):
-    """What the aggregation service calls; every registered alignment extends its parameters' frozen kw-only
-    dataclass (`fedbroker.algorithm_params`).
+Network = list[Layer]
 
-    `deadline` (a time.monotonic() value) is cooperative: an alignment checks it inside its loops and raises
-    `DeadlinePassed` once it has passed; the service then falls back to the plain weighted mean.
+
+@dataclass(frozen=True)
+class AlignInput:
+    """One round's alignment problem, as one object so every algorithm takes one argument.
+
+    `clients`: each client's network, input → output. `weights`: one coefficient per client. `class_shares`:
+    (clients × classes) label histograms for the output layer (PFNM/NAFI). `spatial`: the `H·W` block of each
+    layer's outputs where a conv feeds flatten→dense. `deadline` (a time.monotonic() value) is cooperative:
+    an alignment checks it inside its loops and raises `DeadlinePassed`; the service then falls back to the
+    plain weighted mean.
     """
 
-    def align(
-        self,
-        clients: Sequence[Sequence[Layer]],
-        *,
-        weights: np.ndarray,
-        rng: np.random.Generator,
-        round_index: int = 1,
-        class_shares: np.ndarray | None = None,
-        spatial: Sequence[int | None] | None = None,
-        deadline: float | None = None,
-    ) -> AlignmentResult:
-        """The global network of the clients' networks, aggregated with `weights` (one per client)."""
+    clients: Sequence[Sequence[Layer]]
+    weights: np.ndarray
+    rng: np.random.Generator
+    round_index: int = 1
+    class_shares: np.ndarray | None = None
+    spatial: Sequence[int | None] | None = None
+    deadline: float | None = None
+
+    def checked(self, *, same_widths: bool) -> CheckedInput:
+        """float64 copies of the networks and the weights normalised to sum 1, or a ValueError naming the
+        client and layer at fault (`same_widths=False`, PFNM/NAFI, still requires the same input, output,
+        kernels and blocks)."""
+        nets = validate_clients(self.clients, same_widths=same_widths, spatial=self.spatial)
+        return CheckedInput(nets=nets, weights=validate_weights(self.weights, len(nets)),
+                            class_shares=self.class_shares)
+
+    def with_clients(self, clients: Sequence[Sequence[Layer]]) -> AlignInput:
+        """The same problem over other networks (layer-wise matching's retrained clients)."""
+        return replace(self, clients=clients)
 
 
-Network = list[Layer]
+@dataclass(frozen=True)
+class CheckedInput:
+    """An `AlignInput` past its checks: what the arithmetic reads."""
+
+    nets: list[Network]
+    weights: np.ndarray
+    class_shares: np.ndarray | None
+
+    def shares(self) -> np.ndarray:
+        """(clients × classes) shares of each output class, each column normalised over clients."""
+        return validate_class_shares(self.class_shares, self.weights, self.nets[0][-1].weight.shape[0])
+
+
+class Alignment(Protocol):
+    """What the aggregation service calls; every registered alignment extends its parameters' frozen kw-only
+    dataclass (`fedbroker.algorithm_params`)."""
+
+    def align(self, problem: AlignInput) -> AlignmentResult:
+        """The global network of the clients' networks, aggregated with the problem's weights."""
 
 
 class DeadlinePassed(RuntimeError):
@@ -233,24 +264,13 @@ def widths_of(layers: Sequence[Layer]) -> list[int]:
 class NoAlignment(NoAlignmentParams):
     """`none`: the plain weighted mean (FedAvg) of every layer; unit i of every client is unit i."""
 
-    def align(
-        self,
-        clients: Sequence[Sequence[Layer]],
-        *,
-        weights: np.ndarray,
-        rng: np.random.Generator,
-        round_index: int = 1,
-        class_shares: np.ndarray | None = None,
-        spatial: Sequence[int | None] | None = None,
-        deadline: float | None = None,
-    ) -> AlignmentResult:
+    def align(self, problem: AlignInput) -> AlignmentResult:
         """The weighted mean of every layer."""
-        nets = validate_clients(clients, same_widths=True, spatial=spatial)
-        w = validate_weights(weights, len(nets))
-        layers = weighted_mean_layers(nets, w)  # one pass, no loop worth a deadline
+        given = problem.checked(same_widths=True)
+        layers = weighted_mean_layers(given.nets, given.weights)  # one pass, no loop worth a deadline
         return AlignmentResult(
             layers=layers,
-            permutations=identity_permutations(nets, len(layers) - 1),
+            permutations=identity_permutations(given.nets, len(layers) - 1),
             widths=widths_of(layers),
             stats={"aligned_layers": 0.0},
         )

@@ -18,13 +18,12 @@ import numpy as np
 from scipy.spatial.distance import cdist
 
 from fedbroker.aggregators.alignment.base import (
+    AlignInput,
     AlignmentResult,
     Layer,
     Network,
     check_deadline,
     identity_permutations,
-    validate_clients,
-    validate_weights,
     weighted_mean_layers,
     widths_of,
 )
@@ -205,20 +204,11 @@ class FedDNA(FedDNAParams):
             v = np.hstack([v, layer.bias[:, None]])
         return v
 
-    def align(
-        self,
-        clients: Sequence[Sequence[Layer]],
-        *,
-        weights: np.ndarray,
-        rng: np.random.Generator,
-        round_index: int = 1,
-        class_shares: np.ndarray | None = None,
-        spatial: Sequence[int | None] | None = None,
-        deadline: float | None = None,
-    ) -> AlignmentResult:
+    def align(self, problem: AlignInput) -> AlignmentResult:
         """Align the chosen layers by growing trees (rounds up to `freeze_after`), then take the mean."""
-        nets = validate_clients(clients, same_widths=True, spatial=spatial)
-        w = validate_weights(weights, len(nets))
+        given = problem.checked(same_widths=True)
+        nets, w, rng, deadline = given.nets, given.weights, problem.rng, problem.deadline
+        round_index = problem.round_index
         check_int("round_index", round_index, minimum=1)
         n_hidden = len(nets[0]) - 1
         aligned = list(range(min(1, n_hidden))) if self.layers == "first" else list(range(n_hidden))

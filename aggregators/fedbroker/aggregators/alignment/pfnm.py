@@ -21,12 +21,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from fedbroker.aggregators.alignment.base import (
+    AlignInput,
     AlignmentResult,
     Layer,
     Network,
-    validate_class_shares,
     validate_clients,
-    validate_weights,
     widths_of,
 )
 from fedbroker.aggregators.alignment.matching import LayerMatch, match_layer, match_neurons
@@ -145,21 +144,10 @@ def match_network(
 class PFNM(PFNMParams):
     """Probabilistic federated neural matching (Yurochkin et al. 2019), defaults of the public code."""
 
-    def align(
-        self,
-        clients: Sequence[Sequence[Layer]],
-        *,
-        weights: np.ndarray,
-        rng: np.random.Generator,
-        round_index: int = 1,
-        class_shares: np.ndarray | None = None,
-        spatial: Sequence[int | None] | None = None,
-        deadline: float | None = None,
-    ) -> AlignmentResult:
+    def align(self, problem: AlignInput) -> AlignmentResult:
         """One-shot matching of every hidden layer, top down (see the module's docstring)."""
-        nets = validate_clients(clients, same_widths=False, spatial=spatial)
-        w = validate_weights(weights, len(nets))
-        shares = validate_class_shares(class_shares, w, nets[0][-1].weight.shape[0])
+        given = problem.checked(same_widths=False)
+        nets, shares, rng, deadline = given.nets, given.shares(), problem.rng, problem.deadline
         weight_shares, bias_shares = output_shares(shares, self.output_weighting, normalised=False)
         layers, matches = match_network(nets, params=self.matching_params(), shares=weight_shares, rng=rng,
                                         deadline=deadline, bias_shares=bias_shares)
@@ -172,27 +160,10 @@ class PFNM(PFNMParams):
         """Single-layer matching on incoming weights + bias (see `matching.match_layer`)."""
         return match_layer(layers, params=self.matching_params(), rng=rng)
 
-    def align_layerwise(
-        self,
-        clients: Sequence[Sequence[Layer]],
-        retrain: RetrainFn,
-        *,
-        weights: np.ndarray,
-        rng: np.random.Generator,
-        class_shares: np.ndarray | None = None,
-        spatial: Sequence[int | None] | None = None,
-    ) -> AlignmentResult:
+    def align_layerwise(self, problem: AlignInput, retrain: RetrainFn) -> AlignmentResult:
         """Layer-wise matching with the clients retraining in between (see `align_layerwise`)."""
-        return align_layerwise(
-            clients,
-            retrain,
-            params=self.matching_params(),
-            weights=weights,
-            rng=rng,
-            class_shares=class_shares,
-            spatial=spatial,
-            output_weighting=self.output_weighting,
-        )
+        return align_layerwise(problem, retrain, params=self.matching_params(),
+                               output_weighting=self.output_weighting)
 
 
 class NAFI(NAFIParams, PFNM):
@@ -205,22 +176,12 @@ def _width_stats(matches: Sequence[LayerMatch]) -> dict[str, float]:
     return stats
 
 
-def align_layerwise(
-    clients: Sequence[Sequence[Layer]],
-    retrain: RetrainFn,
-    *,
-    params: MatchingParams,
-    weights: np.ndarray,
-    rng: np.random.Generator,
-    class_shares: np.ndarray | None = None,
-    spatial: Sequence[int | None] | None = None,
-    output_weighting: str = "class_share",
-) -> AlignmentResult:
+def align_layerwise(problem: AlignInput, retrain: RetrainFn, *, params: MatchingParams,
+                    output_weighting: str = "class_share") -> AlignmentResult:
     """FedMA / NAFI Algorithm 2: match one layer, freeze it, let the clients retrain the rest, repeat."""
-    nets = validate_clients(clients, same_widths=False, spatial=spatial)
+    given = problem.checked(same_widths=False)
+    nets, shares, rng = given.nets, given.shares(), problem.rng
     n_clients, n_layers = len(nets), len(nets[0])
-    w = validate_weights(weights, n_clients)
-    shares = validate_class_shares(class_shares, w, nets[0][-1].weight.shape[0])
     weight_shares, bias_shares = output_shares(shares, output_weighting, normalised=True)
     prefix: list[Layer] = []
     matches: list[LayerMatch] = []
@@ -235,7 +196,7 @@ def align_layerwise(
         returned = retrain(ell, list(prefix), starts)
         if len(returned) != n_clients:
             raise ValueError(f"retrain({ell}) returned {len(returned)} clients; expected {n_clients}")
-        nets = validate_clients(returned, same_widths=False, spatial=spatial)
+        nets = validate_clients(returned, same_widths=False, spatial=problem.spatial)
         for k, net in enumerate(nets):
             for i, frozen in enumerate(prefix):
                 if net[i].weight.shape != frozen.weight.shape:

@@ -1,6 +1,13 @@
 """Which received updates to aggregate, chosen by registry name (`all`, `random`, `ga`)."""
 
-from fedbroker.aggregators.selection.base import SELECTION, Candidate, ProbeRequest, Selection, Selector
+from fedbroker.aggregators.selection.base import (
+    SELECTION,
+    Candidate,
+    ProbeRequest,
+    Selection,
+    SelectionInput,
+    Selector,
+)
 from fedbroker.aggregators.selection.genetic import (
     Evolution,
     GeneticSelection,
@@ -24,6 +31,7 @@ __all__ = [
     "ProbeRequest",
     "RandomSelection",
     "Selection",
+    "SelectionInput",
     "Selector",
     "breed",
     "cosine_to_global",

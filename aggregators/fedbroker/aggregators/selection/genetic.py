@@ -21,7 +21,7 @@ from fedbroker.aggregators.selection.base import (
     Candidate,
     ProbeRequest,
     Selection,
-    check_candidates,
+    SelectionInput,
     random_choice,
 )
 from fedbroker.aggregators.selection.probe import Probe
@@ -348,19 +348,10 @@ class GeneticSelection(GeneticParams):
 
         return fitness, loss1, loss2
 
-    def choose(
-        self,
-        candidates: Sequence[Candidate],
-        *,
-        round_index: int,
-        global_vector: np.ndarray,
-        rng: np.random.Generator,
-        deadline: float | None = None,
-        probe: Probe | None = None,
-    ) -> Selection:
+    def choose(self, problem: SelectionInput) -> Selection:
         """The GA's best m-subset on GA rounds, m at random on the others (or when the GA overruns). Stats say
         which chose: `ga_round` (this round is one of the GA's), `ga_ran`, `fallback` (the GA overran)."""
-        check_candidates(candidates, round_index=round_index)
+        candidates, rng, round_index = problem.candidates, problem.rng, problem.round_index
         ga_round = float(self.is_ga_round(round_index))
         if self.m >= len(candidates):
             return Selection(chosen=[c.worker_id for c in candidates],
@@ -370,7 +361,7 @@ class GeneticSelection(GeneticParams):
             return Selection(chosen=chosen, stats={"ga_round": 0.0, "ga_ran": 0.0, "fallback": 0.0})
 
         started = time.monotonic()
-        fitness, loss1, loss2 = self.fitness_for(candidates, global_vector, probe)
+        fitness, loss1, loss2 = self.fitness_for(candidates, problem.global_vector, problem.probe)
         result = evolve(
             fitness,
             num_candidates=len(candidates),
@@ -380,7 +371,7 @@ class GeneticSelection(GeneticParams):
             mutation_rate=self.mutation_rate,
             generations=self.generations,
             rng=rng,
-            deadline=deadline,
+            deadline=problem.deadline,
         )
         seconds = time.monotonic() - started
         if not result.completed:

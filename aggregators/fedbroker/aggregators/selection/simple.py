@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import numpy as np
-
 from fedbroker.aggregators.selection.base import (
     SELECTION,
-    Candidate,
     ProbeRequest,
     Selection,
-    check_candidates,
+    SelectionInput,
     random_choice,
 )
-from fedbroker.aggregators.selection.probe import Probe
 from fedbroker.algorithm_params import AllParams, RandomParams
 
 
@@ -30,19 +24,9 @@ class AllSelection(AllParams):
         """No probe set."""
         return None
 
-    def choose(
-        self,
-        candidates: Sequence[Candidate],
-        *,
-        round_index: int,
-        global_vector: np.ndarray,
-        rng: np.random.Generator,
-        deadline: float | None = None,
-        probe: Probe | None = None,
-    ) -> Selection:
+    def choose(self, problem: SelectionInput) -> Selection:
         """Every candidate."""
-        check_candidates(candidates, round_index=round_index)
-        return Selection(chosen=[c.worker_id for c in candidates], stats={"ga_ran": 0.0, "fallback": 0.0})
+        return Selection(chosen=[c.worker_id for c in problem.candidates], stats={"ga_ran": 0.0, "fallback": 0.0})
 
 
 @SELECTION.register("random")
@@ -57,16 +41,7 @@ class RandomSelection(RandomParams):
         """No probe set."""
         return None
 
-    def choose(
-        self,
-        candidates: Sequence[Candidate],
-        *,
-        round_index: int,
-        global_vector: np.ndarray,
-        rng: np.random.Generator,
-        deadline: float | None = None,
-        probe: Probe | None = None,
-    ) -> Selection:
-        """m candidates drawn with `rng`."""
-        check_candidates(candidates, round_index=round_index)
-        return Selection(chosen=random_choice(candidates, self.m, rng), stats={"ga_ran": 0.0, "fallback": 0.0})
+    def choose(self, problem: SelectionInput) -> Selection:
+        """m candidates drawn with the problem's `rng`."""
+        return Selection(chosen=random_choice(problem.candidates, self.m, problem.rng),
+                         stats={"ga_ran": 0.0, "fallback": 0.0})

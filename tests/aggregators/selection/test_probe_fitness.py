@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedbroker.aggregators.selection import Candidate, GeneticSelection, Probe
+from fedbroker.aggregators.selection import Candidate, GeneticSelection, Probe, SelectionInput
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.spec import ModelSpec, parameter_shapes, parse_model
 
@@ -105,13 +105,11 @@ def test_with_mu_zero_the_probe_fitness_picks_the_set_whose_features_are_least_l
     candidates = [Candidate(k, model(v, -5.0 if k in ("same", "diag", "tilt") else 5.0), 1)
                   for k, v in features.items()]
     probe = Probe(MLP, np.array([[1.0, 0.0]]), np.array([0]))
-    chosen = GeneticSelection(m=2, mu=0.0, probe_dataset="digits").choose(
-        candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0), probe=probe)
+    chosen = GeneticSelection(m=2, mu=0.0, probe_dataset="digits").choose(SelectionInput(candidates=candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0), probe=probe))
     assert chosen.chosen == ["ortho", "near"]
     assert chosen.stats["loss1"] == pytest.approx(0.2 / math.sqrt(1.04) / 2)
     assert "loss2" not in chosen.stats
-    raw = GeneticSelection(m=2, mu=0.0, fitness="reported_loss").choose(
-        candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0))
+    raw = GeneticSelection(m=2, mu=0.0, fitness="reported_loss").choose(SelectionInput(candidates=candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0)))
     assert set(raw.chosen) <= {"same", "diag", "tilt"}
 
 
@@ -136,7 +134,7 @@ def test_probe_fitness_ga_finds_the_brute_force_optimum_for_8_candidates_choose_
     combos = np.array(list(itertools.combinations(range(8), 3)))
     values = fitness(combos)
     expected = [candidates[i].worker_id for i in combos[int(np.argmin(values))]]
-    chosen = algo.choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(ga_seed), probe=probe)
+    chosen = algo.choose(SelectionInput(candidates=candidates, round_index=10, global_vector=g, rng=np.random.default_rng(ga_seed), probe=probe))
     assert chosen.chosen == expected
     assert chosen.stats["fitness"] == pytest.approx(float(values.min()))
     assert chosen.stats["fitness"] == pytest.approx(chosen.stats["loss1"] + 1.0 * chosen.stats["loss2"])
@@ -145,8 +143,7 @@ def test_probe_fitness_ga_finds_the_brute_force_optimum_for_8_candidates_choose_
 def test_probe_fitness_without_a_probe_set_is_an_error() -> None:
     g, candidates, _ = _problem(0)
     with pytest.raises(ValueError, match="probe"):
-        GeneticSelection(m=3, probe_dataset="digits").choose(
-            candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0))
+        GeneticSelection(m=3, probe_dataset="digits").choose(SelectionInput(candidates=candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0)))
 
 
 def test_a_probe_set_the_model_cannot_read_is_refused() -> None:

@@ -11,7 +11,6 @@ import re
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import grpc
 import pytest
@@ -25,9 +24,7 @@ from fedbroker.app.status import render
 from fedbroker.app.tracking import TrackingError
 from fedbroker.errors import BusError, ConfigError, NotFound
 from fedbroker.proto import fedbroker_pb2 as pb
-from tests.source_roots import PYTHONPATH
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.source_roots import PYTHONPATH, ROOT
 
 
 def registered_verbs() -> dict[str, str]:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from fedbroker.aggregators.alignment import (
     ALIGNMENT,
+    AlignInput,
     FedDNA,
     Layer,
     apply_permutations,
@@ -111,9 +112,8 @@ def test_permuted_copies_are_realigned_exactly_and_compute_the_same_function(lay
     net = mlp(rng, [5, 9, 8, 7, 3])
     n_permuted = 1 if layers == "first" else 3
     clients, perms = permuted_copies(rng, net, 4, n_permuted)
-    result = FedDNA(layers=layers, distance=distance).align(
-        clients, weights=np.array([0.1, 0.2, 0.3, 0.4]), rng=np.random.default_rng(1)
-    )
+    result = FedDNA(layers=layers, distance=distance).align(AlignInput(clients=clients, weights=np.array([0.1, 0.2, 0.3, 0.4]), rng=np.random.default_rng(1)
+    ))
     for k in range(4):
         assert len(result.permutations[k]) == n_permuted
         for got, moved in zip(result.permutations[k], perms[k]):
@@ -134,9 +134,8 @@ def test_permuted_conv_copies_are_realigned_through_conv_and_flatten_blocks() ->
         Layer(rng.normal(size=(2, 6)), rng.normal(size=2)),
     ]
     clients, _ = permuted_copies(rng, net, 3, 3)
-    result = FedDNA(layers="all").align(
-        clients, weights=np.full(3, 1 / 3), rng=np.random.default_rng(2), spatial=[None, 16, None, None]
-    )
+    result = FedDNA(layers="all").align(AlignInput(clients=clients, weights=np.full(3, 1 / 3), rng=np.random.default_rng(2), spatial=[None, 16, None, None]
+    ))
     x = rng.normal(size=(3, 2, 4, 4))
     np.testing.assert_allclose(forward(result.layers, x), forward(net, x), rtol=0, atol=1e-10)
 
@@ -146,7 +145,7 @@ def test_bias_in_distance_separates_units_with_equal_incoming_weights() -> None:
     w = rng.normal(size=(1, 4))
     net = [Layer(np.vstack([w, w, rng.normal(size=(2, 4))]), np.array([0.0, 5.0, 1.0, 2.0])), Layer(rng.normal(size=(2, 4)), np.zeros(2))]
     clients, perms = permuted_copies(rng, net, 3, 1)
-    result = FedDNA(include_bias_in_distance=True).align(clients, weights=np.full(3, 1 / 3), rng=np.random.default_rng(0))
+    result = FedDNA(include_bias_in_distance=True).align(AlignInput(clients=clients, weights=np.full(3, 1 / 3), rng=np.random.default_rng(0)))
     for k in range(3):
         np.testing.assert_array_equal(result.permutations[k][0], np.argsort(perms[k][0]))
 
@@ -156,7 +155,7 @@ def test_matched_distance_beats_static_alignment_on_noisy_permuted_copies() -> N
     net = mlp(rng, [12, 20, 3])
     clients, _ = permuted_copies(rng, net, 5, 1)
     noisy = [[Layer(layer.weight + 0.05 * rng.normal(size=layer.weight.shape), layer.bias) for layer in c] for c in clients]
-    result = FedDNA(static_fallback=False).align(noisy, weights=np.full(5, 0.2), rng=np.random.default_rng(3))
+    result = FedDNA(static_fallback=False).align(AlignInput(clients=noisy, weights=np.full(5, 0.2), rng=np.random.default_rng(3)))
     assert result.stats["total_matched_distance"] < 0.1 * result.stats["identity_distance"]
 
 
@@ -175,7 +174,7 @@ def test_matched_distance_is_never_larger_than_the_identity_alignments(
     rng = np.random.default_rng(seed)
     clients = [mlp(rng, [n_in, width, 2]) for _ in range(n_clients)]
     alg = FedDNA(variant=variant, growth=growth)
-    result = alg.align(clients, weights=np.full(n_clients, 1 / n_clients), rng=np.random.default_rng(seed))
+    result = alg.align(AlignInput(clients=clients, weights=np.full(n_clients, 1 / n_clients), rng=np.random.default_rng(seed)))
     identity = result.stats["identity_distance"]
     # the trees actually used, measured on equal terms with the identity trees
     vectors = [alg.node_vectors(c[0]) for c in clients]
@@ -189,15 +188,15 @@ def test_alignment_freezes_into_fedavg_after_freeze_after_rounds() -> None:
     rng = np.random.default_rng(11)
     clients, _ = permuted_copies(rng, mlp(rng, [4, 6, 2]), 3, 1)
     weights = np.array([0.5, 0.3, 0.2])
-    fedavg = ALIGNMENT.create("none").align(clients, weights=weights, rng=np.random.default_rng(0))
-    frozen = FedDNA(freeze_after=2).align(clients, weights=weights, rng=np.random.default_rng(0), round_index=3)
+    fedavg = ALIGNMENT.create("none").align(AlignInput(clients=clients, weights=weights, rng=np.random.default_rng(0)))
+    frozen = FedDNA(freeze_after=2).align(AlignInput(clients=clients, weights=weights, rng=np.random.default_rng(0), round_index=3))
     assert frozen.stats["frozen"] == 1.0
     for a, b in zip(frozen.layers, fedavg.layers):
         np.testing.assert_array_equal(a.weight, b.weight)
     for perms in frozen.permutations:
         np.testing.assert_array_equal(perms[0], np.arange(6))
-    assert FedDNA(freeze_after=2).align(clients, weights=weights, rng=np.random.default_rng(0), round_index=2).stats["frozen"] == 0.0
-    assert FedDNA(freeze_after=None).align(clients, weights=weights, rng=np.random.default_rng(0), round_index=99).stats["frozen"] == 0.0
+    assert FedDNA(freeze_after=2).align(AlignInput(clients=clients, weights=weights, rng=np.random.default_rng(0), round_index=2)).stats["frozen"] == 0.0
+    assert FedDNA(freeze_after=None).align(AlignInput(clients=clients, weights=weights, rng=np.random.default_rng(0), round_index=99)).stats["frozen"] == 0.0
 
 
 def test_tree_means_are_plain_by_default_and_weighted_on_request() -> None:
@@ -205,8 +204,8 @@ def test_tree_means_are_plain_by_default_and_weighted_on_request() -> None:
     base = mlp(rng, [3, 4, 2])
     other = [Layer(layer.weight + 1e-3 * rng.normal(size=layer.weight.shape), layer.bias + 0.01) for layer in base]
     weights = np.array([0.75, 0.25])
-    plain = FedDNA().align([base, other], weights=weights, rng=np.random.default_rng(0))
-    weighted = FedDNA(weighted_means=True).align([base, other], weights=weights, rng=np.random.default_rng(0))
+    plain = FedDNA().align(AlignInput(clients=[base, other], weights=weights, rng=np.random.default_rng(0)))
+    weighted = FedDNA(weighted_means=True).align(AlignInput(clients=[base, other], weights=weights, rng=np.random.default_rng(0)))
     np.testing.assert_allclose(plain.layers[0].weight, (base[0].weight + other[0].weight) / 2)
     np.testing.assert_allclose(weighted.layers[0].weight, 0.75 * base[0].weight + 0.25 * other[0].weight)
     for result in (plain, weighted):  # the layers that are not aligned are always FedAvg
@@ -216,7 +215,7 @@ def test_tree_means_are_plain_by_default_and_weighted_on_request() -> None:
 def test_unequal_widths_are_rejected_naming_the_client_and_layer() -> None:
     rng = np.random.default_rng(13)
     with pytest.raises(ValueError, match="client 1 layer 0.*equal widths"):
-        FedDNA().align([mlp(rng, [3, 4, 2]), mlp(rng, [3, 5, 2])], weights=np.full(2, 0.5), rng=rng)
+        FedDNA().align(AlignInput(clients=[mlp(rng, [3, 4, 2]), mlp(rng, [3, 5, 2])], weights=np.full(2, 0.5), rng=rng))
 
 
 @pytest.mark.parametrize(

@@ -224,3 +224,20 @@ def test_no_room_is_too_big_to_read() -> None:
             if (length := node.end_lineno - node.lineno + 1) > FUNCTION_LIMIT:
                 too_big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines")
     assert not too_big, "\n".join(too_big)
+
+
+ROOMS = ("kernel", "coordinator", "worker", "aggregators", "app")
+CROSS_ROOM = ("integration", "faults", "security", "lifecycle", "ops", "evaluation", "experiments", "house")
+
+
+def test_tests_mirror_the_rooms() -> None:
+    """A room's tests are found from the room: every test file sits in a room's folder (or a cross-room one such
+    as integration or faults), none at the top of tests/."""
+    tests = ROOT / "tests"
+    top = sorted(p.name for p in tests.glob("test_*.py"))
+    assert not top, f"test files at the top of tests/ (move each into its room's folder): {top}"
+    folders = sorted(p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__" and
+                     any(p.rglob("test_*.py")))
+    unknown = [name for name in folders if name not in ROOMS + CROSS_ROOM]
+    assert not unknown, f"test folders that are neither a room nor cross-room: {unknown}"
+    assert set(ROOMS) <= set(folders), f"a room without tests: {sorted(set(ROOMS) - set(folders))}"

@@ -9,7 +9,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +26,7 @@ from fedbroker.bus import (
 )
 from fedbroker.errors import ConfigError
 from tests.rabbitmq_node import PrivateRabbitMQ
+from tests.source_roots import ROOT
 
 WORKERS = ("w1", "w2")  # every worker id the tests use, so teardown can delete their queues
 
@@ -351,7 +351,7 @@ def test_the_in_process_bus_needs_no_pika_and_the_package_exports_its_api() -> N
         "assert not missing, missing\n"
         "b = bus.open_bus(None, namespace='fbtest-nopika'); b.start(); b.close()\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=ROOT)
 
 
 def test_password_is_masked_in_urls_for_logs() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.source_roots import ROOT
+
 PROTO = ROOT / "proto" / "fedbroker" / "proto"
 GENERATED = ["fedbroker_pb2.py", "fedbroker_pb2.pyi", "fedbroker_pb2_grpc.py"]
 

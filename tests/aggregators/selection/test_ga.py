@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from fedbroker.aggregators.selection import Candidate, GeneticSelection
+from fedbroker.aggregators.selection import Candidate, GeneticSelection, SelectionInput
 from fedbroker.aggregators.selection import genetic as genetic_module
 
 
@@ -41,8 +41,8 @@ def test_ga_runs_every_ga_gap_rounds_counting_from_one() -> None:
     algo = GeneticSelection(fitness="reported_loss", m=2, ga_gap=10)
     assert [r for r in range(1, 31) if algo.is_ga_round(r)] == [10, 20, 30]
     g, candidates = random_problem(0)
-    assert algo.choose(candidates, round_index=9, global_vector=g, rng=np.random.default_rng(0)).stats["ga_ran"] == 0
-    assert algo.choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0)).stats["ga_ran"] == 1
+    assert algo.choose(SelectionInput(candidates=candidates, round_index=9, global_vector=g, rng=np.random.default_rng(0))).stats["ga_ran"] == 0
+    assert algo.choose(SelectionInput(candidates=candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0))).stats["ga_ran"] == 1
 
 
 @pytest.mark.parametrize("problem_seed", [0, 1, 2, 3, 4])
@@ -51,7 +51,7 @@ def test_ga_finds_the_brute_force_optimum_for_8_candidates_choose_3(problem_seed
     g, candidates = random_problem(problem_seed)
     algo = GeneticSelection(fitness="reported_loss", m=3)
     expected, best = brute_force(algo, candidates, g)
-    selection = algo.choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(ga_seed))
+    selection = algo.choose(SelectionInput(candidates=candidates, round_index=10, global_vector=g, rng=np.random.default_rng(ga_seed)))
     assert selection.chosen == expected
     assert selection.stats["fitness"] == pytest.approx(best)
     assert selection.stats["fitness"] == pytest.approx(selection.stats["loss1"] + 0.2 * selection.stats["loss2"])
@@ -68,9 +68,8 @@ def test_with_mu_zero_the_chosen_set_minimises_mean_cosine_to_the_global_model()
     }
     # no reported losses: with μ = 0 Loss2 is never needed
     candidates = [Candidate(worker_id=k, vector=np.array(v), num_samples=1) for k, v in vectors.items()]
-    selection = GeneticSelection(fitness="reported_loss", m=2, mu=0.0).choose(
-        candidates, round_index=10, global_vector=e1, rng=np.random.default_rng(0)
-    )
+    selection = GeneticSelection(fitness="reported_loss", m=2, mu=0.0).choose(SelectionInput(candidates=candidates, round_index=10, global_vector=e1, rng=np.random.default_rng(0)
+    ))
     assert selection.chosen == ["ortho", "near"]
     assert selection.stats["loss1"] == pytest.approx(0.2 / math.sqrt(1.04) / 2)
 
@@ -83,7 +82,7 @@ def test_reported_loss2_is_the_data_size_weighted_mean() -> None:
         Candidate(worker_id="c", vector=np.array([1.0, 0.0]), num_samples=5, reported_loss=9.0),
     ]
     algo = GeneticSelection(fitness="reported_loss", m=2, mu=1.0)
-    selection = algo.choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0))
+    selection = algo.choose(SelectionInput(candidates=candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0)))
     assert selection.chosen == ["a", "b"]
     assert selection.stats["loss2"] == pytest.approx((1 * 1.0 + 3 * 2.0) / 4)
 
@@ -92,21 +91,20 @@ def test_missing_reported_loss_names_the_worker() -> None:
     g, candidates = random_problem(0)
     candidates[5] = Candidate(worker_id="quiet", vector=candidates[5].vector, num_samples=3)
     with pytest.raises(ValueError, match="quiet"):
-        GeneticSelection(fitness="reported_loss", m=3).choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0))
+        GeneticSelection(fitness="reported_loss", m=3).choose(SelectionInput(candidates=candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0)))
 
 
 def test_update_of_the_wrong_size_names_the_worker_in_a_ga_round() -> None:
     g, candidates = random_problem(0)
     candidates[2] = Candidate(worker_id="short", vector=np.zeros(3), num_samples=3, reported_loss=1.0)
     with pytest.raises(ValueError, match="short"):
-        GeneticSelection(fitness="reported_loss", m=3).choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0))
+        GeneticSelection(fitness="reported_loss", m=3).choose(SelectionInput(candidates=candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0)))
 
 
 def test_deadline_in_the_past_falls_back_to_random_with_a_reason() -> None:
     g, candidates = random_problem(0)
-    selection = GeneticSelection(fitness="reported_loss", m=3).choose(
-        candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0), deadline=time.monotonic() - 1.0
-    )
+    selection = GeneticSelection(fitness="reported_loss", m=3).choose(SelectionInput(candidates=candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0), deadline=time.monotonic() - 1.0
+    ))
     assert selection.stats["fallback"] == 1 and selection.stats["ga_ran"] == 0
     assert "ga exceeded its time limit after 0/20 generations" in selection.reason
     assert len(selection.chosen) == len(set(selection.chosen)) == 3
@@ -140,7 +138,7 @@ def test_deadline_overrun_mid_run_reports_the_generations_done(monkeypatch: pyte
     monkeypatch.setattr(GeneticSelection, "fitness_for",
                         lambda self, *a, **k: tuple(clock.wrap(f) if f else f for f in fitness_for(*a, **k)))
     g, candidates = random_problem(0)
-    selection = algo.choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0), deadline=5.0)
+    selection = algo.choose(SelectionInput(candidates=candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0), deadline=5.0))
     assert selection.stats["fallback"] == 1
     assert "after 3/20 generations" in selection.reason
 
@@ -162,8 +160,8 @@ def test_same_seed_gives_the_same_choice() -> None:
     g, candidates = random_problem(11, n=30)
     algo = GeneticSelection(fitness="reported_loss", m=6, population=40, generations=10)
     for round_index in (3, 10):
-        a = algo.choose(candidates, round_index=round_index, global_vector=g, rng=np.random.default_rng(99))
-        b = algo.choose(candidates, round_index=round_index, global_vector=g, rng=np.random.default_rng(99))
+        a = algo.choose(SelectionInput(candidates=candidates, round_index=round_index, global_vector=g, rng=np.random.default_rng(99)))
+        b = algo.choose(SelectionInput(candidates=candidates, round_index=round_index, global_vector=g, rng=np.random.default_rng(99)))
         assert a.chosen == b.chosen
 
 
@@ -173,11 +171,11 @@ def test_ga_beats_almost_every_random_subset_on_a_larger_problem() -> None:
     fitness, _, _ = algo.fitness_for(candidates, g)
     rng = np.random.default_rng(0)
     random_sets = np.array([rng.choice(30, size=6, replace=False) for _ in range(2000)])
-    selection = algo.choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0))
+    selection = algo.choose(SelectionInput(candidates=candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0)))
     assert selection.stats["fitness"] <= np.quantile(fitness(random_sets), 0.01)
 
 
 def test_m_at_least_the_number_of_candidates_chooses_everyone() -> None:
     g, candidates = random_problem(0, n=4)
-    selection = GeneticSelection(fitness="reported_loss", m=4).choose(candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0))
+    selection = GeneticSelection(fitness="reported_loss", m=4).choose(SelectionInput(candidates=candidates, round_index=10, global_vector=g, rng=np.random.default_rng(0)))
     assert selection.chosen == ["w0", "w1", "w2", "w3"] and selection.stats["ga_ran"] == 0

@@ -12,9 +12,10 @@ import pytest
 
 from fedbroker.aggregators.root_update import train_root_update
 from fedbroker.aggregators.round_book import RoundBook
+from fedbroker.app.round_notes import robust_note, selection_note
+from fedbroker.close_report import judged
 from fedbroker.coordinator.store import StateStore
-from fedbroker.round_stats import robust_note, robust_verdicts, selection_note
-from tests.test_rounds import SPEC, stream
+from tests.aggregators.test_rounds import SPEC, stream
 
 HONEST = {"w1": 1.0, "w2": 1.2, "w3": 0.8, "w4": 1.1}
 RULES: dict[str, dict[str, Any]] = {
@@ -60,8 +61,9 @@ def close_with(rule: str, poison: float, updates: dict[str, dict[str, np.ndarray
 def test_one_poisoned_update_does_not_move_the_global_model(rule: str) -> None:
     result, state = close_with(rule, poison=-1000.0)
     assert "evil" not in result.aggregated and set(result.aggregated) <= set(HONEST)
-    assert robust_verdicts(result.stats)["evil"][0] == "discarded"
-    assert result.stats["robust_discarded"] >= 1 and f"{rule} discarded evil" in robust_note(rule, result.stats)
+    assert {v.worker_id: v.judgement for v in result.verdicts}["evil"] == "discarded"
+    assert {v.rule for v in result.verdicts} == {rule} and len(result.verdicts) == len(HONEST) + 1
+    assert result.stats["robust_discarded"] >= 1 and f"{rule} discarded evil" in robust_note(result.verdicts)
     low, high = (0.0, 5.0 / np.sqrt(31)) if rule == "norm_bound" else (0.8, 1.2)
     assert low - 1e-3 <= float(state["0.bias"][0]) <= high + 1e-3   # the honest range (norm_bound: M/‖Δ‖ of it)
     assert {u.worker_id: u.weight for u in result.updates}["evil"] == 0.0
@@ -80,7 +82,8 @@ def test_fltrust_trains_its_root_update_and_distrusts_an_update_against_it() -> 
     result, state = close_with("fltrust", 0.0, updates={**honest, "evil": evil})
     root_norm = float(np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in g0.values())))
     np.testing.assert_allclose(result.stats["robust_fltrust_root_norm"], root_norm, rtol=1e-5)
-    assert robust_verdicts(result.stats)["evil"][0] == "discarded" and "evil" not in result.aggregated
+    assert {v.worker_id: v.judgement for v in result.verdicts}["evil"] == "discarded"
+    assert "evil" not in result.aggregated
     assert set(result.aggregated) == set(HONEST)
     moved = {k: state[k].astype(np.float64) - start[k] for k in start}
     assert np.sqrt(sum(np.sum(m ** 2) for m in moved.values())) <= root_norm * (1 + 1e-4)
@@ -90,7 +93,8 @@ def test_fltrust_trains_its_root_update_and_distrusts_an_update_against_it() -> 
 def test_a_robust_round_keeps_every_update_apart_and_notes_selection_apart_from_discards() -> None:
     result, _ = close_with("multi_krum", poison=-1000.0)
     assert result.stats["selected"] == 5 and result.stats["aggregated"] == len(result.aggregated) <= 4
-    assert selection_note(1, result.stats) == ""  # `all` chose every update: the discard is the rule's, not a draw
+    assert result.selection is not None and (result.selection.chosen, result.selection.accepted) == (5, 5)
+    assert selection_note(1, result.selection) == ""  # `all` chose every update: the discard is the rule's, not a draw
 
 
 def test_a_robust_rule_is_refused_beside_an_alignment_when_the_service_builds_the_job() -> None:
@@ -106,12 +110,13 @@ def test_the_coordinator_records_the_rule_s_verdict_on_the_participant(tmp_path:
     store = StateStore(str(tmp_path / "coordinator.sqlite"))
     store.add_job("j", "job", json.dumps({}), 1, SPEC.to_json())
     store.open_round("j", 1, [*HONEST, "evil"])
-    verdicts = robust_verdicts(result.stats)
+    verdicts = judged(result.verdicts)
     store.close_round("j", 1, model_version=2, aggregated=result.aggregated,
                       updates=[(u.worker_id, u.num_samples, u.epsilon, u.train_loss) for u in result.updates],
                       accuracy=None, loss=None, seconds=1.0, checkpoint="", stats=result.stats,
                       model_spec_json=SPEC.to_json(),
-                      reasons={w: f"multi_krum {v} its update ({r:.0%} of its share)" for w, (v, r) in verdicts.items()})
+                      reasons={v.worker_id: f"multi_krum {v.judgement} its update ({v.ratio:.0%} of its share)"
+                               for v in verdicts})
     rows = {p.worker_id: p for p in store.participants("j", 1)}
     assert rows["evil"].status == "uploaded" and rows["evil"].reason == "multi_krum discarded its update (0% of its share)"
     assert all(rows[w].reason == "" for w in result.aggregated)

@@ -18,8 +18,8 @@ from fedbroker.aggregators.registry import Registry
 from fedbroker.aggregators.robust import ROBUST
 from fedbroker.aggregators.selection import SELECTION
 from fedbroker.aggregators.weighting import WEIGHTING
+from tests.source_roots import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "algorithms.md"
 # Built from pieces so this file does not match its own search.
 FORBIDDEN = ("ALGORITHMS" + ".md", ".." + "/shared")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.source_roots import ROOT
+
 PACKAGE_DIRS = ("fedbroker", "coordinator", "worker", "aggregators", "proto")
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.errors import ConfigError, Conflict, Rejection, UploadRejected
-from tests.test_rounds import SPEC, stream, weights
+from tests.aggregators.test_rounds import SPEC, stream, weights
 
 AGG = {"alignment": "none", "weighting": "fedavg", "selection": "all"}
 

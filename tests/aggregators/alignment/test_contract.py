@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fedbroker.aggregators.alignment as alignment
-from fedbroker.aggregators.alignment import ALIGNMENT, AlignmentResult, Layer
+from fedbroker.aggregators.alignment import ALIGNMENT, AlignInput, AlignmentResult, Layer
 from fedbroker.errors import ConfigError
 
 NAMES = ["feddna", "nafi", "none", "pfnm"]
@@ -35,7 +35,7 @@ def convnet(rng: np.random.Generator, c1: int, c2: int, hw: int = 4) -> list[Lay
 def run(name: str, clients: list, seed: int = 0, **kwargs) -> AlignmentResult:
     alg = ALIGNMENT.create(name, SEEDS.get(name, {}))
     weights = np.linspace(1.0, 2.0, len(clients))
-    return alg.align(clients, weights=weights / weights.sum(), rng=np.random.default_rng(seed), **kwargs)
+    return alg.align(AlignInput(clients=clients, weights=weights / weights.sum(), rng=np.random.default_rng(seed), **kwargs))
 
 
 def assert_consistent(result: AlignmentResult, clients: list) -> None:
@@ -149,7 +149,7 @@ def test_inconsistent_clients_are_rejected_naming_client_and_layer(name: str, ca
     alg = ALIGNMENT.create(name)
     weights = np.full(max(len(clients), 1), 1 / max(len(clients), 1))[: len(clients)]
     with pytest.raises(ValueError, match=message):
-        alg.align(clients, weights=weights, rng=np.random.default_rng(0))
+        alg.align(AlignInput(clients=clients, weights=weights, rng=np.random.default_rng(0)))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -158,14 +158,14 @@ def test_weights_must_be_one_finite_non_negative_coefficient_per_client(name: st
     rng = np.random.default_rng(5)
     clients = [mlp(rng, [3, 4, 2]) for _ in range(2)]
     with pytest.raises(ValueError, match="weights"):
-        ALIGNMENT.create(name).align(clients, weights=weights, rng=rng)
+        ALIGNMENT.create(name).align(AlignInput(clients=clients, weights=weights, rng=rng))
 
 
 def test_none_is_the_weighted_mean_of_every_layer() -> None:
     rng = np.random.default_rng(6)
     clients = [mlp(rng, [3, 4, 2]) for _ in range(3)]
     weights = np.array([0.2, 0.3, 0.5])
-    result = ALIGNMENT.create("none").align(clients, weights=weights, rng=rng)
+    result = ALIGNMENT.create("none").align(AlignInput(clients=clients, weights=weights, rng=rng))
     for ell in range(2):
         np.testing.assert_allclose(result.layers[ell].weight, sum(w * c[ell].weight for w, c in zip(weights, clients)))
         np.testing.assert_allclose(result.layers[ell].bias, sum(w * c[ell].bias for w, c in zip(weights, clients)))

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedbroker.aggregators.selection import SELECTION, Candidate, Selection
+from fedbroker.aggregators.selection import SELECTION, Candidate, Selection, SelectionInput
 from fedbroker.errors import ConfigError
 from tests.source_roots import PYTHONPATH, ROOT
 
@@ -30,7 +30,7 @@ def candidates(n: int = 7, dim: int = 5) -> list[Candidate]:
 
 def choose(name: str, cands: list[Candidate], round_index: int, seed: int = 0) -> Selection:
     algo = SELECTION.create(name, PARAMS[name])
-    return algo.choose(cands, round_index=round_index, global_vector=np.ones(5), rng=np.random.default_rng(seed))
+    return algo.choose(SelectionInput(candidates=cands, round_index=round_index, global_vector=np.ones(5), rng=np.random.default_rng(seed)))
 
 
 def test_every_registered_selection_has_contract_parameters() -> None:
@@ -82,7 +82,7 @@ def test_needs_vectors_is_true_exactly_when_the_vectors_are_read(name: str) -> N
     cands = [Candidate(worker_id=c.worker_id, vector=np.empty(0), num_samples=c.num_samples) for c in candidates()]
     for round_index in (1, 10):
         if not algo.needs_vectors(round_index):  # placeholders must then be fine
-            algo.choose(cands, round_index=round_index, global_vector=np.ones(5), rng=np.random.default_rng(0))
+            algo.choose(SelectionInput(candidates=cands, round_index=round_index, global_vector=np.ones(5), rng=np.random.default_rng(0)))
 
 
 def test_unknown_selection_is_a_config_error_listing_the_known_ones() -> None:

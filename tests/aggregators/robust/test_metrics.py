@@ -12,6 +12,7 @@ from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators import metrics as agg_metrics
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
+from fedbroker.close_report import Verdict
 from tests.ops.test_metrics import SPEC, weights
 
 AGG = {"alignment": "none", "weighting": "fedavg", "selection": "all", "robust": "multi_krum",
@@ -44,15 +45,15 @@ def test_a_close_counts_each_site_s_verdict_from_series_that_start_at_zero() -> 
     assert sum(count("discarded", s) or 0.0 for s in sites[1:]) <= 1.0  # Multi-Krum averages n − f = 4 of 5
 
 
-def test_verdicts_are_read_from_the_close_s_stats_by_their_thresholds() -> None:
+def test_verdicts_are_counted_by_their_thresholds() -> None:
     rule = "trimmed_mean"
     agg_metrics.robust_round_opened(rule, ["x-kept", "x-half", "x-gone"])
-    agg_metrics.record_robust(rule, {"robust_kept:x-kept": 0.9, "robust_kept:x-half": 0.3, "robust_kept:x-gone": 0.0,
-                                     "robust_discarded": 1.0})
+    agg_metrics.record_robust([Verdict("x-kept", rule, 0.9, 1.0), Verdict("x-half", rule, 0.3, 1.0),
+                               Verdict("x-gone", rule, 0.0, 1.0)])
     assert [count("judged", w, rule) for w in ("x-kept", "x-half", "x-gone")] == [1.0, 1.0, 1.0]
     assert [count("discarded", w, rule) for w in ("x-kept", "x-half", "x-gone")] == [0.0, 0.0, 1.0]
     assert [count("downweighted", w, rule) for w in ("x-kept", "x-half", "x-gone")] == [0.0, 1.0, 0.0]
     agg_metrics.robust_round_opened("none", ["y"])
-    agg_metrics.record_robust("none", {"robust_kept:y": 0.0})
+    agg_metrics.record_robust([])  # a job without a rule judges nobody
     assert count("judged", "y", "none") is None  # a job without a rule makes no series
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 import grpc
 import pytest
 
 from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.rpc import status_for
+from tests.source_roots import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\| `(?P<reason>[a-z_]+)` \| `(?P<status>[A-Z_]+)` \| (?P<worker>final|retries) \|", re.M)
 
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 
 import pytest
 
 from bench.__main__ import BENCHMARKS
+from tests.source_roots import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(ROOT)
 
 
 def finite_medians(rows):

@@ -14,9 +14,9 @@ from fedbroker.catalogue import aggregation_settings
 from fedbroker.errors import ConfigError
 from fedbroker.spec import AggregationConfig
 from fedbroker.submission import accept_job
-from tests.test_async_book import AGG, config
-from tests.test_every_problem import JOB, refused
-from tests.test_rounds import SPEC, weights
+from tests.aggregators.test_async_book import AGG, config
+from tests.aggregators.test_rounds import SPEC, weights
+from tests.kernel.test_every_problem import JOB, refused
 
 
 def job(**aggregation: Any) -> dict[str, Any]:

@@ -4,7 +4,6 @@ job it says it comes from, and every setting in it carries a comment."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import yaml
@@ -12,8 +11,8 @@ import yaml
 from fedbroker.app.cli import main
 from fedbroker.app.new import TEMPLATES
 from fedbroker.submission import accept_job_text
+from tests.source_roots import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 # each template and the example job it is written from (None: the bundled-digits variant of the CNN example)
 SOURCES = {"sync": "examples/image-cnn-idx/job.yaml", "async": "examples/image-cnn-idx/job.yaml",
            "alignment": "examples/one-shot-fusion/job-pfnm.yaml", "own-data": "examples/tabular-csv-dwfed/job.yaml"}

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedbroker.aggregators.alignment import ALIGNMENT, NAFI, PFNM, Layer, apply_permutations
+from fedbroker.aggregators.alignment import ALIGNMENT, NAFI, PFNM, AlignInput, Layer, apply_permutations
 from fedbroker.errors import ConfigError
 
 SIGMA2, SIGMA0_2, MU_B = 0.5, 2.0, 0.1
@@ -54,7 +54,7 @@ def test_pfnm_three_permuted_copies_give_the_original_neurons_shrunk_by_the_prio
     net = mlp(rng, [6, 10, 8, 3])
     clients, perms = permuted_copies(rng, net, 3)
     alg = PFNM(sigma2=SIGMA2, sigma0_2=SIGMA0_2, bias_prior_mean=MU_B)
-    result = alg.align(clients, weights=np.array([0.2, 0.3, 0.5]), rng=np.random.default_rng(1))
+    result = alg.align(AlignInput(clients=clients, weights=np.array([0.2, 0.3, 0.5]), rng=np.random.default_rng(1)))
     assert_shrunk_copy(result, net, perms, 3)
     assert result.stats["global_neurons_layer_0"] == 10.0
 
@@ -66,7 +66,7 @@ def test_nafi_recovers_permuted_copies_for_lambda_up_to_one(lam: float, kl_mode:
     net = mlp(rng, [6, 10, 8, 3])
     clients, perms = permuted_copies(rng, net, 3)
     alg = NAFI(sigma2=SIGMA2, sigma0_2=SIGMA0_2, bias_prior_mean=MU_B, lam=lam, kl_mode=kl_mode)
-    result = alg.align(clients, weights=np.full(3, 1 / 3), rng=np.random.default_rng(2))
+    result = alg.align(AlignInput(clients=clients, weights=np.full(3, 1 / 3), rng=np.random.default_rng(2)))
     assert_shrunk_copy(result, net, perms, 3)
 
 
@@ -79,7 +79,7 @@ def test_pfnm_recovers_permuted_conv_copies_through_conv_and_flatten_blocks() ->
     ]
     clients, perms = permuted_copies(rng, net, 3)
     alg = PFNM(sigma2=SIGMA2, sigma0_2=SIGMA0_2, bias_prior_mean=MU_B)
-    result = alg.align(clients, weights=np.full(3, 1 / 3), rng=np.random.default_rng(3), spatial=[None, 9, None])
+    result = alg.align(AlignInput(clients=clients, weights=np.full(3, 1 / 3), rng=np.random.default_rng(3), spatial=[None, 9, None]))
     assert_shrunk_copy(result, net, perms, 3)
 
 
@@ -93,8 +93,8 @@ def test_nafi_with_lambda_zero_is_pfnm_exactly(hidden: list[list[int]], seed: in
     clients = [mlp(rng, [4, h1, h2, 3]) for h1, h2 in hidden]  # unrelated nets of unequal widths
     weights = rng.dirichlet(np.ones(len(clients)))
     shares = rng.dirichlet(np.ones(len(clients)), size=3).T
-    a = PFNM().align(clients, weights=weights, rng=np.random.default_rng(seed), class_shares=shares)
-    b = NAFI(lam=0.0).align(clients, weights=weights, rng=np.random.default_rng(seed), class_shares=shares)
+    a = PFNM().align(AlignInput(clients=clients, weights=weights, rng=np.random.default_rng(seed), class_shares=shares))
+    b = NAFI(lam=0.0).align(AlignInput(clients=clients, weights=weights, rng=np.random.default_rng(seed), class_shares=shares))
     assert a.widths == b.widths and a.stats == b.stats
     for x, y in zip(a.layers, b.layers):
         np.testing.assert_array_equal(x.weight, y.weight)
@@ -111,7 +111,7 @@ def test_class_shares_decide_whose_output_weights_form_each_class() -> None:
     net = mlp(rng, [5, 6, 2])
     other = [net[0], Layer(net[1].weight + 1.0, net[1].bias - 1.0)]  # same hidden units, other output layer
     shares = np.array([[1.0, 0.0], [0.0, 1.0]])  # client 0 holds all of class 0, client 1 all of class 1
-    result = PFNM().align([net, other], weights=np.full(2, 0.5), rng=np.random.default_rng(0), class_shares=shares)
+    result = PFNM().align(AlignInput(clients=[net, other], weights=np.full(2, 0.5), rng=np.random.default_rng(0), class_shares=shares))
     shrink = 1.0 / (1.0 + 1.0)  # τ/(τ0 + τ) with σ² = σ0² = 1: a single client's precision
     np.testing.assert_allclose(result.layers[1].weight[0], shrink * net[1].weight[0], rtol=1e-12)
     np.testing.assert_allclose(result.layers[1].weight[1], shrink * other[1].weight[1], rtol=1e-12)
@@ -128,19 +128,19 @@ def test_plain_output_weighting_gives_every_clients_output_weights_the_full_prec
     other = [net[0], Layer(net[1].weight + 1.0, net[1].bias - 1.0)]
     shares = np.array([[0.25, 0.6], [0.75, 0.4]])  # client k's share of class c (each class sums to 1)
     plain = PFNM(output_weighting="plain")
-    result = plain.align([net, other], weights=np.full(2, 0.5), rng=np.random.default_rng(0), class_shares=shares)
+    result = plain.align(AlignInput(clients=[net, other], weights=np.full(2, 0.5), rng=np.random.default_rng(0), class_shares=shares))
     # both clients' output rows with precision τ = 1 each and the prior τ0 = 1: (0·1 + w + w')/(1 + 2)
     np.testing.assert_allclose(result.layers[1].weight, (net[1].weight + other[1].weight) / 3, rtol=1e-12)
     biases = np.stack([net[1].bias, other[1].bias])  # (clients, classes)
     np.testing.assert_allclose(result.layers[1].bias, (0.1 + (shares * biases).sum(axis=0)) / (1 + 1), rtol=1e-12)
     # the class shares move the bias, never the weights
-    flipped = plain.align([net, other], weights=np.full(2, 0.5), rng=np.random.default_rng(0),
-                          class_shares=shares[::-1])
+    flipped = plain.align(AlignInput(clients=[net, other], weights=np.full(2, 0.5), rng=np.random.default_rng(0),
+                          class_shares=shares[::-1]))
     np.testing.assert_array_equal(flipped.layers[1].weight, result.layers[1].weight)
     np.testing.assert_allclose(flipped.layers[1].bias, (0.1 + (shares[::-1] * biases).sum(axis=0)) / 2, rtol=1e-12)
     # with σ² = 0.5, σ0² = 2 the precisions differ, and the bias keeps the formula
     tuned = PFNM(output_weighting="plain", sigma2=SIGMA2, sigma0_2=SIGMA0_2, bias_prior_mean=MU_B)
-    result = tuned.align([net, other], weights=np.full(2, 0.5), rng=np.random.default_rng(0), class_shares=shares)
+    result = tuned.align(AlignInput(clients=[net, other], weights=np.full(2, 0.5), rng=np.random.default_rng(0), class_shares=shares))
     expected = (MU_B * TAU0 + TAU * (shares * biases).sum(axis=0)) / (TAU0 + TAU * shares.sum(axis=0))
     np.testing.assert_allclose(result.layers[1].bias, expected, rtol=1e-12)
 
@@ -153,8 +153,7 @@ def test_plain_output_weighting_averages_the_retrained_output_layers_in_the_laye
     def keep(_: int, prefix: list, starts: list) -> list:
         return starts
 
-    results = {mode: PFNM(output_weighting=mode).align_layerwise(
-        clients, keep, weights=np.full(3, 1 / 3), rng=np.random.default_rng(0), class_shares=shares)
+    results = {mode: PFNM(output_weighting=mode).align_layerwise(AlignInput(clients=clients, weights=np.full(3, 1 / 3), rng=np.random.default_rng(0), class_shares=shares), keep)
         for mode in ("plain", "class_share")}
     for mode, result in results.items():
         # each client's output layer, its input columns moved into the matched global order
@@ -186,7 +185,7 @@ def test_layerwise_driver_freezes_each_matched_layer_and_lets_clients_retrain_th
         return starts  # "retraining" that changes nothing
 
     alg = NAFI(sigma2=SIGMA2, sigma0_2=SIGMA0_2, bias_prior_mean=MU_B)
-    result = alg.align_layerwise(clients, retrain, weights=np.full(3, 1 / 3), rng=np.random.default_rng(0))
+    result = alg.align_layerwise(AlignInput(clients=clients, weights=np.full(3, 1 / 3), rng=np.random.default_rng(0)), retrain)
     assert calls == [(0, 1), (1, 2)]
 
     def hidden(v: np.ndarray, mu: float) -> np.ndarray:
@@ -210,7 +209,7 @@ def test_layerwise_driver_rejects_clients_that_did_not_keep_the_frozen_prefix() 
         return [[Layer(np.zeros((4, 4)), np.zeros(4)), Layer(np.zeros((2, 4)), np.zeros(2))] for _ in starts]
 
     with pytest.raises(ValueError, match="client 0 layer 0.*frozen global layer"):
-        PFNM().align_layerwise(clients, retrain, weights=np.full(2, 0.5), rng=rng)
+        PFNM().align_layerwise(AlignInput(clients=clients, weights=np.full(2, 0.5), rng=rng), retrain)
 
 
 def test_single_layer_matching_is_exposed_on_the_algorithm() -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fedbroker import codec
-from fedbroker.aggregators.alignment import ALIGNMENT
+from fedbroker.aggregators.alignment import ALIGNMENT, AlignInput
 from fedbroker.aggregators.layer_conversion import from_layers, to_layers
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.selection import Probe
@@ -80,8 +80,8 @@ def test_permuted_copies_behind_a_standardize_layer_are_realigned_exactly(alignm
     moves = [shuffles(k) if k else {layer: np.arange(w) for layer, w in HIDDEN.items()} for k in range(3)]
     clients = [to_layers(SPEC, permuted(original, m)) for m in moves]
     params = {"layers": "all"} if alignment == "feddna" else {}
-    result = ALIGNMENT.create(alignment, params).align(clients, weights=np.full(3, 1 / 3), rng=np.random.default_rng(1),
-                                                       class_shares=np.full((3, 3), 1 / 3))
+    result = ALIGNMENT.create(alignment, params).align(AlignInput(clients=clients, weights=np.full(3, 1 / 3), rng=np.random.default_rng(1),
+                                                       class_shares=np.full((3, 3), 1 / 3)))
     for k, move in enumerate(moves):  # client unit j is the original's unit move[j], and is put back there
         assert len(result.permutations[k]) == 2
         for got, layer in zip(result.permutations[k], ("1", "3")):

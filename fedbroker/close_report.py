@@ -1,0 +1,101 @@
+"""A close's report in types: how the round's updates were chosen (`SelectionRecord`) and what a robust rule
+did to each (`Verdict`). The aggregation service makes them, `CloseRoundReply` carries them, the coordinator
+records them, and only the face puts them in words (`fedbroker.app.round_notes`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.robust_params import DISCARDED_BELOW, DOWNWEIGHTED_BELOW
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One update as a robust rule judged it: the weight it kept against what the plain mean would give it."""
+
+    worker_id: str
+    rule: str
+    kept_weight: float
+    expected_weight: float
+
+    @property
+    def ratio(self) -> float:
+        """kept / expected (1 where nothing was expected)."""
+        return self.kept_weight / self.expected_weight if self.expected_weight > 0 else 1.0
+
+    @property
+    def judgement(self) -> str:
+        """`discarded` (under DISCARDED_BELOW of its share), `down-weighted` (under DOWNWEIGHTED_BELOW), or `kept`."""
+        if self.ratio < DISCARDED_BELOW:
+            return "discarded"
+        return "down-weighted" if self.ratio < DOWNWEIGHTED_BELOW else "kept"
+
+    def to_proto(self) -> pb.Verdict:
+        """The wire form (`CloseRoundReply.verdicts`)."""
+        return pb.Verdict(worker_id=self.worker_id, rule=self.rule, kept_weight=self.kept_weight,
+                          expected_weight=self.expected_weight, discarded=self.judgement == "discarded",
+                          reason=self.judgement)
+
+    @classmethod
+    def from_proto(cls, message: pb.Verdict) -> Verdict:
+        """Back from the wire form."""
+        return cls(message.worker_id, message.rule, message.kept_weight, message.expected_weight)
+
+
+@dataclass(frozen=True)
+class SelectionRecord:
+    """How the round's updates were chosen: by which selection, how many of how many, and whether the genetic
+    algorithm ran (`ga_round`: the round is one of the GA's; `fallback`: it ran past its time limit)."""
+
+    method: str
+    accepted: int
+    chosen: int
+    ga_round: bool = False
+    ga_ran: bool = False
+    fallback: bool = False
+    fitness: float | None = None
+
+    def to_proto(self) -> pb.SelectionRecord:
+        """The wire form (`CloseRoundReply.selection`)."""
+        message = pb.SelectionRecord(method=self.method, accepted=self.accepted, chosen=self.chosen,
+                                     ga_round=self.ga_round, ga_ran=self.ga_ran, fallback=self.fallback)
+        if self.fitness is not None:
+            message.fitness = self.fitness
+        return message
+
+    @classmethod
+    def from_proto(cls, message: pb.SelectionRecord) -> SelectionRecord:
+        """Back from the wire form."""
+        return cls(message.method, message.accepted, message.chosen, message.ga_round, message.ga_ran,
+                   message.fallback, message.fitness if message.HasField("fitness") else None)
+
+
+def judged(verdicts: Sequence[Verdict]) -> list[Verdict]:
+    """The verdicts worth a note (discarded or down-weighted), by worker."""
+    return sorted((v for v in verdicts if v.judgement != "kept"), key=lambda v: v.worker_id)
+
+
+def to_json(record: SelectionRecord | Sequence[Verdict]) -> str:
+    """The record as the coordinator keeps it in a job's events (the face reads it back with `from_json`)."""
+    if isinstance(record, SelectionRecord):
+        return json.dumps(asdict(record), sort_keys=True)
+    return json.dumps([asdict(v) for v in record], sort_keys=True)
+
+
+def selection_from_json(text: str) -> SelectionRecord:
+    """A SelectionRecord from `to_json`'s text; a ValueError when it is not one."""
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError("not a selection record")
+    return SelectionRecord(**data)
+
+
+def verdicts_from_json(text: str) -> list[Verdict]:
+    """Verdicts from `to_json`'s text; a ValueError when they are not."""
+    data = json.loads(text)
+    if not isinstance(data, list) or not all(isinstance(v, dict) for v in data):
+        raise ValueError("not a list of verdicts")
+    return [Verdict(**v) for v in data]
