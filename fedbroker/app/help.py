@@ -1,7 +1,7 @@
 """`fedbroker --help`: every registered verb, grouped by who uses it, with the exit-code convention.
 
 The listing is built from the parser's own subcommands after they are all registered, so a new verb shows up
-by itself (under "more" until it is given a group); tests/test_cli_help.py compares it with the registry.
+by itself (under "more" until it is given a group); tests/app/test_cli_conventions.py compares it with the registry.
 """
 
 from __future__ import annotations
