@@ -164,7 +164,8 @@ def compare(local: dict[str, Any], remote: dict[str, Any] | None) -> dict[str, A
         if state == "coordinator_only" and not b:
             state = AGREE  # a job it was asked for but never trained in: nothing to hold
         rows.append({"job_id": job_id, "ledger_epsilon": a, "coordinator_epsilon": b, "status": state})
-    total, recorded = local["epsilon_total"], remote["epsilon_recorded"]
+    # the coordinator records the training it priced, never the site's releases (its heartbeats are advisory)
+    total, recorded = local.get("epsilon_training", local["epsilon_total"]), remote["epsilon_recorded"]
     short = [r["job_id"] for r in rows if r["status"] in (LEDGER_BELOW, "coordinator_only")]
     if below(total, recorded) or short:
         status = LEDGER_BELOW

@@ -3,7 +3,8 @@
 The coordinator keeps the highest ε a worker ever reported and every task carries it; a worker whose ledger
 holds less refuses to train. A record that is wrong (a report forged before the control queue bound messages
 to their senders, ε spent outside the coordinator's tasks) is corrected here, with the site's own ledger as the
-evidence: the ledger must name the worker, and the record is never set below the ε it holds. Each correction is
+evidence: the ledger must name the worker, and the record is never set below the ε it holds nor below what the
+coordinator's own participant rows priced for the worker (a ledger emptied of jobs is refused). Each correction is
 kept in the state store's audit trail (who, when, from what to what, the ledger's digest), shown by
 `fedbroker workers corrections`.
 
@@ -43,8 +44,8 @@ def ledger_evidence(path: str, worker_id: str) -> tuple[float, str]:
 
 def reset_epsilon(state_dir: str, worker_id: str, *, ledger_path: str, by: str, epsilon: float | None = None,
                   note: str = "") -> tuple[float, float]:
-    """Set the ε recorded for `worker_id` to `epsilon` (default: its ledger's), never below its ledger's, and
-    audit it; (old, new). Refused while a coordinator holds `state_dir` (StateDirInUse)."""
+    """Set the ε recorded for `worker_id` to `epsilon` (default: its ledger's), never below its ledger's nor what
+    the coordinator priced for it (`StateStore.priced_epsilon`), and audit it; (old, new). Refused while a coordinator holds `state_dir` (StateDirInUse)."""
     from fedbroker.coordinator.store import StateStore
     from fedbroker.worker.ledger import below
 
@@ -55,6 +56,14 @@ def reset_epsilon(state_dir: str, worker_id: str, *, ledger_path: str, by: str, 
                                        f"a record below the site's own ledger would let it spend that ε again")
     store = StateStore.in_directory(state_dir)
     try:
+        if store.recorded_epsilon(worker_id) is None:
+            raise NotFound(f"no worker {worker_id!r} is registered in {state_dir}")
+        priced = store.priced_epsilon(worker_id)
+        if below(new, priced):
+            raise ConfigError("--ledger", f"the ε {new:.6g} to record is below the ε {priced:.6g} this coordinator "
+                                          f"recorded for {worker_id!r} from the tasks it priced (its participant "
+                                          f"rows, `fedbroker ledger` on the site lists them): a ledger emptied of "
+                                          f"jobs would let the site spend that ε again; restore its full ledger")
         correction = store.correct_epsilon(worker_id, epsilon=new, by=by, ledger_sha256=digest, ledger_epsilon=spent,
                                            note=note)
     finally:

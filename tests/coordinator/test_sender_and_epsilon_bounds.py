@@ -1,6 +1,7 @@
 """The control queue's checks that need no broker: who may speak for a worker (`SenderBinding`, on the in-process
-bus whose buses stand for broker users), how far a worker's reported ε may rise (`EpsilonBounds`, kept in the state
-store across restarts), the audit trail of ε corrections, and the configs that carry the binding."""
+bus whose buses stand for broker users), the ε a task outcome may claim for a job (`EpsilonBounds`, kept in the
+state store across restarts), the recorded ε (what the coordinator priced: its participant rows), the audit trail of
+ε corrections, and the configs that carry the binding."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from fedbroker.app.provision import parse_project, provision
 from fedbroker.bus import InProcessBus
 from fedbroker.config import DPPolicy, load_config
 from fedbroker.coordinator.control import ForeignSender, SenderBinding
-from fedbroker.coordinator.participants import REPORT_GRACE_S, EpsilonBounds
+from fedbroker.coordinator.participants import EpsilonBounds
 from fedbroker.coordinator.records import ParticipantStatus
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.store import StateStore
@@ -106,21 +107,35 @@ def test_the_binding_follows_the_config_file_so_an_added_site_is_accepted_withou
     assert binding.site_for("site-a", "a") == "a"
 
 
-def test_a_workers_epsilon_may_rise_by_what_its_tasks_can_cost_and_the_bound_outlives_a_restart(
+def test_a_jobs_epsilon_claim_is_bounded_by_what_its_tasks_were_priced_at_and_the_bound_outlives_a_restart(
         tmp_path: Path) -> None:
     store = StateStore(str(tmp_path / "c.sqlite"))
-    register(store, "w0", epsilon=1.0)
+    register(store, "w0")
     bounds = EpsilonBounds(store)
-    assert bounds.limit("w0") == pytest.approx(1.0)  # nothing asked of it: no rise allowed
-    assert bounds.limit("ghost") is None
-    deadline = time.time() - REPORT_GRACE_S - 5  # two tasks whose rounds ended a while ago
-    bounds.note_tasks([task("w0"), task("w0"), ("w0", b"not a task")], deadline)
-    per_round = (bounds.limit("w0") - 1.0) / 2
+    assert bounds.limit("w0", "job-1") == 0.0  # nothing asked of it: no ε may be claimed
+    bounds.note_tasks([task("w0"), task("w0"), ("w0", b"not a task")], time.time() + 60)
+    per_round = bounds.limit("w0", "job-1") / 2
     assert 0 < per_round < 50
-    restarted = EpsilonBounds(store)  # the tasks' bounds are in the store
-    assert restarted.limit("w0") == pytest.approx(1.0 + 2 * per_round)
-    restarted.accepted("w0", sent_at=None)  # a total sent now, after both deadlines
-    assert restarted.limit("w0") == pytest.approx(1.0)  # the tasks' ε is in it: they bound nothing more
+    assert bounds.limit("w0", "job-2") == 0.0 and bounds.limit("ghost", "job-1") == 0.0
+    restarted = EpsilonBounds(StateStore(str(tmp_path / "c.sqlite")))  # the tasks' bounds are in the store
+    assert restarted.limit("w0", "job-1") == pytest.approx(2 * per_round)
+    store.close()
+
+
+def test_the_recorded_epsilon_is_what_the_participant_rows_priced_never_a_claim(tmp_path: Path) -> None:
+    """Per job the largest ε of its rows (a job's ε is cumulative), summed over jobs; a heartbeat changes nothing."""
+    store = StateStore(str(tmp_path / "c.sqlite"))
+    register(store, "w0")
+    for job_id in ("a", "b"):
+        store.add_job(job_id, job_id, "{}", 3, "{}")
+    store.record_async_training("a", "w0", task=1, status=ParticipantStatus.FAILED, reason="stale", epsilon=0.5)
+    store.record_async_training("a", "w0", task=2, status=ParticipantStatus.FAILED, reason="stale", epsilon=0.9)
+    store.record_async_training("b", "w0", task=1, status=ParticipantStatus.FAILED, reason="stale", epsilon=0.25)
+    assert store.touch_worker("w0", state="idle")  # type: ignore[arg-type]
+    assert store.priced_epsilon("w0") == pytest.approx(1.15)
+    assert store.recorded_epsilon("w0") == pytest.approx(1.15)
+    assert [w.epsilon_spent for w in store.workers()] == [pytest.approx(1.15)]
+    assert store.recorded_epsilon("ghost") is None and store.priced_epsilon("ghost") == 0.0
     store.close()
 
 

@@ -198,10 +198,14 @@ def test_a_fedavg_job_asks_nothing_and_a_histogram_re_sent_to_a_second_job_is_ch
     assert deployment.coordinator.wait(second, 60) == JobStatus.COMPLETED
     charged = {(s.job_id, s.worker_id): s.charged_epsilon for s in deployment.store.shares()}
     assert charged == {(first, "a"): 1.0, (first, "b"): 1.0, (second, "a"): 0.0, (second, "b"): 0.0}
-    # the ε recorded for each site is what its ledger reported (1.0, the histogram's draw included), never the
-    # sum of what its replies stated: the tasks of every job carry it, and a worker refuses to train below it
-    assert {w.worker_id: w.epsilon_spent for w in deployment.store.workers()} == {"a": 1.0, "b": 1.0}
-    assert {t.recorded_epsilon_spent for t in a.tasks + b.tasks} == {1.0}
+    # the ε recorded for each site is what the coordinator priced: its three jobs' trainings (their uploads' ε),
+    # never what its replies stated nor its heartbeats' total (1.0 with the histogram's draw): the tasks of every
+    # job carry it, and a worker refuses to train below it
+    priced = {w: sum(max(p.epsilon or 0.0 for p in deployment.store.participants(j) if p.worker_id == w)
+                     for j in (fedavg, first, second)) for w in ("a", "b")}
+    assert 0 < priced["a"] < 1.0
+    assert {w.worker_id: w.epsilon_spent for w in deployment.store.workers()} == pytest.approx(priced)
+    assert max(t.recorded_epsilon_spent for t in a.tasks) <= priced["a"] + 1e-12  # what was priced before it
 
 
 def test_too_few_sites_sharing_fail_the_job_naming_each_one_and_nobody_trains(deployment: Deployment) -> None:
@@ -307,17 +311,15 @@ def test_a_reply_is_taken_once_and_not_after_the_deadline(phase: tuple[Coordinat
     assert [s.status for s in store.shares("j-1")] == [ShareStatus.SHARED, ShareStatus.ASKED, ShareStatus.NOT_ASKED]
 
 
-def test_what_a_release_newly_cost_bounds_the_sites_next_report_but_never_raises_its_record(
+def test_a_release_never_raises_the_sites_record_nor_does_its_heartbeat(
         phase: tuple[Coordinator, StateStore]) -> None:
     coordinator, store = phase
     assert send(coordinator, statistics("a")) == "ack"  # ε 0.5, drawn for this job
-    assert store.recorded_epsilon("a") == 1.0  # not 1.5: only the site's own report of its ledger raises it
-    heartbeat = pb.Heartbeat(worker_id="a", epsilon_spent=1.5, state="idle")
-    coordinator.control.on_control(Delivery(envelope.encode(heartbeat=heartbeat), "a"))  # type: ignore[arg-type]
-    assert store.recorded_epsilon("a") == 1.5  # the ledger's total with the release: within the bound
-    forged = pb.Heartbeat(worker_id="a", epsilon_spent=9.0, state="idle")
-    coordinator.control.on_control(Delivery(envelope.encode(heartbeat=forged), "a"))  # type: ignore[arg-type]
-    assert store.recorded_epsilon("a") == 1.5
+    assert store.recorded_epsilon("a") == 1.0  # not 1.5: the record is what the coordinator priced
+    for claim in (1.5, 9.0):  # the ledger's total with the release, then a forged one: advisory, never stored
+        heartbeat = pb.Heartbeat(worker_id="a", epsilon_spent=claim, state="idle")
+        coordinator.control.on_control(Delivery(envelope.encode(heartbeat=heartbeat), "a"))  # type: ignore[arg-type]
+        assert store.recorded_epsilon("a") == 1.0
 
 
 def test_receive_reply_is_the_one_door(phase: tuple[Coordinator, StateStore]) -> None:

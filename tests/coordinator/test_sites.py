@@ -71,7 +71,7 @@ def test_a_silent_site_expires_once_and_returns_when_heard(store: StateStore) ->
     assert store.mark_silent(timeout_s=60.0) == []  # once, until it is heard again
     assert store.site_infos()["quiet"].silent
     assert store.note_heard("loud") is False and kinds(store, "loud") == []  # nothing written for a beating site
-    store.touch_worker("quiet", epsilon_spent=0.5, state="idle")  # type: ignore[arg-type]
+    store.touch_worker("quiet", state="idle")  # type: ignore[arg-type]
     assert store.note_heard("quiet") is True
     assert kinds(store, "quiet") == ["registered", "expired", "returned"]
     expired, returned = store.site_events("quiet")[1:]

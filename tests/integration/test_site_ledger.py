@@ -57,9 +57,9 @@ def test_the_sites_ledger_command_equals_its_ledger_and_the_coordinators_record(
     job_id = federation.coordinator.submit(parse_job(job))
     assert federation.coordinator.wait(job_id, timeout=280) == "completed", federation.store.job(job_id).error
     store = federation.store
-    for agent in agents:  # the last heartbeats carry each ledger's total to the coordinator
-        wait_until(lambda a=agent: store.recorded_epsilon(a.config.id) == a.ledger.total_epsilon(),
-                   f"the coordinator never heard {agent.config.id}'s ε")
+    for agent in agents:  # the record is the training the coordinator priced: the job's ε on each ledger
+        wait_until(lambda a=agent: store.recorded_epsilon(a.config.id) == a.ledger.epsilon(job_id),
+                   f"the coordinator never recorded {agent.config.id}'s ε")
 
     table, tokens = token_table({"site0": "worker", "site1": "worker"})
     server, port = serve(federation.coordinator, tokens=table)
@@ -95,7 +95,7 @@ def test_the_sites_ledger_command_equals_its_ledger_and_the_coordinators_record(
     # the coordinator's side, as its store holds it
     remote = view["coordinator"]
     assert remote["error"] == "" and remote["epsilon_recorded"] == store.recorded_epsilon("site0")
-    assert remote["epsilon_recorded"] == view["epsilon_total"]
+    assert remote["epsilon_recorded"] == view["epsilon_training"]  # releases are the ledger's alone
     recorded = [p.epsilon for p in store.participants(job_id) if p.worker_id == "site0"]
     assert remote["jobs"] == [{"job_id": job_id, "status": "completed", "epsilon": max(recorded), "rounds": 2,
                                "shared": list(store.site_jobs("site0")[0].shared)}]

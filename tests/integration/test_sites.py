@@ -29,6 +29,7 @@ from fedbroker.app.demo import free_port
 from fedbroker.bus import delete_topology, open_bus
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.worker.ledger import PrivacyLedger
+from tests.faults.harness import job
 from tests.integration.processes import stop_all
 from tests.rabbitmq_node import PrivateRabbitMQ
 from tests.source_roots import PYTHONPATH
@@ -63,12 +64,17 @@ def url_of(node: PrivateRabbitMQ, user: str) -> str:
     return f"amqp://{user}:{PASSWORD}@127.0.0.1:{node.amqp_port}/%2F"
 
 
-def spawn(verb: str, settings: dict[str, Any], log: Path) -> subprocess.Popen[bytes]:
+def spawn(verb: str, settings: dict[str, Any], log: Path, *, config: Path | None = None) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER__")}
     env["PYTHONPATH"] = PYTHONPATH
     env.update({"FEDBROKER__" + k.upper().replace(".", "__"): str(v) for k, v in settings.items()})
-    return subprocess.Popen([sys.executable, "-m", "fedbroker", verb], env=env, stdout=log.open("ab"),
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen([sys.executable, "-m", "fedbroker", verb, *(["--config", str(config)] if config else [])],
+                            env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+
+def bind(config: Path, users: dict[str, str]) -> None:
+    """The coordinator's followed config file binds these broker users to their sites (`provision` writes it)."""
+    config.write_text(json.dumps({"coordinator": {"worker_broker_users": {u: [w] for u, w in users.items()}}}))
 
 
 class Deployment:
@@ -84,16 +90,17 @@ class Deployment:
             node.ctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
         self.server, port = serve(RoundBook())
         self.listen = f"127.0.0.1:{free_port()}"
+        self.config = tmp / "coordinator.yaml"  # followed while it runs: revoking a site edits it
+        bind(self.config, SITES)
         self.processes = [spawn("coordinator", {
             "broker.url": node.url, "broker.namespace": self.namespace, "aggregator.target": f"127.0.0.1:{port}",
             "coordinator.listen": self.listen, "coordinator.state_dir": str(tmp / "state"),
-            "coordinator.worker_broker_users": json.dumps({user: [wid] for user, wid in SITES.items()}),
-        }, self.logs / "coordinator.log")]
+        }, self.logs / "coordinator.log", config=self.config)]
 
     def start_site(self, user: str, index: int, *, dp: bool) -> None:
         worker_id = SITES[user]
         ledger = self.tmp / f"{worker_id}-ledger.json"
-        if dp:  # ε this site spent before: the coordinator records it from the first registration
+        if dp:  # ε this site spent before: its registration claims it
             PrivacyLedger(str(ledger), worker_id=worker_id).record("earlier-job", history=[[1.0, 0.01, 10.0]],
                                                                    epsilon=0.75)
         self.processes.append(spawn("worker", {
@@ -141,7 +148,8 @@ def test_the_operator_sees_every_site_its_warnings_and_a_forged_log_filed_under_
                   logs=d.logs)
     a, b = sites["a"], sites["b"]
     assert a["last_heartbeat_unix"] > 0 and b["last_heartbeat_unix"] > 0
-    assert a["epsilon_recorded"] == pytest.approx(0.75) and b["epsilon_recorded"] == 0.0
+    # the 0.75 on a's ledger is its own claim: advisory, never recorded (the coordinator priced nothing yet)
+    assert a["epsilon_recorded"] == 0.0 and b["epsilon_recorded"] == 0.0
     assert a["dp_enabled"] and a["dp_policy"]["epsilon_budget"] == 10.0 and not b["dp_enabled"]
     assert a["input_shape"] == [1, 8, 8] and a["num_classes"] == 10 and a["num_samples"] > 0
     assert (a["broker_user"], b["broker_user"]) == ("site-a", "site-b")
@@ -170,3 +178,39 @@ def test_the_operator_sees_every_site_its_warnings_and_a_forged_log_filed_under_
     assert code == 0 and "misnamed_log" in out and "registered" in out and "site-a" in out, out
     code, out = d.cli(capsys, "sites", "show", "nobody")
     assert code == 1
+
+
+def test_a_revoked_site_leaves_selection_at_once_and_is_listed_revoked(
+        deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 30 item 12: site b's binding is removed from the coordinator's followed config (what revoking it does)
+    while its worker keeps beating; `sites list` must show it revoked, and the next job must select site a
+    alone (before, b was still active and selected: the job waited on it)."""
+    d = deployment
+    d.start_site("site-a", 0, dp=False)
+    d.start_site("site-b", 1, dp=False)
+
+    def sites() -> dict[str, Any]:
+        code, out = d.cli(capsys, "sites", "list", "--json")
+        return {s["worker_id"]: s for s in json.loads(out)} if code == 0 else {}
+
+    until(lambda: set(sites()) == {"a", "b"} and all(s["active"] for s in sites().values()),
+          what="both sites active", processes=tuple(d.processes), logs=d.logs)
+    bind(d.config, {"site-a": "a"})
+    listed = until(lambda: (s := sites()) and s["b"]["state"] == "revoked" and s,
+                   what="site b listed revoked", processes=tuple(d.processes), logs=d.logs)
+    assert not listed["b"]["active"] and listed["a"]["active"] and listed["a"]["state"] != "revoked"
+    spec = d.tmp / "job.json"
+    spec.write_text(json.dumps(job(training={"rounds": 1}, schedule={"min_workers": 1, "min_clients": 1})))
+    code, out = d.cli(capsys, "submit", str(spec), "--json")
+    assert code == 0, out
+    job_id = json.loads(out)["job_id"]
+    def shown() -> dict[str, Any]:
+        code, out = d.cli(capsys, "jobs", "show", job_id, "--json")
+        assert code == 0, out
+        return dict(json.loads(out))
+
+    until(lambda: shown()["status"] in ("completed", "failed"), what="the job to end", processes=tuple(d.processes),
+          logs=d.logs)
+    shown_job = shown()
+    assert shown_job["status"] == "completed", shown_job
+    assert {p["worker_id"] for p in shown_job["participants"]} == {"a"}, shown_job

@@ -608,12 +608,14 @@ def _wait(condition: Callable[[], bool], what: str, timeout: float = 15.0) -> No
 @pytest.mark.parametrize("message", ["registration", "heartbeat"])
 def test_a_control_message_reporting_less_epsilon_is_counted_and_never_lowers_the_record(services, message):
     """Issue 12 #7: a worker's recorded ε fell from 3.93 to 2.85 without a word (a lost ledger, or anyone who
-    can publish on the control queue). The record keeps the highest ε; the lower report is logged and counted."""
+    can publish on the control queue). The record (what the coordinator priced, here an audited correction) never
+    falls by a report; the lower report is logged and counted."""
     svc = services
     worker_id = f"victim-{message}-{uuid.uuid4().hex[:6]}"
     svc.sender.publish_control(envelope.encode(registration=pb.Registration(
         worker_id=worker_id, categories=["x"], epsilon_spent=3.93, num_samples=10, device="cpu")))
-    _wait(lambda: svc.store.recorded_epsilon(worker_id) == 3.93, "the worker's registration")
+    _wait(lambda: svc.store.recorded_epsilon(worker_id) == 0.0, "the worker's registration")  # a claim: not stored
+    svc.store.correct_epsilon(worker_id, epsilon=3.93, by="op", ledger_sha256="00", ledger_epsilon=3.93)
     counter = ("fedbroker_coordinator_epsilon_decreases_total", {"message": message})
     before = metric(counter[0], **counter[1])
     lower = (pb.Registration(worker_id=worker_id, categories=["x"], epsilon_spent=2.85, num_samples=10,

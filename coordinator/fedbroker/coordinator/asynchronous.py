@@ -185,8 +185,7 @@ class AsyncJob:
     def _open_buffer(self) -> None:
         run, schedule, store = self.run, self.job.schedule, self.ctx.store
         registered = {w.worker_id: w.num_samples for w in store.workers(self.job.category)}
-        size = schedule.buffer_size or max(1, len(store.workers(
-            self.job.category, seen_within_s=self.ctx.heartbeat_timeout_s)))
+        size = schedule.buffer_size or max(1, len(self.ctx.active_workers(self.job.category)))
         self._call("open the buffer", lambda: self.ctx.aggregator.open_buffer(
             run.job_id, aggregation=asdict(self.job.aggregation), buffer_size=size,
             max_staleness=schedule.max_staleness, staleness=schedule.staleness,

@@ -8,9 +8,13 @@ site its sender speaks for (sites.SiteLogIntake). What it learns about a site (r
 task and why, failed, refused to evaluate, a message naming it from another broker user) goes into that site's
 own history (store_sites.py) for the operator (`fedbroker sites show`).
 
-The ε a message claims is checked against what the worker can have spent (participants.EpsilonBounds): a claim
-above it is refused, counted (`fedbroker_coordinator_epsilon_jumps_refused_total{message}`) and never stored; the
-rest of the message is handled (a forger able to send it could send the same message with a plausible ε).
+A site's recorded ε comes only from what the coordinator priced (store.recorded_epsilon): a registration's or
+heartbeat's total is advisory, never stored (where broker users are shared, anyone could send one, and a record
+above the site's ledger locks it out); one below the record is logged (a lost ledger). A task outcome's ε for a
+job is kept in the job's record only within what the job's tasks to that worker were priced at
+(participants.EpsilonBounds); above it the claim is refused, counted
+(`fedbroker_coordinator_epsilon_jumps_refused_total{message}`) and never stored, and the rest of the message is
+handled (a forger able to send it could send the same message with a plausible ε).
 """
 
 from __future__ import annotations
@@ -94,20 +98,20 @@ class ControlHandler:
             return
         kind = env.WhichOneof("message")
         if kind == "registration":
-            self._register(env.registration, delivery.published_at, delivery.sender)
+            self._register(env.registration, delivery.sender)
         elif kind == "heartbeat":
-            self._heartbeat(env.heartbeat, delivery.published_at)
+            self._heartbeat(env.heartbeat)
         elif kind == "evaluation_report":  # a site's score of a global model: coordinator/federated.py
             self._evaluation(env.evaluation_report)
         else:
             self._outcome(env.task_outcome)
         delivery.ack()
 
-    def _register(self, r: pb.Registration, sent_at: float | None, sender: str | None = None) -> None:
+    def _register(self, r: pb.Registration, sender: str | None = None) -> None:
         # Its task queue exists before any task is published to it: a worker that registered but never
         # consumes holds its task there and is a straggler, instead of an unroutable publish.
         self.bus.declare_worker(r.worker_id)
-        epsilon = self._epsilon(r.worker_id, r.epsilon_spent, "registration", sent_at)
+        self._note_claim(r.worker_id, r.epsilon_spent, "registration")
         p = r.dp_policy  # checked when enabled (check_control); a disabled policy's numbers are never used
         dp = DPPolicy(enabled=r.dp_enabled, noise_multiplier=p.noise_multiplier, max_grad_norm=p.max_grad_norm,
                       delta=p.delta, epsilon_budget=p.epsilon_budget)
@@ -117,7 +121,7 @@ class ControlHandler:
         old = next((w for w in self.store.workers() if w.worker_id == r.worker_id), None)
         self.store.upsert_worker(
             worker_id=r.worker_id, categories=r.categories, histogram=(), dp=dp,
-            epsilon_spent=epsilon, device=r.device, num_samples=r.num_samples,
+            epsilon_spent=0.0, device=r.device, num_samples=r.num_samples,
             input_shape=r.input_shape, num_classes=r.num_classes,
         )
         log.info("worker %s registered (%s, %d samples, categories %s)", r.worker_id, r.device, r.num_samples,
@@ -126,9 +130,9 @@ class ControlHandler:
                       started=r.started_unix, broker_user=sender or "", summary=registration_summary(r),
                       changes=registration_changes(old, r))
 
-    def _heartbeat(self, h: pb.Heartbeat, sent_at: float | None) -> None:
-        epsilon = self._epsilon(h.worker_id, h.epsilon_spent, "heartbeat", sent_at)
-        if not self.store.touch_worker(h.worker_id, epsilon_spent=epsilon, state=WorkerState(h.state)):
+    def _heartbeat(self, h: pb.Heartbeat) -> None:
+        self._note_claim(h.worker_id, h.epsilon_spent, "heartbeat")
+        if not self.store.touch_worker(h.worker_id, state=WorkerState(h.state)):
             log.warning("heartbeat from unknown worker %r ignored", h.worker_id)
         else:
             self.budgets.note(h.worker_id, budget_from_heartbeat(h))
@@ -138,11 +142,8 @@ class ControlHandler:
         status = ParticipantStatus(pb.TaskOutcome.Status.Name(o.status).lower())
         metrics.TASK_OUTCOMES.labels(status).inc()
         reason = o.reason  # printable and cut on entry (on_control)
-        # The job's ε on the worker's data (checked finite by check_control), bounded as a total is (it is part of
-        # the worker's total); none is taken from a worker never registered
-        limit = self.bounds.limit(o.worker_id)
-        epsilon = o.epsilon if limit is not None and self._within_bound(o.worker_id, o.epsilon, "task_outcome",
-                                                                         limit) else 0.0
+        # The job's ε on the worker's data (checked finite by check_control), within what its tasks were priced at
+        epsilon = o.epsilon if self._within_bound(o.worker_id, o.epsilon, o.job_id) else 0.0
         driver = self._async_job(o.job_id)
         job = self.store.job(o.job_id) if driver is None else None
         if driver is not None or (job is not None and job.mode == "async"):  # round is the task number
@@ -182,33 +183,21 @@ class ControlHandler:
         except StateUnavailable as exc:
             log.warning("a site's history was not written: %s", exc)
 
-    def _epsilon(self, worker_id: str, reported: float, message: str, sent_at: float | None) -> float:
-        """The total ε to store from a registration or heartbeat: the reported one when it is within the
-        worker's bound (`accepted` then settles the tasks before it), else the one recorded (None: 0)."""
-        limit = self.bounds.limit(worker_id)
-        if not self._within_bound(worker_id, reported, message, limit):
-            return self.store.recorded_epsilon(worker_id) or 0.0
-        if limit is not None:  # a known worker (an unknown id, forged or not, takes no memory here)
-            self.bounds.accepted(worker_id, sent_at)
-        self._note_decrease(worker_id, reported, message)
-        return reported
-
-    def _within_bound(self, worker_id: str, reported: float, message: str, limit: float | None) -> bool:
-        if limit is None or reported <= limit + _RELATIVE_SLACK * max(1.0, limit):
+    def _within_bound(self, worker_id: str, reported: float, job_id: str) -> bool:
+        limit = self.bounds.limit(worker_id, job_id)
+        if reported <= limit + _RELATIVE_SLACK * max(1.0, limit):
             return True
-        metrics.EPSILON_JUMPS.labels(message).inc()
-        log.error("worker %s claimed ε %.6g in a %s, above the %.6g it can have spent (its recorded ε and the "
-                  "tasks issued to it since): the claim is refused, not stored. A forged report, or ε spent "
-                  "outside this coordinator's tasks (a new label-histogram draw): correct the record from the "
-                  "site's ledger with `fedbroker workers reset-epsilon`", worker_id, reported, message, limit)
+        metrics.EPSILON_JUMPS.labels("task_outcome").inc()
+        log.error("worker %s claimed ε %.6g for job %s, above the %.6g its tasks of that job can have cost: the claim "
+                  "is refused, not stored (a forged report)", worker_id, reported, job_id, limit)
         return False
 
-    def _note_decrease(self, worker_id: str, reported: float, message: str) -> None:
-        """ε never falls silently: the store keeps the highest ε a worker reported (its tasks carry it, and a
-        worker whose ledger total is below refuses to train); a lower report is logged and counted here."""
+    def _note_claim(self, worker_id: str, reported: float, message: str) -> None:
+        """A site's own total is advisory: never stored, but one below its record means its ledger was lost or
+        replaced (its tasks will be refused until the ledger is restored), which the operator must hear of."""
         recorded = self.store.recorded_epsilon(worker_id)
         if recorded is not None and reported < recorded - 1e-9 * max(1.0, recorded):
             metrics.EPSILON_DECREASES.labels(message).inc()
-            log.error("worker %s reported ε %.6g in a %s, below the %.6g recorded for it: its privacy ledger was "
-                      "lost or replaced; keeping %.6g, and its tasks will be refused until its ledger is restored",
-                      worker_id, reported, message, recorded, recorded)
+            log.error("worker %s reported ε %.6g in a %s, below the %.6g recorded for it from the tasks this "
+                      "coordinator priced: its privacy ledger was lost or replaced, and its tasks will be refused "
+                      "until its ledger is restored", worker_id, reported, message, recorded)

@@ -54,7 +54,7 @@ def after_round(ctx: JobContext, run: Run, number: int, version: int, participan
     if not due(job.evaluation, number, job.training.rounds):
         return
     if job.evaluation.sites == "category":
-        sites = [w.worker_id for w in ctx.store.workers(job.category, seen_within_s=ctx.heartbeat_timeout_s)]
+        sites = [w.worker_id for w in ctx.active_workers(job.category)]
     else:
         sites = list(participants)
     sites = sorted(set(sites))

@@ -17,9 +17,11 @@ import numpy as np
 from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import Bus
 from fedbroker.coordinator import metrics
+from fedbroker.coordinator.control import SenderBinding
 from fedbroker.coordinator.events import JobWatcher
 from fedbroker.coordinator.job_run import CancelRequests, Stopped
 from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, why_unaffordable
+from fedbroker.coordinator.records import WorkerRecord
 from fedbroker.coordinator.service_calls import OUTAGE_BACKOFF, AggregatorCalls
 from fedbroker.coordinator.store import StateStore
 from fedbroker.coordinator.store_shares import ShareStatus
@@ -55,6 +57,7 @@ class JobContext:
     safety_poll_s: float
     waiting: WaitingReasons           # why each job has not started its next round (JobRow.waiting)
     epsilon_bounds: EpsilonBounds | None = None  # told of every task before it goes out (None: bounds nothing)
+    senders: SenderBinding | None = None  # who may speak for which site: a site no user may is revoked
 
     def halt_if_cancelled(self) -> None:
         """In a job's thread, wherever its loop waits: end the job there if it was cancelled."""
@@ -74,11 +77,19 @@ class JobContext:
                 raise Stopped
             self.halt_if_cancelled()
 
+    def active_workers(self, category: str) -> list[WorkerRecord]:
+        """The workers of `category` a job may select: heard within the heartbeat timeout, and not revoked (where
+        senders are checked, some broker user may still speak for it: `provision revoke` removes its binding, and
+        the coordinator follows its config, so a revoked site leaves selection at once)."""
+        active = self.store.workers(category, seen_within_s=self.heartbeat_timeout_s)
+        bound = self.senders.provisioned() if self.senders is not None else frozenset()
+        return [w for w in active if w.worker_id in bound] if bound else active
+
     def why_unaffordable(self, job_id: str, job: JobSpec) -> dict[str, str]:
         """Each active worker of the job's category, and why it cannot take the job's next round or task ("" when
         it can): it did not share what the job asked of its sites before round 1 (coordinator/sharing.py), or
         cannot afford it by its heartbeat's budget, else its registration's (participants.why_unaffordable)."""
-        active = self.store.workers(job.category, seen_within_s=self.heartbeat_timeout_s)
+        active = self.active_workers(job.category)
         budgets = self.budgets.snapshot()
         why = {w.worker_id: why_unaffordable(w, budgets.get(w.worker_id), job_id=job_id, training=job.training)
                for w in active}

@@ -64,14 +64,13 @@ CONTROL_REJECTED = Counter(
     "user may not speak for their worker (unidentified_sender, foreign_sender), by reason.", ["reason"])
 EPSILON_JUMPS = Counter(
     "fedbroker_coordinator_epsilon_jumps_refused_total",
-    "Registrations, heartbeats and task outcomes whose ε claim was above what their worker can have spent (its "
-    "recorded ε and the tasks issued to it since): the claim is refused, never stored, by message.", ["message"])
-for _message in ("registration", "heartbeat", "task_outcome"):
-    EPSILON_JUMPS.labels(_message)
+    "Task outcomes whose ε claim for a job was above what the job's tasks to their worker were priced at: the "
+    "claim is refused, never stored, by message (a site's own total is advisory, never stored).", ["message"])
+EPSILON_JUMPS.labels("task_outcome")
 EPSILON_DECREASES = Counter(
     "fedbroker_coordinator_epsilon_decreases_total",
     "Registrations and heartbeats that reported a lower ε than recorded for their worker (a lost or replaced "
-    "ledger; the higher ε is kept), by message.", ["message"])
+    "ledger; the claim is never stored), by message.", ["message"])
 for _message in ("registration", "heartbeat"):
     EPSILON_DECREASES.labels(_message)
 STRAGGLERS = Counter(

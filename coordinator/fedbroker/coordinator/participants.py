@@ -1,6 +1,6 @@
 """Which registered workers take part in a round: a pure, seeded choice shared by the scheduler and the simulator,
 among the workers that can afford the round (`why_unaffordable`); and how much ε a worker can have spent
-(`EpsilonBounds`), which bounds what its reports may raise its recorded ε by.
+(`EpsilonBounds`), which bounds the ε a task outcome may claim for a job.
 
 The same (ids, k, seed, round) gives the same participants on every machine, so a research simulation
 and the running service sample identical rounds from one job seed.
@@ -24,9 +24,6 @@ from fedbroker.privacy import job_epsilon_after_round
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import ModelSpec, TrainingConfig, training_from_json
 
-# A worker's report sent this long after a task's deadline is taken to include whatever that task cost it (it
-# records ε before its deadline, and reports its ledger's total): covers clocks apart and a late beat.
-REPORT_GRACE_S = 300.0
 ISSUED_KEPT_S = 30 * 86400.0  # a task's bound is forgotten this long after its deadline
 # A later round's ε never adds more than the first round's (ε after n rounds is a minimum of functions affine in
 # n, so concave); the margin covers a history of several policies, and float noise.
@@ -88,15 +85,14 @@ class WorkerBudgets:
 
 
 class EpsilonBounds:
-    """The most ε a worker can have spent, by what the coordinator asked of it: its recorded ε plus, for every
-    task issued to it since its last accepted report, the most ε one round of that task's job can add under
-    the worker's registered policy. A report above it (a forged heartbeat, say) is refused, never stored
-    (control_handler.py); the tasks' bounds are kept in the state store, so a restart forgets none."""
+    """What the coordinator priced: for every task issued to a worker, the most ε one round (or asynchronous
+    training) of that task's job can add under the worker's registered policy, kept in the state store so a
+    restart forgets none. A task outcome's claim for a job above what its tasks were priced at (a forged
+    report, say) is refused, never stored (control_handler.py): a site's recorded ε is the sum of its jobs'
+    (store.recorded_epsilon), so no message can raise it above what the coordinator asked of the site."""
 
     def __init__(self, store: StateStore) -> None:
         self.store = store
-        self._lock = threading.Lock()
-        self._reported: dict[str, float] = {}  # worker → when its last accepted total was sent (this process)
 
     def note_tasks(self, tasks: Sequence[tuple[str, bytes]], deadline: float) -> None:
         """Before tasks (worker id, encoded RoundTask) go out: what each can add to its worker's ε."""
@@ -110,26 +106,14 @@ class EpsilonBounds:
                     trainings[task.training_json] = training_from_json(task.training_json)
             except (envelope.MalformedMessage, ValueError, TypeError):  # no worker trains what it cannot read
                 continue
-            rows.append((worker_id, deadline, _task_cost(workers.get(worker_id), trainings[task.training_json])))
+            rows.append((worker_id, task.job_id, deadline,
+                         _task_cost(workers.get(worker_id), trainings[task.training_json])))
         self.store.note_issued_epsilon(rows, forget_before=time.time() - ISSUED_KEPT_S)
 
-    def limit(self, worker_id: str) -> float | None:
-        """The highest total ε the worker's next report may claim; None for a worker never recorded (its first
-        registration has nothing to be bounded by)."""
-        recorded = self.store.recorded_epsilon(worker_id)
-        if recorded is None:
-            return None
-        with self._lock:
-            since = self._reported.get(worker_id, 0.0) - REPORT_GRACE_S
-        return recorded + self.store.issued_epsilon(worker_id, since=since)
-
-    def accepted(self, worker_id: str, sent_at: float | None) -> None:
-        """A total the worker sent at `sent_at` (its clock; None: now) was accepted: the tasks whose deadline
-        passed before it are in that total, and bound no later report."""
-        now = time.time()
-        sent = min(sent_at, now) if sent_at is not None else now
-        with self._lock:
-            self._reported[worker_id] = max(self._reported.get(worker_id, 0.0), sent)
+    def limit(self, worker_id: str, job_id: str) -> float:
+        """The most ε the worker's report may claim for `job_id`: what the tasks of it issued to the worker can
+        have cost (0 for a job that issued it none)."""
+        return self.store.issued_epsilon(worker_id, job_id)
 
 
 def _task_cost(worker: WorkerRecord | None, training: TrainingConfig) -> float:

@@ -106,7 +106,8 @@ class Coordinator:
             calls=AggregatorCalls(outage_s=aggregator_outage_s, stop=self._stop), cancels=CancelRequests(),
             budgets=WorkerBudgets(), aggregator_target=aggregator_target, checkpoint_dir=checkpoint_dir,
             evaluator=evaluator, heartbeat_timeout_s=heartbeat_timeout_s, poll_interval_s=poll_interval_s,
-            safety_poll_s=float(safety_poll_s), waiting=WaitingReasons(store), epsilon_bounds=self.epsilon_bounds)
+            safety_poll_s=float(safety_poll_s), waiting=WaitingReasons(store), epsilon_bounds=self.epsilon_bounds,
+            senders=senders)
         self.control = ControlHandler(bus=bus, store=store, events=self.events, budgets=self.context.budgets,
                                       async_job=self._async_job, bounds=self.epsilon_bounds, senders=senders)
         self.site_watch = SiteWatch(store, heartbeat_timeout_s=heartbeat_timeout_s)  # `expired` site events
@@ -174,6 +175,13 @@ class Coordinator:
                         "x-consumer-timeout needs 3.12): broker.consumer_timeout_s (%g s) must equal it, or a task "
                         "held longer is redelivered", version, timeout)
 
+    def revoked_sites(self) -> frozenset[str]:
+        """The registered sites no broker user may speak for any more (empty when senders are not checked): never
+        selected, and shown revoked by `fedbroker sites`."""
+        bound = self.control.senders.provisioned()
+        return frozenset(w.worker_id for w in self.store.workers() if w.worker_id not in bound) if bound \
+            else frozenset()
+
     @property
     def provisioned_sites(self) -> frozenset[str]:
         """The worker ids some broker user may speak for (empty: senders are not checked): the bounded set of sites
@@ -206,7 +214,7 @@ class Coordinator:
             warnings = []
         # The data its category's active workers reported: a model that cannot take it is refused here, before
         # any round, instead of failing inside every worker's training.
-        problems += data_fit_problems(job.model, self.store.workers(job.category, seen_within_s=self.heartbeat_timeout_s),
+        problems += data_fit_problems(job.model, self.context.active_workers(job.category),
                                       category=job.category)
         limit, timeout = self.max_round_timeout_s, self.broker_consumer_timeout_s
         if limit is not None and timeout is not None and job.schedule.round_timeout_s > limit:
@@ -427,7 +435,7 @@ class Coordinator:
     def _await_workers(self, job_id: str, job: JobSpec) -> None:
         """Until schedule.min_workers workers of the category are active, saying so (JobRow.waiting)."""
         def enough() -> tuple[bool, int]:
-            active = self.store.workers(job.category, seen_within_s=self.heartbeat_timeout_s)
+            active = self.context.active_workers(job.category)
             done = len(active) >= job.schedule.min_workers
             if not done:
                 unserved = self._unserved(job)

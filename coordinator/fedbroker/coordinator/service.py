@@ -172,13 +172,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def ListSites(self, request: pb.ListSitesRequest, context: grpc.ServicerContext) -> pb.ListSitesReply:
         """Every site that ever registered (site_views.py)."""
         timeout = self.coordinator.heartbeat_timeout_s
-        return handle(context, lambda: list_sites_reply(self.coordinator.store, heartbeat_timeout_s=timeout))
+        return handle(context, lambda: list_sites_reply(self.coordinator.store, heartbeat_timeout_s=timeout,
+                                                        revoked=self.coordinator.revoked_sites()))
 
     def SiteDetail(self, request: pb.SiteDetailRequest, context: grpc.ServicerContext) -> pb.SiteDetailReply:
         """One site: its row, jobs and history; NOT_FOUND for an id never registered."""
         timeout = self.coordinator.heartbeat_timeout_s
         return handle(context, lambda: site_detail_reply(self.coordinator.store, request.worker_id,
-                                                         heartbeat_timeout_s=timeout))
+                                                         heartbeat_timeout_s=timeout,
+                                                         revoked=self.coordinator.revoked_sites()))
 
     def SiteLogs(self, request: pb.SiteLogsRequest, context: grpc.ServicerContext) -> pb.SiteLogsReply:
         """The warnings and errors a site forwarded after `after` (a follower asks again with its last seq)."""

@@ -78,7 +78,7 @@ def agreed_model(ctx: JobContext, job_id: str, job: JobSpec, *, first_round: boo
 def _open(ctx: JobContext, job_id: str, job: JobSpec, *, histogram: bool, statistics: bool) -> SharePhaseRecord:
     """Record, then send, the job's requests to each active worker of its category it could select."""
     why = ctx.why_unaffordable(job_id, job)
-    active = {w.worker_id: w for w in ctx.store.workers(job.category, seen_within_s=ctx.heartbeat_timeout_s)}
+    active = {w.worker_id: w for w in ctx.active_workers(job.category)}
     for worker_id, worker in active.items():
         misfit = data_fit_problems(job.model, [worker], category=job.category)
         if misfit and not why.get(worker_id):

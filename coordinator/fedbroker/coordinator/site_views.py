@@ -18,13 +18,15 @@ DEFAULT_LOG_RECORDS = 200
 
 
 def site_row(store: StateStore, w: WorkerRecord, info: SiteInfo | None, *, heartbeat_timeout_s: float,
-             now: float) -> pb.SiteRow:
-    """One site as `fedbroker sites list` shows it."""
+             now: float, revoked: bool = False) -> pb.SiteRow:
+    """One site as `fedbroker sites list` shows it; a revoked one (no broker user may speak for it: never selected)
+    is inactive, in state `revoked`, whatever its last heartbeat said."""
     jobs = store.site_jobs(w.worker_id)
     current = sum(j.status not in FINISHED for j in jobs)
     row = pb.SiteRow(
         worker_id=w.worker_id, last_heartbeat_unix=w.last_seen, last_seen_seconds_ago=max(0.0, now - w.last_seen),
-        active=now - w.last_seen <= heartbeat_timeout_s, state=w.state, categories=list(w.categories),
+        active=not revoked and now - w.last_seen <= heartbeat_timeout_s, state="revoked" if revoked else w.state,
+        categories=list(w.categories),
         input_shape=list(w.input_shape), num_classes=w.num_classes, num_samples=w.num_samples, device=w.device,
         dp_enabled=w.dp.enabled, epsilon_recorded=w.epsilon_spent, current_jobs=current, past_jobs=len(jobs) - current)
     if w.dp.enabled:
@@ -37,13 +39,14 @@ def site_row(store: StateStore, w: WorkerRecord, info: SiteInfo | None, *, heart
     return row
 
 
-def list_sites_reply(store: StateStore, *, heartbeat_timeout_s: float) -> pb.ListSitesReply:
-    """Every site that ever registered here, by id."""
+def list_sites_reply(store: StateStore, *, heartbeat_timeout_s: float,
+                     revoked: frozenset[str] = frozenset()) -> pb.ListSitesReply:
+    """Every site that ever registered here, by id (`revoked`: those no broker user may speak for any more)."""
     now, infos = time.time(), store.site_infos()
     reply = pb.ListSitesReply(heartbeat_timeout_s=heartbeat_timeout_s)
     for w in store.workers():
         reply.sites.append(site_row(store, w, infos.get(w.worker_id), heartbeat_timeout_s=heartbeat_timeout_s,
-                                    now=now))
+                                    now=now, revoked=w.worker_id in revoked))
     return reply
 
 
@@ -56,12 +59,14 @@ def _worker(store: StateStore, worker_id: str) -> WorkerRecord:
     return worker
 
 
-def site_detail_reply(store: StateStore, worker_id: str, *, heartbeat_timeout_s: float) -> pb.SiteDetailReply:
+def site_detail_reply(store: StateStore, worker_id: str, *, heartbeat_timeout_s: float,
+                      revoked: frozenset[str] = frozenset()) -> pb.SiteDetailReply:
     """One site: its row, its jobs (current and past) and its kept history; NotFound for an id never registered."""
     worker = _worker(store, worker_id)
     reply = pb.SiteDetailReply()
     reply.site.CopyFrom(site_row(store, worker, store.site_infos().get(worker_id),
-                                 heartbeat_timeout_s=heartbeat_timeout_s, now=time.time()))
+                                 heartbeat_timeout_s=heartbeat_timeout_s, now=time.time(),
+                                 revoked=worker_id in revoked))
     for job in store.site_jobs(worker_id):
         reply.jobs.add(job_id=job.job_id, status=job.status, epsilon=job.epsilon, rounds=job.rounds,
                        shared=list(job.shared))

@@ -45,7 +45,7 @@ from fedbroker.coordinator.records import (
     WorkerState,
 )
 from fedbroker.coordinator.state_dir import StateDirLock, owner_only
-from fedbroker.coordinator.store_epsilon import EpsilonTables
+from fedbroker.coordinator.store_epsilon import PRICED, EpsilonTables
 from fedbroker.coordinator.store_evaluation import EvaluationTables
 from fedbroker.coordinator.store_notes import JobNotes
 from fedbroker.coordinator.store_schema import SCHEMA
@@ -319,7 +319,8 @@ class StateStore(EpsilonTables, JobNotes, ShareTables, EvaluationTables, SiteTab
     def upsert_worker(self, *, worker_id: str, categories: Iterable[str], histogram: Iterable[int], dp: DPPolicy,
                       epsilon_spent: float, device: str, num_samples: int, input_shape: Iterable[int] = (),
                       num_classes: int = 0) -> None:
-        """A registration: a worker seen again keeps the highest ε ever recorded for it (`recorded_epsilon`)."""
+        """A registration. `epsilon_spent` only raises the worker's floor (an operator's or a test's figure): the
+        control queue passes 0, since a site's claim is never recorded (`recorded_epsilon`)."""
         now = time.time()
         numbers = {k: v for k, v in asdict(dp).items() if k != "enabled"}
         self._run(
@@ -336,23 +337,31 @@ class StateStore(EpsilonTables, JobNotes, ShareTables, EvaluationTables, SiteTab
              num_classes),
         )
 
-    def touch_worker(self, worker_id: str, *, epsilon_spent: float, state: WorkerState) -> bool:
-        """A heartbeat; False when no worker has that id (it never registered here)."""
+    def touch_worker(self, worker_id: str, *, state: WorkerState) -> bool:
+        """A heartbeat (its ε claim is advisory, never recorded); False when no worker has that id."""
         return self._run(
             f"record a heartbeat of worker {worker_id!r}",
-            "UPDATE workers SET last_seen = ?, epsilon_spent = MAX(epsilon_spent, ?), state = ? WHERE worker_id = ?",
-            (time.time(), epsilon_spent, state, worker_id),
+            "UPDATE workers SET last_seen = ?, state = ? WHERE worker_id = ?", (time.time(), state, worker_id),
         ) > 0
 
     def recorded_epsilon(self, worker_id: str) -> float | None:
-        """The ε recorded for a worker (None: unknown worker). It never falls: registrations and heartbeats
-        keep the highest ε a worker ever reported (a lower one means a lost or replaced ledger)."""
-        rows = self._exec("SELECT epsilon_spent FROM workers WHERE worker_id = ?", (worker_id,))
-        return float(rows[0]["epsilon_spent"]) if rows else None
+        """The ε recorded for a worker (None: unknown worker): what this coordinator priced itself, the sum over
+        its jobs of the ε its participant rows hold (`priced_epsilon`), or the operator's audited correction
+        when that is higher. Never a heartbeat's or registration's claim: anyone able to publish one could lock
+        the site out (a worker whose ledger holds less than its record refuses to train)."""
+        rows = self._exec(f"SELECT w.epsilon_spent, {PRICED} AS priced FROM workers w WHERE w.worker_id = ?",
+                          (worker_id,))
+        return max(float(rows[0]["epsilon_spent"]), float(rows[0]["priced"])) if rows else None
+
+    def priced_epsilon(self, worker_id: str) -> float:
+        """The ε this coordinator's own participant rows hold for a worker: per job, the largest ε recorded for
+        it (an update's, or a training reported failed or not aggregated), summed over its jobs."""
+        return float(self._exec(f"SELECT {PRICED} AS priced FROM (SELECT ? AS worker_id) w", (worker_id,))[0]["priced"])
 
     def workers(self, category: str | None = None, *, seen_within_s: float | None = None) -> list[WorkerRecord]:
         """Registered workers by id: those serving `category`, and seen within `seen_within_s` (active)."""
-        rows = self._exec("SELECT * FROM workers ORDER BY worker_id")
+        rows = self._exec(f"SELECT w.*, MAX(w.epsilon_spent, {PRICED}) AS recorded FROM workers w"
+                          " ORDER BY w.worker_id")
         now = time.time()
         out = []
         for r in rows:
@@ -554,6 +563,6 @@ def _worker_record(r: sqlite3.Row) -> WorkerRecord:
     return WorkerRecord(
         worker_id=r["worker_id"], categories=tuple(json.loads(r["categories_json"])),
         histogram=tuple(json.loads(r["histogram_json"])),
-        dp=DPPolicy(enabled=bool(r["dp_enabled"]), **json.loads(r["dp_json"])), epsilon_spent=r["epsilon_spent"],
+        dp=DPPolicy(enabled=bool(r["dp_enabled"]), **json.loads(r["dp_json"])), epsilon_spent=r["recorded"],
         device=r["device"], num_samples=r["num_samples"], last_seen=r["last_seen"], state=WorkerState(r["state"]),
         input_shape=tuple(json.loads(r["input_shape_json"])), num_classes=r["num_classes"])

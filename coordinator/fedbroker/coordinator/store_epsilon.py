@@ -1,5 +1,5 @@
 """The part of the coordinator's state store (`StateStore`, which mixes it in) that keeps a worker's ε honest:
-what the tasks it was issued can add to its ε (the control queue's bound on a reported jump), the audit trail of
+what the tasks it was issued can add to its ε (the bound on the ε a task outcome may claim for its job), the audit trail of
 operators' corrections, the asynchronous trainings whose ε no version records, and a site's own record (its jobs,
 their ε and what it shared with each: the SiteRecord call, which a site compares with its ledger).
 
@@ -21,7 +21,6 @@ T = TypeVar("T")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS issued_epsilon (worker_id TEXT NOT NULL, deadline REAL NOT NULL, cost REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS issued_epsilon_by_worker ON issued_epsilon (worker_id, deadline);
 CREATE TABLE IF NOT EXISTS epsilon_corrections (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, worker_id TEXT NOT NULL, time REAL NOT NULL, by TEXT NOT NULL,
     old REAL NOT NULL, new REAL NOT NULL, ledger_sha256 TEXT NOT NULL, ledger_epsilon REAL NOT NULL,
@@ -32,6 +31,10 @@ CREATE TABLE IF NOT EXISTS site_shares (
     PRIMARY KEY (job_id, worker_id, what)
 );
 """
+# The ε this coordinator priced for worker `w` (a row with a worker_id): per job the largest ε its participant
+# rows hold (a job's ε on the worker's data is cumulative), summed over the jobs.
+PRICED = ("(SELECT COALESCE(SUM(m), 0) FROM (SELECT MAX(p.epsilon) AS m FROM participants p"
+          " WHERE p.worker_id = w.worker_id AND p.epsilon IS NOT NULL GROUP BY p.job_id))")
 # A participant's row that shows the site trained in that round: an update received, or ε reported with a failure.
 _TRAINED = "(p.status IN ('uploaded', 'aggregated', 'discarded') OR p.epsilon IS NOT NULL)"
 # what a site shared is a short name (histogram, statistics, evaluation), never its content
@@ -50,41 +53,51 @@ class EpsilonTables:
 
     def _epsilon_tables(self) -> None:
         if not self._epsilon_tables_ready:
-            self._write("create its ε tables", lambda db: [db.execute(s) for s in SCHEMA.split(";") if s.strip()])
+            def create(db: sqlite3.Connection) -> None:
+                for statement in (s for s in SCHEMA.split(";") if s.strip()):
+                    db.execute(statement)
+                columns = {r["name"] for r in db.execute("PRAGMA table_info(issued_epsilon)")}
+                if "job_id" not in columns:  # a state file of an older version: its rows price no job
+                    db.execute("ALTER TABLE issued_epsilon ADD COLUMN job_id TEXT NOT NULL DEFAULT ''")
+                db.execute("CREATE INDEX IF NOT EXISTS issued_epsilon_by_job ON issued_epsilon (worker_id, job_id)")
+
+            self._write("create its ε tables", create)
             self._epsilon_tables_ready = True
 
-    def note_issued_epsilon(self, tasks: Iterable[tuple[str, float, float]], *, forget_before: float) -> None:
-        """Tasks issued, each (worker id, deadline, the most ε its training can add): how far a worker's
-        reported ε may rise above the recorded one (participants.EpsilonBounds). Rows whose deadline is before
-        `forget_before` are dropped: long settled."""
+    def note_issued_epsilon(self, tasks: Iterable[tuple[str, str, float, float]], *, forget_before: float) -> None:
+        """Tasks issued, each (worker id, job id, deadline, the most ε its training can add): what the coordinator
+        priced, bounding the ε a worker's report for that job may claim (participants.EpsilonBounds). Rows whose
+        deadline is before `forget_before` are dropped: long settled."""
         rows = list(tasks)
         self._epsilon_tables()
 
         def write(db: sqlite3.Connection) -> None:
-            db.executemany("INSERT INTO issued_epsilon (worker_id, deadline, cost) VALUES (?, ?, ?)", rows)
+            db.executemany("INSERT INTO issued_epsilon (worker_id, job_id, deadline, cost) VALUES (?, ?, ?, ?)", rows)
             db.execute("DELETE FROM issued_epsilon WHERE deadline < ?", (forget_before,))
 
         self._write(f"record the ε bound of {len(rows)} task(s)", write)
 
-    def issued_epsilon(self, worker_id: str, *, since: float) -> float:
-        """The most ε the tasks issued to a worker with a deadline at or after `since` can add."""
+    def issued_epsilon(self, worker_id: str, job_id: str) -> float:
+        """The most ε the tasks of `job_id` issued to a worker can have added to its ε on the worker's data."""
         self._epsilon_tables()
         rows = self._exec("SELECT COALESCE(SUM(cost), 0) AS total FROM issued_epsilon WHERE worker_id = ?"
-                          " AND deadline >= ?", (worker_id, since))
+                          " AND job_id = ?", (worker_id, job_id))
         return float(rows[0]["total"])
 
     def correct_epsilon(self, worker_id: str, *, epsilon: float, by: str, ledger_sha256: str, ledger_epsilon: float,
                         note: str = "") -> EpsilonCorrection | None:
-        """Set the ε recorded for a worker (also lower: the one write that may) and keep the correction in the
-        audit trail, in one transaction; None when no worker has that id."""
+        """Set the operator's figure for a worker's ε (it may lower the record, never below what the participant
+        rows priced: store.recorded_epsilon takes the higher) and keep the correction in the audit trail, in one
+        transaction; None when no worker has that id."""
         self._epsilon_tables()
         now = time.time()
 
         def write(db: sqlite3.Connection) -> EpsilonCorrection | None:
-            row = db.execute("SELECT epsilon_spent FROM workers WHERE worker_id = ?", (worker_id,)).fetchone()
+            row = db.execute(f"SELECT MAX(w.epsilon_spent, {PRICED}) AS recorded FROM workers w WHERE w.worker_id = ?",
+                             (worker_id,)).fetchone()
             if row is None:
                 return None
-            old = float(row["epsilon_spent"])
+            old = float(row["recorded"])
             db.execute("UPDATE workers SET epsilon_spent = ? WHERE worker_id = ?", (epsilon, worker_id))
             seq = db.execute(
                 "INSERT INTO epsilon_corrections (worker_id, time, by, old, new, ledger_sha256, ledger_epsilon, note)"

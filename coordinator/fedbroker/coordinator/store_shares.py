@@ -4,9 +4,8 @@ it agreed on) and each site's answer, with the ε the site stated and the ε it 
 
 A release the site sent before (the label histogram is drawn once per data set and re-sent to every job that
 asks) costs it nothing new, so it is charged once: to the first job it reached. None of this raises the ε
-recorded for a worker (`workers.epsilon_spent`), which only the site's own reports of its ledger do: the
-coordinator's record never runs ahead of the ledger, whatever a reply states. A reply's new cost does raise
-how far the site's next report may rise (the `issued_epsilon` bound of store_epsilon.py).
+recorded for a worker (store.recorded_epsilon: the ε of the training tasks the coordinator priced), so the
+coordinator's record never runs ahead of the ledger, whatever a reply states.
 
 As in store.py, every write is one transaction and no SQLite row leaves the store: reads return the records
 below. The tables are created on first use, so a state file written before them gets them then.
@@ -209,9 +208,6 @@ class ShareTables:
                  json.dumps([float(v) for v in answer.feature_sum]), json.dumps([float(v) for v in answer.feature_sq_sum]),
                  answer.count, int(answer.statistics_noised), answer.statistics_epsilon, answer.statistics_delta,
                  charged, job_id, worker_id))
-            if charged > 0:  # its next report may include it (participants.EpsilonBounds)
-                db.execute("INSERT INTO issued_epsilon (worker_id, deadline, cost) VALUES (?, ?, ?)",
-                           (worker_id, now, charged))
             _event(db, job_id, "share_refused" if answer.refused else "shared", worker_id=worker_id,
                    message=answer.reason if answer.refused else _what_shared(answer, charged))
             return []
