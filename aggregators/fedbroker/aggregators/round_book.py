@@ -221,13 +221,13 @@ class RoundBook:
             return self.secure.receive_masked(header, stream, size)
         if self._jobs[header.job_id].asynchronous is not None:
             tensors, digest = codec.receive_payload(stream, header, size, buffer=None)
-            admission.check_finite(tensors, who=f"worker {header.worker_id!r}")
+            self._jobs[header.job_id].check_update(tensors, who=f"worker {header.worker_id!r}")
             return self._accept_async(header, tensors, digest)
         reservation = self._reserve(header)
         try:
             tensors, digest = codec.receive_payload(stream, header, size,
                                                     buffer=reservation.slot.bytes if reservation else None)
-            admission.check_finite(tensors, who=f"worker {header.worker_id!r}")
+            self._jobs[header.job_id].check_update(tensors, who=f"worker {header.worker_id!r}")
             return self._accept(header, tensors, digest, reservation)
         finally:
             if reservation is not None:
