@@ -318,22 +318,23 @@ class StateStore(EpsilonTables, JobNotes, ShareTables, EvaluationTables, SiteTab
 
     def upsert_worker(self, *, worker_id: str, categories: Iterable[str], histogram: Iterable[int], dp: DPPolicy,
                       epsilon_spent: float, device: str, num_samples: int, input_shape: Iterable[int] = (),
-                      num_classes: int = 0) -> None:
+                      num_classes: int = 0, evaluation_samples: int = 0) -> None:
         """A registration: a worker seen again keeps the highest ε ever recorded for it (`recorded_epsilon`)."""
         now = time.time()
         numbers = {k: v for k, v in asdict(dp).items() if k != "enabled"}
         self._run(
             f"record the registration of worker {worker_id!r}",
             "INSERT INTO workers (worker_id, categories_json, histogram_json, dp_enabled, dp_json, epsilon_spent,"
-            " device, num_samples, registered, last_seen, input_shape_json, num_classes)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " device, num_samples, registered, last_seen, input_shape_json, num_classes, evaluation_samples)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT(worker_id) DO UPDATE SET categories_json=excluded.categories_json,"
             " histogram_json=excluded.histogram_json, dp_enabled=excluded.dp_enabled, dp_json=excluded.dp_json,"
             " epsilon_spent=MAX(workers.epsilon_spent, excluded.epsilon_spent), device=excluded.device, num_samples=excluded.num_samples,"
-            " last_seen=excluded.last_seen, input_shape_json=excluded.input_shape_json, num_classes=excluded.num_classes",
+            " last_seen=excluded.last_seen, input_shape_json=excluded.input_shape_json, num_classes=excluded.num_classes,"
+            " evaluation_samples=excluded.evaluation_samples",
             (worker_id, json.dumps(list(categories)), json.dumps([int(c) for c in histogram]), int(dp.enabled),
              json.dumps(numbers), epsilon_spent, device, num_samples, now, now, json.dumps([int(d) for d in input_shape]),
-             num_classes),
+             num_classes, evaluation_samples),
         )
 
     def touch_worker(self, worker_id: str, *, epsilon_spent: float, state: WorkerState) -> bool:
@@ -556,4 +557,5 @@ def _worker_record(r: sqlite3.Row) -> WorkerRecord:
         histogram=tuple(json.loads(r["histogram_json"])),
         dp=DPPolicy(enabled=bool(r["dp_enabled"]), **json.loads(r["dp_json"])), epsilon_spent=r["epsilon_spent"],
         device=r["device"], num_samples=r["num_samples"], last_seen=r["last_seen"], state=WorkerState(r["state"]),
-        input_shape=tuple(json.loads(r["input_shape_json"])), num_classes=r["num_classes"])
+        input_shape=tuple(json.loads(r["input_shape_json"])), num_classes=r["num_classes"],
+        evaluation_samples=r["evaluation_samples"])
