@@ -118,7 +118,7 @@ def test_forged_late_and_conflicting_reports_are_refused_and_change_nothing(fed:
               for reason in ("not_asked", "wrong_version", "conflict", "implausible_count")}
     rejected = {reason: metric("fedbroker_coordinator_control_messages_rejected_total", reason=reason)
                 for reason in ("foreign_sender", "invalid_evaluation_report")}
-    perfect = {"accuracy": 1.0, "loss": 0.0, "num_samples": 300}
+    perfect = {"accuracy": 1.0, "loss": 0.0, "num_samples": 20}  # within every site's held-out split
     fed.publish_as("site-0", evaluation_report=report(job_id, 1, version, "w1", **perfect))  # w0's user for w1
     fed.publish_as("site-0", evaluation_report=report(job_id, 2, version, "w0", **perfect))  # a round never asked
     fed.publish_as("site-0", evaluation_report=report("other-0000", 1, version, "w0", **perfect))  # another job
@@ -217,8 +217,8 @@ class Inflating:
 def test_a_count_above_the_held_out_split_a_site_registered_is_refused(fed: Federation) -> None:
     agents = [fed.add_worker(i, 3) for i in range(3)]
     liar = agents[2]
-    registered = fed.store.workers()
-    held_out = {w.worker_id: w.evaluation_samples for w in registered}
+    wait_for(lambda: len(fed.store.workers()) == 3, "the three sites to register")
+    held_out = {w.worker_id: w.evaluation_samples for w in fed.store.workers()}
     assert held_out == {a.config.id: a.evaluation.num_samples for a in agents} and min(held_out.values()) > 0
     liar.evaluation.bus = Inflating(liar.evaluation.bus, 9 * len(liar.y))  # type: ignore[assignment]
     before = metric("fedbroker_coordinator_evaluation_reports_refused_total", reason="implausible_count")

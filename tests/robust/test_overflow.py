@@ -15,7 +15,7 @@ from fedbroker.aggregators.admission import DERIVED_HEADROOM, check_finite, valu
 from fedbroker.aggregators.robust import FLTrust
 from fedbroker.aggregators.robust.base import combination, dots, uniform
 from fedbroker.aggregators.round_book import RoundBook
-from fedbroker.errors import Conflict, ConfigError, Rejection, UploadRejected
+from fedbroker.errors import ConfigError, Conflict, Rejection, UploadRejected
 from fedbroker.spec import AggregationConfig
 from tests.test_rounds import SPEC, stream, weights
 
