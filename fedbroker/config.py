@@ -88,6 +88,7 @@ class AggregatorConfig:
     stream_idle_timeout_s: float = 60.0  # a stream that waits this long on its client is ended, freeing its thread
     spool_dir: str = ""                # accepted updates and global models on disk before they are acknowledged,
                                        # reloaded on restart (deploy/RELIABILITY.md); empty = memory only
+    spool_lock_wait_s: float = 30.0    # a restart waits this long for the old process to let go of the spool
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
     metrics_addr: str = "0.0.0.0"     # the exporter's bind address: 0.0.0.0 for a container scraped from
                                        # outside; 127.0.0.1 on a shared host (no /metrics for the network)

@@ -84,6 +84,7 @@ class Rejection(StrEnum):
     WRONG_SHAPE = "wrong_shape", True
     WRONG_DTYPE = "wrong_dtype", True
     NON_FINITE = "non_finite", True
+    OUT_OF_RANGE = "out_of_range", True  # a value beyond the job's bound (admission.value_limit)
     # asynchronous mode (FedBuff): the update's base version is more than max_staleness versions behind
     STALE = "stale", True, "FAILED_PRECONDITION"
     # a secure round (aggregation.secure): a step out of its phase, a second different message, or a round

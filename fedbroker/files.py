@@ -10,10 +10,12 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+LOCK_POLL_S = 0.05    # between tries of a FolderLock that waits for its holder to exit
 TEMP_SUFFIX = ".tmp"  # a temp file is named `.<final name>.<random>.tmp`; readers may sweep leftovers by it
 
 
@@ -59,30 +61,37 @@ def _fsync_folder(folder: str | os.PathLike[str]) -> None:
 class FolderLocked(Exception):
     """Another holder has the lock file `path`; `holder` is the pid it wrote ("unknown" if none)."""
 
-    def __init__(self, path: str, holder: str) -> None:
+    def __init__(self, path: str, holder: str, *, waited_s: float = 0.0) -> None:
         self.path = path
         self.holder = holder
-        super().__init__(f"{path} is held by pid {holder}")
+        self.waited_s = waited_s
+        super().__init__(f"{path} is held by pid {holder}" + (f" (waited {waited_s:g} s)" if waited_s else ""))
 
 
 class FolderLock:
     """An exclusive `flock` on `<folder>/<name>`, holding this process's pid: one writer of a folder at a time.
 
-    Never waits: a second holder (another process, or another `FolderLock` in this one) gets `FolderLocked`
-    at once, so a service refuses to start instead of hanging. The kernel drops the lock when the process
-    dies, however it dies, so a stale lock file never blocks a restart; in a process, `release()` lets the
-    next holder in.
+    Waits at most `wait_s` (0: not at all) for a holder to let go, so a service restarted while its old process
+    is still exiting starts once that one is gone, and one started beside a running holder is refused with
+    `FolderLocked` once the bound passes instead of hanging. The kernel drops the lock when the process dies,
+    however it dies, so a stale lock file never blocks a restart; in a process, `release()` lets the next
+    holder in.
     """
 
-    def __init__(self, folder: str | os.PathLike[str], name: str) -> None:
+    def __init__(self, folder: str | os.PathLike[str], name: str, *, wait_s: float = 0.0) -> None:
         self.path = os.path.join(folder, name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        deadline = time.monotonic() + wait_s
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-            os.close(fd)
-            raise FolderLocked(self.path, holder) from None
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+                        raise FolderLocked(self.path, holder, waited_s=wait_s) from None
+                    time.sleep(min(LOCK_POLL_S, max(0.0, deadline - time.monotonic())))
         except BaseException:
             os.close(fd)
             raise

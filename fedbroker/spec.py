@@ -133,8 +133,11 @@ class AggregationConfig(_Section):
     robust: str = "none"            # a robust rule over the individual updates (median, multi_krum, ...)
     robust_params: Mapping[str, Any] = field(default_factory=dict)
     secure: bool = False            # SecAgg+: the service learns only the round's sum (linear rules, sync mode)
+    max_update_value: float = 0.0   # no uploaded value may exceed this in magnitude; 0 = derived from the model
 
     SECTION: ClassVar[str] = "aggregation"
+    # at most 1e20: a round's float32 running sum of such values, weighted by sample counts, stays finite
+    LIMITS: ClassVar[Mapping[str, tuple[float, float]]] = {"max_update_value": (0.0, 1e20)}
 
 
 SCHEDULE_MODES = ("sync", "async")

@@ -62,7 +62,8 @@ def start_aggregator(config: Config) -> tuple[grpc.Server, int]:
     tokens = follow_table(a.tokens_file, service=SERVICE_NAME)
     tls = ServerTLS.from_files(a.tls.cert_file, a.tls.key_file, a.tls.client_ca_file, where="aggregator.tls")
     book = RoundBook(max_update_bytes=a.max_update_bytes, selection_time_limit_s=a.selection_time_limit_s,
-                     alignment_time_limit_s=a.alignment_time_limit_s, spool_dir=a.spool_dir or None)
+                     alignment_time_limit_s=a.alignment_time_limit_s, spool_dir=a.spool_dir or None,
+                     spool_lock_wait_s=a.spool_lock_wait_s)
     _export("aggregator", a.metrics_port, a.metrics_addr)
     limits = CallLimits(threads=a.threads, health_threads=a.health_threads, max_streams=a.max_streams,
                         max_streams_per_worker=a.max_streams_per_worker,

@@ -18,7 +18,7 @@ from fedbroker.coordinator.service import status_reply
 from fedbroker.datasets import load_dataset, train_test_split
 from fedbroker.evaluation import evaluate
 from fedbroker.model import build_model, load_numpy_state
-from fedbroker.spec import parse_model
+from fedbroker.spec import parse_job, parse_model
 from fedbroker.worker.partition import partition
 from tests.evaluation.harness import Federation, job, report, wait_for, weighted
 
@@ -118,7 +118,7 @@ def test_forged_late_and_conflicting_reports_are_refused_and_change_nothing(fed:
               for reason in ("not_asked", "wrong_version", "conflict", "implausible_count")}
     rejected = {reason: metric("fedbroker_coordinator_control_messages_rejected_total", reason=reason)
                 for reason in ("foreign_sender", "invalid_evaluation_report")}
-    perfect = {"accuracy": 1.0, "loss": 0.0, "num_samples": 300}
+    perfect = {"accuracy": 1.0, "loss": 0.0, "num_samples": 20}  # within every site's held-out split
     fed.publish_as("site-0", evaluation_report=report(job_id, 1, version, "w1", **perfect))  # w0's user for w1
     fed.publish_as("site-0", evaluation_report=report(job_id, 2, version, "w0", **perfect))  # a round never asked
     fed.publish_as("site-0", evaluation_report=report("other-0000", 1, version, "w0", **perfect))  # another job
@@ -197,3 +197,39 @@ def test_a_job_on_own_data_without_any_evaluation_is_accepted_with_a_warning_eve
     assert "evaluation.every is 0" in warning.message and "evaluation.dataset" in warning.message
     (r,) = status_reply(fed.coordinator, job_id).rounds
     assert (r.federated_samples, r.evaluated_sites) == (0, 0)
+
+
+class Inflating:
+    """A site's bus that sends its evaluation reports with a count of nine times its registered training samples
+    (issue 30: such a report was accepted and held 92 % of the federated score's weight)."""
+
+    def __init__(self, bus: object, count: int) -> None:
+        self.bus, self.count = bus, count
+
+    def publish_control(self, body: bytes) -> None:
+        from fedbroker import envelope
+
+        message = envelope.decode(body, expect=("evaluation_report",))
+        message.evaluation_report.num_samples = self.count
+        self.bus.publish_control(message.SerializeToString())  # type: ignore[attr-defined]
+
+
+def test_a_count_above_the_held_out_split_a_site_registered_is_refused(fed: Federation) -> None:
+    agents = [fed.add_worker(i, 3) for i in range(3)]
+    liar = agents[2]
+    wait_for(lambda: len(fed.store.workers()) == 3, "the three sites to register")
+    held_out = {w.worker_id: w.evaluation_samples for w in fed.store.workers()}
+    assert held_out == {a.config.id: a.evaluation.num_samples for a in agents} and min(held_out.values()) > 0
+    liar.evaluation.bus = Inflating(liar.evaluation.bus, 9 * len(liar.y))  # type: ignore[assignment]
+    before = metric("fedbroker_coordinator_evaluation_reports_refused_total", reason="implausible_count")
+    job_id = fed.coordinator.submit(parse_job(job(training={"rounds": 2})))  # its end waits for the liar's deadline
+    wait_for(lambda: metric("fedbroker_coordinator_evaluation_reports_refused_total", reason="implausible_count")
+             == before + 2, "the liar's two reports to be refused")
+    wait_for(lambda: [r.evaluated_sites for r in status_reply(fed.coordinator, job_id).rounds] == [2, 2],
+             "the honest sites' scores of both rounds")
+    status = status_reply(fed.coordinator, job_id)
+    assert not [e for e in status.evaluations if e.worker_id == "w2" and e.status == "evaluated"]
+    for r in status.rounds:  # the score is the honest sites', weighted by their own held-out counts
+        rows = [e for e in status.evaluations if e.round == r.round and e.worker_id in ("w0", "w1")]
+        assert r.evaluated_sites == 2 and r.federated_samples == held_out["w0"] + held_out["w1"]
+        assert r.federated_accuracy == pytest.approx(weighted(rows)[0], abs=1e-12)

@@ -1,6 +1,7 @@
 """One writer per spool, and no write of a running book deletes a file a record is about to name.
 
-A second aggregation service on a spool is refused at once, naming the folder; a stopped book's threads (gRPC
+A second aggregation service on a spool is refused, naming the folder, once its bounded wait for the lock has
+passed (a process test: tests/faults/test_spool_lock_wait.py); a stopped book's threads (gRPC
 cannot stop a running handler) write nothing, so the next service on the folder is its only writer; and
 within one book, a commit that lands while a new global version is being written keeps that version's file.
 Every interleaving is made by construction (a hook inside the write, or calls after the stop), never by
@@ -67,12 +68,14 @@ def test_the_aggregator_command_refuses_to_start_on_a_spool_another_service_hold
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     holder = RoundBook(spool_dir=tmp_path)
     monkeypatch.setenv("FEDBROKER__AGGREGATOR__SPOOL_DIR", str(tmp_path))
+    monkeypatch.setenv("FEDBROKER__AGGREGATOR__SPOOL_LOCK_WAIT_S", "0.2")
     try:
-        assert main(["aggregator", "--listen", "127.0.0.1:0"]) == 2  # a config error: at once, never waiting
+        assert main(["aggregator", "--listen", "127.0.0.1:0"]) == 2  # a config error once the bound has passed
     finally:
         holder.stop()
     err = capsys.readouterr().err
     assert f"{tmp_path} is in use by another aggregation service" in err
+    assert "did not let go within aggregator.spool_lock_wait_s = 0.2 s" in err
 
 
 # ----- a stopped book writes nothing -----------------------------------------------------------------

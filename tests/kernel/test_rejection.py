@@ -34,7 +34,7 @@ def test_the_wire_codes_are_unchanged():
     assert {r.value for r in Rejection} == {
         "malformed_stream", "truncated", "digest_mismatch", "too_large", "unauthenticated", "permission_denied",
         "unknown_job", "unknown_round", "unknown_worker", "late", "round_closed", "bad_header", "too_many_samples", "bad_request",
-        "spool_full", "server_busy", "too_many_streams", "idle_stream", "unknown_tensor", "missing_tensor", "wrong_shape", "wrong_dtype", "non_finite", "stale",
+        "spool_full", "server_busy", "too_many_streams", "idle_stream", "unknown_tensor", "missing_tensor", "wrong_shape", "wrong_dtype", "non_finite", "out_of_range", "stale",
         "secure_protocol"}
     assert Rejection.LATE == "late" and f"{Rejection.LATE}" == "late"
 

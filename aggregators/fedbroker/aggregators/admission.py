@@ -7,6 +7,7 @@ values once they have arrived (finite). The caller snapshots what its state says
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -16,6 +17,9 @@ from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 
 FINITE_BLOCK = 1 << 16  # values checked at a time: no model-sized boolean temporary
+# Without a declared `aggregation.max_update_value`, an uploaded value may be this many times the newest global
+# model's largest (at least 1): room for any honest training, none for a value whose arithmetic overflows.
+DERIVED_HEADROOM = 1e4
 TensorSpecs = Mapping[str, tuple[tuple[int, ...], str]]  # name → (shape, dtype)
 
 
@@ -86,8 +90,19 @@ def check_global_model(shapes: Mapping[str, tuple[int, ...]], tensors: Mapping[s
     check_finite(tensors, who="the global model")
 
 
-def check_finite(tensors: Mapping[str, np.ndarray], *, who: str) -> None:
-    """Refuse an update with a NaN or infinity: one would poison the global model for every worker."""
+def value_limit(*, declared: float, model: Mapping[str, np.ndarray]) -> float:
+    """The largest magnitude an uploaded value may have: the job's `aggregation.max_update_value`, else
+    DERIVED_HEADROOM times the global model's largest magnitude (at least 1)."""
+    if declared > 0:
+        return declared
+    largest = max((float(np.max(np.abs(a))) for a in model.values() if np.size(a)), default=0.0)
+    return DERIVED_HEADROOM * max(1.0, largest)
+
+
+def check_finite(tensors: Mapping[str, np.ndarray], *, who: str, limit: float = math.inf) -> None:
+    """Refuse an update with a NaN or infinity (`non_finite`), or a value beyond `limit` in magnitude
+    (`out_of_range`): a finite 3e38 overflows the rules' and the mean's float arithmetic just the same, and one
+    such upload would make the global model NaN or infinite for every worker."""
     flags = np.empty(FINITE_BLOCK, dtype=bool)
     for name, arr in tensors.items():
         flat = np.asarray(arr).reshape(-1)
@@ -95,3 +110,7 @@ def check_finite(tensors: Mapping[str, np.ndarray], *, who: str) -> None:
             block = flat[start:start + FINITE_BLOCK]
             if not np.isfinite(block, out=flags[: block.size]).all():
                 raise UploadRejected(Rejection.NON_FINITE, f"{who}: tensor {name!r} contains NaN or Inf")
+            if block.size and np.max(np.abs(block)) > limit:
+                raise UploadRejected(Rejection.OUT_OF_RANGE,
+                                     f"{who}: tensor {name!r} holds {float(np.max(np.abs(block))):.3g}, beyond the "
+                                     f"job's bound of {limit:.3g} on an update's values (aggregation.max_update_value)")

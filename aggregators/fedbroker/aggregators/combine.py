@@ -83,10 +83,20 @@ def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, 
             spec, state = _combine(rnd, spec, [accepted[w] for w in chosen], weights, rng, stats,
                                    deadline=time.monotonic() + alignment_time_limit_s)
     stats["aggregated"] = float(len(chosen))
+    _check_finite(rnd, state)
     log.info("round %d: %d of %d accepted update(s) chosen by %s, %d aggregated%s", rnd.number, selection.chosen,
              selection.accepted, selection.method, len(chosen),
              f"; {rnd.algorithms.settings.robust.name} judged {len(verdicts)}" if verdicts else "")
     return Combined(chosen, weights, spec, state, stats, selection, verdicts)
+
+
+def _check_finite(rnd: Round, state: Mapping[str, np.ndarray]) -> None:
+    """A global model with a NaN or infinity is never published: the close fails naming the round (the
+    coordinator fails the job with it), so no site trains, and spends ε, on it."""
+    bad = sorted(name for name, arr in state.items() if not np.all(np.isfinite(arr)))
+    if bad:
+        raise Conflict(f"round {rnd.number}'s aggregate holds NaN or infinite values (tensor {bad[0]!r}); it is not "
+                       f"published as a global model and no site is asked to train on it")
 
 
 def _running_result(rnd: Round, accepted: Mapping[str, Accepted],

@@ -26,6 +26,7 @@ class Algorithms:
     weighting: Weighting
     selection: Selector
     robust: RobustRule
+    max_update_value: float = 0.0  # aggregation.max_update_value (admission.value_limit)
 
     def built_from(self, config: AggregationConfig) -> bool:
         """Whether `config` is the section these were built from (a job whose settings changed rebuilds)."""
@@ -41,7 +42,7 @@ def build_algorithms(config: AggregationConfig) -> Algorithms:
         raise problems[0] if len(problems) == 1 else ConfigErrors(problems)
     return Algorithms(_canonical(config), settings, ALIGNMENT.build(settings.alignment),
                       WEIGHTING.build(settings.weighting), SELECTION.build(settings.selection),
-                      ROBUST.build(settings.robust))
+                      ROBUST.build(settings.robust), config.max_update_value)
 
 
 def _canonical(config: AggregationConfig) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from fedbroker.aggregators.admission import Standing
+from fedbroker.aggregators.admission import Standing, check_finite, value_limit
 from fedbroker.aggregators.async_state import AsyncState
 from fedbroker.aggregators.job_algorithms import Algorithms, build_algorithms
 from fedbroker.aggregators.mean import Layout, Slot, UpdateRows
@@ -199,6 +199,13 @@ class Job:
         return self.algorithms
 
     # ----- the global model -----
+
+    def check_update(self, tensors: Mapping[str, np.ndarray], *, who: str) -> None:
+        """Finite, and within the job's bound on an update's values (`admission.value_limit`), judged against
+        the newest global model: else UploadRejected."""
+        versions = dict(self.versions)  # a close may replace them meanwhile
+        declared = self.algorithms.max_update_value if self.algorithms is not None else 0.0
+        check_finite(tensors, who=who, limit=value_limit(declared=declared, model=versions[max(versions)]))
 
     def holds(self, version: int, spec_json: str, state: Mapping[str, np.ndarray]) -> bool:
         """Whether this exact model is installed already (a restarted coordinator re-installing it)."""

@@ -81,7 +81,7 @@ class RoundBook:
         selection_time_limit_s: float = 30.0,
         alignment_time_limit_s: float = 120.0,
         clock: Callable[[], float] = time.time,
-        spool_dir: str | os.PathLike[str] | None = None,
+        spool_dir: str | os.PathLike[str] | None = None, spool_lock_wait_s: float = 0.0,
         probe_sets: ProbeLoader = probe_arrays,
         secure_unmask_s: float = UNMASK_WAIT_S,
     ) -> None:
@@ -98,7 +98,7 @@ class RoundBook:
         self._watchers = threading.Condition(self._lock)  # notified whenever a job changes (`watch`)
         self._generation = 0                              # counts the changes
         self._changed_at: dict[str, int] = {}             # job → the generation of its last change
-        self._spool = Spool(spool_dir) if spool_dir else None  # SpoolInUse: another service holds the folder
+        self._spool = Spool(spool_dir, lock_wait_s=spool_lock_wait_s) if spool_dir else None  # SpoolInUse: held
         if self._spool is not None:
             try:
                 self._restore(self._spool)
@@ -221,13 +221,13 @@ class RoundBook:
             return self.secure.receive_masked(header, stream, size)
         if self._jobs[header.job_id].asynchronous is not None:
             tensors, digest = codec.receive_payload(stream, header, size, buffer=None)
-            admission.check_finite(tensors, who=f"worker {header.worker_id!r}")
+            self._jobs[header.job_id].check_update(tensors, who=f"worker {header.worker_id!r}")
             return self._accept_async(header, tensors, digest)
         reservation = self._reserve(header)
         try:
             tensors, digest = codec.receive_payload(stream, header, size,
                                                     buffer=reservation.slot.bytes if reservation else None)
-            admission.check_finite(tensors, who=f"worker {header.worker_id!r}")
+            self._jobs[header.job_id].check_update(tensors, who=f"worker {header.worker_id!r}")
             return self._accept(header, tensors, digest, reservation)
         finally:
             if reservation is not None:

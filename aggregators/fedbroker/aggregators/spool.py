@@ -19,7 +19,8 @@ every record committed meanwhile.
 
 One service at a time: an open Spool holds `spool.lock` in its root (`fedbroker.files.FolderLock`), so a
 second service on the same folder is refused (`SpoolInUse`) instead of deleting the files the first one's
-records name. `close()` waits for the writes under way, then lets the next service in; a write through a
+records name; it waits `aggregator.spool_lock_wait_s` first, so a quick restart starts once the old process
+has exited. `close()` waits for the writes under way, then lets the next service in; a write through a
 closed spool raises `SpoolClosed`, so a handler thread that outlives its stopped service touches nothing.
 
 `job_record`/`restore_job` translate between the book's state (`aggregators.job_state`) and these records.
@@ -100,21 +101,34 @@ class StoredJob:
     folder: Path
 
 
+def _lock(root: Path, wait_s: float) -> FolderLock:
+    """The spool's lock, waiting up to `wait_s` for a holder (an old service still exiting) to let go."""
+    try:
+        return FolderLock(root, LOCK_FILE)
+    except FolderLocked as exc:
+        if wait_s <= 0:
+            raise
+        log.warning("spool %s is held by pid %s (a service still exiting?); waiting up to %g s for it", root,
+                    exc.holder, wait_s)
+    return FolderLock(root, LOCK_FILE, wait_s=wait_s)
+
+
 class Spool:
     """The folder of job folders (see the module docstring); every write is atomic. Holds the folder's lock
-    from here to `close()`: `SpoolInUse` when another service holds it."""
+    from here to `close()`: `SpoolInUse` when another service still holds it after `lock_wait_s`."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, lock_wait_s: float = 0.0) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         try:
-            self._lock = FolderLock(self.root, LOCK_FILE)
+            self._lock = _lock(self.root, lock_wait_s)
         except FolderLocked as exc:
             raise SpoolInUse(
                 "aggregator.spool_dir",
                 f"{self.root} is in use by another aggregation service (pid {exc.holder}, which holds "
-                f"{exc.path}); two services on one spool would delete each other's files: stop that one, or "
-                f"give this one its own spool_dir",
+                f"{exc.path}{f' and did not let go within aggregator.spool_lock_wait_s = {lock_wait_s:g} s' if lock_wait_s > 0 else ''}); "
+                f"two services on one spool would delete each other's files: stop that one, or give this one its "
+                f"own spool_dir",
             ) from None
         self._guard = threading.Condition()  # the three fields below
         self._writers = 0                     # writes under way (`close` waits for them)

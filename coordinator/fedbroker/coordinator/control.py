@@ -202,6 +202,8 @@ def _registration_problems(r: pb.Registration) -> list[str]:
         out.append(f"label_histogram: every count must lie in [0, {MAX_SAMPLES}]")
     if not 1 <= r.num_samples <= MAX_SAMPLES:
         out.append(f"num_samples: must lie in [1, {MAX_SAMPLES}], got {r.num_samples}")
+    if not 0 <= r.evaluation_samples <= MAX_SAMPLES:
+        out.append(f"evaluation_samples: must lie in [0, {MAX_SAMPLES}], got {r.evaluation_samples}")
     if len(r.input_shape) > MAX_SAMPLE_DIMS or any(not 1 <= d <= MAX_WIDTH for d in r.input_shape):
         out.append(f"input_shape: at most {MAX_SAMPLE_DIMS} sizes in [1, {MAX_WIDTH}], got {list(r.input_shape)[:16]}")
     if not 0 <= r.num_classes <= MAX_CLASSES:

@@ -122,7 +122,7 @@ class ControlHandler:
         self.store.upsert_worker(
             worker_id=r.worker_id, categories=r.categories, histogram=(), dp=dp,
             epsilon_spent=0.0, device=r.device, num_samples=r.num_samples,
-            input_shape=r.input_shape, num_classes=r.num_classes,
+            input_shape=r.input_shape, num_classes=r.num_classes, evaluation_samples=r.evaluation_samples,
         )
         log.info("worker %s registered (%s, %d samples, categories %s)", r.worker_id, r.device, r.num_samples,
                  list(r.categories))

@@ -8,8 +8,8 @@ round_timeout_s after the tasks went out, and the round's federated score (the c
 evaluated round's sites that uploaded in it (`await_last`), so a finished job's final score is in.
 
 A report is input from anyone who can publish to the control queue: it has passed `control.check_control`
-(finite, in range) and the sender binding of its worker id; here its count must be one the worker's
-registration allows, and the store records it only against a task this coordinator sent that worker, for
+(finite, in range) and the sender binding of its worker id; here its count must be at most the held-out
+split the worker registered (`Registration.evaluation_samples`), and the store records it only against a task this coordinator sent that worker, for
 that round and version, before the deadline (store_evaluation.py). Everything else is refused with a log line
 and counted (`fedbroker_coordinator_evaluation_reports_refused_total{reason}`), changing nothing.
 
@@ -38,9 +38,6 @@ from fedbroker.proto import fedbroker_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# A site's held-out split is its test_fraction share, its registration counts the rest: a split nine times its
-# training share (test_fraction 0.9) is the most a report may claim, so no site outweighs the others by a count.
-MAX_HELD_OUT_RATIO = 9
 SETTLE_MARGIN_S = 1.0   # the end of a job waits this long past the last evaluation's deadline at most
 
 _shown: dict[str, int] = {}   # job → the round its federated gauges show (the latest with a score)
@@ -74,11 +71,11 @@ def accept_report(store: StateStore, r: pb.EvaluationReport) -> EvaluationVerdic
     """Record a checked report (module docstring); what became of it (a refusal is logged and counted)."""
     reason = r.reason[:MAX_REASON_CHARS]
     if not r.refused:
-        registered = next((w.num_samples for w in store.workers() if w.worker_id == r.worker_id), None)
-        if registered is not None and r.num_samples > MAX_HELD_OUT_RATIO * registered:  # unknown: not asked
+        registered = next((w.evaluation_samples for w in store.workers() if w.worker_id == r.worker_id), None)
+        if registered is not None and r.num_samples > registered:  # unknown: not asked (refused below)
             log.warning("evaluation report of worker %s for round %d of %s refused: %d held-out samples, more than "
-                        "%d times the %d it registered", r.worker_id, r.round, r.job_id[:140], r.num_samples,
-                        MAX_HELD_OUT_RATIO, registered)
+                        "the %d of the held-out split it registered", r.worker_id, r.round, r.job_id[:140],
+                        r.num_samples, registered)
             metrics.EVALUATION_REPORTS_REFUSED.labels("implausible_count").inc()
             return "implausible_count"
     verdict = store.record_evaluation(r.job_id, r.round, r.worker_id, model_version=r.model_version,

@@ -167,6 +167,7 @@ class WorkerRecord:
     state: WorkerState = WorkerState.IDLE
     input_shape: tuple[int, ...] = ()  # one sample's shape; () = not reported (a worker older than the field)
     num_classes: int = 0               # 0 = not reported
+    evaluation_samples: int = 0        # its held-out split; 0 = none (or a worker older than the field)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -168,7 +168,7 @@ def registration_summary(r: pb.Registration) -> str:
     dp = (f"DP σ {r.dp_policy.noise_multiplier:g}, clip {r.dp_policy.max_grad_norm:g}, δ {r.dp_policy.delta:g}, "
           f"ε budget {r.dp_policy.epsilon_budget:g}") if r.dp_enabled else "no DP"
     return (f"categories {', '.join(r.categories)}; {r.num_samples} samples of shape {list(r.input_shape)}, "
-            f"{r.num_classes} classes; {dp}; device {r.device}")
+            f"{r.num_classes} classes, {r.evaluation_samples} held out for evaluation; {dp}; device {r.device}")
 
 
 def registration_changes(old: WorkerRecord | None, r: pb.Registration) -> list[str]:
@@ -179,6 +179,7 @@ def registration_changes(old: WorkerRecord | None, r: pb.Registration) -> list[s
     pairs: Sequence[tuple[str, object, object]] = (
         ("categories", list(old.categories), list(r.categories)),
         ("samples", old.num_samples, r.num_samples),
+        ("held-out samples", old.evaluation_samples, r.evaluation_samples),
         ("sample shape", list(old.input_shape), list(r.input_shape)),
         ("classes", old.num_classes, r.num_classes),
         ("device", old.device, r.device),

@@ -318,7 +318,7 @@ class StateStore(EpsilonTables, JobNotes, ShareTables, EvaluationTables, SiteTab
 
     def upsert_worker(self, *, worker_id: str, categories: Iterable[str], histogram: Iterable[int], dp: DPPolicy,
                       epsilon_spent: float, device: str, num_samples: int, input_shape: Iterable[int] = (),
-                      num_classes: int = 0) -> None:
+                      num_classes: int = 0, evaluation_samples: int = 0) -> None:
         """A registration. `epsilon_spent` only raises the worker's floor (an operator's or a test's figure): the
         control queue passes 0, since a site's claim is never recorded (`recorded_epsilon`)."""
         now = time.time()
@@ -326,15 +326,16 @@ class StateStore(EpsilonTables, JobNotes, ShareTables, EvaluationTables, SiteTab
         self._run(
             f"record the registration of worker {worker_id!r}",
             "INSERT INTO workers (worker_id, categories_json, histogram_json, dp_enabled, dp_json, epsilon_spent,"
-            " device, num_samples, registered, last_seen, input_shape_json, num_classes)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " device, num_samples, registered, last_seen, input_shape_json, num_classes, evaluation_samples)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT(worker_id) DO UPDATE SET categories_json=excluded.categories_json,"
             " histogram_json=excluded.histogram_json, dp_enabled=excluded.dp_enabled, dp_json=excluded.dp_json,"
             " epsilon_spent=MAX(workers.epsilon_spent, excluded.epsilon_spent), device=excluded.device, num_samples=excluded.num_samples,"
-            " last_seen=excluded.last_seen, input_shape_json=excluded.input_shape_json, num_classes=excluded.num_classes",
+            " last_seen=excluded.last_seen, input_shape_json=excluded.input_shape_json, num_classes=excluded.num_classes,"
+            " evaluation_samples=excluded.evaluation_samples",
             (worker_id, json.dumps(list(categories)), json.dumps([int(c) for c in histogram]), int(dp.enabled),
              json.dumps(numbers), epsilon_spent, device, num_samples, now, now, json.dumps([int(d) for d in input_shape]),
-             num_classes),
+             num_classes, evaluation_samples),
         )
 
     def touch_worker(self, worker_id: str, *, state: WorkerState) -> bool:
@@ -565,4 +566,5 @@ def _worker_record(r: sqlite3.Row) -> WorkerRecord:
         histogram=tuple(json.loads(r["histogram_json"])),
         dp=DPPolicy(enabled=bool(r["dp_enabled"]), **json.loads(r["dp_json"])), epsilon_spent=r["recorded"],
         device=r["device"], num_samples=r["num_samples"], last_seen=r["last_seen"], state=WorkerState(r["state"]),
-        input_shape=tuple(json.loads(r["input_shape_json"])), num_classes=r["num_classes"])
+        input_shape=tuple(json.loads(r["input_shape_json"])), num_classes=r["num_classes"],
+        evaluation_samples=r["evaluation_samples"])

@@ -74,9 +74,15 @@ def _site_tables(db: sqlite3.Connection) -> None:
         db.execute(statement)
 
 
+def _evaluation_samples(db: sqlite3.Connection) -> None:
+    """Version 3: each site's registered held-out split, the bound of its evaluation reports."""
+    db.execute("ALTER TABLE workers ADD COLUMN evaluation_samples INTEGER NOT NULL DEFAULT 0")
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "the tables and columns of the releases before schema versions", _unversioned_layout),
     Migration(2, "the sites' own record: version, restarts, events and forwarded warnings", _site_tables),
+    Migration(3, "each site's registered held-out split (the bound of its evaluation reports)", _evaluation_samples),
 ]
 
 SCHEMA = Schema("coordinator's state", MIGRATIONS)

@@ -36,7 +36,7 @@ class DPPolicy(_message.Message):
     def __init__(self, noise_multiplier: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., delta: _Optional[float] = ..., epsilon_budget: _Optional[float] = ...) -> None: ...
 
 class Registration(_message.Message):
-    __slots__ = ("worker_id", "categories", "label_histogram", "dp_policy", "dp_enabled", "epsilon_spent", "device", "num_samples", "input_shape", "num_classes", "software_version", "started_unix")
+    __slots__ = ("worker_id", "categories", "label_histogram", "dp_policy", "dp_enabled", "epsilon_spent", "device", "num_samples", "input_shape", "num_classes", "evaluation_samples", "software_version", "started_unix")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CATEGORIES_FIELD_NUMBER: _ClassVar[int]
     LABEL_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class Registration(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
@@ -59,9 +60,10 @@ class Registration(_message.Message):
     num_samples: int
     input_shape: _containers.RepeatedScalarFieldContainer[int]
     num_classes: int
+    evaluation_samples: int
     software_version: str
     started_unix: float
-    def __init__(self, worker_id: _Optional[str] = ..., categories: _Optional[_Iterable[str]] = ..., label_histogram: _Optional[_Iterable[int]] = ..., dp_policy: _Optional[_Union[DPPolicy, _Mapping]] = ..., dp_enabled: _Optional[bool] = ..., epsilon_spent: _Optional[float] = ..., device: _Optional[str] = ..., num_samples: _Optional[int] = ..., input_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., software_version: _Optional[str] = ..., started_unix: _Optional[float] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., categories: _Optional[_Iterable[str]] = ..., label_histogram: _Optional[_Iterable[int]] = ..., dp_policy: _Optional[_Union[DPPolicy, _Mapping]] = ..., dp_enabled: _Optional[bool] = ..., epsilon_spent: _Optional[float] = ..., device: _Optional[str] = ..., num_samples: _Optional[int] = ..., input_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., evaluation_samples: _Optional[int] = ..., software_version: _Optional[str] = ..., started_unix: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("worker_id", "epsilon_spent", "state", "budget_limited", "epsilon_left", "job_costs")

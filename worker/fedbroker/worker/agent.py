@@ -193,6 +193,7 @@ class WorkerAgent:
             dp_policy=pb.DPPolicy(noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
                                   delta=dp.delta, epsilon_budget=dp.epsilon_budget) if dp else None,
             epsilon_spent=self.ledger.total_epsilon(), device=self.device, num_samples=len(self.y),
+            evaluation_samples=self.evaluation.num_samples,  # the most an evaluation report of it may claim
             input_shape=[int(d) for d in self.x.shape[1:]], num_classes=self.num_classes,
             software_version=installed_version(), started_unix=self.started_unix,
         )

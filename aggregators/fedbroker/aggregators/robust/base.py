@@ -110,12 +110,26 @@ def uniform(n: int) -> np.ndarray:
     return np.full(n, 1.0 / n)
 
 
-def combination(deltas: np.ndarray, coefficients: np.ndarray) -> np.ndarray:
-    """Σ_i c_i · Δ_i as float64: one matrix-vector product over every row (a zero coefficient costs less than
-    copying the other rows out)."""
-    if not np.any(coefficients):
-        return np.zeros(deltas.shape[1])
-    return np.asarray(coefficients.astype(deltas.dtype) @ deltas, dtype=np.float64)
+def combination(deltas: np.ndarray, coefficients: np.ndarray, *, chunk: int = 1 << 16) -> np.ndarray:
+    """Σ_i c_i · Δ_i, computed in float64 a column block at a time (a float32 product of large finite values
+    overflows to inf) without a float64 copy of the whole array."""
+    c = np.asarray(coefficients, dtype=np.float64)
+    out = np.zeros(deltas.shape[1])
+    if not np.any(c):
+        return out
+    for start in range(0, deltas.shape[1], chunk):
+        out[start:start + chunk] = c @ deltas[:, start:start + chunk].astype(np.float64)
+    return out
+
+
+def dots(deltas: np.ndarray, vector: np.ndarray, *, chunk: int = 1 << 16) -> np.ndarray:
+    """Δ_i · v for every row, in float64 a column block at a time (FLTrust's Δ_i · g_0: in float32 a finite
+    update of 3e38 against g_0's sign overflows, and the cosine becomes NaN)."""
+    v = np.asarray(vector, dtype=np.float64)
+    out = np.zeros(deltas.shape[0])
+    for start in range(0, deltas.shape[1], chunk):
+        out += deltas[:, start:start + chunk].astype(np.float64) @ v[start:start + chunk]
+    return out
 
 
 def row_norms(deltas: np.ndarray) -> np.ndarray:

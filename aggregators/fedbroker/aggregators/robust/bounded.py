@@ -22,6 +22,7 @@ from fedbroker.aggregators.robust.base import (
     RuleBase,
     check_updates,
     combination,
+    dots,
     row_norms,
     uniform,
 )
@@ -76,8 +77,7 @@ class FLTrust(FLTrustParams):
             raise ValueError(f"fltrust's root update must be {d.shape[1]} finite values, got shape {g0.shape}")
         g0_norm = float(np.linalg.norm(g0))
         norms = row_norms(d)
-        dots = np.asarray(d @ g0.astype(d.dtype), dtype=np.float64)
-        cosine = np.divide(dots, norms * g0_norm, out=np.zeros(n), where=(norms > 0) & (g0_norm > 0))
+        cosine = np.divide(dots(d, g0), norms * g0_norm, out=np.zeros(n), where=(norms > 0) & (g0_norm > 0))
         trust = np.maximum(cosine, 0.0)
         total = float(trust.sum())
         share = trust / total if total > 0 else np.zeros(n)
