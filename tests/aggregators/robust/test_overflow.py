@@ -2,7 +2,7 @@
 NaN, and under plain FedAvg an infinite one. The rules compute in float64, an upload beyond the job's bound on
 its values is refused at the door (`out_of_range`), and a close whose aggregate is not finite publishes nothing.
 
-The pure rules here; the service over gRPC in tests/robust/test_overflow_service.py."""
+The pure rules here; the service over gRPC in tests/aggregators/robust/test_overflow_service.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from fedbroker.aggregators.robust.base import combination, dots, uniform
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.errors import ConfigError, Conflict, Rejection, UploadRejected
 from fedbroker.spec import AggregationConfig
-from tests.test_rounds import SPEC, stream, weights
+from tests.aggregators.test_rounds import SPEC, stream, weights
 
 RNG = np.random.default_rng(0)
 HUGE = np.float32(3e38)
