@@ -27,7 +27,7 @@ from fedbroker.aggregators.job_state import Accepted, CloseResult, Round, Update
 from fedbroker.aggregators.layer_conversion import from_layers, to_layers
 from fedbroker.aggregators.mean import weighted_mean_of_rows
 from fedbroker.aggregators.probe_sets import probe_arrays
-from fedbroker.aggregators.robust import RobustResult
+from fedbroker.aggregators.robust import RobustInput, RobustResult
 from fedbroker.aggregators.root_update import train_root_update
 from fedbroker.aggregators.selection import Candidate, Probe, SelectionInput
 from fedbroker.close_report import SelectionRecord, Verdict
@@ -190,7 +190,7 @@ def _robust(rnd: Round, updates: list[Accepted], weights: np.ndarray, current: M
         g0 = root_trainer(spec, current, x, y, epochs=request.epochs, lr=request.lr, batch_size=request.batch_size,
                           seed=seed)
         root = _flatten(g0, names)
-    result = rule.aggregate(deltas, weights, rng=rng, root_update=root)
+    result = rule.aggregate(RobustInput(deltas=deltas, weights=weights, rng=rng, root_update=root))
     stats.update(_robust_stats(result))
     verdicts = [Verdict(u.worker_id, rnd.algorithms.settings.robust.name, float(k), float(e))
                 for u, k, e in zip(updates, result.kept_weight, result.expected)]

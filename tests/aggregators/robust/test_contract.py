@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedbroker.aggregators.robust import ROBUST, RobustResult
+from fedbroker.aggregators.robust import ROBUST, RobustInput, RobustResult
 from fedbroker.catalogue import ROBUST_RULES
 from fedbroker.errors import ConfigError
 from tests.source_roots import PYTHONPATH, ROOT
@@ -33,7 +33,7 @@ def run(name: str, deltas: np.ndarray, weights: np.ndarray, seed: int = 0,
         root: np.ndarray | None = None) -> RobustResult:
     rule = ROBUST.create(name, PARAMS[name])
     g0 = root if root is not None else np.asarray(deltas, dtype=np.float64).mean(axis=0)
-    return rule.aggregate(deltas, weights, rng=np.random.default_rng(seed), root_update=g0)
+    return rule.aggregate(RobustInput(deltas=deltas, weights=weights, rng=np.random.default_rng(seed), root_update=g0))
 
 
 def test_every_registered_rule_has_contract_parameters() -> None:
@@ -97,9 +97,9 @@ def test_fltrust_refuses_to_run_without_a_root_update_of_the_model_s_size() -> N
     d, w = updates()
     rule = ROBUST.create("fltrust", PARAMS["fltrust"])
     with pytest.raises(ValueError, match="root update"):
-        rule.aggregate(d, w, rng=np.random.default_rng(0))
+        rule.aggregate(RobustInput(deltas=d, weights=w, rng=np.random.default_rng(0)))
     with pytest.raises(ValueError, match="root update"):
-        rule.aggregate(d, w, rng=np.random.default_rng(0), root_update=np.ones(3))
+        rule.aggregate(RobustInput(deltas=d, weights=w, rng=np.random.default_rng(0), root_update=np.ones(3)))
 
 
 @pytest.mark.parametrize(("name", "params", "match"), [

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fedbroker.aggregators.admission import DERIVED_HEADROOM, check_finite, value_limit
-from fedbroker.aggregators.robust import FLTrust
+from fedbroker.aggregators.robust import FLTrust, RobustInput
 from fedbroker.aggregators.robust.base import combination, dots, uniform
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.errors import ConfigError, Conflict, Rejection, UploadRejected
@@ -29,8 +29,8 @@ def test_fltrust_stays_finite_with_a_finite_update_of_3e38_against_g0() -> None:
     evil = (-np.sign(g0) * HUGE).astype(np.float32)[None, :]
     with np.errstate(over="ignore"):
         assert not np.isfinite((evil @ g0)[0])  # what float32 arithmetic gave: -inf, then a NaN cosine
-    result = FLTrust(probe_dataset="digits").aggregate(np.vstack([honest, evil]), uniform(3), rng=RNG,
-                                                       root_update=g0)
+    result = FLTrust(probe_dataset="digits").aggregate(RobustInput(deltas=np.vstack([honest, evil]), weights=uniform(3), rng=RNG,
+                                                       root_update=g0))
     assert np.all(np.isfinite(result.delta)) and np.all(np.isfinite(result.kept_weight))
     assert result.kept_weight[2] == 0.0  # pointing away from g_0: no trust
     assert np.linalg.norm(result.delta) <= np.linalg.norm(g0.astype(np.float64)) * (1 + 1e-6)
@@ -39,7 +39,7 @@ def test_fltrust_stays_finite_with_a_finite_update_of_3e38_against_g0() -> None:
 def test_fltrust_along_g0_with_3e38_is_rescaled_to_g0_not_overflowed() -> None:
     g0 = np.array([0.5, -0.25, 1.0], dtype=np.float32)
     evil = (np.sign(g0) * HUGE).astype(np.float32)[None, :]
-    result = FLTrust(probe_dataset="digits").aggregate(evil, uniform(1), rng=RNG, root_update=g0)
+    result = FLTrust(probe_dataset="digits").aggregate(RobustInput(deltas=evil, weights=uniform(1), rng=RNG, root_update=g0))
     assert np.all(np.isfinite(result.delta))
     np.testing.assert_allclose(np.linalg.norm(result.delta), np.linalg.norm(g0.astype(np.float64)), rtol=1e-6)
 
@@ -107,8 +107,8 @@ def test_a_close_whose_aggregate_is_not_finite_publishes_nothing() -> None:
     rule = book._jobs["j"].round.algorithms.robust  # type: ignore[union-attr]
     real = type(rule).aggregate
 
-    def broken(self, deltas, w, **kw):  # type: ignore[no-untyped-def]
-        out = real(self, deltas, w, **kw)
+    def broken(self, problem):  # type: ignore[no-untyped-def]
+        out = real(self, problem)
         return type(out)(np.full_like(out.delta, np.nan), out.kept_weight, out.expected, out.notes)
 
     type(rule).aggregate = broken  # type: ignore[method-assign]

@@ -11,7 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedbroker.aggregators.robust import FLTrust, GeometricMedian, Median, MultiKrum, NormBound, TrimmedMean, trimmed
+from fedbroker.aggregators.robust import (
+    FLTrust,
+    GeometricMedian,
+    Median,
+    MultiKrum,
+    NormBound,
+    RobustInput,
+    TrimmedMean,
+    trimmed,
+)
 from fedbroker.aggregators.robust.coordinatewise import NETWORK_UP_TO, sorting_network
 
 RNG = np.random.default_rng(0)
@@ -35,7 +44,7 @@ def test_the_median_stays_within_the_honest_range_whatever_fewer_than_half_send(
         liars = rng.choice(n, size=f, replace=False)
         honest[liars, j] = False
         deltas[liars, j] = data.draw(st.lists(HUGE, min_size=f, max_size=f), label=f"lies {j}")
-    result = Median().aggregate(deltas, uniform(n), rng=RNG)
+    result = Median().aggregate(RobustInput(deltas=deltas, weights=uniform(n), rng=RNG))
     low = np.where(honest, deltas, np.inf).min(axis=0)
     high = np.where(honest, deltas, -np.inf).max(axis=0)
     assert np.all(low <= result.delta) and np.all(result.delta <= high)
@@ -48,7 +57,7 @@ def test_the_trimmed_mean_drops_ceil_beta_n_per_side_and_averages_the_rest(n: in
     deltas = np.random.default_rng(seed).normal(size=(n, p))
     rule = TrimmedMean(beta=beta)
     k = min(math.ceil(Fraction(repr(beta)) * n), (n - 1) // 2)
-    result = rule.aggregate(deltas, uniform(n), rng=RNG)
+    result = rule.aggregate(RobustInput(deltas=deltas, weights=uniform(n), rng=RNG))
     expected = np.sort(deltas, axis=0)[k:n - k].mean(axis=0)
     np.testing.assert_allclose(result.delta, expected, rtol=1e-12, atol=1e-12)
     assert result.notes["trimmed_per_side"] == k
@@ -57,12 +66,12 @@ def test_the_trimmed_mean_drops_ceil_beta_n_per_side_and_averages_the_rest(n: in
 
 def test_the_trimmed_mean_at_beta_0_1_of_ten_drops_one_each_side() -> None:
     column = np.array([-1000.0, 1, 2, 3, 4, 5, 6, 7, 8, 1000.0])[:, None]
-    result = TrimmedMean(beta=0.1).aggregate(column, uniform(10), rng=RNG)
+    result = TrimmedMean(beta=0.1).aggregate(RobustInput(deltas=column, weights=uniform(10), rng=RNG))
     assert result.delta[0] == 4.5 and result.notes["trimmed_per_side"] == 1
     assert result.kept_weight[0] == result.kept_weight[-1] == 0 and np.allclose(result.kept_weight[1:-1], 1 / 8)
-    assert TrimmedMean(beta=0.11).aggregate(column, uniform(10), rng=RNG).delta[0] == 4.5  # ⌈1.1⌉ = 2: 2..7
+    assert TrimmedMean(beta=0.11).aggregate(RobustInput(deltas=column, weights=uniform(10), rng=RNG)).delta[0] == 4.5  # ⌈1.1⌉ = 2: 2..7
     thirty = np.arange(30.0)[:, None]
-    assert TrimmedMean(beta=0.1).aggregate(thirty, uniform(30), rng=RNG).notes["trimmed_per_side"] == 3  # not 4
+    assert TrimmedMean(beta=0.1).aggregate(RobustInput(deltas=thirty, weights=uniform(30), rng=RNG)).notes["trimmed_per_side"] == 3  # not 4
 
 
 @settings(max_examples=40, deadline=None)
@@ -76,7 +85,7 @@ def test_multi_krum_never_averages_an_attacker_far_from_the_honest_cluster(f: in
     attackers = centre + far * rng.choice([-1.0, 1.0], size=(f, p)) * (1 + rng.random(size=(f, p)))
     deltas = np.vstack([cluster, attackers])[rng.permutation(honest + f)]
     is_attacker = np.array([any(np.array_equal(row, a) for a in attackers) for row in deltas])
-    result = MultiKrum(f=f).aggregate(deltas, uniform(len(deltas)), rng=RNG)
+    result = MultiKrum(f=f).aggregate(RobustInput(deltas=deltas, weights=uniform(len(deltas)), rng=RNG))
     assert not np.any(result.kept_weight[is_attacker] > 0)
     radius = np.linalg.norm(cluster - centre, axis=1).max()
     assert np.linalg.norm(result.delta - centre) <= radius + 1e-9
@@ -89,7 +98,7 @@ def test_the_geometric_median_of_identical_points_is_that_point(n: int, p: int, 
     rng = np.random.default_rng(seed)
     point = rng.normal(size=p) * 10
     weights = rng.uniform(0.1, 1.0, size=n)
-    result = GeometricMedian().aggregate(np.tile(point, (n, 1)), weights / weights.sum(), rng=RNG)
+    result = GeometricMedian().aggregate(RobustInput(deltas=np.tile(point, (n, 1)), weights=weights / weights.sum(), rng=RNG))
     np.testing.assert_allclose(result.delta, point, rtol=1e-9, atol=1e-9)
 
 
@@ -103,7 +112,7 @@ def test_the_geometric_median_stays_near_the_honest_points_whatever_the_outliers
     points = rng.normal(size=(honest, p)) / math.sqrt(p)
     outliers = far * rng.normal(size=(f, p))
     deltas = np.vstack([points, outliers])
-    result = GeometricMedian().aggregate(deltas, uniform(honest + f), rng=RNG)
+    result = GeometricMedian().aggregate(RobustInput(deltas=deltas, weights=uniform(honest + f), rng=RNG))
     alpha = f / (honest + f)
     bound = 2 * (1 - alpha) / (1 - 2 * alpha) * np.linalg.norm(points, axis=1).max()  # Minsker's breakdown bound
     assert np.linalg.norm(result.delta) <= bound * 1.01 + 1e-6
@@ -117,7 +126,7 @@ def test_norm_bounding_caps_every_update_at_m_and_leaves_small_ones_alone(n: int
     deltas = rng.normal(size=(n, p)) * rng.uniform(0.001, 200.0, size=(n, 1))
     weights = rng.uniform(0.1, 1.0, size=n)
     weights /= weights.sum()
-    result = NormBound(max_norm=bound).aggregate(deltas, weights, rng=RNG)
+    result = NormBound(max_norm=bound).aggregate(RobustInput(deltas=deltas, weights=weights, rng=RNG))
     norms = np.linalg.norm(deltas, axis=1)
     scale = result.kept_weight / weights
     np.testing.assert_allclose(scale * norms, np.minimum(norms, bound), rtol=1e-9)   # each is capped at M ...
@@ -136,7 +145,7 @@ def test_fltrust_gives_no_weight_against_g0_and_never_outgrows_it(n: int, p: int
     deltas = rng.normal(size=(n, p)) * rng.uniform(0.01, 1e4, size=(n, 1))
     deltas[0] = -rng.uniform(0.1, 1e6) * g0                 # a scaled sign flip of the root direction
     rule = FLTrust(probe_dataset="digits")
-    result = rule.aggregate(deltas, uniform(n), rng=RNG, root_update=g0)
+    result = rule.aggregate(RobustInput(deltas=deltas, weights=uniform(n), rng=RNG, root_update=g0))
     assert result.kept_weight[0] == 0.0
     cosine = deltas @ g0 / (np.linalg.norm(deltas, axis=1) * np.linalg.norm(g0))
     assert np.all(result.kept_weight[cosine <= 0] == 0.0)
@@ -145,8 +154,8 @@ def test_fltrust_gives_no_weight_against_g0_and_never_outgrows_it(n: int, p: int
 
 def test_fltrust_keeps_the_global_model_when_it_trusts_no_update() -> None:
     g0 = np.array([1.0, 0.0])
-    result = FLTrust(probe_dataset="digits").aggregate(np.array([[-1.0, 0.0], [0.0, 3.0]]), uniform(2), rng=RNG,
-                                                       root_update=g0)
+    result = FLTrust(probe_dataset="digits").aggregate(RobustInput(deltas=np.array([[-1.0, 0.0], [0.0, 3.0]]), weights=uniform(2), rng=RNG,
+                                                       root_update=g0))
     assert np.all(result.delta == 0) and np.all(result.kept_weight == 0) and result.notes["fltrust_trusted"] == 0
 
 

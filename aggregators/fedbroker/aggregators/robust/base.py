@@ -51,6 +51,27 @@ class RobustResult:
 
 
 @dataclass(frozen=True)
+class RobustInput:
+    """One round's robust problem, as one object so every rule takes one argument; built only past the checks
+    every rule needs (`check_updates`), so `deltas` is a 2-D float array of finite rows and `weights` sum to 1.
+
+    `deltas`: the chosen updates Δ_i = x_i − x_global, one row each. `weights`: the job's coefficients, one per
+    row. `rng`: seeded by the job and round (no rule draws from it today). `root_update`: FLTrust's g_0, trained by
+    the service on its root set when the rule's `root_request` asked for one.
+    """
+
+    deltas: np.ndarray
+    weights: np.ndarray
+    rng: np.random.Generator
+    root_update: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        deltas, weights = check_updates(self.deltas, self.weights)
+        object.__setattr__(self, "deltas", deltas)
+        object.__setattr__(self, "weights", weights)
+
+
+@dataclass(frozen=True)
 class RootRequest:
     """The root set a rule needs the service to train g_0 on, and how (FLTrust)."""
 
@@ -67,9 +88,8 @@ class RobustRule(Protocol):
     def root_request(self) -> RootRequest | None:
         """The root (probe) set the service must train g_0 on before `aggregate` (None: the rule needs none)."""
 
-    def aggregate(self, deltas: np.ndarray, weights: np.ndarray, *, rng: np.random.Generator,
-                  root_update: np.ndarray | None = None) -> RobustResult:
-        """The round's update from `deltas` (n, P) and the job's normalised `weights` (n,)."""
+    def aggregate(self, problem: RobustInput) -> RobustResult:
+        """The round's update from the problem's updates and the job's normalised weights."""
 
 
 ROBUST: Registry[RobustRule] = Registry(ROBUST_RULES)

@@ -17,10 +17,10 @@ import numpy as np
 
 from fedbroker.aggregators.robust.base import (
     ROBUST,
+    RobustInput,
     RobustResult,
     RootRequest,
     RuleBase,
-    check_updates,
     combination,
     dots,
     row_norms,
@@ -34,10 +34,9 @@ from fedbroker.robust_params import FLTrustParams, NormBoundParams, NoRobustPara
 class NoRobust(RuleBase, NoRobustParams):
     """The job's weighted mean (what a close does without a rule; here for the contract and the bench)."""
 
-    def aggregate(self, deltas: np.ndarray, weights: np.ndarray, *, rng: np.random.Generator,
-                  root_update: np.ndarray | None = None) -> RobustResult:
+    def aggregate(self, problem: RobustInput) -> RobustResult:
         """Σ w_i Δ_i."""
-        d, w = check_updates(deltas, weights)
+        d, w = problem.deltas, problem.weights
         return RobustResult(combination(d, w), w, w)
 
 
@@ -45,10 +44,9 @@ class NoRobust(RuleBase, NoRobustParams):
 class NormBound(RuleBase, NormBoundParams):
     """Every update's norm capped at max_norm, then the job's weighted mean."""
 
-    def aggregate(self, deltas: np.ndarray, weights: np.ndarray, *, rng: np.random.Generator,
-                  root_update: np.ndarray | None = None) -> RobustResult:
+    def aggregate(self, problem: RobustInput) -> RobustResult:
         """Σ w_i · min(1, M/‖Δ_i‖) · Δ_i (the weights are not renormalised: a bounded update pulls less)."""
-        d, w = check_updates(deltas, weights)
+        d, w = problem.deltas, problem.weights
         norms = row_norms(d)
         scale = np.minimum(1.0, np.divide(self.max_norm, norms, out=np.ones_like(norms), where=norms > 0))
         kept = w * scale
@@ -65,14 +63,13 @@ class FLTrust(FLTrustParams):
         return RootRequest(ProbeRequest(self.probe_dataset, self.probe_size, self.probe_seed), epochs=self.epochs,
                            lr=self.lr, batch_size=self.batch_size)
 
-    def aggregate(self, deltas: np.ndarray, weights: np.ndarray, *, rng: np.random.Generator,
-                  root_update: np.ndarray | None = None) -> RobustResult:
+    def aggregate(self, problem: RobustInput) -> RobustResult:
         """Σ TS_i (‖g_0‖/‖Δ_i‖) Δ_i / Σ TS_i; zero (the global model kept) when no update is trusted."""
-        d, _ = check_updates(deltas, weights)
+        d = problem.deltas
         n = d.shape[0]
-        if root_update is None:
+        if problem.root_update is None:
             raise ValueError("fltrust needs the service's root update g_0 (trained on its root set)")
-        g0 = np.asarray(root_update, dtype=np.float64).reshape(-1)
+        g0 = np.asarray(problem.root_update, dtype=np.float64).reshape(-1)
         if g0.shape != (d.shape[1],) or not np.all(np.isfinite(g0)):
             raise ValueError(f"fltrust's root update must be {d.shape[1]} finite values, got shape {g0.shape}")
         g0_norm = float(np.linalg.norm(g0))

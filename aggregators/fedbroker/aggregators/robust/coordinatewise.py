@@ -24,7 +24,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from fedbroker.aggregators.robust.base import ROBUST, RobustResult, RuleBase, check_updates, uniform
+from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RuleBase, uniform
 from fedbroker.robust_params import MedianParams, TrimmedMeanParams
 
 BLOCK = 1 << 12          # coordinates per sorted block: (BLOCK, n) stays in cache
@@ -102,10 +102,9 @@ def kept_shares(deltas: np.ndarray, k: int) -> np.ndarray:
 class Median(RuleBase, MedianParams):
     """The coordinate-wise median."""
 
-    def aggregate(self, deltas: np.ndarray, weights: np.ndarray, *, rng: np.random.Generator,
-                  root_update: np.ndarray | None = None) -> RobustResult:
+    def aggregate(self, problem: RobustInput) -> RobustResult:
         """Per coordinate, the middle value (the mean of the two middle ones for an even n)."""
-        d, _ = check_updates(deltas, weights)
+        d = problem.deltas
         n = d.shape[0]
         delta, kept = trimmed(d, (n - 1) // 2)
         return RobustResult(delta, kept, uniform(n))
@@ -121,10 +120,9 @@ class TrimmedMean(RuleBase, TrimmedMeanParams):
         most = (n - 1) // 2
         return min(k, most), k > most
 
-    def aggregate(self, deltas: np.ndarray, weights: np.ndarray, *, rng: np.random.Generator,
-                  root_update: np.ndarray | None = None) -> RobustResult:
+    def aggregate(self, problem: RobustInput) -> RobustResult:
         """Per coordinate, the mean of the values left after dropping ⌈βn⌉ at each end."""
-        d, _ = check_updates(deltas, weights)
+        d = problem.deltas
         n = d.shape[0]
         k, lowered = self.trim(n)
         delta, kept = trimmed(d, k)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedbroker.aggregators.robust.base import ROBUST, RobustResult, RuleBase, check_updates, combination, gram
+from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RuleBase, combination, gram
 from fedbroker.robust_params import GeometricMedianParams
 
 
@@ -56,10 +56,9 @@ def weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
 class GeometricMedian(RuleBase, GeometricMedianParams):
     """RFA's robust aggregate: the smoothed weighted geometric median."""
 
-    def aggregate(self, deltas: np.ndarray, weights: np.ndarray, *, rng: np.random.Generator,
-                  root_update: np.ndarray | None = None) -> RobustResult:
+    def aggregate(self, problem: RobustInput) -> RobustResult:
         """z after at most `iterations` Weiszfeld steps (fewer once a step stops moving it)."""
-        d, w = check_updates(deltas, weights)
+        d, w = problem.deltas, problem.weights
         c, ran, objective = weiszfeld(gram(d), w, iterations=self.iterations, nu=self.nu, tolerance=self.tolerance)
         return RobustResult(combination(d, c), c, w, {"weiszfeld_iterations": float(ran),
                                                       "weiszfeld_objective": objective})

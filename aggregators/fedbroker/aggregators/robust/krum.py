@@ -13,9 +13,9 @@ import numpy as np
 
 from fedbroker.aggregators.robust.base import (
     ROBUST,
+    RobustInput,
     RobustResult,
     RuleBase,
-    check_updates,
     combination,
     gram,
     squared_distances,
@@ -41,10 +41,9 @@ class MultiKrum(RuleBase, MultiKrumParams):
         m = self.m if self.m is not None else n - self.f
         return neighbours, max(1, min(n, m)), n < 2 * self.f + 3
 
-    def aggregate(self, deltas: np.ndarray, weights: np.ndarray, *, rng: np.random.Generator,
-                  root_update: np.ndarray | None = None) -> RobustResult:
+    def aggregate(self, problem: RobustInput) -> RobustResult:
         """The m lowest-scoring updates' weighted mean (ties broken by position: no randomness)."""
-        d, w = check_updates(deltas, weights)
+        d, w = problem.deltas, problem.weights
         n = d.shape[0]
         neighbours, m, undersized = self.sizes(n)
         scores = krum_scores(squared_distances(gram(d)), neighbours) if n > 1 else np.zeros(1)
