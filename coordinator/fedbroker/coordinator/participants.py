@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedbroker import envelope
 from fedbroker.coordinator.records import WorkerRecord
 from fedbroker.coordinator.store import StateStore
 from fedbroker.errors import ConfigError
 from fedbroker.privacy import job_epsilon_after_round
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import ModelSpec, TrainingConfig, training_from_json
+from fedbroker.spec import ModelSpec, TrainingConfig
 
 # A worker's report sent this long after a task's deadline is taken to include whatever that task cost it (it
 # records ε before its deadline, and reports its ledger's total): covers clocks apart and a late beat.
@@ -98,19 +97,10 @@ class EpsilonBounds:
         self._lock = threading.Lock()
         self._reported: dict[str, float] = {}  # worker → when its last accepted total was sent (this process)
 
-    def note_tasks(self, tasks: Sequence[tuple[str, bytes]], deadline: float) -> None:
-        """Before tasks (worker id, encoded RoundTask) go out: what each can add to its worker's ε."""
-        workers = {w.worker_id: w for w in self.store.workers()}
-        trainings: dict[str, TrainingConfig] = {}
-        rows = []
-        for worker_id, body in tasks:
-            try:
-                task = envelope.decode(body, expect=("round_task",)).round_task
-                if task.training_json not in trainings:
-                    trainings[task.training_json] = training_from_json(task.training_json)
-            except (envelope.MalformedMessage, ValueError, TypeError):  # no worker trains what it cannot read
-                continue
-            rows.append((worker_id, deadline, _task_cost(workers.get(worker_id), trainings[task.training_json])))
+    def note_tasks(self, workers: Sequence[str], deadline: float, training: TrainingConfig) -> None:
+        """Before round tasks of a job with `training` go out to `workers`: what each can add to its worker's ε."""
+        registered = {w.worker_id: w for w in self.store.workers()}
+        rows = [(worker_id, deadline, _task_cost(registered.get(worker_id), training)) for worker_id in workers]
         self.store.note_issued_epsilon(rows, forget_before=time.time() - ISSUED_KEPT_S)
 
     def limit(self, worker_id: str) -> float | None:
