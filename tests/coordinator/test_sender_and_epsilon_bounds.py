@@ -4,8 +4,6 @@ store across restarts), the audit trail of ε corrections, and the configs that 
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import time
 import uuid
 from pathlib import Path
@@ -44,11 +42,6 @@ def wait_for(predicate, timeout: float = 20.0):
 def register(store: StateStore, worker_id: str, epsilon: float = 0.0) -> None:
     store.upsert_worker(worker_id=worker_id, categories=["digits"], histogram=[1] * 10, dp=DP,
                         epsilon_spent=epsilon, device="cpu", num_samples=500)
-
-
-def task(worker_id: str) -> tuple[str, bytes]:
-    return worker_id, envelope.encode(round_task=pb.RoundTask(
-        job_id="job-1", round=1, training_json=json.dumps(dataclasses.asdict(TRAINING)), category="digits"))
 
 
 def test_a_registration_is_refused_unless_its_broker_user_may_speak_for_its_worker(tmp_path: Path) -> None:
@@ -114,7 +107,7 @@ def test_a_workers_epsilon_may_rise_by_what_its_tasks_can_cost_and_the_bound_out
     assert bounds.limit("w0") == pytest.approx(1.0)  # nothing asked of it: no rise allowed
     assert bounds.limit("ghost") is None
     deadline = time.time() - REPORT_GRACE_S - 5  # two tasks whose rounds ended a while ago
-    bounds.note_tasks([task("w0"), task("w0"), ("w0", b"not a task")], deadline)
+    bounds.note_tasks(["w0", "w0"], deadline, TRAINING)  # the job's training, not read back from each task
     per_round = (bounds.limit("w0") - 1.0) / 2
     assert 0 < per_round < 50
     restarted = EpsilonBounds(store)  # the tasks' bounds are in the store

@@ -7,7 +7,7 @@ has some are refused: a job's settings never change. Each job's settings are on 
 
 An older coordinator that installs nothing sends the aggregation section with each OpenRound (read for one
 release): the first one is parsed into the job's settings, in memory only (its rounds' records keep the
-section, and a restart rebuilds them from there).
+section, and a restart rebuilds them from there); a later request with another section is refused.
 """
 
 from __future__ import annotations
@@ -84,11 +84,16 @@ class InstalledJobs:
     def for_round(self, job_id: str, legacy_aggregation: Mapping[str, Any] | None) -> Algorithms:
         """The job's algorithms for a round or buffer being opened: the installed ones, else (an older
         coordinator's request) those of the aggregation section it sent, parsed once and kept in memory."""
+        if legacy_aggregation is None:
+            return self.get(job_id)
+        message = legacy_settings(job_id, aggregation_json=json.dumps(dict(legacy_aggregation)))
         with self._lock:
             held = self._jobs.get(job_id)
-        if held is not None or legacy_aggregation is None:
-            return held if held is not None else self.get(job_id)
-        algorithms = build_algorithms(parse_settings(legacy_settings(
-            job_id, aggregation_json=json.dumps(dict(legacy_aggregation)))))
-        with self._lock:
-            return self._jobs.setdefault(job_id, algorithms)
+        if held is None:
+            algorithms = build_algorithms(parse_settings(message))
+            with self._lock:
+                held = self._jobs.setdefault(job_id, algorithms)
+        if held.installed.message.aggregation != message.aggregation:
+            raise Conflict(f"job {job_id!r} is installed with another aggregation section: a job's settings never "
+                           f"change; submit a new job")
+        return held
