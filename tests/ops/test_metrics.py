@@ -18,11 +18,12 @@ from fedbroker.aggregators import metrics as agg_metrics
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.bus import open_bus
+from fedbroker.catalogue import aggregation_settings
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig, load_config
 from fedbroker.errors import ConfigError
 from fedbroker.metrics import start_ephemeral_exporter, start_exporter
 from fedbroker.rpc import RemoteError
-from fedbroker.spec import parse_model
+from fedbroker.spec import AggregationConfig, parse_model
 from fedbroker.worker.agent import WorkerAgent
 from tests.installed import install
 
@@ -131,8 +132,9 @@ def test_close_stats_become_the_alignment_cost_and_the_selection_fitness():
 
 
 def test_algorithm_labels_default_like_the_job_spec():
-    assert agg_metrics.algorithm_labels({}) == {"alignment": "none", "weighting": "fedavg", "selection": "all"}
-    assert agg_metrics.algorithm_labels({"alignment": "pfnm"})["alignment"] == "pfnm"
+    assert agg_metrics.algorithm_labels(aggregation_settings(AggregationConfig())) == {
+        "alignment": "none", "weighting": "fedavg", "selection": "all", "robust": "none"}
+    assert agg_metrics.algorithm_labels(aggregation_settings(AggregationConfig(alignment="pfnm")))["alignment"] == "pfnm"
 
 
 def test_two_worker_agents_in_one_process_export_their_own_series(tmp_path):
