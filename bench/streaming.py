@@ -183,6 +183,7 @@ def run(*, quick: bool) -> Section:
     from fedbroker import codec
     from fedbroker.aggregation_client import AggregatorClient
     from fedbroker.glibc_malloc import keep_freed_memory
+    from fedbroker.job_settings import sections_settings
 
     keep_freed_memory()  # this process is the worker's side (downloads land here), as `fedbroker worker` sets it
     started = time.perf_counter()
@@ -213,6 +214,7 @@ def run(*, quick: bool) -> Section:
             job = f"bench-{width}"
             spec_json = json.dumps(model_spec(width))
             uploads = repeats + 1
+            client.install_job(sections_settings(job))
             client.put_global(job, 1, spec_json, tensors)
             flat = np.concatenate([a.reshape(-1) for a in tensors.values()]).view(np.uint8).data
             rounds = iter(range(1, uploads + 1))
@@ -223,7 +225,7 @@ def run(*, quick: bool) -> Section:
                 if current[0]:
                     client.close_round(job, current[0])
                 current[0] = next(rounds)
-                client.open_round(job, current[0], ["w"], time.time() + 3600, {}, seed=0)
+                client.open_round(job, current[0], ["w"], time.time() + 3600, seed=0)
 
             def upload(job: str = job) -> None:
                 client.upload(job_id=job, round=current[0], worker_id="w", num_samples=100, tensors=tensors)

@@ -133,6 +133,14 @@ class AggregatorClient:
 
         return self._retry(run, what=f"download global model of job {job_id}", idempotent=True)
 
+    def job_settings(self, job_id: str, worker_id: str, digest: str) -> pb.JobSettings:
+        """A job's installed settings, for a participant that lacks them (it restarted since its first task)."""
+        request = pb.GetJobSettingsRequest(job_id=job_id, worker_id=worker_id, digest=digest)
+        reply: pb.GetJobSettingsReply = self._retry(
+            lambda: self._stub.GetJobSettings(request, timeout=self.timeout_s, metadata=self._md),
+            what=f"settings of job {job_id}", idempotent=True)
+        return reply.settings
+
     def start_task(self, job_id: str, round: int, worker_id: str, version: int, *, model: bool = True) -> TaskStart:
         """A task's first call: the round's (async: the task's) status for this worker and, with `model`, the
         global `version` to train from, inline when it fits one message, else streamed (a second call)."""
@@ -238,14 +246,21 @@ class AggregatorClient:
                 return reply
             time.sleep(min(random.uniform(*REPOLL_S), max(until - time.time(), 0.0)))  # held or not: a pause
 
-    def open_round(self, job_id: str, round: int, participants: Sequence[str], deadline_unix: float,
-                   aggregation: Mapping[str, object], *, seed: int,
+    def install_job(self, settings: pb.JobSettings) -> str:
+        """Install a job's settings once, before its model and rounds (idempotent); the digest the service holds."""
+        reply: pb.InstallJobReply = self._retry(
+            lambda: self._stub.InstallJob(pb.InstallJobRequest(settings=settings), timeout=self.timeout_s,
+                                          metadata=self._md),
+            what=f"install job {settings.job_id}", idempotent=True)
+        return reply.digest
+
+    def open_round(self, job_id: str, round: int, participants: Sequence[str], deadline_unix: float, *, seed: int,
                    histograms: Mapping[str, Sequence[int]] | None = None,
                    num_samples: Mapping[str, int] | None = None) -> int:
-        """`num_samples`: each participant's registered sample count, the most an upload of it may claim."""
+        """Open a round of an installed job (`install_job`). `num_samples`: each participant's registered sample
+        count, the most an upload of it may claim."""
         request = pb.OpenRoundRequest(
-            job_id=job_id, round=round, participants=list(participants), deadline_unix=deadline_unix,
-            aggregation_json=json.dumps(dict(aggregation)), seed=seed,
+            job_id=job_id, round=round, participants=list(participants), deadline_unix=deadline_unix, seed=seed,
             histograms={w: pb.LabelHistogram(counts=list(h)) for w, h in (histograms or {}).items()},
             num_samples=dict(num_samples or {}),
         )
@@ -286,12 +301,12 @@ class AggregatorClient:
         return list(reply.discarded)
     # ----- asynchronous mode (FedBuff) -----
 
-    def open_buffer(self, job_id: str, *, aggregation: Mapping[str, object], buffer_size: int, max_staleness: int,
-                    staleness: str, staleness_params: Mapping[str, object], server_lr: float, seed: int,
+    def open_buffer(self, job_id: str, *, buffer_size: int, max_staleness: int, staleness: str,
+                    staleness_params: Mapping[str, object], server_lr: float, seed: int,
                     num_samples: Mapping[str, int] | None = None) -> int:
-        """Put the job in asynchronous mode (idempotent); returns the newest global version."""
+        """Put an installed job in asynchronous mode (idempotent); returns the newest global version."""
         request = pb.OpenBufferRequest(
-            job_id=job_id, aggregation_json=json.dumps(dict(aggregation)), buffer_size=buffer_size,
+            job_id=job_id, buffer_size=buffer_size,
             max_staleness=max_staleness, staleness=staleness, staleness_params_json=json.dumps(dict(staleness_params)),
             server_lr=server_lr, seed=seed, num_samples=dict(num_samples or {}))
         reply: pb.OpenBufferReply = self._retry(

@@ -11,7 +11,6 @@ trait, read instead of the algorithm's name or class.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -216,11 +215,6 @@ def needs_histograms(config: AggregationConfig) -> bool:
     job asks its sites for them (an unknown name declares nothing; submission refuses it)."""
     return any(traits is not None and traits.needs_histograms for traits in (
         ALIGNMENTS.traits(config.alignment), WEIGHTINGS.traits(config.weighting), SELECTIONS.traits(config.selection)))
-
-
-def settings_from_json(text: str) -> AggregationSettings:
-    """The typed settings of an aggregation section sent as a JSON object (a round task's)."""
-    return aggregation_settings(AggregationConfig(**json.loads(text or "{}")))
 
 
 def _choose(catalogue: Catalogue[P], name: str, params: Mapping[str, Any],

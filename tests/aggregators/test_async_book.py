@@ -125,8 +125,9 @@ def test_open_buffer_is_idempotent_and_refuses_alignment_naming_the_field() -> N
     assert book.status("j", t["w1"]) == ([], True)  # the issued task survived the repeated open
     other = RoundBook(max_update_bytes=10_000)
     other.put_global("j", 1, SPEC.to_json(), weights(0.0))
+    other.put_global("f", 1, SPEC.to_json(), weights(0.0))
     with pytest.raises(ConfigError) as info:
-        other.open_buffer("j", config(aggregation={**AGG, "alignment": "feddna"}))
+        other.open_buffer("f", config(aggregation={**AGG, "alignment": "feddna"}))
     assert info.value.field == "aggregation.alignment"
     with pytest.raises(ConfigError) as info:
         other.open_buffer("j", config(staleness="linear"))

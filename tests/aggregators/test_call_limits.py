@@ -25,6 +25,7 @@ from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.spec import parse_model
+from tests.installed import install
 from tests.security.conftest import token_table
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -73,8 +74,8 @@ def service():
     clients = {name: AggregatorClient(target, timeout_s=10, security=ClientSecurity(token=token))
                for name, token in tokens.items()}
     clients["coordinator"].put_global("job", 1, SPEC.to_json(), weights(0.0))
-    clients["coordinator"].open_round("job", 1, ["w1", "w2"], time.time() + 600,
-                                      {"alignment": "none", "weighting": "fedavg", "selection": "all"}, seed=0)
+    install(clients["coordinator"], "job", {"alignment": "none", "weighting": "fedavg", "selection": "all"})
+    clients["coordinator"].open_round("job", 1, ["w1", "w2"], time.time() + 600, seed=0)
     release = threading.Event()
     yield {"tokens": tokens, "clients": clients, "channel": channel, "release": release, "target": target}
     release.set()
@@ -192,8 +193,8 @@ def test_the_coordinators_event_stream_takes_no_transfer_slot_from_the_workers()
     client = AggregatorClient(f"127.0.0.1:{port}", timeout_s=10)
     try:
         client.put_global("job", 1, SPEC.to_json(), weights(0.0))
-        client.open_round("job", 1, ["w1"], time.time() + 600,
-                          {"alignment": "none", "weighting": "fedavg", "selection": "all"}, seed=0)
+        install(client, "job", {"alignment": "none", "weighting": "fedavg", "selection": "all"})
+        client.open_round("job", 1, ["w1"], time.time() + 600, seed=0)
         events = client.watch()
         first = next(events)  # the stream is open, holding its thread
         assert [j.job_id for j in first.jobs] == ["job"]
@@ -220,8 +221,8 @@ def test_a_busy_refusal_tells_each_caller_when_to_come_back_and_the_client_waits
     release = threading.Event()
     try:
         coordinator.put_global("job", 1, SPEC.to_json(), weights(0.0))
-        coordinator.open_round("job", 1, ["w1", "w2"], time.time() + 600,
-                               {"alignment": "none", "weighting": "fedavg", "selection": "all"}, seed=0)
+        install(coordinator, "job", {"alignment": "none", "weighting": "fedavg", "selection": "all"})
+        coordinator.open_round("job", 1, ["w1", "w2"], time.time() + 600, seed=0)
         stub = pb_grpc.AggregationStub(channel)
         w1 = (("authorization", f"Bearer {tokens['w1']}"),)
         # a transfer that lasts 1.5 s: what the service expects the next ones to take

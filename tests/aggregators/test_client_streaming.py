@@ -16,6 +16,7 @@ from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
+from tests.installed import install
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -40,7 +41,8 @@ def test_put_download_upload_round_trip(client, width):
         assert version == 1 and json.loads(spec_json) == spec
         for name, arr in model.items():
             np.testing.assert_array_equal(got[name], arr)
-    client.open_round("j", 1, ["w1"], time.time() + 60, {}, seed=0)
+    install(client, "j", {})
+    client.open_round("j", 1, ["w1"], time.time() + 60, seed=0)
     update = {name: arr + np.float32(1.0) for name, arr in model.items()}
     receipt = client.upload(job_id="j", round=1, worker_id="w1", num_samples=5, tensors=update)
     assert receipt.sha256 == hashlib.sha256(b"".join(codec.iter_chunks(update))).hexdigest()

@@ -17,6 +17,7 @@ from fedbroker.aggregators.service import serve
 from fedbroker.datasets import load_dataset, train_test_split
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.spec import parse_model
+from tests.installed import install
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -59,7 +60,8 @@ def test_ga_with_a_probe_set_chooses_the_updates_whose_aggregate_classifies_the_
         with AggregatorClient(f"127.0.0.1:{port}") as client:
             client.put_global("j", 1, SPEC.to_json(), state_of(build_model(SPEC, seed=0)))
             workers = ["bad0", "good0", "bad1", "good1", "bad2"]
-            client.open_round("j", 1, workers, time.time() + 60, AGGREGATION, seed=0)
+            install(client, "j", AGGREGATION)
+            client.open_round("j", 1, workers, time.time() + 60, seed=0)
             for k, w in enumerate(workers):
                 state = trained(int(w[-1])) if w.startswith("good") else state_of(build_model(SPEC, seed=100 + k))
                 client.upload(job_id="j", round=1, worker_id=w, num_samples=100, tensors=state)

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from fedbroker import codec
-from fedbroker.aggregators import job_state
+from fedbroker.aggregators import installed_jobs
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.errors import Conflict, NotFound, UploadRejected
+from fedbroker.job_settings import sections_settings
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import parse_model
 
@@ -145,22 +146,24 @@ def test_global_model_must_match_its_spec():
 
 
 def test_selection_and_weighting_plug_in_by_name(book):
-    book.open_round("j", 2, ["w1", "w2", "w3"], 2000.0, {**AGG, "weighting": "uniform", "selection": "random",
-                                                          "selection_params": {"m": 2}}, seed=3)
+    book.installed.install(sections_settings("k", aggregation={**AGG, "weighting": "uniform", "selection": "random",
+                                                               "selection_params": {"m": 2}}))
+    book.put_global("k", 1, SPEC.to_json(), weights(0.0))
+    book.open_round("k", 2, ["w1", "w2", "w3"], 2000.0, seed=3)
     for i, w in enumerate(["w1", "w2", "w3"]):
-        book.receive_update(stream(weights(float(i)), rnd=2, worker=w, n=10 * (i + 1)))
-    result = book.close("j", 2)
+        book.receive_update(stream(weights(float(i)), job="k", rnd=2, worker=w, n=10 * (i + 1)))
+    result = book.close("k", 2)
     assert len(result.aggregated) == 2
     expected = np.mean([float(["w1", "w2", "w3"].index(w)) for w in result.aggregated])
-    np.testing.assert_allclose(book.global_model("j")[2]["0.bias"], expected, rtol=1e-6)
+    np.testing.assert_allclose(book.global_model("k")[2]["0.bias"], expected, rtol=1e-6)
     assert json.loads(result.model_spec_json) == SPEC.to_dict()
 
 
 def test_a_jobs_algorithms_are_built_once_not_every_round(book, monkeypatch):
     built = []
-    real = job_state.build_algorithms
-    monkeypatch.setattr(job_state, "build_algorithms", lambda config: built.append(config) or real(config))
-    first = book._jobs["j"].algorithms
+    real = installed_jobs.build_algorithms
+    monkeypatch.setattr(installed_jobs, "build_algorithms", lambda installed: built.append(installed) or real(installed))
+    first = book._jobs["j"].round.algorithms
     for number in (1, 2, 3):
         book.receive_update(stream(weights(1.0), rnd=number, worker="w1", n=10))
         book.close("j", number)
@@ -169,8 +172,9 @@ def test_a_jobs_algorithms_are_built_once_not_every_round(book, monkeypatch):
     assert built == []
     book.receive_update(stream(weights(1.0), rnd=4, worker="w1", n=10))
     book.close("j", 4)
-    book.open_round("j", 5, ["w1", "w2"], 2000.0, {**AGG, "weighting": "uniform"})  # other settings: built anew
-    assert len(built) == 1 and book._jobs["j"].round.algorithms.settings.weighting.name == "uniform"
+    with pytest.raises(Conflict, match="another aggregation section"):  # a job's settings never change
+        book.open_round("j", 5, ["w1", "w2"], 2000.0, {**AGG, "weighting": "uniform"})
+    assert built == []
 
 
 def test_tensors_sent_in_another_order_are_averaged_by_name(book):
@@ -199,15 +203,16 @@ def test_refused_uploads_give_back_the_rows_they_were_received_into(book):
 
 
 def test_a_round_that_keeps_every_update_averages_the_rows_it_received_them_into(book):
-    book.open_round("j", 2, ["w1", "w2", "w3"], 2000.0, {**AGG, "selection": "random", "selection_params": {"m": 3}},
+    book.put_global("k", 1, SPEC.to_json(), weights(0.0))
+    book.open_round("k", 2, ["w1", "w2", "w3"], 2000.0, {**AGG, "selection": "random", "selection_params": {"m": 3}},
                     seed=1)
     for i, w in enumerate(["w1", "w2", "w3"]):
-        book.receive_update(stream(weights(float(i + 1)), rnd=2, worker=w, n=10 * (i + 1)))
-    rnd = book._jobs["j"].round
+        book.receive_update(stream(weights(float(i + 1)), job="k", rnd=2, worker=w, n=10 * (i + 1)))
+    rnd = book._jobs["k"].round
     assert all(e.slot is not None and np.shares_memory(e.tensors["0.weight"], e.slot.values)
                for e in rnd.accepted.values())
-    book.close("j", 2)
-    np.testing.assert_allclose(book.global_model("j")[2]["2.weight"], (10 * 1 + 20 * 2 + 30 * 3) / 60, rtol=1e-6)
+    book.close("k", 2)
+    np.testing.assert_allclose(book.global_model("k")[2]["2.weight"], (10 * 1 + 20 * 2 + 30 * 3) / 60, rtol=1e-6)
 
 
 def test_the_next_round_receives_into_the_rows_of_the_last_one(book):

@@ -17,6 +17,7 @@ from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import parse_model
+from tests.installed import install
 from tests.security.conftest import token_table
 
 pytestmark = pytest.mark.integration
@@ -38,7 +39,8 @@ def service():
     clients = {name: AggregatorClient(target, timeout_s=5, attempts=1, security=ClientSecurity(token=token))
                for name, token in tokens.items()}
     clients["coordinator"].put_global("j", 1, SPEC.to_json(), weights(0.5))
-    clients["coordinator"].open_round("j", 1, ["w1", "w2"], 4e9, AGG, seed=0)
+    install(clients["coordinator"], "j", AGG)
+    clients["coordinator"].open_round("j", 1, ["w1", "w2"], 4e9, seed=0)
     channel = grpc.insecure_channel(target)
     yield book, clients, pb_grpc.AggregationStub(channel), tokens
     channel.close()
@@ -121,7 +123,8 @@ def test_in_async_mode_a_task_number_is_open_while_outstanding_and_in_once_accep
     client = AggregatorClient(f"127.0.0.1:{port}", timeout_s=5, attempts=1)
     try:
         client.put_global("a", 1, SPEC.to_json(), weights(0.0))
-        client.open_buffer("a", aggregation=AGG, buffer_size=2, max_staleness=4, staleness="constant",
+        install(client, "a", AGG)
+        client.open_buffer("a", buffer_size=2, max_staleness=4, staleness="constant",
                            staleness_params={}, server_lr=1.0, seed=0, num_samples={"w1": 10, "w2": 10})
         tasks = {t.worker_id: t.task for t in client.issue_tasks("a", ["w1", "w2"])}
         start = client.start_task("a", tasks["w1"], "w1", 1)

@@ -5,8 +5,6 @@ state store across restarts), the recorded ε (what the coordinator priced: its 
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import time
 import uuid
 from pathlib import Path
@@ -45,11 +43,6 @@ def wait_for(predicate, timeout: float = 20.0):
 def register(store: StateStore, worker_id: str, epsilon: float = 0.0) -> None:
     store.upsert_worker(worker_id=worker_id, categories=["digits"], histogram=[1] * 10, dp=DP,
                         epsilon_spent=epsilon, device="cpu", num_samples=500)
-
-
-def task(worker_id: str) -> tuple[str, bytes]:
-    return worker_id, envelope.encode(round_task=pb.RoundTask(
-        job_id="job-1", round=1, training_json=json.dumps(dataclasses.asdict(TRAINING)), category="digits"))
 
 
 def test_a_registration_is_refused_unless_its_broker_user_may_speak_for_its_worker(tmp_path: Path) -> None:
@@ -113,7 +106,7 @@ def test_a_jobs_epsilon_claim_is_bounded_by_what_its_tasks_were_priced_at_and_th
     register(store, "w0")
     bounds = EpsilonBounds(store)
     assert bounds.limit("w0", "job-1") == 0.0  # nothing asked of it: no ε may be claimed
-    bounds.note_tasks([task("w0"), task("w0"), ("w0", b"not a task")], time.time() + 60)
+    bounds.note_tasks("job-1", ["w0", "w0"], time.time() + 60, TRAINING)  # the job's training, not read from tasks
     per_round = bounds.limit("w0", "job-1") / 2
     assert 0 < per_round < 50
     assert bounds.limit("w0", "job-2") == 0.0 and bounds.limit("ghost", "job-1") == 0.0

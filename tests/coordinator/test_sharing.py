@@ -21,7 +21,6 @@ from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.bus import InProcessBus
-from fedbroker.catalogue import settings_from_json
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.checkpoints import load_checkpoint
 from fedbroker.coordinator.records import JobStatus
@@ -32,6 +31,7 @@ from fedbroker.coordinator.store_shares import SharePhaseRecord, ShareRecord, Sh
 from fedbroker.label_stats import reported_ish
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import parse_job, parse_model
+from fedbroker.worker.job_settings import JobSettingsCache
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,6 +64,7 @@ class Site:
                  epsilon: float = 1.0, features: int = 4) -> None:
         self.worker_id, self.histogram, self.reply_with, self.epsilon = worker_id, histogram, reply, epsilon
         self.features = features
+        self.settings = JobSettingsCache(kept=8)  # each job's settings, as a worker keeps them
         self.bus = InProcessBus(namespace=namespace, user=worker_id)
         self.requests: list[pb.ShareRequest] = []
         self.tasks: list[pb.RoundTask] = []
@@ -102,7 +103,8 @@ class Site:
             start = client.start_task(task.job_id, task.round, self.worker_id, task.model_version)
             if start.model is not None:
                 ish = reported_ish(self.histogram, task.population_distribution, participants=task.participants,
-                                   settings=settings_from_json(task.aggregation_json)) \
+                                   settings=self.settings.for_task(task, fetch=lambda digest: client.job_settings(
+                                       task.job_id, self.worker_id, digest)).algorithms) \
                     if task.population_distribution else None
                 client.upload(job_id=task.job_id, round=task.round, worker_id=self.worker_id,
                               num_samples=sum(self.histogram), tensors=start.model[2], ish=ish, epsilon=0.1)

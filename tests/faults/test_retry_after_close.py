@@ -16,6 +16,7 @@ from fedbroker.aggregators.service import serve
 from fedbroker.errors import Rejection
 from fedbroker.rpc import RemoteError
 from tests.aggregators.test_rounds import SPEC, weights
+from tests.installed import install
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -65,13 +66,15 @@ def service(tmp_path: Path) -> Iterator[Service]:
 
 def test_a_sync_upload_retried_after_its_round_closed_gets_its_first_receipt(service: Service) -> None:
     c = service.client
-    c.open_round("j", 1, ["w1", "w2"], 4e9, AGG, seed=0, num_samples=LIMITS)
+    install(c, "j", AGG)
+    c.open_round("j", 1, ["w1", "w2"], 4e9, seed=0, num_samples=LIMITS)
     first = service.upload(1, "w1", 1.0)
     assert not first[0]
     c.close_round("j", 1)
     service.restart()  # the closed round is no longer the job's round in memory: only the spool remembers it
     assert service.upload(1, "w1", 1.0) == (True, first[1], first[2])
-    c.open_round("j", 2, ["w1", "w2"], 4e9, AGG, seed=0, num_samples=LIMITS)  # the job moved on
+    install(c, "j", AGG)
+    c.open_round("j", 2, ["w1", "w2"], 4e9, seed=0, num_samples=LIMITS)  # the job moved on
     assert service.upload(1, "w1", 1.0) == (True, first[1], first[2])
     other = service.refusal(1, "w1", 9.0)  # not the update the round took: refused, never a receipt
     assert other.reason == Rejection.ROUND_CLOSED and "round 1 of job 'j'" in str(other)
@@ -83,7 +86,8 @@ def test_a_sync_upload_retried_after_its_round_closed_gets_its_first_receipt(ser
 
 def test_a_retry_while_the_round_closes_is_judged_by_its_digest(service: Service) -> None:
     c = service.client
-    c.open_round("j", 1, ["w1", "w2"], 4e9, AGG, seed=0, num_samples=LIMITS)
+    install(c, "j", AGG)
+    c.open_round("j", 1, ["w1", "w2"], 4e9, seed=0, num_samples=LIMITS)
     first = service.upload(1, "w1", 1.0)
     c.close_round("j", 1)  # still the job's round in memory, now closed
     assert service.upload(1, "w1", 1.0) == (True, first[1], first[2])
@@ -93,7 +97,8 @@ def test_a_retry_while_the_round_closes_is_judged_by_its_digest(service: Service
 def test_an_async_upload_retried_after_the_buffer_closed_gets_its_first_receipt_and_nothing_else(
         service: Service) -> None:
     c = service.client
-    c.open_buffer("j", aggregation=AGG, buffer_size=2, max_staleness=4, staleness="constant", staleness_params={},
+    install(c, "j", AGG)
+    c.open_buffer("j", buffer_size=2, max_staleness=4, staleness="constant", staleness_params={},
                   server_lr=1.0, seed=0, num_samples=LIMITS)
     tasks = {t.worker_id: t.task for t in c.issue_tasks("j", ["w1", "w2"], num_samples=LIMITS)}
     first = service.upload(tasks["w1"], "w1", 1.0)

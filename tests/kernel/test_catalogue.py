@@ -23,7 +23,6 @@ from fedbroker.catalogue import (
     Catalogue,
     Traits,
     aggregation_settings,
-    settings_from_json,
 )
 from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.robust_params import RobustParams
@@ -86,10 +85,10 @@ def test_typed_settings_say_how_a_round_is_aggregated() -> None:
                                                                                          "ish_form": "one_minus"}))
     assert not capped.incremental and not capped.weights_positive
     assert capped.weighting.params.reported_ish_form == "one_minus"
-    chosen = settings_from_json('{"selection": "random", "selection_params": {"m": 3}}')
+    chosen = aggregation_settings(AggregationConfig(selection="random", selection_params={"m": 3}))
     assert not chosen.incremental and chosen.aggregated(5) == 3 and chosen.aggregated(2) == 2
     assert chosen.weighting.params.reported_ish_form == "ratio"
-    assert settings_from_json("").alignment.name == "none"
+    assert aggregation_settings(AggregationConfig()).alignment.name == "none"
 
 
 def test_every_bad_name_or_parameter_of_a_section_is_reported_at_once() -> None:

@@ -18,12 +18,14 @@ from fedbroker.aggregators import metrics as agg_metrics
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.bus import open_bus
+from fedbroker.catalogue import aggregation_settings
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig, load_config
 from fedbroker.errors import ConfigError
 from fedbroker.metrics import start_ephemeral_exporter, start_exporter
 from fedbroker.rpc import RemoteError
-from fedbroker.spec import parse_model
+from fedbroker.spec import AggregationConfig, parse_model
 from fedbroker.worker.agent import WorkerAgent
+from tests.installed import install
 
 SPEC = parse_model({"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 2}]})
 AGG = {"alignment": "none", "weighting": "fedavg", "selection": "all"}
@@ -50,7 +52,8 @@ def aggregator():
 def test_uploads_are_counted_accepted_once_and_rejected_by_reason(aggregator):
     job = f"m-{uuid.uuid4().hex[:6]}"
     aggregator.put_global(job, 1, SPEC.to_json(), weights(0.0))
-    aggregator.open_round(job, 1, ["w1", "w2"], deadline_unix=4e9, aggregation=AGG, seed=0)
+    install(aggregator, job, AGG)
+    aggregator.open_round(job, 1, ["w1", "w2"], deadline_unix=4e9, seed=0)
     before = {name: value(name) for name in ("fedbroker_aggregator_uploads_accepted_total",
                                                "fedbroker_aggregator_uploads_duplicate_total")}
     shape = value("fedbroker_aggregator_uploads_rejected_total", reason="wrong_shape")
@@ -75,7 +78,8 @@ def test_uploads_are_counted_accepted_once_and_rejected_by_reason(aggregator):
 def test_a_late_upload_counts_as_late_and_as_rejected(aggregator):
     job = f"m-{uuid.uuid4().hex[:6]}"
     aggregator.put_global(job, 1, SPEC.to_json(), weights(0.0))
-    aggregator.open_round(job, 1, ["w1"], deadline_unix=1.0, aggregation=AGG, seed=0)  # long past
+    install(aggregator, job, AGG)
+    aggregator.open_round(job, 1, ["w1"], deadline_unix=1.0, seed=0)  # long past
     late = value("fedbroker_aggregator_late_uploads_total")
     with pytest.raises(RemoteError):
         aggregator.upload(job_id=job, round=1, worker_id="w1", num_samples=5, tensors=weights(1.0))
@@ -95,7 +99,8 @@ def test_close_and_grpc_calls_are_timed_by_algorithm_method_and_code(aggregator)
     sent = value("fedbroker_aggregator_sent_bytes_total", rpc="DownloadGlobalModel")
 
     aggregator.put_global(job, 1, SPEC.to_json(), weights(0.0))
-    aggregator.open_round(job, 1, ["w1"], deadline_unix=4e9, aggregation=AGG, seed=0)
+    install(aggregator, job, AGG)
+    aggregator.open_round(job, 1, ["w1"], deadline_unix=4e9, seed=0)
     aggregator.upload(job_id=job, round=1, worker_id="w1", num_samples=5, tensors=weights(1.0))
     aggregator.close_round(job, 1)
     aggregator.download(job, 2)
@@ -127,8 +132,9 @@ def test_close_stats_become_the_alignment_cost_and_the_selection_fitness():
 
 
 def test_algorithm_labels_default_like_the_job_spec():
-    assert agg_metrics.algorithm_labels({}) == {"alignment": "none", "weighting": "fedavg", "selection": "all"}
-    assert agg_metrics.algorithm_labels({"alignment": "pfnm"})["alignment"] == "pfnm"
+    assert agg_metrics.algorithm_labels(aggregation_settings(AggregationConfig())) == {
+        "alignment": "none", "weighting": "fedavg", "selection": "all", "robust": "none"}
+    assert agg_metrics.algorithm_labels(aggregation_settings(AggregationConfig(alignment="pfnm")))["alignment"] == "pfnm"
 
 
 def test_two_worker_agents_in_one_process_export_their_own_series(tmp_path):

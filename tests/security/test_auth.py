@@ -19,6 +19,7 @@ from fedbroker.config import load_config
 from fedbroker.errors import ConfigError, Rejection
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import parse_model
+from tests.installed import install
 from tests.security.conftest import token_table, write_table
 
 SPEC = parse_model({"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 2}]})
@@ -98,7 +99,8 @@ def service():
 def test_with_tokens_a_round_runs_and_each_worker_sees_only_itself(service):
     _target, c = service
     c["coordinator"].put_global("j", 1, SPEC.to_json(), weights(0.0))
-    c["coordinator"].open_round("j", 1, ["w1", "w2"], 4e9, AGG, seed=0)
+    install(c["coordinator"], "j", AGG)
+    c["coordinator"].open_round("j", 1, ["w1", "w2"], 4e9, seed=0)
     assert c["w1"].download("j")[0] == 1
     c["w1"].upload(job_id="j", round=1, worker_id="w1", num_samples=1, tensors=weights(1.0))
     c["w2"].upload(job_id="j", round=1, worker_id="w2", num_samples=3, tensors=weights(3.0))

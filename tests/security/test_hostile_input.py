@@ -37,6 +37,7 @@ from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.spec import parse_model
 from fedbroker.worker.agent import WorkerAgent
+from tests.installed import install
 from tests.security.conftest import token_table
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -553,7 +554,8 @@ def _upload(svc: Services, case: Case, caplog: Any) -> None:
     deadline = time.time() + (0.5 if case.id == "late" else 60)
     svc.deadlines[job] = deadline
     svc.as_coordinator.put_global(job, 1, SPEC.to_json(), weights(0.0))
-    svc.as_coordinator.open_round(job, 1, PARTICIPANTS, deadline, AGG, seed=0,
+    install(svc.as_coordinator, job, AGG)
+    svc.as_coordinator.open_round(job, 1, PARTICIPANTS, deadline, seed=0,
                                   num_samples={w: REGISTERED_SAMPLES for w in PARTICIPANTS})
     accepted = svc.client("w2").upload(job_id=job, round=1, worker_id="w2", num_samples=5, tensors=weights(2.0))
     assert not accepted.duplicate

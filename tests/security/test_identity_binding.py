@@ -37,6 +37,7 @@ from fedbroker.coordinator.service import CoordinatorClient
 from fedbroker.errors import Rejection
 from fedbroker.rpc import RemoteError, reason_of
 from fedbroker.spec import parse_model
+from tests.installed import install
 from tests.integration.processes import stop_all
 from tests.security.conftest import token_table
 from tests.source_roots import PYTHONPATH
@@ -247,8 +248,8 @@ def test_a_tls_port_without_a_client_ca_asks_for_no_certificate_and_the_token_na
         with AggregatorClient(target, timeout_s=5, security=ClientSecurity(
                 token=tokens["coordinator"], ca=pki.ca.read_bytes())) as coordinator:
             coordinator.put_global("j", 1, SPEC.to_json(), weights(0.0))
-            coordinator.open_round("j", 1, ["w2"], 4e9, {"alignment": "none", "weighting": "fedavg",
-                                                         "selection": "all"}, seed=0)
+            install(coordinator, "j", {"alignment": "none", "weighting": "fedavg", "selection": "all"})
+            coordinator.open_round("j", 1, ["w2"], 4e9, seed=0)
         w1 = pki.client("w1")  # offered, never asked for: w2's token decides, as on a port without mTLS
         with AggregatorClient(target, timeout_s=5, security=ClientSecurity(
                 token=tokens["w2"], ca=pki.ca.read_bytes(), cert_chain=w1.cert.read_bytes(),

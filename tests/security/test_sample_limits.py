@@ -24,6 +24,7 @@ from fedbroker.rpc import RemoteError
 from fedbroker.worker.agent import WorkerAgent
 from tests.aggregators.test_rounds import SPEC, weights
 from tests.faults.harness import Federation, job, wait_for
+from tests.installed import install
 
 pytestmark = [pytest.mark.integration]
 
@@ -91,7 +92,8 @@ class Service:
         self.server, self.port = serve(self.book)
         self.client = AggregatorClient(f"127.0.0.1:{self.port}", timeout_s=5, attempts=1)
         self.client.put_global("j", 1, SPEC.to_json(), weights(0.0))
-        self.client.open_buffer("j", aggregation=AGG, buffer_size=2, max_staleness=4, staleness="constant",
+        install(self.client, "j", AGG)
+        self.client.open_buffer("j", buffer_size=2, max_staleness=4, staleness="constant",
                                 staleness_params={}, server_lr=1.0, seed=0, num_samples={"w1": 10})
 
     def restart(self) -> None:

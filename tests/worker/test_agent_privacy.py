@@ -14,9 +14,9 @@ import pytest
 
 from fedbroker import envelope
 from fedbroker.bus import open_bus
-from fedbroker.catalogue import settings_from_json
 from fedbroker.config import DPPolicy, WorkerConfig
 from fedbroker.errors import BudgetExceeded, LedgerBehind
+from fedbroker.job_settings import sections_settings, settings_digest
 from fedbroker.label_stats import reported_ish
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.worker.agent import WorkerAgent
@@ -85,8 +85,10 @@ def test_dwfed_ish_is_computed_from_the_released_histogram_not_the_exact_one(tmp
     exact_counts = np.bincount(worker.y, minlength=10)
     assert not np.array_equal(released, exact_counts)
     population = [0.1] * 10
-    task = pb.RoundTask(population_distribution=population, participants=3, aggregation_json=json.dumps(DWFED))
-    settings = settings_from_json(json.dumps(DWFED))
+    message = sections_settings("j", aggregation=DWFED)
+    task = pb.RoundTask(job_id="j", population_distribution=population, participants=3,
+                        settings_digest=settings_digest(message), settings=message)
+    settings = worker.job_settings.for_task(task, fetch=lambda digest: pytest.fail("carried by the task")).algorithms
     from_release = reported_ish(released, population, participants=3, settings=settings)
     exact = reported_ish(exact_counts, population, participants=3, settings=settings)
     assert from_release != exact

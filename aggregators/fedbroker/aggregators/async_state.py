@@ -18,8 +18,8 @@ given a task nor admitted: the service fails closed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from fedbroker.aggregators.fedbuff import Buffer
 from fedbroker.aggregators.job_algorithms import Algorithms
 from fedbroker.algorithm_params import staleness_function
 from fedbroker.errors import ConfigError, Rejection, UploadRejected
-from fedbroker.spec import AggregationConfig, ScheduleConfig, mode_problems
+from fedbroker.spec import ScheduleConfig, mode_problems
 from fedbroker.submission import robust_problems
 
 KEEP_VERSION_ROWS = 64   # the newest versions' summaries (the coordinator records each one)
@@ -165,14 +165,14 @@ class AsyncState:
 CONFIG_KEYS = ("aggregation", "buffer_size", "max_staleness", "staleness", "staleness_params", "server_lr", "seed")
 
 
-def new_async_state(config: dict[str, Any], sample_limits: dict[str, int],
-                    algorithms_for: Callable[[AggregationConfig], Algorithms]) -> AsyncState:
+def new_async_state(config: dict[str, Any], sample_limits: dict[str, int], algorithms: Algorithms) -> AsyncState:
     """A job's async state from what OpenBuffer sent, checked as at submission (ConfigError names the field);
-    `algorithms_for` gives the job's algorithms for its aggregation section (`Job.algorithms_for`)."""
+    `algorithms`: the job's, from its installed settings (the record keeps their aggregation section)."""
+    aggregation = algorithms.installed.aggregation
+    config = {**config, "aggregation": asdict(aggregation)}
     missing = [k for k in CONFIG_KEYS if k not in config]
     if missing:
         raise ConfigError(f"schedule.{missing[0]}", "is required to open an asynchronous buffer")
-    aggregation = AggregationConfig(**dict(config["aggregation"]))
     schedule = ScheduleConfig(mode="async", max_staleness=config["max_staleness"], staleness=config["staleness"],
                               staleness_params=dict(config["staleness_params"]), server_lr=config["server_lr"],
                               buffer_size=config["buffer_size"])
@@ -184,7 +184,7 @@ def new_async_state(config: dict[str, Any], sample_limits: dict[str, int],
     staleness = staleness_function(schedule.staleness, schedule.staleness_params)
     buffer = Buffer(buffer_size=schedule.buffer_size, max_staleness=schedule.max_staleness, staleness=staleness,
                     server_lr=schedule.server_lr)
-    return AsyncState(config, algorithms_for(aggregation), buffer, sample_limits)
+    return AsyncState(config, algorithms, buffer, sample_limits)
 
 
 def copy_for_status(state: AsyncState, since_version: int) -> AsyncState:

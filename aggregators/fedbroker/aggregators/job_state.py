@@ -18,14 +18,14 @@ import numpy as np
 
 from fedbroker.aggregators.admission import Standing, check_finite, value_limit
 from fedbroker.aggregators.async_state import AsyncState
-from fedbroker.aggregators.job_algorithms import Algorithms, build_algorithms
+from fedbroker.aggregators.job_algorithms import Algorithms
 from fedbroker.aggregators.mean import Layout, Slot, UpdateRows
 from fedbroker.aggregators.rows import Rows
 from fedbroker.aggregators.secure_session import SecureSession
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.close_report import SelectionRecord, Verdict
 from fedbroker.errors import Conflict, NotFound, Rejection, UploadRejected
-from fedbroker.spec import AggregationConfig, ModelSpec, parameter_shapes
+from fedbroker.spec import ModelSpec, parameter_shapes
 
 KEEP_CLOSED_ROUNDS = 16  # closed rounds whose accepted workers and deadline are remembered (redeliveries, stragglers)
 
@@ -116,7 +116,7 @@ class Round:
     deadline: float
     algorithms: Algorithms
     rows: Rows
-    aggregation: dict[str, Any]                  # as opened (the spool restores the job's algorithms from it)
+    aggregation: dict[str, Any]                  # the job's section (kept in the record, for an older service)
     histograms: dict[str, list[int]]
     accepted: dict[str, Accepted] = field(default_factory=dict)
     phase: Phase = Phase.OPEN
@@ -184,27 +184,25 @@ class Job:
     closed_receipts: dict[int, dict[str, Receipt]] = field(default_factory=dict)  # recent rounds: a retry's answer
     spare_rows: UpdateRows | None = None   # the last running mean's rows: the next round receives into them
     asynchronous: AsyncState | None = None  # schedule.mode async: the FedBuff buffer and the issued tasks
-    algorithms: Algorithms | None = None    # built when the service first learns the job's aggregation settings
 
     @property
     def version(self) -> int:
         """The newest global version."""
         return max(self.versions)
 
-    def algorithms_for(self, config: AggregationConfig) -> Algorithms:
-        """The job's algorithms for its aggregation section: built the first time the service learns it, then
-        reused by every round (built again only for a section that differs); a bad one raises ConfigError(s)."""
-        if self.algorithms is None or not self.algorithms.built_from(config):
-            self.algorithms = build_algorithms(config)
-        return self.algorithms
+    def asked(self, worker_id: str) -> bool:
+        """Whether the job asked the worker for an update: its open round's or a kept closed round's, or a task."""
+        rnd, state = self.round, self.asynchronous
+        return ((rnd is not None and worker_id in rnd.participants)
+                or any(worker_id in kept for kept in self.closed_accepted.values())
+                or (state is not None and (worker_id in state.issued or worker_id in state.accepted)))
 
     # ----- the global model -----
 
-    def check_update(self, tensors: Mapping[str, np.ndarray], *, who: str) -> None:
-        """Finite, and within the job's bound on an update's values (`admission.value_limit`), judged against
-        the newest global model: else UploadRejected."""
+    def check_update(self, tensors: Mapping[str, np.ndarray], *, who: str, declared: float) -> None:
+        """Finite, and within the job's bound on an update's values (`declared`, else `admission.value_limit`),
+        judged against the newest global model: else UploadRejected."""
         versions = dict(self.versions)  # a close may replace them meanwhile
-        declared = self.algorithms.max_update_value if self.algorithms is not None else 0.0
         check_finite(tensors, who=who, limit=value_limit(declared=declared, model=versions[max(versions)]))
 
     def holds(self, version: int, spec_json: str, state: Mapping[str, np.ndarray]) -> bool:
@@ -364,3 +362,22 @@ class Job:
             self.closed_receipts.pop(old, None)
         self.last_close = (rnd.number, result)
         rnd.phase = Phase.CLOSED
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    """What the Watch stream says of one job."""
+
+    job_id: str
+    round: int
+    accepted: int
+    open: bool
+    version: int
+    buffered: int
+
+
+def snapshot(job: Job) -> JobSnapshot:
+    """The Watch stream's view of the job."""
+    rnd, state = job.round, job.asynchronous
+    return JobSnapshot(job.job_id, rnd.number if rnd is not None else 0, len(rnd.accepted) if rnd is not None else 0,
+                       rnd is not None and not rnd.closed, job.version, len(state.folded) if state is not None else 0)

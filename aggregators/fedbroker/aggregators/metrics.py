@@ -6,14 +6,13 @@ verdicts carry `worker_id`, the workers' own label (`fedbroker.worker.metrics`):
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
 import fedbroker.metrics  # noqa: F401  (the shared gRPC and broker metrics belong to every process)
+from fedbroker.catalogue import AggregationSettings
 from fedbroker.close_report import Verdict
 from fedbroker.errors import Rejection
-from fedbroker.spec import AggregationConfig
 
 UPLOADS_ACCEPTED = Counter(
     "fedbroker_aggregator_uploads_accepted_total", "Worker updates accepted into an open round.")
@@ -132,16 +131,11 @@ for _call in SECURE_CALLS:
 _DISTANCE_KEYS = ("alignment_total_matched_distance", "total_matched_distance")
 
 
-def algorithm_labels(aggregation: Mapping[str, Any]) -> dict[str, str]:
-    """The algorithm names of a round's aggregation section (catalogue names: a short fixed set), with the
-    job spec's defaults."""
-    config = AggregationConfig(**aggregation)
-    return {"alignment": config.alignment, "weighting": config.weighting, "selection": config.selection}
-
-
-def robust_rule(aggregation: Mapping[str, Any]) -> str:
-    """The robust rule a round's aggregation section names (`none` by default)."""
-    return AggregationConfig(**aggregation).robust
+def algorithm_labels(settings: AggregationSettings) -> dict[str, str]:
+    """The algorithm names of a job's installed settings (catalogue names: a short fixed set), its robust rule's
+    too."""
+    return {"alignment": settings.alignment.name, "weighting": settings.weighting.name,
+            "selection": settings.selection.name, "robust": settings.robust.name}
 
 
 def robust_round_opened(rule: str, participants: Iterable[str]) -> None:

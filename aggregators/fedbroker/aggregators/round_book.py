@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -46,15 +46,18 @@ from fedbroker.aggregators.async_state import (
 )
 from fedbroker.aggregators.combine import ProbeLoader, combine
 from fedbroker.aggregators.fedbuff import StaleUpdate
+from fedbroker.aggregators.installed_jobs import InstalledJobs
 from fedbroker.aggregators.job_state import (
     Accepted,
     AfterClose,
     CloseResult,
     Job,
+    JobSnapshot,
     Receipt,
     Round,
     UpdateSummary,
     new_round,
+    snapshot,
 )
 from fedbroker.aggregators.probe_sets import probe_arrays
 from fedbroker.aggregators.rows import Reservation
@@ -64,7 +67,7 @@ from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.errors import Conflict, NotFound, Rejection, UnknownJob, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.secure_round import UNMASK_WAIT_S
-from fedbroker.spec import AggregationConfig, ModelSpec, parameter_shapes, parse_model
+from fedbroker.spec import ModelSpec, parameter_shapes, parse_model
 
 log = logging.getLogger(__name__)
 
@@ -98,16 +101,18 @@ class RoundBook:
         self._watchers = threading.Condition(self._lock)  # notified whenever a job changes (`watch`)
         self._generation = 0                              # counts the changes
         self._changed_at: dict[str, int] = {}             # job → the generation of its last change
+        self.installed = InstalledJobs()
         self._spool = Spool(spool_dir, lock_wait_s=spool_lock_wait_s) if spool_dir else None  # SpoolInUse: held
         if self._spool is not None:
             try:
+                self.installed = InstalledJobs(self._spool)  # each job's settings, parsed once (InstallJob)
                 self._restore(self._spool)
             except BaseException:
                 self._spool.close()  # a book that failed to start holds no folder
                 raise
 
     def _restore(self, spool: Spool) -> None:
-        for job in restore_jobs(spool):  # a record that does not load is quarantined, not fatal
+        for job in restore_jobs(spool, self.installed.for_round):  # a record that does not load is quarantined, not fatal
             self._jobs[job.job_id] = job
         if self._jobs:
             log.info("restored %d job(s) from the spool %s", len(self._jobs), spool.root)
@@ -153,28 +158,39 @@ class RoundBook:
                 raise NotFound(f"job {job_id!r} has no global model version {v} (kept: {sorted(job.versions)})")
             return v, job.specs[v], job.versions[v]
 
+    def settings_for(self, job_id: str, worker_id: str) -> pb.JobSettings:
+        """A job's installed settings for one of its participants (a worker that lost them: it restarted); a
+        worker the job never asked for an update learns nothing of it."""
+        job, installed = self._job(job_id), self.installed.get(job_id).installed
+        with self._lock:
+            asked = job.asked(worker_id)
+        if not asked:
+            raise UploadRejected(Rejection.UNKNOWN_WORKER, f"worker {worker_id!r} is not a participant of job {job_id!r}")
+        return installed.message
+
     # ----- rounds -----
 
     def open_round(self, job_id: str, round_number: int, participants: Iterable[str], deadline: float,
-                   aggregation: Mapping[str, Any], *, seed: int = 0,
+                   aggregation: Mapping[str, Any] | None = None, *, seed: int = 0,
                    histograms: Mapping[str, Sequence[int]] | None = None,
                    num_samples: Mapping[str, int] | None = None) -> int:
-        """Open round `round_number` (idempotent). `num_samples`: each participant's registered sample count,
-        the most its upload may claim (a participant not in it is unbounded)."""
+        """Open round `round_number` (idempotent) with the job's installed settings (`aggregation`: an older
+        coordinator's section instead). `num_samples`: each participant's registered sample count, the most its
+        upload may claim (a participant not in it is unbounded)."""
         job = self._job(job_id)
         members = frozenset(participants)
         if not members:
             raise UploadRejected(Rejection.BAD_REQUEST, f"round {round_number} of job {job_id!r} has no participants")
-        config = AggregationConfig(**aggregation)
+        algorithms = self.installed.for_round(job_id, aggregation)
+        section = asdict(algorithms.installed.aggregation)
         counts = {w: [int(c) for c in h] for w, h in (histograms or {}).items()}
         limits = {w: int(n) for w, n in (num_samples or {}).items()}
         with self._lock:
-            algorithms = job.algorithms_for(config)  # built when the job's first round opens, not every round
             changed = job.open(round_number, members, deadline, seed=seed, build=lambda: new_round(
-                round_number, members, deadline, algorithms, dict(aggregation), counts, job.spec, job.spare_rows,
+                round_number, members, deadline, algorithms, section, counts, job.spec, job.spare_rows,
                 sample_limits=limits, secure=new_session(job_id, round_number, job.version, members, job.spec,
                                                          opened=self.clock(), deadline=deadline, clock=self.clock)
-                if config.secure else None))
+                if algorithms.installed.aggregation.secure else None))
             if changed:
                 self._commit(job)
             return job.version
@@ -221,13 +237,15 @@ class RoundBook:
             return self.secure.receive_masked(header, stream, size)
         if self._jobs[header.job_id].asynchronous is not None:
             tensors, digest = codec.receive_payload(stream, header, size, buffer=None)
-            self._jobs[header.job_id].check_update(tensors, who=f"worker {header.worker_id!r}")
+            self._jobs[header.job_id].check_update(tensors, who=f"worker {header.worker_id!r}",
+                                                 declared=self.installed.get(header.job_id).max_update_value)
             return self._accept_async(header, tensors, digest)
         reservation = self._reserve(header)
         try:
             tensors, digest = codec.receive_payload(stream, header, size,
                                                     buffer=reservation.slot.bytes if reservation else None)
-            self._jobs[header.job_id].check_update(tensors, who=f"worker {header.worker_id!r}")
+            self._jobs[header.job_id].check_update(tensors, who=f"worker {header.worker_id!r}",
+                                                 declared=self.installed.get(header.job_id).max_update_value)
             return self._accept(header, tensors, digest, reservation)
         finally:
             if reservation is not None:
@@ -383,7 +401,7 @@ class RoundBook:
         job = self._job(job_id)
         with self._lock:
             state = new_async_state(dict(config), {w: int(n) for w, n in (num_samples or {}).items()},
-                                    job.algorithms_for)
+                                    self.installed.for_round(job_id, config.get("aggregation")))
             if job.asynchronous is not None:
                 job.asynchronous.sample_limits.update(state.sample_limits)  # workers registered since
                 self._commit(job)
@@ -569,31 +587,13 @@ class RoundBook:
         with self._watchers:
             self._watchers.wait_for(lambda: self._generation > after, timeout)
             changed = [self._jobs[j] for j, g in self._changed_at.items() if g > after and j in self._jobs]
-            return self._generation, [_snapshot(job) for job in changed]
+            return self._generation, [snapshot(job) for job in changed]
 
     def _job(self, job_id: str) -> Job:
         job = self._jobs.get(job_id)
         if job is None:
             raise UnknownJob(f"unknown job {job_id!r}")
         return job
-
-
-@dataclass(frozen=True)
-class JobSnapshot:
-    """What the Watch stream says of one job."""
-
-    job_id: str
-    round: int
-    accepted: int
-    open: bool
-    version: int
-    buffered: int
-
-
-def _snapshot(job: Job) -> JobSnapshot:
-    rnd, state = job.round, job.asynchronous
-    return JobSnapshot(job.job_id, rnd.number if rnd is not None else 0, len(rnd.accepted) if rnd is not None else 0,
-                       rnd is not None and not rnd.closed, job.version, len(state.folded) if state is not None else 0)
 
 
 def _closed_during_upload(header: pb.UpdateHeader) -> UploadRejected:

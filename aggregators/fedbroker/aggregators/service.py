@@ -40,6 +40,8 @@ SERVICE_NAME = "fedbroker.v1.Aggregation"
 SECURE_CALLS = metrics.SECURE_CALLS  # a secure round's steps (aggregation.secure)
 # Who may call what when authentication is on (anything unlisted is refused to everyone).
 PERMISSIONS: dict[str, frozenset[str]] = {
+    "InstallJob": frozenset({ROLE_COORDINATOR}),
+    "GetJobSettings": frozenset({ROLE_WORKER}),
     "PutGlobalModel": frozenset({ROLE_COORDINATOR}),
     "OpenRound": frozenset({ROLE_COORDINATOR}),
     "CloseRound": frozenset({ROLE_COORDINATOR}),
@@ -102,17 +104,33 @@ class AggregationServicer(pb_grpc.AggregationServicer):
 
         return handle(context, run)
 
+    def InstallJob(self, request: pb.InstallJobRequest, context: grpc.ServicerContext) -> pb.InstallJobReply:
+        """Install a job's settings once (idempotent; other settings for the same job are refused)."""
+        return handle(context, lambda: pb.InstallJobReply(
+            digest=self.book.installed.install(request.settings).installed.digest))
+
+    def GetJobSettings(self, request: pb.GetJobSettingsRequest,
+                       context: grpc.ServicerContext) -> pb.GetJobSettingsReply:
+        """A job's settings for one of its participants, under its own worker id only."""
+        def run() -> pb.GetJobSettingsReply:
+            self._own(context, request.worker_id)
+            settings = self.book.settings_for(request.job_id, request.worker_id)
+            return pb.GetJobSettingsReply(settings=settings, digest=self.book.installed.get(request.job_id).installed.digest)
+
+        return handle(context, run)
+
     def OpenRound(self, request: pb.OpenRoundRequest, context: grpc.ServicerContext) -> pb.OpenRoundReply:
-        """Open a round (idempotent); its algorithm names label the close's metrics."""
+        """Open a round (idempotent) with the job's installed settings; its algorithm names label the close's
+        metrics. An older coordinator's request carries the aggregation section instead (read for one release)."""
         def run() -> pb.OpenRoundReply:
-            aggregation = json.loads(request.aggregation_json or "{}")
+            legacy = json.loads(request.aggregation_json) if request.aggregation_json else None  # deprecated field
             version = self.book.open_round(request.job_id, request.round, request.participants,
-                                           request.deadline_unix, aggregation, seed=request.seed,
+                                           request.deadline_unix, legacy, seed=request.seed,
                                            histograms={w: list(h.counts) for w, h in request.histograms.items()},
                                            num_samples=dict(request.num_samples))
-            rule = metrics.robust_rule(aggregation)
-            self._algorithms[request.job_id] = {**metrics.algorithm_labels(aggregation), "robust": rule}
-            metrics.robust_round_opened(rule, request.participants)
+            labels = metrics.algorithm_labels(self.book.installed.get(request.job_id).settings)
+            self._algorithms[request.job_id] = labels
+            metrics.robust_round_opened(labels["robust"], request.participants)
             return pb.OpenRoundReply(model_version=version)
 
         return handle(context, run)
@@ -293,10 +311,12 @@ class AsyncAggregationServicer(pb_grpc.AsyncAggregationServicer):
     def OpenBuffer(self, request: pb.OpenBufferRequest, context: grpc.ServicerContext) -> pb.OpenBufferReply:
         """Put a job in asynchronous mode (idempotent)."""
         def run() -> pb.OpenBufferReply:
-            config = {"aggregation": json.loads(request.aggregation_json or "{}"), "buffer_size": request.buffer_size,
+            config = {"buffer_size": request.buffer_size,
                       "max_staleness": request.max_staleness, "staleness": request.staleness,
                       "staleness_params": json.loads(request.staleness_params_json or "{}"),
                       "server_lr": request.server_lr, "seed": request.seed}
+            if request.aggregation_json:  # an older coordinator's section (deprecated): no installed settings
+                config["aggregation"] = json.loads(request.aggregation_json)
             return pb.OpenBufferReply(model_version=self.book.open_buffer(request.job_id, config,
                                                                           num_samples=dict(request.num_samples)))
 

@@ -2,6 +2,7 @@
 
 One folder per job (named from the job id, safe for any file system):
 
+    settings.pb              the job's installed settings (a JobSettings message's bytes: `installed_jobs`)
     job.json                 the commit record: seed, kept global versions, closed rounds (and the receipts of
                              the recent ones' uploads), the open round's definition, the last close's result
                              and the asynchronous state (rewritten atomically on every change)
@@ -38,7 +39,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -47,19 +48,25 @@ import numpy as np
 
 from fedbroker.aggregators import metrics
 from fedbroker.aggregators.async_state import folded_from_record, new_async_state, restore_fields, state_record
+from fedbroker.aggregators.job_algorithms import Algorithms
 from fedbroker.aggregators.job_state import Accepted, CloseResult, Job, Receipt, UpdateSummary, new_round
 from fedbroker.aggregators.secure_session import SecureSession
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.close_report import SelectionRecord, Verdict
 from fedbroker.errors import ConfigError, Rejection, Unavailable, UploadRejected
 from fedbroker.files import TEMP_SUFFIX, FolderLock, FolderLocked, write_atomic
-from fedbroker.spec import AggregationConfig, parameter_shapes, parse_model
+from fedbroker.spec import parameter_shapes, parse_model
+
+# The job's algorithms for a round or buffer being restored: its installed settings', else (a record of an older
+# service) those of the aggregation section the record kept (`InstalledJobs.for_round`).
+AlgorithmsFor = Callable[[str, Mapping[str, Any] | None], Algorithms]
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 QUARANTINE_DIR = "quarantine"   # records that do not load, moved aside at start (never a job folder's name)
 META_KEY = "__fedbroker_meta_json__"
+SETTINGS_FILE = "settings.pb"   # a job's installed settings
 LOCK_FILE = "spool.lock"        # held by the one service writing the spool (never a job folder's name)
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
@@ -189,6 +196,19 @@ class Spool:
             with self._guard:
                 self._unnamed.get(job_id, set()).difference_update(int(v) for v in doc.get("versions", []))
             self._prune(job_id, folder, doc)
+
+    def save_settings(self, job_id: str, raw: bytes) -> None:
+        """A job's installed settings (written once: a job's settings never change)."""
+        what = f"the settings of job {job_id!r}"
+        with self._writing(what), _disk_full_is_an_outage(what):
+            folder = self.folder(job_id)
+            folder.mkdir(parents=True, exist_ok=True)
+            write_atomic(folder / SETTINGS_FILE, raw)
+
+    def load_settings(self) -> Iterator[tuple[Path, bytes]]:
+        """Every installed job's settings file and bytes."""
+        for path in sorted(self.root.glob(f"*/{SETTINGS_FILE}")):
+            yield path, path.read_bytes()
 
     def save_update(self, job_id: str, round_number: int, seq: int, meta: Mapping[str, Any],
                     tensors: Mapping[str, np.ndarray]) -> Path:
@@ -377,7 +397,7 @@ def update_record(entry: Accepted, seq: int) -> dict[str, Any]:
             "train_loss": entry.train_loss, "ish": m.ish, "loss": m.loss, "seq": seq}
 
 
-def restore_job(spool: Spool, stored: StoredJob) -> Job:
+def restore_job(spool: Spool, stored: StoredJob, algorithms_for: AlgorithmsFor) -> Job:
     """A job as committed, with its open round refilled from the spooled updates in their acceptance order."""
     record = stored.record
     versions = {v: tensors for v, (_, tensors) in stored.globals.items()}
@@ -403,7 +423,7 @@ def restore_job(spool: Spool, stored: StoredJob) -> Job:
     if r:
         aggregation = dict(r["aggregation"])
         job.round = new_round(int(r["number"]), frozenset(r["participants"]), float(r["deadline"]),
-                              job.algorithms_for(AggregationConfig(**aggregation)), aggregation,
+                              algorithms_for(job.job_id, aggregation), aggregation,
                               {w: list(h) for w, h in r["histograms"].items()}, job.spec,
                               sample_limits={w: int(n) for w, n in (r.get("num_samples") or {}).items()})
         shapes = parameter_shapes(job.spec)
@@ -424,15 +444,17 @@ def restore_job(spool: Spool, stored: StoredJob) -> Job:
         log.info("job %s: round %d reopened with %d accepted update(s) from the spool", job.job_id,
                  job.round.number, len(job.round.accepted))
     if record.get("async"):
-        _restore_async(spool, stored, job, record["async"])
+        _restore_async(spool, stored, job, record["async"], algorithms_for)
     return job
 
 
-def _restore_async(spool: Spool, stored: StoredJob, job: Job, record: Mapping[str, Any]) -> None:
+def _restore_async(spool: Spool, stored: StoredJob, job: Job, record: Mapping[str, Any],
+                   algorithms_for: AlgorithmsFor) -> None:
     """The async state as committed, its buffer refilled by replaying the spooled updates in acceptance order
     (the buffer sums in that order, so the next version is the one the service would have published)."""
-    state = new_async_state(dict(record["config"]), {w: int(n) for w, n in record["num_samples"].items()},
-                            job.algorithms_for)
+    config = dict(record["config"])
+    state = new_async_state(config, {w: int(n) for w, n in record["num_samples"].items()},
+                            algorithms_for(job.job_id, config.get("aggregation")))
     restore_fields(state, record)
     shapes = parameter_shapes(job.spec)
     for path, meta, tensors in spool.updates(stored, job.version, kind="buffer"):
@@ -450,12 +472,12 @@ def _restore_async(spool: Spool, stored: StoredJob, job: Job, record: Mapping[st
                  job.version, len(state.folded))
 
 
-def restore_jobs(spool: Spool) -> Iterator[Job]:
+def restore_jobs(spool: Spool, algorithms_for: AlgorithmsFor) -> Iterator[Job]:
     """Every job the spool holds, restored; a job whose record or global models do not load or restore is
     quarantined (`Spool.quarantine`), so one damaged record never stops the service or another job."""
     for stored in spool.load():
         try:
-            job = restore_job(spool, stored)
+            job = restore_job(spool, stored, algorithms_for)
         except Exception as exc:
             spool.quarantine(stored.folder, exc)
             continue

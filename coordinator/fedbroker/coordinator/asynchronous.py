@@ -23,12 +23,11 @@ a worker that cannot afford the job gets none.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -156,6 +155,7 @@ class AsyncJob:
         """Where the service has the job, leave it there (its versions may be ahead of our checkpoints);
         else install the last checkpoint (or the initial model) and open the buffer."""
         run, aggregator = self.run, self.ctx.aggregator
+        self._call("install the job", lambda: aggregator.install_job(run.settings))  # idempotent: kept if held
         try:
             self._call("buffer status", lambda: aggregator.buffer_status(run.job_id))
             known, in_async = True, True
@@ -187,7 +187,7 @@ class AsyncJob:
         registered = {w.worker_id: w.num_samples for w in store.workers(self.job.category)}
         size = schedule.buffer_size or max(1, len(self.ctx.active_workers(self.job.category)))
         self._call("open the buffer", lambda: self.ctx.aggregator.open_buffer(
-            run.job_id, aggregation=asdict(self.job.aggregation), buffer_size=size,
+            run.job_id, buffer_size=size,
             max_staleness=schedule.max_staleness, staleness=schedule.staleness,
             staleness_params=dict(schedule.staleness_params), server_lr=schedule.server_lr, seed=self.job.seed,
             num_samples=registered))
@@ -351,15 +351,15 @@ class AsyncJob:
         batch = []
         for issued in tasks:
             task = pb.RoundTask(
-                job_id=run.job_id, round=issued.task, training_json=json.dumps(asdict(job.training)),
-                category=job.category, model_version=issued.base_version,
+                job_id=run.job_id, round=issued.task, category=job.category, model_version=issued.base_version,
                 aggregator_target=self.ctx.aggregator_target, deadline_unix=deadline,
                 population_distribution=population, participants=buffer_size, seed=job.seed,
-                aggregation_json=json.dumps(asdict(job.aggregation)),
                 recorded_epsilon_spent=recorded.get(issued.worker_id, 0.0))
+            run.task_settings(task, issued.worker_id)
             self.held[issued.worker_id] = _Held(issued.task, deadline)
             batch.append((issued.worker_id, envelope.encode(round_task=task)))
-        sent = self.ctx.publish_tasks(batch, deadline)
+        sent = self.ctx.publish_tasks(batch, deadline, training=job.training, job_id=run.job_id)
+        run.settings_sent |= sent
         for worker_id, _ in batch:
             if worker_id not in sent:
                 self.held[worker_id].deadline = 0.0  # never sent: reissued after a rest

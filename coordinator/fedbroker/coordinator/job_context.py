@@ -28,7 +28,7 @@ from fedbroker.coordinator.store_shares import ShareStatus
 from fedbroker.coordinator.waiting import WaitingReasons
 from fedbroker.errors import BusError
 from fedbroker.retry import retry_call
-from fedbroker.spec import JobSpec
+from fedbroker.spec import JobSpec, TrainingConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -128,17 +128,19 @@ class JobContext:
             total[: len(h)] += h
         return [float(p) for p in total / total.sum()] if total.sum() > 0 else []
 
-    def publish_tasks(self, tasks: list[tuple[str, bytes]], deadline: float, *, evaluation: bool = False) -> set[str]:
+    def publish_tasks(self, tasks: list[tuple[str, bytes]], deadline: float, *, evaluation: bool = False,
+                      training: TrainingConfig | None = None, job_id: str = "") -> set[str]:
         """Persistent tasks with one wait for the broker (`Bus.publish_tasks`); through a broker outage the
         whole batch is retried until `deadline` (a worker that gets a task twice acks the copy once its update
         is in). A task that cannot be sent by then, or that is unroutable (no queue for the worker: no retry
         makes one), makes its worker a straggler at once; the round's quorum rules decide. Returns the worker
         ids whose task went out. `evaluation`: federated evaluation tasks (coordinator/federated.py), counted
-        apart from round tasks."""
+        apart from round tasks; `training` and `job_id`: the job's, for round tasks (what each can cost its worker in
+        ε)."""
         if not tasks:
             return set()
-        if self.epsilon_bounds is not None:  # first: a worker's report of what a task cost is never ahead of it
-            self.epsilon_bounds.note_tasks(tasks, deadline)
+        if self.epsilon_bounds is not None and training is not None:  # first: a worker's report of what a task
+            self.epsilon_bounds.note_tasks(job_id, [w for w, _ in tasks], deadline, training)  # cost is never ahead of it
         unroutable: list[str] = []
 
         def publish() -> None:

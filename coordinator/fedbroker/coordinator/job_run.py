@@ -8,12 +8,13 @@ stays where it is in the store, for the next start to resume) or when the job wa
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from fedbroker.errors import FedbrokerError
+from fedbroker.job_settings import settings_digest, settings_message
+from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import JobSpec
 
 
@@ -39,7 +40,6 @@ class OpenRound:
     participants: list[str]
     started: float
     deadline: float
-    aggregation: dict[str, Any]
     histograms: dict[str, list[int]]
     resumed: bool = False
     model_version: int = 0
@@ -56,6 +56,22 @@ class Run:
     spec_json: str
     tensors: dict[str, np.ndarray]
     round: OpenRound | None = None
+    settings: pb.JobSettings = field(init=False)   # the job's settings as installed (built once per run)
+    digest: str = field(init=False)
+    settings_sent: set[str] = field(default_factory=set)  # workers whose task carried them (this process)
+
+    def __post_init__(self) -> None:
+        self.settings = settings_message(self.job_id, self.job)
+        self.digest = settings_digest(self.settings)
+
+    def task_settings(self, task: pb.RoundTask, worker_id: str) -> None:
+        """Name the job's settings in a task, and carry them on the worker's first task (this process's: a
+        worker that lacks them after all fetches them from the aggregation service)."""
+        task.settings_digest = self.digest
+        if worker_id in self.settings_sent:
+            task.ClearField("settings")
+        else:
+            task.settings.CopyFrom(self.settings)
 
 
 class CancelRequests:

@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedbroker import envelope
 from fedbroker.coordinator.records import WorkerRecord
 from fedbroker.coordinator.store import StateStore
 from fedbroker.errors import ConfigError
 from fedbroker.privacy import job_epsilon_after_round
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import ModelSpec, TrainingConfig, training_from_json
+from fedbroker.spec import ModelSpec, TrainingConfig
 
 ISSUED_KEPT_S = 30 * 86400.0  # a task's bound is forgotten this long after its deadline
 # A later round's ε never adds more than the first round's (ε after n rounds is a minimum of functions affine in
@@ -94,20 +93,11 @@ class EpsilonBounds:
     def __init__(self, store: StateStore) -> None:
         self.store = store
 
-    def note_tasks(self, tasks: Sequence[tuple[str, bytes]], deadline: float) -> None:
-        """Before tasks (worker id, encoded RoundTask) go out: what each can add to its worker's ε."""
-        workers = {w.worker_id: w for w in self.store.workers()}
-        trainings: dict[str, TrainingConfig] = {}
-        rows = []
-        for worker_id, body in tasks:
-            try:
-                task = envelope.decode(body, expect=("round_task",)).round_task
-                if task.training_json not in trainings:
-                    trainings[task.training_json] = training_from_json(task.training_json)
-            except (envelope.MalformedMessage, ValueError, TypeError):  # no worker trains what it cannot read
-                continue
-            rows.append((worker_id, task.job_id, deadline,
-                         _task_cost(workers.get(worker_id), trainings[task.training_json])))
+    def note_tasks(self, job_id: str, workers: Sequence[str], deadline: float, training: TrainingConfig) -> None:
+        """Before round tasks of job `job_id` with `training` go out to `workers`: what each can add to its
+        worker's ε (the most its report for the job may claim)."""
+        registered = {w.worker_id: w for w in self.store.workers()}
+        rows = [(worker_id, job_id, deadline, _task_cost(registered.get(worker_id), training)) for worker_id in workers]
         self.store.note_issued_epsilon(rows, forget_before=time.time() - ISSUED_KEPT_S)
 
     def limit(self, worker_id: str, job_id: str) -> float:

@@ -10,11 +10,9 @@ deadline.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import TypeVar
 
 import grpc
@@ -50,7 +48,8 @@ class SyncRounds:
     def drive(self, first_round: int) -> None:
         """Install the global model the job is at, then run its rounds from `first_round` to the last."""
         run, job_id = self.run, self.run.job_id
-        # Idempotent at the service: after our own restart it keeps the open round and its uploads.
+        # Idempotent at the service: after our own restart it keeps the job's settings, the open round, its uploads.
+        self._call("install the job", lambda: self.ctx.aggregator.install_job(run.settings))
         self._call("install the global model",
                    lambda: self.ctx.aggregator.put_global(job_id, run.version, run.spec_json, run.tensors))
         for round_number in range(first_round, run.job.training.rounds + 1):
@@ -125,7 +124,7 @@ class SyncRounds:
         participants = self._select(round_number)  # may wait for workers that can afford it
         started = time.time()
         rnd = OpenRound(round_number, participants, started, started + job.schedule.round_timeout_s,
-                        asdict(job.aggregation), self._histograms(participants))
+                        self._histograms(participants))
         # Recorded before the service hears of it: a coordinator that dies from here on resumes this round.
         self.ctx.store.open_round(run.job_id, round_number, participants, deadline=rnd.deadline, started=started)
         run.round = rnd
@@ -141,8 +140,8 @@ class SyncRounds:
         job_id = run.job_id
         participants = [p.worker_id for p in self.ctx.store.participants(job_id, round_number)]
         deadline = row.deadline if row.deadline is not None else row.started + job.schedule.round_timeout_s
-        rnd = OpenRound(round_number, participants, row.started, deadline, asdict(job.aggregation),
-                        self._histograms(participants), resumed=True)
+        rnd = OpenRound(round_number, participants, row.started, deadline, self._histograms(participants),
+                        resumed=True)
         log.info("resuming round %d of %s (%d participant(s), deadline in %.0fs)", round_number, job_id,
                  len(participants), deadline - time.time())
         try:
@@ -206,7 +205,7 @@ class SyncRounds:
         members = set(rnd.participants)
         registered = {w.worker_id: w.num_samples for w in self.ctx.store.workers() if w.worker_id in members}
         rnd.model_version = self._call(f"open round {rnd.number}", lambda: self.ctx.aggregator.open_round(
-            job_id, rnd.number, rnd.participants, rnd.deadline, rnd.aggregation, seed=self.run.job.seed,
+            job_id, rnd.number, rnd.participants, rnd.deadline, seed=self.run.job.seed,
             histograms=rnd.histograms, num_samples=registered), reinstall=reinstall)
 
     def _answered(self, round_number: int) -> set[str]:
@@ -222,12 +221,9 @@ class SyncRounds:
             rnd.published = True
             return
         task = pb.RoundTask(
-            job_id=job_id, round=rnd.number,
-            training_json=json.dumps(asdict(job.training)), category=job.category, model_version=rnd.model_version,
+            job_id=job_id, round=rnd.number, category=job.category, model_version=rnd.model_version,
             aggregator_target=self.ctx.aggregator_target, deadline_unix=rnd.deadline,
-            population_distribution=self.ctx.population(job_id), participants=len(rnd.participants),
-            seed=job.seed, aggregation_json=json.dumps(rnd.aggregation),
-        )
+            population_distribution=self.ctx.population(job_id), participants=len(rnd.participants), seed=job.seed)
         recipients = list(rnd.participants)
         if rnd.resumed if only_missing is None else only_missing:
             accepted, _ = self._call(f"status of round {rnd.number}",
@@ -238,9 +234,12 @@ class SyncRounds:
 
         def body_for(worker_id: str) -> bytes:
             task.recorded_epsilon_spent = recorded.get(worker_id, 0.0)
+            self.run.task_settings(task, worker_id)
             return envelope.encode(round_task=task)
 
-        sent = self.ctx.publish_tasks([(worker_id, body_for(worker_id)) for worker_id in recipients], rnd.deadline)
+        sent = self.ctx.publish_tasks([(worker_id, body_for(worker_id)) for worker_id in recipients], rnd.deadline,
+                                      training=job.training, job_id=self.run.job_id)
+        self.run.settings_sent |= sent
         rnd.published = True
         log.info("round %d of %s published to %d worker(s)", rnd.number, job_id, len(sent))
 
@@ -337,6 +336,7 @@ class SyncRounds:
         run, job_id = self.run, self.run.job_id
         log.warning("the aggregation service lost job %s (%s): installing global model %d again%s", job_id, why,
                     run.version, f" and re-opening round {run.round.number}" if run.round else "")
+        self._call("reinstall the job", lambda: self.ctx.aggregator.install_job(run.settings), reinstall=False)
         self._call("reinstall the global model",
                    lambda: self.ctx.aggregator.put_global(job_id, run.version, run.spec_json, run.tensors),
                    reinstall=False)

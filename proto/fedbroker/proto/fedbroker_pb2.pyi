@@ -124,7 +124,7 @@ class TaskOutcome(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., status: _Optional[_Union[TaskOutcome.Status, str]] = ..., reason: _Optional[str] = ..., epsilon: _Optional[float] = ..., train_loss: _Optional[float] = ..., seconds: _Optional[float] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class RoundTask(_message.Message):
-    __slots__ = ("job_id", "round", "training_json", "category", "model_version", "aggregator_target", "deadline_unix", "population_distribution", "participants", "seed", "aggregation_json", "recorded_epsilon_spent")
+    __slots__ = ("job_id", "round", "training_json", "category", "model_version", "aggregator_target", "deadline_unix", "population_distribution", "participants", "seed", "aggregation_json", "recorded_epsilon_spent", "settings_digest", "settings")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TRAINING_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,8 @@ class RoundTask(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_JSON_FIELD_NUMBER: _ClassVar[int]
     RECORDED_EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     training_json: str
@@ -149,7 +151,125 @@ class RoundTask(_message.Message):
     seed: int
     aggregation_json: str
     recorded_epsilon_spent: float
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., training_json: _Optional[str] = ..., category: _Optional[str] = ..., model_version: _Optional[int] = ..., aggregator_target: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., population_distribution: _Optional[_Iterable[float]] = ..., participants: _Optional[int] = ..., seed: _Optional[int] = ..., aggregation_json: _Optional[str] = ..., recorded_epsilon_spent: _Optional[float] = ...) -> None: ...
+    settings_digest: str
+    settings: JobSettings
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., training_json: _Optional[str] = ..., category: _Optional[str] = ..., model_version: _Optional[int] = ..., aggregator_target: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., population_distribution: _Optional[_Iterable[float]] = ..., participants: _Optional[int] = ..., seed: _Optional[int] = ..., aggregation_json: _Optional[str] = ..., recorded_epsilon_spent: _Optional[float] = ..., settings_digest: _Optional[str] = ..., settings: _Optional[_Union[JobSettings, _Mapping]] = ...) -> None: ...
+
+class TrainingSettings(_message.Message):
+    __slots__ = ("rounds", "local_epochs", "batch_size", "optimizer", "lr", "momentum", "proximal_mu")
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    PROXIMAL_MU_FIELD_NUMBER: _ClassVar[int]
+    rounds: int
+    local_epochs: int
+    batch_size: int
+    optimizer: str
+    lr: float
+    momentum: float
+    proximal_mu: float
+    def __init__(self, rounds: _Optional[int] = ..., local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., proximal_mu: _Optional[float] = ...) -> None: ...
+
+class AlgorithmChoice(_message.Message):
+    __slots__ = ("name", "params_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    params_json: str
+    def __init__(self, name: _Optional[str] = ..., params_json: _Optional[str] = ...) -> None: ...
+
+class AggregationSettings(_message.Message):
+    __slots__ = ("alignment", "weighting", "selection", "robust", "secure", "max_update_value")
+    ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTING_FIELD_NUMBER: _ClassVar[int]
+    SELECTION_FIELD_NUMBER: _ClassVar[int]
+    ROBUST_FIELD_NUMBER: _ClassVar[int]
+    SECURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_UPDATE_VALUE_FIELD_NUMBER: _ClassVar[int]
+    alignment: AlgorithmChoice
+    weighting: AlgorithmChoice
+    selection: AlgorithmChoice
+    robust: AlgorithmChoice
+    secure: bool
+    max_update_value: float
+    def __init__(self, alignment: _Optional[_Union[AlgorithmChoice, _Mapping]] = ..., weighting: _Optional[_Union[AlgorithmChoice, _Mapping]] = ..., selection: _Optional[_Union[AlgorithmChoice, _Mapping]] = ..., robust: _Optional[_Union[AlgorithmChoice, _Mapping]] = ..., secure: _Optional[bool] = ..., max_update_value: _Optional[float] = ...) -> None: ...
+
+class EvaluationSettings(_message.Message):
+    __slots__ = ("dataset", "test_fraction", "split_seed", "every", "sites", "patience")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    TEST_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_SEED_FIELD_NUMBER: _ClassVar[int]
+    EVERY_FIELD_NUMBER: _ClassVar[int]
+    SITES_FIELD_NUMBER: _ClassVar[int]
+    PATIENCE_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    test_fraction: float
+    split_seed: int
+    every: int
+    sites: str
+    patience: int
+    def __init__(self, dataset: _Optional[str] = ..., test_fraction: _Optional[float] = ..., split_seed: _Optional[int] = ..., every: _Optional[int] = ..., sites: _Optional[str] = ..., patience: _Optional[int] = ...) -> None: ...
+
+class DataSettings(_message.Message):
+    __slots__ = ("standardize", "lower", "upper")
+    STANDARDIZE_FIELD_NUMBER: _ClassVar[int]
+    LOWER_FIELD_NUMBER: _ClassVar[int]
+    UPPER_FIELD_NUMBER: _ClassVar[int]
+    standardize: str
+    lower: _containers.RepeatedScalarFieldContainer[float]
+    upper: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, standardize: _Optional[str] = ..., lower: _Optional[_Iterable[float]] = ..., upper: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class JobSettings(_message.Message):
+    __slots__ = ("job_id", "category", "seed", "training", "aggregation", "evaluation", "data")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    category: str
+    seed: int
+    training: TrainingSettings
+    aggregation: AggregationSettings
+    evaluation: EvaluationSettings
+    data: DataSettings
+    def __init__(self, job_id: _Optional[str] = ..., category: _Optional[str] = ..., seed: _Optional[int] = ..., training: _Optional[_Union[TrainingSettings, _Mapping]] = ..., aggregation: _Optional[_Union[AggregationSettings, _Mapping]] = ..., evaluation: _Optional[_Union[EvaluationSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ...) -> None: ...
+
+class InstallJobRequest(_message.Message):
+    __slots__ = ("settings",)
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    settings: JobSettings
+    def __init__(self, settings: _Optional[_Union[JobSettings, _Mapping]] = ...) -> None: ...
+
+class InstallJobReply(_message.Message):
+    __slots__ = ("digest",)
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    def __init__(self, digest: _Optional[str] = ...) -> None: ...
+
+class GetJobSettingsRequest(_message.Message):
+    __slots__ = ("job_id", "worker_id", "digest")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    worker_id: str
+    digest: str
+    def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class GetJobSettingsReply(_message.Message):
+    __slots__ = ("settings", "digest")
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    settings: JobSettings
+    digest: str
+    def __init__(self, settings: _Optional[_Union[JobSettings, _Mapping]] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class RoundCompleted(_message.Message):
     __slots__ = ("job_id", "round", "model_version", "aggregated", "accuracy", "loss", "final", "seconds")

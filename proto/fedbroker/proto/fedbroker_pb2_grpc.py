@@ -34,6 +34,16 @@ class AggregationStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.InstallJob = channel.unary_unary(
+                '/fedbroker.v1.Aggregation/InstallJob',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.InstallJobRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.InstallJobReply.FromString,
+                _registered_method=True)
+        self.GetJobSettings = channel.unary_unary(
+                '/fedbroker.v1.Aggregation/GetJobSettings',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.GetJobSettingsRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.GetJobSettingsReply.FromString,
+                _registered_method=True)
         self.PutGlobalModel = channel.stream_unary(
                 '/fedbroker.v1.Aggregation/PutGlobalModel',
                 request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.ModelChunk.SerializeToString,
@@ -113,6 +123,21 @@ class AggregationStub:
 
 class AggregationServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def InstallJob(self, request, context):
+        """The coordinator installs a job's settings once, before its model and rounds (idempotent: the same settings
+        again are taken, other settings for the same job are refused). Kept in the spool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJobSettings(self, request, context):
+        """A participant of a job that lacks its settings (a restarted worker) fetches them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def PutGlobalModel(self, request_iterator, context):
         """The coordinator installs a job's initial (or restored) global model.
@@ -222,6 +247,16 @@ class AggregationServicer:
 
 def add_AggregationServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'InstallJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.InstallJob,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.InstallJobRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.InstallJobReply.SerializeToString,
+            ),
+            'GetJobSettings': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobSettings,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.GetJobSettingsRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.GetJobSettingsReply.SerializeToString,
+            ),
             'PutGlobalModel': grpc.stream_unary_rpc_method_handler(
                     servicer.PutGlobalModel,
                     request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.ModelChunk.FromString,
@@ -307,6 +342,60 @@ def add_AggregationServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Aggregation:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def InstallJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Aggregation/InstallJob',
+            fedbroker_dot_proto_dot_fedbroker__pb2.InstallJobRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.InstallJobReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobSettings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Aggregation/GetJobSettings',
+            fedbroker_dot_proto_dot_fedbroker__pb2.GetJobSettingsRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.GetJobSettingsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def PutGlobalModel(request_iterator,

@@ -13,6 +13,7 @@ from fedbroker.aggregators import metrics as agg_metrics
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.close_report import Verdict
+from tests.installed import install
 from tests.ops.test_metrics import SPEC, weights
 
 AGG = {"alignment": "none", "weighting": "fedavg", "selection": "all", "robust": "multi_krum",
@@ -31,7 +32,8 @@ def test_a_close_counts_each_site_s_verdict_from_series_that_start_at_zero() -> 
     try:
         job, sites = f"r-{uuid.uuid4().hex[:6]}", [f"site-{uuid.uuid4().hex[:6]}" for _ in range(5)]
         client.put_global(job, 1, SPEC.to_json(), weights(0.0))
-        client.open_round(job, 1, sites, deadline_unix=4e9, aggregation=AGG, seed=0)
+        install(client, job, AGG)
+        client.open_round(job, 1, sites, deadline_unix=4e9, seed=0)
         assert [count(v, sites[0]) for v in ("judged", "discarded", "downweighted")] == [0.0, 0.0, 0.0]
         for i, site in enumerate(sites):
             value = -500.0 if i == 0 else 1.0 + 0.01 * i

@@ -35,7 +35,6 @@ from fedbroker import envelope
 from fedbroker.aggregation_client import AggregatorClient, Model
 from fedbroker.auth import ClientSecurity
 from fedbroker.bus import Bus, BusError, Delivery
-from fedbroker.catalogue import settings_from_json
 from fedbroker.config import DPPolicy, WorkerConfig
 from fedbroker.datasets import load_worker_data, train_test_split
 from fedbroker.errors import BudgetExceeded, ConfigError, FedbrokerError, LedgerBehind, Rejection, TaskRefused
@@ -46,11 +45,12 @@ from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff
 from fedbroker.rpc import RemoteError
 from fedbroker.secagg import SecAggError
-from fedbroker.spec import ModelSpec, TrainingConfig, parse_model, training_from_json
+from fedbroker.spec import ModelSpec, TrainingConfig, parse_model
 from fedbroker.version import installed_version
 from fedbroker.worker import metrics
 from fedbroker.worker.evaluation import SiteEvaluation
 from fedbroker.worker.global_model import build_global, fit_problem
+from fedbroker.worker.job_settings import JobSettingsCache
 from fedbroker.worker.ledger import PrivacyLedger, below
 from fedbroker.worker.log_forward import LogForwarder, remove
 from fedbroker.worker.partition import partition
@@ -132,6 +132,7 @@ class WorkerAgent:
         # The training settings of the jobs whose tasks this worker received (the latest JOB_COSTS_KEPT), so its
         # heartbeats can say what each job's next round would cost; `_costs` caches the projections.
         self._job_configs: collections.OrderedDict[str, TrainingConfig] = collections.OrderedDict()
+        self.job_settings = JobSettingsCache(kept=JOB_COSTS_KEPT)  # each job's settings, parsed once
         self._costs: dict[tuple[str, tuple[tuple[float, float, int], ...], TrainingConfig], float] = {}
         self.evaluation = SiteEvaluation(config, bus=bus, ledger=self.ledger, test=test, device=self.device,
                                          aggregator=self._aggregator, stopping=self._stop.is_set)
@@ -398,10 +399,14 @@ class WorkerAgent:
             raise TaskRefused(f"category {task.category!r} is not one this worker serves ({list(self.config.categories)})")
         if task.deadline_unix and time.time() > task.deadline_unix:
             raise TaskRefused(f"the round's deadline passed {time.time() - task.deadline_unix:.0f}s before the task ran")
+        def fetch(digest: str) -> pb.JobSettings:  # we lack them (restarted since the job's first task)
+            client = self._aggregator(task.aggregator_target).until(task.deadline_unix)
+            return client.job_settings(task.job_id, self.config.id, digest)
+
         try:
-            config = training_from_json(task.training_json)
-        except (ValueError, TypeError) as exc:  # ConfigError and a JSON error are ValueErrors
-            raise _PoisonTask(f"invalid training config in the task: {exc}") from None
+            config = self.job_settings.for_task(task, fetch).training
+        except ValueError as exc:  # ConfigError(s): settings no retry can make valid
+            raise _PoisonTask(f"invalid job settings in the task: {exc}") from None
         self._job_configs[task.job_id] = config  # what its next round costs, for the heartbeats
         self._job_configs.move_to_end(task.job_id)
         while len(self._job_configs) > JOB_COSTS_KEPT:
@@ -470,7 +475,7 @@ class WorkerAgent:
 
     def _secure_run(self, task: pb.RoundTask, key: tuple[str, int, int]) -> SecureRun | None:
         """The secure protocol's state of this task (aggregation.secure), kept across its retries; else None."""
-        if not json.loads(task.aggregation_json or "{}").get("secure"):
+        if not self.job_settings.held(task.job_id).aggregation.secure:
             return None
         run = self._secure.get(key)
         if run is None:
@@ -558,4 +563,4 @@ class WorkerAgent:
         if not task.population_distribution:
             return None
         return reported_ish(self.sharing.histogram()[0], task.population_distribution, participants=task.participants,
-                            settings=settings_from_json(task.aggregation_json))
+                            settings=self.job_settings.held(task.job_id).algorithms)
