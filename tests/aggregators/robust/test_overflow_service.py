@@ -18,6 +18,7 @@ from fedbroker.errors import Rejection
 from fedbroker.rpc import RemoteError
 from fedbroker.spec import parse_model
 from tests.faults.harness import wait_for
+from tests.installed import install
 from tests.integration.processes import Deployment, stop_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -58,9 +59,9 @@ def round_of(client: AggregatorClient, job: str, aggregation: dict[str, Any], ev
     """One round: three honest sites near the global model and one whose every value is `evil` (times the
     global model's sign); the evil upload's refusal reason ('' if taken) and the close's reply."""
     base = start()
+    install(client, job, {"alignment": "none", "weighting": "fedavg", "selection": "all", **aggregation})
     client.put_global(job, 1, DIGITS.to_json(), base)
-    client.open_round(job, 1, [*HONEST, "evil"], time.time() + 600, {
-        "alignment": "none", "weighting": "fedavg", "selection": "all", **aggregation}, seed=0)
+    client.open_round(job, 1, [*HONEST, "evil"], time.time() + 600, seed=0)
     rng = np.random.default_rng(5)
     for i, site in enumerate(HONEST):
         honest = {k: (v + 0.01 * rng.normal(size=v.shape)).astype(np.float32) for k, v in base.items()}
