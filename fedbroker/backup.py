@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -109,12 +110,17 @@ def file_digest(path: str | os.PathLike[str]) -> tuple[str, int]:
 
 
 def verify(root: Path, part: Part) -> None:
-    """Every file of `part` in the backup folder `root` has its recorded digest and size; `BackupRefused`
-    naming every file that does not (missing, changed, truncated)."""
+    """Every file of `part` in the backup folder `root` is a plain file (no link on its way: a backup's file is
+    never read from elsewhere) with its recorded digest and size; `BackupRefused` naming every file that is not
+    (missing, a link, changed, truncated)."""
     problems = []
     for f in part.files:
         path = root / part.name / f.path
         try:
+            link = linked(root, f"{part.name}/{f.path}")
+            if link is not None:
+                problems.append(f"{link} is a symbolic link (a backup holds plain files only)")
+                continue
             sha, size = file_digest(path)
         except FileNotFoundError:
             problems.append(f"{part.name}/{f.path} is missing")
@@ -126,8 +132,23 @@ def verify(root: Path, part: Part) -> None:
         raise BackupRefused(f"the backup at {root} is damaged, nothing was restored: " + "; ".join(problems))
 
 
+def linked(root: Path, relative: str) -> str | None:
+    """The first of `relative`'s folders or its file (below `root`) that is a symbolic link, as a path relative to
+    `root`; None when none is. FileNotFoundError when one is missing."""
+    here = root
+    for name in relative.split("/"):
+        here = here / name
+        if stat.S_ISLNK(os.lstat(here).st_mode):
+            return str(here.relative_to(root))
+    return None
+
+
 def check_version(part: Part, known: int, what: str) -> None:
-    """Refuse a part written by a newer release than this code (its version above `known`)."""
+    """Refuse a part written by a newer release than this code (its version above `known`), and a version no
+    release writes (below 0)."""
+    if part.version < 0:
+        raise BackupRefused(f"the backup's {part.name} part is {what} {part.version}, which is invalid (no fedbroker "
+                            f"release writes a negative version): the manifest is damaged or was edited")
     if part.version > known:
         raise BackupRefused(f"the backup's {part.name} part is {what} {part.version}, newer than the {known} this "
                             f"fedbroker knows: restore it with the release that wrote it (or a newer one)")

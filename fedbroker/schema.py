@@ -80,7 +80,7 @@ class Schema:
             raise SchemaTooNew(self.what, path, found, self.latest)
         if found < 0:  # no release writes one: another program's file, or one edited by hand
             raise Conflict(f"{path}: the {self.what} is at schema version {found}, which no fedbroker release "
-                           f"writes: not a file this fedbroker will read or change")
+                           f"writes (invalid, not newer): not a file this fedbroker will read or change")
 
     def migrate(self, db: sqlite3.Connection, *, path: str) -> tuple[int, int]:
         """Bring the file behind `db` (autocommit mode: `isolation_level=None`) to `latest`; (before, after).

@@ -22,6 +22,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,7 @@ def _write_archive(folder: Path, target: Path) -> None:
 @contextlib.contextmanager
 def opened(backup_path: str) -> Iterator[Path]:
     """The backup's folder: `backup_path` itself, or an archive unpacked into a temporary folder (tar's `data`
-    filter: no links out, no absolute paths, no device files)."""
+    filter: no links out, no absolute paths, no device files), at most `unpack_limit` bytes of it."""
     path = Path(backup_path)
     if path.is_dir():
         yield path
@@ -126,12 +127,38 @@ def opened(backup_path: str) -> Iterator[Path]:
     if not path.is_file():
         raise ConfigError("BACKUP", f"no backup at {path}")
     with tempfile.TemporaryDirectory(prefix=".fedbroker-restore.") as tmp:
-        try:
-            with tarfile.open(path) as tar:
-                tar.extractall(tmp, filter="data")
-        except (tarfile.TarError, OSError) as exc:
-            raise BackupRefused(f"{path} is not a readable backup archive ({exc})") from None
+        _unpack(path, Path(tmp), limit=unpack_limit(path.stat().st_size))
         yield Path(tmp)
+
+
+UNPACK_RATIO = 100            # a backup is SQLite pages and float tensors: it never packs to 1 % of itself
+UNPACK_FLOOR = 1 << 30        # ... and any archive may unpack to 1 GiB
+UNPACK_MEMBERS = 100_000
+
+
+def unpack_limit(archive_bytes: int) -> int:
+    """How many bytes an archive of `archive_bytes` may unpack to: beyond that it is a compression bomb, not a
+    backup (its ratio would be over UNPACK_RATIO)."""
+    return max(UNPACK_FLOOR, UNPACK_RATIO * archive_bytes)
+
+
+def _unpack(archive: Path, into: Path, *, limit: int) -> None:
+    """Unpack `archive` member by member (a stream: nothing is read ahead), refusing it as soon as its members'
+    sizes add up past `limit` or their number past UNPACK_MEMBERS, before that member is written."""
+    total = count = 0
+    try:
+        with tarfile.open(archive, "r|*") as tar:
+            for member in tar:
+                total += max(member.size, 0)
+                count += 1
+                if total > limit or count > UNPACK_MEMBERS:
+                    raise BackupRefused(
+                        f"{archive} unpacks to more than {limit} bytes or {UNPACK_MEMBERS} files (the limit for an "
+                        f"archive of {archive.stat().st_size} bytes: {UNPACK_RATIO}× its size, at least "
+                        f"{UNPACK_FLOOR} bytes): not a fedbroker backup; nothing was restored")
+                tar.extract(member, into, filter="data")
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
+        raise BackupRefused(f"{archive} is not a readable backup archive ({exc})") from None
 
 
 def restore(backup_path: str, targets: dict[str, str], *, force: bool = False, check_only: bool = False,
@@ -140,6 +167,7 @@ def restore(backup_path: str, targets: dict[str, str], *, force: bool = False, c
     `restored(part)` after each (a later part's refusal leaves the earlier ones restored: say which)."""
     from fedbroker.aggregators.spool import FORMAT_VERSION as SPOOL_FORMAT
     from fedbroker.backup import check_version
+    from fedbroker.coordinator.state_backup import check_schema
     from fedbroker.coordinator.store_schema import SCHEMA
     from fedbroker.worker.ledger import FORMAT_VERSION as LEDGER_FORMAT
 
@@ -160,6 +188,8 @@ def restore(backup_path: str, targets: dict[str, str], *, force: bool = False, c
                                     f"wrote it")
             check_version(part, *known[name])
             verify(root, part)
+            if name == "coordinator":  # the database's own version, not only the manifest's word for it
+                check_schema(root, part)
         restorers = _restorers()
         for name, target in targets.items():  # every target's refusals, before any part is written
             restorers[name](root, parts[name], target, force=force, check_only=True)

@@ -18,11 +18,15 @@ import json
 import logging
 import os
 import re
+import sqlite3
+import stat
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import numpy as np
 
@@ -317,17 +321,131 @@ def track(coordinator: Any, tracker: JobTracker, *, follow: bool,
 
 def check_store(track: str | None, *, experiment: str = "") -> None:
     """Refuse `--track` now, before a job is submitted or a cluster started, if MLflow is missing or its store
-    cannot be opened; None: no tracking asked for (then no `--experiment` either)."""
+    cannot be opened; None: no tracking asked for (then no `--experiment` either). The store is looked at first
+    without MLflow (a SQLite file that cannot be one, a server that does not answer within `PROBE_S`): MLflow
+    itself retries such a store for minutes. Its own first call then runs under `CHECK_S`."""
     if track is None:
         if experiment:
             raise ConfigError("--experiment", "names the MLflow experiment of --track: give --track too")
         return
     mlflow = _mlflow()
     resolved = resolve_uri(track)
-    try:
+    if resolved is None:
+        resolved = os.environ.get("MLFLOW_TRACKING_URI") or None
+    if resolved is not None:
+        _check_reachable(resolved)
+    where = resolved or "its default store"
+
+    def first_call() -> None:
         mlflow.tracking.MlflowClient(tracking_uri=resolved).search_experiments(max_results=1)
+
+    try:
+        _within(CHECK_S, first_call, what=f"MLflow at {where}")
     except mlflow.exceptions.MlflowException as exc:
-        raise TrackingError(f"MLflow at {resolved or 'its default store'}: {exc.message}") from None
+        raise TrackingError(f"MLflow at {where}: {exc.message}") from None
+    except TrackingError:
+        raise
+    except Exception as exc:  # a store's own error (SQLAlchemy, an HTTP library): one line, not a traceback
+        raise TrackingError(f"MLflow at {where}: {type(exc).__name__}: {_first_line(exc)}") from None
+
+
+PROBE_S = 5.0    # a tracking server's TCP and HTTP answer, before the job is sent
+CHECK_S = 30.0   # MLflow's first call on the store (a new SQLite file runs its migrations: seconds)
+
+
+def _check_reachable(uri: str) -> None:
+    """A SQLite store's file can be one (ConfigError naming the path); a tracking server answers HTTP within
+    `PROBE_S` (TrackingError). Any other scheme is left to MLflow."""
+    scheme, _, rest = uri.partition(":")
+    if scheme == "sqlite":
+        path = rest.removeprefix("///").split("?", 1)[0]
+        if path and path != ":memory:" and rest.startswith("///"):
+            _check_sqlite_file(Path(path))
+    elif scheme in ("http", "https"):
+        _probe_server(uri)
+
+
+def _check_sqlite_file(path: Path) -> None:
+    """`path` is a SQLite file MLflow can open and write, or a new one it can create."""
+    shown = _shown(path)
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:  # a name too long, a folder on the way that is a file, no permission
+        raise ConfigError("--track", f"the SQLite store {shown} cannot be used: {exc.strerror}") from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise ConfigError("--track", f"the SQLite store {shown} is a folder, not a file: name a file in it, e.g. "
+                                     f"{path / 'mlflow.db'}")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise ConfigError("--track", f"the SQLite store {shown} is not a regular file (a device, a pipe or a "
+                                     f"socket): name a file")
+    if st is None and not path.parent.is_dir():
+        raise ConfigError("--track", f"the SQLite store {shown} cannot be created: its folder {_shown(path.parent)} "
+                                     f"does not exist")
+    try:  # SQLite's own limits (its path length, a read-only folder, a file that is not a database)
+        db = sqlite3.connect(f"file:{quote(str(path))}?mode={'rw' if st is not None else 'rwc'}", uri=True,
+                             timeout=PROBE_S)
+        try:
+            db.execute("PRAGMA schema_version").fetchone()
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("ROLLBACK")
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        if st is None:
+            path.unlink(missing_ok=True)
+        raise ConfigError("--track", f"the SQLite store {shown} cannot be opened for writing: {exc} (a path "
+                                     f"too long for SQLite, a folder this user cannot write, a file that is no "
+                                     f"database)") from None
+
+
+def _shown(path: Path) -> str:
+    """A path for a message: a long one cut in its middle, its length said."""
+    text = str(path)
+    return text if len(text) <= 120 else f"{text[:60]}…{text[-40:]} ({len(text)} chars)"
+
+
+def _probe_server(uri: str) -> None:
+    """One HTTP request to the tracking server's health endpoint: any HTTP answer will do (MLflow's own call
+    then says what it thinks of it); no answer within `PROBE_S` is refused."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=PROBE_S):
+            pass
+    except urllib.error.HTTPError:
+        pass  # it answered
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise TrackingError(f"MLflow at {uri} does not answer ({reason}; waited at most {PROBE_S:g}s): start the "
+                            f"tracking server, or give another --track URI") from None
+
+
+def _within(seconds: float, call: Callable[[], None], *, what: str) -> None:
+    """`call()` in a daemon thread, its error raised here; TrackingError when it has not returned in `seconds`
+    (MLflow's own retries may go on for minutes: the thread is left to them and dies with the process)."""
+    failed: list[BaseException] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # raised again in the caller's thread
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="mlflow-check", daemon=True).start()
+    if not done.wait(seconds):
+        raise TrackingError(f"{what} did not answer within {seconds:g}s: check the store (its file, its server)")
+    if failed:
+        raise failed[0]
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
 
 
 def start(track: str | None, coordinator: Any, job_id: str, *, experiment: str = "",

@@ -88,7 +88,7 @@ def bad_cases():
     inf = dict(w, **{"0.bias": np.array([0, np.inf, 0], np.float32)})
     return [
         ("unknown_job", lambda: stream(w, job="nope"), "unknown job 'nope'"),
-        ("unknown_round", lambda: stream(w, rnd=5), "round 5"),
+        ("round_closed", lambda: stream(w, rnd=5), "round 5 of job 'j' lies past this service's state"),
         ("unknown_worker", lambda: stream(w, worker="mallory"), "'mallory' is not a participant"),
         ("wrong_shape", lambda: stream(wrong_shape), "'0.weight' has shape [4, 3], expected [3, 4]"),
         ("wrong_dtype", lambda: stream(wrong_dtype), "'0.bias' has dtype float64"),

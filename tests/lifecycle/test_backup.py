@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import tempfile
 import threading
 from pathlib import Path
 
@@ -340,3 +341,133 @@ def test_backup_refuses_an_output_that_holds_something_and_a_folder_without_stat
     assert main(["backup", "--state", str(tmp_path / "full"), "--out", str(tmp_path / "b")]) == 2
     assert "holds no coordinator state (no coordinator.sqlite)" in capsys.readouterr().err
     assert not (tmp_path / "b").exists() and [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
+
+
+# ----- a backup that is not what its manifest says ----------------------------------------------------------
+
+
+def rewrite_entry(backup: Path, path: str, **changes: object) -> None:
+    """Change one file's entry in the manifest (as whoever edits a backup would, to make a changed file pass)."""
+    manifest = json.loads((backup / "manifest.json").read_text())
+    part, _, inner = path.partition("/")
+    if inner:
+        (entry,) = [f for f in manifest["parts"][part]["files"] if f["path"] == inner]
+        entry.update(changes)
+    else:
+        manifest["parts"][part].update(changes)
+    (backup / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_restore_refuses_a_symbolic_link_inside_a_folder_backup_naming_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    backup({"coordinator": str(live_state(tmp_path))}, str(tmp_path / "b"))
+    db = tmp_path / "b" / "coordinator" / "coordinator.sqlite"
+    elsewhere = tmp_path / "elsewhere.sqlite"  # the very bytes, so only the link gives it away
+    db.rename(elsewhere)
+    db.symlink_to(elsewhere)
+    capsys.readouterr()
+    assert main(["restore", str(tmp_path / "b"), "--state", str(tmp_path / "target")]) == 1
+    err = capsys.readouterr().err
+    assert "coordinator/coordinator.sqlite is a symbolic link" in err, err
+    assert not (tmp_path / "target").exists()
+
+    db.unlink()  # a linked folder on the way is refused the same
+    elsewhere.rename(db)
+    (tmp_path / "b" / "coordinator").rename(tmp_path / "real")
+    (tmp_path / "b" / "coordinator").symlink_to(tmp_path / "real")
+    with pytest.raises(BackupRefused, match=r"coordinator is a symbolic link"):
+        restore(str(tmp_path / "b"), {"coordinator": str(tmp_path / "target")})
+    assert not (tmp_path / "target").exists()
+
+
+def test_an_archive_that_unpacks_past_its_limit_is_refused_naming_the_limit_before_that_member_is_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import tarfile
+
+    import fedbroker.app.backup as app_backup
+
+    bomb = tmp_path / "bomb.tar.gz"
+    with tarfile.open(bomb, "w:gz") as tar:
+        manifest = b'{"format": "fedbroker-backup/1", "parts": {}}'
+        info = tarfile.TarInfo("manifest.json")
+        info.size = len(manifest)
+        tar.addfile(info, io.BytesIO(manifest))
+        info = tarfile.TarInfo("coordinator/coordinator.sqlite")
+        info.size = 64 << 20  # 64 MiB of zeros: some 64 KiB packed
+        tar.addfile(info, io.BytesIO(bytes(info.size)))
+    packed = bomb.stat().st_size
+    assert packed * app_backup.UNPACK_RATIO < 64 << 20
+    assert app_backup.unpack_limit(packed) == app_backup.UNPACK_FLOOR  # a real bomb meets the 1 GiB floor
+    monkeypatch.setattr(app_backup, "UNPACK_FLOOR", 1 << 20)  # this one meets the ratio (quicker to make)
+    unpacked: list[Path] = []
+    real = tempfile.TemporaryDirectory
+
+    def watched(*args: object, **kwargs: object) -> tempfile.TemporaryDirectory[str]:
+        folder = real(*args, **kwargs)  # type: ignore[call-overload]
+        unpacked.append(Path(folder.name))
+        return folder  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(app_backup.tempfile, "TemporaryDirectory", watched)
+    original_extract = tarfile.TarFile.extract
+    written: list[str] = []
+
+    def extract(self: tarfile.TarFile, member: tarfile.TarInfo, *args: object, **kwargs: object) -> None:
+        written.append(member.name)
+        original_extract(self, member, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tarfile.TarFile, "extract", extract)
+    capsys.readouterr()
+    assert main(["restore", str(bomb), "--state", str(tmp_path / "target")]) == 1
+    err = capsys.readouterr().err
+    limit = app_backup.unpack_limit(packed)
+    assert f"unpacks to more than {limit} bytes" in err and f"{app_backup.UNPACK_RATIO}× its size" in err, err
+    assert written == ["manifest.json"]  # the big member was never written
+    assert unpacked and not any(p.exists() for p in unpacked) and not (tmp_path / "target").exists()
+
+
+def test_a_restore_reads_the_schema_version_from_the_database_not_the_manifest(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fedbroker.backup import file_digest
+
+    backup({"coordinator": str(live_state(tmp_path))}, str(tmp_path / "b"))
+    db = tmp_path / "b" / "coordinator" / "coordinator.sqlite"
+    edit = sqlite3.connect(db)
+    edit.execute("PRAGMA user_version = 99")
+    edit.close()
+    sha, size = file_digest(db)
+    rewrite_entry(tmp_path / "b", "coordinator/coordinator.sqlite", sha256=sha, bytes=size)  # digests pass
+    capsys.readouterr()
+    for argv in (["--check"], ["--state", str(tmp_path / "target")]):
+        assert main(["restore", str(tmp_path / "b"), *argv]) == 1
+        err = capsys.readouterr().err
+        assert f"is at schema version 99, newer than the {SCHEMA.latest}" in err, err
+    assert not (tmp_path / "target").exists()
+
+    rewrite_entry(tmp_path / "b", "coordinator", version=99)  # the manifest agreeing changes nothing
+    with pytest.raises(BackupRefused, match=r"schema version 99, newer than"):
+        restore(str(tmp_path / "b"), {"coordinator": str(tmp_path / "target")})
+
+
+def test_a_negative_version_is_refused_as_invalid_not_as_newer(tmp_path: Path) -> None:
+    from fedbroker.backup import file_digest
+    from fedbroker.errors import Conflict
+
+    backup({"coordinator": str(live_state(tmp_path))}, str(tmp_path / "b"))
+    rewrite_entry(tmp_path / "b", "coordinator", version=-1)
+    with pytest.raises(BackupRefused) as refused:
+        restore(str(tmp_path / "b"), {"coordinator": str(tmp_path / "target")})
+    assert "version -1, which is invalid" in str(refused.value) and "newer" not in str(refused.value)
+
+    rewrite_entry(tmp_path / "b", "coordinator", version=SCHEMA.latest)
+    db = tmp_path / "b" / "coordinator" / "coordinator.sqlite"
+    edit = sqlite3.connect(db)
+    edit.execute("PRAGMA user_version = -1")
+    edit.close()
+    sha, size = file_digest(db)
+    rewrite_entry(tmp_path / "b", "coordinator/coordinator.sqlite", sha256=sha, bytes=size)
+    with pytest.raises(Conflict) as refused_db:
+        restore(str(tmp_path / "b"), {"coordinator": str(tmp_path / "target")})
+    message = str(refused_db.value)
+    assert "schema version -1, which no fedbroker release writes (invalid, not newer)" in message, message
+    assert not (tmp_path / "target").exists()

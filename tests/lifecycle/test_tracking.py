@@ -187,3 +187,39 @@ def test_simulate_track_logs_the_simulated_job_with_the_simulations_settings(tmp
     assert [(m.step, round(m.value, 4)) for m in history] == [(r["round"], r["mean_train_loss"]) for r in rounds]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "epsilon_max")] == [1, 2]
     assert run.info.status == "FINISHED" and run.data.tags["fedbroker.model.sha256"]
+
+
+def unreachable_port() -> int:
+    """A port on this host that nothing listens on (bound, then closed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("case", ["folder named x.db", "long sqlite path", "device file", "unreachable server"])
+def test_submit_track_refuses_a_store_it_cannot_use_at_once_before_the_job_is_sent(tmp_path, case):
+    """Each store MLflow itself would retry for a minute or more (or answer with a traceback) is refused by the
+    real CLI before the job travels: a local path that cannot be a SQLite file exits 2 (`config`), a server that
+    does not answer exits 1 (`tracking`), each one line naming it. The coordinator named does not exist, so a
+    job that travelled would fail on it instead."""
+    (tmp_path / "x.db").mkdir()
+    deep = tmp_path.joinpath(*["d" * 100] * 6)  # each folder exists; the whole path is past SQLite's limit
+    deep.mkdir(parents=True)
+    uri, code, expected = {
+        "folder named x.db": (str(tmp_path / "x.db"), 2, "is a folder, not a file"),
+        "long sqlite path": (f"sqlite:///{deep}/mlflow.db", 2, "cannot be opened for writing: unable to open"),
+        "device file": ("sqlite:////dev/full", 2, "is not a regular file"),
+        "unreachable server": (f"http://127.0.0.1:{unreachable_port()}", 1, "does not answer"),
+    }[case]
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(JOB))
+    proc = subprocess.run([sys.executable, "-m", "fedbroker", "submit", str(tmp_path / "job.yaml"), "--wait",
+                           "--coordinator", f"127.0.0.1:{unreachable_port()}", f"--track={uri}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    origin = "config: --track" if code == 2 else "tracking"
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"fedbroker submit: {origin}") and expected in line, line
+    assert not (tmp_path / "mlflow.db").exists() and not list(deep.iterdir())  # nothing was made

@@ -31,6 +31,7 @@ class Standing:
     deadline: float | None               # the current round's, else a recently closed round's, else None
     closed: bool
     sample_limits: Mapping[str, int] = field(default_factory=dict)  # participants' registered sample counts
+    beyond: bool = False                 # past the service's state (JobState.beyond): it never opens here
 
 
 def check_membership(header: pb.UpdateHeader, standing: Standing, *, now: float) -> None:
@@ -42,6 +43,9 @@ def check_membership(header: pb.UpdateHeader, standing: Standing, *, now: float)
         )
     if standing.closed:
         raise UploadRejected(Rejection.ROUND_CLOSED, f"round {header.round} of job {header.job_id!r} is already closed")
+    if standing.beyond:  # final: the coordinator re-sends the tasks of the round it resumed
+        raise UploadRejected(Rejection.ROUND_CLOSED, f"round {header.round} of job {header.job_id!r} lies past this "
+                                                     f"service's state (a task from before a restore): dropped")
     if current is None:
         raise UploadRejected(Rejection.UNKNOWN_ROUND, f"round {header.round} of job {header.job_id!r} is not open")
     if header.worker_id not in current:

@@ -244,6 +244,7 @@ class Job:
             deadline=rnd.deadline if rnd is not None else self.closed_deadlines.get(round_number),
             closed=round_number in self.closed_rounds or (rnd is not None and rnd.closed),
             sample_limits=rnd.sample_limits if rnd is not None else {},
+            beyond=self.beyond(round_number),
         )
 
     def status(self, round_number: int) -> tuple[list[str], bool]:
@@ -264,8 +265,18 @@ class Job:
                                  f"worker {worker_id!r} is not a participant of round {round_number}")
         return worker_id in rnd.accepted, not rnd.closed
 
+    def beyond(self, round_number: int) -> bool:
+        """Whether round `round_number` lies past what this service can still open: its round is open (or closing)
+        and is an earlier one, or the asked one is more than one past a closed round. Rounds open in order, each
+        here before its tasks go out, so such a task is from a state given up since: a restore from a backup (or
+        a coordinator that lost its own). The task is dropped, never retried: the coordinator re-sends its own."""
+        rnd = self.round
+        return rnd is not None and (round_number > rnd.number + 1 or (round_number > rnd.number and not rnd.closed))
+
     def _asked(self, round_number: int) -> Round | None:
-        """The open round `round_number`; None for a closed one."""
+        """The open round `round_number`; None for a closed one, and for one `beyond` this service's state."""
+        if self.beyond(round_number):
+            return None
         rnd = self.current(round_number)
         if rnd is None and round_number not in self.closed_rounds and (
                 self.round is None or round_number > self.round.number):

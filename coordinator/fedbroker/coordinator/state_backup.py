@@ -27,7 +27,7 @@ from fedbroker.coordinator.state_dir import LOCK_FILE, StateDirLock
 from fedbroker.coordinator.store import DB_FILE
 from fedbroker.coordinator.store_schema import SCHEMA
 from fedbroker.errors import ConfigError
-from fedbroker.schema import SchemaTooNew, user_version
+from fedbroker.schema import user_version
 
 PART = "coordinator"
 CHECKPOINTS = "checkpoints"
@@ -81,13 +81,13 @@ def restore_state(backup_root: Path, part: Part, target: str | os.PathLike[str],
     """Restore the backup's coordinator part into the state directory `target` (created 0700), its checkpoint
     paths rewritten to it; refused while a coordinator runs there, and over a non-empty one unless `force`.
     `check_only`: the refusals only (not the digests), nothing written."""
-    if part.version > SCHEMA.latest or part.version < 0:
-        raise SchemaTooNew(SCHEMA.what, f"the backup's {PART} part ({backup_root})", part.version, SCHEMA.latest)
+    if not check_only:
+        verify(backup_root, part)
+    check_schema(backup_root, part)
     folder = Path(target).absolute()
     if check_only and not folder.exists():
         return
     if not check_only:
-        verify(backup_root, part)
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock = StateDirLock(str(folder))  # StateDirInUse while a coordinator runs on it
     try:
@@ -107,6 +107,20 @@ def restore_state(backup_root: Path, part: Part, target: str | os.PathLike[str],
         _restore_db(source / DB_FILE, folder / DB_FILE, moved)
     finally:
         lock.release()
+
+
+def check_schema(backup_root: Path, part: Part) -> None:
+    """The part's schema version, as its manifest says and as the backed-up database itself records it
+    (`user_version`: what a coordinator will read, whatever the manifest says), is one this code knows: a newer
+    one is refused (SchemaTooNew), a negative one as written by no release, and the two must agree."""
+    backup_db = backup_root / PART / DB_FILE
+    SCHEMA.check(part.version, f"the backup's manifest ({backup_root}), for its {PART} part,")
+    with _connection(f"{backup_db.absolute().as_uri()}?mode=ro", 30.0) as db:
+        found = user_version(db)
+    SCHEMA.check(found, str(backup_db))
+    if found != part.version:
+        raise BackupRefused(f"{backup_db} is at schema version {found}, but the backup's manifest says {part.version}: "
+                            f"the manifest does not describe this file (edited, or another file copied in)")
 
 
 def _restore_db(backup_db: Path, target_db: Path, moved: dict[str, str]) -> None:
