@@ -1,7 +1,8 @@
 """How a round's updates were chosen and judged, in words, from the close's stats: the aggregation service logs
 it and the coordinator records it as the round's events, so a job shows, round by round, whether the genetic
 algorithm or a random draw chose (`selection_*`, `accepted`, `selected`, `aggregated`), and which updates a
-robust rule discarded or down-weighted (`robust_kept:<worker>`)."""
+robust rule discarded or down-weighted (`robust_kept:<worker>`), and which sites a secure round excluded
+(`secure_excluded:<worker>`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,17 @@ from fedbroker.robust_params import DISCARDED_BELOW, DOWNWEIGHTED_BELOW
 
 ROBUST_KEPT = "robust_kept:"
 """Stats key prefix: per update a robust rule judged, the weight it kept over what the plain mean would give."""
+
+EXCLUDED_STAT = "secure_excluded:"
+"""Stats key prefix: a site a secure round excluded because the protocol proved what it sent wrong (its shares
+failed at a recipient before training, were malformed, or a share it revealed was not its dealer's)."""
+
+
+def secure_note(stats: Mapping[str, float]) -> str:
+    """The sites a secure round excluded, in words ("" when none)."""
+    named = sorted(k[len(EXCLUDED_STAT):] for k in stats if k.startswith(EXCLUDED_STAT))
+    return (f"secure aggregation excluded {', '.join(named)}: what it sent failed the protocol's checks (its shares, "
+            f"or a share it revealed; the aggregation service's log says which)") if named else ""
 
 
 def selection_note(round_number: int, stats: Mapping[str, float]) -> str:

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
 
-from fedbroker.secagg.errors import SecAggError
+from fedbroker.secagg.errors import Dishonest, SecAggError
 from fedbroker.secagg.params import mask_ring, ring_dtype
 
 KEY_BYTES = 32
@@ -85,7 +85,7 @@ def split_sealed(message: bytes, *, share_bytes: int, sender: str) -> tuple[byte
     is fixed by the protocol: anything else is refused here, before it is stored or routed."""
     size = 2 * COMMITMENT_BYTES + NONCE_BYTES + 2 * share_bytes + 16
     if len(message) != size:
-        raise SecAggError(f"the share message from {sender!r} is {len(message)} bytes; the protocol's is {size}")
+        raise Dishonest(sender, f"the share message from {sender!r} is {len(message)} bytes; the protocol's is {size}")
     return (message[:COMMITMENT_BYTES], message[COMMITMENT_BYTES:2 * COMMITMENT_BYTES],
             message[2 * COMMITMENT_BYTES:])
 

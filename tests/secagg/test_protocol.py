@@ -134,7 +134,7 @@ def _arrays(value: Any, seen: set[int]) -> list[np.ndarray]:
 
 def test_the_server_never_holds_an_individual_input() -> None:
     params = SecAggParams.choose(5, 1.0)
-    server, clients, inboxes = _through_inboxes(5, params)
+    server, clients, _ = _through_inboxes(5, params)
     inputs = {w: x for w, x in zip(sorted(clients), _inputs(5, 64, seed=4).values())}
     masked = {}
     for w, c in clients.items():
@@ -167,7 +167,7 @@ def test_the_service_sees_only_sealed_shares_bound_to_sender_receiver_and_round(
     assert "fails authentication" in clients["w0"].open_inbox(tampered)["w1"]
     with pytest.raises(SecAggError, match="did not exclude"):  # it never masks with a sender that failed
         clients["w0"].masked_input(np.zeros(64))
-    _, clients, inboxes = _through_inboxes(4, params)
+    _, clients, _ = _through_inboxes(4, params)
     b_share, s_share = clients["w0"]._held["w1"]
     routed = b"".join(ct for box in inboxes.values() for ct in box.values())
     assert shamir.encode_share(b_share) not in routed and shamir.encode_share(s_share) not in routed
@@ -175,8 +175,8 @@ def test_the_service_sees_only_sealed_shares_bound_to_sender_receiver_and_round(
 
 def test_a_client_refuses_to_reveal_both_shares_for_one_peer() -> None:
     params = SecAggParams.choose(5, 1.0)
-    _, clients, inboxes = _through_inboxes(5, params)
-    for w, c in clients.items():
+    _, clients, _ = _through_inboxes(5, params)
+    for c in clients.values():
         c.masked_input(np.zeros(64))
     everyone = set(clients)
     with pytest.raises(SecAggError, match="both survivor and dropped"):
@@ -191,8 +191,8 @@ def test_a_client_refuses_to_reveal_both_shares_for_one_peer() -> None:
 
 def test_a_client_refuses_to_unmask_when_fewer_than_t_survived_or_it_is_not_a_survivor() -> None:
     params = SecAggParams.choose(5, 1.0)  # t = 3
-    _, clients, inboxes = _through_inboxes(5, params)
-    for w, c in clients.items():
+    _, clients, _ = _through_inboxes(5, params)
+    for c in clients.values():
         c.masked_input(np.zeros(64))
     with pytest.raises(TooFewSurvivors):
         clients["w0"].unmask({"w0", "w1"}, {"w2", "w3", "w4"})
@@ -253,7 +253,7 @@ def test_the_server_refuses_duplicate_unknown_and_malformed_messages() -> None:
 
 def test_too_few_survivors_is_a_clear_error() -> None:
     params = SecAggParams.choose(5, 1.0)  # t = 3
-    server, clients, inboxes = _through_inboxes(5, params, length=4)
+    server, clients, _ = _through_inboxes(5, params, length=4)
     for w in ("w0", "w1"):
         server.add_masked(w, clients[w].masked_input(np.zeros(4)))
     with pytest.raises(TooFewSurvivors, match="2 masked inputs arrived, the threshold is 3"):
@@ -262,7 +262,7 @@ def test_too_few_survivors_is_a_clear_error() -> None:
 
 def test_too_few_unmask_replies_or_a_corrupt_share_fail_reconstruction_loudly() -> None:
     params = SecAggParams.choose(5, 1.0)  # t = 3
-    server, clients, inboxes = _through_inboxes(5, params, length=4)
+    server, clients, _ = _through_inboxes(5, params, length=4)
     for w in ("w0", "w1", "w2", "w3"):
         server.add_masked(w, clients[w].masked_input(np.ones(4)))
     requests = server.unmask_requests()
@@ -327,7 +327,7 @@ def test_a_garbled_or_oversized_share_message_is_caught_before_anyone_masks_and_
 
 def test_verification_that_leaves_fewer_than_t_fails_the_round_before_anyone_masks() -> None:
     params = SecAggParams.choose(5, 1.0)  # t = 3
-    server, clients, inboxes = _through_inboxes(5, params, verify=False)
+    server, _, _ = _through_inboxes(5, params, verify=False)
     with pytest.raises(TooFewSurvivors, match="2 workers remain"):
         server.exclude({"w0", "w1", "w2"})
 
@@ -355,7 +355,7 @@ def test_the_package_imports_no_transport() -> None:
 def test_masked_inputs_added_from_many_threads_give_the_same_sum() -> None:
     n, length = 8, 200_000
     params = SecAggParams.choose(n, 1.0)
-    server, clients, inboxes = _through_inboxes(n, params, length=length)
+    server, clients, _ = _through_inboxes(n, params, length=length)
     inputs = {w: x[:length] for w, x in zip(sorted(clients), _inputs(n, length, seed=6).values())}
     masked = {w: c.masked_input(inputs[w]) for w, c in clients.items()}
     threads = [threading.Thread(target=server.add_masked, args=(w, y)) for w, y in masked.items()]

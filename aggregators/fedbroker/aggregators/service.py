@@ -221,6 +221,17 @@ class AggregationServicer(pb_grpc.AggregationServicer):
 
         return handle(context, _counted("SecInbox", run))
 
+    def SecVerify(self, request: pb.SecVerifyRequest, context: grpc.ServicerContext) -> pb.SecVerifyReply:
+        """Long poll, before the worker trains: its failed senders in, every excluded sender out once fixed."""
+        def run() -> pb.SecVerifyReply:
+            self._own(context, request.worker_id)
+            excluded = self.book.secure.verify(request)
+            if excluded is None:
+                return pb.SecVerifyReply(ready=False)
+            return pb.SecVerifyReply(ready=True, excluded=sorted(excluded))
+
+        return handle(context, _counted("SecVerify", run))
+
     def SecSurvivors(self, request: pb.SecWaitRequest, context: grpc.ServicerContext) -> pb.SecSurvivorsReply:
         """Long poll: at the close, the survivors and the dropped workers this worker holds shares of."""
         def run() -> pb.SecSurvivorsReply:

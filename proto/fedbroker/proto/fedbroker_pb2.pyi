@@ -600,6 +600,36 @@ class SecInboxReply(_message.Message):
     ciphertexts: _containers.RepeatedCompositeFieldContainer[SecCiphertext]
     def __init__(self, ready: _Optional[bool] = ..., ciphertexts: _Optional[_Iterable[_Union[SecCiphertext, _Mapping]]] = ...) -> None: ...
 
+class SecVerifyRequest(_message.Message):
+    __slots__ = ("job_id", "round", "worker_id", "wait_s", "failed")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    worker_id: str
+    wait_s: float
+    failed: _containers.RepeatedCompositeFieldContainer[SecComplaint]
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., wait_s: _Optional[float] = ..., failed: _Optional[_Iterable[_Union[SecComplaint, _Mapping]]] = ...) -> None: ...
+
+class SecComplaint(_message.Message):
+    __slots__ = ("peer", "reason")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    reason: str
+    def __init__(self, peer: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SecVerifyReply(_message.Message):
+    __slots__ = ("ready", "excluded")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    excluded: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ready: _Optional[bool] = ..., excluded: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class SecSurvivorsReply(_message.Message):
     __slots__ = ("ready", "survivors", "dropped")
     READY_FIELD_NUMBER: _ClassVar[int]
