@@ -101,7 +101,7 @@ SECURE_ROUNDS = Counter(
     "fedbroker_aggregator_secure_rounds_total",
     "Secure rounds that ended, by outcome: closed (a new global version), too_few_survivors (fewer than the threshold "
     "of workers advertised, shared, uploaded or sent unmask shares in time), failed (another protocol failure, e.g. "
-    "every weight 0), lost (the service restarted mid-round) or abandoned (its job was cancelled).", ["outcome"])
+    "every weight 0), lost (the service restarted mid-round) or abandoned (its job failed or was cancelled).", ["outcome"])
 for _outcome in SECURE_OUTCOMES:
     SECURE_ROUNDS.labels(_outcome)
 SECURE_STAGES = ("keys", "shares", "verify", "upload", "unmask")

@@ -170,11 +170,13 @@ class SecureSession:
                 raise refused(f"{self.where}: shares from worker {worker_id!r} outside the share phase")
             if worker_id in self.excluded:
                 raise refused(f"{self.where}: worker {worker_id!r} was excluded: {self.excluded[worker_id]}")
-            self._step(lambda: self._server.add_shares(worker_id, ciphertexts))
-            self._sent[worker_id] = dict(ciphertexts)
-            if set(self._sent) >= set(self._rosters):
-                self._fix_inboxes()
-            self._cond.notify_all()
+            try:
+                self._step(lambda: self._server.add_shares(worker_id, ciphertexts))
+                self._sent[worker_id] = dict(ciphertexts)
+            finally:  # a dealer excluded for malformed shares is through the share phase too: nobody waits for it
+                if set(self._sent) | set(self.excluded) >= set(self._rosters):
+                    self._fix_inboxes()
+                self._cond.notify_all()
 
     def inbox(self, worker_id: str, wait_s: float) -> dict[str, bytes] | None:
         """The sealed shares peers sent the worker once the inboxes are fixed; None while they are not."""
