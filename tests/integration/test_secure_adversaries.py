@@ -223,7 +223,7 @@ def test_a_round_abandoned_by_the_coordinator_answers_its_waiting_sites_at_once(
     client = aggregator
     task = open_round(client)
     runs: dict[str, SecureRun] = {}
-    uploaders, dropped = ["w1", "w2"], ["w3", "w4", "w5"]
+    uploaders = ["w1", "w2"]  # w3..w5 drop after their keys: 2 uploads, threshold 3
     assert not in_threads(lambda w: honest_until_masked(client, task, runs, [])(w) if w in uploaders
                           else runs.setdefault(w, SecureRun(worker_id=w, task=task, num_samples=SAMPLES[w],
                                                             ish=None)).exchange_keys(client), WORKERS)
