@@ -99,6 +99,7 @@ def dishonest_dealer(client: AggregatorClient, task: pb.RoundTask, worker: str,
     shares = run.crypto.share_keys({p.worker_id: PublicKeys(c_pk=p.cipher_key, s_pk=p.mask_key) for p in roster.peers})
     client.sec_share(pb.SecShareRequest(job_id=JOB, round=ROUND, worker_id=worker, ciphertexts=[
         pb.SecCiphertext(peer=p, data=d) for p, d in sorted(corrupt(shares).items())]))  # refused if not its size
+    assert client.sec_inbox(JOB, ROUND, worker, until=task.deadline_unix) is not None  # as a site, in order
     client.sec_verify(JOB, ROUND, worker, {}, until=task.deadline_unix)  # refused: it was excluded
 
 
