@@ -50,8 +50,11 @@ def timed_round(inputs: dict[str, np.ndarray], params: SecAggParams, dead: set[s
         on("server", server.add_shares, w, on("client", c.share_keys, rosters[w]))
     inboxes = on("server", server.inboxes)
     for w, c in clients.items():
+        on("client", c.open_inbox, inboxes[w])
+    on("server", server.exclude, ())
+    for w, c in clients.items():
         if w not in dead:
-            on("server", server.add_masked, w, on("client", c.masked_input, inputs[w], inboxes[w]))
+            on("server", server.add_masked, w, on("client", c.masked_input, inputs[w]))
     for w, request in on("server", server.unmask_requests).items():
         on("server", server.add_unmask, w, on("client", clients[w].unmask, request.survivors, request.dropped))
     result = on("server", server.finish)

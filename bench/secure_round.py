@@ -155,14 +155,21 @@ def secure_round(spec: ModelSpec, base: dict[str, np.ndarray], trained: Callable
             clock.on("service", "shares", servicer.SecShare, pb.SecShareRequest(
                 job_id=JOB, round=1, worker_id=w, ciphertexts=[pb.SecCiphertext(peer=p, data=d)
                                                                for p, d in sorted(sealed.items())]), ctx)
-        for w in ids:
+        for w in ids:  # each opens its inbox and reports (the last report fixes the exclusions)
             box = clock.on("service", "mask", servicer.SecInbox, wait(w), ctx)
+            failed = clock.on(w, "mask", crypto[w].open_inbox, {c.peer: c.data for c in box.ciphertexts})
+            clock.on("service", "mask", servicer.SecVerify, pb.SecVerifyRequest(
+                job_id=JOB, round=1, worker_id=w, failed=[pb.SecComplaint(peer=p, reason=r) for p, r in failed.items()]),
+                ctx)
+        for w in ids:
             if w in dead:
                 continue
+            verdict = clock.on("service", "mask", servicer.SecVerify, pb.SecVerifyRequest(
+                job_id=JOB, round=1, worker_id=w), ctx)
+            assert verdict.ready
             state = trained(w)
             masked = clock.on(w, "mask", lambda: np.ascontiguousarray(crypto[w].masked_input(
-                weighted_vector(state, base, spec, scales[w]), {c.peer: c.data for c in box.ciphertexts}),
-                dtype=params.dtype))
+                weighted_vector(state, base, spec, scales[w]), verdict.excluded), dtype=params.dtype))
             tensors = {"masked": masked}
             header = pb.UpdateHeader(job_id=JOB, round=1, worker_id=w, num_samples=100,
                                      tensors=codec.tensor_specs(tensors), masked=True)

@@ -223,13 +223,23 @@ class AggregatorClient:
         reply: pb.SecInboxReply | None = self._sec_wait("SecInbox", job_id, round, worker_id, until)
         return reply
 
+    def sec_verify(self, job_id: str, round: int, worker_id: str, failed: Mapping[str, str], *,
+                   until: float) -> pb.SecVerifyReply | None:
+        """Report whose shares failed here (before training); the round's excluded senders once fixed, None if
+        `until` passes first."""
+        request = pb.SecVerifyRequest(job_id=job_id, round=round, worker_id=worker_id, failed=[
+            pb.SecComplaint(peer=peer, reason=why) for peer, why in sorted(failed.items())])
+        reply: pb.SecVerifyReply | None = self._sec_wait("SecVerify", job_id, round, worker_id, until, request)
+        return reply
+
     def sec_survivors(self, job_id: str, round: int, worker_id: str, *,
                       until: float) -> pb.SecSurvivorsReply | None:
         """Who is in the sum and who dropped, once the round is closing; None if `until` passes first."""
         reply: pb.SecSurvivorsReply | None = self._sec_wait("SecSurvivors", job_id, round, worker_id, until)
         return reply
 
-    def _sec_wait(self, method: str, job_id: str, round: int, worker_id: str, until: float) -> Any:
+    def _sec_wait(self, method: str, job_id: str, round: int, worker_id: str, until: float,
+                  request: pb.SecVerifyRequest | None = None) -> Any:
         """Long-poll `method` until its reply is ready, or None once `until` (a Unix time) has passed; the
         service holds each call at most LONG_POLL_S (and at most WAITING_CALLS at once: beyond, it answers
         "not yet" at once), and each is retried like any idempotent call."""
@@ -238,8 +248,10 @@ class AggregatorClient:
             left = until - time.time()
             if left <= 0:
                 return None
-            reply = self._retry(partial(call, pb.SecWaitRequest(job_id=job_id, round=round, worker_id=worker_id,
-                                                                wait_s=min(LONG_POLL_S, left)),
+            wait: pb.SecWaitRequest | pb.SecVerifyRequest = request or pb.SecWaitRequest(
+                job_id=job_id, round=round, worker_id=worker_id)
+            wait.wait_s = min(LONG_POLL_S, left)
+            reply = self._retry(partial(call, wait,
                                         timeout=min(LONG_POLL_S, left) + self.timeout_s, metadata=self._md),
                                 what=f"{method} of {worker_id} for round {round}", idempotent=True)
             if reply.ready:

@@ -85,6 +85,19 @@ def to_json(record: SelectionRecord | Sequence[Verdict]) -> str:
     return json.dumps([asdict(v) for v in record], sort_keys=True)
 
 
+def names_json(names: Sequence[str]) -> str:
+    """Site names as the coordinator keeps them in a `secure` event (the sites a secure round excluded)."""
+    return json.dumps(sorted(names))
+
+
+def names_from_json(text: str) -> list[str]:
+    """Site names from `names_json`'s text; a ValueError when they are not."""
+    names = json.loads(text)
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError("not a list of site names")
+    return names
+
+
 def selection_from_json(text: str) -> SelectionRecord:
     """A SelectionRecord from `to_json`'s text; a ValueError when it is not one."""
     data = json.loads(text)

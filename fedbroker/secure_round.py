@@ -20,6 +20,7 @@ from fedbroker.secagg.params import SecAggParams
 CLIP = 8.0                 # B: each weighted coordinate of the update delta is clipped to [-B, B]
 KEY_FRACTION = 0.25        # the roster is fixed once every participant advertised, or at this share of the round
 SHARE_FRACTION = 0.5       # the inboxes are fixed once every roster member shared, or at this share of the round
+VERIFY_FRACTION = 0.6      # who is excluded is fixed once every inbox holder checked its inbox, or at this share
 UNMASK_WAIT_S = 60.0       # after the survivors are named: how long the close waits for enough unmask shares
 LONG_POLL_S = 20.0         # the longest the service holds one waiting call (the worker asks again)
 WAITING_CALLS = 16         # waiting calls the service holds at once; beyond, it answers "not yet" at once
@@ -51,10 +52,11 @@ def describe(n: int) -> str:
             f"step {p.step:.3g}), threshold {p.threshold} of {n} ({graph})")
 
 
-def phase_deadlines(opened: float, deadline: float) -> tuple[float, float]:
-    """(roster fixed by, inboxes fixed by): shares of the round's time, so training keeps the rest."""
+def phase_deadlines(opened: float, deadline: float) -> tuple[float, float, float]:
+    """(roster fixed by, inboxes fixed by, exclusions fixed by): shares of the round's time, so training keeps
+    the rest."""
     span = max(deadline - opened, 0.0)
-    return opened + KEY_FRACTION * span, opened + SHARE_FRACTION * span
+    return opened + KEY_FRACTION * span, opened + SHARE_FRACTION * span, opened + VERIFY_FRACTION * span
 
 
 def threshold_note(n: int) -> str:

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fedbroker.close_report import SelectionRecord, Verdict, judged, selection_from_json, verdicts_from_json
+from fedbroker.close_report import (
+    SelectionRecord,
+    Verdict,
+    judged,
+    names_from_json,
+    selection_from_json,
+    verdicts_from_json,
+)
 
 
 def selection_note(round_number: int, record: SelectionRecord) -> str:
@@ -39,14 +46,23 @@ def robust_note(verdicts: Sequence[Verdict]) -> str:
     return f"{noted[0].rule} {'; '.join(parts)}"
 
 
+def secure_note(excluded: Sequence[str]) -> str:
+    """The sites a secure round excluded, in words ("" when none)."""
+    return (f"secure aggregation excluded {', '.join(sorted(excluded))}: what it sent failed the protocol's checks "
+            f"(its shares, or a share it revealed; the aggregation service's log says which)") if excluded else ""
+
+
 def event_words(kind: str, round_number: int, message: str) -> str:
-    """An event's message as the operator reads it: a `selection` or `robust` event holds the typed record,
-    put in words here; any other event's message is already words (and so is a record that cannot be read)."""
+    """An event's message as the operator reads it: a `selection`, `robust` or `secure` event holds the typed
+    record, put in words here; any other event's message is already words (and so is a record that cannot be
+    read)."""
     try:
         if kind == "selection":
             words = selection_note(round_number, selection_from_json(message))
         elif kind == "robust":
             words = robust_note(verdicts_from_json(message))
+        elif kind == "secure":
+            words = secure_note(names_from_json(message))
         else:
             return message
     except (ValueError, TypeError):  # recorded before the typed records, or not one of ours: shown as it is

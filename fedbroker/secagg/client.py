@@ -15,11 +15,22 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from numpy.typing import NDArray
 
 from fedbroker.secagg import shamir
-from fedbroker.secagg.crypto import KEY_BYTES, PublicKeys, agree, open_sealed, prg, prg_scratch, public_bytes, seal
+from fedbroker.secagg.crypto import (
+    KEY_BYTES,
+    PublicKeys,
+    agree,
+    commitment,
+    open_sealed,
+    prg,
+    prg_scratch,
+    public_bytes,
+    seal,
+    split_sealed,
+)
 from fedbroker.secagg.errors import SecAggError, TooFewSurvivors
 from fedbroker.secagg.params import SecAggParams, clipped_count, mask_ring, quantise
 
-_STEPS = ("advertise", "share_keys", "masked_input", "unmask", "done")
+_STEPS = ("advertise", "share_keys", "open_inbox", "masked_input", "unmask", "done")
 MIN_ROUND_SEED_BYTES = 16
 
 
@@ -45,6 +56,8 @@ class SecAggClient:
         self._b_seed = os.urandom(KEY_BYTES)
         self._step = 0
         self._roster: dict[str, PublicKeys] = {}
+        self._opened: set[str] = set()  # the senders whose shares opened and matched their commitments
+        self._failed: set[str] = set()  # the senders whose shares did not
         self._held: dict[str, tuple[int, int]] = {}  # owner → (share of b_owner, share of s_owner^SK)
         self.clipped = 0  # coordinates of the last input outside [−B, B]
 
@@ -82,35 +95,68 @@ class SecAggClient:
         out = {}
         for peer, peer_keys in roster.items():
             key = agree(self._c_key, peer_keys.c_pk, self.round_seed, b"share key")
-            plaintext = shamir.encode_share(b_shares[peer]) + shamir.encode_share(s_shares[peer])
-            out[peer] = seal(key, plaintext, round_seed=self.round_seed, sender=self.worker_id, receiver=peer)
+            b, s = shamir.encode_share(b_shares[peer]), shamir.encode_share(s_shares[peer])
+            commitments = (commitment(b, round_seed=self.round_seed, dealer=self.worker_id, holder=peer, kind=b"b")
+                           + commitment(s, round_seed=self.round_seed, dealer=self.worker_id, holder=peer, kind=b"s"))
+            out[peer] = commitments + seal(key, b + s, round_seed=self.round_seed, sender=self.worker_id,
+                                           receiver=peer)
         return out
 
-    def masked_input(self, vector: NDArray[np.floating[Any]], inbox: Mapping[str, bytes]) -> NDArray[np.unsignedinteger[Any]]:
-        """Step 2: y_i = q(x_i) + PRG(b_i) + Σ_{j>i} PRG(s_ij) − Σ_{j<i} PRG(s_ij) (mod R).
-
-        `vector` is this worker's update already multiplied by its weight; `inbox` holds the sealed
-        shares its neighbours sent (those that reached the service). This worker masks pairwise with
-        exactly those senders, the set the service derives the same way.
-        """
-        self._advance("masked_input")
+    def open_inbox(self, inbox: Mapping[str, bytes]) -> dict[str, str]:
+        """Step 2, before training: open the shares each neighbour sealed for this worker and check them
+        against the dealer's commitments. Returns the senders whose shares fail, each with why; the service
+        excludes them (named) before anyone trains, so a garbled share costs no honest site ε."""
+        self._advance("open_inbox")
         unknown = sorted(set(inbox) - set(self._roster))
         if unknown:
             raise SecAggError(f"worker {self.worker_id!r}: shares from non-neighbours {unknown}")
-        for sender, ciphertext in inbox.items():
-            key = agree(self._c_key, self._roster[sender].c_pk, self.round_seed, b"share key")
-            plaintext = open_sealed(key, ciphertext, round_seed=self.round_seed, sender=sender,
-                                    receiver=self.worker_id)
-            if len(plaintext) != 2 * shamir.SHARE_BYTES:
-                raise SecAggError(f"worker {self.worker_id!r}: the share message from {sender!r} has a wrong length")
-            self._held[sender] = (shamir.decode_share(plaintext[:shamir.SHARE_BYTES]),
-                                  shamir.decode_share(plaintext[shamir.SHARE_BYTES:]))
+        failed = {}
+        for sender, message in sorted(inbox.items()):
+            try:
+                self._held[sender] = self._open_one(sender, message)
+                self._opened.add(sender)
+            except SecAggError as exc:
+                failed[sender] = str(exc)
+        self._failed = set(failed)
+        return failed
+
+    def _open_one(self, sender: str, message: bytes) -> tuple[int, int]:
+        size = shamir.SHARE_BYTES
+        b_commit, s_commit, sealed = split_sealed(message, share_bytes=size, sender=sender)
+        key = agree(self._c_key, self._roster[sender].c_pk, self.round_seed, b"share key")
+        plaintext = open_sealed(key, sealed, round_seed=self.round_seed, sender=sender, receiver=self.worker_id)
+        b, s = plaintext[:size], plaintext[size:]
+        if len(plaintext) != 2 * size:
+            raise SecAggError(f"the share message from {sender!r} has a wrong length")
+        seed, me = self.round_seed, self.worker_id
+        if (commitment(b, round_seed=seed, dealer=sender, holder=me, kind=b"b") != b_commit
+                or commitment(s, round_seed=seed, dealer=sender, holder=me, kind=b"s") != s_commit):
+            raise SecAggError(f"the shares {sender!r} sealed for {me!r} do not match its published commitments")
+        return shamir.decode_share(b), shamir.decode_share(s)
+
+    def masked_input(self, vector: NDArray[np.floating[Any]], excluded: Collection[str] = ()) -> NDArray[np.unsignedinteger[Any]]:
+        """Step 3: y_i = q(x_i) + PRG(b_i) + Σ_{j>i} PRG(s_ij) − Σ_{j<i} PRG(s_ij) (mod R).
+
+        `vector` is this worker's update already multiplied by its weight. This worker masks pairwise with
+        the senders its inbox held less `excluded` (the service's verdict after every holder opened its
+        inbox: the set the service derives the same way). A sender whose shares failed here must be among
+        them, else this worker's masks would not cancel.
+        """
+        self._advance("masked_input")
+        gone = set(excluded)
+        kept = sorted(self._opened - gone)
+        unexcluded = sorted(self._failed - gone)
+        if unexcluded:
+            raise SecAggError(f"worker {self.worker_id!r}: the service did not exclude {unexcluded}, whose shares "
+                              f"failed here; masking with them would not cancel")
+        for peer in gone:
+            self._held.pop(peer, None)
         y = quantise(vector, self.params, self._rng)
         self.clipped = clipped_count(vector, self.params)
         bits, length = self.params.bits, y.shape[0]
         scratch = prg_scratch(length, bits)
         y += prg(self._b_seed, length, bits, scratch=scratch)
-        for peer in sorted(inbox):
+        for peer in kept:
             seed = agree(self._s_key, self._roster[peer].s_pk, self.round_seed, b"mask")
             mask = prg(seed, length, bits, scratch=scratch)
             if self.worker_id < peer:

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
 
-from fedbroker.secagg.errors import SecAggError
+from fedbroker.secagg.errors import Dishonest, SecAggError
 from fedbroker.secagg.params import mask_ring, ring_dtype
 
 KEY_BYTES = 32
@@ -66,6 +66,28 @@ def agree(private: X25519PrivateKey, peer_public: bytes, round_seed: bytes, purp
 def _associated_data(round_seed: bytes, sender: str, receiver: str) -> bytes:
     parts = [b"fedbroker secagg share", round_seed, sender.encode(), receiver.encode()]
     return b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+
+
+def commitment(share: bytes, *, round_seed: bytes, dealer: str, holder: str, kind: bytes) -> bytes:
+    """SHA-256 of one Shamir share bound to its round, dealer, holder and secret (b"b" or b"s"). The dealer
+    publishes it beside the sealed share: the holder checks what it opened against it before training, the
+    service checks what the holder reveals at the close. A share is a uniform 521-bit field element below the
+    threshold, so its hash tells nothing of it."""
+    parts = [b"fedbroker secagg share commitment", round_seed, dealer.encode(), holder.encode(), kind, share]
+    return hashlib.sha256(b"".join(len(p).to_bytes(4, "big") + p for p in parts)).digest()
+
+
+COMMITMENT_BYTES = 32
+
+
+def split_sealed(message: bytes, *, share_bytes: int, sender: str) -> tuple[bytes, bytes, bytes]:
+    """(commitment to the b share, commitment to the s share, sealed shares) of one share message, whose size
+    is fixed by the protocol: anything else is refused here, before it is stored or routed."""
+    size = 2 * COMMITMENT_BYTES + NONCE_BYTES + 2 * share_bytes + 16
+    if len(message) != size:
+        raise Dishonest(sender, f"the share message from {sender!r} is {len(message)} bytes; the protocol's is {size}")
+    return (message[:COMMITMENT_BYTES], message[COMMITMENT_BYTES:2 * COMMITMENT_BYTES],
+            message[2 * COMMITMENT_BYTES:])
 
 
 def seal(key: bytes, plaintext: bytes, *, round_seed: bytes, sender: str, receiver: str) -> bytes:

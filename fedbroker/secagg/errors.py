@@ -21,3 +21,14 @@ class ShareMismatch(SecAggError):
     """Shares of one secret do not lie on one polynomial, or a rebuilt key does not match its public half."""
 
     reason = "secagg_share_mismatch"
+
+
+class Dishonest(ShareMismatch):
+    """One named worker sent what the protocol proves wrong (a malformed share message, or an unmask share
+    that does not match its dealer's commitment): a service excludes that worker and goes on if it can."""
+
+    reason = "secagg_dishonest"
+
+    def __init__(self, worker_id: str, why: str) -> None:
+        super().__init__(why)
+        self.worker_id = worker_id

@@ -30,9 +30,11 @@ def run_round(inputs: Mapping[str, NDArray[np.floating[Any]]], params: SecAggPar
     for w in set(clients) - set(drop_before_sharing):
         server.add_shares(w, clients[w].share_keys(rosters[w]))
     inboxes = server.inboxes()
-    for w, box in inboxes.items():
+    failed = {sender for w, box in inboxes.items() for sender in clients[w].open_inbox(box)}
+    server.exclude(failed)
+    for w in sorted(set(inboxes) - failed):
         if w not in drop_before_masking:
-            server.add_masked(w, clients[w].masked_input(inputs[w], box))
+            server.add_masked(w, clients[w].masked_input(inputs[w], failed))
     for w, request in server.unmask_requests().items():
         if w not in drop_before_unmask:
             server.add_unmask(w, clients[w].unmask(request.survivors, request.dropped))

@@ -1,10 +1,14 @@
 """The aggregation service's side of one SecAgg+ round: route, accumulate, unmask the sum only.
 
 Stages, each closed by the call that moves to the next (a late call for a closed stage is refused):
-  add_keys* → rosters() → add_shares* → inboxes() → add_masked* → unmask_requests() → add_unmask* → finish()
+  add_keys* → rosters() → add_shares* → inboxes() → exclude() → add_masked* → unmask_requests() → add_unmask*
+  → finish()
 
-U1 advertised keys, U2 ⊆ U1 sent their shares, U3 ⊆ U2 sent a masked input (survivors), the rest of U2
-dropped. The service keeps the running sum of masked inputs mod R and never any single one; the sealed
+U1 advertised keys, U2 ⊆ U1 sent their shares, less those `exclude` names (their shares failed at a recipient,
+who opens its inbox before it trains), U3 ⊆ U2 sent a masked input (survivors), the rest of U2 dropped.
+Each share message carries its dealer's commitments to the two shares in it (`crypto.commitment`): a
+revealed share that does not match is refused naming its revealer (`Dishonest`), so a survivor cannot shift
+the sum by lying about a share. The service keeps the running sum of masked inputs mod R and never any single one; the sealed
 shares it routes are opaque to it. After unmasking it holds Σ_{i∈U3} q(w_i·x_i) and nothing finer.
 """
 
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -22,11 +26,20 @@ from numpy.typing import NDArray
 
 from fedbroker.secagg import shamir
 from fedbroker.secagg.client import check_round_seed
-from fedbroker.secagg.crypto import PublicKeys, agree, neighbour_graph, prg, prg_scratch, public_bytes
-from fedbroker.secagg.errors import SecAggError, ShareMismatch, TooFewSurvivors
+from fedbroker.secagg.crypto import (
+    PublicKeys,
+    agree,
+    commitment,
+    neighbour_graph,
+    prg,
+    prg_scratch,
+    public_bytes,
+    split_sealed,
+)
+from fedbroker.secagg.errors import Dishonest, SecAggError, ShareMismatch, TooFewSurvivors
 from fedbroker.secagg.params import SecAggParams, dequantise_sum, mask_ring, sum_error_bound
 
-_STAGES = ("keys", "shares", "masked", "unmask", "finished")
+_STAGES = ("keys", "shares", "verify", "masked", "unmask", "finished")
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -71,6 +84,7 @@ class SecAggServer:
         self._keys: dict[str, PublicKeys] = {}
         self._graph: dict[str, frozenset[str]] = {}
         self._inboxes: dict[str, dict[str, bytes]] = {}  # receiver → sender → sealed shares
+        self._commitments: dict[tuple[str, str], tuple[bytes, bytes]] = {}  # (dealer, holder) → (b, s) commitments
         self._sent: set[str] = set()  # U2
         self._masked: set[str] = set()  # U3 so far
         self._sum: NDArray[np.unsignedinteger[Any]] | None = None
@@ -119,8 +133,11 @@ class SecAggServer:
             extra = sorted(set(ciphertexts) - self._graph[worker_id])
             raise SecAggError(f"worker {worker_id!r}: shares must go to exactly its neighbours "
                               f"(missing {missing}, not neighbours {extra})")
-        for receiver, ciphertext in ciphertexts.items():
-            self._inboxes.setdefault(receiver, {})[worker_id] = bytes(ciphertext)
+        split = {receiver: split_sealed(bytes(message), share_bytes=shamir.SHARE_BYTES, sender=worker_id)
+                 for receiver, message in ciphertexts.items()}  # a wrong size is refused before anything is kept
+        for receiver, message in ciphertexts.items():
+            self._inboxes.setdefault(receiver, {})[worker_id] = bytes(message)
+            self._commitments[worker_id, receiver] = split[receiver][:2]
         self._sent.add(worker_id)
 
     @_locked
@@ -135,6 +152,25 @@ class SecAggServer:
         self._inboxes = {i: {j: ct for j, ct in sorted(self._inboxes.get(i, {}).items()) if j in self._sent}
                          for i in sorted(self._sent)}
         return {i: dict(box) for i, box in self._inboxes.items()}
+
+    @_locked
+    def exclude(self, workers: Collection[str]) -> None:
+        """Close verification: `workers` leave U2 before anyone masks (their shares failed at a recipient, or
+        they did not confirm their inbox). Refused (TooFewSurvivors) when some remaining worker's secrets then
+        have fewer than t holders left: the round could not be unmasked even if everyone uploaded, so nobody
+        should train for it."""
+        self._close("verify", "exclude")
+        self._sent -= set(workers)
+        self._inboxes = {i: {j: m for j, m in box.items() if j in self._sent}
+                         for i, box in self._inboxes.items() if i in self._sent}
+        if len(self._sent) < self.params.threshold:
+            raise TooFewSurvivors(f"{len(self._sent)} workers remain after verification, the threshold is "
+                                  f"{self.params.threshold}")
+        for i in sorted(self._sent):
+            near = self._sent & (self._graph[i] | {i})
+            if len(near) < self.params.threshold:
+                raise TooFewSurvivors(f"worker {i!r} has {len(near)} holders of its shares left after verification, "
+                                      f"the threshold is {self.params.threshold}")
 
     @_locked
     def add_masked(self, worker_id: str, masked: NDArray[np.unsignedinteger[Any]]) -> None:
@@ -193,7 +229,15 @@ class SecAggServer:
             try:
                 shamir.decode_share(share)
             except ShareMismatch as exc:
-                raise ShareMismatch(f"unmask reply from {worker_id!r}, share of {owner!r}: {exc}") from exc
+                raise Dishonest(worker_id, f"unmask reply from {worker_id!r}, share of {owner!r}: {exc}") from exc
+            if owner == worker_id:  # its own share of its own secret: as good as its own input, uncommitted
+                continue
+            committed = self._commitments[owner, worker_id]
+            kind = b"b" if owner in request.survivors else b"s"
+            if commitment(share, round_seed=self.round_seed, dealer=owner, holder=worker_id,
+                          kind=kind) != committed[kind == b"s"]:
+                raise Dishonest(worker_id, f"unmask reply from {worker_id!r}: its share of {owner!r} is not the one "
+                                           f"{owner!r} dealt it (it does not match the dealer's commitment)")
         self._replies[worker_id] = dict(shares)
 
     def _shares_of(self, owner: str) -> dict[str, int]:

@@ -148,3 +148,71 @@ def test_a_secure_round_closes_with_the_survivors_weighted_mean_and_the_service_
                 needle = candidate[:8].astype(dtype).tobytes()
                 assert not any(needle in blob for blob in blobs), (worker, dtype)
             assert f"{candidate[np.argmax(np.abs(candidate))]:.6g}" not in text  # its largest value, printed
+
+
+def test_a_secure_round_that_loses_its_threshold_answers_its_waiting_sites_at_once_and_the_next_job_completes(
+        deployment: Deployment) -> None:
+    """Three of five sites crash after masking (threshold 3): the round fails at its deadline with two masked
+    uploads. The coordinator abandons it at the service, so the two sites waiting to unmask are told why at once
+    (before, they waited past the deadline plus the unmask wait, holding their task, and the next job's round
+    failed without them). The crashed sites come back, and a second secure job completes with all five."""
+    d = deployment
+    d.spawn("aggregator", "aggregator", {"aggregator.listen": d.aggregator, "aggregator.spool_dir": d.tmp / "spool"})
+    d.spawn("coordinator", "coordinator", {"coordinator.listen": d.coordinator,
+                                           "coordinator.state_dir": d.tmp / "state"})
+    crashed = ["site-3", "site-4", "site-5"]
+    for i, worker in enumerate(WORKERS):
+        d.spawn(worker, "worker", worker_settings(d, i, worker),
+                {TEST_EXIT_AT: f"{worker}:masked"} if worker in crashed else None)
+
+    def registered() -> bool:
+        try:
+            return len(json.loads(d.cli("status", "--json"))["workers"]) == len(WORKERS)
+        except AssertionError:  # the coordinator is still starting
+            return False
+
+    wait_for(registered, 240, "the five workers to register", d)
+
+    def submit(name: str, timeout_s: int) -> str:
+        job = {**JOB, "name": name, "schedule": {**JOB["schedule"], "quorum": 5, "round_timeout_s": timeout_s}}
+        path = d.tmp / f"{name}.json"
+        path.write_text(json.dumps(job))
+        return str(json.loads(d.cli("submit", str(path), "--json"))["job_id"])
+
+    def ended(job_id: str) -> Any:
+        def done() -> dict[str, Any] | None:
+            doc: dict[str, Any] = json.loads(d.cli("jobs", "show", job_id, "--json"))
+            return doc if doc["status"] in ("completed", "failed", "cancelled") else None
+        return done
+
+    first = submit("secure-fails", 150)
+    doc = wait_for(ended(first), 480, "the first secure job to end", d)
+    assert doc["status"] == "failed" and "2 upload(s)" in doc["error"], doc.get("error")
+    for worker in crashed:
+        assert d.processes[worker].wait(30) == 17, d.logs()
+
+    def answer(worker: str) -> str | None:  # the line where the waiting site gave up the first job's round
+        lines = [line for line in (d.tmp / f"{worker}.log").read_text().splitlines()
+                 if f"failed round 1 of {first}" in line]
+        return lines[0] if lines else None
+
+    waiting = ["site-1", "site-2"]
+    wait_for(lambda: all(answer(w) for w in waiting), 120, "the waiting sites to be answered", d)
+    for worker in waiting:  # the service's answer, naming why; not their own wait for survivors running out
+        line = answer(worker)
+        assert line is not None and f"secure round 1 of job '{first}'" in line, line
+        assert ("was abandoned" in line or "deadline passed with 2 masked upload(s)" in line), line
+        assert "in time" not in line, line
+
+    for i, worker in enumerate(WORKERS):  # the crashed sites come back, as an operator restarts them
+        if worker in crashed:
+            d.spawn(worker, "worker", worker_settings(d, i, worker))
+    second = submit("secure-after", 300)
+    doc = wait_for(ended(second), 480, "the second secure job to end", d)
+    assert doc["status"] == "completed", f"{doc.get('error')}\n{d.logs()}"
+    (rnd,) = doc["rounds"]
+    assert rnd["aggregated"] == len(WORKERS)
+    for worker in waiting:  # in each waiting site's own log: answered on the first job, then took part in the second
+        text = (d.tmp / f"{worker}.log").read_text()
+        answered = text.index(f"failed round 1 of {first}")
+        assert answered < text.index(second), worker

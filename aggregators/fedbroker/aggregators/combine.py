@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,11 +53,12 @@ class Combined:
     stats: dict[str, float]
     selection: SelectionRecord
     verdicts: list[Verdict]     # each chosen update as the robust rule judged it (none without a rule)
+    excluded: list[str] = field(default_factory=list)  # sites a secure round excluded (failed its checks)
 
     def report(self, version: int, spec_json: str, seconds: float, updates: list[UpdateSummary]) -> CloseResult:
         """The close's result as the service keeps and returns it (a repeated close returns it again)."""
         return CloseResult(version, self.chosen, spec_json, self.stats, seconds, updates, self.selection,
-                           self.verdicts)
+                           self.verdicts, self.excluded)
 
 
 def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray], spec: ModelSpec, *,

@@ -89,6 +89,7 @@ class CloseResult:
     updates: list[UpdateSummary]
     selection: SelectionRecord | None = None
     verdicts: list[Verdict] = field(default_factory=list)
+    excluded: list[str] = field(default_factory=list)   # sites a secure round excluded
 
 
 @dataclass
@@ -338,7 +339,7 @@ class Job:
             raise Conflict(f"round {number} of job {self.job_id!r} is {rnd.phase.value}: it cannot be abandoned")
         dropped = list(rnd.accepted.values())
         if rnd.secure is not None:
-            rnd.secure.end("the round was abandoned (its job was cancelled)")
+            rnd.secure.end("the round was abandoned (its job failed or was cancelled)")
         self.closed_rounds.add(number)
         self.closed_deadlines[number] = rnd.deadline
         self.closed_accepted[number] = sorted(rnd.accepted)

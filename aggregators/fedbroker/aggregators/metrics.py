@@ -99,14 +99,15 @@ SECURE_ROUNDS = Counter(
     "fedbroker_aggregator_secure_rounds_total",
     "Secure rounds that ended, by outcome: closed (a new global version), too_few_survivors (fewer than the threshold "
     "of workers advertised, shared, uploaded or sent unmask shares in time), failed (another protocol failure, e.g. "
-    "every weight 0), lost (the service restarted mid-round) or abandoned (its job was cancelled).", ["outcome"])
+    "every weight 0), lost (the service restarted mid-round) or abandoned (its job failed or was cancelled).", ["outcome"])
 for _outcome in SECURE_OUTCOMES:
     SECURE_ROUNDS.labels(_outcome)
-SECURE_STAGES = ("keys", "shares", "upload", "unmask")
+SECURE_STAGES = ("keys", "shares", "verify", "upload", "unmask")
 SECURE_DROPPED = Counter(
     "fedbroker_aggregator_secure_workers_dropped_total",
     "Participants of secure rounds that missed a step, by the first step missed: keys (advertised none before the "
-    "roster was fixed), shares (on the roster, shared none before the inboxes were fixed), upload (got its inbox, "
+    "roster was fixed), shares (on the roster, shared none before the inboxes were fixed), verify (got its inbox, "
+    "reported no check of it before the exclusions were fixed), upload (got its inbox, "
     "its masked input is not in the sum: its masks were rebuilt at the close) or unmask (a survivor whose unmask "
     "shares had not come when the sum was unmasked; the sum needs only t per secret, so a slow survivor counts too).",
     ["stage"])
@@ -119,7 +120,7 @@ SECURE_UNMASK_SECONDS = Histogram(
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0))
 for _part in ("wait", "reconstruct"):
     SECURE_UNMASK_SECONDS.labels(_part)
-SECURE_CALLS = ("SecAdvertise", "SecRoster", "SecShare", "SecInbox", "SecSurvivors", "SecUnmask")
+SECURE_CALLS = ("SecAdvertise", "SecRoster", "SecShare", "SecInbox", "SecVerify", "SecSurvivors", "SecUnmask")
 SECURE_REFUSALS = Counter(
     "fedbroker_aggregator_secure_refusals_total",
     "Secure-protocol calls refused, by call and reason code (fedbroker.errors.Rejection); refused masked uploads "

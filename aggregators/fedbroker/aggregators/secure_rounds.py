@@ -12,6 +12,7 @@ then the coordinator see the round fail, by name, instead of a sum that silently
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Protocol
@@ -30,6 +31,8 @@ from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.secagg import PublicKeys, SecAggError, UnmaskRequest
 from fedbroker.secure_round import WAITING_CALLS
 from fedbroker.spec import ModelSpec, parameter_shapes
+
+log = logging.getLogger(__name__)
 
 
 class Book(Protocol):
@@ -127,6 +130,15 @@ class SecureRounds:
         with self._hold(request.wait_s) as wait_s:
             return session.inbox(request.worker_id, wait_s)
 
+    def verify(self, request: pb.SecVerifyRequest) -> frozenset[str] | None:
+        """The senders whose shares failed at the worker in; the round's excluded senders out, None while open."""
+        session = self._session(request.job_id, request.round, request.worker_id)[1]
+        failed = {c.peer: c.reason[:200] for c in request.failed}
+        if len(failed) != len(request.failed):
+            raise UploadRejected(Rejection.BAD_HEADER, f"worker {request.worker_id!r} names a peer twice")
+        with self._hold(request.wait_s) as wait_s:
+            return session.verify(request.worker_id, failed, wait_s)
+
     def survivors(self, request: pb.SecWaitRequest) -> UnmaskRequest | None:
         """Whose shares the worker must send, or None while the round is open."""
         session = self._session(request.job_id, request.round, request.worker_id)[1]
@@ -189,6 +201,8 @@ class SecureRounds:
         assert session is not None
         session.decide()
         result = session.finish(wait_s=self.book.secure_unmask_s)
+        for worker, why in sorted(session.excluded.items()):
+            log.warning("%s excluded worker %s: %s", session.where, worker, why)
         share = session.scale_sum(result.survivors)
         if share <= 0:
             raise refused(f"{session.where}: the survivors' weights sum to 0")
@@ -202,4 +216,5 @@ class SecureRounds:
                  "secure_threshold": float(session.params.threshold)}
         selection = SelectionRecord(method=rnd.algorithms.settings.selection.name, accepted=len(rnd.accepted),
                                     chosen=len(result.survivors))
-        return Combined(list(result.survivors), raw / raw.sum(), spec, state, stats, selection, [])
+        return Combined(list(result.survivors), raw / raw.sum(), spec, state, stats, selection, [],
+                        excluded=sorted(session.excluded))

@@ -5,8 +5,16 @@ for a network.
 (a lost reply, a restarted connection), so the session answers a repeat with the same content by the same
 answer and refuses only a *different* second message (other keys, other shares). It also decides when a
 stage ends: the roster once every participant advertised or at the key deadline, the inboxes once every
-roster member shared or at the share deadline, the survivors when the round closes; the waits are long
-polls on one condition.
+roster member shared or at the share deadline, the exclusions once every inbox holder checked its inbox (before
+it trains) or at the verify deadline, the survivors when the round closes; the waits are long polls on one
+condition.
+
+A worker the protocol proves wrong is excluded and named (`excluded`): its share message was malformed or
+failed at a recipient (before anyone trains), or a share it revealed at the close was not the one its dealer
+committed to (its reply is refused; the sum is rebuilt from the honest replies when t remain). A round that
+can no longer reach its threshold fails at once, and every waiting worker is answered with why: when
+verification leaves too few, when the round's deadline passes with fewer than t masked uploads, or when the
+coordinator abandons it.
 
 What the session holds: public keys, the sealed shares it routes (opaque to it), the raw weights the
 workers declared (their sample counts or ISH weights, which the service sees on every upload anyway), the
@@ -30,7 +38,15 @@ import numpy as np
 
 from fedbroker.aggregators import metrics
 from fedbroker.errors import Rejection, UploadRejected
-from fedbroker.secagg import PublicKeys, SecAggError, SecAggParams, SecAggResult, SecAggServer, UnmaskRequest
+from fedbroker.secagg import (
+    Dishonest,
+    PublicKeys,
+    SecAggError,
+    SecAggParams,
+    SecAggResult,
+    SecAggServer,
+    UnmaskRequest,
+)
 from fedbroker.secure_round import LONG_POLL_S, UNMASK_WAIT_S, phase_deadlines, round_params, round_seed
 
 _T = TypeVar("_T")
@@ -61,7 +77,8 @@ class SecureSession:
         self.params: SecAggParams = round_params(n or len(participants))
         self.seed = round_seed(job_id, round_number, version)
         self.length = length
-        self.key_deadline, self.share_deadline = phase_deadlines(opened, deadline)
+        self.key_deadline, self.share_deadline, self.verify_deadline = phase_deadlines(opened, deadline)
+        self.deadline = deadline
         self.clock = clock
         self._server = SecAggServer(self.params, self.seed, length=length)
         self._cond = threading.Condition()
@@ -70,6 +87,9 @@ class SecureSession:
         self._rosters: dict[str, dict[str, PublicKeys]] | None = None
         self._sent: dict[str, dict[str, bytes]] = {}
         self._inboxes: dict[str, dict[str, bytes]] | None = None
+        self._verdicts: dict[str, frozenset[str]] = {}     # inbox holder → the senders whose shares failed there
+        self._masking: frozenset[str] | None = None        # who may mask, once the exclusions are fixed
+        self.excluded: dict[str, str] = {}                 # worker → why the protocol excluded it (named)
         self.masked: set[str] = set()
         self._requests: dict[str, UnmaskRequest] | None = None
         self._replies: dict[str, dict[str, bytes]] = {}
@@ -148,11 +168,15 @@ class SecureSession:
                 return
             if self._rosters is None or self._inboxes is not None:
                 raise refused(f"{self.where}: shares from worker {worker_id!r} outside the share phase")
-            self._step(lambda: self._server.add_shares(worker_id, ciphertexts))
-            self._sent[worker_id] = dict(ciphertexts)
-            if set(self._sent) >= set(self._rosters):
-                self._fix_inboxes()
-            self._cond.notify_all()
+            if worker_id in self.excluded:
+                raise refused(f"{self.where}: worker {worker_id!r} was excluded: {self.excluded[worker_id]}")
+            try:
+                self._step(lambda: self._server.add_shares(worker_id, ciphertexts))
+                self._sent[worker_id] = dict(ciphertexts)
+            finally:  # a dealer excluded for malformed shares is through the share phase too: nobody waits for it
+                if set(self._sent) | set(self.excluded) >= set(self._rosters):
+                    self._fix_inboxes()
+                self._cond.notify_all()
 
     def inbox(self, worker_id: str, wait_s: float) -> dict[str, bytes] | None:
         """The sealed shares peers sent the worker once the inboxes are fixed; None while they are not."""
@@ -172,14 +196,54 @@ class SecureSession:
         self._dropped("shares", set(self._rosters) - set(self._sent))
         self._inboxes = self._step(self._server.inboxes)
 
+    # ----- verification: each inbox holder opened its shares before training -----
+
+    def verify(self, worker_id: str, failed: Mapping[str, str], wait_s: float) -> frozenset[str] | None:
+        """Record which senders' shares failed at this worker (once; the same again is a no-op), then the
+        senders excluded from the round once that is fixed (None while it is not). A worker excluded itself,
+        or a round verification leaves below its threshold, is refused: it must not train."""
+        with self._cond:
+            self._check_alive()
+            if self._inboxes is None or worker_id not in self._inboxes:
+                raise refused(f"{self.where}: worker {worker_id!r} has no inbox to verify")
+            held = self._verdicts.get(worker_id)
+            if held is not None and held != frozenset(failed):
+                raise refused(f"{self.where}: worker {worker_id!r} reported other failed shares before")
+            if held is None and self._masking is None:
+                unknown = sorted(set(failed) - set(self._inboxes[worker_id]))
+                if unknown:
+                    raise refused(f"{self.where}: worker {worker_id!r} reports shares from {unknown}, which sent it none")
+                self._verdicts[worker_id] = frozenset(failed)
+                for sender, why in sorted(failed.items()):
+                    self.excluded.setdefault(sender, f"its shares failed at {worker_id!r} before training: {why}"[:300])
+                if set(self._verdicts) >= set(self._inboxes):
+                    self._fix_masking()
+                self._cond.notify_all()
+            if not self._wait(lambda: self._masking is not None, self.verify_deadline, wait_s, self._fix_masking):
+                return None
+            assert self._masking is not None
+            if worker_id not in self._masking:
+                raise refused(f"{self.where}: worker {worker_id!r} was excluded: "
+                              f"{self.excluded.get(worker_id, 'it did not verify its inbox in time')}")
+            return frozenset(self._inboxes) - self._masking
+
+    def _fix_masking(self) -> None:
+        assert self._inboxes is not None
+        silent = set(self._inboxes) - set(self._verdicts)
+        self._dropped("verify", silent)
+        accused = {w for w in self.excluded if w in self._inboxes}
+        self._masking = frozenset(set(self._inboxes) - silent - accused)
+        self._step(lambda: self._server.exclude(silent | accused))
+
     # ----- masked inputs, survivors, unmasking -----
 
     def check_masked(self, worker_id: str, samples: int) -> None:
         """Whether this worker may upload a masked input now, declaring `samples` (as it advertised)."""
         with self._cond:
             self._check_alive()
-            if self._inboxes is None or worker_id not in self._inboxes:
-                raise refused(f"{self.where}: worker {worker_id!r} got no inbox, so it has nothing to mask with")
+            if self._masking is None or worker_id not in self._masking:
+                raise refused(f"{self.where}: worker {worker_id!r} may not mask: "
+                              f"{self.excluded.get(worker_id, 'it has no verified inbox')}")
             if self.weights[worker_id][0] != samples:
                 raise UploadRejected(Rejection.BAD_HEADER, f"{self.where}: worker {worker_id!r} uploads for "
                                                            f"{samples} samples but advertised "
@@ -197,17 +261,17 @@ class SecureSession:
         with self._cond:
             self._check_alive()
             if self._requests is None:
-                if self._inboxes is None:
-                    self._fail("the round closed before the inboxes were fixed")
-                assert self._inboxes is not None
-                self._dropped("upload", set(self._inboxes) - self.masked)
+                if self._masking is None:
+                    self._fail("the round closed before every participant had verified its shares")
+                assert self._masking is not None
+                self._dropped("upload", set(self._masking) - self.masked)
                 self._requests = self._step(self._server.unmask_requests)
             self._cond.notify_all()
 
     def survivors(self, worker_id: str, wait_s: float) -> UnmaskRequest | None:
         """Whose shares the worker must send, once the round closes; None while it is open."""
         with self._cond:
-            if not self._wait(lambda: self._requests is not None, None, wait_s, None):
+            if not self._wait(lambda: self._requests is not None, self.deadline, wait_s, self._check_reachable):
                 return None
             assert self._requests is not None
             request = self._requests.get(worker_id)
@@ -227,7 +291,7 @@ class SecureSession:
                 return
             if self.done:  # the sum was unmasked with the first t replies: this one is not needed (nor kept)
                 return
-            self._step(lambda: self._server.add_unmask(worker_id, shares))
+            self._step(lambda: self._server.add_unmask(worker_id, shares))  # a cheat is named; the honest go on
             self._replies[worker_id] = dict(shares)
             self._cond.notify_all()
 
@@ -240,8 +304,9 @@ class SecureSession:
                 left = end - self.clock()
                 if left <= 0:
                     self._unmask_dropped(waited)
-                    self._fail(f"{len(self._replies)} survivor(s) sent unmask shares within {wait_s:g}s; "
-                               f"{self.params.threshold} per secret are needed", outcome="too_few_survivors")
+                    self._fail(f"{len(self._replies)} survivor(s) sent valid unmask shares within {wait_s:g}s; "
+                               f"{self.params.threshold} per secret are needed{self._named()}",
+                               outcome="too_few_survivors")
                 self._cond.wait(min(left, LONG_POLL_S))
             self._unmask_dropped(waited)
             started = time.perf_counter()
@@ -263,6 +328,18 @@ class SecureSession:
         owners = set(self._requests) | {d for r in self._requests.values() for d in r.dropped}
         return all(counts.get(o, 0) >= self.params.threshold for o in owners)
 
+    def _check_reachable(self) -> None:
+        """At the round's deadline no masked upload can come: fewer than t in the sum fail the round now, so
+        the workers waiting to unmask are told at once (not at the deadline plus the unmask wait)."""
+        if self._requests is None and len(self.masked) < self.params.threshold:
+            self._fail(f"the round's deadline passed with {len(self.masked)} masked upload(s); its threshold is "
+                       f"{self.params.threshold}{self._named()}", outcome="too_few_survivors")
+
+
+    def _named(self) -> str:
+        return "; excluded: " + "; ".join(f"{w} ({why})" for w, why in sorted(self.excluded.items())) \
+            if self.excluded else ""
+
     def scale_sum(self, survivors: tuple[str, ...]) -> float:
         """Σ_survivors w_i / Σ_roster w_j: what the unmasked sum is divided by to give the weighted mean."""
         assert self._rosters is not None
@@ -283,6 +360,7 @@ class SecureSession:
             if stage_deadline is not None and now >= stage_deadline and close_stage is not None:
                 close_stage()
                 self._cond.notify_all()
+                stage_deadline = None  # closed (or checked) once per call
                 continue
             wake = end if stage_deadline is None else min(end, stage_deadline)
             if now >= end:
@@ -292,12 +370,17 @@ class SecureSession:
     def _step(self, fn: Callable[[], _T]) -> _T:
         try:
             return fn()
+        except Dishonest as exc:  # refused and named: the round goes on without it if its threshold holds
+            self.excluded.setdefault(exc.worker_id, str(exc)[:300])
+            raise refused(f"{self.where}: {exc}") from exc
         except SecAggError as exc:
             if exc.reason == "secagg_too_few_survivors":
                 self._fail(str(exc), outcome="too_few_survivors")
             raise refused(f"{self.where}: {exc}") from exc
 
     def _fail(self, why: str, *, outcome: str = "failed") -> None:
+        if self.excluded and "excluded:" not in why:
+            why += self._named()
         self.failed = f"{self.where} failed: {why}"
         self._ended(outcome)
         self._cond.notify_all()

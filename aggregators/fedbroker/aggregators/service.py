@@ -239,6 +239,17 @@ class AggregationServicer(pb_grpc.AggregationServicer):
 
         return handle(context, _counted("SecInbox", run))
 
+    def SecVerify(self, request: pb.SecVerifyRequest, context: grpc.ServicerContext) -> pb.SecVerifyReply:
+        """Long poll, before the worker trains: its failed senders in, every excluded sender out once fixed."""
+        def run() -> pb.SecVerifyReply:
+            self._own(context, request.worker_id)
+            excluded = self.book.secure.verify(request)
+            if excluded is None:
+                return pb.SecVerifyReply(ready=False)
+            return pb.SecVerifyReply(ready=True, excluded=sorted(excluded))
+
+        return handle(context, _counted("SecVerify", run))
+
     def SecSurvivors(self, request: pb.SecWaitRequest, context: grpc.ServicerContext) -> pb.SecSurvivorsReply:
         """Long poll: at the close, the survivors and the dropped workers this worker holds shares of."""
         def run() -> pb.SecSurvivorsReply:
@@ -288,7 +299,7 @@ class AggregationServicer(pb_grpc.AggregationServicer):
         metrics.record_robust(result.verdicts)
         return pb.CloseRoundReply(model_version=result.model_version, aggregated=result.aggregated,
                                   model_spec_json=result.model_spec_json, stats=result.stats, seconds=result.seconds,
-                                  verdicts=[v.to_proto() for v in result.verdicts],
+                                  verdicts=[v.to_proto() for v in result.verdicts], excluded=result.excluded,
                                   selection=result.selection.to_proto() if result.selection else None,
                                   updates=[pb.UpdateSummary(worker_id=u.worker_id, num_samples=u.num_samples,
                                                             epsilon=u.epsilon, train_loss=u.train_loss, weight=u.weight)

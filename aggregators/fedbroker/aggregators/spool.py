@@ -371,7 +371,7 @@ def job_record(job: Job) -> dict[str, Any]:
                 "model_spec_json": r.model_spec_json, "stats": r.stats, "seconds": r.seconds,
                 "updates": [vars(u) for u in r.updates],
                 "selection": None if r.selection is None else asdict(r.selection),
-                "verdicts": [asdict(v) for v in r.verdicts]}
+                "verdicts": [asdict(v) for v in r.verdicts], "excluded": list(r.excluded)}
     return {
         "seed": job.seed,
         "versions": sorted(job.versions),
@@ -418,7 +418,7 @@ def restore_job(spool: Spool, stored: StoredJob, algorithms_for: AlgorithmsFor) 
             {k: float(v) for k, v in last["stats"].items()}, float(last["seconds"]),
             [UpdateSummary(**u) for u in last["updates"]],
             SelectionRecord(**last["selection"]) if last.get("selection") else None,
-            [Verdict(**v) for v in last.get("verdicts", [])]))
+            [Verdict(**v) for v in last.get("verdicts", [])], [str(w) for w in last.get("excluded", [])]))
     r = record.get("round")
     if r:
         aggregation = dict(r["aggregation"])

@@ -499,12 +499,14 @@ class StateStore(EpsilonTables, JobNotes, ShareTables, EvaluationTables, SiteTab
 
         self._write(f"record the close of round {round_number} of job {job_id!r}", write)
 
-    def fail_round(self, job_id: str, round_number: int, seconds: float) -> None:
-        """Record a round that closed with too few uploads: no version came of it."""
+    def fail_round(self, job_id: str, round_number: int, seconds: float, *,
+                   why: str = "too few uploads to close it") -> None:
+        """Record a round that failed (too few uploads, or a secure round that could not be unmasked): no
+        version came of it."""
         def write(db: sqlite3.Connection) -> None:
             db.execute("UPDATE rounds SET status = 'failed', seconds = ?, closed = ? WHERE job_id = ? AND round = ?",
                        (seconds, time.time(), job_id, round_number))
-            _event(db, job_id, "round_failed", round_number=round_number, message="too few uploads to close it")
+            _event(db, job_id, "round_failed", round_number=round_number, message=why)
 
         self._write(f"record round {round_number} of job {job_id!r} as failed", write)
 

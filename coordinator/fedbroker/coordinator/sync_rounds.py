@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import grpc
 
 from fedbroker import envelope
-from fedbroker.close_report import SelectionRecord, Verdict, judged, to_json
+from fedbroker.close_report import SelectionRecord, Verdict, judged, names_json, to_json
 from fedbroker.coordinator import federated, metrics
 from fedbroker.coordinator.checkpoints import save_checkpoint
 from fedbroker.coordinator.job_context import JobContext
@@ -92,8 +92,13 @@ class SyncRounds:
             if len(accepted) < self._fewest(rnd):
                 self._fail_round(rnd, accepted)
             # Idempotent at the service: a retry after a lost reply gets the same result back.
-            reply = self._call(f"close round {round_number}",
-                               lambda: self.ctx.aggregator.close_round(job_id, round_number))
+            try:
+                reply = self._call(f"close round {round_number}",
+                                   lambda: self.ctx.aggregator.close_round(job_id, round_number))
+            except RemoteError as exc:
+                if exc.reason != Rejection.SECURE_PROTOCOL:
+                    raise
+                self._fail_secure_round(rnd, str(exc))
         self._finish_round(rnd, reply)
 
     def _count_stragglers(self, rnd: OpenRound, accepted: list[str]) -> None:
@@ -103,8 +108,10 @@ class SyncRounds:
 
     def _fail_round(self, rnd: OpenRound, accepted: list[str]) -> None:
         """Too few uploads by the deadline: the round is recorded failed, and so is the job, naming each
-        participant's part."""
+        participant's part. The round is abandoned at the service first, so its waiting workers are answered
+        at once."""
         job_id, store = self.run.job_id, self.ctx.store
+        self._abandon(rnd)
         store.fail_round(job_id, rnd.number, time.time() - rnd.started)
         reasons = "; ".join(f"{p.worker_id}: {p.status}{' (' + p.reason + ')' if p.reason else ''}"
                             for p in store.participants(job_id, rnd.number))
@@ -112,6 +119,24 @@ class SyncRounds:
                         f"{self.run.job.schedule.min_clients}"
                         f"{'; ' + threshold_note(len(rnd.participants)) if self.run.job.aggregation.secure else ''}"
                         f" [{reasons}]")
+
+    def _fail_secure_round(self, rnd: OpenRound, why: str) -> NoReturn:
+        """The service could not unmask the secure round (too few valid unmask shares, a site's cheat proven):
+        abandoned there, recorded failed with the service's reason (which names any site it excluded)."""
+        self._abandon(rnd)
+        self.ctx.store.fail_round(self.run.job_id, rnd.number, time.time() - rnd.started, why=why)
+        raise JobFailed(f"round {rnd.number}: {why}")
+
+    def _abandon(self, rnd: OpenRound) -> None:
+        """Drop a failed round at the service (never closed: no version comes of it); its secure session then
+        answers every waiting worker at once. Best effort: the round's deadline ends it anyway."""
+        job_id = self.run.job_id
+        try:
+            self._call(f"abandon round {rnd.number}", lambda: self.ctx.aggregator.abandon_round(job_id, rnd.number),
+                       reinstall=False)
+        except RemoteError as exc:
+            log.warning("failed round %d of %s could not be abandoned at the aggregation service: %s", rnd.number,
+                        job_id, exc)
 
     def _fewest(self, rnd: OpenRound) -> int:
         """The fewest uploads the round may close with: min_clients, and for a secure round at least its
@@ -304,6 +329,10 @@ class SyncRounds:
             log.info("round %d of %s: %s %s", round_number, job_id, verdicts[0].rule,
                      ", ".join(f"{v.judgement} {v.worker_id}" for v in verdicts))
             self.ctx.store.note_event(job_id, "robust", to_json(verdicts), round_number=round_number)
+        if reply.excluded:  # the sites a secure round excluded, by name: the face words it (`jobs logs`, `jobs show`)
+            log.warning("round %d of %s: secure aggregation excluded %s", round_number, job_id,
+                        ", ".join(reply.excluded))
+            self.ctx.store.note_event(job_id, "secure", names_json(reply.excluded), round_number=round_number)
         metrics.ROUNDS_COMPLETED.labels(job_id).inc()
         metrics.ROUND_DURATION.observe(seconds)
         metrics.ROUND_OPEN.labels(job_id).set(0)

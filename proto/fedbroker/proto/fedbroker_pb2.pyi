@@ -586,7 +586,7 @@ class UpdateSummary(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., epsilon: _Optional[float] = ..., train_loss: _Optional[float] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class CloseRoundReply(_message.Message):
-    __slots__ = ("model_version", "aggregated", "model_spec_json", "stats", "seconds", "updates", "verdicts", "selection")
+    __slots__ = ("model_version", "aggregated", "model_spec_json", "stats", "seconds", "updates", "verdicts", "selection", "excluded")
     class StatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -602,6 +602,7 @@ class CloseRoundReply(_message.Message):
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
     SELECTION_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     model_version: int
     aggregated: _containers.RepeatedScalarFieldContainer[str]
     model_spec_json: str
@@ -610,7 +611,8 @@ class CloseRoundReply(_message.Message):
     updates: _containers.RepeatedCompositeFieldContainer[UpdateSummary]
     verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
     selection: SelectionRecord
-    def __init__(self, model_version: _Optional[int] = ..., aggregated: _Optional[_Iterable[str]] = ..., model_spec_json: _Optional[str] = ..., stats: _Optional[_Mapping[str, float]] = ..., seconds: _Optional[float] = ..., updates: _Optional[_Iterable[_Union[UpdateSummary, _Mapping]]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., selection: _Optional[_Union[SelectionRecord, _Mapping]] = ...) -> None: ...
+    excluded: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_version: _Optional[int] = ..., aggregated: _Optional[_Iterable[str]] = ..., model_spec_json: _Optional[str] = ..., stats: _Optional[_Mapping[str, float]] = ..., seconds: _Optional[float] = ..., updates: _Optional[_Iterable[_Union[UpdateSummary, _Mapping]]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., selection: _Optional[_Union[SelectionRecord, _Mapping]] = ..., excluded: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("worker_id", "rule", "kept_weight", "expected_weight", "discarded", "reason")
@@ -759,6 +761,36 @@ class SecInboxReply(_message.Message):
     ready: bool
     ciphertexts: _containers.RepeatedCompositeFieldContainer[SecCiphertext]
     def __init__(self, ready: _Optional[bool] = ..., ciphertexts: _Optional[_Iterable[_Union[SecCiphertext, _Mapping]]] = ...) -> None: ...
+
+class SecVerifyRequest(_message.Message):
+    __slots__ = ("job_id", "round", "worker_id", "wait_s", "failed")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    worker_id: str
+    wait_s: float
+    failed: _containers.RepeatedCompositeFieldContainer[SecComplaint]
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., wait_s: _Optional[float] = ..., failed: _Optional[_Iterable[_Union[SecComplaint, _Mapping]]] = ...) -> None: ...
+
+class SecComplaint(_message.Message):
+    __slots__ = ("peer", "reason")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    reason: str
+    def __init__(self, peer: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SecVerifyReply(_message.Message):
+    __slots__ = ("ready", "excluded")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    excluded: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ready: _Optional[bool] = ..., excluded: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SecSurvivorsReply(_message.Message):
     __slots__ = ("ready", "survivors", "dropped")

@@ -109,6 +109,11 @@ class AggregationStub:
                 request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecWaitRequest.SerializeToString,
                 response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecInboxReply.FromString,
                 _registered_method=True)
+        self.SecVerify = channel.unary_unary(
+                '/fedbroker.v1.Aggregation/SecVerify',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecVerifyRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecVerifyReply.FromString,
+                _registered_method=True)
         self.SecSurvivors = channel.unary_unary(
                 '/fedbroker.v1.Aggregation/SecSurvivors',
                 request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecWaitRequest.SerializeToString,
@@ -230,6 +235,13 @@ class AggregationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SecVerify(self, request, context):
+        """before training: whose shares failed
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SecSurvivors(self, request, context):
         """at the close: who is in the sum
         """
@@ -321,6 +333,11 @@ def add_AggregationServicer_to_server(servicer, server):
                     servicer.SecInbox,
                     request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecWaitRequest.FromString,
                     response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecInboxReply.SerializeToString,
+            ),
+            'SecVerify': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecVerify,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecVerifyRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.SecVerifyReply.SerializeToString,
             ),
             'SecSurvivors': grpc.unary_unary_rpc_method_handler(
                     servicer.SecSurvivors,
@@ -738,6 +755,33 @@ class Aggregation:
             '/fedbroker.v1.Aggregation/SecInbox',
             fedbroker_dot_proto_dot_fedbroker__pb2.SecWaitRequest.SerializeToString,
             fedbroker_dot_proto_dot_fedbroker__pb2.SecInboxReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecVerify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.Aggregation/SecVerify',
+            fedbroker_dot_proto_dot_fedbroker__pb2.SecVerifyRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.SecVerifyReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedbroker.secagg import (
+    Dishonest,
     PublicKeys,
     SecAggClient,
     SecAggError,
@@ -92,8 +93,9 @@ def test_any_dropout_set_leaving_t_survivors_recovers_their_sum(n: int, data: st
     assert np.abs(result.total - _plain(inputs, result.survivors)).max() <= result.error_max
 
 
-def _through_inboxes(n: int, params: SecAggParams, length: int = 64) -> tuple[SecAggServer, dict[str, SecAggClient],
-                                                                               dict[str, dict[str, bytes]]]:
+def _through_inboxes(n: int, params: SecAggParams, length: int = 64, *, verify: bool = True
+                     ) -> tuple[SecAggServer, dict[str, SecAggClient], dict[str, dict[str, bytes]]]:
+    """A round of n honest clients through sharing; with `verify`, through verification too (ready to mask)."""
     server = SecAggServer(params, SEED, length=length)
     clients = {f"w{i}": SecAggClient(f"w{i}", params, SEED, np.random.default_rng(i)) for i in range(n)}
     for w, c in clients.items():
@@ -101,7 +103,17 @@ def _through_inboxes(n: int, params: SecAggParams, length: int = 64) -> tuple[Se
     rosters = server.rosters()
     for w, c in clients.items():
         server.add_shares(w, c.share_keys(rosters[w]))
-    return server, clients, server.inboxes()
+    inboxes = server.inboxes()
+    if verify:
+        _verified(server, clients, inboxes)
+    return server, clients, inboxes
+
+
+def _verified(server: SecAggServer, clients: dict[str, SecAggClient],
+              inboxes: dict[str, dict[str, bytes]]) -> None:
+    """Every recipient opens its inbox (all honest: nothing fails) and the server closes verification."""
+    assert all(clients[w].open_inbox(box) == {} for w, box in inboxes.items())
+    server.exclude(())
 
 
 def _arrays(value: Any, seen: set[int]) -> list[np.ndarray]:
@@ -122,11 +134,11 @@ def _arrays(value: Any, seen: set[int]) -> list[np.ndarray]:
 
 def test_the_server_never_holds_an_individual_input() -> None:
     params = SecAggParams.choose(5, 1.0)
-    server, clients, inboxes = _through_inboxes(5, params)
+    server, clients, _ = _through_inboxes(5, params)
     inputs = {w: x for w, x in zip(sorted(clients), _inputs(5, 64, seed=4).values())}
     masked = {}
     for w, c in clients.items():
-        masked[w] = c.masked_input(inputs[w], inboxes[w])
+        masked[w] = c.masked_input(inputs[w])
         server.add_masked(w, masked[w])
         arrays = _arrays(server, set())
         assert len(arrays) == 1 and arrays[0] is server._sum  # the running sum and nothing else
@@ -136,7 +148,7 @@ def test_the_server_never_holds_an_individual_input() -> None:
             assert not np.allclose(a.astype(np.float64), inputs[w])
     kept = {k: type(v).__name__ for k, v in vars(server).items()}
     assert set(kept) == {"params", "round_seed", "length", "_stage", "_keys", "_graph", "_inboxes", "_sent",
-                         "_masked", "_sum", "_requests", "_replies", "_lock"}, "a new attribute: check it holds no input"
+                         "_masked", "_sum", "_requests", "_replies", "_lock", "_commitments"}, "a new attribute: check it holds no input"
     requests = server.unmask_requests()
     for w, r in requests.items():
         server.add_unmask(w, clients[w].unmask(r.survivors, r.dropped))
@@ -147,16 +159,15 @@ def test_the_server_never_holds_an_individual_input() -> None:
 
 def test_the_service_sees_only_sealed_shares_bound_to_sender_receiver_and_round() -> None:
     params = SecAggParams.choose(4, 1.0)
-    _, clients, inboxes = _through_inboxes(4, params)
+    _, clients, inboxes = _through_inboxes(4, params, verify=False)
     sealed = inboxes["w0"]["w1"]
     misrouted = {**inboxes["w2"], "w1": sealed}  # w1's message to w0, handed to w2
-    with pytest.raises(SecAggError, match="fails authentication"):
-        clients["w2"].masked_input(np.zeros(64), misrouted)
+    assert "fails authentication" in clients["w2"].open_inbox(misrouted)["w1"]
     tampered = {**inboxes["w0"], "w1": sealed[:-1] + bytes([sealed[-1] ^ 1])}
-    with pytest.raises(SecAggError, match="fails authentication"):
-        clients["w0"].masked_input(np.zeros(64), tampered)
-    _, clients, inboxes = _through_inboxes(4, params)
-    clients["w0"].masked_input(np.zeros(64), inboxes["w0"])
+    assert "fails authentication" in clients["w0"].open_inbox(tampered)["w1"]
+    with pytest.raises(SecAggError, match="did not exclude"):  # it never masks with a sender that failed
+        clients["w0"].masked_input(np.zeros(64))
+    _, clients, _ = _through_inboxes(4, params)
     b_share, s_share = clients["w0"]._held["w1"]
     routed = b"".join(ct for box in inboxes.values() for ct in box.values())
     assert shamir.encode_share(b_share) not in routed and shamir.encode_share(s_share) not in routed
@@ -164,9 +175,9 @@ def test_the_service_sees_only_sealed_shares_bound_to_sender_receiver_and_round(
 
 def test_a_client_refuses_to_reveal_both_shares_for_one_peer() -> None:
     params = SecAggParams.choose(5, 1.0)
-    _, clients, inboxes = _through_inboxes(5, params)
-    for w, c in clients.items():
-        c.masked_input(np.zeros(64), inboxes[w])
+    _, clients, _ = _through_inboxes(5, params)
+    for c in clients.values():
+        c.masked_input(np.zeros(64))
     everyone = set(clients)
     with pytest.raises(SecAggError, match="both survivor and dropped"):
         clients["w0"].unmask(everyone, {"w3"})
@@ -180,9 +191,9 @@ def test_a_client_refuses_to_reveal_both_shares_for_one_peer() -> None:
 
 def test_a_client_refuses_to_unmask_when_fewer_than_t_survived_or_it_is_not_a_survivor() -> None:
     params = SecAggParams.choose(5, 1.0)  # t = 3
-    _, clients, inboxes = _through_inboxes(5, params)
-    for w, c in clients.items():
-        c.masked_input(np.zeros(64), inboxes[w])
+    _, clients, _ = _through_inboxes(5, params)
+    for c in clients.values():
+        c.masked_input(np.zeros(64))
     with pytest.raises(TooFewSurvivors):
         clients["w0"].unmask({"w0", "w1"}, {"w2", "w3", "w4"})
     with pytest.raises(SecAggError, match="not listed as a survivor"):
@@ -192,7 +203,7 @@ def test_a_client_refuses_to_unmask_when_fewer_than_t_survived_or_it_is_not_a_su
 def test_a_client_refuses_steps_out_of_order() -> None:
     client = SecAggClient("a", SecAggParams.choose(3, 1.0), SEED, np.random.default_rng(0))
     with pytest.raises(SecAggError, match="next step is advertise"):
-        client.masked_input(np.zeros(3), {})
+        client.masked_input(np.zeros(3))
     with pytest.raises(SecAggError, match="round seed"):
         SecAggClient("a", SecAggParams.choose(3, 1.0), b"short", np.random.default_rng(0))
 
@@ -217,8 +228,8 @@ def test_the_server_refuses_duplicate_unknown_and_malformed_messages() -> None:
         server.add_shares(w, shares[w])
     with pytest.raises(SecAggError, match="twice"):
         server.add_shares("a", shares["a"])
-    inboxes = server.inboxes()
-    masked = {w: c.masked_input(np.zeros(8), inboxes[w]) for w, c in clients.items()}
+    _verified(server, clients, server.inboxes())
+    masked = {w: c.masked_input(np.zeros(8)) for w, c in clients.items()}
     with pytest.raises(SecAggError, match="8"):
         server.add_masked("a", masked["a"][:7])
     with pytest.raises(SecAggError, match="uint32"):
@@ -242,35 +253,83 @@ def test_the_server_refuses_duplicate_unknown_and_malformed_messages() -> None:
 
 def test_too_few_survivors_is_a_clear_error() -> None:
     params = SecAggParams.choose(5, 1.0)  # t = 3
-    server, clients, inboxes = _through_inboxes(5, params, length=4)
+    server, clients, _ = _through_inboxes(5, params, length=4)
     for w in ("w0", "w1"):
-        server.add_masked(w, clients[w].masked_input(np.zeros(4), inboxes[w]))
+        server.add_masked(w, clients[w].masked_input(np.zeros(4)))
     with pytest.raises(TooFewSurvivors, match="2 masked inputs arrived, the threshold is 3"):
         server.unmask_requests()
 
 
 def test_too_few_unmask_replies_or_a_corrupt_share_fail_reconstruction_loudly() -> None:
     params = SecAggParams.choose(5, 1.0)  # t = 3
-    server, clients, inboxes = _through_inboxes(5, params, length=4)
+    server, clients, _ = _through_inboxes(5, params, length=4)
     for w in ("w0", "w1", "w2", "w3"):
-        server.add_masked(w, clients[w].masked_input(np.ones(4), inboxes[w]))
+        server.add_masked(w, clients[w].masked_input(np.ones(4)))
     requests = server.unmask_requests()
     for w in ("w0", "w1"):
         server.add_unmask(w, clients[w].unmask(requests[w].survivors, requests[w].dropped))
     with pytest.raises(TooFewSurvivors, match="2 shares, the threshold is 3"):
         server.finish()
 
-    server, clients, inboxes = _through_inboxes(5, params, length=4)
+
+def test_a_survivor_that_shifts_a_share_it_reveals_is_named_and_the_sum_comes_from_the_honest_shares() -> None:
+    """The attack: with exactly t replies a shifted share rebuilt a wrong b and moved the sum undetected; now
+    each revealed share is checked against its dealer's commitment, whichever t arrive."""
+    params = SecAggParams.choose(5, 1.0)  # t = 3
+    inputs = {f"w{int(w[1:])}": x for w, x in _inputs(5, 4).items()}
+    server, clients, _ = _through_inboxes(5, params, length=4)
     for w, c in clients.items():
-        server.add_masked(w, c.masked_input(np.ones(4), inboxes[w]))
+        server.add_masked(w, c.masked_input(inputs[w]))
     requests = server.unmask_requests()
+    replies = {w: c.unmask(requests[w].survivors, requests[w].dropped) for w, c in clients.items()}
+    shifted, victim = dict(replies["w4"]), min(set(replies["w4"]) - {"w4"})
+    shifted[victim] = shamir.encode_share((shamir.decode_share(shifted[victim]) + 24) % shamir.PRIME)
+    with pytest.raises(Dishonest, match=f"'w4'.*not the one '{victim}' dealt it") as caught:
+        server.add_unmask("w4", shifted)
+    assert caught.value.worker_id == "w4"
+    for w in ("w0", "w1", "w2"):  # exactly t honest replies
+        server.add_unmask(w, replies[w])
+    result = server.finish()
+    assert np.abs(result.total - _plain(inputs, sorted(inputs))).max() <= result.error_max
+
+
+def test_a_garbled_or_oversized_share_message_is_caught_before_anyone_masks_and_its_dealer_excluded() -> None:
+    params = SecAggParams.choose(5, 1.0)  # t = 3
+    inputs = {f"w{int(w[1:])}": x for w, x in _inputs(5, 4).items()}
+    server = SecAggServer(params, SEED, length=4)
+    clients = {f"w{i}": SecAggClient(f"w{i}", params, SEED, np.random.default_rng(i)) for i in range(5)}
     for w, c in clients.items():
-        reply = c.unmask(requests[w].survivors, requests[w].dropped)
-        if w == "w4":
-            reply["w0"] = bytes(65) + b"\x01"  # a wrong share of w0's self-mask seed
-        server.add_unmask(w, reply)
-    with pytest.raises(ShareMismatch, match="w0"):
-        server.finish()
+        server.add_keys(w, c.advertise())
+    rosters = server.rosters()
+    shares = {w: c.share_keys(rosters[w]) for w, c in clients.items()}
+    with pytest.raises(SecAggError, match="'w4' is 3000000 bytes"):  # bounded at the door
+        server.add_shares("w4", {**shares["w4"], "w0": bytes(3_000_000)})
+    garbled = {p: m[:64] + bytes(len(m) - 64) for p, m in shares["w3"].items()}  # the right size, not sealed
+    for w in ("w0", "w1", "w2"):
+        server.add_shares(w, shares[w])
+    server.add_shares("w3", garbled)
+    inboxes = server.inboxes()
+    failed = {w: clients[w].open_inbox(box) for w, box in inboxes.items()}
+    assert {w: sorted(f) for w, f in failed.items()} == {"w0": ["w3"], "w1": ["w3"], "w2": ["w3"], "w3": []}
+    assert "fails authentication" in failed["w0"]["w3"]
+    server.exclude({"w3"})
+    for w in ("w0", "w1", "w2"):
+        server.add_masked(w, clients[w].masked_input(inputs[w], {"w3"}))
+    with pytest.raises(SecAggError, match="did not share"):
+        server.add_masked("w3", clients["w3"].masked_input(inputs["w3"], {"w3"}))
+    requests = server.unmask_requests()
+    for w, r in requests.items():
+        server.add_unmask(w, clients[w].unmask(r.survivors, r.dropped))
+    result = server.finish()
+    assert result.survivors == ("w0", "w1", "w2")
+    assert np.abs(result.total - _plain(inputs, ["w0", "w1", "w2"])).max() <= result.error_max
+
+
+def test_verification_that_leaves_fewer_than_t_fails_the_round_before_anyone_masks() -> None:
+    params = SecAggParams.choose(5, 1.0)  # t = 3
+    server, _, _ = _through_inboxes(5, params, verify=False)
+    with pytest.raises(TooFewSurvivors, match="2 workers remain"):
+        server.exclude({"w0", "w1", "w2"})
 
 
 def test_the_neighbour_graph_is_k_regular_symmetric_and_drawn_from_the_round_seed() -> None:
@@ -296,9 +355,9 @@ def test_the_package_imports_no_transport() -> None:
 def test_masked_inputs_added_from_many_threads_give_the_same_sum() -> None:
     n, length = 8, 200_000
     params = SecAggParams.choose(n, 1.0)
-    server, clients, inboxes = _through_inboxes(n, params, length=length)
+    server, clients, _ = _through_inboxes(n, params, length=length)
     inputs = {w: x[:length] for w, x in zip(sorted(clients), _inputs(n, length, seed=6).values())}
-    masked = {w: c.masked_input(inputs[w], inboxes[w]) for w, c in clients.items()}
+    masked = {w: c.masked_input(inputs[w]) for w, c in clients.items()}
     threads = [threading.Thread(target=server.add_masked, args=(w, y)) for w, y in masked.items()]
     for t in threads:
         t.start()

@@ -1,8 +1,10 @@
 """A worker's side of a secure round (aggregation.secure): the SecAgg+ steps around its training.
 
 Before training it advertises two public keys, fetches its peers' keys once the roster is fixed, sends
-each peer its sealed Shamir shares and collects the shares peers sealed for it (`exchange_keys`): the
-key phase costs the round no training time, and a worker that fails here has spent no ε. After training
+each peer its sealed Shamir shares, collects the shares peers sealed for it, opens them and checks them
+against their dealers' commitments, and tells the service whose failed; the service answers with every
+sender excluded from the round (`exchange_keys`). The key phase costs the round no training time, and a
+worker that fails here (excluded itself, or a round left below its threshold) has spent no ε. After training
 it uploads its weighted update masked into the ring (`upload`): (w_i / Σ_roster w_j)·(x_i − x_global),
 flattened in the model's parameter order, so that the sum over the survivors divided by their weight
 share is FedAvg's (or DWFed's) mean delta. At the close it sends the shares the service needs to remove
@@ -75,6 +77,8 @@ class SecureRun:
         self._advert: pb.SecAdvertiseReply | None = None
         self._shares: dict[str, bytes] | None = None
         self._inbox: dict[str, bytes] | None = None
+        self._failed: dict[str, str] | None = None      # senders whose shares failed here, and why
+        self.excluded: frozenset[str] | None = None     # senders the round excluded: masked with none of them
         self.masked: np.ndarray | None = None
         self.unmasked = False
         self._unmask_shares: dict[str, bytes] | None = None
@@ -121,6 +125,17 @@ class SecureRun:
                 raise SecureStepFailed(f"round {task.round} of {task.job_id}: the inboxes were not fixed before the "
                                        f"round's deadline")
             self._inbox = {c.peer: c.data for c in inbox.ciphertexts}
+        if self._failed is None:
+            self._failed = self.crypto.open_inbox(self._inbox)
+            for sender, why in self._failed.items():
+                log.warning("worker %s: the shares %s sealed for it in round %d of %s fail: %s", me, sender,
+                            task.round, task.job_id, why)
+        if self.excluded is None:
+            verdict = client.sec_verify(task.job_id, task.round, me, self._failed, until=task.deadline_unix)
+            if verdict is None:
+                raise SecureStepFailed(f"round {task.round} of {task.job_id}: the exclusions were not fixed before "
+                                       f"the round's deadline")
+            self.excluded = frozenset(verdict.excluded)
 
     def _advertisement(self) -> pb.SecAdvertiseRequest:
         keys = self._keys
@@ -133,12 +148,12 @@ class SecureRun:
         """The masked ring vector of this worker's weighted update (once; a retry re-sends the same bytes)."""
         if self.masked is not None:
             return
-        assert self.crypto is not None and self._inbox is not None
+        assert self.crypto is not None and self.excluded is not None
         vector = weighted_vector(trained, global_state, spec, self.scale)
         if vector.size != self.length:
             raise SecureStepFailed(f"the update has {vector.size} values, the round masks {self.length}")
         _test_record(self.worker_id, self.task, vector, self.scale)
-        self.masked = np.ascontiguousarray(self.crypto.masked_input(vector, self._inbox), dtype=self.dtype)
+        self.masked = np.ascontiguousarray(self.crypto.masked_input(vector, self.excluded), dtype=self.dtype)
         if self.crypto.clipped:
             log.warning("worker %s: %d of %d weighted coordinates of round %d's update were clipped to ±%g before "
                         "masking", self.worker_id, self.crypto.clipped, vector.size, self.task.round,
