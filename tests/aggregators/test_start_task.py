@@ -105,8 +105,12 @@ def test_a_worker_starts_only_its_own_tasks_and_an_unknown_job_or_round_is_named
     with pytest.raises(RemoteError) as unknown:
         c["w1"].start_task("nope", 1, "w1", 1)
     assert unknown.value.code == grpc.StatusCode.NOT_FOUND and "unknown job 'nope'" in str(unknown.value)
-    with pytest.raises(RemoteError) as later:  # not open *yet*: retried by a worker, never taken as closed
-        c["w1"].start_task("j", 2, "w1", 1)
+    # a round past the open one cannot come from the coordinator that opened it (rounds open here in order, each
+    # before its tasks go out): a task from a state given up since (a restore). Not open: dropped, never retried
+    assert not c["w1"].start_task("j", 2, "w1", 1).open
+    c["coordinator"].put_global("k", 1, SPEC.to_json(), weights(0.5))
+    with pytest.raises(RemoteError) as later:  # a job with no round yet: not open *yet*, retried by a worker
+        c["w1"].start_task("k", 1, "w1", 1)
     assert later.value.reason == Rejection.UNKNOWN_ROUND
     with pytest.raises(RemoteError) as outsider:  # refused before training: its upload would be, its ε spent
         c["w3"].start_task("j", 1, "w3", 1)

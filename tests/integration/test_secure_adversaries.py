@@ -22,6 +22,7 @@ from fedbroker.rpc import RemoteError
 from fedbroker.secagg import PublicKeys, shamir, sum_error_bound
 from fedbroker.secure_round import round_params
 from fedbroker.worker.secure_task import SecureRun, SecureStepFailed
+from tests.installed import install
 from tests.integration.processes import Deployment
 from tests.security.test_secure_rounds import (
     JOB,
@@ -65,7 +66,8 @@ def aggregator(rabbitmq_url: str, tmp_path: Path) -> Iterator[AggregatorClient]:
 
 def open_round(client: AggregatorClient, *, timeout_s: float = 240) -> pb.RoundTask:
     deadline = time.time() + timeout_s
-    client.open_round(JOB, ROUND, WORKERS, deadline, {"secure": True}, seed=3, num_samples=SAMPLES)
+    install(client, JOB, {"secure": True})  # as the coordinator does, once per job (again: the same settings)
+    client.open_round(JOB, ROUND, WORKERS, deadline, seed=3, num_samples=SAMPLES)
     return pb.RoundTask(job_id=JOB, round=ROUND, model_version=1, deadline_unix=deadline, participants=len(WORKERS),
                         aggregation_json='{"secure": true}')
 

@@ -2,8 +2,8 @@
 
 The spool (spool.py) is files, each written atomically, with one commit record per job (`job.json`) that names
 the global models and the open round the job needs. A job folder is copied as its record names it: the record
-is read, then the global files it names and the update files in its open round's (or asynchronous buffer's)
-folder, then the record is read again. A record that changed meanwhile (a round closed, a version published and
+is read, then the job's installed settings, the global files it names and the update files in its open round's (or
+asynchronous buffer's) folder, then the record is read again. A record that changed meanwhile (a round closed, a version published and
 older files pruned) means the copy may mix two states: that job is copied again, up to `ATTEMPTS` times. An
 update file that lands in the open round during the copy may or may not be in it, exactly as after a crash at
 that moment: the restored service counts the updates whose files it finds (the coordinator asks the workers
@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from fedbroker.aggregators.spool import FORMAT_VERSION, LOCK_FILE, QUARANTINE_DIR, SpoolInUse
+from fedbroker.aggregators.spool import FORMAT_VERSION, LOCK_FILE, QUARANTINE_DIR, SETTINGS_FILE, SpoolInUse
 from fedbroker.backup import BackupRefused, FileEntry, Part, check_version, claim_target, copy_file, remove, verify
 from fedbroker.errors import ConfigError
 from fedbroker.files import FolderLock, FolderLocked
@@ -85,6 +85,8 @@ def _copy_named(job_folder: Path, target: Path, record: dict[str, Any]) -> tuple
     if record.get("format") != FORMAT_VERSION:
         raise ValueError(f"format {record.get('format')!r}, not {FORMAT_VERSION}")
     names = [f"global-{int(v)}.npz" for v in record.get("versions") or []]
+    if (job_folder / SETTINGS_FILE).is_file():  # the job's installed settings: written once, never replaced
+        names.insert(0, SETTINGS_FILE)
     folders = []
     if record.get("round"):
         folders.append(f"round-{int(record['round']['number'])}")
