@@ -120,9 +120,9 @@ def parse_project(raw: object) -> Project:
                f"must be a whole number of days in [1, 3650], got {validity!r}")
     sites = _parse_sites(raw.get("sites"), check)
     people = _parse_scientists(raw.get("scientists", []), check)
-    names = [s.name for s in sites] + [p.name for p in people] + ["coordinator"]
-    for dup in sorted({n for n in names if names.count(n) > 1}):
-        check.add("sites/scientists", f"the name {dup!r} is used twice (or is 'coordinator'); "
+    names = [s.name.casefold() for s in sites] + [p.name.casefold() for p in people] + ["coordinator"]
+    for dup in sorted({n for n in names if names.count(n) > 1}):   # unique whatever the case (a log reader's view)
+        check.add("sites/scientists", f"the name {dup!r} is used twice, in any case (or is 'coordinator'); "
                                       f"every participant needs its own identity")
     if check.found:
         raise check.found[0] if len(check.found) == 1 else ConfigErrors(check.found)
