@@ -8,6 +8,7 @@ machine's broker (the one a developer's deployment may use) is only ever publish
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shlex
@@ -16,7 +17,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -203,13 +204,13 @@ class PrivateRabbitMQ:
         except Exception:  # refused, reset, timed out: not answering
             return False
 
-    def _run_ctl(self, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    def _run_ctl(self, *args: str, timeout: float, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(self.scripts / "rabbitmqctl"), "-n", self.name, *args], env=self.env,
-                              capture_output=True, text=True, timeout=timeout)
+                              input=stdin, capture_output=True, text=True, timeout=timeout)
 
-    def ctl(self, *args: str, timeout: float = 60.0) -> str:
+    def ctl(self, *args: str, timeout: float = 60.0, stdin: str | None = None) -> str:
         """rabbitmqctl against this node; its output, or an assertion naming the command and what it said."""
-        done = self._run_ctl(*args, timeout=timeout)
+        done = self._run_ctl(*args, timeout=timeout, stdin=stdin)
         assert done.returncode == 0, f"rabbitmqctl -n {self.name} {shlex.join(args)}: {done.stdout} {done.stderr}"
         return done.stdout.strip()
 
@@ -221,6 +222,25 @@ class PrivateRabbitMQ:
         assert pids, f"no connection named {connection_name} in:\n{listing}"
         for pid in pids:
             self.ctl("close_connection", pid, "fedbroker test: connection cut")
+
+    def provision(self, *, namespace: str, participants: Sequence[str]) -> dict[str, str]:
+        """Each participant's AMQP URL on this node, as its own broker user (`<namespace>-<participant>`) with
+        exactly what `fedbroker provision` lets it do ("coordinator": the coordinator; any other name: a site),
+        from the kit's own definitions (fedbroker.app.provision.configs.broker_definitions). The import is
+        asynchronous from RabbitMQ 3.12: each user is waited for until it logs in."""
+        from fedbroker.app.provision.configs import broker_definitions
+        from fedbroker.app.provision.project import Project
+
+        passwords = {who: secrets.token_urlsafe(12) for who in participants}
+        definitions = broker_definitions(Project(name=namespace, host="localhost", namespace=namespace), passwords)
+        self.ctl("import_definitions", "--format", "json", stdin=json.dumps(definitions))
+        urls = {who: f"amqp://{namespace}-{who}:{pw}@127.0.0.1:{self.amqp_port}/%2F" for who, pw in passwords.items()}
+        for who, url in urls.items():
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not _logs_in(url):
+                assert time.monotonic() < deadline, f"broker user {namespace}-{who} cannot log in\n{self.log_tail()}"
+                time.sleep(0.2)
+        return urls
 
     def log_tail(self, chars: int = 4000) -> str:
         """The ends of epmd's, the start script's and the node's logs: what a failed start message shows."""
@@ -263,6 +283,18 @@ class PrivateRabbitMQ:
             except subprocess.TimeoutExpired:
                 return False
         return True
+
+
+def _logs_in(url: str) -> bool:
+    import pika
+
+    params = pika.URLParameters(url)
+    params.connection_attempts, params.socket_timeout = 1, 5
+    try:
+        pika.BlockingConnection(params).close()
+        return True
+    except Exception:  # refused (not imported yet), reset: not yet
+        return False
 
 
 def start_private_rabbitmq(root: Path, *, attempts: int = 3,

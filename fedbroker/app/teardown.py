@@ -1,8 +1,9 @@
 """`fedbroker teardown --namespace NS`: remove a local deployment's queues and exchanges from its broker.
 
 What it removes is exactly what the bus declares for that namespace (fedbroker.bus.amqp_topology's
-`declared_names`): `NS.coordinator`, `NS.dead`, `NS.worker.<id>` for each worker named (by `--worker`, or the
-workers registered in the coordinator's `--state-dir`), and the exchanges `NS.tasks`, `NS.control`,
+`declared_names`): `NS.coordinator`, `NS.dead`, `NS.worker.<id>` for each worker named (by `--worker`, the
+workers registered in the coordinator's `--state-dir`, or with `--config` its coordinator's state_dir and
+worker_broker_users), and the exchanges `NS.tasks`, `NS.control`,
 `NS.events`, `NS.dlx`. Nothing outside the namespace is touched. A queue that still has a consumer means the
 deployment runs: then nothing is removed (unless `--force`). Messages in the removed queues (tasks not yet
 trained, dead letters) are lost: the command says how many.
@@ -30,8 +31,9 @@ class Found:
     consumers: int = 0
 
 
-def broker_target(args: argparse.Namespace) -> tuple[str, str, Any]:
-    """(broker URL, namespace, the broker section) from --broker/--namespace, else the --config file's."""
+def broker_target(args: argparse.Namespace) -> tuple[str, str, Any, list[str]]:
+    """(broker URL, namespace, the broker section, the workers the config knows) from --broker/--namespace, else
+    the --config file's."""
     from fedbroker.app.launch import broker_url
     from fedbroker.config import load_config
 
@@ -44,22 +46,40 @@ def broker_target(args: argparse.Namespace) -> tuple[str, str, Any]:
     namespace = args.namespace or (config.broker.namespace if args.config else "")
     if not namespace:
         raise ConfigError("--namespace", "name the deployment's namespace (broker.namespace), or give its --config")
-    return url, namespace, config.broker
+    return url, namespace, config.broker, config_workers(args, config)
 
 
-def worker_ids(args: argparse.Namespace) -> list[str]:
-    """The workers whose queues go: --worker, and those registered in the (stopped) coordinator's state."""
-    ids = list(args.worker or [])
+def config_workers(args: argparse.Namespace, config: Any) -> list[str]:
+    """The workers a --config file knows: those its coordinator's state_dir registered (unless --state-dir names
+    another) and those its worker_broker_users bind (a provisioned server kit's): their queues are the
+    deployment's too."""
+    if not args.config:
+        return []
+    ids = [w for bound in config.coordinator.worker_broker_users.values() for w in bound]
+    if not args.state_dir and os.path.isdir(config.coordinator.state_dir):
+        ids += registered(config.coordinator.state_dir)
+    return ids
+
+
+def registered(state_dir: str) -> list[str]:
+    """The workers registered in a (stopped) coordinator's state."""
+    from fedbroker.coordinator.store import StateStore
+
+    store = StateStore.in_directory(state_dir)  # refused while a coordinator runs on it
+    try:
+        return [w.worker_id for w in store.workers()]
+    finally:
+        store.close()
+
+
+def worker_ids(args: argparse.Namespace, known: list[str]) -> list[str]:
+    """The workers whose queues go: --worker, those registered in the --state-dir, and those `known` (the
+    --config's)."""
+    ids = list(args.worker or []) + known
     if args.state_dir:
         if not os.path.isdir(args.state_dir):
             raise ConfigError("--state-dir", f"{args.state_dir} is not a folder (the coordinator's state_dir)")
-        from fedbroker.coordinator.store import StateStore
-
-        store = StateStore.in_directory(args.state_dir)  # refused while a coordinator runs on it
-        try:
-            ids += [w.worker_id for w in store.workers()]
-        finally:
-            store.close()
+        ids += registered(args.state_dir)
     return sorted(set(ids))
 
 
@@ -141,8 +161,8 @@ def cmd_teardown(args: argparse.Namespace) -> int:
     """Remove the deployment's queues and exchanges; one line per object removed."""
     from fedbroker.bus import mask_url
 
-    url, namespace, section = broker_target(args)
-    removed = teardown(url, namespace, section, worker_ids(args), force=args.force)
+    url, namespace, section, known = broker_target(args)
+    removed = teardown(url, namespace, section, worker_ids(args, known), force=args.force)
     for f in removed:
         lost = f" ({f.messages} message(s) dropped)" if f.messages else ""
         print(f"removed {f.kind} {f.name}{lost}")
@@ -157,7 +177,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--namespace", help="the deployment's broker.namespace (default: the --config file's)")
     p.add_argument("--broker", help="amqp://user:pass@host:5672/vhost (default: the --config file's broker)")
-    p.add_argument("--config", help="a process's YAML config: its broker section (URL, TLS, namespace)")
+    p.add_argument("--config", help="a process's YAML config: its broker section (URL, TLS, namespace); the workers its "
+                                           "coordinator.state_dir registered and its worker_broker_users bind")
     p.add_argument("--worker", action="append", metavar="ID", help="a worker whose task queue goes too (repeat it)")
     p.add_argument("--state-dir", help="the stopped coordinator's state folder: its registered workers' queues go")
     p.add_argument("--force", action="store_true", help="remove queues that still have consumers")

@@ -69,8 +69,8 @@ class AmqpBus:
     Threading: two connections, each owned by its own I/O thread (`Link`): one publishes (`Publisher`),
     one consumes (`Consumers`) — RabbitMQ throttles publishing connections, which must never stall acks.
 
-    A failed delivery is retried with an attempts header and dead-lettered at `max_attempts` (see
-    `amqp_consumer`): a handler sees a message at most `max_attempts` times, and must be idempotent.
+    A failed delivery is retried with an attempts header, republished through its queue's own exchange (what a
+    provisioned participant may write), and dead-lettered at `max_attempts` (see `amqp_consumer`): a handler sees a message at most `max_attempts` times, and must be idempotent.
     Ack late, after the result is durable. RabbitMQ's `consumer_timeout` (30 min by default) must
     exceed the longest round, or the broker closes the channel and redelivers: `consumer_timeout_s` sets it
     on every task queue and task consumer (`x-consumer-timeout`, honoured from RabbitMQ 3.12), so the broker
@@ -210,12 +210,14 @@ class AmqpBus:
         self._check_open()
         self._declarer.add_worker(worker_id)
         queue = self.topology.worker_queue(worker_id)
-        self._consumer.add("tasks", queue, Dispatcher(f"tasks.{worker_id}", handler))
+        self._consumer.add("tasks", queue, Dispatcher(f"tasks.{worker_id}", handler),
+                           route=(self.topology.tasks_exchange, worker_id))
 
     def consume_control(self, handler: Handler) -> None:
         """Hand the coordinator's control messages (worker reports) to `handler`."""
         self._check_open()
-        self._consumer.add("control", self.topology.coordinator_queue, Dispatcher("control", handler))
+        self._consumer.add("control", self.topology.coordinator_queue, Dispatcher("control", handler),
+                           route=(self.topology.control_exchange, CONTROL_ROUTING_KEY))
 
     def consume_events(self, handler: Handler) -> None:
         """Hand every event published from now on to `handler`, through a queue of this subscriber's own."""

@@ -4,10 +4,17 @@ thread, and attempt counting that dead-letters a poison message instead of redel
 Attempt counting (classic queues have no delivery counter): the header `x-fedbroker-attempts` holds how many
 earlier deliveries failed; a delivery's `attempts` is that + 1. A failed delivery — the handler raised or
 called `nack(requeue=True)`, or the broker redelivered a message whose consumer died or closed without
-settling it (`redelivered` flag) — is republished (confirmed, by queue name, at the back of the same queue)
-with the header + 1 and only then is the original acked; when the count reaches `max_attempts` the original
-is nacked without requeue and RabbitMQ dead-letters it. A crash between republish and ack can duplicate a
-message, never lose it: handlers must be idempotent (`message_id` is stable across retries).
+settling it (`redelivered` flag) — is republished (confirmed, at the back of the same queue) with the header + 1
+and only then is the original acked; when the count reaches `max_attempts` the original is nacked without requeue
+and RabbitMQ dead-letters it. A crash between republish and ack can duplicate a message, never lose it: handlers
+must be idempotent (`message_id` is stable across retries).
+
+A copy is republished through the exchange that routes to its queue alone (a task through `<ns>.tasks` by its
+worker id, a control message through `<ns>.control`), never through the default exchange: a provisioned
+participant may write only its project's exchanges (fedbroker/app/provision/configs.py `broker_entry`). A
+republish the broker refuses anyway (ACCESS_REFUSED: the user's permissions) dead-letters the original, with a
+log line naming the user and the exchange, instead of closing the connection: a refusal that reconnected would
+be redelivered, refused and reconnected again, for ever.
 
 A redelivery is a failure only of a delivery the handler had: a copy that waited, unseen, behind a busy handler
 when the broker closed its channel (a consumer timeout) is replaced by the redelivered one at the same count. A
@@ -40,7 +47,13 @@ class _Consumer:
     kind: Literal["tasks", "control", "events"]
     queue: str  # "" for an events subscriber until the broker names its queue
     dispatcher: Dispatcher
+    route: tuple[str, str] | None = None  # (exchange, routing key) reaching `queue` alone; None: the default one
     channel: Any = None  # the channel of the current connection, None while disconnected
+
+    def retry_route(self) -> tuple[str, str]:
+        """Where a retried copy is republished: the queue's own route, else the default exchange by queue name
+        (an events subscriber's exclusive queue, whose fanout exchange would copy it to every subscriber)."""
+        return self.route or ("", self.queue)
 
 
 def _header_int(headers: dict[str, Any], key: str) -> int:
@@ -77,9 +90,11 @@ class Consumers:
         self.link = Link(role="consumer", settings=settings, on_connect=self._on_connect,
                          on_disconnect=self._on_disconnect, on_tick=self._revive)
 
-    def add(self, kind: Literal["tasks", "control", "events"], queue: str, dispatcher: Dispatcher) -> None:
-        """Register a consumer of `queue` ("" for a fresh events queue); once started, it consumes at once."""
-        consumer = _Consumer(kind, queue, dispatcher)
+    def add(self, kind: Literal["tasks", "control", "events"], queue: str, dispatcher: Dispatcher, *,
+            route: tuple[str, str] | None = None) -> None:
+        """Register a consumer of `queue` ("" for a fresh events queue), whose retries go through `route`; once
+        started, it consumes at once."""
+        consumer = _Consumer(kind, queue, dispatcher, route)
         with self._lock:
             self._consumers.append(consumer)
             started = self._started
@@ -246,18 +261,35 @@ class Consumers:
             headers=headers,
             user_id=self.user or None,
         )
+        exchange, routing_key = consumer.retry_route()
         try:
-            self._retry_channel.basic_publish("", consumer.queue, body, copy, mandatory=True)
+            self._retry_channel.basic_publish(exchange, routing_key, body, copy, mandatory=True)
         except (pex.UnroutableError, pex.NackError) as exc:
             log.error(
                 "could not requeue message %s on %s (%s); dead-lettering it", props.message_id, consumer.queue, exc
             )
             ch.basic_nack(method.delivery_tag, requeue=False)
             return
+        except pex.ChannelClosedByBroker as exc:  # refused (its permissions): a reconnect would only repeat it
+            log.error(
+                "the broker refused user %r the retry of message %s on %s through exchange %r (%s %s); "
+                "dead-lettering it instead (check that user's write permission)", self.user,
+                props.message_id, consumer.queue, exchange or "amq.default", exc.reply_code, exc.reply_text,
+            )
+            ch.basic_nack(method.delivery_tag, requeue=False)
+            self._reopen_retry_channel()
+            return
         ch.basic_ack(method.delivery_tag)
         log.info(
             "message %s on %s will be retried (failed deliveries: %d)", props.message_id, consumer.queue, failures
         )
+
+    def _reopen_retry_channel(self) -> None:
+        """A new confirm channel for retries, after the broker closed the last one; a connection error here is
+        the link's (it reconnects)."""
+        ch = self._conn.channel()
+        ch.confirm_delivery()
+        self._retry_channel = ch
 
     def _dead_letter(self, consumer: _Consumer, ch: Any, method: Any, props: Any, attempts: int) -> None:
         log.warning(

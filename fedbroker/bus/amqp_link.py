@@ -166,7 +166,9 @@ class Link:
     heartbeats even while handlers train for minutes, and runs `PendingCall`s queued by other threads
     (woken with `add_callback_threadsafe`). On connection loss it tears down and reconnects;
     calls that were not completed stay queued and run on the next connection unless their
-    deadline passed.
+    deadline passed. The backoff starts over only after a connection held for the longest wait: one the broker
+    keeps closing soon after it opens (an operation it refuses on every connect) is retried ever more slowly,
+    not twice a second.
     """
 
     def __init__(
@@ -270,6 +272,7 @@ class Link:
 
         failures = 0
         ever_connected = False
+        up_since = 0.0
         while not self._stop.is_set():
             conn = None
             try:
@@ -280,9 +283,11 @@ class Link:
                 self._problems.connected()
                 self._log_connected(again=ever_connected)
                 ever_connected = True
-                failures = 0
+                up_since = time.monotonic()
                 self._serve(conn)
             except _connection_errors() as exc:
+                if self.connected.is_set() and time.monotonic() - up_since >= self._reconnect.max_s:
+                    failures = 0  # it had held: a new outage starts from the shortest wait
                 delay = self._reconnect.delay(failures)
                 failures += 1
                 self._problems.failed(self.role, exc, self._url, connected_before=self.connected.is_set(), delay=delay)

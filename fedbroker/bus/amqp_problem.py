@@ -15,6 +15,7 @@ import ssl
 import threading
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 log = logging.getLogger("fedbroker.bus.amqp_link")
 
@@ -64,9 +65,14 @@ def reason(exc: BaseException, url: str) -> tuple[str, str]:
         if isinstance(e, pex.ConnectionClosedByBroker):
             return (f"the broker closed the connection ({e.reply_code} {e.reply_text})",
                     "the broker's log for this connection")
+        if isinstance(e, pex.ChannelClosedByBroker) and e.reply_code == 403:
+            return (f"the broker refused user {user!r} an operation ({e.reply_code} {e.reply_text})",
+                    f"the user's permissions (rabbitmqctl list_user_permissions {user}; a provisioned kit's are in "
+                    f"the server kit's rabbitmq/definitions.json, applied by fedbroker broker sync)")
+        if isinstance(e, pex.ChannelClosedByBroker):
+            return (f"the broker closed a channel ({e.reply_code} {e.reply_text})", "the broker's log")
         if isinstance(e, pex.IncompatibleProtocolError):
-            return ("what answers there does not speak AMQP 0-9-1",
-                    "the port (AMQP 5672, AMQPS 5671) and the scheme (amqps:// for a TLS listener)")
+            return _closed_in_handshake(url)
     for e in causes:
         if isinstance(e, ssl.SSLError):
             return (f"the TLS handshake failed ({getattr(e, 'verify_message', '') or e.reason or e})",
@@ -108,6 +114,20 @@ def _tls_alert(causes: list[BaseException]) -> tuple[str, str] | None:
     """(reason, check) for a TLS alert the broker sent about this client's certificate, named in any cause's text."""
     text = " ".join(str(e) for e in causes).upper()
     return next((said for alert, said in _ALERTS.items() if alert in text), None)
+
+
+def _closed_in_handshake(url: str) -> tuple[str, str]:
+    """pika's IncompatibleProtocolError: the peer closed the connection before the AMQP handshake finished, which
+    pika cannot tell from a peer that is no broker. Over TLS it is what a broker that refuses this client's
+    certificate after the TLS handshake (a revoked one, TLS 1.3) looks like when its alert is not read."""
+    if urlsplit(url).scheme.lower() == "amqps":
+        return ("the broker closed the connection right after the TLS handshake, before the AMQP handshake, without "
+                "a reason",
+                "whether this participant's certificate was revoked or is not trusted (the broker's log names it; "
+                "broker.cert_file/key_file are the kit's tls/client.*), and that the port is the broker's AMQPS port")
+    return ("the connection was closed before the AMQP handshake finished, without a reason",
+            "that the port is RabbitMQ's AMQP port (5672; a TLS listener such as 5671 needs amqps://) and the "
+            "broker's log")
 
 
 def describe(exc: BaseException, url: str, *, lost: bool = False) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+import yaml
 
 from fedbroker.app.cli import main
 from fedbroker.bus import AmqpBus
@@ -90,3 +91,25 @@ def test_the_namespace_must_be_named_and_a_bad_name_is_refused_before_connecting
     assert main(["teardown", "--broker", "amqp://guest:guest@127.0.0.1:1/", "--namespace", "x",
                  "--state-dir", str(tmp_path / "nope")]) == 2
     assert "--state-dir: " in capsys.readouterr().err and not (tmp_path / "nope").exists()
+
+
+def test_teardown_with_a_config_removes_the_worker_queues_its_coordinator_knows(private_rabbitmq, tmp_path, capsys):
+    """`--config` alone (the deployment's own file, as OPERATING.md says to run it): the queues of the workers its
+    coordinator's state_dir registered, and of those its worker_broker_users bind, go too (they were left)."""
+    broker, namespace = private_rabbitmq, f"td-cfg-{uuid.uuid4().hex[:8]}"
+    deployment(broker.url, namespace, ["w1", "w2"])
+    state = tmp_path / "state"
+    store = StateStore.in_directory(str(state))
+    store.upsert_worker(worker_id="w1", categories=["digits"], histogram=[1], dp=DPPolicy(enabled=False),
+                        epsilon_spent=0.0, device="cpu", num_samples=1)
+    store.close()
+    config = tmp_path / "coordinator.yaml"
+    config.write_text(yaml.safe_dump({"broker": {"url": broker.url, "namespace": namespace},
+                                      "coordinator": {"state_dir": str(state),
+                                                      "worker_broker_users": {"proj-w2": ["w2"]}}}))
+    assert main(["teardown", "--config", str(config)]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert f"removed queue {namespace}.worker.w1 (1 message(s) dropped)" in out
+    assert f"removed queue {namespace}.worker.w2" in out
+    queues, exchanges = objects(namespace, ["w1", "w2"])
+    assert not (queues | exchanges) & (names(broker, "queues") | names(broker, "exchanges"))

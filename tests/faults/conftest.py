@@ -48,3 +48,35 @@ def broker_federation(broker: PrivateRabbitMQ, tmp_path: Path) -> Iterator[Feder
     finally:
         restore_broker(broker)  # the federation's links close cleanly on a broker that answers
         fed.close()
+
+
+# Every bus fault that matters most runs twice: as guest, and as a provisioned kit runs (one broker user per
+# participant, with provisioning's permissions; on the session's private node, since the machine's broker gets no
+# users of the tests'). The issue: the guest-only runs never saw that a participant may not write amq.default.
+BUS_USERS = ("guest", "provisioned")
+
+
+@pytest.fixture(params=BUS_USERS)
+def each_federation(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Federation]:
+    """`federation` as guest on the machine's broker, then with per-participant broker users."""
+    if request.param == "guest":
+        fed = Federation(request.getfixturevalue("rabbitmq_url"), tmp_path)
+    else:
+        node: PrivateRabbitMQ = request.getfixturevalue("private_rabbitmq")
+        fed = Federation(node.url, tmp_path, users=node)
+    try:
+        yield fed
+    finally:
+        fed.close()
+
+
+@pytest.fixture(params=BUS_USERS)
+def each_broker_federation(request: pytest.FixtureRequest, broker: PrivateRabbitMQ,
+                           tmp_path: Path) -> Iterator[Federation]:
+    """`broker_federation` as guest, then with per-participant broker users (both on the private node)."""
+    fed = Federation(broker.url, tmp_path, users=broker if request.param == "provisioned" else None)
+    try:
+        yield fed
+    finally:
+        restore_broker(broker)
+        fed.close()

@@ -1,6 +1,10 @@
 """A federation to break: the aggregation service (with a spool), the coordinator and workers in this process
 (each with its own pika connections to a real RabbitMQ), parts that can be stopped and restarted, and
-helpers that disturb a private broker node and always put it back."""
+helpers that disturb a private broker node and always put it back.
+
+A federation runs as `guest`, or as a provisioned one does (`users=`, a private node): every participant logs in
+as its own broker user with exactly the permissions `fedbroker provision` gives it, and each worker trains only
+the coordinator's user's tasks (`worker.coordinator_broker_user`)."""
 
 from __future__ import annotations
 
@@ -137,11 +141,13 @@ class HoldsRound(WorkerAgent):
 
 
 class Federation:
-    def __init__(self, url: str, tmp: Path, *, spool: bool = True, start_coordinator: bool = True,
-                 **coordinator_options: Any) -> None:
-        self.url = url
+    def __init__(self, url: str, tmp: Path, *, users: PrivateRabbitMQ | None = None, spool: bool = True,
+                 start_coordinator: bool = True, **coordinator_options: Any) -> None:
+        self.url = url  # the administrator's (guest): the test's own look at the broker, never a participant's
         self.tmp = tmp
         self.namespace = f"fbfault-{uuid.uuid4().hex[:8]}"
+        self.users = users  # the node that holds each participant's own broker user; None: everyone is guest
+        self.urls: dict[str, str] = {}
         self.spool_dir = tmp / "spool" if spool else None
         self.book = RoundBook(spool_dir=self.spool_dir)
         self.server, self.port = serve(self.book)
@@ -155,8 +161,20 @@ class Federation:
         if start_coordinator:
             self.start_coordinator(**coordinator_options)
 
-    def bus_for(self, **options: Any) -> Any:
-        return open_bus(self.url, namespace=self.namespace, **{**BUS_OPTIONS, **options})
+    @property
+    def mode(self) -> str:
+        return "guest" if self.users is None else "provisioned"
+
+    def url_for(self, who: str) -> str:
+        """The URL participant `who` logs in with: its own broker user (provisioned on first use), or guest's."""
+        if self.users is None:
+            return self.url
+        if who not in self.urls:
+            self.urls.update(self.users.provision(namespace=self.namespace, participants=[who]))
+        return self.urls[who]
+
+    def bus_for(self, who: str = "coordinator", **options: Any) -> Any:
+        return open_bus(self.url_for(who), namespace=self.namespace, **{**BUS_OPTIONS, **options})
 
     def start_coordinator(self, **options: Any) -> Coordinator:
         self.bus = self.bus_for()
@@ -177,11 +195,16 @@ class Federation:
     def worker_config(self, worker_id: str, *, index: int, count: int, dp: DPPolicy | None = None) -> WorkerConfig:
         return WorkerConfig(id=worker_id, partition=PartitionSection(num_clients=count, client_index=index),
                             dp=dp or DPPolicy(enabled=False), ledger_path=str(self.tmp / f"{worker_id}-ledger.json"), device="cpu",
-                            heartbeat_s=0.5)
+                            heartbeat_s=0.5, coordinator_broker_user=self.coordinator_user)
+
+    @property
+    def coordinator_user(self) -> str:
+        """The broker user whose tasks a worker trains ("" as guest: anyone's)."""
+        return "" if self.users is None else f"{self.namespace}-coordinator"
 
     def add_worker(self, worker_id: str, *, index: int, count: int, dp: DPPolicy | None = None,
                    agent_class: type[WorkerAgent] = WorkerAgent, **bus_options: Any) -> WorkerAgent:
-        bus = self.bus_for(client_name=f"{self.namespace}.{worker_id}", **bus_options)
+        bus = self.bus_for(worker_id, client_name=f"{self.namespace}.{worker_id}", **bus_options)
         agent = agent_class(self.worker_config(worker_id, index=index, count=count, dp=dp), bus)
         agent.retry_initial_s = 0.2
         agent.start()

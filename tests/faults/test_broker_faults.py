@@ -35,12 +35,13 @@ pytestmark = [pytest.mark.integration]
 
 @pytest.mark.timeout(150)
 def test_job_completes_across_a_broker_restart_and_no_task_is_lost(
-        broker_federation: Federation, broker: PrivateRabbitMQ, training: Training) -> None:
+        each_broker_federation: Federation, broker: PrivateRabbitMQ, training: Training) -> None:
     """RabbitMQ restarts while both workers hold round 3's task (unacked, untrained): the outage falls mid-job by
     construction. What matters: the job completes, every round has both updates (no task lost), nobody
     trained a round twice (the copy the broker redelivers after the outage is acked without training), and
-    nothing was dead-lettered. How many times a link reconnected, or when, depends on scheduling: not asserted."""
-    fed = broker_federation
+    nothing was dead-lettered. How many times a link reconnected, or when, depends on scheduling: not asserted.
+    As guest and with per-participant broker users: the redelivered copies are retried under the sites' own."""
+    fed = each_broker_federation
     held = HoldsRound.at(3)
     workers = [fed.add_worker(w, index=i, count=2, agent_class=held) for i, w in enumerate(("w0", "w1"))]
     already = {w: sample("fedbroker_worker_tasks_total", {"worker_id": w, "outcome": "already_uploaded"})

@@ -4,7 +4,8 @@ An invalid registration (a worker id the bus cannot route to) is dead-lettered w
 never stored, so it can never be selected and fail a running job. A valid registration of a worker that
 never consumes gets its task queue declared when it is accepted: its task waits there, it is a straggler,
 and the other workers get their tasks at once (before, its unroutable task was retried until the round's
-deadline, and the tasks after it in the publishing order were never sent)."""
+deadline, and the tasks after it in the publishing order were never sent). Each runs as guest and with
+per-participant broker users (`each_federation`)."""
 
 from __future__ import annotations
 
@@ -30,11 +31,11 @@ def rejected(reason: str) -> float:
 
 
 def test_an_invalid_registration_is_dead_lettered_never_stored_and_the_job_completes(
-        federation: Federation, training: Training) -> None:
-    fed = federation
+        each_federation: Federation, training: Training) -> None:
+    fed = each_federation
     fed.add_worker("w0", index=0, count=2)
     fed.add_worker("w1", index=1, count=2)
-    sender = fed.bus_for()
+    sender = fed.bus_for("sender")  # a site's bus (in provisioned mode, a site's own broker user)
     before = rejected("invalid_registration")
     try:
         sender.publish_control(registration("evil id"))
@@ -51,10 +52,10 @@ def test_an_invalid_registration_is_dead_lettered_never_stored_and_the_job_compl
 
 
 def test_a_registered_worker_without_a_consumer_is_a_straggler_and_the_others_get_their_tasks(
-        federation: Federation, training: Training) -> None:
-    fed = federation
+        each_federation: Federation, training: Training) -> None:
+    fed = each_federation
     fed.worker_ids.add("ghost")  # its queue is removed with the namespace
-    sender = fed.bus_for()
+    sender = fed.bus_for("sender")  # a site's bus (in provisioned mode, a site's own broker user)
     try:  # sorts before w0 and w1: published first
         sender.publish_control(registration("ghost"))
         wait_for(lambda: any(w.worker_id == "ghost" for w in fed.store.workers()), 30, "the ghost to register")

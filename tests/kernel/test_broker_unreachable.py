@@ -104,3 +104,43 @@ def test_both_links_say_a_problem_once_then_a_reminder_every_tenth_attempt(caplo
         problems.failed("consumer", refused, url, connected_before=True, delay=1)
         (lost,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert lost.startswith("bus: lost the connection to the broker at 127.0.0.1:")
+
+
+@pytest.mark.parametrize("scheme", ["amqp", "amqps"])
+def test_a_connection_closed_before_the_amqp_handshake_is_not_called_a_peer_that_does_not_speak_amqp(scheme):
+    """What a revoked site's worker meets (the broker ends the connection after its TLS handshake, or closes a
+    deleted user's): pika's IncompatibleProtocolError, from a real connection to a peer that closes it. It was
+    logged as "does not speak AMQP 0-9-1", which sent operators after the port instead of the revocation."""
+    import threading
+
+    import pika
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def close_each() -> None:
+        while True:
+            try:
+                peer, _ = server.accept()
+            except OSError:
+                return
+            peer.recv(64)
+            peer.close()
+
+    threading.Thread(target=close_each, daemon=True).start()
+    port = server.getsockname()[1]
+    params = pika.URLParameters(f"amqp://guest:guest@127.0.0.1:{port}/")
+    params.connection_attempts = 1
+    try:
+        with pytest.raises(pika.exceptions.AMQPConnectionError) as closed:
+            pika.BlockingConnection(params)
+    finally:
+        server.close()
+    line = describe(closed.value, f"{scheme}://guest:guest@127.0.0.1:{port}/")
+    assert "does not speak" not in line, line
+    if scheme == "amqps":
+        assert "the broker closed the connection right after the TLS handshake" in line
+        assert "whether this participant's certificate was revoked" in line
+    else:
+        assert "the connection was closed before the AMQP handshake finished" in line

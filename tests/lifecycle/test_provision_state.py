@@ -225,6 +225,19 @@ def test_a_revoked_name_is_never_issued_again(kits):
         lifecycle.add(kits, scientist={"name": "carol"})
 
 
+def test_a_name_is_unique_whatever_its_case_even_after_a_revocation(kits, capsys):
+    """`provision add --site HOSPITAL-B` after hospital-b was revoked: refused naming the existing one (it was
+    accepted, a second broker user, certificate and token for what a log reader takes for the same site)."""
+    lifecycle.revoke(kits, name="hospital-b")
+    before = snapshot(kits)
+    assert main(["provision", "add", "--out", str(kits), "--site", "HOSPITAL-B"]) == 2
+    err = capsys.readouterr().err
+    assert "'HOSPITAL-B' was issued already as 'hospital-b' (site, revoked)" in err, err
+    assert snapshot(kits) == before
+    with pytest.raises(ConfigError, match="'hospital-a' is used twice, in any case"):
+        parse_project({**PROJECT, "sites": [*PROJECT["sites"], {"name": "Hospital-A"}]})
+
+
 # ----- renew -----------------------------------------------------------------------------------------
 
 

@@ -155,18 +155,18 @@ def test_the_overlay_still_renders_after_add_and_revoke_with_the_crl_in_its_tls_
 @pytest.mark.integration
 @pytest.mark.timeout(400)
 def test_rabbitmq_runs_from_the_host_kit_with_mutual_tls_and_host_only_management(tmp_path):
-    """The kit's rabbitmq.conf as written (its paths relative to the kit), its two host-only ports moved to free
-    ones (this machine's 15672 may be taken): a site logs in over AMQPS with its kit; without its client
-    certificate it is refused; management and /metrics answer on 127.0.0.1."""
+    """The kit's rabbitmq.conf as written (its paths relative to the kit), its two host-only ports where the
+    project puts them (server.broker_management_port, broker_metrics_port: this machine's 15672 may be taken; they
+    were hard-coded): a site logs in over AMQPS with its kit; without its client certificate it is refused;
+    management and /metrics answer on 127.0.0.1, and the kit's Prometheus config scrapes that port."""
     scripts = server_scripts()
     broker_port, management, metrics = free_ports(3)
-    kits = kits_of(tmp_path, host="localhost", listen="127.0.0.1", broker_port=broker_port)
+    kits = kits_of(tmp_path, host="localhost", listen="127.0.0.1", broker_port=broker_port,
+                   broker_management_port=management, broker_metrics_port=metrics)
     server = kits / "server"
-    conf_file = server / "rabbitmq/rabbitmq.conf"
-    text = conf_file.read_text()
-    assert "management.tcp.port = 15672\n" in text and "prometheus.tcp.port = 15692\n" in text
-    conf_file.write_text(text.replace("management.tcp.port = 15672", f"management.tcp.port = {management}")
-                         .replace("prometheus.tcp.port = 15692", f"prometheus.tcp.port = {metrics}"))
+    scrape = yaml.safe_load((server / "prometheus/prometheus.yml").read_text())
+    assert {c["job_name"]: c["static_configs"][0]["targets"] for c in scrape["scrape_configs"]}["rabbitmq"] == [
+        f"127.0.0.1:{metrics}"]
     node = KitBroker(server, scripts, kits / "sites/hospital-a")
     try:
         node.start()

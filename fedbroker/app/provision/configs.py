@@ -210,15 +210,14 @@ def host_rabbitmq_conf(project: Project) -> str:
         + _SSL_NOTE +
         "# the management UI and /metrics: this host only (server.metrics_addr)\n"
         f"management.tcp.ip = {project.metrics_addr}\n"
-        "management.tcp.port = 15672\n"
+        f"management.tcp.port = {project.broker_management_port}\n"
         f"prometheus.tcp.ip = {project.metrics_addr}\n"
-        "prometheus.tcp.port = 15692\n"
+        f"prometheus.tcp.port = {project.broker_metrics_port}\n"
         + _COMMON + "load_definitions = rabbitmq/definitions.json\n"
     )
 
 
 RABBITMQ_PLUGINS = "[rabbitmq_management,rabbitmq_prometheus].\n"
-BROKER_METRICS_PORT = 15692
 
 
 def _scrape_host(addr: str) -> str:
@@ -233,7 +232,7 @@ def server_scrape_doc(project: Project) -> dict[str, Any]:
     names the project's alert rules use (deploy/prometheus/alerts.yml)."""
     host = _scrape_host(project.metrics_addr)
     jobs = [("fedbroker-aggregator", project.aggregator_metrics_port),
-            ("fedbroker-coordinator", project.coordinator_metrics_port), ("rabbitmq", BROKER_METRICS_PORT)]
+            ("fedbroker-coordinator", project.coordinator_metrics_port), ("rabbitmq", project.broker_metrics_port)]
     return _scrape_doc(project, [(job, f"{host}:{port}") for job, port in jobs if port])
 
 

@@ -120,10 +120,14 @@ def add(out: str | Path, *, site: Mapping[str, Any] | None = None, scientist: Ma
 
 def _add(opened: Opened, entry: dict[str, Any], kind: str) -> Path:
     name = entry.get("name")
-    if isinstance(name, str) and name in opened.record.participants:
-        known = opened.record.participants[name]
-        raise ConfigError(f"--{kind}", f"{name!r} was issued already ({known.kind}, {known.status}): a name is "
-                                       f"never reused")
+    # case-insensitively: a broker user, a certificate's CN or a token identity that differs only in case
+    # (HOSPITAL-B after hospital-b was revoked) is the same participant to a person reading a log
+    same = [n for n in opened.record.participants if isinstance(name, str) and n.casefold() == name.casefold()]
+    if same:
+        known = opened.record.participants[same[0]]
+        as_ = "" if same[0] == name else f" as {same[0]!r}"
+        raise ConfigError(f"--{kind}", f"{name!r} was issued already{as_} ({known.kind}, {known.status}): a name is "
+                                       f"never reused, whatever its case")
     doc = opened.record.project_doc()
     doc[f"{kind}s"].append(entry)
     parsed = parse_project(doc)   # the name's rule, its uniqueness, and a site's worker settings as it loads them

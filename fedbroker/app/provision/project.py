@@ -21,7 +21,8 @@ _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([
 _NAME_RULE = "must be 1-63 letters, digits, '_', '.' or '-'"
 _PROJECT_KEYS = {"name", "server", "sites", "scientists", "validity_days"}
 _SERVER_KEYS = {"host", "sans", "listen", "coordinator_port", "aggregator_port", "broker_port", "namespace",
-                "metrics_addr", "coordinator_metrics_port", "aggregator_metrics_port"}
+                "metrics_addr", "coordinator_metrics_port", "aggregator_metrics_port", "broker_management_port",
+                "broker_metrics_port"}
 # the server's own /metrics ports on a host (0: none); on Kubernetes every pod serves 9400
 _METRICS_PORTS = (("aggregator_metrics_port", 9401), ("coordinator_metrics_port", 9402))
 _SITE_KEYS = {"name", "categories", "worker"}
@@ -58,6 +59,8 @@ class Project:
     coordinator_port: int = 50052
     aggregator_port: int = 50051
     broker_port: int = 5671
+    broker_management_port: int = 15672  # the host kit's broker: its management UI, on metrics_addr
+    broker_metrics_port: int = 15692     # ... and its Prometheus endpoint (another broker on the host may hold these)
     namespace: str = "fedbroker"       # the broker's topology prefix (broker.namespace)
     validity_days: int = 365
     sites: tuple[Site, ...] = ()
@@ -74,6 +77,8 @@ class _Server(NamedTuple):
     coordinator_port: int
     aggregator_port: int
     broker_port: int
+    broker_management_port: int
+    broker_metrics_port: int
     namespace: str
 
 
@@ -120,9 +125,9 @@ def parse_project(raw: object) -> Project:
                f"must be a whole number of days in [1, 3650], got {validity!r}")
     sites = _parse_sites(raw.get("sites"), check)
     people = _parse_scientists(raw.get("scientists", []), check)
-    names = [s.name for s in sites] + [p.name for p in people] + ["coordinator"]
-    for dup in sorted({n for n in names if names.count(n) > 1}):
-        check.add("sites/scientists", f"the name {dup!r} is used twice (or is 'coordinator'); "
+    names = [s.name.casefold() for s in sites] + [p.name.casefold() for p in people] + ["coordinator"]
+    for dup in sorted({n for n in names if names.count(n) > 1}):   # unique whatever the case (a log reader's view)
+        check.add("sites/scientists", f"the name {dup!r} is used twice, in any case (or is 'coordinator'); "
                                       f"every participant needs its own identity")
     if check.found:
         raise check.found[0] if len(check.found) == 1 else ConfigErrors(check.found)
@@ -130,7 +135,8 @@ def parse_project(raw: object) -> Project:
                    metrics_addr=server.metrics_addr, aggregator_metrics_port=server.aggregator_metrics_port,
                    coordinator_metrics_port=server.coordinator_metrics_port,
                    coordinator_port=server.coordinator_port, aggregator_port=server.aggregator_port,
-                   broker_port=server.broker_port, namespace=server.namespace, validity_days=int(validity),
+                   broker_port=server.broker_port, broker_management_port=server.broker_management_port,
+                   broker_metrics_port=server.broker_metrics_port, namespace=server.namespace, validity_days=int(validity),
                    sites=tuple(sites), scientists=tuple(people))
 
 
@@ -149,7 +155,8 @@ def _parse_server(server: object, check: _Problems) -> _Server:
         for i, s in enumerate(sans):
             check.need(_is_host(s), f"server.sans[{i}]", f"not a DNS name or IP address: {s!r}")
     ports = {}
-    for key, default in (("coordinator_port", 50052), ("aggregator_port", 50051), ("broker_port", 5671)):
+    for key, default in (("coordinator_port", 50052), ("aggregator_port", 50051), ("broker_port", 5671),
+                         ("broker_management_port", 15672), ("broker_metrics_port", 15692)):
         value = server.get(key, default)
         check.need(_is_int_in(value, 1, 65535), f"server.{key}", f"must be a port in [1, 65535], got {value!r}")
         ports[key] = value

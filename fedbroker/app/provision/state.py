@@ -110,6 +110,8 @@ class State:
                        listen=server["listen"], metrics_addr=server["metrics_addr"],
                        coordinator_port=server["coordinator_port"], aggregator_port=server["aggregator_port"],
                        broker_port=server["broker_port"], namespace=server["namespace"],
+                       broker_management_port=server.get("broker_management_port", 15672),
+                       broker_metrics_port=server.get("broker_metrics_port", 15692),
                        coordinator_metrics_port=server["coordinator_metrics_port"],
                        aggregator_metrics_port=server["aggregator_metrics_port"],
                        validity_days=self.project["validity_days"],
@@ -133,7 +135,9 @@ def settings_doc(project: Project) -> dict[str, Any]:
                        "metrics_addr": project.metrics_addr, "coordinator_port": project.coordinator_port,
                        "aggregator_port": project.aggregator_port, "broker_port": project.broker_port,
                        "namespace": project.namespace, "coordinator_metrics_port": project.coordinator_metrics_port,
-                       "aggregator_metrics_port": project.aggregator_metrics_port}}
+                       "aggregator_metrics_port": project.aggregator_metrics_port,
+                       "broker_management_port": project.broker_management_port,
+                       "broker_metrics_port": project.broker_metrics_port}}
 
 
 def site_doc(site: Site) -> dict[str, Any]:
