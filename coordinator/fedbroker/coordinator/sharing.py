@@ -244,8 +244,8 @@ def receive_reply(store: StateStore, reply: pb.ShareReply) -> list[str]:
 
 def reply_problems(phase: SharePhaseRecord, answer: ShareAnswer, worker: WorkerRecord | None) -> list[str]:
     """What a reply holds against what its job asked of the site: a histogram only if asked, of at most the
-    model's classes; statistics only if asked, one sum per feature, over at most the rows the site registered;
-    an exact release within what its data can give."""
+    model's classes, an exact one summing to at most the rows the site registered; statistics only if asked,
+    one sum per feature, over at most those rows (whether the sums could be true: `implausible_statistics`)."""
     if worker is None:
         return ["the worker is not registered"]
     if answer.refused:
