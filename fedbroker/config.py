@@ -250,7 +250,8 @@ class WorkerConfig:
     # reads within ~1-2 %, enough for class shares (PFNM/NAFI) and DWFed's ISH, while no exact count leaves.
     histogram_epsilon: float = 1.0
     # statistics_epsilon: the Gaussian mechanism on per-feature sums and sums of squares (data.standardize:
-    # federated), at this ε and the δ of the site's DP policy (1e-5 when its DP is off).
+    # federated), at this ε and the δ of the site's DP policy (1e-5 when its DP is off). 0 or at least 0.1: a
+    # coordinator excludes statistics noised more widely (fedbroker/statistics_release.py).
     statistics_epsilon: float = 1.0
     evaluation: str = "allow"          # allow | deny: score jobs' global models on this site's held-out split
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter

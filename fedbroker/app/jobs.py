@@ -241,7 +241,8 @@ def follow_events(c: Any, job_id: str, *, follow: bool) -> Iterator[Any]:
 
 
 # What sites shared with the job before round 1 (coordinator/sharing.py), as `jobs show` lists it.
-SHARE_EVENTS = ("share_requested", "shared", "share_refused", "not_shared", "histograms_shared", "statistics_agreed")
+SHARE_EVENTS = ("share_requested", "shared", "share_refused", "statistics_excluded", "not_shared", "histograms_shared",
+                "statistics_agreed")
 ASYNC_KINDS = {"round_opened": "buffer_filled", "round_closed": "version_published"}  # an async job has versions, not rounds
 
 

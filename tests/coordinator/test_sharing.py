@@ -31,6 +31,7 @@ from fedbroker.coordinator.store_shares import SharePhaseRecord, ShareRecord, Sh
 from fedbroker.label_stats import reported_ish
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import parse_job, parse_model
+from fedbroker.statistics_release import statistics_sigma
 from fedbroker.worker.job_settings import JobSettingsCache
 
 pytestmark = pytest.mark.timeout(120)
@@ -282,9 +283,6 @@ def send(coordinator: Coordinator, reply: pb.ShareReply, sender: str | None = No
     (statistics("a", feature_sum=[1.0, 2.0], feature_sq_sum=[1.0, 1.0]), "a", "2 values, the job's model takes 3"),
     (statistics("a", count=101), "a", "above the 100 samples the site registered"),
     (statistics("a", feature_sum=[1.0, float("nan"), 2.0]), "a", "finite"),
-    (statistics("a", statistics_noised=False, statistics_epsilon=0.0, statistics_delta=0.0,
-                feature_sq_sum=[11.0, 10.0, 15.0]), "a",
-     "exact sums of values rescaled to [0, 1] must lie in [0, count]"),            # a square above its value
     (statistics("a", statistics_noised=False), "a", "statistics_noised: is False but statistics_epsilon is 0.5"),
     (statistics("a", refused=True, reason="no"), "a", "a refusal shares nothing"),
     (pb.ShareReply(job_id="j-1", worker_id="a"), "a", "missing: the job asked for them"),
@@ -297,6 +295,48 @@ def test_a_forged_or_mismatched_reply_is_refused_and_changes_nothing(
     assert send(coordinator, reply, sender) == "dead"
     assert why in caplog.text
     assert (store.shares("j-1"), store.events("j-1"), store.recorded_epsilon("a")) == before
+
+
+def sigma() -> float:
+    """The σ of the fixture's noised statistics (3 features at ε 0.5, δ 1e-5)."""
+    return statistics_sigma(features=3, epsilon=0.5, delta=1e-5)
+
+
+@pytest.mark.parametrize(("fields", "why"), [
+    ({"feature_sum": [1e15, -1e15, 1e15], "feature_sq_sum": [1e15, 1e15, -1e15]},      # the attack: every bound
+     "feature_sum: 3 value(s) ([0] 1e+15, [1] -1e+15, [2] 1e+15) outside [0, 50]"),
+    ({"feature_sum": [10.0, 50 + 6.01 * sigma(), 30.0]}, "feature_sum: 1 value(s) ([1] "),   # just past count + 6σ
+    ({"feature_sq_sum": [5.0, -6.01 * sigma(), 15.0]}, "feature_sq_sum: 1 value(s) ([1] "),   # just below -6σ
+    ({"feature_sum": [0.0, 20.0, 30.0], "feature_sq_sum": [8.6 * sigma(), 10.0, 15.0]},     # Q - S > 6·sqrt(2)·σ
+     "feature_sq_sum: 1 value(s) ([0] "),
+    ({"statistics_epsilon": 0.09, "feature_sum": [10.0, 20.0, 30.0]}, "below the least this coordinator takes"),
+    ({"statistics_delta": 1e-11}, "below the least this coordinator takes"),
+    ({"statistics_noised": False, "statistics_epsilon": 0.0, "statistics_delta": 0.0,   # exact: a square above its value
+      "feature_sq_sum": [11.0, 10.0, 15.0]}, "above its feature's sum"),
+    ({"statistics_noised": False, "statistics_epsilon": 0.0, "statistics_delta": 0.0,   # exact: a sum above its count
+      "feature_sum": [10.0, 50.01, 30.0], "feature_sq_sum": [5.0, 10.0, 15.0]}, "outside [0, 50]"),
+])
+def test_statistics_no_rows_could_give_are_excluded_and_named_and_the_site_not_selected(
+        phase: tuple[Coordinator, StateStore], fields: dict[str, Any], why: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Break 9 of "Hardening, fourth pass": a site's ±1e15 noised sums (within the control queue's cap) set every
+    feature's agreed mean to its bound. A reply whose statistics cannot be true is kept as `excluded`, named in
+    the job's events, the site's history and the log, and the site is not selected; a plausible one is kept."""
+    coordinator, store = phase
+    assert send(coordinator, statistics("a", **fields)) == "ack"
+    assert send(coordinator, statistics("b", feature_sum=[10.0, 50 + 5.9 * sigma(), -5.9 * sigma()])) == "ack"
+    a, b, _ = store.shares("j-1")
+    assert (a.status, b.status) == (ShareStatus.EXCLUDED, ShareStatus.SHARED)
+    assert why in a.reason
+    (event,) = [e for e in store.events("j-1") if e.kind == "statistics_excluded"]
+    assert event.worker_id == "a" and why in event.message and "not selected for this job" in event.message
+    assert why in caplog.text and "worker a's feature statistics for job j-1 are excluded" in caplog.text
+    assert any(e.kind == "statistics_excluded" and why in e.message for e in store.site_events("a"))
+    assert store.recorded_epsilon("a") == 1.0  # what it stated never reaches the record
+    store.close_share_phase("j-1", model_spec_json="", events=[])
+    unselectable = coordinator.context.why_unaffordable("j-1", parse_job(job("j")))
+    assert "did not share what this job needs before round 1 (excluded: " in unselectable["a"]
+    assert not unselectable["b"]
 
 
 def test_a_reply_is_taken_once_and_not_after_the_deadline(phase: tuple[Coordinator, StateStore],

@@ -16,17 +16,11 @@ from scipy import integrate
 from scipy.stats import norm
 
 from fedbroker.config import DPPolicy
-from fedbroker.errors import ConfigErrors
+from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import parse_model
-from fedbroker.worker.feature_statistics import (
-    BadBounds,
-    clipped_sums,
-    feature_bounds,
-    gaussian_delta,
-    gaussian_sigma,
-    release_statistics,
-)
+from fedbroker.statistics_release import gaussian_delta, gaussian_sigma
+from fedbroker.worker.feature_statistics import BadBounds, clipped_sums, feature_bounds, release_statistics
 from fedbroker.worker.ledger import PrivacyLedger, source_digest
 from fedbroker.worker.sharing import STATISTICS_DELTA_WITHOUT_DP, ShareRefused, Sharing
 
@@ -209,6 +203,20 @@ def test_bad_epsilons_are_refused_together_naming_each_setting(tmp_path: Path) -
     with pytest.raises(ConfigErrors) as info:
         sharing(tmp_path, histogram_epsilon=-1.0, statistics_epsilon=math.inf)
     assert [e.field for e in info.value.errors] == ["worker.histogram_epsilon", "worker.statistics_epsilon"]
+
+
+def test_noise_wider_than_any_coordinator_takes_is_refused_at_start_not_spent(tmp_path: Path) -> None:
+    """A coordinator excludes statistics noised below ε 0.1 or δ 1e-10 (fedbroker.statistics_release): the site is
+    told at start, before any ε is spent on a release nobody would use."""
+    with pytest.raises(ConfigError, match=r"must be 0 \(exact\) or at least 0.1, got 0.05"):
+        sharing(tmp_path, statistics_epsilon=0.05)
+    tiny = DPPolicy(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-12, epsilon_budget=10.0)
+    with pytest.raises(ConfigError, match=r"is 1e-12, below 1e-10") as info:
+        sharing(tmp_path, dp=tiny)
+    assert info.value.field == "worker.dp.delta"
+    assert sharing(tmp_path, dp=tiny, standardize="site").statistics_delta == 1e-12   # it never shares statistics
+    assert sharing(tmp_path, dp=tiny, statistics_epsilon=0.0).statistics_epsilon == 0.0  # exact ones: no δ
+    assert not PrivacyLedger(str(tmp_path / "ledger.json")).total_epsilon()
 
 
 # ----- the model's preprocessing against data.standardize -----

@@ -83,8 +83,11 @@ class ControlHandler:
                 return
             self.senders.check(env, delivery.sender)
             if env.WhichOneof("message") == "share_reply":  # a late, unasked or mismatched one is refused here
-                receive_reply(self.store, env.share_reply)
+                excluded = receive_reply(self.store, env.share_reply)
                 delivery.ack()
+                if excluded:  # the site's own history says so too (`sites show`)
+                    self._site_event(env.share_reply.worker_id, "statistics_excluded",
+                                     f"job {env.share_reply.job_id}: " + "; ".join(excluded), error=True)
                 return
         except (envelope.MalformedMessage, InvalidControlMessage, ForeignSender) as exc:
             log.warning("dead-lettering a control message: %s", printable(str(exc), limit=MAX_REASON_CHARS))

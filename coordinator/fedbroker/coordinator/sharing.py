@@ -7,6 +7,13 @@ until each answered or `schedule.wait_for_workers_s` passed, and goes on with th
 `schedule.min_workers`, else it fails naming who did not and why). A site that did not share is never
 selected for the job. Each reply is checked against what was asked (`receive_reply`) before it is stored.
 
+A site's statistics must be ones its rows could give: sums and sums of squares within [0, count] widened by
+the noise's plausible range at the ε and δ it states, never less than the kernel's least ε and δ
+(fedbroker.statistics_release), over at most the rows it registered. A reply that is not is recorded
+`excluded`, named in the job's events and the coordinator's log, and its site is not selected: one site's
+±1e15 sums once set every feature's agreed mean to its bound. The job goes on with the others if enough
+shared.
+
 Federated standardisation: the sites send, per flattened input feature, the sum and the sum of squares of
 their training values clipped to the job's bounds and rescaled to [0, 1], and their row count. The pooled
 mean and variance are rescaled to the features' units and become a `standardize` layer in front of the
@@ -37,6 +44,7 @@ from fedbroker.coordinator.store_shares import ShareAnswer, SharePhaseRecord, Sh
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import JobSpec, ModelSpec, parse_model
 from fedbroker.spec_data import STANDARDIZE_LAYER
+from fedbroker.statistics_release import release_problems
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +54,6 @@ MIN_SHARE_WAIT_S = 5.0     # the least a share phase waits for replies (wait_for
 # tabular example's training (no DP clipping to tame it) diverged to NaN. 1/20 of the range bounds the scale-up
 # at 20 range-units, and a feature whose real spread is smaller is only left less stretched than unit variance.
 MIN_STD_FRACTION = 0.05
-_SLACK = 1e-6              # float noise in an exact sum
 
 
 def asks(job: JobSpec) -> tuple[bool, bool]:
@@ -137,7 +144,7 @@ def _close(ctx: JobContext, job_id: str, job: JobSpec, phase: SharePhaseRecord) 
     waited = phase.deadline - phase.started
     parts = {s.worker_id: _part(s, waited) for s in rows if s.status != ShareStatus.SHARED}
     events = [("not_shared", w, f"{part}: not selected for this job") for w, part in parts.items()
-              if not part.startswith("not asked")]  # those were told when the phase opened
+              if not part.startswith(("not asked", "excluded"))]  # those were told when asked, or excluded
     if len(shared) < job.schedule.min_workers:
         ctx.store.close_share_phase(job_id, model_spec_json="", events=events)
         raise JobFailed(f"only {len(shared)} site(s) shared what the job needs before round 1, schedule.min_workers "
@@ -159,6 +166,8 @@ def _close(ctx: JobContext, job_id: str, job: JobSpec, phase: SharePhaseRecord) 
 def _part(share: ShareRecord, waited: float) -> str:
     if share.status == ShareStatus.REFUSED:
         return f"refused ({share.reason or 'no reason given'})"
+    if share.status == ShareStatus.EXCLUDED:
+        return f"excluded ({share.reason})"
     if share.status in (ShareStatus.ASKED, ShareStatus.SILENT):  # asked: the phase is closing without its reply
         return f"no reply within {waited:.0f}s"
     if share.status == ShareStatus.NOT_ASKED:
@@ -206,10 +215,10 @@ def _some(indices: np.ndarray, shown: int = 10) -> str:
 
 # ----- replies, from the control queue's thread -----
 
-def receive_reply(store: StateStore, reply: pb.ShareReply) -> None:
+def receive_reply(store: StateStore, reply: pb.ShareReply) -> list[str]:
     """Record a site's share reply (already checked on its own: control.check_control, and bound to its sender:
     control.SenderBinding), or raise InvalidControlMessage naming why it is refused: it is then never stored,
-    and nothing else changes."""
+    and nothing else changes. Returns why its statistics were excluded ([]: they were not)."""
     worker = next((w for w in store.workers() if w.worker_id == reply.worker_id), None)
     answer = ShareAnswer(
         refused=reply.refused, reason=reply.reason[:MAX_REASON_CHARS], histogram=list(reply.label_histogram),
@@ -217,21 +226,26 @@ def receive_reply(store: StateStore, reply: pb.ShareReply) -> None:
         feature_sum=list(reply.feature_sum), feature_sq_sum=list(reply.feature_sq_sum), count=reply.count,
         statistics_noised=reply.statistics_noised, statistics_epsilon=reply.statistics_epsilon,
         statistics_delta=reply.statistics_delta)
+    excluded = implausible_statistics(answer)
     problems = store.record_share(reply.job_id, reply.worker_id, answer,
-                                  lambda phase: reply_problems(phase, answer, worker))
+                                  lambda phase: reply_problems(phase, answer, worker), excluded=excluded)
     if problems:
         raise InvalidControlMessage("share_reply", problems)
+    if excluded:
+        log.warning("worker %s's feature statistics for job %s are excluded (not selected for it): %s",
+                    reply.worker_id, reply.job_id, "; ".join(excluded))
     for what, sent in (("histogram", answer.histogram), ("statistics", answer.count)):
         if sent and not answer.refused:  # the site's record lists what it shared with the job (SiteRecord)
             store.note_site_share(reply.job_id, reply.worker_id, what)
     log.info("worker %s %s job %s", reply.worker_id, "refused to share with" if reply.refused else "shared with",
              reply.job_id)
+    return excluded
 
 
 def reply_problems(phase: SharePhaseRecord, answer: ShareAnswer, worker: WorkerRecord | None) -> list[str]:
     """What a reply holds against what its job asked of the site: a histogram only if asked, of at most the
-    model's classes; statistics only if asked, one sum per feature, over at most the rows the site registered;
-    an exact release within what its data can give."""
+    model's classes, an exact one summing to at most the rows the site registered; statistics only if asked,
+    one sum per feature, over at most those rows (whether the sums could be true: `implausible_statistics`)."""
     if worker is None:
         return ["the worker is not registered"]
     if answer.refused:
@@ -259,11 +273,13 @@ def _statistics_problems(phase: SharePhaseRecord, answer: ShareAnswer, worker: W
         out.append(f"feature_sum: {len(answer.feature_sum)} values, the job's model takes {phase.features} features")
     if answer.count > worker.num_samples:
         out.append(f"count: {answer.count} rows, above the {worker.num_samples} samples the site registered")
-    if not answer.statistics_noised and not out:
-        # exact sums of values in [0, 1]: each in [0, count], a square never above its value
-        limit = answer.count * (1 + _SLACK) + _SLACK
-        if not all(-_SLACK <= s <= limit and -_SLACK <= q <= s + limit * _SLACK
-                   for s, q in zip(answer.feature_sum, answer.feature_sq_sum)):
-            out.append(f"feature_sum, feature_sq_sum: exact sums of values rescaled to [0, 1] must lie in "
-                       f"[0, count] (a sum of squares at most its sum), and {answer.count} rows cannot give these")
     return out
+
+
+def implausible_statistics(answer: ShareAnswer) -> list[str]:
+    """Why the statistics a reply holds cannot be true (fedbroker.statistics_release); [] when they can, or it
+    holds none."""
+    if answer.refused or not answer.count:
+        return []
+    return release_problems(answer.feature_sum, answer.feature_sq_sum, count=answer.count,
+                            epsilon=answer.statistics_epsilon, delta=answer.statistics_delta)

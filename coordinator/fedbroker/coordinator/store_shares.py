@@ -43,13 +43,14 @@ CREATE INDEX IF NOT EXISTS shares_by_worker ON shares (worker_id, status);
 
 
 class ShareStatus(enum.StrEnum):
-    """A site's part in a job's share phase: `asked` until it answers (`shared`, `refused`) or the phase ends
-    without its answer (`silent`); `not_asked`: the job could not select it then (its reason says why), or it
-    registered after the phase."""
+    """A site's part in a job's share phase: `asked` until it answers (`shared`, `refused`, `excluded`: what it
+    sent cannot be true, its reason says why) or the phase ends without its answer (`silent`); `not_asked`: the
+    job could not select it then (its reason says why), or it registered after the phase."""
 
     ASKED = "asked"
     SHARED = "shared"
     REFUSED = "refused"
+    EXCLUDED = "excluded"
     SILENT = "silent"
     NOT_ASKED = "not_asked"
 
@@ -171,11 +172,13 @@ class ShareTables:
             "UPDATE share_phases SET deadline = ? WHERE job_id = ? AND status = 'open'", (deadline, job_id)))
 
     def record_share(self, job_id: str, worker_id: str, answer: ShareAnswer,
-                     check: Callable[[SharePhaseRecord], list[str]]) -> list[str]:
+                     check: Callable[[SharePhaseRecord], list[str]], *, excluded: Sequence[str] = ()) -> list[str]:
         """Record a site's reply, or say why not (nothing changes then): the job must be running its share
         phase, the site asked and not answered yet, the phase's deadline not passed, and `check` (what the
-        reply holds against what was asked) find nothing. One transaction, so a phase that closes meanwhile
-        takes no reply after its close."""
+        reply holds against what was asked) find nothing. A reply with reasons to be `excluded` (its statistics
+        cannot be true) is recorded so, with an event naming them: the site answered, and nothing it sent is
+        used. One transaction,
+        so a phase that closes meanwhile takes no reply after its close."""
         self._share_tables()
         now = time.time()
 
@@ -197,19 +200,26 @@ class ShareTables:
             problems = check(phase)
             if problems:
                 return problems
+            why = "; ".join(excluded) if not answer.refused else ""
+            status = ShareStatus.REFUSED if answer.refused else ShareStatus.EXCLUDED if why else ShareStatus.SHARED
             charged = 0.0 if answer.refused else _new_cost(db, worker_id, answer)
             db.execute(
                 "UPDATE shares SET status = ?, reason = ?, time = ?, histogram_json = ?, histogram_noised = ?,"
                 " histogram_epsilon = ?, feature_sum_json = ?, feature_sq_sum_json = ?, count = ?,"
                 " statistics_noised = ?, statistics_epsilon = ?, statistics_delta = ?, charged_epsilon = ?"
                 " WHERE job_id = ? AND worker_id = ?",
-                (ShareStatus.REFUSED if answer.refused else ShareStatus.SHARED, answer.reason, now,
+                (status, why or answer.reason, now,
                  json.dumps([int(c) for c in answer.histogram]), int(answer.histogram_noised), answer.histogram_epsilon,
                  json.dumps([float(v) for v in answer.feature_sum]), json.dumps([float(v) for v in answer.feature_sq_sum]),
                  answer.count, int(answer.statistics_noised), answer.statistics_epsilon, answer.statistics_delta,
                  charged, job_id, worker_id))
-            _event(db, job_id, "share_refused" if answer.refused else "shared", worker_id=worker_id,
-                   message=answer.reason if answer.refused else _what_shared(answer, charged))
+            if why:
+                _event(db, job_id, "statistics_excluded", worker_id=worker_id, message=(
+                    f"{_what_shared(answer, charged)}; excluded: {why}; its statistics are left out of the "
+                    f"agreed ones and it is not selected for this job"))
+            else:
+                _event(db, job_id, "share_refused" if answer.refused else "shared", worker_id=worker_id,
+                       message=answer.reason if answer.refused else _what_shared(answer, charged))
             return []
 
         return self._write(f"record the share reply of worker {worker_id!r} to job {job_id!r}", write)

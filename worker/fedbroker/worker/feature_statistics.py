@@ -8,63 +8,25 @@ rescaled to [0, 1]: u_j = (clip(x_j) - lower_j) / (upper_j - lower_j). The relea
 the rescaled units; whoever combines them maps back: mean_j = lower_j + (upper_j - lower_j)·S_j/n and
 var_j = (upper_j - lower_j)²·(Q_j/n - (S_j/n)²).
 
-The noise is calibrated by the analytic Gaussian mechanism (Balle & Wang, "Improving the Gaussian Mechanism
-for Differential Privacy", ICML 2018, Theorem 8): N(0, σ²) per coordinate is (ε, δ)-DP for sensitivity Δ
-exactly when Φ(Δ/2σ - εσ/Δ) - e^ε Φ(-Δ/2σ - εσ/Δ) <= δ, and σ is the smallest value meeting it. The
-textbook σ = Δ·sqrt(2 ln(1.25/δ))/ε holds only for ε < 1 (and is looser there).
+The noise is calibrated by the analytic Gaussian mechanism (fedbroker.statistics_release, in the kernel: the
+coordinator bounds what a release may hold with the same σ).
 """
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import norm
 
 from fedbroker.errors import FedbrokerError
+from fedbroker.statistics_release import statistics_sigma
 
 
 class BadBounds(FedbrokerError):
     """The clipping range a request names does not fit this site's features."""
 
     reason = "bad_bounds"
-
-
-def gaussian_delta(sigma: float, *, epsilon: float, sensitivity: float) -> float:
-    """The smallest δ for which N(0, σ²) noise on a query of L2 `sensitivity` is (ε, δ)-DP (the exact
-    condition of the analytic Gaussian mechanism, module docstring)."""
-    a, b = sensitivity / (2.0 * sigma), epsilon * sigma / sensitivity
-    # e^ε·Φ(-a-b) in logs: e^ε alone overflows for large ε where Φ(-a-b) is tiny
-    return float(norm.cdf(a - b) - math.exp(epsilon + float(norm.logcdf(-a - b))))
-
-
-def gaussian_sigma(*, epsilon: float, delta: float, sensitivity: float) -> float:
-    """The smallest σ (to 1e-12 relative) for which `gaussian_delta(σ) <= delta`; σ scales with the
-    sensitivity, so the search runs at sensitivity 1. δ(σ) falls as σ grows."""
-    if not (math.isfinite(epsilon) and epsilon > 0 and 0 < delta < 1 and math.isfinite(sensitivity)
-            and sensitivity > 0):
-        raise ValueError(f"need ε > 0, 0 < δ < 1 and sensitivity > 0, got {epsilon}, {delta}, {sensitivity}")
-    return _unit_sigma(float(epsilon), float(delta)) * sensitivity
-
-
-@functools.lru_cache(maxsize=64)
-def _unit_sigma(epsilon: float, delta: float) -> float:
-    hi = 1.0
-    while gaussian_delta(hi, epsilon=epsilon, sensitivity=1.0) > delta:
-        hi *= 2.0
-    lo = hi / 2.0
-    while lo > 1e-12 and gaussian_delta(lo, epsilon=epsilon, sensitivity=1.0) <= delta:
-        lo /= 2.0
-    while hi - lo > 1e-12 * hi:  # invariant: δ(lo) > delta >= δ(hi)
-        mid = (lo + hi) / 2.0
-        if gaussian_delta(mid, epsilon=epsilon, sensitivity=1.0) <= delta:
-            hi = mid
-        else:
-            lo = mid
-    return hi
 
 
 def feature_bounds(lower: Sequence[float], upper: Sequence[float], features: int) -> tuple[np.ndarray, np.ndarray]:
@@ -109,6 +71,6 @@ def release_statistics(exact: np.ndarray, *, epsilon: float, delta: float, rng: 
     d = len(exact) // 2
     if not epsilon:
         return StatisticsDraw(exact[:d].copy(), exact[d:].copy(), 0.0, 0.0)
-    sigma = gaussian_sigma(epsilon=epsilon, delta=delta, sensitivity=math.sqrt(2 * d))
+    sigma = statistics_sigma(features=d, epsilon=epsilon, delta=delta)
     noised = exact + rng.normal(0.0, sigma, size=exact.shape)
     return StatisticsDraw(noised[:d], noised[d:], float(epsilon), float(delta))

@@ -30,6 +30,7 @@ from fedbroker.errors import BudgetExceeded, ConfigError, ConfigErrors, TaskRefu
 from fedbroker.label_stats import noisy_histogram
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import ModelSpec
+from fedbroker.statistics_release import MIN_STATISTICS_DELTA, MIN_STATISTICS_EPSILON
 from fedbroker.worker.feature_statistics import (
     BadBounds,
     StatisticsDraw,
@@ -64,6 +65,16 @@ class Sharing:
                     for name, value in (("histogram_epsilon", histogram_epsilon),
                                         ("statistics_epsilon", statistics_epsilon))
                     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf")]
+        valid = not any(p.field == "worker.statistics_epsilon" for p in problems)
+        if valid and 0 < statistics_epsilon < MIN_STATISTICS_EPSILON:  # the coordinator would leave it out
+            problems.append(ConfigError("worker.statistics_epsilon", f"must be 0 (exact) or at least "
+                                        f"{MIN_STATISTICS_EPSILON:g}, got {statistics_epsilon!r}: a coordinator takes "
+                                        f"no statistics noised more widely (they could hide any sums)"))
+        shares = valid and statistics_epsilon and standardize != "site"
+        if shares and dp is not None and dp.delta < MIN_STATISTICS_DELTA:
+            problems.append(ConfigError("worker.dp.delta", f"is {dp.delta:g}, below {MIN_STATISTICS_DELTA:g}: a "
+                                        f"coordinator takes no statistics noised at so small a δ (set "
+                                        f"worker.statistics_epsilon 0 for exact ones, or raise δ)"))
         if problems:
             raise problems[0] if len(problems) == 1 else ConfigErrors(problems)
         self.worker_id, self.categories, self.ledger, self.dp = worker_id, tuple(categories), ledger, dp
