@@ -66,10 +66,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
         reply = c.submit_job(text)
         job_id = reply.job_id
         warnings = [*reply.warnings, *service_warnings(c, job, job_id)]
+        projection = list(reply.epsilon_projection)
         if args.json:
-            print(json.dumps({"job_id": job_id, "warnings": warnings}), flush=True)
+            print(json.dumps({"job_id": job_id, "warnings": warnings, "epsilon_projection": projection}), flush=True)
         else:
             print(job_id, flush=True)
+            for line in projection:  # each site's ε after the job, if it trained every round, against its budget
+                print(f"fedbroker submit: ε {line}", file=sys.stderr)
             for warning in warnings:
                 print(f"fedbroker submit: warning: {warning}", file=sys.stderr)
         if args.follow or args.wait:

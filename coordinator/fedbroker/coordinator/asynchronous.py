@@ -119,6 +119,7 @@ class AsyncJob:
         if self.held:
             self.ctx.waiting.clear(job_id)
             return unaffordable_since
+        self.ctx.fail_if_out_of_budget(job_id, job, needed=1, what="a task of this asynchronous job")
         now = time.time()
         why = {w: r or (f"resting after {self.failures.get(w, 0)} refused or failed task(s)"
                         if self.resting.get(w, 0.0) > now else "") for w, r in why.items()}

@@ -719,12 +719,14 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, job_yaml: _Optional[str] = ...) -> None: ...
 
 class SubmitJobReply(_message.Message):
-    __slots__ = ("job_id", "warnings")
+    __slots__ = ("job_id", "epsilon_projection", "warnings")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_PROJECTION_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
+    epsilon_projection: _containers.RepeatedScalarFieldContainer[str]
     warnings: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., epsilon_projection: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("job_id",)
