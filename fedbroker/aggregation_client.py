@@ -345,13 +345,13 @@ class AggregatorClient:
             what=f"buffer status of job {job_id}", idempotent=True)
         return reply
 
-    def close_buffer(self, job_id: str) -> int:
-        """End a job's buffer (idempotent); the newest version."""
+    def close_buffer(self, job_id: str) -> pb.CloseBufferReply:
+        """End a job's buffer (idempotent): the newest version, and the updates left in the buffer (in no version)."""
         reply: pb.CloseBufferReply = self._retry(
             lambda: self._async_stub.CloseBuffer(pb.CloseBufferRequest(job_id=job_id), timeout=self.timeout_s,
                                                  metadata=self._md),
             what=f"close the buffer of job {job_id}", idempotent=True)
-        return reply.model_version
+        return reply
 
     def watch(self) -> Iterator[pb.JobChanges]:
         """The service's job events, until the stream breaks (the caller reconnects; no retry here). The

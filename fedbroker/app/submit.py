@@ -1,8 +1,8 @@
 """`fedbroker submit job.yaml [--json] [--follow | --wait]`: send a job, and optionally stay with it to its end.
 
 The job is checked here first (the coordinator's own parser), so a bad one never travels. Without `--json`
-the job's id is stdout's first line (`JOB=$(fedbroker submit job.yaml)`) and warnings go to stderr; with it,
-one JSON object `{"job_id", "warnings"}`. `--follow` then streams the job's events as `fedbroker jobs logs
+the job's id is stdout's first line (`JOB=$(fedbroker submit job.yaml)`), and each site's projected ε and the
+warnings go to stderr; with it, one JSON object `{"job_id", "warnings", "epsilon_projection"}`. `--follow` then streams the job's events as `fedbroker jobs logs
 --follow` does (JSON lines with `--json`) and `--wait` waits without them; either way the exit code is the
 job's end: 0 completed, 1 failed or cancelled (its error on stderr), 130 when interrupted (the job goes on).
 With `--track [URI]` as well, the job is logged to MLflow while it runs (fedbroker.app.tracking).
@@ -66,10 +66,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
         reply = c.submit_job(text)
         job_id = reply.job_id
         warnings = [*reply.warnings, *service_warnings(c, job, job_id)]
+        projection = list(reply.epsilon_projection)
         if args.json:
-            print(json.dumps({"job_id": job_id, "warnings": warnings}), flush=True)
+            print(json.dumps({"job_id": job_id, "warnings": warnings, "epsilon_projection": projection}), flush=True)
         else:
             print(job_id, flush=True)
+            for line in projection:  # each site's ε after the job, if it trained every round, against its budget
+                print(f"fedbroker submit: ε {line}", file=sys.stderr)
             for warning in warnings:
                 print(f"fedbroker submit: warning: {warning}", file=sys.stderr)
         if args.follow or args.wait:

@@ -136,10 +136,23 @@ def test_open_buffer_is_idempotent_and_refuses_alignment_naming_the_field() -> N
         other.issue_tasks("j", ["w1"])  # not in asynchronous mode
 
 
+def test_closing_the_buffer_names_the_updates_it_holds_which_no_version_holds(tmp_path) -> None:
+    """Their ε is spent: the coordinator records each as not aggregated (issue 30, break 8), also on a retry of
+    the close after the service restarted."""
+    book = opened(RoundBook(max_update_bytes=10_000, spool_dir=tmp_path))
+    t = tasks(book, "w1", "w2")
+    book.receive_update(stream(weights(1.0), rnd=t["w1"], worker="w1", n=10))  # one of two: no version
+    version, left = book.close_buffer("j")
+    assert version == 1 and [(u.worker_id, u.task, u.num_samples) for u in left] == [("w1", t["w1"], 10)]
+    book.stop()
+    restarted = RoundBook(max_update_bytes=10_000, spool_dir=tmp_path)
+    assert [(u.worker_id, u.task) for u in restarted.close_buffer("j")[1]] == [("w1", t["w1"])]
+
+
 def test_a_closed_buffer_refuses_uploads_and_issues_nothing(tmp_path) -> None:
     book = opened(RoundBook(max_update_bytes=10_000, spool_dir=tmp_path))
     t = tasks(book, "w1")
-    assert book.close_buffer("j") == 1 and book.close_buffer("j") == 1  # idempotent
+    assert book.close_buffer("j") == (1, []) and book.close_buffer("j") == (1, [])  # idempotent
     book.stop()
     restarted = RoundBook(max_update_bytes=10_000, spool_dir=tmp_path)  # and durable
     with pytest.raises(UploadRejected) as info:

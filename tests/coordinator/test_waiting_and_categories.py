@@ -107,6 +107,10 @@ def test_a_job_waiting_for_affordable_workers_says_why_once_per_reason_and_clear
         deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     register(deployment.store, "site-a", STINGY)
     register(deployment.store, "site-b", STINGY)
+    for silent in ("site-c", "site-d"):  # registered, silent: they may come back, so the job waits
+        register(deployment.store, silent, GENEROUS)
+    deployment.store._write("silence them", lambda db: db.execute(
+        "UPDATE workers SET last_seen = 0 WHERE worker_id IN ('site-c', 'site-d')"))
     job_id = deployment.client.submit(yaml.safe_dump(JOB))
 
     first = wait_for("the first reason", lambda: deployment.job_row(job_id).waiting)
@@ -198,6 +202,9 @@ def test_a_long_list_of_reasons_is_cut_and_counted() -> None:
 def test_an_asynchronous_job_nobody_can_afford_says_why_and_clears_it_once_a_task_goes_out(
         deployment: Deployment) -> None:
     register(deployment.store, "site-a", STINGY)
+    register(deployment.store, "site-c", GENEROUS)  # registered, silent: it may come back, so the job waits
+    deployment.store._write("silence site-c", lambda db: db.execute(
+        "UPDATE workers SET last_seen = 0 WHERE worker_id = 'site-c'"))
     job = {**JOB, "schedule": {"mode": "async", "min_workers": 1, "wait_for_workers_s": 300, "round_timeout_s": 300}}
     job_id = deployment.client.submit(yaml.safe_dump(job))
     reason = wait_for("the reason", lambda: deployment.job_row(job_id).waiting)

@@ -103,8 +103,9 @@ def test_no_round_opens_and_no_worker_trains_when_fewer_than_min_clients_can_aff
     job_id = federation.coordinator.submit(parse_job(job))
     assert federation.coordinator.wait(job_id, timeout=120) == "failed"
     error = federation.store.job(job_id).error
-    assert "round 1 not opened: 1 of 3 active worker(s)" in error and "min_clients is 2" in error, error
-    assert "poor0: the round would cost ε" in error and "poor1: the round would cost ε" in error, error
+    # spent ε never comes back: the job fails at once, naming the sites out of budget (not after its wait)
+    assert "round 1 cannot start: 1 site(s) of category 'digits' can ever afford it, 2 needed" in error, error
+    assert "poor0: budget ε 0.05, 0.000 spent" in error and "poor1: budget ε 0.05, 0.000 spent" in error, error
     assert federation.store.participants(job_id) == [] and federation.store.rounds(job_id) == []
     for agent in federation.workers.values():
         assert agent.ledger.total_epsilon() == 0.0 and agent.ledger.jobs() == {}

@@ -35,7 +35,7 @@ def test_submit_json_follow_streams_the_events_and_exits_0_when_the_job_complete
     assert code == 0, err
     lines = [json.loads(line) for line in out.splitlines()]
     first, events, last = lines[0], lines[1:-1], lines[-1]
-    assert set(first) == {"job_id", "warnings"} and first["warnings"] == []
+    assert set(first) == {"job_id", "warnings", "epsilon_projection"} and first["warnings"] == []
     job_id = first["job_id"]
     assert served.fed.store.job(job_id).status == "completed"
     kinds = [e["kind"] for e in events]

@@ -153,6 +153,14 @@ class AsyncState:
         if self.issued.get(entry.worker_id) == Issued(entry.task, entry.base):
             del self.issued[entry.worker_id]
 
+    def close(self) -> bool:
+        """The job ended: no task is outstanding and none is issued, no upload is folded; what the buffer holds
+        stays (`folded`: accepted, in no version). False when it was closed already."""
+        if self.closed:
+            return False
+        self.closed, self.issued = True, {}
+        return True
+
     def publish(self, version: int, created: float) -> VersionSummary:
         """The buffer became version `version`: summarise what went in, and empty it."""
         summary = VersionSummary(version, list(self.folded), self.buffer.total_weight, created)

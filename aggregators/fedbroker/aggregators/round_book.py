@@ -431,18 +431,17 @@ class RoundBook:
             self._commit(job)
             return issued
 
-    def close_buffer(self, job_id: str) -> int:
-        """The job ended (idempotent): outstanding tasks end, and nothing more is issued or accepted."""
+    def close_buffer(self, job_id: str) -> tuple[int, list[Folded]]:
+        """The job ended (idempotent): outstanding tasks end, nothing more is issued or accepted. The newest
+        version, and the buffer's updates: accepted, in no version (the coordinator records their ε)."""
         job = self._job(job_id)
         with self._accept_lock, self._lock:
             state = self._async(job)
-            if not state.closed:
-                state.closed = True
-                state.issued = {}
+            if state.close():
                 metrics.BUFFER_CAPACITY.dec(state.buffer.buffer_size)
                 metrics.BUFFERED.dec(len(state.folded))
                 self._commit(job)
-            return job.version
+            return job.version, list(state.folded)
 
     def buffer_status(self, job_id: str, since_version: int = 0) -> tuple[int, AsyncState]:
         """The newest version and the async state (read under the lock; the caller copies what it needs)."""

@@ -341,8 +341,11 @@ class AsyncAggregationServicer(pb_grpc.AsyncAggregationServicer):
                                          for w, i in issued])
 
     def CloseBuffer(self, request: pb.CloseBufferRequest, context: grpc.ServicerContext) -> pb.CloseBufferReply:
-        """End a job's buffer (idempotent)."""
-        return pb.CloseBufferReply(model_version=handle(context, lambda: self.book.close_buffer(request.job_id)))
+        """End a job's buffer (idempotent); the updates it still holds, which no version holds."""
+        version, left = handle(context, lambda: self.book.close_buffer(request.job_id))
+        return pb.CloseBufferReply(model_version=version, discarded=[
+            pb.UpdateSummary(worker_id=u.worker_id, num_samples=u.num_samples, epsilon=u.epsilon,
+                             train_loss=u.train_loss, task=u.task) for u in left])
 
     def BufferStatus(self, request: pb.BufferStatusRequest, context: grpc.ServicerContext) -> pb.BufferStatusReply:
         """The buffer's fill, the outstanding tasks and the versions since `since_version`."""
@@ -353,7 +356,8 @@ class AsyncAggregationServicer(pb_grpc.AsyncAggregationServicer):
             versions=[pb.VersionRow(version=v.version, created_unix=v.created, staleness=[u.tau for u in v.updates],
                                     updates=[pb.UpdateSummary(worker_id=u.worker_id, num_samples=u.num_samples,
                                                               epsilon=u.epsilon, train_loss=u.train_loss,
-                                                              weight=v.coefficient(u)) for u in v.updates])
+                                                              weight=v.coefficient(u), task=u.task)
+                                             for u in v.updates])
                       for v in state.summaries],
             refused_stale=state.refused_stale)
 

@@ -91,7 +91,7 @@ class AsyncJob:
                 status = self._status()
                 self._record_versions(status)
                 if self._done(started) or federated.stopped_early(ctx, self.run):  # evaluation.patience
-                    self._call("close the buffer", lambda: ctx.aggregator.close_buffer(job_id))
+                    self._close()
                     break
                 self._settle(status)
                 unaffordable_since = self._hand_out_tasks(unaffordable_since)
@@ -118,6 +118,7 @@ class AsyncJob:
         if self.held:
             self.ctx.waiting.clear(job_id)
             return unaffordable_since
+        self.ctx.fail_if_out_of_budget(job_id, job, needed=1, what="a task of this asynchronous job")
         now = time.time()
         why = {w: r or (f"resting after {self.failures.get(w, 0)} refused or failed task(s)"
                         if self.resting.get(w, 0.0) > now else "") for w, r in why.items()}
@@ -216,6 +217,18 @@ class AsyncJob:
         status = self._call("buffer status", lambda: self.ctx.aggregator.buffer_status(self.run.job_id))
         if status.outstanding:
             self._publish(list(status.outstanding), status.buffer_size)
+
+    def _close(self) -> None:
+        """Close the buffer, then record the ε of every accepted update the job's rows do not hold: an upload
+        accepted as the job reached its last version is in the buffer at the close, or in a version published
+        after the last one recorded (`training.rounds` reached, or the job's time budget spent)."""
+        job_id, ctx = self.run.job_id, self.ctx
+        closed = self._call("close the buffer", lambda: ctx.aggregator.close_buffer(job_id))
+        status = self._status()  # no version comes after the close: these are all there will be
+        last = max((r.model_version or 0 for r in ctx.store.rounds(job_id)), default=0)
+        late = [(u, f"in version {row.version}, published after the job's last ({last})")
+                for row in status.versions if row.version > last for u in row.updates]
+        record_not_aggregated(ctx, job_id, [*late, *((u, "in the buffer when it closed") for u in closed.discarded)])
 
     # ----- versions -----
 
@@ -364,3 +377,15 @@ class AsyncJob:
             if worker_id not in sent:
                 self.held[worker_id].deadline = 0.0  # never sent: reissued after a rest
         log.debug("asynchronous job %s: %d task(s) published", run.job_id, len(tasks))
+
+
+def record_not_aggregated(ctx: JobContext, job_id: str, updates: list[tuple[pb.UpdateSummary, str]]) -> None:
+    """Accepted updates that no version of the job's record holds, each with where it is: their ε is spent on
+    their sites' data all the same, so each is the site's not-aggregated row (store.record_async_training)."""
+    for update, where in updates:
+        log.info("asynchronous job %s: task %d of worker %s accepted, not aggregated (%s)", job_id, update.task,
+                 update.worker_id, where)
+        if update.epsilon > 0:
+            ctx.store.record_async_training(job_id, update.worker_id, task=update.task,
+                                            status=ParticipantStatus.DISCARDED,
+                                            reason=f"accepted as the job ended, {where}", epsilon=update.epsilon)

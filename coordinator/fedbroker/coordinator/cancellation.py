@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from fedbroker.coordinator import metrics
+from fedbroker.coordinator.asynchronous import record_not_aggregated
 from fedbroker.coordinator.job_context import JobContext
 from fedbroker.coordinator.job_run import Stopped
 from fedbroker.coordinator.records import RoundStatus
@@ -56,7 +57,8 @@ def _cancel_async_job(ctx: JobContext, job_id: str, by: str) -> None:
     """An asynchronous job has no round to abandon: its buffer is closed at the service, so outstanding
     tasks end, late uploads are refused and the updates still in the buffer never become a version."""
     try:
-        ctx.calls.call(job_id, "close the buffer", lambda: ctx.aggregator.close_buffer(job_id))
+        closed = ctx.calls.call(job_id, "close the buffer", lambda: ctx.aggregator.close_buffer(job_id))
+        record_not_aggregated(ctx, job_id, [(u, "in the buffer when the job was cancelled") for u in closed.discarded])
     except Stopped:  # still `cancelling` in the store: the next start finishes it
         log.info("job %s: cancel left to the next start (the coordinator is stopping)", job_id)
         return

@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -19,8 +19,8 @@ from fedbroker.bus import Bus
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.control import SenderBinding
 from fedbroker.coordinator.events import JobWatcher
-from fedbroker.coordinator.job_run import CancelRequests, Stopped
-from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, why_unaffordable
+from fedbroker.coordinator.job_run import CancelRequests, JobFailed, Stopped
+from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, budget_shortfall, why_unaffordable
 from fedbroker.coordinator.records import WorkerRecord
 from fedbroker.coordinator.service_calls import OUTAGE_BACKOFF, AggregatorCalls
 from fedbroker.coordinator.store import StateStore
@@ -58,6 +58,7 @@ class JobContext:
     waiting: WaitingReasons           # why each job has not started its next round (JobRow.waiting)
     epsilon_bounds: EpsilonBounds | None = None  # told of every task before it goes out (None: bounds nothing)
     senders: SenderBinding | None = None  # who may speak for which site: a site no user may is revoked
+    excluded: set[tuple[str, str]] = field(default_factory=set)  # (job, worker) told out of budget (an event)
 
     def halt_if_cancelled(self) -> None:
         """In a job's thread, wherever its loop waits: end the job there if it was cancelled."""
@@ -105,6 +106,28 @@ class JobContext:
                     part = f"{share.status}{': ' + share.reason if share.reason else ''}" if share else "not asked"
                     why[worker_id] = f"did not share what this job needs before round 1 ({part})"
         return why
+
+    def fail_if_out_of_budget(self, job_id: str, job: JobSpec, *, needed: int, what: str) -> None:
+        """Spent ε never comes back: a registered site of the category whose budget cannot cover the job's next
+        round is excluded, said once per job (an `excluded` event naming its budget); when fewer than `needed`
+        sites are left that could ever take part, JobFailed at once names them all, instead of a wait for
+        budget that cannot return (the owner raises a site's budget, then the job is submitted again)."""
+        bound = self.senders.provisioned() if self.senders is not None else frozenset()
+        registered = [w for w in self.store.workers(job.category) if not bound or w.worker_id in bound]
+        budgets = self.budgets.snapshot()
+        short = {w.worker_id: s for w in registered
+                 if (s := budget_shortfall(w, budgets.get(w.worker_id), job_id=job_id, training=job.training))}
+        for worker_id, shortfall in sorted(short.items()):
+            if (job_id, worker_id) not in self.excluded:
+                self.excluded.add((job_id, worker_id))
+                log.warning("job %s: worker %s excluded: %s", job_id, worker_id, shortfall)
+                self.store.note_event(job_id, "excluded", f"out of ε budget, not selected: {shortfall}",
+                                      worker_id=worker_id)
+        if short and len(registered) - len(short) < needed:
+            sites = "; ".join(f"{w}: {s}" for w, s in sorted(short.items()))
+            raise JobFailed(f"{what} cannot start: {len(registered) - len(short)} site(s) of category "
+                            f"{job.category!r} can ever afford it, {needed} needed; out of ε budget: {sites}; "
+                            f"no worker trained (no ε spent)")
 
     def recorded_epsilon(self) -> dict[str, float]:
         """The ε recorded for each worker: a task carries its worker's, and a worker whose ledger holds less

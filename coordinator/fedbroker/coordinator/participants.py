@@ -19,7 +19,7 @@ import numpy as np
 from fedbroker.coordinator.records import WorkerRecord
 from fedbroker.coordinator.store import StateStore
 from fedbroker.errors import ConfigError
-from fedbroker.privacy import job_epsilon_after_round
+from fedbroker.privacy import dp_sample_rate, job_epsilon_after_round, planned_steps, project_epsilon
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.spec import ModelSpec, TrainingConfig
 
@@ -115,11 +115,23 @@ def _task_cost(worker: WorkerRecord | None, training: TrainingConfig) -> float:
     return worker.dp.epsilon_budget if cost is None else cost * COST_MARGIN + COST_SLACK
 
 
-def why_unaffordable(worker: WorkerRecord, budget: WorkerBudget | None, *, job_id: str,
-                     training: TrainingConfig) -> str:
-    """Why `worker` cannot afford `job_id`'s next round ("" when it can), so that a round is opened only
-    with workers that will train it: a refusal after opening would leave the others' ε spent on a round
-    that fails on min_clients.
+@dataclass(frozen=True)
+class Shortfall:
+    """A worker whose ε budget cannot cover a job's next round: spent ε never comes back, so it cannot take part
+    until its owner raises the budget (`budget`: its registered policy's; `cost` None: the worker's to judge)."""
+
+    budget: float
+    left: float
+    cost: float | None
+
+    def __str__(self) -> str:
+        cost = f"a round of this job costs ε {self.cost:.3f}" if self.cost is not None else "its budget is spent"
+        return f"budget ε {self.budget:g}, {self.budget - self.left:.3f} spent, {self.left:.3f} left: {cost}"
+
+
+def budget_shortfall(worker: WorkerRecord, budget: WorkerBudget | None, *, job_id: str,
+                     training: TrainingConfig) -> Shortfall | None:
+    """Whether `worker`'s ε budget cannot cover `job_id`'s next round (None: it can, or it has no budget).
 
     From the worker's own report where it has one (its heartbeat's cost for the job). A job the worker
     does not list has no history on its ledger, so its cost is the first round's, computed here from the
@@ -129,21 +141,60 @@ def why_unaffordable(worker: WorkerRecord, budget: WorkerBudget | None, *, job_i
     """
     if budget is None:  # no heartbeat yet: the budget the registration gave
         if not worker.dp.enabled:
-            return ""
+            return None
         left = worker.dp.epsilon_budget - worker.epsilon_spent
     elif budget.left is None:
-        return ""
+        return None
     else:
         left = budget.left
     if budget is not None and job_id in budget.costs:
         cost = budget.costs[job_id]
     else:
         cost = _first_round_cost(worker.dp.noise_multiplier, worker.dp.delta, worker.num_samples, training)
-    if cost is None:
-        return "" if left > 0 else f"its ε budget is spent ({left:.3f} left)"
-    if cost > left + 1e-9:
-        return f"the round would cost ε {cost:.3f}, {left:.3f} left of its budget"
-    return ""
+    if (cost is None and left <= 0) or (cost is not None and cost > left + 1e-9):
+        return Shortfall(worker.dp.epsilon_budget, left, cost)
+    return None
+
+
+def why_unaffordable(worker: WorkerRecord, budget: WorkerBudget | None, *, job_id: str,
+                     training: TrainingConfig) -> str:
+    """Why `worker` cannot afford `job_id`'s next round ("" when it can: `budget_shortfall`), so that a round
+    is opened only with workers that will train it: a refusal after opening would leave the others' ε spent
+    on a round that fails on min_clients."""
+    short = budget_shortfall(worker, budget, job_id=job_id, training=training)
+    if short is None:
+        return ""
+    if short.cost is None:
+        return f"its ε budget is spent ({short.left:.3f} left)"
+    return f"the round would cost ε {short.cost:.3f}, {short.left:.3f} left of its budget"
+
+
+def projected_epsilon(worker: WorkerRecord, budget: WorkerBudget | None, training: TrainingConfig) -> str:
+    """`fedbroker submit`'s line for one site of the job's category: its ε after the job if it trained every
+    round, against its registered budget ("" for a site without DP)."""
+    if not worker.dp.enabled:
+        return ""
+    left = worker.dp.epsilon_budget - worker.epsilon_spent if budget is None or budget.left is None else budget.left
+    spent = worker.dp.epsilon_budget - left
+    try:
+        job = project_epsilon([], noise_multiplier=worker.dp.noise_multiplier, delta=worker.dp.delta,
+                              sample_rate=dp_sample_rate(worker.num_samples, training),
+                              steps=planned_steps(worker.num_samples, training) * training.rounds)
+    except ConfigError:  # a registration the accountant cannot use (no samples): the worker decides
+        return f"{worker.worker_id}: ε {spent:.3f} spent of its budget {worker.dp.epsilon_budget:g}"
+    verdict = "fits" if spent + job <= worker.dp.epsilon_budget + 1e-9 else "over its budget"
+    return (f"{worker.worker_id}: ε {spent:.3f} spent + up to {job:.3f} for this job ({training.rounds} round(s)) "
+            f"= {spent + job:.3f} of its budget {worker.dp.epsilon_budget:g} ({verdict})")
+
+
+def submission_projection(workers: Sequence[WorkerRecord], budgets: Mapping[str, WorkerBudget], *, job_id: str,
+                          training: TrainingConfig) -> tuple[list[str], list[str]]:
+    """What `fedbroker submit` shows of a new job's ε: one line per DP site of its category (`projected_epsilon`),
+    and a warning for each site whose budget cannot cover the job's first round (it cannot take part)."""
+    lines = [line for w in workers if (line := projected_epsilon(w, budgets.get(w.worker_id), training))]
+    warnings = [f"site {w.worker_id} cannot take part: {short}" for w in workers
+                if (short := budget_shortfall(w, budgets.get(w.worker_id), job_id=job_id, training=training))]
+    return lines, warnings
 
 
 @functools.lru_cache(maxsize=1024)

@@ -19,7 +19,7 @@ import math
 import secrets
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import Bus
@@ -32,7 +32,7 @@ from fedbroker.coordinator.control_handler import ControlHandler
 from fedbroker.coordinator.events import JobWatcher
 from fedbroker.coordinator.job_context import Evaluator, JobContext
 from fedbroker.coordinator.job_run import Cancelled, CancelRequests, JobFailed, Run, Stopped
-from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, data_fit_problems
+from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, data_fit_problems, submission_projection
 from fedbroker.coordinator.records import FINISHED, JobStatus
 from fedbroker.coordinator.service_calls import OUTAGE_BACKOFF, AggregatorCalls
 from fedbroker.coordinator.sharing import agreed_model
@@ -59,6 +59,7 @@ class Submitted:
 
     job_id: str
     warnings: list[str]
+    projection: list[str] = field(default_factory=list)  # each site's ε after the job against its budget
 
 
 class Coordinator:
@@ -247,6 +248,10 @@ class Coordinator:
         """Check, record and start a job; its id and warnings (each also an event of the job, and logged)."""
         warnings = [*self.check_job(job), *submission_warnings(job)]
         job_id = f"{job.name[:40]}-{secrets.token_hex(4)}"
+        projection, out_of_budget = submission_projection(
+            self.context.active_workers(job.category), self.context.budgets.snapshot(), job_id=job_id,
+            training=job.training)
+        warnings += out_of_budget
         self.store.add_job(job_id, job.name, job.to_json(), job.training.rounds, job.model.to_json(),
                            submitter=submitter)
         for warning in warnings:  # accepted, but the submitter should know (`jobs logs`)
@@ -256,7 +261,7 @@ class Coordinator:
             except StateUnavailable as exc:  # the job is recorded: it runs, and the submitter is told anyway
                 log.error("job %s: its warning could not be recorded (%s)", job_id, exc)
         self._launch(job_id, job)
-        return Submitted(job_id, warnings)
+        return Submitted(job_id, warnings, projection)
 
     def waiting(self, job_id: str) -> str:
         """Why the job has not started its next round ("" when it is not waiting): its loop's reason, or, for a

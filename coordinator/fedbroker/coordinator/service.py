@@ -103,7 +103,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         def record() -> pb.SubmitJobReply:
             try:
                 submitted = self.coordinator.submit_job(job, submitter=caller.name if caller is not None else "")
-                return pb.SubmitJobReply(job_id=submitted.job_id, warnings=submitted.warnings)
+                return pb.SubmitJobReply(job_id=submitted.job_id, warnings=submitted.warnings,
+                                         epsilon_projection=submitted.projection)
             except ConfigError as exc:  # the coordinator's own checks: its workers' data, the broker's timeout
                 metrics.JOBS_REJECTED.labels(exc.reason).inc()
                 raise

@@ -202,7 +202,8 @@ class SyncRounds:
         """The round's participants, drawn among the active workers that can afford it (by their heartbeats'
         budgets and costs: participants.why_unaffordable). Fewer than min_clients of them: no round is opened,
         so no worker spends ε on a round that would fail; the job waits up to wait_for_workers_s (a worker
-        may register, or an owner raise its budget), then fails naming each worker's reason. While it waits,
+        may register), then fails naming each worker's reason; at once when too few sites could ever afford it
+        (spent ε never comes back: `fail_if_out_of_budget`). While it waits,
         the job says why (JobRow.waiting, and a `waiting` event when the reason changes)."""
         job_id, job = self.run.job_id, self.run.job
 
@@ -212,6 +213,7 @@ class SyncRounds:
 
         def affordability() -> tuple[bool, dict[str, str]]:
             why = self.ctx.why_unaffordable(job_id, job)
+            self.ctx.fail_if_out_of_budget(job_id, job, needed=job.schedule.min_clients, what=f"round {round_number}")
             done = sum(not r for r in why.values()) >= job.schedule.min_clients
             if not done:
                 self.ctx.waiting.note(job_id, reason(why), round_number=round_number)

@@ -572,18 +572,20 @@ class CloseRoundRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
 
 class UpdateSummary(_message.Message):
-    __slots__ = ("worker_id", "num_samples", "epsilon", "train_loss", "weight")
+    __slots__ = ("worker_id", "num_samples", "epsilon", "train_loss", "weight", "task")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     EPSILON_FIELD_NUMBER: _ClassVar[int]
     TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_samples: int
     epsilon: float
     train_loss: float
     weight: float
-    def __init__(self, worker_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., epsilon: _Optional[float] = ..., train_loss: _Optional[float] = ..., weight: _Optional[float] = ...) -> None: ...
+    task: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., epsilon: _Optional[float] = ..., train_loss: _Optional[float] = ..., weight: _Optional[float] = ..., task: _Optional[int] = ...) -> None: ...
 
 class CloseRoundReply(_message.Message):
     __slots__ = ("model_version", "aggregated", "model_spec_json", "stats", "seconds", "updates", "verdicts", "selection", "excluded")
@@ -871,12 +873,14 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, job_yaml: _Optional[str] = ...) -> None: ...
 
 class SubmitJobReply(_message.Message):
-    __slots__ = ("job_id", "warnings")
+    __slots__ = ("job_id", "epsilon_projection", "warnings")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_PROJECTION_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
+    epsilon_projection: _containers.RepeatedScalarFieldContainer[str]
     warnings: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., epsilon_projection: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -1357,10 +1361,12 @@ class CloseBufferRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class CloseBufferReply(_message.Message):
-    __slots__ = ("model_version",)
+    __slots__ = ("model_version", "discarded")
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_FIELD_NUMBER: _ClassVar[int]
     model_version: int
-    def __init__(self, model_version: _Optional[int] = ...) -> None: ...
+    discarded: _containers.RepeatedCompositeFieldContainer[UpdateSummary]
+    def __init__(self, model_version: _Optional[int] = ..., discarded: _Optional[_Iterable[_Union[UpdateSummary, _Mapping]]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ()

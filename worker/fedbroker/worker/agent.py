@@ -133,6 +133,7 @@ class WorkerAgent:
         # heartbeats can say what each job's next round would cost; `_costs` caches the projections.
         self._job_configs: collections.OrderedDict[str, TrainingConfig] = collections.OrderedDict()
         self.job_settings = JobSettingsCache(kept=JOB_COSTS_KEPT)  # each job's settings, parsed once
+        self._out_of_budget: set[str] = set()  # jobs whose tasks it declines for its budget (said once each)
         self._costs: dict[tuple[str, tuple[tuple[float, float, int], ...], TrainingConfig], float] = {}
         self.evaluation = SiteEvaluation(config, bus=bus, ledger=self.ledger, test=test, device=self.device,
                                          aggregator=self._aggregator, stopping=self._stop.is_set)
@@ -554,6 +555,12 @@ class WorkerAgent:
         others = self.ledger.total_epsilon() - self.ledger.epsilon(job_id)
         metrics.set_next_round_cost(self.config.id, epsilon=projected - self.ledger.epsilon(job_id))
         if projected + others > dp.epsilon_budget:
+            if job_id not in self._out_of_budget:  # once per job: every later task is declined for the same reason
+                self._out_of_budget.add(job_id)
+                log.warning("worker %s: privacy budget spent for job %s: the owner's budget is ε %g (worker.dp."
+                            "epsilon_budget), ε %.3f is spent and a round of this job costs ε %.3f: it declines the "
+                            "job's tasks (raise the budget to take part)", self.config.id, job_id, dp.epsilon_budget,
+                            self.ledger.total_epsilon(), projected - self.ledger.epsilon(job_id))
             raise BudgetExceeded(
                 f"privacy budget exceeded: this round would bring ε to {projected + others:.3f} "
                 f"(job {projected:.3f} + other jobs {others:.3f}), above the owner's budget {dp.epsilon_budget:g}"
