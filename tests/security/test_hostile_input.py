@@ -382,8 +382,9 @@ UPLOAD_CASES = [
                 None, "duplicate", counter=("fedbroker_aggregator_uploads_duplicate_total", {})),
     upload_case("closed-round", close_then_upload, S.FAILED_PRECONDITION, "round 1 of job", "round_closed"),
     upload_case("late", late, S.FAILED_PRECONDITION, "deadline passed; late update refused", "late"),
-    upload_case("unknown-round", lambda s, j: upload(s, stream(j, weights(1.0), rnd=7)),
-                S.FAILED_PRECONDITION, "round 7 of job", "unknown_round"),
+    # a round past the open one cannot come from the coordinator that opened it: from a state given up since
+    upload_case("round-past-the-open-one", lambda s, j: upload(s, stream(j, weights(1.0), rnd=7)),
+                S.FAILED_PRECONDITION, "round 7 of job", "round_closed"),
     upload_case("unknown-job", lambda s, j: upload(s, stream("no-such-job", weights(1.0))),
                 S.NOT_FOUND, "unknown job 'no-such-job'", "unknown_job"),
     upload_case("unknown-worker", lambda s, j: upload(s, stream(j, weights(1.0), worker="w4"), token="w4"),

@@ -181,9 +181,9 @@ def test_a_forged_string_in_a_workers_call_comes_back_and_is_logged_bounded_and_
         call: str, path: tuple[FieldDescriptor, ...], aggregator: pb_grpc.AggregationStub,
         caplog: pytest.LogCaptureFixture) -> None:
     method = SERVICE.methods_by_name[call]
-    request = with_text(getattr(pb, method.input_type.name)(job_id="j-1", round=1, worker_id="a")
-                        if "worker_id" in method.input_type.fields_by_name else
-                        getattr(pb, method.input_type.name)(), path, GRPC_TEXT)
+    fields = method.input_type.fields_by_name
+    ids = {k: v for k, v in (("job_id", "j-1"), ("round", 1), ("worker_id", "a")) if k in fields}
+    request = with_text(getattr(pb, method.input_type.name)(**ids), path, GRPC_TEXT)
     stub = getattr(aggregator, call)
     with caplog.at_level(logging.DEBUG):
         try:
