@@ -25,6 +25,7 @@ COPY proto /src/proto
 COPY coordinator /src/coordinator
 COPY worker /src/worker
 COPY aggregators /src/aggregators
+COPY app /src/app
 # installed as fedbroker.k8s_base: the base `fedbroker provision` copies into a server kit
 COPY deploy/k8s/base /src/deploy/k8s/base
 RUN pip install --no-deps /src

@@ -13,7 +13,7 @@ one call (numpy reports its allocations to tracemalloc), in units of one update 
 
 Flower needs protobuf < 7 and fedbroker protobuf 7, so `python -m bench` runs this module with the
 interpreter of `.venv-bench` (`make bench-env`) when there is one; this module imports only numpy and
-`aggregators.mean` (numpy, scipy's BLAS, threadpoolctl) and `fedbroker.glibc_malloc` (ctypes).
+`aggregators.mean` (numpy, scipy's BLAS, threadpoolctl) and `fedbroker.app.glibc_malloc` (ctypes).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 
 from bench.harness import Goal, Section, Stat
 from fedbroker.aggregators.mean import ROWS, Layout, RunningWeightedMean, UpdateRows, weighted_mean_of_rows
-from fedbroker.glibc_malloc import keep_freed_memory
+from fedbroker.app.glibc_malloc import keep_freed_memory
 
 GB = 1e9
 

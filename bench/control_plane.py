@@ -68,7 +68,7 @@ class Fleet:
         self._stop = threading.Event()
 
     def start(self) -> None:
-        from fedbroker import envelope
+        from fedbroker.bus import envelope
         from fedbroker.proto import fedbroker_pb2 as pb
 
         for wid in self.ids:
@@ -84,7 +84,7 @@ class Fleet:
 
     def _beat(self) -> None:
         """Every worker heartbeats every HEARTBEAT_S, spread evenly over the interval."""
-        from fedbroker import envelope
+        from fedbroker.bus import envelope
         from fedbroker.proto import fedbroker_pb2 as pb
 
         gap = HEARTBEAT_S / max(1, len(self.ids))
@@ -99,8 +99,8 @@ class Fleet:
                     self.failures.append(f"heartbeat {wid}: {exc}")
 
     def on_task(self, wid: str, delivery: Any) -> None:
-        from fedbroker import envelope
-        from fedbroker.aggregation_client import AggregatorClient
+        from fedbroker.bus import envelope
+        from fedbroker.rpc.aggregation_client import AggregatorClient
 
         try:
             task = envelope.decode(delivery.body, expect=("round_task",)).round_task
@@ -143,11 +143,11 @@ def fleet_child(url: str, namespace: str, count: int) -> None:
 def run_ours(count: int, rounds: int, url: str | None, timeout_s: float) -> dict[str, Any]:
     """Rounds of a job with `count` stub workers; per-round seconds from the coordinator's own record."""
     from bench.streaming import _spawn, _stop
-    from fedbroker.aggregation_client import AggregatorClient
     from fedbroker.bus import delete_topology, open_bus
     from fedbroker.coordinator.scheduler import Coordinator
     from fedbroker.coordinator.store import StateStore
-    from fedbroker.spec import parse_job
+    from fedbroker.job.spec import parse_job
+    from fedbroker.rpc.aggregation_client import AggregatorClient
 
     namespace = f"fedbroker-bench-{uuid.uuid4().hex[:8]}"
     server, port = _spawn("--serve")

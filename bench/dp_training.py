@@ -4,7 +4,7 @@
 and a small CNN (two 3×3 conv + GroupNorm + max-pool blocks, then a linear layer), and on synthetic
 28×28 tensors for a ResNet-style CNN of 1.2 M parameters (GroupNorm, three residual stages), a model
 of the size a data owner trains. The ResNet is built in torch here: the model spec's layer table
-(`fedbroker.layers`) is sequential and has no residual connection. Samples/s is the trainer's own
+(`fedbroker.job.layers`) is sequential and has no residual connection. Samples/s is the trainer's own
 `samples_per_second` (samples seen ÷ seconds of its training loop, Opacus's wrapping included), on the
 device the worker would pick (`pick_device`: CUDA when present), named in every row.
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from fedbroker.config import DPPolicy
-    from fedbroker.spec import TrainingConfig
+    from fedbroker.job.spec import TrainingConfig
 
 MODES = ("ew", "hooks", "functorch")  # grad-sample modes of the "ew" path (per-sample gradients formed)
 MLP_BATCHES = (128, 256, 512)  # beyond 32: how the slowdown scales with the batch
@@ -84,9 +84,9 @@ def run(*, quick: bool) -> Section:
 
     from fedbroker.config import DPPolicy
     from fedbroker.datasets import load_dataset
+    from fedbroker.job.spec import TrainingConfig, parse_model
     from fedbroker.model import build_model
     from fedbroker.privacy import dp_sample_rate, planned_steps, project_epsilon
-    from fedbroker.spec import TrainingConfig, parse_model
     from fedbroker.worker import clipping as dp_clipping
     from fedbroker.worker import training_loops
     from fedbroker.worker.clipping import clipping_mode

@@ -22,7 +22,7 @@ def run(*, quick: bool) -> Section:
     from fedbroker.aggregators.probe_sets import probe_arrays
     from fedbroker.aggregators.selection import Candidate, Probe
     from fedbroker.aggregators.selection.genetic import GeneticSelection
-    from fedbroker.spec import parse_model
+    from fedbroker.job.spec import parse_model
 
     spec = parse_model({"input_shape": [1, 8, 8], "layers": [
         {"type": "Flatten"}, {"type": "Linear", "in_features": 64, "out_features": 64}, {"type": "ReLU"},

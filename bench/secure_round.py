@@ -1,7 +1,7 @@
 """Benchmark 8: a secure round against a plain round, both through the aggregation service's own code, in one
 process, without training.
 
-`plain`: N workers' updates streamed into `RoundBook.receive_update` (`fedbroker.codec.stream_messages`, as
+`plain`: N workers' updates streamed into `RoundBook.receive_update` (`fedbroker.rpc.codec.stream_messages`, as
 experiments/harness.py uploads), then `RoundBook.close` (FedAvg). `secure`: the same round with
 `aggregation: {secure: true}` through the objects the gRPC servicer uses, called in process: the servicer's
 six Sec* methods (advertise, roster, shares, inbox, survivors, unmask), the masked upload through
@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 
 from bench.harness import Goal, Section, Stat
-from fedbroker import codec
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import AggregationServicer
+from fedbroker.job.spec import ModelSpec, parse_model
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.rpc import codec
 from fedbroker.secagg import PublicKeys, SecAggClient, sum_error_bound
-from fedbroker.secure_round import round_params, round_seed
-from fedbroker.spec import ModelSpec, parse_model
+from fedbroker.secagg.secure_round import round_params, round_seed
 from fedbroker.worker.secure_task import weighted_vector
 
 JOB = "bench-round"
@@ -41,7 +41,7 @@ GOAL_N, GOAL_DROPOUT = 50, 0.1
 
 
 class _Context:
-    """What `fedbroker.rpc.handle` needs of a gRPC context: only an error touches it."""
+    """What `fedbroker.rpc.plumbing.handle` needs of a gRPC context: only an error touches it."""
 
     def abort(self, code: Any, details: str) -> None:
         raise RuntimeError(f"{code}: {details}")
@@ -84,7 +84,7 @@ def model(width: int) -> ModelSpec:
 
 def states(spec: ModelSpec, ids: list[str]) -> tuple[dict[str, np.ndarray], Callable[[str], dict[str, np.ndarray]]]:
     """The global model, and each worker's trained model (made on demand, outside the timed parts)."""
-    from fedbroker.spec import parameter_shapes
+    from fedbroker.job.spec import parameter_shapes
 
     shapes = parameter_shapes(spec)
     rng = np.random.default_rng(0)
@@ -201,7 +201,7 @@ def dp_epoch_seconds(samples: int) -> float:
 
     from bench.dp_training import resnet_gn
     from fedbroker.config import DPPolicy
-    from fedbroker.spec import TrainingConfig
+    from fedbroker.job.spec import TrainingConfig
     from fedbroker.worker.clipping import clipping_mode
     from fedbroker.worker.training import train_local
 

@@ -51,10 +51,10 @@ def cpu_seconds(pid: int | str = "self") -> float:
 def serve_child() -> None:
     from fedbroker.aggregators.round_book import RoundBook
     from fedbroker.aggregators.service import serve
-    from fedbroker.glibc_malloc import keep_freed_memory
+    from fedbroker.app.glibc_malloc import keep_freed_memory
 
     keep_freed_memory()  # as `fedbroker aggregator` does at start (fedbroker.app.launch.start_aggregator)
-    server, port = serve(RoundBook())  # the deployment's thread budget (fedbroker.callguard.CallLimits)
+    server, port = serve(RoundBook())  # the deployment's thread budget (fedbroker.rpc.callguard.CallLimits)
     print(port, flush=True)
     _control_loop()  # until the parent closes our stdin
     server.stop(grace=0)
@@ -180,10 +180,10 @@ def raw_download(port: int, size: int) -> bytearray:
 
 
 def run(*, quick: bool) -> Section:
-    from fedbroker import codec
-    from fedbroker.aggregation_client import AggregatorClient
-    from fedbroker.glibc_malloc import keep_freed_memory
-    from fedbroker.job_settings import sections_settings
+    from fedbroker.app.glibc_malloc import keep_freed_memory
+    from fedbroker.job.settings import sections_settings
+    from fedbroker.rpc import codec
+    from fedbroker.rpc.aggregation_client import AggregatorClient
 
     keep_freed_memory()  # this process is the worker's side (downloads land here), as `fedbroker worker` sets it
     started = time.perf_counter()

@@ -40,8 +40,8 @@ from experiments.harness import (
 )
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.evaluation import evaluate
+from fedbroker.job.spec import JobSpec, TrainingConfig, parse_job
 from fedbroker.model import build_model, initial_weights, load_numpy_state
-from fedbroker.spec import JobSpec, TrainingConfig, parse_job
 from fedbroker.worker.training import train_local
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

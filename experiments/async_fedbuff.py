@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 import fedbroker.worker.agent
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.bus import MemoryBroker, open_bus
@@ -35,7 +34,8 @@ from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.evaluation import evaluate_global
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.store import StateStore
-from fedbroker.spec import parse_job
+from fedbroker.job.spec import parse_job
+from fedbroker.rpc.aggregation_client import AggregatorClient
 from fedbroker.worker.agent import WorkerAgent
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -1,7 +1,7 @@
 """In-process federated simulation over the service's own code paths, for research experiments.
 
 Many virtual workers train with `worker.training.train_local` and upload through
-`aggregators.round_book.RoundBook.receive_update`, fed by `fedbroker.codec.stream_messages` exactly as the
+`aggregators.round_book.RoundBook.receive_update`, fed by `fedbroker.rpc.codec.stream_messages` exactly as the
 gRPC servicer feeds it; rounds are opened and closed as the coordinator does (participants from
 `coordinator.participants.sample_participants`, histograms for class shares, a population label
 distribution for ISH). So an algorithm measured here is the algorithm the service runs, not a copy.
@@ -20,21 +20,21 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from fedbroker import codec
 from fedbroker.aggregators.round_book import RoundBook
-from fedbroker.catalogue import aggregation_settings
+from fedbroker.algorithms.catalogue import aggregation_settings
 from fedbroker.close_report import Verdict
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.participants import sample_participants
 from fedbroker.datasets import Dataset, load_dataset, train_test_split
 from fedbroker.errors import BudgetExceeded
 from fedbroker.evaluation import evaluate
+from fedbroker.job.layers import LAYERS
+from fedbroker.job.spec import JobSpec, ModelSpec, parse_job, parse_model
 from fedbroker.label_stats import population_distribution, reported_ish
-from fedbroker.layers import LAYERS
 from fedbroker.model import build_model, initial_weights, load_numpy_state
 from fedbroker.privacy import HistoryEntry
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import JobSpec, ModelSpec, parse_job, parse_model
+from fedbroker.rpc import codec
 from fedbroker.worker.partition import partition
 from fedbroker.worker.training import TrainResult, train_local
 

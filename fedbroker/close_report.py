@@ -8,8 +8,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from fedbroker.algorithms.robust_params import DISCARDED_BELOW, DOWNWEIGHTED_BELOW
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.robust_params import DISCARDED_BELOW, DOWNWEIGHTED_BELOW
 
 
 @dataclass(frozen=True)

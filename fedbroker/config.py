@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.yamltext import load_yaml
+from fedbroker.job.yamltext import load_yaml
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 ENV_PREFIX = "FEDBROKER__"
-MAX_CONFIG_BYTES = 1 << 20   # a config file is read (bounded: fedbroker.yamltext) only up to this size
+MAX_CONFIG_BYTES = 1 << 20   # a config file is read (bounded: fedbroker.job.yamltext) only up to this size
 _PATH_KEY = re.compile(r"(^|_)(file|dir|path)$")   # a setting that names a file or folder (ca_file, state_dir, ...)
 _D = TypeVar("_D", bound="DataclassInstance")
 
@@ -80,7 +80,7 @@ class AggregatorConfig:
     max_update_bytes: int = 1 << 30
     selection_time_limit_s: float = 30.0
     alignment_time_limit_s: float = 120.0  # then a close falls back to the weighted mean (aggregators/combine.py)
-    # the gRPC thread budget (fedbroker.callguard, deploy/SECURITY.md): no caller can take every thread
+    # the gRPC thread budget (fedbroker.rpc.callguard, deploy/SECURITY.md): no caller can take every thread
     threads: int = 48                  # the server's thread pool (idle threads cost nothing)
     health_threads: int = 2            # kept for health checks: every other call together holds the rest
     max_streams: int = 32              # workers' uploads and downloads at once (the coordinator's are exempt)
@@ -92,7 +92,7 @@ class AggregatorConfig:
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
     metrics_addr: str = "0.0.0.0"     # the exporter's bind address: 0.0.0.0 for a container scraped from
                                        # outside; 127.0.0.1 on a shared host (no /metrics for the network)
-    tokens_file: str = ""              # the token table (fedbroker.auth); empty = authentication off
+    tokens_file: str = ""              # the token table (fedbroker.rpc.auth); empty = authentication off
     tls: ServerTLSSection = field(default_factory=ServerTLSSection)
 
 
@@ -109,7 +109,7 @@ class CoordinatorConfig:
     metrics_port: int = 0              # Prometheus /metrics on this port; 0 = no exporter
     metrics_addr: str = "0.0.0.0"     # the exporter's bind address: 0.0.0.0 for a container scraped from
                                        # outside; 127.0.0.1 on a shared host (no /metrics for the network)
-    tokens_file: str = ""              # who may SubmitJob/Status (fedbroker.auth); empty = authentication off
+    tokens_file: str = ""              # who may SubmitJob/Status (fedbroker.rpc.auth); empty = authentication off
     tls: ServerTLSSection = field(default_factory=ServerTLSSection)
     # broker user → the worker ids it may speak for on the control queue (deploy/SECURITY.md): a registration,
     # heartbeat or outcome is refused unless its broker-validated user_id is mapped to its worker id. Empty =

@@ -53,7 +53,7 @@ class Rejection(StrEnum):
         member.status = status
         return member
 
-    # the stream itself (fedbroker.codec)
+    # the stream itself (fedbroker.rpc.codec)
     MALFORMED_STREAM = "malformed_stream", False
     TRUNCATED = "truncated", False
     DIGEST_MISMATCH = "digest_mismatch", False
@@ -74,7 +74,7 @@ class Rejection(StrEnum):
     # the service itself: UNAVAILABLE, which every client already rides out (a worker until its task's
     # deadline, the coordinator for aggregator_outage_s), so a full disk is an outage, never UNKNOWN
     SPOOL_FULL = "spool_full", False, "UNAVAILABLE"
-    # the service's thread budget (fedbroker.callguard): no caller may hold every thread
+    # the service's thread budget (fedbroker.rpc.callguard): no caller may hold every thread
     SERVER_BUSY = "server_busy", False, "UNAVAILABLE"
     TOO_MANY_STREAMS = "too_many_streams", False, "RESOURCE_EXHAUSTED"
     IDLE_STREAM = "idle_stream", False, "DEADLINE_EXCEEDED"

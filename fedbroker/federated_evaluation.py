@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fedbroker.errors import ConfigError
-from fedbroker.spec import EvaluationConfig, JobSpec
+from fedbroker.job.spec import EvaluationConfig, JobSpec
 
 SITES = ("participants", "category")   # evaluation.sites
 POLICIES = ("allow", "deny")           # worker.evaluation

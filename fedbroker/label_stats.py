@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
-from fedbroker.algorithm_params import ISH_FORMS
-from fedbroker.catalogue import AggregationSettings
+from fedbroker.algorithms.catalogue import AggregationSettings
+from fedbroker.algorithms.params import ISH_FORMS
 
 _TOL = 1e-9
 

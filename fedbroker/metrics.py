@@ -67,7 +67,7 @@ AUTH_FILE_RELOADS = Counter(
 
 GRPC_SERVER_CALLS_REFUSED = Counter(
     "fedbroker_grpc_server_calls_refused_total",
-    "Calls a gRPC server's thread budget refused or ended (fedbroker.callguard): server_busy, too_many_streams "
+    "Calls a gRPC server's thread budget refused or ended (fedbroker.rpc.callguard): server_busy, too_many_streams "
     "(one caller's streams), idle_stream (a stream that waited on its client past stream_idle_timeout_s).",
     ["grpc_service", "grpc_method", "reason"],
 )
@@ -122,7 +122,7 @@ def start_ephemeral_exporter(*, addr: str = "127.0.0.1") -> tuple[int, Callable[
 class GrpcMetricsInterceptor(grpc.ServerInterceptor):
     """Times every call of a server into `fedbroker_grpc_server_handling_seconds{service, method, code}`.
 
-    The code is the one the servicer set (`context.abort` in `fedbroker.rpc.handle`), OK when it set
+    The code is the one the servicer set (`context.abort` in `fedbroker.rpc.plumbing.handle`), OK when it set
     none and returned, CANCELLED when the client went away, UNKNOWN when it raised something else. Streaming responses are timed until the
     last message was produced.
     """

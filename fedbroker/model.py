@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedbroker.layers import LAYERS
-from fedbroker.spec import ModelSpec
+from fedbroker.job.layers import LAYERS
+from fedbroker.job.spec import ModelSpec
 
 
 class Standardize(nn.Module):

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fedbroker.errors import ConfigError
-from fedbroker.spec import TrainingConfig
+from fedbroker.job.spec import TrainingConfig
 
 HistoryEntry = tuple[float, float, int]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fedbroker.aggregation_client import AggregatorClient
-from fedbroker.job_settings import sections_settings
+from fedbroker.job.settings import sections_settings
+from fedbroker.rpc.aggregation_client import AggregatorClient
 
 
 def install(client: AggregatorClient, job_id: str, aggregation: Mapping[str, Any] | None = None) -> str:

@@ -9,5 +9,5 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE_ROOTS = (ROOT, ROOT / "coordinator", ROOT / "worker", ROOT / "aggregators", ROOT / "proto")
+SOURCE_ROOTS = (ROOT, ROOT / "coordinator", ROOT / "worker", ROOT / "aggregators", ROOT / "proto", ROOT / "app")
 PYTHONPATH = os.pathsep.join(str(root) for root in SOURCE_ROOTS)

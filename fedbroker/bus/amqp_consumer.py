@@ -11,7 +11,7 @@ must be idempotent (`message_id` is stable across retries).
 
 A copy is republished through the exchange that routes to its queue alone (a task through `<ns>.tasks` by its
 worker id, a control message through `<ns>.control`), never through the default exchange: a provisioned
-participant may write only its project's exchanges (fedbroker/app/provision/configs.py `broker_entry`). A
+participant may write only its project's exchanges (app/fedbroker/app/provision/configs.py `broker_entry`). A
 republish the broker refuses anyway (ACCESS_REFUSED: the user's permissions) dead-letters the original, with a
 log line naming the user and the exchange, instead of closing the connection: a refusal that reconnected would
 be redelivered, refused and reconnected again, for ever.

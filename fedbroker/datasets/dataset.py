@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedbroker.errors import ConfigError
-from fedbroker.spec import MAX_WIDTH
+from fedbroker.job.spec import MAX_WIDTH
 
 MAX_VALUES = 2**28             # feature values one file may hold (268 M; as float64 while read: 2 GiB)
 MAX_ARRAY_BYTES = 2**31        # bytes one IDX file or one .npz member may declare for its data (2 GiB)

@@ -12,7 +12,7 @@ import numpy as np
 from fedbroker.config import DataSection
 from fedbroker.datasets.dataset import MAX_COLUMNS, Dataset, check_values, listing
 from fedbroker.errors import ConfigError
-from fedbroker.spec import MAX_WIDTH
+from fedbroker.job.spec import MAX_WIDTH
 
 MAX_CLASSES = MAX_WIDTH  # the coordinator accepts no more classes in a registration
 

@@ -1,4 +1,4 @@
-"""The aggregation service's thread budget (fedbroker.callguard) against a real gRPC server on port 0: one
+"""The aggregation service's thread budget (fedbroker.rpc.callguard) against a real gRPC server on port 0: one
 worker token cannot freeze the service. Its silent streams beyond `max_streams_per_worker` are refused at
 once, those it holds are ended after `stream_idle_timeout_s`, and meanwhile health checks, the coordinator's
 control calls and another worker's upload go through."""
@@ -16,15 +16,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import SERVICE_NAME, serve
-from fedbroker.auth import ClientSecurity
-from fedbroker.callguard import CallLimits
 from fedbroker.errors import ConfigError, ConfigErrors
+from fedbroker.job.spec import parse_model
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
-from fedbroker.spec import parse_model
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity
+from fedbroker.rpc.callguard import CallLimits
 from tests.installed import install
 from tests.security.conftest import token_table
 

@@ -10,12 +10,12 @@ import grpc
 import numpy as np
 import pytest
 
-from fedbroker import codec
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
+from fedbroker.rpc import codec
+from fedbroker.rpc.aggregation_client import AggregatorClient
 from tests.installed import install
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -11,10 +11,10 @@ import weakref
 import numpy as np
 import pytest
 
-from fedbroker import codec
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import AggregationServicer, DigestCache
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.rpc import codec
 
 WIDTH = 6
 SPEC = json.dumps({"input_shape": [WIDTH], "layers": [{"type": "Linear", "in_features": WIDTH, "out_features": WIDTH}]})

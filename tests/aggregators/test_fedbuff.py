@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from fedbroker.aggregators.fedbuff import Buffer, StaleUpdate, fedbuff_version
 from fedbroker.aggregators.mean import RunningWeightedMean
-from fedbroker.algorithm_params import Staleness, staleness_function
+from fedbroker.algorithms.params import Staleness, staleness_function
 from fedbroker.errors import ConfigError
-from fedbroker.spec import STALENESS_FUNCTIONS
+from fedbroker.job.spec import STALENESS_FUNCTIONS
 
 SHAPES = {"w": (3, 4), "b": (3,)}
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.probe_sets import probe_arrays
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.datasets import load_dataset, train_test_split
+from fedbroker.job.spec import parse_model
 from fedbroker.model import build_model, load_numpy_state
-from fedbroker.spec import parse_model
+from fedbroker.rpc.aggregation_client import AggregatorClient
 from tests.installed import install
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -81,7 +81,7 @@ def test_ga_with_a_probe_set_chooses_the_updates_whose_aggregate_classifies_the_
 
 def test_a_ga_job_whose_probe_set_the_model_cannot_read_is_refused_at_submission():
     from fedbroker.errors import ConfigError
-    from fedbroker.submission import accept_job
+    from fedbroker.job.submission import accept_job
 
     job = {"name": "g", "category": "iris", "model": SPEC.to_dict(), "training": {"rounds": 1},
            "aggregation": {"selection": "ga", "selection_params": {"m": 2, "probe_dataset": "iris"}}}
@@ -98,8 +98,8 @@ def test_the_service_reads_the_probe_set_the_job_names_from_its_loader():
         asked.append((dataset, size, seed))
         return rng.normal(size=(size, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, size=size)
 
-    from fedbroker import codec
     from fedbroker.proto import fedbroker_pb2 as pb
+    from fedbroker.rpc import codec
 
     book = RoundBook(probe_sets=loader)
     book.put_global("j", 1, SPEC.to_json(), state_of(build_model(SPEC, seed=0)))

@@ -10,13 +10,13 @@ import grpc
 import numpy as np
 import pytest
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
-from fedbroker.auth import ClientSecurity
-from fedbroker.job_settings import sections_settings, settings_digest
-from fedbroker.rpc import RemoteError
-from fedbroker.spec import parse_model
+from fedbroker.job.settings import sections_settings, settings_digest
+from fedbroker.job.spec import parse_model
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity
+from fedbroker.rpc.plumbing import RemoteError
 from tests.security.conftest import token_table
 
 pytestmark = pytest.mark.integration

@@ -11,16 +11,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedbroker import codec
 from fedbroker.aggregators import combine as combine_module
 from fedbroker.aggregators.job_state import Job
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.weighting import FedAvgWeighting
 from fedbroker.errors import ConfigError, ConfigErrors, Rejection, UploadRejected
+from fedbroker.job.spec import parse_model
+from fedbroker.job.submission import accept_job
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.rpc import CHANNEL_OPTIONS
-from fedbroker.spec import parse_model
-from fedbroker.submission import accept_job
+from fedbroker.rpc import codec
+from fedbroker.rpc.plumbing import CHANNEL_OPTIONS
 
 SPEC = parse_model({"input_shape": [4], "layers": [
     {"type": "Linear", "in_features": 4, "out_features": 3}, {"type": "ReLU"},

@@ -7,13 +7,13 @@ import json
 import numpy as np
 import pytest
 
-from fedbroker import codec
 from fedbroker.aggregators import installed_jobs
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.errors import Conflict, NotFound, UploadRejected
-from fedbroker.job_settings import sections_settings
+from fedbroker.job.settings import sections_settings
+from fedbroker.job.spec import parse_model
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import parse_model
+from fedbroker.rpc import codec
 
 SPEC = parse_model({"input_shape": [4], "layers": [
     {"type": "Linear", "in_features": 4, "out_features": 3}, {"type": "ReLU"},

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedbroker import codec
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.errors import ConfigError
+from fedbroker.job.spec import parse_model
+from fedbroker.job.submission import accept_job
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import parse_model
-from fedbroker.submission import accept_job
+from fedbroker.rpc import codec
 
 SPEC = parse_model({"input_shape": [6], "layers": [
     {"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "ReLU"},

@@ -7,16 +7,16 @@ import grpc
 import numpy as np
 import pytest
 
-from fedbroker import codec
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
-from fedbroker.auth import ClientSecurity
 from fedbroker.errors import Rejection
+from fedbroker.job.spec import parse_model
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
-from fedbroker.rpc import RemoteError
-from fedbroker.spec import parse_model
+from fedbroker.rpc import codec
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity
+from fedbroker.rpc.plumbing import RemoteError
 from tests.installed import install
 from tests.security.conftest import token_table
 

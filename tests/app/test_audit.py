@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from fedbroker.app.audit import loss_threshold_auc, per_sample_loss
+from fedbroker.job.spec import parse_model
 from fedbroker.model import initial_weights
-from fedbroker.spec import parse_model
 
 
 def test_attack_auc_is_one_when_members_have_lower_loss_and_half_when_indistinguishable():

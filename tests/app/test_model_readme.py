@@ -88,8 +88,8 @@ def test_the_readmes_snippet_applies_the_models_own_standardisation_to_raw_rows(
 
     import torch
 
+    from fedbroker.job.spec import parse_model
     from fedbroker.model import build_model, initial_weights
-    from fedbroker.spec import parse_model
     from tests.source_roots import PYTHONPATH
 
     mean, std = [1.0, -2.0, 30.0], [0.5, 4.0, 10.0]

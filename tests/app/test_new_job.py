@@ -10,7 +10,7 @@ import yaml
 
 from fedbroker.app.cli import main
 from fedbroker.app.new import TEMPLATES
-from fedbroker.submission import accept_job_text
+from fedbroker.job.submission import accept_job_text
 from tests.source_roots import ROOT
 
 # each template and the example job it is written from (None: the bundled-digits variant of the CNN example)

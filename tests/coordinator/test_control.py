@@ -11,12 +11,11 @@ from typing import Any
 
 import pytest
 
-from fedbroker import envelope
-from fedbroker.aggregation_client import AggregatorClient
-from fedbroker.bus import InProcessBus
+from fedbroker.bus import InProcessBus, envelope
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.store import StateStore
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.rpc.aggregation_client import AggregatorClient
 
 pytestmark = pytest.mark.timeout(60)
 

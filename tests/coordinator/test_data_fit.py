@@ -12,12 +12,12 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import InProcessBus
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.service import CoordinatorClient, serve
 from fedbroker.coordinator.store import StateStore
+from fedbroker.rpc.aggregation_client import AggregatorClient
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,15 +11,14 @@ from typing import Any
 
 import pytest
 
-from fedbroker import envelope
-from fedbroker.bus import open_bus
+from fedbroker.bus import envelope, open_bus
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.participants import WorkerBudget, budget_from_heartbeat, why_unaffordable
 from fedbroker.coordinator.records import WorkerRecord
 from fedbroker.errors import BudgetExceeded
+from fedbroker.job.spec import TrainingConfig
 from fedbroker.privacy import job_epsilon_after_round
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import TrainingConfig
 from fedbroker.worker.agent import WorkerAgent
 
 TRAINING = TrainingConfig(local_epochs=1, batch_size=32)

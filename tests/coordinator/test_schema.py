@@ -1,4 +1,4 @@
-"""fedbroker.schema: migrations numbered in order, applied once each at open, a newer file refused."""
+"""fedbroker.coordinator.schema: migrations numbered in order, applied once each at open, a newer file refused."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from fedbroker.coordinator.schema import Migration, MigrationFailed, Schema, SchemaTooNew, sql, user_version
 from fedbroker.errors import Conflict
-from fedbroker.schema import Migration, MigrationFailed, Schema, SchemaTooNew, sql, user_version
 
 
 def connect(path: Path) -> sqlite3.Connection:

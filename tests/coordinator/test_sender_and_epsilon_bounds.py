@@ -12,10 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedbroker import envelope
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.app.provision import parse_project, provision
-from fedbroker.bus import InProcessBus
+from fedbroker.bus import InProcessBus, envelope
 from fedbroker.config import DPPolicy, load_config
 from fedbroker.coordinator.control import ForeignSender, SenderBinding
 from fedbroker.coordinator.participants import EpsilonBounds
@@ -23,8 +21,9 @@ from fedbroker.coordinator.records import ParticipantStatus
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.store import StateStore
 from fedbroker.errors import ConfigError
+from fedbroker.job.spec import TrainingConfig
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import TrainingConfig
+from fedbroker.rpc.aggregation_client import AggregatorClient
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,7 +13,7 @@ import pytest
 from fedbroker.coordinator.job_run import Stopped
 from fedbroker.coordinator.service_calls import AggregatorCalls
 from fedbroker.errors import Rejection
-from fedbroker.rpc import RemoteError
+from fedbroker.rpc.plumbing import RemoteError
 
 pytestmark = pytest.mark.timeout(60)
 

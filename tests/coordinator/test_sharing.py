@@ -16,11 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedbroker import envelope
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
-from fedbroker.bus import InProcessBus
+from fedbroker.bus import InProcessBus, envelope
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.checkpoints import load_checkpoint
 from fedbroker.coordinator.records import JobStatus
@@ -28,9 +26,10 @@ from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.sharing import MIN_STD_FRACTION, receive_reply, standardized
 from fedbroker.coordinator.store import StateStore
 from fedbroker.coordinator.store_shares import SharePhaseRecord, ShareRecord, ShareStatus
+from fedbroker.job.spec import parse_job, parse_model
 from fedbroker.label_stats import reported_ish
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import parse_job, parse_model
+from fedbroker.rpc.aggregation_client import AggregatorClient
 from fedbroker.statistics_release import statistics_sigma
 from fedbroker.worker.job_settings import JobSettingsCache
 

@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from fedbroker import envelope
-from fedbroker.bus import Delivery, InProcessBus
+from fedbroker.bus import Delivery, InProcessBus, envelope
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.control import SenderBinding

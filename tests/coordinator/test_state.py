@@ -16,12 +16,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import InProcessBus
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.service import CoordinatorClient, serve, status_reply
 from fedbroker.coordinator.store import StateStore, StateUnavailable
-from fedbroker.spec import parse_job
+from fedbroker.job.spec import parse_job
+from fedbroker.rpc.aggregation_client import AggregatorClient
 
 BIG = "x" * 200_000  # a job spec that needs new pages: it cannot land on a full disk
 JOB = {"name": "state", "category": "nobody",

@@ -18,14 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import InProcessBus
 from fedbroker.coordinator.checkpoints import save_checkpoint
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.state_dir import StateDirInUse
 from fedbroker.coordinator.store import StateStore
 from fedbroker.errors import ConfigError
-from fedbroker.spec import parse_job
+from fedbroker.job.spec import parse_job
+from fedbroker.rpc.aggregation_client import AggregatorClient
 
 HOLD = """
 import sys, time

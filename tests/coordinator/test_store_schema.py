@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from fedbroker.coordinator.schema import SchemaTooNew
 from fedbroker.coordinator.store import StateStore
 from fedbroker.coordinator.store_schema import SCHEMA
-from fedbroker.schema import SchemaTooNew
 
 # The oldest layout a release wrote: before rounds kept a deadline, workers their data's shape, jobs their submitter.
 OLDEST = """

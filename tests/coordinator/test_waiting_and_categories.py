@@ -16,7 +16,6 @@ import grpc
 import pytest
 import yaml
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve as serve_aggregator
 from fedbroker.app import jobs
@@ -28,6 +27,7 @@ from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.service import CoordinatorClient, serve
 from fedbroker.coordinator.store import StateStore
 from fedbroker.coordinator.waiting import MAX_LISTED, unaffordable
+from fedbroker.rpc.aggregation_client import AggregatorClient
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,17 +13,16 @@ from typing import Any
 
 import numpy as np
 
-from fedbroker import envelope
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
-from fedbroker.bus import InProcessBus, MemoryBroker
+from fedbroker.bus import InProcessBus, MemoryBroker, envelope
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.evaluation import evaluate_global
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.store import StateStore
+from fedbroker.job.spec import parse_job
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import parse_job
+from fedbroker.rpc.aggregation_client import AggregatorClient
 from fedbroker.worker.agent import WorkerAgent
 
 # Far beyond any test's run: rounds end on their uploads, evaluations on their reports, never on the clock.

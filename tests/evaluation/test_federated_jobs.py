@@ -17,8 +17,8 @@ from fedbroker.coordinator.checkpoints import load_checkpoint
 from fedbroker.coordinator.service import status_reply
 from fedbroker.datasets import load_dataset, train_test_split
 from fedbroker.evaluation import evaluate
+from fedbroker.job.spec import parse_job, parse_model
 from fedbroker.model import build_model, load_numpy_state
-from fedbroker.spec import parse_job, parse_model
 from fedbroker.worker.partition import partition
 from tests.evaluation.harness import Federation, job, report, wait_for, weighted
 
@@ -207,7 +207,7 @@ class Inflating:
         self.bus, self.count = bus, count
 
     def publish_control(self, body: bytes) -> None:
-        from fedbroker import envelope
+        from fedbroker.bus import envelope
 
         message = envelope.decode(body, expect=("evaluation_report",))
         message.evaluation_report.num_samples = self.count

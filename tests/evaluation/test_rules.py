@@ -20,7 +20,7 @@ from fedbroker.federated_evaluation import (
     early_stop,
     submission_warnings,
 )
-from fedbroker.spec import EvaluationConfig, parse_job
+from fedbroker.job.spec import EvaluationConfig, parse_job
 from fedbroker.worker.evaluation import held_out_slice
 from tests.evaluation.harness import job
 

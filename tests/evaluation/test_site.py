@@ -11,16 +11,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedbroker import envelope
-from fedbroker.bus import Delivery, InProcessBus
+from fedbroker.bus import Delivery, InProcessBus, envelope
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.datasets import load_dataset, train_test_split
 from fedbroker.errors import Rejection
 from fedbroker.evaluation import evaluate
+from fedbroker.job.spec import parse_model
 from fedbroker.model import build_model, initial_weights, load_numpy_state
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.rpc import RemoteError
-from fedbroker.spec import parse_model
+from fedbroker.rpc.plumbing import RemoteError
 from fedbroker.worker.agent import WorkerAgent
 from fedbroker.worker.evaluation import SiteEvaluation
 from fedbroker.worker.ledger import PrivacyLedger

@@ -10,8 +10,8 @@ import pytest
 from experiments.harness import make_workers, simulate, training_seed
 from fedbroker.coordinator.participants import sample_participants
 from fedbroker.evaluation import evaluate
+from fedbroker.job.spec import TrainingConfig, parse_job
 from fedbroker.model import build_model, initial_weights, load_numpy_state
-from fedbroker.spec import TrainingConfig, parse_job
 from fedbroker.worker.training import train_local
 
 IDS = [f"w{i:02d}" for i in range(10)]

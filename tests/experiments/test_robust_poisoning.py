@@ -93,8 +93,8 @@ def test_the_harness_uploads_what_the_attack_sends():
     honest = simulate(job, workers, test, progress=False, metrics=lambda m, d: {})
     flipped = simulate(job, workers, test, progress=False, metrics=lambda m, d: {},
                        tamper=rp.Attack(p, "sign_flip", ["w0", "w1", "w2"], 3, seed=0))
+    from fedbroker.job.spec import parse_job
     from fedbroker.model import initial_weights
-    from fedbroker.spec import parse_job
 
     start = initial_weights(parse_job(job).model, seed=0)
     for name, w0 in start.items():
@@ -104,8 +104,8 @@ def test_the_harness_uploads_what_the_attack_sends():
 
 @pytest.mark.parametrize("rule", rp.Protocol().rules)
 def test_every_rule_of_the_protocol_is_a_job_the_service_accepts(rule):
-    from fedbroker.catalogue import aggregation_settings
-    from fedbroker.spec import parse_job
+    from fedbroker.algorithms.catalogue import aggregation_settings
+    from fedbroker.job.spec import parse_job
 
     aggregation_settings(parse_job(rp.Protocol().job(rule, 0)).aggregation)
 

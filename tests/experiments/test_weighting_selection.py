@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from experiments.weighting_selection import GAProtocol, ga_arms, ga_tasks, make_task_split
 from fedbroker.datasets import load_dataset
-from fedbroker.submission import accept_job
+from fedbroker.job.submission import accept_job
 
 
 def test_every_ga_arm_is_a_job_the_service_accepts_with_the_fitness_it_names():

@@ -19,14 +19,14 @@ from typing import Any, ClassVar
 import numpy as np
 
 import fedbroker.worker.agent
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.bus import Topology, delete_topology, open_bus
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.store import StateStore
-from fedbroker.spec import parse_job
+from fedbroker.job.spec import parse_job
+from fedbroker.rpc.aggregation_client import AggregatorClient
 from fedbroker.worker.agent import WorkerAgent
 from tests.rabbitmq_node import PrivateRabbitMQ
 
@@ -125,7 +125,7 @@ class HoldsRound(WorkerAgent):
         return type(f"HoldsRound{round_number}", (cls,), attributes)
 
     def on_task(self, delivery: Any) -> None:
-        from fedbroker import envelope
+        from fedbroker.bus import envelope
 
         try:
             round_number = envelope.decode(delivery.body, expect=("round_task",)).round_task.round
@@ -327,7 +327,7 @@ class HoldsNth(WorkerAgent):
         return type(f"Holds{n}", (cls,), {"n": n, "release": threading.Event(), "holding": {}, "received": 0})
 
     def on_task(self, delivery: Any) -> None:
-        from fedbroker import envelope
+        from fedbroker.bus import envelope
 
         cls = type(self)
         try:  # round tasks only: an evaluation task (federated evaluation) is not one of the tasks counted

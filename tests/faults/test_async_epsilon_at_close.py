@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.app.cli import main
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.service import serve
+from fedbroker.rpc.aggregation_client import AggregatorClient
 from tests.faults.harness import Federation, HoldsNth, job, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from fedbroker import envelope
+from fedbroker.bus import envelope
 from fedbroker.errors import ConfigError
 from fedbroker.worker.agent import WorkerAgent
 from tests.faults.harness import (

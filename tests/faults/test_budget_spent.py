@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from fedbroker import envelope
 from fedbroker.app.cli import main
+from fedbroker.bus import envelope
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.service import serve
 from fedbroker.proto import fedbroker_pb2 as pb

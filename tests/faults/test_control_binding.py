@@ -17,9 +17,8 @@ from pathlib import Path
 import pika
 import pytest
 
-from fedbroker import envelope
 from fedbroker.app.cli import main
-from fedbroker.bus import Topology
+from fedbroker.bus import Topology, envelope
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.store import StateStore
 from fedbroker.proto import fedbroker_pb2 as pb

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import REGISTRY
 
-from fedbroker import envelope
+from fedbroker.bus import envelope
 from fedbroker.proto import fedbroker_pb2 as pb
 from tests.faults.harness import Federation, Training, job, wait_for
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.errors import Rejection
-from fedbroker.rpc import RemoteError
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.plumbing import RemoteError
 from tests.aggregators.test_rounds import SPEC, weights
 from tests.installed import install
 

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from opacus.accountants import RDPAccountant
 
-from fedbroker import envelope
+from fedbroker.bus import envelope
 from fedbroker.config import DPPolicy
+from fedbroker.job.spec import TrainingConfig
 from fedbroker.privacy import dp_sample_rate, planned_steps
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import TrainingConfig
 from fedbroker.worker.agent import WorkerAgent
 from fedbroker.worker.ledger import PrivacyLedger
 from tests.faults.harness import JOB, Federation, Training, job, sample, wait_for

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import fedbroker.aggregators.spool as spool_module
-import fedbroker.rpc
+import fedbroker.rpc.plumbing
 from fedbroker.config import DPPolicy
 from fedbroker.errors import ConfigError
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -50,7 +50,7 @@ class FullDisk:
 @pytest.fixture
 def quick_rpc_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Retries every few tens of milliseconds, so many more tries than the old budget take seconds."""
-    monkeypatch.setattr(fedbroker.rpc, "RPC_BACKOFF", Backoff(initial_s=0.02, max_s=0.1))
+    monkeypatch.setattr(fedbroker.rpc.plumbing, "RPC_BACKOFF", Backoff(initial_s=0.02, max_s=0.1))
 
 
 def reports(agent: WorkerAgent) -> list[tuple[float, int, str]]:

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.bus import delete_topology, open_bus
@@ -18,6 +17,7 @@ from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.evaluation import evaluate_global
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.store import StateStore
+from fedbroker.rpc.aggregation_client import AggregatorClient
 from fedbroker.worker.agent import WorkerAgent
 
 

@@ -10,8 +10,8 @@ from fedbroker.coordinator.checkpoints import load_checkpoint
 from fedbroker.coordinator.evaluation import evaluate_global
 from fedbroker.datasets import load_dataset, train_test_split
 from fedbroker.evaluation import evaluate
+from fedbroker.job.spec import TrainingConfig, parse_job
 from fedbroker.model import build_model
-from fedbroker.spec import TrainingConfig, parse_job
 from fedbroker.worker.training import train_local
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 from fedbroker.app.status import render
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.service import status_reply
-from fedbroker.spec import parse_job
+from fedbroker.job.spec import parse_job
 from tests.integration.conftest import Federation
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -96,7 +96,7 @@ def test_a_worker_over_budget_stops_receiving_tasks(federation):
 
 def test_alignment_in_async_mode_is_refused_at_submission_naming_the_field():
     from fedbroker.errors import ConfigError
-    from fedbroker.submission import accept_job
+    from fedbroker.job.submission import accept_job
 
     job = copy.deepcopy(JOB)
     job["aggregation"] = {"alignment": "feddna", "selection": "ga", "selection_params": {"m": 2}}

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedbroker.auth import generate_token
 from fedbroker.config import load_config
+from fedbroker.rpc.auth import generate_token
 from tests.integration.processes import Deployment, _clean_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

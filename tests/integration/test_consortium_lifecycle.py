@@ -38,11 +38,11 @@ import pika.exceptions
 import pytest
 import yaml
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.app.cli import main
-from fedbroker.auth import ClientSecurity
 from fedbroker.coordinator.service import CoordinatorClient
-from fedbroker.rpc import RemoteError
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity
+from fedbroker.rpc.plumbing import RemoteError
 from tests.rabbitmq_node import KitBroker, amqps, free_ports, missing, server_scripts
 from tests.source_roots import PYTHONPATH
 

@@ -8,10 +8,10 @@ import copy
 import numpy as np
 import pytest
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.coordinator.scheduler import Coordinator
-from fedbroker.spec import parse_job
+from fedbroker.job.spec import parse_job
+from fedbroker.rpc.aggregation_client import AggregatorClient
 from tests.aggregators.test_rounds import SPEC, stream, weights
 from tests.integration.conftest import Federation
 

@@ -20,16 +20,15 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from fedbroker import envelope
 from fedbroker.app.cli import main
-from fedbroker.bus import delete_topology, open_bus
+from fedbroker.bus import delete_topology, envelope, open_bus
 from fedbroker.config import DataSection, WorkerConfig
 from fedbroker.coordinator.service import serve
 from fedbroker.datasets import load_worker_data, train_test_split
 from fedbroker.evaluation import evaluate
+from fedbroker.job.spec import parse_job, parse_model
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import parse_job, parse_model
 from tests.source_roots import PYTHONPATH
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]

@@ -12,8 +12,8 @@ from prometheus_client import REGISTRY
 
 from fedbroker.config import DPPolicy
 from fedbroker.errors import ConfigError
+from fedbroker.job.spec import TrainingConfig, parse_job
 from fedbroker.privacy import dp_sample_rate, planned_steps
-from fedbroker.spec import TrainingConfig, parse_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -14,15 +14,15 @@ from typing import Any
 import grpc
 import pytest
 
-from fedbroker import envelope
 from fedbroker.aggregators.installed_jobs import InstalledJobs
 from fedbroker.aggregators.round_book import RoundBook
-from fedbroker.catalogue import Catalogue
-from fedbroker.job_settings import sections_settings, settings_digest
+from fedbroker.algorithms.catalogue import Catalogue
+from fedbroker.bus import envelope
+from fedbroker.job.settings import sections_settings, settings_digest
+from fedbroker.job.spec import TrainingConfig, parse_job
 from fedbroker.model import initial_weights
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
-from fedbroker.spec import TrainingConfig, parse_job
 from fedbroker.worker.agent import WorkerAgent
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -15,7 +15,7 @@ import pytest
 
 from fedbroker.bus import delete_topology
 from fedbroker.errors import ConfigError
-from fedbroker.spec import parse_job
+from fedbroker.job.spec import parse_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from fedbroker.app.round_notes import event_words
-from fedbroker.spec import parse_job
+from fedbroker.job.spec import parse_job
 from tests.integration.test_weighting_selection import JOB as GA_JOB
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

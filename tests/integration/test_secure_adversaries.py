@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.rpc import RemoteError
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.plumbing import RemoteError
 from fedbroker.secagg import PublicKeys, shamir, sum_error_bound
-from fedbroker.secure_round import round_params
+from fedbroker.secagg.secure_round import round_params
 from fedbroker.worker.secure_task import SecureRun, SecureStepFailed
 from tests.installed import install
 from tests.integration.processes import Deployment

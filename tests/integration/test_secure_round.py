@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 from fedbroker.aggregators.spool import job_folder
+from fedbroker.job.spec import parameter_shapes, parse_model
 from fedbroker.secagg import sum_error_bound
-from fedbroker.secure_round import round_params
-from fedbroker.spec import parameter_shapes, parse_model
+from fedbroker.secagg.secure_round import round_params
 from fedbroker.worker.secure_task import TEST_EXIT_AT, TEST_RECORD_DIR
 from tests.integration.processes import Deployment
 

@@ -16,7 +16,7 @@ from fedbroker.app.cli import main
 from fedbroker.bus import open_bus
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.service import serve
-from fedbroker.spec import parse_job
+from fedbroker.job.spec import parse_job
 from fedbroker.worker.agent import WorkerAgent
 from tests.integration.test_federation import JOB
 from tests.security.conftest import token_table

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fedbroker import envelope
-from fedbroker.bus import open_bus
+from fedbroker.bus import envelope, open_bus
 from fedbroker.coordinator.control import MAX_REASON_CHARS
 from fedbroker.printable import printable
 from fedbroker.proto import fedbroker_pb2 as pb

@@ -21,12 +21,11 @@ from typing import Any
 
 import pytest
 
-from fedbroker import envelope
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.app.cli import main
 from fedbroker.app.demo import free_port
-from fedbroker.bus import delete_topology, open_bus
+from fedbroker.bus import delete_topology, envelope, open_bus
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.worker.ledger import PrivacyLedger
 from tests.faults.harness import job

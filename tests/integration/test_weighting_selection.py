@@ -17,8 +17,8 @@ from prometheus_client import REGISTRY
 
 import fedbroker.aggregators.metrics  # noqa: F401  (registers the service's metrics before any round)
 from fedbroker.app.round_notes import event_words
+from fedbroker.job.spec import parse_job
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import parse_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

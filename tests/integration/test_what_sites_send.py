@@ -16,16 +16,16 @@ from typing import Any
 import grpc
 import pytest
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
-from fedbroker.auth import ClientSecurity
 from fedbroker.bus import Delivery, InProcessBus
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.store import StateStore
+from fedbroker.job.spec import parse_job
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import parse_job
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity
 from fedbroker.worker.agent import WorkerAgent
 from fedbroker.worker.sharing import HISTOGRAM_RELEASE
 

@@ -14,8 +14,7 @@ from fedbroker.aggregators.registry import Registry
 from fedbroker.aggregators.robust import ROBUST
 from fedbroker.aggregators.selection import SELECTION
 from fedbroker.aggregators.weighting import WEIGHTING
-from fedbroker.algorithm_params import AlignmentParams, FedAvgParams, SelectionParams, WeightingParams
-from fedbroker.catalogue import (
+from fedbroker.algorithms.catalogue import (
     ALIGNMENTS,
     ROBUST_RULES,
     SELECTIONS,
@@ -24,9 +23,10 @@ from fedbroker.catalogue import (
     Traits,
     aggregation_settings,
 )
+from fedbroker.algorithms.params import AlignmentParams, FedAvgParams, SelectionParams, WeightingParams
+from fedbroker.algorithms.robust_params import RobustParams
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.robust_params import RobustParams
-from fedbroker.spec import AggregationConfig
+from fedbroker.job.spec import AggregationConfig
 
 PAIRS: list[tuple[Catalogue[Any], Registry[Any], type]] = [
     (ALIGNMENTS, ALIGNMENT, AlignmentParams), (WEIGHTINGS, WEIGHTING, WeightingParams),

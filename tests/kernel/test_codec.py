@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedbroker import codec
 from fedbroker.errors import UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.rpc import codec
 
 
 def _stream(tensors, chunk_bytes=codec.CHUNK_BYTES):

@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from fedbroker import codec
 from fedbroker.errors import UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.rpc import codec
 
 
 @pytest.fixture(params=[0, 1 << 40], ids=["threaded", "inline"])

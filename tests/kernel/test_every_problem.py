@@ -10,7 +10,7 @@ import pytest
 
 from fedbroker.config import DPPolicy, load_config
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.submission import accept_job
+from fedbroker.job.submission import accept_job
 
 JOB: dict[str, Any] = {
     "name": "j", "category": "digits",

@@ -7,7 +7,7 @@ import sys
 
 SCRIPT = """
 import resource, sys
-from fedbroker.glibc_malloc import keep_freed_memory
+from fedbroker.app.glibc_malloc import keep_freed_memory
 if sys.argv[1] == "kept":
     assert keep_freed_memory()
 def chunks_in_flight():  # 16 chunks of 2 MiB, as a stream queues them, then all freed

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from fedbroker.errors import Rejection, UploadRejected
-from fedbroker.rpc import status_for
+from fedbroker.rpc.plumbing import status_for
 from tests.source_roots import ROOT
 
 ROW = re.compile(r"^\| `(?P<reason>[a-z_]+)` \| `(?P<status>[A-Z_]+)` \| (?P<worker>final|retries) \|", re.M)

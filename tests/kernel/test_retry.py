@@ -13,7 +13,7 @@ import pytest
 
 from fedbroker.errors import ConfigError
 from fedbroker.retry import Backoff, retry_call
-from fedbroker.rpc import RemoteError, call_with_retry
+from fedbroker.rpc.plumbing import RemoteError, call_with_retry
 
 
 class FakeTime:
@@ -195,7 +195,7 @@ def test_the_last_wait_before_a_deadline_is_shortened_for_a_last_try_at_the_dead
 def test_a_call_with_a_deadline_outlasts_the_attempt_budget_and_gives_up_exactly_at_the_deadline() -> None:
     """A worker's upload while the service is down (or its spool disk full): retried until the round's deadline,
     not RPC_ATTEMPTS times."""
-    from fedbroker.rpc import RPC_ATTEMPTS
+    from fedbroker.rpc.plumbing import RPC_ATTEMPTS
 
     fn, time = Failing(error=lambda _: FakeRpcError(grpc.StatusCode.UNAVAILABLE, "spool_full")), FakeTime()
     time.now = 1000.0
@@ -218,7 +218,7 @@ def test_a_busy_service_is_retried_within_milliseconds_and_an_outage_after_the_o
     """`server_busy` is load shedding (a transfer slot frees within a small model's transfer time), not an
     outage: its first waits are BUSY_BACKOFF's, growing to the same cap; a service that is down keeps
     RPC_BACKOFF's. The error of each retry decides its wait."""
-    from fedbroker.rpc import BUSY_BACKOFF, RPC_BACKOFF
+    from fedbroker.rpc.plumbing import BUSY_BACKOFF, RPC_BACKOFF
 
     def run(reasons: list[str | None]) -> list[float]:
         time = FakeTime()

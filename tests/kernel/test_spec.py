@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.layers import LAYERS
+from fedbroker.job.layers import LAYERS
+from fedbroker.job.spec import job_from_text, output_shapes, parameter_shapes, parse_job, parse_model
+from fedbroker.job.submission import accept_job, accept_job_text
 from fedbroker.model import build_model
-from fedbroker.spec import job_from_text, output_shapes, parameter_shapes, parse_job, parse_model
-from fedbroker.submission import accept_job, accept_job_text
 
 GOOD = {
     "name": "digits-mlp",
@@ -138,7 +138,7 @@ def test_the_kernel_parser_leaves_algorithm_names_to_the_registries():
     assert parse_job(_mutate(("aggregation", "weighting"), "median")).aggregation.weighting == "median"
 
 
-# One minimal model per layer type in fedbroker.layers.LAYERS (a new type needs an entry here too).
+# One minimal model per layer type in fedbroker.job.layers.LAYERS (a new type needs an entry here too).
 LAYER_EXAMPLES = {
     "Linear": [{"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 3}]},
                {"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 3, "bias": False}]}],

@@ -1,4 +1,4 @@
-"""A job's `data` section (fedbroker.spec_data): every problem named with its full path, all at once, and the
+"""A job's `data` section (fedbroker.job.spec_data): every problem named with its full path, all at once, and the
 section in the job's one wire form."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from fedbroker.catalogue import needs_histograms
+from fedbroker.algorithms.catalogue import needs_histograms
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.spec import AggregationConfig, job_from_json, parse_job
-from fedbroker.spec_data import DataConfig
+from fedbroker.job.spec import AggregationConfig, job_from_json, parse_job
+from fedbroker.job.spec_data import DataConfig
 
 MODEL = {"input_shape": [2, 2], "layers": [{"type": "Flatten"}, {"type": "Linear", "in_features": 4, "out_features": 3}]}
 

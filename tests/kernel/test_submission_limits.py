@@ -13,7 +13,7 @@ from fedbroker.bus.base import check_name
 from fedbroker.config import load_config
 from fedbroker.datasets import load_dataset
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.spec import (
+from fedbroker.job.spec import (
     EVALUATION_SETS,
     MAX_SPEC_BYTES,
     MAX_STEP_BYTES,
@@ -24,7 +24,7 @@ from fedbroker.spec import (
     parse_job,
     step_bytes,
 )
-from fedbroker.yamltext import MAX_ALIASES, MAX_MERGES, load_yaml
+from fedbroker.job.yamltext import MAX_ALIASES, MAX_MERGES, load_yaml
 
 DIGITS_MODEL = {"input_shape": [1, 8, 8], "layers": [
     {"type": "Flatten"}, {"type": "Linear", "in_features": 64, "out_features": 10}]}
@@ -110,7 +110,7 @@ def test_a_name_with_a_newline_is_refused_everywhere_names_are_checked(name: str
 
 
 def test_a_token_table_name_or_digest_with_a_trailing_newline_is_refused() -> None:
-    from fedbroker.auth import TokenTable
+    from fedbroker.rpc.auth import TokenTable
 
     digest = "a" * 64
     with pytest.raises(ConfigError):

@@ -22,10 +22,10 @@ from fedbroker.app.backup import backup, restore
 from fedbroker.app.cli import main
 from fedbroker.backup import BackupRefused
 from fedbroker.coordinator.checkpoints import load_checkpoint, save_checkpoint
+from fedbroker.coordinator.schema import SchemaTooNew
 from fedbroker.coordinator.state_dir import StateDirInUse
 from fedbroker.coordinator.store import StateStore
 from fedbroker.coordinator.store_schema import SCHEMA
-from fedbroker.schema import SchemaTooNew
 from fedbroker.worker.ledger import PrivacyLedger
 from tests.aggregators.test_rounds import AGG, SPEC, stream, weights
 

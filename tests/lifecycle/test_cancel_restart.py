@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import open_bus
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.store import StateStore
-from fedbroker.spec import parse_job
+from fedbroker.job.spec import parse_job
+from fedbroker.rpc.aggregation_client import AggregatorClient
 from tests.lifecycle.test_jobs import JOB
 
 

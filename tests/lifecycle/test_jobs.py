@@ -19,13 +19,13 @@ import torch
 import yaml
 
 from fedbroker.app.cli import main
-from fedbroker.auth import ClientSecurity
 from fedbroker.bus import open_bus
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.checkpoints import checkpoints_of, load_checkpoint
 from fedbroker.coordinator.service import CoordinatorClient, serve
+from fedbroker.job.spec import parse_model
 from fedbroker.model import build_model, load_numpy_state
-from fedbroker.spec import parse_model
+from fedbroker.rpc.auth import ClientSecurity
 from fedbroker.worker.agent import WorkerAgent
 from tests.integration.conftest import Federation
 from tests.security.conftest import token_table

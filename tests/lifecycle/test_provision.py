@@ -75,7 +75,7 @@ def test_each_kit_holds_only_its_own_private_keys_owner_only(kits):
 
 
 def test_each_kit_holds_its_own_token_and_the_server_holds_only_their_digests(kits):
-    from fedbroker.auth import TokenTable
+    from fedbroker.rpc.auth import TokenTable
 
     table = TokenTable.from_file(str(kits / "server/tokens/aggregator.yaml"))
     for site in ("hospital-a", "hospital-b"):

@@ -18,12 +18,12 @@ import grpc
 import numpy as np
 import pytest
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.app.provision import lifecycle, parse_project, provision
-from fedbroker.auth import ClientSecurity
 from fedbroker.coordinator.service import CoordinatorClient
-from fedbroker.rpc import RemoteError
-from fedbroker.spec import parse_model
+from fedbroker.job.spec import parse_model
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity
+from fedbroker.rpc.plumbing import RemoteError
 from tests.integration.processes import stop_all
 from tests.source_roots import PYTHONPATH
 

@@ -15,9 +15,9 @@ from cryptography import x509
 
 from fedbroker.app.cli import main
 from fedbroker.app.provision import folder, lifecycle, parse_project, provision, serverkit, state
-from fedbroker.auth import TokenTable, hash_token
 from fedbroker.config import load_config
 from fedbroker.errors import ConfigError
+from fedbroker.rpc.auth import TokenTable, hash_token
 
 PROJECT = {
     "name": "study",

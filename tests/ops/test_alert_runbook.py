@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from fedbroker.spec import ScheduleConfig
+from fedbroker.job.spec import ScheduleConfig
 from tests.ops.conftest import DEPLOY, ROOT
 
 PROMETHEUS = DEPLOY / "prometheus"

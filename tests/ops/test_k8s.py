@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from fedbroker.config import load_config
-from fedbroker.spec import ScheduleConfig
+from fedbroker.job.spec import ScheduleConfig
 from tests.ops.conftest import DEPLOY, ROOT, missing, tool
 from tests.ops.sync_prometheus_rule import RULE, render
 

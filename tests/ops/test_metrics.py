@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators import metrics as agg_metrics
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
+from fedbroker.algorithms.catalogue import aggregation_settings
 from fedbroker.bus import open_bus
-from fedbroker.catalogue import aggregation_settings
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig, load_config
 from fedbroker.errors import ConfigError
+from fedbroker.job.spec import AggregationConfig, parse_model
 from fedbroker.metrics import start_ephemeral_exporter, start_exporter
-from fedbroker.rpc import RemoteError
-from fedbroker.spec import AggregationConfig, parse_model
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.plumbing import RemoteError
 from fedbroker.worker.agent import WorkerAgent
 from tests.installed import install
 
@@ -284,7 +284,7 @@ def idle_coordinator(tmp_path):
 
 
 def waiting_job(category: str) -> Any:
-    from fedbroker.spec import parse_job
+    from fedbroker.job.spec import parse_job
 
     return parse_job({"name": "waits", "category": category,
                       "model": {"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 2}]},
@@ -330,7 +330,7 @@ def test_a_workers_counters_exist_at_zero_from_when_it_starts(tmp_path):
 def test_a_worker_exports_the_projected_cost_of_its_next_round_and_refuses_what_it_cannot_afford(tmp_path):
     """The alert "cannot afford the next round" compares this gauge with the budget remaining."""
     from fedbroker.errors import BudgetExceeded
-    from fedbroker.spec import TrainingConfig
+    from fedbroker.job.spec import TrainingConfig
 
     worker_id = f"c{uuid.uuid4().hex[:6]}"
     agent = WorkerAgent(WorkerConfig(

@@ -16,8 +16,8 @@ import pytest
 
 from fedbroker.app.demo import free_port
 from fedbroker.config import DPPolicy
+from fedbroker.job.spec import parse_job
 from fedbroker.metrics import start_ephemeral_exporter
-from fedbroker.spec import parse_job
 from tests.integration.conftest import Federation
 from tests.ops.conftest import DEPLOY, tool
 from tests.ops.test_dashboards import DASHBOARDS, panel_exprs

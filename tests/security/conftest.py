@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import yaml
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
-from fedbroker.auth import ClientSecurity, ServerTLS, TokenTable, generate_token, hash_token
 from fedbroker.bus import delete_topology, open_bus
 from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.store import StateStore
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity, ServerTLS, TokenTable, generate_token, hash_token
 from fedbroker.worker.agent import WorkerAgent
 from tests.security.pki import Authority, Pair
 from tests.security.tlsproxy import TlsProxy

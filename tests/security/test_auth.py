@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.app.launch import broker_url, client_security, start_aggregator
-from fedbroker.auth import ClientSecurity, TokenTable, generate_token, hash_token
 from fedbroker.config import load_config
 from fedbroker.errors import ConfigError, Rejection
-from fedbroker.rpc import RemoteError
-from fedbroker.spec import parse_model
+from fedbroker.job.spec import parse_model
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity, TokenTable, generate_token, hash_token
+from fedbroker.rpc.plumbing import RemoteError
 from tests.installed import install
 from tests.security.conftest import token_table, write_table
 

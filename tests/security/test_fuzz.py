@@ -22,11 +22,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedbroker import codec
 from fedbroker.errors import ConfigError, UploadRejected
+from fedbroker.job.spec import job_from_text, parse_job
+from fedbroker.job.submission import accept_job
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import job_from_text, parse_job
-from fedbroker.submission import accept_job
+from fedbroker.rpc import codec
 
 
 def fuzz(examples: int) -> settings:

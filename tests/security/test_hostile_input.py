@@ -23,19 +23,19 @@ import pika
 import pytest
 from prometheus_client import REGISTRY
 
-from fedbroker import codec, envelope
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve as serve_aggregator
-from fedbroker.auth import ClientSecurity
-from fedbroker.bus import Topology, delete_topology, open_bus
+from fedbroker.bus import Topology, delete_topology, envelope, open_bus
 from fedbroker.config import DPPolicy, WorkerConfig
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.service import serve as serve_coordinator
 from fedbroker.coordinator.store import StateStore
+from fedbroker.job.spec import parse_model
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
-from fedbroker.spec import parse_model
+from fedbroker.rpc import codec
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity
 from fedbroker.worker.agent import WorkerAgent
 from tests.installed import install
 from tests.security.conftest import token_table

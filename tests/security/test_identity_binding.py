@@ -28,15 +28,15 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.app.provision import parse_project, provision
-from fedbroker.auth import ClientSecurity, ServerAuth, ServerTLS, certificate_identity
 from fedbroker.coordinator.service import CoordinatorClient
 from fedbroker.errors import Rejection
-from fedbroker.rpc import RemoteError, reason_of
-from fedbroker.spec import parse_model
+from fedbroker.job.spec import parse_model
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity, ServerAuth, ServerTLS, certificate_identity
+from fedbroker.rpc.plumbing import RemoteError, reason_of
 from tests.installed import install
 from tests.integration.processes import stop_all
 from tests.security.conftest import token_table

@@ -7,8 +7,8 @@ import os
 
 import yaml
 
-from fedbroker.auth import TokenTable
 from fedbroker.config import load_config
+from fedbroker.rpc.auth import TokenTable
 from tests.ops.test_k8s import component, env_of, one, rendered
 
 

@@ -85,7 +85,7 @@ def problems(path: Path) -> list[str]:
 
 def test_the_scan_covers_the_services_and_catches_each_pattern(tmp_path):
     names = {str(p.relative_to(ROOT)) for p in sources()}
-    assert {"fedbroker/codec.py", "coordinator/fedbroker/coordinator/checkpoints.py", "worker/fedbroker/worker/agent.py",
+    assert {"fedbroker/rpc/codec.py", "coordinator/fedbroker/coordinator/checkpoints.py", "worker/fedbroker/worker/agent.py",
             "aggregators/fedbroker/aggregators/service.py"} <= names
     assert not any(n.startswith("tests/") for n in names)
     bad = tmp_path / "bad.py"

@@ -1,4 +1,4 @@
-"""Revocation and rotation without a restart (fedbroker.live_auth): the aggregation service, started for real as
+"""Revocation and rotation without a restart (fedbroker.rpc.live_auth): the aggregation service, started for real as
 `fedbroker aggregator` on mutual TLS with a token table, follows its CRL (`crl.pem` beside the client CA) and its
 token table while it runs. A revoked certificate is refused on its next call, also on a connection opened
 before, while everyone else keeps working; a token dropped from the table is refused and a rotated one
@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 import yaml
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
-from fedbroker.auth import ClientSecurity, ServerTLS, generate_token, hash_token
 from fedbroker.errors import Rejection
-from fedbroker.rpc import RemoteError
-from fedbroker.spec import parse_model
+from fedbroker.job.spec import parse_model
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity, ServerTLS, generate_token, hash_token
+from fedbroker.rpc.plumbing import RemoteError
 from tests.rabbitmq_node import free_ports
 from tests.security.pki import Authority, Pair
 from tests.source_roots import PYTHONPATH
@@ -230,7 +230,7 @@ def test_a_renewed_server_certificate_is_served_to_new_connections_without_a_res
     tokens = {"w": generate_token()}
     table = tmp_path / "tokens.yaml"
     table.write_bytes(table_text({"w": ("worker", [tokens["w"]])}))
-    from fedbroker.live_auth import follow_table
+    from fedbroker.rpc.live_auth import follow_table
 
     tls = ServerTLS.from_files(str(cert), str(key), str(clients.ca), where="aggregator.tls")
     server, port = serve(RoundBook(), tokens=follow_table(str(table), service="test"), tls=tls)
@@ -267,7 +267,7 @@ def test_a_renewed_server_certificate_is_served_to_new_connections_without_a_res
 
 def test_a_token_table_that_is_invalid_at_start_stops_the_service(tmp_path):
     from fedbroker.errors import ConfigError
-    from fedbroker.live_auth import follow_table
+    from fedbroker.rpc.live_auth import follow_table
 
     bad = tmp_path / "tokens.yaml"
     bad.write_text("w: {role: worker, sha256: nope}\n")
@@ -279,7 +279,7 @@ def test_a_token_table_that_is_invalid_at_start_stops_the_service(tmp_path):
 
 def test_a_crl_is_trusted_only_from_the_client_ca_and_lists_only_its_serials(tmp_path):
     from fedbroker.errors import ConfigError
-    from fedbroker.live_auth import load_cas, load_crl
+    from fedbroker.rpc.live_auth import load_cas, load_crl
 
     ca, other = Authority(tmp_path / "ca"), Authority(tmp_path / "other", name="other CA")
     revoked, kept = ca.issue("a", "site-a", server=False), ca.issue("b", "site-b", server=False)
@@ -304,7 +304,7 @@ def test_a_crl_is_trusted_only_from_the_client_ca_and_lists_only_its_serials(tmp
 
 
 def test_a_half_renewed_key_and_certificate_are_not_served_until_they_match(tmp_path):
-    from fedbroker.live_auth import _CertificateFiles
+    from fedbroker.rpc.live_auth import _CertificateFiles
 
     ca = Authority(tmp_path / "ca")
     first, second = ca.issue("one", "localhost", server=True), ca.issue("two", "localhost", server=True)
@@ -323,7 +323,7 @@ def test_a_half_renewed_key_and_certificate_are_not_served_until_they_match(tmp_
 def test_a_refused_change_is_counted_and_logged_once_and_the_next_good_one_loads(tmp_path, caplog):
     from prometheus_client import REGISTRY
 
-    from fedbroker.live_auth import LiveTokenTable
+    from fedbroker.rpc.live_auth import LiveTokenTable
 
     def refused() -> float:
         return REGISTRY.get_sample_value("fedbroker_auth_file_reloads_total",
@@ -352,7 +352,7 @@ def test_the_coordinators_port_refuses_a_revoked_scientist_and_serves_the_others
     from fedbroker.coordinator.service import CoordinatorClient
     from fedbroker.coordinator.service import serve as serve_coordinator
     from fedbroker.coordinator.store import StateStore
-    from fedbroker.live_auth import follow_table
+    from fedbroker.rpc.live_auth import follow_table
 
     ca = Authority(tmp_path / "ca")
     server_pair = ca.issue("server", "localhost", server=True)

@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedbroker import envelope
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
+from fedbroker.bus import envelope
 from fedbroker.errors import Rejection
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.rpc import RemoteError
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.plumbing import RemoteError
 from fedbroker.worker.agent import WorkerAgent
 from tests.aggregators.test_rounds import SPEC, weights
 from tests.faults.harness import Federation, job, wait_for

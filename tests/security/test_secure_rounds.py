@@ -14,18 +14,18 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.secure_rounds import SecureRounds
 from fedbroker.aggregators.service import serve
-from fedbroker.auth import ClientSecurity
 from fedbroker.errors import Rejection, UploadRejected
+from fedbroker.job.spec import parameter_shapes, parse_model
+from fedbroker.job.submission import accept_job
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.rpc import RemoteError
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity
+from fedbroker.rpc.plumbing import RemoteError
 from fedbroker.secagg import sum_error_bound
-from fedbroker.secure_round import round_params
-from fedbroker.spec import parameter_shapes, parse_model
-from fedbroker.submission import accept_job
+from fedbroker.secagg.secure_round import round_params
 from fedbroker.worker.secure_task import SecureRun, SecureStepFailed, weighted_vector
 from tests.security.conftest import token_table
 

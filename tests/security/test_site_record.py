@@ -13,8 +13,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fedbroker.aggregation_client import AggregatorClient
-from fedbroker.auth import ClientSecurity
 from fedbroker.bus import InProcessBus
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.records import JobStatus, ParticipantStatus
@@ -22,7 +20,9 @@ from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.service import CoordinatorClient, serve
 from fedbroker.coordinator.store import StateStore
 from fedbroker.errors import Rejection
-from fedbroker.rpc import reason_of
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity
+from fedbroker.rpc.plumbing import reason_of
 from tests.security.conftest import token_table
 
 POLICY = DPPolicy(noise_multiplier=1.1, epsilon_budget=8.0)

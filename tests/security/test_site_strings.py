@@ -24,11 +24,9 @@ import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from fedbroker import envelope
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import PERMISSIONS, serve
-from fedbroker.auth import ROLE_WORKER
-from fedbroker.bus import InProcessBus
+from fedbroker.bus import InProcessBus, envelope
 from fedbroker.coordinator.control import INVALID_REASONS, MAX_REASON_CHARS, SenderBinding
 from fedbroker.coordinator.control_handler import ControlHandler
 from fedbroker.coordinator.events import JobWatcher
@@ -37,7 +35,8 @@ from fedbroker.coordinator.store import StateStore
 from fedbroker.printable import printable
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
-from fedbroker.rpc import MAX_DETAILS_CHARS
+from fedbroker.rpc.auth import ROLE_WORKER
+from fedbroker.rpc.plumbing import MAX_DETAILS_CHARS
 
 FORGED = "x\n2026-01-01 00:00:00,000 CRITICAL fedbroker.coordinator: FORGED\r\x1b[2J\x1b]0;owned\x07\u202e\b"
 BUS_TEXT = FORGED + "A" * 1_000_000

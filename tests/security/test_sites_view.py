@@ -12,9 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.app.sites import follow_logs, list_table, log_line, show_text
-from fedbroker.auth import ClientSecurity
 from fedbroker.bus import InProcessBus
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.scheduler import Coordinator
@@ -22,6 +20,8 @@ from fedbroker.coordinator.service import CoordinatorClient, serve
 from fedbroker.coordinator.site_views import list_sites_reply, site_detail_reply
 from fedbroker.coordinator.store import StateStore
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity
 from tests.security.conftest import token_table
 
 IDENTITIES = {"site-a": "worker", "sci": "submitter", "eve": "viewer"}

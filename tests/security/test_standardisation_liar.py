@@ -23,10 +23,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedbroker import envelope
 from fedbroker.app.provision import parse_project
 from fedbroker.app.provision.configs import broker_definitions, broker_user
-from fedbroker.bus import Bus, Delivery, open_bus
+from fedbroker.bus import Bus, Delivery, envelope, open_bus
 from fedbroker.config import DataSection, WorkerConfig
 from fedbroker.coordinator.sharing import MIN_STD_FRACTION
 from fedbroker.datasets import load_worker_data, train_test_split

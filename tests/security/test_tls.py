@@ -14,14 +14,14 @@ import grpc
 import numpy as np
 import pytest
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
-from fedbroker.auth import ClientSecurity, ServerTLS, TokenTable, generate_token, hash_token
 from fedbroker.bus import delete_topology, open_bus
 from fedbroker.errors import BusError, ConfigError
-from fedbroker.rpc import RemoteError
-from fedbroker.spec import parse_job, parse_model
+from fedbroker.job.spec import parse_job, parse_model
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity, ServerTLS, TokenTable, generate_token, hash_token
+from fedbroker.rpc.plumbing import RemoteError
 from tests.security.conftest import SecureFederation, amqps_url
 from tests.security.tlsproxy import TlsProxy
 

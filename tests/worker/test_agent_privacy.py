@@ -12,11 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedbroker import envelope
-from fedbroker.bus import open_bus
+from fedbroker.bus import envelope, open_bus
 from fedbroker.config import DPPolicy, WorkerConfig
 from fedbroker.errors import BudgetExceeded, LedgerBehind
-from fedbroker.job_settings import sections_settings, settings_digest
+from fedbroker.job.settings import sections_settings, settings_digest
 from fedbroker.label_stats import reported_ish
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.worker.agent import WorkerAgent

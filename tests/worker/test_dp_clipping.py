@@ -14,8 +14,8 @@ from torch import nn
 
 from fedbroker.config import DPPolicy
 from fedbroker.errors import ConfigError
+from fedbroker.job.spec import TrainingConfig
 from fedbroker.privacy import dp_sample_rate, epsilon_of, planned_steps
-from fedbroker.spec import TrainingConfig
 from fedbroker.worker import one_pass_clipping
 from fedbroker.worker.clipping import GHOST_MIN_FLOATS, clipping_mode, dp_engine, ghost_supported
 from fedbroker.worker.dp_optimizer import FlatDPOptimizer, FlatGhostDPOptimizer, FlatSumDPOptimizer

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from fedbroker import envelope
+from fedbroker.bus import envelope
 from fedbroker.config import load_config
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.worker.log_forward import MAX_MESSAGE_CHARS, LogForwarder, install, remove

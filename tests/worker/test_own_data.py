@@ -19,8 +19,8 @@ from fedbroker.coordinator.participants import data_fit_problems
 from fedbroker.coordinator.records import WorkerRecord
 from fedbroker.datasets import load_worker_data
 from fedbroker.errors import ConfigError
+from fedbroker.job.spec import parse_model
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import parse_model
 
 
 def worker(dataset: str, **data: object) -> WorkerConfig:

@@ -13,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedbroker import envelope
-from fedbroker.bus import Delivery, InProcessBus
+from fedbroker.bus import Delivery, InProcessBus, envelope
 from fedbroker.config import DataSection, DPPolicy, WorkerConfig
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.worker.agent import WorkerAgent
@@ -151,8 +150,8 @@ STANDARDISED = {"input_shape": [1, 8, 8], "layers": [{"type": "standardize", "me
 def test_a_training_task_whose_preprocessing_contradicts_the_policy_is_refused_before_training(
         tmp_path: Path, standardize: str, model: dict, refusal: str) -> None:
     from fedbroker.errors import TaskRefused
+    from fedbroker.job.spec import TrainingConfig, parameter_shapes, parse_model
     from fedbroker.model import initial_weights
-    from fedbroker.spec import TrainingConfig, parameter_shapes, parse_model
 
     agent = WorkerAgent(WorkerConfig(id="site-a", ledger_path=str(tmp_path / "ledger.json"), device="cpu",
                                      data=DataSection(standardize=standardize), dp=DPPolicy(enabled=False)),

@@ -17,8 +17,8 @@ from scipy.stats import norm
 
 from fedbroker.config import DPPolicy
 from fedbroker.errors import ConfigError, ConfigErrors
+from fedbroker.job.spec import parse_model
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import parse_model
 from fedbroker.statistics_release import gaussian_delta, gaussian_sigma
 from fedbroker.worker.feature_statistics import BadBounds, clipped_sums, feature_bounds, release_statistics
 from fedbroker.worker.ledger import PrivacyLedger, source_digest

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from fedbroker.config import DPPolicy
+from fedbroker.job.spec import TrainingConfig, parameter_shapes, parse_model
 from fedbroker.model import Standardize, build_model
-from fedbroker.spec import TrainingConfig, parameter_shapes, parse_model
 from fedbroker.worker.training import train_local
 
 POLICY = DPPolicy(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budget=100.0)

@@ -12,8 +12,8 @@ from fedbroker.config import DPPolicy
 from fedbroker.datasets import load_dataset, train_test_split
 from fedbroker.errors import BudgetExceeded, ConfigError
 from fedbroker.evaluation import evaluate
+from fedbroker.job.spec import TrainingConfig, parse_job, training_from_json
 from fedbroker.privacy import dp_sample_rate, planned_steps, project_epsilon
-from fedbroker.spec import TrainingConfig, parse_job, training_from_json
 from fedbroker.worker.training import pick_device, train_local
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fedbroker.config import DPPolicy
-from fedbroker.spec import TrainingConfig
+from fedbroker.job.spec import TrainingConfig
 from fedbroker.worker import clipping
 from fedbroker.worker.dp_optimizer import FlatDPOptimizer
 from fedbroker.worker.training import train_local

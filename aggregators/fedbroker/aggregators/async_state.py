@@ -26,10 +26,10 @@ import numpy as np
 
 from fedbroker.aggregators.fedbuff import Buffer
 from fedbroker.aggregators.job_algorithms import Algorithms
-from fedbroker.algorithm_params import staleness_function
+from fedbroker.algorithms.params import staleness_function
 from fedbroker.errors import ConfigError, Rejection, UploadRejected
-from fedbroker.spec import ScheduleConfig, mode_problems
-from fedbroker.submission import robust_problems
+from fedbroker.job.spec import ScheduleConfig, mode_problems
+from fedbroker.job.submission import robust_problems
 
 KEEP_VERSION_ROWS = 64   # the newest versions' summaries (the coordinator records each one)
 

@@ -32,7 +32,7 @@ from fedbroker.aggregators.root_update import train_root_update
 from fedbroker.aggregators.selection import Candidate, Probe, SelectionInput
 from fedbroker.close_report import SelectionRecord, Verdict
 from fedbroker.errors import Conflict
-from fedbroker.spec import ModelSpec
+from fedbroker.job.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedbroker.algorithm_params import Staleness
+from fedbroker.algorithms.params import Staleness
 
 __all__ = ["Buffer", "StaleUpdate", "fedbuff_version"]
 

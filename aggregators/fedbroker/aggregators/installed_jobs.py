@@ -21,7 +21,7 @@ from typing import Any
 from fedbroker.aggregators.job_algorithms import Algorithms, build_algorithms
 from fedbroker.aggregators.spool import Spool
 from fedbroker.errors import Conflict, Rejection, UnknownJob, UploadRejected
-from fedbroker.job_settings import legacy_settings, parse_settings, settings_digest
+from fedbroker.job.settings import legacy_settings, parse_settings, settings_digest
 from fedbroker.proto import fedbroker_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from fedbroker.aggregators.alignment import ALIGNMENT, Alignment
 from fedbroker.aggregators.robust import ROBUST, RobustRule
 from fedbroker.aggregators.selection import SELECTION, Selector
 from fedbroker.aggregators.weighting import WEIGHTING, Weighting
-from fedbroker.catalogue import AggregationSettings
-from fedbroker.job_settings import InstalledJob
+from fedbroker.algorithms.catalogue import AggregationSettings
+from fedbroker.job.settings import InstalledJob
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from fedbroker.aggregators.secure_session import SecureSession
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.close_report import SelectionRecord, Verdict
 from fedbroker.errors import Conflict, NotFound, Rejection, UploadRejected
-from fedbroker.spec import ModelSpec, parameter_shapes
+from fedbroker.job.spec import ModelSpec, parameter_shapes
 
 KEEP_CLOSED_ROUNDS = 16  # closed rounds whose accepted workers and deadline are remembered (redeliveries, stragglers)
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from prometheus_client import Counter, Gauge, Histogram
 
 import fedbroker.metrics  # noqa: F401  (the shared gRPC and broker metrics belong to every process)
-from fedbroker.catalogue import AggregationSettings
+from fedbroker.algorithms.catalogue import AggregationSettings
 from fedbroker.close_report import Verdict
 from fedbroker.errors import Rejection
 
@@ -78,7 +78,7 @@ BUFFER_CAPACITY = Gauge(
 VERSIONS = Counter(
     "fedbroker_aggregator_versions_published_total", "Global versions published by asynchronous buffers.")
 
-# Robust aggregation (aggregation.robust): each update a rule judged, and its verdict (fedbroker.robust_params).
+# Robust aggregation (aggregation.robust): each update a rule judged, and its verdict (fedbroker.algorithms.robust_params).
 ROBUST_JUDGED = Counter(
     "fedbroker_aggregator_robust_updates_judged_total",
     "Updates a robust rule judged at a round's close, by rule and worker.", ["robust", "worker_id"])

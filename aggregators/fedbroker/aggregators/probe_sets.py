@@ -1,7 +1,7 @@
 """The probe sets the aggregation service holds for the GA's `fitness: probe` (docs/algorithms.md, `ga`).
 
 A probe set stands for public or synthetic data on the aggregation side; it is never a worker's. The
-service can load the data sets bundled with scikit-learn (`fedbroker.spec.EVALUATION_SETS`) and draws
+service can load the data sets bundled with scikit-learn (`fedbroker.job.spec.EVALUATION_SETS`) and draws
 the probe from the part a worker leaves out of training by default (its held-out split:
 `test_fraction` 0.2, `split_seed` 0), so in the demo no probe sample is in any worker's training data.
 """

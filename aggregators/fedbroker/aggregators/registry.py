@@ -1,4 +1,4 @@
-"""The implementations of each kind of algorithm, bound to the kernel catalogue's names (`fedbroker.catalogue`).
+"""The implementations of each kind of algorithm, bound to the kernel catalogue's names (`fedbroker.algorithms.catalogue`).
 
 An implementation extends its name's parameter class with the arithmetic (`FedDNA(FedDNAParams)`), so the
 kernel's checks are the whole check and a job the coordinator accepted builds here. Binding a name twice,
@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
-from fedbroker.catalogue import Catalogue, Choice
+from fedbroker.algorithms.catalogue import Catalogue, Choice
 
 T = TypeVar("T")
 
@@ -31,7 +31,7 @@ class Registry(Generic[T]):
             if name in self._entries:
                 raise ValueError(f"{self.kind} algorithm {name!r} is already registered")
             if name not in self.catalogue.names():
-                raise ValueError(f"{self.kind} algorithm {name!r} is not in the catalogue (fedbroker.catalogue)")
+                raise ValueError(f"{self.kind} algorithm {name!r} is not in the catalogue (fedbroker.algorithms.catalogue)")
             params = self.catalogue.entry(name).params
             if not issubclass(cls, params):
                 raise TypeError(f"{self.kind} {name!r}: {cls.__name__} must extend {params.__name__}")

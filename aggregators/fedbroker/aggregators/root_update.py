@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from fedbroker.spec import ModelSpec
+from fedbroker.job.spec import ModelSpec
 
 
 def train_root_update(spec: ModelSpec, state: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray, *,

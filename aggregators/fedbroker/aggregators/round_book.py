@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 
-from fedbroker import codec
 from fedbroker.aggregators import admission, metrics
 from fedbroker.aggregators.async_state import (
     AsyncState,
@@ -65,9 +64,10 @@ from fedbroker.aggregators.secure_rounds import SecureRounds, new_session
 from fedbroker.aggregators.spool import Spool, job_record, restore_jobs, update_record
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.errors import Conflict, NotFound, Rejection, UnknownJob, UploadRejected
+from fedbroker.job.spec import ModelSpec, parameter_shapes, parse_model
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.secure_round import UNMASK_WAIT_S
-from fedbroker.spec import ModelSpec, parameter_shapes, parse_model
+from fedbroker.rpc import codec
+from fedbroker.secagg.secure_round import UNMASK_WAIT_S
 
 log = logging.getLogger(__name__)
 

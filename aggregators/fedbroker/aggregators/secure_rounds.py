@@ -19,7 +19,6 @@ from typing import Protocol
 
 import numpy as np
 
-from fedbroker import codec
 from fedbroker.aggregators.combine import Combined
 from fedbroker.aggregators.job_state import Accepted, Job, Receipt, Round
 from fedbroker.aggregators.mean import Layout
@@ -27,10 +26,11 @@ from fedbroker.aggregators.secure_session import Roster, SecureSession, refused
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.close_report import SelectionRecord
 from fedbroker.errors import Rejection, UploadRejected
+from fedbroker.job.spec import ModelSpec, parameter_shapes
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.rpc import codec
 from fedbroker.secagg import PublicKeys, SecAggError, UnmaskRequest
-from fedbroker.secure_round import WAITING_CALLS
-from fedbroker.spec import ModelSpec, parameter_shapes
+from fedbroker.secagg.secure_round import WAITING_CALLS
 
 log = logging.getLogger(__name__)
 

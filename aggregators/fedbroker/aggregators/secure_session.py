@@ -47,7 +47,7 @@ from fedbroker.secagg import (
     SecAggServer,
     UnmaskRequest,
 )
-from fedbroker.secure_round import LONG_POLL_S, UNMASK_WAIT_S, phase_deadlines, round_params, round_seed
+from fedbroker.secagg.secure_round import LONG_POLL_S, UNMASK_WAIT_S, phase_deadlines, round_params, round_seed
 
 _T = TypeVar("_T")
 

@@ -1,6 +1,6 @@
 """The aggregation service over gRPC: a thin servicer that converts messages and maps errors.
 
-With a token table, every call is authenticated (fedbroker.auth): the coordinator runs rounds, a worker
+With a token table, every call is authenticated (fedbroker.rpc.auth): the coordinator runs rounds, a worker
 downloads global models and uploads updates under its own worker id only, and sees only itself in a
 round's status. With TLS settings the port speaks TLS (optionally mutual TLS).
 """
@@ -22,17 +22,17 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from fedbroker import codec
 from fedbroker.aggregators import metrics
 from fedbroker.aggregators.round_book import RoundBook
-from fedbroker.auth import ROLE_COORDINATOR, ROLE_WORKER, Identity, ServerAuth, ServerTLS, TokenLookup
-from fedbroker.callguard import CallGuard, CallLimits
 from fedbroker.errors import Rejection, UploadRejected
-from fedbroker.live_auth import add_port, revocation_interceptors
 from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
-from fedbroker.rpc import CHANNEL_OPTIONS, handle
+from fedbroker.rpc import codec
+from fedbroker.rpc.auth import ROLE_COORDINATOR, ROLE_WORKER, Identity, ServerAuth, ServerTLS, TokenLookup
+from fedbroker.rpc.callguard import CallGuard, CallLimits
+from fedbroker.rpc.live_auth import add_port, revocation_interceptors
+from fedbroker.rpc.plumbing import CHANNEL_OPTIONS, handle
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "fedbroker.v1.Aggregation"
@@ -468,7 +468,7 @@ def serve(book: RoundBook, *, address: str = "127.0.0.1:0", limits: CallLimits |
           tokens: TokenLookup | None = None, tls: ServerTLS | None = None) -> tuple[grpc.Server, int]:
     """Start the service (with standard gRPC health checking) and return it with its bound port.
 
-    `limits`: how its threads are shared out (`fedbroker.callguard`: health checks keep threads of their
+    `limits`: how its threads are shared out (`fedbroker.rpc.callguard`: health checks keep threads of their
     own, workers' transfers are capped in all and per worker, a stream idle on its client is ended);
     `tokens`: authenticate every call (None = authentication off); `tls`: serve TLS instead of plaintext.
     """

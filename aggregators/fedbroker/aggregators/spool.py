@@ -55,7 +55,7 @@ from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.close_report import SelectionRecord, Verdict
 from fedbroker.errors import ConfigError, Rejection, Unavailable, UploadRejected
 from fedbroker.files import TEMP_SUFFIX, FolderLock, FolderLocked, write_atomic
-from fedbroker.spec import parameter_shapes, parse_model
+from fedbroker.job.spec import parameter_shapes, parse_model
 
 # The job's algorithms for a round or buffer being restored: its installed settings', else (a record of an older
 # service) those of the aggregation section the record kept (`InstalledJobs.for_round`).

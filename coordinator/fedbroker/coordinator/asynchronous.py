@@ -33,7 +33,7 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from fedbroker import envelope
+from fedbroker.bus import envelope
 from fedbroker.coordinator import federated, metrics
 from fedbroker.coordinator.checkpoints import load_checkpoint, save_checkpoint
 from fedbroker.coordinator.job_context import JobContext
@@ -43,7 +43,7 @@ from fedbroker.coordinator.waiting import unaffordable
 from fedbroker.errors import BusError, Rejection
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff
-from fedbroker.rpc import RemoteError
+from fedbroker.rpc.plumbing import RemoteError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

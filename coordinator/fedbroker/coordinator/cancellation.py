@@ -16,7 +16,7 @@ from fedbroker.coordinator.job_run import Stopped
 from fedbroker.coordinator.records import RoundStatus
 from fedbroker.errors import Rejection
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.rpc import RemoteError
+from fedbroker.rpc.plumbing import RemoteError
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from fedbroker.bus.base import check_name
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.records import WorkerState
 from fedbroker.errors import ConfigError, FedbrokerError
+from fedbroker.job.spec import MAX_WIDTH
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import MAX_WIDTH
 
 MAX_CATEGORIES = 64
 MAX_CLASSES = MAX_WIDTH            # a label histogram has a count per output of the widest layer, at most
@@ -35,7 +35,7 @@ MAX_REASON_CHARS = 2000            # a worker's free-text reason is kept, cut to
 MAX_JOB_COSTS = 4096               # jobs one heartbeat may price (a worker's ledger and recent tasks)
 MAX_FEATURES = 1 << 20             # values in a share reply's feature sums (a model's flattened input, at most)
 MAX_SUM = 1e15                     # any one noised sum: far beyond any real sum of values in [0, 1]
-_CATEGORY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")   # a job's `category` (fedbroker.spec)
+_CATEGORY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")   # a job's `category` (fedbroker.job.spec)
 _DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")     # cpu, cuda, cuda:1, mps
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")     # a job's name, '-' and 8 hex digits
 _VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._+()-]{0,63}")   # 0.1.0, 1.2.0rc1+local, unknown (not installed)

@@ -23,8 +23,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fedbroker import envelope
-from fedbroker.bus import Bus, Delivery
+from fedbroker.bus import Bus, Delivery, envelope
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.asynchronous import AsyncJob

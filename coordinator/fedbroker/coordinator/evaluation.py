@@ -10,8 +10,8 @@ import numpy as np
 
 from fedbroker.datasets import Dataset, load_dataset, train_test_split
 from fedbroker.evaluation import evaluate
+from fedbroker.job.spec import JobSpec, parse_model
 from fedbroker.model import build_model, load_numpy_state
-from fedbroker.spec import JobSpec, parse_model
 
 _lock = threading.Lock()
 

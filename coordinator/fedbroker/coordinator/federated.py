@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from fedbroker import envelope
+from fedbroker.bus import envelope
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.control import MAX_REASON_CHARS
 from fedbroker.coordinator.job_context import JobContext

@@ -14,7 +14,6 @@ from typing import TypeVar
 
 import numpy as np
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import Bus
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.control import SenderBinding
@@ -27,8 +26,9 @@ from fedbroker.coordinator.store import StateStore
 from fedbroker.coordinator.store_shares import ShareStatus
 from fedbroker.coordinator.waiting import WaitingReasons
 from fedbroker.errors import BusError
+from fedbroker.job.spec import JobSpec, TrainingConfig
 from fedbroker.retry import retry_call
-from fedbroker.spec import JobSpec, TrainingConfig
+from fedbroker.rpc.aggregation_client import AggregatorClient
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

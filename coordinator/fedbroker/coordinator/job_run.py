@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fedbroker.errors import FedbrokerError
-from fedbroker.job_settings import settings_digest, settings_message
+from fedbroker.job.settings import settings_digest, settings_message
+from fedbroker.job.spec import JobSpec
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import JobSpec
 
 
 class JobFailed(FedbrokerError):

@@ -19,9 +19,9 @@ import numpy as np
 from fedbroker.coordinator.records import WorkerRecord
 from fedbroker.coordinator.store import StateStore
 from fedbroker.errors import ConfigError
+from fedbroker.job.spec import ModelSpec, TrainingConfig
 from fedbroker.privacy import dp_sample_rate, job_epsilon_after_round, planned_steps, project_epsilon
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import ModelSpec, TrainingConfig
 
 ISSUED_KEPT_S = 30 * 86400.0  # a task's bound is forgotten this long after its deadline
 # A later round's ε never adds more than the first round's (ε after n rounds is a minimum of functions affine in

@@ -21,7 +21,6 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.bus import Bus
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.asynchronous import AsyncJob
@@ -42,10 +41,11 @@ from fedbroker.coordinator.sync_rounds import SyncRounds
 from fedbroker.coordinator.waiting import WaitingReasons
 from fedbroker.errors import ConfigError, ConfigErrors, Conflict, NotFound
 from fedbroker.federated_evaluation import submission_warnings
+from fedbroker.job.spec import JobSpec, ModelSpec, job_from_json
+from fedbroker.job.submission import job_problems
 from fedbroker.metrics import BUSES
 from fedbroker.retry import retry_call
-from fedbroker.spec import JobSpec, ModelSpec, job_from_json
-from fedbroker.submission import job_problems
+from fedbroker.rpc.aggregation_client import AggregatorClient
 
 log = logging.getLogger(__name__)
 

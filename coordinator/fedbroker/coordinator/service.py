@@ -1,7 +1,7 @@
 """The coordinator over gRPC: a job's whole life cycle (submit, status, cancel, events, download), a thin
 shell over Coordinator and StateStore.
 
-With a token table (fedbroker.auth) a submitter's token may submit jobs and read everything; a viewer's may
+With a token table (fedbroker.rpc.auth) a submitter's token may submit jobs and read everything; a viewer's may
 read (Status, JobEvents). Only the identity that submitted a job may cancel it or download its models: the
 job records its submitter. A site's (role worker) may call SiteRecord, for itself only, and nothing else
 (site_record.py). The operator's view of every site (ListSites, SiteDetail, SiteLogs: site_views.py) is for
@@ -20,8 +20,21 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from fedbroker import codec
-from fedbroker.auth import (
+from fedbroker.coordinator import metrics
+from fedbroker.coordinator.checkpoints import load_checkpoint
+from fedbroker.coordinator.federated import fill_status
+from fedbroker.coordinator.records import FINISHED, JobRecord, RoundRecord, RoundStatus
+from fedbroker.coordinator.scheduler import Coordinator
+from fedbroker.coordinator.site_record import site_record_reply, who_may_read
+from fedbroker.coordinator.site_views import list_sites_reply, site_detail_reply, site_logs_reply
+from fedbroker.errors import ConfigError, FedbrokerError, NotFound, Rejection, UploadRejected
+from fedbroker.job.spec import JobSpec
+from fedbroker.job.submission import accept_job_text
+from fedbroker.metrics import GrpcMetricsInterceptor
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
+from fedbroker.rpc import codec
+from fedbroker.rpc.auth import (
     ROLE_SUBMITTER,
     ROLE_VIEWER,
     ROLE_WORKER,
@@ -31,21 +44,8 @@ from fedbroker.auth import (
     ServerTLS,
     TokenLookup,
 )
-from fedbroker.coordinator import metrics
-from fedbroker.coordinator.checkpoints import load_checkpoint
-from fedbroker.coordinator.federated import fill_status
-from fedbroker.coordinator.records import FINISHED, JobRecord, RoundRecord, RoundStatus
-from fedbroker.coordinator.scheduler import Coordinator
-from fedbroker.coordinator.site_record import site_record_reply, who_may_read
-from fedbroker.coordinator.site_views import list_sites_reply, site_detail_reply, site_logs_reply
-from fedbroker.errors import ConfigError, FedbrokerError, NotFound, Rejection, UploadRejected
-from fedbroker.live_auth import add_port, revocation_interceptors
-from fedbroker.metrics import GrpcMetricsInterceptor
-from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
-from fedbroker.rpc import CHANNEL_OPTIONS, abort, handle
-from fedbroker.spec import JobSpec
-from fedbroker.submission import accept_job_text
+from fedbroker.rpc.live_auth import add_port, revocation_interceptors
+from fedbroker.rpc.plumbing import CHANNEL_OPTIONS, abort, handle
 
 SERVICE_NAME = "fedbroker.v1.Coordinator"
 PERMISSIONS: dict[str, frozenset[str]] = {

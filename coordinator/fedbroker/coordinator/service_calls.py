@@ -20,7 +20,7 @@ import grpc
 from fedbroker.coordinator.job_run import Stopped
 from fedbroker.errors import Rejection
 from fedbroker.retry import Backoff, retry_call
-from fedbroker.rpc import RemoteError
+from fedbroker.rpc.plumbing import RemoteError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

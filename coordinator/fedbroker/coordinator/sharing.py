@@ -32,8 +32,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fedbroker import envelope
-from fedbroker.catalogue import needs_histograms
+from fedbroker.algorithms.catalogue import needs_histograms
+from fedbroker.bus import envelope
 from fedbroker.coordinator.control import MAX_REASON_CHARS, InvalidControlMessage
 from fedbroker.coordinator.job_context import JobContext
 from fedbroker.coordinator.job_run import JobFailed
@@ -41,9 +41,9 @@ from fedbroker.coordinator.participants import data_fit_problems
 from fedbroker.coordinator.records import WorkerRecord
 from fedbroker.coordinator.store import StateStore
 from fedbroker.coordinator.store_shares import ShareAnswer, SharePhaseRecord, ShareRecord, ShareStatus
+from fedbroker.job.spec import JobSpec, ModelSpec, parse_model
+from fedbroker.job.spec_data import STANDARDIZE_LAYER
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import JobSpec, ModelSpec, parse_model
-from fedbroker.spec_data import STANDARDIZE_LAYER
 from fedbroker.statistics_release import release_problems
 
 log = logging.getLogger(__name__)

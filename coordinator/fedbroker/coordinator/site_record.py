@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import time
 
-from fedbroker.auth import ROLE_WORKER, Identity
 from fedbroker.coordinator.store import StateStore
 from fedbroker.errors import ConfigError, NotFound, Rejection, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.rpc.auth import ROLE_WORKER, Identity
 
 
 def who_may_read(caller: Identity | None, worker_id: str) -> str:

@@ -23,11 +23,11 @@ from pathlib import Path
 
 from fedbroker.backup import BackupRefused, FileEntry, Part, claim_target, copy_file, file_digest, remove, verify
 from fedbroker.coordinator.checkpoints import load_checkpoint
+from fedbroker.coordinator.schema import user_version
 from fedbroker.coordinator.state_dir import LOCK_FILE, StateDirLock
 from fedbroker.coordinator.store import DB_FILE
 from fedbroker.coordinator.store_schema import SCHEMA
 from fedbroker.errors import ConfigError
-from fedbroker.schema import user_version
 
 PART = "coordinator"
 CHECKPOINTS = "checkpoints"

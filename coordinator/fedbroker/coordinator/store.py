@@ -14,7 +14,7 @@ Reads return the frozen records of `records.py`: no SQLite row leaves this modul
 
 `StateStore.in_directory` is how a coordinator process opens its state: the folder (0700) is locked
 (`state_dir.py`) so a second coordinator on it is refused, and the SQLite file is created 0600 like the
-checkpoints. Opening it migrates an older file to the schema this code knows (`store_schema`, `fedbroker.schema`)
+checkpoints. Opening it migrates an older file to the schema this code knows (`store_schema`, `fedbroker.coordinator.schema`)
 and refuses one a newer release wrote.
 """
 
@@ -44,6 +44,7 @@ from fedbroker.coordinator.records import (
     WorkerRecord,
     WorkerState,
 )
+from fedbroker.coordinator.schema import user_version
 from fedbroker.coordinator.state_dir import StateDirLock, owner_only
 from fedbroker.coordinator.store_epsilon import PRICED, EpsilonTables
 from fedbroker.coordinator.store_evaluation import EvaluationTables
@@ -53,7 +54,6 @@ from fedbroker.coordinator.store_shares import ShareTables
 from fedbroker.coordinator.store_sites import SiteTables
 from fedbroker.errors import Unavailable
 from fedbroker.retry import Backoff, retry_call
-from fedbroker.schema import user_version
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

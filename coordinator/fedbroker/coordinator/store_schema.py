@@ -1,4 +1,4 @@
-"""The coordinator's state file's schema (`fedbroker.schema`): its migrations, in the order they apply.
+"""The coordinator's state file's schema (`fedbroker.coordinator.schema`): its migrations, in the order they apply.
 
 Version 1 is the layout of every release before versions (their files read `user_version` 0): the tables, and
 the columns older files lacked, each created only where missing, so any unversioned file becomes version 1.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import sqlite3
 
 from fedbroker.coordinator import store_epsilon, store_shares, store_sites
+from fedbroker.coordinator.schema import Migration, Schema
 from fedbroker.coordinator.store_evaluation import create_evaluation_tables
-from fedbroker.schema import Migration, Schema
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS jobs (

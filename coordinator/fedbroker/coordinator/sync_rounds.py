@@ -17,7 +17,7 @@ from typing import NoReturn, TypeVar
 
 import grpc
 
-from fedbroker import envelope
+from fedbroker.bus import envelope
 from fedbroker.close_report import SelectionRecord, Verdict, judged, names_json, to_json
 from fedbroker.coordinator import federated, metrics
 from fedbroker.coordinator.checkpoints import save_checkpoint
@@ -28,8 +28,8 @@ from fedbroker.coordinator.records import ParticipantStatus, RoundRecord, RoundS
 from fedbroker.coordinator.waiting import unaffordable
 from fedbroker.errors import BusError, Rejection
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.rpc import RemoteError
-from fedbroker.secure_round import needed_uploads, threshold_note
+from fedbroker.rpc.plumbing import RemoteError
+from fedbroker.secagg.secure_round import needed_uploads, threshold_note
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -140,7 +140,7 @@ class SyncRounds:
 
     def _fewest(self, rnd: OpenRound) -> int:
         """The fewest uploads the round may close with: min_clients, and for a secure round at least its
-        threshold t (fewer masked inputs cannot be unmasked: fedbroker.secure_round)."""
+        threshold t (fewer masked inputs cannot be unmasked: fedbroker.secagg.secure_round)."""
         fewest = self.run.job.schedule.min_clients
         return max(fewest, needed_uploads(len(rnd.participants))) if self.run.job.aggregation.secure else fewest
 

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from fedbroker import codec
 from fedbroker.aggregators.alignment import ALIGNMENT, AlignInput
 from fedbroker.aggregators.layer_conversion import from_layers, to_layers
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.selection import Probe
+from fedbroker.job.spec import ModelSpec, parameter_shapes, parse_model
+from fedbroker.job.submission import accept_job
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import ModelSpec, parameter_shapes, parse_model
-from fedbroker.submission import accept_job
+from fedbroker.rpc import codec
 
 # mean and std in values float32 holds exactly: the torch buffers and the numpy probe compute alike
 MEAN = [0.5, -1.25, 3.0, 0.0, 10.0, -2.5]

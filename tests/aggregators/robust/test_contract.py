@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fedbroker.aggregators.robust import ROBUST, RobustInput, RobustResult
-from fedbroker.catalogue import ROBUST_RULES
+from fedbroker.algorithms.catalogue import ROBUST_RULES
 from fedbroker.errors import ConfigError
 from tests.source_roots import PYTHONPATH, ROOT
 

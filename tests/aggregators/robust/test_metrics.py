@@ -8,11 +8,11 @@ import uuid
 import pytest
 from prometheus_client import REGISTRY
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.aggregators import metrics as agg_metrics
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.close_report import Verdict
+from fedbroker.rpc.aggregation_client import AggregatorClient
 from tests.installed import install
 from tests.ops.test_metrics import SPEC, weights
 

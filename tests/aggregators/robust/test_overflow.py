@@ -16,7 +16,7 @@ from fedbroker.aggregators.robust import FLTrust, RobustInput
 from fedbroker.aggregators.robust.base import combination, dots, uniform
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.errors import ConfigError, Conflict, Rejection, UploadRejected
-from fedbroker.spec import AggregationConfig
+from fedbroker.job.spec import AggregationConfig
 from tests.aggregators.test_rounds import SPEC, stream, weights
 
 RNG = np.random.default_rng(0)

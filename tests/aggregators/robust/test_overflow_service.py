@@ -13,10 +13,10 @@ import grpc
 import numpy as np
 import pytest
 
-from fedbroker.aggregation_client import AggregatorClient
 from fedbroker.errors import Rejection
-from fedbroker.rpc import RemoteError
-from fedbroker.spec import parse_model
+from fedbroker.job.spec import parse_model
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.plumbing import RemoteError
 from tests.faults.harness import wait_for
 from tests.installed import install
 from tests.integration.processes import Deployment, stop_all

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from fedbroker.aggregators.round_book import RoundBook
-from fedbroker.catalogue import aggregation_settings
+from fedbroker.algorithms.catalogue import aggregation_settings
 from fedbroker.errors import ConfigError
-from fedbroker.spec import AggregationConfig
-from fedbroker.submission import accept_job
+from fedbroker.job.spec import AggregationConfig
+from fedbroker.job.submission import accept_job
 from tests.aggregators.test_async_book import AGG, config
 from tests.aggregators.test_rounds import SPEC, weights
 from tests.kernel.test_every_problem import JOB, refused

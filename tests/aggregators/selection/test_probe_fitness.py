@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fedbroker.aggregators.selection import Candidate, GeneticSelection, Probe, SelectionInput
+from fedbroker.job.spec import ModelSpec, parameter_shapes, parse_model
 from fedbroker.model import build_model, load_numpy_state
-from fedbroker.spec import ModelSpec, parameter_shapes, parse_model
 
 MLP = parse_model({"input_shape": [2], "layers": [
     {"type": "Linear", "in_features": 2, "out_features": 3, "bias": False}, {"type": "ReLU"},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.submission import accept_job
+from fedbroker.job.submission import accept_job
 
 JOB = {"name": "ga", "category": "digits",
        "model": {"input_shape": [1, 8, 8], "layers": [{"type": "Flatten"},

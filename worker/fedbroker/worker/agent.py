@@ -31,21 +31,20 @@ import os
 import threading
 import time
 
-from fedbroker import envelope
-from fedbroker.aggregation_client import AggregatorClient, Model
-from fedbroker.auth import ClientSecurity
-from fedbroker.bus import Bus, BusError, Delivery
+from fedbroker.bus import Bus, BusError, Delivery, envelope
 from fedbroker.config import DPPolicy, WorkerConfig
 from fedbroker.datasets import load_worker_data, train_test_split
 from fedbroker.errors import BudgetExceeded, ConfigError, FedbrokerError, LedgerBehind, Rejection, TaskRefused
+from fedbroker.job.spec import ModelSpec, TrainingConfig, parse_model
 from fedbroker.label_stats import reported_ish
 from fedbroker.metrics import BUSES
 from fedbroker.privacy import dp_sample_rate, job_epsilon_after_round, planned_steps, project_epsilon
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff
-from fedbroker.rpc import RemoteError
+from fedbroker.rpc.aggregation_client import AggregatorClient, Model
+from fedbroker.rpc.auth import ClientSecurity
+from fedbroker.rpc.plumbing import RemoteError
 from fedbroker.secagg import SecAggError
-from fedbroker.spec import ModelSpec, TrainingConfig, parse_model
 from fedbroker.version import installed_version
 from fedbroker.worker import metrics
 from fedbroker.worker.evaluation import SiteEvaluation

@@ -29,16 +29,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from fedbroker import envelope
-from fedbroker.aggregation_client import AggregatorClient
-from fedbroker.bus import Bus, BusError, Delivery
+from fedbroker.bus import Bus, BusError, Delivery, envelope
 from fedbroker.config import PartitionSection, WorkerConfig
 from fedbroker.datasets import Dataset
 from fedbroker.errors import ConfigError
 from fedbroker.evaluation import evaluate
 from fedbroker.federated_evaluation import check_policy
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.rpc import RemoteError
+from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.plumbing import RemoteError
 from fedbroker.worker import metrics
 from fedbroker.worker.global_model import build_global, fit_problem
 from fedbroker.worker.ledger import PrivacyLedger

@@ -8,9 +8,9 @@ import json
 import numpy as np
 from torch import nn
 
-from fedbroker.aggregation_client import Model
+from fedbroker.job.spec import ModelSpec, parse_model
 from fedbroker.model import build_model, load_numpy_state
-from fedbroker.spec import ModelSpec, parse_model
+from fedbroker.rpc.aggregation_client import Model
 
 
 def build_global(global_model: Model) -> tuple[ModelSpec, nn.Sequential]:

@@ -12,7 +12,7 @@ import collections
 from collections.abc import Callable
 
 from fedbroker.errors import ConfigError
-from fedbroker.job_settings import InstalledJob, legacy_settings, parse_settings, settings_digest
+from fedbroker.job.settings import InstalledJob, legacy_settings, parse_settings, settings_digest
 from fedbroker.proto import fedbroker_pb2 as pb
 
 

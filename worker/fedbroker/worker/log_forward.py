@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from fedbroker import envelope
+from fedbroker.bus import envelope
 from fedbroker.proto import fedbroker_pb2 as pb
 
 MAX_MESSAGE_CHARS = 400

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
-from fedbroker.aggregation_client import AggregatorClient, Model
 from fedbroker.errors import FedbrokerError
+from fedbroker.job.spec import ModelSpec, parameter_shapes
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.rpc.aggregation_client import AggregatorClient, Model
 from fedbroker.secagg.client import SecAggClient
 from fedbroker.secagg.crypto import PublicKeys
-from fedbroker.secure_round import UNMASK_WAIT_S, round_params, round_seed
-from fedbroker.spec import ModelSpec, parameter_shapes
+from fedbroker.secagg.secure_round import UNMASK_WAIT_S, round_params, round_seed
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ import numpy as np
 
 from fedbroker.config import DPPolicy
 from fedbroker.errors import BudgetExceeded, ConfigError, ConfigErrors, TaskRefused
+from fedbroker.job.spec import ModelSpec
 from fedbroker.label_stats import noisy_histogram
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.spec import ModelSpec
 from fedbroker.statistics_release import MIN_STATISTICS_DELTA, MIN_STATISTICS_EPSILON
 from fedbroker.worker.feature_statistics import (
     BadBounds,
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 HISTOGRAM_RELEASE = "label_histogram"        # the ledger's name for the noised label histogram
 STATISTICS_RELEASE = "feature_statistics"    # + ":" + the digest of the clipping range
 STATISTICS_DELTA_WITHOUT_DP = 1e-5           # the statistics' δ on a site whose DP is off (no policy δ)
-STANDARDIZE_LAYER = "standardize"            # the model spec's layer type (fedbroker.layers)
+STANDARDIZE_LAYER = "standardize"            # the model spec's layer type (fedbroker.job.layers)
 
 
 class ShareRefused(TaskRefused):

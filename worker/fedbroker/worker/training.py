@@ -1,7 +1,7 @@
 """Local training on a worker, with Opacus DP-SGD under the data owner's own policy: the entry point
 (`train_local`), which checks a task and prices it before any step, then runs one of the loops.
 
-The job chooses the model and the optimisation settings (`fedbroker.spec.TrainingConfig`); the data
+The job chooses the model and the optimisation settings (`fedbroker.job.spec.TrainingConfig`); the data
 owner chooses the privacy (`fedbroker.config.DPPolicy`) and nothing in a job can override it. The ε
 arithmetic (sampling rule, planned steps, projection, history) is `fedbroker.privacy`; the step loops
 are `fedbroker.worker.training_loops`, the clipping modes `fedbroker.worker.clipping` and the
@@ -40,6 +40,7 @@ from torch import nn
 from fedbroker.config import DPPolicy
 from fedbroker.errors import BudgetExceeded, ConfigError
 from fedbroker.evaluation import as_tensors
+from fedbroker.job.spec import TrainingConfig
 from fedbroker.privacy import (
     HistoryEntry,
     check_int,
@@ -49,7 +50,6 @@ from fedbroker.privacy import (
     normalise_history,
     steps_per_epoch,
 )
-from fedbroker.spec import TrainingConfig
 from fedbroker.worker.clipping import CLIPPING_MODES, check_supported, clipping_mode
 from fedbroker.worker.training_loops import LocalRun, train_dp, train_plain
 

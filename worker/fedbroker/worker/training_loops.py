@@ -29,8 +29,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedbroker.config import DPPolicy
+from fedbroker.job.spec import TrainingConfig
 from fedbroker.privacy import HistoryEntry, normalise_history
-from fedbroker.spec import TrainingConfig
 from fedbroker.worker.clipping import Backward, dp_engine
 
 if TYPE_CHECKING:

@@ -25,8 +25,8 @@ from fedbroker.aggregators.alignment.matching import LayerMatch, assignment_cost
 from fedbroker.aggregators.alignment.permute import apply_permutations, permute_units, scatter_inputs, scatter_outputs
 from fedbroker.aggregators.alignment.pfnm import NAFI, PFNM, RetrainFn, align_layerwise, match_network
 from fedbroker.aggregators.registry import Registry
-from fedbroker.algorithm_params import MatchingParams
-from fedbroker.catalogue import ALIGNMENTS
+from fedbroker.algorithms.catalogue import ALIGNMENTS
+from fedbroker.algorithms.params import MatchingParams
 
 ALIGNMENT: Registry[Alignment] = Registry(ALIGNMENTS)
 ALIGNMENT.register("none")(NoAlignment)

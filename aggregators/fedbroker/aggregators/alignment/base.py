@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from fedbroker.algorithm_params import NoAlignmentParams
+from fedbroker.algorithms.params import NoAlignmentParams
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class CheckedInput:
 
 class Alignment(Protocol):
     """What the aggregation service calls; every registered alignment extends its parameters' frozen kw-only
-    dataclass (`fedbroker.algorithm_params`)."""
+    dataclass (`fedbroker.algorithms.params`)."""
 
     def align(self, problem: AlignInput) -> AlignmentResult:
         """The global network of the clients' networks, aggregated with the problem's weights."""

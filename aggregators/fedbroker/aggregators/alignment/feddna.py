@@ -28,7 +28,7 @@ from fedbroker.aggregators.alignment.base import (
     widths_of,
 )
 from fedbroker.aggregators.alignment.permute import permute_units
-from fedbroker.algorithm_params import DISTANCES, GROWTHS, VARIANTS, FedDNAParams, check_choice, check_int
+from fedbroker.algorithms.params import DISTANCES, GROWTHS, VARIANTS, FedDNAParams, check_choice, check_int
 
 _METRICS = {"manhattan": "cityblock", "euclidean": "euclidean"}
 

@@ -26,7 +26,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from fedbroker.aggregators.alignment.base import Layer, check_deadline
-from fedbroker.algorithm_params import MatchingParams
+from fedbroker.algorithms.params import MatchingParams
 
 
 @dataclass(frozen=True)

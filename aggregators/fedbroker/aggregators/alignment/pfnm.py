@@ -30,7 +30,7 @@ from fedbroker.aggregators.alignment.base import (
 )
 from fedbroker.aggregators.alignment.matching import LayerMatch, match_layer, match_neurons
 from fedbroker.aggregators.alignment.permute import scatter_inputs, scatter_outputs
-from fedbroker.algorithm_params import OUTPUT_WEIGHTINGS, MatchingParams, NAFIParams, PFNMParams, check_choice
+from fedbroker.algorithms.params import OUTPUT_WEIGHTINGS, MatchingParams, NAFIParams, PFNMParams, check_choice
 
 RetrainFn = Callable[[int, list[Layer], list[Network]], Sequence[Sequence[Layer]]]
 """retrain(layer_index, frozen_global_prefix, starts) -> clients.

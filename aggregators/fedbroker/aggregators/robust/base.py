@@ -15,8 +15,8 @@ import numpy as np
 
 from fedbroker.aggregators.registry import Registry
 from fedbroker.aggregators.selection import ProbeRequest
-from fedbroker.catalogue import ROBUST_RULES
-from fedbroker.robust_params import DISCARDED_BELOW, DOWNWEIGHTED_BELOW
+from fedbroker.algorithms.catalogue import ROBUST_RULES
+from fedbroker.algorithms.robust_params import DISCARDED_BELOW, DOWNWEIGHTED_BELOW
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class RootRequest:
 
 class RobustRule(Protocol):
     """What the service calls; every registered rule extends its parameters' frozen kw-only dataclass
-    (`fedbroker.robust_params`)."""
+    (`fedbroker.algorithms.robust_params`)."""
 
     def root_request(self) -> RootRequest | None:
         """The root (probe) set the service must train g_0 on before `aggregate` (None: the rule needs none)."""

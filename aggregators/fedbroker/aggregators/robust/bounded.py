@@ -27,7 +27,7 @@ from fedbroker.aggregators.robust.base import (
     uniform,
 )
 from fedbroker.aggregators.selection import ProbeRequest
-from fedbroker.robust_params import FLTrustParams, NormBoundParams, NoRobustParams
+from fedbroker.algorithms.robust_params import FLTrustParams, NormBoundParams, NoRobustParams
 
 
 @ROBUST.register("none")

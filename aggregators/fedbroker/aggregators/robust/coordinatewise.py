@@ -25,7 +25,7 @@ from functools import lru_cache
 import numpy as np
 
 from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RuleBase, uniform
-from fedbroker.robust_params import MedianParams, TrimmedMeanParams
+from fedbroker.algorithms.robust_params import MedianParams, TrimmedMeanParams
 
 BLOCK = 1 << 12          # coordinates per sorted block: (BLOCK, n) stays in cache
 NETWORK_BLOCK = 1 << 13  # coordinates per block through the sorting network: n rows of it stay in cache

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RuleBase, combination, gram
-from fedbroker.robust_params import GeometricMedianParams
+from fedbroker.algorithms.robust_params import GeometricMedianParams
 
 
 def weiszfeld(g: np.ndarray, alpha: np.ndarray, *, iterations: int, nu: float,

@@ -20,7 +20,7 @@ from fedbroker.aggregators.robust.base import (
     gram,
     squared_distances,
 )
-from fedbroker.robust_params import MultiKrumParams
+from fedbroker.algorithms.robust_params import MultiKrumParams
 
 
 def krum_scores(distances: np.ndarray, neighbours: int) -> np.ndarray:

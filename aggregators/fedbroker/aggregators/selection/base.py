@@ -10,8 +10,8 @@ import numpy as np
 
 from fedbroker.aggregators.registry import Registry
 from fedbroker.aggregators.selection.probe import Probe
-from fedbroker.algorithm_params import require_int
-from fedbroker.catalogue import SELECTIONS
+from fedbroker.algorithms.catalogue import SELECTIONS
+from fedbroker.algorithms.params import require_int
 from fedbroker.close_report import SelectionRecord
 
 
@@ -54,7 +54,7 @@ class ProbeRequest:
 
 class Selector(Protocol):
     """What the service calls; every registered selection extends its parameters' frozen kw-only dataclass
-    (`fedbroker.algorithm_params`)."""
+    (`fedbroker.algorithms.params`)."""
 
     def needs_vectors(self, round_index: int) -> bool:
         """Whether this round's choice reads the updates' parameters (else they need not be flattened)."""

@@ -25,7 +25,7 @@ from fedbroker.aggregators.selection.base import (
     random_choice,
 )
 from fedbroker.aggregators.selection.probe import Probe
-from fedbroker.algorithm_params import GeneticParams
+from fedbroker.algorithms.params import GeneticParams
 
 CHECK_EVERY = 64                # children bred (or chromosomes evaluated) between two looks at the deadline
 

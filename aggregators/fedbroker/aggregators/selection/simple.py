@@ -9,7 +9,7 @@ from fedbroker.aggregators.selection.base import (
     SelectionInput,
     random_choice,
 )
-from fedbroker.algorithm_params import AllParams, RandomParams
+from fedbroker.algorithms.params import AllParams, RandomParams
 
 
 @SELECTION.register("all")

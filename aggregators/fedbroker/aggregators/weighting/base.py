@@ -13,7 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from fedbroker.aggregators.registry import Registry
-from fedbroker.catalogue import WEIGHTINGS
+from fedbroker.algorithms.catalogue import WEIGHTINGS
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class UpdateMeta:
 
 class Weighting(Protocol):
     """What the service calls; every registered weighting extends its parameters' frozen kw-only dataclass
-    (`fedbroker.algorithm_params`, which says whether its weights are proportional)."""
+    (`fedbroker.algorithms.params`, which says whether its weights are proportional)."""
 
     def raw_weight(self, meta: UpdateMeta) -> float:
         """The update's weight before normalisation, from its own metadata only; ValueError if inconsistent."""

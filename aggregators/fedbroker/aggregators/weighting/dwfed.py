@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from fedbroker.aggregators.weighting.base import WEIGHTING, UpdateMeta, checked_num_samples, normalise_weights
-from fedbroker.algorithm_params import DWFedParams
+from fedbroker.algorithms.params import DWFedParams
 from fedbroker.label_stats import ish
 
 _TOL = 1e-9

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedbroker.aggregators.weighting.base import WEIGHTING, UpdateMeta, checked_num_samples, normalise_weights
-from fedbroker.algorithm_params import FedAvgParams, UniformParams
+from fedbroker.algorithms.params import FedAvgParams, UniformParams
 
 
 @WEIGHTING.register("fedavg")

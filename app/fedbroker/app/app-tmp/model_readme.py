@@ -1,0 +1,65 @@
+"""What a downloaded model's README says about its input: exactly what to feed the model, read from its spec.
+
+A model whose first layer is `standardize` (the job's `data.standardize: federated`) takes raw features in
+the sites' units and standardises them itself; any other model takes its input exactly as the sites' loaders
+produced it for training, which the README spells out per loader (`LOADER_SCALING`, held equal to
+`fedbroker.datasets` by tests/app/test_model_readme.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from fedbroker.job.spec_data import STANDARDIZE_LAYER
+
+# How each of fedbroker.datasets' loaders scales what it reads (the bundled sets' scaling is fixed per set).
+LOADER_SCALING: dict[str, str] = {
+    "digits": "pixel values 0-16 divided by 16 (to [0, 1]), shape [1, 8, 8]",
+    "mnist": "pixel bytes 0-255 divided by 255 (to [0, 1]), shape [1, 28, 28]",
+    "fashion_mnist": "pixel bytes 0-255 divided by 255 (to [0, 1]), shape [1, 28, 28]",
+    "breast_cancer": "each of the 30 features z-scored with the whole bundled set's mean and std (ddof 0)",
+    "wine": "each of the 13 features z-scored with the whole bundled set's mean and std (ddof 0)",
+    "iris": "each of the 4 features z-scored with the whole bundled set's mean and std (ddof 0)",
+}
+OWN_FILES = ("a site's own CSV, Parquet or .npz file (`worker.dataset` csv/parquet/npz): the feature columns as the "
+             "file holds them, as float32; own IDX files (`worker.idx_dir`): bytes divided by 255")
+
+
+def input_section(model_spec_json: str, job_spec_json: str) -> str:
+    """The README's section on the model's input (markdown), for this model spec and job."""
+    spec: dict[str, Any] = json.loads(model_spec_json)
+    job: dict[str, Any] = json.loads(job_spec_json or "{}")
+    shape = list(spec.get("input_shape") or [])
+    features = math.prod(shape) if shape else 0
+    layers = spec.get("layers") or []
+    evaluation = (job.get("evaluation") or {}).get("dataset") or ""
+    if layers and layers[0].get("type") == STANDARDIZE_LAYER:
+        bounds = (job.get("data") or {}).get("bounds")
+        return (
+            "## What the model takes\n\n"
+            f"One sample of shape {shape} ({features} features once flattened) of **raw features in the sites' "
+            "own units**, as their loaders read them (" + OWN_FILES + "; for a bundled set, its fixed scaling: "
+            + _bundled(evaluation) + ").\n\n"
+            f"The model standardises them itself: its first layer (layer 0 of `model_spec.json`, type "
+            f"`{STANDARDIZE_LAYER}`) computes (x - mean) / std per flattened feature with the `mean` and `std` it "
+            "holds, the statistics the sites agreed on before round 1 (`data.standardize: federated` in `job.json`"
+            + (f"; computed on values clipped to the bounds {json.dumps(bounds)}" if bounds else "") + "). "
+            "The snippet below builds the model from the spec, so it applies them: give it raw rows, never "
+            "standardised ones.\n")
+    return (
+        "## What the model takes\n\n"
+        f"One sample of shape {shape} ({features} features once flattened), **exactly as the sites' loaders "
+        "produced it for training**: the model applies no preprocessing of its own (its first layer is "
+        f"`{layers[0].get('type') if layers else '-'}`).\n\n"
+        f"- {OWN_FILES}. A site with `worker.data.standardize: site` z-scored its data with its own mean and std, "
+        "which never left it: such a model cannot be applied to raw rows reproducibly (a job with "
+        "`data.standardize: federated` carries its standardisation in the model).\n"
+        f"- The bundled sets: {_bundled(evaluation)}.\n")
+
+
+def _bundled(evaluation: str) -> str:
+    if evaluation in LOADER_SCALING:
+        return f"this job's evaluation set `{evaluation}`: {LOADER_SCALING[evaluation]}"
+    return "; ".join(f"`{name}`: {how}" for name, how in LOADER_SCALING.items())

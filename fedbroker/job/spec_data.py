@@ -1,0 +1,162 @@
+"""A job's `data` section: how the sites' inputs are preprocessed, so that the model carries its preprocessing.
+
+`standardize: federated` has the sites agree, before round 1, on one mean and std per flattened input feature
+from their sums, sums of squares and counts (each site releases them under its own DP policy); the
+coordinator then puts a `standardize` layer holding them in front of the job's model, so every site trains,
+and the downloaded model is applied, on inputs standardised the same way. The statistics are computed on the
+values clipped to `bounds` (which also fix the sensitivity of each site's release), so bounds are required:
+`[lo, hi]` for every feature, or one `[lo, hi]` per flattened input feature.
+
+Kept apart from `fedbroker.job.spec` (which imports it) so that the parser stays within its file.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fedbroker.errors import ConfigError, ConfigErrors
+
+STANDARDIZE = ("none", "federated")
+STANDARDIZE_LAYER = "standardize"   # the layer type `standardize: federated` puts in front of the model
+_FIELDS = ("standardize", "bounds")
+
+Bounds = tuple[tuple[float, float], ...]
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return _number(value) and math.isfinite(float(value))
+    except OverflowError:  # an integer no float holds
+        return False
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The job's preprocessing; `bounds`: one (lo, hi) for every feature, or one per flattened input feature
+    (empty: none given)."""
+
+    standardize: str = "none"
+    bounds: Bounds = ()
+
+    def __post_init__(self) -> None:
+        problems = section_problems(self.standardize, self.bounds)
+        if len(problems) == 1:
+            raise problems[0]
+        if problems:
+            raise ConfigErrors(problems)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section as a job writes it (one pair as `[lo, hi]`)."""
+        out: dict[str, Any] = {"standardize": self.standardize}
+        if len(self.bounds) == 1:
+            out["bounds"] = list(self.bounds[0])
+        elif self.bounds:
+            out["bounds"] = [list(pair) for pair in self.bounds]
+        return out
+
+    def feature_bounds(self, features: int) -> tuple[list[float], list[float]]:
+        """(lower, upper), one value each per feature (the given pair repeated when there is one)."""
+        pairs = list(self.bounds) * features if len(self.bounds) == 1 else list(self.bounds)
+        return [float(lo) for lo, _ in pairs], [float(hi) for _, hi in pairs]
+
+
+def section_problems(standardize: Any, bounds: Sequence[Any]) -> list[ConfigError]:
+    """Every problem of the section on its own, each naming its field (`data.<field>`, `data.bounds[i]`)."""
+    out: list[ConfigError] = []
+    if standardize not in STANDARDIZE:
+        hint = " ('site' is a site's own setting: worker data.standardize)" if standardize == "site" else ""
+        out.append(ConfigError("data.standardize", f"must be 'none' or 'federated', got {_show(standardize)}{hint}"))
+    elif standardize == "federated" and not bounds:
+        out.append(ConfigError("data.bounds", "is required with standardize federated: [lo, hi] for every feature, "
+                                              "or one [lo, hi] per input feature (the sites' statistics are "
+                                              "computed on values clipped to them)"))
+    elif standardize == "none" and bounds:
+        out.append(ConfigError("data.bounds", "applies only with standardize federated"))
+    for i, pair in enumerate(bounds):
+        problem = _pair_problem(pair)
+        if problem:
+            out.append(ConfigError("data.bounds" if len(bounds) == 1 else f"data.bounds[{i}]", problem))
+    return out
+
+
+def _pair_problem(pair: Any) -> str:
+    """What is wrong with one [lo, hi] ("" when nothing)."""
+    if (isinstance(pair, str) or not isinstance(pair, Sequence) or len(pair) != 2
+            or not all(_finite(v) for v in pair)):
+        return f"must be [lo, hi], two finite numbers, got {_show(pair)}"
+    if not pair[0] < pair[1]:
+        return f"lo must be below hi, got [{pair[0]:g}, {pair[1]:g}]"
+    return ""
+
+
+class _Layer(Protocol):
+    @property
+    def type(self) -> str: ...
+
+
+class _Model(Protocol):  # fedbroker.job.spec.ModelSpec, which this module cannot import (spec imports it)
+    @property
+    def input_shape(self) -> tuple[int, ...]: ...
+    @property
+    def layers(self) -> Sequence[_Layer]: ...
+
+
+def parse_data(raw: Any, errors: list[ConfigError], model: _Model) -> DataConfig:
+    """The `data` section of a job (absent or null: the defaults) for `model`; every problem of it, alone and
+    with the model (`data_problems`), is added to `errors` (the defaults come back for wrong values)."""
+    data = _parse_data(raw, errors)
+    errors.extend(data_problems(data, model))
+    return data
+
+
+def _parse_data(raw: Any, errors: list[ConfigError]) -> DataConfig:
+    if raw is None:
+        return DataConfig()
+    if not isinstance(raw, Mapping):
+        errors.append(ConfigError("data", f"must be a mapping, got {type(raw).__name__}"))
+        return DataConfig()
+    errors.extend(ConfigError(f"data.{key}", f"unknown field; known: {', '.join(_FIELDS)}")
+                  for key in sorted(set(raw) - set(_FIELDS)))
+    standardize, given = raw.get("standardize", "none"), raw.get("bounds")
+    items: list[Any] = []
+    if given is not None and (isinstance(given, str) or not isinstance(given, Sequence) or not given):
+        errors.append(ConfigError("data.bounds", f"must be [lo, hi] or a list of [lo, hi], got {_show(given)}"))
+        return DataConfig()
+    if given is not None:
+        items = [given] if all(_number(v) for v in given) else list(given)  # one pair: every feature
+    problems = section_problems(standardize, items)
+    errors.extend(problems)
+    if problems:
+        return DataConfig()
+    return DataConfig(standardize=standardize, bounds=tuple((float(lo), float(hi)) for lo, hi in items))
+
+
+def data_problems(data: DataConfig, model: _Model) -> list[ConfigError]:
+    """What the section cannot see alone: per-feature bounds must number the model's flattened input features,
+    and a model that standardises itself must not be standardised again. (A model with problems of its own
+    comes as one without layers or shape: nothing to check against.)"""
+    input_shape, layer_types = model.input_shape, [layer.type for layer in model.layers]
+    out: list[ConfigError] = []
+    features = math.prod(input_shape) if input_shape else 0
+    if len(data.bounds) > 1 and features and len(data.bounds) != features:
+        out.append(ConfigError("data.bounds", f"has {len(data.bounds)} [lo, hi] pairs but the model takes "
+                                              f"{features} input features (model.input_shape {list(input_shape)}): "
+                                              f"give one [lo, hi] for all features, or one per feature"))
+    if data.standardize == "federated" and layer_types and layer_types[0] == STANDARDIZE_LAYER:
+        out.append(ConfigError("model.layers[0].type", "standardize federated puts the agreed standardize layer in "
+                                                       "front of the model: remove this one, or set data.standardize "
+                                                       "none"))
+    return out
+
