@@ -298,6 +298,10 @@ def load_config(path: str | None = None, *, environ: Mapping[str, str] | None = 
     return config
 
 
+PLACEHOLDER = "FILL-IN"
+"""What a kit writes where a site's data goes until its owner names it: the worker refuses to start on it."""
+
+
 def _paths_from(tree: dict[str, Any], folder: str) -> dict[str, Any]:
     """The file's own relative paths (every `*_file`, `*_dir`, `*_path` and `path` setting) made absolute from
     its folder: a file means the same files from whichever folder a process or a viewer starts (from the current
@@ -307,7 +311,8 @@ def _paths_from(tree: dict[str, Any], folder: str) -> dict[str, Any]:
     for key, value in tree.items():
         if isinstance(value, dict):
             value = _paths_from(value, folder)
-        elif isinstance(key, str) and _PATH_KEY.search(key) and isinstance(value, str) and value:
+        elif isinstance(key, str) and _PATH_KEY.search(key) and isinstance(value, str) and value \
+                and value != PLACEHOLDER:  # a kit's data left to fill in is not a path (`fedbroker.app.unfilled`)
             value = os.path.join(folder, value)
         out[key] = value
     return out

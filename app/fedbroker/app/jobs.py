@@ -173,7 +173,7 @@ def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
-_UNSET = {"secure": False, "robust": "none"}  # settings left out of a job's line at their defaults (secure: its own line)
+_UNSET = {"secure": False, "robust": "none", "max_update_value": 0.0}  # left out of the line at their defaults (secure: a line of its own)
 
 
 def secure_round_size(spec: dict[str, Any], rounds: Any) -> int:

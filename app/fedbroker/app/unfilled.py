@@ -11,9 +11,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from fedbroker.config import PLACEHOLDER
 from fedbroker.errors import ConfigError
 
-FILL_IN = "FILL-IN"
+FILL_IN = PLACEHOLDER
 DATA_KEYS = ("dataset", "idx_dir", "data")  # a site's worker settings that name its data
 
 HOW = ("set worker.dataset to csv, npz or parquet with worker.data.path (and data.label_column, "
