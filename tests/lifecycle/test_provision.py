@@ -419,6 +419,7 @@ def test_a_site_kit_says_how_to_install_fedbroker_from_its_source(kits):
 # ----- installed, not a checkout; the server's launcher -----
 
 PACKAGE_SOURCES = ("pyproject.toml", "README.md", "MANIFEST.in", "requirements.txt", "requirements-dev.txt",
+                   "requirements-tracking.txt", "app",
                    "fedbroker", "aggregators", "coordinator", "worker", "proto", "deploy/k8s/base")
 
 
