@@ -168,13 +168,17 @@ class PrivateRabbitMQ:
                                           process_group=group, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._await(self._epmd_listens, "its epmd to listen", self._epmd)
         with open(self.base / "server.out", "wb") as out:
-            self._server = subprocess.Popen([str(self.scripts / "rabbitmq-server")], env=self.env, cwd=self.base,
+            self._server = subprocess.Popen(self.server_command(), env=self.env, cwd=self.base,
                                             process_group=group, stdout=out, stderr=subprocess.STDOUT)
         self._await(self.answers, "AMQP to answer", self._server)
         # then rabbitmqctl must reach it (cookie, epmd): the tests stop and reconfigure it with rabbitmqctl
         started = self._run_ctl("await_startup", "--timeout", str(int(START_TIMEOUT_S)), timeout=START_TIMEOUT_S + 30)
         if started.returncode != 0:
             raise RuntimeError(f"rabbitmqctl await_startup said: {started.stdout}{started.stderr}\n{self.log_tail()}")
+
+    def server_command(self) -> list[str]:
+        """What starts the node (with `env`, in `base`)."""
+        return [str(self.scripts / "rabbitmq-server")]
 
     def _await(self, ready: Callable[[], bool], what: str, process: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -361,18 +365,28 @@ def _read_machine(command: list[str], *args: str) -> str:
 
 
 class KitBroker(PrivateRabbitMQ):
-    """A private RabbitMQ node (its own epmd, cookie, ports) run as a host operator runs the server kit's broker:
-    in the kit's folder, with the kit's rabbitmq.conf, advanced.config (TLS, the CRL check) and enabled_plugins.
-    It answers when `site` (a site's kit) logs in over AMQPS with its client certificate and broker URL."""
+    """A RabbitMQ node run as a host operator runs the server kit's broker: by the kit's start-broker.sh (the kit's
+    rabbitmq.conf, advanced.config with TLS and the CRL check, enabled_plugins; the kit's node name and
+    distribution port), with this session's own epmd, cookie (HOME) and folders, so the machine's broker is out of
+    its reach. It answers when `site` (a site's kit) logs in over AMQPS with its client certificate and broker URL.
+    `env` is the broker's host's environment: RabbitMQ's own scripts first on PATH (`rabbitmqctl` the real one),
+    so a `fedbroker broker sync` line runs there as printed."""
 
     def __init__(self, kit: Path, scripts: Path, site: Path) -> None:
         super().__init__(kit, scripts)  # the node's own files (home, mnesia, log) go into the kit's folder
+        from fedbroker.app.provision.configs import broker_node
+        from fedbroker.app.provision.lifecycle import summary
+
         self.site = site
-        for name in ("RABBITMQ_NODE_PORT", "RABBITMQ_NODE_IP_ADDRESS"):  # the kit's config names the listener
-            self.env.pop(name)
-        self.env.update(RABBITMQ_CONFIG_FILE=str(kit / "rabbitmq/rabbitmq.conf"),
-                        RABBITMQ_ADVANCED_CONFIG_FILE=str(kit / "rabbitmq/advanced.config"),
-                        RABBITMQ_ENABLED_PLUGINS_FILE=str(kit / "rabbitmq/enabled_plugins"))
+        self.name = broker_node(summary(kit.parent).to_project())   # what start-broker.sh names it
+        for name in ("RABBITMQ_NODENAME", "RABBITMQ_DIST_PORT", "RABBITMQ_NODE_PORT", "RABBITMQ_NODE_IP_ADDRESS",
+                     "RABBITMQ_CONFIG_FILE", "RABBITMQ_ADVANCED_CONFIG_FILE", "RABBITMQ_ENABLED_PLUGINS_FILE"):
+            self.env.pop(name)   # the kit's start script sets these, its config names the listener
+        self.env.update(RABBITMQ_SERVER=str(scripts / "rabbitmq-server"),
+                        PATH=os.pathsep.join([str(scripts), self.env.get("PATH", "")]))
+
+    def server_command(self) -> list[str]:
+        return [str(self.base / "start-broker.sh")]
 
     def answers(self) -> bool:
         try:
@@ -380,10 +394,6 @@ class KitBroker(PrivateRabbitMQ):
             return True
         except Exception:  # refused, reset, handshake not yet possible: not answering
             return False
-
-    def rabbitmqctl(self) -> list[str]:
-        """The command line that reaches this node (with `env`), as `fedbroker broker sync --rabbitmqctl` takes it."""
-        return [str(self.scripts / "rabbitmqctl"), "-n", self.name]
 
 
 def amqps(kit: Path, *, certificate: bool = True, cert_of: Path | None = None) -> Any:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import fedbroker.worker.agent
-from tests.faults.harness import Federation, Training, restore_broker
+from tests.faults.harness import BUS_USERS, Federation, Training, restore_broker
 from tests.rabbitmq_node import PrivateRabbitMQ
 
 
@@ -50,11 +50,6 @@ def broker_federation(broker: PrivateRabbitMQ, tmp_path: Path) -> Iterator[Feder
         fed.close()
 
 
-# Every bus fault that matters most runs twice: as guest, and as a provisioned kit runs (one broker user per
-# participant, with provisioning's permissions; on the session's private node, since the machine's broker gets no
-# users of the tests'). The issue: the guest-only runs never saw that a participant may not write amq.default.
-BUS_USERS = ("guest", "provisioned")
-
 
 @pytest.fixture(params=BUS_USERS)
 def each_federation(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Federation]:
@@ -64,6 +59,17 @@ def each_federation(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[
     else:
         node: PrivateRabbitMQ = request.getfixturevalue("private_rabbitmq")
         fed = Federation(node.url, tmp_path, users=node)
+    try:
+        yield fed
+    finally:
+        fed.close()
+
+
+@pytest.fixture
+def provisioned_federation(private_rabbitmq: PrivateRabbitMQ, tmp_path: Path) -> Iterator[Federation]:
+    """A federation as a kit deploys it (per-participant broker users, sites bound to theirs), for a bus test whose
+    guest run would add nothing: on the session's private node."""
+    fed = Federation(private_rabbitmq.url, tmp_path, users=private_rabbitmq)
     try:
         yield fed
     finally:

@@ -3,8 +3,10 @@
 helpers that disturb a private broker node and always put it back.
 
 A federation runs as `guest`, or as a provisioned one does (`users=`, a private node): every participant logs in
-as its own broker user with exactly the permissions `fedbroker provision` gives it, and each worker trains only
-the coordinator's user's tasks (`worker.coordinator_broker_user`)."""
+as its own broker user with exactly the permissions `fedbroker provision` gives it, each worker trains only
+the coordinator's user's tasks (`worker.coordinator_broker_user`), and the coordinator takes a worker's control
+messages only from that worker's own user (`coordinator.worker_broker_users`, followed as the kit's coordinator
+follows its config: a participant provisioned later is bound from then on)."""
 
 from __future__ import annotations
 
@@ -139,6 +141,12 @@ class HoldsRound(WorkerAgent):
 
 # ----- the federation ------------------------------------------------------------------------------
 
+# Every bus fault that matters most runs twice: as guest, and as a provisioned kit runs (one broker user per
+# participant, with provisioning's permissions; on the session's private node, since the machine's broker gets no
+# users of the tests'). The issue: the guest-only runs never saw that a participant may not write amq.default.
+BUS_USERS = ("guest", "provisioned")
+
+
 
 class Federation:
     def __init__(self, url: str, tmp: Path, *, users: PrivateRabbitMQ | None = None, spool: bool = True,
@@ -148,6 +156,7 @@ class Federation:
         self.namespace = f"fbfault-{uuid.uuid4().hex[:8]}"
         self.users = users  # the node that holds each participant's own broker user; None: everyone is guest
         self.urls: dict[str, str] = {}
+        self.broker_users: dict[str, list[str]] = {}  # provisioned: each site's user → [its worker id], as a kit's
         self.spool_dir = tmp / "spool" if spool else None
         self.book = RoundBook(spool_dir=self.spool_dir)
         self.server, self.port = serve(self.book)
@@ -171,12 +180,18 @@ class Federation:
             return self.url
         if who not in self.urls:
             self.urls.update(self.users.provision(namespace=self.namespace, participants=[who]))
+            if who != "coordinator":   # a new mapping, never changed in place: the coordinator sees the new one
+                self.broker_users = {**self.broker_users, f"{self.namespace}-{who}": [who]}
         return self.urls[who]
 
     def bus_for(self, who: str = "coordinator", **options: Any) -> Any:
         return open_bus(self.url_for(who), namespace=self.namespace, **{**BUS_OPTIONS, **options})
 
     def start_coordinator(self, **options: Any) -> Coordinator:
+        """The coordinator; provisioned, bound to the sites' broker users as a kit's coordinator.yaml binds them
+        (`worker_broker_users`, which it follows) unless the test gives its own map."""
+        if self.users is not None and "worker_broker_users" not in options:
+            options.setdefault("follow_broker_users", lambda: self.broker_users)
         self.bus = self.bus_for()
         self.coordinator = Coordinator(
             bus=self.bus, store=self.store, aggregator=AggregatorClient(self.target), aggregator_target=self.target,

@@ -1,6 +1,7 @@
 """Issue 30, break 8: an asynchronous job's record holds the ε of every accepted upload, also one accepted as the
 job reached its last version. Real RabbitMQ, real gRPC (the aggregation service and the coordinator's API on
-loopback), DP workers with their own ledgers.
+loopback), DP workers with their own ledgers, every participant on its own broker user as a kit deploys it (a guest
+run would add nothing: guest may do all a site's user may).
 
 The race is made by construction, not by timing: the late worker holds its first task (unacked, untrained)
 until the coordinator closes the buffer after the job's last version; the close is then held until the late
@@ -40,9 +41,9 @@ def jobs_show(fed: Federation, job_id: str, capsys: pytest.CaptureFixture[str]) 
 @pytest.mark.parametrize(("buffer_size", "rounds", "where"), [(2, 1, "in the buffer"), (1, 2, "in version")],
                          ids=["left-in-the-buffer", "in-a-version-past-the-last"])
 def test_an_upload_accepted_as_the_job_ends_is_in_the_jobs_epsilon(
-        federation: Federation, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        provisioned_federation: Federation, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         buffer_size: int, rounds: int, where: str) -> None:
-    fed = federation
+    fed = provisioned_federation
     held = HoldsNth.nth(1)
     # the fast worker's tasks after the last version's (one the loop may issue before it sees that version) wait
     # until the job has ended: the late worker's update is the only one to arrive in the race

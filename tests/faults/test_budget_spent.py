@@ -2,7 +2,8 @@
 budget and warns about a site that cannot take part; the coordinator excludes it at selection (an event naming its
 budget) and fails a job left with too few sites at once, naming them, instead of waiting for budget that cannot
 come back; the site says once per job, in its log, why it declines. Real RabbitMQ, real gRPC (the aggregation
-service and the coordinator's API on loopback), DP workers with their own ledgers."""
+service and the coordinator's API on loopback), DP workers with their own ledgers, every participant on its own
+broker user as a kit deploys it (a guest run would add nothing: guest may do all a site's user may)."""
 
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ def registered(fed: Federation, *workers: str) -> None:
 
 
 def test_submit_projects_each_sites_epsilon_and_a_job_short_of_budget_fails_at_once_naming_the_sites(
-        federation: Federation, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    fed = federation
+        provisioned_federation: Federation, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fed = provisioned_federation
     fed.add_worker("rich", index=0, count=2, dp=RICH)
     fed.add_worker("poor", index=1, count=2, dp=POOR)
     registered(fed, "rich", "poor")
@@ -73,8 +74,8 @@ def test_submit_projects_each_sites_epsilon_and_a_job_short_of_budget_fails_at_o
 
 
 def test_a_site_out_of_budget_is_left_out_of_selection_and_the_job_runs_with_the_others(
-        federation: Federation, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    fed = federation
+        provisioned_federation: Federation, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fed = provisioned_federation
     for i, name in enumerate(("rich", "also-rich")):
         fed.add_worker(name, index=i, count=3, dp=RICH)
     fed.add_worker("poor", index=2, count=3, dp=POOR)
@@ -88,10 +89,10 @@ def test_a_site_out_of_budget_is_left_out_of_selection_and_the_job_runs_with_the
 
 
 def test_a_site_says_once_per_job_that_its_budget_is_spent_and_why_it_declines(
-        federation: Federation, caplog: pytest.LogCaptureFixture) -> None:
+        provisioned_federation: Federation, caplog: pytest.LogCaptureFixture) -> None:
     """Tasks the coordinator sent before it knew (its view of a budget lags the site's): the site declines each,
     and its log says why once, naming its budget, what it spent and what the task costs."""
-    fed = federation
+    fed = provisioned_federation
     poor = fed.add_worker("poor", index=0, count=2, dp=POOR)
     declined: list[str] = []
     report = poor._report
@@ -118,8 +119,8 @@ def test_a_site_says_once_per_job_that_its_budget_is_spent_and_why_it_declines(
 
 
 def test_an_asynchronous_job_no_site_can_afford_fails_at_once_naming_them(
-        federation: Federation, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    fed = federation
+        provisioned_federation: Federation, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fed = provisioned_federation
     fed.add_worker("poor", index=0, count=2, dp=POOR)
     registered(fed, "poor")
     reply = submit(fed, job(schedule={"mode": "async", "min_workers": 1}), tmp_path, capsys)

@@ -1,5 +1,7 @@
 """Control messages bound to their senders, and ε claims bounded by the tasks issued: against the real RabbitMQ
-(the machine's broker, guest only: nothing on it is reconfigured) and a real coordinator and workers.
+and a real coordinator and workers. Bound senders run as guest on the machine's broker (nothing on it is
+reconfigured: guest speaks for one worker) and with per-participant broker users on the session's private node, as
+the kits deploy them; a forged claim on a shared user runs shared, which is its point; the rest runs provisioned.
 
 The breaks (issue "Hardening, third pass", item 2; "fourth pass", items 6 and 7): a heartbeat published for `w0`
 with a high ε was recorded (the fourth pass: one within the bound of its open tasks), and from then on the real
@@ -22,7 +24,8 @@ from fedbroker.bus import Topology, envelope
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.store import StateStore
 from fedbroker.proto import fedbroker_pb2 as pb
-from tests.faults.harness import Federation, HoldsNth, Training, job, sample, wait_for
+from tests.faults.harness import BUS_USERS, Federation, HoldsNth, Training, job, sample, wait_for
+from tests.rabbitmq_node import PrivateRabbitMQ
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -51,10 +54,16 @@ def jumps(message: str) -> float:
     return sample("fedbroker_coordinator_epsilon_jumps_refused_total", {"message": message})
 
 
-@pytest.fixture
-def bound_federation(rabbitmq_url: str, tmp_path: Path) -> Iterator[Federation]:
-    """The guest user speaks for w0 only; w1 is a site with a broker user of its own (`site-w1`)."""
-    fed = Federation(rabbitmq_url, tmp_path, worker_broker_users={"guest": ["w0"], "site-w1": ["w1"]})
+@pytest.fixture(params=BUS_USERS)
+def bound_federation(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Federation]:
+    """guest: the guest user speaks for w0 only, w1 is a site with a broker user of its own (`site-w1`);
+    provisioned: each site its own broker user, bound to its worker id as a kit's coordinator.yaml binds it."""
+    if request.param == "guest":
+        fed = Federation(request.getfixturevalue("rabbitmq_url"), tmp_path,
+                         worker_broker_users={"guest": ["w0"], "site-w1": ["w1"]})
+    else:
+        node: PrivateRabbitMQ = request.getfixturevalue("private_rabbitmq")
+        fed = Federation(node.url, tmp_path, users=node)
     try:
         yield fed
     finally:
@@ -64,11 +73,11 @@ def bound_federation(rabbitmq_url: str, tmp_path: Path) -> Iterator[Federation]:
 def test_a_registration_for_another_sites_worker_is_refused_dead_lettered_and_counted(
         bound_federation: Federation, training: Training) -> None:
     fed = bound_federation
-    fed.add_worker("w0", index=0, count=2)  # guest may speak for w0: its own messages pass
+    fed.add_worker("w0", index=0, count=2)  # its user (guest, or its own) may speak for w0: its messages pass
     wait_for(lambda: [w.worker_id for w in fed.store.workers()] == ["w0"], 30, "w0 to register")
     foreign, anonymous = rejected("foreign_sender"), rejected("unidentified_sender")
-    sender = fed.bus_for()
-    try:  # w0's credentials (guest) speaking for w1: refused, never stored
+    sender = fed.bus_for("w0")
+    try:  # w0's credentials speaking for w1: refused, never stored
         sender.publish_control(registration("w1", 1e6))
         sender.publish_control(heartbeat("w1", 1e6))
         wait_for(lambda: rejected("foreign_sender") == foreign + 2, 30, "both forgeries to be refused")
@@ -98,7 +107,10 @@ def test_a_registration_for_another_sites_worker_is_refused_dead_lettered_and_co
 
 def test_a_forged_epsilon_claim_on_a_shared_broker_user_never_locks_the_site_out(
         federation: Federation, training: Training) -> None:
-    """One broker user shared by everyone (guest: no binding possible, as in the demo and deploy/k8s/base). After
+    """Shared broker users on purpose: this is the demo's and deploy/k8s/base's deployment, where control messages
+    cannot be bound to their senders, so no per-participant run would show it (that one is
+    test_a_registration_for_another_sites_worker_is_refused_dead_lettered_and_counted[provisioned]).
+    One broker user shared by everyone (guest: no binding possible, as in the demo and deploy/k8s/base). After
     w0's first job, a forged heartbeat claims 1.5× its ledger's ε: within what the tasks just issued to it could
     have cost, so the old bound accepted it and w0 refused every later job (its ledger holds less), across
     restarts. A claim is advisory now: the record stays what the coordinator priced, and w0 is selected and trains
@@ -133,11 +145,12 @@ def test_a_forged_epsilon_claim_on_a_shared_broker_user_never_locks_the_site_out
 
 
 def test_reset_epsilon_corrects_a_forged_record_from_the_sites_ledger_and_audits_it(
-        rabbitmq_url: str, tmp_path: Path, training: Training, capsys: pytest.CaptureFixture[str]) -> None:
+        private_rabbitmq: PrivateRabbitMQ, tmp_path: Path, training: Training,
+        capsys: pytest.CaptureFixture[str]) -> None:
     """A record forged before this version (1e6 for w0) locks w0 out; the operator stops the coordinator and
     corrects it from w0's ledger (which names w0), never below what that ledger holds; the correction is
-    audited, and w0 trains again once the coordinator is back."""
-    fed = Federation(rabbitmq_url, tmp_path)
+    audited, and w0 trains again once the coordinator is back. With per-participant broker users, as a kit runs."""
+    fed = Federation(private_rabbitmq.url, tmp_path, users=private_rabbitmq)
     try:
         agent = fed.add_worker("w0", index=0, count=2, dp=DP)
         first = fed.submit(job(training={"rounds": 1}, schedule={"min_workers": 1}))
@@ -185,11 +198,12 @@ def test_reset_epsilon_corrects_a_forged_record_from_the_sites_ledger_and_audits
 
 
 def test_an_async_jobs_record_keeps_the_epsilon_of_trainings_refused_as_stale(
-        federation: Federation, training: Training) -> None:
+        provisioned_federation: Federation, training: Training) -> None:
     """The slow worker's updates are always stale (buffer of one, no staleness allowed, the fast worker
     publishes a version first): each is refused after its training spent ε. The job's record (`jobs show`: the
-    largest ε per worker) must still say what the job cost the slow worker's owner: its ledger's ε for it."""
-    fed = federation
+    largest ε per worker) must still say what the job cost the slow worker's owner: its ledger's ε for it.
+    Provisioned: the failed outcomes come from the slow worker's own broker user."""
+    fed = provisioned_federation
     held = HoldsNth.nth(1)  # the slow worker's first task waits until the fast worker has published a version:
     fed.add_worker("fast", index=0, count=2, dp=DP)  # its update is then stale by construction, not by timing
     slow = fed.add_worker("slow", index=1, count=2, dp=DP, agent_class=held)

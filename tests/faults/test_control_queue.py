@@ -55,7 +55,7 @@ def test_a_registered_worker_without_a_consumer_is_a_straggler_and_the_others_ge
         each_federation: Federation, training: Training) -> None:
     fed = each_federation
     fed.worker_ids.add("ghost")  # its queue is removed with the namespace
-    sender = fed.bus_for("sender")  # a site's bus (in provisioned mode, a site's own broker user)
+    sender = fed.bus_for("ghost")  # the ghost site's bus (in provisioned mode, its own broker user)
     try:  # sorts before w0 and w1: published first
         sender.publish_control(registration("ghost"))
         wait_for(lambda: any(w.worker_id == "ghost" for w in fed.store.workers()), 30, "the ghost to register")

@@ -1,9 +1,11 @@
 """A deployment of `fedbroker` processes for the end-to-end tests: the aggregation service, the coordinator and
 workers, each started as a kit starts it (`fedbroker <command>`, its settings in FEDBROKER__* variables), on the
-machine's RabbitMQ under a namespace of their own that `close` removes."""
+machine's RabbitMQ under a namespace of their own that `close` removes; or (`users=`, a private node) each on its own
+broker user as provisioning deploys it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from typing import Any
 
 from fedbroker.app.demo import free_port
 from fedbroker.bus import delete_topology
+from tests.rabbitmq_node import PrivateRabbitMQ
 from tests.source_roots import PYTHONPATH
 
 
@@ -40,17 +43,35 @@ def _clean_env() -> dict[str, str]:
 class Deployment:
     """Processes started with `fedbroker <command>` and their settings in the environment, as a kit does."""
 
-    def __init__(self, url: str, tmp: Path, *, name: str, worker_ids: Sequence[str]) -> None:
+    def __init__(self, url: str, tmp: Path, *, name: str, worker_ids: Sequence[str],
+                 users: PrivateRabbitMQ | None = None) -> None:
+        """`url`: the administrator's (the test's own look at the broker, and every process's as guest); `users`:
+        the node `url` reaches, where the coordinator and each worker get a broker user of their own
+        (`<namespace>-<who>`, provisioning's permissions)."""
         self.url, self.tmp, self.worker_ids = url, tmp, list(worker_ids)
         self.namespace = f"fedbroker-{name}-{uuid.uuid4().hex[:8]}"
         self.aggregator = f"127.0.0.1:{free_port()}"
         self.coordinator = f"127.0.0.1:{free_port()}"
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.urls = users.provision(namespace=self.namespace, participants=["coordinator", *self.worker_ids]) \
+            if users is not None else {}
+
+    def broker_settings(self, command: str, worker_id: str) -> dict[str, Any]:
+        """A process's broker login, as its kit holds it: its own user, the coordinator binding each site's control
+        messages to that site's user (`worker_broker_users`), a worker training only the coordinator's tasks.
+        Nothing as guest."""
+        if not self.urls or command not in ("coordinator", "worker"):
+            return {}
+        if command == "coordinator":
+            bound = {f"{self.namespace}-{w}": [w] for w in self.worker_ids}
+            return {"broker.url": self.urls["coordinator"], "coordinator.worker_broker_users": json.dumps(bound)}
+        return {"broker.url": self.urls[worker_id], "worker.coordinator_broker_user": f"{self.namespace}-coordinator"}
 
     def spawn(self, name: str, command: str, settings: dict[str, Any], extra_env: dict[str, str] | None = None) -> None:
         env = _clean_env()
         base = {"broker.url": self.url, "broker.namespace": self.namespace, "aggregator.target": self.aggregator,
-                "coordinator.target": self.coordinator, "log_level": "INFO"}
+                "coordinator.target": self.coordinator, "log_level": "INFO",
+                **self.broker_settings(command, str(settings.get("worker.id", name)))}
         for key, value in {**base, **settings}.items():
             env["FEDBROKER__" + key.upper().replace(".", "__")] = str(value)
         env.update(extra_env or {})

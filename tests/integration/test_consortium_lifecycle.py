@@ -83,7 +83,9 @@ class Consortium:
         self.kits = root / "kits"
         self.logs = root / "logs"
         self.logs.mkdir()
-        self.ports = dict(zip(("coordinator_port", "aggregator_port", "broker_port"), free_ports(3), strict=True))
+        # the broker's host-only ports too: this machine's own broker may hold 15672/15692/25672
+        self.ports = dict(zip(("coordinator_port", "aggregator_port", "broker_port", "broker_management_port",
+                               "broker_metrics_port", "broker_dist_port"), free_ports(6), strict=True))
         self.name = f"life{uuid.uuid4().hex[:6]}"
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.unwatched: set[str] = set()   # processes that may exit now (a revoked site's worker)
@@ -132,14 +134,13 @@ class Consortium:
         return json.loads(out) if out.lstrip().startswith(("{", "[")) else [json.loads(x) for x in out.splitlines()]
 
     def sync(self, printed: str) -> str:
-        """Run the `fedbroker broker sync` line `provision` printed for the broker's host, exactly, reaching the
-        test's node with its own rabbitmqctl (its cookie and ports are in its environment)."""
+        """Run the `fedbroker broker sync` line `provision` printed for the broker's host, exactly as printed, in
+        the broker's host's environment (the kit's node is named in the line; its cookie and epmd port are in the
+        environment)."""
         (line,) = [x.strip() for x in printed.splitlines() if x.strip().startswith("fedbroker broker sync")
                    and "--rabbitmqctl" not in x]
-        assert self.broker is not None
-        words = shlex.split(line)[1:]
-        return self.fedbroker(*words, "--rabbitmqctl", shlex.join(self.broker.rabbitmqctl()),
-                              env=self.environment(**self.broker.env))
+        assert self.broker is not None and f"--node {self.broker.name}" in line, line
+        return self.fedbroker(*shlex.split(line)[1:], env=self.environment(**self.broker.env))
 
     def alive(self) -> None:
         for name, process in self.processes.items():
@@ -236,13 +237,8 @@ def test_a_consortium_grows_renews_and_revokes_a_site_while_its_services_run(con
         "scientists": [{"name": "sci"}]}))
     assert main(["provision", str(project), "--out", str(c.kits)]) == 0
     capsys.readouterr()
-    # this machine's own broker may hold 15672/15692: the kit's management and metrics ports move to free ones
-    conf = c.server / "rabbitmq/rabbitmq.conf"
-    management, metrics = free_ports(2)
-    conf.write_text(conf.read_text().replace("management.tcp.port = 15672", f"management.tcp.port = {management}")
-                    .replace("prometheus.tcp.port = 15692", f"prometheus.tcp.port = {metrics}"))
 
-    # 1. the server side and two sites, from their kits; a job as the scientist
+    # 1. the server side and two sites, from their kits (the broker by its start-broker.sh); a job as the scientist
     c.broker = KitBroker(c.server, scripts, c.kit("site-a"))
     c.broker.start()
     c.start("aggregator", c.server / "start-aggregator.sh")
@@ -269,8 +265,7 @@ def add_a_site(c: Consortium) -> None:
     untouched = {site: _files(c.kit(site)) for site in ("site-a", "site-b")}
     assert c.broker is not None   # on the broker's host: `--apply-broker` runs the sync line it prints
     printed = c.fedbroker("provision", "add", "--out", str(c.kits), "--site", "site-c", "--worker", str(extra),
-                          "--apply-broker", "--rabbitmqctl", shlex.join(c.broker.rabbitmqctl()),
-                          env=c.environment(**c.broker.env))
+                          "--apply-broker", env=c.environment(**c.broker.env))
     assert "fedbroker broker sync " in printed and f"add {c.name}-site-c" in printed, printed
     assert {site: _files(c.kit(site)) for site in ("site-a", "site-b")} == untouched   # the kits handed out
     c.start("site-c", c.kit("site-c") / "start.sh")

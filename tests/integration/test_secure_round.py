@@ -1,5 +1,5 @@
 """A secure job (aggregation.secure) in a real deployment: the aggregation service, the coordinator and five
-workers, each its own `fedbroker` process, over the machine's RabbitMQ under a private namespace.
+workers, each its own `fedbroker` process, on a private RabbitMQ node, each on its own broker user as kits deploy.
 
 One worker exits right after masking its update (before uploading it: it dropped, and its pairwise masks
 are rebuilt from its peers' shares), another right after its masked upload (before unmasking: it is in the
@@ -28,6 +28,7 @@ from fedbroker.secagg import sum_error_bound
 from fedbroker.secagg.secure_round import round_params
 from fedbroker.worker.secure_task import TEST_EXIT_AT, TEST_RECORD_DIR
 from tests.integration.processes import Deployment
+from tests.rabbitmq_node import PrivateRabbitMQ
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -46,8 +47,11 @@ JOB = {
 
 
 @pytest.fixture
-def deployment(rabbitmq_url: str, tmp_path: Path) -> Iterator[Deployment]:
-    d = Deployment(rabbitmq_url, tmp_path, name="secure", worker_ids=WORKERS)
+def deployment(private_rabbitmq: PrivateRabbitMQ, tmp_path: Path) -> Iterator[Deployment]:
+    """Provisioned (a guest run would add nothing: guest may do all a site's user may): each process logs in as its
+    own broker user on the session's private node, the coordinator binds each site's control messages to its
+    user, and each worker trains only the coordinator's tasks."""
+    d = Deployment(private_rabbitmq.url, tmp_path, name="secure", worker_ids=WORKERS, users=private_rabbitmq)
     try:
         yield d
     finally:

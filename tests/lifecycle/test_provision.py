@@ -174,6 +174,7 @@ def test_the_server_overlay_renders_validates_and_exposes_amqps_and_grpc_over_tl
     ({"scientists": [{"name": "x", "role": "coordinator"}]}, "scientists[0].role"),
     ({"scientists": [{"name": "hospital-a"}]}, "sites/scientists"),
     ({"server": {"host": "h", "broker_port": 70000}}, "server.broker_port"),
+    ({"server": {"host": "h", "broker_dist_port": 0}}, "server.broker_dist_port"),
     ({"sites": [{"name": "a", "worker": {"dp": {"epsilon_budget": -1}}}]}, "sites[0].worker.dp.epsilon_budget"),
     ({"sites": [{"name": "a"}, {"name": "b", "worker": {"datset": "digits"}}]}, "sites[1].worker.datset"),
 ])
@@ -418,6 +419,7 @@ def test_a_site_kit_says_how_to_install_fedbroker_from_its_source(kits):
 # ----- installed, not a checkout; the server's launcher -----
 
 PACKAGE_SOURCES = ("pyproject.toml", "README.md", "MANIFEST.in", "requirements.txt", "requirements-dev.txt",
+                   "requirements-tracking.txt", "app",
                    "fedbroker", "aggregators", "coordinator", "worker", "proto", "deploy/k8s/base")
 
 

@@ -1,6 +1,7 @@
 """A provisioned server kit runs on a host as it does on Kubernetes: its rabbitmq.conf names the kit's own files
 (relative to the kit, no Kubernetes mount points) and binds where the project says, its services serve metrics
-on the host only, and a Prometheus config beside the kit scrapes them (promtool accepts it). The Kubernetes
+on the host only, and a Prometheus config beside the kit scrapes them (promtool accepts it). Its broker is a
+node of its own beside the host's RabbitMQ, and the `broker sync` lines reach that node only. The Kubernetes
 rendering keeps its mounts, and after the kit has been changed in place it still renders, the CRL among its
 TLS Secret's files."""
 
@@ -8,20 +9,26 @@ from __future__ import annotations
 
 import base64
 import re
+import shlex
 import subprocess
+import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pika
 import pytest
 import yaml
 
+from fedbroker.app.cli import main
 from fedbroker.app.provision import lifecycle, parse_project, provision
 from fedbroker.config import load_config
 from tests.ops.conftest import tool
 from tests.ops.test_k8s import K8S_VERSION, validator
-from tests.rabbitmq_node import KitBroker, amqps, free_ports, server_scripts
+from tests.rabbitmq_node import KitBroker, amqps, free_ports, machine_broker_state, missing, server_scripts
+from tests.source_roots import PYTHONPATH
 
 PROJECT = {
     "name": "study",
@@ -149,36 +156,96 @@ def test_the_overlay_still_renders_after_add_and_revoke_with_the_crl_in_its_tls_
             pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {exc.message} at {list(exc.path)}")
 
 
-# ----- the kit's own broker config, run by a real RabbitMQ on this host -----
+# ----- the kit's own broker, started by its start-broker.sh on this host -----
+
+
+class HostKit(NamedTuple):
+    kits: Path
+    node: KitBroker
+    management: int
+    metrics: int
+
+
+@pytest.fixture(scope="module")
+def host_kit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostKit]:
+    """A kit provisioned for this host, its broker started by the kit's start-broker.sh (with this session's own
+    epmd and cookie, never the machine's broker's), every port of it where the project puts it."""
+    scripts = server_scripts()
+    broker_port, management, metrics, dist = free_ports(4)
+    kits = kits_of(tmp_path_factory.mktemp("host"), host="localhost", listen="127.0.0.1", broker_port=broker_port,
+                   broker_management_port=management, broker_metrics_port=metrics, broker_dist_port=dist)
+    node = KitBroker(kits / "server", scripts, kits / "sites/hospital-a")
+    try:
+        node.start()
+        yield HostKit(kits, node, management, metrics)
+    finally:
+        node.stop()
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(400)
-def test_rabbitmq_runs_from_the_host_kit_with_mutual_tls_and_host_only_management(tmp_path):
+def test_rabbitmq_runs_from_the_host_kit_with_mutual_tls_and_host_only_management(host_kit):
     """The kit's rabbitmq.conf as written (its paths relative to the kit), its two host-only ports where the
     project puts them (server.broker_management_port, broker_metrics_port: this machine's 15672 may be taken; they
     were hard-coded): a site logs in over AMQPS with its kit; without its client certificate it is refused;
     management and /metrics answer on 127.0.0.1, and the kit's Prometheus config scrapes that port."""
-    scripts = server_scripts()
-    broker_port, management, metrics = free_ports(3)
-    kits = kits_of(tmp_path, host="localhost", listen="127.0.0.1", broker_port=broker_port,
-                   broker_management_port=management, broker_metrics_port=metrics)
-    server = kits / "server"
-    scrape = yaml.safe_load((server / "prometheus/prometheus.yml").read_text())
+    kits, metrics = host_kit.kits, host_kit.metrics
+    scrape = yaml.safe_load((kits / "server/prometheus/prometheus.yml").read_text())
     assert {c["job_name"]: c["static_configs"][0]["targets"] for c in scrape["scrape_configs"]}["rabbitmq"] == [
         f"127.0.0.1:{metrics}"]
-    node = KitBroker(server, scripts, kits / "sites/hospital-a")
+    connection = amqps(kits / "sites/hospital-a", certificate=True)
+    assert connection.is_open
+    connection.close()
+    with pytest.raises(pika.exceptions.AMQPConnectionError):
+        amqps(kits / "sites/hospital-a", certificate=False)
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=30) as page:
+        assert "rabbitmq_" in page.read().decode()
+    with pytest.raises(urllib.error.HTTPError) as unauthorized:  # it listens, and asks who is calling
+        urllib.request.urlopen(f"http://127.0.0.1:{host_kit.management}/api/overview", timeout=30)
+    assert unauthorized.value.code == 401
+
+
+def _run_printed(printed: str, node: KitBroker) -> str:
+    """The `fedbroker broker sync` line `provision` printed for the broker's host, run exactly as printed there
+    (RabbitMQ's rabbitmqctl on PATH, the broker's cookie and epmd), after checking it names the kit's node."""
+    (line,) = [x.strip() for x in printed.splitlines() if x.strip().startswith("fedbroker broker sync")
+               and "--rabbitmqctl" not in x]
+    assert f"--node {node.name}" in line, f"the host's sync line does not name the kit's node: {line}"
+    done = subprocess.run([sys.executable, "-m", "fedbroker", *shlex.split(line)[1:]], capture_output=True,
+                          text=True, timeout=300, env={**node.env, "PYTHONPATH": PYTHONPATH})
+    assert done.returncode == 0, f"{line}: {done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def _logs_in(kit: Path) -> bool:
     try:
-        node.start()
-        connection = amqps(kits / "sites/hospital-a", certificate=True)
-        assert connection.is_open
-        connection.close()
-        with pytest.raises(pika.exceptions.AMQPConnectionError):
-            amqps(kits / "sites/hospital-a", certificate=False)
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=30) as page:
-            assert "rabbitmq_" in page.read().decode()
-        with pytest.raises(urllib.error.HTTPError) as unauthorized:  # it listens, and asks who is calling
-            urllib.request.urlopen(f"http://127.0.0.1:{management}/api/overview", timeout=30)
-        assert unauthorized.value.code == 401
-    finally:
-        node.stop()
+        amqps(kit).close()
+        return True
+    except pika.exceptions.AMQPConnectionError:
+        return False
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_the_printed_sync_line_changes_the_kits_own_broker_and_never_the_machines(host_kit, capsys):
+    """The host kit's broker is a node of its own (start-broker.sh sets RABBITMQ_NODENAME), and the `broker sync`
+    line `provision add`/`revoke` print names it (--node): run as printed on the broker's host, it adds the new
+    site's user to the kit's broker and then deletes it, and the machine's own RabbitMQ (the default node a
+    line without a node reaches) keeps exactly its users. Before, the line named no node."""
+    kits, node = host_kit.kits, host_kit.node
+    script = (kits / "server/start-broker.sh").read_text()
+    assert f"RABBITMQ_NODENAME='{node.name}'" in script and node.name == "fedbroker-study@localhost"
+    try:
+        machine_before = machine_broker_state()
+    except RuntimeError as exc:   # read-only; the comparison below needs it
+        missing(f"cannot read the machine's broker with rabbitmqctl: {exc}")
+    assert main(["provision", "add", "--out", str(kits), "--site", "hospital-c"]) == 0
+    synced = _run_printed(capsys.readouterr().out, node)
+    assert "add study-hospital-c" in synced, synced
+    assert _logs_in(kits / "sites/hospital-c") and "study-hospital-c" in node.ctl("list_users", "-q")
+    assert main(["provision", "revoke", "--out", str(kits), "--name", "hospital-c"]) == 0
+    synced = _run_printed(capsys.readouterr().out, node)
+    assert "delete and disconnect study-hospital-c" in synced and "installed" in synced, synced
+    assert "study-hospital-c" not in node.ctl("list_users", "-q") and not _logs_in(kits / "sites/hospital-c")
+    assert _logs_in(kits / "sites/hospital-a")   # the others' logins are the kit's still
+    assert machine_broker_state() == machine_before

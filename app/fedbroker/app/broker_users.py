@@ -14,6 +14,8 @@ change the running broker still knows the old users. This command applies the fi
 
 It speaks to the node with `rabbitmqctl` (the node's Erlang cookie, so it runs on the broker's host or through
 `kubectl exec`), which needs no broker user of its own and works whether or not the management plugin is on.
+A host kit's broker is a node of its own (`--node fedbroker-<project>@localhost`, as its start-broker.sh names
+it), so the line `provision` prints never reaches the host's default RabbitMQ node.
 A user is the project's when its name starts with `<project>-`; users of another project whose name starts
 the same way (`<project>-x-coordinator`, a project named `<project>-x`), administrators and users outside the
 prefix are never touched. `--dry-run` prints the plan and changes nothing.
@@ -98,12 +100,13 @@ def make_plan(definitions: Mapping[str, Any], present: Mapping[str, Sequence[str
 
 
 class Ctl:
-    """`rabbitmqctl` as this machine reaches the node: a command line (`kubectl exec -i ... -- rabbitmqctl`)."""
+    """`rabbitmqctl` as this machine reaches the node: a command line (`kubectl exec -i ... -- rabbitmqctl`), and the
+    node's name (`node`: `-n NAME`; none: rabbitmqctl's default node, the host's own RabbitMQ)."""
 
-    def __init__(self, command: Sequence[str], *, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, command: Sequence[str], *, node: str = "", env: Mapping[str, str] | None = None) -> None:
         if not command:
             raise ConfigError("--rabbitmqctl", "is empty")
-        self.command = list(command)
+        self.command = [*command, "-n", node] if node else list(command)
         self.env = dict(env) if env is not None else None
 
     def __call__(self, *args: str, stdin: str | None = None) -> str:
@@ -157,7 +160,8 @@ def cmd_sync(args: argparse.Namespace) -> int:
         print(f"installed {args.crl} as {install_crl(args.crl, args.crl_dir)}")
     elif args.crl:
         print(f"would install {args.crl} in {args.crl_dir}")
-    plan = sync(args.definitions, Ctl(shlex.split(args.rabbitmqctl)), project=args.project, dry_run=args.dry_run)
+    ctl = Ctl(shlex.split(args.rabbitmqctl), node=args.node)
+    plan = sync(args.definitions, ctl, project=args.project, dry_run=args.dry_run)
     would = "would " if args.dry_run else ""
     for user in plan.delete:
         print(f"{would}delete and disconnect {user}")
@@ -179,6 +183,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rabbitmqctl", default="rabbitmqctl",
                    help="how to run rabbitmqctl against the node (default: rabbitmqctl; in Kubernetes e.g. "
                         "'kubectl exec -i -n fedbroker rabbitmq-0 -- rabbitmqctl')")
+    p.add_argument("--node", default="",
+                   help="the node's name (rabbitmqctl -n): a host kit's broker is its own node, fedbroker-<project>"
+                        "@localhost (start-broker.sh); default: rabbitmqctl's, the host's default RabbitMQ")
     p.add_argument("--project", default="", help="the project's name (default: read off '<project>-coordinator')")
     p.add_argument("--crl", default="", help="the server kit's crl.pem: also install it where the broker checks it")
     p.add_argument("--crl-dir", default="", help="the folder of the broker's crl_cache (ssl_crl_hash_dir), on its host")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fedbroker.app.provision import lifecycle
-from fedbroker.app.provision.configs import CRL_DIR
+from fedbroker.app.provision.configs import CRL_DIR, broker_node
 from fedbroker.app.provision.kits import provision
 from fedbroker.app.provision.project import MAX_PROJECT_BYTES, load_project
 from fedbroker.app.provision.serverkit import CRL_FILE, DEFINITIONS
@@ -118,17 +118,21 @@ _APPLY = ("on Kubernetes, `kubectl apply -k server/` carries the server kit's ch
 
 def sync_command(out: str | Path, *, crl: bool, rabbitmqctl: str = "") -> list[str]:
     """`fedbroker broker sync` for the server kit under `out`, as the broker's host runs it: the kit's users,
-    and (`crl`) its CRL into the folder the kit's advanced.config names. `rabbitmqctl`: how to reach the node."""
+    and (`crl`) its CRL into the folder the kit's advanced.config names, on the kit's own node (start-broker.sh's,
+    never the host's default one). `rabbitmqctl`: how to reach the node instead (Kubernetes: the pod's only node)."""
     server = Path(out) / "server"
     line = ["fedbroker", "broker", "sync", str(server / DEFINITIONS)]
     if crl:
         line += ["--crl", str(server / CRL_FILE), "--crl-dir", str(server / CRL_DIR)]
-    return line + (["--rabbitmqctl", rabbitmqctl] if rabbitmqctl else [])
+    if rabbitmqctl:
+        return line + ["--rabbitmqctl", rabbitmqctl]
+    return line + ["--node", broker_node(lifecycle.summary(out).to_project())]
 
 
 def _print_sync(out: str | Path, what: str, *, crl: bool) -> None:
     """The exact commands that carry `what` to a running broker: a broker reads its users only when it starts."""
-    print(f"a running broker needs {what}: on the broker's host (paths as there), run")
+    print(f"a running broker needs {what}: on the broker's host (paths as there, as the user that runs "
+          f"start-broker.sh), run")
     print(f"  {shlex.join(sync_command(out, crl=crl))}")
     print(f"on Kubernetes, after `kubectl apply -k {Path(out) / 'server'}`:")
     print(f"  {shlex.join(sync_command(out, crl=False, rabbitmqctl=K8S_RABBITMQCTL))}")
@@ -136,7 +140,7 @@ def _print_sync(out: str | Path, what: str, *, crl: bool) -> None:
 
 def _apply_broker(args: argparse.Namespace, *, crl: bool) -> None:
     """With --apply-broker: run that `broker sync` here, on the broker's host (the kit's files are the broker's
-    own, and `--rabbitmqctl` reaches the node). The kit has changed by then: if the sync fails, the command fails
+    own, and `--rabbitmqctl` reaches the kit's node by its name). The kit has changed by then: if the sync fails, the command fails
     saying why, and the printed line applies the change once the broker is reachable."""
     if not args.apply_broker:
         return
@@ -144,8 +148,8 @@ def _apply_broker(args: argparse.Namespace, *, crl: bool) -> None:
 
     line = sync_command(args.out, crl=crl)
     print("applying it to the running broker:")
-    cmd_sync(argparse.Namespace(definitions=line[3], rabbitmqctl=args.rabbitmqctl, project="", dry_run=False,
-                                crl=line[5] if crl else "", crl_dir=line[7] if crl else ""))
+    cmd_sync(argparse.Namespace(definitions=line[3], rabbitmqctl=args.rabbitmqctl, node=line[-1], project="",
+                                dry_run=False, crl=line[5] if crl else "", crl_dir=line[7] if crl else ""))
 
 
 def _worker_settings(path: str) -> dict[str, Any]:
@@ -163,7 +167,8 @@ def _broker_options(parser: argparse.ArgumentParser) -> None:
                         help="on the broker's host: also run the `fedbroker broker sync` it prints (a site's broker "
                              "user, the CRL) against the running RabbitMQ")
     parser.add_argument("--rabbitmqctl", default="rabbitmqctl",
-                        help="with --apply-broker: how to run rabbitmqctl against the node (default: rabbitmqctl)")
+                        help="with --apply-broker: how to run rabbitmqctl on the broker's host (default: rabbitmqctl; "
+                             "it is given the kit's node, -n fedbroker-<project>@localhost)")
 
 
 class _AnyVerb(Mapping[str, argparse.ArgumentParser]):

@@ -36,6 +36,12 @@ def broker_user(project: Project, who: str) -> str:
     return f"{project.name}-{who}"
 
 
+def broker_node(project: Project) -> str:
+    """The host kit's RabbitMQ node name (start-broker.sh sets it): its own, so that the kit's broker runs beside
+    the host's default node (`rabbit@...`) and `rabbitmqctl -n` (`broker sync --node`) reaches this one."""
+    return f"fedbroker-{re.sub(r'[^A-Za-z0-9_-]', '-', project.name)}@localhost"
+
+
 def broker_url(user: str, password: str, host: str, port: int) -> str:
     """The AMQPS URL a participant logs in with, user and password quoted."""
     return f"amqps://{quote(user, safe='')}:{quote(password, safe='')}@{host}:{port}/%2F"
@@ -200,10 +206,9 @@ def host_rabbitmq_conf(project: Project) -> str:
     # every address (IPv4 and IPv6) for a wildcard, else that address; RabbitMQ writes an IPv6 one unbracketed
     public = str(project.broker_port) if project.listen in ("0.0.0.0", "::") else f"{project.listen}:{project.broker_port}"
     return (
-        "# RabbitMQ on a host, for this server kit. Paths are relative to the kit: run RabbitMQ with this folder\n"
-        "# (the server kit's) as its working directory, RABBITMQ_CONFIG_FILE=rabbitmq/rabbitmq.conf,\n"
-        "# RABBITMQ_ADVANCED_CONFIG_FILE=rabbitmq/advanced.config and\n"
-        "# RABBITMQ_ENABLED_PLUGINS_FILE=rabbitmq/enabled_plugins (deploy/OPERATING.md, \"On a host\").\n"
+        "# RabbitMQ on a host, for this server kit. Paths are relative to the kit: start-broker.sh runs RabbitMQ\n"
+        "# with this folder (the server kit's) as its working directory, this file, advanced.config and\n"
+        "# enabled_plugins, and the kit's own node name (deploy/OPERATING.md, \"On a host\").\n"
         "# AMQPS only: no plaintext listener. Sites verify the broker against the project CA.\n"
         "listeners.tcp = none\n"
         f"listeners.ssl.default = {public}\n"

@@ -18,6 +18,7 @@ from fedbroker.app.provision.configs import (
     RABBITMQ_PLUGINS,
     aggregator_doc,
     broker_definitions,
+    broker_node,
     broker_ssl_config,
     broker_url,
     broker_user,
@@ -163,6 +164,7 @@ def _server_kit(project: Project, folder: Path, ca: Authority, tokens: dict[str,
     for role in ("aggregator", "coordinator"):
         kit.write(f"start-{role}.sh", _script(f"the {role}", f"{role} --config {role}.yaml"), executable=True)
     kit.write("start.sh", _START_SERVER, executable=True)
+    kit.write("start-broker.sh", _broker_script(project), executable=True)
     k8s.overlay(project, kit, passwords["coordinator"], tokens["coordinator"], crl_file_name(ca.cert.subject))
     kit.write("README.md", _server_readme(project))
     return folder
@@ -188,6 +190,33 @@ def _script(what: str, args: str) -> str:
         'cd "$(dirname "$0")"\n'
         "mkdir -p state\n"
         f'exec ${{FEDBROKER:-fedbroker}} {args} "$@"\n'
+    )
+
+
+def _broker_script(project: Project) -> str:
+    """The host broker's start script: the kit's config files, and a node of its own (name, distribution port on
+    127.0.0.1), so that it runs beside the host's default RabbitMQ node and `broker sync --node` reaches it."""
+    return (
+        "#!/bin/sh\n"
+        "# Start this kit's RabbitMQ (3.10 or later) from this kit, from any folder, beside any other RabbitMQ node\n"
+        f"# on this host: its own node name {broker_node(project)} (the `fedbroker broker sync` line that\n"
+        "# `fedbroker provision` prints names it with --node), its Erlang distribution on\n"
+        f"# 127.0.0.1:{project.broker_dist_port} (server.broker_dist_port), the config files of rabbitmq/, its data\n"
+        "# and logs in state/rabbitmq (or RABBITMQ_MNESIA_BASE, RABBITMQ_LOG_BASE). RABBITMQ_SERVER overrides the\n"
+        "# command: Debian's /usr/sbin/rabbitmq-server changes folder and user, run the script it wraps,\n"
+        "# RABBITMQ_SERVER=/usr/lib/rabbitmq/bin/rabbitmq-server. Run `broker sync` as the same user (its cookie).\n"
+        "set -eu\n"
+        'cd "$(dirname "$0")"\n'
+        'kit="$(pwd)"\n'
+        f"export RABBITMQ_NODENAME='{broker_node(project)}' RABBITMQ_DIST_PORT={project.broker_dist_port}\n"
+        "export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS='-kernel inet_dist_use_interface {127,0,0,1}'\n"
+        'export RABBITMQ_CONFIG_FILE="$kit/rabbitmq/rabbitmq.conf" '
+        'RABBITMQ_ADVANCED_CONFIG_FILE="$kit/rabbitmq/advanced.config" '
+        'RABBITMQ_ENABLED_PLUGINS_FILE="$kit/rabbitmq/enabled_plugins"\n'
+        'export RABBITMQ_MNESIA_BASE="${RABBITMQ_MNESIA_BASE:-$kit/state/rabbitmq/mnesia}" '
+        'RABBITMQ_LOG_BASE="${RABBITMQ_LOG_BASE:-$kit/state/rabbitmq/log}"\n'
+        "mkdir -p state/rabbitmq\n"
+        'exec "${RABBITMQ_SERVER:-rabbitmq-server}" "$@"\n'
     )
 
 
@@ -303,12 +332,12 @@ def _server_readme(project: Project) -> str:
         f"and a LoadBalancer Service per port; `kubectl apply -k .` applies it. Point `{project.host}` at the "
         f"balancers' addresses (`kubectl -n {k8s.K8S_NAMESPACE} get svc -l app.kubernetes.io/part-of=fedbroker`).\n\n"
         f"## On a host\n\n"
-        f"1. RabbitMQ 3.10 or later (the Kubernetes base runs 4.1) with `rabbitmq/rabbitmq.conf`, "
-        f"`rabbitmq/advanced.config` and `rabbitmq/enabled_plugins` (RABBITMQ_CONFIG_FILE, "
-        f"RABBITMQ_ADVANCED_CONFIG_FILE, RABBITMQ_ENABLED_PLUGINS_FILE), run with this folder as its working "
-        f"directory (they name this kit's `ca.crt`, `tls/broker.*`, `rabbitmq/definitions.json` and the CRL folder "
-        f"`rabbitmq/crls` relative to it): AMQPS on {project.listen}:{project.broker_port} with mutual TLS and the "
-        f"CRL checked on every handshake, its management UI and metrics on {project.metrics_addr} only.\n"
+        f"1. `./start-broker.sh` starts RabbitMQ 3.10 or later (the Kubernetes base runs 4.1) with "
+        f"`rabbitmq/rabbitmq.conf`, `rabbitmq/advanced.config` and `rabbitmq/enabled_plugins`, in this folder (they "
+        f"name this kit's `ca.crt`, `tls/broker.*`, `rabbitmq/definitions.json` and the CRL folder `rabbitmq/crls` "
+        f"relative to it), as its own node `{broker_node(project)}` beside any other RabbitMQ on the host: AMQPS on "
+        f"{project.listen}:{project.broker_port} with mutual TLS and the CRL checked on every handshake, its "
+        f"management UI and metrics on {project.metrics_addr} only.\n"
         f"2. `./start.sh` starts the aggregation service and the coordinator (or `start-aggregator.sh` and "
         f"`start-coordinator.sh` apart), gRPC on {project.listen}, metrics on {project.metrics_addr} "
         f"(`aggregator.metrics_port`, `coordinator.metrics_port`). State lives in `state/`.\n"

@@ -22,7 +22,7 @@ _NAME_RULE = "must be 1-63 letters, digits, '_', '.' or '-'"
 _PROJECT_KEYS = {"name", "server", "sites", "scientists", "validity_days"}
 _SERVER_KEYS = {"host", "sans", "listen", "coordinator_port", "aggregator_port", "broker_port", "namespace",
                 "metrics_addr", "coordinator_metrics_port", "aggregator_metrics_port", "broker_management_port",
-                "broker_metrics_port"}
+                "broker_metrics_port", "broker_dist_port"}
 # the server's own /metrics ports on a host (0: none); on Kubernetes every pod serves 9400
 _METRICS_PORTS = (("aggregator_metrics_port", 9401), ("coordinator_metrics_port", 9402))
 _SITE_KEYS = {"name", "categories", "worker"}
@@ -61,6 +61,7 @@ class Project:
     broker_port: int = 5671
     broker_management_port: int = 15672  # the host kit's broker: its management UI, on metrics_addr
     broker_metrics_port: int = 15692     # ... and its Prometheus endpoint (another broker on the host may hold these)
+    broker_dist_port: int = 25671        # ... and its Erlang distribution port, on 127.0.0.1 (the default node: 25672)
     namespace: str = "fedbroker"       # the broker's topology prefix (broker.namespace)
     validity_days: int = 365
     sites: tuple[Site, ...] = ()
@@ -79,6 +80,7 @@ class _Server(NamedTuple):
     broker_port: int
     broker_management_port: int
     broker_metrics_port: int
+    broker_dist_port: int
     namespace: str
 
 
@@ -136,7 +138,8 @@ def parse_project(raw: object) -> Project:
                    coordinator_metrics_port=server.coordinator_metrics_port,
                    coordinator_port=server.coordinator_port, aggregator_port=server.aggregator_port,
                    broker_port=server.broker_port, broker_management_port=server.broker_management_port,
-                   broker_metrics_port=server.broker_metrics_port, namespace=server.namespace, validity_days=int(validity),
+                   broker_metrics_port=server.broker_metrics_port, broker_dist_port=server.broker_dist_port,
+                   namespace=server.namespace, validity_days=int(validity),
                    sites=tuple(sites), scientists=tuple(people))
 
 
@@ -156,7 +159,8 @@ def _parse_server(server: object, check: _Problems) -> _Server:
             check.need(_is_host(s), f"server.sans[{i}]", f"not a DNS name or IP address: {s!r}")
     ports = {}
     for key, default in (("coordinator_port", 50052), ("aggregator_port", 50051), ("broker_port", 5671),
-                         ("broker_management_port", 15672), ("broker_metrics_port", 15692)):
+                         ("broker_management_port", 15672), ("broker_metrics_port", 15692),
+                         ("broker_dist_port", 25671)):
         value = server.get(key, default)
         check.need(_is_int_in(value, 1, 65535), f"server.{key}", f"must be a port in [1, 65535], got {value!r}")
         ports[key] = value

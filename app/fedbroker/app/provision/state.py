@@ -112,6 +112,7 @@ class State:
                        broker_port=server["broker_port"], namespace=server["namespace"],
                        broker_management_port=server.get("broker_management_port", 15672),
                        broker_metrics_port=server.get("broker_metrics_port", 15692),
+                       broker_dist_port=server.get("broker_dist_port", 25671),
                        coordinator_metrics_port=server["coordinator_metrics_port"],
                        aggregator_metrics_port=server["aggregator_metrics_port"],
                        validity_days=self.project["validity_days"],
@@ -137,7 +138,8 @@ def settings_doc(project: Project) -> dict[str, Any]:
                        "namespace": project.namespace, "coordinator_metrics_port": project.coordinator_metrics_port,
                        "aggregator_metrics_port": project.aggregator_metrics_port,
                        "broker_management_port": project.broker_management_port,
-                       "broker_metrics_port": project.broker_metrics_port}}
+                       "broker_metrics_port": project.broker_metrics_port,
+                       "broker_dist_port": project.broker_dist_port}}
 
 
 def site_doc(site: Site) -> dict[str, Any]:
