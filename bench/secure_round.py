@@ -174,7 +174,7 @@ def secure_round(spec: ModelSpec, base: dict[str, np.ndarray], trained: Callable
             header = pb.UpdateHeader(job_id=JOB, round=1, worker_id=w, num_samples=100,
                                      tensors=codec.tensor_specs(tensors), masked=True)
             _upload(book, clock, w, header, tensors, "mask")
-        rnd = book._jobs[JOB].round  # the close's first step, called here (see the module docstring)
+        rnd = book.table.jobs[JOB].round  # the close's first step, called here (see the module docstring)
         assert rnd is not None and rnd.secure is not None
         session = rnd.secure
         clock.on("service", "unmask", session.decide)

@@ -107,7 +107,7 @@ def test_a_buffer_full_at_the_crash_becomes_its_version_on_restart(tmp_path) -> 
     t = tasks(book, "w1", "w2")
     book.receive_update(stream(weights(2.0), rnd=t["w1"], worker="w1", n=10))
     # the second update reaches the disk, then the process dies before the version is committed
-    book._publish_version = lambda job, state: (_ for _ in ()).throw(SystemExit("killed"))  # type: ignore[method-assign]
+    book.buffers.publish_version = lambda job, state: (_ for _ in ()).throw(SystemExit("killed"))  # type: ignore[method-assign]
     with pytest.raises(SystemExit):
         book.receive_update(stream(weights(4.0), rnd=t["w2"], worker="w2", n=10))
     book.stop()

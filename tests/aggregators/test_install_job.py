@@ -95,7 +95,7 @@ def test_installed_settings_survive_a_restart_so_rounds_open_without_a_resend(sp
     restarted = Service(spool)
     try:
         assert restarted.clients["coordinator"].open_round("j", 1, ["w1", "w2"], 4e9, seed=0) == 1
-        assert restarted.book._jobs["j"].round.algorithms.settings.robust.name == "trimmed_mean"
+        assert restarted.book.table.jobs["j"].round.algorithms.settings.robust.name == "trimmed_mean"
         assert restarted.book.installed.get("j").installed.digest == settings_digest(settings)
     finally:
         restarted.close()

@@ -163,12 +163,12 @@ def test_a_jobs_algorithms_are_built_once_not_every_round(book, monkeypatch):
     built = []
     real = installed_jobs.build_algorithms
     monkeypatch.setattr(installed_jobs, "build_algorithms", lambda installed: built.append(installed) or real(installed))
-    first = book._jobs["j"].round.algorithms
+    first = book.table.jobs["j"].round.algorithms
     for number in (1, 2, 3):
         book.receive_update(stream(weights(1.0), rnd=number, worker="w1", n=10))
         book.close("j", number)
         book.open_round("j", number + 1, ["w1", "w2"], 2000.0, dict(AGG))
-        assert book._jobs["j"].round.algorithms is first
+        assert book.table.jobs["j"].round.algorithms is first
     assert built == []
     book.receive_update(stream(weights(1.0), rnd=4, worker="w1", n=10))
     book.close("j", 4)
@@ -188,7 +188,7 @@ def test_tensors_sent_in_another_order_are_averaged_by_name(book):
 
 
 def test_refused_uploads_give_back_the_rows_they_were_received_into(book):
-    mean = book._jobs["j"].round.rows.mean
+    mean = book.table.jobs["j"].round.rows.mean
     free = mean.free_rows
     bad = weights(1.0)
     bad["2.bias"] = np.array([1.0, np.nan], np.float32)
@@ -208,7 +208,7 @@ def test_a_round_that_keeps_every_update_averages_the_rows_it_received_them_into
                     seed=1)
     for i, w in enumerate(["w1", "w2", "w3"]):
         book.receive_update(stream(weights(float(i + 1)), job="k", rnd=2, worker=w, n=10 * (i + 1)))
-    rnd = book._jobs["k"].round
+    rnd = book.table.jobs["k"].round
     assert all(e.slot is not None and np.shares_memory(e.tensors["0.weight"], e.slot.values)
                for e in rnd.accepted.values())
     book.close("k", 2)
@@ -217,11 +217,11 @@ def test_a_round_that_keeps_every_update_averages_the_rows_it_received_them_into
 
 def test_the_next_round_receives_into_the_rows_of_the_last_one(book):
     book.receive_update(stream(weights(1.0), worker="w1", n=10))
-    first = book._jobs["j"].round.rows.mean.rows
+    first = book.table.jobs["j"].round.rows.mean.rows
     book.close("j", 1)
     book.open_round("j", 2, ["w1", "w2"], 2000.0, AGG)
     book.receive_update(stream(weights(3.0), rnd=2, worker="w2", n=10))
-    assert book._jobs["j"].round.rows.mean.rows is first  # memory already mapped: no page faults on upload
+    assert book.table.jobs["j"].round.rows.mean.rows is first  # memory already mapped: no page faults on upload
     book.close("j", 2)
     np.testing.assert_allclose(book.global_model("j")[2]["0.weight"], 3.0)
     np.testing.assert_allclose(book.global_model("j", 2)[2]["0.weight"], 1.0)  # the kept version is untouched

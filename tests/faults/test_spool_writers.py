@@ -148,8 +148,8 @@ def test_stop_waits_for_the_write_under_way_before_the_next_service_may_open_the
             assert go.wait(30)
 
     monkeypatch.setattr(np, "savez", held_savez)
-    assert book._spool is not None
-    guard = book._spool._guard = Watched()
+    assert book.table.spool is not None
+    guard = book.table.spool._guard = Watched()
     upload = threading.Thread(target=book.receive_update, args=(stream(weights(3.0), rnd=w2, worker="w2", n=10),))
     upload.start()
     assert inside.wait(30)  # w2's update is being written
@@ -176,7 +176,7 @@ def test_a_commit_landing_after_a_new_global_is_written_keeps_its_file(tmp_path:
     committed, another call (the coordinator issuing a task) commits a record naming the older versions only."""
     book = async_book(tmp_path)
     w2 = task_of(book, "w2")
-    spool = book._spool
+    spool = book.table.spool
     assert spool is not None
     real = spool.save_global
 

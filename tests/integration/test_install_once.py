@@ -79,7 +79,7 @@ def test_a_jobs_settings_are_parsed_once_per_process_across_five_rounds(federati
     assert {p: algorithms[p] for p in parts} == {p: 4 for p in parts}, algorithms  # one parse each
     assert {p: trainings[p] for p in parts[1:]} == {p: 1 for p in parts[1:]}, trainings  # the whole settings, once
     assert trainings["coordinator"] == 0, trainings  # it runs the job as submitted (parsed there, by the client)
-    assert federation.book._jobs[job_id].round is None or federation.book._jobs[job_id].round.closed
+    assert federation.book.table.jobs[job_id].round is None or federation.book.table.jobs[job_id].round.closed
     assert federation.book.installed.get(job_id).settings.robust.params.beta == 0.2
 
 

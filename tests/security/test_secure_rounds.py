@@ -138,7 +138,7 @@ def test_the_close_gives_the_survivors_weighted_mean_with_a_dropout_before_uploa
         time.sleep(0.05)
     assert not errors, errors
     assert book.status(JOB, ROUND)[0] == ["w1", "w2", "w4", "w5"]
-    rnd = book._jobs[JOB].round  # the service's memory: no accepted update has tensors or a row of the mean
+    rnd = book.table.jobs[JOB].round  # the service's memory: no accepted update has tensors or a row of the mean
     assert rnd is not None and all(a.tensors is None and a.slot is None for a in rnd.accepted.values())
     assert rnd.rows.mean is None or rnd.rows.mean.count == 0
     result = book.close(JOB, ROUND)  # w3 dropped (its mask keys rebuilt); w4 survives but never unmasks
@@ -205,7 +205,8 @@ def test_dwfed_weights_are_applied_before_masking_and_the_close_divides_by_the_s
 
 def test_waiters_beyond_the_services_waiting_slots_are_answered_at_once_and_the_round_still_completes(service):
     book, client = service
-    book.secure = SecureRounds(book, waiting_calls=0)  # no call may wait: every poll is answered "not yet" at once
+    # no call may wait: every poll is answered "not yet" at once
+    book.secure = SecureRounds(book.table, unmask_s=book.secure.unmask_s, waiting_calls=0)
     base = global_state(2)
     task = open_secure_round(book, base)
     errors: list[BaseException] = []

@@ -113,6 +113,15 @@ class AsyncState:
         issued = self.issued.get(worker_id)
         return issued if issued is not None and issued.task == task else None
 
+    def task_status(self, task: int) -> tuple[list[str], bool]:
+        """A round's status for a task: its worker if its update was accepted, and open while outstanding."""
+        return ([w for w, r in self.accepted.items() if r.task == task],
+                any(i.task == task for i in self.issued.values()))
+
+    def worker_task_status(self, worker_id: str, task: int) -> tuple[bool, bool]:
+        """Whether the worker's update for `task` is in, and whether `task` is still the one it holds."""
+        return self.receipt(worker_id, task) is not None, self.outstanding(worker_id, task) is not None
+
     def sample_limit(self, job_id: str, worker_id: str) -> int:
         """The most samples the worker's upload may claim; UploadRejected when its registered count is unknown
         (a spool written before tasks carried counts): an unbounded claim could set the global model alone."""

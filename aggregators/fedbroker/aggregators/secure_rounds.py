@@ -1,12 +1,13 @@
 """The round book's secure rounds (aggregation.secure): each call finds the round's `SecureSession` and passes
 the worker's message on, the masked upload goes into the session's running sum, and the close unmasks it.
 
-Beside `round_book` (which calls `receive_masked` and `combine_secure`, and holds the locks named here) so the
-book stays the thin coordinator of its parts. What a secure round keeps: each accepted worker's receipt and
-declared weight (as any round), the session's keys and routed shares, and the masked sum. It writes no
-update to the spool: a secure round's only durable trace is the round's definition in job.json, and a
-service restarted on its spool refuses that round's every step (`SecureSession.lost`), so its workers and
-then the coordinator see the round fail, by name, instead of a sum that silently lost inputs.
+Beside `round_book` (which calls `receive_masked` and `combine_secure`) so the book stays the thin coordinator
+of its parts; the jobs and their locks come from its `JobTable`, the public collaborator the parts share.
+What a secure round keeps: each accepted worker's receipt and declared weight (as any round), the session's
+keys and routed shares, and the masked sum. It writes no update to the spool: a secure round's only durable
+trace is the round's definition in job.json, and a service restarted on its spool refuses that round's every
+step (`SecureSession.lost`), so its workers and then the coordinator see the round fail, by name, instead of
+a sum that silently lost inputs.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Protocol
 
 import numpy as np
 
 from fedbroker.aggregators.combine import Combined
-from fedbroker.aggregators.job_state import Accepted, Job, Receipt, Round
+from fedbroker.aggregators.job_state import Accepted, Receipt, Round
+from fedbroker.aggregators.job_table import JobTable, receiving
 from fedbroker.aggregators.mean import Layout
 from fedbroker.aggregators.secure_session import Roster, SecureSession, refused
 from fedbroker.aggregators.weighting.base import UpdateMeta
@@ -35,22 +36,6 @@ from fedbroker.secagg.secure_round import WAITING_CALLS
 log = logging.getLogger(__name__)
 
 
-class Book(Protocol):
-    """What the secure calls use of the round book (`fedbroker.aggregators.round_book.RoundBook`)."""
-
-    clock: Callable[[], float]
-    secure_unmask_s: float
-    _lock: threading.Lock
-    _accept_lock: threading.Lock
-
-    def _job(self, job_id: str) -> Job: ...
-
-    @staticmethod
-    def _receiving(job: Job, header: pb.UpdateHeader) -> Round: ...
-
-    def _touch(self, job: Job) -> None: ...
-
-
 def new_session(job_id: str, round_number: int, version: int, participants: frozenset[str], spec: ModelSpec, *,
                 opened: float, deadline: float, clock: Callable[[], float]) -> SecureSession:
     """The session of a secure round being opened."""
@@ -61,8 +46,9 @@ def new_session(job_id: str, round_number: int, version: int, participants: froz
 class SecureRounds:
     """The secure calls of one round book (see the module docstring)."""
 
-    def __init__(self, book: Book, *, waiting_calls: int = WAITING_CALLS) -> None:
-        self.book = book
+    def __init__(self, table: JobTable, *, unmask_s: float, waiting_calls: int = WAITING_CALLS) -> None:
+        self.table = table
+        self.unmask_s = unmask_s  # the close's wait for the survivors' unmask shares
         # The waiting calls (roster, inbox, survivors) hold a server thread each: at most `waiting_calls` at once,
         # so a large round's waiters never take the threads the coordinator's calls and the uploads need.
         self._waiting = threading.BoundedSemaphore(waiting_calls)
@@ -78,8 +64,8 @@ class SecureRounds:
                 self._waiting.release()
 
     def _session(self, job_id: str, round_number: int, worker_id: str) -> tuple[Round, SecureSession]:
-        job = self.book._job(job_id)
-        with self.book._lock:
+        job = self.table.job(job_id)
+        with self.table.lock:
             rnd = job.current(round_number)
         if rnd is None:
             raise UploadRejected(Rejection.UNKNOWN_ROUND, f"round {round_number} of job {job_id!r} is not open")
@@ -174,13 +160,13 @@ class SecureRounds:
 
     def receive_masked(self, header: pb.UpdateHeader, stream: Iterator[pb.UpdateChunk], size: int) -> Receipt:
         """Read the masked vector, add it to the round's running sum, count the worker: nothing is spooled."""
-        book = self.book
+        table = self.table
         tensors, digest = codec.receive_payload(stream, header, size, buffer=None)
-        job = book._job(header.job_id)
+        job = table.job(header.job_id)
         meta = UpdateMeta(worker_id=header.worker_id, num_samples=int(header.num_samples),
                           ish=header.ish if header.has_ish else None, loss=header.validation_loss or header.train_loss)
-        with book._accept_lock, book._lock:
-            rnd = book._receiving(job, header)
+        with table.accept_lock, table.lock:
+            rnd = receiving(job, header)
             first = rnd.receipt(header.job_id, header.worker_id)
             if first is not None:  # a concurrent retry won the race: counted once
                 return first
@@ -189,7 +175,7 @@ class SecureRounds:
             raw = rnd.secure.weights[header.worker_id][1]
             rnd.accepted[header.worker_id] = Accepted(header.worker_id, meta.num_samples, raw, digest, size, meta,
                                                       epsilon=header.epsilon, train_loss=header.train_loss)
-            book._touch(job)
+            table.touch(job)
         return Receipt(header.job_id, header.round, header.worker_id, False, size, digest)
 
     # ----- the close -----
@@ -200,7 +186,7 @@ class SecureRounds:
         session = rnd.secure
         assert session is not None
         session.decide()
-        result = session.finish(wait_s=self.book.secure_unmask_s)
+        result = session.finish(wait_s=self.unmask_s)
         for worker, why in sorted(session.excluded.items()):
             log.warning("%s excluded worker %s: %s", session.where, worker, why)
         share = session.scale_sum(result.survivors)

@@ -104,7 +104,7 @@ def test_a_close_whose_aggregate_is_not_finite_publishes_nothing() -> None:
         "alignment": "none", "weighting": "fedavg", "selection": "all", "robust": "norm_bound",
         "robust_params": {"max_norm": 1.0}})
     book.receive_update(stream(weights(0.5), worker="w1"))
-    rule = book._jobs["j"].round.algorithms.robust  # type: ignore[union-attr]
+    rule = book.table.jobs["j"].round.algorithms.robust  # type: ignore[union-attr]
     real = type(rule).aggregate
 
     def broken(self, problem):  # type: ignore[no-untyped-def]
