@@ -47,7 +47,10 @@ class Deployment:
         self.coordinator = f"127.0.0.1:{free_port()}"
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
-    def spawn(self, name: str, command: str, settings: dict[str, Any], extra_env: dict[str, str] | None = None) -> None:
+    def spawn(self, name: str, command: str, settings: dict[str, Any], extra_env: dict[str, str] | None = None, *,
+              entry: Sequence[str] = ("-m", "fedbroker")) -> None:
+        """`python ENTRY COMMAND` with `settings` as FEDBROKER__ variables; `entry` names another program that
+        takes `fedbroker`'s verbs (a test's own entry point, such as tests/integration/secure_worker.py)."""
         env = _clean_env()
         base = {"broker.url": self.url, "broker.namespace": self.namespace, "aggregator.target": self.aggregator,
                 "coordinator.target": self.coordinator, "log_level": "INFO"}
@@ -55,7 +58,7 @@ class Deployment:
             env["FEDBROKER__" + key.upper().replace(".", "__")] = str(value)
         env.update(extra_env or {})
         log = (self.tmp / f"{name}.log").open("ab")
-        self.processes[name] = subprocess.Popen([sys.executable, "-m", "fedbroker", command], env=env, stdout=log,
+        self.processes[name] = subprocess.Popen([sys.executable, *entry, command], env=env, stdout=log,
                                                 stderr=subprocess.STDOUT)
 
     def cli(self, *args: str) -> str:
