@@ -104,7 +104,7 @@ def test_a_site_says_once_per_job_that_its_budget_is_spent_and_why_it_declines(
     poor._report = recording  # type: ignore[method-assign]
     registered(fed, "poor")
     training = json.dumps(job()["training"])
-    caplog.set_level(logging.WARNING, logger="fedbroker.worker.agent")
+    caplog.set_level(logging.WARNING, logger="fedbroker.worker.budget")
     for round_number in (1, 2, 3):
         task = pb.RoundTask(job_id="spent-job", round=round_number, category="digits", training_json=training,
                             aggregator_target=fed.target, deadline_unix=4e9)

@@ -262,3 +262,48 @@ def test_the_face_stands_on_its_own_root_and_the_kernel_has_wings() -> None:
         if len(modules) > KERNEL_FOLDER_LIMIT:
             halls.append(f"{folder.relative_to(ROOT)}: {len(modules)} modules")
     assert not halls, f"kernel folders over {KERNEL_FOLDER_LIMIT} top-level modules (give them wings): {halls}"
+
+
+def _environment_reads(tree: ast.Module) -> Iterator[tuple[str, int]]:
+    """(variable, line) for each read of the environment that names its variable, by a literal or a module-level
+    string constant: `os.environ[…]`, `os.environ.get/pop/setdefault(…)`, `os.getenv(…)`, `… in os.environ`."""
+    constants = {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign | ast.AnnAssign)
+                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                 for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                 if isinstance(target, ast.Name)}
+
+    def environ(node: ast.expr) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
+            isinstance(node, ast.Name) and node.id == "environ")
+
+    for node in ast.walk(tree):
+        key: ast.expr | None = None
+        if isinstance(node, ast.Call) and node.args:
+            f = node.func
+            if (isinstance(f, ast.Attribute) and (f.attr == "getenv" or (f.attr in ("get", "pop", "setdefault")
+                                                                          and environ(f.value)))) or (
+                    isinstance(f, ast.Name) and f.id == "getenv"):
+                key = node.args[0]
+        elif isinstance(node, ast.Subscript) and environ(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Compare) and isinstance(node.ops[0], ast.In | ast.NotIn) \
+                and environ(node.comparators[0]):
+            key = node.left
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            yield key.value, node.lineno
+        elif isinstance(key, ast.Name) and key.id in constants:
+            yield constants[key.id], node.lineno
+
+
+def test_no_production_module_opens_a_door_for_tests_through_the_environment() -> None:
+    """A test watches or breaks a process by what it injects (a test's own entry point), never by a variable the
+    production code reads: no module of the package reads an environment variable whose name says TEST."""
+    seen = ast.parse('import os\nEXIT = "FEDBROKER_TEST_SECURE_EXIT_AT"\nif os.environ.get(EXIT) == "w:masked": pass\n'
+                     'folder = os.getenv("A_TEST_DIR")\nif "TESTING" in os.environ: pass\nos.environ["HOME"]\n')
+    assert [name for name, _ in sorted(_environment_reads(seen), key=lambda r: r[1])] == [
+        "FEDBROKER_TEST_SECURE_EXIT_AT", "A_TEST_DIR", "TESTING", "HOME"]  # the check sees the door it forbids
+    doors = [f"{path.relative_to(ROOT)}:{line} reads {variable}" for name, path in MODULES.items()
+             if not name.startswith("fedbroker.proto.fedbroker_pb2")
+             for variable, line in _environment_reads(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+             if "TEST" in variable.upper()]
+    assert not doors, "production code reads a test's switch from the environment:\n" + "\n".join(doors)

@@ -67,7 +67,10 @@ class Deployment:
             return {"broker.url": self.urls["coordinator"], "coordinator.worker_broker_users": json.dumps(bound)}
         return {"broker.url": self.urls[worker_id], "worker.coordinator_broker_user": f"{self.namespace}-coordinator"}
 
-    def spawn(self, name: str, command: str, settings: dict[str, Any], extra_env: dict[str, str] | None = None) -> None:
+    def spawn(self, name: str, command: str, settings: dict[str, Any], extra_env: dict[str, str] | None = None, *,
+              entry: Sequence[str] = ("-m", "fedbroker")) -> None:
+        """`python ENTRY COMMAND` with `settings` as FEDBROKER__ variables; `entry` names another program that
+        takes `fedbroker`'s verbs (a test's own entry point, such as tests/integration/secure_worker.py)."""
         env = _clean_env()
         base = {"broker.url": self.url, "broker.namespace": self.namespace, "aggregator.target": self.aggregator,
                 "coordinator.target": self.coordinator, "log_level": "INFO",
@@ -76,7 +79,7 @@ class Deployment:
             env["FEDBROKER__" + key.upper().replace(".", "__")] = str(value)
         env.update(extra_env or {})
         log = (self.tmp / f"{name}.log").open("ab")
-        self.processes[name] = subprocess.Popen([sys.executable, "-m", "fedbroker", command], env=env, stdout=log,
+        self.processes[name] = subprocess.Popen([sys.executable, *entry, command], env=env, stdout=log,
                                                 stderr=subprocess.STDOUT)
 
     def cli(self, *args: str) -> str:

@@ -4,8 +4,8 @@ workers, each its own `fedbroker` process, on a private RabbitMQ node, each on i
 One worker exits right after masking its update (before uploading it: it dropped, and its pairwise masks
 are rebuilt from its peers' shares), another right after its masked upload (before unmasking: it is in the
 sum, and its self-mask is rebuilt without it). The round still closes, with the four survivors' weighted
-mean: each worker writes the clear weighted update it masked to a test-only folder
-(FEDBROKER_TEST_SECURE_RECORD_DIR), and the new global model in the service's spool equals the global model
+mean: each worker, started through the test's own entry point (tests/integration/secure_worker.py: `fedbroker
+worker` with a recorder injected), writes the clear weighted update it masked to a folder, and the new global model in the service's spool equals the global model
 before the round plus their sum over their weight share, to the quantisation bound. Nothing the service
 wrote (its spool, its log) holds any of those updates, masked or clear: no update file at all, and none of
 their bytes or printed values.
@@ -26,8 +26,8 @@ from fedbroker.aggregators.spool import job_folder
 from fedbroker.job.spec import parameter_shapes, parse_model
 from fedbroker.secagg import sum_error_bound
 from fedbroker.secagg.secure_round import round_params
-from fedbroker.worker.secure_task import TEST_EXIT_AT, TEST_RECORD_DIR
 from tests.integration.processes import Deployment
+from tests.integration.secure_worker import CRASH_STATUS
 from tests.rabbitmq_node import PrivateRabbitMQ
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -78,6 +78,12 @@ def worker_settings(d: Deployment, index: int, worker: str) -> dict[str, Any]:
             "worker.dp.max_grad_norm": 1.0, "worker.dp.epsilon_budget": 50}
 
 
+def watched(*, record: Path | None = None, exit_at: str | None = None) -> list[str]:
+    """The entry point of a worker whose secure steps the test watches (tests/integration/secure_worker.py)."""
+    return ["-m", "tests.integration.secure_worker", *(["--record", str(record)] if record else []),
+            *(["--exit-at", exit_at] if exit_at else [])]
+
+
 def test_a_secure_round_closes_with_the_survivors_weighted_mean_and_the_service_never_holds_an_update(
         deployment: Deployment) -> None:
     d = deployment
@@ -88,10 +94,7 @@ def test_a_secure_round_closes_with_the_survivors_weighted_mean_and_the_service_
     d.spawn("coordinator", "coordinator", {"coordinator.listen": d.coordinator,
                                            "coordinator.state_dir": d.tmp / "state"})
     for i, worker in enumerate(WORKERS):
-        hooks = {TEST_RECORD_DIR: str(records)}
-        if worker in EXITS:
-            hooks[TEST_EXIT_AT] = f"{worker}:{EXITS[worker]}"
-        d.spawn(worker, "worker", worker_settings(d, i, worker), hooks)
+        d.spawn(worker, "worker", worker_settings(d, i, worker), entry=watched(record=records, exit_at=EXITS.get(worker)))
 
     def registered() -> bool:
         try:
@@ -111,7 +114,7 @@ def test_a_secure_round_closes_with_the_survivors_weighted_mean_and_the_service_
     doc = wait_for(finished, 480, "the secure job to end", d)
     assert doc["status"] == "completed", f"{doc.get('error')}\n{d.logs()}"
     for worker, step in EXITS.items():  # the two crashes happened where the test put them
-        assert d.processes[worker].wait(30) == 17, d.logs()
+        assert d.processes[worker].wait(30) == CRASH_STATUS, d.logs()
         assert f"exits after step {step!r}" in (d.tmp / f"{worker}.log").read_text()
     (rnd,) = doc["rounds"]
     survivors = ["site-1", "site-2", "site-4", "site-5"]
@@ -167,7 +170,7 @@ def test_a_secure_round_that_loses_its_threshold_answers_its_waiting_sites_at_on
     crashed = ["site-3", "site-4", "site-5"]
     for i, worker in enumerate(WORKERS):
         d.spawn(worker, "worker", worker_settings(d, i, worker),
-                {TEST_EXIT_AT: f"{worker}:masked"} if worker in crashed else None)
+                entry=watched(exit_at="masked") if worker in crashed else ("-m", "fedbroker"))
 
     def registered() -> bool:
         try:
@@ -193,7 +196,7 @@ def test_a_secure_round_that_loses_its_threshold_answers_its_waiting_sites_at_on
     doc = wait_for(ended(first), 480, "the first secure job to end", d)
     assert doc["status"] == "failed" and "2 upload(s)" in doc["error"], doc.get("error")
     for worker in crashed:
-        assert d.processes[worker].wait(30) == 17, d.logs()
+        assert d.processes[worker].wait(30) == CRASH_STATUS, d.logs()
 
     def answer(worker: str) -> str | None:  # the line where the waiting site gave up the first job's round
         lines = [line for line in (d.tmp / f"{worker}.log").read_text().splitlines()

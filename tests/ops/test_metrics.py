@@ -339,14 +339,14 @@ def test_a_worker_exports_the_projected_cost_of_its_next_round_and_refuses_what_
         ledger_path=str(tmp_path / "l.json"), device="cpu", heartbeat_s=60), open_bus(None, namespace="unused"))
     config = TrainingConfig(local_epochs=1, batch_size=32)
     assert sample("fedbroker_worker_epsilon_next_round_cost", worker_id=worker_id) is None  # no round projected yet
-    agent.check_budget("job-a", config)
+    agent.budget.check_budget("job-a", config)
     cost = sample("fedbroker_worker_epsilon_next_round_cost", worker_id=worker_id)
     assert cost is not None and 0 < cost < 1000.0
 
-    agent.dp = DPPolicy(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, epsilon_budget=cost * 0.5)
-    agent._export_privacy()
+    agent.budget.dp = DPPolicy(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, epsilon_budget=cost * 0.5)
+    agent.budget.export()
     with pytest.raises(BudgetExceeded):
-        agent.check_budget("job-a", config)
+        agent.budget.check_budget("job-a", config)
     assert sample("fedbroker_worker_epsilon_next_round_cost", worker_id=worker_id) == pytest.approx(cost)
     assert cost > sample("fedbroker_worker_epsilon_budget_remaining", worker_id=worker_id)  # what the alert compares
 

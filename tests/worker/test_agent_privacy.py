@@ -108,6 +108,6 @@ def test_a_dwfed_task_draws_the_histogram_before_training_and_refuses_when_the_b
 
 def test_a_ledger_below_the_coordinators_record_refuses_to_train(tmp_path: Path) -> None:
     worker, _ = agent(tmp_path, histogram_epsilon=0.0)
-    worker.check_ledger(0.0)
+    worker.budget.check_ledger(0.0)
     with pytest.raises(LedgerBehind, match=r"holds ε 0, below the 3.93 the coordinator recorded .* restore it"):
-        worker.check_ledger(3.93)
+        worker.budget.check_ledger(3.93)

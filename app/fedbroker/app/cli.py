@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from fedbroker.app.demo import DemoOptions
     from fedbroker.config import Config
     from fedbroker.coordinator.service import CoordinatorClient
+    from fedbroker.worker.secure_task import SecureSteps
 
     Subcommands: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
@@ -67,8 +68,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
-    """Serve one data owner's tasks until SIGINT or SIGTERM; only over a real broker (a process of its own)."""
+def cmd_worker(args: argparse.Namespace, *, secure_steps: SecureSteps | None = None) -> int:
+    """Serve one data owner's tasks until SIGINT or SIGTERM; only over a real broker (a process of its own).
+    `secure_steps`: a test's observer of the secure steps (tests/integration/secure_worker.py); never from here."""
     from fedbroker.app.launch import broker_url, start_worker
     from fedbroker.app.unfilled import refuse_unfilled
 
@@ -77,7 +79,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if not broker_url(config):  # broker.url or broker.url_file (a kit's secrets/broker-url)
         raise ConfigError("broker.url", "a worker process needs a broker (amqp://...); the in-process bus "
                                         "only works inside `fedbroker demo`")
-    agent = start_worker(config)
+    agent = start_worker(config, secure_steps=secure_steps)
     _wait_for_signal()
     agent.stop()
     agent.bus.close()

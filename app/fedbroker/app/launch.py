@@ -26,6 +26,7 @@ from fedbroker.rpc.live_auth import Followed, follow_table
 if TYPE_CHECKING:
     from fedbroker.coordinator.scheduler import Coordinator
     from fedbroker.worker.agent import WorkerAgent
+    from fedbroker.worker.secure_task import SecureSteps
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +171,11 @@ def set_torch_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def start_worker(config: Config, *, bus: Bus | None = None) -> WorkerAgent:
+def start_worker(config: Config, *, bus: Bus | None = None, secure_steps: SecureSteps | None = None) -> WorkerAgent:
     """A worker consuming its task queue; `bus` is the demo's in-process bus, else the config's broker. A worker
     process of its own (no `bus` given) forwards its warnings to the coordinator unless `worker.forward_logs` is
-    off (the demo's workers share a process, and a console, with the coordinator)."""
+    off (the demo's workers share a process, and a console, with the coordinator). `secure_steps` watches its
+    secure tasks' steps: a test's observer, None in production."""
     from fedbroker.worker.agent import WorkerAgent
     from fedbroker.worker.log_forward import install, remove
 
@@ -186,7 +188,7 @@ def start_worker(config: Config, *, bus: Bus | None = None) -> WorkerAgent:
     forwarder = install(w.id, bus.publish_control) if own_bus and w.forward_logs else None
     try:
         agent = WorkerAgent(w, bus, security=client_security(config, expected_target=config.aggregator.target),
-                            log_forwarder=forwarder)
+                            log_forwarder=forwarder, secure_steps=secure_steps)
     except BaseException:
         if forwarder is not None:
             remove(forwarder)

@@ -135,7 +135,7 @@ def stopped_early(ctx: JobContext, run: Run) -> bool:
     if stop is None:
         return False
     log.info("job %s %s", run.job_id, stop.reason())
-    ctx.store.add_event(run.job_id, "stopped_early", message=stop.reason())
+    ctx.store.note_event(run.job_id, "stopped_early", stop.reason())
     return True
 
 

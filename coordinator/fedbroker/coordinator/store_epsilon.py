@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fedbroker.coordinator.records import EpsilonCorrection, JobStatus, ParticipantStatus, SiteJobRecord
+from fedbroker.coordinator.store_notes import write_event
 
 T = TypeVar("T")
 
@@ -56,7 +57,7 @@ class EpsilonTables:
             def create(db: sqlite3.Connection) -> None:
                 for statement in (s for s in SCHEMA.split(";") if s.strip()):
                     db.execute(statement)
-                columns = {r["name"] for r in db.execute("PRAGMA table_info(issued_epsilon)")}
+                columns = {name for (name,) in db.execute("SELECT name FROM pragma_table_info('issued_epsilon')")}
                 if "job_id" not in columns:  # a state file of an older version: its rows price no job
                     db.execute("ALTER TABLE issued_epsilon ADD COLUMN job_id TEXT NOT NULL DEFAULT ''")
                 db.execute("CREATE INDEX IF NOT EXISTS issued_epsilon_by_job ON issued_epsilon (worker_id, job_id)")
@@ -82,7 +83,8 @@ class EpsilonTables:
         self._epsilon_tables()
         rows = self._exec("SELECT COALESCE(SUM(cost), 0) AS total FROM issued_epsilon WHERE worker_id = ?"
                           " AND job_id = ?", (worker_id, job_id))
-        return float(rows[0]["total"])
+        ((total,),) = rows
+        return float(total)
 
     def correct_epsilon(self, worker_id: str, *, epsilon: float, by: str, ledger_sha256: str, ledger_epsilon: float,
                         note: str = "") -> EpsilonCorrection | None:
@@ -97,7 +99,7 @@ class EpsilonTables:
                              (worker_id,)).fetchone()
             if row is None:
                 return None
-            old = float(row["recorded"])
+            old = float(row[0])
             db.execute("UPDATE workers SET epsilon_spent = ? WHERE worker_id = ?", (epsilon, worker_id))
             seq = db.execute(
                 "INSERT INTO epsilon_corrections (worker_id, time, by, old, new, ledger_sha256, ledger_epsilon, note)"
@@ -115,9 +117,7 @@ class EpsilonTables:
             rows = self._exec("SELECT * FROM epsilon_corrections ORDER BY seq")
         else:
             rows = self._exec("SELECT * FROM epsilon_corrections WHERE worker_id = ? ORDER BY seq", (worker_id,))
-        return [EpsilonCorrection(seq=r["seq"], worker_id=r["worker_id"], time=r["time"], by=r["by"], old=r["old"],
-                                  new=r["new"], ledger_sha256=r["ledger_sha256"], ledger_epsilon=r["ledger_epsilon"],
-                                  note=r["note"]) for r in rows]
+        return [_correction_record(r) for r in rows]
 
     def record_async_training(self, job_id: str, worker_id: str, *, task: int, status: ParticipantStatus,
                               reason: str, epsilon: float) -> None:
@@ -128,15 +128,14 @@ class EpsilonTables:
         def write(db: sqlite3.Connection) -> None:
             row = db.execute("SELECT reason, epsilon FROM participants WHERE job_id = ? AND round = 0 AND"
                              " worker_id = ?", (job_id, worker_id)).fetchone()
-            before = row["reason"].split(" ", 1)[0] if row is not None else ""
+            was, spent = ("", epsilon) if row is None else (row[0], max(epsilon, float(row[1] or 0.0)))
+            before = was.split(" ", 1)[0]
             count = int(before) + 1 if before.isdigit() else 1
-            spent = max(epsilon, float(row["epsilon"] or 0.0)) if row is not None else epsilon
             summary = f"{count} training(s) not aggregated; the last, task {task}: {reason}"[:MAX_SUMMARY_CHARS]
             db.execute("INSERT OR REPLACE INTO participants (job_id, round, worker_id, status, reason, epsilon)"
                        " VALUES (?, 0, ?, ?, ?, ?)", (job_id, worker_id, status, summary, spent))
-            db.execute("INSERT INTO events (job_id, time, kind, round, worker_id, message) VALUES (?, ?, ?, 0, ?, ?)",
-                       (job_id, time.time(), status, worker_id,
-                        f"task {task}: trained, not aggregated (ε {epsilon:.4g}): {reason}"))
+            write_event(db, job_id, status, worker_id=worker_id,
+                        message=f"task {task}: trained, not aggregated (ε {epsilon:.4g}): {reason}")
 
         self._write(f"record a training of worker {worker_id!r} for job {job_id!r}", write)
 
@@ -164,6 +163,17 @@ class EpsilonTables:
             " WHERE EXISTS (SELECT 1 FROM participants q WHERE q.job_id = j.job_id AND q.worker_id = ?)"
             "    OR EXISTS (SELECT 1 FROM site_shares s WHERE s.job_id = j.job_id AND s.worker_id = ?)"
             " GROUP BY j.job_id ORDER BY j.created, j.job_id", (worker_id, worker_id, worker_id, worker_id))
-        return [SiteJobRecord(job_id=r["job_id"], status=JobStatus(r["status"]), epsilon=float(r["epsilon"]),
-                              rounds=int(r["rounds"]), shared=tuple(r["shared"].split(",")) if r["shared"] else ())
-                for r in rows]
+        return [_site_job_record(r) for r in rows]
+
+
+# ----- rows into records (the only place that reads a row of these tables by column name) -----
+
+def _correction_record(r: sqlite3.Row) -> EpsilonCorrection:
+    return EpsilonCorrection(seq=r["seq"], worker_id=r["worker_id"], time=r["time"], by=r["by"], old=r["old"],
+                             new=r["new"], ledger_sha256=r["ledger_sha256"], ledger_epsilon=r["ledger_epsilon"],
+                             note=r["note"])
+
+
+def _site_job_record(r: sqlite3.Row) -> SiteJobRecord:
+    return SiteJobRecord(job_id=r["job_id"], status=JobStatus(r["status"]), epsilon=float(r["epsilon"]),
+                         rounds=int(r["rounds"]), shared=tuple(r["shared"].split(",")) if r["shared"] else ())

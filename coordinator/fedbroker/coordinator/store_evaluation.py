@@ -13,10 +13,11 @@ from __future__ import annotations
 import enum
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from fedbroker.coordinator.store_notes import write_event
 from fedbroker.federated_evaluation import Combined, SiteScore, combine
 
 T = TypeVar("T")
@@ -100,11 +101,6 @@ class EvaluationTables:
         def _write(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T: ...
         def _exec(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]: ...
 
-    def add_event(self, job_id: str, kind: str, *, round_number: int = 0, worker_id: str = "", message: str = "") -> None:
-        """One line of a job's history written on its own (a submission warning, an early stop)."""
-        self._write(f"record a {kind} event of job {job_id!r}", lambda db: _event(
-            db, job_id, kind, round_number=round_number, worker_id=worker_id, message=message))
-
     def ask_evaluation(self, job_id: str, round_number: int, *, model_version: int, workers: Sequence[str],
                        deadline: float) -> None:
         """The sites sent the round's evaluation task (before it is published, so no report can come first). A
@@ -116,8 +112,8 @@ class EvaluationTables:
                        " VALUES (?, ?, ?, ?, ?)", (job_id, round_number, model_version, now, deadline))
             db.executemany("INSERT OR IGNORE INTO evaluations (job_id, round, worker_id, status, model_version)"
                            " VALUES (?, ?, ?, 'asked', ?)", [(job_id, round_number, w, model_version) for w in workers])
-            _event(db, job_id, "evaluation_asked", round_number=round_number,
-                   message=f"version {model_version} to {len(workers)} site(s): {', '.join(workers)}")
+            write_event(db, job_id, "evaluation_asked", round_number=round_number,
+                        message=f"version {model_version} to {len(workers)} site(s): {', '.join(workers)}")
 
         self._write(f"record the evaluation tasks of round {round_number} of job {job_id!r}", write)
 
@@ -144,22 +140,22 @@ class EvaluationTables:
                              " e.round = ? AND e.worker_id = ?", (job_id, round_number, worker_id)).fetchone()
             if row is None:
                 return EvaluationVerdict.NOT_ASKED
-            if row["model_version"] != model_version:
+            was, reason_was, *score_was, version, deadline = row
+            if version != model_version:
                 return EvaluationVerdict.WRONG_VERSION
-            if row["status"] == EvaluationStatus.MISSED:
+            if was == EvaluationStatus.MISSED:
                 return EvaluationVerdict.LATE
-            if row["status"] != EvaluationStatus.ASKED:
-                same = (row["status"], row["loss"], row["accuracy"], row["num_samples"]) == (status, *score) and (
-                    not refused or row["reason"] == reason)
+            if was != EvaluationStatus.ASKED:
+                same = (was, *score_was) == (status, *score) and (not refused or reason_was == reason)
                 return EvaluationVerdict.DUPLICATE if same else EvaluationVerdict.CONFLICT
-            if now > row["deadline"]:
+            if now > deadline:
                 return EvaluationVerdict.LATE
             db.execute("UPDATE evaluations SET status = ?, reason = ?, loss = ?, accuracy = ?, num_samples = ?, time = ?"
                        " WHERE job_id = ? AND round = ? AND worker_id = ?",
                        (status, reason, *score, now, job_id, round_number, worker_id))
-            _event(db, job_id, "evaluated" if not refused else "evaluation_refused", round_number=round_number,
-                   worker_id=worker_id, message=reason if refused else
-                   f"version {model_version}: accuracy {accuracy:.4f}, loss {loss:.4f} on {num_samples} held-out samples")
+            write_event(db, job_id, "evaluated" if not refused else "evaluation_refused", round_number=round_number,
+                        worker_id=worker_id, message=reason if refused else
+                        f"version {model_version}: accuracy {accuracy:.4f}, loss {loss:.4f} on {num_samples} held-out samples")
             _settle(db, job_id, round_number, now)
             return EvaluationVerdict.RECORDED
 
@@ -174,7 +170,7 @@ class EvaluationTables:
 
         def write(db: sqlite3.Connection) -> list[int]:
             now = time.time()
-            rounds = [int(r["round"]) for r in db.execute(
+            rounds = [int(r) for (r,) in db.execute(
                 "SELECT round FROM evaluation_rounds WHERE job_id = ? AND settled = 0 AND deadline < ? ORDER BY round",
                 (job_id, now)).fetchall()]
             return [r for r in rounds if _settle(db, job_id, r, now)]
@@ -188,16 +184,7 @@ class EvaluationTables:
                           " WHERE e.job_id = ? AND (? IS NULL OR e.round = ?) ORDER BY e.round, e.worker_id",
                           (job_id, round_number, round_number))
         now = time.time()
-        out = []
-        for r in rows:
-            status = EvaluationStatus(r["status"])
-            overdue = status == EvaluationStatus.ASKED and now > r["deadline"]
-            out.append(EvaluationRecord(
-                job_id=r["job_id"], round=r["round"], worker_id=r["worker_id"],
-                status=EvaluationStatus.MISSED if overdue else status,
-                reason="no report before the deadline" if overdue else r["reason"], loss=r["loss"],
-                accuracy=r["accuracy"], num_samples=r["num_samples"], model_version=r["model_version"], time=r["time"]))
-        return out
+        return [_evaluation_record(r, now=now) for r in rows]
 
     def evaluation_rounds(self, job_id: str, round_number: int | None = None) -> list[EvaluationRound]:
         """The job's evaluated rounds (or one), oldest first, each with its federated score so far."""
@@ -206,15 +193,7 @@ class EvaluationTables:
         by_round: dict[int, list[EvaluationRecord]] = {}
         for e in self.evaluations(job_id, round_number):
             by_round.setdefault(e.round, []).append(e)
-        out = []
-        for r in rounds:
-            sites = by_round.get(r["round"], [])
-            out.append(EvaluationRound(
-                job_id=job_id, round=r["round"], model_version=r["model_version"], published=r["published"],
-                deadline=r["deadline"], settled=bool(r["settled"]), asked=len(sites),
-                answered=sum(e.status in (EvaluationStatus.EVALUATED, EvaluationStatus.REFUSED) for e in sites),
-                score=combine(_scores(sites))))
-        return out
+        return [_evaluation_round(r, by_round) for r in rounds]
 
 
 def _scores(rows: Sequence[EvaluationRecord]) -> list[SiteScore]:
@@ -228,28 +207,45 @@ def _settle(db: sqlite3.Connection, job_id: str, round_number: int, now: float) 
     event with the final score. Whether it settled now."""
     head = db.execute("SELECT deadline, settled FROM evaluation_rounds WHERE job_id = ? AND round = ?",
                       (job_id, round_number)).fetchone()
-    if head is None or head["settled"]:
+    if head is None:
         return False
-    waiting = db.execute("SELECT COUNT(*) AS n FROM evaluations WHERE job_id = ? AND round = ? AND status = 'asked'",
-                         (job_id, round_number)).fetchone()["n"]
-    if waiting and now <= head["deadline"]:
+    deadline, settled = head
+    (waiting,) = db.execute("SELECT COUNT(*) FROM evaluations WHERE job_id = ? AND round = ? AND status = 'asked'",
+                            (job_id, round_number)).fetchone()
+    if settled or (waiting and now <= deadline):
         return False
     db.execute("UPDATE evaluations SET status = 'missed', reason = 'no report before the deadline', time = ?"
                " WHERE job_id = ? AND round = ? AND status = 'asked'", (now, job_id, round_number))
     db.execute("UPDATE evaluation_rounds SET settled = 1 WHERE job_id = ? AND round = ?", (job_id, round_number))
     rows = db.execute("SELECT status, accuracy, loss, num_samples FROM evaluations WHERE job_id = ? AND round = ?",
                       (job_id, round_number)).fetchall()
-    score = combine(SiteScore(accuracy=r["accuracy"], loss=r["loss"], num_samples=r["num_samples"]) for r in rows
-                    if r["status"] == EvaluationStatus.EVALUATED)
-    _event(db, job_id, "federated_score", round_number=round_number, message=(
+    score = combine(SiteScore(accuracy=accuracy, loss=loss, num_samples=num_samples)
+                    for status, accuracy, loss, num_samples in rows if status == EvaluationStatus.EVALUATED)
+    write_event(db, job_id, "federated_score", round_number=round_number, message=(
         f"accuracy {score.accuracy:.4f}, loss {score.loss:.4f} on {score.num_samples} held-out samples of "
         f"{score.sites} of {len(rows)} site(s)" if score is not None else f"no score: none of {len(rows)} site(s) "
                                                                          f"evaluated"))
     return True
 
 
-def _event(db: sqlite3.Connection, job_id: str, kind: str, *, round_number: int = 0, worker_id: str = "",
-           message: str = "") -> None:
-    """As store.py's: one line of a job's history, in the transaction of what it reports."""
-    db.execute("INSERT INTO events (job_id, time, kind, round, worker_id, message) VALUES (?, ?, ?, ?, ?, ?)",
-               (job_id, time.time(), kind, round_number, worker_id, message))
+# ----- rows into records (the only place that reads a row of these tables by column name) -----
+
+def _evaluation_record(r: sqlite3.Row, *, now: float) -> EvaluationRecord:
+    """A site's evaluation; one still `asked` after its round's deadline (`r["deadline"]`) reads as `missed`."""
+    status = EvaluationStatus(r["status"])
+    overdue = status == EvaluationStatus.ASKED and now > r["deadline"]
+    return EvaluationRecord(
+        job_id=r["job_id"], round=r["round"], worker_id=r["worker_id"],
+        status=EvaluationStatus.MISSED if overdue else status,
+        reason="no report before the deadline" if overdue else r["reason"], loss=r["loss"],
+        accuracy=r["accuracy"], num_samples=r["num_samples"], model_version=r["model_version"], time=r["time"])
+
+
+def _evaluation_round(r: sqlite3.Row, by_round: Mapping[int, Sequence[EvaluationRecord]]) -> EvaluationRound:
+    """An evaluated round with its sites' evaluations (`by_round`) and the federated score so far."""
+    sites = by_round.get(r["round"], [])
+    return EvaluationRound(
+        job_id=r["job_id"], round=r["round"], model_version=r["model_version"], published=r["published"],
+        deadline=r["deadline"], settled=bool(r["settled"]), asked=len(sites),
+        answered=sum(e.status in (EvaluationStatus.EVALUATED, EvaluationStatus.REFUSED) for e in sites),
+        score=combine(_scores(sites)))

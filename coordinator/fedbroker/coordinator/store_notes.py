@@ -1,5 +1,6 @@
-"""The part of the coordinator's state store (`StateStore`, which mixes it in) for events a job's loop writes on
-their own, not as part of another write: why a job waits, how a round's updates were chosen.
+"""The part of the coordinator's state store (`StateStore`, which mixes it in) for a job's history (`fedbroker jobs
+logs`): `write_event`, the one writer of its lines, which every store module calls in the transaction of what the
+line reports, and the events a job's loop writes on their own: why a job waits, how a round's updates were chosen.
 
 As in store.py, the write is one transaction.
 """
@@ -23,8 +24,12 @@ class JobNotes:
 
     def note_event(self, job_id: str, kind: str, message: str, *, round_number: int = 0, worker_id: str = "") -> None:
         """Record an event of the job (kind: `waiting`, `selection`, ...)."""
-        def write(db: sqlite3.Connection) -> None:
-            db.execute("INSERT INTO events (job_id, time, kind, round, worker_id, message) VALUES (?, ?, ?, ?, ?, ?)",
-                       (job_id, time.time(), kind, round_number, worker_id, message))
+        self._write(f"record a {kind} event of job {job_id!r}", lambda db: write_event(
+            db, job_id, kind, round_number=round_number, worker_id=worker_id, message=message))
 
-        self._write(f"record a {kind} event of job {job_id!r}", write)
+
+def write_event(db: sqlite3.Connection, job_id: str, kind: str, *, round_number: int = 0, worker_id: str = "",
+                message: str = "") -> None:
+    """One line of a job's history, written in the transaction `db` of what it reports."""
+    db.execute("INSERT INTO events (job_id, time, kind, round, worker_id, message) VALUES (?, ?, ?, ?, ?, ?)",
+               (job_id, time.time(), kind, round_number, worker_id, message))

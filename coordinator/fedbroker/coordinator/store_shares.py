@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from fedbroker.coordinator.store_notes import write_event
+
 T = TypeVar("T")
 
 SCHEMA = """
@@ -152,10 +154,10 @@ class ShareTables:
                            [(job_id, w) for w in asked])
             db.executemany("INSERT INTO shares (job_id, worker_id, status, reason) VALUES (?, ?, 'not_asked', ?)",
                            [(job_id, w, why) for w, why in not_asked.items()])
-            _event(db, job_id, "share_requested", message=f"{wants} asked of {len(asked)} site(s)"
-                   + (f": {', '.join(asked)}" if asked else "") + f", within {max(0.0, deadline - now):.0f}s")
+            write_event(db, job_id, "share_requested", message=f"{wants} asked of {len(asked)} site(s)"
+                        + (f": {', '.join(asked)}" if asked else "") + f", within {max(0.0, deadline - now):.0f}s")
             for worker_id, why in not_asked.items():
-                _event(db, job_id, "not_shared", worker_id=worker_id, message=f"not asked ({why}): not selected")
+                write_event(db, job_id, "not_shared", worker_id=worker_id, message=f"not asked ({why}): not selected")
 
         self._write(f"record the share requests of job {job_id!r}", write)
 
@@ -183,18 +185,19 @@ class ShareTables:
         now = time.time()
 
         def write(db: sqlite3.Connection) -> list[str]:
-            job = db.execute("SELECT status FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
-            if job is None or job["status"] != "running":
-                return [f"job {job_id!r} is {'unknown' if job is None else job['status']}: it takes no share reply"]
+            (job,) = db.execute("SELECT status FROM jobs WHERE job_id = ?", (job_id,)).fetchone() or ("unknown",)
+            if job != "running":
+                return [f"job {job_id!r} is {job}: it takes no share reply"]
             r = db.execute("SELECT * FROM share_phases WHERE job_id = ?", (job_id,)).fetchone()
             phase = _phase_record(r) if r is not None else None
             if phase is None or not phase.open:
                 return [f"job {job_id!r} is not in its share phase"]
-            row = db.execute("SELECT status FROM shares WHERE job_id = ? AND worker_id = ?", (job_id, worker_id)).fetchone()
-            if row is None or row["status"] == ShareStatus.NOT_ASKED:
+            (was,) = db.execute("SELECT status FROM shares WHERE job_id = ? AND worker_id = ?",
+                                (job_id, worker_id)).fetchone() or (ShareStatus.NOT_ASKED,)
+            if was == ShareStatus.NOT_ASKED:
                 return [f"worker {worker_id!r} was not asked to share with job {job_id!r}"]
-            if row["status"] != ShareStatus.ASKED:
-                return [f"worker {worker_id!r} already answered job {job_id!r} ({row['status']})"]
+            if was != ShareStatus.ASKED:
+                return [f"worker {worker_id!r} already answered job {job_id!r} ({was})"]
             if now > phase.deadline:
                 return [f"late: the share phase of job {job_id!r} ended {now - phase.deadline:.0f}s before"]
             problems = check(phase)
@@ -214,12 +217,12 @@ class ShareTables:
                  answer.count, int(answer.statistics_noised), answer.statistics_epsilon, answer.statistics_delta,
                  charged, job_id, worker_id))
             if why:
-                _event(db, job_id, "statistics_excluded", worker_id=worker_id, message=(
+                write_event(db, job_id, "statistics_excluded", worker_id=worker_id, message=(
                     f"{_what_shared(answer, charged)}; excluded: {why}; its statistics are left out of the "
                     f"agreed ones and it is not selected for this job"))
             else:
-                _event(db, job_id, "share_refused" if answer.refused else "shared", worker_id=worker_id,
-                       message=answer.reason if answer.refused else _what_shared(answer, charged))
+                write_event(db, job_id, "share_refused" if answer.refused else "shared", worker_id=worker_id,
+                            message=answer.reason if answer.refused else _what_shared(answer, charged))
             return []
 
         return self._write(f"record the share reply of worker {worker_id!r} to job {job_id!r}", write)
@@ -239,7 +242,7 @@ class ShareTables:
                 db.execute("UPDATE jobs SET model_spec_json = ?, updated = ? WHERE job_id = ?",
                            (model_spec_json, time.time(), job_id))
             for kind, worker_id, message in events:
-                _event(db, job_id, kind, worker_id=worker_id, message=message)
+                write_event(db, job_id, kind, worker_id=worker_id, message=message)
 
         self._write(f"record the end of the share phase of job {job_id!r}", write)
 
@@ -252,7 +255,7 @@ class ShareTables:
             for worker_id in worker_ids:
                 if db.execute("INSERT OR IGNORE INTO shares (job_id, worker_id, status, reason) VALUES"
                               " (?, ?, 'not_asked', ?)", (job_id, worker_id, reason)).rowcount:
-                    _event(db, job_id, "not_shared", worker_id=worker_id, message=f"{reason}: not selected")
+                    write_event(db, job_id, "not_shared", worker_id=worker_id, message=f"{reason}: not selected")
 
         self._write(f"record the sites that did not share with job {job_id!r}", write)
 
@@ -262,13 +265,19 @@ class ShareTables:
         where = " AND ".join(c for c, v in (("job_id = ?", job_id), ("worker_id = ?", worker_id)) if v is not None)
         args = [v for v in (job_id, worker_id) if v is not None]
         rows = self._exec(f"SELECT * FROM shares{' WHERE ' + where if where else ''} ORDER BY job_id, worker_id", args)
-        return [ShareRecord(
-            job_id=r["job_id"], worker_id=r["worker_id"], status=ShareStatus(r["status"]), reason=r["reason"],
-            time=r["time"], histogram=tuple(json.loads(r["histogram_json"])), histogram_noised=bool(r["histogram_noised"]),
-            histogram_epsilon=r["histogram_epsilon"], feature_sum=tuple(json.loads(r["feature_sum_json"])),
-            feature_sq_sum=tuple(json.loads(r["feature_sq_sum_json"])), count=r["count"],
-            statistics_noised=bool(r["statistics_noised"]), statistics_epsilon=r["statistics_epsilon"],
-            statistics_delta=r["statistics_delta"], charged_epsilon=r["charged_epsilon"]) for r in rows]
+        return [_share_record(r) for r in rows]
+
+
+# ----- rows into records (the only place that reads a row of these tables by column name) -----
+
+def _share_record(r: sqlite3.Row) -> ShareRecord:
+    return ShareRecord(
+        job_id=r["job_id"], worker_id=r["worker_id"], status=ShareStatus(r["status"]), reason=r["reason"],
+        time=r["time"], histogram=tuple(json.loads(r["histogram_json"])), histogram_noised=bool(r["histogram_noised"]),
+        histogram_epsilon=r["histogram_epsilon"], feature_sum=tuple(json.loads(r["feature_sum_json"])),
+        feature_sq_sum=tuple(json.loads(r["feature_sq_sum_json"])), count=r["count"],
+        statistics_noised=bool(r["statistics_noised"]), statistics_epsilon=r["statistics_epsilon"],
+        statistics_delta=r["statistics_delta"], charged_epsilon=r["charged_epsilon"])
 
 
 def _phase_record(r: sqlite3.Row) -> SharePhaseRecord:
@@ -307,8 +316,3 @@ def _what_shared(answer: ShareAnswer, charged: float) -> str:
                      + (f"noised, ε {answer.statistics_epsilon:g}, δ {answer.statistics_delta:g}"
                         if answer.statistics_noised else "exact") + ")")
     return f"{' and '.join(parts) or 'nothing'}; new ε charged to the site: {charged:g}"
-
-
-def _event(db: sqlite3.Connection, job_id: str, kind: str, *, worker_id: str = "", message: str = "") -> None:
-    db.execute("INSERT INTO events (job_id, time, kind, round, worker_id, message) VALUES (?, ?, ?, 0, ?, ?)",
-               (job_id, time.time(), kind, worker_id, message))

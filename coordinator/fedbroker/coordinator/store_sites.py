@@ -81,19 +81,20 @@ class SiteTables:
         now = time.time()
 
         def write(db: sqlite3.Connection) -> None:
-            row = db.execute("SELECT * FROM site_info WHERE worker_id = ?", (worker_id,)).fetchone()
+            row = db.execute("SELECT silent, software_version, started, broker_user FROM site_info WHERE worker_id = ?",
+                             (worker_id,)).fetchone()
             if row is None:
                 db.execute("INSERT INTO site_info (worker_id, software_version, first_registered, started, broker_user)"
                            " VALUES (?, ?, ?, ?, ?)", (worker_id, version, now, started, user))
                 _site_event(db, worker_id, "registered", summary + (f"; fedbroker {version}" if version else ""), now)
                 return
-            if row["silent"]:  # when it was last heard before its silence
-                _site_event(db, worker_id, "returned", f"registered again after {now - row['silent']:.0f}s of "
-                                                       f"silence", now)
+            silent, was_version, was_started, was_user = row
+            if silent:  # when it was last heard before its silence
+                _site_event(db, worker_id, "returned", f"registered again after {now - silent:.0f}s of silence", now)
             said = list(changes)
-            if version and row["software_version"] and version != row["software_version"]:
-                said.insert(0, f"fedbroker {row['software_version']} → {version}")
-            restarted = bool(started and row["started"] and abs(started - row["started"]) > 1e-3)
+            if version and was_version and version != was_version:
+                said.insert(0, f"fedbroker {was_version} → {version}")
+            restarted = bool(started and was_started and abs(started - was_started) > 1e-3)
             if restarted:
                 _site_event(db, worker_id, "restarted", "a new worker process registered"
                             + (f" ({'; '.join(said)})" if said else ""), now)
@@ -101,26 +102,23 @@ class SiteTables:
                 _site_event(db, worker_id, "re-registered", "; ".join(said), now)
             db.execute("UPDATE site_info SET software_version = ?, started = ?, broker_user = ?, silent = 0,"
                        " restarts = restarts + ? WHERE worker_id = ?",
-                       (version or row["software_version"], started or row["started"], user or row["broker_user"],
-                        int(restarted), worker_id))
+                       (version or was_version, started or was_started, user or was_user, int(restarted), worker_id))
 
         self._write(f"record the registration of site {worker_id!r}", write)
 
     def note_heard(self, worker_id: str) -> bool:
         """A heartbeat from a site: a silent one is `returned` (True); else nothing is written."""
         self._site_tables()
-        rows = self._exec("SELECT silent FROM site_info WHERE worker_id = ?", (worker_id,))
-        if not rows or not rows[0]["silent"]:
+        if not any(silent for (silent,) in self._exec("SELECT silent FROM site_info WHERE worker_id = ?", (worker_id,))):
             return False
         now = time.time()
 
         def write(db: sqlite3.Connection) -> bool:
-            row = db.execute("SELECT silent FROM site_info WHERE worker_id = ?", (worker_id,)).fetchone()
-            if row is None or not row["silent"]:
+            (silent,) = db.execute("SELECT silent FROM site_info WHERE worker_id = ?", (worker_id,)).fetchone() or (0,)
+            if not silent:
                 return False
             db.execute("UPDATE site_info SET silent = 0 WHERE worker_id = ?", (worker_id,))
-            _site_event(db, worker_id, "returned", f"heartbeats again after {now - row['silent']:.0f}s of silence",
-                        now)
+            _site_event(db, worker_id, "returned", f"heartbeats again after {now - silent:.0f}s of silence", now)
             return True
 
         return self._write(f"record that site {worker_id!r} is heard again", write)
@@ -135,13 +133,13 @@ class SiteTables:
             rows = db.execute("SELECT w.worker_id, w.last_seen FROM workers w LEFT JOIN site_info s ON"
                               " s.worker_id = w.worker_id WHERE w.last_seen < ? AND COALESCE(s.silent, 0) = 0"
                               " ORDER BY w.worker_id", (now - timeout_s,)).fetchall()
-            for r in rows:
-                _ensure_site(db, r["worker_id"], now)
+            for site, last_seen in rows:
+                _ensure_site(db, site, now)
                 db.execute("UPDATE site_info SET silent = ? WHERE worker_id = ?",  # when it was last heard
-                           (max(float(r["last_seen"]), 1.0), r["worker_id"]))
-                _site_event(db, r["worker_id"], "expired", f"no heartbeat for {now - r['last_seen']:.0f}s "
-                                                           f"(coordinator.heartbeat_timeout_s is {timeout_s:g})", now)
-            return [str(r["worker_id"]) for r in rows]
+                           (max(float(last_seen), 1.0), site))
+                _site_event(db, site, "expired", f"no heartbeat for {now - last_seen:.0f}s "
+                                                 f"(coordinator.heartbeat_timeout_s is {timeout_s:g})", now)
+            return [str(site) for site, _ in rows]
 
         return self._write("record the sites whose heartbeats stopped", write)
 
@@ -192,23 +190,33 @@ class SiteTables:
     def site_infos(self) -> dict[str, SiteInfo]:
         """Every site's info row, by worker id (a site registered before these tables has none until it is heard)."""
         self._site_tables()
-        return {r["worker_id"]: _site_info(r) for r in self._exec("SELECT * FROM site_info")}
+        return {info.worker_id: info for info in map(_site_info, self._exec("SELECT * FROM site_info"))}
 
     def site_events(self, worker_id: str) -> list[SiteEvent]:
         """The site's kept events, oldest first."""
         self._site_tables()
         rows = self._exec("SELECT * FROM site_events WHERE worker_id = ? ORDER BY seq", (worker_id,))
-        return [SiteEvent(seq=r["seq"], worker_id=r["worker_id"], time=r["time"], kind=r["kind"], message=r["message"],
-                          count=r["count"], first_time=r["first_time"]) for r in rows]
+        return [_site_event_record(r) for r in rows]
 
     def site_logs(self, worker_id: str, *, after: int = 0, limit: int = 200) -> list[SiteLogRecord]:
         """The site's newest `limit` kept log records with a seq above `after`, oldest first."""
         self._site_tables()
         rows = self._exec("SELECT * FROM (SELECT * FROM site_logs WHERE worker_id = ? AND seq > ? ORDER BY seq DESC"
                           " LIMIT ?) ORDER BY seq", (worker_id, after, max(1, min(limit, MAX_LOGS_READ))))
-        return [SiteLogRecord(seq=r["seq"], worker_id=r["worker_id"], received=r["received"], site_time=r["site_time"],
-                              level=r["level"], logger=r["logger"], message=r["message"], sender=r["sender"],
-                              claimed=r["claimed"], dropped_before=r["dropped_before"]) for r in rows]
+        return [_site_log_record(r) for r in rows]
+
+
+# ----- rows into records (the only place that reads a row of these tables by column name) -----
+
+def _site_event_record(r: sqlite3.Row) -> SiteEvent:
+    return SiteEvent(seq=r["seq"], worker_id=r["worker_id"], time=r["time"], kind=r["kind"], message=r["message"],
+                     count=r["count"], first_time=r["first_time"])
+
+
+def _site_log_record(r: sqlite3.Row) -> SiteLogRecord:
+    return SiteLogRecord(seq=r["seq"], worker_id=r["worker_id"], received=r["received"], site_time=r["site_time"],
+                         level=r["level"], logger=r["logger"], message=r["message"], sender=r["sender"],
+                         claimed=r["claimed"], dropped_before=r["dropped_before"])
 
 
 def _site_info(r: sqlite3.Row) -> SiteInfo:
@@ -228,8 +236,8 @@ def _site_event(db: sqlite3.Connection, worker_id: str, kind: str, message: str,
     text = printable(message, limit=MAX_EVENT_CHARS)
     last = db.execute("SELECT seq, kind, message FROM site_events WHERE worker_id = ? ORDER BY seq DESC LIMIT 1",
                       (worker_id,)).fetchone()
-    if last is not None and last["kind"] == kind and last["message"] == text:
-        db.execute("UPDATE site_events SET count = count + 1, time = ? WHERE seq = ?", (now, last["seq"]))
+    if last is not None and tuple(last)[1:] == (kind, text):
+        db.execute("UPDATE site_events SET count = count + 1, time = ? WHERE seq = ?", (now, last[0]))
         return text
     db.execute("INSERT INTO site_events (worker_id, time, kind, message, first_time) VALUES (?, ?, ?, ?, ?)",
                (worker_id, now, kind, text, now))

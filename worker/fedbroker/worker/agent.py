@@ -13,7 +13,8 @@ are reported and acked (or dead-lettered when the task itself is unreadable), tr
 with a backoff until the bus dead-letters the task after `max_attempts`.
 
 A worker never trains from a ledger that holds less ε than the coordinator recorded for it (a lost or
-replaced ledger): it refuses the task (`check_ledger`).
+replaced ledger), nor past its owner's ε budget: it refuses the task (worker/budget.py, which also writes
+its heartbeats).
 
 Every control message it publishes carries its broker user (the bus sets the validated `user_id`), which the
 coordinator binds to its worker id. With `worker.coordinator_broker_user` set, it trains only tasks that user
@@ -23,7 +24,6 @@ for any training settings, and is dead-lettered untrained.
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import math
@@ -34,11 +34,10 @@ import time
 from fedbroker.bus import Bus, BusError, Delivery, envelope
 from fedbroker.config import DPPolicy, WorkerConfig
 from fedbroker.datasets import load_worker_data, train_test_split
-from fedbroker.errors import BudgetExceeded, ConfigError, FedbrokerError, LedgerBehind, Rejection, TaskRefused
+from fedbroker.errors import ConfigError, FedbrokerError, Rejection, TaskRefused
 from fedbroker.job.spec import ModelSpec, TrainingConfig, parse_model
 from fedbroker.label_stats import reported_ish
 from fedbroker.metrics import BUSES
-from fedbroker.privacy import dp_sample_rate, job_epsilon_after_round, planned_steps, project_epsilon
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff
 from fedbroker.rpc.aggregation_client import AggregatorClient, Model
@@ -47,13 +46,14 @@ from fedbroker.rpc.plumbing import RemoteError
 from fedbroker.secagg import SecAggError
 from fedbroker.version import installed_version
 from fedbroker.worker import metrics
+from fedbroker.worker.budget import JOB_COSTS_KEPT, SiteBudget
 from fedbroker.worker.evaluation import SiteEvaluation
 from fedbroker.worker.global_model import build_global, fit_problem
 from fedbroker.worker.job_settings import JobSettingsCache
-from fedbroker.worker.ledger import PrivacyLedger, below
+from fedbroker.worker.ledger import PrivacyLedger
 from fedbroker.worker.log_forward import LogForwarder, remove
 from fedbroker.worker.partition import partition
-from fedbroker.worker.secure_task import SecureRun, SecureStepFailed
+from fedbroker.worker.secure_task import SecureRun, SecureStepFailed, SecureSteps
 from fedbroker.worker.sharing import Sharing
 from fedbroker.worker.training import TrainResult, pick_device, train_local
 
@@ -61,9 +61,6 @@ log = logging.getLogger(__name__)
 
 
 REGISTER_EVERY_BEATS = 6
-JOB_COSTS_KEPT = 256   # jobs whose training settings a worker keeps for its heartbeats' cost reports
-JOB_COSTS_REPORTED = 1024   # jobs one heartbeat lists (the coordinator takes up to 4096): the latest ledger
-                            # entries; a job left out is priced by the coordinator at its first round's cost
 
 
 class _PoisonTask(FedbrokerError):
@@ -89,14 +86,15 @@ class WorkerAgent:
     """One data owner's worker: its data share, its privacy ledger, and the task loop on the bus (module docstring)."""
 
     def __init__(self, config: WorkerConfig, bus: Bus, *, security: ClientSecurity | None = None,
-                 log_forwarder: LogForwarder | None = None) -> None:
+                 log_forwarder: LogForwarder | None = None, secure_steps: SecureSteps | None = None) -> None:
         """`security`: this worker's token (and TLS) for the aggregation service, read from its secrets;
         `log_forwarder`: the process's forwarder of its warnings to the coordinator (launch.start_worker), taken
-        off the root logger at `stop`."""
+        off the root logger at `stop`; `secure_steps`: who watches its secure tasks' steps (a test's; None)."""
         self.config = config
         self.bus = bus
         self.security = security
         self.log_forwarder = log_forwarder
+        self.secure_steps = secure_steps
         self.started_unix = time.time()  # a registration with a new one tells the coordinator we restarted
         self.dp: DPPolicy | None = config.dp if config.dp.enabled else None
         data = load_worker_data(config)  # first: a data owner's bad file is named before anything else happens
@@ -114,6 +112,7 @@ class WorkerAgent:
         index = shards[p.client_index]
         self.x, self.y = train.x[index], train.y[index]
         self.num_classes = data.num_classes
+        self.budget = SiteBudget(worker_id=config.id, ledger=self.ledger, dp=self.dp, num_samples=len(self.y))
         # What a job may ask of this site before round 1 (its label histogram, feature statistics), released
         # only then, noised, and charged once; DWFed's ISH is computed from the released histogram.
         self.sharing = Sharing(worker_id=config.id, categories=config.categories, ledger=self.ledger, dp=self.dp,
@@ -128,12 +127,7 @@ class WorkerAgent:
         # One channel to the aggregation service, kept from task to task: a channel per task paid a TCP (and,
         # with TLS, a handshake) per round, ~0.7 ms of a stub worker's ~4 ms control-plane cost on loopback.
         self._channel: AggregatorClient | None = None
-        # The training settings of the jobs whose tasks this worker received (the latest JOB_COSTS_KEPT), so its
-        # heartbeats can say what each job's next round would cost; `_costs` caches the projections.
-        self._job_configs: collections.OrderedDict[str, TrainingConfig] = collections.OrderedDict()
         self.job_settings = JobSettingsCache(kept=JOB_COSTS_KEPT)  # each job's settings, parsed once
-        self._out_of_budget: set[str] = set()  # jobs whose tasks it declines for its budget (said once each)
-        self._costs: dict[tuple[str, tuple[tuple[float, float, int], ...], TrainingConfig], float] = {}
         self.evaluation = SiteEvaluation(config, bus=bus, ledger=self.ledger, test=test, device=self.device,
                                          aggregator=self._aggregator, stopping=self._stop.is_set)
         self.retry_initial_s = 1.0   # backoff before a failed task goes back to the queue
@@ -149,7 +143,7 @@ class WorkerAgent:
         """Announce this worker (registration, a first heartbeat), then take tasks and beat in the background."""
         BUSES.watch(self.bus, client=self.config.id)
         metrics.worker_started(self.config.id)
-        self._export_privacy()
+        self.budget.export()
         log.info("%s", self.sharing.summary())
         self.bus.declare_worker(self.config.id)
         self.register()
@@ -179,11 +173,6 @@ class WorkerAgent:
                 self._channel.close()
             self._channel = AggregatorClient(target, security=self.security)
         return self._channel
-
-    def _export_privacy(self) -> None:
-        dp = self.dp
-        metrics.set_privacy(self.config.id, spent=self.ledger.total_epsilon(),
-                            budget=dp.epsilon_budget if dp is not None else None)
 
     def register(self) -> None:
         """Tell the coordinator what this worker holds and allows: categories, data shape and count, DP policy, ε
@@ -220,37 +209,9 @@ class WorkerAgent:
             log.warning("heartbeat of %s not sent: %s", self.config.id, exc)
 
     def heartbeat(self) -> pb.Heartbeat:
-        """This worker's state and what it can still afford: the ε left of its owner's budget and, for every
-        job on its ledger or whose task it received, the ε the job's next round would add. The coordinator
-        opens a round only with workers that can afford it (coordinator/participants.py), so that no worker
-        spends ε on a round the others' refusals would make fail."""
-        spent = self.ledger.total_epsilon()
-        message = pb.Heartbeat(worker_id=self.config.id, epsilon_spent=spent, state=self._state)
-        dp = self.dp
-        if dp is None:
-            return message
-        message.budget_limited, message.epsilon_left = True, dp.epsilon_budget - spent
-        on_ledger = list(self.ledger.jobs())[-(JOB_COSTS_REPORTED - len(self._job_configs)):]
-        for job_id in sorted(set(on_ledger) | set(self._job_configs)):
-            config = self._job_configs.get(job_id)
-            cost = self._next_round_cost(job_id, config, dp) if config is not None else None
-            message.job_costs.add(job_id=job_id, known=cost is not None, next_round_epsilon=cost or 0.0)
-        return message
-
-    def _next_round_cost(self, job_id: str, config: TrainingConfig, dp: DPPolicy) -> float | None:
-        """The ε the job's next round of `config` would add to this worker's total (the check_budget projection)."""
-        history = tuple(self.ledger.history(job_id))
-        key = (job_id, history, config)
-        if key not in self._costs:
-            try:
-                after = job_epsilon_after_round(list(history), num_samples=len(self.y), config=config,
-                                                noise_multiplier=dp.noise_multiplier, delta=dp.delta)
-            except ConfigError:  # no samples: nothing it could train
-                return None
-            if len(self._costs) > 4 * JOB_COSTS_KEPT:
-                self._costs.clear()
-            self._costs[key] = max(0.0, after - self.ledger.epsilon(job_id))
-        return self._costs[key]
+        """This worker's state and what it can still afford (worker/budget.py): the coordinator opens a round
+        only with workers that can afford it."""
+        return self.budget.heartbeat(state=self._state)
 
     # ----- tasks -----
 
@@ -345,7 +306,7 @@ class WorkerAgent:
             return
         self.sharing.note_sent(reply)
         if self.ledger.total_epsilon() != spent:  # a new draw: the coordinator's picture of our budget, fresh
-            self._export_privacy()
+            self.budget.export()
             self.send_heartbeat()
         metrics.SHARE_REQUESTS.labels(self.config.id, "refused" if reply.refused else "shared").inc()
         delivery.ack()
@@ -407,14 +368,11 @@ class WorkerAgent:
             config = self.job_settings.for_task(task, fetch).training
         except ValueError as exc:  # ConfigError(s): settings no retry can make valid
             raise _PoisonTask(f"invalid job settings in the task: {exc}") from None
-        self._job_configs[task.job_id] = config  # what its next round costs, for the heartbeats
-        self._job_configs.move_to_end(task.job_id)
-        while len(self._job_configs) > JOB_COSTS_KEPT:
-            self._job_configs.popitem(last=False)
-        self.check_ledger(task.recorded_epsilon_spent)
+        self.budget.note_job(task.job_id, config)  # what its next round costs, for the heartbeats
+        self.budget.check_ledger(task.recorded_epsilon_spent)
         if task.population_distribution:  # DWFed's ISH needs the released histogram: drawn (and charged) first
             self.sharing.histogram()
-        self.check_budget(task.job_id, config)
+        self.budget.check_budget(task.job_id, config)
         key = (task.job_id, task.round, task.model_version)
         # Every call retries through an outage (or a full spool) for as long as the round can use it.
         client = self._aggregator(task.aggregator_target).until(task.deadline_unix)
@@ -479,7 +437,8 @@ class WorkerAgent:
             return None
         run = self._secure.get(key)
         if run is None:
-            run = SecureRun(worker_id=self.config.id, task=task, num_samples=len(self.y), ish=self._ish(task))
+            run = SecureRun(worker_id=self.config.id, task=task, num_samples=len(self.y), ish=self._ish(task),
+                            steps=self.secure_steps)
             self._secure = {key: run}
         return run
 
@@ -515,7 +474,7 @@ class WorkerAgent:
             metrics.TRAINED_SAMPLES.labels(me).inc(round(result.samples_per_second * result.seconds))
             metrics.SAMPLES_PER_SECOND.labels(me).set(result.samples_per_second)
         metrics.TRAIN_LOSS.labels(me).set(result.train_loss)
-        self._export_privacy()
+        self.budget.export()
 
     def _training_seed(self, task: pb.RoundTask) -> int:
         """Without DP the job's seed makes runs repeatable. With DP the seed also drives the Gaussian noise,
@@ -530,40 +489,6 @@ class WorkerAgent:
         problem = fit_problem(spec, self.x, self.num_classes, holder="this worker's data")
         if problem:
             raise _DataMismatch(problem)
-
-    def check_ledger(self, recorded: float) -> None:
-        """Refuse to train when the ledger holds less ε than the coordinator recorded for this worker: the
-        ledger was lost or replaced (its history is the coordinator's), and training from it would spend the
-        owner's budget again. The worker never starts a new ledger over a history; an operator restores it."""
-        total = self.ledger.total_epsilon()
-        if below(total, recorded):
-            raise LedgerBehind(
-                f"privacy ledger {self.ledger.path} holds ε {total:.6g}, below the {recorded:.6g} the coordinator "
-                f"recorded for worker {self.config.id}: the ledger was lost or replaced; restore it (this worker "
-                f"trains no more until then)")
-
-    def check_budget(self, job_id: str, config: TrainingConfig) -> None:
-        """Refuse before training if this round's steps would take the owner past its own ε budget."""
-        dp = self.dp
-        if dp is None:
-            return
-        n = len(self.y)
-        projected = project_epsilon(self.ledger.history(job_id), noise_multiplier=dp.noise_multiplier,
-                                    sample_rate=dp_sample_rate(n, config), steps=planned_steps(n, config),
-                                    delta=dp.delta)
-        others = self.ledger.total_epsilon() - self.ledger.epsilon(job_id)
-        metrics.set_next_round_cost(self.config.id, epsilon=projected - self.ledger.epsilon(job_id))
-        if projected + others > dp.epsilon_budget:
-            if job_id not in self._out_of_budget:  # once per job: every later task is declined for the same reason
-                self._out_of_budget.add(job_id)
-                log.warning("worker %s: privacy budget spent for job %s: the owner's budget is ε %g (worker.dp."
-                            "epsilon_budget), ε %.3f is spent and a round of this job costs ε %.3f: it declines the "
-                            "job's tasks (raise the budget to take part)", self.config.id, job_id, dp.epsilon_budget,
-                            self.ledger.total_epsilon(), projected - self.ledger.epsilon(job_id))
-            raise BudgetExceeded(
-                f"privacy budget exceeded: this round would bring ε to {projected + others:.3f} "
-                f"(job {projected:.3f} + other jobs {others:.3f}), above the owner's budget {dp.epsilon_budget:g}"
-            )
 
     def _ish(self, task: pb.RoundTask) -> float | None:
         if not task.population_distribution:

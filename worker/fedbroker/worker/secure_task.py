@@ -14,6 +14,9 @@ for one peer (the crypto refuses). Nothing here changes what the worker trains o
 Every call goes through the aggregation service's gRPC channel under the worker's own identity; each is
 idempotent, and a `SecureRun` is kept between a task's retries so a retry sends the same keys, shares and
 masked bytes again (the crypto object runs each step once).
+
+A `SecureSteps` observer, when one is given (a test's: production passes none), sees the clear weighted
+vector just before it is masked and each step as it is done; it is injected, never switched on from outside.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from pathlib import Path
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -35,10 +38,17 @@ from fedbroker.secagg.secure_round import UNMASK_WAIT_S, round_params, round_see
 
 log = logging.getLogger(__name__)
 
-# Test-only hooks (tests/integration/test_secure_round.py): where to write the clear update the test compares
-# the service's sum with, and at which step to exit the process as a crashed site would. Unset in production.
-TEST_RECORD_DIR = "FEDBROKER_TEST_SECURE_RECORD_DIR"
-TEST_EXIT_AT = "FEDBROKER_TEST_SECURE_EXIT_AT"   # "<worker id>:masked" or "<worker id>:uploaded"
+Step = Literal["masked", "uploaded"]
+
+
+class SecureSteps(Protocol):
+    """Who watches a secure task's steps from inside the worker (a test's recorder; None in production)."""
+
+    def clear_update(self, *, worker_id: str, task: pb.RoundTask, vector: np.ndarray, scale: float) -> None:
+        """The clear weighted update `vector` (scale·(trained − global)), just before it is masked."""
+
+    def step_done(self, *, worker_id: str, task: pb.RoundTask, step: Step) -> None:
+        """`masked`: the update is masked, not yet uploaded; `uploaded`: it is in, the unmask shares not sent."""
 
 
 class SecureStepFailed(FedbrokerError):
@@ -64,8 +74,10 @@ def weighted_vector(trained: Mapping[str, np.ndarray], global_state: Mapping[str
 class SecureRun:
     """One secure task on one worker (see the module docstring)."""
 
-    def __init__(self, *, worker_id: str, task: pb.RoundTask, num_samples: int, ish: float | None) -> None:
+    def __init__(self, *, worker_id: str, task: pb.RoundTask, num_samples: int, ish: float | None,
+                 steps: SecureSteps | None = None) -> None:
         self.worker_id = worker_id
+        self.steps = steps
         self.task = task
         self.num_samples = num_samples
         self.ish = ish
@@ -152,13 +164,14 @@ class SecureRun:
         vector = weighted_vector(trained, global_state, spec, self.scale)
         if vector.size != self.length:
             raise SecureStepFailed(f"the update has {vector.size} values, the round masks {self.length}")
-        _test_record(self.worker_id, self.task, vector, self.scale)
+        if self.steps is not None:
+            self.steps.clear_update(worker_id=self.worker_id, task=self.task, vector=vector, scale=self.scale)
         self.masked = np.ascontiguousarray(self.crypto.masked_input(vector, self.excluded), dtype=self.dtype)
         if self.crypto.clipped:
             log.warning("worker %s: %d of %d weighted coordinates of round %d's update were clipped to ±%g before "
                         "masking", self.worker_id, self.crypto.clipped, vector.size, self.task.round,
                         self.crypto.params.clip)
-        _test_exit(self.worker_id, "masked")
+        self._done("masked")
 
     def unmask(self, client: AggregatorClient) -> None:
         """Wait for the survivors to be named, then send the shares that remove their masks (once)."""
@@ -166,7 +179,7 @@ class SecureRun:
         if self.unmasked:
             return
         assert self.crypto is not None
-        _test_exit(self.worker_id, "uploaded")
+        self._done("uploaded")
         until = task.deadline_unix + UNMASK_WAIT_S  # a round closes at its deadline at the latest
         if self._unmask_shares is None:  # the crypto answers once; a retry re-sends the same shares
             named = client.sec_survivors(task.job_id, task.round, self.worker_id, until=until)
@@ -179,17 +192,7 @@ class SecureRun:
                                                       for peer, share in sorted(shares.items())]))
         self.unmasked = True
 
+    def _done(self, step: Step) -> None:
+        if self.steps is not None:
+            self.steps.step_done(worker_id=self.worker_id, task=self.task, step=step)
 
-def _test_record(worker_id: str, task: pb.RoundTask, vector: np.ndarray, scale: float) -> None:
-    """Test-only: write the clear weighted update where a test asked for it (never set in production)."""
-    folder = os.environ.get(TEST_RECORD_DIR)
-    if folder:
-        np.savez(Path(folder) / f"{task.job_id}-{task.round}-{worker_id}.npz", vector=vector, scale=np.float64(scale))
-
-
-def _test_exit(worker_id: str, step: str) -> None:
-    """Test-only: exit the process at `step`, as a site that crashes there would (never set in production)."""
-    if os.environ.get(TEST_EXIT_AT) == f"{worker_id}:{step}":
-        log.warning("worker %s exits after step %r (%s is set: a test's crash)", worker_id, step, TEST_EXIT_AT)
-        logging.shutdown()
-        os._exit(17)
