@@ -37,6 +37,7 @@ from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedbroker.errors import ConfigError, Rejection
+from fedbroker.files import read_setting_file
 from fedbroker.metrics import AUTH_FILE_RELOADS, GRPC_SERVER_AUTH_FAILURES, GrpcMetricsInterceptor
 from fedbroker.rpc.auth import Identity, ServerAuth, ServerTLS, TokenLookup, TokenTable, admitting, read_pem
 from fedbroker.rpc.plumbing import REASON_KEY
@@ -152,11 +153,7 @@ def load_crl(path: str, cas: Iterable[x509.Certificate]) -> Revoked:
     """A CRL file (PEM or DER) checked against `cas` (the client CA bundle): one of them must have issued it
     and its key must verify the signature, or it is refused (a forged list could un-revoke nothing, but could
     refuse every participant)."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        raise ConfigError(CRL_NAME, f"cannot read {path}: {exc.strerror}") from None
+    data = read_setting_file(path, field=CRL_NAME)
     try:
         crl = x509.load_pem_x509_crl(data) if b"-----BEGIN" in data else x509.load_der_x509_crl(data)
     except ValueError as exc:

@@ -38,6 +38,7 @@ from fedbroker.rpc.auth import (
     ROLE_WORKER,
     ClientSecurity,
     Identity,
+    SecuredClient,
     ServerAuth,
     ServerTLS,
     TokenLookup,
@@ -257,13 +258,11 @@ def serve(coordinator: Coordinator, *, address: str = "127.0.0.1:0", tokens: Tok
     return server, start_serving(server, address, tls, service=SERVICE_NAME)
 
 
-class CoordinatorClient:
+class CoordinatorClient(SecuredClient):
     """The coordinator's gRPC API as the CLI uses it; every call carries this client's token (if any)."""
 
     def __init__(self, target: str, *, timeout_s: float = 30.0, security: ClientSecurity | None = None) -> None:
-        security = security or ClientSecurity()
-        self._channel = security.channel(target, CHANNEL_OPTIONS)
-        self._md = security.metadata()
+        super().__init__(target, security)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self.timeout_s = timeout_s
 
@@ -327,7 +326,4 @@ class CoordinatorClient:
                                                       timeout=self.timeout_s, metadata=self._md)
         return reply
 
-    def close(self) -> None:
-        """Close the channel."""
-        self._channel.close()
 
