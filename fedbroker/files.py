@@ -1,4 +1,4 @@
-"""Atomic file replacement, and one writer per folder.
+"""Atomic file replacement, one writer per folder, and reading a file a setting names.
 
 The spool, the worker's privacy ledger and the coordinator's checkpoints all write through `write_atomic`:
 a crash leaves the old file or the new one, never half of one. The coordinator's state directory and the
@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+from fedbroker.errors import ConfigError
 
 LOCK_POLL_S = 0.05    # between tries of a FolderLock that waits for its holder to exit
 TEMP_SUFFIX = ".tmp"  # a temp file is named `.<final name>.<random>.tmp`; readers may sweep leftovers by it
@@ -108,3 +110,13 @@ class FolderLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def read_setting_file(path: str | os.PathLike[str], *, field: str, what: str = "") -> bytes:
+    """The bytes of the file the setting `field` names (`what` it holds, for the message); a file that cannot be
+    read is a ConfigError on `field` saying why, at start, not a traceback later."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ConfigError(field, f"cannot read {f'{what} ' if what else ''}{path}: {exc.strerror}") from None

@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -38,6 +38,16 @@ from fedbroker.errors import ConfigError
 
 # `x_created` series double the series count for nothing the dashboards use.
 disable_created_metrics()  # type: ignore[no-untyped-call]
+
+_Metric = TypeVar("_Metric", Counter, Gauge, Histogram)
+
+
+def zeroed(metric: _Metric, *series: str | tuple[str, ...]) -> _Metric:
+    """`metric`, with the series of each label value (or tuple of values) created at 0 now: a series that first
+    appears at 1 hides its first increase from `increase()` and `rate()`, so an alert on it could never fire."""
+    for labels in series:
+        metric.labels(*(labels if isinstance(labels, tuple) else (labels,)))
+    return metric
 
 # RPCs are short control calls (ms) or model transfers (seconds to minutes): cover both.
 RPC_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)

@@ -162,9 +162,9 @@ MAX_COEFFICIENT = 1e3           # popularity_coef, lam, |bias_prior_mean|
 
 
 @dataclass(frozen=True, kw_only=True)
-class MatchingParams:
-    """Hyper-parameters of the Bayesian matching engine PFNM and NAFI share; defaults follow the public PFNM
-    code (see docs/algorithms.md, `pfnm`)."""
+class MatchingPriors:
+    """The Bayesian matching engine's priors and bounds, which PFNM and NAFI share; defaults follow the public
+    PFNM code (see docs/algorithms.md, `pfnm`)."""
 
     sigma2: float = 1.0
     sigma0_2: float = 1.0
@@ -174,6 +174,12 @@ class MatchingParams:
     count_clip: int = 10
     max_global_width: int = 700
     bias_prior_mean: float = 0.1
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatchingParams(MatchingPriors):
+    """Everything the matching engine reads: the priors, and NAFI's KL term (λ 0: none)."""
+
     lam: float = 0.0
     kl_mode: str = "exact"
     kl_count_clip: int = 10
@@ -197,17 +203,9 @@ class MatchingParams:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PFNMParams(AlignmentParams):
+class PFNMParams(AlignmentParams, MatchingPriors):
     """`pfnm`: the matching engine's priors and bounds, and how the output layer weighs each client."""
 
-    sigma2: float = 1.0
-    sigma0_2: float = 1.0
-    gamma0: float = 1.0
-    iterations: int = 5
-    popularity_coef: float = 1.0
-    count_clip: int = 10
-    max_global_width: int = 700
-    bias_prior_mean: float = 0.1
     output_weighting: str = "class_share"
 
     def __post_init__(self) -> None:

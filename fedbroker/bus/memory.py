@@ -99,10 +99,7 @@ class MemoryBroker:
     def declare(self, name: str) -> _MemQueue:
         """The named queue, created if missing (idempotent, as a durable queue_declare)."""
         with self.lock:
-            q = self.queues.get(name)
-            if q is None:
-                q = self.queues[name] = _MemQueue(name)
-            return q
+            return self.queues.setdefault(name, _MemQueue(name))
 
     def ready_count(self, queue: str) -> int:
         """Messages waiting in `queue` (not counting the ones delivered and unacked)."""

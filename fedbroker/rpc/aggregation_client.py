@@ -32,8 +32,8 @@ import numpy as np
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import codec
-from fedbroker.rpc.auth import ClientSecurity
-from fedbroker.rpc.plumbing import CHANNEL_OPTIONS, RPC_ATTEMPTS, call_with_retry
+from fedbroker.rpc.auth import ClientSecurity, SecuredClient
+from fedbroker.rpc.plumbing import RPC_ATTEMPTS, call_with_retry
 from fedbroker.secagg.secure_round import LONG_POLL_S, REPOLL_S
 
 T = TypeVar("T")
@@ -58,7 +58,7 @@ class TaskStart:
     model: Model | None
 
 
-class AggregatorClient:
+class AggregatorClient(SecuredClient):
     """One channel to the aggregation service with every call it offers (see the module docstring)."""
 
     def __init__(self, target: str, *, timeout_s: float = 30.0, transfer_timeout_s: float = 600.0,
@@ -70,9 +70,7 @@ class AggregatorClient:
         self.max_model_bytes = max_model_bytes
         self.attempts = attempts  # tries per call for the errors it is safe to repeat on
         self.deadline_unix: float | None = None  # set: retry until then instead (see `until`)
-        security = security or ClientSecurity()
-        self._channel = security.channel(target, CHANNEL_OPTIONS)
-        self._md = security.metadata()  # sent with every call
+        super().__init__(target, security)
         self._stub = pb_grpc.AggregationStub(self._channel)
         self._async_stub = pb_grpc.AsyncAggregationStub(self._channel)
         self._events_stub = pb_grpc.AggregationEventsStub(self._channel)
@@ -101,16 +99,6 @@ class AggregatorClient:
     def _retry(self, fn: Callable[[], T], *, what: str, idempotent: bool) -> T:
         return call_with_retry(fn, what=what, idempotent=idempotent, attempts=self.attempts,
                                deadline_unix=self.deadline_unix)
-
-    def close(self) -> None:
-        """Close the channel."""
-        self._channel.close()
-
-    def __enter__(self) -> AggregatorClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def put_global(self, job_id: str, version: int, spec_json: str, tensors: Mapping[str, np.ndarray]) -> None:
         """Install a job's global model, streamed (idempotent)."""

@@ -41,15 +41,16 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import grpc
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
 from fedbroker.errors import ConfigError, Rejection
+from fedbroker.files import read_setting_file
 from fedbroker.metrics import GRPC_SERVER_AUTH_FAILURES
-from fedbroker.rpc.plumbing import REASON_KEY
+from fedbroker.rpc.plumbing import CHANNEL_OPTIONS, REASON_KEY
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +136,9 @@ class TokenTable:
         """From a YAML file (a mounted Secret); an unreadable or invalid file is a ConfigError, not a crash."""
         import yaml
 
+        text = read_setting_file(path, field="tokens_file", what="the token table")
         try:
-            with open(path, encoding="utf-8") as fh:
-                raw = yaml.safe_load(fh)
-        except OSError as exc:
-            raise ConfigError("tokens_file", f"cannot read the token table {path}: {exc.strerror}") from None
+            raw = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ConfigError("tokens_file", f"{path} is not valid YAML: {exc}") from None
         return cls.from_mapping(raw, where=os.path.basename(path))
@@ -166,11 +165,7 @@ def read_secret(value: str, path: str, *, field: str) -> str:
         raise ConfigError(field, f"set either {field} or {field}_file, not both")
     if not path:
         return value
-    try:
-        with open(path, encoding="utf-8") as fh:
-            secret = fh.read().strip()
-    except OSError as exc:
-        raise ConfigError(f"{field}_file", f"cannot read {path}: {exc.strerror}") from None
+    secret = read_setting_file(path, field=f"{field}_file").decode("utf-8").strip()
     if not secret:
         raise ConfigError(f"{field}_file", f"{path} is empty")
     return secret
@@ -180,11 +175,7 @@ def read_pem(path: str, *, field: str) -> bytes | None:
     """A PEM file's bytes (None when unset), checked to be PEM so a wrong path fails at start, not at a handshake."""
     if not path:
         return None
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        raise ConfigError(field, f"cannot read {path}: {exc.strerror}") from None
+    data = read_setting_file(path, field=field)
     if b"-----BEGIN" not in data:
         raise ConfigError(field, f"{path} is not a PEM file")
     return data
@@ -433,6 +424,26 @@ class ClientSecurity:
                    cert_chain=read_pem(client.cert_file, field="client.cert_file"),
                    private_key=read_pem(client.key_file, field="client.key_file"),
                    server_name=client.server_name, expected_target=expected_target)
+
+
+class SecuredClient:
+    """A client of one fedbroker service over one channel `security` opened (every call sends `_md`, its token);
+    closed by `close()` or at the end of a `with` block."""
+
+    def __init__(self, target: str, security: ClientSecurity | None) -> None:
+        security = security or ClientSecurity()
+        self._channel = security.channel(target, CHANNEL_OPTIONS)
+        self._md = security.metadata()
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _is_loopback(target: str) -> bool:

@@ -34,10 +34,12 @@ import grpc
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedbroker.errors import ConfigError, Rejection
-from fedbroker.metrics import AUTH_FILE_RELOADS, GRPC_SERVER_AUTH_FAILURES
-from fedbroker.rpc.auth import Identity, ServerTLS, TokenTable, admitting, read_pem
+from fedbroker.files import read_setting_file
+from fedbroker.metrics import AUTH_FILE_RELOADS, GRPC_SERVER_AUTH_FAILURES, GrpcMetricsInterceptor
+from fedbroker.rpc.auth import Identity, ServerAuth, ServerTLS, TokenLookup, TokenTable, admitting, read_pem
 from fedbroker.rpc.plumbing import REASON_KEY
 
 log = logging.getLogger(__name__)
@@ -151,11 +153,7 @@ def load_crl(path: str, cas: Iterable[x509.Certificate]) -> Revoked:
     """A CRL file (PEM or DER) checked against `cas` (the client CA bundle): one of them must have issued it
     and its key must verify the signature, or it is refused (a forged list could un-revoke nothing, but could
     refuse every participant)."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        raise ConfigError(CRL_NAME, f"cannot read {path}: {exc.strerror}") from None
+    data = read_setting_file(path, field=CRL_NAME)
     try:
         crl = x509.load_pem_x509_crl(data) if b"-----BEGIN" in data else x509.load_der_x509_crl(data)
     except ValueError as exc:
@@ -333,3 +331,31 @@ def add_port(server: grpc.Server, address: str, tls: ServerTLS | None) -> int:
                                                       require_client_authentication=tls.client_ca is not None)
     return server.add_secure_port(address, credentials)
 
+
+def front_interceptors(tls: ServerTLS | None, tokens: TokenLookup | None, *, service: str,
+                       permissions: Mapping[str, frozenset[str]],
+                       on_reject: Callable[[str, str], None]) -> tuple[list[grpc.ServerInterceptor], ServerAuth | None]:
+    """What every fedbroker server checks first: its gRPC metrics, a mutual-TLS port's revocation list, and,
+    with a token table (None: authentication off), the caller's token; that `ServerAuth` is returned too, as
+    its identities decide what a caller may see."""
+    interceptors: list[grpc.ServerInterceptor] = [
+        GrpcMetricsInterceptor(), *revocation_interceptors(tls, service=service, on_reject=on_reject)]
+    auth = None
+    if tokens is not None:
+        auth = ServerAuth(tokens, permissions, service=service, on_reject=on_reject)
+        interceptors.append(auth)
+    return interceptors, auth
+
+
+def start_serving(server: grpc.Server, address: str, tls: ServerTLS | None, *, service: str) -> int:
+    """Bind `address` (`add_port`), start `server` and say it and `service` are SERVING on gRPC health (what
+    Kubernetes' native gRPC probes ask); returns the bound port. OSError when the address cannot be bound."""
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = add_port(server, address, tls)
+    if port == 0:
+        raise OSError(f"could not bind the {service} service to {address}")
+    server.start()
+    for name in ("", service):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return port

@@ -189,7 +189,10 @@ class FakeClient:
     def status(self, job_id: str = "") -> pb.StatusReply:
         return reply()
 
-    def close(self) -> None:
+    def __enter__(self) -> FakeClient:  # the CLI holds its client in a `with` block
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         pass
 
 

@@ -380,7 +380,10 @@ def test_async_logs_speak_of_versions_and_json_says_the_mode(monkeypatch, capsys
             return [pb.JobEvent(seq=7, job_id=job_id, time_unix=1.0, kind="round_opened", round=1, message="2 participant(s)"),
                     pb.JobEvent(seq=8, job_id=job_id, time_unix=2.0, kind="round_closed", round=1, message="version 2: 2 of 2")]
 
-        def close(self):
+        def __enter__(self):  # the CLI holds its client in a `with` block
+            return self
+
+        def __exit__(self, *exc):
             pass
 
     monkeypatch.setattr(jobs, "client", lambda args: FakeClient())

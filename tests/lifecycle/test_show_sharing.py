@@ -30,7 +30,10 @@ class FakeClient:
                 pb.JobEvent(job_id=job_id, seq=4, kind="statistics_agreed", message="mean and std of 2 feature(s)"),
                 pb.JobEvent(job_id=job_id, seq=5, kind="round_opened", round=1, message="1 participant(s)")]
 
-    def close(self) -> None:
+    def __enter__(self) -> FakeClient:  # the CLI holds its client in a `with` block
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         pass
 
 

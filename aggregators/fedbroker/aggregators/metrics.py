@@ -13,21 +13,22 @@ import fedbroker.metrics  # noqa: F401  (the shared gRPC and broker metrics belo
 from fedbroker.algorithms.catalogue import AggregationSettings
 from fedbroker.close_report import Verdict
 from fedbroker.errors import Rejection
+from fedbroker.metrics import zeroed
 
 UPLOADS_ACCEPTED = Counter(
     "fedbroker_aggregator_uploads_accepted_total", "Worker updates accepted into an open round.")
 UPLOADS_DUPLICATE = Counter(
     "fedbroker_aggregator_uploads_duplicate_total",
     "Uploads of an update that was already accepted (a retry), answered with the first receipt.")
-SPOOL_QUARANTINED = Counter(
+SPOOL_QUARANTINED = zeroed(Counter(
     "fedbroker_aggregator_spool_quarantined_total",
     "Spool records that did not load at start (a truncated job.json, a damaged update file), moved to the "
-    "spool's quarantine/ folder; kind: job (the whole job folder) or update (one update file).", ["kind"])
-for _kind in ("job", "update"):
-    SPOOL_QUARANTINED.labels(_kind)
-UPLOADS_REJECTED = Counter(
+    "spool's quarantine/ folder; kind: job (the whole job folder) or update (one update file).", ["kind"]),
+    "job", "update")
+UPLOADS_REJECTED = zeroed(Counter(
     "fedbroker_aggregator_uploads_rejected_total",
-    "Uploads refused, by reason code (fedbroker.errors.Rejection: late, wrong_shape, ...).", ["reason"])
+    "Uploads refused, by reason code (fedbroker.errors.Rejection: late, wrong_shape, ...).", ["reason"]),
+    *Rejection)
 LATE_UPLOADS = Counter(
     "fedbroker_aggregator_late_uploads_total",
     "Uploads that arrived after their round's deadline or close (stragglers' updates), never mixed in.")
@@ -95,38 +96,33 @@ _ROBUST_COUNTERS = (ROBUST_JUDGED, ROBUST_DISCARDED, ROBUST_DOWNWEIGHTED)
 # Secure rounds (aggregation.secure): counts and times of the protocol only. No series depends on what one worker
 # sent: the service never holds a clear update, and the quantisation bound it computes is not exported either.
 SECURE_OUTCOMES = ("closed", "too_few_survivors", "failed", "lost", "abandoned")
-SECURE_ROUNDS = Counter(
+SECURE_ROUNDS = zeroed(Counter(
     "fedbroker_aggregator_secure_rounds_total",
     "Secure rounds that ended, by outcome: closed (a new global version), too_few_survivors (fewer than the threshold "
     "of workers advertised, shared, uploaded or sent unmask shares in time), failed (another protocol failure, e.g. "
-    "every weight 0), lost (the service restarted mid-round) or abandoned (its job failed or was cancelled).", ["outcome"])
-for _outcome in SECURE_OUTCOMES:
-    SECURE_ROUNDS.labels(_outcome)
+    "every weight 0), lost (the service restarted mid-round) or abandoned (its job failed or was cancelled).", ["outcome"]),
+    *SECURE_OUTCOMES)
 SECURE_STAGES = ("keys", "shares", "verify", "upload", "unmask")
-SECURE_DROPPED = Counter(
+SECURE_DROPPED = zeroed(Counter(
     "fedbroker_aggregator_secure_workers_dropped_total",
     "Participants of secure rounds that missed a step, by the first step missed: keys (advertised none before the "
     "roster was fixed), shares (on the roster, shared none before the inboxes were fixed), verify (got its inbox, "
     "reported no check of it before the exclusions were fixed), upload (got its inbox, "
     "its masked input is not in the sum: its masks were rebuilt at the close) or unmask (a survivor whose unmask "
     "shares had not come when the sum was unmasked; the sum needs only t per secret, so a slow survivor counts too).",
-    ["stage"])
-for _stage in SECURE_STAGES:
-    SECURE_DROPPED.labels(_stage)
-SECURE_UNMASK_SECONDS = Histogram(
+    ["stage"]), *SECURE_STAGES)
+SECURE_UNMASK_SECONDS = zeroed(Histogram(
     "fedbroker_aggregator_secure_unmask_seconds",
     "Seconds a secure round's close spent unmasking, by part: wait (for the survivors' unmask shares) or "
     "reconstruct (rebuilding the secrets and stripping the masks from the sum).", ["part"],
-    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0))
-for _part in ("wait", "reconstruct"):
-    SECURE_UNMASK_SECONDS.labels(_part)
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)),
+    "wait", "reconstruct")
 SECURE_CALLS = ("SecAdvertise", "SecRoster", "SecShare", "SecInbox", "SecVerify", "SecSurvivors", "SecUnmask")
-SECURE_REFUSALS = Counter(
+SECURE_REFUSALS = zeroed(Counter(
     "fedbroker_aggregator_secure_refusals_total",
     "Secure-protocol calls refused, by call and reason code (fedbroker.errors.Rejection); refused masked uploads "
-    "are uploads_rejected_total (reason secure_protocol among others).", ["grpc_method", "reason"])
-for _call in SECURE_CALLS:
-    SECURE_REFUSALS.labels(_call, Rejection.SECURE_PROTOCOL)
+    "are uploads_rejected_total (reason secure_protocol among others).", ["grpc_method", "reason"]),
+    *((call, Rejection.SECURE_PROTOCOL) for call in SECURE_CALLS))
 
 # Which CloseRound stats carry the alignment cost and the GA's fitness (with or without a prefix).
 _DISTANCE_KEYS = ("alignment_total_matched_distance", "total_matched_distance")
@@ -183,9 +179,6 @@ def record_close(algorithms: Mapping[str, str], seconds: float, aggregated: int,
 
 # Refusals of updates that came too late: after their round's deadline, or after it closed early.
 _LATE = frozenset({Rejection.LATE, Rejection.ROUND_CLOSED})
-
-for _reason in Rejection:  # every reason's series exists from the start, at 0
-    UPLOADS_REJECTED.labels(_reason)
 
 
 def record_rejection(reason: Rejection) -> None:

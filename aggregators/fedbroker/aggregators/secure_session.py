@@ -140,12 +140,11 @@ class SecureSession:
     def roster(self, worker_id: str, wait_s: float) -> Roster | None:
         """The worker's peers and weight share once the roster is fixed; None while it is not (ask again)."""
         with self._cond:
-            if not self._wait(lambda: self._rosters is not None, self.key_deadline, wait_s, self._fix_roster):
-                return None
-            assert self._rosters is not None
-            peers = self._rosters.get(worker_id)
+            peers = self._fixed(lambda: self._rosters, worker_id, self.key_deadline, wait_s, self._fix_roster,
+                                missing="is not on the roster (it advertised no keys in time)")
             if peers is None:
-                raise refused(f"{self.where}: worker {worker_id!r} is not on the roster (it advertised no keys in time)")
+                return None
+            assert self._rosters is not None  # fixed, as it held the worker's peers
             total = sum(self.weights[w][1] for w in self._rosters)
             return Roster(dict(peers), self.weights[worker_id][1] / total, len(self._rosters))
 
@@ -161,10 +160,7 @@ class SecureSession:
         """Route a worker's sealed shares; the same shares again are a no-op."""
         with self._cond:
             self._check_alive()
-            held = self._sent.get(worker_id)
-            if held is not None:
-                if held != dict(ciphertexts):
-                    raise refused(f"{self.where}: worker {worker_id!r} sent other shares before")
+            if self._repeat(worker_id, self._sent.get(worker_id), dict(ciphertexts), what="shares"):
                 return
             if self._rosters is None or self._inboxes is not None:
                 raise refused(f"{self.where}: shares from worker {worker_id!r} outside the share phase")
@@ -181,13 +177,9 @@ class SecureSession:
     def inbox(self, worker_id: str, wait_s: float) -> dict[str, bytes] | None:
         """The sealed shares peers sent the worker once the inboxes are fixed; None while they are not."""
         with self._cond:
-            if not self._wait(lambda: self._inboxes is not None, self.share_deadline, wait_s, self._fix_inboxes):
-                return None
-            assert self._inboxes is not None
-            box = self._inboxes.get(worker_id)
-            if box is None:
-                raise refused(f"{self.where}: worker {worker_id!r} sent no shares in time; it cannot mask")
-            return dict(box)
+            box = self._fixed(lambda: self._inboxes, worker_id, self.share_deadline, wait_s, self._fix_inboxes,
+                              missing="sent no shares in time; it cannot mask")
+            return None if box is None else dict(box)
 
     def _fix_inboxes(self) -> None:
         if self._rosters is None:
@@ -271,23 +263,14 @@ class SecureSession:
     def survivors(self, worker_id: str, wait_s: float) -> UnmaskRequest | None:
         """Whose shares the worker must send, once the round closes; None while it is open."""
         with self._cond:
-            if not self._wait(lambda: self._requests is not None, self.deadline, wait_s, self._check_reachable):
-                return None
-            assert self._requests is not None
-            request = self._requests.get(worker_id)
-            if request is None:
-                raise refused(f"{self.where}: worker {worker_id!r} is not a survivor (its masked input is not in the "
-                              f"sum)")
-            return request
+            return self._fixed(lambda: self._requests, worker_id, self.deadline, wait_s, self._check_reachable,
+                               missing="is not a survivor (its masked input is not in the sum)")
 
     def unmask(self, worker_id: str, shares: Mapping[str, bytes]) -> None:
         """A survivor's shares; the same again is a no-op."""
         with self._cond:
             self._check_alive()
-            held = self._replies.get(worker_id)
-            if held is not None:
-                if held != dict(shares):
-                    raise refused(f"{self.where}: worker {worker_id!r} sent other unmask shares before")
+            if self._repeat(worker_id, self._replies.get(worker_id), dict(shares), what="unmask shares"):
                 return
             if self.done:  # the sum was unmasked with the first t replies: this one is not needed (nor kept)
                 return
@@ -347,6 +330,26 @@ class SecureSession:
         return sum(self.weights[w][1] for w in survivors) / total
 
     # ----- helpers (under the condition) -----
+
+    def _repeat(self, worker_id: str, held: object, sent: object, *, what: str) -> bool:
+        """Whether `sent` repeats what the worker sent before (`held`; None: nothing yet), a retry answered as a
+        no-op; other content than before is refused."""
+        if held is None:
+            return False
+        if held != sent:
+            raise refused(f"{self.where}: worker {worker_id!r} sent other {what} before")
+        return True
+
+    def _fixed(self, table: Callable[[], Mapping[str, _T] | None], worker_id: str, stage_deadline: float | None,
+               wait_s: float, close_stage: Callable[[], None], *, missing: str) -> _T | None:
+        """The worker's entry of a stage's `table` once the stage has fixed it (None while it has not: the
+        long poll asks again); a worker the table leaves out is refused, saying why (`missing`)."""
+        if not self._wait(lambda: table() is not None, stage_deadline, wait_s, close_stage):
+            return None
+        entry = (table() or {}).get(worker_id)
+        if entry is None:
+            raise refused(f"{self.where}: worker {worker_id!r} {missing}")
+        return entry
 
     def _wait(self, done: Callable[[], bool], stage_deadline: float | None, wait_s: float,
               close_stage: Callable[[], None] | None) -> bool:

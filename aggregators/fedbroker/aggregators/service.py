@@ -20,18 +20,16 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedbroker.aggregators import metrics
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.errors import Rejection, UploadRejected
-from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import codec
 from fedbroker.rpc.auth import ROLE_COORDINATOR, ROLE_WORKER, Identity, ServerAuth, ServerTLS, TokenLookup
 from fedbroker.rpc.callguard import CallGuard, CallLimits
-from fedbroker.rpc.live_auth import add_port, revocation_interceptors
+from fedbroker.rpc.live_auth import front_interceptors, start_serving
 from fedbroker.rpc.plumbing import CHANNEL_OPTIONS, handle
 
 log = logging.getLogger(__name__)
@@ -473,12 +471,8 @@ def serve(book: RoundBook, *, address: str = "127.0.0.1:0", limits: CallLimits |
     `tokens`: authenticate every call (None = authentication off); `tls`: serve TLS instead of plaintext.
     """
     limits = limits or CallLimits()
-    interceptors: list[grpc.ServerInterceptor] = [
-        GrpcMetricsInterceptor(), *revocation_interceptors(tls, service=SERVICE_NAME, on_reject=_count_refusal)]
-    auth = None
-    if tokens is not None:
-        auth = ServerAuth(tokens, PERMISSIONS, service=SERVICE_NAME, on_reject=_count_refusal)
-        interceptors.append(auth)
+    interceptors, auth = front_interceptors(tls, tokens, service=SERVICE_NAME, permissions=PERMISSIONS,
+                                            on_reject=_count_refusal)
     interceptors.append(CallGuard(limits, service=SERVICE_NAME, identify=auth.identity if auth else None,
                                   trusted_roles=frozenset({ROLE_COORDINATOR}), on_refuse=_count_refusal,
                                   uncapped=frozenset({"Watch"})))
@@ -487,14 +481,7 @@ def serve(book: RoundBook, *, address: str = "127.0.0.1:0", limits: CallLimits |
     _add_servicer(AggregationServicer(book, auth), server)
     pb_grpc.add_AsyncAggregationServicer_to_server(AsyncAggregationServicer(book), server)
     pb_grpc.add_AggregationEventsServicer_to_server(EventsServicer(book), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = add_port(server, address, tls)
-    if port == 0:
-        raise OSError(f"could not bind the aggregation service to {address}")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    port = start_serving(server, address, tls, service=SERVICE_NAME)
     log.info("aggregation service listening on port %d (%s, authentication %s)", port,
              "TLS" + (" with client certificates" if tls and tls.client_ca else "") if tls else "plaintext",
              "on" if auth else "off")

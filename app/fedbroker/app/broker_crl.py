@@ -21,6 +21,7 @@ from pathlib import Path
 from cryptography import x509
 
 from fedbroker.errors import ConfigError
+from fedbroker.files import read_setting_file
 
 _SPACE = re.compile(r"[ \t\n\v\f\r]+")
 
@@ -75,10 +76,7 @@ def crl_file_name(issuer: x509.Name) -> str:
 def install_crl(crl_file: str, folder: str) -> Path:
     """Write the CRL in `crl_file` into `folder` as `<issuer hash>.r0` (PEM), whole: a temporary file renamed
     over the old one, so a handshake reads the old list or the new one. Returns the path written."""
-    try:
-        data = Path(crl_file).read_bytes()
-    except OSError as exc:
-        raise ConfigError("--crl", f"cannot read {crl_file}: {exc.strerror}") from None
+    data = read_setting_file(crl_file, field="--crl")
     try:
         crl = x509.load_pem_x509_crl(data) if b"-----BEGIN" in data else x509.load_der_x509_crl(data)
     except ValueError as exc:

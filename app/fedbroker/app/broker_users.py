@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from fedbroker.errors import BusError, ConfigError
+from fedbroker.files import read_setting_file
 
 CTL_TIMEOUT_S = 120.0
 CLOSE_REASON = "fedbroker: this participant's access was revoked"
@@ -53,11 +54,9 @@ class Plan:
 
 def read_definitions(path: str) -> dict[str, Any]:
     """A kit's definitions.json, checked to hold a list of named users (what the import and the plan read)."""
+    text = read_setting_file(path, field="definitions")
     try:
-        with open(path, encoding="utf-8") as fh:
-            raw = json.load(fh)
-    except OSError as exc:
-        raise ConfigError("definitions", f"cannot read {path}: {exc.strerror}") from None
+        raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError("definitions", f"{path} is not JSON: {exc}") from None
     users = raw.get("users") if isinstance(raw, dict) else None

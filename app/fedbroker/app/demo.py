@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedbroker.app import tracking
-from fedbroker.app.progress import follow
+from fedbroker.app.progress import run_tracked
 from fedbroker.errors import ConfigError, ConfigErrors, FedbrokerError
 from fedbroker.job.spec import JobSpec, ModelSpec, TrainingConfig, parse_job
 
@@ -391,8 +391,6 @@ def centralized_baseline(options: DemoOptions, model_spec: ModelSpec, training: 
 
 def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the federation, then the pooled baseline; write results.json and accuracy.png, print the table."""
-    from tqdm import tqdm
-
     from fedbroker.datasets import load_dataset
 
     check_options(options)  # the demo's own options first, by their flags, before a run folder exists
@@ -414,23 +412,11 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     print(f"fedbroker demo: {options.workers} workers, {demo_versions(options)} {unit}, {options.dataset} ({split}), "
           f"batch {options.batch_size}, {options.local_epochs} local epoch(s), DP {privacy}, "
           f"bus: {'RabbitMQ' if options.broker else 'in-process'}; run folder {run_dir}")
-    cluster = Cluster(options, run_dir)
+    params = {f"demo.{k}": v if isinstance(v, str) else json.dumps(v) for k, v in vars(options).items()
+              if k not in ("broker", "out", "run_id", "track", "experiment")}
     started = time.time()
-    try:
-        cluster.start()
-        client = cluster.client()
-        job_id = client.submit(json.dumps(job))
-        tracker = tracking.start(options.track, client, job_id, experiment=options.experiment, params={
-            f"demo.{k}": v if isinstance(v, str) else json.dumps(v) for k, v in vars(options).items()
-            if k not in ("broker", "out", "run_id", "track", "experiment")})
-        observe = None if tracker is None else (lambda: tracker.sync(client))
-        status = follow(client, job_id, cluster, tqdm, observe=observe)
-        tracking.end(tracker, client)
-        client.close()
-    finally:
-        cluster.stop()
-    if tracker is not None:
-        print(f"tracked in MLflow run {tracker.run_id} at {tracker.uri}")
+    job_id, status = run_tracked(Cluster(options, run_dir), json.dumps(job), track=options.track,
+                                 experiment=options.experiment, params=params)
     job_row = status.jobs[0]
     print("training the centralised (pooled data, no DP) baseline ...")
     baseline = centralized_baseline(options, spec.model, pooled)

@@ -86,11 +86,8 @@ def _when(unix: float) -> str:
 
 def cmd_list(args: argparse.Namespace) -> int:
     """`jobs list`: every job the coordinator holds, one row each."""
-    c = client(args)
-    try:
+    with client(args) as c:
         jobs = list(c.status("").jobs)
-    finally:
-        c.close()
     if args.json:
         print(json.dumps([as_dict(j) for j in jobs], indent=2))
     else:
@@ -102,12 +99,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     """`jobs show ID`: the job's settings, its rounds and the workers it asked."""
-    c = client(args)
-    try:
+    with client(args) as c:
         status = c.status(args.job_id)
         shared = [e for e in c.events(args.job_id) if e.kind in SHARE_EVENTS]
-    finally:
-        c.close()
     (job,) = status.jobs
     spec = json.loads(job.spec_json or "{}")
     secure_n = secure_round_size(spec, status.rounds)
@@ -207,11 +201,8 @@ def job_workers(status: Any) -> str:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """`jobs cancel ID`: ask the coordinator to stop a job you submitted; it answers whether it has stopped yet."""
-    c = client(args)
-    try:
+    with client(args) as c:
         status = c.cancel(args.job_id)
-    finally:
-        c.close()
     if args.json:
         print(json.dumps({"job_id": args.job_id, "status": status}))
     elif status == "cancelled":
@@ -276,13 +267,11 @@ def event_printer(c: Any, job_id: str, *, as_json: bool) -> Callable[[Any], None
 
 def cmd_logs(args: argparse.Namespace) -> int:
     """`jobs logs ID [--follow]`: the job's events, one line (or JSON object) each."""
-    c = client(args)
-    try:
-        print_events(c, args.job_id, as_json=args.json, follow=args.follow)
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        c.close()
+    with client(args) as c:
+        try:
+            print_events(c, args.job_id, as_json=args.json, follow=args.follow)
+        except KeyboardInterrupt:
+            return 130
     return 0
 
 
@@ -314,13 +303,10 @@ def cmd_download(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():  # refused before the download, not as a traceback after it
         raise ConfigError("--out", f"{out} is a file; give a folder (it is created if missing)")
-    c = client(args)
-    try:
+    with client(args) as c:
         chosen = best(c.status(args.job_id), args.job_id) if args.best else None
         header, tensors = c.download(args.job_id, chosen[0] if chosen else args.round or 0)
         (job,) = c.status(args.job_id).jobs
-    finally:
-        c.close()
     files = write_model(Path(args.out), header, tensors, job.spec_json)
     if chosen:
         print(f"round {chosen[0]} is the best by {chosen[2]} accuracy ({chosen[1]:.4f})", file=sys.stderr)

@@ -137,3 +137,28 @@ def follow(client: Any, job_id: str, cluster: Any, tqdm: Any, *, stream: IO[str]
             time.sleep(poll_s)
     finally:
         view.close()
+
+
+def run_tracked(cluster: Any, job_text: str, *, track: str | None, experiment: str,
+                params: dict[str, str]) -> tuple[str, pb.StatusReply]:
+    """The demo's and simulate's run: start `cluster`, submit the job, follow it to its end (logged to MLflow
+    with `track`: `fedbroker.app.tracking.start`) and stop the cluster whatever happened. The job's id and its
+    final status."""
+    from tqdm import tqdm
+
+    from fedbroker.app import tracking
+
+    try:
+        cluster.start()
+        client = cluster.client()
+        job_id: str = client.submit(job_text)
+        tracker = tracking.start(track, client, job_id, experiment=experiment, params=params)
+        observe = None if tracker is None else (lambda: tracker.sync(client))
+        status = follow(client, job_id, cluster, tqdm, observe=observe)
+        tracking.end(tracker, client)
+        client.close()
+    finally:
+        cluster.stop()
+    if tracker is not None:
+        print(f"tracked in MLflow run {tracker.run_id} at {tracker.uri}")
+    return job_id, status

@@ -30,7 +30,7 @@ from fedbroker.app.demo import (
     plot,
     print_table,
 )
-from fedbroker.app.progress import dp_policy, follow
+from fedbroker.app.progress import dp_policy, run_tracked
 from fedbroker.app.unfilled import refuse_unfilled
 from fedbroker.config import DPPolicy, WorkerConfig, load_config
 from fedbroker.errors import ConfigError, ConfigErrors
@@ -131,8 +131,6 @@ def check_simulation(options: SimulateOptions, job: JobSpec, data: Any) -> None:
 
 def run_simulation(options: SimulateOptions) -> dict[str, Any]:
     """Run the job on the simulated workers; each round scored on the held-out data, as the demo reports."""
-    from tqdm import tqdm
-
     from fedbroker.datasets import load_worker_data, train_test_split
     from fedbroker.job.submission import accept_job_text
 
@@ -162,20 +160,8 @@ def run_simulation(options: SimulateOptions) -> dict[str, Any]:
     cluster = SimulationCluster(demo, run_dir, data=data_config, category=job.category,
                                 own_policy=bool(options.worker_config))
     started = time.time()
-    try:
-        cluster.start()
-        client = cluster.client()
-        job_id = client.submit(text)
-        tracker = tracking.start(options.track, client, job_id, experiment=options.experiment,
+    job_id, status = run_tracked(cluster, text, track=options.track, experiment=options.experiment,
                                  params=simulation_params(options))
-        observe = None if tracker is None else (lambda: tracker.sync(client))
-        status = follow(client, job_id, cluster, tqdm, observe=observe)
-        tracking.end(tracker, client)
-        client.close()
-    finally:
-        cluster.stop()
-    if tracker is not None:
-        print(f"tracked in MLflow run {tracker.run_id} at {tracker.uri}")
     accuracy = score_rounds(run_dir / "coordinator" / "checkpoints", job_id, test)
     print("training the centralised (pooled data, no DP) baseline ...")
     baseline = pooled_baseline(job, train, test, seed=options.seed)

@@ -98,22 +98,16 @@ def log_line(r: Any) -> str:
 
 def cmd_list(args: argparse.Namespace) -> int:
     """`sites list`: every site that ever registered."""
-    c = client(args)
-    try:
+    with client(args) as c:
         reply = c.list_sites()
-    finally:
-        c.close()
     print(json.dumps([as_dict(s) for s in reply.sites], indent=2) if args.json else list_table(reply))
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     """`sites show NAME`: one site (an unknown name exits 1 with the sites there are)."""
-    c = client(args)
-    try:
+    with client(args) as c:
         reply = c.site_detail(args.site)
-    finally:
-        c.close()
     print(json.dumps(as_dict(reply), indent=2) if args.json else show_text(reply))
     return 0
 
@@ -136,14 +130,12 @@ def follow_logs(c: Any, site: str, *, follow: bool, limit: int, sleep: Callable[
 
 def cmd_logs(args: argparse.Namespace) -> int:
     """`sites logs NAME [--follow]`: the warnings and errors the site forwarded, one line (or JSON object) each."""
-    c = client(args)
-    try:
-        for r in follow_logs(c, args.site, follow=args.follow, limit=args.limit):
-            print(json.dumps({**as_dict(r), "site": args.site}) if args.json else log_line(r), flush=True)
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        c.close()
+    with client(args) as c:
+        try:
+            for r in follow_logs(c, args.site, follow=args.follow, limit=args.limit):
+                print(json.dumps({**as_dict(r), "site": args.site}) if args.json else log_line(r), flush=True)
+        except KeyboardInterrupt:
+            return 130
     return 0
 
 

@@ -61,8 +61,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         raise ConfigError("--track", "needs --follow or --wait (it logs the job while staying with it); to track a "
                                      "job without staying, run `fedbroker jobs track ID --follow`")
     tracking.check_store(args.track, experiment=args.experiment)  # MLflow missing or its store unreachable: refused before the job travels
-    c = client(args)
-    try:
+    with client(args) as c:
         reply = c.submit_job(text)
         job_id = reply.job_id
         warnings = [*reply.warnings, *service_warnings(c, job, job_id)]
@@ -80,8 +79,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
             if tracker is not None:  # stderr: stdout stays the id (and, with --json, JSON lines only)
                 print(f"fedbroker submit: tracking in MLflow run {tracker.run_id} at {tracker.uri}", file=sys.stderr)
             return _stay(c, job_id, as_json=args.json, quiet=args.wait, tracker=tracker)
-    finally:
-        c.close()
     return 0
 
 

@@ -480,16 +480,14 @@ def cmd_track(args: argparse.Namespace) -> int:
     from fedbroker.app.jobs import client
 
     check_store(args.uri or "")
-    c = client(args)
-    try:
-        (job,) = c.status(args.job_id).jobs
-        tracker = JobTracker.open(args.uri or None, job=job, experiment=args.experiment)
-        logged = track(c, tracker, follow=args.follow)
-        (job,) = c.status(args.job_id).jobs
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        c.close()
+    with client(args) as c:
+        try:
+            (job,) = c.status(args.job_id).jobs
+            tracker = JobTracker.open(args.uri or None, job=job, experiment=args.experiment)
+            logged = track(c, tracker, follow=args.follow)
+            (job,) = c.status(args.job_id).jobs
+        except KeyboardInterrupt:
+            return 130
     steps = max((max(s) for s in tracker.logged.values() if s), default=0)
     if args.json:
         print(json.dumps({"job_id": job.job_id, "status": job.status, "run_id": tracker.run_id,

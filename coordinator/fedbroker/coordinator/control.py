@@ -19,6 +19,7 @@ import logging
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from fedbroker.bus.base import check_name
 from fedbroker.config import DPPolicy
@@ -159,21 +160,11 @@ def _bound(workers: Mapping[str, frozenset[str]]) -> frozenset[str]:
 
 def check_control(env: pb.Envelope) -> None:
     """Raise `InvalidControlMessage` naming every problem of a decoded registration, heartbeat or outcome."""
-    kind = env.WhichOneof("message")
-    if kind == "registration":
-        problems = _registration_problems(env.registration)
-    elif kind == "heartbeat":
-        problems = _heartbeat_problems(env.heartbeat)
-    elif kind == "task_outcome":
-        problems = _outcome_problems(env.task_outcome)
-    elif kind == "share_reply":
-        problems = _share_reply_problems(env.share_reply)
-    elif kind == "evaluation_report":
-        problems = _evaluation_problems(env.evaluation_report)
-    elif kind == "site_log":
-        problems = _site_log_problems(env.site_log)
-    else:
+    kind = env.WhichOneof("message") or ""
+    check = _CHECKS.get(kind)
+    if check is None:
         return
+    problems = check(getattr(env, kind))
     if problems:
         raise InvalidControlMessage(kind, problems)
 
@@ -324,3 +315,14 @@ def _site_log_problems(r: pb.SiteLog) -> list[str]:
     if r.dropped_before < 0:
         out.append(f"dropped_before: must be >= 0, got {r.dropped_before}")
     return out
+
+
+# check_control's checks, by the Envelope field each reads (a kind not named here is not checked).
+_CHECKS: dict[str, Callable[[Any], list[str]]] = {
+    "registration": _registration_problems,
+    "heartbeat": _heartbeat_problems,
+    "task_outcome": _outcome_problems,
+    "share_reply": _share_reply_problems,
+    "evaluation_report": _evaluation_problems,
+    "site_log": _site_log_problems,
+}

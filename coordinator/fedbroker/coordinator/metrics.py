@@ -26,6 +26,7 @@ import fedbroker.metrics  # noqa: F401  (the shared gRPC and broker metrics belo
 from fedbroker.coordinator.control import INVALID_REASONS, SENDER_REASONS
 from fedbroker.coordinator.records import JobStatus, WorkerRecord
 from fedbroker.coordinator.store import StateStore
+from fedbroker.metrics import zeroed
 from fedbroker.proto import fedbroker_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -62,17 +63,16 @@ CONTROL_REJECTED = Counter(
     "fedbroker_coordinator_control_messages_rejected_total",
     "Control-queue messages dead-lettered because they could not be decoded or checked, or because their broker "
     "user may not speak for their worker (unidentified_sender, foreign_sender), by reason.", ["reason"])
-EPSILON_JUMPS = Counter(
+EPSILON_JUMPS = zeroed(Counter(
     "fedbroker_coordinator_epsilon_jumps_refused_total",
     "Task outcomes whose ε claim for a job was above what the job's tasks to their worker were priced at: the "
-    "claim is refused, never stored, by message (a site's own total is advisory, never stored).", ["message"])
-EPSILON_JUMPS.labels("task_outcome")
-EPSILON_DECREASES = Counter(
+    "claim is refused, never stored, by message (a site's own total is advisory, never stored).", ["message"]),
+    "task_outcome")
+EPSILON_DECREASES = zeroed(Counter(
     "fedbroker_coordinator_epsilon_decreases_total",
     "Registrations and heartbeats that reported a lower ε than recorded for their worker (a lost or replaced "
-    "ledger; the claim is never stored), by message.", ["message"])
-for _message in ("registration", "heartbeat"):
-    EPSILON_DECREASES.labels(_message)
+    "ledger; the claim is never stored), by message.", ["message"]),
+    "registration", "heartbeat")
 STRAGGLERS = Counter(
     "fedbroker_coordinator_stragglers_total",
     "Selected workers that neither uploaded nor answered before their round closed, per job.", ["job_id"])
@@ -136,6 +136,11 @@ JOB_COUNTERS = (ROUNDS_STARTED, ROUNDS_COMPLETED, ROUNDS_FAILED, STRAGGLERS)
 TASK_STATUSES = tuple(name.lower() for name, number in pb.TaskOutcome.Status.items() if number)
 JOB_REJECTION_REASONS = ("invalid_config", "unauthenticated", "permission_denied")
 CONTROL_REJECTION_REASONS = ("malformed_message", *INVALID_REASONS.values(), *SENDER_REASONS)
+zeroed(TASK_OUTCOMES, *TASK_STATUSES)
+zeroed(JOBS_REJECTED, *JOB_REJECTION_REASONS)
+zeroed(CONTROL_REJECTED, *CONTROL_REJECTION_REASONS)
+zeroed(EVALUATION_REPORTS_REFUSED, *EVALUATION_REFUSAL_REASONS)
+zeroed(SITE_LOG_RECORDS, *SITE_LOG_OUTCOMES)
 # Jobs that need their category's workers (the category gauges count them).
 _WAITING = (JobStatus.PENDING, JobStatus.RUNNING)
 # How long a scrape waits for the broker's count of dead letters before it leaves the series out.
@@ -146,22 +151,6 @@ def job_started(job_id: str) -> None:
     """Create the job's counter series at 0, so its first round counted is an increase Prometheus sees."""
     for counter in JOB_COUNTERS:
         counter.labels(job_id)
-
-
-def _initialise_fixed_labels() -> None:
-    for status in TASK_STATUSES:
-        TASK_OUTCOMES.labels(status)
-    for reason in JOB_REJECTION_REASONS:
-        JOBS_REJECTED.labels(reason)
-    for reason in CONTROL_REJECTION_REASONS:
-        CONTROL_REJECTED.labels(reason)
-    for reason in EVALUATION_REFUSAL_REASONS:
-        EVALUATION_REPORTS_REFUSED.labels(reason)
-    for outcome in SITE_LOG_OUTCOMES:
-        SITE_LOG_RECORDS.labels(outcome)
-
-
-_initialise_fixed_labels()
 
 
 class DeadLetters(Protocol):

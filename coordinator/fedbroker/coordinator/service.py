@@ -18,7 +18,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.checkpoints import load_checkpoint
@@ -30,7 +29,6 @@ from fedbroker.coordinator.site_views import list_sites_reply, site_detail_reply
 from fedbroker.errors import ConfigError, FedbrokerError, NotFound, Rejection, UploadRejected
 from fedbroker.job.spec import JobSpec
 from fedbroker.job.submission import accept_job_text
-from fedbroker.metrics import GrpcMetricsInterceptor
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import codec
@@ -40,11 +38,12 @@ from fedbroker.rpc.auth import (
     ROLE_WORKER,
     ClientSecurity,
     Identity,
+    SecuredClient,
     ServerAuth,
     ServerTLS,
     TokenLookup,
 )
-from fedbroker.rpc.live_auth import add_port, revocation_interceptors
+from fedbroker.rpc.live_auth import front_interceptors, start_serving
 from fedbroker.rpc.plumbing import CHANNEL_OPTIONS, abort, handle
 
 SERVICE_NAME = "fedbroker.v1.Coordinator"
@@ -251,33 +250,19 @@ def status_reply(coordinator: Coordinator, job_id: str = "") -> pb.StatusReply:
 def serve(coordinator: Coordinator, *, address: str = "127.0.0.1:0", tokens: TokenLookup | None = None,
           tls: ServerTLS | None = None) -> tuple[grpc.Server, int]:
     """`tokens`: authenticate every call (None = authentication off); `tls`: serve TLS instead of plaintext."""
-    interceptors: list[grpc.ServerInterceptor] = [
-        GrpcMetricsInterceptor(), *revocation_interceptors(tls, service=SERVICE_NAME, on_reject=_count_refusal)]
-    auth = None
-    if tokens is not None:
-        auth = ServerAuth(tokens, PERMISSIONS, service=SERVICE_NAME, on_reject=_count_refusal)
-        interceptors.append(auth)
+    interceptors, auth = front_interceptors(tls, tokens, service=SERVICE_NAME, permissions=PERMISSIONS,
+                                            on_reject=_count_refusal)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS,
                          interceptors=interceptors)
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator, auth), server)
-    health_servicer = health.HealthServicer()  # Kubernetes' native gRPC probes ask this
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = add_port(server, address, tls)
-    if port == 0:
-        raise OSError(f"could not bind the coordinator service to {address}")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, port
+    return server, start_serving(server, address, tls, service=SERVICE_NAME)
 
 
-class CoordinatorClient:
+class CoordinatorClient(SecuredClient):
     """The coordinator's gRPC API as the CLI uses it; every call carries this client's token (if any)."""
 
     def __init__(self, target: str, *, timeout_s: float = 30.0, security: ClientSecurity | None = None) -> None:
-        security = security or ClientSecurity()
-        self._channel = security.channel(target, CHANNEL_OPTIONS)
-        self._md = security.metadata()
+        super().__init__(target, security)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self.timeout_s = timeout_s
 
@@ -341,7 +326,4 @@ class CoordinatorClient:
                                                       timeout=self.timeout_s, metadata=self._md)
         return reply
 
-    def close(self) -> None:
-        """Close the channel."""
-        self._channel.close()
 

@@ -22,7 +22,10 @@ class FakeClient:
     def events(self, _job_id: str) -> list[Any]:
         return []
 
-    def close(self) -> None:
+    def __enter__(self) -> FakeClient:  # the CLI holds its client in a `with` block
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         pass
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -100,6 +100,18 @@ class _Problems:
             self.add(where, what)
         return cond
 
+    def entries(self, raw: object, section: str, problem: str, *,
+                allow_empty: bool) -> Iterator[tuple[str, Mapping[Any, Any]]]:
+        """A list section's entries, each a mapping with its field path (`sites[0]`); `problem` when the section
+        is not a list (or is empty, unless `allow_empty`), and an entry that is not a mapping is one too."""
+        if not isinstance(raw, list) or not (raw or allow_empty):
+            self.add(section, problem)
+            return
+        for i, entry in enumerate(raw):
+            where = f"{section}[{i}]"
+            if self.need(isinstance(entry, Mapping), where, "must be a mapping with a name"):
+                yield where, entry
+
     def known_keys(self, section: Mapping[Any, Any], prefix: str, known: set[str]) -> None:
         """A setting this file does not know is a typo, never silently ignored."""
         for key in section:
@@ -181,14 +193,8 @@ def _parse_server(server: object, check: _Problems) -> _Server:
 
 def _parse_sites(raw_sites: object, check: _Problems) -> list[Site]:
     """The data owners; each one's worker settings loaded as its worker will load them."""
-    if not isinstance(raw_sites, list) or not raw_sites:
-        check.add("sites", "must list at least one data-owner site")
-        return []
     sites: list[Site] = []
-    for i, s in enumerate(raw_sites):
-        where = f"sites[{i}]"
-        if not check.need(isinstance(s, Mapping), where, "must be a mapping with a name"):
-            continue
+    for where, s in check.entries(raw_sites, "sites", "must list at least one data-owner site", allow_empty=False):
         check.known_keys(s, f"{where}.", _SITE_KEYS)
         sname = s.get("name")
         check.need(_is_name(sname), f"{where}.name", f"{_NAME_RULE} (it is the worker's id)")
@@ -208,14 +214,8 @@ def _parse_sites(raw_sites: object, check: _Problems) -> list[Site]:
 
 def _parse_scientists(raw_people: object, check: _Problems) -> list[Person]:
     """The data scientists and their roles."""
-    if not isinstance(raw_people, list):
-        check.add("scientists", "must be a list")
-        return []
     people: list[Person] = []
-    for i, p in enumerate(raw_people):
-        where = f"scientists[{i}]"
-        if not check.need(isinstance(p, Mapping), where, "must be a mapping with a name"):
-            continue
+    for where, p in check.entries(raw_people, "scientists", "must be a list", allow_empty=True):
         pname, role = p.get("name"), p.get("role", ROLE_SUBMITTER)
         check.need(_is_name(pname), f"{where}.name", _NAME_RULE)
         check.need(role in (ROLE_SUBMITTER, ROLE_VIEWER), f"{where}.role",
