@@ -16,6 +16,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import numpy as np
 
@@ -32,6 +33,9 @@ from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc import codec
 from fedbroker.secagg import PublicKeys, SecAggError, UnmaskRequest
 from fedbroker.secagg.secure_round import WAITING_CALLS
+
+T = TypeVar("T")
+V = TypeVar("V")
 
 log = logging.getLogger(__name__)
 
@@ -96,48 +100,42 @@ class SecureRounds:
         session.advertise(request.worker_id, keys, int(request.num_samples), raw)
         return session
 
-    def roster(self, request: pb.SecWaitRequest) -> Roster | None:
-        """The worker's peers and weight share, or None while the roster is not fixed."""
+    def _wait(self, request: pb.SecWaitRequest, step: Callable[[SecureSession, str, float], T]) -> T:
+        """One long poll of the worker's round: `step(session, worker, wait_s)` within the service's hold."""
         session = self._session(request.job_id, request.round, request.worker_id)[1]
         with self._hold(request.wait_s) as wait_s:
-            return session.roster(request.worker_id, wait_s)
+            return step(session, request.worker_id, wait_s)
+
+    def roster(self, request: pb.SecWaitRequest) -> Roster | None:
+        """The worker's peers and weight share, or None while the roster is not fixed."""
+        return self._wait(request, SecureSession.roster)
 
     def share(self, request: pb.SecShareRequest) -> None:
         """Route the worker's sealed shares."""
         _, session = self._session(request.job_id, request.round, request.worker_id)
-        ciphertexts = {c.peer: bytes(c.data) for c in request.ciphertexts}
-        if len(ciphertexts) != len(request.ciphertexts):
-            raise UploadRejected(Rejection.BAD_HEADER, f"worker {request.worker_id!r} names a peer twice")
+        ciphertexts = _one_each(request.worker_id, [(c.peer, bytes(c.data)) for c in request.ciphertexts])
         session.share(request.worker_id, ciphertexts)
 
     def inbox(self, request: pb.SecWaitRequest) -> dict[str, bytes] | None:
         """The sealed shares for the worker, or None while the inboxes are not fixed."""
-        session = self._session(request.job_id, request.round, request.worker_id)[1]
-        with self._hold(request.wait_s) as wait_s:
-            return session.inbox(request.worker_id, wait_s)
+        return self._wait(request, SecureSession.inbox)
 
     def verify(self, request: pb.SecVerifyRequest) -> frozenset[str] | None:
         """The senders whose shares failed at the worker in; the round's excluded senders out, None while open."""
         session = self._session(request.job_id, request.round, request.worker_id)[1]
-        failed = {c.peer: c.reason[:200] for c in request.failed}
-        if len(failed) != len(request.failed):
-            raise UploadRejected(Rejection.BAD_HEADER, f"worker {request.worker_id!r} names a peer twice")
+        failed = _one_each(request.worker_id, [(c.peer, c.reason[:200]) for c in request.failed])
         with self._hold(request.wait_s) as wait_s:
             return session.verify(request.worker_id, failed, wait_s)
 
     def survivors(self, request: pb.SecWaitRequest) -> UnmaskRequest | None:
         """Whose shares the worker must send, or None while the round is open."""
-        session = self._session(request.job_id, request.round, request.worker_id)[1]
-        with self._hold(request.wait_s) as wait_s:
-            return session.survivors(request.worker_id, wait_s)
+        return self._wait(request, SecureSession.survivors)
 
     def unmask(self, request: pb.SecUnmaskRequest) -> None:
         """A survivor's shares for the close."""
         _, session = self._session(request.job_id, request.round, request.worker_id)
-        shares = {s.peer: bytes(s.share) for s in request.shares}
-        if len(shares) != len(request.shares):
-            raise UploadRejected(Rejection.BAD_HEADER, f"worker {request.worker_id!r} names a peer twice")
-        session.unmask(request.worker_id, shares)
+        session.unmask(request.worker_id, _one_each(request.worker_id, [(v.peer, bytes(v.share))
+                                                                         for v in request.shares]))
 
     # ----- the masked upload -----
 
@@ -204,3 +202,11 @@ class SecureRounds:
                                     chosen=len(result.survivors))
         return Combined(list(result.survivors), raw / raw.sum(), spec, state, stats, selection, [],
                         excluded=sorted(session.excluded))
+
+
+def _one_each(worker_id: str, by_peer: list[tuple[str, V]]) -> dict[str, V]:
+    """A worker's per-peer values (shares, complaints), refused when it names a peer twice."""
+    out = dict(by_peer)
+    if len(out) != len(by_peer):
+        raise UploadRejected(Rejection.BAD_HEADER, f"worker {worker_id!r} names a peer twice")
+    return out
