@@ -37,7 +37,7 @@ def _k8s_base() -> Path:
     for location in (spec.submodule_search_locations or []) if spec else []:
         if Path(location, "kustomization.yaml").is_file():
             return Path(location)
-    return Path(__file__).resolve().parents[3] / "deploy" / "k8s" / "base"  # a checkout on PYTHONPATH only
+    return Path(__file__).resolve().parents[4] / "deploy" / "k8s" / "base"  # a checkout on PYTHONPATH only
 
 
 BASE = _k8s_base()
