@@ -32,18 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from fedbroker.config import DPPolicy
-from fedbroker.coordinator.records import (
-    FINISHED,
-    EventRecord,
-    JobRecord,
-    JobStatus,
-    ParticipantRecord,
-    ParticipantStatus,
-    RoundRecord,
-    RoundStatus,
-    WorkerRecord,
-    WorkerState,
-)
+from fedbroker.coordinator.records import EventRecord, JobRecord, ParticipantRecord, RoundRecord, WorkerRecord
 from fedbroker.coordinator.schema import user_version
 from fedbroker.coordinator.state_dir import StateDirLock, owner_only
 from fedbroker.coordinator.store_epsilon import PRICED, EpsilonTables
@@ -53,6 +42,7 @@ from fedbroker.coordinator.store_schema import SCHEMA
 from fedbroker.coordinator.store_shares import ShareTables
 from fedbroker.coordinator.store_sites import SiteTables
 from fedbroker.errors import Unavailable
+from fedbroker.job.status import FINISHED, JobStatus, ParticipantStatus, RoundStatus, WorkerState
 from fedbroker.retry import Backoff, retry_call
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fedbroker.coordinator.records import EpsilonCorrection, JobStatus, ParticipantStatus, SiteJobRecord
+from fedbroker.coordinator.records import EpsilonCorrection, SiteJobRecord
+from fedbroker.job.status import JobStatus, ParticipantStatus
 
 T = TypeVar("T")
 
