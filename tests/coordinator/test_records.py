@@ -9,15 +9,9 @@ from pathlib import Path
 import pytest
 
 from fedbroker.config import DPPolicy
-from fedbroker.coordinator.records import (
-    JobRecord,
-    JobStatus,
-    ParticipantStatus,
-    RoundStatus,
-    WorkerRecord,
-    WorkerState,
-)
+from fedbroker.coordinator.records import JobRecord, WorkerRecord
 from fedbroker.coordinator.store import StateStore
+from fedbroker.job.status import JobStatus, ParticipantStatus, RoundStatus, WorkerState
 
 POLICY = DPPolicy(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budget=3.0)
 

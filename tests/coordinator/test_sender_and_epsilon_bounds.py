@@ -17,11 +17,11 @@ from fedbroker.bus import InProcessBus, envelope
 from fedbroker.config import DPPolicy, load_config
 from fedbroker.coordinator.control import ForeignSender, SenderBinding
 from fedbroker.coordinator.participants import EpsilonBounds
-from fedbroker.coordinator.records import ParticipantStatus
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.store import StateStore
 from fedbroker.errors import ConfigError
 from fedbroker.job.spec import TrainingConfig
+from fedbroker.job.status import ParticipantStatus
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc.aggregation_client import AggregatorClient
 

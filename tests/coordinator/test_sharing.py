@@ -21,12 +21,12 @@ from fedbroker.aggregators.service import serve
 from fedbroker.bus import InProcessBus, envelope
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.checkpoints import load_checkpoint
-from fedbroker.coordinator.records import JobStatus
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.sharing import MIN_STD_FRACTION, receive_reply, standardized
 from fedbroker.coordinator.store import StateStore
 from fedbroker.coordinator.store_shares import SharePhaseRecord, ShareRecord, ShareStatus
 from fedbroker.job.spec import parse_job, parse_model
+from fedbroker.job.status import JobStatus
 from fedbroker.label_stats import reported_ish
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc.aggregation_client import AggregatorClient

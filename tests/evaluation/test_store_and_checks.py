@@ -12,7 +12,8 @@ import pytest
 
 from fedbroker.coordinator.control import InvalidControlMessage, check_control
 from fedbroker.coordinator.store import StateStore
-from fedbroker.coordinator.store_evaluation import EvaluationStatus, EvaluationVerdict
+from fedbroker.coordinator.store_evaluation import EvaluationVerdict
+from fedbroker.job.status import EvaluationStatus
 from fedbroker.proto import fedbroker_pb2 as pb
 
 

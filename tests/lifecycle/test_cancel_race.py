@@ -14,11 +14,12 @@ import pytest
 
 from fedbroker.bus import open_bus
 from fedbroker.config import DPPolicy
-from fedbroker.coordinator.records import JobRecord, JobStatus
+from fedbroker.coordinator.records import JobRecord
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.store import StateStore
 from fedbroker.errors import Conflict
 from fedbroker.job.spec import parse_job
+from fedbroker.job.status import JobStatus
 from fedbroker.rpc.aggregation_client import AggregatorClient
 from tests.lifecycle.test_jobs import JOB
 

@@ -121,6 +121,9 @@ def test_a_folder_without_a_record_is_refused_by_name(tmp_path):
     (lambda doc: doc["project"]["server"].pop("host"), "is damaged: KeyError\\('host'\\)"),
     (lambda doc: doc.update(version=99), "is version 99"),
     (lambda doc: doc.update(format="other"), "is not a provisioning record"),
+    (lambda doc: doc["participants"][1].update(kind="robot"), "is damaged: .*has an unknown kind 'robot'"),
+    (lambda doc: doc["participants"][1].update(status="paused"), "is damaged: .*'paused' is not a valid Standing"),
+    (lambda doc: doc["ca"][0].update(status="lost"), "is damaged: .*'lost' is not a valid CertificateStatus"),
 ])
 def test_a_damaged_record_is_refused_naming_the_file_and_nothing_changes(kits, damage, message):
     path = kits / state.STATE_FILE
@@ -131,6 +134,22 @@ def test_a_damaged_record_is_refused_naming_the_file_and_nothing_changes(kits, d
     with pytest.raises(ConfigError, match=f"provision-state.json: {message}"):
         lifecycle.revoke(kits, name="alice")
     assert snapshot(kits) == before
+
+
+def test_the_record_reads_its_kinds_and_statuses_as_enums_and_writes_them_back_unchanged(kits):
+    lifecycle.revoke(kits, name="alice")
+    path = kits / state.STATE_FILE
+    written = path.read_bytes()
+    record = state.load(kits)
+    alice, site = record.participants["alice"], record.participants["hospital-a"]
+    assert (alice.kind, alice.status) == (state.Kind.SCIENTIST, state.Standing.REVOKED)
+    assert alice.kind is state.Kind.SCIENTIST and alice.status is state.Standing.REVOKED
+    assert all(c.status is state.CertificateStatus.REVOKED for c in alice.certificates)
+    assert site.kind is state.Kind.SITE and site.status is state.Standing.ACTIVE and site.current()
+    assert [p.name for p in record.active(state.Kind.SCIENTIST)] == ["carol"]
+    state.save(kits, record)
+    assert path.read_bytes() == written   # the file holds the same strings it always did
+    assert json.loads(written)["participants"][0]["kind"] == "server"
 
 
 # ----- add -------------------------------------------------------------------------------------------

@@ -15,11 +15,11 @@ import pytest
 
 from fedbroker.bus import InProcessBus
 from fedbroker.config import DPPolicy
-from fedbroker.coordinator.records import JobStatus, ParticipantStatus
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.service import CoordinatorClient, serve
 from fedbroker.coordinator.store import StateStore
 from fedbroker.errors import Rejection
+from fedbroker.job.status import JobStatus, ParticipantStatus
 from fedbroker.rpc.aggregation_client import AggregatorClient
 from fedbroker.rpc.auth import ClientSecurity
 from fedbroker.rpc.plumbing import reason_of

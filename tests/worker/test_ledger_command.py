@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from fedbroker.app.cli import main
-from fedbroker.app.ledger import LEDGER_ABOVE, LEDGER_BELOW, compare
+from fedbroker.app.ledger import Agreement, compare
 from fedbroker.worker.ledger import PrivacyLedger
 
 POLICY = {"enabled": True, "noise_multiplier": 1.1, "epsilon_budget": 10.0, "delta": 1e-5}
@@ -187,13 +187,13 @@ def test_the_ledger_and_the_coordinators_record_are_compared_in_total_and_per_jo
     # the total sums in another order: float slack is no disagreement
     assert compare(local(0.1 + 0.2 + 0.3), remote(0.3 + 0.2 + 0.1))["status"] == "agree"
     lost = compare(local(1.0, a=1.0), remote(3.0, a=1.0, b=2.0))
-    assert lost["status"] == LEDGER_BELOW and "lost or replaced ledger" in lost["message"]
+    assert lost["status"] == Agreement.LEDGER_BELOW and "lost or replaced ledger" in lost["message"]
     assert [(r["job_id"], r["status"]) for r in lost["jobs"]] == [("a", "agree"), ("b", "coordinator_only")]
     older = compare(local(3.0, a=1.0, b=1.5), remote(3.0, a=1.0, b=2.0))  # a job's ε fell: an older copy
-    assert older["status"] == LEDGER_BELOW and "short for job(s) b" in older["message"]
+    assert older["status"] == Agreement.LEDGER_BELOW and "short for job(s) b" in older["message"]
     ahead = compare(local(4.0, a=1.5, c=2.0), remote(3.5, a=1.0))
-    assert ahead["status"] == LEDGER_ABOVE and "normal" in ahead["message"]
-    assert [(r["job_id"], r["status"]) for r in ahead["jobs"]] == [("a", LEDGER_ABOVE), ("c", "ledger_only")]
+    assert ahead["status"] == Agreement.LEDGER_ABOVE and "normal" in ahead["message"]
+    assert [(r["job_id"], r["status"]) for r in ahead["jobs"]] == [("a", Agreement.LEDGER_ABOVE), ("c", "ledger_only")]
     asked_only = compare(local(0.0), remote(0.0, refused=0.0))  # asked, never trained: nothing to hold
     assert asked_only["status"] == "agree" and asked_only["jobs"][0]["status"] == "agree"
 

@@ -26,8 +26,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedbroker.app import tracking
 from fedbroker.app.progress import run_tracked
+from fedbroker.app.replies import job_status, participant_status, round_status
 from fedbroker.errors import ConfigError, ConfigErrors, FedbrokerError
 from fedbroker.job.spec import JobSpec, ModelSpec, TrainingConfig, parse_job
+from fedbroker.job.status import REFUSED_OR_FAILED, SENT, JobStatus, RoundStatus
 
 if TYPE_CHECKING:
     from fedbroker.app.launch import CoordinatorProcess
@@ -425,7 +427,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     plot(results, run_dir / "accuracy.png")
     print_table(results)
     print(f"results: {run_dir / 'results.json'}   plot: {run_dir / 'accuracy.png'}")
-    if job_row.status == "failed":
+    if job_status(job_row) is JobStatus.FAILED:
         raise FederationFailed(f"the federation stopped after {job_row.rounds_done} round(s): {job_row.error}")
     return results
 
@@ -433,16 +435,16 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
 def collect_results(status: pb.StatusReply, job_id: str, options: DemoOptions, baseline: float, seconds: float) -> dict[str, Any]:
     """results.json's contents: per round accuracy, losses and ε, the refusals, and a summary."""
     rounds: list[dict[str, Any]] = []
-    for r in (r for r in status.rounds if r.status == "closed"):
+    for r in (r for r in status.rounds if round_status(r) is RoundStatus.CLOSED):
         epsilon = {p.worker_id: round(p.epsilon, 4) for p in status.participants
-                   if p.round == r.round and p.status in ("aggregated", "uploaded") and options.dp}
+                   if p.round == r.round and participant_status(p) in SENT and options.dp}
         rounds.append({"round": r.round, "clients": r.aggregated, "mean_train_loss": round(r.mean_train_loss, 4),
                        "accuracy": round(r.accuracy, 4), "loss": round(r.loss, 4), "epsilon": epsilon,
                        "seconds": round(r.seconds, 2), "model_version": r.model_version,
                        "mean_staleness": round(r.mean_staleness, 2),  # and the sites' own score, if they gave one
                        "site_accuracy": round(r.federated_accuracy, 4) if r.federated_samples else None})
     refusals = [{"round": p.round, "worker": p.worker_id, "status": p.status, "reason": p.reason}
-                for p in status.participants if p.status in ("refused", "failed", "missed")]
+                for p in status.participants if participant_status(p) in REFUSED_OR_FAILED]
     return {
         "job_id": job_id,
         "options": {k: v for k, v in vars(options).items() if k != "broker"},

@@ -19,10 +19,12 @@ import safetensors.numpy
 
 from fedbroker.app.evaluation_view import best, site_table
 from fedbroker.app.model_readme import input_section
+from fedbroker.app.replies import job_status, participant_status, read
 from fedbroker.app.round_notes import event_words
 from fedbroker.app.status import one_line, render, table
 from fedbroker.errors import ConfigError
 from fedbroker.files import write_atomic
+from fedbroker.job.status import FINISHED, REFUSED_OR_FAILED, SENT, JobStatus, ParticipantStatus
 from fedbroker.printable import printable
 from fedbroker.secagg.secure_round import describe as describe_secure
 from fedbroker.secagg.secure_round import round_params
@@ -127,7 +129,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     print("\n".join(f"{k.ljust(width)}  {printable(str(v))}" for k, v in facts))
     print()
     print(render(status, workers=False, waiting=False))
-    noted = [p for p in status.participants if p.status in ("uploaded", "aggregated") and p.reason]
+    noted = [p for p in status.participants if participant_status(p) in SENT and p.reason]
     if noted:  # a robust rule's verdicts (`aggregation.robust`): who it discarded or down-weighted, per round
         print()
         print("UPLOADS WITH A NOTE (e.g. discarded or down-weighted by the robust rule)")
@@ -191,8 +193,9 @@ def job_workers(status: Any) -> str:
     rows: dict[str, list[Any]] = {}
     for p in status.participants:
         row = rows.setdefault(p.worker_id, [p.worker_id, 0, 0, 0.0, 0])
-        row[1] += p.status == "aggregated"
-        row[2] += p.status in ("refused", "failed", "missed")
+        said = participant_status(p)
+        row[1] += said is ParticipantStatus.AGGREGATED
+        row[2] += said in REFUSED_OR_FAILED
         row[3] = max(row[3], p.epsilon)
         row[4] = max(row[4], p.num_samples)
     return table(["worker", "aggregated in", "refused/failed", "ε spent", "samples"],
@@ -205,7 +208,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         status = c.cancel(args.job_id)
     if args.json:
         print(json.dumps({"job_id": args.job_id, "status": status}))
-    elif status == "cancelled":
+    elif read(JobStatus, status) is JobStatus.CANCELLED:
         print(f"job {args.job_id} cancelled")
     else:
         print(f"job {args.job_id}: {status} (`fedbroker jobs logs {args.job_id} --follow` shows when it stops)")
@@ -214,8 +217,6 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def follow_events(c: Any, job_id: str, *, follow: bool) -> Iterator[Any]:
     """The job's events; when following, across the server's stream limit, until the job has ended."""
-    from fedbroker.coordinator.records import FINISHED
-
     after = 0
     while True:
         for event in c.events(job_id, after=after, follow=follow):
@@ -224,7 +225,7 @@ def follow_events(c: Any, job_id: str, *, follow: bool) -> Iterator[Any]:
         if not follow:
             return
         (job,) = c.status(job_id).jobs
-        if job.status in FINISHED:
+        if job_status(job) in FINISHED:
             for event in c.events(job_id, after=after):  # anything written with its final status
                 after = event.seq
                 yield event

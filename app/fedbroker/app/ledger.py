@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import enum
 import json
 import os
 from typing import Any
@@ -33,9 +34,19 @@ from fedbroker.config import Config, load_config
 from fedbroker.errors import ConfigError
 
 KIT_CONFIG = "worker.yaml"   # a site kit's worker config (app/fedbroker/app/provision/kits.py)
-AGREE, LEDGER_BELOW, LEDGER_ABOVE = "agree", "ledger_below", "ledger_above"
-NOT_ASKED, NO_RECORD = "not_asked", "no_record"
 REMOTE_TIMEOUT_S = 15.0
+
+
+class Agreement(enum.StrEnum):
+    """The ledger against the coordinator's record: in total, or for one job (the values `--json` prints)."""
+
+    AGREE = "agree"
+    LEDGER_BELOW = "ledger_below"            # the ledger holds less: lost or replaced (the worker refuses to train)
+    LEDGER_ABOVE = "ledger_above"            # the ledger holds more: ε not yet heard of; normal
+    LEDGER_ONLY = "ledger_only"              # a job only the ledger holds
+    COORDINATOR_ONLY = "coordinator_only"    # a job only the coordinator holds
+    NOT_ASKED = "not_asked"                  # in total: the coordinator was not asked
+    NO_RECORD = "no_record"                  # in total: the coordinator gave no record of this site
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,12 +157,12 @@ def remote_view(site: SiteConfig, target: str) -> dict[str, Any]:
 
 
 def compare(local: dict[str, Any], remote: dict[str, Any] | None) -> dict[str, Any]:
-    """The ledger against the coordinator's record, in total and per job (`status` of each: AGREE, LEDGER_BELOW,
-    LEDGER_ABOVE, or `ledger_only` / `coordinator_only` for a job one side does not hold)."""
+    """The ledger against the coordinator's record, in total and per job (`status` of each: an
+    `Agreement`, LEDGER_ONLY or COORDINATOR_ONLY for a job one side does not hold)."""
     from fedbroker.worker.ledger import below
 
     if remote is None or remote["error"]:
-        return {"status": NOT_ASKED if remote is None else NO_RECORD, "jobs": [],
+        return {"status": Agreement.NOT_ASKED if remote is None else Agreement.NO_RECORD, "jobs": [],
                 "message": "the coordinator was not asked (--remote asks it)" if remote is None
                 else f"the coordinator at {remote['target']} gave no record of this site: {remote['error']}"}
     ours = {j["job_id"]: j["epsilon"] for j in local["jobs"]}
@@ -159,25 +170,26 @@ def compare(local: dict[str, Any], remote: dict[str, Any] | None) -> dict[str, A
     rows = []
     for job_id in [*ours, *(j for j in theirs if j not in ours)]:
         a, b = ours.get(job_id), theirs.get(job_id)
-        state = ("coordinator_only" if a is None else "ledger_only" if b is None
-                 else LEDGER_BELOW if below(a, b) else LEDGER_ABOVE if below(b, a) else AGREE)
-        if state == "coordinator_only" and not b:
-            state = AGREE  # a job it was asked for but never trained in: nothing to hold
+        state = (Agreement.COORDINATOR_ONLY if a is None else Agreement.LEDGER_ONLY if b is None
+                 else Agreement.LEDGER_BELOW if below(a, b) else Agreement.LEDGER_ABOVE if below(b, a)
+                 else Agreement.AGREE)
+        if state is Agreement.COORDINATOR_ONLY and not b:
+            state = Agreement.AGREE  # a job it was asked for but never trained in: nothing to hold
         rows.append({"job_id": job_id, "ledger_epsilon": a, "coordinator_epsilon": b, "status": state})
     # the coordinator records the training it priced, never the site's releases (its heartbeats are advisory)
     total, recorded = local.get("epsilon_training", local["epsilon_total"]), remote["epsilon_recorded"]
-    short = [r["job_id"] for r in rows if r["status"] in (LEDGER_BELOW, "coordinator_only")]
+    short = [r["job_id"] for r in rows if r["status"] in (Agreement.LEDGER_BELOW, Agreement.COORDINATOR_ONLY)]
     if below(total, recorded) or short:
-        status = LEDGER_BELOW
+        status = Agreement.LEDGER_BELOW
         message = (f"the ledger holds less than the coordinator recorded (ε {total:.6g} < {recorded:.6g}"
                    + (f"; short for job(s) {', '.join(short)}" if short else "") + "): a lost or replaced ledger. "
                    "The worker refuses to train until the latest ledger is restored (deploy/OPERATING.md)")
     elif below(recorded, total):
-        status, message = LEDGER_ABOVE, (f"the ledger holds more than the coordinator recorded (ε {total:.6g} > "
-                                         f"{recorded:.6g}): ε it has not heard of yet (a heartbeat away), a release "
-                                         f"drawn again, or jobs of another coordinator; normal")
+        status = Agreement.LEDGER_ABOVE
+        message = (f"the ledger holds more than the coordinator recorded (ε {total:.6g} > {recorded:.6g}): ε it has "
+                   f"not heard of yet (a heartbeat away), a release drawn again, or jobs of another coordinator; normal")
     else:
-        status, message = AGREE, f"the ledger and the coordinator's record agree (ε {total:.6g})"
+        status, message = Agreement.AGREE, f"the ledger and the coordinator's record agree (ε {total:.6g})"
     return {"status": status, "jobs": rows, "message": message}
 
 
@@ -233,7 +245,7 @@ def render(view: dict[str, Any]) -> str:
                      + ("shared per job: " + "; ".join(f"{j}: {', '.join(r['shared'])}" for j, r in coordinator.items()
                                                        if r["shared"]) if any(r["shared"] for r in coordinator.values())
                         else "no shares recorded"))
-    flag = "WARNING: " if view["agreement"]["status"] in (LEDGER_BELOW, NO_RECORD) else ""
+    flag = "WARNING: " if view["agreement"]["status"] in (Agreement.LEDGER_BELOW, Agreement.NO_RECORD) else ""
     lines.append(flag + view["agreement"]["message"])
     return "\n".join(lines)
 
@@ -249,7 +261,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     view = site_view(args)
     print(json.dumps(view, indent=2) if args.json else render(view))
     status = view["agreement"]["status"]
-    return 1 if status == LEDGER_BELOW or (status == NO_RECORD and args.remote) else 0
+    return 1 if status == Agreement.LEDGER_BELOW or (status == Agreement.NO_RECORD and args.remote) else 0
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

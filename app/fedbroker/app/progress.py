@@ -12,10 +12,11 @@ import time
 from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
 
+from fedbroker.app.replies import job_status, round_status
+from fedbroker.job.status import FINISHED, RoundStatus
+
 if TYPE_CHECKING:
     from fedbroker.proto import fedbroker_pb2 as pb
-
-ENDED = ("completed", "failed", "cancelled")
 
 
 def dp_policy(*, enabled: bool, noise_multiplier: float, max_grad_norm: float, delta: float,
@@ -39,7 +40,7 @@ def score(r: Any) -> str:
 
 
 def _round_line(r: Any, total: int) -> str:
-    known = score(r) if r.status == "closed" else ""
+    known = score(r) if round_status(r) is RoundStatus.CLOSED else ""
     score_text = f", {known}" if known else ""
     return (f"round {r.round}/{total} {r.status}: {r.uploaded}/{r.participants} uploads, {r.aggregated} aggregated"
             f"{score_text} ({r.seconds:.1f}s)")
@@ -60,9 +61,10 @@ class _Plain:
 
     def show(self, status: Any, *, asynchronous: bool, total: int) -> None:
         for r in status.rounds:
-            if r.status != "open" and r.round not in self.said:
+            state = round_status(r)
+            if state is not RoundStatus.OPEN and r.round not in self.said:
                 self.said.add(r.round)
-                print(_version_line(r, total) if asynchronous and r.status == "closed" else _round_line(r, total),
+                print(_version_line(r, total) if asynchronous and state is RoundStatus.CLOSED else _round_line(r, total),
                       file=self.stream, flush=True)
 
     def close(self) -> None:
@@ -93,8 +95,9 @@ class _Bars:
                 continue
             if r.uploaded != bar.n:
                 bar.update(r.uploaded - bar.n)
-            if r.status != "open":
-                bar.set_postfix_str(score(r) if r.status == "closed" else r.status)
+            state = round_status(r)
+            if state is not RoundStatus.OPEN:
+                bar.set_postfix_str(score(r) if state is RoundStatus.CLOSED else r.status)
                 bar.close()
                 bar.disable = True
 
@@ -102,7 +105,7 @@ class _Bars:
         if self.versions is None:
             self.versions = self.tqdm(total=total, desc="versions", unit="version", dynamic_ncols=True,
                                       file=self.stream)
-        done = [r for r in status.rounds if r.status == "closed"]
+        done = [r for r in status.rounds if round_status(r) is RoundStatus.CLOSED]
         if len(done) != self.versions.n:
             self.versions.update(len(done) - self.versions.n)
             known = score(done[-1])
@@ -131,7 +134,7 @@ def follow(client: Any, job_id: str, cluster: Any, tqdm: Any, *, stream: IO[str]
             job = status.jobs[0] if status.jobs else None
             if job is not None:
                 view.show(status, asynchronous=job.mode == "async", total=job.rounds_total)
-                if job.status in ENDED:
+                if job_status(job) in FINISHED:
                     reply: pb.StatusReply = status
                     return reply
             time.sleep(poll_s)

@@ -31,10 +31,12 @@ from fedbroker.app.demo import (
     print_table,
 )
 from fedbroker.app.progress import dp_policy, run_tracked
+from fedbroker.app.replies import job_status
 from fedbroker.app.unfilled import refuse_unfilled
 from fedbroker.config import DPPolicy, WorkerConfig, load_config
 from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.job.spec import JobSpec, ModelSpec
+from fedbroker.job.status import JobStatus
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,7 @@ def run_simulation(options: SimulateOptions) -> dict[str, Any]:
     print_table(results)
     print(f"results: {run_dir / 'results.json'}   plot: {run_dir / 'accuracy.png'}")
     row = status.jobs[0]
-    if row.status == "failed":
+    if job_status(row) is JobStatus.FAILED:
         raise FederationFailed(f"the job stopped after {row.rounds_done} round(s): {row.error}")
     return results
 

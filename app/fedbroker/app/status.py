@@ -6,6 +6,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from fedbroker.app.replies import participant_status, round_status
+from fedbroker.job.status import REFUSED_OR_FAILED, RoundStatus
 from fedbroker.printable import printable
 
 DASH = "-"  # a value that does not exist yet (an open round) or at all (a job without an evaluation set)
@@ -41,7 +43,7 @@ def evaluated_jobs(status: Any) -> set[str]:
 
 def scores(r: Any, evaluated: set[str]) -> list[str]:
     """A round's accuracy, test loss and mean train loss; a dash where there is none (never a false 0.0000)."""
-    closed = r.status == "closed"
+    closed = round_status(r) is RoundStatus.CLOSED
     tested = closed and r.job_id in evaluated
     return [f"{r.accuracy:.4f}" if tested else DASH, f"{r.loss:.4f}" if tested else DASH,
             f"{r.mean_train_loss:.4f}" if closed else DASH]
@@ -83,7 +85,7 @@ def render(status: Any, *, workers: bool = True, waiting: bool = True) -> str:
         [[w.worker_id, w.device, "yes" if w.active else "no", f"{w.epsilon_spent:.3f}",
           f"{w.epsilon_budget:g}" if w.epsilon_budget else "no DP", f"{w.last_seen_seconds_ago:.0f}s ago"]
          for w in status.workers])]
-    refused = [p for p in status.participants if p.status in ("refused", "failed", "missed")]
+    refused = [p for p in status.participants if participant_status(p) in REFUSED_OR_FAILED]
     if refused:
         parts += ["", "REFUSALS AND FAILURES", table(["job", "round", "worker", "status", "reason"],
                                                      [[p.job_id, p.round, p.worker_id, p.status, p.reason] for p in refused])]

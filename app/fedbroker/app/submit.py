@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from fedbroker.app import tracking
+from fedbroker.app.replies import job_status
 from fedbroker.errors import ConfigError, FedbrokerError
+from fedbroker.job.status import JobStatus
 
 if TYPE_CHECKING:
     from fedbroker.job.spec import JobSpec
@@ -100,7 +102,7 @@ def _stay(c: Any, job_id: str, *, as_json: bool, quiet: bool, tracker: tracking.
                           "rounds_total": job.rounds_total, "error": job.error}), flush=True)
     elif quiet:
         print(f"job {job_id} {job.status} ({job.rounds_done}/{job.rounds_total})", flush=True)
-    if job.status != "completed":
+    if job_status(job) is not JobStatus.COMPLETED:
         raise JobDidNotComplete(f"job {job_id} {job.status} after {job.rounds_done}/{job.rounds_total}: "
                                 f"{job.error or 'no error recorded'}")
     return 0

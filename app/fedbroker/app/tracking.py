@@ -30,7 +30,9 @@ from urllib.parse import quote
 
 import numpy as np
 
+from fedbroker.app.replies import job_status, participant_status, round_status
 from fedbroker.errors import ConfigError, FedbrokerError
+from fedbroker.job.status import REFUSED_OR_FAILED, SENT, JobStatus, RoundStatus
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -42,7 +44,8 @@ SPEC_ARTIFACT = "job.json"
 MAX_PARAM_CHARS = 6000      # MLflow refuses a longer param value
 PARAMS_PER_BATCH = 100      # MLflow's limits on one log_batch call
 METRICS_PER_BATCH = 1000
-ENDED = {"completed": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}  # job status → MLflow run status
+# A finished job's status → its MLflow run's (each also names the event that says the job ended).
+ENDED = {JobStatus.COMPLETED: "FINISHED", JobStatus.FAILED: "FAILED", JobStatus.CANCELLED: "KILLED"}
 # Events after which the job's status holds something new to log: a round closed, a round's sites' score
 # settled, the job ended.
 TRIGGERS = frozenset({"round_closed", "federated_score", "stopped_early", *ENDED})
@@ -101,7 +104,7 @@ def round_points(doc: dict[str, Any], events: Iterable[dict[str, Any]]) -> list[
     points: list[Point] = []
     for r in doc["rounds"]:
         number = r["round"]
-        if r["status"] != "closed" or number not in closed_at:
+        if round_status(r) is not RoundStatus.CLOSED or number not in closed_at:
             continue
         step = r["model_version"] if asynchronous else number
         values: dict[str, float] = {
@@ -126,8 +129,8 @@ def _participants(rows: Iterable[dict[str, Any]], round_number: int) -> dict[str
     """A round's refusals and failures, and the ε its job had spent on each site that uploaded in it, kept by
     selection or not (the largest and the mean; none without DP)."""
     mine = [p for p in rows if p["round"] == round_number]
-    out: dict[str, float] = {"refused_or_failed": sum(p["status"] in ("refused", "failed", "missed") for p in mine)}
-    spent = [p["epsilon"] for p in mine if p["status"] in ("aggregated", "uploaded") and p["epsilon"] > 0]
+    out: dict[str, float] = {"refused_or_failed": sum(participant_status(p) in REFUSED_OR_FAILED for p in mine)}
+    spent = [p["epsilon"] for p in mine if participant_status(p) in SENT and p["epsilon"] > 0]
     if spent:
         out.update(epsilon_max=max(spent), epsilon_mean=sum(spent) / len(spent))
     return out
@@ -251,14 +254,15 @@ class JobTracker:
         """Once the job has ended: its last global model as the run's `model/` artifact (the files `jobs
         download` writes, their digest a tag), and the run ended with the job's outcome."""
         (job,) = coordinator.status(self.job_id).jobs
-        if job.status not in ENDED:
+        ended = job_status(job)
+        if ended not in ENDED:
             return
         from mlflow.exceptions import MlflowException
 
         try:
             if job.rounds_done and MODEL_DIGEST_TAG not in self.tags:
                 self._log_model(coordinator, job.spec_json)
-            self.client.set_terminated(self.run_id, status=ENDED[job.status],
+            self.client.set_terminated(self.run_id, status=ENDED[ended],
                                        end_time=int(job.updated_unix * 1000) or None)
         except MlflowException as exc:
             raise TrackingError(f"MLflow at {self.uri}: {exc.message}") from None

@@ -38,9 +38,9 @@ from fedbroker.coordinator import federated, metrics
 from fedbroker.coordinator.checkpoints import load_checkpoint, save_checkpoint
 from fedbroker.coordinator.job_context import JobContext
 from fedbroker.coordinator.job_run import JobFailed, Run, Stopped
-from fedbroker.coordinator.records import ParticipantStatus, RoundStatus
 from fedbroker.coordinator.waiting import unaffordable
 from fedbroker.errors import BusError, Rejection
+from fedbroker.job.status import ParticipantStatus, RoundStatus
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.retry import Backoff
 from fedbroker.rpc.plumbing import RemoteError

@@ -13,8 +13,8 @@ from fedbroker.coordinator import metrics
 from fedbroker.coordinator.asynchronous import record_not_aggregated
 from fedbroker.coordinator.job_context import JobContext
 from fedbroker.coordinator.job_run import Stopped
-from fedbroker.coordinator.records import RoundStatus
 from fedbroker.errors import Rejection
+from fedbroker.job.status import RoundStatus
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc.plumbing import RemoteError
 

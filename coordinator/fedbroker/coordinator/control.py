@@ -23,9 +23,9 @@ from typing import Any
 
 from fedbroker.bus.base import check_name
 from fedbroker.config import DPPolicy
-from fedbroker.coordinator.records import WorkerState
 from fedbroker.errors import ConfigError, FedbrokerError
 from fedbroker.job.spec import MAX_WIDTH
+from fedbroker.job.status import WorkerState
 from fedbroker.proto import fedbroker_pb2 as pb
 
 MAX_CATEGORIES = 64

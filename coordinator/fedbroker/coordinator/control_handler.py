@@ -37,11 +37,11 @@ from fedbroker.coordinator.control import (
 from fedbroker.coordinator.events import JobWatcher
 from fedbroker.coordinator.federated import accept_report
 from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, budget_from_heartbeat
-from fedbroker.coordinator.records import ParticipantStatus, WorkerState
 from fedbroker.coordinator.sharing import receive_reply
 from fedbroker.coordinator.sites import SiteLogIntake, registration_changes, registration_summary
 from fedbroker.coordinator.store import StateStore, StateUnavailable
 from fedbroker.coordinator.store_evaluation import EvaluationVerdict
+from fedbroker.job.status import ParticipantStatus, WorkerState
 from fedbroker.printable import printable, printable_fields
 from fedbroker.proto import fedbroker_pb2 as pb
 

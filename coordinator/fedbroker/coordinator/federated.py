@@ -30,10 +30,10 @@ from fedbroker.coordinator import metrics
 from fedbroker.coordinator.control import MAX_REASON_CHARS
 from fedbroker.coordinator.job_context import JobContext
 from fedbroker.coordinator.job_run import Run
-from fedbroker.coordinator.records import ParticipantStatus, RoundStatus
 from fedbroker.coordinator.store import StateStore
-from fedbroker.coordinator.store_evaluation import EvaluationStatus, EvaluationVerdict
+from fedbroker.coordinator.store_evaluation import EvaluationVerdict
 from fedbroker.federated_evaluation import Scored, due, early_stop
+from fedbroker.job.status import EvaluationStatus, ParticipantStatus, RoundStatus
 from fedbroker.proto import fedbroker_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,9 @@ from prometheus_client.registry import Collector
 
 import fedbroker.metrics  # noqa: F401  (the shared gRPC and broker metrics belong to every process)
 from fedbroker.coordinator.control import INVALID_REASONS, SENDER_REASONS
-from fedbroker.coordinator.records import JobStatus, WorkerRecord
+from fedbroker.coordinator.records import WorkerRecord
 from fedbroker.coordinator.store import StateStore
+from fedbroker.job.status import JobStatus
 from fedbroker.metrics import zeroed
 from fedbroker.proto import fedbroker_pb2 as pb
 

@@ -1,66 +1,18 @@
-"""What the coordinator's state store holds, as the rest of the coordinator reads it: frozen records and the
-statuses they move through.
+"""What the coordinator's state store holds, as the rest of the coordinator reads it: frozen records.
 
-The statuses are `StrEnum`s whose values are the strings the SQLite file, the wire (StatusReply's string
-fields) and `fedbroker status` have always used, so a status compares equal to its old string and a state
-file written before them reads back unchanged.
+Their statuses are the kernel's (`fedbroker.job.status`): `StrEnum`s whose values are the strings the SQLite file,
+the wire (StatusReply's string fields) and `fedbroker status` have always used, shared with the face that reads
+them off a reply.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fedbroker.config import DPPolicy
-
-
-class JobStatus(enum.StrEnum):
-    """A job's place in its life: `pending` until its thread starts, `cancelling` until its thread acts."""
-
-    PENDING = "pending"
-    RUNNING = "running"
-    CANCELLING = "cancelling"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-# A job in one of these has ended: nothing more happens to it (a cancel is refused).
-FINISHED = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED})
-
-
-class RoundStatus(enum.StrEnum):
-    """A round is `open` from before the aggregation service hears of it until it is closed into a version,
-    fails (too few uploads) or is abandoned (its job was cancelled: no version comes of it)."""
-
-    OPEN = "open"
-    CLOSED = "closed"
-    FAILED = "failed"
-    ABANDONED = "abandoned"
-
-
-class ParticipantStatus(enum.StrEnum):
-    """A selected worker's part in one round: `published` (its task went out) until it uploads, answers
-    (refused, failed), misses the close, or its job is cancelled (cancelled; discarded if it had uploaded)."""
-
-    PUBLISHED = "published"
-    UPLOADED = "uploaded"
-    AGGREGATED = "aggregated"
-    MISSED = "missed"
-    REFUSED = "refused"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    DISCARDED = "discarded"
-
-
-class WorkerState(enum.StrEnum):
-    """What a worker's last heartbeat said it was doing."""
-
-    IDLE = "idle"
-    TRAINING = "training"
-    UPLOADING = "uploading"
+from fedbroker.job.status import JobStatus, ParticipantStatus, RoundStatus, WorkerState
 
 
 def _spec_field(spec_json: str, *path: str) -> object:

@@ -32,7 +32,6 @@ from fedbroker.coordinator.events import JobWatcher
 from fedbroker.coordinator.job_context import Evaluator, JobContext
 from fedbroker.coordinator.job_run import Cancelled, CancelRequests, JobFailed, Run, Stopped
 from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, data_fit_problems, submission_projection
-from fedbroker.coordinator.records import FINISHED, JobStatus
 from fedbroker.coordinator.service_calls import OUTAGE_BACKOFF, AggregatorCalls
 from fedbroker.coordinator.sharing import agreed_model
 from fedbroker.coordinator.sites import SiteWatch, note_revoked
@@ -42,6 +41,7 @@ from fedbroker.coordinator.waiting import WaitingReasons
 from fedbroker.errors import ConfigError, ConfigErrors, Conflict, NotFound
 from fedbroker.federated_evaluation import submission_warnings
 from fedbroker.job.spec import JobSpec, ModelSpec, job_from_json
+from fedbroker.job.status import FINISHED, JobStatus
 from fedbroker.job.submission import job_problems
 from fedbroker.metrics import BUSES
 from fedbroker.retry import retry_call

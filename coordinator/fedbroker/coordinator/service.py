@@ -22,12 +22,13 @@ import numpy as np
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.checkpoints import load_checkpoint
 from fedbroker.coordinator.federated import fill_status
-from fedbroker.coordinator.records import FINISHED, JobRecord, RoundRecord, RoundStatus
+from fedbroker.coordinator.records import JobRecord, RoundRecord
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.site_record import site_record_reply, who_may_read
 from fedbroker.coordinator.site_views import list_sites_reply, site_detail_reply, site_logs_reply
 from fedbroker.errors import ConfigError, FedbrokerError, NotFound, Rejection, UploadRejected
 from fedbroker.job.spec import JobSpec
+from fedbroker.job.status import FINISHED, RoundStatus
 from fedbroker.job.submission import accept_job_text
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc

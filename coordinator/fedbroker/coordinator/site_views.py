@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import time
 
-from fedbroker.coordinator.records import FINISHED, SiteInfo, WorkerRecord
+from fedbroker.coordinator.records import SiteInfo, WorkerRecord
 from fedbroker.coordinator.store import StateStore
 from fedbroker.errors import NotFound
+from fedbroker.job.status import FINISHED
 from fedbroker.proto import fedbroker_pb2 as pb
 
 DEFAULT_LOG_RECORDS = 200

@@ -32,14 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from fedbroker.config import DPPolicy
-from fedbroker.coordinator.records import (
-    FINISHED,
-    EventRecord,
-    JobRecord,
-    JobStatus,
-    WorkerRecord,
-    WorkerState,
-)
+from fedbroker.coordinator.records import EventRecord, JobRecord, WorkerRecord
 from fedbroker.coordinator.schema import user_version
 from fedbroker.coordinator.state_dir import StateDirLock, owner_only
 from fedbroker.coordinator.store_epsilon import PRICED, EpsilonTables
@@ -50,6 +43,7 @@ from fedbroker.coordinator.store_schema import SCHEMA
 from fedbroker.coordinator.store_shares import ShareTables
 from fedbroker.coordinator.store_sites import SiteTables
 from fedbroker.errors import Unavailable
+from fedbroker.job.status import FINISHED, JobStatus, WorkerState
 from fedbroker.retry import Backoff, retry_call
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fedbroker.coordinator.records import EpsilonCorrection, JobStatus, ParticipantStatus, SiteJobRecord
+from fedbroker.coordinator.records import EpsilonCorrection, SiteJobRecord
 from fedbroker.coordinator.store_notes import write_event
+from fedbroker.job.status import JobStatus, ParticipantStatus
 
 T = TypeVar("T")
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fedbroker.coordinator.store_notes import write_event
 from fedbroker.federated_evaluation import Combined, SiteScore, combine
+from fedbroker.job.status import EvaluationStatus
 
 T = TypeVar("T")
 
@@ -33,16 +34,6 @@ CREATE TABLE IF NOT EXISTS evaluations (
     time REAL, PRIMARY KEY (job_id, round, worker_id)
 );
 """
-
-
-class EvaluationStatus(enum.StrEnum):
-    """A site's part in one round's evaluation: `asked` until it reports (evaluated, refused) or the deadline
-    passes without a report or with its task never delivered (missed)."""
-
-    ASKED = "asked"
-    EVALUATED = "evaluated"
-    REFUSED = "refused"
-    MISSED = "missed"
 
 
 class EvaluationVerdict(enum.StrEnum):

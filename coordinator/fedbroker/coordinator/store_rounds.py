@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fedbroker.coordinator.records import ParticipantRecord, ParticipantStatus, RoundRecord, RoundStatus
+from fedbroker.coordinator.records import ParticipantRecord, RoundRecord
 from fedbroker.coordinator.store_notes import write_event
+from fedbroker.job.status import ParticipantStatus, RoundStatus
 
 T = TypeVar("T")
 

@@ -24,9 +24,10 @@ from fedbroker.coordinator.checkpoints import save_checkpoint
 from fedbroker.coordinator.job_context import JobContext
 from fedbroker.coordinator.job_run import JobFailed, OpenRound, Run, Stopped
 from fedbroker.coordinator.participants import sample_participants
-from fedbroker.coordinator.records import ParticipantStatus, RoundRecord, RoundStatus
+from fedbroker.coordinator.records import RoundRecord
 from fedbroker.coordinator.waiting import unaffordable
 from fedbroker.errors import BusError, Rejection
+from fedbroker.job.status import ParticipantStatus, RoundStatus
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc.plumbing import RemoteError
 from fedbroker.secagg.secure_round import needed_uploads, threshold_note

@@ -14,6 +14,7 @@ from fedbroker.app.provision.configs import CRL_DIR, broker_node
 from fedbroker.app.provision.kits import provision
 from fedbroker.app.provision.project import MAX_PROJECT_BYTES, load_project
 from fedbroker.app.provision.serverkit import CRL_FILE, DEFINITIONS
+from fedbroker.app.provision.state import Kind, Standing
 from fedbroker.errors import ConfigError
 from fedbroker.job.yamltext import load_yaml
 
@@ -90,7 +91,7 @@ def cmd_rotate(args: argparse.Namespace) -> int:
     if args.finish:
         print(f"rotation of {who.name}'s token finished: only the new token is accepted now")
     else:
-        token = "secrets/coordinator.token" if who.kind == "server" else "secrets/token"
+        token = "secrets/coordinator.token" if who.kind is Kind.SERVER else "secrets/token"
         print(f"a new token for {who.name} is in {Path(args.out) / who.kit / token}; the server accepts the old "
               f"and the new one until `fedbroker provision rotate-token --out {args.out} --name {who.name} --finish`")
     print(_APPLY)
@@ -105,7 +106,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     for who in record.participants.values():
         current = who.current() or who.certificates[-1:]
         first = current[0] if current else None
-        tokens = "-" if who.status == "revoked" else f"{len(who.tokens_sha256)}" + (" (rotating)" if who.rotating_from
+        tokens = "-" if who.status is Standing.REVOKED else f"{len(who.tokens_sha256)}" + (" (rotating)" if who.rotating_from
                                                                                    else "")
         print(f"{who.name:<24} {who.kind:<10} {who.role:<12} {who.status:<8} {first.serial if first else '-':<42} "
               f"{first.not_after if first else '-':<26} {tokens}")

@@ -33,7 +33,7 @@ from fedbroker.app.provision.configs import (
 )
 from fedbroker.app.provision.folder import KitFolder
 from fedbroker.app.provision.project import Project, Site
-from fedbroker.app.provision.state import SERVER, Certificate, Participant, State
+from fedbroker.app.provision.state import SERVER, Certificate, Kind, Participant, State
 from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.rpc.auth import ROLE_COORDINATOR, ROLE_WORKER, generate_token, hash_token
 
@@ -82,14 +82,14 @@ def _write_kits(project: Project, root: Path) -> dict[str, Path]:
         kits[f"scientist:{person.name}"] = scientist_kit(project, root / "scientists" / person.name, ca,
                                                          person.name, tokens[person.name])
     record = State(project=state.settings_doc(project), participants={}, ca=[Certificate.of(root, "ca/ca.crt")])
-    record.participants[SERVER] = participant(root, kind="server", name=SERVER, role=ROLE_COORDINATOR,
+    record.participants[SERVER] = participant(root, kind=Kind.SERVER, name=SERVER, role=ROLE_COORDINATOR,
                                               token=tokens[SERVER], broker=broker_user(project, SERVER))
     for site in project.sites:
-        record.participants[site.name] = participant(root, kind="site", name=site.name, role=ROLE_WORKER,
+        record.participants[site.name] = participant(root, kind=Kind.SITE, name=site.name, role=ROLE_WORKER,
                                                      token=tokens[site.name], broker=broker_user(project, site.name),
                                                      site=state.site_doc(site))
     for person in project.scientists:
-        record.participants[person.name] = participant(root, kind="scientist", name=person.name, role=person.role,
+        record.participants[person.name] = participant(root, kind=Kind.SCIENTIST, name=person.name, role=person.role,
                                                        token=tokens[person.name])
     record.crl_number = 1
     record.note("provision", project.name, f"{len(project.sites)} site(s), {len(project.scientists)} scientist(s)")
@@ -102,17 +102,17 @@ SERVER_CERTIFICATES = ("tls/coordinator-client.crt", "tls/coordinator.crt", "tls
 CLIENT_CERTIFICATES = ("tls/client.crt",)
 
 
-def kit_folder(kind: str, name: str) -> str:
+def kit_folder(kind: Kind, name: str) -> str:
     """Where a participant's kit lives, relative to DIR."""
-    return "server" if kind == "server" else f"{kind}s/{name}"
+    return "server" if kind is Kind.SERVER else f"{kind}s/{name}"
 
 
-def participant(root: Path, *, kind: str, name: str, role: str, token: str, broker: str | None = None,
+def participant(root: Path, *, kind: Kind, name: str, role: str, token: str, broker: str | None = None,
                 site: dict[str, object] | None = None) -> Participant:
     """The record of a participant whose kit was just written under `root`: its certificates read back from
     the kit, its token as a digest only."""
     kit = kit_folder(kind, name)
-    files = SERVER_CERTIFICATES if kind == "server" else CLIENT_CERTIFICATES
+    files = SERVER_CERTIFICATES if kind is Kind.SERVER else CLIENT_CERTIFICATES
     return Participant(name=name, kind=kind, role=role, kit=kit, broker_user=broker,
                        tokens_sha256=[hash_token(token)], site=site,
                        certificates=[Certificate.of(root, f"{kit}/{f}") for f in files])

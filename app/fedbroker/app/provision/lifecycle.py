@@ -33,7 +33,15 @@ from fedbroker.app.provision.kits import (
     site_kit,
 )
 from fedbroker.app.provision.project import Project, parse_project
-from fedbroker.app.provision.state import SERVER, Certificate, Participant, State
+from fedbroker.app.provision.state import (
+    SERVER,
+    Certificate,
+    CertificateStatus,
+    Kind,
+    Participant,
+    Standing,
+    State,
+)
 from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.rpc.auth import ROLE_WORKER, generate_token, hash_token
 
@@ -79,7 +87,8 @@ class Opened:
         self.record.crl_number += 1
         revoked = [Revoked(int(c.serial, 16), datetime.datetime.fromisoformat(c.revoked_at or state.now()),
                            x509.ReasonFlags[c.revoked_reason or "unspecified"])
-                   for p in self.record.participants.values() for c in p.certificates if c.status == "revoked"]
+                   for p in self.record.participants.values() for c in p.certificates
+                   if c.status is CertificateStatus.REVOKED]
         serverkit.write_crl(self.server, self.ca.crl(revoked, number=self.record.crl_number,
                                                      next_update_days=self.project.validity_days))
         state.save(self.root, self.record)
@@ -87,21 +96,21 @@ class Opened:
     def active(self, name: str) -> Participant:
         """`name`'s record, refused if it is revoked (a revoked identity gets nothing new)."""
         who = self.record.get(name)
-        if who.status == "revoked":
+        if who.status is Standing.REVOKED:
             raise ConfigError("--name", f"{name!r} was revoked ({who.revoked_at}): it gets nothing new; add a new "
                                         f"participant under another name")
         return who
 
     def write_token(self, who: Participant, token: str) -> None:
         """A participant's token into its own kit (and, for the server, where Kubernetes reads it too)."""
-        if who.kind == "server":
+        if who.kind is Kind.SERVER:
             serverkit.set_coordinator_token(self.server, token)
         else:
             replace_file(self.root / who.kit / "secrets/token", token + "\n", secret=True)
 
     def publish_tokens(self, who: Participant) -> None:
         """Its digests (none once revoked) into the server's token tables."""
-        digests = who.tokens_sha256 if who.status == "active" else []
+        digests = who.tokens_sha256 if who.status is Standing.ACTIVE else []
         serverkit.set_tokens(self.server, kind=who.kind, name=who.name, role=who.role, digests=digests)
 
 
@@ -115,10 +124,10 @@ def add(out: str | Path, *, site: Mapping[str, Any] | None = None, scientist: Ma
     if (site is None) == (scientist is None):
         raise ConfigError("add", "give one of --site or --scientist")
     with Opened(out) as opened:
-        return _add(opened, dict(site or scientist or {}), "site" if site else "scientist")
+        return _add(opened, dict(site or scientist or {}), Kind.SITE if site else Kind.SCIENTIST)
 
 
-def _add(opened: Opened, entry: dict[str, Any], kind: str) -> Path:
+def _add(opened: Opened, entry: dict[str, Any], kind: Kind) -> Path:
     name = entry.get("name")
     # case-insensitively: a broker user, a certificate's CN or a token identity that differs only in case
     # (HOSPITAL-B after hospital-b was revoked) is the same participant to a person reading a log
@@ -132,7 +141,7 @@ def _add(opened: Opened, entry: dict[str, Any], kind: str) -> Path:
     doc[f"{kind}s"].append(entry)
     parsed = parse_project(doc)   # the name's rule, its uniqueness, and a site's worker settings as it loads them
     project = dataclasses.replace(opened.project, sites=(*opened.project.sites, parsed.sites[-1])) \
-        if kind == "site" else dataclasses.replace(opened.project, scientists=(*opened.project.scientists,
+        if kind is Kind.SITE else dataclasses.replace(opened.project, scientists=(*opened.project.scientists,
                                                                                parsed.scientists[-1]))
     problems = kit_config_problems(project)
     if problems:
@@ -142,7 +151,7 @@ def _add(opened: Opened, entry: dict[str, Any], kind: str) -> Path:
         raise ConfigError("--out", f"{folder} exists already: move it away, a kit is never written over")
     token, password = generate_token(), secrets.token_urlsafe(24)
     try:
-        if kind == "site":
+        if kind is Kind.SITE:
             site_kit(project, folder, opened.ca, parsed.sites[-1], token, password)
             who = participant(opened.root, kind=kind, name=str(name), role=ROLE_WORKER, token=token,
                               broker=broker_user(project, str(name)), site=state.site_doc(parsed.sites[-1]))
@@ -183,7 +192,7 @@ def renew(out: str | Path, *, name: str | None = None, new_tokens: bool = False,
 
 def _renew(opened: Opened, *, name: str | None, new_tokens: bool, revoke_old: bool) -> list[Participant]:
     targets = [opened.active(name)] if name else [p for p in opened.record.participants.values()
-                                                   if p.status == "active"]
+                                                   if p.status is Standing.ACTIVE]
     if name is None:
         _renew_ca(opened)
     for who in targets:
@@ -205,10 +214,10 @@ def _renew_ca(opened: Opened) -> None:
     pem = opened.ca.cert_pem()
     replace_file(opened.root / "ca/ca.crt", pem, secret=False)
     for who in opened.record.participants.values():
-        if who.status == "active":
+        if who.status is Standing.ACTIVE:
             replace_file(opened.root / who.kit / "ca.crt", pem, secret=False)
     for old in opened.record.ca:
-        old.status = "superseded"
+        old.status = CertificateStatus.SUPERSEDED
     opened.record.ca.append(Certificate.of(opened.root, "ca/ca.crt"))
     opened.record.note("renew", "ca", "the CA's certificate: same key, new validity")
 
@@ -217,10 +226,10 @@ def _reissue(opened: Opened, who: Participant, *, revoke_old: bool) -> None:
     """Each certificate of `who`'s kit issued again with a new key; the old ones superseded (or revoked)."""
     kit = opened.root / who.kit
     for old in who.current():
-        old.status = "revoked" if revoke_old else "superseded"
+        old.status = CertificateStatus.REVOKED if revoke_old else CertificateStatus.SUPERSEDED
         if revoke_old:
             old.revoked_at, old.revoked_reason = state.now(), "superseded"
-    if who.kind == "server":
+    if who.kind is Kind.SERVER:
         pairs = [("tls/coordinator-client", opened.ca.client(SERVER))]
         pairs += [(f"tls/{role}", server_certificate(opened.project, opened.ca, role)) for role in SERVER_ROLES]
     else:
@@ -246,15 +255,15 @@ def revoke(out: str | Path, *, name: str, reason: str = "unspecified") -> tuple[
 
 def _revoke(opened: Opened, *, name: str, reason: str) -> tuple[Participant, bool]:
     who = opened.record.get(name)
-    if who.kind == "server":
+    if who.kind is Kind.SERVER:
         raise ConfigError("--name", f"{name!r} is the server's own identity: revoking it stops the federation; "
                                     f"renew it (`fedbroker provision renew --name {name}`) or provision anew")
-    before = who.status == "revoked"
+    before = who.status is Standing.REVOKED
     if not before:
-        who.status, who.revoked_at, who.revoked_reason = "revoked", state.now(), reason
+        who.status, who.revoked_at, who.revoked_reason = Standing.REVOKED, state.now(), reason
         for cert in who.certificates:
-            if cert.status != "revoked":
-                cert.status, cert.revoked_at, cert.revoked_reason = "revoked", who.revoked_at, reason
+            if cert.status is not CertificateStatus.REVOKED:
+                cert.status, cert.revoked_at, cert.revoked_reason = CertificateStatus.REVOKED, who.revoked_at, reason
         who.rotating_from = []
         opened.record.note("revoke", name, reason)
     opened.project = opened.record.to_project()

@@ -20,13 +20,14 @@ from fedbroker.app.broker_crl import crl_file_name
 from fedbroker.app.provision.configs import CRL_DIR, broker_entry, broker_user
 from fedbroker.app.provision.folder import replace_file, replace_yaml
 from fedbroker.app.provision.project import Project
+from fedbroker.app.provision.state import Kind
 from fedbroker.rpc.auth import TokenTable
 
 TABLE_NOTE = "# SHA-256 of each participant's token (fedbroker/rpc/auth.py): the tokens themselves are in their kits\n"
 TABLES = {"aggregator": "tokens/aggregator.yaml", "coordinator": "tokens/coordinator.yaml"}
 # which services' tables know a participant of each kind: a site's token also reads its own record on the
 # coordinator (SiteRecord); a scientist's opens nothing on the aggregation service
-TABLES_OF_KIND = {"server": ("aggregator",), "site": ("aggregator", "coordinator"), "scientist": ("coordinator",)}
+TABLES_OF_KIND = {Kind.SERVER: ("aggregator",), Kind.SITE: ("aggregator", "coordinator"), Kind.SCIENTIST: ("coordinator",)}
 CRL_FILE = "crl.pem"               # beside the server kit's ca.crt, where the services read the CA from
 DEFINITIONS = "rabbitmq/definitions.json"
 COORDINATOR_CONFIGS = ("coordinator.yaml", "k8s/config.yaml")   # on a host, and on Kubernetes
@@ -37,7 +38,7 @@ def table_entry(role: str, digests: list[str]) -> dict[str, Any]:
     return {"role": role, "sha256": digests[0] if len(digests) == 1 else list(digests)}
 
 
-def set_tokens(server: Path, *, kind: str, name: str, role: str, digests: list[str]) -> None:
+def set_tokens(server: Path, *, kind: Kind, name: str, role: str, digests: list[str]) -> None:
     """Put `name`'s entry (its token digests) in the tables its kind belongs to; no digests: take it out."""
     for table in TABLES_OF_KIND[kind]:
         path = server / TABLES[table]

@@ -11,6 +11,7 @@ renamed over the old one), after the kits it describes, so a command that fails 
 from __future__ import annotations
 
 import datetime
+import enum
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -26,9 +27,31 @@ from fedbroker.errors import ConfigError
 STATE_FILE = "provision-state.json"
 FORMAT = "fedbroker-provision-state"
 VERSION = 1
-KINDS = ("server", "site", "scientist")
 SERVER = "coordinator"                   # the server kit's own identity (its client certificate's CN)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class Kind(enum.StrEnum):
+    """Who a participant is: the server (its own client identity), a site, or a scientist (a person's kit)."""
+
+    SERVER = "server"
+    SITE = "site"
+    SCIENTIST = "scientist"
+
+
+class Standing(enum.StrEnum):
+    """A participant's standing: active until revoked (a revoked name is never issued again)."""
+
+    ACTIVE = "active"
+    REVOKED = "revoked"
+
+
+class CertificateStatus(enum.StrEnum):
+    """A certificate's: current (its kit holds it), superseded (renewed), or revoked (in the CRL)."""
+
+    CURRENT = "current"
+    SUPERSEDED = "superseded"
+    REVOKED = "revoked"
 
 
 def now() -> str:
@@ -44,7 +67,7 @@ class Certificate:
     serial: str
     not_before: str
     not_after: str
-    status: str = "current"              # current, superseded (renewed), revoked
+    status: CertificateStatus = CertificateStatus.CURRENT
     revoked_at: str | None = None
     revoked_reason: str | None = None    # an RFC 5280 reason (cryptography's x509.ReasonFlags name)
 
@@ -61,7 +84,7 @@ class Participant:
     """One identity of the project: who it is, where its kit is, and what the services accept from it."""
 
     name: str
-    kind: str                            # server, site or scientist
+    kind: Kind
     role: str                            # its token tables' role (fedbroker.rpc.auth)
     kit: str                             # its kit folder, relative to DIR
     broker_user: str | None              # its RabbitMQ user (a scientist has none)
@@ -69,13 +92,13 @@ class Participant:
     certificates: list[Certificate]
     site: dict[str, Any] | None = None   # a site's categories and worker settings, as in project.yaml
     rotating_from: list[str] = field(default_factory=list)   # the digests `rotate-token --finish` retires
-    status: str = "active"               # active or revoked
+    status: Standing = Standing.ACTIVE
     revoked_at: str | None = None
     revoked_reason: str | None = None
 
     def current(self) -> list[Certificate]:
         """Its certificates in force (what its kit holds now)."""
-        return [c for c in self.certificates if c.status == "current"]
+        return [c for c in self.certificates if c.status is CertificateStatus.CURRENT]
 
 
 @dataclass
@@ -99,9 +122,9 @@ class State:
                                         f"{', '.join(sorted(self.participants))}")
         return self.participants[name]
 
-    def active(self, kind: str) -> list[Participant]:
+    def active(self, kind: Kind) -> list[Participant]:
         """The participants of `kind` that are not revoked, in the order they were issued."""
-        return [p for p in self.participants.values() if p.kind == kind and p.status == "active"]
+        return [p for p in self.participants.values() if p.kind is kind and p.status is Standing.ACTIVE]
 
     def to_project(self) -> Project:
         """The project as the kits render it now: its settings and its active sites and scientists."""
@@ -117,16 +140,17 @@ class State:
                        aggregator_metrics_port=server["aggregator_metrics_port"],
                        validity_days=self.project["validity_days"],
                        sites=tuple(Site(p.name, tuple((p.site or {}).get("categories", [])),
-                                        dict((p.site or {}).get("worker", {}))) for p in self.active("site")),
-                       scientists=tuple(Person(p.name, p.role) for p in self.active("scientist")))
+                                        dict((p.site or {}).get("worker", {}))) for p in self.active(Kind.SITE)),
+                       scientists=tuple(Person(p.name, p.role) for p in self.active(Kind.SCIENTIST)))
 
     def project_doc(self) -> dict[str, Any]:
         """project.yaml as it would read with every participant ever issued (revoked ones too: a name is never
         reused), for checking a new one against the others."""
         return {**self.project,
-                "sites": [{"name": p.name, **(p.site or {})} for p in self.participants.values() if p.kind == "site"],
+                "sites": [{"name": p.name, **(p.site or {})} for p in self.participants.values()
+                          if p.kind is Kind.SITE],
                 "scientists": [{"name": p.name, "role": p.role} for p in self.participants.values()
-                               if p.kind == "scientist"]}
+                               if p.kind is Kind.SCIENTIST]}
 
 
 def settings_doc(project: Project) -> dict[str, Any]:
@@ -178,15 +202,27 @@ def load(out: Path) -> State:
     try:
         participants = {}
         for p in raw["participants"]:
-            certificates = [Certificate(**c) for c in p.pop("certificates")]
-            participant = Participant(**p, certificates=certificates)
-            if participant.kind not in KINDS:
-                raise ValueError(f"participant {participant.name!r} has an unknown kind {participant.kind!r}")
+            participant = _participant(p)
             participants[participant.name] = participant
         record = State(project=dict(raw["project"]), participants=participants,
-                       ca=[Certificate(**c) for c in raw["ca"]], crl_number=int(raw["crl_number"]),
+                       ca=[_certificate(c) for c in raw["ca"]], crl_number=int(raw["crl_number"]),
                        log=list(raw.get("log", [])))
         record.to_project()   # every setting the kits are rendered from is there
         return record
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(str(path), f"is damaged: {exc!r}") from None
+
+
+def _participant(doc: dict[str, Any]) -> Participant:
+    """One participant as the record holds it, its kind and statuses read into their enums (an unknown one is
+    damage, named)."""
+    if doc.get("kind") not in set(Kind):
+        raise ValueError(f"participant {doc.get('name')!r} has an unknown kind {doc.get('kind')!r}")
+    certificates = [_certificate(c) for c in doc.pop("certificates")]
+    return Participant(**{**doc, "kind": Kind(doc["kind"]), "status": Standing(doc.get("status", Standing.ACTIVE))},
+                       certificates=certificates)
+
+
+def _certificate(doc: dict[str, Any]) -> Certificate:
+    """One certificate as the record holds it, its status read into the enum."""
+    return Certificate(**{**doc, "status": CertificateStatus(doc.get("status", CertificateStatus.CURRENT))})
