@@ -12,14 +12,11 @@ from __future__ import annotations
 import re
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Iterable
 
 from fedbroker.coordinator.records import EpsilonCorrection, SiteJobRecord
-from fedbroker.coordinator.store_notes import write_event
+from fedbroker.coordinator.store_notes import StoreAccess, write_event
 from fedbroker.job.status import JobStatus, ParticipantStatus
-
-T = TypeVar("T")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS issued_epsilon (worker_id TEXT NOT NULL, deadline REAL NOT NULL, cost REAL NOT NULL);
@@ -44,14 +41,10 @@ _SHARE_NAME = re.compile(r"[a-z][a-z0-9_.-]{0,63}")
 MAX_SUMMARY_CHARS = 2000  # a round-0 row's summary of an asynchronous job's trainings never aggregated
 
 
-class EpsilonTables:
+class EpsilonTables(StoreAccess):
     """Mixed into `StateStore`: its transactions (`_write`) and reads (`_exec`) over three more tables."""
 
     _epsilon_tables_ready = False
-
-    if TYPE_CHECKING:
-        def _write(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T: ...
-        def _exec(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]: ...
 
     def _epsilon_tables(self) -> None:
         if not self._epsilon_tables_ready:

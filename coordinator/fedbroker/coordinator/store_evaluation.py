@@ -13,15 +13,12 @@ from __future__ import annotations
 import enum
 import sqlite3
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
 
-from fedbroker.coordinator.store_notes import write_event
+from fedbroker.coordinator.store_notes import StoreAccess, write_event
 from fedbroker.federated_evaluation import Combined, SiteScore, combine
 from fedbroker.job.status import EvaluationStatus
-
-T = TypeVar("T")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS evaluation_rounds (
@@ -85,12 +82,8 @@ def create_evaluation_tables(db: sqlite3.Connection) -> None:
             db.execute(statement)
 
 
-class EvaluationTables:
+class EvaluationTables(StoreAccess):
     """Mixed into `StateStore`: its transactions (`_write`) and reads (`_exec`) over two more tables."""
-
-    if TYPE_CHECKING:
-        def _write(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T: ...
-        def _exec(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]: ...
 
     def ask_evaluation(self, job_id: str, round_number: int, *, model_version: int, workers: Sequence[str],
                        deadline: float) -> None:

@@ -15,12 +15,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 T = TypeVar("T")
 
 
-class JobNotes:
-    """Mixed into `StateStore`: one more line of a job's history (`fedbroker jobs logs`)."""
+class StoreAccess:
+    """What every table mixin uses of `StateStore`, which defines them: its transactions (`_write`), its reads
+    (`_exec`) and its one-statement writes (`_run`)."""
 
     if TYPE_CHECKING:
         def _write(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T: ...
         def _exec(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]: ...
+        def _run(self, what: str, sql: str, args: Sequence[Any] = ()) -> int: ...
+
+
+class JobNotes(StoreAccess):
+    """Mixed into `StateStore`: one more line of a job's history (`fedbroker jobs logs`)."""
 
     def note_event(self, job_id: str, kind: str, message: str, *, round_number: int = 0, worker_id: str = "") -> None:
         """Record an event of the job (kind: `waiting`, `selection`, ...)."""

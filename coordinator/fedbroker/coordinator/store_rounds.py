@@ -11,23 +11,15 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Iterable, Mapping, Sequence
 
 from fedbroker.coordinator.records import ParticipantRecord, RoundRecord
-from fedbroker.coordinator.store_notes import write_event
+from fedbroker.coordinator.store_notes import StoreAccess, write_event
 from fedbroker.job.status import ParticipantStatus, RoundStatus
 
-T = TypeVar("T")
 
-
-class RoundTables:
+class RoundTables(StoreAccess):
     """Mixed into `StateStore`: the `rounds` and `participants` tables (module docstring)."""
-
-    if TYPE_CHECKING:
-        def _write(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T: ...
-        def _exec(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]: ...
-        def _run(self, what: str, sql: str, args: Sequence[Any] = ()) -> int: ...
 
     def open_round(self, job_id: str, round_number: int, participants: Sequence[str], *,
                    deadline: float | None = None, started: float | None = None) -> None:

@@ -19,11 +19,9 @@ import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
-from fedbroker.coordinator.store_notes import write_event
-
-T = TypeVar("T")
+from fedbroker.coordinator.store_notes import StoreAccess, write_event
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS share_phases (
@@ -120,14 +118,12 @@ class ShareAnswer:
     statistics_delta: float
 
 
-class ShareTables:
+class ShareTables(StoreAccess):
     """Mixed into `StateStore`: its transactions (`_write`) and reads (`_exec`) over the two share tables."""
 
     _share_tables_ready = False
 
     if TYPE_CHECKING:
-        def _write(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T: ...
-        def _exec(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]: ...
         def _epsilon_tables(self) -> None: ...
 
     def _share_tables(self) -> None:

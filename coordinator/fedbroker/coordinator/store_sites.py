@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Sequence
 
 from fedbroker.coordinator.records import SiteEvent, SiteInfo, SiteLogRecord
+from fedbroker.coordinator.store_notes import StoreAccess
 from fedbroker.printable import printable
-
-T = TypeVar("T")
 
 KEEP_EVENTS = 200          # a site's newest events kept
 KEEP_LOGS = 500            # a site's newest forwarded log records kept
@@ -56,14 +54,10 @@ CREATE INDEX IF NOT EXISTS site_logs_by_worker ON site_logs (worker_id, seq);
 """
 
 
-class SiteTables:
+class SiteTables(StoreAccess):
     """Mixed into `StateStore`: its transactions (`_write`) and reads (`_exec`) over the three site tables."""
 
     _site_tables_ready = False
-
-    if TYPE_CHECKING:
-        def _write(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T: ...
-        def _exec(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]: ...
 
     def _site_tables(self) -> None:
         if not self._site_tables_ready:
