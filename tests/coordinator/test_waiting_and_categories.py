@@ -65,6 +65,9 @@ class Deployment:
         self.coordinator = Coordinator(bus=InProcessBus(namespace=f"wait-{tmp_path.name}"), store=self.store,
                                        aggregator=AggregatorClient(target), aggregator_target=target,
                                        checkpoint_dir=str(tmp_path / "ck"), poll_interval_s=0.02, safety_poll_s=0.02,
+                                       # a registered site stays active for the whole test, however loaded the
+                                       # machine: no reason below may depend on how long a step took
+                                       heartbeat_timeout_s=3600.0,
                                        strict_categories=strict, broker_consumer_timeout_s=broker_consumer_timeout_s)
         self.coordinator.start()
         self.server, port = serve(self.coordinator)
