@@ -107,6 +107,11 @@ def _is_real(value: object) -> bool:
 class AlignmentParams:
     """Base of every alignment's parameters."""
 
+    @property
+    def layerwise(self) -> bool:
+        """Whether the job runs the layer-wise scheme (one round per matched layer, matched layers frozen)."""
+        return False
+
 
 @dataclass(frozen=True, kw_only=True)
 class NoAlignmentParams(AlignmentParams):
@@ -152,6 +157,9 @@ class FedDNAParams(AlignmentParams):
 
 KL_MODES = ("exact", "reference")
 OUTPUT_WEIGHTINGS = ("class_share", "plain")
+# "oneshot": every round matches every hidden layer at once (PFNM); "layerwise": round r matches layer r only,
+# layers before it frozen (NAFI Appendix D; fedbroker.job.alignment_plan counts the rounds)
+MATCHING_MODES = ("oneshot", "layerwise")
 # Upper bounds: a close stays within minutes on one core, and no value overflows.
 MAX_ITERATIONS = 100            # re-assignment sweeps; each solves one assignment per client
 MAX_GLOBAL_WIDTH = 65_536       # a model layer's widest (fedbroker.job.spec.MAX_WIDTH)
@@ -207,10 +215,17 @@ class PFNMParams(AlignmentParams, MatchingPriors):
     """`pfnm`: the matching engine's priors and bounds, and how the output layer weighs each client."""
 
     output_weighting: str = "class_share"
+    mode: str = "oneshot"
 
     def __post_init__(self) -> None:
         check_all(self.matching_params,
-                  lambda: check_choice("output_weighting", self.output_weighting, OUTPUT_WEIGHTINGS))
+                  lambda: check_choice("output_weighting", self.output_weighting, OUTPUT_WEIGHTINGS),
+                  lambda: check_choice("mode", self.mode, MATCHING_MODES))
+
+    @property
+    def layerwise(self) -> bool:
+        """`mode: layerwise`."""
+        return self.mode == "layerwise"
 
     def matching_params(self) -> MatchingParams:
         """The engine's parameters, those this algorithm has (PFNM: no KL term; checked on the way, every bad one

@@ -32,6 +32,33 @@ class Param:
     default: int | float | bool | None = None
 
 
+# How neuron alignment treats a layer (`AlignTrait`): "matched" — its units (weight rows) are matched across
+# clients and it reads its input in blocks of the previous matched layer's units; "elementwise" — unit i of its
+# output depends on unit i of its input only, so it passes any permutation through (activations, dropout, pools,
+# Flatten); "per_channel" — it holds one value per channel in each of its tensors and acts on each channel
+# alone (a BatchNorm, a GroupNorm with one channel per group): its tensors travel with the preceding matched
+# layer's units; "input" — it acts on the model's input, which alignment never permutes; "blocks" — alignment
+# cannot permute units through it, for the trait's reason.
+AlignKind = Literal["matched", "elementwise", "per_channel", "input", "blocks"]
+
+
+@dataclass(frozen=True)
+class AlignTrait:
+    """What neuron alignment may do through one layer (its kind), and, for "blocks", why it cannot."""
+
+    kind: AlignKind
+    reason: str = ""
+
+
+def align_trait(kind: AlignKind, reason: str = "") -> Callable[[Params], AlignTrait]:
+    """A trait that does not depend on the layer's parameters."""
+    trait = AlignTrait(kind, reason)
+    return lambda _: trait
+
+
+_UNDECLARED = align_trait("blocks", "its layer type declares no alignment trait")
+
+
 @dataclass(frozen=True)
 class ShapeProblem:
     """Why a layer cannot take its input; `param` names the parameter at fault ("" for the layer itself)."""
@@ -62,8 +89,8 @@ class LayerType:
     # its output and input widths; "" for a layer alignment passes over
     out_width: str = ""
     in_width: str = ""
-    # why alignment cannot permute units through this layer ("" when it can)
-    blocks_alignment: str = ""
+    # how alignment treats the layer, given its parameters (see AlignKind); a type that declares none blocks it
+    align: Callable[[Params], AlignTrait] = _UNDECLARED
     # the layer describes the model's input, so it may only be the first layer
     first_only: bool = False
     # the parameter that must equal the width (features, channels) of the input's first axis ("" for none)
@@ -160,6 +187,17 @@ def _group_norm_tensors(p: Params) -> dict[str, Shape]:
     return {"weight": (p["num_channels"],), "bias": (p["num_channels"],)}
 
 
+def _group_norm_align(p: Params) -> AlignTrait:
+    """One channel per group normalises every channel alone (permutation-equivariant, its affine per channel);
+    wider groups mix channels, so a permutation that moves a channel to another group changes the function."""
+    groups, channels = p["num_groups"], p["num_channels"]
+    if groups == channels:
+        return AlignTrait("per_channel")
+    return AlignTrait("blocks", f"its {groups} groups each normalise {channels // max(groups, 1)} channels together, "
+                                f"so permuting channels across groups would change the function (num_groups equal "
+                                f"to num_channels is per-channel and is aligned with its layer)")
+
+
 # ----- standardize -----------------------------------------------------------------------------------
 
 FLOAT32_MAX = 3.4e38          # a standardize layer's mean and std are float32 buffers: finite there, std not 0
@@ -196,6 +234,7 @@ def _standardize_output(p: Params, shape: Shape) -> Shape | ShapeProblem:
     return shape
 
 
+_ELEMENTWISE = align_trait("elementwise")  # a pool acts per channel; Flatten keeps a channel's H·W values together
 _POOL_PARAMS = {"kernel_size": Param("kernel", required=True), "stride": Param("kernel", default=None)}
 
 LAYERS: Mapping[str, LayerType] = {
@@ -204,6 +243,7 @@ LAYERS: Mapping[str, LayerType] = {
         {"in_features": Param("width", required=True), "out_features": Param("width", required=True),
          "bias": Param("bool", default=True)},
         _linear_output, _linear_tensors, out_width="out_features", in_width="in_features", takes_width="in_features",
+        align=align_trait("matched"),
     ),
     "Conv2d": LayerType(
         "Conv2d",
@@ -211,19 +251,20 @@ LAYERS: Mapping[str, LayerType] = {
          "kernel_size": Param("kernel", required=True), "stride": Param("kernel", default=1),
          "padding": Param("int0", default=0), "bias": Param("bool", default=True)},
         _conv_output, _conv_tensors, out_width="out_channels", in_width="in_channels", takes_width="in_channels",
+        align=align_trait("matched"),
     ),
-    "MaxPool2d": LayerType("MaxPool2d", _POOL_PARAMS, _pool_output("MaxPool2d")),
-    "AvgPool2d": LayerType("AvgPool2d", _POOL_PARAMS, _pool_output("AvgPool2d")),
-    "Flatten": LayerType("Flatten", output_shape=_flatten_output),
-    "ReLU": LayerType("ReLU"),
-    "Tanh": LayerType("Tanh"),
-    "Sigmoid": LayerType("Sigmoid"),
-    "Dropout": LayerType("Dropout", {"p": Param("prob", default=0.5)}),
+    "MaxPool2d": LayerType("MaxPool2d", _POOL_PARAMS, _pool_output("MaxPool2d"), align=_ELEMENTWISE),
+    "AvgPool2d": LayerType("AvgPool2d", _POOL_PARAMS, _pool_output("AvgPool2d"), align=_ELEMENTWISE),
+    "Flatten": LayerType("Flatten", output_shape=_flatten_output, align=_ELEMENTWISE),
+    "ReLU": LayerType("ReLU", align=_ELEMENTWISE),
+    "Tanh": LayerType("Tanh", align=_ELEMENTWISE),
+    "Sigmoid": LayerType("Sigmoid", align=_ELEMENTWISE),
+    "Dropout": LayerType("Dropout", {"p": Param("prob", default=0.5)}, align=_ELEMENTWISE),
     "GroupNorm": LayerType(
         "GroupNorm",
         {"num_groups": Param("width", required=True), "num_channels": Param("width", required=True)},
         _group_norm_output, _group_norm_tensors,
-        blocks_alignment="permuting channels across its groups would change the function", takes_width="num_channels",
+        align=_group_norm_align, takes_width="num_channels",
     ),
     # (x - mean) / std on the model's input, with mean and std carried in the spec (no weights): the
     # preprocessing travels with the model (fedbroker.model.Standardize). Alignment passes over it: it never
@@ -231,6 +272,6 @@ LAYERS: Mapping[str, LayerType] = {
     "standardize": LayerType(
         "Standardize",
         {"mean": Param("values", required=True), "std": Param("positive_values", required=True)},
-        _standardize_output, first_only=True,
+        _standardize_output, first_only=True, align=align_trait("input"),
     ),
 }

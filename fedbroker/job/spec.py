@@ -139,6 +139,30 @@ class AggregationConfig(_Section):
     # at most 1e20: a round's float32 running sum of such values, weighted by sample counts, stays finite
     LIMITS: ClassVar[Mapping[str, tuple[float, float]]] = {"max_update_value": (0.0, 1e20)}
 
+    def __post_init__(self) -> None:
+        # `alignment: {name: nafi, mode: layerwise}` is the name and its parameters in one: kept as the two fields
+        if isinstance(self.alignment, Mapping) and isinstance(self.alignment.get("name"), str) \
+                and isinstance(self.alignment_params, Mapping) and not set(self.alignment) & set(self.alignment_params):
+            params = {key: value for key, value in self.alignment.items() if key != "name"}
+            object.__setattr__(self, "alignment_params", {**self.alignment_params, **params})
+            object.__setattr__(self, "alignment", self.alignment["name"])
+        super().__post_init__()
+
+    def problems(self) -> list[ConfigError]:
+        """The section's problems; an alignment written as a mapping needs its `name`, and may not give a
+        parameter twice (there and in alignment_params)."""
+        if not isinstance(self.alignment, Mapping):
+            return super().problems()
+        out = [e for e in super().problems() if e.field != "aggregation.alignment"]
+        if not isinstance(self.alignment.get("name"), str):
+            out.append(ConfigError("aggregation.alignment.name", f"is required when alignment is a mapping (e.g. "
+                                                                 f"{{name: nafi, mode: layerwise}}), got "
+                                                                 f"{show(self.alignment.get('name'))}"))
+        if isinstance(self.alignment_params, Mapping):
+            out.extend(ConfigError(f"aggregation.alignment.{key}", "is also given in alignment_params")
+                       for key in sorted(set(self.alignment) & set(self.alignment_params)))
+        return out
+
 
 SCHEDULE_MODES = ("sync", "async")
 STALENESS_FUNCTIONS = ("constant", "polynomial", "hinge")   # their parameters: fedbroker.algorithms.params

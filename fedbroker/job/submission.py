@@ -10,7 +10,7 @@ from __future__ import annotations
 from fedbroker.algorithms.catalogue import ALIGNMENTS, aggregation_settings
 from fedbroker.algorithms.params import staleness_function
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.job.layers import LAYERS
+from fedbroker.job.alignment_plan import model_nodes, plan_alignment
 from fedbroker.job.spec import (
     EVALUATION_SETS,
     AggregationConfig,
@@ -19,22 +19,29 @@ from fedbroker.job.spec import (
     ScheduleConfig,
     TrainingConfig,
     job_from_text,
-    matched_layers,
     output_shapes,
     parse_job,
 )
 
 
-def alignment_problems(spec: ModelSpec) -> list[str]:
-    """Why neurons of this model cannot be matched across clients (empty when they can)."""
-    problems = []
-    for i, layer in enumerate(spec.layers):
-        blocker = LAYERS[layer.type].blocks_alignment
-        if blocker:
-            problems.append(f"layer {i} is {layer.type}: {blocker}; use alignment 'none' or drop the {layer.type}")
-    if len(matched_layers(spec)) < 2:
-        names = "/".join(name for name, layer_type in LAYERS.items() if layer_type.weighted)
-        problems.append(f"the model needs at least one hidden {names} layer to align")
+def alignment_problems(aggregation: AggregationConfig, model: ModelSpec, *, layerwise: bool,
+                       training: TrainingConfig | None) -> list[ConfigError]:
+    """Why the job's alignment cannot align its model, each problem at the node it names
+    (`fedbroker.job.alignment_plan`); and, in layer-wise mode, a training.rounds other than the model's number
+    of matched layers (the scheme takes exactly one round per matched layer)."""
+    traits = ALIGNMENTS.traits(aggregation.alignment)  # an unknown name is reported by the catalogue
+    if (traits is not None and not traits.aligns_units) or not model_nodes(model):
+        return []
+    name = aggregation.alignment
+    plan, refusals = plan_alignment(model)
+    problems = [ConfigError(e.field, f"alignment {name!r} cannot align this model: {e.problem}; use alignment "
+                                     f"'none'") for e in refusals]
+    rounds = plan.layerwise_rounds
+    if layerwise and not refusals and training is not None and training.rounds != rounds:
+        nodes = ", ".join(layer.node for layer in plan.layers)
+        problems.append(ConfigError("training.rounds", (
+            f"is {training.rounds}, but alignment {name!r} in mode layerwise takes one round per matched layer and "
+            f"this model has {rounds} ({nodes}): set training.rounds to {rounds}")))
     return problems
 
 
@@ -46,6 +53,7 @@ def job_problems(*, aggregation: AggregationConfig, model: ModelSpec, training: 
     where it cannot see the individual updates (`robust_problems`). A
     `fedbroker.job.spec.JobCheck`: parse_job reports these with its own."""
     problems: list[ConfigError] = []
+    layerwise = False
     if schedule is not None:
         try:
             schedule_problem(schedule)
@@ -63,13 +71,11 @@ def job_problems(*, aggregation: AggregationConfig, model: ModelSpec, training: 
                                         field="aggregation.robust_params.probe_dataset"))
         never = settings.selection.params.rounds_problem(training.rounds) if training is not None else None
         problems.extend([never] if never is not None else [])
+        layerwise = settings.alignment.params.layerwise
     if aggregation.secure:
         problems.extend(secure_problems(aggregation, schedule))
     problems.extend(robust_problems(aggregation, schedule))
-    traits = ALIGNMENTS.traits(aggregation.alignment)  # an unknown name is reported above, and checked as one
-    if (traits is None or traits.aligns_units) and model.layers:
-        problems.extend(ConfigError("aggregation.alignment", f"{aggregation.alignment} cannot align this model: {p}")
-                        for p in alignment_problems(model))
+    problems.extend(alignment_problems(aggregation, model, layerwise=layerwise, training=training))
     return problems
 
 

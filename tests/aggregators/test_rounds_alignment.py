@@ -117,5 +117,5 @@ def test_alignment_of_a_group_norm_model_is_refused_at_submission():
             {"type": "Conv2d", "in_channels": 1, "out_channels": 4, "kernel_size": 3},
             {"type": "GroupNorm", "num_groups": 2, "num_channels": 4}, {"type": "Flatten"},
             {"type": "Linear", "in_features": 144, "out_features": 10}]}}
-    with pytest.raises(ConfigError, match="aggregation.alignment: feddna cannot align this model: layer 1 is GroupNorm"):
+    with pytest.raises(ConfigError, match=r"model.layers\[1\]: alignment 'feddna' cannot align this model: GroupNorm: its 2 groups"):
         accept_job(job)

@@ -8,8 +8,8 @@ dense layer, `kh·kw` taps after a conv feeding a conv, `H·W` columns after a c
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from numbers import Integral
 from typing import Any, Protocol
 
@@ -20,10 +20,16 @@ from fedbroker.algorithms.params import NoAlignmentParams
 
 @dataclass(frozen=True)
 class Layer:
-    """One weighted layer of a client's network, as the alignment algorithms see it."""
+    """One weighted layer of a client's network, as the alignment algorithms see it.
+
+    `channels` holds per-unit tensors that travel with the layer's units: the scale and shift of a
+    per-channel norm after it (a BatchNorm trained as GroupNorm with one channel per group), by tensor name,
+    each of shape (out,). They are permuted with the units and averaged with them (NAFI Appendix E attaches
+    BatchNorm to its conv; see fedbroker.job.alignment_plan)."""
 
     weight: np.ndarray  # dense (out, in) like PyTorch; conv (out, c_in, kh, kw)
     bias: np.ndarray | None  # (out,)
+    channels: Mapping[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,16 @@ def _as_layer(layer: Any, k: int, ell: int) -> Layer:
             raise ValueError(f"{where}: bias shape {bias.shape} does not match {weight.shape[0]} outputs")
         if not np.all(np.isfinite(bias)):
             raise ValueError(f"{where}: bias contains NaN or infinite values")
-    return Layer(weight, bias)
+    channels = {}
+    for name, value in dict(getattr(layer, "channels", {}) or {}).items():
+        arr = np.asarray(value, dtype=np.float64)
+        if arr.shape != (weight.shape[0],):
+            raise ValueError(f"{where}: {name} has shape {arr.shape}; it must hold one value per each of the "
+                             f"{weight.shape[0]} units")
+        if not np.all(np.isfinite(arr)):
+            raise ValueError(f"{where}: {name} contains NaN or infinite values")
+        channels[name] = arr
+    return Layer(weight, bias, channels)
 
 
 def _check_chain(net: Network, k: int, spatial: Sequence[int | None] | None) -> None:
@@ -188,6 +203,9 @@ def validate_clients(
             where = f"client {k} layer {ell}"
             if (a.bias is None) != (b.bias is None):
                 raise ValueError(f"{where}: bias presence differs from client 0")
+            if sorted(a.channels) != sorted(b.channels):
+                raise ValueError(f"{where}: per-unit tensors {sorted(b.channels)} differ from client 0's "
+                                 f"{sorted(a.channels)}")
             if same_widths:
                 if a.weight.shape != b.weight.shape:
                     raise ValueError(
@@ -242,13 +260,16 @@ def weighted_mean_layers(nets: Sequence[Network], weights: np.ndarray) -> Networ
     """Σ_k w_k·layer_k as a running sum: one global-sized accumulator, whatever the number of clients."""
     acc_w = [np.zeros_like(layer.weight) for layer in nets[0]]
     acc_b = [None if layer.bias is None else np.zeros_like(layer.bias) for layer in nets[0]]
+    acc_c = [{name: np.zeros_like(value) for name, value in layer.channels.items()} for layer in nets[0]]
     for net, w in zip(nets, weights):
         for ell, layer in enumerate(net):
             acc_w[ell] += w * layer.weight
             b = acc_b[ell]
             if b is not None and layer.bias is not None:
                 b += w * layer.bias
-    return [Layer(w_, b_) for w_, b_ in zip(acc_w, acc_b)]
+            for name, value in layer.channels.items():
+                acc_c[ell][name] += w * value
+    return [Layer(w_, b_, c_) for w_, b_, c_ in zip(acc_w, acc_b, acc_c)]
 
 
 def identity_permutations(nets: Sequence[Network], n_aligned: int) -> list[list[np.ndarray]]:

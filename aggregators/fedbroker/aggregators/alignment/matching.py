@@ -258,14 +258,24 @@ def match_neurons(
     return LayerMatch(assignments=assignments, natural_mean=g, precision=s, counts=counts)
 
 
+def channel_prior(name: str) -> float:
+    """The prior mean of an attached norm's per-unit tensor: 1 for its scale (torch names an affine norm's
+    scale `weight`), 0 for its shift, so a norm no client has trained is the identity."""
+    return 1.0 if name.endswith(".weight") else 0.0
+
+
 def neuron_vectors(layer: Layer) -> np.ndarray:
-    """Incoming weights (conv filters flattened in (c_in, kh, kw) order) followed by the bias."""
+    """Incoming weights (conv filters flattened in (c_in, kh, kw) order), the bias, then the attached per-unit
+    tensors (a norm's scale and shift, in name order)."""
     v = layer.weight.reshape(layer.weight.shape[0], -1)
-    return v if layer.bias is None else np.hstack([v, layer.bias[:, None]])
+    extra = ([] if layer.bias is None else [layer.bias[:, None]]) + [layer.channels[k][:, None]
+                                                                      for k in sorted(layer.channels)]
+    return np.hstack([v, *extra]) if extra else v
 
 
 def match_layer(layers: Sequence[Layer], *, params: MatchingParams, rng: np.random.Generator) -> tuple[Layer, LayerMatch]:
-    """Single-layer matching on incoming weights + bias; returns the global layer (MAP) and the match.
+    """Single-layer matching on incoming weights + bias (+ attached per-unit tensors); returns the global
+    layer (MAP) and the match.
 
     Every client's layer must read the same inputs (same input width and order).
     """
@@ -275,9 +285,13 @@ def match_layer(layers: Sequence[Layer], *, params: MatchingParams, rng: np.rand
             raise ValueError(f"client {k}: layer reads inputs {layer.weight.shape[1:]}, client 0 reads {first.weight.shape[1:]}")
     vectors = [neuron_vectors(layer) for layer in layers]
     dim = vectors[0].shape[1]
+    n_in = int(np.prod(first.weight.shape[1:]))
+    names = sorted(first.channels)
     prior_mean = np.zeros(dim)
     if first.bias is not None:
-        prior_mean[-1] = params.bias_prior_mean
+        prior_mean[n_in] = params.bias_prior_mean
+    lead = n_in + int(first.bias is not None)
+    prior_mean[lead:] = [channel_prior(name) for name in names]
     match = match_neurons(
         vectors,
         precisions=[np.full(dim, 1.0 / params.sigma2)] * len(vectors),
@@ -287,7 +301,7 @@ def match_layer(layers: Sequence[Layer], *, params: MatchingParams, rng: np.rand
         rng=rng,
     )
     theta = match.global_neurons
-    n_in = int(np.prod(first.weight.shape[1:]))
     weight = theta[:, :n_in].reshape((match.width,) + first.weight.shape[1:])
     bias = None if first.bias is None else theta[:, n_in].copy()
-    return Layer(weight, bias), match
+    channels = {name: theta[:, lead + i].copy() for i, name in enumerate(names)}
+    return Layer(weight, bias, channels), match

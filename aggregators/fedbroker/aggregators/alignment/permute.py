@@ -39,7 +39,12 @@ def scatter_outputs(layer: Layer, assignment: np.ndarray, width: int | None = No
     if layer.bias is not None:
         bias = np.zeros(width, dtype=layer.bias.dtype)
         bias[a] = layer.bias
-    return Layer(weight, bias)
+    channels = {}
+    for name, value in layer.channels.items():  # an attached norm's scale and shift move with their unit
+        moved = np.zeros(width, dtype=value.dtype)
+        moved[a] = value
+        channels[name] = moved
+    return Layer(weight, bias, channels)
 
 
 def scatter_inputs(layer: Layer, assignment: np.ndarray, width: int | None = None) -> Layer:
@@ -54,7 +59,7 @@ def scatter_inputs(layer: Layer, assignment: np.ndarray, width: int | None = Non
     moved = np.zeros((w.shape[0], width, blocks.shape[2]), dtype=w.dtype)
     moved[:, a] = blocks
     shape = (w.shape[0], width) + w.shape[2:] if w.ndim == 4 else (w.shape[0], width * blocks.shape[2])
-    return Layer(moved.reshape(shape), layer.bias)
+    return Layer(moved.reshape(shape), layer.bias, layer.channels)
 
 
 def permute_units(network: Sequence[Layer], layer_index: int, assignment: np.ndarray, width: int | None = None) -> Network:

@@ -28,7 +28,7 @@ from fedbroker.aggregators.alignment.base import (
     validate_clients,
     widths_of,
 )
-from fedbroker.aggregators.alignment.matching import LayerMatch, match_layer, match_neurons
+from fedbroker.aggregators.alignment.matching import LayerMatch, channel_prior, match_layer, match_neurons
 from fedbroker.aggregators.alignment.permute import scatter_inputs, scatter_outputs
 from fedbroker.algorithms.params import OUTPUT_WEIGHTINGS, MatchingParams, NAFIParams, PFNMParams, check_choice
 
@@ -89,12 +89,14 @@ def match_network(
     n_classes = nets[0][-1].weight.shape[0]
     g_weights: list[np.ndarray | None] = [None] * n_layers
     g_biases: list[np.ndarray | None] = [None] * n_layers
+    g_channels: list[dict[str, np.ndarray]] = [{} for _ in range(n_layers)]
     matches: list[LayerMatch] = []  # top-down
     next_assign: list[np.ndarray] | None = None  # layer c+1's assignments; None for the output layer
     next_width = n_classes
     for c in reversed(range(n_layers - 1)):
         n_in = int(np.prod(first_shape[1:])) if c == 0 else 0
-        n_lead = n_in + int(has_bias[c])
+        names = sorted(nets[0][c].channels)  # an attached norm's per-unit tensors, matched with the unit
+        n_lead = n_in + int(has_bias[c]) + len(names)
         vectors, taus = [], []
         for k, net in enumerate(nets):
             n_units = net[c].weight.shape[0]
@@ -107,11 +109,13 @@ def match_network(
             pieces = [net[0].weight.reshape(n_units, -1)] if c == 0 else []
             if has_bias[c]:
                 pieces.append(net[c].bias[:, None])  # type: ignore[index]
+            pieces.extend(net[c].channels[name][:, None] for name in names)
             vectors.append(np.hstack(pieces + [outgoing]))
             taus.append(np.concatenate([np.full(n_lead, tau), out_tau]))
         prior_mean = np.zeros(vectors[0].shape[1])
         if has_bias[c]:
             prior_mean[n_in] = params.bias_prior_mean
+        prior_mean[n_lead - len(names):n_lead] = [channel_prior(name) for name in names]
         match = match_neurons(
             vectors,
             precisions=taus,
@@ -126,6 +130,7 @@ def match_network(
             g_weights[0] = theta[:, :n_in].reshape((match.width,) + first_shape[1:])
         if has_bias[c]:
             g_biases[c] = theta[:, n_in].copy()
+        g_channels[c] = {name: theta[:, n_lead - len(names) + i].copy() for i, name in enumerate(names)}
         g_weights[c + 1] = _incoming(theta[:, n_lead:], next_width, nets[0][c + 1].weight)
         matches.append(match)
         next_assign, next_width = match.assignments, match.width
@@ -137,7 +142,12 @@ def match_network(
         rows = [net[0].weight.reshape(n_classes, -1) for net in nets]
         g_weights[0] = _posterior(rows, [shares[k][:, None] * tau for k in range(len(nets))], 0.0,
                                   tau0).reshape(first_shape)
-    layers = [Layer(np.asarray(w_), b_) for w_, b_ in zip(g_weights, g_biases)]
+    if nets[0][-1].channels:  # a norm after the output layer: per class, like its bias
+        g_channels[-1] = {name: _posterior([net[-1].channels[name][:, None] for net in nets],
+                                           [(shares if bias_shares is None else bias_shares)[k][:, None] * tau
+                                            for k in range(len(nets))], channel_prior(name), tau0)[:, 0]
+                          for name in nets[0][-1].channels}
+    layers = [Layer(np.asarray(w_), b_, c_) for w_, b_, c_ in zip(g_weights, g_biases, g_channels)]
     return layers, matches[::-1]
 
 
