@@ -32,6 +32,7 @@ from fedbroker.aggregators.root_update import train_root_update
 from fedbroker.aggregators.selection import Candidate, Probe, SelectionInput
 from fedbroker.close_report import SelectionRecord, Verdict
 from fedbroker.errors import Conflict
+from fedbroker.job.alignment_plan import alignment_plan
 from fedbroker.job.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, 
             chosen, weights, state, verdicts = _robust(rnd, [accepted[w] for w in chosen], weights, current, spec,
                                                        rng, stats, probe_sets, root_trainer)
         else:
-            spec, state = _combine(rnd, spec, [accepted[w] for w in chosen], weights, rng, stats,
+            spec, state = _combine(rnd, spec, [accepted[w] for w in chosen], weights, rng, stats, current,
                                    deadline=time.monotonic() + alignment_time_limit_s)
     stats["aggregated"] = float(len(chosen))
     _check_finite(rnd, state)
@@ -146,10 +147,11 @@ def _choose(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, 
 
 
 def _combine(rnd: Round, spec: ModelSpec, updates: list[Accepted], weights: np.ndarray,
-             rng: np.random.Generator, stats: dict[str, float], *,
+             rng: np.random.Generator, stats: dict[str, float], current: Mapping[str, np.ndarray], *,
              deadline: float) -> tuple[ModelSpec, dict[str, np.ndarray]]:
     """The weighted mean, or the alignment's global network (whose widths may differ from `spec`); an
-    alignment that passes `deadline` gives way to the weighted mean."""
+    alignment that passes `deadline` gives way to the weighted mean (in the layer-wise mode: to the mean with
+    the frozen layers kept from `current`)."""
     alignment = rnd.algorithms.settings.alignment
     name = alignment.name
     if not alignment.traits.aligns_units:
@@ -159,15 +161,25 @@ def _combine(rnd: Round, spec: ModelSpec, updates: list[Accepted], weights: np.n
     try:
         result = rnd.algorithms.alignment.align(AlignInput(
             clients=clients, weights=weights, rng=rng, round_index=rnd.number, class_shares=shares, deadline=deadline,
+            current=to_layers(spec, current) if alignment.params.layerwise else None,
         ))
     except DeadlinePassed as exc:
         log.warning("round %d: %s alignment stopped (%s); the round's model is the weighted mean of its %d "
                     "update(s) instead", rnd.number, name, exc, len(updates))
         stats["alignment_fallback"] = 1.0
-        return spec, _mean(rnd, updates, weights)
+        return spec, _kept_frozen(rnd, spec, _mean(rnd, updates, weights), current)
     stats.update({f"alignment_{k}": float(v) for k, v in result.stats.items()})
     stats["alignment_fallback"] = 0.0
     return from_layers(spec, result.layers)
+
+
+def _kept_frozen(rnd: Round, spec: ModelSpec, state: dict[str, np.ndarray],
+                 current: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """In the layer-wise mode, the layers frozen this round are the global ones, whatever the uploads hold."""
+    if not rnd.algorithms.settings.alignment.params.layerwise:
+        return state
+    frozen = alignment_plan(spec).frozen_in_round(rnd.number)
+    return {name: np.array(current[name]) if name in frozen else value for name, value in state.items()}
 
 
 def _robust(rnd: Round, updates: list[Accepted], weights: np.ndarray, current: Mapping[str, np.ndarray],

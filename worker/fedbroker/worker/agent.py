@@ -35,6 +35,7 @@ from fedbroker.bus import Bus, BusError, Delivery, envelope
 from fedbroker.config import DPPolicy, WorkerConfig
 from fedbroker.datasets import load_worker_data, train_test_split
 from fedbroker.errors import ConfigError, FedbrokerError, Rejection, TaskRefused
+from fedbroker.job.alignment_plan import alignment_plan
 from fedbroker.job.spec import ModelSpec, TrainingConfig, parse_model
 from fedbroker.label_stats import reported_ish
 from fedbroker.metrics import BUSES
@@ -365,9 +366,10 @@ class WorkerAgent:
             return client.job_settings(task.job_id, self.config.id, digest)
 
         try:
-            config = self.job_settings.for_task(task, fetch).training
+            installed = self.job_settings.for_task(task, fetch)
         except ValueError as exc:  # ConfigError(s): settings no retry can make valid
             raise _PoisonTask(f"invalid job settings in the task: {exc}") from None
+        config, layerwise = installed.training, installed.algorithms.alignment.params.layerwise
         self.budget.note_job(task.job_id, config)  # what its next round costs, for the heartbeats
         self.budget.check_ledger(task.recorded_epsilon_spent)
         if task.population_distribution:  # DWFed's ISH needs the released histogram: drawn (and charged) first
@@ -393,7 +395,7 @@ class WorkerAgent:
             secure.exchange_keys(client)
         if result is None:
             assert start.model is not None  # asked for, and the round wants our update
-            result = self._train(task, config, start.model)
+            result = self._train(task, config, start.model, layerwise=layerwise)
             self._trained = {key: result}
         self._state = "uploading"
         receipt = self._upload(client, task, result) if secure is None else self._upload_masked(client, secure, result)
@@ -404,11 +406,14 @@ class WorkerAgent:
                  result.seconds)
         return receipt
 
-    def _train(self, task: pb.RoundTask, config: TrainingConfig, global_model: Model) -> TrainResult:
+    def _train(self, task: pb.RoundTask, config: TrainingConfig, global_model: Model, *,
+               layerwise: bool = False) -> TrainResult:
         self._state = "training"
         metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in global_model[2].values()))
         try:
             spec, model = build_global(global_model)
+            # the layer-wise mode: the layers matched in earlier rounds do not train (the same plan the service reads)
+            frozen = alignment_plan(spec).frozen_in_round(task.round) if layerwise else frozenset()
         except ValueError as exc:
             raise _PoisonTask(str(exc)) from None
         self.check_data_fits(spec)
@@ -424,7 +429,7 @@ class WorkerAgent:
         result = train_local(model, self.x, self.y, config=config, dp=self.dp,
                              history=self.ledger.history(task.job_id), device=self.device,
                              seed=self._training_seed(task), progress=give_up_at_deadline,
-                             physical_batch_size=self.config.physical_batch_size or None)
+                             physical_batch_size=self.config.physical_batch_size or None, frozen=frozen)
         if result.epsilon is not None:  # spent once trained, whether or not the upload succeeds
             self.ledger.record(task.job_id, history=result.history, epsilon=result.epsilon)
             self.send_heartbeat()  # the coordinator's picture of our budget, fresh before this round closes

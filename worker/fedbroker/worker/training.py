@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +104,7 @@ def train_local(
     progress: Callable[[int, int], None] | None = None,
     clipping: str = "auto",
     physical_batch_size: int | None = None,
+    frozen: Collection[str] = (),
 ) -> TrainResult:
     """Train `model` on (x, y) for `config.local_epochs`; with an enabled `dp`, as DP-SGD under the owner's policy.
 
@@ -121,6 +122,9 @@ def train_local(
     samples of one forward/backward pass: a larger Poisson batch is trained in chunks (Opacus's
     virtual steps) whose clipped gradients are summed and noised once, the same update and the same ε
     as one pass, for a batch that does not fit in memory. Neither changes training without DP.
+
+    `frozen` names parameters (state_dict names) that do not train: no gradient, no noise, no step, so they come
+    back bit for bit as they went in (the layer-wise mode's matched layers, fedbroker.job.alignment_plan).
     """
     _check_arguments(model, seed=seed, clipping=clipping, physical_batch_size=physical_batch_size)
     x_t, y_t = as_tensors(x, y)
@@ -135,6 +139,7 @@ def train_local(
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(torch_seed)
         work = copy.deepcopy(model).to(dev)
+        _freeze(work, frozen)
         work.train()
         anchor = [p.detach().clone() for p in work.parameters()] if config.proximal_mu > 0 else None
         optimizer = _make_optimizer(work, config)
@@ -204,10 +209,24 @@ def _plan_dp(model: nn.Module, dp: DPPolicy, history: list[HistoryEntry], *, num
     return _DPPlan(policy=dp, clipping=mode, sample_rate=sample_rate, planned=planned, epsilon=projected)
 
 
+def _freeze(work: nn.Module, frozen: Collection[str]) -> None:
+    """Turn off the gradient of every named parameter; a name the model lacks, or freezing every parameter,
+    is refused before any step."""
+    params = dict(work.named_parameters())
+    unknown = sorted(set(frozen) - set(params))
+    if unknown:
+        raise ConfigError("frozen", f"names parameters the model does not have: {', '.join(unknown[:5])}")
+    if params and set(frozen) >= set(params):
+        raise ConfigError("frozen", "freezes every parameter of the model: there is nothing to train")
+    for name in frozen:
+        params[name].requires_grad_(False)
+
+
 def _make_optimizer(work: nn.Module, config: TrainingConfig) -> torch.optim.Optimizer:
+    trainable = [p for p in work.parameters() if p.requires_grad]  # frozen ones get no step, no noise
     if config.optimizer == "adam":
-        return torch.optim.Adam(work.parameters(), lr=config.lr)
-    return torch.optim.SGD(work.parameters(), lr=config.lr, momentum=config.momentum)
+        return torch.optim.Adam(trainable, lr=config.lr)
+    return torch.optim.SGD(trainable, lr=config.lr, momentum=config.momentum)
 
 
 def _validate_for_dp(model: nn.Module) -> None:

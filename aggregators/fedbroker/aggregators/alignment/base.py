@@ -53,7 +53,8 @@ class AlignInput:
     (clients × classes) label histograms for the output layer (PFNM/NAFI). `spatial`: the `H·W` block of each
     layer's outputs where a conv feeds flatten→dense. `deadline` (a time.monotonic() value) is cooperative:
     an alignment checks it inside its loops and raises `DeadlinePassed`; the service then falls back to the
-    plain weighted mean.
+    plain weighted mean. `current`: the global network the round's clients started from (the layer-wise mode
+    keeps its frozen layers and matches the next one).
     """
 
     clients: Sequence[Sequence[Layer]]
@@ -63,6 +64,7 @@ class AlignInput:
     class_shares: np.ndarray | None = None
     spatial: Sequence[int | None] | None = None
     deadline: float | None = None
+    current: Sequence[Layer] | None = None
 
     def checked(self, *, same_widths: bool) -> CheckedInput:
         """float64 copies of the networks and the weights normalised to sum 1, or a ValueError naming the

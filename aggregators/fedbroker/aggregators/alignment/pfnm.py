@@ -28,6 +28,7 @@ from fedbroker.aggregators.alignment.base import (
     validate_clients,
     widths_of,
 )
+from fedbroker.aggregators.alignment.layerwise import layerwise_round
 from fedbroker.aggregators.alignment.matching import LayerMatch, channel_prior, match_layer, match_neurons
 from fedbroker.aggregators.alignment.permute import scatter_inputs, scatter_outputs
 from fedbroker.algorithms.params import OUTPUT_WEIGHTINGS, MatchingParams, NAFIParams, PFNMParams, check_choice
@@ -155,8 +156,13 @@ class PFNM(PFNMParams):
     """Probabilistic federated neural matching (Yurochkin et al. 2019), defaults of the public code."""
 
     def align(self, problem: AlignInput) -> AlignmentResult:
-        """One-shot matching of every hidden layer, top down (see the module's docstring)."""
+        """One-shot matching of every hidden layer, top down (see the module's docstring); in `mode: layerwise`,
+        the round's one layer (`fedbroker.aggregators.alignment.layerwise`)."""
         given = problem.checked(same_widths=False)
+        if self.layerwise:
+            weight_shares, bias_shares = output_shares(given.shares(), self.output_weighting, normalised=True)
+            return layerwise_round(problem, params=self.matching_params(), weight_shares=weight_shares,
+                                   bias_shares=bias_shares)
         nets, shares, rng, deadline = given.nets, given.shares(), problem.rng, problem.deadline
         weight_shares, bias_shares = output_shares(shares, self.output_weighting, normalised=False)
         layers, matches = match_network(nets, params=self.matching_params(), shares=weight_shares, rng=rng,
