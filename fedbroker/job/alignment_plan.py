@@ -1,5 +1,5 @@
 """Which units of a model neuron alignment can match, read off the model: each layer type's alignment trait
-(`fedbroker.job.layers.AlignTrait`) and a walk over the model's nodes in order.
+(`fedbroker.layers.base.AlignTrait`) and a walk over the model's nodes in order.
 
 Alignment permutes the units (rows) of each matched layer (Linear, Conv2d) and moves the next matched layer's
 input blocks the same way; that keeps the function only if every node in between carries unit i to unit i
@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.job.layers import LAYERS, AlignTrait
 from fedbroker.job.model_spec import ModelSpec
+from fedbroker.layers import LAYERS
+from fedbroker.layers.base import AlignTrait
 
 MERGES = ("add", "concat")  # the graph's merge nodes: more than one input, never in a chain
 
@@ -117,7 +118,7 @@ def _trait(node: _Node) -> AlignTrait:
     layer_type = LAYERS.get(node.type)
     if layer_type is None:
         return AlignTrait("blocks", "its type declares no alignment trait")
-    return layer_type.align(node.params)
+    return layer_type.alignment(node.params)
 
 
 def _merge_problem(node: _Node) -> str:

@@ -2,7 +2,7 @@
 Layers; and back, with the spec's widths updated when matching grows a layer. Which layers are matched, and
 which per-channel norms travel with their units, is the model's alignment plan
 (`fedbroker.job.alignment_plan`, read off the layer table's traits); which parameters hold a layer's widths is
-the table's (`fedbroker.job.layers`)."""
+the table's (`fedbroker.layers`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 
 from fedbroker.aggregators.alignment import Layer
 from fedbroker.job.alignment_plan import MatchedLayer, alignment_plan
-from fedbroker.job.layers import LAYERS
 from fedbroker.job.spec import LayerSpec, ModelSpec, parse_model
+from fedbroker.layers import LAYERS
 
 
 def to_layers(spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> list[Layer]:

@@ -1,7 +1,7 @@
 """Shared types of the alignment algorithms, the checks every one runs first, and FedAvg (`none`).
 
 A network is a list of `Layer`s, input → output. A dense weight is `(out, in)` as in PyTorch, a conv
-weight `(out, c_in, kh, kw)`. Layer ℓ+1 reads layer ℓ's outputs in *blocks*: one column per unit after a
+weight `(out, c_in, *kernel)` (Conv1d, 2d or 3d). Layer ℓ+1 reads layer ℓ's outputs in *blocks*: one column per unit after a
 dense layer, `kh·kw` taps after a conv feeding a conv, `H·W` columns after a conv feeding flatten→dense.
 """
 
@@ -123,8 +123,8 @@ def _as_layer(layer: Any, k: int, ell: int) -> Layer:
         raise ValueError(f"{where}: expected a Layer with .weight and .bias, got {type(layer).__name__}") from None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: weights are not numeric ({exc})") from None
-    if weight.ndim not in (2, 4):
-        raise ValueError(f"{where}: weight must be 2-D (dense) or 4-D (conv); got shape {weight.shape}")
+    if not 2 <= weight.ndim <= 5:
+        raise ValueError(f"{where}: weight must be 2-D (dense) or 3- to 5-D (Conv1d/2d/3d); got shape {weight.shape}")
     if weight.size == 0:
         raise ValueError(f"{where}: weight is empty (shape {weight.shape})")
     if not np.all(np.isfinite(weight)):
@@ -151,8 +151,8 @@ def _check_chain(net: Network, k: int, spatial: Sequence[int | None] | None) -> 
     for ell in range(1, len(net)):
         prev, cur = net[ell - 1], net[ell]
         n_prev, where = prev.weight.shape[0], f"client {k} layer {ell}"
-        if cur.weight.ndim == 4:
-            if prev.weight.ndim != 4:
+        if cur.weight.ndim > 2:
+            if prev.weight.ndim == 2:
                 raise ValueError(f"{where}: a convolution cannot follow a dense layer")
             if cur.weight.shape[1] != n_prev:
                 raise ValueError(f"{where}: reads {cur.weight.shape[1]} channels, layer {ell - 1} has {n_prev}")

@@ -58,7 +58,7 @@ def scatter_inputs(layer: Layer, assignment: np.ndarray, width: int | None = Non
     blocks = w.reshape(w.shape[0], n_prev, -1)
     moved = np.zeros((w.shape[0], width, blocks.shape[2]), dtype=w.dtype)
     moved[:, a] = blocks
-    shape = (w.shape[0], width) + w.shape[2:] if w.ndim == 4 else (w.shape[0], width * blocks.shape[2])
+    shape = (w.shape[0], width) + w.shape[2:] if w.ndim > 2 else (w.shape[0], width * blocks.shape[2])
     return Layer(moved.reshape(shape), layer.bias, layer.channels)
 
 

@@ -53,7 +53,7 @@ def _incoming(outgoing: np.ndarray, next_width: int, template: np.ndarray) -> np
     """Inverse of `_outgoing` for the global network: (width, next_width·block) → next layer's weight."""
     width = outgoing.shape[0]
     blocks = outgoing.reshape(width, next_width, -1).transpose(1, 0, 2)
-    shape = (next_width, width) + template.shape[2:] if template.ndim == 4 else (next_width, -1)
+    shape = (next_width, width) + template.shape[2:] if template.ndim > 2 else (next_width, -1)
     return blocks.reshape(shape)
 
 
