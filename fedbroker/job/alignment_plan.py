@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.job.model_spec import ModelSpec
+from fedbroker.job.model_spec import ModelSpec, output_shapes
 from fedbroker.layers import LAYERS
 from fedbroker.layers.base import AlignTrait
 
@@ -86,8 +86,9 @@ class AlignmentPlan:
 
     def frozen_in_round(self, round_index: int) -> frozenset[str]:
         """The tensors no site may train in layer-wise round `round_index` (1-based): those of every matched
-        layer before layer `round_index − 1`, with their attached norms."""
-        done = self.layers[:max(0, min(round_index - 1, len(self.layers)))]
+        layer before layer `round_index − 1`, with their attached norms (never the output layer's: a round past
+        the scheme, which submission refuses, freezes what its last round does)."""
+        done = self.layers[:max(0, min(round_index - 1, len(self.layers) - 1))]
         return frozenset(name for layer in done for name in layer.tensors())
 
     def all_tensors(self) -> tuple[str, ...]:
@@ -132,6 +133,18 @@ def _merge_problem(node: _Node) -> str:
     return f"{node.type} reads {reads}: alignment needs a chain, each node reading only the node before it"
 
 
+def _input_ranks(spec: ModelSpec) -> dict[str, int]:
+    """The rank of each chain node's input (without the batch axis); {} when the shapes cannot be inferred (the
+    model's own problems are reported where it is parsed)."""
+    if not spec.layers:
+        return {}
+    try:
+        shapes = [tuple(spec.input_shape)] + output_shapes(spec)
+    except ConfigError:
+        return {}
+    return {str(i): len(shapes[i]) for i in range(len(spec.layers))}
+
+
 def plan_alignment(spec: ModelSpec) -> tuple[AlignmentPlan, list[ConfigError]]:
     """The model's matched layers, and every reason alignment cannot take the model (each naming its node)."""
     problems: list[ConfigError] = []
@@ -142,6 +155,7 @@ def plan_alignment(spec: ModelSpec) -> tuple[AlignmentPlan, list[ConfigError]]:
         for source in node.inputs:
             readers.setdefault(source, []).append(node.name)
     previous = "input"
+    ranks = _input_ranks(spec)
     for node in nodes:
         if node.type in MERGES or len(node.inputs) != 1:
             problems.append(ConfigError(f"{node.path}.inputs", _merge_problem(node)))
@@ -157,7 +171,12 @@ def plan_alignment(spec: ModelSpec) -> tuple[AlignmentPlan, list[ConfigError]]:
         if node.type in MERGES:
             continue
         trait = _trait(node)
-        if trait.kind == "matched":
+        rank = ranks.get(node.name, 1)
+        if trait.kind == "matched" and LAYERS[node.type].width_axis != 0 and rank > 1:
+            problems.append(ConfigError(node.path, (
+                f"{node.type} acts on each position of a rank-{rank} input: its units lie on the last axis, "
+                f"interleaved with the positions, where alignment moves a unit's values as one block")))
+        elif trait.kind == "matched":
             layers.append(MatchedLayer(node.name, node.type, node.params, bool(node.params.get("bias", True))))
         elif trait.kind == "per_channel":
             if not layers:
