@@ -24,6 +24,8 @@ from fedbroker.app.round_notes import event_words
 from fedbroker.app.status import one_line, render, table
 from fedbroker.errors import ConfigError
 from fedbroker.files import write_atomic
+from fedbroker.job.alignment_plan import alignment_plan
+from fedbroker.job.spec import parse_model
 from fedbroker.job.status import FINISHED, REFUSED_OR_FAILED, SENT, JobStatus, ParticipantStatus
 from fedbroker.printable import printable
 from fedbroker.secagg.secure_round import describe as describe_secure
@@ -116,7 +118,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     facts = [("job", job.job_id), ("name", job.name), ("status", job.status), ("category", job.category),
              ("mode", job.mode or "sync"), ("rounds", f"{job.rounds_done}/{job.rounds_total}"),
              ("submitter", job.submitter or "-"), ("submitted", _when(job.created_unix) + " UTC"),
-             ("updated", _when(job.updated_unix) + " UTC"), *settings(spec)]
+             ("updated", _when(job.updated_unix) + " UTC"), *settings(spec), *layerwise_rounds(spec)]
     if secure_n:
         facts.append(("secure", describe_secure(secure_n)))
     facts += [("standardised" if e.kind == "statistics_agreed" else "sharing",
@@ -167,6 +169,22 @@ def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
             out.append((section, ", ".join(f"{k} {json.dumps(v) if isinstance(v, (dict, list, bool)) else v}"
                                            for k, v in values.items() if v != {} and _UNSET.get(k) != v)))
     return out
+
+
+def layerwise_rounds(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """For a job in the layer-wise mode, a line saying what each of its rounds matches: the model sets the
+    number of rounds (one per matched layer), and each round freezes the layers matched before it."""
+    aggregation = spec.get("aggregation") or {}
+    if (aggregation.get("alignment_params") or {}).get("mode") != "layerwise":
+        return []
+    try:
+        plan = alignment_plan(parse_model(spec.get("model")))
+    except (ConfigError, TypeError, ValueError):
+        return []
+    steps = [f"round {r} matches {m.node}" for r, m in enumerate(plan.layers[:-1], start=1)]
+    steps.append(f"round {len(plan.layers)} averages {plan.layers[-1].node} by class shares")
+    return [("layer-wise", f"{plan.layerwise_rounds} rounds set by the model, one per matched layer: "
+                           f"{'; '.join(steps)}; each round freezes the layers matched before it")]
 
 
 _UNSET = {"secure": False, "robust": "none", "max_update_value": 0.0}  # left out of the line at their defaults (secure: a line of its own)
