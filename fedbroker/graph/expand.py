@@ -111,8 +111,9 @@ def _block_sizes(errors: Collector, blocks: Mapping[str, Scope]) -> dict[str, in
             depth[name] = 1 + max((depth[c.block] for c in children), default=0)
             sizes[name] = _size(blocks[name], sizes)
             if depth[name] > MAX_BLOCK_DEPTH:
-                errors.add(blocks[name].at, f"nests blocks {depth[name]} deep; the limit is {MAX_BLOCK_DEPTH}")
                 ok = False
+                if depth[name] == MAX_BLOCK_DEPTH + 1:  # named where the nesting first passes the limit
+                    errors.add(blocks[name].at, f"nests blocks {depth[name]} deep; the limit is {MAX_BLOCK_DEPTH}")
     return sizes if ok else None
 
 
@@ -127,22 +128,23 @@ def _expand(errors: Collector, scope: Scope, blocks: Mapping[str, Scope], nodes:
             args: Mapping[str, Any], bindings: dict[str, str], where: str) -> str:
     """Append the scope's nodes, named `prefix` + name, with its arguments substituted; the name of the node
     that is its output. Recursion is as deep as blocks nest (at most MAX_BLOCK_DEPTH)."""
+    append, make = nodes.append, NodeSpec
     for decl in scope.order:
-        inputs = tuple(bindings[r] for r in decl.inputs)
-        full = prefix + decl.name
+        name, fixed, later = decl.name, decl.fixed, decl.later
+        inputs = tuple(map(bindings.__getitem__, decl.inputs))
+        full = prefix + name
         if decl.block:
             target = blocks[decl.block]
-            given = {k: args[placeholder(v)] if placeholder(v) else v for k, v in decl.fixed.items()}
-            bindings[decl.name] = _expand(errors, target, blocks, nodes, prefix=full + ".", args=given,
-                                          bindings=dict(zip(target.inputs, inputs, strict=True)), where=where)
+            given = {k: args[placeholder(v)] if placeholder(v) else v for k, v in fixed.items()}
+            bindings[name] = _expand(errors, target, blocks, nodes, prefix=full + ".", args=given,
+                                     bindings=dict(zip(target.inputs, inputs, strict=True)), where=where)
             continue
-        params = decl.fixed
-        if decl.later:
+        if later:
             table = LAYERS[decl.type].params
-            params = {key: _given(errors, f"{where}.nodes.{full}.{key}", decl, key, args) if key in decl.later
-                      else decl.fixed[key] for key in table if key in decl.fixed or key in decl.later}
-        nodes.append(NodeSpec(full, decl.type, params, inputs))
-        bindings[decl.name] = full
+            fixed = {key: _given(errors, f"{where}.nodes.{full}.{key}", decl, key, args) if key in later
+                     else fixed[key] for key in table if key in fixed or key in later}
+        append(make(full, decl.type, fixed, inputs))
+        bindings[name] = full
     return bindings[scope.output]
 
 
