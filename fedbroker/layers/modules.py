@@ -86,9 +86,12 @@ def _recurrent(kind: str, p: Mapping[str, Any]) -> nn.Module:
 
 @functools.cache
 def _attention_class() -> type[nn.Module]:
-    """Opacus's DPMultiheadAttention as self-attention on a batch-first sequence, with the plain nn.Module
-    state_dict (qlinear/klinear/vlinear/out_proj): Opacus's own rewrites its keys into torch's packed
-    in_proj_weight, which would not load back into it by name."""
+    """Self-attention on Opacus's DPMultiheadAttention: its parts (q/k/v/out Linear layers, attention dropout)
+    and its names, with a batch-first forward of ours. Opacus 1.6's own batch_first path reshapes the heads'
+    output without moving the heads beside the positions, which mixes heads and positions (a test checks ours
+    against torch's nn.MultiheadAttention), and its sequence-first path would put the batch second in every
+    Linear, where per-sample clipping looks for it first. The plain nn.Module state_dict: Opacus's rewrites its
+    keys into torch's packed in_proj_weight, which would not load back by name."""
     from opacus.layers import DPMultiheadAttention
 
     class SelfAttention(DPMultiheadAttention):  # type: ignore[misc]
@@ -96,7 +99,16 @@ def _attention_class() -> type[nn.Module]:
         load_state_dict = nn.Module.load_state_dict
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = super().forward(x, x, x, need_weights=False)[0]
+            n, length, width = x.shape
+            heads = self.num_heads
+            size = width // heads
+
+            def split(t: torch.Tensor) -> torch.Tensor:  # (n, positions, width) → (n, heads, positions, size)
+                return t.view(n, length, heads, size).transpose(1, 2)
+
+            q, k, v = split(self.qlinear(x) * size ** -0.5), split(self.klinear(x)), split(self.vlinear(x))
+            weights = self.dropout(torch.softmax(q @ k.transpose(-2, -1), dim=-1))
+            out: torch.Tensor = self.out_proj((weights @ v).transpose(1, 2).reshape(n, length, width))
             return out
 
     return SelfAttention
