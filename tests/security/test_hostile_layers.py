@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedbroker.errors import ConfigError, ConfigErrors
+from fedbroker.errors import ConfigError
 from fedbroker.job.spec import parse_model
 from fedbroker.job.submission import accept_job
 from fedbroker.model import build_model, load_numpy_state, state_to_numpy
