@@ -152,3 +152,19 @@ def test_self_attention_computes_what_torchs_multihead_attention_computes() -> N
                             "out_proj.weight": state["out_proj.weight"], "out_proj.bias": state["out_proj.bias"]})
     x = torch.randn(3, 5, 8)
     torch.testing.assert_close(ours(x), theirs(x, x, x, need_weights=False)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_docs_layer_table_has_a_row_for_every_type() -> None:
+    """docs/models.md's "Layer types" table names every type of the table, and nothing the table lacks."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text(encoding="utf-8")
+    section = text.split("## Layer types", 1)[1].split("\n## ", 1)[0]
+    named: set[str] = set()
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            for cell in line.split("|")[1].split(","):
+                name = cell.strip().strip("`")
+                family, _, dims = name.partition("/")  # "MaxPool1d/2d/3d"
+                named |= {name} if not dims else {family, *(family[:-2] + d for d in name.split("/")[1:])}
+    assert named == set(LAYERS)
