@@ -59,6 +59,7 @@ class Traits:
     needs_histograms: bool = False   # reads the sites' label histograms (class shares; DWFed's population P):
                                      # a job with such an algorithm asks its sites for them before round 1
     weights_positive: bool = False   # weighting: every valid update's raw weight is > 0
+    resizes_layers: bool = False     # alignment: the global width of a matched layer is inferred and may change
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ class Catalogue(Generic[P]):
 
 
 _ALIGNS = Traits(needs_update_set=True, aligns_units=True)
-_MATCHES = Traits(needs_update_set=True, aligns_units=True, needs_histograms=True)
+_MATCHES = Traits(needs_update_set=True, aligns_units=True, needs_histograms=True, resizes_layers=True)
 
 ALIGNMENTS: Catalogue[AlignmentParams] = Catalogue("alignment", {
     "none": Entry(NoAlignmentParams),

@@ -18,7 +18,7 @@ plan, so the three agree on names without a message carrying them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,8 +111,7 @@ def model_nodes(spec: ModelSpec) -> list[_Node]:
     if spec.layers:
         return [_Node(str(i), layer.type, layer.params, ("input",) if i == 0 else (str(i - 1),), f"model.layers[{i}]")
                 for i, layer in enumerate(spec.layers)]
-    nodes: Sequence[Any] = getattr(spec, "nodes", ())  # the graph form (fedbroker.job.model_spec's NodeSpec)
-    return [_Node(n.name, n.type, n.params, tuple(n.inputs), f"model.nodes.{n.name}") for n in nodes]
+    return [_Node(n.name, n.type, n.params, tuple(n.inputs), f"model.nodes.{n.name}") for n in spec.nodes]
 
 
 def _trait(node: _Node) -> AlignTrait:
@@ -134,15 +133,15 @@ def _merge_problem(node: _Node) -> str:
 
 
 def _input_ranks(spec: ModelSpec) -> dict[str, int]:
-    """The rank of each chain node's input (without the batch axis); {} when the shapes cannot be inferred (the
+    """The rank of each node's (first) input, without the batch axis; {} when the shapes cannot be inferred (the
     model's own problems are reported where it is parsed)."""
-    if not spec.layers:
-        return {}
+    nodes = model_nodes(spec)
     try:
-        shapes = [tuple(spec.input_shape)] + output_shapes(spec)
+        shapes = output_shapes(spec)
     except ConfigError:
         return {}
-    return {str(i): len(shapes[i]) for i in range(len(spec.layers))}
+    rank = {"input": len(spec.input_shape), **{n.name: len(s) for n, s in zip(nodes, shapes)}}
+    return {n.name: rank.get(n.inputs[0], 1) for n in nodes if n.inputs}
 
 
 def plan_alignment(spec: ModelSpec) -> tuple[AlignmentPlan, list[ConfigError]]:

@@ -36,6 +36,10 @@ def alignment_problems(aggregation: AggregationConfig, model: ModelSpec, *, laye
     plan, refusals = plan_alignment(model)
     problems = [ConfigError(e.field, f"alignment {name!r} cannot align this model: {e.problem}; use alignment "
                                      f"'none'") for e in refusals]
+    if traits is not None and traits.resizes_layers and model.is_graph and not refusals:
+        problems.append(ConfigError("aggregation.alignment", (
+            f"{name!r} infers each matched layer's global width, which may differ from the model's, and a model "
+            f"graph (model.nodes) is not resized: write the chain as model.layers, or use alignment 'feddna'")))
     rounds = plan.layerwise_rounds
     if layerwise and not refusals and training is not None and training.rounds != rounds:
         nodes = ", ".join(layer.node for layer in plan.layers)

@@ -5,7 +5,6 @@ takes exactly one round per matched layer, and freezes the layers matched before
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ from fedbroker.job.alignment_plan import alignment_plan, plan_alignment
 from fedbroker.job.spec import ModelSpec, parse_model
 from fedbroker.job.submission import accept_job
 from fedbroker.layers import LAYERS
-from fedbroker.layers.base import AlignTrait
+from fedbroker.layers.base import AlignTrait, LayerType
 
 CONV_CHAIN = {"input_shape": [2, 8, 8], "layers": [
     {"type": "Conv2d", "in_channels": 2, "out_channels": 4, "kernel_size": 3, "padding": 1},
@@ -110,63 +109,62 @@ def test_fedavg_takes_every_model_alignment_refuses() -> None:
     accept_job(job(model, "none"))
 
 
-@dataclass(frozen=True)
-class Node:
-    name: str
-    type: str
-    params: dict
-    inputs: tuple[str, ...]
+CONV = {"type": "Conv2d", "kernel_size": 3, "padding": 1}
 
 
-@dataclass(frozen=True)
-class Graph:
-    """A stand-in for the graph form's spec: the walk reads only its nodes (blocks already expanded)."""
-
-    nodes: tuple[Node, ...]
-    layers: tuple = ()
-    input_shape: tuple = (3, 8, 8)
+def graph(nodes: dict, **extra: Any) -> dict:
+    return {"input_shape": [3, 8, 8], "nodes": nodes, **extra}
 
 
-def conv(name: str, cin: int, cout: int, inputs: tuple[str, ...]) -> Node:
-    return Node(name, "Conv2d", {"in_channels": cin, "out_channels": cout, "kernel_size": 3, "stride": 1,
-                                 "padding": 1, "bias": True}, inputs)
+RESNET = graph({
+    "stem": {**CONV, "in_channels": 3, "out_channels": 8},
+    "b1": {"block": "basic", "c": 8},
+    "flat": {"type": "Flatten"},
+    "head": {"type": "Linear", "in_features": 512, "out_features": 10}},
+    blocks={"basic": {"params": ["c"], "nodes": {
+        "conv1": {**CONV, "in_channels": "$c", "out_channels": "$c", "inputs": ["x"]},
+        "relu": {"type": "ReLU"},
+        "conv2": {**CONV, "in_channels": "$c", "out_channels": "$c"},
+        "sum": {"type": "add", "inputs": ["conv2", "x"]}}}})
 
 
 def test_a_skip_connection_is_refused_at_its_add_node() -> None:
-    graph = Graph((conv("stem", 3, 8, ("input",)), conv("b1.conv1", 8, 8, ("stem",)),
-                   Node("b1.relu", "ReLU", {}, ("b1.conv1",)), conv("b1.conv2", 8, 8, ("b1.relu",)),
-                   Node("b1.sum", "add", {}, ("b1.conv2", "stem")), Node("flat", "Flatten", {}, ("b1.sum",)),
-                   Node("head", "Linear", {"in_features": 512, "out_features": 10, "bias": True}, ("flat",))))
-    _, problems = plan_alignment(graph)  # type: ignore[arg-type]
-    fields = {e.field: e.problem for e in problems}
-    assert fields["model.nodes.b1.sum.inputs"].startswith("add sums b1.conv2 and stem: a skip connection ties")
-    assert fields["model.nodes.stem"].startswith("its output is read by b1.conv1 and b1.sum")
+    problems = {p.split(": ", 1)[0]: p for p in refusal(RESNET, "feddna")}
+    assert "alignment 'feddna' cannot align this model: add sums b1.conv2 and stem: a skip connection ties" in \
+        problems["model.nodes.b1.sum.inputs"]
+    assert "its output is read by b1.conv1 and b1.sum" in problems["model.nodes.stem"]
 
 
 def test_a_concat_is_refused_naming_its_inputs() -> None:
-    graph = Graph((conv("a", 3, 4, ("input",)), conv("b", 4, 4, ("a",)),
-                   Node("cat", "concat", {}, ("b", "a")), conv("c", 8, 4, ("cat",))))
-    _, problems = plan_alignment(graph)  # type: ignore[arg-type]
-    assert any(e.field == "model.nodes.cat.inputs" and e.problem.startswith("concat joins b and a along the channels")
-               for e in problems)
+    model = graph({"a": {**CONV, "in_channels": 3, "out_channels": 4}, "b": {**CONV, "in_channels": 4, "out_channels": 4},
+                   "cat": {"type": "concat", "inputs": ["b", "a"]}, "flat": {"type": "Flatten"},
+                   "head": {"type": "Linear", "in_features": 512, "out_features": 2}})
+    assert any(p.startswith("model.nodes.cat.inputs: alignment 'nafi' cannot align this model: concat joins b and a "
+                            "along the channels") for p in refusal(model))
+
+
+CHAIN_GRAPH = graph({"stem": {**CONV, "in_channels": 3, "out_channels": 4},
+                     "norm": {"type": "GroupNorm", "num_groups": 1, "num_channels": 4},
+                     "flat": {"type": "Flatten"},
+                     "head": {"type": "Linear", "in_features": 256, "out_features": 10, "bias": False}})
 
 
 def test_a_graph_that_is_a_chain_is_planned_by_node_name() -> None:
-    graph = Graph((conv("stem", 3, 4, ("input",)),
-                   Node("norm", "GroupNorm", {"num_groups": 1, "num_channels": 4}, ("stem",)),
-                   Node("flat", "Flatten", {}, ("norm",)),
-                   Node("head", "Linear", {"in_features": 256, "out_features": 10, "bias": False}, ("flat",))))
-    plan, problems = plan_alignment(graph)  # type: ignore[arg-type]
+    plan, problems = plan_alignment(parse_model(CHAIN_GRAPH))
     assert problems == []
     assert plan.all_tensors() == ("stem.weight", "stem.bias", "norm.weight", "norm.bias", "head.weight")
+    assert accept_job(job(CHAIN_GRAPH, "feddna")).aggregation.alignment == "feddna"
+
+
+def test_a_matching_that_infers_widths_is_refused_on_a_graph_saying_what_to_write() -> None:
+    (problem,) = refusal(CHAIN_GRAPH, "pfnm")
+    assert problem.startswith("aggregation.alignment: 'pfnm' infers each matched layer's global width")
 
 
 def test_a_new_layer_type_without_a_trait_blocks_alignment() -> None:
-    graph = Graph((conv("a", 3, 4, ("input",)), Node("odd", "Shuffle", {}, ("a",)), conv("b", 4, 4, ("odd",))))
-    _, problems = plan_alignment(graph)  # type: ignore[arg-type]
-    assert [(e.field, e.problem) for e in problems] == [("model.nodes.odd", "Shuffle: its type declares no alignment "
-                                                                            "trait")]
-    assert AlignTrait("blocks", "x").kind == "blocks"
+    odd = LayerType("Identity")  # an entry that says nothing about alignment
+    assert odd.alignment({}) == AlignTrait("blocks", "its layer type declares no alignment trait")
+    assert LayerType("Linear", out_width="out_features").alignment({}) == AlignTrait("matched")
 
 
 def test_the_layerwise_mode_takes_one_round_per_matched_layer() -> None:

@@ -126,3 +126,32 @@ def test_an_aligned_round_in_the_service_computes_the_original_function() -> Non
     _, spec_json, state = book.global_model("j")
     spec = parse_model(json.loads(spec_json))
     np.testing.assert_allclose(outputs(spec, state, X), outputs(SPEC, original, X), atol=1e-5)
+
+
+GRAPH = parse_model({"input_shape": [2, 6, 6], "nodes": {
+    "stem": {"type": "Conv2d", "in_channels": 2, "out_channels": 5, "kernel_size": 3, "padding": 1},
+    "norm": {"type": "BatchNorm2d", "num_features": 5},  # trains as GroupNorm(5, 5): per channel
+    "act": {"type": "ReLU"}, "flat": {"type": "Flatten"},
+    "head": {"type": "Linear", "in_features": 180, "out_features": 3}}})
+
+
+def test_a_chain_written_as_a_graph_is_realigned_by_node_name_in_the_service() -> None:
+    rng = np.random.default_rng(0)
+    original = {name: rng.normal(size=shape).astype(np.float32) for name, shape in parameter_shapes(GRAPH).items()}
+    book = RoundBook()
+    book.put_global("j", 1, GRAPH.to_json(), original)
+    workers = ["a", "b", "c"]
+    book.open_round("j", 1, workers, deadline=1e12, aggregation={"alignment": "feddna"}, seed=0)
+    for k, w in enumerate(workers):
+        p = np.random.default_rng(k + 1).permutation(5)
+        state = dict(original)
+        for name in ("stem.weight", "stem.bias", "norm.weight", "norm.bias"):
+            state[name] = original[name][p]
+        state["head.weight"] = original["head.weight"].reshape(3, 5, 36)[:, p].reshape(3, 180)
+        header = pb.UpdateHeader(job_id="j", round=1, worker_id=w, num_samples=10, tensors=codec.tensor_specs(state))
+        book.receive_update(codec.stream_messages(pb.UpdateChunk, header, state))
+    book.close("j", 1)
+    _, spec_json, state = book.global_model("j")
+    spec = parse_model(json.loads(spec_json))
+    assert spec.is_graph
+    np.testing.assert_allclose(outputs(spec, state, X), outputs(GRAPH, original, X), atol=1e-5)
