@@ -72,7 +72,7 @@ def test_the_traits_the_service_reads_in_place_of_names() -> None:
     assert ALIGNMENTS.traits("none") == Traits()
     assert ALIGNMENTS.traits("feddna") == Traits(needs_update_set=True, aligns_units=True)
     assert ALIGNMENTS.traits("pfnm") == ALIGNMENTS.traits("nafi") == Traits(
-        needs_update_set=True, aligns_units=True, needs_histograms=True)
+        needs_update_set=True, aligns_units=True, needs_histograms=True, resizes_layers=True)
     assert [n for n in WEIGHTINGS.names() if WEIGHTINGS.entry(n).traits.weights_positive] == ["fedavg", "uniform"]
     assert [n for n in SELECTIONS.names() if SELECTIONS.entry(n).traits.needs_update_set] == ["ga", "random"]
     assert ALIGNMENTS.traits("magic") is None

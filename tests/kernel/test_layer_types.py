@@ -95,7 +95,10 @@ def test_every_bad_parameter_of_the_new_types_is_named_at_once() -> None:
 def test_batchnorm_trains_as_groupnorm_with_the_stated_group_count(channels: int, dims: int, groups: int) -> None:
     assert batchnorm_groups(channels, dims) == groups
     entry = LAYERS[f"BatchNorm{dims}d"]
-    assert entry.trains_as == "GroupNorm" and entry.folds_at_alignment and entry.blocks_alignment
+    assert entry.trains_as == "GroupNorm" and entry.folds_at_alignment
+    # alignment attaches it to the layer before it when its groups do not mix channels (docs/models.md)
+    per_channel = groups in (1, channels)
+    assert (entry.alignment({"num_features": channels}).kind == "per_channel") == per_channel
     assert entry.substitution is not None
     assert entry.substitution({"num_features": channels}) == \
         f"BatchNorm{dims}d({channels}) trains as GroupNorm({groups}, {channels})"
