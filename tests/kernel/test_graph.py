@@ -296,5 +296,10 @@ def test_a_graph_job_is_refused_what_only_chains_support_yet():
     text = str(caught.value)
     assert "aggregation.alignment: pfnm cannot align this model: alignment matches the units of a chain" in text
     assert "data.standardize: federated puts the agreed standardize layer in front of a chain" in text
-    job["aggregation"]["alignment"], job["data"] = "none", {"standardize": "none"}
+    job["aggregation"] = {"alignment": "none", "weighting": "fedavg", "selection": "ga",
+                          "selection_params": {"m": 1, "fitness": "probe", "probe_dataset": "digits"}}
+    job["data"] = {"standardize": "none"}
+    with pytest.raises(ConfigError, match="a probe that runs a chain of layers"):
+        accept_job(job)
+    job["aggregation"] = {"alignment": "none", "weighting": "fedavg", "selection": "all"}
     assert accept_job(job).model.is_graph
