@@ -112,8 +112,18 @@ class Bounds:
 
     def describe(self) -> str:
         """One line for the job's view."""
-        return (f"{self.parameters:,} parameters, {self.activation_bytes / 2**20:,.2f} MiB of activations and "
-                f"{self.flops / 1e6:,.2f} MFLOPs per sample")
+        return (f"{self.parameters:,} parameters; per sample {_scaled(self.activation_bytes, 1024, 'B', 'i')} of "
+                f"activations and {_scaled(self.flops, 1000, ' FLOPs', '')}")
+
+
+def _scaled(value: int, base: int, unit: str, infix: str) -> str:
+    """1536 → "1.5 KiB" (binary) or 155130000 → "155.1 M FLOPs": three significant figures at most."""
+    size, prefix = float(value), ""
+    for step in ("k" if base == 1000 else "K", "M", "G", "T", "P"):
+        if size < base:
+            break
+        size, prefix = size / base, step + infix
+    return f"{value:,} {unit.strip()}" if not prefix else f"{size:.3g} {prefix}{unit.strip() if unit.startswith(' ') else unit}"
 
 
 def node_flops(node: NodeSpec, out: Shape) -> int:

@@ -282,3 +282,24 @@ def test_the_graph_module_runs_merges_out_of_place_and_matches_the_spec_names():
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
     model(x).sum().backward()  # an in-place merge on a tensor autograd still needs would raise here
     assert x.grad is not None and model(x).shape == (2, 3)
+
+
+def test_a_graph_job_is_refused_what_only_chains_support_yet():
+    from fedbroker.job.submission import accept_job
+
+    job = {"name": "graph", "category": "digits", "model": model(),
+           "training": {"rounds": 1, "local_epochs": 1, "batch_size": 8, "lr": 0.1},
+           "aggregation": {"alignment": "pfnm", "weighting": "fedavg", "selection": "all"},
+           "data": {"standardize": "federated", "bounds": [[0, 1]]}}
+    with pytest.raises(ConfigErrors) as caught:
+        accept_job(job)
+    text = str(caught.value)
+    assert "alignment 'pfnm' cannot align this model: add sums" in text  # named at the node (alignment_plan)
+    assert "data.standardize: federated puts the agreed standardize layer in front of a chain" in text
+    job["aggregation"] = {"alignment": "none", "weighting": "fedavg", "selection": "ga",
+                          "selection_params": {"m": 1, "fitness": "probe", "probe_dataset": "digits"}}
+    job["data"] = {"standardize": "none"}
+    with pytest.raises(ConfigError, match="a probe that runs a chain of layers"):
+        accept_job(job)
+    job["aggregation"] = {"alignment": "none", "weighting": "fedavg", "selection": "all"}
+    assert accept_job(job).model.is_graph

@@ -411,7 +411,7 @@ class WorkerAgent:
         self._state = "training"
         metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in global_model[2].values()))
         try:
-            spec, model = build_global(global_model)
+            spec, model = build_global(global_model, limits=self.config.limits)  # over them: refused, nothing spent
             # the layer-wise mode: the layers matched in earlier rounds do not train (the same plan the service reads)
             frozen = alignment_plan(spec).frozen_in_round(task.round) if layerwise else frozenset()
         except ValueError as exc:
