@@ -79,7 +79,8 @@ def _conv_params(*, transposed: bool) -> dict[str, Param]:
 def _conv(dims: int) -> LayerType:
     name = f"Conv{dims}d"
     return LayerType(name, _conv_params(transposed=False), _conv_output(name, dims), _conv_tensors(dims),
-                     out_width="out_channels", in_width="in_channels", takes_width="in_channels", dp="bk")
+                     out_width="out_channels", in_width="in_channels", takes_width="in_channels", dp="bk",
+                     probe_forward=dims == 2)
 
 
 def _transposed(dims: int) -> LayerType:
