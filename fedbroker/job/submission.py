@@ -28,10 +28,18 @@ from fedbroker.layers import LAYERS
 def alignment_problems(spec: ModelSpec) -> list[str]:
     """Why neurons of this model cannot be matched across clients (empty when they can)."""
     problems = []
+    try:
+        inputs = [tuple(spec.input_shape), *output_shapes(spec)]
+    except ConfigError:  # the model's own problems are reported where it is parsed
+        inputs = []
     for i, layer in enumerate(spec.layers):
         blocker = LAYERS[layer.type].blocks_alignment
         if blocker:
             problems.append(f"layer {i} is {layer.type}: {blocker}; use alignment 'none' or drop the {layer.type}")
+        elif layer.type == "Linear" and i < len(inputs) and len(inputs[i]) == 2:
+            problems.append(f"layer {i} is a Linear on a sequence {list(inputs[i])}: a Flatten after it puts each "
+                            "unit once per position, which the alignment engines do not permute; use alignment "
+                            "'none'")
     if len(matched_layers(spec)) < 2:
         names = "/".join(name for name, layer_type in LAYERS.items() if layer_type.weighted)
         problems.append(f"the model needs at least one hidden {names} layer to align")

@@ -168,3 +168,14 @@ def test_the_docs_layer_table_has_a_row_for_every_type() -> None:
                 family, _, dims = name.partition("/")  # "MaxPool1d/2d/3d"
                 named |= {name} if not dims else {family, *(family[:-2] + d for d in name.split("/")[1:])}
     assert named == set(LAYERS)
+
+
+def test_alignment_refuses_the_new_layers_it_cannot_permute_naming_each() -> None:
+    from fedbroker.job.submission import alignment_problems
+
+    for kind in ("Conv1d", "Conv3d", "ConvTranspose2d", "Embedding", "LSTM", "MultiheadAttention", "BatchNorm2d"):
+        problems = alignment_problems(parse_model(NEW_LAYER_EXAMPLES[kind][0]))
+        assert any(f"is {kind}: " in p for p in problems), (kind, problems)
+    (problem, *_) = alignment_problems(parse_model(NEW_LAYER_EXAMPLES["Linear on a sequence"][0]))
+    assert problem.startswith("layer 0 is a Linear on a sequence [5, 4]")
+    assert alignment_problems(parse_model(NEW_LAYER_EXAMPLES["Upsample"][0])) == []  # Upsample passes, Conv2d matched
