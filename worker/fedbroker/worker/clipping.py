@@ -121,6 +121,9 @@ def check_supported(model: nn.Module, mode: str) -> None:
                           + ": it needs every parameter in one unshared layer of "
                           f"{', '.join(t.__name__ for t in one_pass_clipping.LAYERS)} (convolutions ungrouped, "
                           "zero-padded), Conv1d/3d, ConvTranspose2d/3d (undilated), Embedding or an Opacus DP layer")
+    if mode == "ew" and (nodes := layer_clipping.ew_unclippable(model)):
+        raise ConfigError("clipping", f"ew clipping cannot clip the layers {', '.join(nodes)}: torch's "
+                          "ExpandedWeights has no per-sample rule for transposed convolutions; use bk")
     if mode == "ghost" and not ghost_supported(model):
         raise ConfigError("clipping", "ghost clipping needs a model whose parameters all sit in unshared "
                           f"{', '.join(t.__name__ for t in GHOST_LAYERS)} layers")
