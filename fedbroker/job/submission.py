@@ -22,6 +22,7 @@ from fedbroker.job.spec import (
     output_shapes,
     parse_job,
 )
+from fedbroker.layers import LAYERS
 
 
 def alignment_problems(aggregation: AggregationConfig, model: ModelSpec, *, layerwise: bool,
@@ -167,6 +168,12 @@ def _probe_problems(dataset: str, model: ModelSpec, *,
         shapes = output_shapes(model)
     except ConfigError:  # the model's own problems are reported where it is parsed
         return []
+    unknown = [f"layers[{i}] ({layer.type})" for i, layer in enumerate(model.layers)
+               if not LAYERS[layer.type].probe_forward]
+    if unknown:
+        return [ConfigError(field, f"the probe set's forward pass (numpy, on the aggregation side) does not compute "
+                                   f"{', '.join(unknown)}; it computes "
+                                   f"{', '.join(n for n, t in LAYERS.items() if t.probe_forward)}")]
     sample, classes = EVALUATION_SETS[dataset]
     if tuple(model.input_shape) != sample:
         return [ConfigError(field, f"{dataset!r} has samples of shape {list(sample)} but model.input_shape is "

@@ -119,7 +119,8 @@ NORM: dict[str, LayerType] = {
     "GroupNorm": LayerType(
         "GroupNorm",
         {"num_groups": Param("width", required=True), "num_channels": Param("width", required=True)},
-        _group_norm_output, _per_channel("num_channels"), dp="bk", align=_group_norm_align, takes_width="num_channels",
+        _group_norm_output, _per_channel("num_channels"), dp="bk", probe_forward=True, align=_group_norm_align,
+        takes_width="num_channels",
     ),
     # over the last axis: the features of a flat input or of each position of a sequence
     "LayerNorm": LayerType(

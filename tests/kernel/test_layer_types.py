@@ -171,3 +171,16 @@ def test_the_docs_layer_table_has_a_row_for_every_type() -> None:
                 family, _, dims = name.partition("/")  # "MaxPool1d/2d/3d"
                 named |= {name} if not dims else {family, *(family[:-2] + d for d in name.split("/")[1:])}
     assert named == set(LAYERS)
+
+
+def test_alignment_refuses_the_new_layers_it_cannot_permute_naming_each() -> None:
+    from fedbroker.job.alignment_plan import plan_alignment
+
+    def problems(kind: str) -> list[str]:
+        return [f"{e.field}: {e.problem}" for e in plan_alignment(parse_model(NEW_LAYER_EXAMPLES[kind][0]))[1]]
+
+    for kind in ("Conv1d", "Conv3d", "ConvTranspose2d", "Embedding", "LSTM", "MultiheadAttention"):
+        assert any(f": {kind}: " in p for p in problems(kind)), (kind, problems(kind))
+    assert problems("Linear on a sequence")[0].startswith("model.layers[0]: Linear acts on each position of a rank-2")
+    assert problems("Upsample") == []  # Upsample passes, Conv2d matched
+    assert problems("BatchNorm2d") == []  # BatchNorm2d(6) trains as GroupNorm(6, 6): attached to the conv before it
