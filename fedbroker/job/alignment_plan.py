@@ -184,6 +184,14 @@ def plan_alignment(spec: ModelSpec) -> tuple[AlignmentPlan, list[ConfigError]]:
                     f"matched layer whose units it could travel with")))
                 continue
             last = layers[-1]
+            units = last.params.get(LAYERS[last.type].out_width)
+            widths = {shape[0] for shape in LAYERS[node.type].tensors(node.params).values()}
+            if widths != {units}:
+                problems.append(ConfigError(node.path, (
+                    f"{node.type} holds {sorted(widths)} values per tensor, but the layer before it ({last.node}) has "
+                    f"{units} units: its values cannot travel with them (after a Flatten, one unit is several "
+                    f"features)")))
+                continue
             layers[-1] = MatchedLayer(last.node, last.type, last.params, last.bias,
                                       last.norms + (AttachedNorm(node.name, node.type, node.params),))
         elif trait.kind == "input" and node is not nodes[0]:

@@ -85,6 +85,15 @@ def test_a_batchnorm_whose_dp_groups_mix_channels_is_refused_with_the_groups() -
                               "BatchNorm2d(64) trains as GroupNorm(32, 64) under DP")
 
 
+def test_a_norm_over_flattened_features_is_refused_naming_it() -> None:
+    model = {"input_shape": [1, 4, 4], "layers": [
+        {"type": "Conv2d", "in_channels": 1, "out_channels": 2, "kernel_size": 3}, {"type": "Flatten"},
+        {"type": "BatchNorm1d", "num_features": 8}, {"type": "Linear", "in_features": 8, "out_features": 2}]}
+    (problem,) = refusal(model)
+    assert problem.startswith("model.layers[2]: alignment 'nafi' cannot align this model: BatchNorm1d holds [8] "
+                              "values per tensor, but the layer before it (0) has 2 units")
+
+
 def test_an_lstm_is_refused_naming_it() -> None:
     model = {"input_shape": [4, 3], "layers": [
         {"type": "LSTM", "input_size": 3, "hidden_size": 4}, {"type": "Flatten"},
