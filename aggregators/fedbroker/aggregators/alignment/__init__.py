@@ -21,6 +21,7 @@ from fedbroker.aggregators.alignment.feddna import (
     grow_trees_from_distances,
     spanning_costs,
 )
+from fedbroker.aggregators.alignment.layerwise import layerwise_round
 from fedbroker.aggregators.alignment.matching import LayerMatch, assignment_cost, match_layer, match_neurons
 from fedbroker.aggregators.alignment.permute import apply_permutations, permute_units, scatter_inputs, scatter_outputs
 from fedbroker.aggregators.alignment.pfnm import NAFI, PFNM, RetrainFn, align_layerwise, match_network
@@ -56,6 +57,7 @@ __all__ = [
     "fold_batchnorm_layer",
     "grow_trees",
     "grow_trees_from_distances",
+    "layerwise_round",
     "match_layer",
     "match_network",
     "match_neurons",
