@@ -22,6 +22,7 @@ from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.job.spec import AggregationConfig, EvaluationConfig, JobSpec, TrainingConfig
 from fedbroker.job.spec_data import DataConfig
 from fedbroker.job.submission import robust_problems
+from fedbroker.job.task import TaskConfig
 from fedbroker.proto import fedbroker_pb2 as pb
 
 _KINDS = ("alignment", "weighting", "selection", "robust")
@@ -40,13 +41,17 @@ class InstalledJob:
     algorithms: AggregationSettings   # its typed view: each kind's checked parameters and traits
     evaluation: EvaluationConfig
     data: DataConfig
+    task: TaskConfig
     message: pb.JobSettings = dataclasses.field(compare=False, repr=False)
 
 
 def settings_message(job_id: str, job: JobSpec) -> pb.JobSettings:
     """The settings of an accepted job, as they travel (built once, where the job was parsed)."""
-    t, a, e, d = job.training, job.aggregation, job.evaluation, job.data
+    t, a, e, d, k = job.training, job.aggregation, job.evaluation, job.data, job.task
     return pb.JobSettings(
+        task=pb.TaskSettings(type=k.type, class_weights=list(k.class_weights), label_smoothing=k.label_smoothing,
+                             labels=k.labels, loss=k.loss, huber_delta=k.huber_delta, classes=k.classes,
+                             dice_weight=k.dice_weight),
         job_id=job_id, category=job.category, seed=job.seed,
         training=pb.TrainingSettings(rounds=t.rounds, local_epochs=t.local_epochs, batch_size=t.batch_size,
                                      optimizer=t.optimizer, lr=t.lr, momentum=t.momentum, proximal_mu=t.proximal_mu),
@@ -95,13 +100,24 @@ def parse_settings(message: pb.JobSettings) -> InstalledJob:
     if len(d.lower) != len(d.upper):
         problems.append(ConfigError("data.bounds", f"{len(d.lower)} lower bounds but {len(d.upper)} upper ones"))
     data = section(lambda: DataConfig(standardize=d.standardize, bounds=tuple(zip(d.lower, d.upper))))
+    task = section(lambda: task_from_message(message))
     if not message.job_id:
         problems.append(ConfigError("job_id", "is empty"))
     if problems or algorithms is None:
         raise problems[0] if len(problems) == 1 else ConfigErrors(problems)
     return InstalledJob(job_id=message.job_id, digest=settings_digest(message), category=message.category,
                         seed=message.seed, training=training, aggregation=aggregation, algorithms=algorithms,
-                        evaluation=evaluation, data=data, message=message)
+                        evaluation=evaluation, data=data, task=task, message=message)
+
+
+def task_from_message(message: pb.JobSettings) -> TaskConfig:
+    """The job's task as its settings carry it; settings without one (a job from before tasks) classify."""
+    k = message.task
+    if not message.HasField("task") or not k.type:
+        return TaskConfig()
+    return TaskConfig(type=k.type, class_weights=tuple(k.class_weights), label_smoothing=k.label_smoothing,
+                      labels=k.labels, loss=k.loss or "mse", huber_delta=k.huber_delta or 1.0, classes=k.classes,
+                      dice_weight=k.dice_weight)
 
 
 def _choice(kind: str, choice: pb.AlgorithmChoice) -> dict[str, Any]:
