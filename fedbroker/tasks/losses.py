@@ -75,6 +75,17 @@ def label_tensor(task: TaskConfig, y: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(y, dtype=np.float32))
 
 
+def task_tensors(task: TaskConfig, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 features, the task's label tensor); refuses no samples and a label count that is not the sample
+    count (the labels' own values were checked by the reader, `fedbroker.datasets.labels`)."""
+    x, y = np.asarray(x), np.asarray(y)
+    if len(x) == 0:
+        raise ConfigError("x", "no samples")
+    if len(y) != len(x):
+        raise ConfigError("y", f"needs one label per sample: shape {y.shape} for {len(x)} samples")
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), label_tensor(task, y)
+
+
 def predictions(task: TaskConfig, output: torch.Tensor) -> Any:
     """What the scores are computed from: class indices (classification, per pixel for segmentation),
     probabilities per label (multilabel) or the raw values (regression), as numpy."""

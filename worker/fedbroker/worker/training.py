@@ -28,6 +28,7 @@ has the table.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +42,7 @@ from fedbroker.config import DPPolicy
 from fedbroker.errors import BudgetExceeded, ConfigError
 from fedbroker.evaluation import as_tensors
 from fedbroker.job.spec import TrainingConfig
+from fedbroker.job.task import TaskConfig
 from fedbroker.privacy import (
     HistoryEntry,
     check_int,
@@ -50,6 +52,7 @@ from fedbroker.privacy import (
     normalise_history,
     steps_per_epoch,
 )
+from fedbroker.tasks.losses import per_sample_loss, task_tensors
 from fedbroker.worker.clipping import CLIPPING_MODES, check_supported, clipping_mode
 from fedbroker.worker.training_loops import LocalRun, train_dp, train_plain
 
@@ -104,6 +107,7 @@ def train_local(
     progress: Callable[[int, int], None] | None = None,
     clipping: str = "auto",
     physical_batch_size: int | None = None,
+    task: TaskConfig | None = None,
 ) -> TrainResult:
     """Train `model` on (x, y) for `config.local_epochs`; with an enabled `dp`, as DP-SGD under the owner's policy.
 
@@ -121,9 +125,13 @@ def train_local(
     samples of one forward/backward pass: a larger Poisson batch is trained in chunks (Opacus's
     virtual steps) whose clipped gradients are summed and noised once, the same update and the same ε
     as one pass, for a batch that does not fit in memory. Neither changes training without DP.
+
+    `task` (default classification) chooses the loss and how `y` is read: int classes and masks, float
+    multi-hot rows and targets (`fedbroker.tasks.losses`); every loss is a mean of per-sample losses.
     """
     _check_arguments(model, seed=seed, clipping=clipping, physical_batch_size=physical_batch_size)
-    x_t, y_t = as_tensors(x, y)
+    task = task or TaskConfig()
+    x_t, y_t = as_tensors(x, y) if task.type == "classification" else task_tensors(task, x, y)
     n = len(y_t)
     entries = normalise_history(history)
     plan = _plan_dp(model, dp, entries, num_samples=n, config=config, clipping=clipping) \
@@ -142,7 +150,7 @@ def train_local(
         start = time.perf_counter()
         run = LocalRun(work=work, optimizer=optimizer, x=x_t.to(dev), y=y_t.to(dev), config=config,
                        steps_per_epoch=steps_per_epoch(n, config), data_gen=data_gen, device=dev, anchor=anchor,
-                       progress=progress)
+                       progress=progress, loss=functools.partial(per_sample_loss, task))
         if plan is None:
             loss, seen = train_plain(run)
             epsilon, out_history = None, entries
