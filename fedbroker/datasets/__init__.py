@@ -34,7 +34,7 @@ OWN_FORMATS = ("idx", "csv", "npz", "parquet")   # an owner's own files (worker.
 _IDX_SETS = ("mnist", "fashion_mnist")
 
 __all__ = ["DATASETS", "OWN_FORMATS", "Dataset", "load_dataset", "load_idx", "load_worker_data",
-           "train_test_split"]
+           "strata", "train_test_split"]
 
 
 def load_dataset(name: str, *, idx_dir: str | None = None) -> Dataset:
@@ -106,6 +106,12 @@ def train_test_split(ds: Dataset, *, test_fraction: float = 0.2, seed: int = 0) 
     is_test[test_idx] = True
     train_idx = np.flatnonzero(~is_test)
     return _subset(ds, train_idx), _subset(ds, test_idx)
+
+
+def strata(ds: Dataset) -> np.ndarray:
+    """The classes a split or a partition draws by: the labels, or, for labels that are not classes (multilabel
+    rows, targets, masks), one class for every sample."""
+    return ds.y if ds.labels == "class" else np.zeros(len(ds), dtype=np.int64)
 
 
 def _subset(ds: Dataset, idx: np.ndarray) -> Dataset:

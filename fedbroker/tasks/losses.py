@@ -61,10 +61,10 @@ def per_sample_loss(task: TaskConfig, output: torch.Tensor, target: torch.Tensor
 def soft_dice_loss(output: torch.Tensor, target: torch.Tensor, classes: int) -> torch.Tensor:
     """1 − soft Dice of each image (softmax of the scores against the one-hot mask), averaged over classes:
     shape (n,). MONAI's DiceLoss with `batch=False` sums over each image's own pixels only."""
-    from monai.losses import DiceLoss
+    from monai.losses.dice import DiceLoss
 
     dice = DiceLoss(softmax=True, to_onehot_y=True, batch=False, reduction="none")
-    per_class = dice(output, target.unsqueeze(1))                              # (n, C, 1, ...)
+    per_class: torch.Tensor = dice(output, target.unsqueeze(1))               # (n, C, 1, ...)
     return per_class.reshape(len(output), classes).mean(dim=1)
 
 
