@@ -62,8 +62,8 @@ class ModelSpec:
 
     @property
     def num_outputs(self) -> int:
-        """The number of class scores the model outputs."""
-        return output_shapes(self)[-1][-1]
+        """The number of scores the model outputs per sample (per pixel: the output's first axis)."""
+        return output_shapes(self)[-1][0]
 
 
 class Collector:

@@ -21,6 +21,7 @@ sites have scored a round, the central one (the coordinator's evaluation set) be
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -193,6 +194,8 @@ def fill_status(store: StateStore, job_id: str, reply: pb.StatusReply) -> None:
         score = scores.get(row.round) if row.job_id == job_id else None
         if score is not None:
             row.federated_accuracy, row.federated_loss = score.accuracy, score.loss
+            row.federated_metric = score.metric
+            row.federated_scores.update({k: v for k, v in score.scores.items() if math.isfinite(v)})
             row.federated_samples, row.evaluated_sites = score.num_samples, score.sites
     for e in store.evaluations(job_id):
         reply.evaluations.add(job_id=e.job_id, round=e.round, worker_id=e.worker_id, status=e.status, reason=e.reason,

@@ -922,7 +922,14 @@ class StatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class RoundRow(_message.Message):
-    __slots__ = ("job_id", "round", "status", "participants", "aggregated", "accuracy", "loss", "seconds", "mean_train_loss", "uploaded", "model_version", "mean_staleness", "federated_accuracy", "federated_loss", "federated_samples", "evaluated_sites")
+    __slots__ = ("job_id", "round", "status", "participants", "aggregated", "accuracy", "loss", "seconds", "mean_train_loss", "uploaded", "model_version", "mean_staleness", "federated_accuracy", "federated_loss", "federated_samples", "evaluated_sites", "federated_metric", "federated_scores")
+    class FederatedScoresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -939,6 +946,8 @@ class RoundRow(_message.Message):
     FEDERATED_LOSS_FIELD_NUMBER: _ClassVar[int]
     FEDERATED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     EVALUATED_SITES_FIELD_NUMBER: _ClassVar[int]
+    FEDERATED_METRIC_FIELD_NUMBER: _ClassVar[int]
+    FEDERATED_SCORES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     status: str
@@ -955,7 +964,9 @@ class RoundRow(_message.Message):
     federated_loss: float
     federated_samples: int
     evaluated_sites: int
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., status: _Optional[str] = ..., participants: _Optional[int] = ..., aggregated: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., mean_train_loss: _Optional[float] = ..., uploaded: _Optional[int] = ..., model_version: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., federated_accuracy: _Optional[float] = ..., federated_loss: _Optional[float] = ..., federated_samples: _Optional[int] = ..., evaluated_sites: _Optional[int] = ...) -> None: ...
+    federated_metric: str
+    federated_scores: _containers.ScalarMap[str, float]
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., status: _Optional[str] = ..., participants: _Optional[int] = ..., aggregated: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., mean_train_loss: _Optional[float] = ..., uploaded: _Optional[int] = ..., model_version: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., federated_accuracy: _Optional[float] = ..., federated_loss: _Optional[float] = ..., federated_samples: _Optional[int] = ..., evaluated_sites: _Optional[int] = ..., federated_metric: _Optional[str] = ..., federated_scores: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class EvaluationRow(_message.Message):
     __slots__ = ("job_id", "round", "worker_id", "status", "reason", "loss", "accuracy", "num_samples", "model_version")
