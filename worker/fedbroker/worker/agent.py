@@ -31,6 +31,8 @@ import os
 import threading
 import time
 
+import numpy as np
+
 from fedbroker.bus import Bus, BusError, Delivery, envelope
 from fedbroker.config import DPPolicy, WorkerConfig
 from fedbroker.datasets import load_worker_data, strata, train_test_split
@@ -120,7 +122,9 @@ class WorkerAgent:
         self.sharing = Sharing(worker_id=config.id, categories=config.categories, ledger=self.ledger, dp=self.dp,
                                histogram_epsilon=config.histogram_epsilon,
                                statistics_epsilon=config.statistics_epsilon, standardize=str(config.data.standardize),
-                               x=self.x, y=self.y, num_classes=self.num_classes)
+                               # labels that are not classes have no class histogram: one class, as strata
+                               x=self.x, y=self.y if self.labels == "class" else np.zeros(len(self.y), np.int64),
+                               num_classes=self.num_classes if self.labels == "class" else 1)
         self._state = "idle"
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
