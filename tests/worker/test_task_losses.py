@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -132,3 +133,31 @@ def test_each_clipping_mode_sums_the_clipped_per_sample_gradients_of_the_task_lo
     optimizer.step()
     for p0, p, w in zip(before, work.parameters(), want):
         assert torch.allclose(p0 - p.detach(), w, atol=1e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["segmentation", "multilabel", "regression_mse"])
+def test_train_local_trains_each_task_under_dp_and_lowers_its_loss_without(name: str) -> None:
+    from fedbroker.config import DPPolicy
+    from fedbroker.job.spec import TrainingConfig
+    from fedbroker.worker.training import train_local
+
+    task = TASKS[name]
+    g = torch.Generator().manual_seed(3)
+    model, _, _ = _case(name)
+    if name == "segmentation":
+        x = torch.randn(64, 2, 6, 6, generator=g)
+        y = (x[:, 0] > 0).long() + (x[:, 1] > 1).long()
+    else:
+        x = torch.randn(64, 5, generator=g)
+        y = ((x[:, :3] > 0).float() if name == "multilabel" else x[:, :2] * 0.5)
+    config = TrainingConfig(local_epochs=3, batch_size=16, lr=0.3)
+    dp = DPPolicy(enabled=True, noise_multiplier=1.0, max_grad_norm=1.0, epsilon_budget=100.0)
+    private = train_local(model, x.numpy(), y.numpy(), config=config, dp=dp, seed=1, task=task)
+    assert private.epsilon is not None and private.epsilon > 0 and np.isfinite(private.train_loss)
+    plain_model = _case(name)[0]
+    with torch.no_grad():
+        before = float(per_sample_loss(task, plain_model(x), y).mean())
+    train_local(plain_model, x.numpy(), y.numpy(), config=config, dp=None, seed=1, task=task)
+    with torch.no_grad():
+        after = float(per_sample_loss(task, plain_model(x), y).mean())
+    assert after < before
