@@ -196,6 +196,7 @@ def _is_number(value: object) -> bool:
 
 
 STANDARDIZE_MODES = ("none", "site", "federated")
+LABEL_KINDS = ("class", "multilabel", "target", "mask")   # worker.data.labels: what a sample's label is
 
 
 def _raise_all(problems: list[ConfigError]) -> None:
@@ -228,8 +229,17 @@ class DataSection:
     classes: tuple[str, ...] = ()      # the label values in class order; empty = the labels are 0..K-1 already
     num_classes: int = 0               # the category's number of classes; 0 = the largest label + 1
     standardize: str | bool = "none"   # none | site | federated (class docstring); true = site, false = none
+    # What a label is (the job's task needs its kind: fedbroker.datasets.labels): a class index (classification),
+    # a multi-hot row of 0/1 (multilabel: csv/parquet `label_columns`, npz y (N, L)), real targets (regression:
+    # `label_column` or `label_columns`, npz y (N,) or (N, k)), or a mask of class indices per pixel
+    # (segmentation: npz y (N, H, W) matching x's spatial size).
+    labels: str = "class"
+    label_columns: tuple[str, ...] = ()  # csv, parquet: several label columns (multilabel, several targets)
 
     def __post_init__(self) -> None:
+        if self.labels not in LABEL_KINDS:
+            raise ConfigError("worker.data.labels", f"must be {' or '.join(map(repr, LABEL_KINDS))}, got "
+                                                    f"{self.labels!r}")
         mode = self.standardize
         if isinstance(mode, bool):
             mode = "site" if mode else "none"

@@ -1,18 +1,25 @@
 """Federated evaluation's rules, shared by the coordinator, the CLI and `simulate`: which rounds the sites score,
 how their scores combine, which round is best, when a job stops early, and what a submitter is warned of.
 
-Each site scores a global model on its own held-out split and reports (accuracy, mean cross-entropy, count);
-the federated score of a round is the count-weighted mean, i.e. the score on the union of the sites' splits.
-No site's samples leave it, and a score costs no ε (docs/privacy.md says what a score reveals).
+Each site scores a global model on its own held-out split and reports (its headline score, mean loss, count)
+and the task's sums (`fedbroker.tasks.scores`: counts, intersections, error sums, score histograms); the
+federated score of a round is made from the sites' summed sums, i.e. the score on the union of the sites'
+splits exactly (Dice from summed intersections, never an average of averages). A report without sums (a site
+from before tasks) is combined as before, by the count-weighted mean. No site's samples leave it, and a score
+costs no ε (docs/privacy.md says what a score reveals).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from fedbroker.errors import ConfigError
 from fedbroker.job.spec import EvaluationConfig, JobSpec
+from fedbroker.job.task import TaskConfig
+from fedbroker.tasks.scores import add_sums
+from fedbroker.tasks.scores import scores as task_scores
 
 SITES = ("participants", "category")   # evaluation.sites
 POLICIES = ("allow", "deny")           # worker.evaluation
@@ -26,31 +33,43 @@ def due(evaluation: EvaluationConfig, number: int, last: int) -> bool:
 
 @dataclass(frozen=True)
 class SiteScore:
-    """One site's report: its accuracy and mean loss on `num_samples` held-out samples."""
+    """One site's report: its headline score and mean loss on `num_samples` held-out samples, and its sums."""
 
     accuracy: float
     loss: float
     num_samples: int
+    sums: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Combined:
-    """A round's federated score: the sites' scores weighted by their counts."""
+    """A round's federated score: `accuracy` is the task's headline score (`metric`: accuracy, macro_f1, mae or
+    dice), `scores` every score of the task made from the sites' summed sums (empty without sums)."""
 
     accuracy: float
     loss: float
     num_samples: int
     sites: int
+    metric: str = "accuracy"
+    scores: Mapping[str, float] = field(default_factory=dict)
 
 
-def combine(scores: Iterable[SiteScore]) -> Combined | None:
-    """Σ nᵢ·accᵢ / Σ nᵢ (and likewise the loss) over the sites that scored; None when none did."""
+def combine(scores: Iterable[SiteScore], task: TaskConfig | None = None) -> Combined | None:
+    """The task's scores of the sites' summed sums when every site that scored sent sums; else Σ nᵢ·accᵢ / Σ nᵢ
+    (and likewise the loss), as before tasks. None when no site scored."""
+    task = task or TaskConfig()
     kept = [s for s in scores if s.num_samples > 0]
     total = sum(s.num_samples for s in kept)
     if not total:
         return None
+    if all(s.sums for s in kept):
+        made = task_scores(task, add_sums(s.sums for s in kept))
+        headline = made.get(task.metric, math.nan)
+        return Combined(accuracy=headline if math.isfinite(headline) else 0.0, loss=made["loss"], num_samples=total,
+                        sites=len(kept), metric=task.metric, scores=made)
     return Combined(accuracy=sum(s.accuracy * s.num_samples for s in kept) / total,
-                    loss=sum(s.loss * s.num_samples for s in kept) / total, num_samples=total, sites=len(kept))
+                    loss=sum(s.loss * s.num_samples for s in kept) / total, num_samples=total, sites=len(kept),
+                    metric=task.metric)
 
 
 @dataclass(frozen=True)
@@ -71,13 +90,14 @@ def scores_used(rounds: Sequence[Scored]) -> tuple[str, list[tuple[int, float]]]
     return "central", [(r.round, r.central) for r in rounds if r.central is not None]
 
 
-def best_round(rounds: Sequence[Scored]) -> tuple[int, float, str] | None:
-    """(round, accuracy, "federated" | "central") of the best-scored round, the earliest of equals; None when
-    no round has a score."""
+def best_round(rounds: Sequence[Scored], *, higher_is_better: bool = True) -> tuple[int, float, str] | None:
+    """(round, score, "federated" | "central") of the best-scored round (the lowest score for an error, MAE),
+    the earliest of equals; None when no round has a score."""
     basis, scored = scores_used(rounds)
     if not scored:
         return None
-    best = max(scored, key=lambda item: (item[1], -item[0]))
+    sign = 1.0 if higher_is_better else -1.0
+    best = max(scored, key=lambda item: (sign * item[1], -item[0]))
     return best[0], best[1], basis
 
 
@@ -89,24 +109,26 @@ class EarlyStop:
     best: float
     since: int
     basis: str
+    metric: str = "accuracy"
 
     def reason(self) -> str:
         """The job's event message."""
-        return (f"stopped early: no better {self.basis} accuracy in {self.since} evaluated round(s) after round "
+        return (f"stopped early: no better {self.basis} {self.metric} in {self.since} evaluated round(s) after round "
                 f"{self.best_round} ({self.best:.4f}; evaluation.patience)")
 
 
-def early_stop(rounds: Sequence[Scored], patience: int) -> EarlyStop | None:
-    """An `EarlyStop` once `patience` (> 0) scored rounds followed the best one without a higher accuracy;
-    `rounds` are those whose score is final (every site asked answered, or its deadline passed)."""
+def early_stop(rounds: Sequence[Scored], patience: int, *, task: TaskConfig | None = None) -> EarlyStop | None:
+    """An `EarlyStop` once `patience` (> 0) scored rounds followed the best one without a better score (the task's
+    headline: higher, or lower for MAE); `rounds` are those whose score is final (every site asked answered, or its deadline passed)."""
     if patience <= 0:
         return None
-    found = best_round(rounds)
+    task = task or TaskConfig()
+    found = best_round(rounds, higher_is_better=task.higher_is_better)
     if found is None:
         return None
     best, accuracy, basis = found
     since = sum(1 for r, _ in scores_used(rounds)[1] if r > best)
-    return EarlyStop(best, accuracy, since, basis) if since >= patience else None
+    return EarlyStop(best, accuracy, since, basis, task.metric) if since >= patience else None
 
 
 def submission_warnings(job: JobSpec) -> list[str]:

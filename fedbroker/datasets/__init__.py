@@ -34,7 +34,7 @@ OWN_FORMATS = ("idx", "csv", "npz", "parquet")   # an owner's own files (worker.
 _IDX_SETS = ("mnist", "fashion_mnist")
 
 __all__ = ["DATASETS", "OWN_FORMATS", "Dataset", "load_dataset", "load_idx", "load_worker_data",
-           "train_test_split"]
+           "strata", "train_test_split"]
 
 
 def load_dataset(name: str, *, idx_dir: str | None = None) -> Dataset:
@@ -91,6 +91,11 @@ def train_test_split(ds: Dataset, *, test_fraction: float = 0.2, seed: int = 0) 
     if not 0.0 < test_fraction < 1.0:
         raise ConfigError("test_fraction", f"must lie strictly between 0 and 1, got {test_fraction}")
     rng = np.random.default_rng(seed)
+    if ds.labels != "class":  # no classes to stratify by: a plain random split of round(test_fraction·N)
+        test_idx = np.sort(rng.permutation(len(ds))[:round(test_fraction * len(ds))])
+        keep = np.ones(len(ds), dtype=bool)
+        keep[test_idx] = False
+        return _subset(ds, np.flatnonzero(keep)), _subset(ds, test_idx)
     test_parts = []
     for c in range(ds.num_classes):
         members = np.flatnonzero(ds.y == c)
@@ -103,5 +108,11 @@ def train_test_split(ds: Dataset, *, test_fraction: float = 0.2, seed: int = 0) 
     return _subset(ds, train_idx), _subset(ds, test_idx)
 
 
+def strata(ds: Dataset) -> np.ndarray:
+    """The classes a split or a partition draws by: the labels, or, for labels that are not classes (multilabel
+    rows, targets, masks), one class for every sample."""
+    return ds.y if ds.labels == "class" else np.zeros(len(ds), dtype=np.int64)
+
+
 def _subset(ds: Dataset, idx: np.ndarray) -> Dataset:
-    return Dataset(x=ds.x[idx], y=ds.y[idx], num_classes=ds.num_classes, name=ds.name)
+    return Dataset(x=ds.x[idx], y=ds.y[idx], num_classes=ds.num_classes, name=ds.name, labels=ds.labels)

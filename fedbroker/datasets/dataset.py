@@ -31,16 +31,25 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 @dataclass(frozen=True)
 class Dataset:
-    """Features and labels: x float32 (N, C, H, W) for images or (N, F) for tables, y int64 in 0..K-1."""
+    """Features and labels: x float32 (N, C, H, W) for images or (N, F) for tables; y by `labels`
+    (fedbroker.datasets.labels): int64 in 0..K-1 (`class`), float32 (N, L) of 0/1 (`multilabel`, K = L), float32
+    (N,) or (N, k) (`target`, K = k), int64 (N, *spatial) in 0..K-1 (`mask`)."""
 
     x: np.ndarray
     y: np.ndarray
     num_classes: int
     name: str
+    labels: str = "class"
 
     def __post_init__(self) -> None:
         if self.x.dtype != np.float32:
             raise ConfigError("x", f"must be float32, got {self.x.dtype}")
+        if self.labels != "class":
+            want = np.int64 if self.labels == "mask" else np.float32
+            if self.y.dtype != want or len(self.y) != len(self.x):
+                raise ConfigError("y", f"{self.labels} labels must be {np.dtype(want)}, one per sample, got "
+                                       f"{self.y.dtype} with shape {self.y.shape}")
+            return
         if self.y.dtype != np.int64 or self.y.ndim != 1:
             raise ConfigError("y", f"must be a 1-D int64 array, got {self.y.dtype} with shape {self.y.shape}")
         if len(self.x) != len(self.y):

@@ -14,7 +14,7 @@ import numpy as np
 
 from fedbroker.config import DataSection
 from fedbroker.datasets.dataset import MAX_ARRAY_BYTES, MAX_VALUES, Dataset, listing
-from fedbroker.datasets.owned import own_dataset
+from fedbroker.datasets.owned import own_dataset, task_dataset
 from fedbroker.errors import ConfigError
 
 _NPY_HEADER_MAX = 10_000 + 12       # numpy's own limit on an .npy header, plus its magic and length fields
@@ -41,7 +41,11 @@ def load_npz(source: DataSection) -> Dataset:
         y_shape, y_dtype = _header(archive, y_info, path, archive_bytes)
         _check_shapes(source, x_shape, x_dtype, y_shape, y_dtype)
         x, labels = _read(archive, x_info, path), _read(archive, y_info, path)
-    key = source.features_key
+    key, label_key = source.features_key, source.labels_key
+    if source.labels != "class":
+        return task_dataset(x.astype(np.float64, copy=False), labels, source, name="npz",
+                            where=lambda at: f"{path}: {key!r}{list(at)}",
+                            label_where=lambda at: f"{path}: {label_key!r}{list(at)}")
     return own_dataset(x.astype(np.float64, copy=False), [str(v) for v in labels.tolist()], source, name="npz",
                        where=lambda at: f"{path}: {key!r}{list(at)}")
 
@@ -109,7 +113,11 @@ def _check_shapes(source: DataSection, x_shape: tuple[int, ...], x_dtype: np.dty
     if math.prod(x_shape) > MAX_VALUES:
         raise ConfigError("worker.data.features_key", f"{fk!r} has shape {list(x_shape)}: more than the "
                                                       f"{MAX_VALUES} values a file may hold")
-    if len(y_shape) != 1 or y_shape[0] != x_shape[0]:
+    if source.labels != "class":  # their shape is checked with the values (fedbroker.datasets.labels)
+        if not y_shape or y_shape[0] != x_shape[0] or math.prod(y_shape) > MAX_VALUES:
+            raise ConfigError("worker.data.labels_key", f"{lk!r} must hold the labels of the {x_shape[0]} samples, "
+                                                        f"got shape {list(y_shape)}")
+    elif len(y_shape) != 1 or y_shape[0] != x_shape[0]:
         raise ConfigError("worker.data.labels_key", f"{lk!r} must be one label per sample ({x_shape[0]}), got "
                                                     f"shape {list(y_shape)}")
     if y_dtype.kind not in "biufU":

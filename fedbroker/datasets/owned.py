@@ -53,6 +53,44 @@ def columns(header: Sequence[str], source: DataSection, *, where: str) -> tuple[
     return features, label
 
 
+def label_columns(header: Sequence[str], source: DataSection, *, where: str) -> tuple[list[str], list[str]]:
+    """(feature columns, label columns) of a table whose labels are not class indices (`worker.data.labels`
+    multilabel or target): `label_columns`, or the one `label_column`; the features are the rest unless listed."""
+    names = set(header)
+    labels = list(source.label_columns) or [source.label_column]
+    missing = [c for c in labels if c not in names]
+    if missing:
+        raise ConfigError("worker.data.label_columns", f"{where} has no column {listing([repr(c) for c in missing])}; "
+                                                       f"its columns: {listing(list(header))}")
+    features = list(source.feature_columns) or [c for c in header if c not in labels]
+    problems = [c for c in features if c in labels]
+    if problems:
+        raise ConfigError("worker.data.feature_columns", f"lists label columns {listing(problems)}")
+    if not features:
+        raise ConfigError("worker.data.feature_columns", f"{where} has no feature column besides the labels")
+    if len(features) > MAX_WIDTH:
+        raise ConfigError("worker.data.feature_columns", f"{where}: {len(features)} feature columns, more than the "
+                                                         f"{MAX_WIDTH} a model's input can take")
+    return features, labels
+
+
+def task_dataset(x: np.ndarray, y: np.ndarray, source: DataSection, *, name: str,
+                 where: Callable[[tuple[int, ...]], str], label_where: Callable[[tuple[int, ...]], str]) -> Dataset:
+    """A data set whose labels are not class indices (`fedbroker.datasets.labels`): labels checked, then the
+    features as `own_dataset` checks them."""
+    from fedbroker.datasets.labels import task_labels, width
+
+    if not len(x):
+        raise ConfigError("worker.data.path", f"{source.path} holds no samples")
+    classes = source.num_classes
+    if source.labels == "mask" and not 2 <= classes <= MAX_CLASSES:
+        raise ConfigError("worker.data.num_classes", f"is required with labels mask: the classes of a mask, in "
+                                                     f"[2, {MAX_CLASSES}] (background included), got {classes}")
+    labels = task_labels(source.labels, y, tuple(x.shape), num_classes=classes, where=label_where)
+    return Dataset(x=own_features(x, source, where=where), y=labels, num_classes=classes if source.labels == "mask" else
+                   width(source.labels, labels), name=name, labels=source.labels)
+
+
 def number(cell: str, where: str) -> float:
     """One CSV cell as a finite float, or a refusal quoting the cell as written."""
     try:
@@ -102,6 +140,11 @@ def own_dataset(x: np.ndarray, raw_labels: list[str], source: DataSection, *, na
     if y.max() >= num_classes:
         raise ConfigError("worker.data.num_classes", f"is {num_classes} but the labels reach {int(y.max())} (class "
                                                      f"indices are 0..num_classes-1)")
+    return Dataset(x=own_features(x, source, where=where), y=y, num_classes=num_classes, name=name)
+
+
+def own_features(x: np.ndarray, source: DataSection, *, where: Callable[[tuple[int, ...]], str]) -> np.ndarray:
+    """The features as a model takes them (float32), checked, and standardised if the owner asked (`site`)."""
     sample = x.shape[1:]
     if not 1 <= len(sample) <= 3 or not all(1 <= d <= MAX_WIDTH for d in sample):
         raise ConfigError("worker.data.path", f"{source.path}: one sample's shape {list(sample)} cannot be a model's "
@@ -114,4 +157,4 @@ def own_dataset(x: np.ndarray, raw_labels: list[str], source: DataSection, *, na
         std = x.std(axis=0)
         std[std == 0] = 1.0  # a constant feature stays 0 instead of becoming NaN
         x = (x - mean) / std
-    return Dataset(x=np.ascontiguousarray(x, dtype=np.float32), y=y, num_classes=num_classes, name=name)
+    return np.ascontiguousarray(x, dtype=np.float32)

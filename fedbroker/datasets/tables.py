@@ -14,7 +14,7 @@ import numpy as np
 
 from fedbroker.config import DataSection
 from fedbroker.datasets.dataset import MAX_LINE_CHARS, MAX_VALUES, Dataset
-from fedbroker.datasets.owned import columns, number, own_dataset
+from fedbroker.datasets.owned import columns, label_columns, number, own_dataset, task_dataset
 from fedbroker.errors import ConfigError
 
 
@@ -79,6 +79,14 @@ def _load_csv_text(fh: TextIO, source: DataSection) -> Dataset:
     if first is None:
         raise ConfigError("worker.data.path", f"{path} is empty: it needs a header row naming the columns")
     header = [name.strip() for name in first]
+    if source.labels != "class":
+        features, targets = label_columns(header, source, where=path)
+        both, _, line_of = _read_rows(rows, lines, header, [*features, *targets], targets[0])
+        cut = len(features)
+        return task_dataset(both[:, :cut], _label_array(source, both[:, cut:]), source, name="csv",
+                            where=lambda at: f"{path} line {line_of[at[0]]}, column {features[at[1]]!r}",
+                            label_where=lambda at: f"{path} line {line_of[at[0]]}, column "
+                                                   f"{targets[at[1] if len(at) > 1 else 0]!r}")
     features, label = columns(header, source, where=path)
     x, labels, line_of = _read_rows(rows, lines, header, features, label)
     return own_dataset(x, labels, source, name="csv",
@@ -126,6 +134,13 @@ def _read_rows(rows: Iterator[list[str]], lines: _Lines, header: list[str], feat
     return np.frombuffer(values, dtype=np.float64).reshape(-1, len(features)), labels, line_of
 
 
+def _label_array(source: DataSection, values: np.ndarray) -> np.ndarray:
+    """Label columns as the kind wants them: one target column is (N,), several (N, k); multilabel is (N, L)."""
+    if source.labels == "target" and values.shape[1] == 1:
+        return values[:, 0]
+    return values
+
+
 def load_parquet(source: DataSection) -> Dataset:
     """Numeric feature columns without missing values, and a label column; sizes come from the footer first."""
     import pyarrow as pa  # imported lazily: only a Parquet owner needs it
@@ -136,12 +151,18 @@ def load_parquet(source: DataSection) -> Dataset:
         meta = pq.read_metadata(path)
     except (pa.ArrowException, OSError) as exc:
         raise ConfigError("worker.data.path", f"{path} is not a readable Parquet file: {exc}") from None
-    features, label = columns(list(meta.schema.to_arrow_schema().names), source, where=path)
+    names = list(meta.schema.to_arrow_schema().names)
+    targets: list[str] = []
+    if source.labels != "class":
+        features, targets = label_columns(names, source, where=path)
+        label = targets[0]
+    else:
+        features, label = columns(names, source, where=path)
     if meta.num_rows * len(features) > MAX_VALUES:
         raise ConfigError("worker.data.path", f"{path}: the footer declares {meta.num_rows} rows of {len(features)} "
                                               f"features, over the {MAX_VALUES} values a file may hold")
     try:
-        table = pq.read_table(path, columns=[*features, label])
+        table = pq.read_table(path, columns=[*features, *(targets or [label])])
     except (pa.ArrowException, OSError) as exc:  # a corrupt page, or one inflating past what it declared
         raise ConfigError("worker.data.path", f"{path} is not a readable Parquet file: {exc}") from None
     x = np.empty((len(table), len(features)), dtype=np.float64)
@@ -153,6 +174,19 @@ def load_parquet(source: DataSection) -> Dataset:
         if column.null_count:
             raise ConfigError("worker.data.path", f"{path} column {name!r} has {column.null_count} missing values")
         x[:, j] = column.to_numpy()
+    if targets:
+        y = np.empty((len(table), len(targets)), dtype=np.float64)
+        for j, name in enumerate(targets):
+            column = table.column(name)
+            if column.null_count or not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)
+                                         or pa.types.is_boolean(column.type)):
+                raise ConfigError("worker.data.label_columns", f"{path} column {name!r} must hold numbers without "
+                                                               f"missing values, got {column.type}")
+            y[:, j] = column.to_numpy()
+        return task_dataset(x, _label_array(source, y), source, name="parquet",
+                            where=lambda at: f"{path} column {features[at[1]]!r}, row index {at[0]}",
+                            label_where=lambda at: f"{path} column {targets[at[1] if len(at) > 1 else 0]!r}, "
+                                                   f"row index {at[0]}")
     labels = table.column(label)
     if labels.null_count:
         raise ConfigError("worker.data.label_column", f"{path} column {label!r} has {labels.null_count} "

@@ -22,6 +22,7 @@ from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.job.spec import AggregationConfig, EvaluationConfig, JobSpec, TrainingConfig
 from fedbroker.job.spec_data import DataConfig
 from fedbroker.job.submission import robust_problems
+from fedbroker.job.task import TaskConfig
 from fedbroker.proto import fedbroker_pb2 as pb
 
 _KINDS = ("alignment", "weighting", "selection", "robust")
@@ -40,13 +41,15 @@ class InstalledJob:
     algorithms: AggregationSettings   # its typed view: each kind's checked parameters and traits
     evaluation: EvaluationConfig
     data: DataConfig
+    task: TaskConfig
     message: pb.JobSettings = dataclasses.field(compare=False, repr=False)
 
 
 def settings_message(job_id: str, job: JobSpec) -> pb.JobSettings:
     """The settings of an accepted job, as they travel (built once, where the job was parsed)."""
-    t, a, e, d = job.training, job.aggregation, job.evaluation, job.data
+    t, a, e, d, k = job.training, job.aggregation, job.evaluation, job.data, job.task
     return pb.JobSettings(
+        task=task_message(k),
         job_id=job_id, category=job.category, seed=job.seed,
         training=pb.TrainingSettings(rounds=t.rounds, local_epochs=t.local_epochs, batch_size=t.batch_size,
                                      optimizer=t.optimizer, lr=t.lr, momentum=t.momentum, proximal_mu=t.proximal_mu),
@@ -95,13 +98,31 @@ def parse_settings(message: pb.JobSettings) -> InstalledJob:
     if len(d.lower) != len(d.upper):
         problems.append(ConfigError("data.bounds", f"{len(d.lower)} lower bounds but {len(d.upper)} upper ones"))
     data = section(lambda: DataConfig(standardize=d.standardize, bounds=tuple(zip(d.lower, d.upper))))
+    task = section(lambda: task_config(message.task))
     if not message.job_id:
         problems.append(ConfigError("job_id", "is empty"))
     if problems or algorithms is None:
         raise problems[0] if len(problems) == 1 else ConfigErrors(problems)
     return InstalledJob(job_id=message.job_id, digest=settings_digest(message), category=message.category,
                         seed=message.seed, training=training, aggregation=aggregation, algorithms=algorithms,
-                        evaluation=evaluation, data=data, message=message)
+                        evaluation=evaluation, data=data, task=task, message=message)
+
+
+def task_message(task: TaskConfig) -> pb.TaskSettings:
+    """The job's task as it travels (in its settings, and in each evaluation task)."""
+    return pb.TaskSettings(type=task.type, class_weights=list(task.class_weights), label_smoothing=task.label_smoothing,
+                           labels=task.labels, loss=task.loss, huber_delta=task.huber_delta, classes=task.classes,
+                           dice_weight=task.dice_weight)
+
+
+def task_config(k: pb.TaskSettings) -> TaskConfig:
+    """The job's task as a message carries it (checked: ConfigError(s)); none (a job or coordinator from before
+    tasks) is classification."""
+    if not k.type:
+        return TaskConfig()
+    return TaskConfig(type=k.type, class_weights=tuple(k.class_weights), label_smoothing=k.label_smoothing,
+                      labels=k.labels, loss=k.loss or "mse", huber_delta=k.huber_delta or 1.0, classes=k.classes,
+                      dice_weight=k.dice_weight)
 
 
 def _choice(kind: str, choice: pb.AlgorithmChoice) -> dict[str, Any]:

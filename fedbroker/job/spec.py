@@ -29,6 +29,7 @@ from fedbroker.job.model_spec import output_shapes as output_shapes
 from fedbroker.job.model_spec import parameter_shapes as parameter_shapes
 from fedbroker.job.model_spec import parse_model as parse_model
 from fedbroker.job.spec_data import DataConfig, data_problems, parse_data
+from fedbroker.job.task import TaskConfig, output_problems, parse_task
 from fedbroker.job.yamltext import load_yaml
 
 MAX_ROUNDS = 100_000
@@ -239,22 +240,25 @@ class JobSpec:
     evaluation: EvaluationConfig
     seed: int = 0
     data: DataConfig = field(default_factory=DataConfig)  # preprocessing (fedbroker.job.spec_data)
+    task: TaskConfig = field(default_factory=TaskConfig)  # what is predicted (fedbroker.job.task)
 
     def __post_init__(self) -> None:
         _raise_all(_identity_problems(self.name, self.category, self.seed)
-                   or cross_section_problems(model=self.model, training=self.training, evaluation=self.evaluation)
+                   or cross_section_problems(model=self.model, training=self.training, evaluation=self.evaluation,
+                                             task=self.task)
                    or mode_problems(schedule=self.schedule, aggregation=self.aggregation) or data_problems(self.data, self.model))
 
     def to_dict(self) -> dict[str, Any]:
         """The job as plain data (its model as a job writes it)."""
-        return {**asdict(self), "model": self.model.to_dict(), "data": self.data.to_dict()}
+        return {**asdict(self), "model": self.model.to_dict(), "data": self.data.to_dict(),
+                "task": self.task.to_dict()}
 
     def to_json(self) -> str:
         """The job's one wire form (the coordinator's store)."""
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
-_SECTIONS = ("name", "category", "model", "training", "aggregation", "schedule", "evaluation", "seed", "data")
+_SECTIONS = ("name", "category", "model", "training", "aggregation", "schedule", "evaluation", "seed", "data", "task")
 
 
 _S = TypeVar("_S", bound=_Section)
@@ -318,10 +322,13 @@ def step_bytes(*, model: ModelSpec, training: TrainingConfig) -> int:
     return 4 * training.batch_size * per_sample
 
 
-def cross_section_problems(*, model: ModelSpec, training: TrainingConfig, evaluation: EvaluationConfig) -> list[ConfigError]:
-    """What no section can see alone: one training step's memory (MAX_STEP_BYTES), and whether the
-    evaluation set fits the model (its sample shape is the model's input, its classes the model's outputs)."""
-    out: list[ConfigError] = []
+def cross_section_problems(*, model: ModelSpec, training: TrainingConfig, evaluation: EvaluationConfig,
+                           task: TaskConfig | None = None) -> list[ConfigError]:
+    """What no section can see alone: the model's output against the task (`output_problems`), one training
+    step's memory (MAX_STEP_BYTES), and whether the evaluation set fits the model (its sample shape is the
+    model's input, its classes the model's outputs; a classification set, so for classification only)."""
+    task = task or TaskConfig()
+    out: list[ConfigError] = output_problems(task, model)
     try:
         shapes = output_shapes(model)
     except ConfigError:  # the model's own problems are reported where it is parsed
@@ -334,7 +341,10 @@ def cross_section_problems(*, model: ModelSpec, training: TrainingConfig, evalua
             f"{training.batch_size} makes one training step need {need / 2**30:.1f} GiB (activations and DP "
             f"per-sample gradients of this model), above the limit of {MAX_STEP_BYTES / 2**30:g} GiB; "
             f"use a batch of at most {max(1, training.batch_size * MAX_STEP_BYTES // need)}")))
-    if evaluation.dataset in EVALUATION_SETS:
+    if evaluation.dataset and task.type != "classification":
+        out.append(ConfigError("evaluation.dataset", f"the coordinator's evaluation sets are classification sets; "
+                                                     f"task.type {task.type} is scored by the sites (evaluation.every)"))
+    elif evaluation.dataset in EVALUATION_SETS:
         sample, classes = EVALUATION_SETS[evaluation.dataset]
         if tuple(model.input_shape) != sample:
             out.append(ConfigError("evaluation.dataset", f"{evaluation.dataset!r} has samples of shape {list(sample)} "
@@ -383,8 +393,9 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     schedule = _section(errors, raw, "schedule", ScheduleConfig)
     evaluation = _section(errors, raw, "evaluation", EvaluationConfig)
     data = parse_data(raw.get("data"), errors.errors, model)
+    task = parse_task(raw.get("task"), errors.errors)
     if not errors.errors:  # across sections: only meaningful once each section is valid on its own
-        errors.errors.extend(cross_section_problems(model=model, training=training, evaluation=evaluation))
+        errors.errors.extend(cross_section_problems(model=model, training=training, evaluation=evaluation, task=task))
     # reported with every other problem: a section with problems of its own came back as the defaults (sync,
     # alignment none), which this check passes, so it never echoes them
     errors.errors.extend(mode_problems(schedule=schedule, aggregation=aggregation))
@@ -394,7 +405,7 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     errors.raise_if_any()
     return JobSpec(
         name=raw["name"], category=raw["category"], model=model, training=training,
-        aggregation=aggregation, schedule=schedule, evaluation=evaluation, seed=seed, data=data,
+        aggregation=aggregation, schedule=schedule, evaluation=evaluation, seed=seed, data=data, task=task,
     )
 
 

@@ -125,8 +125,9 @@ def test_forged_late_and_conflicting_reports_are_refused_and_change_nothing(fed:
     fed.publish_as("site-0", evaluation_report=report(job_id, 1, version + 1, "w0", **perfect))  # another version
     fed.publish_as("site-0", evaluation_report=report(job_id, 1, version, "w0", accuracy=1.0, loss=0.0,
                                                       num_samples=w0.num_samples))  # a second, different report
+    w0_sums = next(e.sums for e in fed.store.evaluations(job_id) if e.worker_id == "w0")
     fed.publish_as("site-0", evaluation_report=report(job_id, 1, version, "w0", accuracy=w0.accuracy, loss=w0.loss,
-                                                      num_samples=w0.num_samples))  # an exact copy: idempotent
+                                                      num_samples=w0.num_samples, sums=w0_sums))  # an exact copy: idempotent
     fed.publish_as("site-0", evaluation_report=report(job_id, 1, version, "w0", accuracy=float("nan"), loss=0.0,
                                                       num_samples=10))  # not a score
     fed.publish_as("site-0", evaluation_report=report(job_id, 1, version, "w0", accuracy=0.5, loss=0.1,

@@ -442,7 +442,8 @@ def collect_results(status: pb.StatusReply, job_id: str, options: DemoOptions, b
                        "accuracy": round(r.accuracy, 4), "loss": round(r.loss, 4), "epsilon": epsilon,
                        "seconds": round(r.seconds, 2), "model_version": r.model_version,
                        "mean_staleness": round(r.mean_staleness, 2),  # and the sites' own score, if they gave one
-                       "site_accuracy": round(r.federated_accuracy, 4) if r.federated_samples else None})
+                       "site_accuracy": round(r.federated_accuracy, 4) if r.federated_samples else None,
+                       "site_metric": r.federated_metric or "accuracy"})
     refusals = [{"round": p.round, "worker": p.worker_id, "status": p.status, "reason": p.reason}
                 for p in status.participants if participant_status(p) in REFUSED_OR_FAILED]
     return {
@@ -464,13 +465,19 @@ def collect_results(status: pb.StatusReply, job_id: str, options: DemoOptions, b
     }
 
 
+def _site_head(rounds: list[dict[str, Any]]) -> str:
+    """The sites' column names the task's headline score (site acc, site mae, site dice, site macro_f1)."""
+    metric = next((r.get("site_metric") for r in rounds if r.get("site_accuracy") is not None), "accuracy")
+    return "site acc" if metric in (None, "accuracy") else f"site {metric}"
+
+
 def print_table(results: dict[str, Any]) -> None:
     """The per-round (or per-version) table and the summary line under it."""
     workers = sorted({w for r in results["rounds"] for w in r["epsilon"]})
     versions = results.get("unit") == "version"  # async: a row per global version, with its staleness
     sites = any(r.get("site_accuracy") is not None for r in results["rounds"])  # federated evaluation's column
     head = ["version" if versions else "round", "clients", *(["staleness"] if versions else []), "train loss",
-            "test acc", *(["site acc"] if sites else []), *[f"ε {w}" for w in workers], "seconds"]
+            "test acc", *([_site_head(results["rounds"])] if sites else []), *[f"ε {w}" for w in workers], "seconds"]
     rows = [[str(r["model_version"] if versions else r["round"]), str(r["clients"]),
              *([f"{r['mean_staleness']:.2f}"] if versions else []), f"{r['mean_train_loss']:.4f}",
              f"{r['accuracy']:.4f}", *([_score(r.get("site_accuracy"))] if sites else []),

@@ -28,7 +28,8 @@ def best(status: Any, job_id: str) -> tuple[int, float, str]:
     rounds = [Scored(round=r.round, federated=r.federated_accuracy if r.federated_samples else None,
                      central=r.accuracy if central else None)
               for r in status.rounds if r.job_id == job_id and round_status(r) is RoundStatus.CLOSED]
-    found = best_round(rounds)
+    lower = any(r.federated_metric == "mae" for r in status.rounds if r.job_id == job_id)  # an error: lower is better
+    found = best_round(rounds, higher_is_better=not lower)
     if found is None:
         raise NotFound(f"job {job_id!r} has no scored round to call best (no site evaluated a round and the job names "
                        f"no evaluation.dataset); give --round instead")

@@ -78,6 +78,8 @@ def as_dict(message: Any) -> dict[str, Any]:
         value = getattr(message, field.name)
         if field.name == "spec_json":
             out["spec"] = json.loads(value) if value else None
+        elif field.message_type is not None and field.message_type.GetOptions().map_entry:
+            out[field.name] = dict(value)   # a map (a round's federated scores by name)
         elif field.is_repeated:
             out[field.name] = [as_dict(v) if field.message_type else v for v in value]
         else:

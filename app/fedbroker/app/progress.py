@@ -28,6 +28,11 @@ def dp_policy(*, enabled: bool, noise_multiplier: float, max_grad_norm: float, d
             f"per worker)")
 
 
+def site_metric(r: Any) -> str:
+    """The name of the sites' headline score of a round (the job's task: accuracy, macro_f1, mae, dice)."""
+    return "acc" if r.federated_metric in ("", "accuracy") else r.federated_metric
+
+
 def score(r: Any) -> str:
     """A closed round's score as far as it is known: the coordinator's central accuracy, else the sites'
     federated one, else nothing (a job without an evaluation set is scored by its sites after the round closes:
@@ -35,7 +40,7 @@ def score(r: Any) -> str:
     if r.loss > 0:  # a central evaluation's cross-entropy is never exactly 0
         return f"accuracy {r.accuracy:.3f}"
     if r.federated_samples:
-        return f"site acc {r.federated_accuracy:.3f}"
+        return f"site {site_metric(r)} {r.federated_accuracy:.3f}"
     return ""
 
 

@@ -54,7 +54,8 @@ def site_scores(r: Any) -> list[str]:
     sites it holds; dashes while no site has scored it."""
     if not r.federated_samples:
         return [DASH, DASH]
-    return [f"{r.federated_accuracy:.4f}", str(r.evaluated_sites)]
+    metric = "" if r.federated_metric in ("", "accuracy") else f"{r.federated_metric} "
+    return [f"{metric}{r.federated_accuracy:.4f}", str(r.evaluated_sites)]
 
 
 def render(status: Any, *, workers: bool = True, waiting: bool = True) -> str:

@@ -36,6 +36,7 @@ MAX_REASON_CHARS = 2000            # a worker's free-text reason is kept, cut to
 MAX_JOB_COSTS = 4096               # jobs one heartbeat may price (a worker's ledger and recent tasks)
 MAX_FEATURES = 1 << 20             # values in a share reply's feature sums (a model's flattened input, at most)
 MAX_SUM = 1e15                     # any one noised sum: far beyond any real sum of values in [0, 1]
+MAX_EVALUATION_SUMS = 1 << 17       # named sums in one evaluation report: 1000-bin histograms of ~60 labels
 _CATEGORY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")   # a job's `category` (fedbroker.job.spec)
 _DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")     # cpu, cuda, cuda:1, mps
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")     # a job's name, '-' and 8 hex digits
@@ -295,8 +296,14 @@ def _evaluation_problems(r: pb.EvaluationReport) -> list[str]:
     if not r.refused:
         if not (math.isfinite(r.loss) and r.loss >= 0):
             out.append(f"loss: must be a finite number >= 0, got {r.loss!r}")
-        if not 0.0 <= r.accuracy <= 1.0:  # NaN fails too
-            out.append(f"accuracy: must lie in [0, 1], got {r.accuracy!r}")
+        if not (0.0 <= r.accuracy <= 1.0 or (r.sums and math.isfinite(r.accuracy) and r.accuracy >= 0)):
+            # NaN fails too; a report with sums may carry an error (MAE) as its headline, which the
+            # coordinator recomputes from the sums anyway
+            out.append(f"accuracy: must lie in [0, 1] (or be a finite error >= 0 with sums), got {r.accuracy!r}")
+        if len(r.sums) > MAX_EVALUATION_SUMS:
+            out.append(f"sums: at most {MAX_EVALUATION_SUMS} named sums, got {len(r.sums)}")
+        elif not all(len(k) <= 32 and math.isfinite(v) and abs(v) <= MAX_SUM for k, v in r.sums.items()):
+            out.append(f"sums: every name at most 32 characters, every value finite and within ±{MAX_SUM:g}")
         if not 1 <= r.num_samples <= MAX_SAMPLES:
             out.append(f"num_samples: must lie in [1, {MAX_SAMPLES}], got {r.num_samples}")
     return out

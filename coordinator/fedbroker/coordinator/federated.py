@@ -21,6 +21,7 @@ sites have scored a round, the central one (the coordinator's evaluation set) be
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -32,9 +33,13 @@ from fedbroker.coordinator.job_context import JobContext
 from fedbroker.coordinator.job_run import Run
 from fedbroker.coordinator.store import StateStore
 from fedbroker.coordinator.store_evaluation import EvaluationVerdict
+from fedbroker.errors import ConfigError
 from fedbroker.federated_evaluation import Scored, due, early_stop
+from fedbroker.job.settings import task_message
+from fedbroker.job.spec import job_from_json
 from fedbroker.job.status import EvaluationStatus, ParticipantStatus, RoundStatus
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.tasks.scores import sums_problems
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +63,10 @@ def after_round(ctx: JobContext, run: Run, number: int, version: int, participan
     if not sites:
         return
     deadline = time.time() + job.schedule.round_timeout_s
-    ctx.store.ask_evaluation(job_id, number, model_version=version, workers=sites, deadline=deadline)
+    ctx.store.ask_evaluation(job_id, number, model_version=version, workers=sites, deadline=deadline, task=job.task)
     body = envelope.encode(evaluation_task=pb.EvaluationTask(
         job_id=job_id, round=number, model_version=version, aggregator_target=ctx.aggregator_target,
-        category=job.category, deadline_unix=deadline))
+        category=job.category, deadline_unix=deadline, task=task_message(job.task)))
     sent = ctx.publish_tasks([(w, body) for w in sites], deadline, evaluation=True)
     ctx.store.evaluation_undelivered(job_id, number, [w for w in sites if w not in sent])
     log.info("round %d of %s: version %d sent to %d site(s) to evaluate", number, job_id, version, len(sent))
@@ -78,9 +83,15 @@ def accept_report(store: StateStore, r: pb.EvaluationReport) -> EvaluationVerdic
                         r.num_samples, registered)
             metrics.EVALUATION_REPORTS_REFUSED.labels("implausible_count").inc()
             return "implausible_count"
+        problems = _sums_problems(store, r)
+        if problems:
+            log.warning("evaluation report of worker %s for round %d of %s refused: its sums are impossible: %s",
+                        r.worker_id, r.round, r.job_id[:140], "; ".join(problems))
+            metrics.EVALUATION_REPORTS_REFUSED.labels("implausible_sums").inc()
+            return "implausible_sums"
     verdict = store.record_evaluation(r.job_id, r.round, r.worker_id, model_version=r.model_version,
                                       refused=r.refused, reason=reason, accuracy=r.accuracy, loss=r.loss,
-                                      num_samples=r.num_samples)
+                                      num_samples=r.num_samples, sums=dict(r.sums))
     if verdict == EvaluationVerdict.RECORDED:
         metrics.EVALUATION_REPORTS.labels(r.worker_id, "refused" if r.refused else "evaluated").inc()
         if not r.refused:
@@ -101,6 +112,22 @@ def accept_report(store: StateStore, r: pb.EvaluationReport) -> EvaluationVerdic
                         EvaluationVerdict.LATE: "it came after the round's evaluation deadline",
                         EvaluationVerdict.CONFLICT: "it differs from the report recorded for that task"}[verdict])
     return verdict
+
+
+def _sums_problems(store: StateStore, r: pb.EvaluationReport) -> list[str]:
+    """What makes a report's sums impossible for its job's task (`fedbroker.tasks.scores.sums_problems`): a site
+    that forges consistent sums is not caught here (deploy/SECURITY.md). A job from before tasks, or a report
+    without sums (an older worker), is taken as it is."""
+    record = store.job(r.job_id)
+    if record is None:
+        return []  # no such job: refused as not asked by the store
+    try:
+        task = job_from_json(record.spec_json).task
+    except ConfigError:
+        return []
+    if not r.sums:
+        return [] if task.type == "classification" else [f"a {task.type} job's report must carry its sums"]
+    return sums_problems(task, r.sums, r.num_samples)
 
 
 def _show(store: StateStore, job_id: str, round_number: int) -> None:
@@ -131,7 +158,8 @@ def stopped_early(ctx: JobContext, run: Run) -> bool:
     ctx.store.settle_evaluations(run.job_id)
     if run.job.evaluation.patience <= 0:
         return False
-    stop = early_stop(scored_rounds(ctx.store, run.job_id, settled_only=True), run.job.evaluation.patience)
+    stop = early_stop(scored_rounds(ctx.store, run.job_id, settled_only=True), run.job.evaluation.patience,
+                      task=run.job.task)
     if stop is None:
         return False
     log.info("job %s %s", run.job_id, stop.reason())
@@ -166,6 +194,8 @@ def fill_status(store: StateStore, job_id: str, reply: pb.StatusReply) -> None:
         score = scores.get(row.round) if row.job_id == job_id else None
         if score is not None:
             row.federated_accuracy, row.federated_loss = score.accuracy, score.loss
+            row.federated_metric = score.metric
+            row.federated_scores.update({k: v for k, v in score.scores.items() if math.isfinite(v)})
             row.federated_samples, row.evaluated_sites = score.num_samples, score.sites
     for e in store.evaluations(job_id):
         reply.evaluations.add(job_id=e.job_id, round=e.round, worker_id=e.worker_id, status=e.status, reason=e.reason,

@@ -11,14 +11,17 @@ score (the count-weighted mean, `fedbroker.federated_evaluation.combine`) is the
 from __future__ import annotations
 
 import enum
+import json
 import sqlite3
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fedbroker.coordinator.store_notes import StoreAccess, write_event
+from fedbroker.errors import ConfigError
 from fedbroker.federated_evaluation import Combined, SiteScore, combine
 from fedbroker.job.status import EvaluationStatus
+from fedbroker.job.task import TaskConfig, parse_task
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS evaluation_rounds (
@@ -31,6 +34,8 @@ CREATE TABLE IF NOT EXISTS evaluations (
     time REAL, PRIMARY KEY (job_id, round, worker_id)
 );
 """
+# Added with tasks: a round's task (JSON, fedbroker.job.task) and each site's sums (JSON, fedbroker.tasks.scores).
+_COLUMNS = (("evaluation_rounds", "task", "TEXT NOT NULL DEFAULT ''"), ("evaluations", "sums", "TEXT"))
 
 
 class EvaluationVerdict(enum.StrEnum):
@@ -58,6 +63,7 @@ class EvaluationRecord:
     num_samples: int | None
     model_version: int
     time: float | None
+    sums: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,20 +86,24 @@ def create_evaluation_tables(db: sqlite3.Connection) -> None:
     for statement in SCHEMA.split(";"):
         if statement.strip():
             db.execute(statement)
+    for table, column, kind in _COLUMNS:  # a state file from before tasks gets them
+        if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
 
 class EvaluationTables(StoreAccess):
     """Mixed into `StateStore`: its transactions (`_write`) and reads (`_exec`) over two more tables."""
 
     def ask_evaluation(self, job_id: str, round_number: int, *, model_version: int, workers: Sequence[str],
-                       deadline: float) -> None:
+                       deadline: float, task: TaskConfig | None = None) -> None:
         """The sites sent the round's evaluation task (before it is published, so no report can come first). A
         round asked again (a coordinator that died while publishing) keeps what was reported."""
         now = time.time()
 
         def write(db: sqlite3.Connection) -> None:
-            db.execute("INSERT OR IGNORE INTO evaluation_rounds (job_id, round, model_version, published, deadline)"
-                       " VALUES (?, ?, ?, ?, ?)", (job_id, round_number, model_version, now, deadline))
+            db.execute("INSERT OR IGNORE INTO evaluation_rounds (job_id, round, model_version, published, deadline, task)"
+                       " VALUES (?, ?, ?, ?, ?, ?)", (job_id, round_number, model_version, now, deadline,
+                                                      json.dumps((task or TaskConfig()).to_dict(), sort_keys=True)))
             db.executemany("INSERT OR IGNORE INTO evaluations (job_id, round, worker_id, status, model_version)"
                            " VALUES (?, ?, ?, 'asked', ?)", [(job_id, round_number, w, model_version) for w in workers])
             write_event(db, job_id, "evaluation_asked", round_number=round_number,
@@ -111,15 +121,18 @@ class EvaluationTables(StoreAccess):
             [(time.time(), job_id, round_number, w) for w in workers]))
 
     def record_evaluation(self, job_id: str, round_number: int, worker_id: str, *, model_version: int,
-                          refused: bool, reason: str, accuracy: float, loss: float, num_samples: int) -> EvaluationVerdict:
+                          refused: bool, reason: str, accuracy: float, loss: float, num_samples: int,
+                          sums: Mapping[str, float] | None = None) -> EvaluationVerdict:
         """A site's report, if it answers a task this coordinator published and is in time; settles the round
-        when it was the last one outstanding."""
+        when it was the last one outstanding. `sums`: the task's sums (fedbroker.tasks.scores), checked."""
         status = EvaluationStatus.REFUSED if refused else EvaluationStatus.EVALUATED
-        score = (None, None, None) if refused else (loss, accuracy, num_samples)
+        sums_json = json.dumps(dict(sums), sort_keys=True) if sums and not refused else None
+        score = (None, None, None, None) if refused else (loss, accuracy, num_samples, sums_json)
 
         def write(db: sqlite3.Connection) -> EvaluationVerdict:
             now = time.time()
-            row = db.execute("SELECT e.status, e.reason, e.loss, e.accuracy, e.num_samples, r.model_version, r.deadline"
+            row = db.execute("SELECT e.status, e.reason, e.loss, e.accuracy, e.num_samples, e.sums, r.model_version,"
+                             " r.deadline"
                              " FROM evaluations e JOIN evaluation_rounds r USING (job_id, round) WHERE e.job_id = ? AND"
                              " e.round = ? AND e.worker_id = ?", (job_id, round_number, worker_id)).fetchone()
             if row is None:
@@ -134,12 +147,14 @@ class EvaluationTables(StoreAccess):
                 return EvaluationVerdict.DUPLICATE if same else EvaluationVerdict.CONFLICT
             if now > deadline:
                 return EvaluationVerdict.LATE
-            db.execute("UPDATE evaluations SET status = ?, reason = ?, loss = ?, accuracy = ?, num_samples = ?, time = ?"
+            db.execute("UPDATE evaluations SET status = ?, reason = ?, loss = ?, accuracy = ?, num_samples = ?, sums = ?,"
+                       " time = ?"
                        " WHERE job_id = ? AND round = ? AND worker_id = ?",
                        (status, reason, *score, now, job_id, round_number, worker_id))
             write_event(db, job_id, "evaluated" if not refused else "evaluation_refused", round_number=round_number,
                         worker_id=worker_id, message=reason if refused else
-                        f"version {model_version}: accuracy {accuracy:.4f}, loss {loss:.4f} on {num_samples} held-out samples")
+                        f"version {model_version}: {_metric(db, job_id, round_number)} {accuracy:.4f}, loss {loss:.4f} on "
+                        f"{num_samples} held-out samples")
             _settle(db, job_id, round_number, now)
             return EvaluationVerdict.RECORDED
 
@@ -181,9 +196,23 @@ class EvaluationTables(StoreAccess):
 
 
 def _scores(rows: Sequence[EvaluationRecord]) -> list[SiteScore]:
-    return [SiteScore(accuracy=e.accuracy, loss=e.loss, num_samples=e.num_samples) for e in rows
+    return [SiteScore(accuracy=e.accuracy, loss=e.loss, num_samples=e.num_samples, sums=e.sums or {}) for e in rows
             if e.status == EvaluationStatus.EVALUATED and e.accuracy is not None and e.loss is not None
             and e.num_samples]
+
+
+def _task(text: str | None) -> TaskConfig:
+    """A round's task as stored (none: a round asked before tasks, classification)."""
+    if not text:
+        return TaskConfig()
+    errors: list[ConfigError] = []
+    task = parse_task(json.loads(text), errors)
+    return task if not errors else TaskConfig()
+
+
+def _metric(db: sqlite3.Connection, job_id: str, round_number: int) -> str:
+    row = db.execute("SELECT task FROM evaluation_rounds WHERE job_id = ? AND round = ?", (job_id, round_number)).fetchone()
+    return _task(row[0] if row else None).metric
 
 
 def _settle(db: sqlite3.Connection, job_id: str, round_number: int, now: float) -> bool:
@@ -201,12 +230,15 @@ def _settle(db: sqlite3.Connection, job_id: str, round_number: int, now: float) 
     db.execute("UPDATE evaluations SET status = 'missed', reason = 'no report before the deadline', time = ?"
                " WHERE job_id = ? AND round = ? AND status = 'asked'", (now, job_id, round_number))
     db.execute("UPDATE evaluation_rounds SET settled = 1 WHERE job_id = ? AND round = ?", (job_id, round_number))
-    rows = db.execute("SELECT status, accuracy, loss, num_samples FROM evaluations WHERE job_id = ? AND round = ?",
+    rows = db.execute("SELECT status, accuracy, loss, num_samples, sums FROM evaluations WHERE job_id = ? AND round = ?",
                       (job_id, round_number)).fetchall()
-    score = combine(SiteScore(accuracy=accuracy, loss=loss, num_samples=num_samples)
-                    for status, accuracy, loss, num_samples in rows if status == EvaluationStatus.EVALUATED)
+    (task_text,) = db.execute("SELECT task FROM evaluation_rounds WHERE job_id = ? AND round = ?",
+                              (job_id, round_number)).fetchone()
+    score = combine((SiteScore(accuracy=accuracy, loss=loss, num_samples=num_samples, sums=json.loads(sums or "{}"))
+                     for status, accuracy, loss, num_samples, sums in rows if status == EvaluationStatus.EVALUATED),
+                    _task(task_text))
     write_event(db, job_id, "federated_score", round_number=round_number, message=(
-        f"accuracy {score.accuracy:.4f}, loss {score.loss:.4f} on {score.num_samples} held-out samples of "
+        f"{score.metric} {score.accuracy:.4f}, loss {score.loss:.4f} on {score.num_samples} held-out samples of "
         f"{score.sites} of {len(rows)} site(s)" if score is not None else f"no score: none of {len(rows)} site(s) "
                                                                          f"evaluated"))
     return True
@@ -222,7 +254,8 @@ def _evaluation_record(r: sqlite3.Row, *, now: float) -> EvaluationRecord:
         job_id=r["job_id"], round=r["round"], worker_id=r["worker_id"],
         status=EvaluationStatus.MISSED if overdue else status,
         reason="no report before the deadline" if overdue else r["reason"], loss=r["loss"],
-        accuracy=r["accuracy"], num_samples=r["num_samples"], model_version=r["model_version"], time=r["time"])
+        accuracy=r["accuracy"], num_samples=r["num_samples"], model_version=r["model_version"], time=r["time"],
+        sums=json.loads(r["sums"]) if r["sums"] else None)
 
 
 def _evaluation_round(r: sqlite3.Row, by_round: Mapping[int, Sequence[EvaluationRecord]]) -> EvaluationRound:
@@ -232,4 +265,4 @@ def _evaluation_round(r: sqlite3.Row, by_round: Mapping[int, Sequence[Evaluation
         job_id=r["job_id"], round=r["round"], model_version=r["model_version"], published=r["published"],
         deadline=r["deadline"], settled=bool(r["settled"]), asked=len(sites),
         answered=sum(e.status in (EvaluationStatus.EVALUATED, EvaluationStatus.REFUSED) for e in sites),
-        score=combine(_scores(sites)))
+        score=combine(_scores(sites), _task(r["task"])))

@@ -223,8 +223,28 @@ class DataSettings(_message.Message):
     upper: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, standardize: _Optional[str] = ..., lower: _Optional[_Iterable[float]] = ..., upper: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class TaskSettings(_message.Message):
+    __slots__ = ("type", "class_weights", "label_smoothing", "labels", "loss", "huber_delta", "classes", "dice_weight")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    CLASS_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_SMOOTHING_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    HUBER_DELTA_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    DICE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    class_weights: _containers.RepeatedScalarFieldContainer[float]
+    label_smoothing: float
+    labels: int
+    loss: str
+    huber_delta: float
+    classes: int
+    dice_weight: float
+    def __init__(self, type: _Optional[str] = ..., class_weights: _Optional[_Iterable[float]] = ..., label_smoothing: _Optional[float] = ..., labels: _Optional[int] = ..., loss: _Optional[str] = ..., huber_delta: _Optional[float] = ..., classes: _Optional[int] = ..., dice_weight: _Optional[float] = ...) -> None: ...
+
 class JobSettings(_message.Message):
-    __slots__ = ("job_id", "category", "seed", "training", "aggregation", "evaluation", "data")
+    __slots__ = ("job_id", "category", "seed", "training", "aggregation", "evaluation", "data", "task")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CATEGORY_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +252,7 @@ class JobSettings(_message.Message):
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     EVALUATION_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     category: str
     seed: int
@@ -239,7 +260,8 @@ class JobSettings(_message.Message):
     aggregation: AggregationSettings
     evaluation: EvaluationSettings
     data: DataSettings
-    def __init__(self, job_id: _Optional[str] = ..., category: _Optional[str] = ..., seed: _Optional[int] = ..., training: _Optional[_Union[TrainingSettings, _Mapping]] = ..., aggregation: _Optional[_Union[AggregationSettings, _Mapping]] = ..., evaluation: _Optional[_Union[EvaluationSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ...) -> None: ...
+    task: TaskSettings
+    def __init__(self, job_id: _Optional[str] = ..., category: _Optional[str] = ..., seed: _Optional[int] = ..., training: _Optional[_Union[TrainingSettings, _Mapping]] = ..., aggregation: _Optional[_Union[AggregationSettings, _Mapping]] = ..., evaluation: _Optional[_Union[EvaluationSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., task: _Optional[_Union[TaskSettings, _Mapping]] = ...) -> None: ...
 
 class InstallJobRequest(_message.Message):
     __slots__ = ("settings",)
@@ -364,23 +386,32 @@ class ShareReply(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., refused: _Optional[bool] = ..., reason: _Optional[str] = ..., label_histogram: _Optional[_Iterable[int]] = ..., histogram_noised: _Optional[bool] = ..., histogram_epsilon: _Optional[float] = ..., feature_sum: _Optional[_Iterable[float]] = ..., feature_sq_sum: _Optional[_Iterable[float]] = ..., count: _Optional[int] = ..., statistics_noised: _Optional[bool] = ..., statistics_epsilon: _Optional[float] = ..., statistics_delta: _Optional[float] = ...) -> None: ...
 
 class EvaluationTask(_message.Message):
-    __slots__ = ("job_id", "round", "model_version", "aggregator_target", "category", "deadline_unix")
+    __slots__ = ("job_id", "round", "model_version", "aggregator_target", "category", "deadline_unix", "task")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_TARGET_FIELD_NUMBER: _ClassVar[int]
     CATEGORY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     model_version: int
     aggregator_target: str
     category: str
     deadline_unix: float
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_version: _Optional[int] = ..., aggregator_target: _Optional[str] = ..., category: _Optional[str] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
+    task: TaskSettings
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_version: _Optional[int] = ..., aggregator_target: _Optional[str] = ..., category: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., task: _Optional[_Union[TaskSettings, _Mapping]] = ...) -> None: ...
 
 class EvaluationReport(_message.Message):
-    __slots__ = ("job_id", "round", "model_version", "worker_id", "refused", "reason", "loss", "accuracy", "num_samples")
+    __slots__ = ("job_id", "round", "model_version", "worker_id", "refused", "reason", "loss", "accuracy", "num_samples", "sums")
+    class SumsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -390,6 +421,7 @@ class EvaluationReport(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     ACCURACY_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SUMS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     model_version: int
@@ -399,7 +431,8 @@ class EvaluationReport(_message.Message):
     loss: float
     accuracy: float
     num_samples: int
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., refused: _Optional[bool] = ..., reason: _Optional[str] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., num_samples: _Optional[int] = ...) -> None: ...
+    sums: _containers.ScalarMap[str, float]
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., refused: _Optional[bool] = ..., reason: _Optional[str] = ..., loss: _Optional[float] = ..., accuracy: _Optional[float] = ..., num_samples: _Optional[int] = ..., sums: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SiteLog(_message.Message):
     __slots__ = ("worker_id", "time_unix", "level", "logger", "message", "dropped_before")
@@ -889,7 +922,14 @@ class StatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class RoundRow(_message.Message):
-    __slots__ = ("job_id", "round", "status", "participants", "aggregated", "accuracy", "loss", "seconds", "mean_train_loss", "uploaded", "model_version", "mean_staleness", "federated_accuracy", "federated_loss", "federated_samples", "evaluated_sites")
+    __slots__ = ("job_id", "round", "status", "participants", "aggregated", "accuracy", "loss", "seconds", "mean_train_loss", "uploaded", "model_version", "mean_staleness", "federated_accuracy", "federated_loss", "federated_samples", "evaluated_sites", "federated_metric", "federated_scores")
+    class FederatedScoresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -906,6 +946,8 @@ class RoundRow(_message.Message):
     FEDERATED_LOSS_FIELD_NUMBER: _ClassVar[int]
     FEDERATED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     EVALUATED_SITES_FIELD_NUMBER: _ClassVar[int]
+    FEDERATED_METRIC_FIELD_NUMBER: _ClassVar[int]
+    FEDERATED_SCORES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     status: str
@@ -922,7 +964,9 @@ class RoundRow(_message.Message):
     federated_loss: float
     federated_samples: int
     evaluated_sites: int
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., status: _Optional[str] = ..., participants: _Optional[int] = ..., aggregated: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., mean_train_loss: _Optional[float] = ..., uploaded: _Optional[int] = ..., model_version: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., federated_accuracy: _Optional[float] = ..., federated_loss: _Optional[float] = ..., federated_samples: _Optional[int] = ..., evaluated_sites: _Optional[int] = ...) -> None: ...
+    federated_metric: str
+    federated_scores: _containers.ScalarMap[str, float]
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., status: _Optional[str] = ..., participants: _Optional[int] = ..., aggregated: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., mean_train_loss: _Optional[float] = ..., uploaded: _Optional[int] = ..., model_version: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., federated_accuracy: _Optional[float] = ..., federated_loss: _Optional[float] = ..., federated_samples: _Optional[int] = ..., evaluated_sites: _Optional[int] = ..., federated_metric: _Optional[str] = ..., federated_scores: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class EvaluationRow(_message.Message):
     __slots__ = ("job_id", "round", "worker_id", "status", "reason", "loss", "accuracy", "num_samples", "model_version")

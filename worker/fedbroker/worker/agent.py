@@ -31,12 +31,15 @@ import os
 import threading
 import time
 
+import numpy as np
+
 from fedbroker.bus import Bus, BusError, Delivery, envelope
 from fedbroker.config import DPPolicy, WorkerConfig
-from fedbroker.datasets import load_worker_data, train_test_split
+from fedbroker.datasets import load_worker_data, strata, train_test_split
 from fedbroker.errors import ConfigError, FedbrokerError, Rejection, TaskRefused
 from fedbroker.job.alignment_plan import alignment_plan
 from fedbroker.job.spec import ModelSpec, TrainingConfig, parse_model
+from fedbroker.job.task import TaskConfig
 from fedbroker.label_stats import reported_ish
 from fedbroker.metrics import BUSES
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -106,20 +109,23 @@ class WorkerAgent:
                               f"must be a whole number >= 0 (0: the whole batch), got {config.physical_batch_size!r}")
         train, test = train_test_split(data, test_fraction=config.test_fraction, seed=config.split_seed)
         p = config.partition
-        shards = partition(train.y, scheme=p.scheme, num_clients=p.num_clients, seed=p.seed, alpha=p.alpha,
+        shards = partition(strata(train), scheme=p.scheme, num_clients=p.num_clients, seed=p.seed, alpha=p.alpha,
                            classes_per_client=p.classes_per_client)
         if not 0 <= p.client_index < len(shards):
             raise ValueError(f"partition.client_index {p.client_index} is outside [0, {len(shards)})")
         index = shards[p.client_index]
         self.x, self.y = train.x[index], train.y[index]
         self.num_classes = data.num_classes
+        self.labels = data.labels   # what a label is (worker.data.labels): the tasks this site can train
         self.budget = SiteBudget(worker_id=config.id, ledger=self.ledger, dp=self.dp, num_samples=len(self.y))
         # What a job may ask of this site before round 1 (its label histogram, feature statistics), released
         # only then, noised, and charged once; DWFed's ISH is computed from the released histogram.
         self.sharing = Sharing(worker_id=config.id, categories=config.categories, ledger=self.ledger, dp=self.dp,
                                histogram_epsilon=config.histogram_epsilon,
                                statistics_epsilon=config.statistics_epsilon, standardize=str(config.data.standardize),
-                               x=self.x, y=self.y, num_classes=self.num_classes)
+                               # labels that are not classes have no class histogram: one class, as strata
+                               x=self.x, y=self.y if self.labels == "class" else np.zeros(len(self.y), np.int64),
+                               num_classes=self.num_classes if self.labels == "class" else 1)
         self._state = "idle"
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -416,7 +422,7 @@ class WorkerAgent:
             frozen = alignment_plan(spec).frozen_in_round(task.round) if layerwise else frozenset()
         except ValueError as exc:
             raise _PoisonTask(str(exc)) from None
-        self.check_data_fits(spec)
+        self.check_data_fits(spec, self.job_settings.held(task.job_id).task)
         self.sharing.check_model(spec)  # its preprocessing against data.standardize
 
         def give_up_at_deadline(step: int, total: int) -> None:
@@ -429,7 +435,8 @@ class WorkerAgent:
         result = train_local(model, self.x, self.y, config=config, dp=self.dp,
                              history=self.ledger.history(task.job_id), device=self.device,
                              seed=self._training_seed(task), progress=give_up_at_deadline,
-                             physical_batch_size=self.config.physical_batch_size or None, frozen=frozen)
+                             physical_batch_size=self.config.physical_batch_size or None, frozen=frozen,
+                             task=self.job_settings.held(task.job_id).task)
         if result.epsilon is not None:  # spent once trained, whether or not the upload succeeds
             self.ledger.record(task.job_id, history=result.history, epsilon=result.epsilon)
             self.send_heartbeat()  # the coordinator's picture of our budget, fresh before this round closes
@@ -489,9 +496,11 @@ class WorkerAgent:
             return int.from_bytes(os.urandom(8), "little") >> 1
         return int(task.seed) * 1000 + task.round
 
-    def check_data_fits(self, spec: ModelSpec) -> None:
-        """Refuse a model whose input or output does not fit this worker's data before any training step."""
-        problem = fit_problem(spec, self.x, self.num_classes, holder="this worker's data")
+    def check_data_fits(self, spec: ModelSpec, task: TaskConfig | None = None) -> None:
+        """Refuse a model whose input or output does not fit this worker's data (and the job's task) before any
+        training step."""
+        problem = fit_problem(spec, self.x, self.num_classes, holder="this worker's data", task=task,
+                              labels=self.labels)
         if problem:
             raise _DataMismatch(problem)
 

@@ -129,6 +129,13 @@ def check_supported(model: nn.Module, mode: str) -> None:
                           f"{', '.join(t.__name__ for t in GHOST_LAYERS)} layers")
 
 
+PerSampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (output, target) -> (n,)
+
+
+def _cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output, target, reduction="none")
+
+
 def dp_engine(
     work: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -138,16 +145,19 @@ def dp_engine(
     max_grad_norm: float,
     expected_batch_size: int,
     generator: torch.Generator | None,
+    loss: PerSampleLoss | None = None,
 ) -> tuple[Hooked, DPOptimizer, Backward]:
     """The wrapping of `work` for `clipping` ("bk", "ghost" or "ew"): (wrapped module, DP optimizer, backward).
 
     `backward(x, y)` runs the forward and backward passes of one (physical) batch and returns its mean
     loss; afterwards the optimizer's `step` clips (ew), noises and averages. `wrapped.cleanup()` removes
-    the hooks. What `train_local` runs,
+    the hooks. `loss(output, target)` is the task's loss per sample, shape (n,) (`fedbroker.tasks.losses`; default
+    cross-entropy): each mode reduces it over the batch, so one sample's gradient is that of its own loss. What
+    `train_local` runs,
     exposed so that tests can switch the noise off, which a DPPolicy never allows.
     """
     from opacus.grad_sample import GradSampleModuleFastGradientClipping, prepare_module
-    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 
     from fedbroker.worker.dp_optimizer import FlatDPOptimizer, FlatGhostDPOptimizer, FlatSumDPOptimizer
 
@@ -155,23 +165,24 @@ def dp_engine(
         return cls(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                    expected_batch_size=expected_batch_size, generator=generator, **kwargs)
 
+    per_sample = loss or _cross_entropy
     if clipping == "bk":
         sum_optimizer = noised(FlatSumDPOptimizer, loss_reduction="mean")
-        clipper = one_pass_clipping.BookkeepingClipper(work, max_grad_norm=max_grad_norm, params=sum_optimizer.params)
+        clipper = one_pass_clipping.BookkeepingClipper(work, max_grad_norm=max_grad_norm, params=sum_optimizer.params,
+                                                       loss=per_sample)
         sum_optimizer.source = clipper.take_clipped_sum
         return clipper, sum_optimizer, clipper.backward
     if clipping == "ghost":
         wrapped = GradSampleModuleFastGradientClipping(work, batch_first=True, loss_reduction="mean",
                                                        max_grad_norm=max_grad_norm, use_ghost_clipping=True)
         dp_optimizer = noised(FlatGhostDPOptimizer, loss_reduction="mean")
-        # Opacus's criterion: backward() takes the per-sample norms, then backpropagates each sample's
-        # loss times its clip factor, leaving the sum of clipped per-sample gradients in .grad.
-        criterion = DPLossFastGradientClipping(wrapped, dp_optimizer, nn.CrossEntropyLoss(), loss_reduction="mean")
+        # Opacus's per-sample loss tensor: backward() takes the per-sample norms, then backpropagates each
+        # sample's loss times its clip factor, leaving the sum of clipped per-sample gradients in .grad.
 
         def backward(xb: torch.Tensor, yb: torch.Tensor) -> float:
-            loss = criterion(wrapped(xb), yb)
-            loss.backward()
-            return float(loss.detach())
+            each = DPTensorFastGradientClipping(wrapped, dp_optimizer, per_sample(wrapped(xb), yb), "mean")
+            each.backward()
+            return float(each.detach())
     elif clipping == "ew":
         if all(p.device.type == "cpu" for p in work.parameters()):
             _unfold_per_sample_conv()
@@ -183,9 +194,9 @@ def dp_engine(
         dp_optimizer = noised(FlatDPOptimizer)
 
         def backward(xb: torch.Tensor, yb: torch.Tensor) -> float:
-            loss = nn.functional.cross_entropy(wrapped(xb), yb, reduction="sum")
-            loss.backward()
-            return float(loss.detach()) / len(yb)
+            summed = per_sample(wrapped(xb), yb).sum()
+            summed.backward()
+            return float(summed.detach()) / len(yb)
     else:
         raise ConfigError("clipping", f"must be bk, ghost or ew, got {clipping!r}")
     return wrapped, dp_optimizer, backward

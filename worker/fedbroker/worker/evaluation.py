@@ -31,13 +31,15 @@ import numpy as np
 
 from fedbroker.bus import Bus, BusError, Delivery, envelope
 from fedbroker.config import PartitionSection, WorkerConfig
-from fedbroker.datasets import Dataset
+from fedbroker.datasets import Dataset, strata
 from fedbroker.errors import ConfigError, ModelOverLimits
-from fedbroker.evaluation import evaluate
 from fedbroker.federated_evaluation import check_policy
+from fedbroker.job.settings import task_config
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc.aggregation_client import AggregatorClient
 from fedbroker.rpc.plumbing import RemoteError
+from fedbroker.tasks.losses import evaluation_sums
+from fedbroker.tasks.scores import scores
 from fedbroker.worker import metrics
 from fedbroker.worker.global_model import build_global, fit_problem
 from fedbroker.worker.ledger import PrivacyLedger
@@ -56,7 +58,7 @@ def held_out_slice(test: Dataset, p: PartitionSection) -> tuple[np.ndarray, np.n
     if p.num_clients <= 1:
         return test.x, test.y, ""
     try:
-        shards = _shards(test.y, p)
+        shards = _shards(strata(test), p)
     except ConfigError as exc:
         return test.x[:0], test.y[:0], f"the held-out split of {len(test.y)} samples cannot be shared out ({exc})"
     if not 0 <= p.client_index < len(shards):
@@ -89,6 +91,7 @@ class SiteEvaluation:
         self.ledger = ledger
         self.x, self.y, self.empty_because = held_out_slice(test, config.partition)
         self.num_classes = test.num_classes
+        self.labels = test.labels
         self.device = device
         self._aggregator = aggregator
         self._stopping = stopping
@@ -114,7 +117,7 @@ class SiteEvaluation:
             delivery.ack()
             return
         try:
-            accuracy, loss = self._score(task)
+            accuracy, loss, sums = self._score(task)
         except _Refusal as exc:
             self._report(delivery, task, refused=str(exc))
             return
@@ -129,9 +132,10 @@ class SiteEvaluation:
             log.exception("worker %s could not evaluate round %d of %s", me, task.round, task.job_id)
             self._report(delivery, task, refused=f"could not evaluate: {type(exc).__name__}: {exc}")
             return
-        self._report(delivery, task, accuracy=accuracy, loss=loss)
+        self._report(delivery, task, accuracy=accuracy, loss=loss, sums=sums)
 
-    def _score(self, task: pb.EvaluationTask) -> tuple[float, float]:
+    def _score(self, task: pb.EvaluationTask) -> tuple[float, float, dict[str, float]]:
+        """(the task's headline score, mean loss, the task's sums: fedbroker.tasks.scores)."""
         if self.policy == "deny":
             raise _Refusal("the site's policy refuses evaluation (worker.evaluation: deny)")
         if task.category not in self.config.categories:
@@ -152,13 +156,21 @@ class SiteEvaluation:
             spec, model = build_global(downloaded, limits=self.config.limits)
         except (ValueError, ModelOverLimits) as exc:
             raise _Refusal(str(exc)) from None
-        problem = fit_problem(spec, self.x, self.num_classes, holder="this site's data")
+        try:
+            job_task = task_config(task.task)
+        except ConfigError as exc:
+            raise _Refusal(f"the task's settings are not valid: {exc}") from None
+        problem = fit_problem(spec, self.x, self.num_classes, holder="this site's data", task=job_task,
+                              labels=self.labels)
         if problem:
             raise _Refusal(problem)
-        return evaluate(model, self.x, self.y, device=self.device)
+        sums = evaluation_sums(job_task, model, self.x, self.y, device=self.device)
+        scored = scores(job_task, sums, size=self.num_classes if job_task.type != "regression" else 0)
+        headline = scored[job_task.metric]
+        return (headline if headline == headline else 0.0), scored["loss"], sums
 
     def _report(self, delivery: Delivery, task: pb.EvaluationTask, *, refused: str = "", accuracy: float = 0.0,
-                loss: float = 0.0) -> None:
+                loss: float = 0.0, sums: dict[str, float] | None = None) -> None:
         """Publish the report, then ack the task (a report that cannot be sent is logged: the coordinator's
         deadline ends its wait for us)."""
         me = self.config.id
@@ -166,6 +178,7 @@ class SiteEvaluation:
                                      worker_id=me, refused=bool(refused), reason=refused)
         if not refused:
             report.accuracy, report.loss, report.num_samples = accuracy, loss, self.num_samples
+            report.sums.update(sums or {})
         try:
             self.bus.publish_control(envelope.encode(evaluation_report=report))
         except BusError as exc:
@@ -181,8 +194,10 @@ class SiteEvaluation:
         if refused:
             log.info("worker %s refuses to evaluate round %d of %s: %s", me, task.round, task.job_id, refused)
         else:
-            log.info("worker %s evaluated version %d of %s (round %d): accuracy %.4f, loss %.4f on %d held-out "
-                     "samples", me, task.model_version, task.job_id, task.round, accuracy, loss, self.num_samples)
+            metric = task_config(task.task).metric
+            log.info("worker %s evaluated version %d of %s (round %d): %s %.4f, loss %.4f on %d held-out "
+                     "samples", me, task.model_version, task.job_id, task.round, metric, accuracy, loss,
+                     self.num_samples)
         metrics.EVALUATIONS.labels(me, "refused" if refused else "evaluated").inc()
         delivery.ack()
 

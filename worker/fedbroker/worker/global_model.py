@@ -12,7 +12,8 @@ from torch import nn
 from fedbroker.config import LimitsSection
 from fedbroker.errors import ModelOverLimits
 from fedbroker.job.model_spec import model_bounds
-from fedbroker.job.spec import ModelSpec, parse_model
+from fedbroker.job.spec import ModelSpec, output_shapes, parse_model
+from fedbroker.job.task import TaskConfig
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.rpc.aggregation_client import Model
 
@@ -46,13 +47,30 @@ def build_global(global_model: Model, *, limits: LimitsSection | None = None) ->
     return spec, model
 
 
-def fit_problem(spec: ModelSpec, x: np.ndarray, num_classes: int, *, holder: str) -> str:
+# The label kind (worker.data.labels) each task trains on.
+TASK_LABELS = {"classification": "class", "multilabel": "multilabel", "regression": "target", "segmentation": "mask"}
+
+
+def fit_problem(spec: ModelSpec, x: np.ndarray, num_classes: int, *, holder: str, task: TaskConfig | None = None,
+                labels: str = "class") -> str:
     """Why the model cannot take these samples ("" when it can): torch would fail on the first batch, and no
-    retry changes that. `holder` names whose data it is in the message ("this worker's data")."""
+    retry changes that. `holder` names whose data it is in the message ("this worker's data"); `labels` is the
+    kind of its labels, which must be the one `task` trains on (`num_classes`: its classes, labels or targets)."""
     sample_shape = tuple(int(d) for d in x.shape[1:])
+    task = task or TaskConfig()
     if tuple(spec.input_shape) != sample_shape:
         return (f"model.input_shape {list(spec.input_shape)} does not fit {holder}, whose samples have shape "
                 f"{list(sample_shape)}")
+    if TASK_LABELS[task.type] != labels:
+        return (f"the job's task is {task.type}, which trains on {TASK_LABELS[task.type]} labels, but {holder} holds "
+                f"{labels} labels (worker.data.labels)")
+    output = output_shapes(spec)[-1]
+    if task.type == "segmentation":
+        return "" if num_classes <= output[0] else (f"the model outputs {output[0]} classes per pixel but {holder} "
+                                                    f"has masks of {num_classes} classes")
+    if task.type != "classification":
+        return "" if output == (num_classes,) else (f"the model outputs {list(output)} but {holder} has "
+                                                    f"{num_classes} {labels} values per sample")
     if spec.num_outputs < num_classes:
         return f"the model outputs {spec.num_outputs} class scores but {holder} has {num_classes} classes"
     return token_problem(spec, x, holder=holder)

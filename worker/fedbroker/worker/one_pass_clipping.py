@@ -64,11 +64,14 @@ class BookkeepingClipper:
     `take_clipped_sum` hands over once. `cleanup` removes the hooks.
     """
 
-    def __init__(self, model: nn.Module, *, max_grad_norm: float, params: list[nn.Parameter]) -> None:
+    def __init__(self, model: nn.Module, *, max_grad_norm: float, params: list[nn.Parameter],
+                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
         if not supported(model):
             raise ValueError("book-keeping clipping needs every trainable parameter in an unshared "
                              + ", ".join(t.__name__ for t in LAYERS) + " layer")
         self.model = model
+        # the task's loss per sample, (n,) (fedbroker.tasks.losses); its sum is backpropagated
+        self.loss = loss or (lambda out, y: F.cross_entropy(out, y, reduction="none"))
         self.max_grad_norm = max_grad_norm
         self.params = list(params)
         # Per trainable layer: (module, its trained weight or None, its trained bias or None, calls this pass).
@@ -133,7 +136,7 @@ class BookkeepingClipper:
             self._leaf = torch.zeros((), device=x.device, dtype=x.dtype, requires_grad=True)
         self._root = self._leaf
         try:
-            loss = F.cross_entropy(self.model(x), y, reduction="sum")
+            loss = self.loss(self.model(x), y).sum()
             if loss.requires_grad:
                 torch.autograd.grad(loss, self._root)
             self._clipped = self._clip(len(y), x.device, x.dtype)

@@ -28,6 +28,7 @@ has the table.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -41,6 +42,7 @@ from fedbroker.config import DPPolicy
 from fedbroker.errors import BudgetExceeded, ConfigError
 from fedbroker.evaluation import as_tensors
 from fedbroker.job.spec import TrainingConfig
+from fedbroker.job.task import TaskConfig
 from fedbroker.privacy import (
     HistoryEntry,
     check_int,
@@ -50,6 +52,7 @@ from fedbroker.privacy import (
     normalise_history,
     steps_per_epoch,
 )
+from fedbroker.tasks.losses import per_sample_loss, task_tensors
 from fedbroker.worker.clipping import CLIPPING_MODES, check_supported, clipping_mode
 from fedbroker.worker.training_loops import LocalRun, train_dp, train_plain
 
@@ -105,6 +108,7 @@ def train_local(
     clipping: str = "auto",
     physical_batch_size: int | None = None,
     frozen: Collection[str] = (),
+    task: TaskConfig | None = None,
 ) -> TrainResult:
     """Train `model` on (x, y) for `config.local_epochs`; with an enabled `dp`, as DP-SGD under the owner's policy.
 
@@ -125,9 +129,12 @@ def train_local(
 
     `frozen` names parameters (state_dict names) that do not train: no gradient, no noise, no step, so they come
     back bit for bit as they went in (the layer-wise mode's matched layers, fedbroker.job.alignment_plan).
+    `task` (default classification) chooses the loss and how `y` is read: int classes and masks, float
+    multi-hot rows and targets (`fedbroker.tasks.losses`); every loss is a mean of per-sample losses.
     """
     _check_arguments(model, seed=seed, clipping=clipping, physical_batch_size=physical_batch_size)
-    x_t, y_t = as_tensors(x, y)
+    task = task or TaskConfig()
+    x_t, y_t = as_tensors(x, y) if task.type == "classification" else task_tensors(task, x, y)
     n = len(y_t)
     entries = normalise_history(history)
     plan = _plan_dp(model, dp, entries, num_samples=n, config=config, clipping=clipping) \
@@ -147,7 +154,7 @@ def train_local(
         start = time.perf_counter()
         run = LocalRun(work=work, optimizer=optimizer, x=x_t.to(dev), y=y_t.to(dev), config=config,
                        steps_per_epoch=steps_per_epoch(n, config), data_gen=data_gen, device=dev, anchor=anchor,
-                       progress=progress)
+                       progress=progress, loss=functools.partial(per_sample_loss, task))
         if plan is None:
             loss, seen = train_plain(run)
             epsilon, out_history = None, entries

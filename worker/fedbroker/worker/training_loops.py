@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedbroker.config import DPPolicy
 from fedbroker.job.spec import TrainingConfig
 from fedbroker.privacy import HistoryEntry, normalise_history
-from fedbroker.worker.clipping import Backward, dp_engine
+from fedbroker.worker.clipping import Backward, PerSampleLoss, dp_engine
 
 if TYPE_CHECKING:
     from fedbroker.worker.clipping import DPOptimizer
@@ -63,6 +63,7 @@ class LocalRun:
     device: torch.device
     anchor: list[torch.Tensor] | None
     progress: Callable[[int, int], None] | None
+    loss: PerSampleLoss   # the task's loss per sample, (n,) (fedbroker.tasks.losses)
 
 
 @dataclass
@@ -108,7 +109,7 @@ def train_plain(run: LocalRun) -> tuple[float, int]:
             idx = perm[s * bs : (s + 1) * bs] if s < per_epoch - 1 else perm[s * bs :]
             xb, yb = run.x[idx], run.y[idx]
             run.optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(run.work(xb), yb)
+            loss = run.loss(run.work(xb), yb).mean()
             loss.backward()
             _add_proximal_grad(run)
             run.optimizer.step()
@@ -138,7 +139,7 @@ def train_dp(
                                                              sample_rate)
     wrapped, dp_optimizer, backward = dp_engine(
         run.work, run.optimizer, clipping=clipping, noise_multiplier=dp.noise_multiplier,
-        max_grad_norm=dp.max_grad_norm, expected_batch_size=expected_batch_size, generator=noise_gen)
+        max_grad_norm=dp.max_grad_norm, expected_batch_size=expected_batch_size, generator=noise_gen, loss=run.loss)
     pass_size = _pass_size(clipping, dp_optimizer.params, physical_batch_size)
     accountant = RDPAccountant()
     accountant.history = list(history)
