@@ -16,6 +16,8 @@ from typing import Any
 from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.job.layers import LAYERS, ParamKind, ShapeProblem, check_values
 
+PLAN_FIELDS = ("initial_weights", "from_job", "freeze", "adapters")  # parsed by fedbroker.weights.plan
+
 MAX_WIDTH = 65_536
 MAX_LAYERS = 128
 MAX_PARAMETERS = 200_000_000
@@ -154,7 +156,7 @@ def parse_model(raw: Any, *, errors: Collector | None = None, where: str = "mode
         errors.raise_if_any()
     if own:
         check_plain(raw, where)
-    unknown = sorted(set(raw) - {"input_shape", "layers"})
+    unknown = sorted(set(raw) - {"input_shape", "layers", *PLAN_FIELDS})  # the plan: fedbroker.weights.plan
     for key in unknown:
         errors.add(f"{where}.{key}", "unknown field; known: input_shape, layers")
     shape = raw.get("input_shape")

@@ -30,6 +30,7 @@ from fedbroker.job.model_spec import parameter_shapes as parameter_shapes
 from fedbroker.job.model_spec import parse_model as parse_model
 from fedbroker.job.spec_data import DataConfig, data_problems, parse_data
 from fedbroker.job.yamltext import load_yaml
+from fedbroker.weights.plan import ModelPlan, parse_plan, plan_problems
 
 MAX_ROUNDS = 100_000
 # What one training step may ask of a worker's memory, in bytes: batch_size × (the input, every layer's
@@ -215,6 +216,7 @@ class JobSpec:
     evaluation: EvaluationConfig
     seed: int = 0
     data: DataConfig = field(default_factory=DataConfig)  # preprocessing (fedbroker.job.spec_data)
+    plan: ModelPlan = field(default_factory=ModelPlan)    # start weights, freezing, adapters (fedbroker.weights)
 
     def __post_init__(self) -> None:
         _raise_all(_identity_problems(self.name, self.category, self.seed)
@@ -223,7 +225,9 @@ class JobSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """The job as plain data (its model as a job writes it)."""
-        return {**asdict(self), "model": self.model.to_dict(), "data": self.data.to_dict()}
+        out = {**asdict(self), "model": {**self.model.to_dict(), **self.plan.to_dict()}, "data": self.data.to_dict()}
+        del out["plan"]
+        return out
 
     def to_json(self) -> str:
         """The job's one wire form (the coordinator's store)."""
@@ -359,6 +363,10 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     schedule = _section(errors, raw, "schedule", ScheduleConfig)
     evaluation = _section(errors, raw, "evaluation", EvaluationConfig)
     data = parse_data(raw.get("data"), errors.errors, model)
+    plan = parse_plan(raw.get("model"), errors=errors)
+    if not errors.errors and plan != ModelPlan():
+        errors.errors.extend(plan_problems(plan, model, alignment=aggregation.alignment, secure=aggregation.secure,
+                                           mode=schedule.mode))
     if not errors.errors:  # across sections: only meaningful once each section is valid on its own
         errors.errors.extend(cross_section_problems(model=model, training=training, evaluation=evaluation))
     # reported with every other problem: a section with problems of its own came back as the defaults (sync,
@@ -370,7 +378,7 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     errors.raise_if_any()
     return JobSpec(
         name=raw["name"], category=raw["category"], model=model, training=training,
-        aggregation=aggregation, schedule=schedule, evaluation=evaluation, seed=seed, data=data,
+        aggregation=aggregation, schedule=schedule, evaluation=evaluation, seed=seed, data=data, plan=plan,
     )
 
 
