@@ -23,6 +23,7 @@ from fedbroker.job.spec import AggregationConfig, EvaluationConfig, JobSpec, Tra
 from fedbroker.job.spec_data import DataConfig
 from fedbroker.job.submission import robust_problems
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.weights.plan import ModelPlan, plan_from_json
 
 _KINDS = ("alignment", "weighting", "selection", "robust")
 
@@ -41,10 +42,13 @@ class InstalledJob:
     evaluation: EvaluationConfig
     data: DataConfig
     message: pb.JobSettings = dataclasses.field(compare=False, repr=False)
+    plan: ModelPlan = dataclasses.field(default_factory=ModelPlan)  # what trains (fedbroker.weights.plan); the default: every tensor
+    start_digest: str = ""            # the start weights' canonical digest ("" = a seeded random draw)
 
 
-def settings_message(job_id: str, job: JobSpec) -> pb.JobSettings:
-    """The settings of an accepted job, as they travel (built once, where the job was parsed)."""
+def settings_message(job_id: str, job: JobSpec, *, start_digest: str = "") -> pb.JobSettings:
+    """The settings of an accepted job, as they travel (built once, where the job was parsed); `start_digest`:
+    its start weights' canonical digest when they are not the seeded random draw."""
     t, a, e, d = job.training, job.aggregation, job.evaluation, job.data
     return pb.JobSettings(
         job_id=job_id, category=job.category, seed=job.seed,
@@ -57,7 +61,8 @@ def settings_message(job_id: str, job: JobSpec) -> pb.JobSettings:
         evaluation=pb.EvaluationSettings(dataset=e.dataset, test_fraction=e.test_fraction, split_seed=e.split_seed,
                                          every=e.every, sites=e.sites, patience=e.patience),
         data=pb.DataSettings(standardize=d.standardize, lower=[lo for lo, _ in d.bounds],
-                             upper=[hi for _, hi in d.bounds]))
+                             upper=[hi for _, hi in d.bounds]),
+        model_plan_json=job.plan.to_json() if job.plan != ModelPlan() else "", start_digest=start_digest)
 
 
 def settings_digest(message: pb.JobSettings) -> str:
@@ -95,13 +100,15 @@ def parse_settings(message: pb.JobSettings) -> InstalledJob:
     if len(d.lower) != len(d.upper):
         problems.append(ConfigError("data.bounds", f"{len(d.lower)} lower bounds but {len(d.upper)} upper ones"))
     data = section(lambda: DataConfig(standardize=d.standardize, bounds=tuple(zip(d.lower, d.upper))))
+    plan = section(lambda: plan_from_json(message.model_plan_json))
     if not message.job_id:
         problems.append(ConfigError("job_id", "is empty"))
     if problems or algorithms is None:
         raise problems[0] if len(problems) == 1 else ConfigErrors(problems)
     return InstalledJob(job_id=message.job_id, digest=settings_digest(message), category=message.category,
                         seed=message.seed, training=training, aggregation=aggregation, algorithms=algorithms,
-                        evaluation=evaluation, data=data, message=message)
+                        evaluation=evaluation, data=data, message=message, plan=plan or ModelPlan(),
+                        start_digest=message.start_digest)
 
 
 def _choice(kind: str, choice: pb.AlgorithmChoice) -> dict[str, Any]:

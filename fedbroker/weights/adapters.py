@@ -10,12 +10,16 @@ An adapted Linear keeps its own `weight` and `bias` (their names on the wire sta
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedbroker.weights.plan import Adapters, ModelPlan
+from fedbroker.job.model_spec import ModelSpec
+from fedbroker.model import build_model, load_numpy_state, state_to_numpy
+from fedbroker.weights.plan import Adapters, ModelPlan, trainable_names
 
 
 class LoRALinear(nn.Linear):
@@ -41,7 +45,8 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The frozen base's output plus the scaled low-rank path."""
-        return F.linear(x, self.weight, self.bias) + self.scale * self.lora_b(self.lora_a(x))
+        low_rank: torch.Tensor = self.lora_b(self.lora_a(x))
+        return F.linear(x, self.weight, self.bias) + self.scale * low_rank
 
 
 def add_adapters(model: nn.Module, adapters: Adapters) -> None:
@@ -72,3 +77,22 @@ def apply_plan(model: nn.Module, plan: ModelPlan, trainable: list[str]) -> None:
 def trained_names(model: nn.Module) -> list[str]:
     """The parameters that train (requires_grad on), by state_dict name."""
     return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def start_state(spec: ModelSpec, plan: ModelPlan, *, seed: int,
+                base: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """A job's version-1 weights: `base` (checked start weights) or the seeded random draw, then the plan's
+    adapters (A drawn from the same seed, B zero: the adapted model computes what the base model does)."""
+    model = build_model(spec, seed=seed)
+    if base is not None:
+        load_numpy_state(model, base)
+    apply_plan(model, plan, trainable_names(spec, plan))
+    return state_to_numpy(model)
+
+
+def planned_model(spec: ModelSpec, plan: ModelPlan) -> nn.Module:
+    """The torch model a site trains for a job: built from the spec, the plan's adapters in place and every
+    tensor outside `trainable_names` frozen (weights still to be loaded)."""
+    model = build_model(spec)
+    apply_plan(model, plan, trainable_names(spec, plan))
+    return model

@@ -172,12 +172,13 @@ def _adapters(raw: Any, errors: Collector, where: str) -> Adapters | None:
     for key in sorted(set(raw) - {"type", "rank", "alpha", "targets", "train"}):
         errors.add(f"{where}.{key}", "unknown field; known: type, rank, alpha, targets, train")
     kind, rank, alpha = raw.get("type", "lora"), raw.get("rank"), raw.get("alpha")
+    rank_ok = is_int(rank) and 1 <= rank <= MAX_RANK
     if kind not in ADAPTER_TYPES:
         errors.add(f"{where}.type", f"must be one of {', '.join(ADAPTER_TYPES)}, got {show(kind)}")
-    if not is_int(rank) or not 1 <= rank <= MAX_RANK:
+    if not rank_ok:
         errors.add(f"{where}.rank", f"must be an integer in [1, {MAX_RANK}], got {show(rank)}")
     if alpha is None:
-        alpha = rank if is_int(rank) else 1.0  # scale 1 unless asked
+        alpha = rank if rank_ok else 1.0  # scale 1 unless asked
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1e4:
         errors.add(f"{where}.alpha", f"must be a number in (0, 10000], got {show(alpha)}")
     targets = _names(raw.get("targets"), errors, f"{where}.targets")
@@ -186,7 +187,7 @@ def _adapters(raw: Any, errors: Collector, where: str) -> Adapters | None:
     train = _names(raw.get("train"), errors, f"{where}.train")
     if len(errors.errors) != before:
         return None
-    return Adapters(str(kind), int(rank), float(alpha), targets, train)
+    return Adapters(str(kind), int(str(rank)), float(str(alpha)), targets, train)
 
 
 def _nodes(spec: ModelSpec) -> dict[str, tuple[str, Mapping[str, Any]]]:

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from fedbroker.errors import ConfigError
+from fedbroker.job.model_spec import ModelSpec
+from fedbroker.weights.plan import ModelPlan, trainable_names
 
 MAX_START_BYTES = 2 << 30          # a start file larger than this is refused before it is read
 _DTYPES = ("float32", "float16", "float64")
@@ -100,3 +102,12 @@ def weights_digest(tensors: Mapping[str, np.ndarray]) -> str:
         h.update(f"{name}\0{list(value.shape)}\0".encode())
         h.update(value.tobytes())
     return h.hexdigest()
+
+
+def frozen_digest(tensors: Mapping[str, np.ndarray], spec: ModelSpec, plan: ModelPlan) -> str:
+    """The digest of a job's frozen tensors ("" when every tensor trains): they never change from the start
+    weights, so every global version a site receives must show the digest the job's settings pin."""
+    if not plan.restricts_training:
+        return ""
+    trained = set(trainable_names(spec, plan))
+    return weights_digest({name: value for name, value in tensors.items() if name not in trained})

@@ -11,17 +11,29 @@ from torch import nn
 from fedbroker.job.spec import ModelSpec, parse_model
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.rpc.aggregation_client import Model
+from fedbroker.weights.adapters import planned_model
+from fedbroker.weights.plan import ModelPlan
+from fedbroker.weights.start import frozen_digest
 
 
-def build_global(global_model: Model) -> tuple[ModelSpec, nn.Sequential]:
-    """The model's spec and torch module; ValueError naming the version when it cannot be built."""
+def build_global(global_model: Model, plan: ModelPlan | None = None, *,
+                 start_digest: str = "") -> tuple[ModelSpec, nn.Module]:
+    """The model's spec and torch module, with the job's plan applied (adapters in place, what does not train
+    frozen); ValueError naming the version when it cannot be built, or when its frozen tensors are not the
+    start weights the job's settings pin (`start_digest`: a server that sent this site other weights)."""
     version, spec_json, weights = global_model
+    plan = plan or ModelPlan()
     try:
         spec = parse_model(json.loads(spec_json))
-        model = build_model(spec)
+        model = build_model(spec) if plan == ModelPlan() else planned_model(spec, plan)
         load_numpy_state(model, weights)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
         raise ValueError(f"the global model {version} cannot be built: {exc}") from None
+    if start_digest:
+        got = frozen_digest(weights, spec, plan)
+        if got != start_digest:
+            raise ValueError(f"the global model {version}'s frozen tensors have digest {got[:16]}…, the job's "
+                             f"settings pin {start_digest[:16]}…: these are not the job's start weights")
     return spec, model
 
 
