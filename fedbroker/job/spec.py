@@ -366,7 +366,7 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     plan = parse_plan(raw.get("model"), errors=errors)
     if not errors.errors and plan != ModelPlan():
         errors.errors.extend(plan_problems(plan, model, alignment=aggregation.alignment, secure=aggregation.secure,
-                                           mode=schedule.mode))
+                                           mode=schedule.mode, standardize=data.standardize))
     if not errors.errors:  # across sections: only meaningful once each section is valid on its own
         errors.errors.extend(cross_section_problems(model=model, training=training, evaluation=evaluation))
     # reported with every other problem: a section with problems of its own came back as the defaults (sync,

@@ -172,7 +172,7 @@ def _adapters(raw: Any, errors: Collector, where: str) -> Adapters | None:
     for key in sorted(set(raw) - {"type", "rank", "alpha", "targets", "train"}):
         errors.add(f"{where}.{key}", "unknown field; known: type, rank, alpha, targets, train")
     kind, rank, alpha = raw.get("type", "lora"), raw.get("rank"), raw.get("alpha")
-    rank_ok = is_int(rank) and 1 <= rank <= MAX_RANK
+    rank_ok = is_int(rank) and 1 <= int(str(rank)) <= MAX_RANK
     if kind not in ADAPTER_TYPES:
         errors.add(f"{where}.type", f"must be one of {', '.join(ADAPTER_TYPES)}, got {show(kind)}")
     if not rank_ok:
@@ -203,7 +203,7 @@ def _owns(node: str, tensor: str) -> bool:
 
 
 def plan_problems(plan: ModelPlan, spec: ModelSpec, *, where: str = "model", alignment: str = "none",
-                  secure: bool = False, mode: str = "sync") -> list[ConfigError]:
+                  secure: bool = False, mode: str = "sync", standardize: str = "none") -> list[ConfigError]:
     """What the plan asks of the model that the model does not have, each named: a frozen or trained node that
     is not one, an adapter on a node that is not a Linear, a node both frozen and trained; and what the plan
     cannot be combined with (an alignment matches every layer's units; a secure or asynchronous round, not yet)."""
@@ -237,6 +237,9 @@ def plan_problems(plan: ModelPlan, spec: ModelSpec, *, where: str = "model", ali
                     out.append(ConfigError(at, f"node {name!r} is also in {where}.freeze"))
                 if name in adapters.targets:
                     out.append(ConfigError(at, f"node {name!r} carries an adapter: its base weight stays frozen"))
+    if standardize != "none":  # its layer in front of the model would rename a chain's nodes and tensors
+        out.append(ConfigError("data.standardize", f"{standardize!r} puts a layer in front of the model; not with "
+                                                   f"{where}.{next(iter(plan.to_dict()))}"))
     if plan.restricts_training:
         if out:
             return out
