@@ -108,7 +108,7 @@ def test_a_pinned_file_is_read_only_when_its_digest_is_the_pin(tmp_path) -> None
 
 def test_a_pickle_is_never_loaded_as_start_weights() -> None:
     class Boom:
-        def __reduce__(self):  # noqa: ANN204 - what a hostile pickle would run
+        def __reduce__(self) -> tuple[object, tuple[str]]:  # what a hostile pickle would run
             return (print, ("pwned",))
 
     with pytest.raises(ConfigError, match="not a safetensors file"):

@@ -83,7 +83,7 @@ def test_an_adapter_update_is_a_small_fraction_of_the_model() -> None:
 def test_a_site_builds_the_planned_model_and_refuses_frozen_weights_that_are_not_the_pinned_ones() -> None:
     start = start_state(SPEC, LORA, seed=3)
     pin = frozen_digest(start, SPEC, LORA)
-    spec, model = build_global((1, SPEC.to_json(), start), LORA, start_digest=pin)
+    _, model = build_global((1, SPEC.to_json(), start), LORA, start_digest=pin)
     assert set(trained_names(model)) == set(trainable_names(SPEC, LORA))
     other = {**start, "0.weight": start["0.weight"] + np.float32(0.01)}   # a server's other start weights
     with pytest.raises(ValueError, match="not the job's start weights"):
