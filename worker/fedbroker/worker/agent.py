@@ -131,7 +131,8 @@ class WorkerAgent:
         self._channel: AggregatorClient | None = None
         self.job_settings = JobSettingsCache(kept=JOB_COSTS_KEPT)  # each job's settings, parsed once
         self.evaluation = SiteEvaluation(config, bus=bus, ledger=self.ledger, test=test, device=self.device,
-                                         aggregator=self._aggregator, stopping=self._stop.is_set)
+                                         aggregator=self._aggregator, stopping=self._stop.is_set,
+                                         plan_of=self.job_settings.plan)
         self.retry_initial_s = 1.0   # backoff before a failed task goes back to the queue
         self.retry_max_s = 30.0
         if not config.coordinator_broker_user:  # a warning where the bus has users to tell apart (RabbitMQ)

@@ -38,6 +38,7 @@ from fedbroker.federated_evaluation import check_policy
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc.aggregation_client import AggregatorClient
 from fedbroker.rpc.plumbing import RemoteError
+from fedbroker.weights.plan import ModelPlan
 from fedbroker.worker import metrics
 from fedbroker.worker.global_model import build_global, fit_problem
 from fedbroker.worker.ledger import PrivacyLedger
@@ -82,8 +83,10 @@ class SiteEvaluation:
     channel to the aggregation service; `stopping()`: the worker is stopping (a task then goes back to the queue)."""
 
     def __init__(self, config: WorkerConfig, *, bus: Bus, ledger: PrivacyLedger, test: Dataset, device: str,
-                 aggregator: Callable[[str], AggregatorClient], stopping: Callable[[], bool]) -> None:
+                 aggregator: Callable[[str], AggregatorClient], stopping: Callable[[], bool],
+                 plan_of: Callable[[str], ModelPlan | None] = lambda job_id: None) -> None:
         self.config = config
+        self._plan_of = plan_of  # a job's model plan, when this site holds its settings (it trained the job)
         self.policy = check_policy(config.evaluation)
         self.bus = bus
         self.ledger = ledger
@@ -148,8 +151,12 @@ class SiteEvaluation:
         if version != task.model_version:  # only what the task names is ever scored
             raise _Refusal(f"asked for global model version {task.model_version}, the service sent {version}")
         metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in downloaded[2].values()))
+        plan = self._plan_of(task.job_id)
+        if plan is None and any(".lora_" in name for name in downloaded[2]):
+            raise _Refusal("the model carries LoRA adapters and this site holds no settings of the job (it has not "
+                           "trained it) to apply them")
         try:
-            spec, model = build_global(downloaded)
+            spec, model = build_global(downloaded, plan)
         except ValueError as exc:
             raise _Refusal(str(exc)) from None
         problem = fit_problem(spec, self.x, self.num_classes, holder="this site's data")
