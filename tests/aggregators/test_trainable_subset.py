@@ -80,3 +80,25 @@ def test_a_global_model_without_its_adapters_is_refused() -> None:
     plain = {k: v for k, v in start_state(job.model, job.plan, seed=0).items() if ".lora_" not in k}
     with pytest.raises(UploadRejected, match="lora_a.weight' is missing"):
         book.put_global("j", 1, job.model.to_json(), plain)
+
+
+def test_a_restarted_service_restores_an_adapter_job_and_its_subset_update_from_the_spool(tmp_path) -> None:
+    job = parse_job({"name": "j", "category": "c", "model": {**MODEL, "adapters": {"rank": 2, "targets": ["0"],
+                                                                                    "train": ["2"]}}})
+    book = RoundBook(max_update_bytes=10_000, spool_dir=tmp_path)
+    book.installed.install(settings_message("j", job))
+    start = start_state(job.model, job.plan, seed=0)
+    book.put_global("j", 1, job.model.to_json(), start)
+    book.open_round("j", 1, ["w1", "w2"], deadline=4e9, seed=0)
+    trains = trainable_names(job.model, job.plan)
+    book.receive_update(stream({n: start[n] + 1 for n in trains}))
+    book.stop()
+    again = RoundBook(max_update_bytes=10_000, spool_dir=tmp_path)
+    try:
+        assert again.status("j", 1)[0] == ["w1"]          # the update came back, not quarantined
+        again.close("j", 1)
+        _, _, state = again.global_model("j")
+        np.testing.assert_array_equal(state["0.weight"], start["0.weight"])
+        np.testing.assert_allclose(state["0.lora_a.weight"], start["0.lora_a.weight"] + 1, rtol=1e-6)
+    finally:
+        again.stop()
