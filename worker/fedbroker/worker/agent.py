@@ -46,7 +46,7 @@ from fedbroker.rpc.auth import ClientSecurity
 from fedbroker.rpc.plumbing import RemoteError
 from fedbroker.secagg import SecAggError
 from fedbroker.version import installed_version
-from fedbroker.weights.plan import trainable_names
+from fedbroker.weights.plan import ModelPlan, trainable_names
 from fedbroker.worker import metrics
 from fedbroker.worker.budget import JOB_COSTS_KEPT, SiteBudget
 from fedbroker.worker.evaluation import SiteEvaluation
@@ -410,9 +410,11 @@ class WorkerAgent:
     def _train(self, task: pb.RoundTask, config: TrainingConfig, global_model: Model) -> TrainResult:
         self._state = "training"
         metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in global_model[2].values()))
-        installed = self.job_settings.held(task.job_id)
+        installed = self.job_settings.get(task.job_id)  # held for every task `run_task` trains
+        plan = installed.plan if installed is not None else ModelPlan()
         try:
-            spec, model = build_global(global_model, installed.plan, start_digest=installed.start_digest)
+            spec, model = build_global(global_model, plan,
+                                       start_digest=installed.start_digest if installed is not None else "")
         except ValueError as exc:
             raise _PoisonTask(str(exc)) from None
         self.check_data_fits(spec)
@@ -433,8 +435,8 @@ class WorkerAgent:
             self.ledger.record(task.job_id, history=result.history, epsilon=result.epsilon)
             self.send_heartbeat()  # the coordinator's picture of our budget, fresh before this round closes
         self._export_training(result)
-        if installed.plan.restricts_training:  # only what trains travels: adapters and named heads, nothing frozen
-            trained = trainable_names(spec, installed.plan)
+        if plan.restricts_training:  # only what trains travels: adapters and named heads, nothing frozen
+            trained = trainable_names(spec, plan)
             result = dataclasses.replace(result, state={name: result.state[name] for name in trained})
         return result
 

@@ -49,6 +49,10 @@ class JobSettingsCache:
             self._jobs.popitem(last=False)
         return installed
 
+    def get(self, job_id: str) -> InstalledJob | None:
+        """The settings of a job, when this worker holds them."""
+        return self._jobs.get(job_id)
+
     def plan(self, job_id: str) -> ModelPlan | None:
         """The model plan of a job whose settings this worker holds (None when it holds none)."""
         held = self._jobs.get(job_id)
