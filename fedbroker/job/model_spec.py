@@ -1,4 +1,5 @@
-"""Model specs: a list of layers from an allow-list (never code), validated into frozen objects.
+"""Model specs: a chain of layers (`layers`) or a graph of nodes (`nodes`, `blocks`: fedbroker.graph) from an
+allow-list (never code), validated into frozen objects.
 
 Validation infers every layer's output shape from the input shape, so a Linear whose `in_features` does not
 match what the previous layer produces is refused at submission, naming the field, rather than crashing a
@@ -8,32 +9,29 @@ worker in round 1. All problems are reported at once. A job (fedbroker.job.spec)
 from __future__ import annotations
 
 import json
-import reprlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.job.layers import LAYERS, ParamKind, ShapeProblem, check_values
+from fedbroker.errors import ConfigError
+from fedbroker.graph.checks import MAX_WIDTH as MAX_WIDTH
+from fedbroker.graph.checks import Collector as Collector
+from fedbroker.graph.checks import is_int as is_int
+from fedbroker.graph.checks import layer_params
+from fedbroker.graph.checks import show as show
+from fedbroker.graph.expand import GRAPH_KEYS, parse_graph
+from fedbroker.graph.nodes import MAX_PARAMETERS as MAX_PARAMETERS
+from fedbroker.graph.nodes import NodeSpec as NodeSpec
+from fedbroker.graph.nodes import tree_order
+from fedbroker.graph.shapes import Bounds, bounds, infer
+from fedbroker.job.layers import LAYERS, ShapeProblem
 
 PLAN_FIELDS = ("initial_weights", "from_job", "freeze", "adapters")  # parsed by fedbroker.weights.plan
-
-MAX_WIDTH = 65_536
 MAX_LAYERS = 128
-MAX_PARAMETERS = 200_000_000
 MAX_DEPTH = 32
 MAX_SPEC_BYTES = 256 * 1024
 _PLAIN_SCALARS = (str, int, float, bool, type(None))
 
-_short = reprlib.Repr()
-_short.maxstring = _short.maxother = 80
-_short.maxlist = _short.maxdict = _short.maxtuple = 6
-_short.maxlevel = 3
-
-
-def show(value: Any) -> str:
-    """A bounded repr for error messages: a hostile value is never echoed back in full."""
-    return _short.repr(value)
 
 @dataclass(frozen=True)
 class LayerSpec:
@@ -49,13 +47,34 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model: its input shape and its layers, checked so that every layer takes its input."""
+    """A model: its input shape and its nodes, checked so that every node takes its inputs.
+
+    A chain (`layers`) is the graph whose nodes are "0", "1", ..., each reading the one before (its
+    nodes are derived from its layers); a graph (`model.nodes`) keeps `layers` empty and its text as
+    written back (`graph`: blocks, nodes and output, every input explicit)."""
 
     input_shape: tuple[int, ...]
     layers: tuple[LayerSpec, ...]
+    nodes: tuple[NodeSpec, ...] = ()
+    output: str = ""
+    graph: Mapping[str, Any] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.layers and not self.nodes:
+            chain = tuple(NodeSpec(str(i), layer.type, layer.params, (str(i - 1) if i else "input",))
+                          for i, layer in enumerate(self.layers))
+            object.__setattr__(self, "nodes", chain)
+            object.__setattr__(self, "output", chain[-1].name)
+
+    @property
+    def is_graph(self) -> bool:
+        """Written as a graph (`model.nodes`), not as a chain of layers."""
+        return self.graph is not None
 
     def to_dict(self) -> dict[str, Any]:
         """The model as a job writes it."""
+        if self.graph is not None:
+            return {"input_shape": list(self.input_shape), **self.graph}
         return {"input_shape": list(self.input_shape), "layers": [layer.to_dict() for layer in self.layers]}
 
     def to_json(self) -> str:
@@ -67,50 +86,10 @@ class ModelSpec:
         """The number of class scores the model outputs."""
         return output_shapes(self)[-1][-1]
 
-
-class Collector:
-    """Every problem of a spec, gathered so that one submission names them all."""
-
-    def __init__(self) -> None:
-        self.errors: list[ConfigError] = []
-
-    def add(self, field_name: str, problem: str) -> None:
-        """Note one problem at its full path."""
-        self.errors.append(ConfigError(field_name, problem))
-
-    def raise_if_any(self) -> None:
-        """One ConfigError, several as ConfigErrors, or nothing."""
-        if len(self.errors) == 1:
-            raise self.errors[0]
-        if self.errors:
-            raise ConfigErrors(self.errors)
-
-
-def is_int(value: Any) -> bool:
-    """An int that is not a bool (True is an int to Python, never a width to us)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_param(errors: Collector, where: str, kind: ParamKind, value: Any) -> Any:
-    if kind in ("values", "positive_values"):
-        value, problems = check_values(value, positive=kind == "positive_values", show=show)
-        for suffix, problem in problems:
-            errors.add(f"{where}{suffix}", problem)
-        return value
-    if kind == "width":
-        ok, limit = is_int(value) and 1 <= value <= MAX_WIDTH, f"an integer in [1, {MAX_WIDTH}]"
-    elif kind == "kernel":
-        ok, limit = value is None or (is_int(value) and 1 <= value <= 64), "an integer in [1, 64]"
-    elif kind == "int0":
-        ok, limit = is_int(value) and 0 <= value <= 64, "an integer in [0, 64]"
-    elif kind == "bool":
-        ok, limit = isinstance(value, bool), "true or false"
-    else:  # "prob"
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < 1.0
-        limit = "a number in [0, 1)"
-    if not ok:
-        errors.add(where, f"must be {limit}, got {show(value)}")
-    return value
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        """The shape of one sample's output (without the batch axis)."""
+        return output_shapes(self)[-1]
 
 
 def check_plain(raw: Any, where: str) -> None:
@@ -147,25 +126,44 @@ def check_plain(raw: Any, where: str) -> None:
 
 
 def parse_model(raw: Any, *, errors: Collector | None = None, where: str = "model") -> ModelSpec:
-    """Check a model given as a mapping; raise (or, with `errors`, collect) every problem, naming its field."""
+    """Check a model given as a mapping, a chain (`layers`) or a graph (`nodes`); raise (or, with `errors`,
+    collect) every problem, naming its field."""
     own = errors is None
     errors = errors or Collector()
     errors_before = len(errors.errors)
     if not isinstance(raw, Mapping):
-        errors.add(where, f"must be a mapping with input_shape and layers, got {type(raw).__name__}")
+        errors.add(where, f"must be a mapping with input_shape and layers (or nodes), got {type(raw).__name__}")
         errors.raise_if_any()
     if own:
         check_plain(raw, where)
-    unknown = sorted(set(raw) - {"input_shape", "layers", *PLAN_FIELDS})  # the plan: fedbroker.weights.plan
-    for key in unknown:
-        errors.add(f"{where}.{key}", "unknown field; known: input_shape, layers")
+    graph = "nodes" in raw or "blocks" in raw
+    known = GRAPH_KEYS if graph else ("input_shape", "layers")
+    for key in sorted(set(raw) - set(known) - set(PLAN_FIELDS)):  # the plan: fedbroker.weights.plan
+        hint = "; a model is a chain (layers) or a graph (nodes), not both" if key == "layers" else ""
+        errors.add(f"{where}.{key}", f"unknown field; known: {', '.join(known)}{hint}")
     shape = raw.get("input_shape")
     if not isinstance(shape, (list, tuple)) or not 1 <= len(shape) <= 3 or not all(
         is_int(d) and 1 <= d <= MAX_WIDTH for d in shape
     ):
         errors.add(f"{where}.input_shape", f"must be a list of 1 to 3 integers in [1, {MAX_WIDTH}], got {show(shape)}")
         shape = None
-    layers_raw = raw.get("layers")
+    if graph:
+        return _parse_graph(raw, shape, errors, where, own=own, errors_before=errors_before)
+    layers = _parse_layers(raw.get("layers"), errors, where)
+    if own:
+        errors.raise_if_any()
+    if len(errors.errors) != errors_before:
+        # A model with bad fields is reported as such; its half-parsed layers must never reach a later
+        # check (shapes, alignment, a GA probe set), which would trip over them instead of naming them.
+        return ModelSpec((), ())
+    spec = ModelSpec(tuple(shape or ()), tuple(layers))
+    _check_shapes(spec, errors, where)
+    if own:
+        errors.raise_if_any()
+    return spec
+
+
+def _parse_layers(layers_raw: Any, errors: Collector, where: str) -> list[LayerSpec]:
     layers: list[LayerSpec] = []
     if not isinstance(layers_raw, list) or not layers_raw:
         errors.add(f"{where}.layers", f"must be a non-empty list of layers, got {show(layers_raw)}")
@@ -183,38 +181,45 @@ def parse_model(raw: Any, *, errors: Collector | None = None, where: str = "mode
                 continue
             if LAYERS[kind].first_only and i:
                 errors.add(f"{at}.type", f"{kind} must be the first layer: it describes the model's input")
-            allowed = LAYERS[kind].params
-            params: dict[str, Any] = {}
-            for key in sorted(set(layer) - {"type"} - set(allowed)):
-                errors.add(f"{at}.{key}", f"unknown parameter for {kind}; allowed: {', '.join(allowed) or 'none'}")
-            for key, param in allowed.items():
-                if key not in layer or (layer[key] is None and param.required):
-                    if param.required:  # None stands for "the default" (a pool's stride), never for a value
-                        errors.add(f"{at}.{key}", f"is required for {kind}")
-                        continue
-                    params[key] = param.default
-                else:
-                    params[key] = _check_param(errors, f"{at}.{key}", param.kind, layer[key])
-            layers.append(LayerSpec(kind, params))
-    if own:
-        errors.raise_if_any()
-    if len(errors.errors) != errors_before:
-        # A model with bad fields is reported as such; its half-parsed layers must never reach a later
-        # check (shapes, alignment, a GA probe set), which would trip over them instead of naming them.
+            layers.append(LayerSpec(kind, layer_params(errors, at, kind, layer)))
+    return layers
+
+
+def _parse_graph(raw: Mapping[str, Any], shape: Any, errors: Collector, where: str, *, own: bool,
+                 errors_before: int) -> ModelSpec:
+    graph = parse_graph(raw, errors=errors, where=where)
+    if graph is None or shape is None:
+        if own:
+            errors.raise_if_any()
         return ModelSpec((), ())
-    spec = ModelSpec(tuple(shape or ()), tuple(layers))
-    _check_shapes(spec, errors, where)
+    spec = ModelSpec(tuple(shape), (), graph.nodes, graph.output, graph.written)
+    shapes = infer(spec.nodes, spec.input_shape, errors, where)
+    out = shapes.get(spec.output)
+    if out is not None and len(out) != 1:
+        errors.add(f"{where}.output", f"the output node must output class scores (a flat vector), not {list(out)}")
     if own:
         errors.raise_if_any()
-    return spec
+    return spec if len(errors.errors) == errors_before else ModelSpec((), ())
 
 
 def output_shapes(spec: ModelSpec) -> list[tuple[int, ...]]:
-    """The output shape (without the batch axis) after every layer; raises ConfigError on a mismatch."""
+    """The output shape (without the batch axis) after every node, in `spec.nodes`' order (the output node's
+    last); raises ConfigError on a mismatch."""
     errors = Collector()
+    if spec.is_graph:
+        found = infer(spec.nodes, spec.input_shape, errors, "model")
+        errors.raise_if_any()
+        return [found[node.name] for node in spec.nodes]
     shapes = _check_shapes(spec, errors, "model")
     errors.raise_if_any()
     return shapes
+
+
+def model_bounds(spec: ModelSpec) -> Bounds:
+    """Parameters, activation bytes and FLOPs per sample (fedbroker.graph.shapes), for a chain or a graph."""
+    found = dict(zip((node.name for node in spec.nodes), output_shapes(spec), strict=True))
+    found["input"] = tuple(spec.input_shape)
+    return bounds(spec.nodes, found)
 
 
 def _check_shapes(spec: ModelSpec, errors: Collector, where: str) -> list[tuple[int, ...]]:
@@ -244,13 +249,15 @@ def _check_shapes(spec: ModelSpec, errors: Collector, where: str) -> list[tuple[
     return shapes
 
 
-def matched_layers(spec: ModelSpec) -> list[int]:
+def matched_layers(spec: ModelSpec) -> list[int]:  # a chain's; a graph has no layers
     """The indices of the layers whose units alignment matches (the weighted ones)."""
     return [i for i, layer in enumerate(spec.layers) if LAYERS[layer.type].weighted]
 
 
 def parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """The tensors an nn.Sequential built from `spec` holds, by state_dict name, without importing torch."""
-    return {f"{i}.{suffix}": shape
-            for i, layer in enumerate(spec.layers)
-            for suffix, shape in LAYERS[layer.type].tensors(layer.params).items()}
+    """The tensors the torch model built from `spec` holds, by state_dict name (`<node>.<tensor>`, the
+    chain's "0.weight"), in its state_dict's order, without importing torch."""
+    by_name = {node.name: node for node in spec.nodes}
+    return {f"{name}.{suffix}": shape
+            for name in tree_order([node.name for node in spec.nodes]) if by_name[name].type in LAYERS
+            for suffix, shape in LAYERS[by_name[name].type].tensors(by_name[name].params).items()}

@@ -27,6 +27,8 @@ from fedbroker.job.spec import (
 
 def alignment_problems(spec: ModelSpec) -> list[str]:
     """Why neurons of this model cannot be matched across clients (empty when they can)."""
+    if spec.is_graph:
+        return ["alignment matches the units of a chain of layers (model.layers); this model is a graph (model.nodes)"]
     problems = []
     for i, layer in enumerate(spec.layers):
         blocker = LAYERS[layer.type].blocks_alignment
@@ -67,7 +69,7 @@ def job_problems(*, aggregation: AggregationConfig, model: ModelSpec, training: 
         problems.extend(secure_problems(aggregation, schedule))
     problems.extend(robust_problems(aggregation, schedule))
     traits = ALIGNMENTS.traits(aggregation.alignment)  # an unknown name is reported above, and checked as one
-    if (traits is None or traits.aligns_units) and model.layers:
+    if (traits is None or traits.aligns_units) and model.nodes:
         problems.extend(ConfigError("aggregation.alignment", f"{aggregation.alignment} cannot align this model: {p}")
                         for p in alignment_problems(model))
     return problems
@@ -148,6 +150,9 @@ def _probe_problems(dataset: str, model: ModelSpec, *,
     """A probe set the model cannot read (its samples are not the model's input, or it has more classes
     than the model has outputs) would fail every round that reads it (the GA's, FLTrust's): refuse it at
     submission."""
+    if dataset and model.is_graph:  # the probe runs a chain's layers in numpy (aggregators/selection/probe.py)
+        return [ConfigError(field, f"{dataset!r} is read by a probe that runs a chain of layers (model.layers); "
+                                   f"this model is a graph (model.nodes)")]
     if not dataset or not model.layers:
         return []
     try:

@@ -413,7 +413,7 @@ class WorkerAgent:
         installed = self.job_settings.get(task.job_id)  # held for every task `run_task` trains
         plan = installed.plan if installed is not None else ModelPlan()
         try:
-            spec, model = build_global(global_model, plan,
+            spec, model = build_global(global_model, plan, limits=self.config.limits,  # over them: refused
                                        start_digest=installed.start_digest if installed is not None else "")
         except ValueError as exc:
             raise _PoisonTask(str(exc)) from None

@@ -32,7 +32,7 @@ import numpy as np
 from fedbroker.bus import Bus, BusError, Delivery, envelope
 from fedbroker.config import PartitionSection, WorkerConfig
 from fedbroker.datasets import Dataset
-from fedbroker.errors import ConfigError
+from fedbroker.errors import ConfigError, ModelOverLimits
 from fedbroker.evaluation import evaluate
 from fedbroker.federated_evaluation import check_policy
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -156,8 +156,8 @@ class SiteEvaluation:
             raise _Refusal("the model carries LoRA adapters and this site holds no settings of the job (it has not "
                            "trained it) to apply them")
         try:
-            spec, model = build_global(downloaded, plan)
-        except ValueError as exc:
+            spec, model = build_global(downloaded, plan, limits=self.config.limits)
+        except (ValueError, ModelOverLimits) as exc:
             raise _Refusal(str(exc)) from None
         problem = fit_problem(spec, self.x, self.num_classes, holder="this site's data")
         if problem:
