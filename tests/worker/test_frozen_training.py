@@ -94,3 +94,42 @@ def test_a_site_builds_the_planned_model_and_refuses_frozen_weights_that_are_not
 
 def test_without_a_plan_every_tensor_trains_as_before() -> None:
     assert trainable_names(SPEC, ModelPlan()) == list(initial_weights(SPEC, seed=0))
+
+
+GRAPH = {"input_shape": [1, 8, 8],
+         "blocks": {"res": {"params": ["c"], "nodes": {
+             "conv": {"type": "Conv2d", "in_channels": "$c", "out_channels": "$c", "kernel_size": 3, "padding": 1},
+             "norm": {"type": "GroupNorm", "num_groups": 2, "num_channels": "$c"},
+             "sum": {"type": "add", "inputs": ["norm", "x"]}}}},
+         "nodes": {"stem": {"type": "Conv2d", "in_channels": 1, "out_channels": 4, "kernel_size": 3, "padding": 1},
+                   "b1": {"block": "res", "c": 4},
+                   "flat": {"type": "Flatten"},
+                   "hidden": {"type": "Linear", "in_features": 256, "out_features": 16},
+                   "act": {"type": "ReLU"},
+                   "head": {"type": "Linear", "in_features": 16, "out_features": 4}}}
+
+
+def test_a_graph_freezes_a_block_instance_and_adapts_a_named_node_under_dp() -> None:
+    from fedbroker.job.spec import parse_job
+    from fedbroker.model import build_model, load_numpy_state
+    from fedbroker.weights.plan import merge_adapters
+
+    job = parse_job({"name": "g", "category": "c", "model": {
+        **GRAPH, "freeze": ["stem", "b1"], "adapters": {"rank": 2, "targets": ["hidden"], "train": ["head"]}}})
+    plan = job.plan
+    assert trainable_names(job.model, plan) == ["head.weight", "head.bias", "hidden.lora_a.weight",
+                                                "hidden.lora_b.weight"]
+    model = planned_model(job.model, plan)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in start_state(job.model, plan, seed=2).items()})
+    before = state_to_numpy(model)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 1, 8, 8)).astype(np.float32), rng.integers(0, 4, size=64)
+    result = train_local(model, x, y, config=CONFIG, dp=POLICY, seed=1, clipping="bk")
+    for name in ("stem.weight", "b1.conv.weight", "b1.norm.bias", "hidden.weight"):
+        np.testing.assert_array_equal(result.state[name], before[name], err_msg=name)
+    assert not np.array_equal(result.state["hidden.lora_b.weight"], before["hidden.lora_b.weight"])
+    assert plan.adapters is not None
+    plain = build_model(job.model)
+    load_numpy_state(plain, merge_adapters(result.state, plan.adapters))
+    probe = torch.from_numpy(x[:8])
+    torch.testing.assert_close(plain(probe), model(probe), rtol=1e-5, atol=1e-5)
