@@ -28,6 +28,7 @@ from fedbroker.layers import LAYERS, ShapeProblem
 
 MAX_INPUT_RANK = 4  # (channels, depth, height, width): a 3-D volume
 
+PLAN_FIELDS = ("initial_weights", "from_job", "freeze", "adapters")  # parsed by fedbroker.weights.plan
 MAX_LAYERS = 128
 MAX_DEPTH = 32
 MAX_SPEC_BYTES = 256 * 1024
@@ -139,7 +140,7 @@ def parse_model(raw: Any, *, errors: Collector | None = None, where: str = "mode
         check_plain(raw, where)
     graph = "nodes" in raw or "blocks" in raw
     known = GRAPH_KEYS if graph else ("input_shape", "layers")
-    for key in sorted(set(raw) - set(known)):
+    for key in sorted(set(raw) - set(known) - set(PLAN_FIELDS)):  # the plan: fedbroker.weights.plan
         hint = "; a model is a chain (layers) or a graph (nodes), not both" if key == "layers" else ""
         errors.add(f"{where}.{key}", f"unknown field; known: {', '.join(known)}{hint}")
     shape = raw.get("input_shape")

@@ -24,6 +24,7 @@ from fedbroker.job.spec_data import DataConfig
 from fedbroker.job.submission import robust_problems
 from fedbroker.job.task import TaskConfig
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.weights.plan import ModelPlan, plan_from_json
 
 _KINDS = ("alignment", "weighting", "selection", "robust")
 
@@ -43,10 +44,13 @@ class InstalledJob:
     data: DataConfig
     task: TaskConfig
     message: pb.JobSettings = dataclasses.field(compare=False, repr=False)
+    plan: ModelPlan = dataclasses.field(default_factory=ModelPlan)  # what trains (fedbroker.weights.plan); the default: every tensor
+    start_digest: str = ""            # the start weights' canonical digest ("" = a seeded random draw)
 
 
-def settings_message(job_id: str, job: JobSpec) -> pb.JobSettings:
-    """The settings of an accepted job, as they travel (built once, where the job was parsed)."""
+def settings_message(job_id: str, job: JobSpec, *, start_digest: str = "") -> pb.JobSettings:
+    """The settings of an accepted job, as they travel (built once, where the job was parsed); `start_digest`:
+    its start weights' canonical digest when they are not the seeded random draw."""
     t, a, e, d, k = job.training, job.aggregation, job.evaluation, job.data, job.task
     return pb.JobSettings(
         task=task_message(k),
@@ -60,7 +64,8 @@ def settings_message(job_id: str, job: JobSpec) -> pb.JobSettings:
         evaluation=pb.EvaluationSettings(dataset=e.dataset, test_fraction=e.test_fraction, split_seed=e.split_seed,
                                          every=e.every, sites=e.sites, patience=e.patience),
         data=pb.DataSettings(standardize=d.standardize, lower=[lo for lo, _ in d.bounds],
-                             upper=[hi for _, hi in d.bounds]))
+                             upper=[hi for _, hi in d.bounds]),
+        model_plan_json=job.plan.to_json() if job.plan != ModelPlan() else "", start_digest=start_digest)
 
 
 def settings_digest(message: pb.JobSettings) -> str:
@@ -99,13 +104,15 @@ def parse_settings(message: pb.JobSettings) -> InstalledJob:
         problems.append(ConfigError("data.bounds", f"{len(d.lower)} lower bounds but {len(d.upper)} upper ones"))
     data = section(lambda: DataConfig(standardize=d.standardize, bounds=tuple(zip(d.lower, d.upper))))
     task = section(lambda: task_config(message.task))
+    plan = section(lambda: plan_from_json(message.model_plan_json))
     if not message.job_id:
         problems.append(ConfigError("job_id", "is empty"))
     if problems or algorithms is None:
         raise problems[0] if len(problems) == 1 else ConfigErrors(problems)
     return InstalledJob(job_id=message.job_id, digest=settings_digest(message), category=message.category,
                         seed=message.seed, training=training, aggregation=aggregation, algorithms=algorithms,
-                        evaluation=evaluation, data=data, task=task, message=message)
+                        evaluation=evaluation, data=data, task=task, message=message, plan=plan or ModelPlan(),
+                        start_digest=message.start_digest)
 
 
 def task_message(task: TaskConfig) -> pb.TaskSettings:

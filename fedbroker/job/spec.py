@@ -31,6 +31,7 @@ from fedbroker.job.model_spec import parse_model as parse_model
 from fedbroker.job.spec_data import DataConfig, data_problems, parse_data
 from fedbroker.job.task import TaskConfig, output_problems, parse_task
 from fedbroker.job.yamltext import load_yaml
+from fedbroker.weights.plan import ModelPlan, parse_plan, plan_problems
 
 MAX_ROUNDS = 100_000
 # What one training step may ask of a worker's memory, in bytes: batch_size × (the input, every layer's
@@ -241,6 +242,7 @@ class JobSpec:
     seed: int = 0
     data: DataConfig = field(default_factory=DataConfig)  # preprocessing (fedbroker.job.spec_data)
     task: TaskConfig = field(default_factory=TaskConfig)  # what is predicted (fedbroker.job.task)
+    plan: ModelPlan = field(default_factory=ModelPlan)    # start weights, freezing, adapters (fedbroker.weights)
 
     def __post_init__(self) -> None:
         _raise_all(_identity_problems(self.name, self.category, self.seed)
@@ -250,8 +252,10 @@ class JobSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """The job as plain data (its model as a job writes it)."""
-        return {**asdict(self), "model": self.model.to_dict(), "data": self.data.to_dict(),
-                "task": self.task.to_dict()}
+        out = {**asdict(self), "model": {**self.model.to_dict(), **self.plan.to_dict()}, "data": self.data.to_dict(),
+               "task": self.task.to_dict()}
+        del out["plan"]
+        return out
 
     def to_json(self) -> str:
         """The job's one wire form (the coordinator's store)."""
@@ -394,6 +398,10 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     evaluation = _section(errors, raw, "evaluation", EvaluationConfig)
     data = parse_data(raw.get("data"), errors.errors, model)
     task = parse_task(raw.get("task"), errors.errors)
+    plan = parse_plan(raw.get("model"), errors=errors)
+    if not errors.errors and plan != ModelPlan():
+        errors.errors.extend(plan_problems(plan, model, alignment=aggregation.alignment, secure=aggregation.secure,
+                                           mode=schedule.mode, standardize=data.standardize))
     if not errors.errors:  # across sections: only meaningful once each section is valid on its own
         errors.errors.extend(cross_section_problems(model=model, training=training, evaluation=evaluation, task=task))
     # reported with every other problem: a section with problems of its own came back as the defaults (sync,
@@ -405,7 +413,7 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     errors.raise_if_any()
     return JobSpec(
         name=raw["name"], category=raw["category"], model=model, training=training,
-        aggregation=aggregation, schedule=schedule, evaluation=evaluation, seed=seed, data=data, task=task,
+        aggregation=aggregation, schedule=schedule, evaluation=evaluation, seed=seed, data=data, task=task, plan=plan,
     )
 
 

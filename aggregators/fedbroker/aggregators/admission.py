@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fedbroker.errors import Rejection, UploadRejected
+from fedbroker.job.model_spec import ModelSpec
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.weights.plan import ModelPlan, frozen_owner
 
 FINITE_BLOCK = 1 << 16  # values checked at a time: no model-sized boolean temporary
 # Without a declared `aggregation.max_update_value`, an uploaded value may be this many times the newest global
@@ -67,6 +69,18 @@ def check_header(header: pb.UpdateHeader, shapes: Mapping[str, tuple[int, ...]],
                              f"{max_samples} it registered")
     check_specs({name: (shape, "float32") for name, shape in shapes.items()},
                 {t.name: (tuple(t.shape), t.dtype) for t in header.tensors}, who=f"worker {header.worker_id!r}")
+
+
+def check_trains(header: pb.UpdateHeader, spec: ModelSpec, plan: ModelPlan) -> None:
+    """An upload carrying a tensor the job does not train (a frozen node's, an adapter's base weight) is refused
+    naming it and why: a site never sends, and the service never averages, what is frozen."""
+    if not plan.restricts_training:
+        return
+    for tensor in header.tensors:
+        why = frozen_owner(tensor.name, spec, plan)
+        if why:
+            raise UploadRejected(Rejection.UNKNOWN_TENSOR, f"worker {header.worker_id!r}: tensor {tensor.name!r} "
+                                                           f"does not train in this job ({why}); it is never uploaded")
 
 
 def check_specs(wanted: TensorSpecs, got: TensorSpecs, *, who: str) -> None:

@@ -85,6 +85,8 @@ def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, 
             spec, state = _combine(rnd, spec, [accepted[w] for w in chosen], weights, rng, stats, current,
                                    deadline=time.monotonic() + alignment_time_limit_s)
     stats["aggregated"] = float(len(chosen))
+    if len(state) != len(current):  # a job that trains a subset (fedbroker.weights): the rest stays as it was
+        state = {name: state[name] if name in state else np.array(value) for name, value in current.items()}
     _check_finite(rnd, state)
     log.info("round %d: %d of %d accepted update(s) chosen by %s, %d aggregated%s", rnd.number, selection.chosen,
              selection.accepted, selection.method, len(chosen),

@@ -25,7 +25,8 @@ from fedbroker.aggregators.secure_session import SecureSession
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.close_report import SelectionRecord, Verdict
 from fedbroker.errors import Conflict, NotFound, Rejection, UploadRejected
-from fedbroker.job.spec import ModelSpec, parameter_shapes
+from fedbroker.job.spec import ModelSpec
+from fedbroker.weights.plan import trainable_shapes
 
 KEEP_CLOSED_ROUNDS = 16  # closed rounds whose accepted workers and deadline are remembered (redeliveries, stragglers)
 
@@ -162,7 +163,7 @@ def new_round(number: int, members: frozenset[str], deadline: float, algorithms:
     """`sample_limits`: each participant's registered sample count (a participant not in it is unbounded);
     `secure`: the round's SecAgg+ session (aggregation.secure), which then receives every upload instead."""
     settings = algorithms.settings
-    rows = Rows(Layout(parameter_shapes(spec)), incremental=settings.incremental,
+    rows = Rows(Layout(trainable_shapes(spec, algorithms.installed.plan)), incremental=settings.incremental,
                 weights_positive=settings.weights_positive, spare=spare_rows)
     return Round(number, members, deadline, algorithms, rows, aggregation, histograms,
                  sample_limits={w: int(n) for w, n in (sample_limits or {}).items()}, secure=secure)

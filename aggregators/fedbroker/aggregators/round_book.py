@@ -58,10 +58,11 @@ from fedbroker.aggregators.secure_rounds import SecureRounds, new_session
 from fedbroker.aggregators.spool import Spool, restore_jobs, update_record
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.errors import NotFound, Rejection, UploadRejected
-from fedbroker.job.spec import ModelSpec, parameter_shapes, parse_model
+from fedbroker.job.spec import ModelSpec, parse_model
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc import codec
 from fedbroker.secagg.secure_round import UNMASK_WAIT_S
+from fedbroker.weights.plan import ModelPlan, all_shapes, trainable_shapes
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class RoundBook:
         if not job_id:
             raise UploadRejected(Rejection.BAD_HEADER, "job_id is empty")
         spec = parse_model(json.loads(spec_json))
-        admission.check_global_model(parameter_shapes(spec), tensors)
+        admission.check_global_model(all_shapes(spec, self._plan(job_id)), tensors)
         state = {name: np.array(arr, dtype=np.float32) for name, arr in tensors.items()}
         with self.table.lock:
             job = self.table.jobs.get(job_id)
@@ -136,6 +137,13 @@ class RoundBook:
             else:
                 job.install(version, spec, spec_json, state)
             self.table.commit(job)
+
+    def _plan(self, job_id: str) -> ModelPlan:
+        """The job's model plan (what trains); the default plan for a job whose settings are not installed."""
+        try:
+            return self.installed.get(job_id).installed.plan
+        except NotFound:
+            return ModelPlan()
 
     def global_model(self, job_id: str, version: int = 0) -> tuple[int, str, dict[str, np.ndarray]]:
         """A kept global version (0: the newest), with its spec: what workers download."""
@@ -257,10 +265,12 @@ class RoundBook:
                     return AfterClose(kept, f"round {header.round} of job {header.job_id!r} is closed")
             standing = job.standing(header.round)
             admission.check_membership(header, standing, now=self.table.clock())
-            shapes, secure = parameter_shapes(job.spec), rnd.secure if rnd is not None else None
+            plan = rnd.algorithms.installed.plan if rnd is not None else self._plan(job.job_id)
+            shapes, secure = trainable_shapes(job.spec, plan), rnd.secure if rnd is not None else None
         if secure is not None or header.masked:  # a secure round's masked vector (or a masked upload elsewhere)
             SecureRounds.check_header(header, secure)
         else:
+            admission.check_trains(header, job.spec, plan)
             admission.check_header(header, shapes, max_samples=standing.sample_limits.get(header.worker_id))
         return None
 

@@ -53,9 +53,10 @@ from fedbroker.aggregators.job_state import Accepted, CloseResult, Job, Receipt,
 from fedbroker.aggregators.secure_session import SecureSession
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.close_report import SelectionRecord, Verdict
-from fedbroker.errors import ConfigError, Rejection, Unavailable, UploadRejected
+from fedbroker.errors import ConfigError, NotFound, Rejection, Unavailable, UploadRejected
 from fedbroker.files import TEMP_SUFFIX, FolderLock, FolderLocked, write_atomic
 from fedbroker.job.spec import parameter_shapes, parse_model
+from fedbroker.weights.plan import ModelPlan, all_shapes, trainable_shapes
 
 # The job's algorithms for a round or buffer being restored: its installed settings', else (a record of an older
 # service) those of the aggregation section the record kept (`InstalledJobs.for_round`).
@@ -402,8 +403,12 @@ def restore_job(spool: Spool, stored: StoredJob, algorithms_for: AlgorithmsFor) 
     record = stored.record
     versions = {v: tensors for v, (_, tensors) in stored.globals.items()}
     specs = {v: spec_json for v, (spec_json, _) in stored.globals.items()}
+    try:  # what the job trains (fedbroker.weights): its global models hold adapters, its updates a subset
+        plan = algorithms_for(record["job_id"], None).installed.plan
+    except NotFound:
+        plan = ModelPlan()
     for v, tensors in versions.items():
-        _check_tensors(tensors, parameter_shapes(parse_model(json.loads(specs[v]))))
+        _check_tensors(tensors, all_shapes(parse_model(json.loads(specs[v])), plan))
     job = Job(record["job_id"], parse_model(json.loads(specs[max(specs)])), int(record["seed"]), versions, specs,
               closed_rounds={int(n) for n in record["closed_rounds"]},
               closed_accepted={int(n): list(w) for n, w in record.get("closed_accepted", {}).items()},
@@ -426,7 +431,7 @@ def restore_job(spool: Spool, stored: StoredJob, algorithms_for: AlgorithmsFor) 
                               algorithms_for(job.job_id, aggregation), aggregation,
                               {w: list(h) for w, h in r["histograms"].items()}, job.spec,
                               sample_limits={w: int(n) for w, n in (r.get("num_samples") or {}).items()})
-        shapes = parameter_shapes(job.spec)
+        shapes = trainable_shapes(job.spec, plan)
         if aggregation.get("secure"):  # its keys and masked sum were in the dead service's memory only
             job.round.secure = SecureSession.lost(job_id=job.job_id, round_number=job.round.number,
                                                   participants=job.round.participants, length=0)

@@ -18,19 +18,20 @@ import numpy as np
 import safetensors.numpy
 
 from fedbroker.app.evaluation_view import best, site_table
-from fedbroker.app.model_readme import input_section
+from fedbroker.app.model_readme import input_section, output_section
 from fedbroker.app.replies import job_status, participant_status, read
 from fedbroker.app.round_notes import event_words
 from fedbroker.app.status import one_line, render, table
 from fedbroker.errors import ConfigError
 from fedbroker.files import write_atomic
 from fedbroker.job.alignment_plan import alignment_plan
-from fedbroker.job.model_spec import model_bounds, parse_model
+from fedbroker.job.model_spec import Collector, model_bounds, parse_model
 from fedbroker.job.status import FINISHED, REFUSED_OR_FAILED, SENT, JobStatus, ParticipantStatus
 from fedbroker.layers import LAYERS
 from fedbroker.printable import printable
 from fedbroker.secagg.secure_round import describe as describe_secure
 from fedbroker.secagg.secure_round import round_params
+from fedbroker.weights.plan import ModelPlan, merge_adapters, parse_plan
 
 if TYPE_CHECKING:
     from fedbroker.coordinator.service import CoordinatorClient
@@ -338,8 +339,12 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def write_model(out: Path, header: Any, tensors: dict[str, np.ndarray], job_spec_json: str) -> dict[str, str]:
-    """The model as safetensors, its spec, the job and a README whose snippet loads it; the paths written."""
+    """The model as safetensors, its spec, the job and a README whose snippet loads it; the paths written.
+    A job with LoRA adapters is written as the plain model it computes: each target's W + (alpha/rank)·B·A."""
     out.mkdir(parents=True, exist_ok=True)
+    adapters = _job_plan(job_spec_json).adapters
+    if adapters is not None and any(".lora_" in name for name in tensors):
+        tensors = merge_adapters(tensors, adapters)
     metadata = {"job_id": header.job_id, "round": str(header.round), "model_version": str(header.version),
                 "model_spec_json": header.model_spec_json}
     files = {"model": out / MODEL_FILE, "model_spec": out / SPEC_FILE, "job": out / JOB_FILE,
@@ -351,13 +356,25 @@ def write_model(out: Path, header: Any, tensors: dict[str, np.ndarray], job_spec
     snippet = LOAD_SNIPPET.format(spec=SPEC_FILE, model=MODEL_FILE)
     write_atomic(files["readme"], (
         f"# {header.job_id}, round {header.round} (global model version {header.version})\n\n"
-        f"- `{MODEL_FILE}`: the weights (safetensors; tensor names are the model's `state_dict` keys)\n"
+        f"- `{MODEL_FILE}`: the weights (safetensors; tensor names are the model's `state_dict` keys"
+        f"{'; LoRA adapters merged into their targets, a plain model' if adapters is not None else ''})\n"
         f"- `{SPEC_FILE}`: the model spec the weights belong to (alignment may have grown a layer)\n"
         f"- `{JOB_FILE}`: the job as it was submitted\n\n"
         f"{input_section(header.model_spec_json, job_spec_json)}\n"
+        f"{output_section(header.model_spec_json, job_spec_json)}\n"
         f"Load it into a torch model (run this in this folder, with the `fedbroker` package installed):\n\n"
         f"```python\n{snippet}```\n").encode())
     return {k: str(v) for k, v in files.items()}
+
+
+def _job_plan(job_spec_json: str) -> ModelPlan:
+    """The job's model plan from its stored form (the default plan when it has none or it cannot be read)."""
+    errors = Collector()
+    try:
+        plan = parse_plan(json.loads(job_spec_json or "{}").get("model"), errors=errors)
+    except (ValueError, AttributeError):
+        return ModelPlan()
+    return ModelPlan() if errors.errors else plan
 
 
 def cmd_download(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 from fedbroker.job.spec_data import STANDARDIZE_LAYER
@@ -63,3 +64,35 @@ def _bundled(evaluation: str) -> str:
     if evaluation in LOADER_SCALING:
         return f"this job's evaluation set `{evaluation}`: {LOADER_SCALING[evaluation]}"
     return "; ".join(f"`{name}`: {how}" for name, how in LOADER_SCALING.items())
+
+
+def _classification_outputs(outputs: list[int], task: Any) -> str:
+    classes = outputs[-1] if outputs else 0
+    return (f"The head is the model's output node: a vector of **{classes} class scores (logits)** per sample. "
+            "The predicted class is the index of the largest score, `model(x).argmax(dim=1)`; class "
+            "probabilities are `model(x).softmax(dim=1)` (single-label classification, trained with "
+            "cross-entropy).\n")
+
+
+# How to read a model's outputs, per task (a job's `task:` section; none: single-label classification). A task
+# gets its README text by adding one function here: (output shape without the batch axis, the job's task
+# section as the job wrote it) -> markdown.
+OUTPUT_SECTIONS: dict[str, Callable[[list[int], Any], str]] = {"classification": _classification_outputs}
+
+
+def output_section(model_spec_json: str, job_spec_json: str) -> str:
+    """The README's section on the model's head and how to read its outputs (markdown)."""
+    from fedbroker.job.spec import output_shapes, parse_model
+
+    job: dict[str, Any] = json.loads(job_spec_json or "{}")
+    task = job.get("task") or "classification"
+    name = task if isinstance(task, str) else str((task or {}).get("type", "classification"))
+    try:
+        shapes = output_shapes(parse_model(json.loads(model_spec_json)))
+        outputs = list(shapes[-1]) if shapes else []
+    except ValueError:  # a spec this release cannot read: the section says only what the job says
+        outputs = []
+    describe = OUTPUT_SECTIONS.get(name)
+    text = describe(outputs, task) if describe is not None else (
+        f"The job's task is `{name}`; its output has shape {outputs} per sample.\n")
+    return "## What the model outputs\n\n" + text

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,22 @@ def service_warnings(c: Any, job: JobSpec, job_id: str) -> list[str]:
     return out
 
 
+def start_file(job: JobSpec, *, job_path: str) -> bytes:
+    """The start file the job pins (model.initial_weights; a relative path is the job file's neighbour), read
+    here, on the data scientist's machine, checked against its pin and the model; b"" when it pins none."""
+    from fedbroker.job.spec import parameter_shapes
+    from fedbroker.weights.plan import raise_all
+    from fedbroker.weights.start import decode, read_pinned, start_problems
+
+    pinned = job.plan.initial_weights
+    if pinned is None:
+        return b""
+    path = os.path.join(os.path.dirname(os.path.abspath(job_path)), os.path.expanduser(pinned.path))
+    data = read_pinned(path, sha256=pinned.sha256)
+    raise_all(start_problems(parameter_shapes(job.model), decode(data)))
+    return data
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     """Submit the job file; print its id (and warnings); with --follow or --wait, stay to its end."""
     from fedbroker.app.jobs import client
@@ -61,12 +78,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError("job", f"cannot read {args.job}: {getattr(exc, 'strerror', None) or exc}") from None
     job = accept_job_text(text)  # refuse a bad job here, before it travels
+    weights = start_file(job, job_path=args.job)
     if args.track is not None and not (args.follow or args.wait):
         raise ConfigError("--track", "needs --follow or --wait (it logs the job while staying with it); to track a "
                                      "job without staying, run `fedbroker jobs track ID --follow`")
     tracking.check_store(args.track, experiment=args.experiment)  # MLflow missing or its store unreachable: refused before the job travels
     with client(args) as c:
-        reply = c.submit_job(text)
+        reply = c.submit_job(text, initial_weights=weights)
         job_id = reply.job_id
         warnings = [*reply.warnings, *service_warnings(c, job, job_id)]
         projection = list(reply.epsilon_projection)

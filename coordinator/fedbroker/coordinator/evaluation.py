@@ -12,6 +12,7 @@ from fedbroker.datasets import Dataset, load_dataset, train_test_split
 from fedbroker.evaluation import evaluate
 from fedbroker.job.spec import JobSpec, parse_model
 from fedbroker.model import build_model, load_numpy_state
+from fedbroker.weights.plan import merge_adapters
 
 _lock = threading.Lock()
 
@@ -30,5 +31,6 @@ def evaluate_global(job: JobSpec, spec_json: str, tensors: dict[str, np.ndarray]
     with _lock:
         test = test_split(job.evaluation.dataset, job.evaluation.test_fraction, job.evaluation.split_seed)
     model = build_model(parse_model(json.loads(spec_json)))
-    load_numpy_state(model, tensors)
+    adapters = job.plan.adapters  # a LoRA job's global model is scored as the plain model it computes
+    load_numpy_state(model, merge_adapters(tensors, adapters) if adapters is not None else tensors)
     return evaluate(model, test.x, test.y)

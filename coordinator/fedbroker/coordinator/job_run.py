@@ -16,6 +16,7 @@ from fedbroker.errors import FedbrokerError
 from fedbroker.job.settings import settings_digest, settings_message
 from fedbroker.job.spec import JobSpec
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.weights.start import frozen_digest
 
 
 class JobFailed(FedbrokerError):
@@ -61,7 +62,8 @@ class Run:
     settings_sent: set[str] = field(default_factory=set)  # workers whose task carried them (this process)
 
     def __post_init__(self) -> None:
-        self.settings = settings_message(self.job_id, self.job)
+        self.settings = settings_message(self.job_id, self.job,
+                                         start_digest=frozen_digest(self.tensors, self.job.model, self.job.plan))
         self.digest = settings_digest(self.settings)
 
     def task_settings(self, task: pb.RoundTask, worker_id: str) -> None:

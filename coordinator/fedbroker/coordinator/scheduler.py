@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from fedbroker.bus import Bus
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.asynchronous import AsyncJob
@@ -35,6 +37,7 @@ from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets, dat
 from fedbroker.coordinator.service_calls import OUTAGE_BACKOFF, AggregatorCalls
 from fedbroker.coordinator.sharing import agreed_model
 from fedbroker.coordinator.sites import SiteWatch, note_revoked
+from fedbroker.coordinator.start_weights import load_start, save_start
 from fedbroker.coordinator.store import StateStore, StateUnavailable
 from fedbroker.coordinator.sync_rounds import SyncRounds
 from fedbroker.coordinator.waiting import WaitingReasons
@@ -46,6 +49,7 @@ from fedbroker.job.submission import job_problems
 from fedbroker.metrics import BUSES
 from fedbroker.retry import retry_call
 from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.weights.plan import ModelPlan
 
 log = logging.getLogger(__name__)
 
@@ -244,14 +248,17 @@ class Coordinator:
         """`submitter`: the identity whose token submitted it (the only one that may cancel or download it)."""
         return self.submit_job(job, submitter=submitter).job_id
 
-    def submit_job(self, job: JobSpec, *, submitter: str = "") -> Submitted:
-        """Check, record and start a job; its id and warnings (each also an event of the job, and logged)."""
+    def submit_job(self, job: JobSpec, *, submitter: str = "", start: Mapping[str, np.ndarray] | None = None) -> Submitted:
+        """Check, record and start a job; its id and warnings (each also an event of the job, and logged).
+        `start`: its checked start weights (`start_weights.resolve_start`), kept before the job is recorded."""
         warnings = [*self.check_job(job), *submission_warnings(job)]
         job_id = f"{job.name[:40]}-{secrets.token_hex(4)}"
         projection, out_of_budget = submission_projection(
             self.context.active_workers(job.category), self.context.budgets.snapshot(), job_id=job_id,
             training=job.training)
         warnings += out_of_budget
+        if start is not None:
+            save_start(self.context.checkpoint_dir, job_id, start)
         self.store.add_job(job_id, job.name, job.to_json(), job.training.rounds, job.model.to_json(),
                            submitter=submitter)
         for warning in warnings:  # accepted, but the submitter should know (`jobs logs`)
@@ -422,7 +429,13 @@ class Coordinator:
             return Run(job_id, job, last.model_version, spec_json, tensors)
         from fedbroker.model import initial_weights
 
-        return Run(job_id, job, 1, model.to_json(), initial_weights(model, seed=job.seed))
+        plan = job.plan
+        if plan == ModelPlan():
+            return Run(job_id, job, 1, model.to_json(), initial_weights(model, seed=job.seed))
+        from fedbroker.weights.adapters import start_state
+
+        base = load_start(self.context.checkpoint_dir, job_id) if plan.initial_weights or plan.from_job else None
+        return Run(job_id, job, 1, model.to_json(), start_state(model, plan, seed=job.seed, base=base))
 
     def _drive_async(self, run: Run) -> None:
         driver = AsyncJob(self.context, run)

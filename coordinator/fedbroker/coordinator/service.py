@@ -26,6 +26,7 @@ from fedbroker.coordinator.records import JobRecord, RoundRecord
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.site_record import site_record_reply, who_may_read
 from fedbroker.coordinator.site_views import list_sites_reply, site_detail_reply, site_logs_reply
+from fedbroker.coordinator.start_weights import resolve_start
 from fedbroker.errors import ConfigError, FedbrokerError, NotFound, Rejection, UploadRejected
 from fedbroker.job.spec import JobSpec
 from fedbroker.job.status import FINISHED, RoundStatus
@@ -102,7 +103,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
         def record() -> pb.SubmitJobReply:
             try:
-                submitted = self.coordinator.submit_job(job, submitter=caller.name if caller is not None else "")
+                who = caller.name if caller is not None else None
+                start = resolve_start(job, request.initial_weights, store=self.coordinator.store, caller=who)
+                submitted = self.coordinator.submit_job(job, submitter=who or "", start=start)
                 return pb.SubmitJobReply(job_id=submitted.job_id, warnings=submitted.warnings,
                                          epsilon_projection=submitted.projection)
             except ConfigError as exc:  # the coordinator's own checks: its workers' data, the broker's timeout
@@ -271,9 +274,11 @@ class CoordinatorClient(SecuredClient):
         """The new job's id; a refused job raises grpc.RpcError naming every problem."""
         return self.submit_job(job_text).job_id
 
-    def submit_job(self, job_text: str) -> pb.SubmitJobReply:
-        """The new job's id and the coordinator's warnings about it; a refused job raises grpc.RpcError."""
-        reply: pb.SubmitJobReply = self._stub.SubmitJob(pb.SubmitJobRequest(job_yaml=job_text),
+    def submit_job(self, job_text: str, *, initial_weights: bytes = b"") -> pb.SubmitJobReply:
+        """The new job's id and the coordinator's warnings about it; a refused job raises grpc.RpcError.
+        `initial_weights`: the bytes of the start file the job pins (model.initial_weights)."""
+        request = pb.SubmitJobRequest(job_yaml=job_text, initial_weights=initial_weights)
+        reply: pb.SubmitJobReply = self._stub.SubmitJob(request,
                                                         timeout=self.timeout_s, metadata=self._md)
         return reply
 

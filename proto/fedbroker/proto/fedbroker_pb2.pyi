@@ -244,7 +244,7 @@ class TaskSettings(_message.Message):
     def __init__(self, type: _Optional[str] = ..., class_weights: _Optional[_Iterable[float]] = ..., label_smoothing: _Optional[float] = ..., labels: _Optional[int] = ..., loss: _Optional[str] = ..., huber_delta: _Optional[float] = ..., classes: _Optional[int] = ..., dice_weight: _Optional[float] = ...) -> None: ...
 
 class JobSettings(_message.Message):
-    __slots__ = ("job_id", "category", "seed", "training", "aggregation", "evaluation", "data", "task")
+    __slots__ = ("job_id", "category", "seed", "training", "aggregation", "evaluation", "data", "task", "model_plan_json", "start_digest")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CATEGORY_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,8 @@ class JobSettings(_message.Message):
     EVALUATION_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    START_DIGEST_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     category: str
     seed: int
@@ -261,7 +263,9 @@ class JobSettings(_message.Message):
     evaluation: EvaluationSettings
     data: DataSettings
     task: TaskSettings
-    def __init__(self, job_id: _Optional[str] = ..., category: _Optional[str] = ..., seed: _Optional[int] = ..., training: _Optional[_Union[TrainingSettings, _Mapping]] = ..., aggregation: _Optional[_Union[AggregationSettings, _Mapping]] = ..., evaluation: _Optional[_Union[EvaluationSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., task: _Optional[_Union[TaskSettings, _Mapping]] = ...) -> None: ...
+    model_plan_json: str
+    start_digest: str
+    def __init__(self, job_id: _Optional[str] = ..., category: _Optional[str] = ..., seed: _Optional[int] = ..., training: _Optional[_Union[TrainingSettings, _Mapping]] = ..., aggregation: _Optional[_Union[AggregationSettings, _Mapping]] = ..., evaluation: _Optional[_Union[EvaluationSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., task: _Optional[_Union[TaskSettings, _Mapping]] = ..., model_plan_json: _Optional[str] = ..., start_digest: _Optional[str] = ...) -> None: ...
 
 class InstallJobRequest(_message.Message):
     __slots__ = ("settings",)
@@ -900,10 +904,12 @@ class WholeUpdate(_message.Message):
     def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("job_yaml",)
+    __slots__ = ("job_yaml", "initial_weights")
     JOB_YAML_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     job_yaml: str
-    def __init__(self, job_yaml: _Optional[str] = ...) -> None: ...
+    initial_weights: bytes
+    def __init__(self, job_yaml: _Optional[str] = ..., initial_weights: _Optional[bytes] = ...) -> None: ...
 
 class SubmitJobReply(_message.Message):
     __slots__ = ("job_id", "epsilon_projection", "warnings")

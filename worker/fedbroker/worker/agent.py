@@ -24,6 +24,7 @@ for any training settings, and is dead-lettered untrained.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -49,6 +50,7 @@ from fedbroker.rpc.auth import ClientSecurity
 from fedbroker.rpc.plumbing import RemoteError
 from fedbroker.secagg import SecAggError
 from fedbroker.version import installed_version
+from fedbroker.weights.plan import ModelPlan, trainable_names
 from fedbroker.worker import metrics
 from fedbroker.worker.budget import JOB_COSTS_KEPT, SiteBudget
 from fedbroker.worker.evaluation import SiteEvaluation
@@ -136,7 +138,8 @@ class WorkerAgent:
         self._channel: AggregatorClient | None = None
         self.job_settings = JobSettingsCache(kept=JOB_COSTS_KEPT)  # each job's settings, parsed once
         self.evaluation = SiteEvaluation(config, bus=bus, ledger=self.ledger, test=test, device=self.device,
-                                         aggregator=self._aggregator, stopping=self._stop.is_set)
+                                         aggregator=self._aggregator, stopping=self._stop.is_set,
+                                         plan_of=self.job_settings.plan)
         self.retry_initial_s = 1.0   # backoff before a failed task goes back to the queue
         self.retry_max_s = 30.0
         if not config.coordinator_broker_user:  # a warning where the bus has users to tell apart (RabbitMQ)
@@ -416,8 +419,11 @@ class WorkerAgent:
                layerwise: bool = False) -> TrainResult:
         self._state = "training"
         metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in global_model[2].values()))
+        installed = self.job_settings.get(task.job_id)  # held for every task `run_task` trains
+        plan = installed.plan if installed is not None else ModelPlan()
         try:
-            spec, model = build_global(global_model, limits=self.config.limits)  # over them: refused, nothing spent
+            spec, model = build_global(global_model, plan, limits=self.config.limits,  # over them: refused
+                                       start_digest=installed.start_digest if installed is not None else "")
             # the layer-wise mode: the layers matched in earlier rounds do not train (the same plan the service reads)
             frozen = alignment_plan(spec).frozen_in_round(task.round) if layerwise else frozenset()
         except ValueError as exc:
@@ -441,6 +447,9 @@ class WorkerAgent:
             self.ledger.record(task.job_id, history=result.history, epsilon=result.epsilon)
             self.send_heartbeat()  # the coordinator's picture of our budget, fresh before this round closes
         self._export_training(result)
+        if plan.restricts_training:  # only what trains travels: adapters and named heads, nothing frozen
+            trained = trainable_names(spec, plan)
+            result = dataclasses.replace(result, state={name: result.state[name] for name in trained})
         return result
 
     def _secure_run(self, task: pb.RoundTask, key: tuple[str, int, int]) -> SecureRun | None:

@@ -40,6 +40,7 @@ from fedbroker.rpc.aggregation_client import AggregatorClient
 from fedbroker.rpc.plumbing import RemoteError
 from fedbroker.tasks.losses import evaluation_sums
 from fedbroker.tasks.scores import scores
+from fedbroker.weights.plan import ModelPlan
 from fedbroker.worker import metrics
 from fedbroker.worker.global_model import build_global, fit_problem
 from fedbroker.worker.ledger import PrivacyLedger
@@ -84,8 +85,10 @@ class SiteEvaluation:
     channel to the aggregation service; `stopping()`: the worker is stopping (a task then goes back to the queue)."""
 
     def __init__(self, config: WorkerConfig, *, bus: Bus, ledger: PrivacyLedger, test: Dataset, device: str,
-                 aggregator: Callable[[str], AggregatorClient], stopping: Callable[[], bool]) -> None:
+                 aggregator: Callable[[str], AggregatorClient], stopping: Callable[[], bool],
+                 plan_of: Callable[[str], ModelPlan | None] = lambda job_id: None) -> None:
         self.config = config
+        self._plan_of = plan_of  # a job's model plan, when this site holds its settings (it trained the job)
         self.policy = check_policy(config.evaluation)
         self.bus = bus
         self.ledger = ledger
@@ -152,8 +155,12 @@ class SiteEvaluation:
         if version != task.model_version:  # only what the task names is ever scored
             raise _Refusal(f"asked for global model version {task.model_version}, the service sent {version}")
         metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in downloaded[2].values()))
+        plan = self._plan_of(task.job_id)
+        if plan is None and any(".lora_" in name for name in downloaded[2]):
+            raise _Refusal("the model carries LoRA adapters and this site holds no settings of the job (it has not "
+                           "trained it) to apply them")
         try:
-            spec, model = build_global(downloaded, limits=self.config.limits)
+            spec, model = build_global(downloaded, plan, limits=self.config.limits)
         except (ValueError, ModelOverLimits) as exc:
             raise _Refusal(str(exc)) from None
         try:

@@ -16,6 +16,9 @@ from fedbroker.job.spec import ModelSpec, output_shapes, parse_model
 from fedbroker.job.task import TaskConfig
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.rpc.aggregation_client import Model
+from fedbroker.weights.adapters import planned_model
+from fedbroker.weights.plan import ModelPlan
+from fedbroker.weights.start import frozen_digest
 
 
 def limits_problem(spec: ModelSpec, limits: LimitsSection) -> str:
@@ -28,10 +31,14 @@ def limits_problem(spec: ModelSpec, limits: LimitsSection) -> str:
     return f"the model is over this site's worker.limits: {'; '.join(over)}" if over else ""
 
 
-def build_global(global_model: Model, *, limits: LimitsSection | None = None) -> tuple[ModelSpec, nn.Module]:
-    """The model's spec and torch module; ValueError naming the version when it cannot be built, ModelOverLimits
-    (before anything is built) when it is over `limits`."""
+def build_global(global_model: Model, plan: ModelPlan | None = None, *, limits: LimitsSection | None = None,
+                 start_digest: str = "") -> tuple[ModelSpec, nn.Module]:
+    """The model's spec and torch module, with the job's plan applied (adapters in place, what does not train
+    frozen); ValueError naming the version when it cannot be built, or when its frozen tensors are not the
+    start weights the job's settings pin (`start_digest`: a server that sent this site other weights);
+    ModelOverLimits (before anything is built) when it is over `limits`."""
     version, spec_json, weights = global_model
+    plan = plan or ModelPlan()
     try:
         spec = parse_model(json.loads(spec_json))
     except (ValueError, TypeError, KeyError) as exc:
@@ -40,10 +47,15 @@ def build_global(global_model: Model, *, limits: LimitsSection | None = None) ->
     if problem:
         raise ModelOverLimits(problem)
     try:
-        model = build_model(spec)
+        model = build_model(spec) if plan == ModelPlan() else planned_model(spec, plan)
         load_numpy_state(model, weights)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
         raise ValueError(f"the global model {version} cannot be built: {exc}") from None
+    if start_digest:
+        got = frozen_digest(weights, spec, plan)
+        if got != start_digest:
+            raise ValueError(f"the global model {version}'s frozen tensors have digest {got[:16]}…, the job's "
+                             f"settings pin {start_digest[:16]}…: these are not the job's start weights")
     return spec, model
 
 

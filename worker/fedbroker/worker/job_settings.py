@@ -14,6 +14,7 @@ from collections.abc import Callable
 from fedbroker.errors import ConfigError
 from fedbroker.job.settings import InstalledJob, legacy_settings, parse_settings, settings_digest
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.weights.plan import ModelPlan
 
 
 class JobSettingsCache:
@@ -47,6 +48,15 @@ class JobSettingsCache:
         while len(self._jobs) > self.kept:
             self._jobs.popitem(last=False)
         return installed
+
+    def get(self, job_id: str) -> InstalledJob | None:
+        """The settings of a job, when this worker holds them."""
+        return self._jobs.get(job_id)
+
+    def plan(self, job_id: str) -> ModelPlan | None:
+        """The model plan of a job whose settings this worker holds (None when it holds none)."""
+        held = self._jobs.get(job_id)
+        return held.plan if held is not None else None
 
     def held(self, job_id: str) -> InstalledJob:
         """The settings of a job whose task is running (`for_task` put them here)."""

@@ -230,10 +230,12 @@ def _freeze(work: nn.Module, frozen: Collection[str]) -> None:
 
 
 def _make_optimizer(work: nn.Module, config: TrainingConfig) -> torch.optim.Optimizer:
-    trainable = [p for p in work.parameters() if p.requires_grad]  # frozen ones get no step, no noise
+    """Over the parameters that train only: a frozen one (model.freeze, an adapter's base) is never stepped,
+    clipped or noised (Opacus's optimizers and our clipping read the optimizer's parameters)."""
+    params = [p for p in work.parameters() if p.requires_grad]
     if config.optimizer == "adam":
-        return torch.optim.Adam(trainable, lr=config.lr)
-    return torch.optim.SGD(trainable, lr=config.lr, momentum=config.momentum)
+        return torch.optim.Adam(params, lr=config.lr)
+    return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
 
 
 def _validate_for_dp(model: nn.Module) -> None:

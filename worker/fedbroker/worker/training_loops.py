@@ -246,6 +246,8 @@ def _add_proximal_grad(run: LocalRun) -> None:
     mu = run.config.proximal_mu
     with torch.no_grad():
         for p, p0 in zip(run.work.parameters(), run.anchor):
+            if not p.requires_grad:  # frozen: it never moves from the global model
+                continue
             if p.grad is None:
                 p.grad = mu * (p - p0)
             else:
