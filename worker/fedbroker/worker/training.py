@@ -122,15 +122,11 @@ def train_local(
     CPU. With DP the seed must stay the worker's secret (never taken from a job): whoever knows it
     can regenerate and subtract the noise. Production workers should draw it from os.urandom.
 
-    `clipping` picks how DP clips ("auto": `clipping_mode` at the expected batch size). `physical_batch_size` bounds the
-    samples of one forward/backward pass: a larger Poisson batch is trained in chunks (Opacus's
-    virtual steps) whose clipped gradients are summed and noised once, the same update and the same ε
-    as one pass, for a batch that does not fit in memory. Neither changes training without DP.
-
-    `frozen` names parameters (state_dict names) that do not train: no gradient, no noise, no step, so they come
-    back bit for bit as they went in (the layer-wise mode's matched layers, fedbroker.job.alignment_plan).
-    `task` (default classification) chooses the loss and how `y` is read: int classes and masks, float
-    multi-hot rows and targets (`fedbroker.tasks.losses`); every loss is a mean of per-sample losses.
+    `clipping` picks how DP clips ("auto": `clipping_mode` at the expected batch size). `physical_batch_size` bounds
+    one pass: a larger Poisson batch trains in chunks whose clipped gradients are summed and noised once (the
+    same update and ε). `frozen` names parameters that do not train: no gradient, noise or step, so they come back
+    bit for bit (the layer-wise mode's matched layers). `task` (default classification) chooses the loss and how
+    `y` is read (`fedbroker.tasks.losses`); every loss is a mean of per-sample losses.
     """
     _check_arguments(model, seed=seed, clipping=clipping, physical_batch_size=physical_batch_size)
     task = task or TaskConfig()
