@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from bench.harness import Section, machine, write_results
 
-BENCHMARKS = ("averaging", "streaming", "control_plane", "alignment", "genetic", "dp_training", "secagg", "secure_round",
+BENCHMARKS = ("averaging", "streaming", "control_plane", "alignment", "genetic", "dp_training", "dp_models", "secagg", "secure_round",
               "robust")
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE_ROOTS = (".", "coordinator", "worker", "aggregators", "proto")  # the fedbroker namespace in a checkout
