@@ -222,7 +222,8 @@ def _check_shapes(spec: ModelSpec, errors: Collector, where: str) -> list[tuple[
         params_total += layer_type.parameter_count(layer.params)
         shapes.append(shape)
         if params_total > MAX_PARAMETERS:
-            errors.add(where, f"has more than {MAX_PARAMETERS} parameters")
+            errors.add(f"{where}.layers[{i}]", f"{layer.type} brings the model to {params_total} parameters, more "
+                                               f"than {MAX_PARAMETERS} parameters allowed")
             return shapes
     if shapes and len(shapes[-1]) != 1:
         errors.add(f"{where}.layers", f"the last layer must output class scores (a flat vector), not {list(shapes[-1])}")

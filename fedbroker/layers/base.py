@@ -78,6 +78,8 @@ class LayerType:
     # how DP training clips this layer's per-sample gradients (the docs' table; the worker decides for real):
     # "none" (no weights), "bk" (our one-pass clipping), "opacus" (Opacus's grad samplers inside bk's pass)
     dp: Literal["none", "bk", "opacus"] = "none"
+    # the aggregation side's numpy forward pass (a probe set's: the GA's fitness, FLTrust) computes this layer
+    probe_forward: bool = False
 
     @property
     def weighted(self) -> bool:

@@ -22,18 +22,18 @@ from fedbroker.layers.norm import batchnorm_groups
 class TokenEmbedding(nn.Embedding):
     """nn.Embedding over the model's input as token ids. Features travel as float32 (exact for every id below
     2^24, and MAX_EMBEDDINGS is 2^20), so the ids are checked and turned into long indices here, on every
-    batch: an id that is not an integer in [0, num_embeddings) is refused naming the id, instead of reading
-    another row or failing deep inside torch."""
+    batch: an id that is not an integer in [0, num_embeddings) is refused (without echoing it: it is a site's
+    datum), instead of reading another row or failing deep inside torch. Workers check their data before
+    training (`fedbroker.worker.global_model.fit_problem`); this guards every other caller."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The embedded sequence, (batch, positions, embedding_dim)."""
         ids = x if not x.is_floating_point() else x.detach()
         if ids.numel():
             low, high = ids.min(), ids.max()
-            if bool(low < 0) or bool(high >= self.num_embeddings):
-                bad = low if bool(low < 0) else high
-                raise ValueError(f"Embedding: token id {bad.item():g} is outside [0, {self.num_embeddings}) "
-                                 f"(num_embeddings); the model's input must be token ids of its vocabulary")
+            if bool(low < 0) or bool(high >= self.num_embeddings):  # (the id is a datum: never echoed)
+                raise ValueError(f"Embedding: a token id is outside [0, {self.num_embeddings}) (num_embeddings); the "
+                                 f"model's input must be token ids of its vocabulary")
             if ids.is_floating_point() and not bool((ids == ids.round()).all()):
                 raise ValueError("Embedding: the model's input must be whole token ids, got a fraction")
         return super().forward(ids.long())
@@ -86,9 +86,12 @@ def _recurrent(kind: str, p: Mapping[str, Any]) -> nn.Module:
 
 @functools.cache
 def _attention_class() -> type[nn.Module]:
-    """Opacus's DPMultiheadAttention as self-attention on a batch-first sequence, with the plain nn.Module
-    state_dict (qlinear/klinear/vlinear/out_proj): Opacus's own rewrites its keys into torch's packed
-    in_proj_weight, which would not load back into it by name."""
+    """Self-attention on Opacus's DPMultiheadAttention: its parts (q/k/v/out Linear layers, attention dropout)
+    and its names, with a batch-first forward of ours. Opacus 1.6's own batch_first path reshapes the heads'
+    output without moving the heads beside the positions, which mixes heads and positions (a test checks ours
+    against torch's nn.MultiheadAttention), and its sequence-first path would put the batch second in every
+    Linear, where per-sample clipping looks for it first. The plain nn.Module state_dict: Opacus's rewrites its
+    keys into torch's packed in_proj_weight, which would not load back by name."""
     from opacus.layers import DPMultiheadAttention
 
     class SelfAttention(DPMultiheadAttention):  # type: ignore[misc]
@@ -96,7 +99,16 @@ def _attention_class() -> type[nn.Module]:
         load_state_dict = nn.Module.load_state_dict
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = super().forward(x, x, x, need_weights=False)[0]
+            n, length, width = x.shape
+            heads = self.num_heads
+            size = width // heads
+
+            def split(t: torch.Tensor) -> torch.Tensor:  # (n, positions, width) → (n, heads, positions, size)
+                return t.view(n, length, heads, size).transpose(1, 2)
+
+            q, k, v = split(self.qlinear(x) * size ** -0.5), split(self.klinear(x)), split(self.vlinear(x))
+            weights = self.dropout(torch.softmax(q @ k.transpose(-2, -1), dim=-1))
+            out: torch.Tensor = self.out_proj((weights @ v).transpose(1, 2).reshape(n, length, width))
             return out
 
     return SelfAttention

@@ -83,8 +83,9 @@ def clipping_mode(model: nn.Module, *, expected_batch_size: int) -> str:
     """How DP training clips `model`'s per-sample gradients at `expected_batch_size`: "bk", "ghost" or "ew".
 
     "bk" (`fedbroker.worker.one_pass_clipping`) wherever it runs: every trained parameter in an unshared
-    Linear, Conv2d (ungrouped, zero-padded), GroupNorm or LayerNorm layer; it is the fastest of the
-    three on every model and batch the bench measures. Otherwise "ghost", Opacus's fast gradient
+    Linear, Conv2d (ungrouped, zero-padded), GroupNorm or LayerNorm layer, or in a layer of
+    `fedbroker.worker.layer_clipping` (Conv1d/3d, ConvTranspose2d/3d, Embedding, Opacus's DPLSTM/DPGRU
+    cells); it is the fastest of the three on every model and batch the bench measures. Otherwise "ghost", Opacus's fast gradient
     clipping, where it runs and pays: every parameter in an unshared Linear, Conv2d or GroupNorm
     layer, and at least GHOST_MIN_FLOATS per-sample Linear gradient floats per step that "ew" would
     form; else "ew" (per-sample gradients formed by torch's ExpandedWeights through Opacus). All three
@@ -120,6 +121,9 @@ def check_supported(model: nn.Module, mode: str) -> None:
                           + ": it needs every parameter in one unshared layer of "
                           f"{', '.join(t.__name__ for t in one_pass_clipping.LAYERS)} (convolutions ungrouped, "
                           "zero-padded), Conv1d/3d, ConvTranspose2d/3d (undilated), Embedding or an Opacus DP layer")
+    if mode == "ew" and (nodes := layer_clipping.ew_unclippable(model)):
+        raise ConfigError("clipping", f"ew clipping cannot clip the layers {', '.join(nodes)}: torch's "
+                          "ExpandedWeights has no per-sample rule for transposed convolutions; use bk")
     if mode == "ghost" and not ghost_supported(model):
         raise ConfigError("clipping", "ghost clipping needs a model whose parameters all sit in unshared "
                           f"{', '.join(t.__name__ for t in GHOST_LAYERS)} layers")
