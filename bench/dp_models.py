@@ -181,11 +181,15 @@ def run(*, quick: bool) -> Section:
                                          "samples/s (wall)": wall[key].inverse(1.0, "samples/s"),
                                          "slowdown × (CPU)": 1.0 if key == "no DP" else round(ratio, 2),
                                          "slowdown × (wall)": 1.0 if key == "no DP" else round(wall_ratio, 2)})
+                # quick: one batch per run, so the per-training setup (ε projection, hooks, the first pass's probe)
+                # weighs as much as the steps; the ratio is shown, the goal judged only in a full run
+                met = None if quick else ratio <= bound
                 section.goals.append(Goal(f"{name}, batch {batch}: DP slowdown ({mode}, automatic; CPU time)",
-                                          round(ratio, 2), f"≤ {bound:g}×", ratio <= bound,
-                                          f"wall-clock {wall_ratio:.2f}×"))
-                print(f"[dp_models] {name}, batch {batch}: {ratio:.2f}× ({mode}; goal ≤ {bound:g}×) "
-                      f"{'met' if ratio <= bound else 'MISSED'}; wall {wall_ratio:.2f}×", flush=True)
+                                          round(ratio, 2), f"≤ {bound:g}×", met, f"wall-clock {wall_ratio:.2f}×"
+                                          + ("; not judged: quick mode trains one batch" if quick else "")))
+                verdict = "not judged (quick)" if met is None else "met" if met else "MISSED"
+                print(f"[dp_models] {name}, batch {batch}: {ratio:.2f}× ({mode}; goal ≤ {bound:g}×) {verdict}; "
+                      f"wall {wall_ratio:.2f}×", flush=True)
     finally:
         torch.set_num_threads(threads)
     section.notes.append(
