@@ -1,6 +1,6 @@
 """`python -m bench [--quick] [--only a,b] [--out DIR]`: run the benchmarks, write results.json and results.md.
 
-Full mode (`make bench`) takes about 20 minutes on 2 cores; `--quick` (about 3 minutes) runs every
+Full mode (`make bench`) takes about 20 minutes on 2 cores, plus the DP models section (6b: about 7 minutes under load 17–23 on 2 shared cores); `--quick` (about 3 minutes) runs every
 benchmark at small sizes, which is what tests/house/test_bench_quick.py checks. Flower's baselines need
 `.venv-bench` (`make bench-env`); without it they are reported as missing, never faked.
 """
@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 from bench.harness import Section, machine, write_results
 
-BENCHMARKS = ("averaging", "streaming", "control_plane", "alignment", "genetic", "dp_training", "secagg", "secure_round",
-              "robust", "graph_validation")
+BENCHMARKS = ("averaging", "streaming", "control_plane", "alignment", "genetic", "dp_training", "dp_models", "secagg",
+              "secure_round", "robust", "graph_validation")
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE_ROOTS = (".", "coordinator", "worker", "aggregators", "proto")  # the fedbroker namespace in a checkout
 REPO = os.path.dirname(HERE)

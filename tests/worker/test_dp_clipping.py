@@ -165,6 +165,54 @@ def test_bk_equals_opacus_reference_at_any_batch_size_and_chunking(name, n, chun
     torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["cnn", "residual"])
+def test_bk_takes_a_batch_in_passes_of_bounded_captured_floats_and_releases_the_same_sum(name, monkeypatch):
+    """A first pass of PROBE_SAMPLES, then passes sized from the floats the hooks kept per sample: with a bound
+    of one float, one sample per pass. The clipped sums of the passes add up to Opacus's for the whole batch."""
+    monkeypatch.setattr(one_pass_clipping, "PROBE_SAMPLES", 2)
+    monkeypatch.setattr(one_pass_clipping, "PASS_FLOATS", 1)
+    sizes: list[int] = []
+    real = one_pass_clipping.BookkeepingClipper._one_pass
+    monkeypatch.setattr(one_pass_clipping.BookkeepingClipper, "_one_pass",
+                        lambda self, x, y: sizes.append(len(y)) or real(self, x, y))
+    x, y = (torch.from_numpy(v) for v in _data(7, seed=5))
+    _, norms = _reference_update(MODELS[name](), x, y, clip=1e9, expected=4)
+    clip = float(norms.median())
+    reference, _ = _reference_update(MODELS[name](), x, y, clip=clip, expected=4)
+    ours = _engine_update(MODELS[name](), x, y, clipping="bk", clip=clip, expected=4, physical=None)
+    torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-6)
+    assert sizes == [2, 1, 1, 1, 1, 1]
+
+
+def test_bk_passes_split_a_batch_evenly_within_the_bound():
+    model = MODELS["cnn"]()
+    clipper = one_pass_clipping.BookkeepingClipper(model, max_grad_norm=1.0, params=list(model.parameters()))
+    x, y = (torch.from_numpy(v) for v in _data(40, seed=1))
+    clipper.backward(x[:3], y[:3])
+    clipper.take_clipped_sum()
+    per_sample = clipper._floats_per_sample
+    assert per_sample is not None and per_sample > 0
+    sizes: list[int] = []
+    real = clipper._one_pass
+    clipper._one_pass = lambda xb, yb: sizes.append(len(yb)) or real(xb, yb)  # type: ignore[method-assign]
+    one_pass_clipping.PASS_FLOATS, saved = 16 * per_sample, one_pass_clipping.PASS_FLOATS
+    try:
+        clipper.backward(x, y)
+    finally:
+        one_pass_clipping.PASS_FLOATS = saved
+    assert sizes == [14, 13, 13]  # three passes of at most 16 samples, as even as 40 allows
+    clipper.cleanup()
+
+
+@pytest.mark.parametrize(("kernel", "stride", "dilation", "padding"), [
+    (3, 1, 1, 1), (3, 2, 1, 1), (1, 2, 1, 0), ((3, 2), (2, 1), (1, 2), (1, 0)), (5, 3, 2, 2), (2, 1, 1, 0)])
+def test_bk_unfolds_a_convolution_input_exactly_as_torch_unfold(kernel, stride, dilation, padding):
+    conv = nn.Conv2d(3, 4, kernel, stride, padding, dilation)
+    a = torch.randn(2, 3, 11, 9)
+    ours = one_pass_clipping.unfold(a, conv, conv.padding)
+    assert torch.equal(ours, nn.functional.unfold(a, conv.kernel_size, conv.dilation, conv.padding, conv.stride))
+
+
 @pytest.mark.parametrize("name", ["residual", "tokens"])
 def test_bk_takes_ghost_norms_and_per_sample_gradients_where_each_is_cheaper(name, monkeypatch):
     """Both models have layers of each kind (stage 1 / stage 2; the first / second call of `embed`), so the
