@@ -118,9 +118,9 @@ class EpsilonBounds:
         if claimed <= limit + RELATIVE_SLACK * max(1.0, limit):
             return True
         metrics.EPSILON_JUMPS.labels(message).inc()
-        log.error("worker %s claimed ε %.6g for job %s in a %s, above the %.6g its tasks of that job can have cost: "
+        log.error("worker %s claimed ε %.6g for job %s (%s), above the %.6g its tasks of that job can have cost: "
                   "the claim is refused, not stored (a forged or inflated report)", worker_id, claimed, job_id,
-                  message.replace("_", " "), limit)
+                  message, limit)
         return False
 
 
