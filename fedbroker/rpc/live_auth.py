@@ -352,9 +352,12 @@ def start_serving(server: grpc.Server, address: str, tls: ServerTLS | None, *, s
     Kubernetes' native gRPC probes ask); returns the bound port. OSError when the address cannot be bound."""
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = add_port(server, address, tls)
+    try:
+        port = add_port(server, address, tls)
+    except RuntimeError:  # newer gRPC raises where older ones returned 0
+        port = 0
     if port == 0:
-        raise OSError(f"could not bind the {service} service to {address}")
+        raise OSError(f"could not bind the {service} service to {address}: is another process listening there?")
     server.start()
     for name in ("", service):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -51,6 +51,11 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 5_000),
     # server side
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),  # faster still strikes (flood)
+    # A service's port is its own: gRPC's default SO_REUSEPORT lets a second listener (another process of the same
+    # user: a service not yet gone after a restore, anything else that drew the port) bind it too, and the kernel
+    # then splits new connections between the two, so a worker could be answered by the wrong process for as long
+    # as its connection lives. Bound exclusively, a taken port stops the service at start ("could not bind").
+    ("grpc.so_reuseport", 0),
 ]
 
 # Status details travel in HTTP/2 trailers, which peers cap at a few KiB: a longer message (every problem of

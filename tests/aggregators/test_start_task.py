@@ -153,3 +153,25 @@ def test_the_inline_model_is_hashed_once_for_every_worker_of_the_round(service, 
             start = c[worker].start_task("j", 1, worker, 1)
             assert start.model is not None and start.model[0] == 1
     assert len(hashed) == 1  # the service's digest cache, shared with streamed downloads
+
+
+def test_a_service_whose_port_another_listener_holds_refuses_to_start_instead_of_sharing_it() -> None:
+    """gRPC binds with SO_REUSEPORT by default: a second listener on a taken port (an old service still running
+    after a restore, another process that drew the port) started silently, and the kernel split new connections
+    between the two, so a worker could be answered by the wrong process for as long as its connection lived.
+    The service's port is its own: a taken one stops it at start, saying so; a freed one is bound again."""
+    from concurrent import futures
+
+    other = grpc.server(futures.ThreadPoolExecutor(max_workers=1))  # gRPC's defaults: SO_REUSEPORT on
+    port = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    try:
+        with pytest.raises(OSError, match=rf"could not bind .* to 127\.0\.0\.1:{port}: is another process"):
+            serve(RoundBook(), address=f"127.0.0.1:{port}")
+    finally:
+        other.stop(grace=0).wait()
+    server, bound = serve(RoundBook(), address=f"127.0.0.1:{port}")  # the port free again: ours
+    try:
+        assert bound == port
+    finally:
+        server.stop(grace=0).wait()

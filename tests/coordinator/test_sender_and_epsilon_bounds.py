@@ -181,3 +181,32 @@ def test_provisioning_binds_each_site_to_its_broker_user_and_gives_every_kit_one
                           out / "sites/hospital-a/worker.yaml")}
     assert timeouts == {14400}
     assert "consumer_timeout = 14400000" in (out / "server/rabbitmq/rabbitmq.conf").read_text()
+
+
+def test_an_async_update_no_version_holds_is_charged_only_within_what_its_jobs_tasks_were_priced_at(
+        tmp_path: Path) -> None:
+    """An asynchronous update left out of every version (in the buffer at the close, or past the last version) is
+    charged at its header's ε, the site's own word: within what the job's tasks to that site were priced at, as a
+    task outcome's claim (control_handler); one above it is refused, counted and never stored. (Before: any header
+    ε went into the job's record, and so into the site's recorded ε, which its worker must then match.)"""
+    from types import SimpleNamespace
+
+    from fedbroker.coordinator.asynchronous import record_not_aggregated
+    from tests.faults.harness import sample
+
+    store = StateStore(str(tmp_path / "c.sqlite"))
+    register(store, "w0")
+    register(store, "w1")
+    store.add_job("j", "j", "{}", 3, "{}")
+    bounds = EpsilonBounds(store)
+    bounds.note_tasks("j", ["w0", "w1"], time.time() + 60, TRAINING)
+    priced = bounds.limit("w0", "j")
+    refused = sample("fedbroker_coordinator_epsilon_jumps_refused_total", {"message": "not_aggregated"})
+    ctx = SimpleNamespace(store=store, epsilon_bounds=bounds)
+    record_not_aggregated(ctx, "j", [  # type: ignore[arg-type]
+        (pb.UpdateSummary(worker_id="w0", task=3, epsilon=priced / 2), "in the buffer when it closed"),
+        (pb.UpdateSummary(worker_id="w1", task=4, epsilon=1e6), "in the buffer when it closed")])
+    assert {p.worker_id: p.epsilon for p in store.participants("j", 0)} == {"w0": pytest.approx(priced / 2)}
+    assert store.recorded_epsilon("w1") == 0.0  # the inflated claim reached no record
+    assert sample("fedbroker_coordinator_epsilon_jumps_refused_total", {"message": "not_aggregated"}) == refused + 1
+    store.close()

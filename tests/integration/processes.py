@@ -14,9 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedbroker.app.demo import free_port
 from fedbroker.bus import delete_topology
-from tests.rabbitmq_node import PrivateRabbitMQ
+from tests.rabbitmq_node import PrivateRabbitMQ, free_ports
 from tests.source_roots import PYTHONPATH
 
 
@@ -50,8 +49,10 @@ class Deployment:
         (`<namespace>-<who>`, provisioning's permissions)."""
         self.url, self.tmp, self.worker_ids = url, tmp, list(worker_ids)
         self.namespace = f"fedbroker-{name}-{uuid.uuid4().hex[:8]}"
-        self.aggregator = f"127.0.0.1:{free_port()}"
-        self.coordinator = f"127.0.0.1:{free_port()}"
+        # below the kernel's ephemeral range: a service restarted on its port (a restore) finds it free, never taken
+        # meanwhile by an outgoing connection or by another listener drawing port 0
+        aggregator, coordinator = free_ports(2)
+        self.aggregator, self.coordinator = f"127.0.0.1:{aggregator}", f"127.0.0.1:{coordinator}"
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.urls = users.provision(namespace=self.namespace, participants=["coordinator", *self.worker_ids]) \
             if users is not None else {}

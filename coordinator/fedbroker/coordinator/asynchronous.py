@@ -381,11 +381,15 @@ class AsyncJob:
 
 def record_not_aggregated(ctx: JobContext, job_id: str, updates: list[tuple[pb.UpdateSummary, str]]) -> None:
     """Accepted updates that no version of the job's record holds, each with where it is: their ε is spent on
-    their sites' data all the same, so each is the site's not-aggregated row (store.record_async_training)."""
+    their sites' data all the same, so each is the site's not-aggregated row (store.record_async_training). The ε is
+    the update header's, the site's own word: as a task outcome's, it is kept only within what the job's tasks to
+    that site were priced at (`EpsilonBounds.allows`), else refused and counted."""
+    bounds = ctx.epsilon_bounds
     for update, where in updates:
         log.info("asynchronous job %s: task %d of worker %s accepted, not aggregated (%s)", job_id, update.task,
                  update.worker_id, where)
-        if update.epsilon > 0:
+        if update.epsilon > 0 and (bounds is None or bounds.allows(update.worker_id, job_id, update.epsilon,
+                                                                   message="not_aggregated")):
             ctx.store.record_async_training(job_id, update.worker_id, task=update.task,
                                             status=ParticipantStatus.DISCARDED,
                                             reason=f"accepted as the job ended, {where}", epsilon=update.epsilon)

@@ -47,9 +47,6 @@ from fedbroker.proto import fedbroker_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# A claim this close to the bound is float noise, not a jump.
-_RELATIVE_SLACK = 1e-9
-
 
 class ControlHandler:
     """The control queue's consumer; `async_job(job_id)`: the running asynchronous job of that id, if any
@@ -186,13 +183,7 @@ class ControlHandler:
             log.warning("a site's history was not written: %s", exc)
 
     def _within_bound(self, worker_id: str, reported: float, job_id: str) -> bool:
-        limit = self.bounds.limit(worker_id, job_id)
-        if reported <= limit + _RELATIVE_SLACK * max(1.0, limit):
-            return True
-        metrics.EPSILON_JUMPS.labels("task_outcome").inc()
-        log.error("worker %s claimed ε %.6g for job %s, above the %.6g its tasks of that job can have cost: the claim "
-                  "is refused, not stored (a forged report)", worker_id, reported, job_id, limit)
-        return False
+        return self.bounds.allows(worker_id, job_id, reported, message="task_outcome")
 
     def _note_claim(self, worker_id: str, reported: float, message: str) -> None:
         """A site's own total is advisory: never stored, but one below its record means its ledger was lost or

@@ -66,9 +66,10 @@ CONTROL_REJECTED = Counter(
     "user may not speak for their worker (unidentified_sender, foreign_sender), by reason.", ["reason"])
 EPSILON_JUMPS = zeroed(Counter(
     "fedbroker_coordinator_epsilon_jumps_refused_total",
-    "Task outcomes whose ε claim for a job was above what the job's tasks to their worker were priced at: the "
-    "claim is refused, never stored, by message (a site's own total is advisory, never stored).", ["message"]),
-    "task_outcome")
+    "Task outcomes (and asynchronous updates no version holds) whose ε claim for a job was above what the job's "
+    "tasks to their worker were priced at: the claim is refused, never stored, by message (a site's own total is "
+    "advisory, never stored).", ["message"]),
+    "task_outcome", "not_aggregated")
 EPSILON_DECREASES = zeroed(Counter(
     "fedbroker_coordinator_epsilon_decreases_total",
     "Registrations and heartbeats that reported a lower ε than recorded for their worker (a lost or replaced "

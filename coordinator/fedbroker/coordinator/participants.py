@@ -9,6 +9,7 @@ and the running service sample identical rounds from one job seed.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fedbroker.coordinator import metrics
 from fedbroker.coordinator.records import WorkerRecord
 from fedbroker.coordinator.store import StateStore
 from fedbroker.errors import ConfigError
@@ -23,11 +25,14 @@ from fedbroker.job.spec import ModelSpec, TrainingConfig
 from fedbroker.privacy import dp_sample_rate, job_epsilon_after_round, planned_steps, project_epsilon
 from fedbroker.proto import fedbroker_pb2 as pb
 
+log = logging.getLogger(__name__)
+
 ISSUED_KEPT_S = 30 * 86400.0  # a task's bound is forgotten this long after its deadline
 # A later round's ε never adds more than the first round's (ε after n rounds is a minimum of functions affine in
 # n, so concave); the margin covers a history of several policies, and float noise.
 COST_MARGIN = 1.01
 COST_SLACK = 1e-6
+RELATIVE_SLACK = 1e-9  # a claim this close to its bound is float noise, not a jump
 
 
 def sample_participants(worker_ids: Sequence[str], k: int, *, seed: int, round_number: int) -> list[str]:
@@ -104,6 +109,19 @@ class EpsilonBounds:
         """The most ε the worker's report may claim for `job_id`: what the tasks of it issued to the worker can
         have cost (0 for a job that issued it none)."""
         return self.store.issued_epsilon(worker_id, job_id)
+
+    def allows(self, worker_id: str, job_id: str, claimed: float, *, message: str) -> bool:
+        """Whether a claim of ε `claimed` for `job_id` on the worker's data is within `limit`: the one rule for
+        every ε a site's message can put into the job's record (a task outcome's, an asynchronous update's that no
+        version holds). One above it is refused, never stored: counted by `message` and logged naming the worker."""
+        limit = self.limit(worker_id, job_id)
+        if claimed <= limit + RELATIVE_SLACK * max(1.0, limit):
+            return True
+        metrics.EPSILON_JUMPS.labels(message).inc()
+        log.error("worker %s claimed ε %.6g for job %s (%s), above the %.6g its tasks of that job can have cost: "
+                  "the claim is refused, not stored (a forged or inflated report)", worker_id, claimed, job_id,
+                  message, limit)
+        return False
 
 
 def _task_cost(worker: WorkerRecord | None, training: TrainingConfig) -> float:
