@@ -10,6 +10,7 @@ from torch import nn
 
 from fedbroker.job.layers import LAYERS
 from fedbroker.job.spec import ModelSpec
+from fedbroker.layers.library import ARCHITECTURES
 
 
 class Standardize(nn.Module):
@@ -45,6 +46,11 @@ def build_model(spec: ModelSpec, *, seed: int | None = None) -> nn.Sequential:
     for layer in spec.layers:
         if layer.type not in LAYERS:  # parse_model refuses unknown types; a hand-built spec may not have
             raise ValueError(f"no builder for layer type {layer.type!r}")
+        if layer.type in ARCHITECTURES:  # a library network: MONAI builds it (fedbroker.layers.monai_nets)
+            from fedbroker.layers.monai_nets import build as build_library
+
+            layers.append(build_library(layer.type, layer.params))
+            continue
         name = LAYERS[layer.type].torch_class
         torch_class: type[nn.Module] = _OWN_MODULES.get(name) or getattr(nn, name)
         layers.append(torch_class(**layer.params))

@@ -68,6 +68,9 @@ class LayerType:
     first_only: bool = False
     # the parameter that must equal the width (features, channels) of the input's first axis ("" for none)
     takes_width: str = ""
+    # a layer type whose parameters are checked as a whole, by their own rules, instead of `params` (a library
+    # architecture, fedbroker.layers.library): raw parameters -> (kept parameters, [(parameter, problem)])
+    check_params: Callable[[Mapping[str, Any]], tuple[dict[str, Any], list[tuple[str, str]]]] | None = None
 
     @property
     def weighted(self) -> bool:
@@ -234,3 +237,7 @@ LAYERS: Mapping[str, LayerType] = {
         _standardize_output, first_only=True,
     ),
 }
+
+from fedbroker.layers.library import layer_types  # noqa: E402  (the library wing builds LayerTypes: after them)
+
+LAYERS = {**LAYERS, **layer_types()}

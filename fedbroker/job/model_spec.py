@@ -183,6 +183,13 @@ def parse_model(raw: Any, *, errors: Collector | None = None, where: str = "mode
                 errors.add(f"{at}.type", f"{kind} must be the first layer: it describes the model's input")
             allowed = LAYERS[kind].params
             params: dict[str, Any] = {}
+            check_whole = LAYERS[kind].check_params
+            if check_whole is not None:  # a library architecture: its own typed, bounded parameters
+                params, problems = check_whole({k: v for k, v in layer.items() if k != "type"})
+                for key, problem in problems:
+                    errors.add(f"{at}.{key}", problem)
+                layers.append(LayerSpec(kind, params))
+                continue
             for key in sorted(set(layer) - {"type"} - set(allowed)):
                 errors.add(f"{at}.{key}", f"unknown parameter for {kind}; allowed: {', '.join(allowed) or 'none'}")
             for key, param in allowed.items():
