@@ -57,6 +57,11 @@ if TYPE_CHECKING:  # named for the type checker only: importing them imports Opa
 _Optimizer = TypeVar("_Optimizer", bound="DPOptimizer")
 
 GRAD_SAMPLE_MODE = "ew"
+# Layers whose per-sample gradients torch's ExpandedWeights forms. A model with a trainable parameter elsewhere (a
+# library network's ConvTranspose or PReLU, a ViT's class token) gets Opacus's "hooks" mode instead, whose
+# samplers fall back to torch.func for a module they do not know: slower, the same gradients.
+EW_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.GroupNorm, nn.LayerNorm,
+             nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 CLIPPING_MODES = ("auto", "bk", "ghost", "ew")
 # "ghost" (for models "bk" cannot clip): layers Opacus's fast gradient clipping handles with its own samplers (norms of Linear's per-sample
 # gradients without forming them; Conv2d's and GroupNorm's formed one layer at a time and dropped).
@@ -109,6 +114,15 @@ def ghost_supported(model: nn.Module) -> bool:
         for p in own:
             owners[id(p)] = owners.get(id(p), 0) + 1
     return all(count == 1 for count in owners.values())
+
+
+def grad_sample_mode(model: nn.Module) -> str:
+    """Opacus's per-sample mode for "ew" clipping: GRAD_SAMPLE_MODE where ExpandedWeights knows every trained
+    layer (EW_LAYERS), else "hooks"."""
+    for module in model.modules():
+        if any(p.requires_grad for p in module.parameters(recurse=False)) and type(module) not in EW_LAYERS:
+            return "hooks"
+    return GRAD_SAMPLE_MODE
 
 
 def check_supported(model: nn.Module, mode: str) -> None:
@@ -171,7 +185,7 @@ def dp_engine(
         # The summed loss's per-sample gradients are the per-sample gradients themselves; the mean loss's
         # would be multiplied back by the batch size, one more pass over batch × parameters floats.
         # FlatDPOptimizer averages by the expected batch size either way.
-        wrapped = prepare_module(work, grad_sample_mode=GRAD_SAMPLE_MODE, batch_first=True, loss_reduction="sum")
+        wrapped = prepare_module(work, grad_sample_mode=grad_sample_mode(work), batch_first=True, loss_reduction="sum")
         wrapped.forbid_grad_accumulation()
         dp_optimizer = noised(FlatDPOptimizer)
 
