@@ -4,7 +4,7 @@
 and a small CNN (two 3×3 conv + GroupNorm + max-pool blocks, then a linear layer), and on synthetic
 28×28 tensors for a ResNet-style CNN of 1.2 M parameters (GroupNorm, three residual stages), a model
 of the size a data owner trains. The ResNet is built in torch here: the model spec's layer table
-(`fedbroker.job.layers`) is sequential and has no residual connection. Samples/s is the trainer's own
+(`fedbroker.layers`) is sequential and has no residual connection. Samples/s is the trainer's own
 `samples_per_second` (samples seen ÷ seconds of its training loop, Opacus's wrapping included), on the
 device the worker would pick (`pick_device`: CUDA when present), named in every row.
 

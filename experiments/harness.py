@@ -28,9 +28,9 @@ from fedbroker.coordinator.participants import sample_participants
 from fedbroker.datasets import Dataset, load_dataset, train_test_split
 from fedbroker.errors import BudgetExceeded
 from fedbroker.evaluation import evaluate
-from fedbroker.job.layers import LAYERS
 from fedbroker.job.spec import JobSpec, ModelSpec, parse_job, parse_model
 from fedbroker.label_stats import population_distribution, reported_ish
+from fedbroker.layers import LAYERS
 from fedbroker.model import build_model, initial_weights, load_numpy_state
 from fedbroker.privacy import HistoryEntry
 from fedbroker.proto import fedbroker_pb2 as pb

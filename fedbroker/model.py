@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from fedbroker.job.layers import LAYERS
 from fedbroker.job.spec import ModelSpec
+from fedbroker.layers import LAYERS
 from fedbroker.layers.library import ARCHITECTURES
+from fedbroker.layers.modules import BUILDERS
 
 
 class Standardize(nn.Module):
@@ -38,23 +40,27 @@ class Standardize(nn.Module):
 _OWN_MODULES: Mapping[str, type[nn.Module]] = {"Standardize": Standardize}  # layer types torch has no class for
 
 
+def build_layer(kind: str, params: Mapping[str, Any]) -> nn.Module:
+    """One layer of the table (`fedbroker.layers.LAYERS`) from its checked parameters: torch's class of the
+    entry's name, or the wing's own builder (`fedbroker.layers.modules.BUILDERS`)."""
+    if kind not in LAYERS:  # parse_model refuses unknown types; a hand-built spec may not have
+        raise ValueError(f"no builder for layer type {kind!r}")
+    if kind in BUILDERS:
+        return BUILDERS[kind](params)
+    if kind in ARCHITECTURES:  # a library network: MONAI builds it (MONAI imported only for such a model)
+        from fedbroker.layers.monai_nets import build as build_library
+
+        return build_library(kind, params)
+    name = LAYERS[kind].torch_class
+    torch_class: type[nn.Module] = _OWN_MODULES.get(name) or getattr(nn, name)
+    return torch_class(**params)
+
+
 def build_model(spec: ModelSpec, *, seed: int | None = None) -> nn.Sequential:
     """An nn.Sequential whose state_dict names ("0.weight", ...) are the tensor names on the wire."""
     if seed is not None:
         torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for layer in spec.layers:
-        if layer.type not in LAYERS:  # parse_model refuses unknown types; a hand-built spec may not have
-            raise ValueError(f"no builder for layer type {layer.type!r}")
-        if layer.type in ARCHITECTURES:  # a library network: MONAI builds it (fedbroker.layers.monai_nets)
-            from fedbroker.layers.monai_nets import build as build_library
-
-            layers.append(build_library(layer.type, layer.params))
-            continue
-        name = LAYERS[layer.type].torch_class
-        torch_class: type[nn.Module] = _OWN_MODULES.get(name) or getattr(nn, name)
-        layers.append(torch_class(**layer.params))
-    return nn.Sequential(*layers)
+    return nn.Sequential(*(build_layer(layer.type, layer.params) for layer in spec.layers))
 
 
 def state_to_numpy(model: nn.Module) -> dict[str, np.ndarray]:

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.job.layers import LAYERS, ParamKind, ShapeProblem, check_values
+from fedbroker.layers import LAYERS, Param, ShapeProblem, check_param
+from fedbroker.layers.base import MAX_WIDTH as MAX_WIDTH
 
-MAX_WIDTH = 65_536
+MAX_INPUT_RANK = 4  # (channels, depth, height, width): a 3-D volume
 MAX_LAYERS = 128
 MAX_PARAMETERS = 200_000_000
 MAX_DEPTH = 32
@@ -89,25 +90,10 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_param(errors: Collector, where: str, kind: ParamKind, value: Any) -> Any:
-    if kind in ("values", "positive_values"):
-        value, problems = check_values(value, positive=kind == "positive_values", show=show)
-        for suffix, problem in problems:
-            errors.add(f"{where}{suffix}", problem)
-        return value
-    if kind == "width":
-        ok, limit = is_int(value) and 1 <= value <= MAX_WIDTH, f"an integer in [1, {MAX_WIDTH}]"
-    elif kind == "kernel":
-        ok, limit = value is None or (is_int(value) and 1 <= value <= 64), "an integer in [1, 64]"
-    elif kind == "int0":
-        ok, limit = is_int(value) and 0 <= value <= 64, "an integer in [0, 64]"
-    elif kind == "bool":
-        ok, limit = isinstance(value, bool), "true or false"
-    else:  # "prob"
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < 1.0
-        limit = "a number in [0, 1)"
-    if not ok:
-        errors.add(where, f"must be {limit}, got {show(value)}")
+def _check_param(errors: Collector, where: str, param: Param, value: Any) -> Any:
+    value, problems = check_param(param, value, show)
+    for suffix, problem in problems:
+        errors.add(f"{where}{suffix}", problem)
     return value
 
 
@@ -158,10 +144,11 @@ def parse_model(raw: Any, *, errors: Collector | None = None, where: str = "mode
     for key in unknown:
         errors.add(f"{where}.{key}", "unknown field; known: input_shape, layers")
     shape = raw.get("input_shape")
-    if not isinstance(shape, (list, tuple)) or not 1 <= len(shape) <= 3 or not all(
+    if not isinstance(shape, (list, tuple)) or not 1 <= len(shape) <= MAX_INPUT_RANK or not all(
         is_int(d) and 1 <= d <= MAX_WIDTH for d in shape
     ):
-        errors.add(f"{where}.input_shape", f"must be a list of 1 to 3 integers in [1, {MAX_WIDTH}], got {show(shape)}")
+        errors.add(f"{where}.input_shape", f"must be a list of 1 to {MAX_INPUT_RANK} integers in [1, {MAX_WIDTH}], "
+                                           f"got {show(shape)}")
         shape = None
     layers_raw = raw.get("layers")
     layers: list[LayerSpec] = []
@@ -199,7 +186,7 @@ def parse_model(raw: Any, *, errors: Collector | None = None, where: str = "mode
                         continue
                     params[key] = param.default
                 else:
-                    params[key] = _check_param(errors, f"{at}.{key}", param.kind, layer[key])
+                    params[key] = _check_param(errors, f"{at}.{key}", param, layer[key])
             layers.append(LayerSpec(kind, params))
     if own:
         errors.raise_if_any()

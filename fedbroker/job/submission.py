@@ -10,7 +10,6 @@ from __future__ import annotations
 from fedbroker.algorithms.catalogue import ALIGNMENTS, aggregation_settings
 from fedbroker.algorithms.params import staleness_function
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.job.layers import LAYERS
 from fedbroker.job.spec import (
     EVALUATION_SETS,
     AggregationConfig,
@@ -23,6 +22,7 @@ from fedbroker.job.spec import (
     output_shapes,
     parse_job,
 )
+from fedbroker.layers import LAYERS
 
 
 def alignment_problems(spec: ModelSpec) -> list[str]:

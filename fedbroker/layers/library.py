@@ -34,15 +34,10 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from fedbroker.errors import ConfigError
-
-if TYPE_CHECKING:  # the table imports this module at its end (layer_types): no import of it at load time here
-    from fedbroker.job.layers import LayerType, ShapeProblem
-
-Shape = tuple[int, ...]
-Params = Mapping[str, Any]
+from fedbroker.layers.base import LayerType, Params, Shape, ShapeProblem
 
 MONAI_VERSION = "1.6.1"
 # one library node may hold at most this many weights (DenseNet-121 holds 7 M, ResNet-34 21 M, ViT-B/16 86 M)
@@ -93,12 +88,6 @@ class LibParam:
         return value, "" if ok else f"must be a number in [0, {self.high}], got {_show(value)}"
 
 
-def _problem(param: str, problem: str) -> ShapeProblem:
-    from fedbroker.job.layers import ShapeProblem
-
-    return ShapeProblem(param, problem)
-
-
 def _show(value: Any) -> str:
     text = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -126,9 +115,9 @@ def _image_input(name: str, p: Params, shape: Shape, channels: str) -> ShapeProb
     d = p["spatial_dims"]
     if len(shape) != d + 1:
         kind = "(channels, height, width)" if d == 2 else "(channels, depth, height, width)"
-        return _problem("spatial_dims", f"is {d}: {name} needs a {kind} input but receives {list(shape)}")
+        return ShapeProblem("spatial_dims", f"is {d}: {name} needs a {kind} input but receives {list(shape)}")
     if shape[0] != p[channels]:
-        return _problem(channels, f"is {p[channels]} but the input has {shape[0]} channels")
+        return ShapeProblem(channels, f"is {p[channels]} but the input has {shape[0]} channels")
     return None
 
 
@@ -147,7 +136,7 @@ def _unet_output(p: Params, shape: Shape) -> Shape | ShapeProblem:
         return problem
     scale = math.prod(p["strides"])
     if any(n % scale for n in shape[1:]):
-        return _problem("strides", f"go down by {scale} in all; every input size must be a multiple of it so that "
+        return ShapeProblem("strides", f"go down by {scale} in all; every input size must be a multiple of it so that "
                                        f"each skip meets its upsampled path, got {list(shape[1:])}")
     return (p["out_channels"], *shape[1:])
 
@@ -178,7 +167,7 @@ def _densenet_output(p: Params, shape: Shape) -> Shape | ShapeProblem:
     # stem: 7×7 convolution, stride 2, padding 3; 3×3 max pool, stride 2, padding 1; three transitions halve
     for n in shape[1:]:
         if _down(_down(n, 7, 2, 3), 3, 2, 1) // 8 < 1:
-            return _problem("", f"monai.DenseNet121 shrinks its input 32-fold; input sizes {list(shape[1:])} "
+            return ShapeProblem("", f"monai.DenseNet121 shrinks its input 32-fold; input sizes {list(shape[1:])} "
                                     f"must be at least 29 (for small images use the catalogue's densenet121_small)")
     return (p["out_channels"],)
 
@@ -209,7 +198,7 @@ def _resnet_output(p: Params, shape: Shape) -> Shape | ShapeProblem:
         for _ in range(3):  # layers 2 to 4 each start with a 3×3 convolution of stride 2
             n = _down(n, 3, 2, 1)
         if n < 1:
-            return _problem("", f"monai.ResNet's input sizes {list(shape[1:])} are too small for its stem and "
+            return ShapeProblem("", f"monai.ResNet's input sizes {list(shape[1:])} are too small for its stem and "
                                     f"three stride-2 stages")
     return (p["num_classes"],)
 
@@ -253,7 +242,7 @@ def _vit_output(p: Params, shape: Shape) -> Shape | ShapeProblem:
     if problem:
         return problem
     if tuple(shape[1:]) != _per_dim(p, "img_size"):
-        return _problem("img_size", f"is {list(_per_dim(p, 'img_size'))} but the input is {list(shape[1:])}: a ViT's "
+        return ShapeProblem("img_size", f"is {list(_per_dim(p, 'img_size'))} but the input is {list(shape[1:])}: a ViT's "
                                         f"position embeddings fix its input size")
     return (p["num_classes"],)
 
@@ -331,29 +320,27 @@ def _output_with_bound(type_name: str) -> Callable[[Params, Shape], Shape | Shap
 
     def output(p: Params, shape: Shape) -> Shape | ShapeProblem:
         out = arch.output_shape(p, shape)
-        if not isinstance(out, tuple):  # a ShapeProblem
+        if isinstance(out, ShapeProblem):
             return out
         found = _meta_tensors(_key(type_name, p))
         if isinstance(found, str):
-            return _problem("", found)
+            return ShapeProblem("", found)
         count = sum(math.prod(s) for s in found.values())
         if count > MAX_LIBRARY_PARAMETERS:
-            return _problem("", f"{type_name} with these parameters holds {count:,} weights, more than a library "
+            return ShapeProblem("", f"{type_name} with these parameters holds {count:,} weights, more than a library "
                                     f"node's limit of {MAX_LIBRARY_PARAMETERS:,}")
         return out
 
     return output
 
 
-def layer_types() -> dict[str, LayerType]:
-    """The table's entries for the library networks (fedbroker.job.layers.LAYERS adds them)."""
-    from fedbroker.job.layers import LayerType
-
-    return {
-        name: LayerType(
-            "", output_shape=_output_with_bound(name), tensors=functools.partial(tensors, name),
-            blocks_alignment=f"{name} is a library network: alignment does not permute units inside it",
-            check_params=functools.partial(check_params, name),
-        )
-        for name in ARCHITECTURES
-    }
+# the table's entries (fedbroker.layers.LAYERS adds them); "opacus": the worker clips them with Opacus's samplers
+# where its own one-pass clipping does not know a layer (a UNet's ConvTranspose, a ViT's class token)
+LIBRARY: Mapping[str, LayerType] = {
+    name: LayerType(
+        "", output_shape=_output_with_bound(name), tensors=functools.partial(tensors, name),
+        blocks_alignment=f"{name} is a library network: alignment does not permute units inside it",
+        check_params=functools.partial(check_params, name), dp="opacus",
+    )
+    for name in ARCHITECTURES
+}

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.job.layers import LAYERS
 from fedbroker.job.spec import job_from_text, output_shapes, parameter_shapes, parse_job, parse_model
 from fedbroker.job.submission import accept_job, accept_job_text
+from fedbroker.layers import LAYERS
 from fedbroker.model import build_model
+from tests.layer_examples import NEW_LAYER_EXAMPLES
+from tests.library_examples import LIBRARY_EXAMPLES
 
 GOOD = {
     "name": "digits-mlp",
@@ -74,7 +76,7 @@ BAD = [
     (("model", "layers", 4, "in_features"), 31, "model.layers[4].in_features", "previous layer outputs 32"),
     (("model", "layers", 3, "p"), 1.5, "model.layers[3].p", "[0, 1)"),
     (("model", "layers", 1, "activation"), "gelu", "model.layers[1].activation", "unknown parameter"),
-    (("model", "input_shape"), [], "model.input_shape", "1 to 3 integers"),
+    (("model", "input_shape"), [], "model.input_shape", "1 to 4 integers"),
     (("model", "layers"), [], "model.layers", "non-empty"),
     (("model",), KeyError, "model", "required"),
     (("name",), KeyError, "name", "required"),
@@ -138,7 +140,7 @@ def test_the_kernel_parser_leaves_algorithm_names_to_the_registries():
     assert parse_job(_mutate(("aggregation", "weighting"), "median")).aggregation.weighting == "median"
 
 
-# One minimal model per layer type in fedbroker.job.layers.LAYERS (a new type needs an entry here too).
+# One minimal model per layer type in fedbroker.layers.LAYERS (a new type needs an entry here too).
 LAYER_EXAMPLES = {
     "Linear": [{"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 3}]},
                {"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 3, "bias": False}]}],
@@ -162,6 +164,9 @@ LAYER_EXAMPLES = {
                     {"input_shape": [2, 1, 2], "layers": [{"type": "standardize", "mean": 3, "std": [1, 2, 4, 8]},
                                                           {"type": "Flatten"}]}],
 }
+for _kind, _models in NEW_LAYER_EXAMPLES.items():  # "Linear on a sequence" is more Linear
+    LAYER_EXAMPLES.setdefault(_kind.split()[0], []).extend(_models)
+LAYER_EXAMPLES.update(LIBRARY_EXAMPLES)
 
 
 def test_every_layer_type_has_an_example():

@@ -1,7 +1,7 @@
 """Between the wire format (an nn.Sequential state dict named by its spec) and the alignment algorithms'
 list of Layers; and back, with the spec's widths updated when matching grows a layer. Which layers are
 matched (`fedbroker.job.spec.matched_layers`), and which parameters hold their widths, is read from the table
-in fedbroker.job.layers."""
+in fedbroker.layers."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from fedbroker.aggregators.alignment import Layer
-from fedbroker.job.layers import LAYERS
 from fedbroker.job.spec import LayerSpec, ModelSpec, matched_layers, parse_model
+from fedbroker.layers import LAYERS
 
 
 def to_layers(spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> list[Layer]:

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 HISTOGRAM_RELEASE = "label_histogram"        # the ledger's name for the noised label histogram
 STATISTICS_RELEASE = "feature_statistics"    # + ":" + the digest of the clipping range
 STATISTICS_DELTA_WITHOUT_DP = 1e-5           # the statistics' δ on a site whose DP is off (no policy δ)
-STANDARDIZE_LAYER = "standardize"            # the model spec's layer type (fedbroker.job.layers)
+STANDARDIZE_LAYER = "standardize"            # the model spec's layer type (fedbroker.layers)
 
 
 class ShareRefused(TaskRefused):

@@ -5,7 +5,7 @@ aggregation side holds (public or synthetic data, never a worker's): the penulti
 the global model and of each client's, and the cross-entropy of candidate aggregates. A population of
 aggregates is one stack of parameter vectors (P, n); every layer runs over the whole stack at once
 (einsum over a leading model axis), so a generation costs one batched forward, not P. Pure numpy (no
-torch): eval mode, so Dropout is the identity; the layer semantics follow torch's (`fedbroker.job.layers`).
+torch): eval mode, so Dropout is the identity; the layer semantics follow torch's (`fedbroker.layers`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 from scipy.special import expit
 
-from fedbroker.job.layers import LAYERS
 from fedbroker.job.spec import LayerSpec, ModelSpec, output_shapes, parameter_shapes
+from fedbroker.layers import LAYERS
 
 GROUP_NORM_EPS = 1e-5  # torch.nn.GroupNorm's default
 PROBE_BYTES = 1 << 28  # activations of one forward chunk (float64), so a big model goes in smaller stacks
