@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch import nn
 
+from fedbroker.graph.nodes import MERGES
 from fedbroker.job.spec import ModelSpec
 from fedbroker.layers import LAYERS
 from fedbroker.layers.library import ARCHITECTURES
@@ -56,10 +57,62 @@ def build_layer(kind: str, params: Mapping[str, Any]) -> nn.Module:
     return torch_class(**params)
 
 
-def build_model(spec: ModelSpec, *, seed: int | None = None) -> nn.Sequential:
-    """An nn.Sequential whose state_dict names ("0.weight", ...) are the tensor names on the wire."""
+class GraphModel(nn.Module):
+    """A model graph (ModelSpec.nodes) as one module: each node's layer registered under its dotted name in
+    nested ModuleDicts, so state_dict names are `<node>.<tensor>` (`b1.conv1.weight`), in the order
+    `parameter_shapes` gives. Forward runs the nodes in topological order; merges are out of place (never
+    `+=` on a tensor autograd, Opacus's hooks or our clipping's hooks still hold), and each value is
+    dropped after its last reader."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self._steps: list[tuple[str, str, tuple[str, ...]]] = []
+        last_read: dict[str, int] = {}
+        for index, node in enumerate(spec.nodes):
+            if node.type not in MERGES:
+                module = build_layer(node.type, node.params)
+                self._place(node.name, module)
+            self._steps.append((node.name, node.type, node.inputs))
+            for name in node.inputs:
+                last_read[name] = index
+        self._output = spec.output
+        self._release = [[name for name in dict.fromkeys(inputs) if last_read[name] == index and name != spec.output]
+                         for index, (_, _, inputs) in enumerate(self._steps)]
+
+    def _place(self, dotted: str, module: nn.Module) -> None:
+        *path, leaf = dotted.split(".")
+        holder: nn.Module = self
+        for part in path:
+            if part not in holder._modules:
+                holder.add_module(part, nn.ModuleDict())
+            holder = cast(nn.Module, holder._modules[part])
+        holder.add_module(leaf, module)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The output node's value for a batch `x`."""
+        values: dict[str, torch.Tensor] = {"input": x}
+        for (name, kind, inputs), release in zip(self._steps, self._release, strict=True):
+            if kind == "add":
+                out = values[inputs[0]]
+                for other in inputs[1:]:
+                    out = out + values[other]
+            elif kind == "concat":
+                out = torch.cat([values[i] for i in inputs], dim=1)
+            else:
+                out = self.get_submodule(name)(values[inputs[0]])  # looked up: a module swapped in is used
+            for gone in release:
+                del values[gone]
+            values[name] = out
+        return values[self._output]
+
+
+def build_model(spec: ModelSpec, *, seed: int | None = None) -> nn.Module:
+    """An nn.Sequential for a chain (state_dict names "0.weight", ...) or a GraphModel for a graph (names
+    "b1.conv1.weight"): the names are the tensor names on the wire."""
     if seed is not None:
         torch.manual_seed(seed)
+    if spec.is_graph:
+        return GraphModel(spec)
     return nn.Sequential(*(build_layer(layer.type, layer.params) for layer in spec.layers))
 
 

@@ -8,31 +8,29 @@ worker in round 1. All problems are reported at once. A job (fedbroker.job.spec)
 from __future__ import annotations
 
 import json
-import reprlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from fedbroker.errors import ConfigError, ConfigErrors
-from fedbroker.layers import LAYERS, Param, ShapeProblem, check_param
-from fedbroker.layers.base import MAX_WIDTH as MAX_WIDTH
+from fedbroker.errors import ConfigError
+from fedbroker.graph.checks import MAX_WIDTH as MAX_WIDTH
+from fedbroker.graph.checks import Collector as Collector
+from fedbroker.graph.checks import is_int as is_int
+from fedbroker.graph.checks import layer_params
+from fedbroker.graph.checks import show as show
+from fedbroker.graph.expand import GRAPH_KEYS, parse_graph
+from fedbroker.graph.nodes import MAX_PARAMETERS as MAX_PARAMETERS
+from fedbroker.graph.nodes import NodeSpec as NodeSpec
+from fedbroker.graph.nodes import tree_order
+from fedbroker.graph.shapes import Bounds, bounds, infer
+from fedbroker.layers import LAYERS, ShapeProblem
 
 MAX_INPUT_RANK = 4  # (channels, depth, height, width): a 3-D volume
 MAX_LAYERS = 128
-MAX_PARAMETERS = 200_000_000
 MAX_DEPTH = 32
 MAX_SPEC_BYTES = 256 * 1024
 _PLAIN_SCALARS = (str, int, float, bool, type(None))
 
-_short = reprlib.Repr()
-_short.maxstring = _short.maxother = 80
-_short.maxlist = _short.maxdict = _short.maxtuple = 6
-_short.maxlevel = 3
-
-
-def show(value: Any) -> str:
-    """A bounded repr for error messages: a hostile value is never echoed back in full."""
-    return _short.repr(value)
 
 @dataclass(frozen=True)
 class LayerSpec:
@@ -48,13 +46,34 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model: its input shape and its layers, checked so that every layer takes its input."""
+    """A model: its input shape and its nodes, checked so that every node takes its inputs.
+
+    A chain (`layers`) is the graph whose nodes are "0", "1", ..., each reading the one before (its
+    nodes are derived from its layers); a graph (`model.nodes`) keeps `layers` empty and its text as
+    written back (`graph`: blocks, nodes and output, every input explicit)."""
 
     input_shape: tuple[int, ...]
     layers: tuple[LayerSpec, ...]
+    nodes: tuple[NodeSpec, ...] = ()
+    output: str = ""
+    graph: Mapping[str, Any] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.layers and not self.nodes:
+            chain = tuple(NodeSpec(str(i), layer.type, layer.params, (str(i - 1) if i else "input",))
+                          for i, layer in enumerate(self.layers))
+            object.__setattr__(self, "nodes", chain)
+            object.__setattr__(self, "output", chain[-1].name)
+
+    @property
+    def is_graph(self) -> bool:
+        """Written as a graph (`model.nodes`), not as a chain of layers."""
+        return self.graph is not None
 
     def to_dict(self) -> dict[str, Any]:
         """The model as a job writes it."""
+        if self.graph is not None:
+            return {"input_shape": list(self.input_shape), **self.graph}
         return {"input_shape": list(self.input_shape), "layers": [layer.to_dict() for layer in self.layers]}
 
     def to_json(self) -> str:
@@ -66,35 +85,10 @@ class ModelSpec:
         """The number of class scores the model outputs."""
         return output_shapes(self)[-1][-1]
 
-
-class Collector:
-    """Every problem of a spec, gathered so that one submission names them all."""
-
-    def __init__(self) -> None:
-        self.errors: list[ConfigError] = []
-
-    def add(self, field_name: str, problem: str) -> None:
-        """Note one problem at its full path."""
-        self.errors.append(ConfigError(field_name, problem))
-
-    def raise_if_any(self) -> None:
-        """One ConfigError, several as ConfigErrors, or nothing."""
-        if len(self.errors) == 1:
-            raise self.errors[0]
-        if self.errors:
-            raise ConfigErrors(self.errors)
-
-
-def is_int(value: Any) -> bool:
-    """An int that is not a bool (True is an int to Python, never a width to us)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_param(errors: Collector, where: str, param: Param, value: Any) -> Any:
-    value, problems = check_param(param, value, show)
-    for suffix, problem in problems:
-        errors.add(f"{where}{suffix}", problem)
-    return value
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        """The shape of one sample's output (without the batch axis)."""
+        return output_shapes(self)[-1]
 
 
 def check_plain(raw: Any, where: str) -> None:
@@ -131,18 +125,21 @@ def check_plain(raw: Any, where: str) -> None:
 
 
 def parse_model(raw: Any, *, errors: Collector | None = None, where: str = "model") -> ModelSpec:
-    """Check a model given as a mapping; raise (or, with `errors`, collect) every problem, naming its field."""
+    """Check a model given as a mapping, a chain (`layers`) or a graph (`nodes`); raise (or, with `errors`,
+    collect) every problem, naming its field."""
     own = errors is None
     errors = errors or Collector()
     errors_before = len(errors.errors)
     if not isinstance(raw, Mapping):
-        errors.add(where, f"must be a mapping with input_shape and layers, got {type(raw).__name__}")
+        errors.add(where, f"must be a mapping with input_shape and layers (or nodes), got {type(raw).__name__}")
         errors.raise_if_any()
     if own:
         check_plain(raw, where)
-    unknown = sorted(set(raw) - {"input_shape", "layers"})
-    for key in unknown:
-        errors.add(f"{where}.{key}", "unknown field; known: input_shape, layers")
+    graph = "nodes" in raw or "blocks" in raw
+    known = GRAPH_KEYS if graph else ("input_shape", "layers")
+    for key in sorted(set(raw) - set(known)):
+        hint = "; a model is a chain (layers) or a graph (nodes), not both" if key == "layers" else ""
+        errors.add(f"{where}.{key}", f"unknown field; known: {', '.join(known)}{hint}")
     shape = raw.get("input_shape")
     if not isinstance(shape, (list, tuple)) or not 1 <= len(shape) <= MAX_INPUT_RANK or not all(
         is_int(d) and 1 <= d <= MAX_WIDTH for d in shape
@@ -150,7 +147,23 @@ def parse_model(raw: Any, *, errors: Collector | None = None, where: str = "mode
         errors.add(f"{where}.input_shape", f"must be a list of 1 to {MAX_INPUT_RANK} integers in [1, {MAX_WIDTH}], "
                                            f"got {show(shape)}")
         shape = None
-    layers_raw = raw.get("layers")
+    if graph:
+        return _parse_graph(raw, shape, errors, where, own=own, errors_before=errors_before)
+    layers = _parse_layers(raw.get("layers"), errors, where)
+    if own:
+        errors.raise_if_any()
+    if len(errors.errors) != errors_before:
+        # A model with bad fields is reported as such; its half-parsed layers must never reach a later
+        # check (shapes, alignment, a GA probe set), which would trip over them instead of naming them.
+        return ModelSpec((), ())
+    spec = ModelSpec(tuple(shape or ()), tuple(layers))
+    _check_shapes(spec, errors, where)
+    if own:
+        errors.raise_if_any()
+    return spec
+
+
+def _parse_layers(layers_raw: Any, errors: Collector, where: str) -> list[LayerSpec]:
     layers: list[LayerSpec] = []
     if not isinstance(layers_raw, list) or not layers_raw:
         errors.add(f"{where}.layers", f"must be a non-empty list of layers, got {show(layers_raw)}")
@@ -168,45 +181,45 @@ def parse_model(raw: Any, *, errors: Collector | None = None, where: str = "mode
                 continue
             if LAYERS[kind].first_only and i:
                 errors.add(f"{at}.type", f"{kind} must be the first layer: it describes the model's input")
-            allowed = LAYERS[kind].params
-            params: dict[str, Any] = {}
-            check_whole = LAYERS[kind].check_params
-            if check_whole is not None:  # a library architecture: its own typed, bounded parameters
-                params, problems = check_whole({k: v for k, v in layer.items() if k != "type"})
-                for key, problem in problems:
-                    errors.add(f"{at}.{key}", problem)
-                layers.append(LayerSpec(kind, params))
-                continue
-            for key in sorted(set(layer) - {"type"} - set(allowed)):
-                errors.add(f"{at}.{key}", f"unknown parameter for {kind}; allowed: {', '.join(allowed) or 'none'}")
-            for key, param in allowed.items():
-                if key not in layer or (layer[key] is None and param.required):
-                    if param.required:  # None stands for "the default" (a pool's stride), never for a value
-                        errors.add(f"{at}.{key}", f"is required for {kind}")
-                        continue
-                    params[key] = param.default
-                else:
-                    params[key] = _check_param(errors, f"{at}.{key}", param, layer[key])
-            layers.append(LayerSpec(kind, params))
-    if own:
-        errors.raise_if_any()
-    if len(errors.errors) != errors_before:
-        # A model with bad fields is reported as such; its half-parsed layers must never reach a later
-        # check (shapes, alignment, a GA probe set), which would trip over them instead of naming them.
+            layers.append(LayerSpec(kind, layer_params(errors, at, kind, layer)))
+    return layers
+
+
+def _parse_graph(raw: Mapping[str, Any], shape: Any, errors: Collector, where: str, *, own: bool,
+                 errors_before: int) -> ModelSpec:
+    graph = parse_graph(raw, errors=errors, where=where)
+    if graph is None or shape is None:
+        if own:
+            errors.raise_if_any()
         return ModelSpec((), ())
-    spec = ModelSpec(tuple(shape or ()), tuple(layers))
-    _check_shapes(spec, errors, where)
+    spec = ModelSpec(tuple(shape), (), graph.nodes, graph.output, graph.written)
+    shapes = infer(spec.nodes, spec.input_shape, errors, where)
+    out = shapes.get(spec.output)
+    if out is not None and len(out) != 1:
+        errors.add(f"{where}.output", f"the output node must output class scores (a flat vector), not {list(out)}")
     if own:
         errors.raise_if_any()
-    return spec
+    return spec if len(errors.errors) == errors_before else ModelSpec((), ())
 
 
 def output_shapes(spec: ModelSpec) -> list[tuple[int, ...]]:
-    """The output shape (without the batch axis) after every layer; raises ConfigError on a mismatch."""
+    """The output shape (without the batch axis) after every node, in `spec.nodes`' order (the output node's
+    last); raises ConfigError on a mismatch."""
     errors = Collector()
+    if spec.is_graph:
+        found = infer(spec.nodes, spec.input_shape, errors, "model")
+        errors.raise_if_any()
+        return [found[node.name] for node in spec.nodes]
     shapes = _check_shapes(spec, errors, "model")
     errors.raise_if_any()
     return shapes
+
+
+def model_bounds(spec: ModelSpec) -> Bounds:
+    """Parameters, activation bytes and FLOPs per sample (fedbroker.graph.shapes), for a chain or a graph."""
+    found = dict(zip((node.name for node in spec.nodes), output_shapes(spec), strict=True))
+    found["input"] = tuple(spec.input_shape)
+    return bounds(spec.nodes, found)
 
 
 def _check_shapes(spec: ModelSpec, errors: Collector, where: str) -> list[tuple[int, ...]]:
@@ -229,20 +242,23 @@ def _check_shapes(spec: ModelSpec, errors: Collector, where: str) -> list[tuple[
         params_total += layer_type.parameter_count(layer.params)
         shapes.append(shape)
         if params_total > MAX_PARAMETERS:
-            errors.add(where, f"has more than {MAX_PARAMETERS} parameters")
+            errors.add(f"{where}.layers[{i}]", f"{layer.type} brings the model to {params_total} parameters, more "
+                                               f"than {MAX_PARAMETERS} parameters allowed")
             return shapes
     if shapes and len(shapes[-1]) != 1:
         errors.add(f"{where}.layers", f"the last layer must output class scores (a flat vector), not {list(shapes[-1])}")
     return shapes
 
 
-def matched_layers(spec: ModelSpec) -> list[int]:
+def matched_layers(spec: ModelSpec) -> list[int]:  # a chain's; a graph has no layers
     """The indices of the layers whose units alignment matches (the weighted ones)."""
     return [i for i, layer in enumerate(spec.layers) if LAYERS[layer.type].weighted]
 
 
 def parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """The tensors an nn.Sequential built from `spec` holds, by state_dict name, without importing torch."""
-    return {f"{i}.{suffix}": shape
-            for i, layer in enumerate(spec.layers)
-            for suffix, shape in LAYERS[layer.type].tensors(layer.params).items()}
+    """The tensors the torch model built from `spec` holds, by state_dict name (`<node>.<tensor>`, the
+    chain's "0.weight"), in its state_dict's order, without importing torch."""
+    by_name = {node.name: node for node in spec.nodes}
+    return {f"{name}.{suffix}": shape
+            for name in tree_order([node.name for node in spec.nodes]) if by_name[name].type in LAYERS
+            for suffix, shape in LAYERS[by_name[name].type].tensors(by_name[name].params).items()}

@@ -13,7 +13,7 @@ from fedbroker.model import build_model, load_numpy_state
 from fedbroker.rpc.aggregation_client import Model
 
 
-def build_global(global_model: Model) -> tuple[ModelSpec, nn.Sequential]:
+def build_global(global_model: Model) -> tuple[ModelSpec, nn.Module]:
     """The model's spec and torch module; ValueError naming the version when it cannot be built."""
     version, spec_json, weights = global_model
     try:
