@@ -45,58 +45,71 @@ def _last_step(hidden: torch.Tensor, directions: int) -> torch.Tensor:
 
 
 def _drop_cell_names(module: nn.Module, state: dict[str, Any], prefix: str, _: Any) -> None:
-    for old in module.old_to_new:  # type: ignore[attr-defined]
+    renames: dict[str, str] = getattr(module, "old_to_new")  # noqa: B009 (Opacus's map, set at run time)
+    for old in renames:
         state.pop(prefix + old, None)
 
 
 def _fill_cell_names(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
-    for old, new in module.old_to_new.items():  # type: ignore[attr-defined]
+    renames: dict[str, str] = getattr(module, "old_to_new")  # noqa: B009
+    for old, new in renames.items():
         if prefix + new in state:
             state[prefix + old] = state[prefix + new]
 
 
-@functools.cache
-def _recurrent_class(kind: str) -> type[nn.Module]:
-    """Opacus's DPLSTM/DPGRU, batch first, returning the sequence or its last step (`output`); made once, when
-    first built, so that importing this module does not import Opacus."""
+def _sequence_or_last(last: bool, module: nn.Module, _: Any, output: tuple[torch.Tensor, Any]) -> torch.Tensor:
+    """A forward hook: the RNN's output sequence, or with `last` its last layer's final hidden state."""
+    out, state = output
+    if not last:
+        return out
+    hidden = state[0] if isinstance(state, tuple) else state
+    return _last_step(hidden, 2 if module.bidirectional else 1)
+
+
+def _recurrent(kind: str, p: Mapping[str, Any]) -> nn.Module:
+    """Opacus's DPLSTM/DPGRU itself (its exact class, which Opacus's own per-sample machinery looks for), batch
+    first, returning the sequence or its last step as `output` asks, by a forward hook."""
     from opacus.layers import DPGRU, DPLSTM
 
-    class Recurrent(DPLSTM if kind == "LSTM" else DPGRU):  # type: ignore[misc]
-        def __init__(self, p: Mapping[str, Any]) -> None:
-            super().__init__(p["input_size"], p["hidden_size"], num_layers=p["num_layers"], bias=p["bias"],
-                             batch_first=True, dropout=p["dropout"], bidirectional=p["bidirectional"])
-            self.last = p["output"] == "last"
-            # Opacus's hook drops its cells' own names (l0.ih.weight) from a copy of the state_dict, which only
-            # works at the top level: inside a model they would travel twice. Drop them in place under any
-            # prefix instead, and fill them in on loading.
-            self._state_dict_hooks.clear()
-            self.register_state_dict_post_hook(_drop_cell_names)
-            self.register_load_state_dict_pre_hook(_fill_cell_names)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-            out, state = super().forward(x)
-            if not self.last:
-                return out  # type: ignore[no-any-return]
-            hidden = state[0] if isinstance(state, tuple) else state
-            return _last_step(hidden, 2 if self.bidirectional else 1)
-
-    Recurrent.__name__ = Recurrent.__qualname__ = f"DP{kind}Layer"
-    return Recurrent
+    rnn: nn.Module = (DPLSTM if kind == "LSTM" else DPGRU)(
+        p["input_size"], p["hidden_size"], num_layers=p["num_layers"], bias=p["bias"], batch_first=True,
+        dropout=p["dropout"], bidirectional=p["bidirectional"])
+    rnn.register_forward_hook(functools.partial(_sequence_or_last, p["output"] == "last"))
+    # Opacus's hook drops its cells' own names (l0.ih.weight) from a copy of the state_dict, which only works
+    # at the top level: inside a model they would travel twice. Drop them in place under any prefix instead,
+    # and fill them in on loading.
+    rnn._state_dict_hooks.clear()
+    rnn.register_state_dict_post_hook(_drop_cell_names)
+    rnn.register_load_state_dict_pre_hook(_fill_cell_names)
+    return rnn
 
 
 @functools.cache
 def _attention_class() -> type[nn.Module]:
-    """Opacus's DPMultiheadAttention as self-attention on a batch-first sequence, with the plain nn.Module
-    state_dict (qlinear/klinear/vlinear/out_proj): Opacus's own rewrites its keys into torch's packed
-    in_proj_weight, which would not load back into it by name."""
+    """Self-attention on Opacus's DPMultiheadAttention: its parts (q/k/v/out Linear layers, attention dropout)
+    and its names, with a batch-first forward of ours. Opacus 1.6's own batch_first path reshapes the heads'
+    output without moving the heads beside the positions, which mixes heads and positions (a test checks ours
+    against torch's nn.MultiheadAttention), and its sequence-first path would put the batch second in every
+    Linear, where per-sample clipping looks for it first. The plain nn.Module state_dict: Opacus's rewrites its
+    keys into torch's packed in_proj_weight, which would not load back by name."""
     from opacus.layers import DPMultiheadAttention
 
     class SelfAttention(DPMultiheadAttention):  # type: ignore[misc]
         state_dict = nn.Module.state_dict
         load_state_dict = nn.Module.load_state_dict
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-            return super().forward(x, x, x, need_weights=False)[0]  # type: ignore[no-any-return]
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            n, length, width = x.shape
+            heads = self.num_heads
+            size = width // heads
+
+            def split(t: torch.Tensor) -> torch.Tensor:  # (n, positions, width) → (n, heads, positions, size)
+                return t.view(n, length, heads, size).transpose(1, 2)
+
+            q, k, v = split(self.qlinear(x) * size ** -0.5), split(self.klinear(x)), split(self.vlinear(x))
+            weights = self.dropout(torch.softmax(q @ k.transpose(-2, -1), dim=-1))
+            out: torch.Tensor = self.out_proj((weights @ v).transpose(1, 2).reshape(n, length, width))
+            return out
 
     return SelfAttention
 
@@ -121,30 +134,33 @@ class EncoderLayer(nn.Module):
         self.norm_first = norm_first
 
     def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+        out: torch.Tensor = self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(batch, positions, d_model) in and out."""
         if self.norm_first:
             x = x + self.dropout1(self.self_attn(self.norm1(x)))
-            return x + self._feed_forward(self.norm2(x))
-        x = self.norm1(x + self.dropout1(self.self_attn(x)))
-        return self.norm2(x + self._feed_forward(x))
+            out: torch.Tensor = x + self._feed_forward(self.norm2(x))
+        else:
+            x = self.norm1(x + self.dropout1(self.self_attn(x)))
+            out = self.norm2(x + self._feed_forward(x))
+        return out
 
 
-def _batchnorm(p: Mapping[str, Any]) -> nn.Module:
-    return nn.GroupNorm(batchnorm_groups(p["num_features"]), p["num_features"])
+def _batchnorm(dims: int) -> Callable[[Mapping[str, Any]], nn.Module]:
+    return lambda p: nn.GroupNorm(batchnorm_groups(p["num_features"], dims), p["num_features"])
 
 
 # Layer types whose module is not `torch.nn.<torch_class>(**params)`, by type name.
 BUILDERS: Mapping[str, Callable[[Mapping[str, Any]], nn.Module]] = {
     "Embedding": lambda p: TokenEmbedding(p["num_embeddings"], p["embedding_dim"]),
-    "LSTM": lambda p: _recurrent_class("LSTM")(p),
-    "GRU": lambda p: _recurrent_class("GRU")(p),
+    "LSTM": lambda p: _recurrent("LSTM", p),
+    "GRU": lambda p: _recurrent("GRU", p),
     "MultiheadAttention": lambda p: self_attention(p["embed_dim"], p["num_heads"], dropout=p["dropout"],
                                                    bias=p["bias"]),
     "TransformerEncoderLayer": lambda p: EncoderLayer(p["d_model"], p["nhead"], p["dim_feedforward"],
                                                       dropout=p["dropout"], activation=p["activation"],
                                                       norm_first=p["norm_first"]),
-    "BatchNorm1d": _batchnorm, "BatchNorm2d": _batchnorm, "BatchNorm3d": _batchnorm,
+    "BatchNorm1d": _batchnorm(1), "BatchNorm2d": _batchnorm(2), "BatchNorm3d": _batchnorm(3),
 }

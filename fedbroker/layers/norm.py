@@ -2,9 +2,11 @@
 
 BatchNorm mixes the samples of a batch (its statistics are the batch's), so a sample's gradient is not its
 own and DP-SGD cannot clip it. A job may still write BatchNorm1d/2d/3d(num_features=C) — the way published
-architectures are written — and the layer trains as GroupNorm(g(C), C), with g(C) the largest divisor of C
-that is at most 32 (32 groups for C = 64, 16 for C = 48, C itself for C ≤ 32): Opacus's validator swaps in
-GroupNorm the same way, with a count that always divides C. Its weights are GroupNorm's (`weight`, `bias`, one
+architectures are written — and the layer trains as GroupNorm(g, C):
+- BatchNorm2d/3d (images, volumes): g the largest divisor of C that is at most 32 (32 groups for C = 64, 16 for
+  C = 48, C itself for C ≤ 32), as Opacus's validator swaps in GroupNorm, with a count that always divides C;
+- BatchNorm1d (flat features or sequences): g = 1, a LayerNorm over the sample's channels (and positions). With
+  one value per channel, groups of one or two channels would normalise every value to 0 or ±1. Its weights are GroupNorm's (`weight`, `bias`, one
 per channel; no running statistics); the job's view names the swap, and the spec keeps the type as written,
 so alignment knows to fold it (`folds_at_alignment`).
 """
@@ -19,8 +21,11 @@ from fedbroker.layers.conv import AXES
 MAX_GROUPS = 32
 
 
-def batchnorm_groups(channels: int) -> int:
-    """The GroupNorm group count a BatchNorm over `channels` trains with: the largest divisor ≤ MAX_GROUPS."""
+def batchnorm_groups(channels: int, dims: int) -> int:
+    """The GroupNorm group count a BatchNorm{dims}d over `channels` trains with: 1 for BatchNorm1d, else the
+    largest divisor of `channels` that is at most MAX_GROUPS."""
+    if dims == 1:
+        return 1
     return max(g for g in range(1, min(channels, MAX_GROUPS) + 1) if channels % g == 0)
 
 
@@ -57,10 +62,10 @@ def _batchnorm_output(name: str, ranks: tuple[int, ...]) -> Callable[[Params, Sh
     return output
 
 
-def _batchnorm_substitution(name: str) -> Callable[[Params], str]:
+def _batchnorm_substitution(name: str, dims: int) -> Callable[[Params], str]:
     def text(p: Params) -> str:
         c = p["num_features"]
-        return f"{name}({c}) trains as GroupNorm({batchnorm_groups(c)}, {c}) under DP"
+        return f"{name}({c}) trains as GroupNorm({batchnorm_groups(c, dims)}, {c})"
 
     return text
 
@@ -70,7 +75,7 @@ def _batchnorm(dims: int, ranks: tuple[int, ...]) -> LayerType:
     return LayerType(
         "GroupNorm", {"num_features": Param("width", required=True)}, _batchnorm_output(name, ranks),
         _per_channel("num_features"), takes_width="num_features", trains_as="GroupNorm",
-        substitution=_batchnorm_substitution(name), folds_at_alignment=True, dp="bk",
+        substitution=_batchnorm_substitution(name, dims), folds_at_alignment=True, dp="bk",
         blocks_alignment=f"{name} trains as GroupNorm, whose groups would mix permuted channels; an alignment that "
                          "folds BatchNorm into the layer before it may take it",
     )

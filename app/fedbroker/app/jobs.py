@@ -25,6 +25,7 @@ from fedbroker.app.status import one_line, render, table
 from fedbroker.errors import ConfigError
 from fedbroker.files import write_atomic
 from fedbroker.job.status import FINISHED, REFUSED_OR_FAILED, SENT, JobStatus, ParticipantStatus
+from fedbroker.layers import LAYERS
 from fedbroker.printable import printable
 from fedbroker.secagg.secure_round import describe as describe_secure
 from fedbroker.secagg.secure_round import round_params
@@ -161,6 +162,9 @@ def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
     model = spec.get("model") or {}
     layers = " → ".join(_layer(layer) for layer in model.get("layers", []))
     out = [("model", f"input {model.get('input_shape')}: {layers}")] if model else []
+    swaps = substitutions(model)
+    if swaps:
+        out.append(("trains as", "; ".join(swaps)))
     for section in ("training", "schedule", "aggregation", "evaluation", "data"):
         values = spec.get(section)
         if values:
@@ -180,6 +184,24 @@ def secure_round_size(spec: dict[str, Any], rounds: Any) -> int:
     schedule = spec.get("schedule") or {}
     last = max((int(r.participants) for r in rounds), default=0)
     return max(2, last or int(schedule.get("clients_per_round") or 0) or int(schedule.get("min_workers") or 1))
+
+
+def substitutions(model: dict[str, Any]) -> list[str]:
+    """'<where> <what the job wrote> trains as <what trains>' for each layer spelt as one type that trains as
+    another (BatchNorm as GroupNorm under DP: `fedbroker.layers`), in the chain form and in a graph's nodes."""
+    places = [(f"layers[{i}]", layer) for i, layer in enumerate(model.get("layers") or [])]
+    nodes = model.get("nodes")
+    places += [(f"nodes.{name}", node) for name, node in nodes.items()] if isinstance(nodes, dict) else []
+    out = []
+    for where, layer in places:
+        kind = layer.get("type") if isinstance(layer, dict) else None
+        entry = LAYERS.get(kind) if isinstance(kind, str) else None
+        if entry is not None and entry.substitution is not None:
+            try:
+                out.append(f"{where} {entry.substitution(layer)}")
+            except (KeyError, TypeError, ValueError):  # a spec the parser refused: the view shows what it can
+                continue
+    return out
 
 
 def _layer(layer: dict[str, Any]) -> str:

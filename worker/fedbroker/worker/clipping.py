@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from fedbroker.errors import ConfigError
-from fedbroker.worker import one_pass_clipping
+from fedbroker.worker import layer_clipping, one_pass_clipping
 
 if TYPE_CHECKING:  # named for the type checker only: importing them imports Opacus, which waits for a DP training
     from fedbroker.worker.dp_optimizer import FlatDPOptimizer, FlatGhostDPOptimizer, FlatSumDPOptimizer
@@ -128,9 +128,12 @@ def grad_sample_mode(model: nn.Module) -> str:
 def check_supported(model: nn.Module, mode: str) -> None:
     """Refuse, before any step, a clipping mode asked for a model it cannot clip."""
     if mode == "bk" and not one_pass_clipping.supported(model):
-        raise ConfigError("clipping", "bk clipping needs a model whose parameters all sit in unshared "
-                          f"{', '.join(t.__name__ for t in one_pass_clipping.LAYERS)} layers (Conv2d: ungrouped, "
-                          "zero-padded)")
+        nodes = layer_clipping.unclippable(model, one_pass_clipping.LAYERS)
+        raise ConfigError("clipping", "bk clipping cannot clip "
+                          + (f"the layers {', '.join(nodes)}" if nodes else "a parameter shared by two layers")
+                          + ": it needs every parameter in one unshared layer of "
+                          f"{', '.join(t.__name__ for t in one_pass_clipping.LAYERS)} (convolutions ungrouped, "
+                          "zero-padded), Conv1d/3d, ConvTranspose2d/3d (undilated), Embedding or an Opacus DP layer")
     if mode == "ghost" and not ghost_supported(model):
         raise ConfigError("clipping", "ghost clipping needs a model whose parameters all sit in unshared "
                           f"{', '.join(t.__name__ for t in GHOST_LAYERS)} layers")

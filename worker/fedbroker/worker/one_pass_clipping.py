@@ -33,6 +33,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.grad import conv2d_weight
 
+from fedbroker.worker import layer_clipping
+
 # Layers whose per-sample gradients this module forms; Conv2d only ungrouped, zero-padded, numeric padding.
 LAYERS = (nn.Linear, nn.Conv2d, nn.GroupNorm, nn.LayerNorm)
 # Unfolded inputs are formed for at most this many floats at a time (4 MiB), which then stay in cache.
@@ -43,8 +45,8 @@ def supported(model: nn.Module) -> bool:
     """True when every trainable parameter sits in an unshared layer this module can clip (see LAYERS)."""
     holders: dict[int, int] = {}
     for module in model.modules():
-        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        if own and type(module) not in LAYERS:
+        own = layer_clipping.own_parameters(module)
+        if own and type(module) not in LAYERS and not layer_clipping.handles(module):
             return False
         if own and isinstance(module, nn.Conv2d) and (
             module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str)
@@ -74,7 +76,7 @@ class BookkeepingClipper:
         for m in model.modules():
             weight, bias = (p if isinstance(p, torch.Tensor) and p.requires_grad else None
                             for p in (getattr(m, "weight", None), getattr(m, "bias", None)))
-            if type(m) in LAYERS and (weight is not None or bias is not None):
+            if (type(m) in LAYERS or layer_clipping.handles(m)) and (weight is not None or bias is not None):
                 self._layers.append((m, weight, bias, []))
         order = [p for _, weight, bias, _ in self._layers for p in (weight, bias) if p is not None]
         if sorted(map(id, order)) != sorted(map(id, self.params)):
@@ -152,8 +154,10 @@ class BookkeepingClipper:
                 is not None else [(a, g) for a, g in records if g is not None]
             if isinstance(module, nn.GroupNorm | nn.LayerNorm):
                 finishers.append(_norm_layer(module, weight, bias, calls, n, norms2))
-            elif isinstance(module, nn.Linear | nn.Conv2d):
-                finishers.append(_matmul_layer(module, weight, bias, calls, n, norms2))
+            elif type(module) in (nn.Linear, nn.Conv2d):
+                finishers.append(_matmul_layer(cast(nn.Linear, module), weight, bias, calls, n, norms2))
+            else:  # the layers of fedbroker.worker.layer_clipping
+                finishers.append(layer_clipping.rule(module)(module, weight, bias, calls, n, norms2))
         # Opacus's clip factor min(1, C / (‖g_i‖ + 1e-6)), in place (C / t is t.reciprocal() * C in torch too)
         factor = norms2.sqrt_().add_(1e-6).reciprocal_().mul_(self.max_grad_norm).clamp_(max=1.0)
         sums = [t.view(-1) for finish in finishers for t in finish(factor)]
