@@ -1,12 +1,15 @@
 """DP training of a library network (MONAI's UNet, as a model node names it) under the worker's own clipping.
 
-MONAI's UNet holds layers our one-pass clipping ("bk") and torch's ExpandedWeights do not know (ConvTranspose2d
-on its way up), so the worker picks "ew" and, inside it, Opacus's "hooks" mode, whose samplers fall back to
-torch.func for those layers. The per-sample gradients are pinned against the definition (each sample's own
-backward pass) and against Opacus's GradSampleModule; the released update against the clipped sum of those.
+MONAI's UNet (ReLU, GroupNorm in place of BatchNorm) is all Conv2d, ConvTranspose2d and GroupNorm, which our
+one-pass clipping ("bk") knows, so the worker picks "bk". With PReLU (MONAI's default activation, a parameter no
+fast path knows) it picks "ew", and inside it Opacus's "hooks" mode, whose samplers fall back to torch.func for
+such layers (torch's ExpandedWeights knows neither ConvTranspose2d nor PReLU). The per-sample gradients are
+pinned against the definition (each sample's own backward pass) and against Opacus's GradSampleModule; the
+released update of either mode against the clipped sum of those.
 """
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -50,12 +53,14 @@ def _per_sample_by_definition(model: nn.Module, x: torch.Tensor, y: torch.Tensor
     return rows
 
 
-def test_the_worker_clips_a_monai_unet_with_opacus_hooks_since_no_faster_path_knows_its_layers():
+def test_the_worker_clips_a_monai_unet_in_one_pass_and_with_prelu_through_opacus_hooks():
     model = _unet()
     assert any(isinstance(m, nn.ConvTranspose2d) for m in model.modules())
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    assert clipping_mode(model, expected_batch_size=32) == "ew"
-    assert grad_sample_mode(model) == "hooks"
+    assert clipping_mode(model, expected_batch_size=32) == "bk"
+    with_prelu = _unet(act="prelu")
+    assert clipping_mode(with_prelu, expected_batch_size=32) == "ew"
+    assert grad_sample_mode(with_prelu) == "hooks"
 
 
 def test_opacus_per_sample_gradients_of_a_monai_unet_match_each_samples_own_backward_pass():
@@ -72,16 +77,17 @@ def test_opacus_per_sample_gradients_of_a_monai_unet_match_each_samples_own_back
     torch.testing.assert_close(got, torch.stack(expected), rtol=1e-9, atol=1e-9)
 
 
-def test_the_workers_update_of_a_monai_unet_is_the_clipped_sum_of_its_per_sample_gradients():
+@pytest.mark.parametrize(("act", "clipping"), [("relu", "bk"), ("prelu", "ew")])
+def test_the_workers_update_of_a_monai_unet_is_the_clipped_sum_of_its_per_sample_gradients(act, clipping):
     clip, expected_batch = 0.5, 4
     x, y = _batch(seed=2)
-    rows = _per_sample_by_definition(_unet(seed=2), x, y)
+    rows = _per_sample_by_definition(_unet(seed=2, act=act), x, y)
     norms = torch.stack([r.norm() for r in rows])
     assert (norms > clip).all()  # every sample is clipped: the test would see a missing or wrong clip
     reference = sum(r * min(1.0, clip / (float(n) + 1e-6)) for r, n in zip(rows, norms)) / expected_batch
 
-    model = _unet(seed=2)
-    wrapped, optimizer, backward = dp_engine(model, torch.optim.SGD(model.parameters(), lr=1.0), clipping="ew",
+    model = _unet(seed=2, act=act)
+    wrapped, optimizer, backward = dp_engine(model, torch.optim.SGD(model.parameters(), lr=1.0), clipping=clipping,
                                              noise_multiplier=0.0, max_grad_norm=clip,
                                              expected_batch_size=expected_batch, generator=None)
     optimizer.zero_grad(set_to_none=True)
@@ -96,7 +102,7 @@ def test_noised_dp_steps_on_a_tiny_monai_unet_move_every_weight_and_keep_it_fini
     model = _unet(seed=3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = _batch(n=8, seed=3)
-    wrapped, optimizer, backward = dp_engine(model, torch.optim.SGD(model.parameters(), lr=0.05), clipping="ew",
+    wrapped, optimizer, backward = dp_engine(model, torch.optim.SGD(model.parameters(), lr=0.05), clipping="bk",
                                              noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=8,
                                              generator=torch.Generator().manual_seed(3))
     for _ in range(3):
