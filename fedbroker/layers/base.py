@@ -81,6 +81,8 @@ class LayerType:
     # a layer type whose parameters are checked as a whole, by their own rules, instead of `params` (a library
     # architecture, fedbroker.layers.library): raw parameters -> (kept parameters, [(parameter, problem)])
     check_params: Callable[[Mapping[str, Any]], tuple[dict[str, Any], list[tuple[str, str]]]] | None = None
+    # a layer type whose forward FLOPs per sample no general rule gives (a library network): (params, input shape)
+    flops: Callable[[Params, Shape], int] | None = None
 
     @property
     def weighted(self) -> bool:

@@ -315,6 +315,20 @@ def tensors(type_name: str, params: Params) -> dict[str, Shape]:
     return found if isinstance(found, dict) else {}
 
 
+@functools.lru_cache(maxsize=128)
+def _meta_flops(key: str, shape: Shape) -> int:
+    type_name, params = json.loads(key)
+    from fedbroker.layers import monai_nets
+
+    return monai_nets.meta_flops(type_name, _kept(type_name, params), shape)
+
+
+def flops(type_name: str, params: Params, shape: Shape) -> int:
+    """Forward FLOPs of one sample of `shape` through the network, counted by torch's FLOP counter on the meta
+    device (cached): a UNet's or a ViT's weights act at many positions, which no per-weight rule sees."""
+    return _meta_flops(_key(type_name, params), tuple(shape))
+
+
 def _output_with_bound(type_name: str) -> Callable[[Params, Shape], Shape | ShapeProblem]:
     arch = ARCHITECTURES[type_name]
 
@@ -340,7 +354,7 @@ LIBRARY: Mapping[str, LayerType] = {
     name: LayerType(
         "", output_shape=_output_with_bound(name), tensors=functools.partial(tensors, name),
         blocks_alignment=f"{name} is a library network: alignment does not permute units inside it",
-        check_params=functools.partial(check_params, name), dp="opacus",
+        check_params=functools.partial(check_params, name), flops=functools.partial(flops, name), dp="opacus",
     )
     for name in ARCHITECTURES
 }

@@ -112,3 +112,15 @@ def meta_tensors(type_name: str, params: Mapping[str, Any]) -> dict[str, Shape]:
     with torch.device("meta"):
         net = build(type_name, params)
     return {name: tuple(t.shape) for name, t in net.state_dict().items()}
+
+
+def meta_flops(type_name: str, params: Mapping[str, Any], shape: Shape) -> int:
+    """FLOPs of one sample's forward pass (a multiply-add counts 2), counted on the meta device."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        net = build(type_name, params).eval()
+        sample = torch.zeros(1, *shape)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        net(sample)
+    return int(counter.get_total_flops())
