@@ -28,10 +28,18 @@ from fedbroker.layers import LAYERS
 def alignment_problems(spec: ModelSpec) -> list[str]:
     """Why neurons of this model cannot be matched across clients (empty when they can)."""
     problems = []
+    try:
+        inputs = [tuple(spec.input_shape), *output_shapes(spec)]
+    except ConfigError:  # the model's own problems are reported where it is parsed
+        inputs = []
     for i, layer in enumerate(spec.layers):
         blocker = LAYERS[layer.type].blocks_alignment
         if blocker:
             problems.append(f"layer {i} is {layer.type}: {blocker}; use alignment 'none' or drop the {layer.type}")
+        elif layer.type == "Linear" and i < len(inputs) and len(inputs[i]) == 2:
+            problems.append(f"layer {i} is a Linear on a sequence {list(inputs[i])}: a Flatten after it puts each "
+                            "unit once per position, which the alignment engines do not permute; use alignment "
+                            "'none'")
     if len(matched_layers(spec)) < 2:
         names = "/".join(name for name, layer_type in LAYERS.items() if layer_type.weighted)
         problems.append(f"the model needs at least one hidden {names} layer to align")
@@ -154,6 +162,12 @@ def _probe_problems(dataset: str, model: ModelSpec, *,
         shapes = output_shapes(model)
     except ConfigError:  # the model's own problems are reported where it is parsed
         return []
+    unknown = [f"layers[{i}] ({layer.type})" for i, layer in enumerate(model.layers)
+               if not LAYERS[layer.type].probe_forward]
+    if unknown:
+        return [ConfigError(field, f"the probe set's forward pass (numpy, on the aggregation side) does not compute "
+                                   f"{', '.join(unknown)}; it computes "
+                                   f"{', '.join(n for n, t in LAYERS.items() if t.probe_forward)}")]
     sample, classes = EVALUATION_SETS[dataset]
     if tuple(model.input_shape) != sample:
         return [ConfigError(field, f"{dataset!r} has samples of shape {list(sample)} but model.input_shape is "

@@ -83,6 +83,8 @@ class LayerType:
     check_params: Callable[[Mapping[str, Any]], tuple[dict[str, Any], list[tuple[str, str]]]] | None = None
     # a layer type whose forward FLOPs per sample no general rule gives (a library network): (params, input shape)
     flops: Callable[[Params, Shape], int] | None = None
+    # the aggregation side's numpy forward pass (a probe set's: the GA's fitness, FLTrust) computes this layer
+    probe_forward: bool = False
 
     @property
     def weighted(self) -> bool:

@@ -78,8 +78,12 @@ def _conv_params(*, transposed: bool) -> dict[str, Param]:
 
 def _conv(dims: int) -> LayerType:
     name = f"Conv{dims}d"
+    # Conv1d/Conv3d: matched units like Conv2d's once an engine handles their 3-D/5-D weights
+    blocks = "" if dims == 2 else (f"the alignment engines match Linear and Conv2d weights, not a Conv{dims}d's "
+                                   f"{dims + 2}-D one")
     return LayerType(name, _conv_params(transposed=False), _conv_output(name, dims), _conv_tensors(dims),
-                     out_width="out_channels", in_width="in_channels", takes_width="in_channels", dp="bk")
+                     out_width="out_channels", in_width="in_channels", takes_width="in_channels", dp="bk",
+                     probe_forward=dims == 2, blocks_alignment=blocks)
 
 
 def _transposed(dims: int) -> LayerType:

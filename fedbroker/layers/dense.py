@@ -74,7 +74,7 @@ DENSE: dict[str, LayerType] = {
         {"in_features": Param("width", required=True), "out_features": Param("width", required=True),
          "bias": Param("bool", default=True)},
         _linear_output, _linear_tensors, out_width="out_features", in_width="in_features", takes_width="in_features",
-        width_axis=-1, dp="bk",
+        width_axis=-1, dp="bk", probe_forward=True,
     ),
     # The model's input as token ids (input_shape [length]); each id must be an integer in [0, num_embeddings),
     # checked on every batch (`fedbroker.layers.modules.TokenEmbedding`).
@@ -85,23 +85,23 @@ DENSE: dict[str, LayerType] = {
         _embedding_output, _embedding_tensors, first_only=True, dp="bk",
         blocks_alignment="its output units are its weight's columns, one row per token id",
     ),
-    "Flatten": LayerType("Flatten", output_shape=_flatten_output),
+    "Flatten": LayerType("Flatten", output_shape=_flatten_output, probe_forward=True),
     "Identity": LayerType("Identity"),
-    "ReLU": LayerType("ReLU"),
-    "Tanh": LayerType("Tanh"),
-    "Sigmoid": LayerType("Sigmoid"),
+    "ReLU": LayerType("ReLU", probe_forward=True),
+    "Tanh": LayerType("Tanh", probe_forward=True),
+    "Sigmoid": LayerType("Sigmoid", probe_forward=True),
     "GELU": LayerType("GELU", {"approximate": Param("choice", default="none", choices=("none", "tanh"))}),
     "SiLU": LayerType("SiLU"),
     "LeakyReLU": LayerType("LeakyReLU", {"negative_slope": Param("number", default=0.01, low=0.0, high=1.0)}),
     # `dim` counts axes of one sample from the last (-1: the features of a flat output or of each position).
     "Softmax": LayerType("Softmax", {"dim": Param("int", default=-1, low=-4, high=-1)}, _softmax_output),
-    "Dropout": LayerType("Dropout", {"p": Param("prob", default=0.5)}),
+    "Dropout": LayerType("Dropout", {"p": Param("prob", default=0.5)}, probe_forward=True),
     # (x - mean) / std on the model's input, with mean and std carried in the spec (no weights): the
     # preprocessing travels with the model (fedbroker.model.Standardize). Alignment passes over it: it never
     # permutes the model's inputs.
     "standardize": LayerType(
         "Standardize",
         {"mean": Param("values", required=True), "std": Param("positive_values", required=True)},
-        _standardize_output, first_only=True,
+        _standardize_output, first_only=True, probe_forward=True,
     ),
 }

@@ -22,18 +22,18 @@ from fedbroker.layers.norm import batchnorm_groups
 class TokenEmbedding(nn.Embedding):
     """nn.Embedding over the model's input as token ids. Features travel as float32 (exact for every id below
     2^24, and MAX_EMBEDDINGS is 2^20), so the ids are checked and turned into long indices here, on every
-    batch: an id that is not an integer in [0, num_embeddings) is refused naming the id, instead of reading
-    another row or failing deep inside torch."""
+    batch: an id that is not an integer in [0, num_embeddings) is refused (without echoing it: it is a site's
+    datum), instead of reading another row or failing deep inside torch. Workers check their data before
+    training (`fedbroker.worker.global_model.fit_problem`); this guards every other caller."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The embedded sequence, (batch, positions, embedding_dim)."""
         ids = x if not x.is_floating_point() else x.detach()
         if ids.numel():
             low, high = ids.min(), ids.max()
-            if bool(low < 0) or bool(high >= self.num_embeddings):
-                bad = low if bool(low < 0) else high
-                raise ValueError(f"Embedding: token id {bad.item():g} is outside [0, {self.num_embeddings}) "
-                                 f"(num_embeddings); the model's input must be token ids of its vocabulary")
+            if bool(low < 0) or bool(high >= self.num_embeddings):  # (the id is a datum: never echoed)
+                raise ValueError(f"Embedding: a token id is outside [0, {self.num_embeddings}) (num_embeddings); the "
+                                 f"model's input must be token ids of its vocabulary")
             if ids.is_floating_point() and not bool((ids == ids.round()).all()):
                 raise ValueError("Embedding: the model's input must be whole token ids, got a fraction")
         return super().forward(ids.long())

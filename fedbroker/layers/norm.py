@@ -85,7 +85,7 @@ NORM: dict[str, LayerType] = {
     "GroupNorm": LayerType(
         "GroupNorm",
         {"num_groups": Param("width", required=True), "num_channels": Param("width", required=True)},
-        _group_norm_output, _per_channel("num_channels"), dp="bk",
+        _group_norm_output, _per_channel("num_channels"), dp="bk", probe_forward=True,
         blocks_alignment="permuting channels across its groups would change the function", takes_width="num_channels",
     ),
     # over the last axis: the features of a flat input or of each position of a sequence

@@ -53,7 +53,7 @@ _POOL_PARAMS = {"kernel_size": Param("kernel", required=True), "stride": Param("
 
 def _pool(kind: str, dims: int) -> LayerType:
     name = f"{kind}{dims}d"
-    return LayerType(name, _POOL_PARAMS, _pool_output(name, dims))
+    return LayerType(name, _POOL_PARAMS, _pool_output(name, dims), probe_forward=dims == 2)
 
 
 def _adaptive(dims: int) -> LayerType:

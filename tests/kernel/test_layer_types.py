@@ -136,7 +136,7 @@ def test_an_rnn_computes_torchs_rnn_and_its_last_step_is_each_directions_final_s
 def test_an_embedding_reads_float_token_ids_and_refuses_ids_outside_its_vocabulary() -> None:
     layer = build_layer("Embedding", {"num_embeddings": 5, "embedding_dim": 2})
     torch.testing.assert_close(layer(torch.tensor([[0.0, 4.0]])), layer.weight[[0, 4]].unsqueeze(0))
-    for bad, text in ((5.0, "token id 5 is outside [0, 5)"), (-1.0, "token id -1 is outside [0, 5)"),
+    for bad, text in ((5.0, "a token id is outside [0, 5)"), (-1.0, "a token id is outside [0, 5)"),
                       (1.5, "whole token ids")):
         with pytest.raises(ValueError, match=re.escape(text)):
             layer(torch.tensor([[0.0, bad]]))
@@ -152,3 +152,30 @@ def test_self_attention_computes_what_torchs_multihead_attention_computes() -> N
                             "out_proj.weight": state["out_proj.weight"], "out_proj.bias": state["out_proj.bias"]})
     x = torch.randn(3, 5, 8)
     torch.testing.assert_close(ours(x), theirs(x, x, x, need_weights=False)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_docs_layer_table_has_a_row_for_every_type() -> None:
+    """docs/models.md's "Layer types" table names every type of the table, and nothing the table lacks."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text(encoding="utf-8")
+    section = text.split("## Layer types", 1)[1].split("\n## ", 1)[0]
+    named: set[str] = set()
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            for cell in line.split("|")[1].split(","):
+                name = cell.strip().strip("`")
+                family, _, dims = name.partition("/")  # "MaxPool1d/2d/3d"
+                named |= {name} if not dims else {family, *(family[:-2] + d for d in name.split("/")[1:])}
+    assert named == set(LAYERS)
+
+
+def test_alignment_refuses_the_new_layers_it_cannot_permute_naming_each() -> None:
+    from fedbroker.job.submission import alignment_problems
+
+    for kind in ("Conv1d", "Conv3d", "ConvTranspose2d", "Embedding", "LSTM", "MultiheadAttention", "BatchNorm2d"):
+        problems = alignment_problems(parse_model(NEW_LAYER_EXAMPLES[kind][0]))
+        assert any(f"is {kind}: " in p for p in problems), (kind, problems)
+    (problem, *_) = alignment_problems(parse_model(NEW_LAYER_EXAMPLES["Linear on a sequence"][0]))
+    assert problem.startswith("layer 0 is a Linear on a sequence [5, 4]")
+    assert alignment_problems(parse_model(NEW_LAYER_EXAMPLES["Upsample"][0])) == []  # Upsample passes, Conv2d matched

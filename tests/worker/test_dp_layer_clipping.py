@@ -166,6 +166,10 @@ def test_a_model_bk_cannot_clip_is_refused_naming_its_layer() -> None:
     assert "1 (LSTM)" in str(info.value) and "0 (Linear)" not in str(info.value)
     assert layer_clipping.unclippable(nn.Sequential(nn.Conv3d(1, 1, 3, dilation=2)), one_pass_clipping.LAYERS) == \
         ["0 (Conv3d)"]
+    transposed = build_model(parse_model(NEW_LAYER_EXAMPLES["ConvTranspose2d"][0]), seed=0)
+    with pytest.raises(ConfigError, match=r"ew clipping cannot clip the layers 0 \(ConvTranspose2d\)"):
+        check_supported(transposed, "ew")
+    check_supported(transposed, "bk")
 
 
 @pytest.mark.parametrize("kind", ["LSTM", "TransformerEncoderLayer"])

@@ -88,8 +88,9 @@ def clipping_mode(model: nn.Module, *, expected_batch_size: int) -> str:
     """How DP training clips `model`'s per-sample gradients at `expected_batch_size`: "bk", "ghost" or "ew".
 
     "bk" (`fedbroker.worker.one_pass_clipping`) wherever it runs: every trained parameter in an unshared
-    Linear, Conv2d (ungrouped, zero-padded), GroupNorm or LayerNorm layer; it is the fastest of the
-    three on every model and batch the bench measures. Otherwise "ghost", Opacus's fast gradient
+    Linear, Conv2d (ungrouped, zero-padded), GroupNorm or LayerNorm layer, or in a layer of
+    `fedbroker.worker.layer_clipping` (Conv1d/3d, ConvTranspose2d/3d, Embedding, Opacus's DPLSTM/DPGRU
+    cells); it is the fastest of the three on every model and batch the bench measures. Otherwise "ghost", Opacus's fast gradient
     clipping, where it runs and pays: every parameter in an unshared Linear, Conv2d or GroupNorm
     layer, and at least GHOST_MIN_FLOATS per-sample Linear gradient floats per step that "ew" would
     form; else "ew" (per-sample gradients formed by torch's ExpandedWeights through Opacus). All three

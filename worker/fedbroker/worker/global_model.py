@@ -34,4 +34,20 @@ def fit_problem(spec: ModelSpec, x: np.ndarray, num_classes: int, *, holder: str
                 f"{list(sample_shape)}")
     if spec.num_outputs < num_classes:
         return f"the model outputs {spec.num_outputs} class scores but {holder} has {num_classes} classes"
+    return token_problem(spec, x, holder=holder)
+
+
+def token_problem(spec: ModelSpec, x: np.ndarray, *, holder: str) -> str:
+    """Why samples are not token ids of the model's Embedding ("" when they are, or the model reads no ids): each
+    feature must be a whole number in [0, num_embeddings). Neither the value nor the sample is named: the
+    message may leave the site, and a feature is a datum."""
+    first = spec.layers[0] if spec.layers else None
+    if first is None or first.type != "Embedding" or not len(x):
+        return ""
+    vocabulary = int(first.params["num_embeddings"])
+    values = np.asarray(x)
+    if not np.issubdtype(values.dtype, np.number) or not np.isfinite(values).all() \
+            or (values != np.round(values)).any() or values.min() < 0 or values.max() >= vocabulary:
+        return (f"model.layers[0] is an Embedding that reads the input as token ids, but {holder} holds features "
+                f"that are not whole numbers in [0, {vocabulary}) (num_embeddings)")
     return ""
