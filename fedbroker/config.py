@@ -145,6 +145,23 @@ class PartitionSection:
 
 
 @dataclass(frozen=True)
+class LimitsSection:
+    """The site's own ceilings on the models it trains, per sample, read from the model's spec alone
+    (fedbroker.graph.shapes.Bounds): a task whose model is over any of them is refused with the figures
+    before the model is built or any ε is spent. 0 = no ceiling."""
+
+    max_parameters: int = 0
+    max_activation_bytes: int = 0      # float32 bytes of the input and of every node's output, one sample
+    max_flops: int = 0                 # one sample's forward pass
+
+    def __post_init__(self) -> None:
+        for name in ("max_parameters", "max_activation_bytes", "max_flops"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"worker.limits.{name}", f"must be an integer >= 0 (0: no ceiling), got {value!r}")
+
+
+@dataclass(frozen=True)
 class DPPolicy:
     """The data owner's privacy policy, the worker's `dp` section; nothing in a job can override it.
 
@@ -235,6 +252,7 @@ class WorkerConfig:
     split_seed: int = 0
     partition: PartitionSection = field(default_factory=PartitionSection)
     dp: DPPolicy = field(default_factory=DPPolicy)
+    limits: LimitsSection = field(default_factory=LimitsSection)  # the models this site will train (refused over)
     ledger_path: str = "ledger.json"
     device: str = "auto"
     torch_threads: int = 0             # torch intra-op threads for training; 0 = torch's default (one per core)

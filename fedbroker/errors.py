@@ -154,6 +154,13 @@ class LedgerBehind(TaskRefused):
     reason = "ledger_behind"
 
 
+class ModelOverLimits(TaskRefused):
+    """A task's model is over one of the site's own ceilings (`worker.limits`: parameters, activation bytes or
+    FLOPs per sample): refused with the figures before the model is built or any ε is spent."""
+
+    reason = "model_over_limits"
+
+
 class BusError(FedbrokerError):
     """The message bus could not deliver or confirm a message."""
 

@@ -44,7 +44,7 @@ def parse_graph(raw: Mapping[str, Any], *, errors: Collector, where: str) -> Gra
     if len(errors.errors) != before:
         return None
     nodes: list[NodeSpec] = []
-    output = _expand(errors, top, blocks, nodes, prefix="", args={}, bindings={INPUT: INPUT}, where=where)
+    output = _expand(errors, top, blocks, nodes, prefix="", args={}, bindings={INPUT: INPUT}, where=where, made={})
     if len(errors.errors) != before:
         return None
     written = {"blocks": {name: _written(scope) for name, scope in blocks.items()}, **_written(top)}
@@ -111,8 +111,9 @@ def _block_sizes(errors: Collector, blocks: Mapping[str, Scope]) -> dict[str, in
             depth[name] = 1 + max((depth[c.block] for c in children), default=0)
             sizes[name] = _size(blocks[name], sizes)
             if depth[name] > MAX_BLOCK_DEPTH:
-                errors.add(blocks[name].at, f"nests blocks {depth[name]} deep; the limit is {MAX_BLOCK_DEPTH}")
                 ok = False
+                if depth[name] == MAX_BLOCK_DEPTH + 1:  # named where the nesting first passes the limit
+                    errors.add(blocks[name].at, f"nests blocks {depth[name]} deep; the limit is {MAX_BLOCK_DEPTH}")
     return sizes if ok else None
 
 
@@ -124,29 +125,46 @@ def _size(scope: Scope, sizes: Mapping[str, int]) -> int:
 
 
 def _expand(errors: Collector, scope: Scope, blocks: Mapping[str, Scope], nodes: list[NodeSpec], *, prefix: str,
-            args: Mapping[str, Any], bindings: dict[str, str], where: str) -> str:
+            args: Mapping[str, Any], bindings: dict[str, str], where: str, made: dict[Any, dict[str, Any]]) -> str:
     """Append the scope's nodes, named `prefix` + name, with its arguments substituted; the name of the node
-    that is its output. Recursion is as deep as blocks nest (at most MAX_BLOCK_DEPTH)."""
+    that is its output. Recursion is as deep as blocks nest (at most MAX_BLOCK_DEPTH). Instances given the same
+    arguments share one parameters mapping (`made`): checked once, and shapes are inferred once per mapping."""
+    append, make = nodes.append, NodeSpec
     for decl in scope.order:
-        inputs = tuple(bindings[r] for r in decl.inputs)
-        full = prefix + decl.name
+        name, fixed, later = decl.name, decl.fixed, decl.later
+        inputs = tuple(map(bindings.__getitem__, decl.inputs))
+        full = prefix + name
         if decl.block:
             target = blocks[decl.block]
-            given = {k: args[placeholder(v)] if placeholder(v) else v for k, v in decl.fixed.items()}
-            bindings[decl.name] = _expand(errors, target, blocks, nodes, prefix=full + ".", args=given,
-                                          bindings=dict(zip(target.inputs, inputs, strict=True)), where=where)
+            given = {k: args[placeholder(v)] if placeholder(v) else v for k, v in fixed.items()}
+            bindings[name] = _expand(errors, target, blocks, nodes, prefix=full + ".", args=given,
+                                     bindings=dict(zip(target.inputs, inputs, strict=True)), where=where, made=made)
             continue
-        params = decl.fixed
-        if decl.later and LAYERS[decl.type].check_params is not None:  # a library node: checked whole now
-            given = {**decl.fixed, **{key: args[name] for key, name in decl.later.items()}}
-            params = check_whole(errors, f"{where}.nodes.{full}", decl.type, given)
-        elif decl.later:
-            table = LAYERS[decl.type].params
-            params = {key: _given(errors, f"{where}.nodes.{full}.{key}", decl, key, args) if key in decl.later
-                      else decl.fixed[key] for key in table if key in decl.fixed or key in decl.later}
-        nodes.append(NodeSpec(full, decl.type, params, inputs))
-        bindings[decl.name] = full
+        if later:
+            fixed = _substituted(errors, f"{where}.nodes.{full}", decl, args, made)
+        append(make(full, decl.type, fixed, inputs))
+        bindings[name] = full
     return bindings[scope.output]
+
+
+def _substituted(errors: Collector, at: str, decl: Decl, args: Mapping[str, Any],
+                 made: dict[Any, dict[str, Any]]) -> dict[str, Any]:
+    key: Any = (id(decl), *map(args.__getitem__, decl.later.values()))
+    try:
+        found = made.get(key)
+    except TypeError:  # a list-valued argument: not shared
+        found, key = None, None
+    if found is not None:
+        return found
+    if LAYERS[decl.type].check_params is not None:  # a library node: checked whole, once its values are given
+        params = check_whole(errors, at, decl.type, {**decl.fixed, **{k: args[n] for k, n in decl.later.items()}})
+    else:
+        table = LAYERS[decl.type].params
+        params = {k: _given(errors, f"{at}.{k}", decl, k, args) if k in decl.later else decl.fixed[k]
+                  for k in table if k in decl.fixed or k in decl.later}
+    if key is not None:
+        made[key] = params
+    return params
 
 
 def _given(errors: Collector, at: str, decl: Decl, key: str, args: Mapping[str, Any]) -> Any:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 # a node's or block's name; "input" names the model's input
 NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")  # fullmatch
@@ -35,10 +34,10 @@ MAX_ACTIVATION_ELEMENTS = 1 << 30  # all nodes' outputs together, per sample (4 
 MAX_PROBLEMS = 100             # problems named in one report; the rest are counted
 
 
-@dataclass(frozen=True)
-class NodeSpec:
+class NodeSpec(NamedTuple):
     """One node of a model with its blocks expanded: its dotted name ("b1.conv1"), its type (a layer type
-    or a merge), its checked parameters and the names of the nodes it reads ("input" for the model's input)."""
+    or a merge), its checked parameters and the names of the nodes it reads ("input" for the model's input).
+    Immutable (a named tuple: a 10^5-node graph builds in a fraction of a second)."""
 
     name: str
     type: str

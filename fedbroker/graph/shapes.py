@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fedbroker.graph.checks import Collector
-from fedbroker.graph.nodes import MAX_ACTIVATION_ELEMENTS, MAX_PARAMETERS, MAX_SHAPE_ELEMENTS, NodeSpec
+from fedbroker.graph.nodes import MAX_ACTIVATION_ELEMENTS, MAX_PARAMETERS, MAX_SHAPE_ELEMENTS, MERGES, NodeSpec
 from fedbroker.layers import LAYERS, ShapeProblem
 
 Shape = tuple[int, ...]
@@ -45,44 +45,61 @@ def _merge(node: NodeSpec, shapes: Sequence[Shape], errors: Collector, at: str) 
 def infer(nodes: Sequence[NodeSpec], input_shape: Shape, errors: Collector, where: str) -> dict[str, Shape]:
     """Each node's output shape by name ("input" too). A node that cannot take its inputs is named (and, when
     only its declared input width is wrong, taken at its word so later nodes are checked too); nodes after
-    one without a shape are skipped silently (they would only echo it)."""
+    one without a shape are skipped silently (they would only echo it). The instances of one block share
+    their fixed parameters' mapping, so a layer's shape and size are computed once per (parameters, input)."""
     shapes: dict[str, Shape] = {"input": tuple(input_shape)}
     activations = math.prod(input_shape)
     parameters = 0
+    known: dict[tuple[int, str, Shape], tuple[Shape | None, int]] = {}
     for node in nodes:
-        ins = [shapes.get(name) for name in node.inputs]
-        at = f"{where}.nodes.{node.name}"
-        if any(shape is None for shape in ins):
-            continue
-        given = [shape for shape in ins if shape is not None]
-        if node.type in ("add", "concat"):
-            out = _merge(node, given, errors, at)
+        inputs = node.inputs
+        if len(inputs) == 1 and node.type not in MERGES:
+            given = shapes.get(inputs[0])
+            if given is None:
+                continue
+            key = (id(node.params), node.type, given)
+            found = known.get(key)
+            if found is None:
+                found = _layer(node, given, errors, f"{where}.nodes.{node.name}")
+                known[key] = found  # an identical node's identical problem is named once
+            out, size = found
+            parameters += size
         else:
-            layer = LAYERS[node.type]
-            result = layer.output_shape(node.params, given[0])
-            if isinstance(result, ShapeProblem):
-                errors.add(at + (f".{result.param}" if result.param else ""), result.problem)
-                declared = layer.declared_input(node.params, given[0], result)
-                result = layer.output_shape(node.params, declared) if declared else result
-            out = None if isinstance(result, ShapeProblem) else result
-            parameters += layer.parameter_count(node.params)
+            ins = [shapes.get(name) for name in inputs]
+            if any(shape is None for shape in ins):
+                continue
+            out = _merge(node, [s for s in ins if s is not None], errors, f"{where}.nodes.{node.name}")
         if out is None:
             continue
         elements = math.prod(out)
         activations += elements
-        if elements > MAX_SHAPE_ELEMENTS:
-            errors.add(at, f"outputs {fmt(out)} = {elements} values per sample, above the limit of "
-                           f"{MAX_SHAPE_ELEMENTS} for one node")
-            return shapes
-        if activations > MAX_ACTIVATION_ELEMENTS:
-            errors.add(at, f"brings the nodes' outputs to more than {MAX_ACTIVATION_ELEMENTS} values per sample "
-                           f"(the limit for all nodes together)")
-            return shapes
-        if parameters > MAX_PARAMETERS:
-            errors.add(at, f"brings the model to more than {MAX_PARAMETERS} parameters")
+        if elements > MAX_SHAPE_ELEMENTS or activations > MAX_ACTIVATION_ELEMENTS or parameters > MAX_PARAMETERS:
+            _over(errors, f"{where}.nodes.{node.name}", out, elements, activations, parameters)
             return shapes
         shapes[node.name] = out
     return shapes
+
+
+def _layer(node: NodeSpec, given: Shape, errors: Collector, at: str) -> tuple[Shape | None, int]:
+    layer = LAYERS[node.type]
+    result = layer.output_shape(node.params, given)
+    if isinstance(result, ShapeProblem):
+        errors.add(at + (f".{result.param}" if result.param else ""), result.problem)
+        declared = layer.declared_input(node.params, given, result)
+        result = layer.output_shape(node.params, declared) if declared else result
+    out = None if isinstance(result, ShapeProblem) else result
+    return out, layer.parameter_count(node.params)
+
+
+def _over(errors: Collector, at: str, out: Shape, elements: int, activations: int, parameters: int) -> None:
+    if elements > MAX_SHAPE_ELEMENTS:
+        errors.add(at, f"outputs {fmt(out)} = {elements} values per sample, above the limit of "
+                       f"{MAX_SHAPE_ELEMENTS} for one node")
+    elif activations > MAX_ACTIVATION_ELEMENTS:
+        errors.add(at, f"brings the nodes' outputs to more than {MAX_ACTIVATION_ELEMENTS} values per sample "
+                       f"(the limit for all nodes together)")
+    else:
+        errors.add(at, f"brings the model to more than {MAX_PARAMETERS} parameters")
 
 
 @dataclass(frozen=True)
@@ -95,8 +112,18 @@ class Bounds:
 
     def describe(self) -> str:
         """One line for the job's view."""
-        return (f"{self.parameters:,} parameters, {self.activation_bytes / 2**20:,.2f} MiB of activations and "
-                f"{self.flops / 1e6:,.2f} MFLOPs per sample")
+        return (f"{self.parameters:,} parameters; per sample {_scaled(self.activation_bytes, 1024, 'B', 'i')} of "
+                f"activations and {_scaled(self.flops, 1000, ' FLOPs', '')}")
+
+
+def _scaled(value: int, base: int, unit: str, infix: str) -> str:
+    """1536 → "1.5 KiB" (binary) or 155130000 → "155.1 M FLOPs": three significant figures at most."""
+    size, prefix = float(value), ""
+    for step in ("k" if base == 1000 else "K", "M", "G", "T", "P"):
+        if size < base:
+            break
+        size, prefix = size / base, step + infix
+    return f"{value:,} {unit.strip()}" if not prefix else f"{size:.3g} {prefix}{unit.strip() if unit.startswith(' ') else unit}"
 
 
 def node_flops(node: NodeSpec, out: Shape, source: Shape | None = None) -> int:

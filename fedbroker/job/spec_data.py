@@ -154,6 +154,9 @@ def data_problems(data: DataConfig, model: _Model) -> list[ConfigError]:
         out.append(ConfigError("data.bounds", f"has {len(data.bounds)} [lo, hi] pairs but the model takes "
                                               f"{features} input features (model.input_shape {list(input_shape)}): "
                                               f"give one [lo, hi] for all features, or one per feature"))
+    if data.standardize == "federated" and getattr(model, "is_graph", False):
+        out.append(ConfigError("data.standardize", "federated puts the agreed standardize layer in front of a chain "
+                                                   "of layers; this model is a graph (model.nodes): use none or site"))
     if data.standardize == "federated" and layer_types and layer_types[0] == STANDARDIZE_LAYER:
         out.append(ConfigError("model.layers[0].type", "standardize federated puts the agreed standardize layer in "
                                                        "front of the model: remove this one, or set data.standardize "

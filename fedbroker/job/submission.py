@@ -27,6 +27,8 @@ from fedbroker.layers import LAYERS
 
 def alignment_problems(spec: ModelSpec) -> list[str]:
     """Why neurons of this model cannot be matched across clients (empty when they can)."""
+    if spec.is_graph:
+        return ["alignment matches the units of a chain of layers (model.layers); this model is a graph (model.nodes)"]
     problems = []
     try:
         inputs = [tuple(spec.input_shape), *output_shapes(spec)]
@@ -75,7 +77,7 @@ def job_problems(*, aggregation: AggregationConfig, model: ModelSpec, training: 
         problems.extend(secure_problems(aggregation, schedule))
     problems.extend(robust_problems(aggregation, schedule))
     traits = ALIGNMENTS.traits(aggregation.alignment)  # an unknown name is reported above, and checked as one
-    if (traits is None or traits.aligns_units) and model.layers:
+    if (traits is None or traits.aligns_units) and model.nodes:
         problems.extend(ConfigError("aggregation.alignment", f"{aggregation.alignment} cannot align this model: {p}")
                         for p in alignment_problems(model))
     return problems

@@ -44,6 +44,14 @@ class _BoundedLoader(yaml.SafeLoader):
     def compose_mapping_node(self, anchor: Any) -> Any:
         node = super().compose_mapping_node(anchor)
         self.merges += sum(1 for key, _ in node.value if key.tag == _MERGE_TAG)
+        seen: set[str] = set()
+        for key, _ in node.value:  # the safe loader keeps a repeated key's last value without a word
+            if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE_TAG:
+                if key.value in seen:
+                    mark = key.start_mark
+                    raise _Refused(f"repeats the key {key.value[:80]!r} in one mapping (line {mark.line + 1}, "
+                                   f"column {mark.column + 1}): each name may appear once")
+                seen.add(key.value)
         if self.merges > MAX_MERGES:
             raise _Refused(f"uses more than {MAX_MERGES} YAML merge keys (<<); write the mappings out")
         return node

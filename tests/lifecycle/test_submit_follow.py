@@ -35,7 +35,8 @@ def test_submit_json_follow_streams_the_events_and_exits_0_when_the_job_complete
     assert code == 0, err
     lines = [json.loads(line) for line in out.splitlines()]
     first, events, last = lines[0], lines[1:-1], lines[-1]
-    assert set(first) == {"job_id", "warnings", "epsilon_projection"} and first["warnings"] == []
+    assert set(first) == {"job_id", "warnings", "epsilon_projection", "model_bounds"} and first["warnings"] == []
+    assert first["model_bounds"]["parameters"] == 2410
     job_id = first["job_id"]
     assert served.fed.store.job(job_id).status == "completed"
     kinds = [e["kind"] for e in events]
@@ -57,7 +58,9 @@ def test_submit_wait_exits_1_with_the_jobs_error_and_warns_what_it_can_see(serve
     assert out.splitlines()[1] == f"job {job_id} failed (0/2)"
     assert "fedbroker submit: warning: evaluation.every is 0 and the job names no evaluation.dataset" in err
     assert "fedbroker submit: warning: no registered worker serves category 'nobody'" in err
-    (error,) = [line for line in err.splitlines() if not line.startswith("fedbroker submit: warning:")]
+    assert "fedbroker submit: model: 2,410 parameters; per sample" in err  # the model's bounds, what sites' limits compare with
+    (error,) = [line for line in err.splitlines() if not line.startswith(("fedbroker submit: warning:",
+                                                                          "fedbroker submit: model:"))]
     assert error.startswith(f"fedbroker submit: job: job {job_id} failed after 0/2: only 0 active worker(s) of "
                             f"category 'nobody'")
 

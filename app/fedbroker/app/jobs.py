@@ -24,6 +24,7 @@ from fedbroker.app.round_notes import event_words
 from fedbroker.app.status import one_line, render, table
 from fedbroker.errors import ConfigError
 from fedbroker.files import write_atomic
+from fedbroker.job.model_spec import model_bounds, parse_model
 from fedbroker.job.status import FINISHED, REFUSED_OR_FAILED, SENT, JobStatus, ParticipantStatus
 from fedbroker.layers import LAYERS
 from fedbroker.printable import printable
@@ -160,8 +161,7 @@ def show_document(status: Any, events: Iterable[Any]) -> dict[str, Any]:
 def settings(spec: dict[str, Any]) -> list[tuple[str, str]]:
     """The job's settings, one line each: what it trains and how, as submitted."""
     model = spec.get("model") or {}
-    layers = " → ".join(_layer(layer) for layer in model.get("layers", []))
-    out = [("model", f"input {model.get('input_shape')}: {layers}")] if model else []
+    out = model_facts(model) if model else []
     swaps = substitutions(model)
     if swaps:
         out.append(("trains as", "; ".join(swaps)))
@@ -202,6 +202,26 @@ def substitutions(model: dict[str, Any]) -> list[str]:
             except (KeyError, TypeError, ValueError):  # a spec the parser refused: the view shows what it can
                 continue
     return out
+
+
+def model_facts(model: dict[str, Any]) -> list[tuple[str, str]]:
+    """The model's line (a chain's layers; a graph's size, blocks and output) and its bounds: parameters,
+    activation memory and FLOPs per sample, what a site's worker.limits are compared with."""
+    if "nodes" in model:
+        blocks = ", ".join(model.get("blocks") or {}) or "none"
+        line = f"input {model.get('input_shape')}: graph of {len(model['nodes'])} nodes (blocks: {blocks}), " \
+               f"output {model.get('output')}"
+    else:
+        line = f"input {model.get('input_shape')}: " + " → ".join(_layer(layer) for layer in model.get("layers", []))
+    out = [("model", line)]
+    try:
+        spec = parse_model(model)
+        bounds = model_bounds(spec)
+    except ConfigError:  # a job the coordinator accepted parses; an older text may not: its line stays
+        return out
+    if spec.is_graph:
+        out[0] = ("model", f"{line} ({len(spec.nodes)} nodes expanded)")
+    return [*out, ("bounds", bounds.describe())]
 
 
 def _layer(layer: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ With `--track [URI]` as well, the job is logged to MLflow while it runs (fedbrok
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,7 @@ def service_warnings(c: Any, job: JobSpec, job_id: str) -> list[str]:
 def cmd_submit(args: argparse.Namespace) -> int:
     """Submit the job file; print its id (and warnings); with --follow or --wait, stay to its end."""
     from fedbroker.app.jobs import client
+    from fedbroker.job.model_spec import model_bounds
     from fedbroker.job.submission import accept_job_text
 
     try:
@@ -68,10 +70,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
         job_id = reply.job_id
         warnings = [*reply.warnings, *service_warnings(c, job, job_id)]
         projection = list(reply.epsilon_projection)
+        bounds = model_bounds(job.model)  # what each site's worker.limits will be compared with
         if args.json:
-            print(json.dumps({"job_id": job_id, "warnings": warnings, "epsilon_projection": projection}), flush=True)
+            print(json.dumps({"job_id": job_id, "warnings": warnings, "epsilon_projection": projection,
+                              "model_bounds": dataclasses.asdict(bounds)}), flush=True)
         else:
             print(job_id, flush=True)
+            print(f"fedbroker submit: model: {bounds.describe()}", file=sys.stderr)
             for line in projection:  # each site's ε after the job, if it trained every round, against its budget
                 print(f"fedbroker submit: ε {line}", file=sys.stderr)
             for warning in warnings:

@@ -227,6 +227,8 @@ def data_fit_problems(model: ModelSpec, workers: Sequence[WorkerRecord], *, cate
     if too_many:
         last = max((i for i, layer in enumerate(model.layers) if "out_features" in layer.params), default=None)
         field = f"model.layers[{last}].out_features" if last is not None else "model.layers"
+        if model.is_graph:
+            field = f"model.nodes.{model.output}"
         problems.append(ConfigError(field, (
             f"the model outputs {outputs} class scores but the data of {who(too_many)} (category {category!r}) "
             f"has {max(w.num_classes for w in too_many)} classes")))

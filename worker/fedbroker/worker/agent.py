@@ -408,7 +408,7 @@ class WorkerAgent:
         self._state = "training"
         metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in global_model[2].values()))
         try:
-            spec, model = build_global(global_model)
+            spec, model = build_global(global_model, limits=self.config.limits)  # over them: refused, nothing spent
         except ValueError as exc:
             raise _PoisonTask(str(exc)) from None
         self.check_data_fits(spec)

@@ -32,7 +32,7 @@ import numpy as np
 from fedbroker.bus import Bus, BusError, Delivery, envelope
 from fedbroker.config import PartitionSection, WorkerConfig
 from fedbroker.datasets import Dataset
-from fedbroker.errors import ConfigError
+from fedbroker.errors import ConfigError, ModelOverLimits
 from fedbroker.evaluation import evaluate
 from fedbroker.federated_evaluation import check_policy
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -149,8 +149,8 @@ class SiteEvaluation:
             raise _Refusal(f"asked for global model version {task.model_version}, the service sent {version}")
         metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in downloaded[2].values()))
         try:
-            spec, model = build_global(downloaded)
-        except ValueError as exc:
+            spec, model = build_global(downloaded, limits=self.config.limits)
+        except (ValueError, ModelOverLimits) as exc:
             raise _Refusal(str(exc)) from None
         problem = fit_problem(spec, self.x, self.num_classes, holder="this site's data")
         if problem:

@@ -1,5 +1,6 @@
-"""A global model as a worker receives it (spec JSON and weights), built and checked against this worker's data:
-the same steps before training a round and before scoring one, so both refuse a model for the same reasons."""
+"""A global model as a worker receives it (spec JSON and weights), built and checked against this worker's data
+and its limits: the same steps before training a round and before scoring one, so both refuse a model for the
+same reasons."""
 
 from __future__ import annotations
 
@@ -8,16 +9,36 @@ import json
 import numpy as np
 from torch import nn
 
+from fedbroker.config import LimitsSection
+from fedbroker.errors import ModelOverLimits
+from fedbroker.job.model_spec import model_bounds
 from fedbroker.job.spec import ModelSpec, parse_model
 from fedbroker.model import build_model, load_numpy_state
 from fedbroker.rpc.aggregation_client import Model
 
 
-def build_global(global_model: Model) -> tuple[ModelSpec, nn.Module]:
-    """The model's spec and torch module; ValueError naming the version when it cannot be built."""
+def limits_problem(spec: ModelSpec, limits: LimitsSection) -> str:
+    """Why the model is over the site's ceilings, with its figures and the ceilings ("" when it is not)."""
+    bounds = model_bounds(spec)
+    over = [f"{what} {value:,} > {name} {ceiling:,}" for what, value, name, ceiling in (
+        ("parameters", bounds.parameters, "max_parameters", limits.max_parameters),
+        ("activation bytes per sample", bounds.activation_bytes, "max_activation_bytes", limits.max_activation_bytes),
+        ("FLOPs per sample", bounds.flops, "max_flops", limits.max_flops)) if ceiling and value > ceiling]
+    return f"the model is over this site's worker.limits: {'; '.join(over)}" if over else ""
+
+
+def build_global(global_model: Model, *, limits: LimitsSection | None = None) -> tuple[ModelSpec, nn.Module]:
+    """The model's spec and torch module; ValueError naming the version when it cannot be built, ModelOverLimits
+    (before anything is built) when it is over `limits`."""
     version, spec_json, weights = global_model
     try:
         spec = parse_model(json.loads(spec_json))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"the global model {version} cannot be built: {exc}") from None
+    problem = limits_problem(spec, limits) if limits is not None else ""
+    if problem:
+        raise ModelOverLimits(problem)
+    try:
         model = build_model(spec)
         load_numpy_state(model, weights)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:

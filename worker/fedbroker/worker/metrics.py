@@ -53,8 +53,9 @@ TASKS_REFUSED = Counter(
     "Tasks refused before training, by reason: task_refused (category, deadline, round closed, a model whose "
     "input preprocessing contradicts data.standardize), "
     "privacy_budget_exceeded, ledger_behind (the ledger holds less ε than the coordinator recorded: it was lost "
-    "or replaced; the worker trains no more until it is restored).", ["worker_id", "reason"])
-REFUSAL_REASONS = ("task_refused", "privacy_budget_exceeded", "ledger_behind")
+    "or replaced; the worker trains no more until it is restored), model_over_limits (the model is over the "
+    "site's worker.limits).", ["worker_id", "reason"])
+REFUSAL_REASONS = ("task_refused", "privacy_budget_exceeded", "ledger_behind", "model_over_limits")
 TASKS_FAILED = Counter(
     "fedbroker_worker_tasks_failed_total",
     "Tasks failed for good and acked (never retried), by reason: data_mismatch (the job's model does not fit "

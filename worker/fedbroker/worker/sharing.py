@@ -226,7 +226,7 @@ class Sharing:
 
     def check_model(self, spec: ModelSpec) -> None:
         """Refuse a model whose input preprocessing contradicts `worker.data.standardize` before training."""
-        first = spec.layers[0].type if spec.layers else ""
+        first = spec.nodes[0].type if spec.nodes else ""  # a chain's first layer; a graph's first node reads the input
         if self.standardize == "site" and first == STANDARDIZE_LAYER:
             raise ShareRefused("worker.data.standardize is 'site': this site's data is z-scored with its own mean and "
                                "std, and the job's model standardises its input again (its first layer is "
