@@ -241,8 +241,8 @@ def test_automatic_choice_is_bk_where_it_runs_else_ghost_where_it_pays_else_ew()
     assert not one_pass_clipping.supported(grouped) and ghost_supported(grouped)
     assert clipping_mode(grouped, expected_batch_size=GHOST_MIN_FLOATS // linear) == "ew"
     assert clipping_mode(grouped, expected_batch_size=GHOST_MIN_FLOATS // linear + 1) == "ghost"
-    # A layer neither can clip, or a parameter shared by two layers, keeps "ew" at any batch.
-    with_batch_norm_free_1d = nn.Sequential(nn.Conv1d(1, 4, 3), nn.Flatten(), nn.Linear(4 * 62, 10))
+    # A layer neither can clip (a dilated Conv1d), or a parameter shared by two layers, keeps "ew" at any batch.
+    dilated_1d = nn.Sequential(nn.Conv1d(1, 4, 3, dilation=2), nn.Flatten(), nn.Linear(4 * 60, 10))
     tied = _mlp()
     tied.append(nn.Linear(10, 10))
     tied[-1].weight = nn.Parameter(torch.zeros(10, 10))
@@ -250,7 +250,7 @@ def test_automatic_choice_is_bk_where_it_runs_else_ghost_where_it_pays_else_ew()
     tied[-1].weight = tied[-2].weight
     frozen = nn.Sequential(nn.Flatten(), nn.Conv1d(1, 4, 3), nn.Linear(64, 32), nn.Linear(32, 10))
     frozen[1].requires_grad_(False)
-    for model in (with_batch_norm_free_1d, tied):
+    for model in (dilated_1d, tied):
         assert not one_pass_clipping.supported(model) and not ghost_supported(model)
         assert clipping_mode(model, expected_batch_size=1 << 20) == "ew"
     assert one_pass_clipping.supported(frozen)  # a layer with nothing to train needs no per-sample norm
@@ -269,9 +269,9 @@ def test_bad_clipping_arguments_are_refused_naming_the_field():
     layer_norm = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 10))
     with pytest.raises(ConfigError, match="clipping.*ghost clipping needs"):
         train_local(layer_norm, x, y, config=TrainingConfig(local_epochs=1), dp=POLICY, clipping="ghost")
-    with pytest.raises(ConfigError, match="clipping.*bk clipping needs"):
-        train_local(nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Unflatten(1, (1, 32)), nn.Conv1d(1, 2, 3),
-                                  nn.Flatten(), nn.Linear(60, 10)),
+    with pytest.raises(ConfigError, match=r"clipping.*bk clipping cannot clip the layers 3 \(Conv1d\)"):
+        train_local(nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Unflatten(1, (1, 32)),
+                                  nn.Conv1d(1, 2, 3, dilation=2), nn.Flatten(), nn.Linear(56, 10)),
                     x, y, config=TrainingConfig(local_epochs=1), dp=POLICY, clipping="bk")
     with pytest.raises(ConfigError, match="clipping.*auto, bk, ghost, ew"):
         train_local(_mlp(), x, y, config=TrainingConfig(local_epochs=1), dp=POLICY, clipping="fast")

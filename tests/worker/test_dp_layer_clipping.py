@@ -74,9 +74,9 @@ def test_bk_on_each_layer_type_equals_opacus_reference(kind: str, i: int) -> Non
     _check_against_opacus(lambda: build_model(spec, seed=4).train(), x[:2], y[:2], every_sample_clipped=True)
 
 
-def test_bk_forms_conv_per_sample_gradients_in_chunks_of_one_sample_too(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bk_forms_conv_and_embedding_norms_in_chunks_of_one_sample_too(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(layer_clipping, "CHUNK_FLOATS", 1)
-    for kind in ("Conv1d", "Conv3d", "ConvTranspose2d", "ConvTranspose3d"):
+    for kind in ("Conv1d", "Conv3d", "ConvTranspose2d", "ConvTranspose3d", "Embedding"):
         raw = NEW_LAYER_EXAMPLES[kind][0]
         spec = parse_model(raw)
         _check_against_opacus(lambda: build_model(spec, seed=1), _inputs(raw, 5, 2), torch.arange(5) % 3,

@@ -183,8 +183,11 @@ def _embedding_layer(module: nn.Module, weight: torch.Tensor | None, bias: torch
         return lambda factor: [torch.zeros_like(weight)]
     ids = torch.cat([a.reshape(n, -1).long() for a, _ in calls], dim=1)
     G = torch.cat([g.reshape(n, -1, width) for _, g in calls], dim=1)
-    same = ids.unsqueeze(2) == ids.unsqueeze(1)
-    norms2.add_((torch.bmm(G, G.transpose(1, 2)) * same).sum((1, 2)))
+    step = max(1, CHUNK_FLOATS // ids.shape[1] ** 2)  # T×T Gram matrices of `step` samples at a time
+    for lo in range(0, n, step):
+        chunk, g_chunk = ids[lo:lo + step], G[lo:lo + step]
+        same = chunk.unsqueeze(2) == chunk.unsqueeze(1)
+        norms2[lo:lo + step] += (torch.bmm(g_chunk, g_chunk.transpose(1, 2)) * same).sum((1, 2))
 
     def finish(factor: torch.Tensor) -> list[torch.Tensor]:
         scaled = (G * factor.view(-1, 1, 1)).reshape(-1, width)
