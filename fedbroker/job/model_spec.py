@@ -1,4 +1,5 @@
-"""Model specs: a list of layers from an allow-list (never code), validated into frozen objects.
+"""Model specs: a chain of layers (`layers`) or a graph of nodes (`nodes`, `blocks`: fedbroker.graph) from an
+allow-list (never code), validated into frozen objects.
 
 Validation infers every layer's output shape from the input shape, so a Linear whose `in_features` does not
 match what the previous layer produces is refused at submission, naming the field, rather than crashing a

@@ -158,6 +158,9 @@ def _probe_problems(dataset: str, model: ModelSpec, *,
     """A probe set the model cannot read (its samples are not the model's input, or it has more classes
     than the model has outputs) would fail every round that reads it (the GA's, FLTrust's): refuse it at
     submission."""
+    if dataset and model.is_graph:  # the probe runs a chain's layers in numpy (aggregators/selection/probe.py)
+        return [ConfigError(field, f"{dataset!r} is read by a probe that runs a chain of layers (model.layers); "
+                                   f"this model is a graph (model.nodes)")]
     if not dataset or not model.layers:
         return []
     try:

@@ -298,5 +298,22 @@ def test_a_graph_job_is_refused_what_only_chains_support_yet():
     text = str(caught.value)
     assert "aggregation.alignment: pfnm cannot align this model: alignment matches the units of a chain" in text
     assert "data.standardize: federated puts the agreed standardize layer in front of a chain" in text
-    job["aggregation"]["alignment"], job["data"] = "none", {"standardize": "none"}
+    job["aggregation"] = {"alignment": "none", "weighting": "fedavg", "selection": "ga",
+                          "selection_params": {"m": 1, "fitness": "probe", "probe_dataset": "digits"}}
+    job["data"] = {"standardize": "none"}
+    with pytest.raises(ConfigError, match="a probe that runs a chain of layers"):
+        accept_job(job)
+    job["aggregation"] = {"alignment": "none", "weighting": "fedavg", "selection": "all"}
     assert accept_job(job).model.is_graph
+
+
+def test_an_instance_as_the_output_names_its_blocks_output_node():
+    raw = {"input_shape": [6], "blocks": {"mlp": {"params": ["w"], "nodes": {
+        "lin": {"type": "Linear", "in_features": "$w", "out_features": "$w"},  # no inputs: the block's input
+        "act": {"type": "Tanh"}}}},
+        "nodes": {"first": {"block": "mlp", "w": 6}, "last": {"block": "mlp", "w": 6}}}
+    spec = parse_model(raw)
+    assert spec.output == "last.act" and spec.output_shape == (6,)
+    assert [(n.name, n.inputs) for n in spec.nodes] == [
+        ("first.lin", ("input",)), ("first.act", ("first.lin",)), ("last.lin", ("first.act",)),
+        ("last.act", ("last.lin",))]

@@ -3,6 +3,7 @@ the model is built or any ε is spent."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,24 @@ def test_limits_in_the_worker_file_are_checked(tmp_path: Path):
         load_config(str(path))
     path.write_text("worker:\n  limits: {max_parameters: 5000000, max_activation_bytes: 1048576}\n", encoding="utf-8")
     assert load_config(str(path)).worker.limits == LimitsSection(max_parameters=5_000_000, max_activation_bytes=1 << 20)
+
+
+def test_a_hostile_graph_sent_by_the_server_is_refused_by_the_workers_own_checks():
+    """A lying coordinator or service can skip its own validation; each worker parses the spec again, with the
+    same bounds (a block bomb is counted before it is expanded), before it builds anything."""
+    blocks = {"l0": {"nodes": {f"n{i}": {"type": "ReLU"} for i in range(10)}}}
+    blocks.update({f"l{k}": {"nodes": {f"i{i}": {"block": f"l{k - 1}"} for i in range(10)}} for k in range(1, 12)})
+    bomb = {"input_shape": [4], "blocks": blocks, "nodes": {"body": {"block": "l11"}}}
+    with pytest.raises(ValueError, match="the global model 3 cannot be built: model.nodes: expands to more than"):
+        global_model.build_global((3, json.dumps(bomb), {}))
+
+
+def test_weights_of_another_graph_are_refused_naming_the_tensor():
+    spec = parse_model(GRAPH)
+    weights = initial_weights(spec, seed=0)
+    weights["conv.weight"] = weights["conv.weight"][:2]
+    with pytest.raises(ValueError, match="tensor 'conv.weight' has shape"):
+        global_model.build_global((1, spec.to_json(), weights))
+    del weights["head.bias"]
+    with pytest.raises(ValueError, match=r"missing \['head.bias'\]"):
+        global_model.build_global((1, spec.to_json(), weights))
