@@ -38,8 +38,8 @@ from typing import Any, Literal
 
 from fedbroker.errors import ConfigError
 from fedbroker.layers.base import LayerType, Params, Shape, ShapeProblem
+from fedbroker.layers.monai_pins import MONAI_VERSION as MONAI_VERSION
 
-MONAI_VERSION = "1.6.1"
 # one library node may hold at most this many weights (DenseNet-121 holds 7 M, ResNet-34 21 M, ViT-B/16 86 M)
 MAX_LIBRARY_PARAMETERS = 100_000_000
 MAX_CHANNELS = 1024
@@ -181,9 +181,6 @@ DENSENET121 = Architecture(
 
 
 # ----- monai.ResNet (resnet18 / resnet34) --------------------------------------------------------------
-
-RESNET_LAYERS = {18: (2, 2, 2, 2), 34: (3, 4, 6, 3)}
-RESNET_WIDTHS = (64, 128, 256, 512)
 
 
 def _resnet_output(p: Params, shape: Shape) -> Shape | ShapeProblem:

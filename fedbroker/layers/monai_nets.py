@@ -20,7 +20,7 @@ from monai.networks.nets.vit import ViT
 from torch import nn
 
 from fedbroker.errors import ConfigError
-from fedbroker.layers.library import MONAI_VERSION, RESNET_LAYERS, RESNET_WIDTHS
+from fedbroker.layers.monai_pins import MONAI_VERSION, RESNET_LAYERS, RESNET_WIDTHS
 
 Shape = tuple[int, ...]
 
