@@ -12,6 +12,7 @@ from torch import nn
 from fedbroker.graph.nodes import MERGES
 from fedbroker.job.spec import ModelSpec
 from fedbroker.layers import LAYERS
+from fedbroker.layers.library import ARCHITECTURES
 from fedbroker.layers.modules import BUILDERS
 
 
@@ -47,6 +48,10 @@ def build_layer(kind: str, params: Mapping[str, Any]) -> nn.Module:
         raise ValueError(f"no builder for layer type {kind!r}")
     if kind in BUILDERS:
         return BUILDERS[kind](params)
+    if kind in ARCHITECTURES:  # a library network: MONAI builds it (MONAI imported only for such a model)
+        from fedbroker.layers.monai_nets import build as build_library
+
+        return build_library(kind, params)
     name = LAYERS[kind].torch_class
     torch_class: type[nn.Module] = _OWN_MODULES.get(name) or getattr(nn, name)
     return torch_class(**params)

@@ -55,11 +55,25 @@ def check_param(errors: Collector, where: str, param: Param, value: Any) -> Any:
     return value
 
 
+def check_whole(errors: Collector, at: str, kind: str, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The parameters of a layer type that checks them as a whole (a library architecture), problems collected
+    at `at.<name>`."""
+    check = LAYERS[kind].check_params
+    assert check is not None
+    params, problems = check(raw)
+    for key, problem in problems:
+        errors.add(f"{at}.{key}", problem)
+    return params
+
+
 def layer_params(errors: Collector, at: str, kind: str, raw: Mapping[str, Any],
                  *, skip: frozenset[str] = frozenset({"type"}), later: frozenset[str] = frozenset()) -> dict[str, Any]:
     """A layer's parameters from `raw` (its keys but `skip`), each checked and defaulted by the layer table;
     unknown and missing parameters are collected at `at.<name>`. `later` names parameters a block instance
     gives (checked then, by `check_param`). `kind` must be in LAYERS."""
+    if LAYERS[kind].check_params is not None:  # a library architecture: checked whole, once its values are known
+        given = {k: v for k, v in raw.items() if k not in skip}
+        return given if later else check_whole(errors, at, kind, given)
     allowed = LAYERS[kind].params
     params: dict[str, Any] = {}
     for key in sorted((set(raw) | later) - skip - set(allowed)):

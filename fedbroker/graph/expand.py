@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fedbroker.graph.checks import Collector, check_param, show
+from fedbroker.graph.checks import Collector, check_param, check_whole, show
 from fedbroker.graph.declare import Decl, Scope, declare_nodes, placeholder, signature
 from fedbroker.graph.nodes import INPUT, MAX_BLOCK_DEPTH, MAX_NODES, NodeSpec, name_problem
 from fedbroker.layers import LAYERS
@@ -156,9 +156,12 @@ def _substituted(errors: Collector, at: str, decl: Decl, args: Mapping[str, Any]
         found, key = None, None
     if found is not None:
         return found
-    table = LAYERS[decl.type].params
-    params = {k: _given(errors, f"{at}.{k}", decl, k, args) if k in decl.later else decl.fixed[k]
-              for k in table if k in decl.fixed or k in decl.later}
+    if LAYERS[decl.type].check_params is not None:  # a library node: checked whole, once its values are given
+        params = check_whole(errors, at, decl.type, {**decl.fixed, **{k: args[n] for k, n in decl.later.items()}})
+    else:
+        table = LAYERS[decl.type].params
+        params = {k: _given(errors, f"{at}.{k}", decl, k, args) if k in decl.later else decl.fixed[k]
+                  for k in table if k in decl.fixed or k in decl.later}
     if key is not None:
         made[key] = params
     return params

@@ -126,11 +126,15 @@ def _scaled(value: int, base: int, unit: str, infix: str) -> str:
     return f"{value:,} {unit.strip()}" if not prefix else f"{size:.3g} {prefix}{unit.strip() if unit.startswith(' ') else unit}"
 
 
-def node_flops(node: NodeSpec, out: Shape) -> int:
+def node_flops(node: NodeSpec, out: Shape, source: Shape | None = None) -> int:
     """A node's forward FLOPs for one sample: a node with weights costs 2 × its weights' elements × its
     output's positions (every axis after the channel axis) — a multiply and an add per weight per position,
     exact for Linear and Conv; every node adds one per output value (bias, activation, normalisation,
-    merge), a pool kernel_size² per output value."""
+    merge), a pool kernel_size² per output value. A layer type with its own count (a library network, whose
+    weights act at many resolutions) gives it from its input shape `source`."""
+    own = LAYERS[node.type].flops if node.type in LAYERS else None
+    if own is not None and source is not None:
+        return own(node.params, source)
     elements = math.prod(out)
     if node.type in ("add", "concat"):
         return elements
@@ -145,5 +149,5 @@ def bounds(nodes: Sequence[NodeSpec], shapes: Mapping[str, Shape]) -> Bounds:
     """The bounds of a graph whose shapes `infer` found in full."""
     parameters = sum(LAYERS[n.type].parameter_count(n.params) for n in nodes if n.type in LAYERS)
     activations = math.prod(shapes["input"]) + sum(math.prod(shapes[n.name]) for n in nodes)
-    flops = sum(node_flops(n, shapes[n.name]) for n in nodes)
+    flops = sum(node_flops(n, shapes[n.name], shapes[n.inputs[0]] if n.inputs else None) for n in nodes)
     return Bounds(parameters, FLOAT32_BYTES * activations, flops)

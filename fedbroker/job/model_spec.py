@@ -196,7 +196,7 @@ def _parse_graph(raw: Mapping[str, Any], shape: Any, errors: Collector, where: s
             errors.raise_if_any()
         return ModelSpec((), ())
     spec = ModelSpec(tuple(shape), (), graph.nodes, graph.output, graph.written)
-    infer(spec.nodes, spec.input_shape, errors, where)  # what the output must be is the job's task's rule
+    infer(spec.nodes, spec.input_shape, errors, where)  # what the output must be is the job task's rule, not the graph's
     if own:
         errors.raise_if_any()
     return spec if len(errors.errors) == errors_before else ModelSpec((), ())

@@ -108,6 +108,11 @@ class LayerType:
     # how DP training clips this layer's per-sample gradients (the docs' table; the worker decides for real):
     # "none" (no weights), "bk" (our one-pass clipping), "opacus" (Opacus's grad samplers inside bk's pass)
     dp: Literal["none", "bk", "opacus"] = "none"
+    # a layer type whose parameters are checked as a whole, by their own rules, instead of `params` (a library
+    # architecture, fedbroker.layers.library): raw parameters -> (kept parameters, [(parameter, problem)])
+    check_params: Callable[[Mapping[str, Any]], tuple[dict[str, Any], list[tuple[str, str]]]] | None = None
+    # a layer type whose forward FLOPs per sample no general rule gives (a library network): (params, input shape)
+    flops: Callable[[Params, Shape], int] | None = None
     # the aggregation side's numpy forward pass (a probe set's: the GA's fitness, FLTrust) computes this layer
     probe_forward: bool = False
 

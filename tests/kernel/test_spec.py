@@ -14,6 +14,7 @@ from fedbroker.job.submission import accept_job, accept_job_text
 from fedbroker.layers import LAYERS
 from fedbroker.model import build_model
 from tests.layer_examples import NEW_LAYER_EXAMPLES
+from tests.library_examples import LIBRARY_EXAMPLES
 
 GOOD = {
     "name": "digits-mlp",
@@ -165,6 +166,7 @@ LAYER_EXAMPLES = {
 }
 for _kind, _models in NEW_LAYER_EXAMPLES.items():  # "Linear on a sequence" is more Linear
     LAYER_EXAMPLES.setdefault(_kind.split()[0], []).extend(_models)
+LAYER_EXAMPLES.update(LIBRARY_EXAMPLES)
 
 
 def test_every_layer_type_has_an_example():

@@ -158,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fedbroker.app.demo import DemoOptions
     from fedbroker.app.jobs import add_parser as add_jobs_parser
     from fedbroker.app.ledger import add_parser as add_ledger_parser
+    from fedbroker.app.models import add_parser as add_models_parser
     from fedbroker.app.new import add_parser as add_new_parser
     from fedbroker.app.provision.command import add_parser as add_provision_parser
     from fedbroker.app.simulate_cli import add_simulate
@@ -179,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_audit(sub, defaults)
     add_submit_parser(sub)
     _add_client_verbs(sub)
+    add_models_parser(sub)
     add_simulate(sub)
     add_teardown_parser(sub)
     add_jobs_track(add_jobs_parser(sub))

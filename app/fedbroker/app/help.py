@@ -12,7 +12,7 @@ import textwrap
 DESCRIPTION = "fedbroker: federated learning over RabbitMQ, with differential privacy at every site."
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("try it on this machine", ("demo", "new", "simulate", "audit")),
-    ("submit and follow jobs", ("submit", "status", "jobs")),
+    ("submit and follow jobs", ("submit", "status", "jobs", "models")),
     ("run a federation", ("provision", "token", "aggregator", "coordinator", "worker", "teardown")),
     ("operate", ("workers", "sites", "ledger", "backup", "restore", "broker")),
 )

@@ -57,6 +57,11 @@ if TYPE_CHECKING:  # named for the type checker only: importing them imports Opa
 _Optimizer = TypeVar("_Optimizer", bound="DPOptimizer")
 
 GRAD_SAMPLE_MODE = "ew"
+# Layers whose per-sample gradients torch's ExpandedWeights forms. A model with a trainable parameter elsewhere (a
+# library network's ConvTranspose or PReLU, a ViT's class token) gets Opacus's "hooks" mode instead, whose
+# samplers fall back to torch.func for a module they do not know: slower, the same gradients.
+EW_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.GroupNorm, nn.LayerNorm,
+             nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 CLIPPING_MODES = ("auto", "bk", "ghost", "ew")
 # "ghost" (for models "bk" cannot clip): layers Opacus's fast gradient clipping handles with its own samplers (norms of Linear's per-sample
 # gradients without forming them; Conv2d's and GroupNorm's formed one layer at a time and dropped).
@@ -112,6 +117,15 @@ def ghost_supported(model: nn.Module) -> bool:
     return all(count == 1 for count in owners.values())
 
 
+def grad_sample_mode(model: nn.Module) -> str:
+    """Opacus's per-sample mode for "ew" clipping: GRAD_SAMPLE_MODE where ExpandedWeights knows every trained
+    layer (EW_LAYERS), else "hooks"."""
+    for module in model.modules():
+        if any(p.requires_grad for p in module.parameters(recurse=False)) and type(module) not in EW_LAYERS:
+            return "hooks"
+    return GRAD_SAMPLE_MODE
+
+
 def check_supported(model: nn.Module, mode: str) -> None:
     """Refuse, before any step, a clipping mode asked for a model it cannot clip."""
     if mode == "bk" and not one_pass_clipping.supported(model):
@@ -121,9 +135,6 @@ def check_supported(model: nn.Module, mode: str) -> None:
                           + ": it needs every parameter in one unshared layer of "
                           f"{', '.join(t.__name__ for t in one_pass_clipping.LAYERS)} (convolutions ungrouped, "
                           "zero-padded), Conv1d/3d, ConvTranspose2d/3d (undilated), Embedding or an Opacus DP layer")
-    if mode == "ew" and (nodes := layer_clipping.ew_unclippable(model)):
-        raise ConfigError("clipping", f"ew clipping cannot clip the layers {', '.join(nodes)}: torch's "
-                          "ExpandedWeights has no per-sample rule for transposed convolutions; use bk")
     if mode == "ghost" and not ghost_supported(model):
         raise ConfigError("clipping", "ghost clipping needs a model whose parameters all sit in unshared "
                           f"{', '.join(t.__name__ for t in GHOST_LAYERS)} layers")
@@ -189,7 +200,7 @@ def dp_engine(
         # The summed loss's per-sample gradients are the per-sample gradients themselves; the mean loss's
         # would be multiplied back by the batch size, one more pass over batch × parameters floats.
         # FlatDPOptimizer averages by the expected batch size either way.
-        wrapped = prepare_module(work, grad_sample_mode=GRAD_SAMPLE_MODE, batch_first=True, loss_reduction="sum")
+        wrapped = prepare_module(work, grad_sample_mode=grad_sample_mode(work), batch_first=True, loss_reduction="sum")
         wrapped.forbid_grad_accumulation()
         dp_optimizer = noised(FlatDPOptimizer)
 

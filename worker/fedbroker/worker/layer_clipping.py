@@ -85,13 +85,6 @@ def unclippable(model: nn.Module, known: tuple[type[nn.Module], ...]) -> list[st
             if own_parameters(m) and type(m) not in known and not handles(m)]
 
 
-def ew_unclippable(model: nn.Module) -> list[str]:
-    """'name (Type)' of the trained layers torch's ExpandedWeights (the "ew" mode) cannot differentiate per sample:
-    it has no rule for conv_transpose."""
-    return [f"{name or 'the model'} ({type(m).__name__})" for name, m in model.named_modules()
-            if isinstance(m, nn.ConvTranspose2d | nn.ConvTranspose3d) and own_parameters(m)]
-
-
 def rule(module: nn.Module) -> Rule:
     """The rule for a layer `handles` accepts."""
     if isinstance(module, _CONV):
