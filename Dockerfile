@@ -28,6 +28,8 @@ COPY aggregators /src/aggregators
 COPY app /src/app
 # installed as fedbroker.k8s_base: the base `fedbroker provision` copies into a server kit
 COPY deploy/k8s/base /src/deploy/k8s/base
+# the model catalogue (`fedbroker models list|show`) ships in the package as fedbroker.model_catalogue
+COPY examples/models /src/examples/models
 RUN pip install --no-deps /src
 
 FROM ${PYTHON_IMAGE}

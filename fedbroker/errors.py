@@ -172,3 +172,12 @@ class Unroutable(BusError):
     one appear, so a publisher treats it as final, not as an outage."""
 
     reason = "unroutable"
+
+
+class AddressTaken(OSError):
+    """A service could not bind its listen address: another process holds the port (services bind exclusively,
+    never sharing a port), or the address is not one of this host's."""
+
+    def __init__(self, message: str, *, address: str) -> None:
+        super().__init__(message)
+        self.address = address

@@ -14,6 +14,7 @@ No torch here: the kernel checks a task at submission; the losses are `fedbroker
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -143,6 +144,20 @@ def parse_task(raw: Any, errors: list[ConfigError]) -> TaskConfig:
     problems.extend(task_problems(candidate))
     errors.extend(problems)
     return TaskConfig() if problems else TaskConfig(**{**values, "type": kind})
+
+
+def stored_task(spec_json: str) -> TaskConfig:
+    """The task section alone of a job as its record stores it (the job's JSON): a site's evaluation report needs
+    the task to be checked, not a second parse of the whole job per report."""
+    try:
+        raw = json.loads(spec_json)
+    except ValueError as exc:
+        raise ConfigError("task", f"the stored job is not JSON: {exc}") from None
+    errors: list[ConfigError] = []
+    task = parse_task(raw.get("task") if isinstance(raw, dict) else None, errors)
+    if errors:
+        raise errors[0]
+    return task
 
 
 def expected_output(task: TaskConfig, output: tuple[int, ...], input_shape: tuple[int, ...]) -> str:

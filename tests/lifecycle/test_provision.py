@@ -420,7 +420,7 @@ def test_a_site_kit_says_how_to_install_fedbroker_from_its_source(kits):
 
 PACKAGE_SOURCES = ("pyproject.toml", "README.md", "MANIFEST.in", "requirements.txt", "requirements-dev.txt",
                    "requirements-tracking.txt", "app",
-                   "fedbroker", "aggregators", "coordinator", "worker", "proto", "deploy/k8s/base")
+                   "fedbroker", "aggregators", "coordinator", "worker", "proto", "deploy/k8s/base", "examples/models")
 
 
 def _no_fedbroker_settings() -> dict[str, str]:

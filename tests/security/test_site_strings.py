@@ -63,7 +63,14 @@ def with_text(message: Message, path: tuple[FieldDescriptor, ...], text: str) ->
     out = type(message)()
     out.CopyFrom(message)
     target: Any = out
-    for field in path[:-1]:
+    for i, field in enumerate(path[:-1]):
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            entries, value = getattr(target, field.name), field.message_type.fields_by_name["value"]
+            if path[i + 1].name == "key":  # the forged text as a key (map<string, double>: a site's named sums)
+                entries[text] = value.default_value
+            else:                          # a map of strings: the forged text as a value
+                entries["k"] = text
+            return out
         target = getattr(target, field.name).add() if field.is_repeated else getattr(target, field.name)
     last = path[-1]
     if last.is_repeated:

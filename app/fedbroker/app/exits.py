@@ -19,7 +19,7 @@ from typing import NoReturn
 
 import grpc
 
-from fedbroker.errors import BusError, ConfigError, FedbrokerError, NotFound
+from fedbroker.errors import AddressTaken, BusError, ConfigError, FedbrokerError, NotFound
 
 OK, REFUSED, USAGE = 0, 1, 2
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
@@ -50,13 +50,19 @@ def classify(exc: BaseException, *, broker_url: str = "") -> tuple[int, str, str
         return REFUSED, _origin(exc), str(exc)
     if isinstance(exc, TimeoutError):
         return REFUSED, "system", str(exc) or "timed out"
-    if isinstance(exc, OSError):  # a path given on the command line or in a config, a port to bind
+    if isinstance(exc, AddressTaken):  # a port to bind: the operator's setting to change
+        return USAGE, "config", _taken(exc.address)
+    if isinstance(exc, OSError):  # a path given on the command line or in a config
         return USAGE, "file" if exc.filename else "system", _os_message(exc)
     bind = re.match(r"Failed to bind to address (\S+?);", str(exc)) if isinstance(exc, RuntimeError) else None
     if bind:  # grpc's only word for a port in use: a RuntimeError
-        return USAGE, "config", (f"cannot listen on {bind.group(1)}: the port is taken, or the address is not one of "
-                                 f"this host's; choose another (--listen, or the service's `listen` setting)")
+        return USAGE, "config", _taken(bind.group(1))
     return None
+
+
+def _taken(address: str) -> str:
+    return (f"cannot listen on {address}: the port is taken, or the address is not one of this host's; choose "
+            f"another (--listen, or the service's `listen` setting)")
 
 
 def _origin(exc: FedbrokerError) -> str:

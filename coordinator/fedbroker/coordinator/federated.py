@@ -36,8 +36,8 @@ from fedbroker.coordinator.store_evaluation import EvaluationVerdict
 from fedbroker.errors import ConfigError
 from fedbroker.federated_evaluation import Scored, due, early_stop
 from fedbroker.job.settings import task_message
-from fedbroker.job.spec import job_from_json
 from fedbroker.job.status import EvaluationStatus, ParticipantStatus, RoundStatus
+from fedbroker.job.task import stored_task
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.tasks.scores import sums_problems
 
@@ -122,7 +122,7 @@ def _sums_problems(store: StateStore, r: pb.EvaluationReport) -> list[str]:
     if record is None:
         return []  # no such job: refused as not asked by the store
     try:
-        task = job_from_json(record.spec_json).task
+        task = stored_task(record.spec_json)
     except ConfigError:
         return []
     if not r.sums:

@@ -421,6 +421,7 @@ class WorkerAgent:
         metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in global_model[2].values()))
         installed = self.job_settings.get(task.job_id)  # held for every task `run_task` trains
         plan = installed.plan if installed is not None else ModelPlan()
+        job_task = installed.task if installed is not None else TaskConfig()
         try:
             spec, model = build_global(global_model, plan, limits=self.config.limits,  # over them: refused
                                        start_digest=installed.start_digest if installed is not None else "")
@@ -428,7 +429,7 @@ class WorkerAgent:
             frozen = alignment_plan(spec).frozen_in_round(task.round) if layerwise else frozenset()
         except ValueError as exc:
             raise _PoisonTask(str(exc)) from None
-        self.check_data_fits(spec, self.job_settings.held(task.job_id).task)
+        self.check_data_fits(spec, job_task)
         self.sharing.check_model(spec)  # its preprocessing against data.standardize
 
         def give_up_at_deadline(step: int, total: int) -> None:
@@ -442,7 +443,7 @@ class WorkerAgent:
                              history=self.ledger.history(task.job_id), device=self.device,
                              seed=self._training_seed(task), progress=give_up_at_deadline,
                              physical_batch_size=self.config.physical_batch_size or None, frozen=frozen,
-                             task=self.job_settings.held(task.job_id).task)
+                             task=job_task)
         if result.epsilon is not None:  # spent once trained, whether or not the upload succeeds
             self.ledger.record(task.job_id, history=result.history, epsilon=result.epsilon)
             self.send_heartbeat()  # the coordinator's picture of our budget, fresh before this round closes
