@@ -93,6 +93,11 @@ experiment-async: $(STAMP)
 experiment-robust: $(STAMP)
 	$(PY) -m experiments.robust_poisoning
 
+# the catalogue's ResNet-18, U-Net, LSTM and Transformer end to end: real processes over RabbitMQ, DP on, download
+.PHONY: experiment-catalogue
+experiment-catalogue: $(STAMP)
+	$(PY) -m experiments.catalogue_e2e
+
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto --grpc_python_out=proto proto/fedbroker/proto/fedbroker.proto
 

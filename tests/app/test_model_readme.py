@@ -113,3 +113,33 @@ def test_the_readmes_snippet_applies_the_models_own_standardisation_to_raw_rows(
     standardised = (raw - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
     expected = linear(torch.from_numpy(standardised)).detach().numpy()
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_graph_model_names_the_nodes_reading_its_input_and_an_embedding_says_it_takes_token_ids() -> None:
+    graph = {"input_shape": [12], "nodes": {
+        "embed": {"type": "Embedding", "num_embeddings": 300, "embedding_dim": 8},
+        "flat": {"type": "Flatten"}, "head": {"type": "Linear", "in_features": 96, "out_features": 2}}}
+    section = input_section(json.dumps(graph), "{}")
+    assert "its first layer is `Embedding` (node `embed`)" in section
+    assert "token ids" in section and "[0, 300)" in section
+    assert "its first layer is `Flatten`)" in input_section(json.dumps(PLAIN), "{}")
+
+
+@pytest.mark.parametrize(("task", "outputs", "expected"), [
+    ({"type": "segmentation", "classes": 3}, 3, ["3 class scores (logits) per pixel", "shape [3, 8, 8]",
+                                                 "`model(x).argmax(dim=1)` (shape [batch, 8, 8])"]),
+    ({"type": "multilabel", "labels": 4}, 4, ["4 scores (logits), one per label", "sigmoid()"]),
+    ({"type": "regression", "loss": "huber"}, 1, ["1 predicted value(s)", "Huber loss"]),
+])
+def test_each_task_says_how_to_read_the_models_outputs(task: dict[str, object], outputs: int,
+                                                       expected: list[str]) -> None:
+    from fedbroker.app.model_readme import output_section
+
+    if task["type"] == "segmentation":
+        spec = {"input_shape": [1, 8, 8], "nodes": {"conv": {"type": "Conv2d", "in_channels": 1, "out_channels": 3,
+                                                             "kernel_size": 3, "padding": 1}}}
+    else:
+        spec = {"input_shape": [5], "layers": [{"type": "Linear", "in_features": 5, "out_features": outputs}]}
+    section = output_section(json.dumps(spec), json.dumps({"task": task}))
+    for phrase in expected:
+        assert phrase in section, section

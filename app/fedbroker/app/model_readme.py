@@ -53,11 +53,32 @@ def input_section(model_spec_json: str, job_spec_json: str) -> str:
         "## What the model takes\n\n"
         f"One sample of shape {shape} ({features} features once flattened), **exactly as the sites' loaders "
         "produced it for training**: the model applies no preprocessing of its own (its first layer is "
-        f"`{layers[0].get('type') if layers else '-'}`).\n\n"
+        f"{_first_layers(spec)}).\n\n"
         f"- {OWN_FILES}. A site with `worker.data.standardize: site` z-scored its data with its own mean and std, "
         "which never left it: such a model cannot be applied to raw rows reproducibly (a job with "
         "`data.standardize: federated` carries its standardisation in the model).\n"
         f"- The bundled sets: {_bundled(evaluation)}.\n")
+
+
+def _first_layers(spec: dict[str, Any]) -> str:
+    """The layer(s) reading the model's input, by type (and node name in a graph); for an Embedding, what its
+    input values are. A spec this release cannot read gives its first written layer's type, or '-'."""
+    from fedbroker.job.spec import parse_model
+
+    try:
+        model = parse_model(spec)
+    except ValueError:
+        layers = spec.get("layers") or []
+        return f"`{layers[0].get('type') if layers else '-'}`"
+    first = [n for n in model.nodes if "input" in n.inputs]
+    if not first:
+        return "`-`"
+    named = ", ".join(f"`{n.type}`" if model.layers else f"`{n.type}` (node `{n.name}`)" for n in first)
+    tokens = [n for n in first if n.type == "Embedding"]
+    if tokens:
+        named += (f"; an Embedding reads **token ids**: whole numbers in [0, {tokens[0].params['num_embeddings']}), "
+                  "as float32 (exact below 2^24) or as an integer tensor")
+    return named
 
 
 def _bundled(evaluation: str) -> str:
@@ -74,10 +95,36 @@ def _classification_outputs(outputs: list[int], task: Any) -> str:
             "cross-entropy).\n")
 
 
+def _multilabel_outputs(outputs: list[int], task: Any) -> str:
+    labels = outputs[-1] if outputs else 0
+    return (f"The head is the model's output node: **{labels} scores (logits), one per label**, per sample, each "
+            "independent of the others. A label's probability is `model(x).sigmoid()`; a label is present where "
+            "it is above your threshold (0.5 matches the training loss; multilabel, trained with binary "
+            "cross-entropy with logits, averaged over the labels).\n")
+
+
+def _regression_outputs(outputs: list[int], task: Any) -> str:
+    loss = (task.get("loss") if isinstance(task, dict) else None) or "mse"
+    return (f"The head is the model's output node: **{outputs[-1] if outputs else 0} predicted value(s)** per "
+            "sample, `model(x)`, in the units of the sites' targets as their files held them (regression, "
+            f"trained with {'Huber loss' if loss == 'huber' else 'squared error'}; no output scaling).\n")
+
+
+def _segmentation_outputs(outputs: list[int], task: Any) -> str:
+    classes, spatial = (outputs[0], outputs[1:]) if outputs else (0, [])
+    return (f"The head is the model's output node: **{classes} class scores (logits) per pixel**, shape "
+            f"{outputs} per sample ({classes} classes, class 0 the background, over the input's spatial size "
+            f"{spatial}). The predicted mask is `model(x).argmax(dim=1)` (shape [batch, {', '.join(map(str, spatial))}]"
+            "); per-pixel class probabilities are `model(x).softmax(dim=1)` (segmentation, trained with per-pixel "
+            "cross-entropy plus soft Dice per image).\n")
+
+
 # How to read a model's outputs, per task (a job's `task:` section; none: single-label classification). A task
 # gets its README text by adding one function here: (output shape without the batch axis, the job's task
 # section as the job wrote it) -> markdown.
-OUTPUT_SECTIONS: dict[str, Callable[[list[int], Any], str]] = {"classification": _classification_outputs}
+OUTPUT_SECTIONS: dict[str, Callable[[list[int], Any], str]] = {
+    "classification": _classification_outputs, "multilabel": _multilabel_outputs,
+    "regression": _regression_outputs, "segmentation": _segmentation_outputs}
 
 
 def output_section(model_spec_json: str, job_spec_json: str) -> str:
