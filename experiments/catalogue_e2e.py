@@ -264,7 +264,7 @@ def snippet_outputs(folder: Path, x: np.ndarray) -> np.ndarray:
                          env={**os.environ, "PYTHONPATH": PYTHONPATH})
     if run.returncode != 0:
         raise RuntimeError(f"the README snippet failed:\n{run.stderr[-3000:]}")
-    return np.asarray(np.load(folder / "out.npy"))
+    return np.asarray(np.load(folder / "out.npy", allow_pickle=False))
 
 
 def run_model(setting: Setting, tmp: Path) -> Row:
@@ -308,7 +308,7 @@ def run_model(setting: Setting, tmp: Path) -> Row:
         row.metric, row.final_metric = last.get("federated_metric") or "", last.get("federated_accuracy")
         out = tmp / "download"
         fed.cli("jobs", "download", job_id, "--out", str(out))
-        x = np.load(data[SITES[0]])["x"][:SAMPLE]
+        x = np.load(data[SITES[0]], allow_pickle=False)["x"][:SAMPLE]
         got, expected = snippet_outputs(out, x), served_outputs(tmp / "state", job_id, x)
         row.max_abs_diff = float(np.max(np.abs(got - expected))) if got.shape == expected.shape else None
         row.download_ok = row.max_abs_diff is not None and bool(np.allclose(got, expected, rtol=TOLERANCE,
