@@ -235,6 +235,14 @@ class DataSection:
     # (segmentation: npz y (N, H, W) matching x's spatial size).
     labels: str = "class"
     label_columns: tuple[str, ...] = ()  # csv, parquet: several label columns (multilabel, several targets)
+    # Files on the site's disk (worker.dataset images | nifti | dicom; fedbroker.datasets.images, .volumes): `path` is
+    # the folder of images or volumes, read a batch at a time (fedbroker.datasets.stream), never all at once.
+    labels_csv: str = ""               # images: a CSV naming each file (`file_column`) and its label column(s)
+    file_column: str = "file"          # images: the labels CSV's column of file names, relative to `path`
+    masks: str = ""                    # images, nifti, dicom: the folder of masks, paired with the images by file name
+    slices: str = ""                   # nifti, dicom: "" trains on whole volumes; axial | coronal | sagittal on slices
+    cache: str = ""                    # a folder to keep decoded samples in (the owner's switch); "" = decode each time
+    memory_mib: int = 2048             # the most memory the decoded samples may take at once (batches and cache)
 
     def __post_init__(self) -> None:
         if self.labels not in LABEL_KINDS:
