@@ -48,6 +48,11 @@ class InstalledJob:
     plan: ModelPlan = dataclasses.field(default_factory=ModelPlan)  # what trains (fedbroker.weights.plan); the default: every tensor
     start_digest: str = ""            # the start weights' canonical digest ("" = a seeded random draw)
 
+    @property
+    def pipeline(self) -> DataPipeline | None:
+        """The job's data pipeline (data.preprocess/augment/expect); None when it has none (today's behaviour)."""
+        return self.data.pipeline if self.data.pipeline != DataPipeline() else None
+
 
 def settings_message(job_id: str, job: JobSpec, *, start_digest: str = "") -> pb.JobSettings:
     """The settings of an accepted job, as they travel (built once, where the job was parsed); `start_digest`:
