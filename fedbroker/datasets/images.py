@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import csv
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ from fedbroker.datasets.owned import MAX_CLASSES, class_indices, number
 from fedbroker.datasets.stream import FileSamples
 from fedbroker.datasets.tables import _Lines, _rows
 from fedbroker.errors import ConfigError, ConfigErrors
+
+log = logging.getLogger(__name__)
 
 PROGRESS_FROM = 2_000  # files: a folder this large shows a progress bar (stderr) while its files are decoded
 _SHOWN = 5             # files named per kind of problem; the rest are counted
@@ -319,12 +322,16 @@ def _check_mask(path: str, image: Header, num_classes: int, problems: _Problems)
 
 
 def _reader(read: Callable[[str], np.ndarray], setting: str) -> Callable[[str], np.ndarray]:
+    """`read`, for a batch mid-job. A file that fails now passed at start, so it changed since: the site's log
+    names it, the error does not, for the error may leave the site as a task's failure reason and a file's
+    name can be a patient's."""
     def read_one(path: str) -> np.ndarray:
         try:
             return read(path)
-        except Bad as bad:  # checked at start: the file changed since
-            raise ConfigError(setting, f"{path} changed since the worker started: {bad.kind}"
-                                       + (f" ({bad.detail})" if bad.detail else "")) from None
+        except Bad as bad:
+            log.error("%s changed since the worker started: %s%s", path, bad.kind, f" ({bad.detail})" * bool(bad.detail))
+            raise ConfigError(setting, f"a file changed since the worker started ({bad.kind}); the site's log names "
+                                       f"it") from None
     return read_one
 
 
