@@ -28,6 +28,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 from tqdm import tqdm
@@ -127,12 +128,9 @@ def load_images(source: DataSection, *, most_files: int = MAX_FILES) -> Dataset:
     problems.raise_any()
     x = FileSamples([str(p) for p in paths], _read_image, sample_shape=shape)
     if source.labels == "mask":
-        labels: np.ndarray | FileSamples = FileSamples([str(m) for m in masks], _read_mask, sample_shape=shape[1:],
-                                                       dtype=np.int64)
-    else:
-        labels = y
-    return Dataset(x=x, y=labels, num_classes=num_classes, name="images",  # type: ignore[arg-type]
-                   labels=source.labels)
+        y = cast(np.ndarray, FileSamples([str(m) for m in masks], _read_mask, sample_shape=shape[1:], dtype=np.int64))
+    # FileSamples quacks like an array where a Dataset's users need it (fedbroker.datasets.stream)
+    return Dataset(x=cast(np.ndarray, x), y=y, num_classes=num_classes, name="images", labels=source.labels)
 
 
 def _folder_index(source: DataSection, most: int) -> _Index:
