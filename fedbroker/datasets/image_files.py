@@ -138,6 +138,8 @@ def _opened(path: str) -> Iterator[Image.Image]:
             raise Bad("decompression bombs (the header declares more pixels than Pillow allows)", str(exc)) from None
         except UnidentifiedImageError:
             raise Bad("not PNG or JPEG images") from None
+        except FileNotFoundError:
+            raise Bad("missing files") from None
         except PermissionError:
             raise Bad("unreadable files", "permission denied") from None
         except _BROKEN as exc:

@@ -81,10 +81,11 @@ class _Problems:
             shown.append(f"{place} ({bad.detail})" if bad.detail else place)
 
     def raise_any(self) -> None:
-        errors = [*self.errors]
+        errors = []
         for (setting, kind), shown in self.places.items():
             more = self.counts[(setting, kind)] - len(shown)
             errors.append(ConfigError(setting, f"{kind}: {'; '.join(shown)}" + (f" (and {more} more)" if more else "")))
+        errors.extend(self.errors)  # the labels' own checks, after the files'
         if errors:
             raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
 

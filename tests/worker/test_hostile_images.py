@@ -213,6 +213,23 @@ def test_every_problem_is_named_at_once_and_long_lists_are_counted(tmp_path):
     assert "missing5.png" not in str(error)
 
 
+def test_a_folder_mixing_grey_and_rgb_is_refused_naming_the_minority(tmp_path):
+    rgb = encoded(noise((8, 8, 3)), "PNG")
+    error = refused(folder(tmp_path, {"a.png": GOOD, "b.png": GOOD, "c.png": rgb}), "worker.data.path",
+                    "images with 3 channels among 2 with 1", "c.png")
+    assert "a.png" not in str(error)
+
+
+def test_bad_label_cells_are_named_with_the_bad_files_at_once(tmp_path):
+    config = folder(tmp_path, {"a.png": GOOD, "b.png": GOOD}, rows=[], labels="multilabel",
+                    label_columns=("effusion", "nodule"))
+    (tmp_path / "labels.csv").write_text("file,effusion,nodule\na.png,1,2\nb.png,x,0\ngone.png,0,1\n")
+    error = refused(config, "worker.data.path", "missing files", "line 4: 'gone.png'",
+                    "line 3, column 'effusion': 'x' is not a number",
+                    "multilabel labels must be 0 or 1", "line 2, column 'nodule'")
+    assert isinstance(error, ConfigErrors) and len(error.errors) == 3
+
+
 # ----- masks -----
 
 
