@@ -19,6 +19,7 @@ Masks: one channel of class indices (`1`, `L`, `P`: its indices, not its colours
 from __future__ import annotations
 
 import os
+import re
 import stat
 import struct
 import warnings
@@ -42,6 +43,7 @@ _GREY = {"1": 255.0, "L": 255.0, "LA": 255.0, "I;16": 65535.0, "I;16L": 65535.0,
 _COLOUR = {"RGB", "RGBA", "P", "PA"}
 _ALPHA = {"LA", "RGBA", "PA"}
 _MASK_MODES = {"1", "L", "P", "I;16", "I;16L", "I;16B", "I"}
+_DRIVE = re.compile(r"[A-Za-z]:[\\/]")  # C:\ or C:/ : an absolute Windows path in a CSV written there
 _BROKEN = (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error, IndexError)
 
 
@@ -99,7 +101,7 @@ def inside(folder_real: str, relative: str) -> str:
         raise Bad("an empty file name")
     if "\x00" in relative:
         raise Bad("a file name holding a NUL byte")
-    if os.path.isabs(relative) or relative.startswith(("/", "\\")) or (len(relative) > 1 and relative[1] == ":"):
+    if os.path.isabs(relative) or relative.startswith(("/", "\\")) or _DRIVE.match(relative):
         raise Bad("an absolute path (file names are relative to worker.data.path)")
     if ".." in relative.replace("\\", "/").split("/"):
         raise Bad("a path leaving the folder ('..')")

@@ -119,8 +119,8 @@ def load_images(source: DataSection, *, most_files: int = MAX_FILES) -> Dataset:
     if not index.names:
         raise ConfigError(CSV if source.labels_csv else PATH, f"{source.labels_csv or folder} holds no samples")
     problems = _Problems()
-    paths = _resolve(folder, index, source, problems, setting=PATH, suffix="")
-    masks = _resolve(source.masks, index, source, problems, setting=MASKS, suffix=MASK_SUFFIX) \
+    paths = _resolve(folder, index, source, problems, setting=PATH)
+    masks = _resolve(source.masks, index, source, problems, setting=MASKS, images=paths) \
         if source.labels == "mask" else []
     y, num_classes = _labels(index, source, problems)
     heads = _headers(paths, problems)
@@ -191,23 +191,33 @@ def _csv_index(source: DataSection, most: int) -> _Index:
 
 
 def _resolve(folder: str, index: _Index, source: DataSection, problems: _Problems, *, setting: str,
-             suffix: str) -> list[str | None]:
-    """Each sample's file in `folder` (its own name, or with `suffix` in place of its own: a mask), or None with
-    the problem noted: a path leaving the folder, a missing or unreadable file, a file named twice."""
+             images: list[str | None] | None = None) -> list[str | None]:
+    """Each sample's file in `folder`, or None with the problem noted: a path leaving the folder, a missing or
+    unreadable file, a file named twice. With `images` (their paths, None where refused) the masks of those
+    images: the same relative name with MASK_SUFFIX, a refused image's row not examined again."""
     real = os.path.realpath(folder)
     seen: dict[str, int] = {}
     out: list[str | None] = []
     for i, name in enumerate(index.names):
-        wanted = os.path.splitext(name)[0] + suffix if suffix else name
-        place = index.place(i, source) if not suffix else f"{os.path.join(folder, wanted)} (for {name!r})"
+        if images is not None and images[i] is None:
+            out.append(None)
+            continue
+        wanted = name if images is None else os.path.splitext(name)[0] + MASK_SUFFIX
+        place = index.place(i, source) if images is None else f"{os.path.join(folder, wanted)} (for {name!r})"
         try:
             path = inside(real, wanted)
-            if not suffix and not name.lower().endswith(IMAGE_SUFFIXES):
+            if images is None and not name.lower().endswith(IMAGE_SUFFIXES):
                 raise Bad(f"files without an image suffix ({', '.join(IMAGE_SUFFIXES)})")
-            regular_file(path)
+            try:
+                regular_file(path)
+            except Bad as bad:
+                if images is None or bad.kind != "missing files":
+                    raise
+                raise Bad(f"missing masks (an image's mask is its name with {MASK_SUFFIX} in the masks folder)") from None
             key = os.path.realpath(path)
             if key in seen:
-                raise Bad("files named twice", f"also {index.place(seen[key], source)}")
+                raise Bad("files named twice" if images is None else "masks paired with two images",
+                          f"also {index.place(seen[key], source)}")
             seen[key] = i
             out.append(os.path.join(folder, wanted))
         except Bad as bad:

@@ -5,6 +5,7 @@ declaring 100000 × 100000 is 33 bytes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import struct
@@ -182,7 +183,7 @@ def test_rows_naming_missing_files_and_files_named_twice_are_refused_by_line(tmp
     assert isinstance(error, ConfigErrors) and len(error.errors) == 2
 
 
-@pytest.mark.parametrize("row", ["../outside.png", "{abs}", "sub/../../outside.png", "escape.png"])
+@pytest.mark.parametrize("row", ["../outside.png", "{abs}", "sub/../../outside.png", "escape.png", "C:/outside.png"])
 def test_a_path_leaving_the_folder_is_refused_and_never_opened(tmp_path, row, monkeypatch):
     outside = tmp_path / "outside.png"
     outside.write_bytes(GOOD)
@@ -248,7 +249,17 @@ def mask_folder(tmp_path: Path, masks: dict[str, bytes], num_classes: int = 3) -
 def test_a_missing_mask_and_a_mask_of_another_size_are_refused_naming_both(tmp_path):
     config = mask_folder(tmp_path, {"a.png": encoded(np.zeros((8, 9), np.uint8), "PNG")})
     refused(config, "worker.data.masks", "masks of another size than their image", "a.png (9×8, the image is 8×8)",
-            "missing files", f"{tmp_path / 'm' / 'b.png'} (for 'b.png')")
+            "missing masks (an image's mask is its name with .png", f"{tmp_path / 'm' / 'b.png'} (for 'b.png')")
+
+
+def test_a_mask_is_not_examined_for_a_row_whose_image_was_refused(tmp_path):
+    config = mask_folder(tmp_path, {"a.png": encoded(np.zeros((8, 8), np.uint8), "PNG"),
+                                    "b.png": encoded(np.zeros((8, 8), np.uint8), "PNG")})
+    csv = tmp_path / "l.csv"
+    csv.write_text("file\na.png\nb.png\n../b.png\n")
+    error = refused(WorkerConfig(dataset="images", data=dataclasses.replace(config.data, labels_csv=str(csv))),
+                    "worker.data.path", "leaving the folder", "line 4: '../b.png'")
+    assert isinstance(error, ConfigError) and not isinstance(error, ConfigErrors)  # one problem, named once
 
 
 def test_a_0_255_mask_is_refused_with_a_hint(tmp_path):
