@@ -56,7 +56,7 @@ class Bad(Exception):
         self.detail = detail
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Header:
     """What a file's header declares, read before any pixel is decoded."""
 
