@@ -135,6 +135,14 @@ def test_an_unreadable_file_is_refused_naming_it(tmp_path):
     refused(config, "worker.data.path", "unreadable files", "locked.png")
 
 
+def test_a_file_this_process_may_not_read_is_refused_naming_it_whoever_runs_the_test(tmp_path, monkeypatch):
+    config = folder(tmp_path, {"ok.png": GOOD, "locked.png": GOOD})
+    locked = str(tmp_path / "images" / "locked.png")
+    real = os.access
+    monkeypatch.setattr("fedbroker.datasets.image_files.os.access", lambda path, mode: path != locked and real(path, mode))
+    refused(config, "worker.data.path", "unreadable files", "line 3: 'locked.png' (permission denied)")
+
+
 def test_a_folder_of_more_files_than_the_limit_is_counted_only_up_to_the_limit(tmp_path, monkeypatch):
     root = tmp_path / "f"
     (root).mkdir()
