@@ -94,9 +94,10 @@ def folder_images(folder: str) -> list[str]:
         return sorted(e.name for e in entries if e.name.lower().endswith(IMAGE_SUFFIXES) and not e.name.startswith("."))
 
 
-def inside(folder_real: str, relative: str) -> str:
-    """The path of `relative` (a labels CSV's cell) within the folder whose real path is `folder_real`, or `Bad`:
-    an absolute path, a `..` step, or a link whose target lies outside the folder never reads a file beyond it."""
+def inside(folder_real: str, relative: str) -> tuple[str, str]:
+    """The path of `relative` (a labels CSV's cell) within the folder whose real path is `folder_real`, and its
+    real path; or `Bad`: an absolute path, a `..` step, or a link whose target lies outside the folder never reads
+    a file beyond it."""
     if not relative:
         raise Bad("an empty file name")
     if "\x00" in relative:
@@ -106,9 +107,10 @@ def inside(folder_real: str, relative: str) -> str:
     if ".." in relative.replace("\\", "/").split("/"):
         raise Bad("a path leaving the folder ('..')")
     path = os.path.join(folder_real, relative)
-    if os.path.commonpath([os.path.realpath(path), folder_real]) != folder_real:
-        raise Bad("a link leading out of the folder", f"to {os.path.realpath(path)}")
-    return path
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, folder_real]) != folder_real:
+        raise Bad("a link leading out of the folder", f"to {real}")
+    return path, real
 
 
 def regular_file(path: str) -> None:
@@ -190,6 +192,8 @@ def check_image(path: str) -> Header:
     with _opened(path) as image:
         head = _checked_header(image, mask=False)
         image.load()
+        if head.mode not in _ALPHA and head.mode != "I" and "transparency" not in image.info:
+            return head  # decoded whole; nothing in its values to check
         values, alpha = _grey_or_colour(image)
         if alpha is not None and int(alpha.min()) < 255:
             raise Bad("images with transparent pixels (alpha below 255; flatten them)")

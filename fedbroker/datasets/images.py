@@ -205,7 +205,7 @@ def _resolve(folder: str, index: _Index, source: DataSection, problems: _Problem
         wanted = name if images is None else os.path.splitext(name)[0] + MASK_SUFFIX
         place = index.place(i, source) if images is None else f"{os.path.join(folder, wanted)} (for {name!r})"
         try:
-            path = inside(real, wanted)
+            path, key = inside(real, wanted)
             if images is None and not name.lower().endswith(IMAGE_SUFFIXES):
                 raise Bad(f"files without an image suffix ({', '.join(IMAGE_SUFFIXES)})")
             try:
@@ -214,7 +214,6 @@ def _resolve(folder: str, index: _Index, source: DataSection, problems: _Problem
                 if images is None or bad.kind != "missing files":
                     raise
                 raise Bad(f"missing masks (an image's mask is its name with {MASK_SUFFIX} in the masks folder)") from None
-            key = os.path.realpath(path)
             if key in seen:
                 raise Bad("files named twice" if images is None else "masks paired with two images",
                           f"also {index.place(seen[key], source)}")
