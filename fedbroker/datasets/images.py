@@ -195,7 +195,7 @@ def _resolve(folder: str, index: _Index, source: DataSection, problems: _Problem
     """Each sample's file in `folder`, or None with the problem noted: a path leaving the folder, a missing or
     unreadable file, a file named twice. With `images` (their paths, None where refused) the masks of those
     images: the same relative name with MASK_SUFFIX, a refused image's row not examined again."""
-    real = os.path.realpath(folder)
+    real, absolute = os.path.realpath(folder), os.path.abspath(folder)
     seen: dict[str, int] = {}
     out: list[str | None] = []
     for i, name in enumerate(index.names):
@@ -218,7 +218,7 @@ def _resolve(folder: str, index: _Index, source: DataSection, problems: _Problem
                 raise Bad("files named twice" if images is None else "masks paired with two images",
                           f"also {index.place(seen[key], source)}")
             seen[key] = i
-            out.append(os.path.join(folder, wanted))
+            out.append(os.path.join(absolute, wanted))  # a sample's key: read the same whatever the cwd later
         except Bad as bad:
             problems.add(setting, bad, place)
             out.append(None)
