@@ -92,7 +92,7 @@ class DataPipeline:
         for step in (*self.preprocess, *self.augment):
             if "size" in step.args:
                 return len(step.args["size"])
-        return 3 if self.expect.spacing else 0
+        return 0   # `expect` says nothing of it: a volume's spacing is 3-D, and its slices are 2-D samples
 
     def to_dict(self) -> dict[str, Any]:
         """The pipeline as a job writes it (`parse_pipeline(p.to_dict()) == p`); empty lists are left out."""
@@ -479,8 +479,6 @@ def pipeline_problems(pipeline: DataPipeline) -> list[ConfigError]:
     ranks = {f"data.{key}[{i}].{s.name}" + (".size" if key == "augment" else ""): len(s.args["size"])
              for key, steps in (("preprocess", pipeline.preprocess), ("augment", pipeline.augment))
              for i, s in enumerate(steps) if s.args.get("size")}
-    if pipeline.expect.spacing:
-        ranks["data.expect.spacing"] = 3
     if len(set(ranks.values())) > 1:
         first = next(iter(ranks))
         return [ConfigError(where, f"is {rank}-D but {first} is {ranks[first]}-D: one pipeline is 2-D or 3-D")

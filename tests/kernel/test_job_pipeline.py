@@ -126,3 +126,14 @@ def test_the_coordinators_evaluation_sets_are_not_prepared_by_the_pipeline() -> 
 def test_problems_of_the_pipeline_come_with_the_jobs_other_problems() -> None:
     found = problems(job({"preprocess": [{"blur": 2}], "bounds": "x"}, training={"lr": -1}))
     assert {"data.preprocess[0].blur", "data.bounds", "training.lr"} <= set(found)
+
+
+def test_an_expected_spacing_fits_a_model_of_slices_and_of_volumes() -> None:
+    """A volume's spacing has three values whether the site trains on the volume or on its 2-D slices."""
+    expect = {"expect": {"spacing": [1.0, 1.0, 2.5], "orientation": "RAS"}}
+    slices = parse_job(job({**expect, "preprocess": [{"resize": [32, 32]}, {"channels": 3}]}))
+    assert slices.data.pipeline.expect.spacing == (1.0, 1.0, 2.5)
+    volume = {"input_shape": [1, 8, 16, 16], "layers": [{"type": "Flatten"},
+                                                        {"type": "Linear", "in_features": 2048, "out_features": 2}]}
+    assert parse_job(job({**expect, "preprocess": [{"resize_volume": [8, 16, 16]}]}, volume)).data.pipeline.expect \
+        == slices.data.pipeline.expect
