@@ -72,9 +72,10 @@ def expectation(raw: object) -> VolumeExpectation | None:
     return VolumeExpectation(tuple(float(s) for s in spacing), float(tolerance), orientation)
 
 
-def geometry_problems(geometries: Sequence[Geometry], expect: object) -> list[ConfigError]:
+def geometry_problems(geometries: Sequence[Geometry], expect: object, *, name_files: bool = True) -> list[ConfigError]:
     """Every way the site's volumes miss the job's expectation (`expectation(expect)`), each naming the first
-    files and their count; empty when they fit or nothing is expected."""
+    files and their count (`name_files` False: only the count and the spacings, for a reason that leaves the
+    site: a DICOM folder's name is often a patient's identifier); empty when they fit or nothing is expected."""
     wanted = expectation(expect)
     if wanted is None or not geometries:
         return []
@@ -88,11 +89,11 @@ def geometry_problems(geometries: Sequence[Geometry], expect: object) -> list[Co
         off = [g for g in geometries
                if np.any(np.abs(np.array(g.spacing) - want) > wanted.spacing_tolerance * want)]
         if off:
-            shown = "; ".join(f"{g.file} {_mm(g.spacing)}" for g in off[:_SHOWN])
+            shown = "; ".join(f"{g.file + ' ' if name_files else ''}{_mm(g.spacing)}" for g in off[:_SHOWN])
             more = f" (and {len(off) - _SHOWN} more)" if len(off) > _SHOWN else ""
             out.append(ConfigError("data.expect.spacing", f"the job expects voxels of {_mm(wanted.spacing)} mm "
-                                                          f"(±{wanted.spacing_tolerance:.0%}), this site's volumes "
-                                                          f"have {shown}{more}"))
+                                                          f"(±{wanted.spacing_tolerance:.0%}), {len(off)} of this "
+                                                          f"site's {len(geometries)} volumes have {shown}{more}"))
     return out
 
 
