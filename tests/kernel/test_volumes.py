@@ -121,7 +121,7 @@ def test_a_dicom_series_is_sorted_by_position_in_hounsfield_units_at_its_world_c
         lps = np.array([c * 0.6, r * 0.7, 10 + 2 * k])
         ras = np.array([-lps[0], -lps[1], lps[2], 1.0])
         voxel = np.linalg.solve(world, ras)[:3]
-        i, j, z = (int(round(v)) for v in voxel)
+        i, j, z = (round(float(v)) for v in voxel)
         assert np.allclose(voxel, (i, j, z), atol=1e-6)
         assert a[i, j, z] == stored[k, r, c] - 1024
 
@@ -165,7 +165,7 @@ def test_geometry_problems_name_the_volumes_off_the_jobs_spacing_and_an_orientat
     assert problem.field == "data.expect.spacing"
     assert "2 of this site's 3 volumes have b.nii 1×1×1.04; c.nii 1×1×3" in problem.problem
     orientation, spacing = geometry_problems(volumes, VolumeExpectation((1.0, 1.0, 1.0), 0.0, "LPS"))
-    assert orientation.field == "data.expect.orientation" and "delivers every volume in RAS" in orientation.problem
+    assert spacing.field == "data.expect.spacing" and orientation.field == "data.expect.orientation" and "delivers every volume in RAS" in orientation.problem
     unnamed = geometry_problems(volumes, {"spacing": [1, 1, 1]}, name_files=False)[0].problem
     assert "c.nii" not in unnamed and "1 of this site's 3 volumes have 1×1×3" in unnamed
 
