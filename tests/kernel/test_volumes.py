@@ -178,3 +178,18 @@ def test_a_malformed_expectation_is_refused_naming_its_field(raw, field):
     with pytest.raises(ConfigError) as info:
         expectation(raw)
     assert info.value.field == field
+
+
+def test_a_split_of_slices_keeps_each_volumes_slices_on_one_side(tmp_path):
+    (tmp_path / "img").mkdir()
+    (tmp_path / "msk").mkdir()
+    for i in range(10):
+        write_nifti(tmp_path / "img" / f"v{i}.nii", np.full((4, 4, 3), float(i), np.float32))
+        write_nifti(tmp_path / "msk" / f"v{i}.nii", np.zeros((4, 4, 3), np.uint8))
+    ds = load_worker_data(nifti(path=str(tmp_path / "img"), masks=str(tmp_path / "msk"), labels="mask",
+                                num_classes=2, slices="axial"))
+    train, test = train_test_split(ds, test_fraction=0.2, seed=5)
+    volume = {key.split("#")[0] for key in (train.x.key(i) for i in range(len(train)))}
+    held = {key.split("#")[0] for key in (test.x.key(i) for i in range(len(test)))}
+    assert len(held) == 2 and len(volume) == 8 and not volume & held and len(test) == 6
+    assert set(np.unique(test.x.read(np.arange(len(test))))) == {float(v[1]) for v in held}

@@ -83,15 +83,22 @@ class DecodedCache:
 
 class VolumeSamples(FileSamples):
     """FileSamples that carry the geometry of every volume they were cut from, through every view (a split, a
-    partition), so the worker can check them against a job's `data.expect`."""
+    partition), so the worker can check them against a job's `data.expect`; with slices, `groups` says which
+    volume each sample was cut from, so a split keeps a volume's slices on one side."""
 
     geometries: tuple[Geometry, ...] = ()
+    volume_of: np.ndarray | None = None   # per key: the index of its volume (slices only)
 
     def __getitem__(self, idx: np.ndarray | slice | Sequence[int]) -> VolumeSamples:
         view = VolumeSamples(self.keys, self.read_one, sample_shape=self.sample_shape, dtype=self.dtype,
                              index=self.index[idx])
-        view.geometries = self.geometries
+        view.geometries, view.volume_of = self.geometries, self.volume_of
         return view
+
+    @property
+    def groups(self) -> np.ndarray | None:
+        """The volume each sample was cut from (slices), None when each sample is a whole volume."""
+        return None if self.volume_of is None else self.volume_of[self.index]
 
 
 def raise_all(problems: Sequence[ConfigError]) -> None:
@@ -325,6 +332,8 @@ def _samples(source: DataSection, kind: str, volumes: Sequence[Volume], masks: d
     shape = common_shape([(v.channels, *s) for v, s in zip(volumes, spatial)])
     x = VolumeSamples(keys, image, sample_shape=shape, dtype=np.float32)
     x.geometries = tuple(v.geometry for v in volumes)
+    if axis is not None:
+        x.volume_of = np.repeat(np.arange(len(volumes)), repeats)
     if source.labels == "mask":
         y: object = FileSamples(keys, mask, sample_shape=shape[1:], dtype=np.int64)
     else:
