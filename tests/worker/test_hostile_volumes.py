@@ -23,7 +23,9 @@ from fedbroker.config import DataSection, WorkerConfig
 from fedbroker.datasets import load_worker_data
 from fedbroker.datasets.volumes import nifti as nifti_module
 from fedbroker.errors import ConfigError, ConfigErrors
+from fedbroker.job.pipeline import parse_pipeline
 from fedbroker.job.spec import parse_model
+from fedbroker.job.task import TaskConfig
 from fedbroker.worker.global_model import fit_problem
 from tests.source_roots import PYTHONPATH
 from tests.volume_files import series_files, write_nifti, write_series
@@ -348,14 +350,16 @@ def test_a_job_expecting_other_spacing_is_refused_by_the_fit_check_without_namin
     data = load_worker_data(worker(path=str(images), masks=str(masks)))
     spec = parse_model({"input_shape": [1, 6, 5, 4], "layers": [
         {"type": "Conv3d", "in_channels": 1, "out_channels": 2, "kernel_size": 1}]})
-    assert fit_problem(spec, data.x, 2, holder="this worker's data") == ""
-    assert fit_problem(spec, data.x, 2, holder="this worker's data", expect={"orientation": "RAS"}) == ""
-    problem = fit_problem(spec, data.x, 2, holder="this worker's data", expect={"spacing": [1, 1, 1]})
+    def fit(expect: dict) -> str:
+        return fit_problem(spec, data.x, 2, holder="this worker's data", task=TaskConfig(type="segmentation", classes=2),
+                           labels="mask", pipeline=parse_pipeline({"expect": expect}))
+
+    assert fit({}) == "" and fit({"orientation": "RAS"}) == ""
+    problem = fit({"spacing": [1, 1, 1]})
     assert problem == ("this worker's data does not meet the job's data.expect: the job expects voxels of 1×1×1 mm "
                        "(±5%), 1 of this site's 3 volumes have 1×1×3")
     assert "thick" not in problem
-    assert "delivers every volume in RAS" in fit_problem(spec, data.x, 2, holder="this worker's data",
-                                                         expect={"orientation": "LPS"})
+    assert "delivers every volume in RAS" in fit({"orientation": "LPS"})
 
 
 @pytest.mark.integration
