@@ -26,14 +26,14 @@ def write_nifti(path: Path, data: np.ndarray, affine: np.ndarray | None = None) 
 def write_series(folder: Path, stored: np.ndarray, *, spacing: Sequence[float] = (0.5, 0.5),
                  positions: Sequence[float] | None = None, slope: float = 1.0, intercept: float = -1024.0,
                  orientation: Sequence[float] = (1, 0, 0, 0, 1, 0), syntax: UID = ExplicitVRLittleEndian,
-                 names: Sequence[str] | None = None) -> Path:
+                 names: Sequence[str] | None = None, series: str = "") -> Path:
     """A CT series: `stored` (slices, rows, columns) int16 values, one file a slice, each at z = `positions[k]`
     (default 2 mm apart) along the plane's normal; written in reverse order under shuffled names so a reader
     must sort by position, not by name."""
     folder.mkdir(parents=True, exist_ok=True)
     count, rows, columns = stored.shape
     positions = [2.0 * k for k in range(count)] if positions is None else list(positions)
-    series = generate_uid()
+    series = series or generate_uid()
     row, col = np.array(orientation[:3], float), np.array(orientation[3:], float)
     normal = np.cross(row, col)
     for k in range(count):

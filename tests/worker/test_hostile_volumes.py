@@ -15,6 +15,7 @@ import tracemalloc
 
 import nibabel as nib
 import numpy as np
+import pydicom
 import pytest
 from pydicom.uid import RLELossless
 
@@ -274,19 +275,51 @@ def test_a_series_with_duplicate_or_missing_slices_is_refused(tmp_path, position
     refused(dicom(tmp_path), "worker.data.path", f"series {folder} {message}")
 
 
-def test_a_series_mixing_orientations_or_grids_is_refused(tmp_path):
+def test_a_series_mixing_series_orientations_or_grids_is_refused(tmp_path):
     folder = ct(tmp_path)
-    write_series(tmp_path / "other", np.zeros((1, 3, 5), np.int16), orientation=(0, 1, 0, 0, 0, -1),
-                 names=["ZZ-sagittal"])
-    (tmp_path / "other" / "ZZ-sagittal").rename(folder / "ZZ-sagittal")
+    write_series(tmp_path / "other", np.zeros((1, 3, 5), np.int16), names=["ZZ-other"])
+    (tmp_path / "other" / "ZZ-other").rename(folder / "ZZ-other")
     refused(dicom(tmp_path), "worker.data.path", f"series {folder} mixes slices of 2 SeriesInstanceUID values")
-    write_series(tmp_path / "ct" / "s2", np.zeros((2, 3, 5), np.int16))
-    write_series(tmp_path / "wide", np.zeros((1, 3, 6), np.int16), names=["ZZ-wide"])
-    (tmp_path / "wide" / "ZZ-wide").rename(tmp_path / "ct" / "s2" / "ZZ-wide")
-    (tmp_path / "labels.csv").write_text("file,label\ns1,0\ns2,1\n")
-    config = WorkerConfig(dataset="dicom", data=DataSection(path=str(tmp_path / "ct"),
-                                                            labels_csv=str(tmp_path / "labels.csv")))
-    refused(config, "worker.data.path", f"series {tmp_path / 'ct' / 's2'} mixes slices of 2 Columns values (5, 6)")
+    (folder / "ZZ-other").unlink()
+    uid = str(pydicom.dcmread(series_files(folder)[0]).SeriesInstanceUID)
+    write_series(tmp_path / "tilted", np.zeros((1, 3, 5), np.int16), orientation=(0, 1, 0, 0, 0, -1),
+                 names=["ZZ-sagittal"], series=uid)
+    (tmp_path / "tilted" / "ZZ-sagittal").rename(folder / "ZZ-sagittal")
+    refused(dicom(tmp_path), "worker.data.path", f"series {folder} mixes slices of different ImageOrientationPatient")
+    (folder / "ZZ-sagittal").unlink()
+    write_series(tmp_path / "wide", np.zeros((1, 3, 6), np.int16), names=["ZZ-wide"], series=uid, positions=[20])
+    (tmp_path / "wide" / "ZZ-wide").rename(folder / "ZZ-wide")
+    refused(dicom(tmp_path), "worker.data.path", f"series {folder} mixes slices of 2 Columns values (5, 6)")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_mangled_header_is_refused_naming_its_file_never_a_traceback(tmp_path, seed):
+    """Random bytes over an honest NIfTI header and over an honest DICOM slice's header (the preamble kept): each
+    file either loads or is refused by name; the parsers' own exceptions never escape."""
+    rng = np.random.default_rng(seed)
+    images, masks = site(tmp_path, count=0)
+    folder = ct(tmp_path)
+    for i in range(25):
+        path = write_nifti(images / f"m{i}.nii", np.ones((6, 5, 4), np.float32))
+        raw = bytearray(path.read_bytes())
+        at = rng.integers(4, 344, size=6)
+        raw[at[0]:at[0] + 4] = rng.integers(0, 256, size=4, dtype=np.uint8).tobytes()
+        for j in at[1:]:
+            raw[j] = int(rng.integers(0, 256))
+        path.write_bytes(bytes(raw))
+        write_nifti(masks / f"m{i}.nii", np.zeros((6, 5, 4), np.uint8))
+    for path in series_files(folder):
+        raw = bytearray(path.read_bytes())
+        for j in rng.integers(132, 600, size=8):
+            raw[j] = int(rng.integers(0, 256))
+        path.write_bytes(bytes(raw))
+    for config in (worker(path=str(images), masks=str(masks)), dicom(tmp_path)):
+        try:
+            load_worker_data(config)
+        except ConfigErrors as errors:
+            assert all(str(e.problem).startswith(str(tmp_path)) or "series" in e.problem for e in errors.errors)
+        except ConfigError as error:
+            assert str(tmp_path) in error.problem
 
 
 def test_files_in_a_series_that_are_no_uncompressed_dicom_are_refused_naming_each(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,8 +71,9 @@ class DicomSeries:
         out = np.empty((first.columns, first.rows, len(self.slices)), dtype=np.float32)
         for k, piece in enumerate(self.slices):
             try:
+                _check_size(piece.path)
                 pixels = pydicom.dcmread(piece.path).pixel_array
-            except (OSError, ValueError, AttributeError, KeyError, TypeError, InvalidDicomError) as exc:
+            except Exception as exc:  # hostile or changed pixel data, in any way: name the slice
                 raise ValueError(f"slice {os.path.basename(piece.path)}: its pixel data cannot be read: {exc}") from None
             if pixels.shape != (first.rows, first.columns):
                 raise ValueError(f"slice {os.path.basename(piece.path)}: its pixels are {list(pixels.shape)}, its "
@@ -107,17 +109,27 @@ def _numbers(value: Any, count: int) -> tuple[float, ...] | None:
     return tuple(items) if len(items) == count and all(map(math.isfinite, items)) else None
 
 
-def read_slice(path: str) -> Slice:
-    """One slice's header, without its pixels; ValueError saying what is wrong."""
-    size = os.path.getsize(path)
+def _check_size(path: str) -> None:
+    """A slice file's size, bounded before pydicom reads it (again before its pixels: it may have grown)."""
+    try:
+        size = os.path.getsize(path)
+    except OSError as exc:
+        raise ValueError(f"cannot be read: {exc.strerror}") from None
     if size > MAX_SLICE_BYTES:
         raise ValueError(f"is {size} bytes, more than the {MAX_SLICE_BYTES} one uncompressed slice may take")
+
+
+def read_slice(path: str) -> Slice:
+    """One slice's header, without its pixels; ValueError saying what is wrong."""
+    _check_size(path)
     try:
-        ds = pydicom.dcmread(path, stop_before_pixels=True, defer_size=1 << 16)
+        with warnings.catch_warnings():  # at start, one thread: pydicom's warnings on odd values are not ours to print
+            warnings.simplefilter("ignore")
+            ds = pydicom.dcmread(path, stop_before_pixels=True, defer_size=1 << 16)
     except InvalidDicomError:
         raise ValueError("is not a DICOM file (no DICM preamble)") from None
-    except (OSError, ValueError, EOFError, KeyError, TypeError) as exc:
-        raise ValueError(f"has an unreadable DICOM header: {exc}") from None
+    except Exception as exc:  # a hostile header breaks the parser in any way: name the file
+        raise ValueError(f"has an unreadable DICOM header: {type(exc).__name__}: {exc}") from None
     syntax = getattr(getattr(ds, "file_meta", None), "TransferSyntaxUID", None)
     if syntax not in SYNTAXES:
         raise ValueError(f"uses the transfer syntax {syntax!r}; read are the uncompressed ones "

@@ -58,7 +58,7 @@ class Volume(Protocol):
         """Its voxel-to-world affine in RAS."""
 
 
-class DecodedCache:
+class RecentVolumes:
     """The volumes decoded last, kept while they fit `budget` bytes: the slices of a .gz or of a DICOM series
     are cut from one decode instead of one decode a slice. Shared by the threads that read batches."""
 
@@ -306,7 +306,7 @@ def _samples(source: DataSection, kind: str, volumes: Sequence[Volume], masks: d
              labels: np.ndarray, count: int, axis: int | None) -> Dataset:
     """Keys are paths (the volume's file or series folder, then '#' and the plane's index with slices), as the
     stream's on-disk cache fingerprints a sample by its file's size and modification time."""
-    cache = DecodedCache(source.memory_mib * 2**20 // 4)
+    cache = RecentVolumes(source.memory_mib * 2**20 // 4)
     items: dict[str, Volume | NiftiFile] = {v.path: v for v in volumes}
     items.update({m.path: m for m in masks.values()})
 
