@@ -197,3 +197,21 @@ def test_a_split_of_slices_keeps_each_volumes_slices_on_one_side(tmp_path):
     held = {os.path.basename(key.split("#")[0]) for key in (test.x.key(i) for i in range(len(test)))}
     assert len(held) == 2 and len(volume) == 8 and not volume & held and len(test) == 6
     assert set(np.unique(test.x.read(np.arange(len(test))))) == {float(v[1]) for v in held}
+
+
+def test_a_4d_file_is_channels_first_and_a_big_endian_file_reads_as_nibabel_reads_it(tmp_path):
+    (tmp_path / "img").mkdir()
+    rng = np.random.default_rng(6)
+    two = rng.normal(size=(5, 4, 3, 2)).astype(np.float32)           # two modalities, last axis
+    write_nifti(tmp_path / "img" / "a.nii", two, LPS)
+    header = nib.Nifti1Header(endianness=">")
+    big = nib.Nifti1Image(rng.integers(-500, 500, size=(5, 4, 3)).astype(">i2"), LPS, header=header)
+    big.header.set_data_dtype(">i2")
+    nib.save(big, str(tmp_path / "img" / "b.nii.gz"))
+    (tmp_path / "l.csv").write_text("file,label\na.nii,0\nb.nii.gz,1\n")
+    ds = load_worker_data(nifti(path=str(tmp_path / "img"), labels_csv=str(tmp_path / "l.csv")))
+    assert ds.x.shape == (2, 0, 5, 4, 3)  # channels differ: 2 and 1
+    assert np.array_equal(ds.x.read([0])[0], np.moveaxis(canonical(tmp_path / "img" / "a.nii"), 3, 0))
+    assert np.array_equal(ds.x.read([1])[0, 0], canonical(tmp_path / "img" / "b.nii.gz"))
+    planes = load_worker_data(nifti(path=str(tmp_path / "img"), labels_csv=str(tmp_path / "l.csv"), slices="sagittal"))
+    assert planes.x.read([0]).shape == (1, 2, 4, 3)
