@@ -134,6 +134,26 @@ def test_a_gz_that_inflates_beyond_its_header_is_refused_without_inflating_it(tm
     assert peak < 16 << 20, peak
 
 
+def test_a_volume_whose_decode_exceeds_the_memory_budget_is_refused_from_its_header(tmp_path):
+    """A 1 KiB .nii.gz whose header claims 512×512×512 float32 voxels (512 MiB): refused against a 1 GiB budget
+    before a byte is inflated; with a larger budget its data is read only as far as it goes (truncated)."""
+    images, masks = site(tmp_path)
+    liar = write_nifti(tmp_path / "liar.nii", np.ones((6, 5, 4), np.float32))
+    patched(liar, dims=(3, 512, 512, 512, 1, 1, 1, 1))
+    (images / "liar.nii.gz").write_bytes(gzip.compress(liar.read_bytes()))
+    write_nifti(masks / "liar.nii.gz", np.zeros((6, 5, 4), np.uint8))
+    refused(worker(path=str(images), masks=str(masks), memory_mib=1024), "worker.data.memory_mib",
+            f"{images / 'liar.nii.gz'}: decoding it takes about 1536 MiB, more than worker.data.memory_mib (1024)")
+    tracemalloc.start()
+    try:
+        refused(worker(path=str(images), masks=str(masks), memory_mib=4096), "worker.data.path",
+                f"{images / 'liar.nii.gz'} is truncated: it holds 480 of the 536870912 bytes")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak
+
+
 def test_truncated_files_are_refused_plain_from_their_size_gz_while_read(tmp_path):
     images, masks = site(tmp_path)
     plain = write_nifti(images / "cut.nii", np.ones((6, 5, 4), np.float32))

@@ -58,9 +58,7 @@ def _open(path: str, gz: bool) -> io.BufferedIOBase:
 def read_exact(path: str, *, gz: bool, offset: int, nbytes: int) -> bytearray:
     """The `nbytes` bytes of data after `offset`, through a bounded reader: a .gz is inflated at most one byte
     past them (a decompression bomb behind a small header is refused, never inflated); ValueError saying why."""
-    buf = bytearray(nbytes)
-    view = memoryview(buf)
-    got = 0
+    buf = bytearray()  # grown as data arrives: a short file never costs what its header only claims
     try:
         with _open(path, gz) as fh:
             if gz:
@@ -69,13 +67,14 @@ def read_exact(path: str, *, gz: bool, offset: int, nbytes: int) -> bytearray:
                     raise ValueError(f"is truncated: it ends inside its header ({skipped} of {offset} bytes)")
             else:
                 fh.seek(offset)
-            while got < nbytes:
-                n = fh.readinto(view[got:got + _CHUNK])
-                if not n:
+            while len(buf) < nbytes:
+                chunk = fh.read(min(_CHUNK, nbytes - len(buf)))
+                if not chunk:
                     break
-                got += n
-            if got < nbytes:
-                raise ValueError(f"is truncated: it holds {got} of the {nbytes} bytes of data its header declares")
+                buf += chunk
+            if len(buf) < nbytes:
+                raise ValueError(f"is truncated: it holds {len(buf)} of the {nbytes} bytes of data its header "
+                                 f"declares")
             if gz and fh.read(1):
                 raise ValueError(f"inflates beyond the {offset + nbytes} bytes its header declares (a decompression "
                                  f"bomb, or a header that lies)")

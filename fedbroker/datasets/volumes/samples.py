@@ -271,6 +271,26 @@ def check_decoded(volumes: Sequence[Volume], masks: dict[str, NiftiFile], *, num
     return problems
 
 
+DECODE_COPIES = 3   # a decode holds the stored bytes, the scaled float32 volume and its reoriented copy
+
+
+def within_memory(volumes: Sequence[Volume], source: DataSection) -> tuple[list[Volume], list[ConfigError]]:
+    """The volumes one decode of which fits `worker.data.memory_mib` (judged from their headers: float32 voxels ×
+    DECODE_COPIES), and a problem naming each that does not."""
+    budget = source.memory_mib * 2**20
+    fit: list[Volume] = []
+    over: list[ConfigError] = []
+    for volume in volumes:
+        need = DECODE_COPIES * 4 * volume.channels * int(np.prod(volume.geometry.shape))
+        if need > budget:
+            over.append(ConfigError("worker.data.memory_mib", f"{volume.path}: decoding it takes about "
+                                                              f"{need / 2**20:.0f} MiB, more than worker.data."
+                                                              f"memory_mib ({source.memory_mib})"))
+        else:
+            fit.append(volume)
+    return fit, over
+
+
 def common_shape(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
     """One sample's shape, 0 where the samples differ."""
     first = shapes[0]
@@ -295,7 +315,9 @@ def volume_dataset(source: DataSection, kind: str, volumes: Sequence[Volume],
     else:
         labels, count, more = csv_labels(source, [v.name for v in volumes])
         problems += more
-    problems += check_decoded(volumes, masks, num_classes=max(count, 1), kind=kind)
+    fit, more = within_memory(volumes, source)
+    problems += more
+    problems += check_decoded(fit, masks, num_classes=max(count, 1), kind=kind)
     if not volumes and not problems:
         problems.append(ConfigError("worker.data.path", f"{source.path} holds no volumes"))
     raise_all(problems)
