@@ -86,7 +86,7 @@ def test_dp_passes_on_files_equal_those_in_memory(folder):
 def test_the_result_does_not_depend_on_the_decoding_threads_timing(folder):
     """A slow decoder (the thread always behind) and a fast one (always ahead) train the same weights, with an
     augmenting pipeline whose draws come from the training thread."""
-    x, y, paths = folder
+    _, y, paths = folder
     pipeline = parse_pipeline({"augment": [{"flip": {"axes": [2], "p": 0.5}}, {"rotate90": {"p": 0.5}}]})
     fast, slow = _cnn(), _cnn()
     train_local(fast, _files(paths), y, config=CONFIG, dp=POLICY, seed=11, pipeline=pipeline)
@@ -122,7 +122,7 @@ def test_the_prefetcher_decodes_the_next_batch_in_another_thread_and_hands_back_
 
 
 def test_training_decodes_each_sample_once_per_epoch_and_the_cache_decodes_it_once_in_all(folder, tmp_path):
-    x, y, paths = folder
+    _, y, paths = folder
     pipeline = parse_pipeline({"preprocess": [{"normalize": "per_image"}]})
     calls: list[str] = []
     plain = TrainingConfig(local_epochs=2, batch_size=16, lr=0.05)
