@@ -188,3 +188,13 @@ def test_segmentation_masks_on_files_train_and_evaluate(tmp_path):
         np.testing.assert_array_equal(u, v)
     assert evaluation_sums(task, b, x, m) == evaluation_sums(task, b, images, masks)
     assert os.path.exists(ipaths[0])
+
+
+def test_feature_statistics_of_files_equal_those_of_the_arrays(folder, monkeypatch):
+    from fedbroker.worker import feature_statistics
+
+    monkeypatch.setattr(feature_statistics, "STREAM_CHUNK", 40)   # three chunks of the 96 samples
+    clipped_sums = feature_statistics.clipped_sums
+    x, _, paths = folder
+    lower, upper = np.full(64, -1.0), np.full(64, 1.0)
+    np.testing.assert_allclose(clipped_sums(_files(paths), lower, upper), clipped_sums(x, lower, upper), rtol=1e-12)
