@@ -215,3 +215,20 @@ def test_a_4d_file_is_channels_first_and_a_big_endian_file_reads_as_nibabel_read
     assert np.array_equal(ds.x.read([1])[0, 0], canonical(tmp_path / "img" / "b.nii.gz"))
     planes = load_worker_data(nifti(path=str(tmp_path / "img"), labels_csv=str(tmp_path / "l.csv"), slices="sagittal"))
     assert planes.x.read([0]).shape == (1, 2, 4, 3)
+
+
+def test_volume_slices_are_kept_in_the_sites_decoded_cache_by_path_and_missed_once_a_file_changes(tmp_path):
+    from fedbroker.datasets.stream import reader
+
+    images, masks = folder_of_volumes(tmp_path)
+    ds = load_worker_data(nifti(path=str(images), masks=str(masks), labels="mask", num_classes=3, slices="axial"))
+    lps = [i for i, key in enumerate(ds.x.keys) if key.startswith(f"{images / 'lps.nii.gz'}#")]
+    first = reader(ds.x, None, mask=False, cache=str(tmp_path / "cache"))
+    decoded = first.read(np.array(lps))
+    again = reader(ds.x, None, mask=False, cache=str(tmp_path / "cache"))
+    assert np.array_equal(again.read(np.array(lps)), decoded)
+    assert again.cache is not None and again.cache.hits == len(lps) and again.cache.misses == 0
+    write_nifti(images / "lps.nii.gz", np.zeros((5, 4, 3), np.float32), AFFINES["lps.nii.gz"])  # replaced
+    os.utime(images / "lps.nii.gz", ns=(1, 1))
+    changed = reader(ds.x, None, mask=False, cache=str(tmp_path / "cache"))
+    assert changed.read(np.array(lps)).max() == 0 and changed.cache is not None and changed.cache.hits == 0

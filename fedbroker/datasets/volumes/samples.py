@@ -324,6 +324,16 @@ def volume_dataset(source: DataSection, kind: str, volumes: Sequence[Volume],
     return _samples(source, kind, volumes, masks, labels, count, axis)
 
 
+def _stamped(path: str) -> str:
+    """A decoded volume's key in the cache: its path, size and modification time, so a file replaced under a
+    running worker is decoded again, not served from memory."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return path
+    return f"{path}|{st.st_size}|{st.st_mtime_ns}"
+
+
 def _samples(source: DataSection, kind: str, volumes: Sequence[Volume], masks: dict[str, NiftiFile],
              labels: np.ndarray, count: int, axis: int | None) -> Dataset:
     """Keys are paths (the volume's file or series folder, then '#' and the plane's index with slices), as the
@@ -338,7 +348,9 @@ def _samples(source: DataSection, kind: str, volumes: Sequence[Volume], masks: d
         path, _, at = key.rpartition("#")
         item, index = items[path], int(at)
         plane = item.plane(axis, index)
-        return np.asarray(np.take(cache.get(path, item.decode), index, axis=1 + axis)) if plane is None else plane
+        if plane is not None:
+            return plane
+        return np.asarray(np.take(cache.get(_stamped(path), item.decode), index, axis=1 + axis))
 
     def mask(key: str) -> np.ndarray:
         return np.asarray(np.rint(cut(key)[0]), dtype=np.int64)
