@@ -4,6 +4,7 @@ read a batch at a time from the files, with and without DP."""
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -63,3 +64,25 @@ def test_slices_train_under_dp_and_spend_epsilon(slices):
                          dp=dp, seed=2, task=SEGMENTATION)
     assert result.epsilon is not None and result.epsilon > 0 and np.isfinite(result.train_loss)
     assert any(not torch.equal(start[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_worker_on_volume_slices_registers_their_shape_and_holds_out_whole_volumes(tmp_path, slices):
+    from fedbroker.bus.memory import InProcessBus
+    from fedbroker.proto import fedbroker_pb2 as pb
+    from fedbroker.worker.agent import WorkerAgent
+
+    sent: list[pb.Envelope] = []
+
+    class Recording(InProcessBus):
+        def publish_control(self, body: bytes) -> None:
+            sent.append(pb.Envelope.FromString(body))
+
+    folder = os.path.dirname(slices.x.key(0).split("#")[0])
+    config = WorkerConfig(id="site-v", dataset="nifti", ledger_path=str(tmp_path / "ledger.json"), device="cpu",
+                          test_fraction=0.25, data=DataSection(path=folder, masks=folder.replace("img", "msk"),
+                                                               labels="mask", num_classes=2, slices="axial"))
+    agent = WorkerAgent(config, Recording(namespace=f"volumes-{os.getpid()}"))
+    agent.register()
+    [registration] = [e.registration for e in sent if e.HasField("registration")]
+    assert list(registration.input_shape) == [1, 8, 8] and registration.num_classes == 2
+    assert (registration.num_samples, registration.evaluation_samples) == (18, 6)  # 3 volumes train, 1 held out
