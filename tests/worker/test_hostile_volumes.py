@@ -353,6 +353,15 @@ def test_files_in_a_series_that_are_no_uncompressed_dicom_are_refused_naming_eac
     assert any(f"{folder / 'ZZ-rle'} uses the transfer syntax '1.2.840.10008.1.2.5'" in t for t in found), found
 
 
+def test_a_series_of_more_slices_than_an_axis_may_hold_is_refused_from_its_headers(tmp_path, monkeypatch):
+    """The limit lowered to 3 so the test writes 4 slices, not 4097."""
+    from fedbroker.datasets.volumes import dicom as dicom_module
+
+    monkeypatch.setattr(dicom_module, "MAX_SIDE", 3)
+    folder = ct(tmp_path)
+    refused(dicom(tmp_path), "worker.data.path", f"series {folder} holds 4 slices, more than the 3 voxels an axis")
+
+
 def test_a_slice_with_truncated_pixel_data_is_refused_naming_it(tmp_path):
     folder = ct(tmp_path)
     last = series_files(folder)[-1]

@@ -178,6 +178,8 @@ def build_series(name: str, folder: str, slices: Sequence[Slice]) -> DicomSeries
         raise ValueError("mixes slices of different ImageOrientationPatient: one series a folder, one orientation")
     if any(not np.allclose(s.spacing, first.spacing, rtol=1e-4) for s in slices):
         raise ValueError("mixes slices of different PixelSpacing")
+    if len(slices) > MAX_SIDE:
+        raise ValueError(f"holds {len(slices)} slices, more than the {MAX_SIDE} voxels an axis may have")
     values = first.rows * first.columns * len(slices)
     if values > MAX_VALUES or values * 4 > MAX_ARRAY_BYTES:
         raise ValueError(f"declares {len(slices)} slices of {first.rows}×{first.columns}: more than the {MAX_VALUES} "
