@@ -357,7 +357,7 @@ def test_a_series_of_more_slices_than_an_axis_may_hold_is_refused_from_its_heade
     """The limit lowered to 3 so the test writes 4 slices, not 4097."""
     from fedbroker.datasets.volumes import dicom as dicom_module
 
-    monkeypatch.setattr(dicom_module, "MAX_SIDE", 3)
+    monkeypatch.setattr(dicom_module, "MAX_SLICES", 3)
     folder = ct(tmp_path)
     refused(dicom(tmp_path), "worker.data.path", f"series {folder} holds 4 slices, more than the 3 voxels an axis")
 

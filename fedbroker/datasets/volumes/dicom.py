@@ -28,6 +28,7 @@ from fedbroker.errors import ConfigError
 
 SYNTAXES = (ImplicitVRLittleEndian, ExplicitVRLittleEndian, ExplicitVRBigEndian)  # uncompressed: size known
 MAX_SLICE_BYTES = (1 << 26) + (1 << 20)     # one slice file: 4096² × 4 bytes of pixels and 1 MiB of header
+MAX_SLICES = MAX_SIDE                       # slices a series may stack (voxels along its third axis)
 SPACING_TOLERANCE = 0.01                    # slice gaps may differ from their median by 1 %
 _LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 
@@ -178,8 +179,8 @@ def build_series(name: str, folder: str, slices: Sequence[Slice]) -> DicomSeries
         raise ValueError("mixes slices of different ImageOrientationPatient: one series a folder, one orientation")
     if any(not np.allclose(s.spacing, first.spacing, rtol=1e-4) for s in slices):
         raise ValueError("mixes slices of different PixelSpacing")
-    if len(slices) > MAX_SIDE:
-        raise ValueError(f"holds {len(slices)} slices, more than the {MAX_SIDE} voxels an axis may have")
+    if len(slices) > MAX_SLICES:
+        raise ValueError(f"holds {len(slices)} slices, more than the {MAX_SLICES} voxels an axis may have")
     values = first.rows * first.columns * len(slices)
     if values > MAX_VALUES or values * 4 > MAX_ARRAY_BYTES:
         raise ValueError(f"declares {len(slices)} slices of {first.rows}×{first.columns}: more than the {MAX_VALUES} "
