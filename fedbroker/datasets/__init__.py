@@ -12,8 +12,8 @@ the sites agreed on, so every site and the downloaded model scale alike).
 An owner's file is refused at the door, before the worker registers or spends ε, with a ConfigError naming
 the setting and the place in the file: see `fedbroker.datasets.dataset` for the limits every reader enforces
 before it inflates or parses what a file declares. One module per format: `idx`, `tables` (CSV, Parquet),
-`npz`, `images` (a folder of PNG/JPEG files and a labels CSV, read a batch at a time); `owned` holds what
-the owner's formats share.
+`npz`, `images` (a folder of PNG/JPEG files and a labels CSV, read a batch at a time), `volumes` (NIfTI
+files and DICOM series, a package); `owned` holds what the owner's formats share.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from fedbroker.datasets.tables import load_csv, load_parquet
 from fedbroker.errors import ConfigError
 
 DATASETS = ("digits", "breast_cancer", "wine", "iris", "mnist", "fashion_mnist")
-OWN_FORMATS = ("idx", "csv", "npz", "parquet", "images")   # an owner's own files (worker.idx_dir, worker.data)
+# an owner's own files (worker.idx_dir, worker.data)
+OWN_FORMATS = ("idx", "csv", "npz", "parquet", "images", "nifti", "dicom")
 
 _IDX_SETS = ("mnist", "fashion_mnist")
 
@@ -77,6 +78,10 @@ def load_worker_data(config: WorkerConfig) -> Dataset:
         from fedbroker.datasets.images import load_images
 
         return load_images(config.data)
+    if name in ("nifti", "dicom"):  # folders of volumes, read a batch at a time (fedbroker.datasets.volumes)
+        from fedbroker.datasets.volumes import load_volumes
+
+        return load_volumes(config.data, name)
     if name in ("csv", "npz", "parquet"):
         source = config.data
         if not source.path:
@@ -91,11 +96,18 @@ def train_test_split(ds: Dataset, *, test_fraction: float = 0.2, seed: int = 0) 
     """Stratified, deterministic split: each class contributes round(test_fraction·n_c) test samples.
 
     Implemented with numpy's PCG64 rather than scikit-learn so the split depends only on the seed,
-    not on a library version; both halves keep the original sample order.
+    not on a library version; both halves keep the original sample order. Samples cut from one volume (slices:
+    `ds.x.groups`) are split by volume, round(test_fraction·volumes) held out whole, unstratified: a patient's
+    slices on both sides would score the model on what it trained on.
     """
     if not 0.0 < test_fraction < 1.0:
         raise ConfigError("test_fraction", f"must lie strictly between 0 and 1, got {test_fraction}")
     rng = np.random.default_rng(seed)
+    groups = getattr(ds.x, "groups", None)  # slices of volumes: a volume's slices all on one side, never both
+    if groups is not None:
+        held = rng.permutation(np.unique(groups))[:round(test_fraction * len(np.unique(groups)))]
+        is_held = np.isin(groups, held)
+        return _subset(ds, np.flatnonzero(~is_held)), _subset(ds, np.flatnonzero(is_held))
     if ds.labels != "class":  # no classes to stratify by: a plain random split of round(test_fraction·N)
         test_idx = np.sort(rng.permutation(len(ds))[:round(test_fraction * len(ds))])
         keep = np.ones(len(ds), dtype=bool)

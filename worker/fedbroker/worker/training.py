@@ -138,27 +138,19 @@ def train_local(
     bit for bit (the layer-wise mode's matched layers). `task` (default classification) chooses the loss and how
     `y` is read (`fedbroker.tasks.losses`); every loss is a mean of per-sample losses.
 
-    `x` (and `y` when it holds masks) may be samples on the site's disk (`FileSamples`): they are then decoded a
-    batch at a time (`fedbroker.worker.batches`), within `memory_mib` (the owner's `worker.data.memory_mib`: a
-    batch that cannot fit is refused before any step) and through the decoded `cache` folder ("" = none).
-    `pipeline` (the job's data section) prepares every raw sample and augments training batches.
+    `x` (`y`: masks) may be on files (`FileSamples`: `fedbroker.worker.batches`, within `memory_mib`, through the
+    `cache` folder); `pipeline` (the job's data section) prepares every raw sample and augments training batches.
     """
     _check_arguments(model, seed=seed, clipping=clipping, physical_batch_size=physical_batch_size)
     task = task or TaskConfig()
-    x_in, y_in = _inputs(task, x, y)
-    n = len(y_in)
-    if memory_mib is not None:
-        check_batch_memory(x, y, config=config, pipeline=pipeline, memory_mib=memory_mib,
-                           dp=dp is not None and dp.enabled, physical_batch_size=physical_batch_size)
+    (x_in, y_in), n = _inputs(task, x, y), len(x)
+    check_batch_memory(x, y, config=config, pipeline=pipeline, memory_mib=memory_mib,
+                       dp=dp is not None and dp.enabled, physical_batch_size=physical_batch_size)
     entries = normalise_history(history)
     plan = _plan_dp(model, dp, entries, num_samples=n, config=config, clipping=clipping) \
         if dp is not None and dp.enabled else None
     dev = torch.device(device)
-    # Three independent streams (batches, noise, torch's global RNG for dropout) from one seed.
-    # (A fourth, for augmentation, leaves the first three as they were: SeedSequence's words do not depend on
-    # how many are asked for.)
-    data_seed, noise_seed, torch_seed, augment_seed = (
-        int(s) >> 1 for s in np.random.SeedSequence(seed).generate_state(4, np.uint64))
+    data_seed, noise_seed, torch_seed, augment_seed = _seeds(seed)
     fork_devices = [] if dev.type != "cuda" else [dev.index if dev.index is not None else torch.cuda.current_device()]
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(torch_seed)
@@ -166,28 +158,16 @@ def train_local(
         _freeze(work, frozen)
         work.train()
         anchor = [p.detach().clone() for p in work.parameters()] if config.proximal_mu > 0 else None
-        optimizer = _make_optimizer(work, config)
-        data_gen = torch.Generator().manual_seed(data_seed)
         start = time.perf_counter()
         batches = Batches(x_in, y_in, pipeline=pipeline, device=dev, cache=cache,
                           generator=torch.Generator().manual_seed(augment_seed))
-        run = LocalRun(work=work, optimizer=optimizer, fetch=batches.fetch, num_samples=n, config=config,
-                       steps_per_epoch=steps_per_epoch(n, config), data_gen=data_gen, device=dev, anchor=anchor,
-                       progress=progress, loss=functools.partial(per_sample_loss, task), prefetch=batches.prefetch)
+        run = LocalRun(work=work, optimizer=_make_optimizer(work, config), fetch=batches.fetch, num_samples=n,
+                       config=config, steps_per_epoch=steps_per_epoch(n, config), device=dev, anchor=anchor,
+                       data_gen=torch.Generator().manual_seed(data_seed), progress=progress,
+                       loss=functools.partial(per_sample_loss, task), prefetch=batches.prefetch)
         try:
-            if plan is None:
-                loss, seen = train_plain(run)
-                epsilon, out_history = None, entries
-            else:
-                loss, seen, out_history = train_dp(
-                    run, dp=plan.policy, history=entries, sample_rate=plan.sample_rate,
-                    noise_gen=torch.Generator(device=dev).manual_seed(noise_seed), clipping=plan.clipping,
-                    physical_batch_size=physical_batch_size,
-                )
-                # The projection already ran a fresh RDP accountant on exactly this history; only a history
-                # that differs from the plan (which training never produces) is worth a second computation.
-                epsilon = plan.epsilon if out_history == plan.planned \
-                    else epsilon_of(out_history, delta=plan.policy.delta)
+            loss, seen, epsilon, out_history = _loops(run, plan, entries, physical_batch_size=physical_batch_size,
+                                                      noise_gen=torch.Generator(device=dev).manual_seed(noise_seed))
         finally:
             batches.close()
         if dev.type == "cuda":
@@ -201,6 +181,28 @@ def train_local(
         seconds=seconds, samples_per_second=seen / seconds if seconds > 0 else float("inf"), epsilon=epsilon,
         history=out_history, clipping=plan.clipping if plan is not None else None,
     )
+
+
+def _seeds(seed: int) -> tuple[int, int, int, int]:
+    """Independent streams (batches, noise, torch's global RNG for dropout, augmentation) from one seed; the fourth
+    leaves the first three as they were before it (SeedSequence's words do not depend on how many are asked)."""
+    a, b, c, d = (int(s) >> 1 for s in np.random.SeedSequence(seed).generate_state(4, np.uint64))
+    return a, b, c, d
+
+
+def _loops(run: LocalRun, plan: _DPPlan | None, entries: list[HistoryEntry], *, physical_batch_size: int | None,
+           noise_gen: torch.Generator) -> tuple[float, int, float | None, list[HistoryEntry]]:
+    """(loss, samples seen, ε after, the job's history after) of the plain loop or, with a plan, the DP loop."""
+    if plan is None:
+        loss, seen = train_plain(run)
+        return loss, seen, None, entries
+    loss, seen, out_history = train_dp(run, dp=plan.policy, history=entries, sample_rate=plan.sample_rate,
+                                       noise_gen=noise_gen, clipping=plan.clipping,
+                                       physical_batch_size=physical_batch_size)
+    # The projection already ran a fresh RDP accountant on exactly this history; only a history that differs
+    # from the plan (which training never produces) is worth a second computation.
+    epsilon = plan.epsilon if out_history == plan.planned else epsilon_of(out_history, delta=plan.policy.delta)
+    return loss, seen, epsilon, out_history
 
 
 def _inputs(task: TaskConfig, x: np.ndarray | FileSamples,
@@ -224,13 +226,13 @@ def _inputs(task: TaskConfig, x: np.ndarray | FileSamples,
 
 
 def check_batch_memory(x: np.ndarray | FileSamples, y: np.ndarray | FileSamples, *, config: TrainingConfig,
-                       pipeline: DataPipeline | None, memory_mib: int, dp: bool,
+                       pipeline: DataPipeline | None, memory_mib: int | None, dp: bool,
                        physical_batch_size: int | None) -> None:
     """Refuse (ConfigError naming worker.data.memory_mib) a training whose streamed batches cannot fit the owner's
     budget; in-memory arrays were loaded whole already and are not charged again. A DP pass is at most
     `physical_batch_size`, else a Poisson batch, counted at its mean plus four standard deviations."""
     streamed = [s for s in (x, y) if isinstance(s, FileSamples)]
-    if not streamed:
+    if not streamed or memory_mib is None:   # None: no budget given (a library call)
         return
     per_sample = 0
     for s in streamed:
