@@ -91,7 +91,7 @@ def predictions(task: TaskConfig, output: torch.Tensor) -> Any:
     the predicted class), class indices per pixel (segmentation), probabilities per label (multilabel) or the
     raw values (regression), as numpy."""
     if task.type == "classification":
-        return torch.softmax(output.double(), dim=1).cpu().numpy()
+        return torch.softmax(output.detach().cpu().double(), dim=1).numpy()  # float64 on the CPU (MPS has none)
     if task.type == "segmentation":
         return output.argmax(dim=1).cpu().numpy()
     if task.type == "multilabel":
