@@ -16,6 +16,7 @@ import pytest
 import torch
 from sklearn.metrics import average_precision_score, roc_auc_score
 
+from fedbroker.app.evaluation_view import score_table
 from fedbroker.config import DataSection, PartitionSection
 from fedbroker.coordinator.checkpoints import load_checkpoint
 from fedbroker.coordinator.service import status_reply
@@ -101,6 +102,9 @@ def test_a_multilabel_jobs_rounds_carry_auroc_and_ap_per_finding_within_their_bo
         called = probs[:, label] >= 0.4
         assert scores[f"sens/{label}"] == pytest.approx((called & truth[:, label]).sum() / truth[:, label].sum())
     assert scores["auroc/0"] > 0.7   # a learnable finding is learned
+    shown = score_table(status_reply(fed.coordinator, job_id), job_id).splitlines()   # what `jobs show` prints
+    assert "headline auroc" in shown[0] and shown[1].split()[:5] == ["class", "auroc", "±auroc", "ap", "±ap"]
+    assert shown[3].split()[:2] == ["0", f"{scores['auroc/0']:.4f}"] and len(shown) == 6
 
 
 def test_a_binary_jobs_rounds_carry_auroc_ap_sensitivity_and_specificity(fed: Federation) -> None:
