@@ -97,3 +97,25 @@ def test_simulated_sites_score_disjoint_slices_of_the_held_out_split_that_cover_
     assert whole[0] is test.x and not whole[2]
     empty = held_out_slice(test, PartitionSection(scheme="classes", num_clients=200, classes_per_client=2))
     assert len(empty[1]) == 0 and "cannot be shared out" in empty[2]
+
+
+def test_the_jobs_evaluation_score_is_the_headline_and_its_direction_decides_best_and_patience() -> None:
+    from fedbroker.job.task import TaskConfig
+    from fedbroker.tasks.scores import batch_sums
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 80)
+    probs = np.stack([1 - rng.random(80) * 0.5 - 0.3 * y, np.zeros(80)], axis=1)
+    probs[:, 1] = 1 - probs[:, 0]
+    sites = [SiteScore(0.0, 0.0, 40, batch_sums(TaskConfig(), probs[i], y[i], 4.0)) for i in (slice(0, 40),
+                                                                                            slice(40, 80))]
+    made = combine(sites, score="ap")
+    assert made is not None and made.metric == "ap" and made.accuracy == made.scores["ap/1"]
+    plain = combine(sites)
+    assert plain is not None and plain.metric == "accuracy"
+    losses = [Scored(1, 0.4, None), Scored(2, 0.3, None), Scored(3, 0.35, None), Scored(4, 0.32, None)]
+    stop = early_stop(losses, 2, score="loss")                                      # lower is better
+    assert stop is not None and (stop.best_round, stop.metric) == (2, "loss") and "no better federated loss" in \
+        stop.reason()
+    higher = early_stop(losses, 2, score="auroc")                                  # higher is better
+    assert higher is not None and higher.best_round == 1

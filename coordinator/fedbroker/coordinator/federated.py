@@ -63,7 +63,8 @@ def after_round(ctx: JobContext, run: Run, number: int, version: int, participan
     if not sites:
         return
     deadline = time.time() + job.schedule.round_timeout_s
-    ctx.store.ask_evaluation(job_id, number, model_version=version, workers=sites, deadline=deadline, task=job.task)
+    ctx.store.ask_evaluation(job_id, number, model_version=version, workers=sites, deadline=deadline, task=job.task,
+                             score=job.evaluation.score, threshold=job.evaluation.threshold)
     body = envelope.encode(evaluation_task=pb.EvaluationTask(
         job_id=job_id, round=number, model_version=version, aggregator_target=ctx.aggregator_target,
         category=job.category, deadline_unix=deadline, task=task_message(job.task)))
@@ -159,7 +160,7 @@ def stopped_early(ctx: JobContext, run: Run) -> bool:
     if run.job.evaluation.patience <= 0:
         return False
     stop = early_stop(scored_rounds(ctx.store, run.job_id, settled_only=True), run.job.evaluation.patience,
-                      task=run.job.task)
+                      task=run.job.task, score=run.job.evaluation.score)
     if stop is None:
         return False
     log.info("job %s %s", run.job_id, stop.reason())
@@ -188,14 +189,17 @@ def await_last(ctx: JobContext, run: Run) -> None:
 
 
 def fill_status(store: StateStore, job_id: str, reply: pb.StatusReply) -> None:
-    """The job's rounds in `reply` get their federated scores so far, and `reply` each site's evaluation."""
+    """The job's rounds in `reply` get their federated scores so far (the per-class ones, `auroc/3`, for the latest
+    scored round only: a 1000-label job's reply stays small), and `reply` each site's evaluation."""
     scores = {e.round: e.score for e in store.evaluation_rounds(job_id)}
+    latest = max((r for r, s in scores.items() if s is not None), default=0)
     for row in reply.rounds:
         score = scores.get(row.round) if row.job_id == job_id else None
         if score is not None:
             row.federated_accuracy, row.federated_loss = score.accuracy, score.loss
             row.federated_metric = score.metric
-            row.federated_scores.update({k: v for k, v in score.scores.items() if math.isfinite(v)})
+            row.federated_scores.update({k: v for k, v in score.scores.items()
+                                         if math.isfinite(v) and (row.round == latest or "/" not in k)})
             row.federated_samples, row.evaluated_sites = score.num_samples, score.sites
     for e in store.evaluations(job_id):
         reply.evaluations.add(job_id=e.job_id, round=e.round, worker_id=e.worker_id, status=e.status, reason=e.reason,
