@@ -80,6 +80,11 @@ experiment-alignment: $(STAMP)
 	$(PY) -m experiments.alignment --part paper-scale
 	$(PY) -m experiments.alignment --part init
 
+# NAFI Table 4 protocol: U-Net with BN folded, layer-wise PFNM/NAFI vs FedAvg/FedProx/FedAvg+DP, Dice, synthetic lesions
+.PHONY: experiment-segmentation
+experiment-segmentation: $(STAMP)
+	nice -n 10 $(PY) -m experiments.segmentation
+
 .PHONY: experiment-weighting-selection
 experiment-weighting-selection: $(STAMP)
 	$(PY) -m experiments.weighting_selection

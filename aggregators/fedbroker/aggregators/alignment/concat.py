@@ -193,7 +193,7 @@ def _weights(weights: np.ndarray, n: int) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
     if w.shape != (n,) or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
         raise ValueError(f"weights must be {n} finite non-negative numbers with a positive sum")
-    return w / w.sum()
+    return np.asarray(w / float(w.sum()))
 
 
 __all__ = ["INPUT", "ConcatGraph", "class_average", "match_graph_layer", "permute_layer", "scatter_readers",

@@ -1,0 +1,56 @@
+"""The segmentation experiment's plumbing at a tiny size: the lesion recipe, the DP noise choice, a study writing
+its table (named synthetic, the paper's numbers beside) and its per-round Dice for every method."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from experiments import segmentation
+from experiments.lesions import make_site, site_sizes, site_styles
+from fedbroker.privacy import dp_sample_rate, planned_steps, project_epsilon
+
+
+def test_the_recipe_gives_unbalanced_sites_with_lesions_and_is_seeded():
+    rng = np.random.default_rng(0)
+    sizes = site_sizes(200, 8, 0.5, 8, rng)
+    assert sum(sizes) == 200 and min(sizes) >= 8 and max(sizes) > 2 * min(sizes)
+    style = site_styles(1, 32, np.random.default_rng(1))[0]
+    x, y = make_site(20, 32, style, np.random.default_rng(2))
+    x2, y2 = make_site(20, 32, style, np.random.default_rng(2))
+    assert x.shape == (20, 1, 32, 32) and x.dtype == np.float32 and y.dtype == np.int64
+    np.testing.assert_array_equal(x, x2)
+    np.testing.assert_array_equal(y, y2)
+    assert 0.0 < y.mean() < 0.5 and set(np.unique(y)) == {0, 1}
+
+
+def test_each_site_picks_the_least_noise_that_keeps_its_epsilon_at_the_target():
+    config = segmentation._config(segmentation.Protocol(), 1)
+    sigma = segmentation.noise_for(40, config, 13, epsilon=8.0, delta=1e-5, tol=0.5)
+
+    def eps(s: float) -> float:
+        return project_epsilon([], noise_multiplier=s, sample_rate=dp_sample_rate(40, config),
+                               steps=13 * planned_steps(40, config), delta=1e-5)
+
+    assert eps(sigma) <= 8.0 < eps(sigma - 0.5)
+
+
+@pytest.mark.parametrize("methods", [("FedAvg", "NAFI", "FedAvg + DP")])
+def test_a_tiny_study_writes_the_table_and_every_methods_dice_per_round(tmp_path, methods):
+    protocol = replace(segmentation.QUICK, sizes=(2,), image=8, train_total=16, test=4, methods=methods)
+    result = segmentation.run(str(tmp_path), protocol, progress=False)
+    assert [r["method"] for r in result["runs"]] == list(methods)
+    for r in result["runs"]:
+        assert len(r["dice"]) == segmentation.N_LAYERS
+        assert all(0.0 <= d <= 100.0 for d in r["dice"])
+    nafi = next(r for r in result["runs"] if r["method"] == "NAFI")
+    assert len(nafi["global_widths"]) == segmentation.N_LAYERS - 1 and len(nafi["local_dice"]) == 2
+    dp = next(r for r in result["runs"] if r["method"] == "FedAvg + DP")
+    assert dp["epsilon_max"] <= protocol.dp_epsilon + 1e-9
+    md = (tmp_path / "segmentation.md").read_text()
+    assert "synthetic" in md and "| 2 | NAFI |" in md
+    assert json.loads((tmp_path / "segmentation.json").read_text())["protocol"]["image"] == 8
+    assert (tmp_path / "segmentation.png").stat().st_size > 0
