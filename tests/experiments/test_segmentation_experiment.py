@@ -54,3 +54,42 @@ def test_a_tiny_study_writes_the_table_and_every_methods_dice_per_round(tmp_path
     assert "synthetic" in md and "| 2 | NAFI |" in md
     assert json.loads((tmp_path / "segmentation.json").read_text())["protocol"]["image"] == 8
     assert (tmp_path / "segmentation.png").stat().st_size > 0
+
+
+def test_permuted_copies_of_the_experiments_unet_with_bn_folded_realign_to_the_same_outputs():
+    import torch
+
+    from experiments.segmentation_net import GRAPH, N_LAYERS, OUT, Client, UNet, client_of, model_of, widths_for
+    from fedbroker.aggregators.alignment.concat import class_average, match_graph_layer, permute_layer
+    from fedbroker.algorithms.params import MatchingParams
+
+    torch.manual_seed(0)
+    model = UNet(widths_for((3, 4, 5)), ["bn"] * N_LAYERS)
+    with torch.no_grad():
+        for norm in model.norms:
+            if isinstance(norm, torch.nn.BatchNorm2d):
+                norm.weight.normal_()
+                norm.bias.normal_()
+                norm.running_mean.normal_()
+                norm.running_var.uniform_(0.5, 2.0)
+    model.eval()
+    x = torch.randn(2, 1, 8, 8)
+    want = model(x).detach().numpy()
+    fused = client_of(model)
+    for i in range(N_LAYERS):
+        fused = fused.folded(i)
+    rng = np.random.default_rng(0)
+    copies = []
+    for _ in range(3):
+        layers = list(fused.layers)
+        for i in range(N_LAYERS - 1):
+            layers = permute_layer(GRAPH, layers, i, rng.permutation(layers[i].weight.shape[0]))
+        copies.append(layers)
+    np.testing.assert_allclose(model_of(Client(copies[0], fused.bns)).eval()(x).detach().numpy(), want, atol=1e-5)
+    for i in range(N_LAYERS - 1):
+        copies, match = match_graph_layer(GRAPH, copies, i, weights=np.ones(3), params=MatchingParams(lam=0.01),
+                                          rng=np.random.default_rng(i))
+        assert match.width == fused.layers[i].weight.shape[0]
+    out = class_average([c[OUT] for c in copies], np.ones((3, 2)))
+    got = model_of(Client(copies[0][:OUT] + [out], fused.bns)).eval()(x).detach().numpy()
+    np.testing.assert_allclose(got, want, atol=1e-5)
