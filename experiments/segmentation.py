@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -372,7 +372,6 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 def run(out: str, protocol: Protocol, *, progress: bool = True) -> dict[str, Any]:
     """The study, written to OUT/segmentation.{json,md,png}."""
-    os.makedirs(out, exist_ok=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: one intra-op thread beats two on 2 shared cores
     started = time.perf_counter()
@@ -381,12 +380,37 @@ def run(out: str, protocol: Protocol, *, progress: bool = True) -> dict[str, Any
     finally:
         torch.set_num_threads(threads)
     result["seconds"] = time.perf_counter() - started
+    write(out, result)
+    return result
+
+
+def write(out: str, result: dict[str, Any]) -> None:
+    """OUT/segmentation.json, the table (.md) and the plot (.png)."""
+    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "segmentation.json"), "w") as fh:
         json.dump(result, fh, indent=1, default=float)
     with open(os.path.join(out, "segmentation.md"), "w") as fh:
         fh.write("# NAFI Table 4 protocol: U-Net, layer-wise matching, Dice (synthetic lesions)\n\n" + table(result)
-                 + f"\nRuntime {result['seconds']:.0f} s on {os.cpu_count()} CPU cores (shared with other work).\n")
+                 + f"\nRuntime {result['seconds']:.0f} s of wall time on {os.cpu_count()} CPU cores shared with other "
+                 f"work (summed over the parts run side by side: {result.get('parts', 1)}).\n")
     plot(result, os.path.join(out, "segmentation.png"))
+
+
+def merge(parts: Sequence[str], out: str) -> dict[str, Any]:
+    """The results of runs over disjoint J (`--sizes`), each in its own folder, as one study in OUT."""
+    loaded = []
+    for folder in parts:
+        with open(os.path.join(folder, "segmentation.json")) as fh:
+            loaded.append(json.load(fh))
+    protocol = dict(loaded[0]["protocol"])
+    protocol["sizes"] = [n for part in loaded for n in part["protocol"]["sizes"]]
+    for part in loaded[1:]:
+        if {k: v for k, v in part["protocol"].items() if k != "sizes"} != \
+                {k: v for k, v in loaded[0]["protocol"].items() if k != "sizes"}:
+            raise SystemExit(f"the parts {list(parts)} ran different protocols")
+    result = {"protocol": protocol, "runs": [r for part in loaded for r in part["runs"]],
+              "seconds": sum(part["seconds"] for part in loaded), "parts": len(loaded)}
+    write(out, result)
     return result
 
 
@@ -394,10 +418,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny plumbing run (one J, one seed, 16×16)")
     parser.add_argument("--out", help=f"output folder (default {RESULTS}; a temporary folder with --quick)")
+    parser.add_argument("--sizes", type=int, nargs="+", help="only these J (to run parts side by side, then --merge)")
+    parser.add_argument("--merge", nargs="+", metavar="FOLDER", help="merge the parts' folders into --out")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     out = args.out or (tempfile.mkdtemp(prefix="segmentation-quick-") if args.quick else RESULTS)
+    if args.merge:
+        merge(args.merge, out)
+        print(f"wrote {out}", file=sys.stderr)
+        return 0
     protocol = QUICK if args.quick else Protocol()
+    if args.sizes:
+        protocol = replace(protocol, sizes=tuple(args.sizes))
     result = run(out, protocol, progress=not args.no_progress)
     print(f"wrote {out} in {result['seconds']:.0f} s", file=sys.stderr)
     return 0

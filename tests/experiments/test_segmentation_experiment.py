@@ -93,3 +93,21 @@ def test_permuted_copies_of_the_experiments_unet_with_bn_folded_realign_to_the_s
     out = class_average([c[OUT] for c in copies], np.ones((3, 2)))
     got = model_of(Client(copies[0][:OUT] + [out], fused.bns)).eval()(x).detach().numpy()
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_parts_over_disjoint_sizes_merge_into_one_table_and_other_protocols_are_refused(tmp_path):
+    runs = [{"J": 2, "seed": 0, "method": "FedAvg", "dice": [1.0, 2.0]}]
+    protocol = {**segmentation.asdict(segmentation.QUICK), "methods": ["FedAvg"], "sizes": [2]}
+    for name, n_sites in (("a", 2), ("b", 3)):
+        (tmp_path / name).mkdir()
+        part = {"protocol": {**protocol, "sizes": [n_sites]}, "runs": [{**runs[0], "J": n_sites}], "seconds": 5.0}
+        (tmp_path / name / "segmentation.json").write_text(json.dumps(part))
+    merged = segmentation.merge([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "out"))
+    assert merged["protocol"]["sizes"] == [2, 3] and merged["seconds"] == 10.0
+    md = (tmp_path / "out" / "segmentation.md").read_text()
+    assert "| 2 | FedAvg | 2.00 ± 0.00 | 2.00 ± 0.00 |" in md and "| 3 | FedAvg |" in md
+    other = json.loads((tmp_path / "b" / "segmentation.json").read_text())
+    other["protocol"]["lr"] = 0.5
+    (tmp_path / "b" / "segmentation.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="different protocols"):
+        segmentation.merge([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "out"))
