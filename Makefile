@@ -80,6 +80,15 @@ experiment-alignment: $(STAMP)
 	$(PY) -m experiments.alignment --part paper-scale
 	$(PY) -m experiments.alignment --part init
 
+# NAFI Table 4 protocol: U-Net with BN folded, layer-wise PFNM/NAFI vs FedAvg/FedProx/FedAvg+DP, Dice, synthetic lesions
+.PHONY: experiment-segmentation
+# (J = 8 and J = 16 run side by side, one thread each, then merge into experiments/results/segmentation.*)
+experiment-segmentation: $(STAMP)
+	parts=$$(mktemp -d); \
+	nice -n 10 $(PY) -m experiments.segmentation --sizes 8 --out $$parts/8 & p8=$$!; \
+	nice -n 10 $(PY) -m experiments.segmentation --sizes 16 --out $$parts/16 --no-progress & p16=$$!; \
+	wait $$p8 && wait $$p16 && $(PY) -m experiments.segmentation --merge $$parts/8 $$parts/16
+
 .PHONY: experiment-weighting-selection
 experiment-weighting-selection: $(STAMP)
 	$(PY) -m experiments.weighting_selection
