@@ -678,7 +678,11 @@ def run_part(out: str, part: str, *, quick: bool = False, progress: bool = True)
             protocol = PaperScaleProtocol(cells=((2, 15),), epochs=3) if quick else PaperScaleProtocol()
             result = paper_scale(protocol, progress=progress,
                                  checkpoint=os.path.join(out, "alignment_paper_scale.partial.json"))
-            table, title, plot = paper_scale_table(result), "PFNM and NAFI at the papers' scale", plot_paper_scale
+            from experiments.alignment_stats import nafi_minus_pfnm, summary
+
+            result["nafi_minus_pfnm"] = nafi_minus_pfnm(result)
+            table = paper_scale_table(result) + "\n" + summary(result)
+            title, plot = "PFNM and NAFI at the papers' scale", plot_paper_scale
         else:
             init_p = InitProtocol(datasets=("breast_cancer",), seeds=(0,), rounds=3) if quick else InitProtocol()
             result = init_arms(init_p, progress=progress)
