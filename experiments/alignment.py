@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -667,7 +667,8 @@ def _run(out: str, *, quick: bool, progress: bool) -> dict[str, Any]:
     return {"environment": env, "one_shot_fusion": fusion, "multi_round": rounds}
 
 
-def run_part(out: str, part: str, *, quick: bool = False, progress: bool = True) -> dict[str, Any]:
+def run_part(out: str, part: str, *, quick: bool = False, progress: bool = True,
+             seeds: Sequence[int] = ()) -> dict[str, Any]:
     """One of the later experiments (`paper-scale`, `init`) alone, into OUT/alignment_<part>.{json,md,png}."""
     os.makedirs(out, exist_ok=True)
     threads = torch.get_num_threads()
@@ -676,6 +677,7 @@ def run_part(out: str, part: str, *, quick: bool = False, progress: bool = True)
     try:
         if part == "paper-scale":
             protocol = PaperScaleProtocol(cells=((2, 15),), epochs=3) if quick else PaperScaleProtocol()
+            protocol = replace(protocol, seeds=tuple(seeds)) if seeds else protocol
             result = paper_scale(protocol, progress=progress,
                                  checkpoint=os.path.join(out, "alignment_paper_scale.partial.json"))
             from experiments.alignment_stats import nafi_minus_pfnm, summary
@@ -710,10 +712,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--part", choices=("main", "paper-scale", "init"), default="main",
                         help="main: one-shot fusion and multi-round FL; paper-scale: PFNM/NAFI with 2–3 hidden layers "
                              "and S = 15…30; init: FedDNA with shared vs independent initialisation")
+    parser.add_argument("--seeds", type=int, nargs="+", default=(), help="paper-scale only: these seeds in place of "
+                                                                         "the protocol's (0 1 2)")
     args = parser.parse_args(argv)
     out = args.out or (tempfile.mkdtemp(prefix="alignment-quick-") if args.quick else RESULTS)
     if args.part != "main":
-        part = run_part(out, args.part, quick=args.quick, progress=not args.no_progress)
+        part = run_part(out, args.part, quick=args.quick, progress=not args.no_progress, seeds=args.seeds)
         print(f"wrote {out} in {part['seconds']:.0f} s", file=sys.stderr)
         return 0
     result = run(out, quick=args.quick, progress=not args.no_progress)
