@@ -58,7 +58,7 @@ def summary(result: Mapping[str, Any]) -> str:
     """The paragraph under the table."""
     s = nafi_minus_pfnm(result)
     text = (f"**NAFI − PFNM (λ by validation)** over {s['runs']} runs ({s['cells']} cells × seeds): "
-            f"{s['mean']:+.2f} ± {s['sd']:.2f} points (mean ± SD); NAFI ahead in {s['wins']}, behind in "
+            f"{s['mean']:+.2f} ± {s['sd']:.2f} points (mean ± sample SD; the table's ± is the SD over seeds with ddof 0); NAFI ahead in {s['wins']}, behind in "
             f"{s['losses']}, level in {s['ties']}.")
     if s["seed_sd_of_difference"] is not None:
         text += (f" Seed noise: the SD of the difference between seeds of one cell is {s['seed_sd_of_difference']:.2f} "
