@@ -321,7 +321,9 @@ def run(protocol: ImagingProtocol, out: Path, *, progress: bool = True) -> dict[
     started = time.perf_counter()
     try:
         result: dict[str, Any] = {"protocol": asdict(protocol), "data": "synthetic stand-in (PathMNIST-like)",
-                                  "runs": []}
+                                  "runs": [], "parameters": {m: int(sum(np.prod(s) for s in all_shapes(
+                                      parse_model(model_section(protocol, m, len(TISSUE_CLASSES))),
+                                      ModelPlan()).values())) for m in protocol.models}}
         start_spec = parse_model(resnet18(len(TISSUE_CLASSES), divisor=protocol.width_divisor, groups=protocol.groups))
         start = None
         if any("pretrained" in m for m in protocol.models):
@@ -337,18 +339,12 @@ def run(protocol: ImagingProtocol, out: Path, *, progress: bool = True) -> dict[
             result["runs"].append(run_model(protocol, name, seed, start if "pretrained" in name else None,
                                             data[seed], progress=progress))
             out.mkdir(parents=True, exist_ok=True)  # what is done so far, should the run be cut short
+            result["seconds"] = time.perf_counter() - started
             (out / "imaging.partial.json").write_text(json.dumps(result, indent=1, default=float))
     finally:
         torch.set_num_threads(threads)
     result["seconds"] = time.perf_counter() - started
-    result["parameters"] = {m: int(sum(np.prod(s) for s in all_shapes(
-        parse_model(model_section(protocol, m, len(TISSUE_CLASSES))), ModelPlan()).values())) for m in protocol.models}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "imaging.json").write_text(json.dumps(result, indent=1, default=float))
-    (out / "imaging.md").write_text("# FL-DMX imaging study (synthetic stand-in data)\n\n" + table(result)
-                                    + f"\n\nRuntime {result['seconds']:.0f} s on {os.cpu_count()} CPU cores "
-                                      f"(shared with other work).\n")
-    plot(result, str(out / "imaging.png"))
+    write(result, out)
     (out / "imaging.partial.json").unlink(missing_ok=True)
     return result
 
@@ -434,14 +430,51 @@ def plot(result: Mapping[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def merge(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Runs of one protocol over disjoint seeds (each an `imaging.json` or `imaging.partial.json`) as one result;
+    refused unless every protocol but its seeds is the same and the pretrained start file is the same."""
+    first = parts[0]
+    same = [{k: v for k, v in p["protocol"].items() if k != "seeds"} for p in parts]
+    if any(s != same[0] for s in same) or len({p.get("pretext", {}).get("sha256") for p in parts}) != 1:
+        raise ValueError("the parts were run under different protocols or start files")
+    runs = [r for p in parts for r in p["runs"]]
+    seeds = sorted({int(r["seed"]) for r in runs})
+    cells = {(r["seed"], r["model"]) for r in runs}
+    if len(cells) != len(runs):
+        raise ValueError("a (seed, model) cell appears twice")
+    out = dict(first)
+    out["protocol"] = {**first["protocol"], "seeds": seeds}
+    out["runs"] = sorted(runs, key=lambda r: (r["seed"], list(first["protocol"]["models"]).index(r["model"])))
+    out["seconds"] = sum(float(p.get("seconds", 0.0)) for p in parts)
+    return out
+
+
+def write(result: Mapping[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "imaging.json").write_text(json.dumps(result, indent=1, default=float))
+    (out / "imaging.md").write_text("# FL-DMX imaging study (synthetic stand-in data)\n\n" + table(result)
+                                    + f"\n\nRuntime {result['seconds']:.0f} s of wall time on {os.cpu_count()} "
+                                      f"CPU cores (shared with other work).\n")
+    plot(result, str(out / "imaging.png"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a plumbing run of seconds at tiny size")
     parser.add_argument("--out", help=f"output folder (default {RESULTS}; a temporary folder with --quick)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--seeds", type=int, nargs="+", default=(), help="these seeds in place of the protocol's")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="write OUT/imaging.* from runs over other seeds")
     args = parser.parse_args(argv)
     out = Path(args.out or (tempfile.mkdtemp(prefix="imaging-quick-") if args.quick else RESULTS))
-    result = run(quick_protocol() if args.quick else ImagingProtocol(), out, progress=not args.no_progress)
+    if args.merge:
+        result = merge([json.loads(Path(p).read_text()) for p in args.merge])
+        write(result, out)
+        print(f"wrote {out}: seeds {result['protocol']['seeds']}", file=sys.stderr)
+        return 0
+    protocol = quick_protocol() if args.quick else ImagingProtocol()
+    result = run(replace(protocol, seeds=tuple(args.seeds)) if args.seeds else protocol, out,
+                 progress=not args.no_progress)
     print(f"wrote {out} in {result['seconds']:.0f} s", file=sys.stderr)
     return 0
 

@@ -105,3 +105,22 @@ def test_a_plumbing_run_writes_every_arm_of_every_model(tmp_path):
     assert (tmp_path / "imaging.png").stat().st_size > 0
     assert (tmp_path / "imaging_start" / "resnet18_pretext_start.safetensors").exists()
     assert not (tmp_path / "imaging.partial.json").exists()
+
+
+def _part(seed: int, **protocol: object) -> dict:
+    arms = {arm: {"accuracy": 0.5 + seed / 10, "mia_auc": 0.55, "epsilon": None, "noise_multipliers": None}
+            for arm in ("central", "FedAvg")}
+    base = {**imaging.asdict(imaging.ImagingProtocol(seeds=(seed,), models=("cnn",))), **protocol}
+    return {"protocol": base, "runs": [{"model": "cnn", "seed": seed, "arms": arms}], "seconds": 10.0,
+            "pretext": {"sha256": "ab", "pretext_accuracy": 0.9, "samples": 10}}
+
+
+def test_runs_over_other_seeds_merge_into_one_table_and_different_protocols_do_not():
+    merged = imaging.merge([_part(1), _part(0)])
+    assert merged["protocol"]["seeds"] == [0, 1] and [r["seed"] for r in merged["runs"]] == [0, 1]
+    assert merged["seconds"] == 20.0
+    assert "| cnn | central | 55.00 ± 7.07 |" in imaging.table(merged)
+    with pytest.raises(ValueError, match="protocols"):
+        imaging.merge([_part(0), _part(1, rounds=9)])
+    with pytest.raises(ValueError, match="twice"):
+        imaging.merge([_part(0), _part(0)])
