@@ -371,10 +371,11 @@ def table(result: Mapping[str, Any]) -> str:
         f"**pretrained on synthetic pretext** = pretrained centrally on {p['pretext_samples']} synthetic "
         f"coloured-shape images (10 classes, disjoint from the tissue recipe), no downloaded weights; "
         f"{', '.join(p['freeze'])} frozen. Accuracy (%) and loss-threshold MIA AUC (members: training images; "
-        f"non-members: test images; 0.5 = nothing learnt), mean ± SD over seeds {list(seeds)}.",
+        f"non-members: test images; 0.5 = nothing learnt), mean ± SD (ddof 1) over the seeds each row names "
+        f"(protocol: {list(seeds)}).",
         "",
-        "| model | arm | test accuracy (%) | MIA AUC | σ per site (mean) | paper's accuracy (real PathMNIST) |",
-        "|---|---|---|---|---|---|",
+        "| model | arm | seeds | test accuracy (%) | MIA AUC | σ per site (mean) | paper's accuracy (real PathMNIST) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in p["models"]:
         rows = [r for r in result["runs"] if r["model"] == name]
@@ -386,7 +387,8 @@ def table(result: Mapping[str, Any]) -> str:
             paper = PAPER.get(arm if not arm.startswith("FedAvg + DP") else "FedAvg + DP")
             paper_text = "—" if name != "cnn" or paper is None else (
                 f"{paper:.2f}" + (" (ε≈0.5, σ=1.3)" if "DP" in arm else ""))
-            lines.append(f"| {name} | {arm} | {_pm([c['accuracy'] for c in cells], 100)} | "
+            lines.append(f"| {name} | {arm} | {','.join(str(r['seed']) for r in rows)} | "
+                         f"{_pm([c['accuracy'] for c in cells], 100)} | "
                          f"{_pm([c['mia_auc'] for c in cells], 1, 3)} | "
                          f"{f'{np.mean(sigma):.2f}' if sigma else '—'} | {paper_text} |")
     if "pretext" in result:
@@ -411,6 +413,8 @@ def plot(result: Mapping[str, Any], path: str) -> None:
     width = 0.8 / max(1, len(p["models"]))
     for k, name in enumerate(p["models"]):
         rows = [r for r in result["runs"] if r["model"] == name]
+        if not rows:
+            continue
         for ax, key, scale in ((axes[0], "accuracy", 100), (axes[1], "mia_auc", 1)):
             values = np.array([[r["arms"][a][key] * scale for r in rows] for a in arms])
             ax.bar(np.arange(len(arms)) + (k - (len(p["models"]) - 1) / 2) * width, values.mean(axis=1), width,

@@ -119,7 +119,7 @@ def test_runs_over_other_seeds_merge_into_one_table_and_different_protocols_do_n
     merged = imaging.merge([_part(1), _part(0)])
     assert merged["protocol"]["seeds"] == [0, 1] and [r["seed"] for r in merged["runs"]] == [0, 1]
     assert merged["seconds"] == 20.0
-    assert "| cnn | central | 55.00 ± 7.07 |" in imaging.table(merged)
+    assert "| cnn | central | 0,1 | 55.00 ± 7.07 |" in imaging.table(merged)
     with pytest.raises(ValueError, match="protocols"):
         imaging.merge([_part(0), _part(1, rounds=9)])
     with pytest.raises(ValueError, match="twice"):
