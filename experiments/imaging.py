@@ -438,7 +438,7 @@ def merge(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Runs of one protocol over disjoint seeds (each an `imaging.json` or `imaging.partial.json`) as one result;
     refused unless every protocol but its seeds is the same and the pretrained start file is the same."""
     first = parts[0]
-    same = [{k: v for k, v in p["protocol"].items() if k != "seeds"} for p in parts]
+    same = [{k: v for k, v in p["protocol"].items() if k not in ("seeds", "models")} for p in parts]
     if any(s != same[0] for s in same) or len({p.get("pretext", {}).get("sha256") for p in parts}) != 1:
         raise ValueError("the parts were run under different protocols or start files")
     runs = [r for p in parts for r in p["runs"]]
@@ -447,9 +447,11 @@ def merge(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if len(cells) != len(runs):
         raise ValueError("a (seed, model) cell appears twice")
     out = dict(first)
-    out["protocol"] = {**first["protocol"], "seeds": seeds}
-    out["runs"] = sorted(runs, key=lambda r: (r["seed"], list(first["protocol"]["models"]).index(r["model"])))
+    out["protocol"] = {**first["protocol"], "seeds": seeds, "models": [m for m in MODELS if any(r["model"] == m
+                                                                                               for r in runs)]}
+    out["runs"] = sorted(runs, key=lambda r: (r["seed"], MODELS.index(r["model"])))
     out["seconds"] = sum(float(p.get("seconds", 0.0)) for p in parts)
+    out["parameters"] = {k: v for p in parts for k, v in p.get("parameters", {}).items()}
     return out
 
 
@@ -468,6 +470,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", help=f"output folder (default {RESULTS}; a temporary folder with --quick)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--seeds", type=int, nargs="+", default=(), help="these seeds in place of the protocol's")
+    parser.add_argument("--models", nargs="+", choices=("cnn", "scratch", "pretrained"), default=(),
+                        help="these of the protocol's models only")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="write OUT/imaging.* from runs over other seeds")
     args = parser.parse_args(argv)
     out = Path(args.out or (tempfile.mkdtemp(prefix="imaging-quick-") if args.quick else RESULTS))
@@ -477,6 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {out}: seeds {result['protocol']['seeds']}", file=sys.stderr)
         return 0
     protocol = quick_protocol() if args.quick else ImagingProtocol()
+    if args.models:
+        keys = dict(zip(("cnn", "scratch", "pretrained"), MODELS, strict=True))
+        protocol = replace(protocol, models=tuple(keys[k] for k in keys if k in args.models))
     result = run(replace(protocol, seeds=tuple(args.seeds)) if args.seeds else protocol, out,
                  progress=not args.no_progress)
     print(f"wrote {out} in {result['seconds']:.0f} s", file=sys.stderr)
