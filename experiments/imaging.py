@@ -451,6 +451,7 @@ def merge(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                                                                                                for r in runs)]}
     out["runs"] = sorted(runs, key=lambda r: (r["seed"], MODELS.index(r["model"])))
     out["seconds"] = sum(float(p.get("seconds", 0.0)) for p in parts)
+    out["processes"] = len(parts)
     out["parameters"] = {k: v for p in parts for k, v in p.get("parameters", {}).items()}
     return out
 
@@ -459,8 +460,10 @@ def write(result: Mapping[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "imaging.json").write_text(json.dumps(result, indent=1, default=float))
     (out / "imaging.md").write_text("# FL-DMX imaging study (synthetic stand-in data)\n\n" + table(result)
-                                    + f"\n\nRuntime {result['seconds']:.0f} s of wall time on {os.cpu_count()} "
-                                      f"CPU cores (shared with other work).\n")
+                                    + f"\n\nRuntime {result['seconds']:.0f} s of wall time"
+                                      + (f", summed over {result['processes']} processes that ran side by side "
+                                         f"(niced)" if result.get("processes", 1) > 1 else "")
+                                      + f", on {os.cpu_count()} CPU cores shared with other work.\n")
     plot(result, str(out / "imaging.png"))
 
 
