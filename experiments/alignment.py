@@ -105,7 +105,8 @@ class PaperScaleProtocol:
     `lams`; the best λ on the *test* set is reported apart, labelled, as the optimistic best-of-grid number.
     Local models start from independent initialisations (fusing pre-trained models, PFNM's and NAFI's
     setting). Three seeds (0, 1, 2) per cell, so that NAFI − PFNM can be set against the seed noise, and a
-    3-value λ grid: ~9 minutes per seed on one core (each Bayesian fusion at S = 30 with 3 hidden layers takes
+    3-value λ grid: about 70 s per seed on an idle core (the first 40 of the 42 runs took 201 s), 15–35 minutes
+    per seed niced under the team's load (each Bayesian fusion at S = 30 with 3 hidden layers takes seconds to
     tens of seconds). Seeds are the outer loop and every finished cell is written to `<stem>.partial.json`,
     so a run cut short still leaves whole seeds."""
 
