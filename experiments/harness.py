@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -147,13 +147,14 @@ def simulate(
     workers: Sequence[VirtualWorker],
     test: Dataset,
     *,
-    dp: DPPolicy | None = None,
+    dp: DPPolicy | Mapping[str, DPPolicy] | None = None,
     initial_state: dict[str, np.ndarray] | None = None,
     progress: bool = True,
     metrics: Metrics | None = None,
     probe: Dataset | None = None,
     first_states: Mapping[str, dict[str, np.ndarray]] | None = None,
     tamper: Tamper | None = None,
+    frozen: Collection[str] = (),
 ) -> Simulation:
     """Play the coordinator's round loop in-process and evaluate the global model on `test` after each round.
 
@@ -166,7 +167,11 @@ def simulate(
     `tamper(round, global_state, trained)`: what the round's workers upload instead of what they trained (a
     poisoning experiment's attackers), called once every chosen worker has trained.
     A worker whose DP budget would be exceeded refuses the round, as a real one does; a round nobody
-    uploads to ends the simulation early.
+    uploads to ends the simulation early. `dp` is one policy for every worker or each worker's own (by id;
+    a worker absent from the mapping trains without DP), as each data owner sets its own.
+    `frozen`: tensor names that do not train (`train_local(frozen=...)`, as a `model.freeze` job's sites
+    train). They travel unchanged in the upload, where the service's sites leave them out; FedAvg of equal
+    tensors gives them back, so the global model is the same.
     """
     spec = job if isinstance(job, JobSpec) else parse_job(job)
     metrics = classification_metrics if metrics is None else metrics
@@ -211,8 +216,10 @@ def simulate(
             own = first_states.get(worker_id) if first_states is not None and r == 1 else None
             load_numpy_state(model, weights if own is None else own)
             try:
-                result = train_local(model, worker.x, worker.y, config=training, dp=dp, history=ledgers[worker_id],
-                                     seed=training_seed(spec.seed, r, index[worker_id]))
+                own_dp = dp.get(worker_id) if isinstance(dp, Mapping) else dp
+                result = train_local(model, worker.x, worker.y, config=training, dp=own_dp,
+                                     history=ledgers[worker_id], seed=training_seed(spec.seed, r, index[worker_id]),
+                                     frozen=frozen)
             except BudgetExceeded:
                 continue
             ledgers[worker_id] = list(result.history)
