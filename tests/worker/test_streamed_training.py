@@ -198,3 +198,14 @@ def test_feature_statistics_of_files_equal_those_of_the_arrays(folder, monkeypat
     x, _, paths = folder
     lower, upper = np.full(64, -1.0), np.full(64, 1.0)
     np.testing.assert_allclose(clipped_sums(_files(paths), lower, upper), clipped_sums(x, lower, upper), rtol=1e-12)
+
+
+def test_the_peak_memory_stated_is_the_processs_high_water_mark_in_bytes():
+    from fedbroker.worker import metrics
+    from fedbroker.worker.batches import peak_memory_bytes
+
+    with open("/proc/self/status") as f:
+        hwm_kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    peak = peak_memory_bytes()
+    assert abs(peak - hwm_kib * 1024) <= 0.05 * peak   # the kernel's one counter, read twice
+    assert metrics.PEAK_MEMORY._name == "fedbroker_worker_peak_memory_bytes"
