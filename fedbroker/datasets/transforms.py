@@ -128,7 +128,7 @@ def augment(pipeline: DataPipeline, xb: torch.Tensor, yb: torch.Tensor | None, *
     masks = yb is not None and yb.dim() == xb.dim() - 1 and tuple(yb.shape[1:]) == tuple(xb.shape[2:])
     keys = [_IMAGE, _MASK] if masks else [_IMAGE]
     compose = Compose(_augment_steps(pipeline.augment, tuple(xb.shape[2:]), keys))
-    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator).item())
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device).item())
     compose.set_random_state(seed=seed)
     images, labels = [], []
     with _plain_tensors():

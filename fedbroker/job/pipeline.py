@@ -92,7 +92,7 @@ class DataPipeline:
         for step in (*self.preprocess, *self.augment):
             if "size" in step.args:
                 return len(step.args["size"])
-        return 3 if self.expect.spacing else 0
+        return 0   # `expect` says nothing of it: a volume's spacing is 3-D, and its slices are 2-D samples
 
     def to_dict(self) -> dict[str, Any]:
         """The pipeline as a job writes it (`parse_pipeline(p.to_dict()) == p`); empty lists are left out."""
@@ -457,6 +457,9 @@ def _parse_expect(raw: Any, problems: list[ConfigError]) -> Expect:
             spacing = tuple(_number(v, f"{where}.spacing[{j}]", problems, 0.0, 1e4, lo_open=True)
                             for j, v in enumerate(values))
     tolerance = _number(raw.get("spacing_tolerance", 0.05), f"{where}.spacing_tolerance", problems, 0.0, 1.0)
+    if tolerance >= 1.0:   # a relative tolerance of 100 % or more accepts any spacing: a fraction, as the site reads it
+        problems.append(ConfigError(f"{where}.spacing_tolerance", f"must be a fraction in [0, 1), got {show(tolerance)}"))
+        tolerance = 0.05
     orientation = raw.get("orientation", "")
     if orientation != "" and not _orientation_ok(orientation):
         problems.append(ConfigError(f"{where}.orientation", f"must be 3 letters, one of each of L/R, P/A, I/S (as "
@@ -476,8 +479,6 @@ def pipeline_problems(pipeline: DataPipeline) -> list[ConfigError]:
     ranks = {f"data.{key}[{i}].{s.name}" + (".size" if key == "augment" else ""): len(s.args["size"])
              for key, steps in (("preprocess", pipeline.preprocess), ("augment", pipeline.augment))
              for i, s in enumerate(steps) if s.args.get("size")}
-    if pipeline.expect.spacing:
-        ranks["data.expect.spacing"] = 3
     if len(set(ranks.values())) > 1:
         first = next(iter(ranks))
         return [ConfigError(where, f"is {rank}-D but {first} is {ranks[first]}-D: one pipeline is 2-D or 3-D")

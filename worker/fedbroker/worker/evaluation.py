@@ -175,7 +175,7 @@ class SiteEvaluation:
         except ConfigError as exc:
             raise _Refusal(f"the task's settings are not valid: {exc}") from None
         problem = fit_problem(spec, self.x, self.num_classes, holder="this site's data", task=job_task,
-                              labels=self.labels)
+                              labels=self.labels, pipeline=self._pipeline_of(task.job_id))
         if problem:
             raise _Refusal(problem)
         # Samples on files are decoded a batch at a time and prepared as in training (through the site's cache).
