@@ -6,6 +6,11 @@ one) instead of a decoded array.
 axis first; a spatial size that differs between files is 0), `dtype`, indexing by an integer array or a slice
 (a view: nothing is decoded) and `read(idx)`, the decoded batch. `np.asarray` decodes everything, and is
 refused when that would exceed `MAX_VALUES`.
+
+Reading as the model takes them: `batch_reader` (in-memory arrays or files alike) → `SampleReader` (decode, the
+job's preprocess per sample, stack) with the site's `DecodedCache` (`worker.data.cache`); `check_memory`, the
+budget (`worker.data.memory_mib`) a training's batches are charged against before any step. The training seam
+that calls them is `fedbroker.worker.batches`; docs/data.md, "Streaming, memory and the cache".
 """
 
 from __future__ import annotations

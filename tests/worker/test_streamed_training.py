@@ -198,3 +198,48 @@ def test_feature_statistics_of_files_equal_those_of_the_arrays(folder, monkeypat
     x, _, paths = folder
     lower, upper = np.full(64, -1.0), np.full(64, 1.0)
     np.testing.assert_allclose(clipped_sums(_files(paths), lower, upper), clipped_sums(x, lower, upper), rtol=1e-12)
+
+
+def test_the_peak_memory_stated_is_the_processs_high_water_mark_in_bytes():
+    from fedbroker.worker import metrics
+    from fedbroker.worker.batches import peak_memory_bytes
+
+    peak = peak_memory_bytes()
+    with open("/proc/self/status") as f:
+        hwm_kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    assert peak <= hwm_kib * 1024 and peak >= 0.95 * hwm_kib * 1024   # this program's own high-water mark, in bytes
+    assert metrics.PEAK_MEMORY._name == "fedbroker_worker_peak_memory_bytes"
+
+
+def test_the_worker_refuses_a_batch_over_its_budget_as_a_data_mismatch_and_states_its_peak(tmp_path, folder):
+    import dataclasses
+
+    from fedbroker.bus import open_bus
+    from fedbroker.config import DataSection, WorkerConfig
+    from fedbroker.job.spec import parse_model
+    from fedbroker.model import initial_weights
+    from fedbroker.proto import fedbroker_pb2 as pb
+    from fedbroker.worker import agent as agent_module
+    from fedbroker.worker import metrics
+
+    config = WorkerConfig(id="files-site", ledger_path=str(tmp_path / "ledger.json"), device="cpu",
+                          dp=POLICY, data=DataSection(memory_mib=1))
+    worker = agent_module.WorkerAgent(config, open_bus(None, namespace=f"stream-{tmp_path.name}"))
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(300):   # 64×64 images on files, in place of the worker's in-memory share
+        paths.append(str(tmp_path / f"{i}.npy"))
+        np.save(paths[-1], rng.random((1, 64, 64)).astype(np.float32))
+    worker.x = FileSamples(paths, lambda key: np.load(key), sample_shape=(1, 64, 64))
+    worker.y = (np.arange(300) % 10).astype(np.int64)
+    spec = parse_model({"input_shape": [1, 64, 64], "layers": [
+        {"type": "Flatten"}, {"type": "Linear", "in_features": 4096, "out_features": 10}]})
+    task = pb.RoundTask(job_id="files-job", round=1, category="digits", model_version=0)
+    model = (0, spec.to_json(), initial_weights(spec, seed=0))
+    with pytest.raises(agent_module._DataMismatch, match="worker.data.memory_mib"):   # 3 × 96 × 32 KiB > 1 MiB
+        worker._train(task, TrainingConfig(batch_size=64), model)
+    assert worker.ledger.total_epsilon() == 0.0
+    worker.config = dataclasses.replace(config, data=DataSection(memory_mib=2048))
+    result = worker._train(task, TrainingConfig(batch_size=32), model)
+    assert result.epsilon is not None and worker.ledger.total_epsilon() > 0
+    assert metrics.PEAK_MEMORY.labels("files-site")._value.get() > 0
