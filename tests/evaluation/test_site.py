@@ -136,3 +136,39 @@ def test_the_agent_dead_letters_an_evaluation_task_from_another_broker_user(tmp_
     agent.on_task(delivery(task(), settled, sender="coord"))
     assert len(calls) == 1  # from the coordinator's user it reaches the site's evaluation
     bus.close()
+
+
+def test_a_site_that_never_trained_the_job_prepares_its_samples_by_the_pipeline_the_task_carries(
+        tmp_path: Path) -> None:
+    """Federated evaluation may ask sites that hold no settings of the job (evaluation.sites: category): they must
+    score the model on samples prepared as the sites that trained it prepared theirs, not on raw samples."""
+    from fedbroker.job.pipeline import parse_pipeline
+
+    pipeline = parse_pipeline({"preprocess": [{"normalize": {"mean": [0.25], "std": [0.5]}}]})
+    service = Service({3: (3, MODEL.to_json(), WEIGHTS)})
+    evaluation, sent, _ = site(tmp_path, service)
+    carried = task(pipeline_json=pipeline.to_json())
+    evaluation.handle(delivery(carried, []), carried)
+    (report,) = sent.reports
+    model = build_model(MODEL)
+    load_numpy_state(model, WEIGHTS)
+    prepared = (evaluation.x - np.float32(0.25)) / np.float32(0.5)
+    assert not report.refused
+    assert (report.accuracy, report.loss) == pytest.approx(evaluate(model, prepared, evaluation.y), rel=1e-5)
+    assert (report.accuracy, report.loss) != pytest.approx(evaluate(model, evaluation.x, evaluation.y), rel=1e-5)
+
+
+@pytest.mark.parametrize("pipeline_json, reason", [
+    ("{not json", "data pipeline is not valid"),
+    ('{"preprocess": [{"exec": "rm -rf /"}]}', "data pipeline is not valid"),
+    ('{"preprocess": [{"resize": [60000, 60000]}]}', "data pipeline is not valid"),
+])
+def test_a_task_carrying_a_hostile_pipeline_is_refused_before_the_model_is_scored(
+        tmp_path: Path, pipeline_json: str, reason: str) -> None:
+    service = Service({3: (3, MODEL.to_json(), WEIGHTS)})
+    evaluation, sent, ledger = site(tmp_path, service)
+    hostile = task(pipeline_json=pipeline_json)
+    evaluation.handle(delivery(hostile, []), hostile)
+    (report,) = sent.reports
+    assert report.refused and reason in report.reason and report.num_samples == 0
+    assert ledger.shared() == []

@@ -35,6 +35,7 @@ from fedbroker.coordinator.store import StateStore
 from fedbroker.coordinator.store_evaluation import EvaluationVerdict
 from fedbroker.errors import ConfigError
 from fedbroker.federated_evaluation import Scored, due, early_stop
+from fedbroker.job.pipeline import DataPipeline
 from fedbroker.job.settings import task_message
 from fedbroker.job.status import EvaluationStatus, ParticipantStatus, RoundStatus
 from fedbroker.job.task import stored_task
@@ -67,7 +68,8 @@ def after_round(ctx: JobContext, run: Run, number: int, version: int, participan
                              score=job.evaluation.score, threshold=job.evaluation.threshold)
     body = envelope.encode(evaluation_task=pb.EvaluationTask(
         job_id=job_id, round=number, model_version=version, aggregator_target=ctx.aggregator_target,
-        category=job.category, deadline_unix=deadline, task=task_message(job.task)))
+        category=job.category, deadline_unix=deadline, task=task_message(job.task),
+        pipeline_json=job.data.pipeline.to_json() if job.data.pipeline != DataPipeline() else ""))
     sent = ctx.publish_tasks([(w, body) for w in sites], deadline, evaluation=True)
     ctx.store.evaluation_undelivered(job_id, number, [w for w in sites if w not in sent])
     log.info("round %d of %s: version %d sent to %d site(s) to evaluate", number, job_id, version, len(sent))

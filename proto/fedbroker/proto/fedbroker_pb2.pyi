@@ -392,7 +392,7 @@ class ShareReply(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., refused: _Optional[bool] = ..., reason: _Optional[str] = ..., label_histogram: _Optional[_Iterable[int]] = ..., histogram_noised: _Optional[bool] = ..., histogram_epsilon: _Optional[float] = ..., feature_sum: _Optional[_Iterable[float]] = ..., feature_sq_sum: _Optional[_Iterable[float]] = ..., count: _Optional[int] = ..., statistics_noised: _Optional[bool] = ..., statistics_epsilon: _Optional[float] = ..., statistics_delta: _Optional[float] = ...) -> None: ...
 
 class EvaluationTask(_message.Message):
-    __slots__ = ("job_id", "round", "model_version", "aggregator_target", "category", "deadline_unix", "task")
+    __slots__ = ("job_id", "round", "model_version", "aggregator_target", "category", "deadline_unix", "task", "pipeline_json")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +400,7 @@ class EvaluationTask(_message.Message):
     CATEGORY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_JSON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     model_version: int
@@ -407,7 +408,8 @@ class EvaluationTask(_message.Message):
     category: str
     deadline_unix: float
     task: TaskSettings
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_version: _Optional[int] = ..., aggregator_target: _Optional[str] = ..., category: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., task: _Optional[_Union[TaskSettings, _Mapping]] = ...) -> None: ...
+    pipeline_json: str
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_version: _Optional[int] = ..., aggregator_target: _Optional[str] = ..., category: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., task: _Optional[_Union[TaskSettings, _Mapping]] = ..., pipeline_json: _Optional[str] = ...) -> None: ...
 
 class EvaluationReport(_message.Message):
     __slots__ = ("job_id", "round", "model_version", "worker_id", "refused", "reason", "loss", "accuracy", "num_samples", "sums")

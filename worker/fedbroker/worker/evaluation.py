@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from fedbroker.config import PartitionSection, WorkerConfig
 from fedbroker.datasets import Dataset, strata
 from fedbroker.errors import ConfigError, ModelOverLimits
 from fedbroker.federated_evaluation import check_policy
+from fedbroker.job.pipeline import DataPipeline, pipeline_from_json
 from fedbroker.job.settings import task_config
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc.aggregation_client import AggregatorClient
@@ -47,9 +48,6 @@ from fedbroker.worker import metrics
 from fedbroker.worker.global_model import build_global, fit_problem
 from fedbroker.worker.ledger import PrivacyLedger
 from fedbroker.worker.partition import partition
-
-if TYPE_CHECKING:
-    from fedbroker.job.pipeline import DataPipeline
 
 log = logging.getLogger(__name__)
 
@@ -175,16 +173,30 @@ class SiteEvaluation:
             job_task = task_config(task.task)
         except ConfigError as exc:
             raise _Refusal(f"the task's settings are not valid: {exc}") from None
+        pipeline = self._task_pipeline(task)
         problem = fit_problem(spec, self.x, self.num_classes, holder="this site's data", task=job_task,
-                              labels=self.labels, pipeline=self._pipeline_of(task.job_id))
+                              labels=self.labels, pipeline=pipeline)
         if problem:
             raise _Refusal(problem)
         # Samples on files are decoded a batch at a time and prepared as in training (through the site's cache).
         sums = evaluation_sums(job_task, model, self.x, self.y, device=self.device,
-                               pipeline=self._pipeline_of(task.job_id), cache=self.config.data.cache)
+                               pipeline=pipeline, cache=self.config.data.cache)
         scored = scores(job_task, sums, size=self.num_classes if job_task.type != "regression" else 0)
         headline = scored[job_task.metric]
         return (headline if headline == headline else 0.0), scored["loss"], sums
+
+    def _task_pipeline(self, task: pb.EvaluationTask) -> DataPipeline | None:
+        """How this site prepares its held-out samples for the task: the pipeline of the job's installed settings
+        when it trained the job; else the one the task carries, checked here as installed settings are (a closed
+        list of bounded steps: the server chooses only how a score is computed, never what runs)."""
+        installed = self._pipeline_of(task.job_id)
+        if installed is not None:
+            return installed
+        try:
+            carried = pipeline_from_json(task.pipeline_json)
+        except ConfigError as exc:
+            raise _Refusal(f"the task's data pipeline is not valid: {exc}") from None
+        return carried if carried != DataPipeline() else None
 
     def _report(self, delivery: Delivery, task: pb.EvaluationTask, *, refused: str = "", accuracy: float = 0.0,
                 loss: float = 0.0, sums: dict[str, float] | None = None) -> None:
