@@ -424,7 +424,9 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
                                            mode=schedule.mode, standardize=data.standardize))
     if not errors.errors:  # across sections: only meaningful once each section is valid on its own
         errors.errors.extend(cross_section_problems(model=model, training=training, evaluation=evaluation, task=task))
-        errors.errors.extend(evaluation_set_problems(data, evaluation.dataset))
+        probes = {f"aggregation.{section}.probe_dataset": params.get("probe_dataset") for section, params in (
+            ("selection_params", aggregation.selection_params), ("robust_params", aggregation.robust_params))}
+        errors.errors.extend(evaluation_set_problems(data, evaluation.dataset, probes=probes))
     # reported with every other problem: a section with problems of its own came back as the defaults (sync,
     # alignment none), which this check passes, so it never echoes them
     errors.errors.extend(mode_problems(schedule=schedule, aggregation=aggregation))

@@ -215,11 +215,21 @@ def pipeline_model_problems(data: DataConfig, input_shape: tuple[int, ...]) -> l
     return out
 
 
-def evaluation_set_problems(data: DataConfig, dataset: str) -> list[ConfigError]:
-    """The coordinator's evaluation sets are arrays it holds, never prepared by a job's pipeline: a job that
-    preprocesses its sites' files is scored by the sites (evaluation.every)."""
-    if dataset and data.pipeline.preprocess:
-        return [ConfigError("evaluation.dataset", f"{dataset!r} is not prepared by the job's data.preprocess (the "
-                                                  f"coordinator's sets are arrays); score the job on the sites "
-                                                  f"(evaluation.every) instead")]
-    return []
+def evaluation_set_problems(data: DataConfig, dataset: str, *,
+                            probes: Mapping[str, object] | None = None) -> list[ConfigError]:
+    """The coordinator's evaluation sets and the aggregation service's probe sets are arrays the servers hold, never
+    prepared by a job's pipeline: a job that preprocesses its sites' files is scored by the sites (evaluation.every),
+    and a probe set (the GA's, FLTrust's) would read samples unlike the ones the model trains on."""
+    if not data.pipeline.preprocess:
+        return []
+    out: list[ConfigError] = []
+    if dataset:
+        out.append(ConfigError("evaluation.dataset", f"{dataset!r} is not prepared by the job's data.preprocess (the "
+                                                     f"coordinator's sets are arrays); score the job on the sites "
+                                                     f"(evaluation.every) instead"))
+    for field_name, probe in (probes or {}).items():
+        if probe:
+            out.append(ConfigError(field_name, f"{probe!r} is not prepared by the job's data.preprocess (the "
+                                               f"aggregation service's probe sets are arrays); choose a selection or "
+                                               f"robust rule without a probe set for a job with a data pipeline"))
+    return out

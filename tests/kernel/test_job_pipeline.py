@@ -123,6 +123,13 @@ def test_the_coordinators_evaluation_sets_are_not_prepared_by_the_pipeline() -> 
     assert "is not prepared by the job's data.preprocess" in found["evaluation.dataset"]
 
 
+@pytest.mark.parametrize("section", ["selection_params", "robust_params"])
+def test_the_aggregation_services_probe_sets_are_not_prepared_by_the_pipeline(section: str) -> None:
+    found = problems(job({"preprocess": [{"resize": [32, 32]}]},
+                         aggregation={section: {"probe_dataset": "digits"}}))
+    assert "is not prepared by the job's data.preprocess" in found[f"aggregation.{section}.probe_dataset"], found
+
+
 def test_problems_of_the_pipeline_come_with_the_jobs_other_problems() -> None:
     found = problems(job({"preprocess": [{"blur": 2}], "bounds": "x"}, training={"lr": -1}))
     assert {"data.preprocess[0].blur", "data.bounds", "training.lr"} <= set(found)
