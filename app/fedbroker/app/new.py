@@ -136,7 +136,8 @@ OWN_DATA = """\
 # and its worker reads it; only model updates leave the site. Each site's worker config names its file, e.g.
 #   worker:
 #     categories: [breast-cancer]            # the category below
-#     dataset: csv                           # csv | npz | parquet | idx (IDX image files, with idx_dir)
+#     dataset: csv                           # csv | npz | parquet | idx (with idx_dir) | images | nifti | dicom
+#                                            # (image folders and volumes: docs/data.md, examples/xray-folders)
 #     data: {path: data/patients.csv, label_column: diagnosis, classes: [malignant, benign], standardize: true,
 #            feature_columns: [...]}         # the model's inputs, in the model's order
 # Try it on this machine first: `fedbroker simulate job.yaml --worker-config worker.yaml --workers 3`.

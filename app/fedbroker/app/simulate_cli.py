@@ -24,7 +24,7 @@ def add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     data.add_argument("--dataset", choices=["digits", "breast_cancer", "wine", "iris"],
                       help="a bundled set (default: the job's evaluation set)")
     data.add_argument("--worker-config", help="a worker config file whose `worker` section names your data "
-                                              "(dataset csv | npz | parquet | idx, data.*, idx_dir) and DP policy")
+                                              "(dataset csv | npz | parquet | idx | images | nifti | dicom, data.*, idx_dir) and DP policy")
     p.add_argument("--dp", action=argparse.BooleanOptionalAction, default=d.dp,
                    help="without --worker-config: train with Opacus DP (the demo's policy)")
     p.add_argument("--noise-multiplier", type=float, default=d.noise_multiplier)
