@@ -12,7 +12,8 @@ the sites agreed on, so every site and the downloaded model scale alike).
 An owner's file is refused at the door, before the worker registers or spends ε, with a ConfigError naming
 the setting and the place in the file: see `fedbroker.datasets.dataset` for the limits every reader enforces
 before it inflates or parses what a file declares. One module per format: `idx`, `tables` (CSV, Parquet),
-`npz`; `owned` holds what the owner's formats share.
+`npz`, `images` (a folder of PNG/JPEG files and a labels CSV, read a batch at a time); `owned` holds what
+the owner's formats share.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from fedbroker.datasets.tables import load_csv, load_parquet
 from fedbroker.errors import ConfigError
 
 DATASETS = ("digits", "breast_cancer", "wine", "iris", "mnist", "fashion_mnist")
-OWN_FORMATS = ("idx", "csv", "npz", "parquet")   # an owner's own files (worker.idx_dir, worker.data)
+OWN_FORMATS = ("idx", "csv", "npz", "parquet", "images")   # an owner's own files (worker.idx_dir, worker.data)
 
 _IDX_SETS = ("mnist", "fashion_mnist")
 
@@ -72,6 +73,10 @@ def load_worker_data(config: WorkerConfig) -> Dataset:
             raise ConfigError("worker.idx_dir", "dataset idx needs the folder of the IDX files (worker.idx_dir)")
         return load_idx_pairs("idx", config.idx_dir, setting="worker.idx_dir", require_all=False,
                               num_classes=config.data.num_classes)
+    if name == "images":  # a folder of PNG/JPEG files, read a batch at a time (fedbroker.datasets.images)
+        from fedbroker.datasets.images import load_images
+
+        return load_images(config.data)
     if name in ("csv", "npz", "parquet"):
         source = config.data
         if not source.path:

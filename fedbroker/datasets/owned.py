@@ -113,14 +113,9 @@ def _class_index(label: str, where: str) -> int:
     return int(value)
 
 
-def own_dataset(x: np.ndarray, raw_labels: list[str], source: DataSection, *, name: str,
-                where: Callable[[tuple[int, ...]], str]) -> Dataset:
-    """Class indices from the labels as declared, and (if asked) this worker's own standardisation.
-
-    `where(index)` names the place in the file of x[index], for the refusal of a value no model can train on.
-    """
-    if not raw_labels:
-        raise ConfigError("worker.data.path", f"{source.path} holds no samples")
+def class_indices(raw_labels: list[str], source: DataSection) -> tuple[np.ndarray, int]:
+    """Class indices of the labels as declared (`classes` names them in class order, else they are 0..K-1) and
+    the number of classes, checked against `num_classes`."""
     if source.classes:
         index = {c: i for i, c in enumerate(source.classes)}
         unknown = sorted({v for v in raw_labels if v not in index})
@@ -140,6 +135,19 @@ def own_dataset(x: np.ndarray, raw_labels: list[str], source: DataSection, *, na
     if y.max() >= num_classes:
         raise ConfigError("worker.data.num_classes", f"is {num_classes} but the labels reach {int(y.max())} (class "
                                                      f"indices are 0..num_classes-1)")
+    return y, num_classes
+
+
+def own_dataset(x: np.ndarray, raw_labels: list[str], source: DataSection, *, name: str,
+                where: Callable[[tuple[int, ...]], str]) -> Dataset:
+    """Class indices from the labels as declared (`class_indices`), and (if asked) this worker's own
+    standardisation.
+
+    `where(index)` names the place in the file of x[index], for the refusal of a value no model can train on.
+    """
+    if not raw_labels:
+        raise ConfigError("worker.data.path", f"{source.path} holds no samples")
+    y, num_classes = class_indices(raw_labels, source)
     return Dataset(x=own_features(x, source, where=where), y=y, num_classes=num_classes, name=name)
 
 
