@@ -87,10 +87,11 @@ def task_tensors(task: TaskConfig, x: np.ndarray, y: np.ndarray) -> tuple[torch.
 
 
 def predictions(task: TaskConfig, output: torch.Tensor) -> Any:
-    """What the scores are computed from: class indices (classification, per pixel for segmentation),
-    probabilities per label (multilabel) or the raw values (regression), as numpy."""
+    """What the scores are computed from: class probabilities (classification: softmax, (n, k), whose arg-max is
+    the predicted class), class indices per pixel (segmentation), probabilities per label (multilabel) or the
+    raw values (regression), as numpy."""
     if task.type == "classification":
-        return output.argmax(dim=1).cpu().numpy()
+        return torch.softmax(output.double(), dim=1).cpu().numpy()
     if task.type == "segmentation":
         return output.argmax(dim=1).cpu().numpy()
     if task.type == "multilabel":
