@@ -472,12 +472,11 @@ def _orientation_ok(code: Any) -> bool:
 
 
 def pipeline_problems(pipeline: DataPipeline) -> list[ConfigError]:
-    """What the lists cannot see one step at a time: every size list of one pipeline is 2-D or every one 3-D."""
+    """What the lists cannot see one step at a time: every size list of one pipeline is 2-D or every one 3-D.
+    `expect.spacing` is the volume's (3 numbers) whether the site trains on volumes or on their 2-D slices."""
     ranks = {f"data.{key}[{i}].{s.name}" + (".size" if key == "augment" else ""): len(s.args["size"])
              for key, steps in (("preprocess", pipeline.preprocess), ("augment", pipeline.augment))
              for i, s in enumerate(steps) if s.args.get("size")}
-    if pipeline.expect.spacing:
-        ranks["data.expect.spacing"] = 3
     if len(set(ranks.values())) > 1:
         first = next(iter(ranks))
         return [ConfigError(where, f"is {rank}-D but {first} is {ranks[first]}-D: one pipeline is 2-D or 3-D")
