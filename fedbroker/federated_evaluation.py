@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from fedbroker.errors import ConfigError
 from fedbroker.job.spec import EvaluationConfig, JobSpec
 from fedbroker.job.task import TaskConfig
-from fedbroker.tasks.scores import add_sums
+from fedbroker.tasks.scores import THRESHOLD, add_sums, headline
 from fedbroker.tasks.scores import scores as task_scores
 
 SITES = ("participants", "category")   # evaluation.sites
@@ -43,8 +43,9 @@ class SiteScore:
 
 @dataclass(frozen=True)
 class Combined:
-    """A round's federated score: `accuracy` is the task's headline score (`metric`: accuracy, macro_f1, mae or
-    dice), `scores` every score of the task made from the sites' summed sums (empty without sums)."""
+    """A round's federated score: `accuracy` is the job's headline score (`metric`: `evaluation.score`, or the
+    task's own: accuracy, macro_f1, mae or dice), `scores` every score of the task made from the sites' summed
+    sums (empty without sums)."""
 
     accuracy: float
     loss: float
@@ -54,19 +55,22 @@ class Combined:
     scores: Mapping[str, float] = field(default_factory=dict)
 
 
-def combine(scores: Iterable[SiteScore], task: TaskConfig | None = None) -> Combined | None:
-    """The task's scores of the sites' summed sums when every site that scored sent sums; else Σ nᵢ·accᵢ / Σ nᵢ
-    (and likewise the loss), as before tasks. None when no site scored."""
+def combine(scores: Iterable[SiteScore], task: TaskConfig | None = None, *, score: str = "",
+            threshold: float = THRESHOLD) -> Combined | None:
+    """The task's scores of the sites' summed sums when every site that scored sent sums (`score`: the job's
+    `evaluation.score`, "" for the task's own; `threshold`: `evaluation.threshold`); else Σ nᵢ·accᵢ / Σ nᵢ (and
+    likewise the loss), as before tasks. None when no site scored."""
     task = task or TaskConfig()
+    name = headline(task, score)[0]
     kept = [s for s in scores if s.num_samples > 0]
     total = sum(s.num_samples for s in kept)
     if not total:
         return None
     if all(s.sums for s in kept):
-        made = task_scores(task, add_sums(s.sums for s in kept))
-        headline = made.get(task.metric, math.nan)
-        return Combined(accuracy=headline if math.isfinite(headline) else 0.0, loss=made["loss"], num_samples=total,
-                        sites=len(kept), metric=task.metric, scores=made)
+        made = task_scores(task, add_sums(s.sums for s in kept), threshold=threshold)
+        value = made.get(name, math.nan)
+        return Combined(accuracy=value if math.isfinite(value) else 0.0, loss=made["loss"], num_samples=total,
+                        sites=len(kept), metric=name, scores=made)
     return Combined(accuracy=sum(s.accuracy * s.num_samples for s in kept) / total,
                     loss=sum(s.loss * s.num_samples for s in kept) / total, num_samples=total, sites=len(kept),
                     metric=task.metric)
@@ -117,18 +121,21 @@ class EarlyStop:
                 f"{self.best_round} ({self.best:.4f}; evaluation.patience)")
 
 
-def early_stop(rounds: Sequence[Scored], patience: int, *, task: TaskConfig | None = None) -> EarlyStop | None:
-    """An `EarlyStop` once `patience` (> 0) scored rounds followed the best one without a better score (the task's
-    headline: higher, or lower for MAE); `rounds` are those whose score is final (every site asked answered, or its deadline passed)."""
+def early_stop(rounds: Sequence[Scored], patience: int, *, task: TaskConfig | None = None,
+               score: str = "") -> EarlyStop | None:
+    """An `EarlyStop` once `patience` (> 0) scored rounds followed the best one without a better score (the job's
+    `evaluation.score`, else the task's headline: higher, or lower for an error or the loss); `rounds` are those
+    whose score is final (every site asked answered, or its deadline passed)."""
     if patience <= 0:
         return None
     task = task or TaskConfig()
-    found = best_round(rounds, higher_is_better=task.higher_is_better)
+    name, higher = headline(task, score)
+    found = best_round(rounds, higher_is_better=higher)
     if found is None:
         return None
     best, accuracy, basis = found
     since = sum(1 for r, _ in scores_used(rounds)[1] if r > best)
-    return EarlyStop(best, accuracy, since, basis, task.metric) if since >= patience else None
+    return EarlyStop(best, accuracy, since, basis, name) if since >= patience else None
 
 
 def submission_warnings(job: JobSpec) -> list[str]:

@@ -31,6 +31,7 @@ from fedbroker.job.model_spec import parse_model as parse_model
 from fedbroker.job.spec_data import DataConfig, data_problems, parse_data
 from fedbroker.job.task import TaskConfig, output_problems, parse_task
 from fedbroker.job.yamltext import load_yaml
+from fedbroker.tasks.scores import score_names, threshold_problem
 from fedbroker.weights.plan import ModelPlan, parse_plan, plan_problems
 
 MAX_ROUNDS = 100_000
@@ -220,10 +221,13 @@ class EvaluationConfig(_Section):
     every: int = 1                  # federated evaluation after every k-th round (and the last); 0 = none
     sites: str = "participants"     # the round's selected sites, or every active site of the category
     patience: int = 0               # evaluated rounds without a better score before the job ends; 0 = never
+    score: str = ""                 # the federated score that picks the best round and stops early ("": the task's)
+    threshold: float = 0.5          # where sensitivity/specificity (and multilabel F1) are read: a bin edge
 
     SECTION: ClassVar[str] = "evaluation"
     LIMITS: ClassVar[Mapping[str, tuple[float, float]]] = {"test_fraction": (0.01, 0.9), "split_seed": (0, 2**32 - 1),
-                                                           "every": (0, MAX_ROUNDS), "patience": (0, MAX_ROUNDS)}
+                                                           "every": (0, MAX_ROUNDS), "patience": (0, MAX_ROUNDS),
+                                                           "threshold": (0.0, 1.0)}
     CHOICES: ClassVar[Mapping[str, tuple[str, ...]]] = {"dataset": ("", *EVALUATION_SETS),
                                                         "sites": ("participants", "category")}
 
@@ -345,6 +349,7 @@ def cross_section_problems(*, model: ModelSpec, training: TrainingConfig, evalua
             f"{training.batch_size} makes one training step need {need / 2**30:.1f} GiB (activations and DP "
             f"per-sample gradients of this model), above the limit of {MAX_STEP_BYTES / 2**30:g} GiB; "
             f"use a batch of at most {max(1, training.batch_size * MAX_STEP_BYTES // need)}")))
+    out.extend(score_problems(evaluation, task, shapes[-1][0] if len(shapes[-1]) == 1 else 0))
     if evaluation.dataset and task.type != "classification":
         out.append(ConfigError("evaluation.dataset", f"the coordinator's evaluation sets are classification sets; "
                                                      f"task.type {task.type} is scored by the sites (evaluation.every)"))
@@ -356,6 +361,21 @@ def cross_section_problems(*, model: ModelSpec, training: TrainingConfig, evalua
         elif len(shapes[-1]) == 1 and shapes[-1][0] < classes:
             out.append(ConfigError("evaluation.dataset", f"{evaluation.dataset!r} has {classes} classes but the "
                                                          f"model outputs {shapes[-1][0]} scores"))
+    return out
+
+
+def score_problems(evaluation: EvaluationConfig, task: TaskConfig, width: int) -> list[ConfigError]:
+    """`evaluation.score` must be one the task can produce for a model of `width` outputs, and
+    `evaluation.threshold` a bin edge of its score histograms (fedbroker.tasks.scores)."""
+    out = []
+    names = score_names(task, width)
+    if evaluation.score and evaluation.score not in names:
+        out.append(ConfigError("evaluation.score", f"task.type {task.type} with a model of {width} outputs cannot "
+                                                   f"produce {evaluation.score!r}; it can produce: {', '.join(names)}"))
+    if task.type in ("classification", "multilabel") and evaluation.threshold != 0.5:
+        problem = threshold_problem(task, width, evaluation.threshold)
+        if problem:
+            out.append(ConfigError("evaluation.threshold", problem))
     return out
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from fedbroker.app.evaluation_view import best, site_table
+from fedbroker.app.evaluation_view import best, score_table, site_table
 from fedbroker.app.status import render
 from fedbroker.errors import NotFound
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -53,3 +53,21 @@ def test_the_best_round_is_by_the_sites_score_else_the_central_one() -> None:
         r.federated_samples = 0
     with pytest.raises(NotFound, match="no scored round"):
         best(reply, "a")
+
+
+def test_jobs_show_lists_the_latest_scored_rounds_scores_per_finding_with_their_bounds() -> None:
+    reply = status(central=False)
+    reply.rounds[1].federated_metric = "auroc"
+    reply.rounds[1].federated_scores.update({
+        "auroc": 0.8125, "auroc_bound": 0.0004, "ap": 0.7, "ap_bound": 0.001, "sensitivity": 0.6, "loss": 0.4,
+        "auroc/0": 0.9, "auroc_bound/0": 0.0003, "ap/0": 0.8, "ap_bound/0": 0.0009, "sens/0": 0.7, "spec/0": 0.75,
+        "f1/0": 0.65, "auroc/1": 0.725, "auroc_bound/1": 0.0005, "ap/1": 0.6, "ap_bound/1": 0.0011, "f1/1": 0.5})
+    text = score_table(reply, "a")
+    lines = text.splitlines()
+    assert "headline auroc" in lines[0] and "auroc 0.8125 (±0.0004 binning)" in lines[0] and "loss 0.4000" in lines[0]
+    assert lines[1].split() == ["class", "auroc", "±auroc", "ap", "±ap", "sens", "spec", "f1"]
+    assert lines[3].split() == ["0", "0.9000", "0.0003", "0.8000", "0.0009", "0.7000", "0.7500", "0.6500"]
+    assert lines[4].split() == ["1", "0.7250", "0.0005", "0.6000", "0.0011", "-", "-", "0.5000"]
+    reply.rounds[0].federated_metric = reply.rounds[1].federated_metric = "rmse"   # an error: lower is better
+    assert best(reply, "a")[0] == 1
+    assert score_table(status(central=False), "a") == ""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import safetensors.numpy
 
-from fedbroker.app.evaluation_view import best, site_table
+from fedbroker.app.evaluation_view import best, score_table, site_table
 from fedbroker.app.model_readme import input_section, output_section
 from fedbroker.app.replies import job_status, participant_status, read
 from fedbroker.app.round_notes import event_words
@@ -144,6 +144,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         print()
         print("EVALUATIONS (each site's score on its own held-out split)")
         print(site_table(status))
+    federated = score_table(status, job.job_id)
+    if federated:
+        print()
+        print("FEDERATED SCORES (from the sites' summed sums; per class or finding)")
+        print(federated)
     print()
     print("WORKERS (this job)")
     print(job_workers(status))

@@ -63,7 +63,8 @@ def after_round(ctx: JobContext, run: Run, number: int, version: int, participan
     if not sites:
         return
     deadline = time.time() + job.schedule.round_timeout_s
-    ctx.store.ask_evaluation(job_id, number, model_version=version, workers=sites, deadline=deadline, task=job.task)
+    ctx.store.ask_evaluation(job_id, number, model_version=version, workers=sites, deadline=deadline, task=job.task,
+                             score=job.evaluation.score, threshold=job.evaluation.threshold)
     body = envelope.encode(evaluation_task=pb.EvaluationTask(
         job_id=job_id, round=number, model_version=version, aggregator_target=ctx.aggregator_target,
         category=job.category, deadline_unix=deadline, task=task_message(job.task)))
@@ -159,7 +160,7 @@ def stopped_early(ctx: JobContext, run: Run) -> bool:
     if run.job.evaluation.patience <= 0:
         return False
     stop = early_stop(scored_rounds(ctx.store, run.job_id, settled_only=True), run.job.evaluation.patience,
-                      task=run.job.task)
+                      task=run.job.task, score=run.job.evaluation.score)
     if stop is None:
         return False
     log.info("job %s %s", run.job_id, stop.reason())

@@ -14,7 +14,7 @@ import enum
 import json
 import sqlite3
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fedbroker.coordinator.store_notes import StoreAccess, write_event
@@ -22,6 +22,7 @@ from fedbroker.errors import ConfigError
 from fedbroker.federated_evaluation import Combined, SiteScore, combine
 from fedbroker.job.status import EvaluationStatus
 from fedbroker.job.task import TaskConfig, parse_task
+from fedbroker.tasks.scores import THRESHOLD, headline
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS evaluation_rounds (
@@ -36,6 +37,7 @@ CREATE TABLE IF NOT EXISTS evaluations (
 """
 # Added with tasks: a round's task (JSON, fedbroker.job.task) and each site's sums (JSON, fedbroker.tasks.scores).
 _COLUMNS = (("evaluation_rounds", "task", "TEXT NOT NULL DEFAULT ''"), ("evaluations", "sums", "TEXT"))
+_CHOICE = "evaluation"   # the key, in a round's stored task, of the job's evaluation.score and .threshold
 
 
 class EvaluationVerdict(enum.StrEnum):
@@ -95,15 +97,18 @@ class EvaluationTables(StoreAccess):
     """Mixed into `StateStore`: its transactions (`_write`) and reads (`_exec`) over two more tables."""
 
     def ask_evaluation(self, job_id: str, round_number: int, *, model_version: int, workers: Sequence[str],
-                       deadline: float, task: TaskConfig | None = None) -> None:
+                       deadline: float, task: TaskConfig | None = None, score: str = "",
+                       threshold: float = THRESHOLD) -> None:
         """The sites sent the round's evaluation task (before it is published, so no report can come first). A
-        round asked again (a coordinator that died while publishing) keeps what was reported."""
+        round asked again (a coordinator that died while publishing) keeps what was reported. `score`,
+        `threshold`: the job's `evaluation.score` and `evaluation.threshold`, kept with the round's task."""
         now = time.time()
+        stored = {**(task or TaskConfig()).to_dict(), _CHOICE: {"score": score, "threshold": threshold}}
 
         def write(db: sqlite3.Connection) -> None:
             db.execute("INSERT OR IGNORE INTO evaluation_rounds (job_id, round, model_version, published, deadline, task)"
                        " VALUES (?, ?, ?, ?, ?, ?)", (job_id, round_number, model_version, now, deadline,
-                                                      json.dumps((task or TaskConfig()).to_dict(), sort_keys=True)))
+                                                      json.dumps(stored, sort_keys=True)))
             db.executemany("INSERT OR IGNORE INTO evaluations (job_id, round, worker_id, status, model_version)"
                            " VALUES (?, ?, ?, 'asked', ?)", [(job_id, round_number, w, model_version) for w in workers])
             write_event(db, job_id, "evaluation_asked", round_number=round_number,
@@ -205,14 +210,31 @@ def _task(text: str | None) -> TaskConfig:
     """A round's task as stored (none: a round asked before tasks, classification)."""
     if not text:
         return TaskConfig()
+    raw = json.loads(text)
     errors: list[ConfigError] = []
-    task = parse_task(json.loads(text), errors)
+    task = parse_task({k: v for k, v in raw.items() if k != _CHOICE} if isinstance(raw, dict) else raw, errors)
     return task if not errors else TaskConfig()
+
+
+def _choice(text: str | None) -> tuple[str, float]:
+    """(evaluation.score, evaluation.threshold) kept with a round's task (a round from before them: the defaults)."""
+    raw = json.loads(text) if text else {}
+    choice = raw.get(_CHOICE, {}) if isinstance(raw, dict) else {}
+    score, threshold = choice.get("score", ""), choice.get("threshold", THRESHOLD)
+    return (score if isinstance(score, str) else "",
+            float(threshold) if isinstance(threshold, (int, float)) and 0 < threshold < 1 else THRESHOLD)
+
+
+def _combine(sites: Iterable[SiteScore], text: str | None) -> Combined | None:
+    """The round's federated score by its stored task and the job's choice of headline and threshold."""
+    score, threshold = _choice(text)
+    return combine(sites, _task(text), score=score, threshold=threshold)
 
 
 def _metric(db: sqlite3.Connection, job_id: str, round_number: int) -> str:
     row = db.execute("SELECT task FROM evaluation_rounds WHERE job_id = ? AND round = ?", (job_id, round_number)).fetchone()
-    return _task(row[0] if row else None).metric
+    text = row[0] if row else None
+    return headline(_task(text), _choice(text)[0])[0]
 
 
 def _settle(db: sqlite3.Connection, job_id: str, round_number: int, now: float) -> bool:
@@ -234,9 +256,9 @@ def _settle(db: sqlite3.Connection, job_id: str, round_number: int, now: float) 
                       (job_id, round_number)).fetchall()
     (task_text,) = db.execute("SELECT task FROM evaluation_rounds WHERE job_id = ? AND round = ?",
                               (job_id, round_number)).fetchone()
-    score = combine((SiteScore(accuracy=accuracy, loss=loss, num_samples=num_samples, sums=json.loads(sums or "{}"))
-                     for status, accuracy, loss, num_samples, sums in rows if status == EvaluationStatus.EVALUATED),
-                    _task(task_text))
+    score = _combine((SiteScore(accuracy=accuracy, loss=loss, num_samples=num_samples, sums=json.loads(sums or "{}"))
+                      for status, accuracy, loss, num_samples, sums in rows if status == EvaluationStatus.EVALUATED),
+                     task_text)
     write_event(db, job_id, "federated_score", round_number=round_number, message=(
         f"{score.metric} {score.accuracy:.4f}, loss {score.loss:.4f} on {score.num_samples} held-out samples of "
         f"{score.sites} of {len(rows)} site(s)" if score is not None else f"no score: none of {len(rows)} site(s) "
@@ -265,4 +287,4 @@ def _evaluation_round(r: sqlite3.Row, by_round: Mapping[int, Sequence[Evaluation
         job_id=r["job_id"], round=r["round"], model_version=r["model_version"], published=r["published"],
         deadline=r["deadline"], settled=bool(r["settled"]), asked=len(sites),
         answered=sum(e.status in (EvaluationStatus.EVALUATED, EvaluationStatus.REFUSED) for e in sites),
-        score=combine(_scores(sites), _task(r["task"])))
+        score=_combine(_scores(sites), r["task"]))
