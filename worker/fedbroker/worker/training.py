@@ -30,15 +30,18 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
 from fedbroker.config import DPPolicy
+from fedbroker.datasets.stream import FileSamples, check_memory, sample_bytes
 from fedbroker.errors import BudgetExceeded, ConfigError
 from fedbroker.evaluation import as_tensors
 from fedbroker.job.spec import TrainingConfig
@@ -52,9 +55,13 @@ from fedbroker.privacy import (
     normalise_history,
     steps_per_epoch,
 )
-from fedbroker.tasks.losses import per_sample_loss, task_tensors
+from fedbroker.tasks.losses import label_tensor, per_sample_loss, task_tensors
+from fedbroker.worker.batches import Batches
 from fedbroker.worker.clipping import CLIPPING_MODES, check_supported, clipping_mode
 from fedbroker.worker.training_loops import LocalRun, train_dp, train_plain
+
+if TYPE_CHECKING:
+    from fedbroker.job.pipeline import DataPipeline
 
 _PREFIX = "_module."
 log = logging.getLogger(__name__)
@@ -96,8 +103,8 @@ class _DPPlan:
 
 def train_local(
     model: nn.Module,
-    x: np.ndarray,
-    y: np.ndarray,
+    x: np.ndarray | FileSamples,
+    y: np.ndarray | FileSamples,
     *,
     config: TrainingConfig,
     dp: DPPolicy | None,
@@ -109,6 +116,9 @@ def train_local(
     physical_batch_size: int | None = None,
     frozen: Collection[str] = (),
     task: TaskConfig | None = None,
+    pipeline: DataPipeline | None = None,
+    memory_mib: int | None = None,
+    cache: str = "",
 ) -> TrainResult:
     """Train `model` on (x, y) for `config.local_epochs`; with an enabled `dp`, as DP-SGD under the owner's policy.
 
@@ -127,17 +137,28 @@ def train_local(
     same update and ε). `frozen` names parameters that do not train: no gradient, noise or step, so they come back
     bit for bit (the layer-wise mode's matched layers). `task` (default classification) chooses the loss and how
     `y` is read (`fedbroker.tasks.losses`); every loss is a mean of per-sample losses.
+
+    `x` (and `y` when it holds masks) may be samples on the site's disk (`FileSamples`): they are then decoded a
+    batch at a time (`fedbroker.worker.batches`), within `memory_mib` (the owner's `worker.data.memory_mib`: a
+    batch that cannot fit is refused before any step) and through the decoded `cache` folder ("" = none).
+    `pipeline` (the job's data section) prepares every raw sample and augments training batches.
     """
     _check_arguments(model, seed=seed, clipping=clipping, physical_batch_size=physical_batch_size)
     task = task or TaskConfig()
-    x_t, y_t = as_tensors(x, y) if task.type == "classification" else task_tensors(task, x, y)
-    n = len(y_t)
+    x_in, y_in = _inputs(task, x, y)
+    n = len(y_in)
+    if memory_mib is not None:
+        check_batch_memory(x, y, config=config, pipeline=pipeline, memory_mib=memory_mib,
+                           dp=dp is not None and dp.enabled, physical_batch_size=physical_batch_size)
     entries = normalise_history(history)
     plan = _plan_dp(model, dp, entries, num_samples=n, config=config, clipping=clipping) \
         if dp is not None and dp.enabled else None
     dev = torch.device(device)
     # Three independent streams (batches, noise, torch's global RNG for dropout) from one seed.
-    data_seed, noise_seed, torch_seed = (int(s) >> 1 for s in np.random.SeedSequence(seed).generate_state(3, np.uint64))
+    # (A fourth, for augmentation, leaves the first three as they were: SeedSequence's words do not depend on
+    # how many are asked for.)
+    data_seed, noise_seed, torch_seed, augment_seed = (
+        int(s) >> 1 for s in np.random.SeedSequence(seed).generate_state(4, np.uint64))
     fork_devices = [] if dev.type != "cuda" else [dev.index if dev.index is not None else torch.cuda.current_device()]
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(torch_seed)
@@ -148,21 +169,27 @@ def train_local(
         optimizer = _make_optimizer(work, config)
         data_gen = torch.Generator().manual_seed(data_seed)
         start = time.perf_counter()
-        run = LocalRun(work=work, optimizer=optimizer, x=x_t.to(dev), y=y_t.to(dev), config=config,
+        batches = Batches(x_in, y_in, pipeline=pipeline, device=dev, cache=cache,
+                          generator=torch.Generator().manual_seed(augment_seed))
+        run = LocalRun(work=work, optimizer=optimizer, fetch=batches.fetch, num_samples=n, config=config,
                        steps_per_epoch=steps_per_epoch(n, config), data_gen=data_gen, device=dev, anchor=anchor,
-                       progress=progress, loss=functools.partial(per_sample_loss, task))
-        if plan is None:
-            loss, seen = train_plain(run)
-            epsilon, out_history = None, entries
-        else:
-            loss, seen, out_history = train_dp(
-                run, dp=plan.policy, history=entries, sample_rate=plan.sample_rate,
-                noise_gen=torch.Generator(device=dev).manual_seed(noise_seed), clipping=plan.clipping,
-                physical_batch_size=physical_batch_size,
-            )
-            # The projection already ran a fresh RDP accountant on exactly this history; only a history
-            # that differs from the plan (which training never produces) is worth a second computation.
-            epsilon = plan.epsilon if out_history == plan.planned else epsilon_of(out_history, delta=plan.policy.delta)
+                       progress=progress, loss=functools.partial(per_sample_loss, task), prefetch=batches.prefetch)
+        try:
+            if plan is None:
+                loss, seen = train_plain(run)
+                epsilon, out_history = None, entries
+            else:
+                loss, seen, out_history = train_dp(
+                    run, dp=plan.policy, history=entries, sample_rate=plan.sample_rate,
+                    noise_gen=torch.Generator(device=dev).manual_seed(noise_seed), clipping=plan.clipping,
+                    physical_batch_size=physical_batch_size,
+                )
+                # The projection already ran a fresh RDP accountant on exactly this history; only a history
+                # that differs from the plan (which training never produces) is worth a second computation.
+                epsilon = plan.epsilon if out_history == plan.planned \
+                    else epsilon_of(out_history, delta=plan.policy.delta)
+        finally:
+            batches.close()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         seconds = time.perf_counter() - start
@@ -174,6 +201,48 @@ def train_local(
         seconds=seconds, samples_per_second=seen / seconds if seconds > 0 else float("inf"), epsilon=epsilon,
         history=out_history, clipping=plan.clipping if plan is not None else None,
     )
+
+
+def _inputs(task: TaskConfig, x: np.ndarray | FileSamples,
+            y: np.ndarray | FileSamples) -> tuple[torch.Tensor | FileSamples, torch.Tensor | FileSamples]:
+    """The features and labels as training takes them: in-memory arrays as tensors (checked as always), samples on
+    files as they are (their labels as a tensor), so nothing is decoded here."""
+    if not isinstance(x, FileSamples) and not isinstance(y, FileSamples):
+        return as_tensors(x, y) if task.type == "classification" else task_tensors(task, x, y)
+    if len(x) == 0:
+        raise ConfigError("x", "no samples")
+    if len(y) != len(x):
+        raise ConfigError("y", f"needs one label per sample: {len(y)} for {len(x)} samples")
+    x_in = x if isinstance(x, FileSamples) else torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    if isinstance(y, FileSamples):
+        return x_in, y
+    if task.type == "classification":
+        y_arr = np.asarray(y)
+        if y_arr.ndim != 1 or not np.issubdtype(y_arr.dtype, np.integer):
+            raise ConfigError("y", f"labels must be integers, one per sample: got {y_arr.dtype} {y_arr.shape}")
+    return x_in, label_tensor(task, np.asarray(y))
+
+
+def check_batch_memory(x: np.ndarray | FileSamples, y: np.ndarray | FileSamples, *, config: TrainingConfig,
+                       pipeline: DataPipeline | None, memory_mib: int, dp: bool,
+                       physical_batch_size: int | None) -> None:
+    """Refuse (ConfigError naming worker.data.memory_mib) a training whose streamed batches cannot fit the owner's
+    budget; in-memory arrays were loaded whole already and are not charged again. A DP pass is at most
+    `physical_batch_size`, else a Poisson batch, counted at its mean plus four standard deviations."""
+    streamed = [s for s in (x, y) if isinstance(s, FileSamples)]
+    if not streamed:
+        return
+    per_sample = 0
+    for s in streamed:
+        mask = s is y
+        prepared = s.sample_shape if pipeline is None or mask else tuple(pipeline.output_shape(s.sample_shape))
+        per_sample += sample_bytes(s.sample_shape, s.dtype) + sample_bytes(prepared, s.dtype)
+    batch = min(config.batch_size, len(x))
+    if dp:
+        batch = min(len(x), math.ceil(batch + 4 * math.sqrt(batch)))
+    if physical_batch_size:
+        batch = min(batch, physical_batch_size)
+    check_memory(memory_mib=memory_mib, pass_samples=batch, per_sample=per_sample, streamed=True)
 
 
 def pick_device() -> str:

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedbroker.config import DPPolicy
 from fedbroker.job.spec import TrainingConfig
 from fedbroker.privacy import HistoryEntry, normalise_history
-from fedbroker.worker.clipping import Backward, PerSampleLoss, dp_engine
+from fedbroker.worker.clipping import PerSampleLoss, dp_engine
 
 if TYPE_CHECKING:
     from fedbroker.worker.clipping import DPOptimizer
@@ -49,16 +49,22 @@ BK_MAX_FLOATS = 1 << 27
 POISSON_BLOCK_FLOATS = 1 << 20
 
 
+Fetch = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 @dataclass(frozen=True)
 class LocalRun:
-    """What both loops work on: the throw-away copy being trained, its optimizer, the data on the device, the
-    job's settings and the batch stream. `anchor` holds the global weights for FedProx's proximal term (None
-    without one); `progress(step, total)` is called after every step, and may raise to abandon the training."""
+    """What both loops work on: the throw-away copy being trained, its optimizer, the batches, the job's settings
+    and the batch stream. `fetch(idx)` gives the samples `idx` as a batch on the device (decoded, prepared and
+    augmented when they stream from files: `fedbroker.worker.batches`); `prefetch(idx)`, when set, is told the
+    batch that comes after the one being fetched, to decode it meanwhile. `anchor` holds the global weights for
+    FedProx's proximal term (None without one); `progress(step, total)` is called after every step, and may raise
+    to abandon the training."""
 
     work: nn.Module
     optimizer: torch.optim.Optimizer
-    x: torch.Tensor
-    y: torch.Tensor
+    fetch: Fetch
+    num_samples: int
     config: TrainingConfig
     steps_per_epoch: int
     data_gen: torch.Generator
@@ -66,6 +72,7 @@ class LocalRun:
     anchor: list[torch.Tensor] | None
     progress: Callable[[int, int], None] | None
     loss: PerSampleLoss   # the task's loss per sample, (n,) (fedbroker.tasks.losses)
+    prefetch: Callable[[torch.Tensor], None] | None = None
 
 
 @dataclass
@@ -102,22 +109,53 @@ def train_plain(run: LocalRun) -> tuple[float, int]:
     Shuffled batches of B; the last step of an epoch takes the remainder, so every sample is seen once per
     epoch in exactly int(1/q) steps, the same count as the DP loop.
     """
-    bs, per_epoch = run.config.batch_size, run.steps_per_epoch
     tally = _Tally(run)
-    for _ in range(run.config.local_epochs):
-        perm = torch.randperm(len(run.y), generator=run.data_gen).to(run.device)
-        tally.new_epoch()
-        for s in range(per_epoch):
-            idx = perm[s * bs : (s + 1) * bs] if s < per_epoch - 1 else perm[s * bs :]
-            xb, yb = run.x[idx], run.y[idx]
-            run.optimizer.zero_grad(set_to_none=True)
-            loss = run.loss(run.work(xb), yb).mean()
-            loss.backward()
-            _add_proximal_grad(run)
-            run.optimizer.step()
-            tally.add_loss(float(loss.detach()), len(yb))
-            tally.step_taken(len(yb))
+    epoch = -1
+    for unit in _looking_ahead(_shuffled(run), run.prefetch):
+        if unit.epoch != epoch:
+            epoch = unit.epoch
+            tally.new_epoch()
+        xb, yb = run.fetch(unit.idx)
+        run.optimizer.zero_grad(set_to_none=True)
+        loss = run.loss(run.work(xb), yb).mean()
+        loss.backward()
+        _add_proximal_grad(run)
+        run.optimizer.step()
+        tally.add_loss(float(loss.detach()), len(yb))
+        tally.step_taken(len(yb))
     return tally.mean_loss, tally.seen
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One fetch: the samples `idx` of epoch `epoch`; in a DP step, whether it is its batch's first and last pass
+    (a Poisson batch larger than a pass is fetched in passes; an empty batch is one unit of no samples)."""
+
+    epoch: int
+    idx: torch.Tensor
+    first: bool = True
+    last: bool = True
+
+
+def _shuffled(run: LocalRun) -> Iterator[_Unit]:
+    """Every epoch's shuffled batches of B; the last step of an epoch takes the remainder."""
+    bs, per_epoch = run.config.batch_size, run.steps_per_epoch
+    for epoch in range(run.config.local_epochs):
+        perm = torch.randperm(run.num_samples, generator=run.data_gen).to(run.device)
+        for s in range(per_epoch):
+            yield _Unit(epoch, perm[s * bs : (s + 1) * bs] if s < per_epoch - 1 else perm[s * bs :])
+
+
+def _looking_ahead(units: Iterator[_Unit], prefetch: Callable[[torch.Tensor], None] | None) -> Iterator[_Unit]:
+    """The units in order; before one is handed out, `prefetch` is told the next (drawing it early changes no
+    draw: the batch generator serves nothing else)."""
+    current = next(units, None)
+    while current is not None:
+        following = next(units, None)
+        if prefetch is not None and following is not None and len(following.idx):
+            prefetch(following.idx)
+        yield current
+        current = following
 
 
 def train_dp(
@@ -137,7 +175,7 @@ def train_dp(
     """
     from opacus.accountants import RDPAccountant
 
-    poisson_rate, expected_batch_size = _opacus_poisson_rule(len(run.y), run.config, run.steps_per_epoch,
+    poisson_rate, expected_batch_size = _opacus_poisson_rule(run.num_samples, run.config, run.steps_per_epoch,
                                                              sample_rate)
     wrapped, dp_optimizer, backward = dp_engine(
         run.work, run.optimizer, clipping=clipping, noise_multiplier=dp.noise_multiplier,
@@ -147,25 +185,47 @@ def train_dp(
     accountant.history = list(history)
     dp_optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
     tally = _Tally(run)
+    epoch, taken = -1, 0
     try:
-        for _ in range(run.config.local_epochs):
-            tally.new_epoch()
-            for idx in poisson_batches(len(run.y), sample_rate=poisson_rate, steps=run.steps_per_epoch,
-                                       generator=run.data_gen):
+        for unit in _looking_ahead(_poisson_units(run, poisson_rate, pass_size), run.prefetch):
+            if unit.epoch != epoch:
+                epoch = unit.epoch
+                tally.new_epoch()
+            if unit.first:
                 dp_optimizer.zero_grad(set_to_none=True)
-                if len(idx):
-                    _clipped_sum(run, dp_optimizer, backward, idx, pass_size=pass_size, tally=tally)
-                elif clipping == "ew":
-                    # An empty Poisson batch has no per-sample gradient: the step adds noise only (skipping it
-                    # would reveal the empty draw, and "ew" cannot run a forward pass on zero samples).
-                    for p in dp_optimizer.params:
-                        p.grad_sample = p.new_zeros((0, *p.shape))
-                # (ghost: no forward pass, no .grad, and FlatGhostDPOptimizer sums zeros: noise only.)
+                taken = 0
+            else:
+                # Virtual step: the previous pass's clipped sum is kept (Opacus's skip step), added to by
+                # this one, and the whole batch is noised once.
+                dp_optimizer.signal_skip_step(do_skip=True)
+                dp_optimizer.step()
+                dp_optimizer.zero_grad(set_to_none=True)
+            if len(unit.idx):
+                tally.add_loss(backward(*run.fetch(unit.idx)), len(unit.idx))
+                taken += len(unit.idx)
+            elif clipping == "ew":
+                # An empty Poisson batch has no per-sample gradient: the step adds noise only (skipping it
+                # would reveal the empty draw, and "ew" cannot run a forward pass on zero samples).
+                for p in dp_optimizer.params:
+                    p.grad_sample = p.new_zeros((0, *p.shape))
+            # (ghost: no forward pass, no .grad, and FlatGhostDPOptimizer sums zeros: noise only.)
+            if unit.last:
                 _noised_step(run, dp_optimizer)
-                tally.step_taken(len(idx))
+                tally.step_taken(taken)
     finally:
         wrapped.cleanup()  # remove Opacus's hooks and per-sample attributes from the throw-away copy
     return tally.mean_loss, tally.seen, normalise_history(accountant.history)
+
+
+def _poisson_units(run: LocalRun, rate: float, pass_size: int | None) -> Iterator[_Unit]:
+    """Every epoch's Poisson batches, each in passes of at most `pass_size` samples."""
+    for epoch in range(run.config.local_epochs):
+        for idx in poisson_batches(run.num_samples, sample_rate=rate, steps=run.steps_per_epoch,
+                                   generator=run.data_gen):
+            idx = idx.to(run.device, non_blocking=True)
+            chunks = idx.split(pass_size) if pass_size and len(idx) > pass_size else (idx,)
+            for i, chunk in enumerate(chunks):
+                yield _Unit(epoch, chunk, first=i == 0, last=i == len(chunks) - 1)
 
 
 def _pass_size(clipping: str, params: Sequence[torch.Tensor], asked: int | None) -> int | None:
@@ -176,21 +236,6 @@ def _pass_size(clipping: str, params: Sequence[torch.Tensor], asked: int | None)
         return asked
     per_pass = max(1, pass_floats // sum(p.numel() for p in params))
     return per_pass if asked is None else min(asked, per_pass)
-
-
-def _clipped_sum(run: LocalRun, dp_optimizer: DPOptimizer, backward: Backward, idx: torch.Tensor, *,
-                 pass_size: int | None, tally: _Tally) -> None:
-    """Form the clipped per-sample sum of one Poisson batch, in passes of at most `pass_size` samples."""
-    idx = idx.to(run.device, non_blocking=True)
-    chunks = idx.split(pass_size) if pass_size and len(idx) > pass_size else (idx,)
-    for i, chunk in enumerate(chunks):
-        if i:
-            # Virtual step: the previous chunk's clipped sum is kept (Opacus's skip step), added to by
-            # this one, and the whole batch is noised once.
-            dp_optimizer.signal_skip_step(do_skip=True)
-            dp_optimizer.step()
-            dp_optimizer.zero_grad(set_to_none=True)
-        tally.add_loss(backward(run.x[chunk], run.y[chunk]), len(chunk))
 
 
 def _noised_step(run: LocalRun, dp_optimizer: DPOptimizer) -> None:
