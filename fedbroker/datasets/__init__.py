@@ -12,8 +12,8 @@ the sites agreed on, so every site and the downloaded model scale alike).
 An owner's file is refused at the door, before the worker registers or spends ε, with a ConfigError naming
 the setting and the place in the file: see `fedbroker.datasets.dataset` for the limits every reader enforces
 before it inflates or parses what a file declares. One module per format: `idx`, `tables` (CSV, Parquet),
-`npz`, `images` (a folder of PNG/JPEG files and a labels CSV, read a batch at a time); `owned` holds what
-the owner's formats share.
+`npz`, `images` (a folder of PNG/JPEG files and a labels CSV, read a batch at a time), `volumes` (NIfTI files
+and DICOM series, a package); `owned` holds what the owner's formats share.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from fedbroker.datasets.tables import load_csv, load_parquet
 from fedbroker.errors import ConfigError
 
 DATASETS = ("digits", "breast_cancer", "wine", "iris", "mnist", "fashion_mnist")
-OWN_FORMATS = ("idx", "csv", "npz", "parquet", "images")   # an owner's own files (worker.idx_dir, worker.data)
+OWN_FORMATS = ("idx", "csv", "npz", "parquet", "images", "nifti", "dicom")   # an owner's own files (worker.data)
 
 _IDX_SETS = ("mnist", "fashion_mnist")
 
@@ -77,6 +77,10 @@ def load_worker_data(config: WorkerConfig) -> Dataset:
         from fedbroker.datasets.images import load_images
 
         return load_images(config.data)
+    if name in ("nifti", "dicom"):  # folders of volumes, read a batch at a time (fedbroker.datasets.volumes)
+        from fedbroker.datasets.volumes import load_volumes
+
+        return load_volumes(config.data, name)
     if name in ("csv", "npz", "parquet"):
         source = config.data
         if not source.path:

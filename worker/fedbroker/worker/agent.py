@@ -429,7 +429,8 @@ class WorkerAgent:
             frozen = alignment_plan(spec).frozen_in_round(task.round) if layerwise else frozenset()
         except ValueError as exc:
             raise _PoisonTask(str(exc)) from None
-        self.check_data_fits(spec, job_task)
+        # the job's data.expect (the pipeline's section, once InstalledJob carries it): volumes' spacing, orientation
+        self.check_data_fits(spec, job_task, expect=getattr(getattr(installed, "pipeline", None), "expect", None))
         self.sharing.check_model(spec)  # its preprocessing against data.standardize
 
         def give_up_at_deadline(step: int, total: int) -> None:
@@ -506,11 +507,11 @@ class WorkerAgent:
             return int.from_bytes(os.urandom(8), "little") >> 1
         return int(task.seed) * 1000 + task.round
 
-    def check_data_fits(self, spec: ModelSpec, task: TaskConfig | None = None) -> None:
-        """Refuse a model whose input or output does not fit this worker's data (and the job's task) before any
-        training step."""
+    def check_data_fits(self, spec: ModelSpec, task: TaskConfig | None = None, *, expect: object = None) -> None:
+        """Refuse a model whose input or output does not fit this worker's data (and the job's task, and its
+        expectation of volumes' geometry) before any training step."""
         problem = fit_problem(spec, self.x, self.num_classes, holder="this worker's data", task=task,
-                              labels=self.labels)
+                              labels=self.labels, expect=expect)
         if problem:
             raise _DataMismatch(problem)
 

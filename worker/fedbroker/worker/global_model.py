@@ -10,6 +10,7 @@ import numpy as np
 from torch import nn
 
 from fedbroker.config import LimitsSection
+from fedbroker.datasets.volumes.geometry import geometry_problems
 from fedbroker.errors import ModelOverLimits
 from fedbroker.job.model_spec import model_bounds
 from fedbroker.job.spec import ModelSpec, output_shapes, parse_model
@@ -64,15 +65,19 @@ TASK_LABELS = {"classification": "class", "multilabel": "multilabel", "regressio
 
 
 def fit_problem(spec: ModelSpec, x: np.ndarray, num_classes: int, *, holder: str, task: TaskConfig | None = None,
-                labels: str = "class") -> str:
+                labels: str = "class", expect: object = None) -> str:
     """Why the model cannot take these samples ("" when it can): torch would fail on the first batch, and no
     retry changes that. `holder` names whose data it is in the message ("this worker's data"); `labels` is the
-    kind of its labels, which must be the one `task` trains on (`num_classes`: its classes, labels or targets)."""
+    kind of its labels, which must be the one `task` trains on (`num_classes`: its classes, labels or targets);
+    `expect`, the job's `data.expect`, what volumes' spacing and orientation must be (counted, files unnamed)."""
     sample_shape = tuple(int(d) for d in x.shape[1:])
     task = task or TaskConfig()
     if tuple(spec.input_shape) != sample_shape:
         return (f"model.input_shape {list(spec.input_shape)} does not fit {holder}, whose samples have shape "
                 f"{list(sample_shape)}")
+    misfits = geometry_problems(getattr(x, "geometries", ()), expect, name_files=False)
+    if misfits:
+        return f"{holder} does not meet the job's data.expect: " + "; ".join(p.problem for p in misfits)
     if TASK_LABELS[task.type] != labels:
         return (f"the job's task is {task.type}, which trains on {TASK_LABELS[task.type]} labels, but {holder} holds "
                 f"{labels} labels (worker.data.labels)")
