@@ -294,10 +294,10 @@ def _histogram_problems(task: TaskConfig, sums: Mapping[str, float], true: Mappi
         head, _, rest = key.partition("/")
         if head not in ("pos", "neg"):
             continue
-        j, _, b = rest.partition("/")
-        if not (j.isdigit() and b.isdigit() and int(j) < width and int(b) < bins):
+        column, _, b = rest.partition("/")
+        if not (column.isdigit() and b.isdigit() and int(column) < width and int(b) < bins):
             return [f"histogram sum {key[:40]!r} is outside the task's {width} columns of {bins} bins"]
-        totals[head, int(j)] = totals.get((head, int(j)), 0.0) + value
+        totals[head, int(column)] = totals.get((head, int(column)), 0.0) + value
     problems = []
     for j in sorted({j for _, j in totals} | (set(true) if totals else set())):  # all columns, or none
         if totals.get(("pos", j), 0.0) != true.get(j, 0.0):

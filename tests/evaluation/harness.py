@@ -79,7 +79,8 @@ class Federation:
         self.agents: dict[str, WorkerAgent] = {}
 
     def add_worker(self, index: int, count: int, **settings: Any) -> WorkerAgent:
-        config = WorkerConfig(id=f"w{index}", partition=PartitionSection(num_clients=count, client_index=index),
+        partition = settings.pop("partition", PartitionSection(num_clients=count, client_index=index))
+        config = WorkerConfig(id=f"w{index}", partition=partition,
                               dp=settings.pop("dp", DPPolicy(enabled=False)), device="cpu", heartbeat_s=0.5,
                               ledger_path=str(self.tmp / f"w{index}-ledger.json"), coordinator_broker_user="coordinator",
                               **settings)

@@ -187,3 +187,29 @@ def test_forged_histograms_are_named() -> None:
     dropped = {k: v for k, v in honest.items() if not k.startswith(("pos/2/", "neg/2/"))}
     assert any("column 2" in p for p in sums_problems(task, dropped, 50))
     assert math.isnan(scores(task, {"n": 0.0})["accuracy"])
+
+
+def test_a_score_the_task_cannot_produce_is_refused_at_submission_naming_it() -> None:
+    from fedbroker.errors import ConfigError, ConfigErrors
+    from fedbroker.job.spec import parse_job
+
+    def submit(outputs: int, task: dict[str, object], **evaluation: object) -> list[str]:
+        job = {"name": "j", "category": "c", "model": {"input_shape": [4], "layers": [
+            {"type": "Linear", "in_features": 4, "out_features": outputs}]}, "task": task,
+            "evaluation": {"every": 1, **evaluation}}
+        try:
+            parse_job(job)
+        except ConfigErrors as exc:
+            return [str(e) for e in exc.errors]
+        except ConfigError as exc:
+            return [str(exc)]
+        return []
+
+    assert submit(2, {"type": "classification"}, score="auroc", threshold=0.25) == []
+    assert submit(3, {"type": "multilabel", "labels": 3}, score="ap") == []
+    (wide,) = submit(40, {"type": "classification"}, score="auroc")
+    assert wide.startswith("evaluation.score") and "'auroc'" in wide and "accuracy, macro_f1, loss" in wide
+    (dice,) = submit(1, {"type": "regression"}, score="dice")
+    assert dice.startswith("evaluation.score") and "mae, rmse, loss" in dice
+    (off,) = submit(2, {"type": "classification"}, threshold=0.3333)
+    assert off.startswith("evaluation.threshold") and "multiple of 1/1000" in off

@@ -301,7 +301,8 @@ def _evaluation_problems(r: pb.EvaluationReport) -> list[str]:
             # coordinator recomputes from the sums anyway
             out.append(f"accuracy: must lie in [0, 1] (or be a finite error >= 0 with sums), got {r.accuracy!r}")
         if len(r.sums) > MAX_EVALUATION_SUMS:
-            out.append(f"sums: at most {MAX_EVALUATION_SUMS} named sums, got {len(r.sums)}")
+            out.append(f"sums: at most {MAX_EVALUATION_SUMS} named sums, got {len(r.sums)} from worker "
+                       f"{r.worker_id[:140]!r}")
         elif not all(len(k) <= 32 and math.isfinite(v) and abs(v) <= MAX_SUM for k, v in r.sums.items()):
             out.append(f"sums: every name at most 32 characters, every value finite and within ±{MAX_SUM:g}")
         if not 1 <= r.num_samples <= MAX_SAMPLES:
