@@ -109,6 +109,35 @@ def run_snippet(d: Deployment, folder: Path) -> Any:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("example, args", [("xray-folders", ("--per-site", "12", "--pretext", "8")),
+                                           ("segmentation-nifti", ("--per-site", "2", "--depth", "6"))])
+def test_each_sites_shipped_worker_config_reads_its_generated_data_and_the_job_fits_it(
+        tmp_path: Path, example: str, args: tuple[str, ...]) -> None:
+    """Without a broker: every site's worker.yaml, as shipped (DP on), reads what make_data.py wrote where the
+    README's step writes it, and the job's data section turns each site's samples into the model's input."""
+    from fedbroker.config import load_config
+    from fedbroker.datasets import load_worker_data
+    from fedbroker.job.model_spec import parse_model
+
+    folder = copy_example(example, tmp_path)
+    run_script(tmp_path, f"examples/{example}/make_data.py", *args)
+    job = yaml.safe_load((folder / "job.yaml").read_text())
+    model = dict(job["model"])
+    model.pop("initial_weights", None)
+    spec = parse_model(model)
+    pipeline = parse_pipeline(job["data"])
+    for site in SITES:
+        worker = load_config(str(folder / f"worker-{site}.yaml"), environ={}).worker
+        assert worker.id == site and worker.dp.enabled and worker.ledger_path.startswith(str(folder / "data"))
+        data = load_worker_data(worker)
+        assert data.input_shape == (1, 0, 0)  # one grey channel; the files' sizes differ
+        assert pipeline.output_shape(data.input_shape) == spec.input_shape
+        if example == "xray-folders":
+            assert np.asarray(data.y).shape[1] == job["task"]["labels"] == 3
+        else:
+            assert data.num_classes == job["task"]["classes"] == 2
+
+
 @pytest.fixture
 def deployment(private_rabbitmq: PrivateRabbitMQ, tmp_path: Path) -> Iterator[Deployment]:
     d = Deployment(private_rabbitmq.url, tmp_path, name="imaging", worker_ids=list(SITES), users=private_rabbitmq)
