@@ -3,11 +3,16 @@ split and a worker's trainer checks its arrays the same way; in the kernel so ne
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from torch import nn
 
 from fedbroker.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedbroker.datasets.stream import FileSamples
 
 
 def as_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,12 +30,21 @@ def as_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor
 
 
 def evaluate(
-    model: nn.Module, x: np.ndarray, y: np.ndarray, *, device: str = "cpu", batch_size: int = 512
+    model: nn.Module, x: np.ndarray | FileSamples, y: np.ndarray, *, device: str = "cpu", batch_size: int = 512
 ) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of `model` on (x, y); moves `model` to `device`, restores its mode."""
+    """(accuracy, mean cross-entropy) of `model` on (x, y); moves `model` to `device`, restores its mode. Samples on
+    files (`FileSamples`) are decoded a batch at a time, as decoded (no job pipeline here)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ConfigError("batch_size", f"must be an integer >= 1, got {batch_size!r}")
-    x_t, y_t = as_tensors(x, y)
+    from fedbroker.datasets.stream import FileSamples, batch_reader
+
+    if isinstance(x, FileSamples):   # on files: labels checked as always, the samples decoded a batch at a time
+        as_tensors(np.zeros((len(x), 0), np.float32), y)
+        read = batch_reader(x, None, mask=False)
+        x_t: torch.Tensor | FileSamples = x
+        y_t = torch.from_numpy(np.asarray(y).astype(np.int64))
+    else:
+        x_t, y_t = as_tensors(x, y)
     dev = torch.device(device)
     was_training = model.training
     model.to(dev).eval()
@@ -38,7 +52,9 @@ def evaluate(
     try:
         with torch.no_grad():
             for i in range(0, len(y_t), batch_size):
-                xb, yb = x_t[i : i + batch_size].to(dev), y_t[i : i + batch_size].to(dev)
+                yb = y_t[i : i + batch_size].to(dev)
+                xb = torch.from_numpy(read(np.arange(i, i + len(yb)))).to(dev) if isinstance(x_t, FileSamples) \
+                    else x_t[i : i + batch_size].to(dev)
                 logits = model(xb)
                 loss_sum += float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
                 correct += int((logits.argmax(dim=1) == yb).sum())

@@ -19,6 +19,7 @@ Masks: one channel of class indices (`1`, `L`, `P`: its indices, not its colours
 from __future__ import annotations
 
 import os
+import re
 import stat
 import struct
 import warnings
@@ -42,6 +43,7 @@ _GREY = {"1": 255.0, "L": 255.0, "LA": 255.0, "I;16": 65535.0, "I;16L": 65535.0,
 _COLOUR = {"RGB", "RGBA", "P", "PA"}
 _ALPHA = {"LA", "RGBA", "PA"}
 _MASK_MODES = {"1", "L", "P", "I;16", "I;16L", "I;16B", "I"}
+_DRIVE = re.compile(r"[A-Za-z]:[\\/]")  # C:\ or C:/ : an absolute Windows path in a CSV written there
 _BROKEN = (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error, IndexError)
 
 
@@ -54,7 +56,7 @@ class Bad(Exception):
         self.detail = detail
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Header:
     """What a file's header declares, read before any pixel is decoded."""
 
@@ -92,21 +94,23 @@ def folder_images(folder: str) -> list[str]:
         return sorted(e.name for e in entries if e.name.lower().endswith(IMAGE_SUFFIXES) and not e.name.startswith("."))
 
 
-def inside(folder_real: str, relative: str) -> str:
-    """The path of `relative` (a labels CSV's cell) within the folder whose real path is `folder_real`, or `Bad`:
-    an absolute path, a `..` step, or a link whose target lies outside the folder never reads a file beyond it."""
+def inside(folder_real: str, relative: str) -> tuple[str, str]:
+    """The path of `relative` (a labels CSV's cell) within the folder whose real path is `folder_real`, and its
+    real path; or `Bad`: an absolute path, a `..` step, or a link whose target lies outside the folder never reads
+    a file beyond it."""
     if not relative:
         raise Bad("an empty file name")
     if "\x00" in relative:
         raise Bad("a file name holding a NUL byte")
-    if os.path.isabs(relative) or relative.startswith(("/", "\\")) or (len(relative) > 1 and relative[1] == ":"):
+    if os.path.isabs(relative) or relative.startswith(("/", "\\")) or _DRIVE.match(relative):
         raise Bad("an absolute path (file names are relative to worker.data.path)")
     if ".." in relative.replace("\\", "/").split("/"):
         raise Bad("a path leaving the folder ('..')")
     path = os.path.join(folder_real, relative)
-    if os.path.commonpath([os.path.realpath(path), folder_real]) != folder_real:
-        raise Bad("a link leading out of the folder", f"to {os.path.realpath(path)}")
-    return path
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, folder_real]) != folder_real:
+        raise Bad("a link leading out of the folder", f"to {real}")
+    return path, real
 
 
 def regular_file(path: str) -> None:
@@ -138,6 +142,8 @@ def _opened(path: str) -> Iterator[Image.Image]:
             raise Bad("decompression bombs (the header declares more pixels than Pillow allows)", str(exc)) from None
         except UnidentifiedImageError:
             raise Bad("not PNG or JPEG images") from None
+        except FileNotFoundError:
+            raise Bad("missing files") from None
         except PermissionError:
             raise Bad("unreadable files", "permission denied") from None
         except _BROKEN as exc:
@@ -186,6 +192,8 @@ def check_image(path: str) -> Header:
     with _opened(path) as image:
         head = _checked_header(image, mask=False)
         image.load()
+        if head.mode not in _ALPHA and head.mode != "I" and "transparency" not in image.info:
+            return head  # decoded whole; nothing in its values to check
         values, alpha = _grey_or_colour(image)
         if alpha is not None and int(alpha.min()) < 255:
             raise Bad("images with transparent pixels (alpha below 255; flatten them)")

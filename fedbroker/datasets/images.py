@@ -28,6 +28,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 from tqdm import tqdm
@@ -80,10 +81,11 @@ class _Problems:
             shown.append(f"{place} ({bad.detail})" if bad.detail else place)
 
     def raise_any(self) -> None:
-        errors = [*self.errors]
+        errors = []
         for (setting, kind), shown in self.places.items():
             more = self.counts[(setting, kind)] - len(shown)
             errors.append(ConfigError(setting, f"{kind}: {'; '.join(shown)}" + (f" (and {more} more)" if more else "")))
+        errors.extend(self.errors)  # the labels' own checks, after the files'
         if errors:
             raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
 
@@ -117,8 +119,8 @@ def load_images(source: DataSection, *, most_files: int = MAX_FILES) -> Dataset:
     if not index.names:
         raise ConfigError(CSV if source.labels_csv else PATH, f"{source.labels_csv or folder} holds no samples")
     problems = _Problems()
-    paths = _resolve(folder, index, source, problems, setting=PATH, suffix="")
-    masks = _resolve(source.masks, index, source, problems, setting=MASKS, suffix=MASK_SUFFIX) \
+    paths = _resolve(folder, index, source, problems, setting=PATH)
+    masks = _resolve(source.masks, index, source, problems, setting=MASKS, images=paths) \
         if source.labels == "mask" else []
     y, num_classes = _labels(index, source, problems)
     heads = _headers(paths, problems)
@@ -127,12 +129,9 @@ def load_images(source: DataSection, *, most_files: int = MAX_FILES) -> Dataset:
     problems.raise_any()
     x = FileSamples([str(p) for p in paths], _read_image, sample_shape=shape)
     if source.labels == "mask":
-        labels: np.ndarray | FileSamples = FileSamples([str(m) for m in masks], _read_mask, sample_shape=shape[1:],
-                                                       dtype=np.int64)
-    else:
-        labels = y
-    return Dataset(x=x, y=labels, num_classes=num_classes, name="images",  # type: ignore[arg-type]
-                   labels=source.labels)
+        y = cast(np.ndarray, FileSamples([str(m) for m in masks], _read_mask, sample_shape=shape[1:], dtype=np.int64))
+    # FileSamples quacks like an array where a Dataset's users need it (fedbroker.datasets.stream)
+    return Dataset(x=cast(np.ndarray, x), y=y, num_classes=num_classes, name="images", labels=source.labels)
 
 
 def _folder_index(source: DataSection, most: int) -> _Index:
@@ -192,25 +191,34 @@ def _csv_index(source: DataSection, most: int) -> _Index:
 
 
 def _resolve(folder: str, index: _Index, source: DataSection, problems: _Problems, *, setting: str,
-             suffix: str) -> list[str | None]:
-    """Each sample's file in `folder` (its own name, or with `suffix` in place of its own: a mask), or None with
-    the problem noted: a path leaving the folder, a missing or unreadable file, a file named twice."""
-    real = os.path.realpath(folder)
+             images: list[str | None] | None = None) -> list[str | None]:
+    """Each sample's file in `folder`, or None with the problem noted: a path leaving the folder, a missing or
+    unreadable file, a file named twice. With `images` (their paths, None where refused) the masks of those
+    images: the same relative name with MASK_SUFFIX, a refused image's row not examined again."""
+    real, absolute = os.path.realpath(folder), os.path.abspath(folder)
     seen: dict[str, int] = {}
     out: list[str | None] = []
     for i, name in enumerate(index.names):
-        wanted = os.path.splitext(name)[0] + suffix if suffix else name
-        place = index.place(i, source) if not suffix else f"{os.path.join(folder, wanted)} (for {name!r})"
+        if images is not None and images[i] is None:
+            out.append(None)
+            continue
+        wanted = name if images is None else os.path.splitext(name)[0] + MASK_SUFFIX
+        place = index.place(i, source) if images is None else f"{os.path.join(folder, wanted)} (for {name!r})"
         try:
-            path = inside(real, wanted)
-            if not suffix and not name.lower().endswith(IMAGE_SUFFIXES):
+            path, key = inside(real, wanted)
+            if images is None and not name.lower().endswith(IMAGE_SUFFIXES):
                 raise Bad(f"files without an image suffix ({', '.join(IMAGE_SUFFIXES)})")
-            regular_file(path)
-            key = os.path.realpath(path)
+            try:
+                regular_file(path)
+            except Bad as bad:
+                if images is None or bad.kind != "missing files":
+                    raise
+                raise Bad(f"missing masks (an image's mask is its name with {MASK_SUFFIX} in the masks folder)") from None
             if key in seen:
-                raise Bad("files named twice", f"also {index.place(seen[key], source)}")
+                raise Bad("files named twice" if images is None else "masks paired with two images",
+                          f"also {index.place(seen[key], source)}")
             seen[key] = i
-            out.append(os.path.join(folder, wanted))
+            out.append(os.path.join(absolute, wanted))  # a sample's key: read the same whatever the cwd later
         except Bad as bad:
             problems.add(setting, bad, place)
             out.append(None)

@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fedbroker.datasets.dataset import MAX_VALUES
 from fedbroker.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedbroker.job.pipeline import DataPipeline
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +220,47 @@ class SampleReader:
 def sample_bytes(shape: tuple[int, ...], dtype: np.dtype | type = np.float32) -> int:
     """Bytes of one sample of `shape` (an axis of 0, a size that varies, counts as 1: its size is unknown)."""
     return int(np.prod([d or 1 for d in shape], dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def pipeline_digest(pipeline: DataPipeline | None, *, mask: bool = False) -> str:
+    """What names the prepared samples in the cache: a digest of the job's preprocess (no pipeline: as decoded),
+    images and masks apart."""
+    described: Any = None if pipeline is None else pipeline.to_dict().get("preprocess", [])
+    text = json.dumps({"preprocess": described, "mask": mask}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def preparer(pipeline: DataPipeline | None, *, mask: bool) -> Callable[[np.ndarray], np.ndarray] | None:
+    """One raw sample → the model's input (or mask): the job's preprocess; None without one."""
+    if pipeline is None or not pipeline.preprocess:
+        return None
+    from fedbroker.datasets.transforms import prepare
+
+    return lambda sample: prepare(pipeline, sample, mask=mask)
+
+
+def batch_reader(samples: np.ndarray | FileSamples, pipeline: DataPipeline | None, *, mask: bool,
+                 cache: str = "") -> Callable[[np.ndarray], np.ndarray]:
+    """idx → the samples `idx` as the model takes them (the job's preprocess applied to each; masks as masks): a
+    gather of in-memory samples, or a SampleReader over files (with the site's decoded cache when `cache`)."""
+    prepare = preparer(pipeline, mask=mask)
+    if not isinstance(samples, FileSamples):
+        arr = samples
+        if prepare is None:
+            return lambda idx: np.asarray(arr[idx])
+        dtype = np.int64 if mask else np.float32
+        return lambda idx: np.stack([np.asarray(prepare(s), dtype=dtype) for s in arr[idx]])
+    return reader(samples, pipeline, mask=mask, cache=cache).read
+
+
+def reader(samples: FileSamples, pipeline: DataPipeline | None, *, mask: bool, cache: str) -> SampleReader:
+    """The SampleReader of `samples` under the job's preprocess, with the site's cache when it has one."""
+    if mask:   # a mask's prepared size follows its image's: checked for its axes, dtype and values only
+        shape: tuple[int, ...] = (0,) * len(samples.sample_shape)
+    else:
+        shape = tuple(pipeline.output_shape(samples.sample_shape)) if pipeline is not None else samples.sample_shape
+    store = DecodedCache(cache, pipeline_digest(pipeline, mask=mask)) if cache else None
+    return SampleReader(samples, preparer(pipeline, mask=mask), out_shape=shape, cache=store)
 
 
 # What is held at once while training streams: the pass being trained, the pass decoded ahead, and the

@@ -19,6 +19,7 @@ from typing import Any
 
 from fedbroker.algorithms.catalogue import AggregationSettings, aggregation_settings
 from fedbroker.errors import ConfigError, ConfigErrors
+from fedbroker.job.pipeline import DataPipeline, pipeline_from_json
 from fedbroker.job.spec import AggregationConfig, EvaluationConfig, JobSpec, TrainingConfig
 from fedbroker.job.spec_data import DataConfig
 from fedbroker.job.submission import robust_problems
@@ -47,6 +48,11 @@ class InstalledJob:
     plan: ModelPlan = dataclasses.field(default_factory=ModelPlan)  # what trains (fedbroker.weights.plan); the default: every tensor
     start_digest: str = ""            # the start weights' canonical digest ("" = a seeded random draw)
 
+    @property
+    def pipeline(self) -> DataPipeline | None:
+        """The job's data pipeline (data.preprocess/augment/expect); None when it has none (today's behaviour)."""
+        return self.data.pipeline if self.data.pipeline != DataPipeline() else None
+
 
 def settings_message(job_id: str, job: JobSpec, *, start_digest: str = "") -> pb.JobSettings:
     """The settings of an accepted job, as they travel (built once, where the job was parsed); `start_digest`:
@@ -64,7 +70,8 @@ def settings_message(job_id: str, job: JobSpec, *, start_digest: str = "") -> pb
         evaluation=pb.EvaluationSettings(dataset=e.dataset, test_fraction=e.test_fraction, split_seed=e.split_seed,
                                          every=e.every, sites=e.sites, patience=e.patience),
         data=pb.DataSettings(standardize=d.standardize, lower=[lo for lo, _ in d.bounds],
-                             upper=[hi for _, hi in d.bounds]),
+                             upper=[hi for _, hi in d.bounds],
+                             pipeline_json=d.pipeline.to_json() if d.pipeline != DataPipeline() else ""),
         model_plan_json=job.plan.to_json() if job.plan != ModelPlan() else "", start_digest=start_digest)
 
 
@@ -102,7 +109,9 @@ def parse_settings(message: pb.JobSettings) -> InstalledJob:
                                                   patience=e.patience))
     if len(d.lower) != len(d.upper):
         problems.append(ConfigError("data.bounds", f"{len(d.lower)} lower bounds but {len(d.upper)} upper ones"))
-    data = section(lambda: DataConfig(standardize=d.standardize, bounds=tuple(zip(d.lower, d.upper))))
+    pipeline = section(lambda: pipeline_from_json(d.pipeline_json))  # checked again here: never trust the sender
+    data = section(lambda: DataConfig(standardize=d.standardize, bounds=tuple(zip(d.lower, d.upper)),
+                                      pipeline=pipeline or DataPipeline()))
     task = section(lambda: task_config(message.task))
     plan = section(lambda: plan_from_json(message.model_plan_json))
     if not message.job_id:

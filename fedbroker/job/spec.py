@@ -28,7 +28,7 @@ from fedbroker.job.model_spec import matched_layers as matched_layers
 from fedbroker.job.model_spec import output_shapes as output_shapes
 from fedbroker.job.model_spec import parameter_shapes as parameter_shapes
 from fedbroker.job.model_spec import parse_model as parse_model
-from fedbroker.job.spec_data import DataConfig, data_problems, parse_data
+from fedbroker.job.spec_data import DataConfig, data_problems, evaluation_set_problems, parse_data
 from fedbroker.job.task import TaskConfig, output_problems, parse_task
 from fedbroker.job.yamltext import load_yaml
 from fedbroker.tasks.scores import score_names, threshold_problem
@@ -424,6 +424,7 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
                                            mode=schedule.mode, standardize=data.standardize))
     if not errors.errors:  # across sections: only meaningful once each section is valid on its own
         errors.errors.extend(cross_section_problems(model=model, training=training, evaluation=evaluation, task=task))
+        errors.errors.extend(evaluation_set_problems(data, evaluation.dataset))
     # reported with every other problem: a section with problems of its own came back as the defaults (sync,
     # alignment none), which this check passes, so it never echoes them
     errors.errors.extend(mode_problems(schedule=schedule, aggregation=aggregation))

@@ -7,6 +7,9 @@ and the downloaded model is applied, on inputs standardised the same way. The st
 values clipped to `bounds` (which also fix the sensitivity of each site's release), so bounds are required:
 `[lo, hi]` for every feature, or one `[lo, hi]` per flattened input feature.
 
+`preprocess`, `augment` and `expect` are the job's data pipeline (fedbroker.job.pipeline): preprocessing and
+augmentation of images and volumes, applied on the sites; absent, the section is what it was before them.
+
 Kept apart from `fedbroker.job.spec` (which imports it) so that the parser stays within its file.
 """
 
@@ -14,14 +17,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fedbroker.errors import ConfigError, ConfigErrors
+from fedbroker.job.pipeline import FIELDS as PIPELINE_FIELDS
+from fedbroker.job.pipeline import SIZE_STEPS, DataPipeline, parse_pipeline
 
 STANDARDIZE = ("none", "federated")
 STANDARDIZE_LAYER = "standardize"   # the layer type `standardize: federated` puts in front of the model
-_FIELDS = ("standardize", "bounds")
+_FIELDS = ("standardize", "bounds", *PIPELINE_FIELDS)
 
 Bounds = tuple[tuple[float, float], ...]
 
@@ -49,6 +54,7 @@ class DataConfig:
 
     standardize: str = "none"
     bounds: Bounds = ()
+    pipeline: DataPipeline = field(default_factory=DataPipeline)   # preprocess, augment, expect (empty: none)
 
     def __post_init__(self) -> None:
         problems = section_problems(self.standardize, self.bounds)
@@ -64,7 +70,7 @@ class DataConfig:
             out["bounds"] = list(self.bounds[0])
         elif self.bounds:
             out["bounds"] = [list(pair) for pair in self.bounds]
-        return out
+        return {**out, **self.pipeline.to_dict()}
 
     def feature_bounds(self, features: int) -> tuple[list[float], list[float]]:
         """(lower, upper), one value each per feature (the given pair repeated when there is one)."""
@@ -129,18 +135,26 @@ def _parse_data(raw: Any, errors: list[ConfigError]) -> DataConfig:
         return DataConfig()
     errors.extend(ConfigError(f"data.{key}", f"unknown field; known: {', '.join(_FIELDS)}")
                   for key in sorted(set(raw) - set(_FIELDS)))
+    pipeline = DataPipeline()
+    try:
+        pipeline = parse_pipeline({k: v for k, v in raw.items() if k in PIPELINE_FIELDS})
+    except ConfigErrors as exc:
+        errors.extend(exc.errors)
+    except ConfigError as exc:
+        errors.append(exc)
     standardize, given = raw.get("standardize", "none"), raw.get("bounds")
     items: list[Any] = []
     if given is not None and (isinstance(given, str) or not isinstance(given, Sequence) or not given):
         errors.append(ConfigError("data.bounds", f"must be [lo, hi] or a list of [lo, hi], got {_show(given)}"))
-        return DataConfig()
+        return DataConfig(pipeline=pipeline)
     if given is not None:
         items = [given] if all(_number(v) for v in given) else list(given)  # one pair: every feature
     problems = section_problems(standardize, items)
     errors.extend(problems)
     if problems:
-        return DataConfig()
-    return DataConfig(standardize=standardize, bounds=tuple((float(lo), float(hi)) for lo, hi in items))
+        return DataConfig(pipeline=pipeline)
+    return DataConfig(standardize=standardize, bounds=tuple((float(lo), float(hi)) for lo, hi in items),
+                      pipeline=pipeline)
 
 
 def data_problems(data: DataConfig, model: _Model) -> list[ConfigError]:
@@ -157,9 +171,55 @@ def data_problems(data: DataConfig, model: _Model) -> list[ConfigError]:
     if data.standardize == "federated" and getattr(model, "is_graph", False):
         out.append(ConfigError("data.standardize", "federated puts the agreed standardize layer in front of a chain "
                                                    "of layers; this model is a graph (model.nodes): use none or site"))
+    if data.pipeline != DataPipeline():
+        out += pipeline_model_problems(data, input_shape)
     if data.standardize == "federated" and layer_types and layer_types[0] == STANDARDIZE_LAYER:
         out.append(ConfigError("model.layers[0].type", "standardize federated puts the agreed standardize layer in "
                                                        "front of the model: remove this one, or set data.standardize "
                                                        "none"))
     return out
 
+
+
+def pipeline_model_problems(data: DataConfig, input_shape: tuple[int, ...]) -> list[ConfigError]:
+    """The pipeline against the model's input (C, *spatial): images or volumes only, the sizes and channels it
+    sets are the model's, its augmentation fits the prepared shape; and no federated standardisation, whose
+    statistics are of the raw features, beside it. (No shape: a model with problems of its own.)"""
+    pipeline, out = data.pipeline, []
+    if data.standardize == "federated":
+        out.append(ConfigError("data.standardize", "federated agrees on statistics of the raw features; with "
+                                                   "preprocess/augment use normalize (per_image or fixed mean/std)"))
+    if not input_shape:
+        return out
+    if len(input_shape) not in (3, 4):
+        return [*out, ConfigError("data", f"preprocess, augment and expect apply to images (C, H, W) and volumes "
+                                          f"(C, D, H, W); model.input_shape is {list(input_shape)}")]
+    rank = pipeline.spatial_rank
+    if rank and rank != len(input_shape) - 1:
+        return [*out, ConfigError("data", f"the pipeline is {rank}-D but model.input_shape {list(input_shape)} is "
+                                          f"{len(input_shape) - 1}-D")]
+    last_size = max((i for i, s in enumerate(pipeline.preprocess) if s.name in SIZE_STEPS), default=None)
+    if last_size is not None:
+        step = pipeline.preprocess[last_size]
+        if tuple(step.args["size"]) != tuple(input_shape[1:]):
+            out.append(ConfigError(f"data.preprocess[{last_size}].{step.name}", (
+                f"makes samples of spatial size {list(step.args['size'])} but model.input_shape is "
+                f"{list(input_shape)}")))
+    channels = [(i, s.args["channels"]) for i, s in enumerate(pipeline.preprocess) if s.name == "channels"]
+    if channels and channels[-1][1] != input_shape[0]:
+        out.append(ConfigError(f"data.preprocess[{channels[-1][0]}].channels", (
+            f"makes {channels[-1][1]} channels but model.input_shape {list(input_shape)} takes {input_shape[0]}")))
+    if not out:  # the augmentation against the prepared shape, which is the model's input
+        augment_only = DataPipeline(augment=pipeline.augment)
+        out += augment_only.shape_problems(input_shape)
+    return out
+
+
+def evaluation_set_problems(data: DataConfig, dataset: str) -> list[ConfigError]:
+    """The coordinator's evaluation sets are arrays it holds, never prepared by a job's pipeline: a job that
+    preprocesses its sites' files is scored by the sites (evaluation.every)."""
+    if dataset and data.pipeline.preprocess:
+        return [ConfigError("evaluation.dataset", f"{dataset!r} is not prepared by the job's data.preprocess (the "
+                                                  f"coordinator's sets are arrays); score the job on the sites "
+                                                  f"(evaluation.every) instead")]
+    return []

@@ -21,7 +21,7 @@ gradients against Opacus's.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,10 @@ import torch.nn.functional as F
 
 from fedbroker.errors import ConfigError
 from fedbroker.job.task import TaskConfig
+
+if TYPE_CHECKING:
+    from fedbroker.datasets.stream import FileSamples
+    from fedbroker.job.pipeline import DataPipeline
 
 
 def per_sample_loss(task: TaskConfig, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -99,16 +103,22 @@ def predictions(task: TaskConfig, output: torch.Tensor) -> Any:
     return output.cpu().numpy()
 
 
-def evaluation_sums(task: TaskConfig, model: torch.nn.Module, x: np.ndarray, y: np.ndarray, *,
-                    device: str = "cpu", batch_size: int = 256) -> dict[str, float]:
+def evaluation_sums(task: TaskConfig, model: torch.nn.Module, x: np.ndarray | FileSamples,
+                    y: np.ndarray | FileSamples, *, device: str = "cpu", batch_size: int = 256,
+                    pipeline: DataPipeline | None = None, cache: str = "") -> dict[str, float]:
     """The task's evaluation sums (`fedbroker.tasks.scores.batch_sums`) of `model` on (x, y): inference only,
-    in batches; the model's mode is restored."""
+    in batches; the model's mode is restored. Samples on files (and masks) are decoded a batch at a time and
+    prepared by the job's `pipeline` (`fedbroker.datasets.stream.batch_reader`; never augmented)."""
+    from fedbroker.datasets.stream import batch_reader
     from fedbroker.tasks.scores import add_sums, batch_sums
 
     if len(x) == 0:
         raise ConfigError("x", "no samples")
     if len(y) != len(x):
         raise ConfigError("y", f"has {len(y)} labels for {len(x)} samples")
+    read_x = batch_reader(x, pipeline, mask=False, cache=cache)
+    read_y = batch_reader(y, pipeline, mask=True, cache=cache) if task.type == "segmentation" \
+        else batch_reader(y, None, mask=False)
     dev = torch.device(device)
     was_training = model.training
     model.to(dev).eval()
@@ -116,8 +126,9 @@ def evaluation_sums(task: TaskConfig, model: torch.nn.Module, x: np.ndarray, y: 
     try:
         with torch.no_grad():
             for i in range(0, len(x), batch_size):
-                xb = torch.from_numpy(np.ascontiguousarray(x[i:i + batch_size], dtype=np.float32)).to(dev)
-                yb = label_tensor(task, y[i:i + batch_size]).to(dev)
+                idx = np.arange(i, min(i + batch_size, len(x)))
+                xb = torch.from_numpy(np.ascontiguousarray(read_x(idx), dtype=np.float32)).to(dev)
+                yb = label_tensor(task, read_y(idx)).to(dev)
                 out = model(xb)
                 loss = per_sample_loss(task, out, yb).sum()
                 parts.append(batch_sums(task, predictions(task, out), yb.cpu().numpy(), float(loss)))

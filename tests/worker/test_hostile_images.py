@@ -5,6 +5,7 @@ declaring 100000 × 100000 is 33 bytes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import struct
@@ -134,6 +135,14 @@ def test_an_unreadable_file_is_refused_naming_it(tmp_path):
     refused(config, "worker.data.path", "unreadable files", "locked.png")
 
 
+def test_a_file_this_process_may_not_read_is_refused_naming_it_whoever_runs_the_test(tmp_path, monkeypatch):
+    config = folder(tmp_path, {"ok.png": GOOD, "locked.png": GOOD})
+    locked = str(tmp_path / "images" / "locked.png")
+    real = os.access
+    monkeypatch.setattr("fedbroker.datasets.image_files.os.access", lambda path, mode: path != locked and real(path, mode))
+    refused(config, "worker.data.path", "unreadable files", "line 3: 'locked.png' (permission denied)")
+
+
 def test_a_folder_of_more_files_than_the_limit_is_counted_only_up_to_the_limit(tmp_path, monkeypatch):
     root = tmp_path / "f"
     (root).mkdir()
@@ -182,7 +191,7 @@ def test_rows_naming_missing_files_and_files_named_twice_are_refused_by_line(tmp
     assert isinstance(error, ConfigErrors) and len(error.errors) == 2
 
 
-@pytest.mark.parametrize("row", ["../outside.png", "{abs}", "sub/../../outside.png", "escape.png"])
+@pytest.mark.parametrize("row", ["../outside.png", "{abs}", "sub/../../outside.png", "escape.png", "C:/outside.png"])
 def test_a_path_leaving_the_folder_is_refused_and_never_opened(tmp_path, row, monkeypatch):
     outside = tmp_path / "outside.png"
     outside.write_bytes(GOOD)
@@ -213,6 +222,23 @@ def test_every_problem_is_named_at_once_and_long_lists_are_counted(tmp_path):
     assert "missing5.png" not in str(error)
 
 
+def test_a_folder_mixing_grey_and_rgb_is_refused_naming_the_minority(tmp_path):
+    rgb = encoded(noise((8, 8, 3)), "PNG")
+    error = refused(folder(tmp_path, {"a.png": GOOD, "b.png": GOOD, "c.png": rgb}), "worker.data.path",
+                    "images with 3 channels among 2 with 1", "c.png")
+    assert "a.png" not in str(error)
+
+
+def test_bad_label_cells_are_named_with_the_bad_files_at_once(tmp_path):
+    config = folder(tmp_path, {"a.png": GOOD, "b.png": GOOD}, rows=[], labels="multilabel",
+                    label_columns=("effusion", "nodule"))
+    (tmp_path / "labels.csv").write_text("file,effusion,nodule\na.png,1,2\nb.png,x,0\ngone.png,0,1\n")
+    error = refused(config, "worker.data.path", "missing files", "line 4: 'gone.png'",
+                    "line 3, column 'effusion': 'x' is not a number",
+                    "multilabel labels must be 0 or 1", "line 2, column 'nodule'")
+    assert isinstance(error, ConfigErrors) and len(error.errors) == 3
+
+
 # ----- masks -----
 
 
@@ -231,7 +257,17 @@ def mask_folder(tmp_path: Path, masks: dict[str, bytes], num_classes: int = 3) -
 def test_a_missing_mask_and_a_mask_of_another_size_are_refused_naming_both(tmp_path):
     config = mask_folder(tmp_path, {"a.png": encoded(np.zeros((8, 9), np.uint8), "PNG")})
     refused(config, "worker.data.masks", "masks of another size than their image", "a.png (9×8, the image is 8×8)",
-            "missing files", f"{tmp_path / 'm' / 'b.png'} (for 'b.png')")
+            "missing masks (an image's mask is its name with .png", f"{tmp_path / 'm' / 'b.png'} (for 'b.png')")
+
+
+def test_a_mask_is_not_examined_for_a_row_whose_image_was_refused(tmp_path):
+    config = mask_folder(tmp_path, {"a.png": encoded(np.zeros((8, 8), np.uint8), "PNG"),
+                                    "b.png": encoded(np.zeros((8, 8), np.uint8), "PNG")})
+    csv = tmp_path / "l.csv"
+    csv.write_text("file\na.png\nb.png\n../b.png\n")
+    error = refused(WorkerConfig(dataset="images", data=dataclasses.replace(config.data, labels_csv=str(csv))),
+                    "worker.data.path", "leaving the folder", "line 4: '../b.png'")
+    assert isinstance(error, ConfigError) and not isinstance(error, ConfigErrors)  # one problem, named once
 
 
 def test_a_0_255_mask_is_refused_with_a_hint(tmp_path):

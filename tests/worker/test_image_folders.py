@@ -129,3 +129,13 @@ def test_an_image_folder_splits_without_decoding_and_keeps_images_with_their_lab
     for part in (train, test):
         values = part.x.read()[:, 0, 0, 0] * 255 / 20
         assert (np.rint(values).astype(int) % 2).tolist() == part.y.tolist()
+
+
+def test_a_relative_folder_is_read_the_same_after_the_working_directory_changes(tmp_path, monkeypatch):
+    save(grey(0), tmp_path / "site" / "f" / "a.png")
+    (tmp_path / "site" / "l.csv").write_text("file,label\na.png,1\n")
+    monkeypatch.chdir(tmp_path / "site")
+    ds = load_worker_data(images(path="f", labels_csv="l.csv", num_classes=2))
+    monkeypatch.chdir(tmp_path)
+    assert ds.x.keys == (str(tmp_path / "site" / "f" / "a.png"),)
+    np.testing.assert_array_equal(ds.x.read([0])[0, 0], grey(0) / np.float32(255))

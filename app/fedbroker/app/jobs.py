@@ -18,7 +18,7 @@ import numpy as np
 import safetensors.numpy
 
 from fedbroker.app.evaluation_view import best, score_table, site_table
-from fedbroker.app.model_readme import input_section, output_section
+from fedbroker.app.model_readme import data_section, input_section, output_section
 from fedbroker.app.replies import job_status, participant_status, read
 from fedbroker.app.round_notes import event_words
 from fedbroker.app.status import one_line, render, table
@@ -368,8 +368,13 @@ def write_model(out: Path, header: Any, tensors: dict[str, np.ndarray], job_spec
         f"{input_section(header.model_spec_json, job_spec_json)}\n"
         f"{output_section(header.model_spec_json, job_spec_json)}\n"
         f"Load it into a torch model (run this in this folder, with the `fedbroker` package installed):\n\n"
-        f"```python\n{snippet}```\n").encode())
+        f"```python\n{snippet}```\n"
+        f"{_then(data_section(header.model_spec_json, job_spec_json, job_file=JOB_FILE))}").encode())
     return {k: str(v) for k, v in files.items()}
+
+
+def _then(section: str) -> str:
+    return f"\n{section}" if section else ""
 
 
 def _job_plan(job_spec_json: str) -> ModelPlan:

@@ -13,6 +13,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from fedbroker.errors import ConfigError
+from fedbroker.job.pipeline import FIELDS as PIPELINE_FIELDS
+from fedbroker.job.pipeline import DataPipeline, parse_pipeline
 from fedbroker.job.spec_data import STANDARDIZE_LAYER
 
 # How each of fedbroker.datasets' loaders scales what it reads (the bundled sets' scaling is fixed per set).
@@ -36,6 +39,11 @@ def input_section(model_spec_json: str, job_spec_json: str) -> str:
     features = math.prod(shape) if shape else 0
     layers = spec.get("layers") or []
     evaluation = (job.get("evaluation") or {}).get("dataset") or ""
+    if job_pipeline(job_spec_json).preprocess:
+        return ("## What the model takes\n\n"
+                f"One sample of shape {shape}, **a raw file as the job's data pipeline prepares it**: the steps and "
+                "the code that applies them are in the next section. The model applies no preprocessing of its own "
+                f"(its first layer is {_first_layers(spec)}).\n")
     if layers and layers[0].get("type") == STANDARDIZE_LAYER:
         bounds = (job.get("data") or {}).get("bounds")
         return (
@@ -143,3 +151,50 @@ def output_section(model_spec_json: str, job_spec_json: str) -> str:
     text = describe(outputs, task) if describe is not None else (
         f"The job's task is `{name}`; its output has shape {outputs} per sample.\n")
     return "## What the model outputs\n\n" + text
+
+
+PREPARE_SNIPPET = '''\
+import json
+
+import numpy as np
+import torch
+
+from fedbroker.datasets.transforms import prepare
+from fedbroker.job.pipeline import parse_pipeline
+
+with open("{job}", encoding="utf-8") as fh:
+    pipeline = parse_pipeline(json.load(fh)["data"])
+# raw: one file as the sites' readers decode it, float32 (C, H, W) or (C, D, H, W) (docs/data.md); e.g.
+raw = np.load("raw.npy", allow_pickle=False)
+x = prepare(pipeline, raw)              # the model's input, shape {shape}
+with torch.no_grad():
+    scores = model(torch.from_numpy(x)[None])   # a batch of one
+'''
+
+
+def job_pipeline(job_spec_json: str) -> DataPipeline:
+    """The data pipeline of a stored job (empty when it has none, or when this release cannot read it)."""
+    try:
+        data = json.loads(job_spec_json or "{}").get("data") or {}
+        return parse_pipeline({k: v for k, v in data.items() if k in PIPELINE_FIELDS})
+    except (ConfigError, ValueError, AttributeError):
+        return DataPipeline()
+
+
+def data_section(model_spec_json: str, job_spec_json: str, *, job_file: str) -> str:
+    """The README's section on what a raw file goes through (markdown; "" for a job without a data pipeline): the
+    pipeline's own sentences, and the few lines of Python that apply it (after the model is loaded)."""
+    pipeline = job_pipeline(job_spec_json)
+    if pipeline == DataPipeline():
+        return ""
+    shape = list(json.loads(model_spec_json).get("input_shape") or [])
+    steps = "\n".join(f"{i}. {line}" if not line.startswith("- ") else f"   {line}"
+                      for i, line in enumerate(pipeline.describe(), start=1))
+    return ("## What a raw file goes through\n\n"
+            f"Every site applied the job's data pipeline (`data` in `{job_file}`, digest "
+            f"`{pipeline.digest()[:16]}`) to every raw file before the model saw it; apply the same steps:\n\n"
+            f"{steps}\n\n"
+            "Once the model is loaded (the snippet above), this prepares a raw file and scores it "
+            "(`fedbroker.datasets.transforms.prepare` runs the steps above with MONAI, exactly as the sites did; "
+            "the training-only augmentation is not applied):\n\n"
+            f"```python\n{PREPARE_SNIPPET.format(job=job_file, shape=shape)}```\n")

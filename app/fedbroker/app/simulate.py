@@ -116,7 +116,8 @@ def check_simulation(options: SimulateOptions, job: JobSpec, data: Any) -> None:
     problems = data_fit_problems(job.model, [WorkerRecord(
         worker_id="simulated", categories=(job.category,), histogram=(), dp=DPPolicy(enabled=False),
         epsilon_spent=0.0, device="cpu", num_samples=len(data), last_seen=0.0, input_shape=tuple(data.input_shape),
-        num_classes=data.num_classes)], category=job.category, who=lambda _: "the simulated workers")
+        num_classes=data.num_classes)], category=job.category, who=lambda _: "the simulated workers",
+        pipeline=job.data.pipeline)
     if not 1 <= options.workers <= 64:
         problems.append(ConfigError("--workers", f"must lie in [1, 64], got {options.workers}"))
     else:

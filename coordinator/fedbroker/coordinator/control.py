@@ -182,6 +182,12 @@ def _epsilon_problems(field: str, value: float) -> list[str]:
     return [] if math.isfinite(value) and value >= 0 else [f"{field}: must be a finite number >= 0, got {value!r}"]
 
 
+def _size_ok(axis: int, size: int, rank: int) -> bool:
+    """One size of a registered sample shape: 1 to MAX_WIDTH, or 0 (files of differing sizes) for a spatial axis
+    of an image or volume, never for its channels."""
+    return 1 <= size <= MAX_WIDTH or (size == 0 and rank in (3, 4) and axis > 0)
+
+
 def _registration_problems(r: pb.Registration) -> list[str]:
     out = _worker_id_problems(r.worker_id)
     if not 1 <= len(r.categories) <= MAX_CATEGORIES:
@@ -196,8 +202,10 @@ def _registration_problems(r: pb.Registration) -> list[str]:
         out.append(f"num_samples: must lie in [1, {MAX_SAMPLES}], got {r.num_samples}")
     if not 0 <= r.evaluation_samples <= MAX_SAMPLES:
         out.append(f"evaluation_samples: must lie in [0, {MAX_SAMPLES}], got {r.evaluation_samples}")
-    if len(r.input_shape) > MAX_SAMPLE_DIMS or any(not 1 <= d <= MAX_WIDTH for d in r.input_shape):
-        out.append(f"input_shape: at most {MAX_SAMPLE_DIMS} sizes in [1, {MAX_WIDTH}], got {list(r.input_shape)[:16]}")
+    if len(r.input_shape) > MAX_SAMPLE_DIMS or any(not _size_ok(i, d, len(r.input_shape))
+                                                   for i, d in enumerate(r.input_shape)):
+        out.append(f"input_shape: at most {MAX_SAMPLE_DIMS} sizes in [1, {MAX_WIDTH}] (0 for a spatial size of an "
+                   f"image (C, H, W) or volume (C, D, H, W) whose files differ), got {list(r.input_shape)[:16]}")
     if not 0 <= r.num_classes <= MAX_CLASSES:
         out.append(f"num_classes: must lie in [0, {MAX_CLASSES}], got {r.num_classes}")
     elif r.num_classes and r.label_histogram and len(r.label_histogram) != r.num_classes:

@@ -20,7 +20,8 @@ import numpy as np
 from fedbroker.coordinator import metrics
 from fedbroker.coordinator.records import WorkerRecord
 from fedbroker.coordinator.store import StateStore
-from fedbroker.errors import ConfigError
+from fedbroker.errors import ConfigError, ConfigErrors
+from fedbroker.job.pipeline import DataPipeline
 from fedbroker.job.spec import ModelSpec, TrainingConfig
 from fedbroker.privacy import dp_sample_rate, job_epsilon_after_round, planned_steps, project_epsilon
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -226,20 +227,28 @@ def _first_round_cost(noise_multiplier: float, delta: float, num_samples: int,
 
 
 def data_fit_problems(model: ModelSpec, workers: Sequence[WorkerRecord], *, category: str,
-                      who: Callable[[Sequence[WorkerRecord]], str] | None = None) -> list[ConfigError]:
+                      who: Callable[[Sequence[WorkerRecord]], str] | None = None,
+                      pipeline: DataPipeline | None = None) -> list[ConfigError]:
     """What in a job's model does not fit the data its category's workers reported at registration (one
     sample's shape, the number of classes), each naming the model's field: such a job would only fail inside
     every worker's training. Workers that reported neither (older than the fields) are not judged. `who`
-    names the workers at fault in the message (default: their ids)."""
+    names the workers at fault in the message (default: their ids). With the job's data `pipeline` (a non-empty
+    one), a worker's samples are judged as it prepares them; a 0 in a reported shape is a size that differs
+    between its files, which only a pipeline that resizes, crops or pads fits."""
     who = who or _some
     problems = []
-    wrong_shape = sorted((w for w in workers if w.input_shape and tuple(w.input_shape) != tuple(model.input_shape)),
-                         key=lambda w: w.worker_id)
-    if wrong_shape:
-        shapes = sorted({tuple(w.input_shape) for w in wrong_shape})
-        problems.append(ConfigError("model.input_shape", (
-            f"is {list(model.input_shape)} but the samples of {who(wrong_shape)} (category {category!r}) have "
-            f"shape {' or '.join(str(list(s)) for s in shapes)}")))
+    if pipeline is not None and pipeline != DataPipeline():
+        problems += _pipeline_fit_problems(model, workers, category=category, who=who, pipeline=pipeline)
+    else:
+        wrong_shape = sorted((w for w in workers if w.input_shape and tuple(w.input_shape) != tuple(model.input_shape)),
+                             key=lambda w: w.worker_id)
+        if wrong_shape:
+            shapes = sorted({tuple(w.input_shape) for w in wrong_shape})
+            varying = " (0: a size that differs between its files; the job's data section must resize, crop or pad)" \
+                if any(0 in s for s in shapes) else ""
+            problems.append(ConfigError("model.input_shape", (
+                f"is {list(model.input_shape)} but the samples of {who(wrong_shape)} (category {category!r}) have "
+                f"shape {' or '.join(str(list(s)) for s in shapes)}{varying}")))
     outputs = model.num_outputs
     too_many = sorted((w for w in workers if w.num_classes > outputs), key=lambda w: w.worker_id)
     if too_many:
@@ -251,6 +260,27 @@ def data_fit_problems(model: ModelSpec, workers: Sequence[WorkerRecord], *, cate
             f"the model outputs {outputs} class scores but the data of {who(too_many)} (category {category!r}) "
             f"has {max(w.num_classes for w in too_many)} classes")))
     return problems
+
+
+def _pipeline_fit_problems(model: ModelSpec, workers: Sequence[WorkerRecord], *, category: str,
+                           who: Callable[[Sequence[WorkerRecord]], str], pipeline: DataPipeline) -> list[ConfigError]:
+    """The workers whose samples the pipeline cannot take, or prepares to another shape than the model's input,
+    grouped by what is wrong (each group names its workers)."""
+    wrong: dict[tuple[str, str], list[WorkerRecord]] = {}
+    for w in sorted((w for w in workers if w.input_shape), key=lambda w: w.worker_id):
+        try:
+            prepared = pipeline.output_shape(tuple(w.input_shape))
+        except ConfigError as exc:
+            errors = exc.errors if isinstance(exc, ConfigErrors) else [exc]
+            for e in errors:
+                wrong.setdefault((e.field, f"cannot take the samples of {{who}}, of shape {list(w.input_shape)}: "
+                                            f"{e.problem}"), []).append(w)
+            continue
+        if prepared != tuple(model.input_shape):
+            wrong.setdefault(("model.input_shape", f"is {list(model.input_shape)} but the job's data section prepares "
+                                                   f"the samples of {{who}} to shape {list(prepared)}"), []).append(w)
+    return [ConfigError(field, text.replace("{who}", f"{who(group)} (category {category!r})"))
+            for (field, text), group in wrong.items()]
 
 
 def _some(workers: Sequence[WorkerRecord], shown: int = 5) -> str:

@@ -220,7 +220,7 @@ class Coordinator:
         # The data its category's active workers reported: a model that cannot take it is refused here, before
         # any round, instead of failing inside every worker's training.
         problems += data_fit_problems(job.model, self.context.active_workers(job.category),
-                                      category=job.category)
+                                      category=job.category, pipeline=job.data.pipeline)
         limit, timeout = self.max_round_timeout_s, self.broker_consumer_timeout_s
         if limit is not None and timeout is not None and job.schedule.round_timeout_s > limit:
             problems.append(ConfigError(

@@ -87,7 +87,7 @@ def _open(ctx: JobContext, job_id: str, job: JobSpec, *, histogram: bool, statis
     why = ctx.why_unaffordable(job_id, job)
     active = {w.worker_id: w for w in ctx.active_workers(job.category)}
     for worker_id, worker in active.items():
-        misfit = data_fit_problems(job.model, [worker], category=job.category)
+        misfit = data_fit_problems(job.model, [worker], category=job.category, pipeline=job.data.pipeline)
         if misfit and not why.get(worker_id):
             why[worker_id] = "its data does not fit the model: " + "; ".join(f"{e.field} {e.problem}" for e in misfit)
     features = math.prod(job.model.input_shape)

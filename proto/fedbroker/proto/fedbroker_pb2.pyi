@@ -214,14 +214,16 @@ class EvaluationSettings(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., test_fraction: _Optional[float] = ..., split_seed: _Optional[int] = ..., every: _Optional[int] = ..., sites: _Optional[str] = ..., patience: _Optional[int] = ...) -> None: ...
 
 class DataSettings(_message.Message):
-    __slots__ = ("standardize", "lower", "upper")
+    __slots__ = ("standardize", "lower", "upper", "pipeline_json")
     STANDARDIZE_FIELD_NUMBER: _ClassVar[int]
     LOWER_FIELD_NUMBER: _ClassVar[int]
     UPPER_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_JSON_FIELD_NUMBER: _ClassVar[int]
     standardize: str
     lower: _containers.RepeatedScalarFieldContainer[float]
     upper: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, standardize: _Optional[str] = ..., lower: _Optional[_Iterable[float]] = ..., upper: _Optional[_Iterable[float]] = ...) -> None: ...
+    pipeline_json: str
+    def __init__(self, standardize: _Optional[str] = ..., lower: _Optional[_Iterable[float]] = ..., upper: _Optional[_Iterable[float]] = ..., pipeline_json: _Optional[str] = ...) -> None: ...
 
 class TaskSettings(_message.Message):
     __slots__ = ("type", "class_weights", "label_smoothing", "labels", "loss", "huber_delta", "classes", "dice_weight")

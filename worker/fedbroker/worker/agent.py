@@ -31,6 +31,7 @@ import math
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -52,6 +53,10 @@ from fedbroker.secagg import SecAggError
 from fedbroker.version import installed_version
 from fedbroker.weights.plan import ModelPlan, trainable_names
 from fedbroker.worker import metrics
+from fedbroker.worker.batches import job_pipeline, peak_memory_bytes
+
+if TYPE_CHECKING:
+    from fedbroker.job.pipeline import DataPipeline
 from fedbroker.worker.budget import JOB_COSTS_KEPT, SiteBudget
 from fedbroker.worker.evaluation import SiteEvaluation
 from fedbroker.worker.global_model import build_global, fit_problem
@@ -61,7 +66,7 @@ from fedbroker.worker.log_forward import LogForwarder, remove
 from fedbroker.worker.partition import partition
 from fedbroker.worker.secure_task import SecureRun, SecureStepFailed, SecureSteps
 from fedbroker.worker.sharing import Sharing
-from fedbroker.worker.training import TrainResult, pick_device, train_local
+from fedbroker.worker.training import TrainResult, check_batch_memory, pick_device, train_local
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +144,7 @@ class WorkerAgent:
         self.job_settings = JobSettingsCache(kept=JOB_COSTS_KEPT)  # each job's settings, parsed once
         self.evaluation = SiteEvaluation(config, bus=bus, ledger=self.ledger, test=test, device=self.device,
                                          aggregator=self._aggregator, stopping=self._stop.is_set,
-                                         plan_of=self.job_settings.plan)
+                                         plan_of=self.job_settings.plan, pipeline_of=self._pipeline_of)
         self.retry_initial_s = 1.0   # backoff before a failed task goes back to the queue
         self.retry_max_s = 30.0
         if not config.coordinator_broker_user:  # a warning where the bus has users to tell apart (RabbitMQ)
@@ -429,8 +434,7 @@ class WorkerAgent:
             frozen = alignment_plan(spec).frozen_in_round(task.round) if layerwise else frozenset()
         except ValueError as exc:
             raise _PoisonTask(str(exc)) from None
-        # the job's data.expect (the pipeline's section, once InstalledJob carries it): volumes' spacing, orientation
-        self.check_data_fits(spec, job_task, expect=getattr(getattr(installed, "pipeline", None), "expect", None))
+        self.check_data_fits(spec, job_task, pipeline=job_pipeline(installed))  # its data.expect too (volumes)
         self.sharing.check_model(spec)  # its preprocessing against data.standardize
 
         def give_up_at_deadline(step: int, total: int) -> None:
@@ -440,11 +444,17 @@ class WorkerAgent:
                 raise _DeadlinePassed(f"the round's deadline passed during training (step {step} of {total}); "
                                       f"update abandoned")
 
+        pipeline = job_pipeline(installed)
+        try:  # the owner's memory budget against the job's batch, before any step
+            check_batch_memory(self.x, self.y, config=config, pipeline=pipeline, memory_mib=self.config.data.memory_mib,
+                               dp=self.dp is not None, physical_batch_size=self.config.physical_batch_size or None)
+        except ConfigError as exc:
+            raise _DataMismatch(str(exc)) from None
         result = train_local(model, self.x, self.y, config=config, dp=self.dp,
                              history=self.ledger.history(task.job_id), device=self.device,
                              seed=self._training_seed(task), progress=give_up_at_deadline,
                              physical_batch_size=self.config.physical_batch_size or None, frozen=frozen,
-                             task=job_task)
+                             task=job_task, pipeline=pipeline, cache=self.config.data.cache)
         if result.epsilon is not None:  # spent once trained, whether or not the upload succeeds
             self.ledger.record(task.job_id, history=result.history, epsilon=result.epsilon)
             self.send_heartbeat()  # the coordinator's picture of our budget, fresh before this round closes
@@ -497,6 +507,10 @@ class WorkerAgent:
             metrics.TRAINED_SAMPLES.labels(me).inc(round(result.samples_per_second * result.seconds))
             metrics.SAMPLES_PER_SECOND.labels(me).set(result.samples_per_second)
         metrics.TRAIN_LOSS.labels(me).set(result.train_loss)
+        peak = peak_memory_bytes()
+        metrics.PEAK_MEMORY.labels(me).set(peak)
+        log.info("worker %s: peak memory %.0f MiB (the data budget worker.data.memory_mib: %d MiB)", me, peak / 2**20,
+                 self.config.data.memory_mib)
         self.budget.export()
 
     def _training_seed(self, task: pb.RoundTask) -> int:
@@ -507,13 +521,18 @@ class WorkerAgent:
             return int.from_bytes(os.urandom(8), "little") >> 1
         return int(task.seed) * 1000 + task.round
 
-    def check_data_fits(self, spec: ModelSpec, task: TaskConfig | None = None, *, expect: object = None) -> None:
-        """Refuse a model whose input or output does not fit this worker's data (and the job's task, and its
-        expectation of volumes' geometry) before any training step."""
+    def check_data_fits(self, spec: ModelSpec, task: TaskConfig | None = None, *,
+                        pipeline: DataPipeline | None = None) -> None:
+        """Refuse a model whose input or output does not fit this worker's data as the job's pipeline prepares it
+        (and the job's task) before any training step."""
         problem = fit_problem(spec, self.x, self.num_classes, holder="this worker's data", task=task,
-                              labels=self.labels, expect=expect)
+                              labels=self.labels, pipeline=pipeline)
         if problem:
             raise _DataMismatch(problem)
+
+    def _pipeline_of(self, job_id: str) -> DataPipeline | None:
+        """The data pipeline of a job whose settings this site holds (None: none, or no data section)."""
+        return job_pipeline(self.job_settings.get(job_id))
 
     def _ish(self, task: pb.RoundTask) -> float | None:
         if not task.population_distribution:

@@ -17,16 +17,16 @@ Augmentation (`data.augment`, training only) runs on the device batch; a mask mo
 from __future__ import annotations
 
 import collections
-import hashlib
-import json
+import resource
+import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from fedbroker.datasets.stream import DecodedCache, FileSamples, SampleReader
+from fedbroker.datasets.stream import FileSamples, batch_reader
 
 if TYPE_CHECKING:
     from fedbroker.job.pipeline import DataPipeline
@@ -34,31 +34,16 @@ if TYPE_CHECKING:
 Decoded = tuple[np.ndarray, np.ndarray | None]
 
 
-def pipeline_digest(pipeline: DataPipeline | None, *, mask: bool = False) -> str:
-    """What names the prepared samples in the cache: a digest of the job's preprocess (no pipeline: as decoded),
-    images and masks apart."""
-    described: Any = None if pipeline is None else pipeline.to_dict().get("preprocess", [])
-    text = json.dumps({"preprocess": described, "mask": mask}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+def job_pipeline(installed: object) -> DataPipeline | None:
+    """The data pipeline of a job's installed settings (None: the job has no data section)."""
+    pipeline = getattr(installed, "pipeline", None)
+    return pipeline if pipeline is not None and hasattr(pipeline, "preprocess") else None
 
 
-def preparer(pipeline: DataPipeline | None, *, mask: bool) -> Callable[[np.ndarray], np.ndarray] | None:
-    """One raw sample → the model's input (or mask): the job's preprocess; None without one."""
-    if pipeline is None or not pipeline.preprocess:
-        return None
-    from fedbroker.datasets.transforms import prepare
-
-    return lambda sample: prepare(pipeline, sample, mask=mask)
-
-
-def reader(samples: FileSamples, pipeline: DataPipeline | None, *, mask: bool, cache: str) -> SampleReader:
-    """The SampleReader of `samples` under the job's preprocess, with the site's cache when it has one."""
-    if mask:   # a mask's prepared size follows its image's: checked for its axes, dtype and values only
-        shape: tuple[int, ...] = (0,) * len(samples.sample_shape)
-    else:
-        shape = tuple(pipeline.output_shape(samples.sample_shape)) if pipeline is not None else samples.sample_shape
-    store = DecodedCache(cache, pipeline_digest(pipeline, mask=mask)) if cache else None
-    return SampleReader(samples, preparer(pipeline, mask=mask), out_shape=shape, cache=store)
+def peak_memory_bytes() -> int:
+    """This process's peak resident memory so far, in bytes (Linux reports ru_maxrss in KiB, macOS in bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
 class Prefetcher:
@@ -113,24 +98,21 @@ class Batches:
         self.prefetch: Callable[[torch.Tensor], None] | None = None
         self.x_mem: torch.Tensor | None = None
         self.y_mem = None if isinstance(y, FileSamples) else y.to(device)
-        self.mask = isinstance(y, FileSamples)
-        prepare = preparer(pipeline, mask=False)
-        if isinstance(x, torch.Tensor) and prepare is not None:   # in memory: prepared once, before training
-            x = torch.from_numpy(np.stack([np.asarray(prepare(s), dtype=np.float32) for s in x.numpy()]))
+        # masks: on files, or in memory one int64 value per pixel (they move with their images)
+        self.mask = isinstance(y, FileSamples) or (y.dtype == torch.int64 and y.dim() == len(x.shape) - 1)
         if isinstance(x, torch.Tensor) and not isinstance(y, FileSamples):
-            self.x_mem = x.to(device)
+            if pipeline is not None and pipeline.preprocess:   # in memory: prepared once, before training
+                every = np.arange(len(x))
+                x = torch.from_numpy(batch_reader(x.numpy(), pipeline, mask=False)(every))
+                if self.mask:
+                    y = torch.from_numpy(batch_reader(y.numpy(), pipeline, mask=True)(every))
+            self.x_mem, self.y_mem = x.to(device), y.to(device)
             return
-        x_read = reader(x, pipeline, mask=False, cache=cache) if isinstance(x, FileSamples) else None
-        y_read = reader(y, pipeline, mask=True, cache=cache) if isinstance(y, FileSamples) else None
-        x_cpu = x if isinstance(x, torch.Tensor) else None
+        read_x = batch_reader(x if isinstance(x, FileSamples) else x.numpy(), pipeline, mask=False, cache=cache)
+        read_y = batch_reader(y, pipeline, mask=True, cache=cache) if isinstance(y, FileSamples) else None
 
         def decode(idx: np.ndarray) -> Decoded:
-            if x_read is not None:
-                xs = x_read.read(idx)
-            else:
-                assert x_cpu is not None
-                xs = x_cpu[torch.from_numpy(idx)].numpy()
-            return xs, (y_read.read(idx) if y_read is not None else None)
+            return read_x(idx), (read_y(idx) if read_y is not None else None)
 
         self.prefetcher = Prefetcher(decode)
         self.prefetch = self.prefetcher.tell

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +47,9 @@ from fedbroker.worker.global_model import build_global, fit_problem
 from fedbroker.worker.ledger import PrivacyLedger
 from fedbroker.worker.partition import partition
 
+if TYPE_CHECKING:
+    from fedbroker.job.pipeline import DataPipeline
+
 log = logging.getLogger(__name__)
 
 
@@ -53,9 +57,10 @@ class _Refusal(Exception):
     """Internal: the site will not or cannot score this task; the reason goes into a refused report."""
 
 
-def held_out_slice(test: Dataset, p: PartitionSection) -> tuple[np.ndarray, np.ndarray, str]:
+def held_out_slice(test: Dataset, p: PartitionSection) -> tuple[Any, Any, str]:
     """(x, y, why empty) of this site's held-out samples: the whole split, or, for a simulated site, its slice
-    of it by its training share's scheme and seed (with no minimum size: a small split may leave a slice empty)."""
+    of it by its training share's scheme and seed (with no minimum size: a small split may leave a slice empty).
+    Samples on files (`FileSamples`) stay views: nothing is decoded here."""
     if p.num_clients <= 1:
         return test.x, test.y, ""
     try:
@@ -86,9 +91,11 @@ class SiteEvaluation:
 
     def __init__(self, config: WorkerConfig, *, bus: Bus, ledger: PrivacyLedger, test: Dataset, device: str,
                  aggregator: Callable[[str], AggregatorClient], stopping: Callable[[], bool],
-                 plan_of: Callable[[str], ModelPlan | None] = lambda job_id: None) -> None:
+                 plan_of: Callable[[str], ModelPlan | None] = lambda job_id: None,
+                 pipeline_of: Callable[[str], DataPipeline | None] = lambda job_id: None) -> None:
         self.config = config
         self._plan_of = plan_of  # a job's model plan, when this site holds its settings (it trained the job)
+        self._pipeline_of = pipeline_of  # its data pipeline (prepares every held-out sample; no augmentation)
         self.policy = check_policy(config.evaluation)
         self.bus = bus
         self.ledger = ledger
@@ -168,10 +175,12 @@ class SiteEvaluation:
         except ConfigError as exc:
             raise _Refusal(f"the task's settings are not valid: {exc}") from None
         problem = fit_problem(spec, self.x, self.num_classes, holder="this site's data", task=job_task,
-                              labels=self.labels)
+                              labels=self.labels, pipeline=self._pipeline_of(task.job_id))
         if problem:
             raise _Refusal(problem)
-        sums = evaluation_sums(job_task, model, self.x, self.y, device=self.device)
+        # Samples on files are decoded a batch at a time and prepared as in training (through the site's cache).
+        sums = evaluation_sums(job_task, model, self.x, self.y, device=self.device,
+                               pipeline=self._pipeline_of(task.job_id), cache=self.config.data.cache)
         scored = scores(job_task, sums, size=self.num_classes if job_task.type != "regression" else 0)
         headline = scored[job_task.metric]
         return (headline if headline == headline else 0.0), scored["loss"], sums

@@ -5,14 +5,16 @@ same reasons."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 from torch import nn
 
 from fedbroker.config import LimitsSection
 from fedbroker.datasets.volumes.geometry import geometry_problems
-from fedbroker.errors import ModelOverLimits
+from fedbroker.errors import ConfigError, ModelOverLimits
 from fedbroker.job.model_spec import model_bounds
+from fedbroker.job.pipeline import DataPipeline
 from fedbroker.job.spec import ModelSpec, output_shapes, parse_model
 from fedbroker.job.task import TaskConfig
 from fedbroker.model import build_model, load_numpy_state
@@ -64,17 +66,27 @@ def build_global(global_model: Model, plan: ModelPlan | None = None, *, limits: 
 TASK_LABELS = {"classification": "class", "multilabel": "multilabel", "regression": "target", "segmentation": "mask"}
 
 
-def fit_problem(spec: ModelSpec, x: np.ndarray, num_classes: int, *, holder: str, task: TaskConfig | None = None,
-                labels: str = "class", expect: object = None) -> str:
+def fit_problem(spec: ModelSpec, x: Any, num_classes: int, *, holder: str, task: TaskConfig | None = None,
+                labels: str = "class", pipeline: DataPipeline | None = None) -> str:
     """Why the model cannot take these samples ("" when it can): torch would fail on the first batch, and no
     retry changes that. `holder` names whose data it is in the message ("this worker's data"); `labels` is the
-    kind of its labels, which must be the one `task` trains on (`num_classes`: its classes, labels or targets);
-    `expect`, the job's `data.expect`, what volumes' spacing and orientation must be (counted, files unnamed)."""
+    kind of its labels, which must be the one `task` trains on (`num_classes`: its classes, labels or targets).
+    With the job's data `pipeline`, the samples are taken as it prepares them (a size of 0: files that differ), and
+    volumes must meet its `expect` (spacing, orientation; counted, files unnamed)."""
     sample_shape = tuple(int(d) for d in x.shape[1:])
     task = task or TaskConfig()
-    if tuple(spec.input_shape) != sample_shape:
+    if pipeline is not None:
+        try:
+            prepared = pipeline.output_shape(sample_shape)
+        except ConfigError as exc:
+            return f"the job's data pipeline cannot take {holder}, whose samples have shape {list(sample_shape)}: {exc}"
+        if tuple(spec.input_shape) != prepared:
+            return (f"model.input_shape {list(spec.input_shape)} does not fit {holder}, whose samples the job's data "
+                    f"pipeline prepares to shape {list(prepared)}")
+    elif tuple(spec.input_shape) != sample_shape:
         return (f"model.input_shape {list(spec.input_shape)} does not fit {holder}, whose samples have shape "
                 f"{list(sample_shape)}")
+    expect = pipeline.expect if pipeline is not None else None
     misfits = geometry_problems(getattr(x, "geometries", ()), expect, name_files=False)
     if misfits:
         return f"{holder} does not meet the job's data.expect: " + "; ".join(p.problem for p in misfits)
@@ -90,7 +102,7 @@ def fit_problem(spec: ModelSpec, x: np.ndarray, num_classes: int, *, holder: str
                                                     f"{num_classes} {labels} values per sample")
     if spec.num_outputs < num_classes:
         return f"the model outputs {spec.num_outputs} class scores but {holder} has {num_classes} classes"
-    return token_problem(spec, x, holder=holder)
+    return token_problem(spec, x, holder=holder) if isinstance(x, np.ndarray) else ""
 
 
 def token_problem(spec: ModelSpec, x: np.ndarray, *, holder: str) -> str:

@@ -35,6 +35,8 @@ TRAINED_SAMPLES = Counter(
     ["worker_id"])
 SAMPLES_PER_SECOND = Gauge(
     "fedbroker_worker_training_samples_per_second", "Training throughput of the worker's last task.", ["worker_id"])
+PEAK_MEMORY = Gauge("fedbroker_worker_peak_memory_bytes",
+                    "The worker process's peak resident memory (ru_maxrss) after its last training task.", ["worker_id"])
 TRAIN_LOSS = Gauge("fedbroker_worker_train_loss", "Mean training loss of the worker's last task.", ["worker_id"])
 EPSILON_SPENT = Gauge(
     "fedbroker_worker_epsilon_spent", "Privacy loss ε spent by this data owner so far, over every job (δ fixed).",
