@@ -4,6 +4,7 @@ split of a folder decodes nothing, a cache entry is used only when sound."""
 from __future__ import annotations
 
 import os
+import pathlib
 import zipfile
 
 import numpy as np
@@ -58,7 +59,7 @@ def test_train_test_split_and_strata_of_a_folder_decode_nothing(tmp_path):
     strata(train)
     masks = FileSamples(folder.paths, folder.read_one, sample_shape=(6, 6), dtype=np.int64)
     seg = Dataset(x=folder.samples(), y=masks, num_classes=2, name="seg", labels="mask")
-    seg_train, seg_test = train_test_split(seg, test_fraction=0.2, seed=1)
+    seg_train, _ = train_test_split(seg, test_fraction=0.2, seed=1)
     assert isinstance(seg_train.y, FileSamples) and np.array_equal(seg_train.y.index, seg_train.x.index)
     assert len(strata(seg_train)) == len(seg_train) and folder.calls == 0
 
@@ -97,23 +98,24 @@ def test_a_corrupt_or_altered_cache_entry_is_discarded_and_decoded_again(tmp_pat
     read.read(np.arange(2))
     target = cache._path(cache.fingerprint(folder.paths[0]))
     other = cache._path(cache.fingerprint(folder.paths[1]))
-    raw = open(target, "rb").read()
+    raw = pathlib.Path(target).read_bytes()
     key = np.frombuffer(cache.fingerprint(folder.paths[0]).encode(), np.uint8)
+    write = pathlib.Path(target).write_bytes
     if damage == "truncated":
-        open(target, "wb").write(raw[: len(raw) // 2])
+        write(raw[: len(raw) // 2])
     elif damage == "flipped byte":   # inside the stored array: the zip's CRC no longer matches
         at = raw.index(folder.values[0].tobytes()[:8]) + 16
-        open(target, "wb").write(raw[:at] + bytes([raw[at] ^ 0xFF]) + raw[at + 1:])
+        write(raw[:at] + bytes([raw[at] ^ 0xFF]) + raw[at + 1:])
     elif damage == "wrong shape":
-        np.savez(open(target, "wb"), x=np.zeros((1, 5, 5), np.float32), key=key)
+        np.savez(target, x=np.zeros((1, 5, 5), np.float32), key=key)
     elif damage == "another key":   # a sound entry of another sample put in this one's place
-        open(target, "wb").write(open(other, "rb").read())
+        write(pathlib.Path(other).read_bytes())
     elif damage == "nan":
-        np.savez(open(target, "wb"), x=np.full((1, 6, 6), np.nan, np.float32), key=key)
+        np.savez(target, x=np.full((1, 6, 6), np.nan, np.float32), key=key)
     elif damage == "pickle":
-        np.savez(open(target, "wb"), x=np.array([{"a": 1}], dtype=object), key=key)
+        np.savez(target, x=np.array([{"a": 1}], dtype=object), key=key)
     else:
-        open(target, "wb").write(b"PK not really a zip")
+        write(b"PK not really a zip")
     calls = folder.calls
     np.testing.assert_array_equal(read.read(np.array([0])), folder.values[:1])
     assert cache.discarded == 1 and folder.calls == calls + 1

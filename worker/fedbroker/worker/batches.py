@@ -66,12 +66,12 @@ class Prefetcher:
     def get(self, idx: torch.Tensor) -> Decoded:
         """The decoded batch `idx`."""
         chosen = idx.cpu().numpy()
-        while self._ahead:
-            told, future = self._ahead.popleft()
-            if np.array_equal(told, chosen):
-                return future.result()
-            future.cancel()   # told of but never asked for (an abandoned order): dropped
-        return self.decode(chosen)
+        at = next((i for i, (told, _) in enumerate(self._ahead) if np.array_equal(told, chosen)), None)
+        if at is None:
+            return self.decode(chosen)
+        for _ in range(at):   # told of before it but never asked for: dropped
+            self._ahead.popleft()[1].cancel()
+        return self._ahead.popleft()[1].result()
 
     def close(self) -> None:
         """Drop what was decoded ahead and stop the thread."""

@@ -19,8 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedbroker.datasets.stream import FileSamples
 from fedbroker.errors import FedbrokerError
 from fedbroker.statistics_release import statistics_sigma
+
+STREAM_CHUNK = 256   # samples on files decoded at once for the statistics
 
 
 class BadBounds(FedbrokerError):
@@ -48,8 +51,13 @@ def feature_bounds(lower: Sequence[float], upper: Sequence[float], features: int
     return low, high
 
 
-def clipped_sums(x: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
-    """(Σ u_j, Σ u_j²) as one 2d-vector of float64, u the clipped samples rescaled to [0, 1]."""
+def clipped_sums(x: np.ndarray | FileSamples, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
+    """(Σ u_j, Σ u_j²) as one 2d-vector of float64, u the clipped samples rescaled to [0, 1]. Samples on files
+    are decoded STREAM_CHUNK at a time (as decoded: the statistics are of the raw samples)."""
+    if isinstance(x, FileSamples):
+        parts = [clipped_sums(x.read(np.arange(i, min(i + STREAM_CHUNK, len(x)))), lower, upper)
+                 for i in range(0, len(x), STREAM_CHUNK)]
+        return np.sum(parts, axis=0) if parts else clipped_sums(np.zeros((0, lower.size)), lower, upper)
     flat = np.asarray(x, dtype=np.float64).reshape(len(x), -1)
     u = (np.clip(flat, lower, upper) - lower) / (upper - lower)
     return np.concatenate([u.sum(axis=0), (u * u).sum(axis=0)])

@@ -147,9 +147,11 @@ def _shuffled(run: LocalRun) -> Iterator[_Unit]:
 
 
 def _looking_ahead(units: Iterator[_Unit], prefetch: Callable[[torch.Tensor], None] | None) -> Iterator[_Unit]:
-    """The units in order; before one is handed out, `prefetch` is told the next (drawing it early changes no
-    draw: the batch generator serves nothing else)."""
+    """The units in order; `prefetch` is told of the first, then, before one is handed out, of the next (drawing
+    it early changes no draw: the batch generator serves nothing else)."""
     current = next(units, None)
+    if prefetch is not None and current is not None and len(current.idx):
+        prefetch(current.idx)
     while current is not None:
         following = next(units, None)
         if prefetch is not None and following is not None and len(following.idx):
