@@ -95,11 +95,18 @@ def train_test_split(ds: Dataset, *, test_fraction: float = 0.2, seed: int = 0) 
     """Stratified, deterministic split: each class contributes round(test_fraction·n_c) test samples.
 
     Implemented with numpy's PCG64 rather than scikit-learn so the split depends only on the seed,
-    not on a library version; both halves keep the original sample order.
+    not on a library version; both halves keep the original sample order. Samples cut from one volume (slices:
+    `ds.x.groups`) are split by volume, round(test_fraction·volumes) held out whole, unstratified: a patient's
+    slices on both sides would score the model on what it trained on.
     """
     if not 0.0 < test_fraction < 1.0:
         raise ConfigError("test_fraction", f"must lie strictly between 0 and 1, got {test_fraction}")
     rng = np.random.default_rng(seed)
+    groups = getattr(ds.x, "groups", None)  # slices of volumes: a volume's slices all on one side, never both
+    if groups is not None:
+        held = rng.permutation(np.unique(groups))[:round(test_fraction * len(np.unique(groups)))]
+        is_held = np.isin(groups, held)
+        return _subset(ds, np.flatnonzero(~is_held)), _subset(ds, np.flatnonzero(is_held))
     if ds.labels != "class":  # no classes to stratify by: a plain random split of round(test_fraction·N)
         test_idx = np.sort(rng.permutation(len(ds))[:round(test_fraction * len(ds))])
         keep = np.ones(len(ds), dtype=bool)

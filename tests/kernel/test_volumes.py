@@ -4,6 +4,8 @@ Hounsfield units, labels from a CSV, the geometry a job's `data.expect` is check
 
 from __future__ import annotations
 
+import os
+
 import nibabel as nib
 import numpy as np
 import pytest
@@ -47,8 +49,10 @@ def canonical(path) -> np.ndarray:
 def test_each_nifti_volume_is_one_sample_in_ras_as_nibabel_reorients_it(tmp_path):
     images, masks = folder_of_volumes(tmp_path)
     ds = load_worker_data(nifti(path=str(images), masks=str(masks), labels="mask", num_classes=3))
-    assert ds.x.keys == ("lps.nii.gz", "psr.nii", "ras.nii") and ds.labels == "mask" and ds.num_classes == 3
-    for i, name in enumerate(ds.x.keys):
+    names = ("lps.nii.gz", "psr.nii", "ras.nii")
+    assert ds.x.keys == tuple(str(images / n) for n in names) and ds.labels == "mask" and ds.num_classes == 3
+    assert ds.y.keys == tuple(str(masks / n) for n in names)  # paths: the stream's cache fingerprints them
+    for i, name in enumerate(names):
         want = canonical(images / name)
         assert ds.x.read([i])[0, 0].shape == want.shape and np.array_equal(ds.x.read([i])[0, 0], want)
         assert np.array_equal(ds.y.read([i])[0], canonical(masks / name).astype(np.int64))
@@ -66,7 +70,7 @@ def test_slices_are_the_ras_volumes_planes_and_masks_are_sliced_alike(tmp_path, 
     ds = load_worker_data(nifti(path=str(images), masks=str(masks), labels="mask", num_classes=3, slices=slices))
     volumes = {name: canonical(images / name) for name in AFFINES}
     labels = {name: canonical(masks / name) for name in AFFINES}
-    expected = [(f"{n}#{k}", np.take(volumes[n], k, axis=axis), np.take(labels[n], k, axis=axis))
+    expected = [(f"{images / n}#{k}", np.take(volumes[n], k, axis=axis), np.take(labels[n], k, axis=axis))
                 for n in sorted(AFFINES) for k in range(volumes[n].shape[axis])]
     assert list(ds.x.keys) == [key for key, _, _ in expected]
     for i, (_key, plane, mask) in enumerate(expected):
@@ -88,8 +92,8 @@ def test_an_uncompressed_slice_is_read_alone_and_a_gz_volume_is_decoded_once_for
         return real(self)
 
     monkeypatch.setattr(NiftiFile, "decode", counting)
-    gz = [i for i, key in enumerate(ds.x.keys) if key.startswith("lps.nii.gz#")]
-    plain = [i for i, key in enumerate(ds.x.keys) if not key.startswith("lps.nii.gz#")]
+    gz = [i for i, key in enumerate(ds.x.keys) if key.startswith(f"{images / 'lps.nii.gz'}#")]
+    plain = [i for i, key in enumerate(ds.x.keys) if not key.startswith(f"{images / 'lps.nii.gz'}#")]
     for i in plain:  # psr's planes have another shape than ras's: read one at a time
         ds.x.read([i])
     assert decoded == []  # each plane of a .nii read through nibabel's proxy: no whole volume decoded
@@ -121,7 +125,7 @@ def test_a_dicom_series_is_sorted_by_position_in_hounsfield_units_at_its_world_c
         lps = np.array([c * 0.6, r * 0.7, 10 + 2 * k])
         ras = np.array([-lps[0], -lps[1], lps[2], 1.0])
         voxel = np.linalg.solve(world, ras)[:3]
-        i, j, z = (int(round(v)) for v in voxel)
+        i, j, z = (round(float(v)) for v in voxel)
         assert np.allclose(voxel, (i, j, z), atol=1e-6)
         assert a[i, j, z] == stored[k, r, c] - 1024
 
@@ -165,7 +169,7 @@ def test_geometry_problems_name_the_volumes_off_the_jobs_spacing_and_an_orientat
     assert problem.field == "data.expect.spacing"
     assert "2 of this site's 3 volumes have b.nii 1×1×1.04; c.nii 1×1×3" in problem.problem
     orientation, spacing = geometry_problems(volumes, VolumeExpectation((1.0, 1.0, 1.0), 0.0, "LPS"))
-    assert orientation.field == "data.expect.orientation" and "delivers every volume in RAS" in orientation.problem
+    assert spacing.field == "data.expect.spacing" and orientation.field == "data.expect.orientation" and "delivers every volume in RAS" in orientation.problem
     unnamed = geometry_problems(volumes, {"spacing": [1, 1, 1]}, name_files=False)[0].problem
     assert "c.nii" not in unnamed and "1 of this site's 3 volumes have 1×1×3" in unnamed
 
@@ -178,3 +182,18 @@ def test_a_malformed_expectation_is_refused_naming_its_field(raw, field):
     with pytest.raises(ConfigError) as info:
         expectation(raw)
     assert info.value.field == field
+
+
+def test_a_split_of_slices_keeps_each_volumes_slices_on_one_side(tmp_path):
+    (tmp_path / "img").mkdir()
+    (tmp_path / "msk").mkdir()
+    for i in range(10):
+        write_nifti(tmp_path / "img" / f"v{i}.nii", np.full((4, 4, 3), float(i), np.float32))
+        write_nifti(tmp_path / "msk" / f"v{i}.nii", np.zeros((4, 4, 3), np.uint8))
+    ds = load_worker_data(nifti(path=str(tmp_path / "img"), masks=str(tmp_path / "msk"), labels="mask",
+                                num_classes=2, slices="axial"))
+    train, test = train_test_split(ds, test_fraction=0.2, seed=5)
+    volume = {os.path.basename(key.split("#")[0]) for key in (train.x.key(i) for i in range(len(train)))}
+    held = {os.path.basename(key.split("#")[0]) for key in (test.x.key(i) for i in range(len(test)))}
+    assert len(held) == 2 and len(volume) == 8 and not volume & held and len(test) == 6
+    assert set(np.unique(test.x.read(np.arange(len(test))))) == {float(v[1]) for v in held}

@@ -90,10 +90,10 @@ def scaled(raw: np.ndarray, slope: float, inter: float, *, where: Callable[[tupl
     check_values(raw, setting="worker.data.path", where=where)
     out = raw.astype(np.float32)
     if slope != 1.0 or inter != 0.0:
-        out = (raw.astype(np.float64) * slope + inter).astype(np.float32) if raw.dtype.itemsize > 2 \
-            else out * np.float32(slope) + np.float32(inter)
-        with np.errstate(over="ignore"):
-            check_values(out, setting="worker.data.path", where=where)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused just below, naming the voxel
+            out = (raw.astype(np.float64) * slope + inter).astype(np.float32) if raw.dtype.itemsize > 2 \
+                else out * np.float32(slope) + np.float32(inter)
+        check_values(out, setting="worker.data.path", where=where)
     return out
 
 
@@ -159,13 +159,14 @@ def nifti_file(path: str, name: str) -> NiftiFile:
             head = fh.read(540)
     except (OSError, EOFError, zlib.error) as exc:
         raise ValueError(f"cannot be read: {exc}") from None
-    declared = {int.from_bytes(head[:4], "little"), int.from_bytes(head[:4], "big")} if len(head) >= 4 else set()
-    size = next((s for s in _HEADERS if s in declared), 0)
+    sizes = {int.from_bytes(head[:4], order): order for order in ("little", "big")} if len(head) >= 4 else {}
+    size = next((s for s in _HEADERS if s in sizes), 0)
     if not size:
         raise ValueError("is not a NIfTI file (its first bytes declare no NIfTI-1 or NIfTI-2 header)")
     if len(head) < size:
         raise ValueError(f"is truncated: it ends inside its {size}-byte header")
-    header = _HEADERS[size](binaryblock=head[:size], check=False)
+    # the byte order from sizeof_hdr, never nibabel's guess from dim[0] (a hostile dim[0] would flip it)
+    header = _HEADERS[size](binaryblock=head[:size], endianness="<" if sizes[size] == "little" else ">", check=False)
     magic = bytes(header["magic"].item())
     if magic not in (b"n+1", b"n+2"):
         raise ValueError(f"is not a single-file NIfTI (magic {magic!r}; a .hdr/.img pair is not read)")

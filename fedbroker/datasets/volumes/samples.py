@@ -83,15 +83,22 @@ class DecodedCache:
 
 class VolumeSamples(FileSamples):
     """FileSamples that carry the geometry of every volume they were cut from, through every view (a split, a
-    partition), so the worker can check them against a job's `data.expect`."""
+    partition), so the worker can check them against a job's `data.expect`; with slices, `groups` says which
+    volume each sample was cut from, so a split keeps a volume's slices on one side."""
 
     geometries: tuple[Geometry, ...] = ()
+    volume_of: np.ndarray | None = None   # per key: the index of its volume (slices only)
 
     def __getitem__(self, idx: np.ndarray | slice | Sequence[int]) -> VolumeSamples:
         view = VolumeSamples(self.keys, self.read_one, sample_shape=self.sample_shape, dtype=self.dtype,
                              index=self.index[idx])
-        view.geometries = self.geometries
+        view.geometries, view.volume_of = self.geometries, self.volume_of
         return view
+
+    @property
+    def groups(self) -> np.ndarray | None:
+        """The volume each sample was cut from (slices), None when each sample is a whole volume."""
+        return None if self.volume_of is None else self.volume_of[self.index]
 
 
 def raise_all(problems: Sequence[ConfigError]) -> None:
@@ -297,36 +304,42 @@ def volume_dataset(source: DataSection, kind: str, volumes: Sequence[Volume],
 
 def _samples(source: DataSection, kind: str, volumes: Sequence[Volume], masks: dict[str, NiftiFile],
              labels: np.ndarray, count: int, axis: int | None) -> Dataset:
+    """Keys are paths (the volume's file or series folder, then '#' and the plane's index with slices), as the
+    stream's on-disk cache fingerprints a sample by its file's size and modification time."""
     cache = DecodedCache(source.memory_mib * 2**20 // 4)
-    by_name = {v.name: v for v in volumes}
+    items: dict[str, Volume | NiftiFile] = {v.path: v for v in volumes}
+    items.update({m.path: m for m in masks.values()})
 
-    def cut(item: Volume | NiftiFile, key: str) -> np.ndarray:
+    def cut(key: str) -> np.ndarray:
         if axis is None:
-            return item.decode()
-        index = int(key.rpartition("#")[2])
+            return items[key].decode()
+        path, _, at = key.rpartition("#")
+        item, index = items[path], int(at)
         plane = item.plane(axis, index)
-        return np.asarray(np.take(cache.get(item.path, item.decode), index, axis=1 + axis)) if plane is None else plane
-
-    def image(key: str) -> np.ndarray:
-        return cut(by_name[key.rpartition("#")[0] if axis is not None else key], key)
+        return np.asarray(np.take(cache.get(path, item.decode), index, axis=1 + axis)) if plane is None else plane
 
     def mask(key: str) -> np.ndarray:
-        values = cut(masks[key.rpartition("#")[0] if axis is not None else key], key)[0]
-        return np.asarray(np.rint(values), dtype=np.int64)
+        return np.asarray(np.rint(cut(key)[0]), dtype=np.int64)
+
+    def keyed(paths: Sequence[str]) -> list[str]:
+        if axis is None:
+            return list(paths)
+        return [f"{p}#{k}" for p, v in zip(paths, volumes) for k in range(v.geometry.shape[axis])]
 
     if axis is None:
-        keys = [v.name for v in volumes]
         spatial: list[tuple[int, ...]] = [v.geometry.shape for v in volumes]
         repeats = [1] * len(volumes)
     else:
-        keys = [f"{v.name}#{k}" for v in volumes for k in range(v.geometry.shape[axis])]
         spatial = [tuple(d for i, d in enumerate(v.geometry.shape) if i != axis) for v in volumes]
         repeats = [v.geometry.shape[axis] for v in volumes]
     shape = common_shape([(v.channels, *s) for v, s in zip(volumes, spatial)])
-    x = VolumeSamples(keys, image, sample_shape=shape, dtype=np.float32)
+    x = VolumeSamples(keyed([v.path for v in volumes]), cut, sample_shape=shape, dtype=np.float32)
     x.geometries = tuple(v.geometry for v in volumes)
+    if axis is not None:
+        x.volume_of = np.repeat(np.arange(len(volumes)), repeats)
     if source.labels == "mask":
-        y: object = FileSamples(keys, mask, sample_shape=shape[1:], dtype=np.int64)
+        y: object = FileSamples(keyed([masks[v.name].path for v in volumes]), mask, sample_shape=shape[1:],
+                                dtype=np.int64)
     else:
         y = np.repeat(labels, repeats, axis=0)
     # Dataset's fields are typed as arrays; FileSamples stands in for one (fedbroker.datasets.stream)

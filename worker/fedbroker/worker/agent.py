@@ -434,7 +434,7 @@ class WorkerAgent:
             frozen = alignment_plan(spec).frozen_in_round(task.round) if layerwise else frozenset()
         except ValueError as exc:
             raise _PoisonTask(str(exc)) from None
-        self.check_data_fits(spec, job_task, pipeline=job_pipeline(installed))  # its data.expect too (volumes)
+        self.check_data_fits(spec, job_task, pipeline=job_pipeline(installed))
         self.sharing.check_model(spec)  # its preprocessing against data.standardize
 
         def give_up_at_deadline(step: int, total: int) -> None:

@@ -71,8 +71,8 @@ def fit_problem(spec: ModelSpec, x: Any, num_classes: int, *, holder: str, task:
     """Why the model cannot take these samples ("" when it can): torch would fail on the first batch, and no
     retry changes that. `holder` names whose data it is in the message ("this worker's data"); `labels` is the
     kind of its labels, which must be the one `task` trains on (`num_classes`: its classes, labels or targets).
-    With the job's data `pipeline`, the samples are taken as it prepares them (a size of 0: files that differ), and
-    volumes must meet its `expect` (spacing, orientation; counted, files unnamed)."""
+    With the job's data `pipeline`, the samples are taken as it prepares them (a size of 0: files that differ),
+    and volumes must meet its `expect` (spacing, orientation; counted, files unnamed: the reason leaves the site)."""
     sample_shape = tuple(int(d) for d in x.shape[1:])
     task = task or TaskConfig()
     if pipeline is not None:
@@ -86,8 +86,8 @@ def fit_problem(spec: ModelSpec, x: Any, num_classes: int, *, holder: str, task:
     elif tuple(spec.input_shape) != sample_shape:
         return (f"model.input_shape {list(spec.input_shape)} does not fit {holder}, whose samples have shape "
                 f"{list(sample_shape)}")
-    expect = pipeline.expect if pipeline is not None else None
-    misfits = geometry_problems(getattr(x, "geometries", ()), expect, name_files=False)
+    misfits = geometry_problems(getattr(x, "geometries", ()), pipeline.expect if pipeline is not None else None,
+                                name_files=False)
     if misfits:
         return f"{holder} does not meet the job's data.expect: " + "; ".join(p.problem for p in misfits)
     if TASK_LABELS[task.type] != labels:
