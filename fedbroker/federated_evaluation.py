@@ -5,7 +5,9 @@ Each site scores a global model on its own held-out split and reports (its headl
 and the task's sums (`fedbroker.tasks.scores`: counts, intersections, error sums, score histograms); the
 federated score of a round is made from the sites' summed sums, i.e. the score on the union of the sites'
 splits exactly (Dice from summed intersections, never an average of averages). A report without sums (a site
-from before tasks) is combined as before, by the count-weighted mean. No site's samples leave it, and a score
+from before tasks) is combined as before, by the count-weighted mean. The job's `evaluation.score` names the
+headline that picks the best round and stops early (its direction from `fedbroker.tasks.scores.DIRECTIONS`), and
+`evaluation.threshold` where sensitivity and specificity are read. No site's samples leave it, and a score
 costs no ε (docs/privacy.md says what a score reveals).
 """
 

@@ -189,7 +189,9 @@ def sections_settings(job_id: str, *, training: Mapping[str, Any] | None = None,
                                          params_json=json.dumps(aggregation.get(f"{kind}_params") or {},
                                                                 sort_keys=True))
                 for kind in _KINDS}),
-            evaluation=pb.EvaluationSettings(**dataclasses.asdict(EvaluationConfig())),
+            # evaluation.score and .threshold are the coordinator's alone (it scores the sites' sums): not sent
+            evaluation=pb.EvaluationSettings(**{k: v for k, v in dataclasses.asdict(EvaluationConfig()).items()
+                                                if k in pb.EvaluationSettings.DESCRIPTOR.fields_by_name}),
             data=pb.DataSettings(standardize=DataConfig().standardize))
     except (TypeError, ValueError) as exc:  # a value of the wrong type for its field
         raise ConfigError("job", f"a setting has a value of the wrong type: {exc}") from None

@@ -226,8 +226,9 @@ def scores(task: TaskConfig, sums: Mapping[str, float], *, size: int = 0,
     if task.type == "classification":
         out["accuracy"] = sum(hits.values()) / n if n else math.nan
     bins = curve_bins(task, size)
-    if bins and any(k.startswith(("pos/", "neg/")) for k in sums):
-        pos, neg = histograms(sums, size, bins)
+    pos, neg = histograms(sums, size, bins) if bins else (np.zeros((0, 0)), np.zeros((0, 0)))
+    # every sample in every column's histograms: a site without them (one from before) leaves no curve scores
+    if bins and size and bool(np.all(pos.sum(axis=1) + neg.sum(axis=1) == n)):
         f1_counts = {c: out[f"f1/{c}"] for c in range(size)}
         _curve_scores(out, pos, neg, round(threshold * bins))
         if task.type == "classification":   # F1 per class is the arg-max's; the threshold's is `f1_at/c`

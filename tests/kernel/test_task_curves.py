@@ -213,3 +213,14 @@ def test_a_score_the_task_cannot_produce_is_refused_at_submission_naming_it() ->
     assert dice.startswith("evaluation.score") and "mae, rmse, loss" in dice
     (off,) = submit(2, {"type": "classification"}, threshold=0.3333)
     assert off.startswith("evaluation.threshold") and "multiple of 1/1000" in off
+
+
+def test_a_site_without_histograms_leaves_no_curve_scores_rather_than_ones_of_a_subset() -> None:
+    rng = np.random.default_rng(5)
+    probs, y = _probabilities(rng, 60, 3)
+    task = TaskConfig()
+    new = batch_sums(task, probs[:30], y[:30], 0.0)
+    old = batch_sums(task, probs[30:].argmax(1), y[30:], 0.0)     # an older site: counts only
+    mixed = scores(task, add_sums([new, old]))
+    assert "auroc" not in mixed and mixed["accuracy"] == pytest.approx((probs.argmax(1) == y).mean())
+    assert "auroc" in scores(task, new)

@@ -189,14 +189,17 @@ def await_last(ctx: JobContext, run: Run) -> None:
 
 
 def fill_status(store: StateStore, job_id: str, reply: pb.StatusReply) -> None:
-    """The job's rounds in `reply` get their federated scores so far, and `reply` each site's evaluation."""
+    """The job's rounds in `reply` get their federated scores so far (the per-class ones, `auroc/3`, for the latest
+    scored round only: a 1000-label job's reply stays small), and `reply` each site's evaluation."""
     scores = {e.round: e.score for e in store.evaluation_rounds(job_id)}
+    latest = max((r for r, s in scores.items() if s is not None), default=0)
     for row in reply.rounds:
         score = scores.get(row.round) if row.job_id == job_id else None
         if score is not None:
             row.federated_accuracy, row.federated_loss = score.accuracy, score.loss
             row.federated_metric = score.metric
-            row.federated_scores.update({k: v for k, v in score.scores.items() if math.isfinite(v)})
+            row.federated_scores.update({k: v for k, v in score.scores.items()
+                                         if math.isfinite(v) and (row.round == latest or "/" not in k)})
             row.federated_samples, row.evaluated_sites = score.num_samples, score.sites
     for e in store.evaluations(job_id):
         reply.evaluations.add(job_id=e.job_id, round=e.round, worker_id=e.worker_id, status=e.status, reason=e.reason,

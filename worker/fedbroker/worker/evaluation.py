@@ -1,5 +1,6 @@
 """A site's part in federated evaluation: it scores a job's global model on its own held-out split and reports
-(accuracy, mean cross-entropy, count) on the control bus; the coordinator weighs the sites' scores by count.
+(headline score, mean loss, count) and the task's sums (counts, intersections, error sums, probability
+histograms: fedbroker.tasks.scores) on the control bus; the coordinator adds the sites' sums and scores them.
 
 The held-out split is the `worker.test_fraction` part of the site's data that it never trains on (the same
 stratified split as always). A simulated site (`partition.num_clients` > 1, one bundled set shared out) holds
