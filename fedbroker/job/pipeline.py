@@ -457,6 +457,9 @@ def _parse_expect(raw: Any, problems: list[ConfigError]) -> Expect:
             spacing = tuple(_number(v, f"{where}.spacing[{j}]", problems, 0.0, 1e4, lo_open=True)
                             for j, v in enumerate(values))
     tolerance = _number(raw.get("spacing_tolerance", 0.05), f"{where}.spacing_tolerance", problems, 0.0, 1.0)
+    if tolerance >= 1.0:   # a relative tolerance of 100 % or more accepts any spacing: a fraction, as the site reads it
+        problems.append(ConfigError(f"{where}.spacing_tolerance", f"must be a fraction in [0, 1), got {show(tolerance)}"))
+        tolerance = 0.05
     orientation = raw.get("orientation", "")
     if orientation != "" and not _orientation_ok(orientation):
         problems.append(ConfigError(f"{where}.orientation", f"must be 3 letters, one of each of L/R, P/A, I/S (as "

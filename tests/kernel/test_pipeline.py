@@ -56,6 +56,7 @@ def _fields(exc: ConfigError) -> list[str]:
     ({"expect": {"spacing": [1, 1, -1]}}, "data.expect.spacing[2]", "(0,"),
     ({"expect": {"orientation": "RAX"}}, "data.expect.orientation", "RAS"),
     ({"expect": {"spacing_tolerance": 2}}, "data.expect.spacing_tolerance", "[0, 1]"),
+    ({"expect": {"spacing_tolerance": 1}}, "data.expect.spacing_tolerance", "[0, 1)"),
     ({"preprocess": [{"resize": [8, 8]}], "augment": [{"random_crop": {"size": [4, 4, 4]}}]},
      "data.augment[0].random_crop.size", "2-D or 3-D"),
 ])

@@ -165,7 +165,7 @@ def run_simulation(options: SimulateOptions) -> dict[str, Any]:
     started = time.time()
     job_id, status = run_tracked(cluster, text, track=options.track, experiment=options.experiment,
                                  params=simulation_params(options))
-    accuracy = score_rounds(run_dir / "coordinator" / "checkpoints", job_id, test)
+    accuracy = score_rounds(run_dir / "coordinator" / "checkpoints", job_id, test, job=job)
     print("training the centralised (pooled data, no DP) baseline ...")
     baseline = pooled_baseline(job, train, test, seed=options.seed)
     results = collect_results(status, job_id, demo, baseline, time.time() - started)
@@ -191,8 +191,9 @@ def simulation_params(options: SimulateOptions) -> dict[str, str]:
             if k not in skip}
 
 
-def score_rounds(checkpoint_dir: Path, job_id: str, test: Any) -> dict[int, float]:
-    """Each round's global model (the coordinator's checkpoints) scored on the held-out samples."""
+def score_rounds(checkpoint_dir: Path, job_id: str, test: Any, *, job: JobSpec | None = None) -> dict[int, float]:
+    """Each round's global model (the coordinator's checkpoints) scored on the held-out samples (prepared by the
+    job's data pipeline, as the sites prepare theirs)."""
     from fedbroker.coordinator.checkpoints import checkpoints_of, load_checkpoint
     from fedbroker.evaluation import evaluate
     from fedbroker.job.spec import parse_model
@@ -203,7 +204,7 @@ def score_rounds(checkpoint_dir: Path, job_id: str, test: Any) -> dict[int, floa
         tensors, spec_json = load_checkpoint(path)
         model = build_model(parse_model(json.loads(spec_json)))
         load_numpy_state(model, tensors)
-        scores[int(path.stem.split("-")[1])] = round(evaluate(model, test.x, test.y)[0], 4)
+        scores[int(path.stem.split("-")[1])] = round(evaluate(model, _prepared(job, test.x), test.y)[0], 4)
     return scores
 
 
@@ -217,8 +218,18 @@ def pooled_baseline(job: JobSpec, train: Any, test: Any, *, seed: int) -> float:
     if job.data.standardize == "federated":  # the sites' rows are raw: standardise as the federation does, here
         spec = pooled_standardization(spec, train.x)  # with the pooled data's exact mean and std (no DP)
     model = build_model(spec, seed=seed)
-    train_local(model, train.x, train.y, dp=None, seed=seed, config=baseline_training(job))
-    return evaluate(model, test.x, test.y)[0]
+    pipeline = job.data.pipeline if job.data.pipeline.preprocess or job.data.pipeline.augment else None
+    train_local(model, train.x, train.y, dp=None, seed=seed, config=baseline_training(job), pipeline=pipeline)
+    return evaluate(model, _prepared(job, test.x), test.y)[0]
+
+
+def _prepared(job: JobSpec | None, x: Any) -> Any:
+    """The held-out samples as the job's preprocessing prepares them (as they are without one)."""
+    if job is None or not job.data.pipeline.preprocess:
+        return x
+    from fedbroker.datasets.stream import batch_reader
+
+    return batch_reader(x, job.data.pipeline, mask=False)(np.arange(len(x)))
 
 
 def pooled_standardization(model: ModelSpec, x: np.ndarray) -> ModelSpec:
