@@ -7,7 +7,7 @@ one from public data before a study: the job's own model (job.yaml) with a 4-cla
 without DP (no site's data is involved), on `<data>/pretext` (make_data.py: the same synthetic anatomy from
 another seed, each image holding one of four structures), every image going through the job's own
 `data.preprocess` (fedbroker.datasets.transforms.prepare), so the backbone sees inputs prepared as the sites will
-prepare theirs. 80 % of the pretext images train (Adam, lr 0.003, batches of 32; no augmentation: the pretext
+prepare theirs. 80 % of the pretext images train (Adam, lr 0.003, batches of 16; no augmentation: the pretext
 set is drawn anew by make_data.py, never scarce), 20 % are held out and their accuracy is printed.
 
 It writes, into `<data>` (examples/xray-folders/data by default):
@@ -68,7 +68,7 @@ def train(job: dict[str, Any], x: torch.Tensor, y: torch.Tensor, *, epochs: int,
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     for epoch in range(epochs):
         model.train()
-        for batch in torch.randperm(len(fit), generator=generator).split(32):
+        for batch in torch.randperm(len(fit), generator=generator).split(16):
             loss = torch.nn.functional.cross_entropy(model(x[fit[batch]]), y[fit[batch]])
             optimizer.zero_grad()
             loss.backward()

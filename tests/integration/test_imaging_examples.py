@@ -162,7 +162,7 @@ def test_the_xray_folders_example_runs_from_its_readme(deployment: Deployment) -
     assert [r["federated_metric"] for r in doc["rounds"]] == ["macro_f1"] * 3
     scores = doc["rounds"][-1]["federated_scores"]  # per finding: the latest scored round's (jobs show)
     for finding in range(3):  # effusion, nodule, cardiomegaly
-        assert 0.0 <= scores[f"auroc/{finding}"] <= 1.0 and 0.0 <= scores[f"auroc_bound/{finding}"] < 0.05
+        assert 0.0 <= scores[f"auroc/{finding}"] <= 1.0 and 0.0 <= scores[f"auroc_bound/{finding}"] <= 0.5
     out = download(d, job_id, folder, job)
     assert "sigmoid" in (out / "README.md").read_text()
 
