@@ -7,7 +7,7 @@ one from public data before a study: the job's own model (job.yaml) with a 4-cla
 without DP (no site's data is involved), on `<data>/pretext` (make_data.py: the same synthetic anatomy from
 another seed, each image holding one of four structures), every image going through the job's own
 `data.preprocess` (fedbroker.datasets.transforms.prepare), so the backbone sees inputs prepared as the sites will
-prepare theirs. 80 % of the pretext images train (Adam, lr 0.003, batches of 16; no augmentation: the pretext
+prepare theirs. 80 % of the pretext images train (SGD, lr 0.1, momentum 0.9, batches of 16; no augmentation: the pretext
 set is drawn anew by make_data.py, never scarce), 20 % are held out and their accuracy is printed.
 
 It writes, into `<data>` (examples/xray-folders/data by default):
@@ -65,7 +65,7 @@ def train(job: dict[str, Any], x: torch.Tensor, y: torch.Tensor, *, epochs: int,
     order = torch.randperm(len(x), generator=generator)
     cut = int(0.8 * len(x))
     fit, held = order[:cut], order[cut:]
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for epoch in range(epochs):
         model.train()
         for batch in torch.randperm(len(fit), generator=generator).split(16):
@@ -92,13 +92,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(HERE / "data"), help="make_data.py's --out")
     parser.add_argument("--job", default=str(HERE / "job.yaml"), help="the job to pretrain for")
-    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     data = Path(args.data)
     text = Path(args.job).read_text()
     job = yaml.safe_load(text)
     torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     x, y = pretext_batches(data, job)
     blob = encode(start_weights(job, train(job, x, y, epochs=args.epochs, seed=args.seed)))
     (data / "pretrained.safetensors").write_bytes(blob)
