@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 ENV_PREFIX = "FEDBROKER__"
 MAX_CONFIG_BYTES = 1 << 20   # a config file is read (bounded: fedbroker.job.yamltext) only up to this size
 _PATH_KEY = re.compile(r"(^|_)(file|dir|path)$")   # a setting that names a file or folder (ca_file, state_dir, ...)
+_DATA_PATHS = frozenset({"labels_csv", "masks", "cache"})  # worker.data's other files and folders (image folders)
 _D = TypeVar("_D", bound="DataclassInstance")
 
 
@@ -339,16 +340,16 @@ PLACEHOLDER = "FILL-IN"
 
 
 def _paths_from(tree: dict[str, Any], folder: str) -> dict[str, Any]:
-    """The file's own relative paths (every `*_file`, `*_dir`, `*_path` and `path` setting) made absolute from
-    its folder: a file means the same files from whichever folder a process or a viewer starts (from the current
-    folder, `--config kit/viewer.yaml` read another identity's `secrets/token`). Variables and flags stay
-    relative to the current folder."""
+    """The file's own relative paths (every `*_file`, `*_dir`, `*_path` and `path` setting, and worker.data's
+    `labels_csv`, `masks` and `cache`) made absolute from its folder: a file means the same files from whichever
+    folder a process or a viewer starts (from the current folder, `--config kit/viewer.yaml` read another
+    identity's `secrets/token`). Variables and flags stay relative to the current folder."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
             value = _paths_from(value, folder)
-        elif isinstance(key, str) and _PATH_KEY.search(key) and isinstance(value, str) and value \
-                and value != PLACEHOLDER:  # a kit's data left to fill in is not a path (`fedbroker.app.unfilled`)
+        elif isinstance(key, str) and (_PATH_KEY.search(key) or key in _DATA_PATHS) and isinstance(value, str) \
+                and value and value != PLACEHOLDER:  # a kit's data left to fill in is no path (fedbroker.app.unfilled)
             value = os.path.join(folder, value)
         out[key] = value
     return out

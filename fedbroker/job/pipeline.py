@@ -475,7 +475,8 @@ def _orientation_ok(code: Any) -> bool:
 
 
 def pipeline_problems(pipeline: DataPipeline) -> list[ConfigError]:
-    """What the lists cannot see one step at a time: every size list of one pipeline is 2-D or every one 3-D."""
+    """What the lists cannot see one step at a time: every size list of one pipeline is 2-D or every one 3-D.
+    `expect.spacing` is the volume's (3 numbers) whether the site trains on volumes or on their 2-D slices."""
     ranks = {f"data.{key}[{i}].{s.name}" + (".size" if key == "augment" else ""): len(s.args["size"])
              for key, steps in (("preprocess", pipeline.preprocess), ("augment", pipeline.augment))
              for i, s in enumerate(steps) if s.args.get("size")}

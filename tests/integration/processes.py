@@ -69,9 +69,10 @@ class Deployment:
         return {"broker.url": self.urls[worker_id], "worker.coordinator_broker_user": f"{self.namespace}-coordinator"}
 
     def spawn(self, name: str, command: str, settings: dict[str, Any], extra_env: dict[str, str] | None = None, *,
-              entry: Sequence[str] = ("-m", "fedbroker")) -> None:
-        """`python ENTRY COMMAND` with `settings` as FEDBROKER__ variables; `entry` names another program that
-        takes `fedbroker`'s verbs (a test's own entry point, such as tests/integration/secure_worker.py)."""
+              entry: Sequence[str] = ("-m", "fedbroker"), args: Sequence[str] = (), cwd: Path | None = None) -> None:
+        """`python ENTRY COMMAND ARGS` (in `cwd`) with `settings` as FEDBROKER__ variables; `entry` names another
+        program that takes `fedbroker`'s verbs (a test's own entry point, such as tests/integration/secure_worker.py);
+        `args` such as `--config worker.yaml` (the variables override the file)."""
         env = _clean_env()
         base = {"broker.url": self.url, "broker.namespace": self.namespace, "aggregator.target": self.aggregator,
                 "coordinator.target": self.coordinator, "log_level": "INFO",
@@ -80,13 +81,14 @@ class Deployment:
             env["FEDBROKER__" + key.upper().replace(".", "__")] = str(value)
         env.update(extra_env or {})
         log = (self.tmp / f"{name}.log").open("ab")
-        self.processes[name] = subprocess.Popen([sys.executable, *entry, command], env=env, stdout=log,
-                                                stderr=subprocess.STDOUT)
+        self.processes[name] = subprocess.Popen([sys.executable, *entry, command, *args], env=env, stdout=log,
+                                                stderr=subprocess.STDOUT, cwd=cwd)
 
-    def cli(self, *args: str) -> str:
-        """`fedbroker ARGS --coordinator …`'s output; a non-zero exit fails the test with both streams."""
+    def cli(self, *args: str, cwd: Path | None = None) -> str:
+        """`fedbroker ARGS --coordinator …`'s output (run in `cwd`); a non-zero exit fails the test with both
+        streams."""
         done = subprocess.run([sys.executable, "-m", "fedbroker", *args, "--coordinator", self.coordinator],
-                              env=_clean_env(), capture_output=True, text=True, timeout=120)
+                              env=_clean_env(), capture_output=True, text=True, timeout=120, cwd=cwd)
         assert done.returncode == 0, f"fedbroker {' '.join(args)}: {done.stdout}\n{done.stderr}"
         return done.stdout
 

@@ -33,6 +33,22 @@ def test_a_config_files_paths_resolve_from_its_folder_and_variables_from_here(
     assert (config.client.ca_file, config.client.key_file) == ("/abs/ca", "k.pem")
 
 
+def test_a_worker_configs_image_folder_labels_and_masks_resolve_from_its_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """worker.data's labels CSV, masks folder and cache name files as `path` does: an example's worker.yaml
+    (examples/xray-folders) reads the same site folder from wherever the worker starts."""
+    site = tmp_path / "example"
+    site.mkdir()
+    (site / "worker.yaml").write_text(yaml.safe_dump({"worker": {"dataset": "images", "data": {
+        "path": "data/images", "labels_csv": "data/findings.csv", "masks": "data/masks", "cache": "data/cache"}}}))
+    monkeypatch.chdir(tmp_path)
+    data = load_config(str(Path("example") / "worker.yaml"), environ={}).worker.data
+    assert (data.path, data.labels_csv, data.masks, data.cache) == tuple(
+        str(site / "data" / name) for name in ("images", "findings.csv", "masks", "cache"))
+    off = load_config(str(site / "worker.yaml"), environ={"FEDBROKER__WORKER__DATA__CACHE": ""}).worker.data
+    assert off.cache == ""  # the switch stays off: an empty setting is no path
+
+
 def test_a_viewer_speaks_as_the_identity_its_config_names_from_any_folder(rabbitmq_url: str, tmp_path: Path) -> None:
     viewer, other = generate_token(), generate_token()
     tokens = tmp_path / "tokens.yaml"
