@@ -149,7 +149,27 @@ def train_local(
     entries = normalise_history(history)
     plan = _plan_dp(model, dp, entries, num_samples=n, config=config, clipping=clipping) \
         if dp is not None and dp.enabled else None
-    dev = torch.device(device)
+    work, run, (loss, seen, epsilon, out_history), seconds = _train_copy(
+        model, x_in, y_in, num_samples=n, config=config, plan=plan, entries=entries, dev=torch.device(device),
+        seed=seed, frozen=frozen, task=task, pipeline=pipeline, cache=cache, progress=progress,
+        physical_batch_size=physical_batch_size)
+    state = {_strip(k): v.detach().cpu().numpy().copy() for k, v in work.state_dict().items()}
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    return TrainResult(
+        state=state, num_samples=n, train_loss=loss, steps=run.config.local_epochs * run.steps_per_epoch,
+        seconds=seconds, samples_per_second=seen / seconds if seconds > 0 else float("inf"), epsilon=epsilon,
+        history=out_history, clipping=plan.clipping if plan is not None else None,
+    )
+
+
+def _train_copy(model: nn.Module, x_in: torch.Tensor | FileSamples, y_in: torch.Tensor | FileSamples, *,
+                num_samples: int, config: TrainingConfig, plan: _DPPlan | None, entries: list[HistoryEntry],
+                dev: torch.device, seed: int, frozen: Collection[str], task: TaskConfig, pipeline: DataPipeline | None,
+                cache: str, progress: Callable[[int, int], None] | None, physical_batch_size: int | None,
+                ) -> tuple[nn.Module, LocalRun, tuple[float, int, float | None, list[HistoryEntry]], float]:
+    """Train a throw-away copy of `model` (the caller's module is never wrapped): (the copy, its run, (loss, samples
+    seen, ε after, history after), seconds of training)."""
+    n = num_samples
     data_seed, noise_seed, torch_seed, augment_seed = _seeds(seed)
     fork_devices = [] if dev.type != "cuda" else [dev.index if dev.index is not None else torch.cuda.current_device()]
     with torch.random.fork_rng(devices=fork_devices):
@@ -173,14 +193,7 @@ def train_local(
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         seconds = time.perf_counter() - start
-
-    state = {_strip(k): v.detach().cpu().numpy().copy() for k, v in work.state_dict().items()}
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
-    return TrainResult(
-        state=state, num_samples=n, train_loss=loss, steps=run.config.local_epochs * run.steps_per_epoch,
-        seconds=seconds, samples_per_second=seen / seconds if seconds > 0 else float("inf"), epsilon=epsilon,
-        history=out_history, clipping=plan.clipping if plan is not None else None,
-    )
+    return work, run, (loss, seen, epsilon, out_history), seconds
 
 
 def _seeds(seed: int) -> tuple[int, int, int, int]:
