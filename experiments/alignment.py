@@ -200,7 +200,7 @@ def one_shot(protocol: FusionProtocol, *, progress: bool = True) -> dict[str, An
                                "samples": [len(w.y) for w in workers], "methods": {}}
         for name, aggregation in protocol.methods.items():
             started = time.perf_counter()
-            book = RoundBook()
+            book = RoundBook(alignment_time_limit_s=math.inf)  # load must not choose the method (_fuse)
             book.put_global(JOB_ID, 1, spec.model.to_json(), start)
             book.open_round(JOB_ID, 1, [w.worker_id for w in workers], deadline=math.inf,
                             aggregation=dict(aggregation), seed=seed,
