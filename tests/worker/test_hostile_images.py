@@ -128,13 +128,6 @@ def test_a_pipe_or_a_folder_named_png_is_refused_without_being_opened(tmp_path, 
     refused(config, "worker.data.path", "not regular files", "line 3: 'odd.png'")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its permissions")
-def test_an_unreadable_file_is_refused_naming_it(tmp_path):
-    config = folder(tmp_path, {"ok.png": GOOD, "locked.png": GOOD})
-    (tmp_path / "images" / "locked.png").chmod(0)
-    refused(config, "worker.data.path", "unreadable files", "locked.png")
-
-
 def test_a_file_this_process_may_not_read_is_refused_naming_it_whoever_runs_the_test(tmp_path, monkeypatch):
     config = folder(tmp_path, {"ok.png": GOOD, "locked.png": GOOD})
     locked = str(tmp_path / "images" / "locked.png")
