@@ -10,6 +10,7 @@ An environment value for a text setting is taken verbatim (a token or an id such
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -176,6 +177,11 @@ class DPPolicy:
     max_grad_norm: float = 1.0
     delta: float = 1e-5
     epsilon_budget: float = 10.0
+    # In a job with privacy.distributed: `local` adds the job's whole noise dose to this site's share (it relies on
+    # no other site); `distributed` adds only its share (z/√quorum), at least enough that its own share alone
+    # leaves ε ≤ local_floor_epsilon (0: no floor). Jobs without privacy.distributed train as before either way.
+    mode: str = "local"
+    local_floor_epsilon: float = 0.0
 
     def __post_init__(self) -> None:
         _raise_all(self.problems() if self.enabled else [])
@@ -189,6 +195,11 @@ class DPPolicy:
             out.append(ConfigError("dp.delta", f"must lie strictly between 0 and 1, got {self.delta!r}"))
         if not _is_number(self.epsilon_budget) or not self.epsilon_budget > 0:
             out.append(ConfigError("dp.epsilon_budget", f"must be > 0, got {self.epsilon_budget!r}"))
+        if self.mode not in DP_MODES:
+            out.append(ConfigError("dp.mode", f"must be 'local' or 'distributed', got {self.mode!r}"))
+        if not _is_number(self.local_floor_epsilon) or not 0 <= self.local_floor_epsilon < math.inf:
+            out.append(ConfigError("dp.local_floor_epsilon", f"must be a number >= 0 (0: no floor), "
+                                                             f"got {self.local_floor_epsilon!r}"))
         return out
 
 
@@ -196,6 +207,7 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+DP_MODES = ("local", "distributed")
 STANDARDIZE_MODES = ("none", "site", "federated")
 LABEL_KINDS = ("class", "multilabel", "target", "mask")   # worker.data.labels: what a sample's label is
 

@@ -20,6 +20,7 @@ from typing import Any
 from fedbroker.algorithms.catalogue import AggregationSettings, aggregation_settings
 from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.job.pipeline import DataPipeline, pipeline_from_json
+from fedbroker.job.privacy import DistributedDP, PrivacyConfig, SiteDP
 from fedbroker.job.spec import AggregationConfig, EvaluationConfig, JobSpec, TrainingConfig
 from fedbroker.job.spec_data import DataConfig
 from fedbroker.job.submission import robust_problems
@@ -47,6 +48,7 @@ class InstalledJob:
     message: pb.JobSettings = dataclasses.field(compare=False, repr=False)
     plan: ModelPlan = dataclasses.field(default_factory=ModelPlan)  # what trains (fedbroker.weights.plan); the default: every tensor
     start_digest: str = ""            # the start weights' canonical digest ("" = a seeded random draw)
+    privacy: PrivacyConfig = dataclasses.field(default_factory=PrivacyConfig)  # DP the round carries
 
     @property
     def pipeline(self) -> DataPipeline | None:
@@ -72,7 +74,32 @@ def settings_message(job_id: str, job: JobSpec, *, start_digest: str = "") -> pb
         data=pb.DataSettings(standardize=d.standardize, lower=[lo for lo, _ in d.bounds],
                              upper=[hi for _, hi in d.bounds],
                              pipeline_json=d.pipeline.to_json() if d.pipeline != DataPipeline() else ""),
-        model_plan_json=job.plan.to_json() if job.plan != ModelPlan() else "", start_digest=start_digest)
+        model_plan_json=job.plan.to_json() if job.plan != ModelPlan() else "", start_digest=start_digest,
+        privacy=privacy_message(job.privacy))
+
+
+def privacy_message(privacy: PrivacyConfig) -> pb.PrivacySettings:
+    """The job's privacy section as it travels (empty when neither option is enabled)."""
+    out = pb.PrivacySettings()
+    if privacy.distributed.enabled:
+        out.distributed.CopyFrom(pb.DistributedDPSettings(**dataclasses.asdict(privacy.distributed)))
+    if privacy.site.enabled:
+        out.site.CopyFrom(pb.SiteDPSettings(**dataclasses.asdict(privacy.site)))
+    return out
+
+
+def privacy_config(message: pb.PrivacySettings) -> PrivacyConfig:
+    """The section from its message, each option checking itself (raises ConfigError(s) naming the field)."""
+    options: dict[str, Any] = {}
+    for name, cls in (("distributed", DistributedDP), ("site", SiteDP)):
+        if message.HasField(name) and getattr(message, name).enabled:
+            sent = getattr(message, name)
+            option = cls(**{f.name: getattr(sent, f.name) for f in dataclasses.fields(cls)})
+            problems = option.problems()
+            if problems:
+                raise problems[0] if len(problems) == 1 else ConfigErrors(problems)
+            options[name] = option
+    return PrivacyConfig(**options)
 
 
 def settings_digest(message: pb.JobSettings) -> str:
@@ -114,6 +141,9 @@ def parse_settings(message: pb.JobSettings) -> InstalledJob:
                                       pipeline=pipeline or DataPipeline()))
     task = section(lambda: task_config(message.task))
     plan = section(lambda: plan_from_json(message.model_plan_json))
+    privacy = section(lambda: privacy_config(message.privacy))
+    if privacy is not None and aggregation is not None:
+        problems.extend(privacy.problems(secure=aggregation.secure, mode="sync" if privacy.distributed.enabled else ""))
     if not message.job_id:
         problems.append(ConfigError("job_id", "is empty"))
     if problems or algorithms is None:
@@ -121,7 +151,7 @@ def parse_settings(message: pb.JobSettings) -> InstalledJob:
     return InstalledJob(job_id=message.job_id, digest=settings_digest(message), category=message.category,
                         seed=message.seed, training=training, aggregation=aggregation, algorithms=algorithms,
                         evaluation=evaluation, data=data, task=task, message=message, plan=plan or ModelPlan(),
-                        start_digest=message.start_digest)
+                        start_digest=message.start_digest, privacy=privacy or PrivacyConfig())
 
 
 def task_message(task: TaskConfig) -> pb.TaskSettings:

@@ -28,6 +28,7 @@ from fedbroker.job.model_spec import matched_layers as matched_layers
 from fedbroker.job.model_spec import output_shapes as output_shapes
 from fedbroker.job.model_spec import parameter_shapes as parameter_shapes
 from fedbroker.job.model_spec import parse_model as parse_model
+from fedbroker.job.privacy import PrivacyConfig, parse_privacy
 from fedbroker.job.spec_data import DataConfig, data_problems, evaluation_set_problems, parse_data
 from fedbroker.job.task import TaskConfig, output_problems, parse_task
 from fedbroker.job.yamltext import load_yaml
@@ -247,18 +248,22 @@ class JobSpec:
     data: DataConfig = field(default_factory=DataConfig)  # preprocessing (fedbroker.job.spec_data)
     task: TaskConfig = field(default_factory=TaskConfig)  # what is predicted (fedbroker.job.task)
     plan: ModelPlan = field(default_factory=ModelPlan)    # start weights, freezing, adapters (fedbroker.weights)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # DP the round carries (fedbroker.job.privacy)
 
     def __post_init__(self) -> None:
         _raise_all(_identity_problems(self.name, self.category, self.seed)
                    or cross_section_problems(model=self.model, training=self.training, evaluation=self.evaluation,
                                              task=self.task)
-                   or mode_problems(schedule=self.schedule, aggregation=self.aggregation) or data_problems(self.data, self.model))
+                   or mode_problems(schedule=self.schedule, aggregation=self.aggregation) or data_problems(self.data, self.model)
+                   or self.privacy.problems(secure=self.aggregation.secure, mode=self.schedule.mode))
 
     def to_dict(self) -> dict[str, Any]:
         """The job as plain data (its model as a job writes it)."""
         out = {**asdict(self), "model": {**self.model.to_dict(), **self.plan.to_dict()}, "data": self.data.to_dict(),
-               "task": self.task.to_dict()}
+               "task": self.task.to_dict(), "privacy": self.privacy.to_dict()}
         del out["plan"]
+        if not out["privacy"]:
+            del out["privacy"]
         return out
 
     def to_json(self) -> str:
@@ -266,7 +271,8 @@ class JobSpec:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
-_SECTIONS = ("name", "category", "model", "training", "aggregation", "schedule", "evaluation", "seed", "data", "task")
+_SECTIONS = ("name", "category", "model", "training", "aggregation", "schedule", "evaluation", "seed", "data", "task",
+             "privacy")
 
 
 _S = TypeVar("_S", bound=_Section)
@@ -419,6 +425,7 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     data = parse_data(raw.get("data"), errors.errors, model)
     task = parse_task(raw.get("task"), errors.errors)
     plan = parse_plan(raw.get("model"), errors=errors)
+    privacy = parse_privacy(raw.get("privacy"), errors.errors)
     if not errors.errors and plan != ModelPlan():
         errors.errors.extend(plan_problems(plan, model, alignment=aggregation.alignment, secure=aggregation.secure,
                                            mode=schedule.mode, standardize=data.standardize))
@@ -430,6 +437,7 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     # reported with every other problem: a section with problems of its own came back as the defaults (sync,
     # alignment none), which this check passes, so it never echoes them
     errors.errors.extend(mode_problems(schedule=schedule, aggregation=aggregation))
+    errors.errors.extend(privacy.problems(secure=aggregation.secure, mode=schedule.mode))
     if check is not None:
         errors.errors.extend(check(aggregation=aggregation, model=model, schedule=schedule,
                                    training=training if trained_as_written else None))
@@ -437,6 +445,7 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     return JobSpec(
         name=raw["name"], category=raw["category"], model=model, training=training,
         aggregation=aggregation, schedule=schedule, evaluation=evaluation, seed=seed, data=data, task=task, plan=plan,
+        privacy=privacy,
     )
 
 

@@ -24,16 +24,20 @@ class Trailer(_message.Message):
     def __init__(self, sha256: _Optional[str] = ...) -> None: ...
 
 class DPPolicy(_message.Message):
-    __slots__ = ("noise_multiplier", "max_grad_norm", "delta", "epsilon_budget")
+    __slots__ = ("noise_multiplier", "max_grad_norm", "delta", "epsilon_budget", "mode", "local_floor_epsilon")
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     EPSILON_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FLOOR_EPSILON_FIELD_NUMBER: _ClassVar[int]
     noise_multiplier: float
     max_grad_norm: float
     delta: float
     epsilon_budget: float
-    def __init__(self, noise_multiplier: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., delta: _Optional[float] = ..., epsilon_budget: _Optional[float] = ...) -> None: ...
+    mode: str
+    local_floor_epsilon: float
+    def __init__(self, noise_multiplier: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., delta: _Optional[float] = ..., epsilon_budget: _Optional[float] = ..., mode: _Optional[str] = ..., local_floor_epsilon: _Optional[float] = ...) -> None: ...
 
 class Registration(_message.Message):
     __slots__ = ("worker_id", "categories", "label_histogram", "dp_policy", "dp_enabled", "epsilon_spent", "device", "num_samples", "input_shape", "num_classes", "evaluation_samples", "software_version", "started_unix")
@@ -246,7 +250,7 @@ class TaskSettings(_message.Message):
     def __init__(self, type: _Optional[str] = ..., class_weights: _Optional[_Iterable[float]] = ..., label_smoothing: _Optional[float] = ..., labels: _Optional[int] = ..., loss: _Optional[str] = ..., huber_delta: _Optional[float] = ..., classes: _Optional[int] = ..., dice_weight: _Optional[float] = ...) -> None: ...
 
 class JobSettings(_message.Message):
-    __slots__ = ("job_id", "category", "seed", "training", "aggregation", "evaluation", "data", "task", "model_plan_json", "start_digest")
+    __slots__ = ("job_id", "category", "seed", "training", "aggregation", "evaluation", "data", "task", "model_plan_json", "start_digest", "privacy")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CATEGORY_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +261,7 @@ class JobSettings(_message.Message):
     TASK_FIELD_NUMBER: _ClassVar[int]
     MODEL_PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
     START_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     category: str
     seed: int
@@ -267,7 +272,48 @@ class JobSettings(_message.Message):
     task: TaskSettings
     model_plan_json: str
     start_digest: str
-    def __init__(self, job_id: _Optional[str] = ..., category: _Optional[str] = ..., seed: _Optional[int] = ..., training: _Optional[_Union[TrainingSettings, _Mapping]] = ..., aggregation: _Optional[_Union[AggregationSettings, _Mapping]] = ..., evaluation: _Optional[_Union[EvaluationSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., task: _Optional[_Union[TaskSettings, _Mapping]] = ..., model_plan_json: _Optional[str] = ..., start_digest: _Optional[str] = ...) -> None: ...
+    privacy: PrivacySettings
+    def __init__(self, job_id: _Optional[str] = ..., category: _Optional[str] = ..., seed: _Optional[int] = ..., training: _Optional[_Union[TrainingSettings, _Mapping]] = ..., aggregation: _Optional[_Union[AggregationSettings, _Mapping]] = ..., evaluation: _Optional[_Union[EvaluationSettings, _Mapping]] = ..., data: _Optional[_Union[DataSettings, _Mapping]] = ..., task: _Optional[_Union[TaskSettings, _Mapping]] = ..., model_plan_json: _Optional[str] = ..., start_digest: _Optional[str] = ..., privacy: _Optional[_Union[PrivacySettings, _Mapping]] = ...) -> None: ...
+
+class DistributedDPSettings(_message.Message):
+    __slots__ = ("enabled", "noise_multiplier", "clip", "sample_rate", "quorum")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    noise_multiplier: float
+    clip: float
+    sample_rate: float
+    quorum: int
+    def __init__(self, enabled: _Optional[bool] = ..., noise_multiplier: _Optional[float] = ..., clip: _Optional[float] = ..., sample_rate: _Optional[float] = ..., quorum: _Optional[int] = ...) -> None: ...
+
+class SiteDPSettings(_message.Message):
+    __slots__ = ("enabled", "clipping", "noise_multiplier", "clip_norm", "target_quantile", "clip_lr", "count_noise_multiplier")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    CLIPPING_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    TARGET_QUANTILE_FIELD_NUMBER: _ClassVar[int]
+    CLIP_LR_FIELD_NUMBER: _ClassVar[int]
+    COUNT_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    clipping: str
+    noise_multiplier: float
+    clip_norm: float
+    target_quantile: float
+    clip_lr: float
+    count_noise_multiplier: float
+    def __init__(self, enabled: _Optional[bool] = ..., clipping: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., clip_norm: _Optional[float] = ..., target_quantile: _Optional[float] = ..., clip_lr: _Optional[float] = ..., count_noise_multiplier: _Optional[float] = ...) -> None: ...
+
+class PrivacySettings(_message.Message):
+    __slots__ = ("distributed", "site")
+    DISTRIBUTED_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    distributed: DistributedDPSettings
+    site: SiteDPSettings
+    def __init__(self, distributed: _Optional[_Union[DistributedDPSettings, _Mapping]] = ..., site: _Optional[_Union[SiteDPSettings, _Mapping]] = ...) -> None: ...
 
 class InstallJobRequest(_message.Message):
     __slots__ = ("settings",)
