@@ -23,6 +23,7 @@ from fedbroker.job.pipeline import DataPipeline, pipeline_from_json
 from fedbroker.job.privacy import DistributedDP, PrivacyConfig, SiteDP
 from fedbroker.job.spec import AggregationConfig, EvaluationConfig, JobSpec, TrainingConfig
 from fedbroker.job.spec_data import DataConfig
+from fedbroker.job.group_rules import group_problems
 from fedbroker.job.submission import robust_problems
 from fedbroker.job.task import TaskConfig
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -65,7 +66,8 @@ def settings_message(job_id: str, job: JobSpec, *, start_digest: str = "") -> pb
         job_id=job_id, category=job.category, seed=job.seed,
         training=pb.TrainingSettings(rounds=t.rounds, local_epochs=t.local_epochs, batch_size=t.batch_size,
                                      optimizer=t.optimizer, lr=t.lr, momentum=t.momentum, proximal_mu=t.proximal_mu),
-        aggregation=pb.AggregationSettings(secure=a.secure, max_update_value=a.max_update_value, **{
+        aggregation=pb.AggregationSettings(secure=a.secure, max_update_value=a.max_update_value,
+                                           secure_group_size=a.secure_group_size, **{
             kind: pb.AlgorithmChoice(name=getattr(a, kind), params_json=json.dumps(dict(getattr(a, f"{kind}_params")),
                                                                                    sort_keys=True))
             for kind in _KINDS}),
@@ -126,11 +128,12 @@ def parse_settings(message: pb.JobSettings) -> InstalledJob:
     training = section(lambda: TrainingConfig(
         rounds=t.rounds, local_epochs=t.local_epochs, batch_size=t.batch_size, optimizer=t.optimizer, lr=t.lr,
         momentum=t.momentum, proximal_mu=t.proximal_mu))
-    aggregation = section(lambda: AggregationConfig(secure=a.secure, max_update_value=a.max_update_value, **{
+    aggregation = section(lambda: AggregationConfig(secure=a.secure, max_update_value=a.max_update_value,
+                                                     secure_group_size=a.secure_group_size, **{
         name: value for kind in _KINDS for name, value in _choice(kind, getattr(a, kind)).items()}))
     algorithms = section(lambda: aggregation_settings(aggregation)) if aggregation is not None else None
     if aggregation is not None:
-        problems.extend(robust_problems(aggregation, None))
+        problems.extend(robust_problems(aggregation, None) + group_problems(aggregation, None))
     evaluation = section(lambda: EvaluationConfig(dataset=e.dataset, test_fraction=e.test_fraction,
                                                   split_seed=e.split_seed, every=e.every, sites=e.sites,
                                                   patience=e.patience))
@@ -214,7 +217,8 @@ def sections_settings(job_id: str, *, training: Mapping[str, Any] | None = None,
             job_id=job_id,
             training=pb.TrainingSettings(**{k: values[k] for k in _fields(TrainingConfig)}),
             aggregation=pb.AggregationSettings(secure=aggregation.get("secure", False),
-                                               max_update_value=aggregation.get("max_update_value", 0.0), **{
+                                               max_update_value=aggregation.get("max_update_value", 0.0),
+                                               secure_group_size=aggregation.get("secure_group_size", 0), **{
                 kind: pb.AlgorithmChoice(name=aggregation.get(kind, getattr(AggregationConfig, kind)),
                                          params_json=json.dumps(aggregation.get(f"{kind}_params") or {},
                                                                 sort_keys=True))

@@ -138,10 +138,12 @@ class AggregationConfig(_Section):
     robust_params: Mapping[str, Any] = field(default_factory=dict)
     secure: bool = False            # SecAgg+: the service learns only the round's sum (linear rules, sync mode)
     max_update_value: float = 0.0   # no uploaded value may exceed this in magnitude; 0 = derived from the model
+    secure_group_size: int = 0      # secure + robust: a robust rule over the secure sums of groups of ≥ this many
 
     SECTION: ClassVar[str] = "aggregation"
     # at most 1e20: a round's float32 running sum of such values, weighted by sample counts, stays finite
-    LIMITS: ClassVar[Mapping[str, tuple[float, float]]] = {"max_update_value": (0.0, 1e20)}
+    LIMITS: ClassVar[Mapping[str, tuple[float, float]]] = {"max_update_value": (0.0, 1e20),
+                                                             "secure_group_size": (0, 100_000)}
 
     def __post_init__(self) -> None:
         # `alignment: {name: nafi, mode: layerwise}` is the name and its parameters in one: kept as the two fields

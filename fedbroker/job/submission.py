@@ -11,6 +11,7 @@ from fedbroker.algorithms.catalogue import ALIGNMENTS, aggregation_settings
 from fedbroker.algorithms.params import staleness_function
 from fedbroker.errors import ConfigError, ConfigErrors
 from fedbroker.job.alignment_plan import model_nodes, plan_alignment
+from fedbroker.job.group_rules import group_problems
 from fedbroker.job.spec import (
     EVALUATION_SETS,
     AggregationConfig,
@@ -79,6 +80,7 @@ def job_problems(*, aggregation: AggregationConfig, model: ModelSpec, training: 
         layerwise = settings.alignment.params.layerwise
     if aggregation.secure:
         problems.extend(secure_problems(aggregation, schedule))
+    problems.extend(group_problems(aggregation, schedule))
     problems.extend(robust_problems(aggregation, schedule))
     problems.extend(alignment_problems(aggregation, model, layerwise=layerwise, training=training))
     return problems
@@ -106,9 +108,10 @@ def secure_problems(aggregation: AggregationConfig, schedule: ScheduleConfig | N
         refuse("aggregation.selection", f"{aggregation.selection!r} chooses among the updates themselves at the close "
                                         f"(use 'all'; schedule.clients_per_round draws a random subset of workers "
                                         f"before each round, which is sound)")
-    if aggregation.robust != "none":
+    if aggregation.robust != "none" and not aggregation.secure_group_size:  # grouped: fedbroker.job.group_rules
         refuse("aggregation.robust", f"{aggregation.robust!r} reads each update; secure aggregation reveals only "
-                                     f"their sum (use 'none')")
+                                     f"their sum (use 'none', or aggregation.secure_group_size to run it over the "
+                                     f"secure sums of groups)")
     share = aggregation.weighting_params.get("max_share", 1.0)  # a bad value is the catalogue's to report
     if isinstance(share, (int, float)) and not isinstance(share, bool) and share < 1.0:
         refuse("aggregation.weighting_params.max_share", "a cap makes each coefficient depend on which updates "

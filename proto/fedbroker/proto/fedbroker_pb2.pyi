@@ -186,20 +186,22 @@ class AlgorithmChoice(_message.Message):
     def __init__(self, name: _Optional[str] = ..., params_json: _Optional[str] = ...) -> None: ...
 
 class AggregationSettings(_message.Message):
-    __slots__ = ("alignment", "weighting", "selection", "robust", "secure", "max_update_value")
+    __slots__ = ("alignment", "weighting", "selection", "robust", "secure", "max_update_value", "secure_group_size")
     ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     WEIGHTING_FIELD_NUMBER: _ClassVar[int]
     SELECTION_FIELD_NUMBER: _ClassVar[int]
     ROBUST_FIELD_NUMBER: _ClassVar[int]
     SECURE_FIELD_NUMBER: _ClassVar[int]
     MAX_UPDATE_VALUE_FIELD_NUMBER: _ClassVar[int]
+    SECURE_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     alignment: AlgorithmChoice
     weighting: AlgorithmChoice
     selection: AlgorithmChoice
     robust: AlgorithmChoice
     secure: bool
     max_update_value: float
-    def __init__(self, alignment: _Optional[_Union[AlgorithmChoice, _Mapping]] = ..., weighting: _Optional[_Union[AlgorithmChoice, _Mapping]] = ..., selection: _Optional[_Union[AlgorithmChoice, _Mapping]] = ..., robust: _Optional[_Union[AlgorithmChoice, _Mapping]] = ..., secure: _Optional[bool] = ..., max_update_value: _Optional[float] = ...) -> None: ...
+    secure_group_size: int
+    def __init__(self, alignment: _Optional[_Union[AlgorithmChoice, _Mapping]] = ..., weighting: _Optional[_Union[AlgorithmChoice, _Mapping]] = ..., selection: _Optional[_Union[AlgorithmChoice, _Mapping]] = ..., robust: _Optional[_Union[AlgorithmChoice, _Mapping]] = ..., secure: _Optional[bool] = ..., max_update_value: _Optional[float] = ..., secure_group_size: _Optional[int] = ...) -> None: ...
 
 class EvaluationSettings(_message.Message):
     __slots__ = ("dataset", "test_fraction", "split_seed", "every", "sites", "patience")
