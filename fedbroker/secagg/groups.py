@@ -26,6 +26,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from fedbroker.secagg.params import SecAggParams
+from fedbroker.secagg.secure_round import round_params
+
 MIN_GROUP_SIZE = 5   # below, a group's sum is close to its members' updates (4 colluders and the server see a 5th)
 MIN_GROUPS = 3       # a robust rule over two group means is their mean: one bad group always moves it
 
@@ -67,3 +70,13 @@ def group_of(groups: Sequence[Sequence[str]], site: str) -> int:
         if site in members:
             return index
     raise KeyError(site)
+
+
+def group_params(n: int, g: int, n_max: int) -> SecAggParams | None:
+    """The secure settings of a group of `n_max` in a round of n split by g, when the split makes a group of
+    that size (a worker checks the service's settings against these); None when it makes none."""
+    try:
+        sizes = set(group_sizes(n, g))
+    except ValueError:
+        return None
+    return round_params(n_max) if n_max in sizes else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from fedbroker.close_report import SelectionRecord, Verdict
 from fedbroker.errors import Conflict, NotFound, Rejection, UploadRejected
 from fedbroker.job.spec import ModelSpec
 from fedbroker.weights.plan import trainable_shapes
+
+if TYPE_CHECKING:  # secure_groups builds on this module (its close makes a Combined)
+    from fedbroker.aggregators.secure_groups import GroupedSession
 
 KEEP_CLOSED_ROUNDS = 16  # closed rounds whose accepted workers and deadline are remembered (redeliveries, stragglers)
 
@@ -124,7 +127,7 @@ class Round:
     phase: Phase = Phase.OPEN
     sample_limits: dict[str, int] = field(default_factory=dict)  # registered sample counts: no upload claims more
     next_seq: int = 0                            # acceptance order of the spooled updates
-    secure: SecureSession | None = None          # aggregation.secure: keys, shares and the masked sum
+    secure: SecureSession | GroupedSession | None = None  # aggregation.secure: keys, shares and the masked sum
 
     @property
     def closed(self) -> bool:
@@ -159,7 +162,7 @@ class Round:
 def new_round(number: int, members: frozenset[str], deadline: float, algorithms: Algorithms,
               aggregation: dict[str, Any], histograms: dict[str, list[int]], spec: ModelSpec,
               spare_rows: UpdateRows | None = None, *, sample_limits: Mapping[str, int] | None = None,
-              secure: SecureSession | None = None) -> Round:
+              secure: SecureSession | GroupedSession | None = None) -> Round:
     """`sample_limits`: each participant's registered sample count (a participant not in it is unbounded);
     `secure`: the round's SecAgg+ session (aggregation.secure), which then receives every upload instead."""
     settings = algorithms.settings

@@ -24,6 +24,7 @@ from fedbroker.aggregators.combine import Combined
 from fedbroker.aggregators.job_state import Accepted, Receipt, Round
 from fedbroker.aggregators.job_table import JobTable, receiving
 from fedbroker.aggregators.mean import Layout
+from fedbroker.aggregators.secure_groups import GroupedSession, combine_grouped
 from fedbroker.aggregators.secure_session import Roster, SecureSession, refused
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.close_report import SelectionRecord
@@ -41,8 +42,13 @@ log = logging.getLogger(__name__)
 
 
 def new_session(job_id: str, round_number: int, version: int, participants: frozenset[str], spec: ModelSpec, *,
-                opened: float, deadline: float, clock: Callable[[], float]) -> SecureSession:
-    """The session of a secure round being opened."""
+                opened: float, deadline: float, clock: Callable[[], float],
+                group_size: int = 0) -> SecureSession | GroupedSession:
+    """The session of a secure round being opened; one per group with aggregation.secure_group_size."""
+    if group_size:
+        return GroupedSession(job_id=job_id, round_number=round_number, version=version, participants=participants,
+                              length=Layout(parameter_shapes(spec)).size, opened=opened, deadline=deadline,
+                              clock=clock, group_size=group_size)
     return SecureSession(job_id=job_id, round_number=round_number, version=version, participants=participants,
                          length=Layout(parameter_shapes(spec)).size, opened=opened, deadline=deadline, clock=clock)
 
@@ -78,7 +84,7 @@ class SecureRounds:
         if worker_id not in rnd.participants:
             raise UploadRejected(Rejection.UNKNOWN_WORKER,
                                  f"worker {worker_id!r} is not a participant of round {round_number}")
-        return rnd, rnd.secure
+        return rnd, rnd.secure.of(worker_id)  # a grouped round: the worker's group's session
 
     def advertise(self, request: pb.SecAdvertiseRequest) -> SecureSession:
         """Record the worker's keys and declared weight (checked as an upload's header would be)."""
@@ -140,12 +146,13 @@ class SecureRounds:
     # ----- the masked upload -----
 
     @staticmethod
-    def check_header(header: pb.UpdateHeader, session: SecureSession | None) -> None:
+    def check_header(header: pb.UpdateHeader, secure: SecureSession | GroupedSession | None) -> None:
         """A secure round's upload is one flat ring vector named `masked`, of the round's dtype and length,
         for the samples its worker advertised (checked against its registered count then); only it is."""
-        if session is None:
+        if secure is None:
             raise UploadRejected(Rejection.BAD_HEADER, f"round {header.round} of job {header.job_id!r} is not a "
                                                        f"secure round: it takes no masked upload")
+        session = secure.of(header.worker_id)
         if not header.masked:
             raise UploadRejected(Rejection.BAD_HEADER, f"{session.where} takes only masked uploads (the worker "
                                                        f"must run the secure protocol)")
@@ -169,8 +176,9 @@ class SecureRounds:
             if first is not None:  # a concurrent retry won the race: counted once
                 return first
             assert rnd.secure is not None
-            rnd.secure.add_masked(header.worker_id, tensors.pop("masked"))
-            raw = rnd.secure.weights[header.worker_id][1]
+            session = rnd.secure.of(header.worker_id)
+            session.add_masked(header.worker_id, tensors.pop("masked"))
+            raw = session.weights[header.worker_id][1]
             rnd.accepted[header.worker_id] = Accepted(header.worker_id, meta.num_samples, raw, digest, size, meta,
                                                       epsilon=header.epsilon, train_loss=header.train_loss)
             table.touch(job)
@@ -183,6 +191,11 @@ class SecureRounds:
         x_global + Σ_U scale_i·Δ_i / Σ_U scale_i, the weighted mean delta of the survivors."""
         session = rnd.secure
         assert session is not None
+        if isinstance(session, GroupedSession):  # a robust rule over the groups' means (secure_groups)
+            return combine_grouped(session, rule=rnd.algorithms.robust, rule_name=rnd.algorithms.settings.robust.name,
+                                   selection_method=rnd.algorithms.settings.selection.name,
+                                   accepted=len(rnd.accepted), current=current, spec=spec, unmask_s=self.unmask_s,
+                                   round_number=rnd.number)
         session.decide()
         result = session.finish(wait_s=self.unmask_s)
         for worker, why in sorted(session.excluded.items()):

@@ -108,6 +108,10 @@ class SecureSession:
         session._ended("lost")
         return session
 
+    def of(self, worker_id: str) -> SecureSession:
+        """The session a worker's steps go to: this one (a grouped round's `GroupedSession` picks its group's)."""
+        return self
+
     def end(self, why: str) -> None:
         """The round ended without a close (a cancelled job's round was abandoned): every waiting worker is
         answered at once, with `why`, instead of at its deadline."""

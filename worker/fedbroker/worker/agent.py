@@ -466,12 +466,13 @@ class WorkerAgent:
 
     def _secure_run(self, task: pb.RoundTask, key: tuple[str, int, int]) -> SecureRun | None:
         """The secure protocol's state of this task (aggregation.secure), kept across its retries; else None."""
-        if not self.job_settings.held(task.job_id).aggregation.secure:
+        aggregation = self.job_settings.held(task.job_id).aggregation
+        if not aggregation.secure:
             return None
         run = self._secure.get(key)
         if run is None:
             run = SecureRun(worker_id=self.config.id, task=task, num_samples=len(self.y), ish=self._ish(task),
-                            steps=self.secure_steps)
+                            steps=self.secure_steps, group_size=aggregation.secure_group_size)
             self._secure = {key: run}
         return run
 

@@ -34,6 +34,7 @@ from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc.aggregation_client import AggregatorClient, Model
 from fedbroker.secagg.client import SecAggClient
 from fedbroker.secagg.crypto import PublicKeys
+from fedbroker.secagg.groups import group_params
 from fedbroker.secagg.secure_round import UNMASK_WAIT_S, round_params, round_seed
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,10 @@ class SecureRun:
     """One secure task on one worker (see the module docstring)."""
 
     def __init__(self, *, worker_id: str, task: pb.RoundTask, num_samples: int, ish: float | None,
-                 steps: SecureSteps | None = None) -> None:
+                 steps: SecureSteps | None = None, group_size: int = 0) -> None:
+        """`group_size`: the job's aggregation.secure_group_size (0: one secure sum of every participant)."""
         self.worker_id = worker_id
+        self.group_size = group_size
         self.steps = steps
         self.task = task
         self.num_samples = num_samples
@@ -109,6 +112,8 @@ class SecureRun:
             return
         advert = client.sec_advertise(self._advertisement())
         p, ours = advert.params, self.crypto.params
+        if self.group_size:  # grouped (fedbroker.secagg.groups): the settings of one of the sizes the split makes
+            ours = self.crypto.params = group_params(task.participants, self.group_size, p.n_max) or ours
         if (advert.round_seed != self.crypto.round_seed or (p.n_max, p.threshold, p.neighbours, p.ring_bits, p.clip)
                 != (ours.n_max, ours.threshold, ours.neighbours, ours.bits, ours.clip)):
             raise SecureStepFailed(f"round {task.round} of {task.job_id}: the service runs other secure settings "
