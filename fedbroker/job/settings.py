@@ -19,11 +19,11 @@ from typing import Any
 
 from fedbroker.algorithms.catalogue import AggregationSettings, aggregation_settings
 from fedbroker.errors import ConfigError, ConfigErrors
+from fedbroker.job.group_rules import group_problems
 from fedbroker.job.pipeline import DataPipeline, pipeline_from_json
 from fedbroker.job.privacy import DistributedDP, PrivacyConfig, SiteDP
 from fedbroker.job.spec import AggregationConfig, EvaluationConfig, JobSpec, TrainingConfig
 from fedbroker.job.spec_data import DataConfig
-from fedbroker.job.group_rules import group_problems
 from fedbroker.job.submission import robust_problems
 from fedbroker.job.task import TaskConfig
 from fedbroker.proto import fedbroker_pb2 as pb

@@ -22,6 +22,7 @@ least g members. Pure: hashlib and numpy only.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -61,7 +62,7 @@ def split(roster: Iterable[str], g: int, seed: bytes) -> list[tuple[str, ...]]:
     ranked = ranks(roster, seed)
     order = sorted(ranked, key=lambda site: (ranked[site], site))
     cuts = np.cumsum([0, *group_sizes(len(order), g)])
-    return [tuple(sorted(order[start:stop])) for start, stop in zip(cuts[:-1], cuts[1:])]
+    return [tuple(sorted(order[start:stop])) for start, stop in itertools.pairwise(cuts)]
 
 
 def group_of(groups: Sequence[Sequence[str]], site: str) -> int:
