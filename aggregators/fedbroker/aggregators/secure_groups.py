@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedbroker.aggregators.combine import Combined
 from fedbroker.aggregators.mean import Layout
 from fedbroker.aggregators.robust import RobustInput, RobustResult, RobustRule
 from fedbroker.aggregators.secure_session import SecureSession, refused
@@ -77,6 +76,19 @@ class GroupedSession:
 
 
 @dataclass(frozen=True)
+class GroupedClose:
+    """What a grouped close made (the round book's `Combined`, less the spec, which it keeps)."""
+
+    chosen: list[str]            # the surviving workers of the groups the rule kept
+    weights: np.ndarray          # their coefficients: their group's kept weight × their share of the group
+    state: dict[str, np.ndarray]
+    stats: dict[str, float]
+    selection: SelectionRecord
+    verdicts: list[Verdict]
+    excluded: list[str]
+
+
+@dataclass(frozen=True)
 class GroupMean:
     """One unmasked group: its surviving members, their raw weights and its weighted mean delta."""
 
@@ -121,7 +133,7 @@ def finish_groups(grouped: GroupedSession, *, unmask_s: float) -> tuple[list[Gro
 
 def combine_grouped(grouped: GroupedSession, *, rule: RobustRule, rule_name: str, selection_method: str,
                     accepted: int, current: Mapping[str, np.ndarray], spec: ModelSpec, unmask_s: float,
-                    round_number: int) -> Combined:
+                    round_number: int) -> GroupedClose:
     """The next global model: x_global + the robust rule over the surviving groups' mean deltas."""
     means, failed = finish_groups(grouped, unmask_s=unmask_s)
     if len(means) < MIN_GROUPS:
@@ -148,7 +160,7 @@ def combine_grouped(grouped: GroupedSession, *, rule: RobustRule, rule_name: str
              "robust_downweighted": float(result.downweighted().sum()),
              **{f"robust_{k}": v for k, v in result.notes.items()}}
     selection = SelectionRecord(method=selection_method, accepted=accepted, chosen=len(chosen))
-    return Combined(chosen, coefficients, spec, state, stats, selection, verdicts, excluded=excluded)
+    return GroupedClose(chosen, coefficients, state, stats, selection, verdicts, excluded)
 
 
 def _by_worker(means: list[GroupMean], result: RobustResult,

@@ -192,10 +192,10 @@ class SecureRounds:
         session = rnd.secure
         assert session is not None
         if isinstance(session, GroupedSession):  # a robust rule over the groups' means (secure_groups)
-            return combine_grouped(session, rule=rnd.algorithms.robust, rule_name=rnd.algorithms.settings.robust.name,
-                                   selection_method=rnd.algorithms.settings.selection.name,
-                                   accepted=len(rnd.accepted), current=current, spec=spec, unmask_s=self.unmask_s,
-                                   round_number=rnd.number)
+            c = combine_grouped(session, rule=rnd.algorithms.robust, rule_name=rnd.algorithms.settings.robust.name,
+                                selection_method=rnd.algorithms.settings.selection.name, accepted=len(rnd.accepted),
+                                current=current, spec=spec, unmask_s=self.unmask_s, round_number=rnd.number)
+            return Combined(c.chosen, c.weights, spec, c.state, c.stats, c.selection, c.verdicts, excluded=c.excluded)
         session.decide()
         result = session.finish(wait_s=self.unmask_s)
         for worker, why in sorted(session.excluded.items()):
