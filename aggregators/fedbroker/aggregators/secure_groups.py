@@ -12,6 +12,9 @@ least `MIN_GROUPS` remain (a robust rule over fewer is their mean), and fails by
 
 What the service learns: each surviving group's sum, never one site's update. A poisoning site moves only
 its group's mean, which the robust rule then weighs against the other groups'.
+
+The secure metrics (`fedbroker.aggregators.metrics`) count each group as one secure round: its outcome, its
+dropped workers per step; the close's stats give the round's groups, closed and failed.
 """
 
 from __future__ import annotations
