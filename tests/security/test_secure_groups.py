@@ -33,7 +33,7 @@ from fedbroker.worker.secure_task import SecureRun, SecureStepFailed
 MODEL = {"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 3}]}
 SPEC = parse_model(MODEL)
 WORKERS = [f"w{i}" for i in range(1, 21)]
-SAMPLES = {w: 40 + 13 * i for i, w in enumerate(WORKERS)}
+SAMPLES = {f"w{i}": 27 + 13 * i for i in range(1, 26)}
 G = 5
 AGGREGATION = {"secure": True, "robust": "median", "secure_group_size": G}
 SEED = hashlib.sha256(b"a round").digest()
@@ -125,22 +125,25 @@ def base_state() -> dict[str, np.ndarray]:
     return {n: rng.normal(size=s).astype(np.float32) for n, s in parameter_shapes(SPEC).items()}
 
 
-def delta(worker: str, poisoned: frozenset[str]) -> dict[str, np.ndarray]:
-    """A worker's trained − global: small honest noise around +0.1, or +10 everywhere for a poisoner."""
+def delta(worker: str, poisoned: frozenset[str], *, sign: float = 1.0) -> dict[str, np.ndarray]:
+    """A worker's trained − global: small honest noise around +0.1, or +10 everywhere for a poisoner (−10 for
+    one whose number is even, when `sign` alternates)."""
     rng = np.random.default_rng(int(worker[1:]))
-    return {n: (np.full(s, 10.0) if worker in poisoned else 0.1 + rng.normal(scale=0.05, size=s)).astype(np.float32)
+    return {n: (np.full(s, 10.0 * sign ** int(worker[1:])) if worker in poisoned else 0.1 + rng.normal(scale=0.05, size=s)).astype(np.float32)
             for n, s in parameter_shapes(SPEC).items()}
 
 
-def run_round(book: RoundBook, client: AggregatorClient, plan: dict[str, str],
-              poisoned: frozenset[str]) -> tuple[dict[str, float], dict[str, BaseException]]:
+def run_round(book: RoundBook, client: AggregatorClient, plan: dict[str, str], poisoned: frozenset[str], *,
+              workers: list[str] = WORKERS, aggregation: dict[str, object] = AGGREGATION,
+              sign: float = 1.0) -> tuple[dict[str, float], dict[str, BaseException]]:
     """Open round 1 with every worker, run each worker's steps up to its plan (keys, masked, done), close it:
     the close's stats, and the workers whose steps failed after the close (with why)."""
     base = base_state()
     book.put_global("job-g", 1, SPEC.to_json(), base)
     deadline = time.time() + 600
-    book.open_round("job-g", 1, WORKERS, deadline, AGGREGATION, seed=3, num_samples=SAMPLES)
-    task = pb.RoundTask(job_id="job-g", round=1, model_version=1, deadline_unix=deadline, participants=len(WORKERS))
+    book.open_round("job-g", 1, workers, deadline, aggregation, seed=3,
+                    num_samples={w: SAMPLES[w] for w in workers})
+    task = pb.RoundTask(job_id="job-g", round=1, model_version=1, deadline_unix=deadline, participants=len(workers))
     errors: dict[str, BaseException] = {}
 
     def run(worker: str) -> None:
@@ -149,7 +152,7 @@ def run_round(book: RoundBook, client: AggregatorClient, plan: dict[str, str],
             secure.exchange_keys(client)
             if plan.get(worker, "done") == "keys":
                 return
-            trained = {n: base[n] + d for n, d in delta(worker, poisoned).items()}
+            trained = {n: base[n] + d for n, d in delta(worker, poisoned, sign=sign).items()}
             secure.mask(trained, base, SPEC)
             if plan.get(worker, "done") == "masked":
                 return
@@ -160,10 +163,10 @@ def run_round(book: RoundBook, client: AggregatorClient, plan: dict[str, str],
         except BaseException as exc:  # reported to the test thread
             errors[worker] = exc
 
-    threads = [threading.Thread(target=run, args=(w,)) for w in WORKERS]
+    threads = [threading.Thread(target=run, args=(w,)) for w in workers]
     for t in threads:
         t.start()
-    uploads = sum(1 for w in WORKERS if plan.get(w, "done") == "done")
+    uploads = sum(1 for w in workers if plan.get(w, "done") == "done")
     end = time.monotonic() + 60
     while len(book.status("job-g", 1)[0]) < uploads and time.monotonic() < end and not errors:
         time.sleep(0.05)
@@ -174,14 +177,15 @@ def run_round(book: RoundBook, client: AggregatorClient, plan: dict[str, str],
     return dict(result.stats), errors
 
 
-def group_means(groups: list[tuple[str, ...]], survivors: set[str], poisoned: frozenset[str]) -> np.ndarray:
+def group_means(groups: list[tuple[str, ...]], survivors: set[str], poisoned: frozenset[str], *,
+                sign: float = 1.0) -> np.ndarray:
     """Each group's true weighted mean delta over its survivors, flattened in the model's order."""
     names = list(parameter_shapes(SPEC))
     out = []
     for group in groups:
         alive = [w for w in group if w in survivors]
         total = sum(SAMPLES[w] for w in alive)
-        out.append(sum(SAMPLES[w] / total * np.concatenate([delta(w, poisoned)[n].ravel() for n in names])
+        out.append(sum(SAMPLES[w] / total * np.concatenate([delta(w, poisoned, sign=sign)[n].ravel() for n in names])
                        for w in alive))
     return np.array(out)
 
@@ -251,3 +255,25 @@ def test_a_round_left_with_fewer_than_three_groups_fails_naming_each_failed_grou
     assert "group 1 of 4 failed" in str(exc.value) and "group 4 of 4 failed" in str(exc.value)
     version, _, _ = book.global_model("job-g")
     assert version == 1  # no new global model came of it
+
+
+def test_the_trimmed_mean_over_five_groups_drops_the_two_poisoned_groups_at_either_end(service):
+    """25 sites in 5 groups, one poisoner (+10) in one group and one (−10) in another: β 0.2 trims one group
+    mean at each end of every coordinate, so the close is the mean of the three honest groups' means (the
+    median would be the middle one alone)."""
+    book, client = service
+    workers = [f"w{i}" for i in range(1, 26)]
+    groups = split(workers, G, round_seed("job-g", 1, 1))
+    up = next(w for w in groups[0] if int(w[1:]) % 2 == 0)
+    down = next(w for w in groups[1] if int(w[1:]) % 2 == 1)
+    poisoned = frozenset({up, down})
+    aggregation = {**AGGREGATION, "robust": "trimmed_mean", "robust_params": {"beta": 0.2}}
+    stats, errors = run_round(book, client, {}, poisoned, workers=workers, aggregation=aggregation, sign=-1.0)
+    assert not errors, errors
+    means = group_means(groups, set(workers), poisoned, sign=-1.0)
+    assert np.all(means[0] > 0.5) and np.all(means[1] < -0.5)
+    bound = max(sum_error_bound(round_params(len(g)), len(g))[0] / 0.1 for g in groups)
+    got = new_delta(book)
+    np.testing.assert_allclose(got, means[2:].mean(axis=0), atol=bound + 1e-5)
+    assert np.abs(got - np.median(means, axis=0)).max() > 10 * bound  # not the median's answer
+    assert stats["secure_groups_closed"] == 5
