@@ -81,3 +81,10 @@ def group_params(n: int, g: int, n_max: int) -> SecAggParams | None:
     except ValueError:
         return None
     return round_params(n_max) if n_max in sizes else None
+
+
+def fewest_uploads(n: int, g: int) -> int:
+    """The fewest masked uploads a grouped round of n sites can close with: MIN_GROUPS groups, the smallest
+    ones, each at its own threshold (the coordinator fails a round below this without asking the service)."""
+    thresholds = sorted(round_params(size).threshold for size in group_sizes(n, g))
+    return sum(thresholds[:MIN_GROUPS])

@@ -277,3 +277,13 @@ def test_the_trimmed_mean_over_five_groups_drops_the_two_poisoned_groups_at_eith
     np.testing.assert_allclose(got, means[2:].mean(axis=0), atol=bound + 1e-5)
     assert np.abs(got - np.median(means, axis=0)).max() > 10 * bound  # not the median's answer
     assert stats["secure_groups_closed"] == 5
+
+
+def test_the_coordinator_fails_a_grouped_round_only_below_three_groups_thresholds() -> None:
+    """A grouped round of 20 (g = 5) closes with 3 groups at threshold: 3·t(5) uploads, fewer than t(20)."""
+    from fedbroker.secagg.groups import fewest_uploads
+    from fedbroker.secagg.secure_round import needed_uploads, round_params
+
+    assert fewest_uploads(20, 5) == 3 * round_params(5).threshold < needed_uploads(20)
+    # 17 sites make groups of 5, 5 and 7: every one of the three must reach its own threshold
+    assert fewest_uploads(17, 5) == 2 * round_params(5).threshold + round_params(7).threshold

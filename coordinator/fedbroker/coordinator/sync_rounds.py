@@ -30,6 +30,7 @@ from fedbroker.errors import BusError, Rejection
 from fedbroker.job.status import ParticipantStatus, RoundStatus
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc.plumbing import RemoteError
+from fedbroker.secagg.groups import MIN_GROUPS, fewest_uploads
 from fedbroker.secagg.secure_round import needed_uploads, threshold_note
 
 log = logging.getLogger(__name__)
@@ -141,9 +142,13 @@ class SyncRounds:
 
     def _fewest(self, rnd: OpenRound) -> int:
         """The fewest uploads the round may close with: min_clients, and for a secure round at least its
-        threshold t (fewer masked inputs cannot be unmasked: fedbroker.secagg.secure_round)."""
-        fewest = self.run.job.schedule.min_clients
-        return max(fewest, needed_uploads(len(rnd.participants))) if self.run.job.aggregation.secure else fewest
+        threshold t (fewer masked inputs cannot be unmasked: fedbroker.secagg.secure_round); grouped, the
+        smallest groups' thresholds the close needs (fedbroker.secagg.groups)."""
+        fewest, aggregation = self.run.job.schedule.min_clients, self.run.job.aggregation
+        if not aggregation.secure:
+            return fewest
+        n, g = len(rnd.participants), aggregation.secure_group_size
+        return max(fewest, fewest_uploads(n, g) if g and n >= g * MIN_GROUPS else needed_uploads(n))
 
     def _new_round(self, round_number: int) -> OpenRound:
         run, job = self.run, self.run.job
