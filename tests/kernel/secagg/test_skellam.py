@@ -3,6 +3,7 @@ independent accountant where it should, the ring carries signed sums, and the ch
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -30,7 +31,7 @@ def test_shares_of_a_quorum_sum_to_one_dose_of_skellam_noise() -> None:
     """n shares of variance μ/n sum to Skellam of variance μ: moments and the whole distribution (DKW)."""
     rng = np.random.default_rng(20261128)
     mu, n, m = 40.0, 5, 200_000
-    total = sum(sk.noise_share(rng, size=m, variance=mu / n) for _ in range(n))
+    total = np.sum([sk.noise_share(rng, size=m, variance=mu / n) for _ in range(n)], axis=0)
     assert total.dtype == np.int64
     # the sample variance of 200k draws has relative std ≈ √(2/m) ≈ 0.3%: 5% is over 15 standard deviations
     assert abs(float(total.var()) / mu - 1.0) < 0.05
@@ -140,6 +141,10 @@ def test_choose_keeps_the_rounding_share_and_grows_bits_with_sites_and_records()
     assert _round(n_max=10_000, quorum=4, noise_multiplier=50.0, max_records=1).bits > \
         _round(n_max=4, quorum=4, noise_multiplier=50.0, max_records=1).bits
     assert "ring" in base.describe() and str(base.bits) in base.describe()
+    assert sk.DDPRound.from_dict(json.loads(json.dumps(base.to_dict()))) == base  # travels as JSON
+    with pytest.raises(ConfigError) as err:
+        sk.DDPRound.from_dict({**base.to_dict(), "bits": 32.5})
+    assert err.value.field == "ddp_round.bits"
 
 
 def test_the_wrap_bound_is_above_the_exact_skellam_tail() -> None:
@@ -208,8 +213,11 @@ def test_bad_settings_are_refused_naming_the_field(kwargs: dict[str, object], fi
 
 def test_bad_modes_floors_and_deltas_are_refused_naming_the_field() -> None:
     round_ = _round()
-    for kwargs, field in [({"mode": "central"}, "dp.mode"), ({"local_floor_epsilon": -1.0}, "dp.local_floor_epsilon"),
-                          ({"local_floor_epsilon": 1e-9}, "dp.local_floor_epsilon")]:
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"mode": "central"}, "dp.mode"), ({"local_floor_epsilon": -1.0}, "dp.local_floor_epsilon"),
+        ({"local_floor_epsilon": 1e-9}, "dp.local_floor_epsilon"), ({"mode": ["local"]}, "dp.mode"),
+        ({"rounds": -1}, "rounds"), ({"delta": 0.0}, "delta")]
+    for kwargs, field in cases:
         args: dict[str, object] = {"mode": "distributed", "round": round_, "local_floor_epsilon": 1.0,
                                    "rounds": 10, "delta": DELTA}
         args.update(kwargs)
