@@ -63,6 +63,17 @@ def test_quantise_is_unbiased_and_dequantise_inverts_the_scale() -> None:
     assert err.value.field == "values"
 
 
+def test_sensitivities_bound_every_rounding_of_a_clipped_record() -> None:
+    assert sk.sensitivities(clip=2.0, scale=3.0, dim=16) == (40.0, 10.0)  # l2 = 6 + √16; l1 = min(4·10, 10²)
+    rng = np.random.default_rng(11)
+    l1, l2 = sk.sensitivities(clip=1.0, scale=3.0, dim=9)
+    records = rng.normal(size=(5000, 9))
+    records /= np.linalg.norm(records, axis=1, keepdims=True)  # on the clip sphere, the worst case
+    rounded = sk.quantise(records, scale=3.0, rng=rng)
+    assert float(np.linalg.norm(rounded, axis=1).max()) < l2
+    assert float(np.abs(rounded).sum(axis=1).max()) <= l1
+
+
 # --- the RDP of the Skellam mechanism and of its subsampling ----------------------------------------------------
 
 
