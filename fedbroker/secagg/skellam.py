@@ -152,8 +152,8 @@ def sensitivities(*, clip: float, scale: float, dim: int) -> tuple[float, float]
     A clipped gradient g has ‖g‖₂ ≤ C, so ‖γg‖₂ ≤ γC. Stochastic rounding moves each coordinate by less than 1,
     so the rounded vector r has ‖r‖₂ < γC + ‖(1, …, 1)‖₂ = γC + √d =: l2 (triangle inequality). r is an integer
     vector, so |r_j| ≤ r_j² and ‖r‖₁ ≤ ‖r‖₂² ≤ l2²; and ‖r‖₁ ≤ √d·‖r‖₂ (Cauchy–Schwarz): l1 = min(√d·l2, l2²).
-    (With the +√d inflation l2 > √d, so the √d·l2 arm is the smaller one; the L1 term of the Skellam bound is
-    O(1/μ²) relative to the Gaussian term anyway.)
+    (With the +√d inflation l2 > √d, so the √d·l2 arm is the smaller one; the Skellam bound's discreteness term,
+    where l1 enters, is a factor of order 1/μ below its Gaussian term anyway.)
     A site that rounds per record and sums integers changes its sum by exactly r when a record joins. One that
     rounds its float sum with uniforms U (⌊x + U⌋) changes it, for each fixed U, by an integer vector with
     |Δ_j| < |γg_j| + 1, the same bounds; Rényi divergence is jointly quasi-convex, so the mixture over U is
