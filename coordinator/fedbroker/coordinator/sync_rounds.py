@@ -316,6 +316,11 @@ class SyncRounds:
         accuracy, loss = scores if scores else (None, None)
         seconds = time.time() - rnd.started
         verdicts = judged([Verdict.from_proto(v) for v in reply.verdicts])
+        site = run.job.privacy.site
+        if site.enabled:  # before the close: a resume records the round again (same key), never loses it
+            self.ctx.store.record_site_dp_round(job_id, round_number, asked=len(rnd.participants),
+                                                registered=len(self.ctx.store.workers(run.job.category)),
+                                                noise_multiplier=site.noise_multiplier)
         self.ctx.store.close_round(
             job_id, round_number, model_version=new_version, aggregated=list(reply.aggregated),
             updates=[(u.worker_id, u.num_samples, u.epsilon, u.train_loss) for u in reply.updates],
