@@ -112,9 +112,9 @@ def test_the_update_noise_multiplier_spends_exactly_z_and_bad_combinations_are_r
 
 
 def test_fedavg_site_weights_come_from_the_registered_counts_never_from_the_upload():
-    got = site_dp.site_weights("fedavg", ["a", "b", "c"], {"a": 100, "b": 50})
+    got = site_dp.site_weights("fedavg", ["a", "b", "c"], registered={"a": 100, "b": 50})
     assert got == {"a": 1.0, "b": 0.5, "c": 1.0}  # c registered no count: weight 1, never above
-    assert site_dp.site_weights("uniform", ["a", "b"], {"a": 100}) == {"a": 1.0, "b": 1.0}
+    assert site_dp.site_weights("uniform", ["a", "b"], registered={"a": 100}) == {"a": 1.0, "b": 1.0}
 
 
 # ----- at the aggregation service -----

@@ -111,7 +111,7 @@ def _site_dp(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str,
     names = list(rnd.rows.layout.shapes)
     base = _flatten(current, names).astype(np.float64)
     deltas = np.stack([_vector(accepted[w], names).astype(np.float64) - base for w in workers])
-    weights = site_dp.site_weights(settings.weighting.name, sorted(rnd.participants), rnd.sample_limits)
+    weights = site_dp.site_weights(settings.weighting.name, sorted(rnd.participants), registered=rnd.sample_limits)
     result = site_dp.aggregate(deltas, workers, weights=weights, site=site, clip=clip or site.clip_norm, rng=rng)
     state = rnd.rows.layout.views((base + result.delta).astype(np.float32))
     state = {name: np.asarray(t, dtype=current[name].dtype) for name, t in state.items()}

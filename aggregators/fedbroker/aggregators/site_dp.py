@@ -109,7 +109,7 @@ def update_noise_multiplier(z: float, sigma_b: float) -> float:
     return float((z ** -2 - (2.0 * sigma_b) ** -2) ** -0.5)
 
 
-def site_weights(weighting: str, participants: Sequence[str], registered: Mapping[str, int]) -> dict[str, float]:
+def site_weights(weighting: str, participants: Sequence[str], *, registered: Mapping[str, int]) -> dict[str, float]:
     """ω_i in [0, 1] for every site asked, fixed when the round opens (see the module docstring): 1 each for
     `uniform`; for `fedavg` the registered sample count over the round's largest (a site without one: 1)."""
     if weighting not in WEIGHTINGS:
