@@ -196,3 +196,24 @@ def test_a_site_dp_job_is_refused_with_secure_aggregation_or_an_async_schedule(e
         parse_job({**JOB, **extra, "privacy": {"site": {"noise_multiplier": 1.0}}})
     assert "privacy.site" in str(info.value) and problem in str(info.value)
     assert parse_job({**JOB, "privacy": {"site": {"noise_multiplier": 1.0}}}).privacy.site.enabled
+
+
+def test_one_site_moves_the_adaptive_clip_by_at_most_a_factor_exp_lr_over_n_per_round():
+    site = SiteDP(enabled=True, clipping="adaptive", noise_multiplier=1.0, clip_norm=1.0, clip_lr=0.5)
+    workers = [f"s{i}" for i in range(10)]
+    honest = np.full((10, 2), 0.1)
+    lying = honest.copy()
+    lying[0] = 1e6  # it flips its own bit: counted as clipped
+    clips = [site_dp.aggregate(rows, workers, weights=dict.fromkeys(workers, 1.0), site=site, clip=1.0,
+                               rng=np.random.default_rng(9)).next_clip for rows in (honest, lying)]
+    assert clips[1] / clips[0] == pytest.approx(math.exp(0.5 / 10))  # b̄ one site lower: S one step higher
+
+
+def test_the_service_refuses_an_asynchronous_buffer_for_a_site_dp_job():
+    book = RoundBook(max_update_bytes=100_000)
+    book.installed.install(site_settings())
+    book.put_global("j", 1, SPEC.to_json(), weights(0.0))
+    with pytest.raises(ConfigError) as info:
+        book.open_buffer("j", {"buffer_size": 2, "max_staleness": 2, "staleness": "constant", "staleness_params": {},
+                               "server_lr": 1.0, "seed": 0}, num_samples={"w1": 10})
+    assert info.value.field == "privacy.site" and book.table.jobs["j"].asynchronous is None
