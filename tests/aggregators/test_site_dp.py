@@ -37,9 +37,10 @@ def stream(tensors, *, rnd=1, worker="w1", n=10):
     return codec.stream_messages(pb.UpdateChunk, header, tensors, chunk_bytes=64)
 
 
-def site_settings(*, weighting: str = "uniform", robust: str = "none", **site: object) -> pb.JobSettings:
-    message = sections_settings("j", aggregation={"alignment": "none", "weighting": weighting, "selection": "all",
-                                                  "robust": robust})
+def site_settings(*, weighting: str = "uniform", robust: str = "none", selection: str = "all",
+                  **site: object) -> pb.JobSettings:
+    message = sections_settings("j", aggregation={"alignment": "none", "weighting": weighting,
+                                                  "selection": selection, "robust": robust})
     values = {"enabled": True, "clipping": "fixed", "noise_multiplier": 1.0, "clip_norm": 1.0,
               "target_quantile": 0.5, "clip_lr": 0.2, "count_noise_multiplier": 0.0, **site}
     message.privacy.site.CopyFrom(pb.SiteDPSettings(**values))
@@ -126,6 +127,11 @@ def test_a_site_sending_a_huge_update_moves_the_model_by_at_most_s_over_n():
     assert 0.5 / 3 * 0.99 < moved <= 0.5 / 3 * (1 + 1e-5)  # it pushes as far as S/n allows, never farther
 
 
+def test_a_site_that_drops_out_leaves_its_share_empty_the_denominator_stays_the_sites_asked():
+    moved = close_with(book_with(noise_multiplier=0.0, clip_norm=10.0), {"w1": 0.3, "w2": 0.6})  # w3 never answers
+    np.testing.assert_allclose(moved, (0.3 + 0.6) / 3, rtol=1e-6)
+
+
 def test_under_fedavg_a_huge_update_is_bounded_by_its_weight_fixed_at_registration():
     book = RoundBook(max_update_bytes=100_000, clock=lambda: 1000.0, site_dp_seed=1)
     book.installed.install(site_settings(weighting="fedavg", noise_multiplier=0.0, clip_norm=0.5))
@@ -172,6 +178,7 @@ def test_the_adaptive_clip_survives_a_service_restart(tmp_path: Path):
      "privacy.site.count_noise_multiplier"),
     ({"weighting": "dwfed"}, "aggregation.weighting"),
     ({"robust": "median"}, "aggregation.robust"),
+    ({"selection": "random"}, "aggregation.selection"),
     ({"clip_norm": -1.0}, "privacy.site.clip_norm"),
     ({"clipping": "sometimes"}, "privacy.site.clipping"),
 ])
