@@ -16,8 +16,10 @@ import pytest
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
 from fedbroker.app import jobs
+from fedbroker.config import DPPolicy
 from fedbroker.coordinator.store import StateStore
-from fedbroker.coordinator.store_site_dp import SITE_DELTA
+from fedbroker.coordinator.store_site_dp import SITE_DELTA, account_round
+from fedbroker.job.spec import parse_job
 from fedbroker.proto import fedbroker_pb2 as pb
 
 ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))  # Opacus's accountant's default orders
@@ -78,3 +80,19 @@ def test_the_recorded_site_level_epsilon_is_the_composed_sampled_gaussian_and_jo
     # no noise, no guarantee: a clipping-only round makes ε infinite, and says so
     assert math.isinf(again.record_site_dp_round("k", 1, asked=2, registered=2, noise_multiplier=0.0).epsilon)
     again.close()
+
+
+def test_a_closed_round_is_accounted_at_q_asked_over_the_categorys_registered_sites(tmp_path: Path) -> None:
+    store = StateStore(str(tmp_path / "coordinator.sqlite"))
+    for worker, category in (("a", "c"), ("b", "c"), ("d", "c"), ("e", "c"), ("x", "other")):
+        store.upsert_worker(worker_id=worker, categories=[category], histogram=[], dp=DPPolicy(), epsilon_spent=0.0,
+                            device="cpu", num_samples=10)
+    raw = {"name": "n", "category": "c", "model": {"input_shape": [2], "layers": [
+        {"type": "Linear", "in_features": 2, "out_features": 2}]}, "training": {"rounds": 3}}
+    site_job = parse_job({**raw, "privacy": {"site": {"noise_multiplier": 1.5}}})
+    got = account_round(store, "j", site_job, round_number=1, participants=["a", "b"])
+    assert store.site_dp_rounds("j") == [(1, 2, 4, 1.5)]  # q = 2/4: "x" serves another category
+    assert got is not None and got.epsilon == pytest.approx(recomputed([(1.5, 2, 4)], SITE_DELTA), rel=1e-9)
+    assert account_round(store, "k", parse_job(raw), round_number=1, participants=["a"]) is None
+    assert store.site_dp_rounds("k") == [] and not [e for e in store.events("k") if e.kind == "site_dp"]
+    store.close()

@@ -22,8 +22,11 @@ import sqlite3
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+from fedbroker.coordinator.records import WorkerRecord
 from fedbroker.coordinator.store_notes import StoreAccess, write_event
+from fedbroker.job.spec import JobSpec
 from fedbroker.privacy import epsilon_of, merge_steps
 
 SITE_DELTA = 1e-5  # δ of the site-level guarantee: far below 1/(sites) for any consortium under 10^5 sites
@@ -71,6 +74,25 @@ def site_level_epsilon(rounds: Sequence[tuple[float, float]], *, delta: float = 
     for z, q in rounds:
         history = merge_steps(history, noise_multiplier=z, sample_rate=q, steps=1)
     return epsilon_of(history, delta=delta)
+
+
+class _Store(Protocol):
+    def workers(self, category: str | None = None, *, seen_within_s: float | None = None) -> list[WorkerRecord]: ...
+
+    def record_site_dp_round(self, job_id: str, round_number: int, *, asked: int, registered: int,
+                             noise_multiplier: float) -> SiteEpsilon: ...
+
+
+def account_round(store: _Store, job_id: str, job: JobSpec, *, round_number: int,
+                  participants: Sequence[str]) -> SiteEpsilon | None:
+    """A closed round of a site-DP job accounted (None for any other job): the sites it asked, over the sites
+    registered for the job's category now."""
+    site = job.privacy.site
+    if not site.enabled:
+        return None
+    return store.record_site_dp_round(job_id, round_number, asked=len(set(participants)),
+                                      registered=len(store.workers(job.category)),
+                                      noise_multiplier=site.noise_multiplier)
 
 
 class SiteDPTables(StoreAccess):
