@@ -12,6 +12,7 @@ import pytest
 
 from fedbroker.aggregators import site_dp
 from fedbroker.aggregators.round_book import RoundBook
+from fedbroker.app.round_notes import robust_note
 from fedbroker.errors import ConfigError
 from fedbroker.job.privacy import SiteDP
 from fedbroker.job.settings import sections_settings
@@ -224,3 +225,15 @@ def test_the_service_refuses_an_asynchronous_buffer_for_a_site_dp_job():
         book.open_buffer("j", {"buffer_size": 2, "max_staleness": 2, "staleness": "constant", "staleness_params": {},
                                "server_lr": 1.0, "seed": 0}, num_samples={"w1": 10})
     assert info.value.field == "privacy.site" and book.table.jobs["j"].asynchronous is None
+
+
+def test_each_sites_clipping_is_reported_with_its_norm_and_the_clip_of_the_round():
+    book = book_with(clip_norm=0.5)
+    for worker, value in (("w1", 10.0), ("w2", 0.01)):
+        book.receive_update(stream(weights(value), worker=worker))
+    result = book.close("j", 1)
+    verdicts = {v.worker_id: v for v in result.verdicts}
+    assert verdicts["w1"].judgement == "clipped" and verdicts["w2"].judgement == "kept"
+    assert verdicts["w1"].ratio == pytest.approx(0.5 / (10.0 * math.sqrt(10)))  # S / its norm
+    assert result.stats["site_dp_clip"] == 0.5 and result.stats["site_dp_clipped"] == 1
+    assert robust_note(result.verdicts) == f"site_dp clipped w1 ({verdicts['w1'].ratio:.0%} of its share)"
