@@ -28,7 +28,10 @@ class Verdict:
 
     @property
     def judgement(self) -> str:
-        """`discarded` (under DISCARDED_BELOW of its share), `down-weighted` (under DOWNWEIGHTED_BELOW), or `kept`."""
+        """`discarded` (under DISCARDED_BELOW of its share), `down-weighted` (under DOWNWEIGHTED_BELOW), or `kept`;
+        site-level DP's clip (rule `site_dp`) scales an update and never drops it: `clipped`, or `kept`."""
+        if self.rule == "site_dp":
+            return "clipped" if self.ratio < 1.0 else "kept"
         if self.ratio < DISCARDED_BELOW:
             return "discarded"
         return "down-weighted" if self.ratio < DOWNWEIGHTED_BELOW else "kept"

@@ -103,6 +103,9 @@ class PrivacyConfig:
                                                           "sites only because the server sees nothing but the sum)"))
         if self.distributed.enabled and mode != "sync":
             out.append(ConfigError("privacy.distributed", f"needs schedule.mode sync, got {mode!r}"))
+        if self.site.enabled and mode == "async":
+            out.append(ConfigError("privacy.site", "needs schedule.mode sync (an asynchronous buffer is not clipped "
+                                                   "or noised)"))
         if self.site.enabled and secure:
             out.append(ConfigError("privacy.site", "cannot run with aggregation.secure: the service must see each "
                                                    "site's update to clip it (use privacy.distributed)"))

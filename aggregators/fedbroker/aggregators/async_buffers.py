@@ -29,7 +29,7 @@ from fedbroker.aggregators.installed_jobs import InstalledJobs
 from fedbroker.aggregators.job_state import AfterClose, Job, Receipt
 from fedbroker.aggregators.job_table import JobTable
 from fedbroker.aggregators.weighting.base import UpdateMeta
-from fedbroker.errors import Conflict, Rejection, UploadRejected
+from fedbroker.errors import ConfigError, Conflict, Rejection, UploadRejected
 from fedbroker.job.spec import parameter_shapes
 from fedbroker.proto import fedbroker_pb2 as pb
 
@@ -50,8 +50,10 @@ class AsyncBuffers:
         table = self.table
         job = table.job(job_id)
         with table.lock:
-            state = new_async_state(dict(config), {w: int(n) for w, n in (num_samples or {}).items()},
-                                    self.installed.for_round(job_id, config.get("aggregation")))
+            algorithms = self.installed.for_round(job_id, config.get("aggregation"))
+            if algorithms.installed.privacy.site.enabled:  # the buffer would fold unclipped, un-noised updates
+                raise ConfigError("privacy.site", "needs schedule.mode sync (the buffer does not clip or noise)")
+            state = new_async_state(dict(config), {w: int(n) for w, n in (num_samples or {}).items()}, algorithms)
             if job.asynchronous is not None:
                 job.asynchronous.sample_limits.update(state.sample_limits)  # workers registered since
                 table.commit(job)

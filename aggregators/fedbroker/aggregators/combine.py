@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fedbroker.aggregators import site_dp
 from fedbroker.aggregators.alignment import AlignInput, DeadlinePassed
 from fedbroker.aggregators.job_state import Accepted, CloseResult, Round, UpdateSummary
 from fedbroker.aggregators.layer_conversion import from_layers, to_layers
@@ -55,6 +56,7 @@ class Combined:
     selection: SelectionRecord
     verdicts: list[Verdict]     # each chosen update as the robust rule judged it (none without a rule)
     excluded: list[str] = field(default_factory=list)  # sites a secure round excluded (failed its checks)
+    site_clip: float | None = None  # privacy.site: the clip S for the next round (the job keeps it)
 
     def report(self, version: int, spec_json: str, seconds: float, updates: list[UpdateSummary]) -> CloseResult:
         """The close's result as the service keeps and returns it (a repeated close returns it again)."""
@@ -64,8 +66,13 @@ class Combined:
 
 def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray], spec: ModelSpec, *,
             seed: int, selection_time_limit_s: float, alignment_time_limit_s: float = 120.0,
-            probe_sets: ProbeLoader = probe_arrays, root_trainer: RootTrainer = train_root_update) -> Combined:
-    """The next global model from a closing round's accepted updates (seeded by the job's seed and the round)."""
+            probe_sets: ProbeLoader = probe_arrays, root_trainer: RootTrainer = train_root_update,
+            site_clip: float | None = None, noise_seed: int | None = None) -> Combined:
+    """The next global model from a closing round's accepted updates (seeded by the job's seed and the round).
+    A job with privacy.site: DP-FedAvg from this round's clip `site_clip` (None: the job's first), its noise from
+    `noise_rng(noise_seed)` (None in production: the OS's entropy, never the job's seed)."""
+    if rnd.algorithms.installed.privacy.site.enabled:
+        return _site_dp(rnd, accepted, current, spec, site_clip, site_dp.noise_rng(noise_seed, rnd.number))
     rng = np.random.default_rng([seed, rnd.number])
     stats: dict[str, float] = {"accepted": float(len(accepted))}
     verdicts: list[Verdict] = []
@@ -92,6 +99,34 @@ def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, 
              selection.accepted, selection.method, len(chosen),
              f"; {rnd.algorithms.settings.robust.name} judged {len(verdicts)}" if verdicts else "")
     return Combined(chosen, weights, spec, state, stats, selection, verdicts)
+
+
+def _site_dp(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray], spec: ModelSpec,
+             clip: float | None, rng: np.random.Generator) -> Combined:
+    """privacy.site (`site_dp`): every accepted update clipped, summed with the weights fixed at the round's open,
+    noised, over the asked sites' total weight. Each site's clipping is its verdict (rule `site_dp`: the share of
+    its weight its clipped update kept, so S / its norm when clipped)."""
+    settings, site = rnd.algorithms.settings, rnd.algorithms.installed.privacy.site
+    workers = sorted(accepted)
+    names = list(rnd.rows.layout.shapes)
+    base = _flatten(current, names).astype(np.float64)
+    deltas = np.stack([_vector(accepted[w], names).astype(np.float64) - base for w in workers])
+    weights = site_dp.site_weights(settings.weighting.name, sorted(rnd.participants), registered=rnd.sample_limits)
+    result = site_dp.aggregate(deltas, workers, weights=weights, site=site, clip=clip or site.clip_norm, rng=rng)
+    state = rnd.rows.layout.views((base + result.delta).astype(np.float32))
+    state = {name: np.asarray(t, dtype=current[name].dtype) for name, t in state.items()}
+    if len(state) != len(current):
+        state = {name: state[name] if name in state else np.array(value) for name, value in current.items()}
+    _check_finite(rnd, state)
+    stats = {"accepted": float(len(accepted)), "aggregated": float(len(workers)), **result.stats}
+    verdicts = [Verdict(r.worker_id, "site_dp", r.weight * min(1.0, r.clip / r.norm) if r.norm > 0 else r.weight,
+                        r.weight) for r in result.reports]
+    for r in result.reports:
+        log.info("round %d: site %s update norm %.4g, clip %.4g%s", rnd.number, r.worker_id, r.norm, r.clip,
+                 " (clipped)" if r.clipped else "")
+    selection = SelectionRecord(method=settings.selection.name, accepted=len(accepted), chosen=len(workers))
+    coefficients = np.array([weights[w] / result.stats["site_dp_weight_total"] for w in workers])
+    return Combined(workers, coefficients, spec, state, stats, selection, verdicts, site_clip=result.next_clip)
 
 
 def _check_finite(rnd: Round, state: Mapping[str, np.ndarray]) -> None:

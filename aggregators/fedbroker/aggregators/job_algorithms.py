@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from fedbroker.aggregators.alignment import ALIGNMENT, Alignment
 from fedbroker.aggregators.robust import ROBUST, RobustRule
 from fedbroker.aggregators.selection import SELECTION, Selector
+from fedbroker.aggregators.site_dp import check_job
 from fedbroker.aggregators.weighting import WEIGHTING, Weighting
 from fedbroker.algorithms.catalogue import AggregationSettings
 from fedbroker.job.settings import InstalledJob
@@ -33,6 +34,9 @@ class Algorithms:
 def build_algorithms(installed: InstalledJob) -> Algorithms:
     """The registries' implementations of the job's four choices (already checked by `parse_settings`)."""
     settings = installed.algorithms
+    if installed.privacy.site.enabled:  # refused at install, naming the field, before any round
+        check_job(installed.privacy.site, weighting=settings.weighting.name, selection=settings.selection.name,
+                  robust=settings.robust.name, alignment=settings.alignment.name)
     return Algorithms(installed, ALIGNMENT.build(settings.alignment), WEIGHTING.build(settings.weighting),
                       SELECTION.build(settings.selection), ROBUST.build(settings.robust),
                       installed.aggregation.max_update_value)

@@ -166,7 +166,8 @@ def new_round(number: int, members: frozenset[str], deadline: float, algorithms:
     """`sample_limits`: each participant's registered sample count (a participant not in it is unbounded);
     `secure`: the round's SecAgg+ session (aggregation.secure), which then receives every upload instead."""
     settings = algorithms.settings
-    rows = Rows(Layout(trainable_shapes(spec, algorithms.installed.plan)), incremental=settings.incremental,
+    incremental = settings.incremental and not algorithms.installed.privacy.site.enabled  # site DP clips each update
+    rows = Rows(Layout(trainable_shapes(spec, algorithms.installed.plan)), incremental=incremental,
                 weights_positive=settings.weights_positive, spare=spare_rows)
     return Round(number, members, deadline, algorithms, rows, aggregation, histograms,
                  sample_limits={w: int(n) for w, n in (sample_limits or {}).items()}, secure=secure)
@@ -189,6 +190,7 @@ class Job:
     closed_receipts: dict[int, dict[str, Receipt]] = field(default_factory=dict)  # recent rounds: a retry's answer
     spare_rows: UpdateRows | None = None   # the last running mean's rows: the next round receives into them
     asynchronous: AsyncState | None = None  # schedule.mode async: the FedBuff buffer and the issued tasks
+    site_clip: float | None = None  # privacy.site: the clip S of the next round (None: the job's clip_norm)
 
     @property
     def version(self) -> int:

@@ -82,11 +82,13 @@ class RoundBook:
         spool_dir: str | os.PathLike[str] | None = None, spool_lock_wait_s: float = 0.0,
         probe_sets: ProbeLoader = probe_arrays,
         secure_unmask_s: float = UNMASK_WAIT_S,
+        site_dp_seed: int | None = None,
     ) -> None:
         self.max_update_bytes = max_update_bytes
         self.probe_sets = probe_sets  # (dataset, size, seed) -> (x, y): the probe sets the GA's fitness reads
         self.selection_time_limit_s = selection_time_limit_s
         self.alignment_time_limit_s = alignment_time_limit_s  # then the close falls back to the weighted mean
+        self.site_dp_seed = site_dp_seed  # privacy.site's noise: None (production) draws it from os.urandom
         spool = Spool(spool_dir, lock_wait_s=spool_lock_wait_s) if spool_dir else None  # SpoolInUse: held
         self.table = JobTable(clock=clock, spool=spool)
         try:
@@ -363,7 +365,8 @@ class RoundBook:
                spec: ModelSpec, started: float) -> CloseResult:
         combined = self.secure.combine_secure(rnd, current, spec) if rnd.secure is not None else combine(
             rnd, accepted, current, spec, seed=job.seed, selection_time_limit_s=self.selection_time_limit_s,
-            alignment_time_limit_s=self.alignment_time_limit_s, probe_sets=self.probe_sets)
+            alignment_time_limit_s=self.alignment_time_limit_s, probe_sets=self.probe_sets,
+            site_clip=job.site_clip, noise_seed=self.site_dp_seed)
         coefficient = dict(zip(combined.chosen, combined.weights))
         updates = [
             UpdateSummary(w, a.num_samples, a.epsilon, a.train_loss, float(coefficient.get(w, 0.0)))
@@ -377,6 +380,8 @@ class RoundBook:
         result = combined.report(version, new_spec_json, seconds, updates)
         with self.table.lock:
             job.finish_close(rnd, result, current, combined.state, combined.spec)
+            if combined.site_clip is not None:  # committed with the version: a restart resumes from it
+                job.site_clip = combined.site_clip
             self.table.commit(job)
         return result
 

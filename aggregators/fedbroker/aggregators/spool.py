@@ -382,6 +382,7 @@ def job_record(job: Job) -> dict[str, Any]:
                             for n, kept in job.closed_receipts.items()},
         "closed_deadlines": {str(n): d for n, d in job.closed_deadlines.items()},
         "last_close": last,
+        "site_clip": job.site_clip,
         "async": None if job.asynchronous is None else state_record(job.asynchronous),
         "round": None if rnd is None else {
             "number": rnd.number, "participants": sorted(rnd.participants), "deadline": rnd.deadline,
@@ -416,6 +417,7 @@ def restore_job(spool: Spool, stored: StoredJob, algorithms_for: AlgorithmsFor) 
               closed_receipts={int(n): {w: Receipt(record["job_id"], int(n), w, True, int(size), str(sha))
                                         for w, (size, sha) in kept.items()}
                                for n, kept in record.get("closed_receipts", {}).items()})
+    job.site_clip = None if record.get("site_clip") is None else float(record["site_clip"])
     last = record.get("last_close")
     if last:
         job.last_close = (int(last["round"]), CloseResult(

@@ -41,6 +41,7 @@ from fedbroker.coordinator.store_notes import JobNotes, write_event
 from fedbroker.coordinator.store_rounds import RoundTables
 from fedbroker.coordinator.store_schema import SCHEMA
 from fedbroker.coordinator.store_shares import ShareTables
+from fedbroker.coordinator.store_site_dp import SiteDPTables
 from fedbroker.coordinator.store_sites import SiteTables
 from fedbroker.errors import Unavailable
 from fedbroker.job.status import FINISHED, JobStatus, WorkerState
@@ -69,12 +70,12 @@ class _RetryPolicy:
     stopping: Callable[[], bool]
 
 
-class StateStore(RoundTables, EpsilonTables, JobNotes, ShareTables, EvaluationTables, SiteTables):
+class StateStore(RoundTables, EpsilonTables, JobNotes, ShareTables, EvaluationTables, SiteTables, SiteDPTables):
     """The coordinator's one SQLite file; `busy_timeout_s`: how long a write waits for a lock another
     connection holds before it fails. Its jobs and workers are here; rounds and their participants:
     store_rounds.py; ε bounds and corrections: store_epsilon.py; a job's history and events of their own:
     store_notes.py; what sites shared with a job before round 1: store_shares.py; federated evaluation:
-    store_evaluation.py; what an operator reads about the sites: store_sites.py."""
+    store_evaluation.py; what an operator reads about the sites: store_sites.py; site-level DP: store_site_dp.py."""
 
     def __init__(self, path: str, *, busy_timeout_s: float = 5.0, lock: StateDirLock | None = None) -> None:
         self.path = path

@@ -25,6 +25,7 @@ from fedbroker.coordinator.job_context import JobContext
 from fedbroker.coordinator.job_run import JobFailed, OpenRound, Run, Stopped
 from fedbroker.coordinator.participants import sample_participants
 from fedbroker.coordinator.records import RoundRecord
+from fedbroker.coordinator.store_site_dp import account_round
 from fedbroker.coordinator.waiting import unaffordable
 from fedbroker.errors import BusError, Rejection
 from fedbroker.job.status import ParticipantStatus, RoundStatus
@@ -321,6 +322,8 @@ class SyncRounds:
         accuracy, loss = scores if scores else (None, None)
         seconds = time.time() - rnd.started
         verdicts = judged([Verdict.from_proto(v) for v in reply.verdicts])
+        # privacy.site: accounted before the close is recorded, so a resume records the round again (same key)
+        account_round(self.ctx.store, job_id, run.job, round_number=round_number, participants=rnd.participants)
         self.ctx.store.close_round(
             job_id, round_number, model_version=new_version, aggregated=list(reply.aggregated),
             updates=[(u.worker_id, u.num_samples, u.epsilon, u.train_loss) for u in reply.updates],
