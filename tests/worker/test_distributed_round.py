@@ -17,6 +17,7 @@ from fedbroker.model import build_model
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.secagg import skellam
 from fedbroker.secagg.client import SecAggClient
+from fedbroker.secagg.errors import SecAggError
 from fedbroker.secagg.params import SecAggParams
 from fedbroker.secagg.secure_round import round_params, round_seed
 from fedbroker.secagg.server import SecAggServer
@@ -201,3 +202,34 @@ def test_a_site_with_dp_off_cannot_even_build_its_step(tmp_path) -> None:
     budget = SiteBudget(worker_id="a", ledger=ledger, dp=None, num_samples=N)
     with pytest.raises(TaskRefused, match="distributed DP"):
         DistributedStep(job_id="job-d", policy=None, settings=SETTINGS, budget=budget, num_samples=N)
+
+
+def test_integer_inputs_unmask_to_their_exact_sum_when_a_site_drops_after_sharing() -> None:
+    """The crypto alone (fedbroker/secagg/client.py `masked_integers`): signed integers in a 20-bit ring, one of four
+    sites gone after sharing its keys; the server removes its pairwise masks and the survivors' sum is exact."""
+    params = SecAggParams(n_max=4, threshold=3, neighbours=3, bits=20, clip=1.0)
+    seed = round_seed("job-i", 1, 1)
+    server = SecAggServer(params, seed)
+    rng = np.random.default_rng(2)
+    clients = {w: SecAggClient(w, params, seed, rng) for w in "abcd"}
+    ints = {w: rng.integers(-5000, 5000, size=17) for w in clients}
+    for w, c in clients.items():
+        server.add_keys(w, c.advertise())
+    rosters = server.rosters()
+    for w, c in clients.items():
+        server.add_shares(w, c.share_keys(rosters[w]))
+    boxes = server.inboxes()
+    for w, c in clients.items():
+        assert c.open_inbox(boxes[w]) == {}
+    server.exclude(set())
+    for w in "abc":   # d drops before masking
+        masked = clients[w].masked_integers(skellam.to_ring(ints[w], bits=20), [])
+        assert not np.array_equal(masked, skellam.to_ring(ints[w], bits=20))
+        server.add_masked(w, masked)
+    for w, request in server.unmask_requests().items():
+        server.add_unmask(w, clients[w].unmask(request.survivors, request.dropped))
+    result = server.finish()
+    levels = np.rint((result.total + 3 * params.clip) / params.step).astype(np.int64)
+    np.testing.assert_array_equal(skellam.from_ring(levels, bits=20), ints["a"] + ints["b"] + ints["c"])
+    with pytest.raises(SecAggError, match="ring"):
+        SecAggClient("e", params, seed, rng).masked_integers(np.zeros(3, dtype=np.uint64))
