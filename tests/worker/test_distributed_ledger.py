@@ -35,7 +35,7 @@ def recompute(raw: list[dict]) -> tuple[float, float]:
                                     bits=r["bits"], wrap_probability=0.0, quorum=r["quorum"], dim=r["dim"],
                                     clip=r["clip"], noise_multiplier=r["noise_multiplier"],
                                     sample_rate=r["sample_rate"])
-        together += skellam.round_rdp(round=settings, variance=r["mu"] + (r["quorum"] - 1) * full / r["quorum"])
+        together += skellam.round_rdp(round=settings, variance=max(full, r["mu"]))
         alone += skellam.round_rdp(round=settings, variance=r["mu"])
     delta = raw[-1]["delta"]
     return (skellam.rdp_to_epsilon(skellam.ORDERS, together, delta=delta)[0],
@@ -67,12 +67,12 @@ def test_both_figures_are_kept_and_recomputed_from_the_recorded_parameters(tmp_p
         reopened.record_distributed("job-d", step=a_round(3), epsilon=distributed / 2, floor_epsilon=floor)
 
 
-def test_a_local_mode_share_is_the_whole_dose_and_its_floor_equals_a_quorums_figure() -> None:
+def test_a_local_mode_share_is_the_whole_dose_and_its_floor_is_its_distributed_figure() -> None:
     full = 400.0 ** 2
     distributed, floor = distributed_figures([a_round(1, mu=full, mode="local")])
-    quorum_only, _ = distributed_figures([a_round(1)])
-    assert floor == pytest.approx(quorum_only, rel=1e-9)   # alone it carries what a quorum of shares carries
-    assert distributed < quorum_only                       # with the others' shares on top, less ε
+    quorum_only, share_only = distributed_figures([a_round(1)])
+    assert floor == pytest.approx(distributed, rel=1e-12)    # alone it carries what a quorum of shares carries
+    assert distributed == pytest.approx(quorum_only, rel=1e-12) and share_only > 2 * quorum_only
 
 
 def test_a_distributed_round_past_the_owners_budget_is_refused_counting_the_other_jobs(tmp_path) -> None:

@@ -165,10 +165,9 @@ def skellam_round(step: DistributedRound) -> skellam.DDPRound:
 
 
 def distributed_variance(step: DistributedRound) -> float:
-    """The noise the sum of a quorum carries, as this site can vouch for it: its own share μ_i and the nominal
-    share of each of the quorum's other n_min − 1 sites ((γzC)²/n_min each)."""
-    nominal = skellam_round(step).share_variance
-    return step.mu + (step.quorum - 1) * nominal
+    """The noise the sum of a quorum carries, as the job's ε counts it (docs/privacy.md): at least the whole dose
+    μ = (γzC)² of n_min shares, and never less than this site's own share (a `local`-mode site adds μ itself)."""
+    return max(skellam_round(step).full_variance, step.mu)
 
 
 def distributed_figures(rounds: list[DistributedRound]) -> tuple[float, float]:
