@@ -83,7 +83,7 @@ def poisson_sample(num_records: int, sample_rate: float, rng: np.random.Generato
     return np.flatnonzero(rng.random(num_records) < sample_rate)
 
 
-def gradient_sum(model: nn.Module, x: np.ndarray | torch.Tensor | FileSamples, y: np.ndarray | torch.Tensor | FileSamples,
+def gradient_sum(model: nn.Module, x: np.ndarray | FileSamples, y: np.ndarray | FileSamples,
                  *, names: Sequence[str], clip: float, sample_rate: float, rng: np.random.Generator,
                  task: TaskConfig | None = None, pipeline: DataPipeline | None = None, device: str = "cpu",
                  frozen: Collection[str] = (), chunk: int = CHUNK, cache: str = "") -> GradientSum:
