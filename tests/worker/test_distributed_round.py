@@ -66,7 +66,7 @@ class FakeService:
             threshold=p.threshold, neighbours=p.neighbours, ring_bits=p.bits, clip=p.clip, n_max=p.n_max,
             ring_dtype=np.dtype(p.dtype).name, length=self.length))
 
-    def sec_roster(self, job_id, round, worker_id, *, until):  # noqa: A002
+    def sec_roster(self, job_id, round, worker_id, *, until):
         rosters = self.rosters = self.server.rosters()
         for w, peer in self.peers.items():
             self.server.add_shares(w, peer.share_keys(rosters[w]))
@@ -76,18 +76,18 @@ class FakeService:
     def sec_share(self, request: pb.SecShareRequest) -> None:
         self.server.add_shares("a", {c.peer: c.data for c in request.ciphertexts})
 
-    def sec_inbox(self, job_id, round, worker_id, *, until):  # noqa: A002
+    def sec_inbox(self, job_id, round, worker_id, *, until):
         self.boxes = self.server.inboxes()
         for w, peer in self.peers.items():
             assert peer.open_inbox(self.boxes[w]) == {}
         return pb.SecInboxReply(ready=True, ciphertexts=[pb.SecCiphertext(peer=s, data=d)
                                                          for s, d in self.boxes["a"].items()])
 
-    def sec_verify(self, job_id, round, worker_id, failed, *, until):  # noqa: A002
+    def sec_verify(self, job_id, round, worker_id, failed, *, until):
         self.server.exclude(set(failed))
         return pb.SecVerifyReply(ready=True, excluded=[])
 
-    def sec_survivors(self, job_id, round, worker_id, *, until):  # noqa: A002
+    def sec_survivors(self, job_id, round, worker_id, *, until):
         self.requests = self.server.unmask_requests()
         r = self.requests["a"]
         return pb.SecSurvivorsReply(ready=True, survivors=sorted(r.survivors), dropped=sorted(r.dropped))
