@@ -174,6 +174,18 @@ def test_a_service_whose_round_is_not_the_one_the_site_priced_is_refused(tmp_pat
     assert step.settle(pb.SecParams(length=layout_size(SPEC)), TASK) == step.round.bits
     with pytest.raises(TaskRefused, match="not the one this site priced"):
         step.settle(pb.SecParams(length=layout_size(SPEC) + 1), TASK)
+    if "ddp_scale" in pb.SecParams.DESCRIPTOR.fields_by_name:   # the service states its round (h-ddpservice)
+        for wrong in ({"ddp_scale": step.round.scale * 2}, {"ddp_quorum": 2}, {"ddp_bits": step.round.bits + 1}):
+            with pytest.raises(TaskRefused, match="not the one this site priced"):
+                step.settle(pb.SecParams(length=layout_size(SPEC), **wrong), TASK)
+        with pytest.raises(TaskRefused, match="fewer than this site's"):
+            step.settle(pb.SecParams(length=layout_size(SPEC), ddp_records=N - 1), TASK)
+
+
+def test_a_quorum_the_round_cannot_reach_is_refused_not_retried(tmp_path) -> None:
+    step, _ = site(tmp_path, DPPolicy(epsilon_budget=1e6, mode="distributed"))
+    with pytest.raises(TaskRefused, match="cannot run distributed DP"):
+        step.prepare(pb.RoundTask(job_id="job-d", round=1, participants=2), SPEC)
 
 
 def test_mu_is_the_whole_dose_in_local_mode_and_is_raised_to_keep_a_floor(tmp_path) -> None:

@@ -187,8 +187,8 @@ def round_for(*, participants: int, distributed: DistributedDP, dim: int, record
                                        records=records)
         return out
     return skellam.choose(clip=distributed.clip, noise_multiplier=distributed.noise_multiplier,
-                          quorum=distributed.quorum, n_max=max(participants, distributed.quorum), dim=dim,
-                          sample_rate=distributed.sample_rate, max_records=max(records, 1))
+                          quorum=distributed.quorum, n_max=participants, dim=dim,
+                          sample_rate=distributed.sample_rate, max_records=records)
 
 
 def step_for(job_id: str, installed: InstalledJob, *, policy: DPPolicy | None,
@@ -228,8 +228,7 @@ class DistributedStep:
         if self.step is not None:
             return
         policy, ledger = self.policy, self.budget.ledger
-        r = round_for(participants=task.participants, distributed=self.settings, dim=layout_size(spec),
-                      records=self.num_samples)
+        r = self._round(task, dim=layout_size(spec), records=self.num_samples)
         done = len(ledger.distributed_rounds(self.job_id))
         try:
             mu = skellam.share_variance_for(mode=policy.mode, round=r, local_floor_epsilon=policy.local_floor_epsilon,
@@ -255,13 +254,23 @@ class DistributedStep:
         if records < self.num_samples:
             raise TaskRefused(f"job {self.job_id}: the service sizes the ring for {records} records, fewer than this "
                               f"site's {self.num_samples}")
-        final = round_for(participants=task.participants, distributed=self.settings, dim=self.round.dim,
-                          records=records)
-        if int(params.length) != final.dim or final.scale != self.round.scale:
-            raise TaskRefused(f"job {self.job_id}: the service's round ({params.length} values) is not the one this "
-                              f"site priced ({final.dim} values, γ {self.round.scale:.6g} against {final.scale:.6g})")
+        final = self._round(task, dim=self.round.dim, records=records)
+        stated = (getattr(params, "ddp_scale", 0.0) or final.scale, getattr(params, "ddp_bits", 0) or final.bits,
+                  getattr(params, "ddp_quorum", 0) or final.quorum)   # the service's own statement, where it sends one
+        if (int(params.length) != final.dim or final.scale != self.round.scale
+                or stated != (final.scale, final.bits, final.quorum)):
+            raise TaskRefused(f"job {self.job_id}: the service's round ({params.length} values; γ, bits, quorum "
+                              f"{stated}) is not the one this site priced ({final.dim} values; "
+                              f"{(self.round.scale, final.bits, final.quorum)})")
         self.round, self.step = final, replace(self.step, bits=final.bits)
         return final.bits
+
+    def _round(self, task: pb.RoundTask, *, dim: int, records: int) -> skellam.DDPRound:
+        """`round_for`, a job the round cannot run refused (a quorum above the participants, a ring over 64 bits)."""
+        try:
+            return round_for(participants=task.participants, distributed=self.settings, dim=dim, records=records)
+        except ConfigError as exc:
+            raise TaskRefused(f"job {self.job_id}: round {task.round} cannot run distributed DP here: {exc}") from None
 
     def run(self, secure: SecureRun, model: nn.Module, spec: ModelSpec, *, x: Any, y: Any, task: TaskConfig | None,
             pipeline: DataPipeline | None, device: str, frozen: Collection[str], cache: str = "") -> TrainResult:
