@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -52,9 +52,15 @@ from fedbroker.worker.training import TrainResult, prepared_inputs
 
 if TYPE_CHECKING:
     from fedbroker.job.pipeline import DataPipeline
-    from fedbroker.worker.secure_task import SecureRun
 
 CHUNK = 256   # records whose gradients are held at once (memory: CHUNK × the model's parameters, float32)
+
+
+class Masking(Protocol):
+    """Where the noised ring vector goes: the task's SecureRun (worker/secure_task.py), which masks it once."""
+
+    def mask_integers(self, values: np.ndarray[Any, Any], *, bits: int) -> None:
+        """Mask `values`, elements of the ring of `bits` bits."""
 
 
 @dataclass(frozen=True)
@@ -272,7 +278,7 @@ class DistributedStep:
         except ConfigError as exc:
             raise TaskRefused(f"job {self.job_id}: round {task.round} cannot run distributed DP here: {exc}") from None
 
-    def run(self, secure: SecureRun, model: nn.Module, spec: ModelSpec, *, x: Any, y: Any, task: TaskConfig | None,
+    def run(self, secure: Masking, model: nn.Module, spec: ModelSpec, *, x: Any, y: Any, task: TaskConfig | None,
             pipeline: DataPipeline | None, device: str, frozen: Collection[str], cache: str = "") -> TrainResult:
         """The gradient sum, quantised, noised, in the ring, recorded on the ledger, then masked (once)."""
         if self.result is not None:
