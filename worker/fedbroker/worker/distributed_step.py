@@ -53,7 +53,8 @@ from fedbroker.worker.training import TrainResult, prepared_inputs
 if TYPE_CHECKING:
     from fedbroker.job.pipeline import DataPipeline
 
-CHUNK = 256   # records whose gradients are held at once (memory: CHUNK × the model's parameters, float32)
+CHUNK = 256   # the most records whose gradients are held at once
+CHUNK_BYTES = 2**29   # ... and at most this much of them (float64 copies included): a large model takes fewer
 
 
 class Masking(Protocol):
@@ -114,6 +115,7 @@ def gradient_sum(model: nn.Module, x: np.ndarray | FileSamples, y: np.ndarray | 
     sums = {n: torch.zeros(p.shape, dtype=torch.float64, device=dev) for n, p in params.items()}
     index = poisson_sample(len(x_in), sample_rate, rng)
     per_record = _per_record_grad(work, task)
+    chunk = max(1, min(chunk, CHUNK_BYTES // (12 * max(1, sum(p.numel() for p in params.values())))))
     clipped = 0
     batches = Batches(x_in, y_in, pipeline=pipeline, device=dev, cache=cache,
                       generator=torch.Generator().manual_seed(int(rng.integers(2**62))))
