@@ -91,7 +91,7 @@ class PrivacyConfig:
     distributed: DistributedDP = field(default_factory=DistributedDP)
     site: SiteDP = field(default_factory=SiteDP)
 
-    def problems(self, *, secure: bool, mode: str) -> list[ConfigError]:
+    def problems(self, *, secure: bool, mode: str, group_size: int = 0) -> list[ConfigError]:
         """Each option's own problems, then what it needs of the rest of the job."""
         out = self.distributed.problems() + self.site.problems()
         if out:
@@ -106,6 +106,9 @@ class PrivacyConfig:
         if self.site.enabled and mode == "async":
             out.append(ConfigError("privacy.site", "needs schedule.mode sync (an asynchronous buffer is not clipped "
                                                    "or noised)"))
+        if self.distributed.enabled and group_size:
+            out.append(ConfigError("privacy.distributed", "cannot run with aggregation.secure_group_size: each group's "
+                                                          "sum would carry only its members' shares of the noise"))
         if self.site.enabled and secure:
             out.append(ConfigError("privacy.site", "cannot run with aggregation.secure: the service must see each "
                                                    "site's update to clip it (use privacy.distributed)"))

@@ -146,7 +146,8 @@ def parse_settings(message: pb.JobSettings) -> InstalledJob:
     plan = section(lambda: plan_from_json(message.model_plan_json))
     privacy = section(lambda: privacy_config(message.privacy))
     if privacy is not None and aggregation is not None:
-        problems.extend(privacy.problems(secure=aggregation.secure, mode="sync" if privacy.distributed.enabled else ""))
+        problems.extend(privacy.problems(secure=aggregation.secure, mode="sync" if privacy.distributed.enabled else "",
+                                         group_size=aggregation.secure_group_size))
     if not message.job_id:
         problems.append(ConfigError("job_id", "is empty"))
     if problems or algorithms is None:

@@ -257,7 +257,8 @@ class JobSpec:
                    or cross_section_problems(model=self.model, training=self.training, evaluation=self.evaluation,
                                              task=self.task)
                    or mode_problems(schedule=self.schedule, aggregation=self.aggregation) or data_problems(self.data, self.model)
-                   or self.privacy.problems(secure=self.aggregation.secure, mode=self.schedule.mode))
+                   or self.privacy.problems(secure=self.aggregation.secure, mode=self.schedule.mode,
+                                         group_size=self.aggregation.secure_group_size))
 
     def to_dict(self) -> dict[str, Any]:
         """The job as plain data (its model as a job writes it)."""
@@ -439,7 +440,8 @@ def parse_job(raw: Any, *, check: JobCheck | None = None) -> JobSpec:
     # reported with every other problem: a section with problems of its own came back as the defaults (sync,
     # alignment none), which this check passes, so it never echoes them
     errors.errors.extend(mode_problems(schedule=schedule, aggregation=aggregation))
-    errors.errors.extend(privacy.problems(secure=aggregation.secure, mode=schedule.mode))
+    errors.errors.extend(privacy.problems(secure=aggregation.secure, mode=schedule.mode,
+                                          group_size=aggregation.secure_group_size))
     if check is not None:
         errors.errors.extend(check(aggregation=aggregation, model=model, schedule=schedule,
                                    training=training if trained_as_written else None))

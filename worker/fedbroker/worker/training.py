@@ -87,6 +87,7 @@ class TrainResult:
     epsilon: float | None
     history: list[HistoryEntry]
     clipping: str | None = None
+    epsilon_local_floor: float | None = None  # distributed DP: the job's ε from this site's own noise share alone
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,9 @@ def _inputs(task: TaskConfig, x: np.ndarray | FileSamples,
         if y_arr.ndim != 1 or not np.issubdtype(y_arr.dtype, np.integer):
             raise ConfigError("y", f"labels must be integers, one per sample: got {y_arr.dtype} {y_arr.shape}")
     return x_in, label_tensor(task, np.asarray(y))
+
+
+prepared_inputs = _inputs  # a distributed-DP step reads the data as training does (worker/distributed_step.py)
 
 
 def check_batch_memory(x: np.ndarray | FileSamples, y: np.ndarray | FileSamples, *, config: TrainingConfig,
