@@ -15,9 +15,9 @@ from typing import Protocol, cast
 import numpy as np
 
 from fedbroker.aggregators.registry import Registry
+from fedbroker.aggregators.robust.memory import RobustMemory
 from fedbroker.aggregators.selection import ProbeRequest
 from fedbroker.algorithms.catalogue import ROBUST_RULES
-from fedbroker.aggregators.robust.memory import RobustMemory
 from fedbroker.algorithms.robust_params import DISCARDED_BELOW, DOWNWEIGHTED_BELOW, RobustParams
 
 

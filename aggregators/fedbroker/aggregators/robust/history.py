@@ -20,7 +20,7 @@ recorded; skipping rounds keeps its last update and scores, and its prediction s
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from itertools import pairwise
 
 import numpy as np
 
@@ -37,7 +37,7 @@ class LBFGS:
 
     def __init__(self, steps: tuple[np.ndarray, ...], pairs: int) -> None:
         s_list, y_list = [], []
-        for older, newer in zip(steps[:-1], steps[1:]):
+        for older, newer in pairwise(steps):
             s, y = older.astype(np.float64), older.astype(np.float64) - newer
             if float(s @ y) > 1e-12 * float(np.linalg.norm(s) * np.linalg.norm(y)) and float(s @ y) > 0:
                 s_list.append(s)

@@ -21,7 +21,6 @@ import numpy as np
 
 from fedbroker.aggregators.robust.base import RobustInput, RobustResult, gram, squared_distances
 
-
 Combine = Callable[[RobustInput], RobustResult]
 
 
