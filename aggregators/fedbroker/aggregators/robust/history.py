@@ -20,13 +20,14 @@ recorded; skipping rounds keeps its last update and scores, and its prediction s
 from __future__ import annotations
 
 from dataclasses import replace
-from itertools import pairwise
 
 import numpy as np
 
 from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RobustRule, RuleBase
 from fedbroker.aggregators.robust.memory import RobustMemory, SiteRecord
 from fedbroker.algorithms.robust_params import HistoryCheckParams
+
+MIN_SCORES = 2  # a site is judged on two distances at least: one alone, early, with few sites, is noise
 
 
 class LBFGS:
@@ -35,14 +36,13 @@ class LBFGS:
     newest pair. Pairs without positive curvature (sᵀy ≤ 0: noise) are left out; with none left, B = 0 (the
     prediction is the site's last update)."""
 
-    def __init__(self, steps: tuple[np.ndarray, ...], pairs: int) -> None:
+    def __init__(self, pairs: tuple[tuple[np.ndarray, np.ndarray], ...]) -> None:
         s_list, y_list = [], []
-        for older, newer in pairwise(steps):
-            s, y = older.astype(np.float64), older.astype(np.float64) - newer
+        for s32, y32 in pairs:
+            s, y = s32.astype(np.float64), y32.astype(np.float64)
             if float(s @ y) > 1e-12 * float(np.linalg.norm(s) * np.linalg.norm(y)) and float(s @ y) > 0:
                 s_list.append(s)
                 y_list.append(y)
-        s_list, y_list = s_list[-pairs:], y_list[-pairs:]
         self.used = len(s_list)
         if not s_list:
             return
@@ -88,8 +88,8 @@ class HistoryCheck(RuleBase, HistoryCheckParams):
 
     @property
     def memory_steps(self) -> int:
-        """The L-BFGS pairs need pairs + 1 aggregates; a site away for up to `window` rounds is still predicted."""
-        return max(self.pairs + 1, self.window)
+        """A site away for up to `window` rounds is still predicted (its model step sums the ones it missed)."""
+        return self.window
 
     def inner_rule(self) -> RobustRule:
         """The rule the unflagged updates go to."""
@@ -118,7 +118,7 @@ class HistoryCheck(RuleBase, HistoryCheckParams):
     def check(self, problem: RobustInput, memory: RobustMemory) -> tuple[RobustMemory, np.ndarray, dict[str, float]]:
         """The round's distances and scores, the flags, and the memory with every site's new record."""
         sites, d = problem.sites, problem.deltas
-        hessian = LBFGS(memory.steps, self.pairs)
+        hessian = LBFGS(memory.curvature)
         distance = np.full(len(sites), np.nan)
         for i, site in enumerate(sites):
             record = memory.sites.get(site)
@@ -127,16 +127,16 @@ class HistoryCheck(RuleBase, HistoryCheckParams):
                 predicted = record.update.astype(np.float64) - hessian.times(moved)
                 distance[i] = float(np.linalg.norm(d[i].astype(np.float64) - predicted))
         scored = np.isfinite(distance)
-        mean = float(distance[scored].mean()) if scored.any() else 0.0
+        typical = float(np.median(distance[scored])) if scored.any() else 0.0
         records: dict[str, SiteRecord] = dict(memory.sites)
         scores = np.full(len(sites), np.nan)
         for i, site in enumerate(sites):
             old = records.get(site)
             history = old.scores if old is not None else ()
-            if scored[i] and mean > 0:
-                history = (*history, float(distance[i] / mean))[-self.window:]
+            if scored[i] and typical > 0:
+                history = (*history, float(distance[i] / typical))[-self.window:]
             records[site] = SiteRecord(np.asarray(d[i], dtype=np.float32).copy(), memory.closes, history)
-            if history:
+            if len(history) >= MIN_SCORES:
                 scores[i] = float(np.mean(history))
         judged = np.isfinite(scores)
         new = np.zeros(len(sites), dtype=bool)
@@ -147,6 +147,23 @@ class HistoryCheck(RuleBase, HistoryCheckParams):
         notes = {"history_scored": float(scored.sum()), "history_pairs": float(hessian.used),
                  "history_newly_flagged": float(new.sum()),
                  "history_top_score": float(np.nanmax(scores)) if judged.any() else 0.0}
-        return replace(memory, sites=records, flagged=frozenset(flagged_ids)), flagged, notes
+        curvature = (*memory.curvature, *self.new_pair(problem, memory))[-self.pairs:]
+        memory = replace(memory, sites=records, flagged=frozenset(flagged_ids), curvature=curvature)
+        return memory, flagged, notes
+
+    @staticmethod
+    def new_pair(problem: RobustInput, memory: RobustMemory) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+        """This round's curvature pair: s = the last model step, y = the coordinate-wise median over the sites
+        that sent updates in both rounds of Δ_i(previous) − Δ_i(now), so neither who takes part nor fewer
+        than half of them can bend it (none when no site sent both)."""
+        step = memory.previous
+        if step is None:
+            return ()
+        changes = [record.update - row for site, row in zip(problem.sites, problem.deltas)
+                   if (record := memory.sites.get(site)) is not None and record.close == memory.closes - 1
+                   and record.update.shape == row.shape]
+        if not changes:
+            return ()
+        return ((step.copy(), np.median(np.stack(changes), axis=0).astype(np.float32)),)
 
 

@@ -26,12 +26,13 @@ class SiteRecord:
 @dataclass(frozen=True)
 class RobustMemory:
     """`steps[-1]` is the last round's aggregate, w_t − w_{t−1}; `closes` counts the rounds behind `steps` since
-    the job's model was installed."""
+    the job's model was installed; `sites`, `flagged` and `curvature` are the history check's."""
 
     closes: int = 0
     steps: tuple[np.ndarray, ...] = ()
     sites: Mapping[str, SiteRecord] = field(default_factory=dict)
     flagged: frozenset[str] = frozenset()
+    curvature: tuple[tuple[np.ndarray, np.ndarray], ...] = ()  # the history check's (s_j, y_j) pairs, oldest first
 
     @property
     def previous(self) -> np.ndarray | None:
