@@ -23,8 +23,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RobustRule, RuleBase
+from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RobustRule
 from fedbroker.aggregators.robust.memory import RobustMemory, SiteRecord
+from fedbroker.aggregators.robust.rule import RuleBase
 from fedbroker.algorithms.robust_params import HistoryCheckParams
 
 MIN_SCORES = 2  # a site is judged on two distances at least: one alone, early, with few sites, is noise
