@@ -121,12 +121,17 @@ class HistoryCheck(RuleBase, HistoryCheckParams):
         sites, d = problem.sites, problem.deltas
         hessian = LBFGS(memory.curvature)
         distance = np.full(len(sites), np.nan)
+        turned: dict[int, np.ndarray | None] = {}   # B·(w_now − w_k) per close k: sites of one round share it
         for i, site in enumerate(sites):
             record = memory.sites.get(site)
-            moved = memory.displacement(record.close) if record is not None else None
-            if record is not None and moved is not None and record.update.shape == (d.shape[1],):
-                predicted = record.update.astype(np.float64) - hessian.times(moved)
-                distance[i] = float(np.linalg.norm(d[i].astype(np.float64) - predicted))
+            if record is None or record.update.shape != (d.shape[1],):
+                continue
+            if record.close not in turned:
+                moved = memory.displacement(record.close)
+                turned[record.close] = None if moved is None else hessian.times(moved)
+            change = turned[record.close]
+            if change is not None:
+                distance[i] = float(np.linalg.norm(d[i].astype(np.float64) - record.update + change))
         scored = np.isfinite(distance)
         typical = float(np.median(distance[scored])) if scored.any() else 0.0
         records: dict[str, SiteRecord] = dict(memory.sites)
