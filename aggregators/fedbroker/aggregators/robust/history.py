@@ -24,6 +24,7 @@ from dataclasses import replace
 import numpy as np
 
 from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RobustRule
+from fedbroker.aggregators.robust.coordinatewise import trimmed
 from fedbroker.aggregators.robust.memory import RobustMemory, SiteRecord
 from fedbroker.aggregators.robust.rule import RuleBase
 from fedbroker.algorithms.robust_params import HistoryCheckParams
@@ -170,6 +171,7 @@ class HistoryCheck(RuleBase, HistoryCheckParams):
                    and record.update.shape == row.shape]
         if not changes:
             return ()
-        return ((step.copy(), np.median(np.stack(changes), axis=0).astype(np.float32)),)
+        stacked = np.stack(changes)
+        return ((step.copy(), trimmed(stacked, (stacked.shape[0] - 1) // 2)[0].astype(np.float32)),)
 
 
