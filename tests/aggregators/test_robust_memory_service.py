@@ -114,3 +114,19 @@ def test_a_new_model_installed_drops_the_memory() -> None:
     assert book.table.job("j").robust_memory is not None
     book.put_global("j", 10, SPEC.to_json(), tensors(np.ones(P)))
     assert book.table.job("j").robust_memory is None
+
+
+def test_a_damaged_memory_file_quarantines_its_job_instead_of_forgetting_who_was_flagged(tmp_path: Path) -> None:
+    book = new_book(tmp_path / "c", start=True)
+    play(book, range(1, 3), CC)
+    assert book.table.spool is not None
+    path = book.table.spool.folder("j") / "robust-3.npz"
+    # centered clipping keeps the aggregate only: no site's own update is written beside it
+    with np.load(path, allow_pickle=False) as kept:
+        assert not [name for name in kept.files if name.startswith("site-")]
+    book.stop()
+    path.write_bytes(b"not an npz")
+    restarted = new_book(tmp_path / "c", start=False)
+    assert "j" not in restarted.table.jobs      # the coordinator re-installs the model: a fresh memory, said so
+    assert any((tmp_path / "c" / "quarantine").iterdir())
+    restarted.stop()
