@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.app.round_notes import robust_note
@@ -130,3 +131,24 @@ def test_a_damaged_memory_file_quarantines_its_job_instead_of_forgetting_who_was
     assert "j" not in restarted.table.jobs      # the coordinator re-installs the model: a fresh memory, said so
     assert any((tmp_path / "c" / "quarantine").iterdir())
     restarted.stop()
+
+
+def test_a_close_that_fails_leaves_the_memory_as_it_was(tmp_path: Path, monkeypatch: Any) -> None:
+    book = new_book(tmp_path / "d", start=True)
+    play(book, range(1, 3), HC)
+    before = book.table.job("j").robust_memory
+    assert book.table.spool is not None
+
+    def full_disk(*_: Any, **__: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(book.table.spool, "save_global", full_disk)
+    with pytest.raises(OSError, match="No space"):  # the close fails: the round stays open
+        play(book, range(3, 4), HC)
+    assert book.table.job("j").robust_memory is before
+    monkeypatch.undo()
+    retried = book.close("j", 3)
+    memory = book.table.job("j").robust_memory
+    assert memory is not None and before is not None and memory.closes == before.closes + 1
+    assert retried.model_version == 4
+    book.stop()
