@@ -124,3 +124,15 @@ def test_anonymous_rows_are_not_checked_and_a_memory_of_another_model_size_start
     result = rule.aggregate(RobustInput(deltas=deltas, weights=np.full(5, 0.2), rng=rng, sites=sites, memory=old))
     assert result.memory is not None and all(s.shape == (8,) for s in result.memory.steps)
     assert result.notes["history_scored"] == 0.0
+
+
+def test_an_inner_fltrust_gets_its_root_set_trained_and_its_g0_passed_through() -> None:
+    rule = ROBUST.create("history_check", {"inner": "fltrust", "inner_params": {"probe_dataset": "digits"}})
+    request = rule.root_request()
+    assert request is not None and request.probe.dataset == "digits"
+    assert ROBUST.create("history_check", {}).root_request() is None
+    deltas = np.random.default_rng(8).normal(size=(4, 6))
+    g0 = -deltas[0]                                               # only update 0 points away from g_0
+    result = rule.aggregate(RobustInput(deltas=deltas, weights=np.full(4, 0.25), rng=np.random.default_rng(0),
+                                        root_update=g0, sites=("a", "b", "c", "d")))
+    assert result.kept_weight[0] == 0.0

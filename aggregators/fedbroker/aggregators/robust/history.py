@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RobustRule
+from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RobustRule, RootRequest
 from fedbroker.aggregators.robust.coordinatewise import trimmed
 from fedbroker.aggregators.robust.memory import RobustMemory, SiteRecord
 from fedbroker.aggregators.robust.rule import RuleBase
@@ -92,6 +92,10 @@ class HistoryCheck(RuleBase, HistoryCheckParams):
     def memory_steps(self) -> int:
         """A site away for up to `window` rounds is still predicted (its model step sums the ones it missed)."""
         return self.window
+
+    def root_request(self) -> RootRequest | None:
+        """The inner rule's root set (fltrust's g_0 is trained by the service before the close)."""
+        return self.inner_rule().root_request()
 
     def inner_rule(self) -> RobustRule:
         """The rule the unflagged updates go to."""
