@@ -366,7 +366,7 @@ class RoundBook:
         combined = self.secure.combine_secure(rnd, current, spec) if rnd.secure is not None else combine(
             rnd, accepted, current, spec, seed=job.seed, selection_time_limit_s=self.selection_time_limit_s,
             alignment_time_limit_s=self.alignment_time_limit_s, probe_sets=self.probe_sets,
-            site_clip=job.site_clip, noise_seed=self.site_dp_seed)
+            site_clip=job.site_clip, noise_seed=self.site_dp_seed, memory=job.robust_memory)
         coefficient = dict(zip(combined.chosen, combined.weights))
         updates = [
             UpdateSummary(w, a.num_samples, a.epsilon, a.train_loss, float(coefficient.get(w, 0.0)))
@@ -376,10 +376,12 @@ class RoundBook:
         new_spec_json = combined.spec.to_json()
         if self.table.spool is not None:
             self.table.spool.save_global(job.job_id, version, new_spec_json, combined.state)
+            if combined.memory is not None:
+                self.table.spool.save_robust(job.job_id, version, combined.memory)
         seconds = time.perf_counter() - started
         result = combined.report(version, new_spec_json, seconds, updates)
         with self.table.lock:
-            job.finish_close(rnd, result, current, combined.state, combined.spec)
+            job.finish_close(rnd, result, current, combined.state, combined.spec, combined.memory)
             if combined.site_clip is not None:  # committed with the version: a restart resumes from it
                 job.site_clip = combined.site_clip
             self.table.commit(job)

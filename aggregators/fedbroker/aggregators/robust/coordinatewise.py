@@ -24,7 +24,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RuleBase, uniform
+from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, uniform
+from fedbroker.aggregators.robust.rule import RuleBase
 from fedbroker.algorithms.robust_params import MedianParams, TrimmedMeanParams
 
 BLOCK = 1 << 12          # coordinates per sorted block: (BLOCK, n) stays in cache
@@ -102,7 +103,7 @@ def kept_shares(deltas: np.ndarray, k: int) -> np.ndarray:
 class Median(RuleBase, MedianParams):
     """The coordinate-wise median."""
 
-    def aggregate(self, problem: RobustInput) -> RobustResult:
+    def combine_rows(self, problem: RobustInput) -> RobustResult:
         """Per coordinate, the middle value (the mean of the two middle ones for an even n)."""
         d = problem.deltas
         n = d.shape[0]
@@ -120,7 +121,7 @@ class TrimmedMean(RuleBase, TrimmedMeanParams):
         most = (n - 1) // 2
         return min(k, most), k > most
 
-    def aggregate(self, problem: RobustInput) -> RobustResult:
+    def combine_rows(self, problem: RobustInput) -> RobustResult:
         """Per coordinate, the mean of the values left after dropping ⌈βn⌉ at each end."""
         d = problem.deltas
         n = d.shape[0]

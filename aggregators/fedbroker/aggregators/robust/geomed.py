@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RuleBase, combination, gram
+from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, combination, gram
+from fedbroker.aggregators.robust.rule import RuleBase
 from fedbroker.algorithms.robust_params import GeometricMedianParams
 
 
@@ -56,7 +57,7 @@ def weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
 class GeometricMedian(RuleBase, GeometricMedianParams):
     """RFA's robust aggregate: the smoothed weighted geometric median."""
 
-    def aggregate(self, problem: RobustInput) -> RobustResult:
+    def combine_rows(self, problem: RobustInput) -> RobustResult:
         """z after at most `iterations` Weiszfeld steps (fewer once a step stops moving it)."""
         d, w = problem.deltas, problem.weights
         c, ran, objective = weiszfeld(gram(d), w, iterations=self.iterations, nu=self.nu, tolerance=self.tolerance)
