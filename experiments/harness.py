@@ -170,8 +170,10 @@ def simulate(
     uploads to ends the simulation early. `dp` is one policy for every worker or each worker's own (by id;
     a worker absent from the mapping trains without DP), as each data owner sets its own.
     `frozen`: tensor names that do not train (`train_local(frozen=...)`, as a `model.freeze` job's sites
-    train). They travel unchanged in the upload, where the service's sites leave them out; FedAvg of equal
-    tensors gives them back, so the global model is the same.
+    train). They travel in the upload, where the service's sites leave them out and the service keeps the
+    global ones; the mean of equal float32 tensors is not always them to the bit (the BLAS kernel may scale
+    the sum by 1/Σn after adding), so the global model is read here with them put back, and a site whose
+    training changed one is an error.
     """
     spec = job if isinstance(job, JobSpec) else parse_job(job)
     metrics = classification_metrics if metrics is None else metrics
@@ -192,6 +194,7 @@ def simulate(
     book = RoundBook(**unlimited) if probe is None else RoundBook(
         probe_sets=lambda _name, size, _seed: (probe.x[:size], probe.y[:size]), **unlimited)
     state = initial_state if initial_state is not None else initial_weights(spec.model, seed=spec.seed)
+    kept = {name: np.array(state[name]) for name in frozen}  # never trained: the service keeps them as they are
     book.put_global(JOB_ID, 1, spec.model.to_json(), state)
     ledgers: dict[str, list[HistoryEntry]] = {w: [] for w in ids}
     records: list[RoundRecord] = []
@@ -209,7 +212,8 @@ def simulate(
         chosen = sample_participants(ids, spec.schedule.clients_per_round, seed=spec.seed, round_number=r)
         version = book.open_round(JOB_ID, r, chosen, deadline=math.inf, aggregation=aggregation, seed=spec.seed,
                                   histograms={w: histograms[w] for w in chosen})
-        _, spec_json, weights = book.global_model(JOB_ID, version)
+        _, spec_json, served = book.global_model(JOB_ID, version)
+        weights = {**served, **kept}
         model_spec = parse_model(json.loads(spec_json))
         losses, counts = [], []
         trained: dict[str, TrainResult] = {}
@@ -217,7 +221,8 @@ def simulate(
             worker = by_id[worker_id]
             model = build_model(model_spec)
             own = first_states.get(worker_id) if first_states is not None and r == 1 else None
-            load_numpy_state(model, weights if own is None else own)
+            loaded = weights if own is None else own
+            load_numpy_state(model, loaded)
             try:
                 own_dp = dp.get(worker_id) if isinstance(dp, Mapping) else dp
                 result = train_local(model, worker.x, worker.y, config=training, dp=own_dp,
@@ -225,6 +230,9 @@ def simulate(
                                      frozen=frozen)
             except BudgetExceeded:
                 continue
+            moved = [name for name in frozen if not np.array_equal(result.state[name], loaded[name])]
+            if moved:
+                raise RuntimeError(f"worker {worker_id} changed frozen tensor {moved[0]!r} in round {r}")
             ledgers[worker_id] = list(result.history)
             trained[worker_id] = result
             losses.append(result.train_loss)
@@ -237,7 +245,7 @@ def simulate(
         if not losses:
             break
         closed = book.close(JOB_ID, r)
-        model, model_spec = global_network(book, JOB_ID)
+        model, model_spec = global_network(book, JOB_ID, kept=kept)
         accuracy, loss = evaluate(model, test.x, test.y)
         extra = metrics(model, test)
         records.append(RoundRecord(
@@ -249,7 +257,7 @@ def simulate(
         if bar is not None:
             bar.set_postfix(acc=f"{accuracy:.3f}", loss=f"{loss:.3f}")
     _, final_spec_json, final_state = book.global_model(JOB_ID)
-    return Simulation(rounds=records, final_state=final_state, final_spec_json=final_spec_json)
+    return Simulation(rounds=records, final_state={**final_state, **kept}, final_spec_json=final_spec_json)
 
 
 def upload(book: RoundBook, job_id: str, *, round_number: int, worker_id: str, result: TrainResult,
@@ -263,12 +271,14 @@ def upload(book: RoundBook, job_id: str, *, round_number: int, worker_id: str, r
     book.receive_update(codec.stream_messages(pb.UpdateChunk, header, result.state))
 
 
-def global_network(book: RoundBook, job_id: str) -> tuple[nn.Module, ModelSpec]:
-    """The book's latest global model as a torch module, built from the spec it returned (widths may grow)."""
+def global_network(book: RoundBook, job_id: str, *,
+                   kept: Mapping[str, np.ndarray] | None = None) -> tuple[nn.Module, ModelSpec]:
+    """The book's latest global model as a torch module, built from the spec it returned (widths may grow);
+    `kept`: frozen tensors, which the service never averages (`simulate`)."""
     _, spec_json, state = book.global_model(job_id)
     spec = parse_model(json.loads(spec_json))
     model = build_model(spec)
-    load_numpy_state(model, state)
+    load_numpy_state(model, {**state, **(kept or {})})
     return model, spec
 
 

@@ -411,6 +411,7 @@ def amqps(kit: Path, *, certificate: bool = True, cert_of: Path | None = None) -
 
     params = pika.URLParameters((kit / "secrets/broker-url").read_text().strip())
     params.connection_attempts, params.socket_timeout = 1, 10
+    params.stack_timeout = 300  # a hang guard: pika's 15 s cut a TLS handshake the loaded broker was still doing
     context = ssl.create_default_context(cafile=str(kit / "ca.crt"))
     if certificate:
         holder = cert_of or kit

@@ -343,6 +343,10 @@ def _connection_parameters(role: str, settings: LinkSettings) -> Any:
         params.heartbeat = math.ceil(settings.heartbeat_s)
     if "blocked_connection_timeout" not in query:
         params.blocked_connection_timeout = settings.blocked_timeout_s
+    if "stack_timeout" not in query:
+        # pika gives TCP + TLS + AMQP handshake 15 s, then starts over: on a loaded machine a handshake that
+        # needs longer never completes, and the calls waiting on it fail. As long as a call waits, at least.
+        params.stack_timeout = max(params.stack_timeout, settings.blocked_timeout_s)
     params.connection_attempts = 1  # retries are ours, with backoff and logging
     params.client_properties = {"connection_name": f"{settings.client_name}.{role}", "product": "fedbroker"}
     return params
