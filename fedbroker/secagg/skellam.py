@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
-from scipy.special import gammaln, logsumexp
+from scipy.special import gammaln
 
 from fedbroker.errors import ConfigError
 
@@ -37,6 +37,7 @@ ORDERS.setflags(write=False)
 MAX_VARIANCE = float(2**50)
 MAX_BITS = 64
 MIN_BITS = 8
+_TINY = 5e-324  # the smallest positive float64
 
 
 def skellam_rdp(orders: ArrayLike, *, mu: float, l1: float, l2: float) -> NDArray[np.float64]:
@@ -89,10 +90,20 @@ def poisson_subsampled_rdp(rdp: Callable[[int], float], *, q: float,
         return plain.copy()
     head, weights = _subsampling_weights(tuple(ords.tolist()), float(q))
     ls = np.arange(top + 1, dtype=np.float64)
-    terms = np.where(np.isfinite(weights), weights + (ls - 1.0) * curve, -np.inf)
-    total = logsumexp(np.concatenate((head[:, None], terms), axis=1), axis=1)
+    with np.errstate(invalid="ignore"):  # −∞ + ∞ where l > α and ε(l) = ∞: masked out just below
+        terms = np.where(np.isfinite(weights), weights + (ls - 1.0) * curve, -np.inf)
+    total = _logsumexp_rows(np.concatenate((head[:, None], terms), axis=1))
     out: NDArray[np.float64] = np.minimum(total / (ords - 1.0), plain)
     return out
+
+
+def _logsumexp_rows(x: NDArray[np.float64]) -> NDArray[np.float64]:
+    """log Σ_j exp(x[i, j]) per row, shifted by the row's maximum (scipy's logsumexp costs 20× more here)."""
+    top = x.max(axis=1)
+    shift = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):
+        out: NDArray[np.float64] = np.log(np.exp(x - shift[:, None]).sum(axis=1)) + shift
+    return np.where(np.isposinf(top), np.inf, out)
 
 
 @functools.lru_cache(maxsize=32)
@@ -214,7 +225,7 @@ def wrap_bound(*, bits: int, dim: int, signal: float, total_variance: float) -> 
     if total_variance <= 0:
         return 0.0
     log_p = math.log(2.0 * dim) - x * x / (2.0 * (total_variance + x / 3.0))
-    return 1.0 if log_p >= 0 else math.exp(log_p)
+    return 1.0 if log_p >= 0 else max(math.exp(log_p), _TINY)  # never 0 by underflow: still an upper bound
 
 
 def choose(*, clip: float, noise_multiplier: float, quorum: int, n_max: int, dim: int, sample_rate: float,
