@@ -13,11 +13,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from experiments.privacy_sim import Noise
+from fedbroker.secagg import skellam
 
 Z_LOW, Z_HIGH = 0.05, 500.0
+DIAGNOSTIC = "distributed_cz"
 
 
-def smallest_z(epsilon_of: Callable[[float], float], target: float, *, rel_tol: float = 1e-4) -> float:
+def smallest_z(epsilon_of: Callable[[float], float], target: float, *, rel_tol: float = 1e-3) -> float:
     """The smallest z with epsilon_of(z) ≤ target, by bisection (ε falls as z grows)."""
     low, high = Z_LOW, Z_HIGH
     if epsilon_of(high) > target:
@@ -36,3 +38,92 @@ def central_z(*, epsilon: float, sample_rate: float, rounds: int, delta: float) 
 
     return smallest_z(lambda z: project_epsilon([], noise_multiplier=z, sample_rate=sample_rate, steps=rounds,
                                                 delta=delta), epsilon)
+
+
+def skellam_round(*, z: float, clip: float, sites: int, dim: int, sample_rate: float,
+                  records: int) -> skellam.DDPRound:
+    """γ and the ring for one cell, by the module's own rule; the quorum is every site (none drops out here), and
+    the ring holds every site adding the full dose, so local mode's sums fit it too."""
+    return skellam.choose(clip=clip, noise_multiplier=z, quorum=sites, n_max=sites, dim=dim,
+                          sample_rate=sample_rate, max_records=records)
+
+
+def skellam_z(*, epsilon: float, clip: float, sites: int, dim: int, sample_rate: float, records: int,
+              rounds: int, delta: float) -> float:
+    """The smallest z whose Skellam sum (variance (γzC)² in all) gives ε after T rounds: `distributed_epsilon`.
+    A local-mode site's own share is that same dose, so its ε (`local_floor_epsilon`) is the same number."""
+    def eps(z: float) -> float:
+        r = skellam_round(z=z, clip=clip, sites=sites, dim=dim, sample_rate=sample_rate, records=records)
+        return skellam.distributed_epsilon(round=r, total_variance=r.full_variance, rounds=rounds, delta=delta)
+
+    return smallest_z(eps, epsilon)
+
+
+def calibrate(protocol: Any, *, dims: Mapping[str, int], records: Mapping[str, int]) -> dict[str, Any]:
+    """Every cell's noise, keyed "task|N|mode|ε", with the figures that say what it buys."""
+    from fedbroker.privacy import project_epsilon
+
+    out: dict[str, Any] = {}
+    q, T, delta, clip = protocol.sample_rate, protocol.rounds, protocol.delta, protocol.clip
+    for eps in protocol.epsilons:
+        zc = central_z(epsilon=eps, sample_rate=q, rounds=T, delta=delta)
+        for name in protocol.datasets:
+            for n in protocol.sites:
+                if "central" in protocol.modes:
+                    out[key(name, n, "central", eps)] = {"z": zc, "gamma": 1.0, "bits": 64, "epsilon": project_epsilon(
+                        [], noise_multiplier=zc, sample_rate=q, steps=T, delta=delta)}
+                skellam_modes = [m for m in ("distributed", "local") if m in protocol.modes]
+                if not skellam_modes:
+                    continue
+                z = skellam_z(epsilon=eps, clip=clip, sites=n, dim=dims[name], sample_rate=q,
+                              records=records[name], rounds=T, delta=delta)
+                r = skellam_round(z=z, clip=clip, sites=n, dim=dims[name], sample_rate=q, records=records[name])
+                base = {"z": z, "gamma": r.scale, "bits": r.bits, "wrap_probability": r.wrap_probability,
+                        "epsilon": skellam.distributed_epsilon(round=r, total_variance=r.full_variance, rounds=T,
+                                                               delta=delta),
+                        "gaussian_epsilon_same_z": project_epsilon([], noise_multiplier=z, sample_rate=q, steps=T,
+                                                                   delta=delta)}
+                for mode in skellam_modes:
+                    share = r.full_variance / n if mode == "distributed" else r.full_variance
+                    out[key(name, n, mode, eps)] = dict(base, share_variance=share, own_share_epsilon=(
+                        skellam.local_floor_epsilon(round=r, share_variance=share, rounds=T, delta=delta)))
+                if getattr(protocol, "diagnostic", False):
+                    out[key(name, n, DIAGNOSTIC, eps)] = at_central_z(zc, name=name, sites=n, dim=dims[name],
+                                                                       records=records[name], protocol=protocol)
+    return out
+
+
+def at_central_z(z: float, *, name: str, sites: int, dim: int, records: int, protocol: Any) -> dict[str, Any]:
+    """The diagnostic cell: the distributed mechanism with central's z; 'epsilon' is what the Skellam accounting
+    then gives (above the target wherever it is looser than the Gaussian accountant)."""
+    q, T, delta = protocol.sample_rate, protocol.rounds, protocol.delta
+    r = skellam_round(z=z, clip=protocol.clip, sites=sites, dim=dim, sample_rate=q, records=records)
+    return {"z": z, "gamma": r.scale, "bits": r.bits, "wrap_probability": r.wrap_probability,
+            "epsilon": skellam.distributed_epsilon(round=r, total_variance=r.full_variance, rounds=T, delta=delta),
+            "share_variance": r.full_variance / sites,
+            "own_share_epsilon": skellam.local_floor_epsilon(round=r, share_variance=r.full_variance / sites,
+                                                             rounds=T, delta=delta)}
+
+
+def key(name: str, sites: int, mode: str, epsilon: float) -> str:
+    return f"{name}|{sites}|{mode}|{epsilon:g}"
+
+
+def noise_for(calibration: Mapping[str, Any], name: str, sites: int, mode: str, epsilon: float) -> Noise:
+    c = calibration[key(name, sites, mode, epsilon)]
+    return Noise("distributed" if mode == DIAGNOSTIC else mode, z=float(c["z"]), gamma=float(c["gamma"]),
+                 bits=int(c["bits"]))
+
+
+def calibration_table(calibration: Mapping[str, Any]) -> str:
+    """z, γ, ring and ε per cell; 'own share ε': a site's ε if every other site colluded with the server."""
+    lines = ["| task | N | mode | target ε | z | γ | ring bits | P(wrap) ≤ | ε (accounted) | own share ε |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for k, c in calibration.items():
+        name, n, mode, eps = k.split("|")
+        own = c.get("own_share_epsilon")
+        wrap = c.get("wrap_probability")
+        lines.append(f"| {name} | {n} | {mode} | {eps} | {c['z']:.3f} | {c['gamma']:.4g} | {c['bits']} | "
+                     f"{'—' if wrap is None else f'{wrap:.1e}'} | {c['epsilon']:.3f} | "
+                     f"{'—' if own is None else f'{own:.2f}'} |")
+    return "\n".join(lines)

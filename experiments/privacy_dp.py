@@ -57,9 +57,11 @@ import numpy as np
 from experiments import privacy_accounting as acct
 from experiments.privacy_sim import MODES, NON_PRIVATE, Noise, RunSpec, federated_dp_sgd
 
+CHECKPOINT = 10  # runs between the pool's saves of privacy.json
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 PREFIX = "privacy"
 DATASETS = ("digits", "tissue")
+CENTRAL_Z = acct.DIAGNOSTIC  # the distributed mechanism at central's z (its Skellam-accounted ε is higher)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,11 @@ class Protocol:
     tissue_images: int = 4000
     tissue_pool: int = 4
     min_site: int = 10
+    diagnostic: bool = True  # also run `distributed_cz`: separates the mechanism's cost from its accounting's
+
+    def shown(self) -> tuple[str, ...]:
+        """The columns: the three modes, and the diagnostic if run."""
+        return self.modes + ((CENTRAL_Z,) if self.diagnostic else ())
 
     def spec(self) -> RunSpec:
         return RunSpec(rounds=self.rounds, sample_rate=self.sample_rate, clip=self.clip, lr=self.lr,
@@ -90,7 +97,8 @@ class Protocol:
 
 
 def quick_protocol() -> Protocol:
-    return Protocol(datasets=("digits",), epsilons=(1.0,), sites=(20,), seeds=(0,), rounds=60, eval_every=20)
+    return Protocol(datasets=("digits",), epsilons=(1.0,), sites=(20,), seeds=(0,), rounds=60, eval_every=20,
+                    diagnostic=False)
 
 
 @dataclass(frozen=True)
@@ -157,15 +165,19 @@ def federation(protocol: Protocol, folder: str, name: str, seed: int, n_sites: i
 # ---------------------------------------------------------------- tasks and one run (in a pool process)
 
 def tasks(protocol: Protocol, calibration: Mapping[str, Any]) -> list[Task]:
-    out = []
-    for name in protocol.datasets:
-        for seed in protocol.seeds:
+    """Seed by seed (a stopped run still has whole seeds), the diagnostic runs after all the others."""
+    out, later = [], []
+    for seed in protocol.seeds:
+        for name in protocol.datasets:
             for n in protocol.sites:
                 out.append(Task(name, seed, n, NON_PRIVATE, None, Noise(NON_PRIVATE)))
                 for eps in protocol.epsilons:
                     for mode in protocol.modes:
                         out.append(Task(name, seed, n, mode, eps, acct.noise_for(calibration, name, n, mode, eps)))
-    return out
+                    if protocol.diagnostic:
+                        later.append(Task(name, seed, n, CENTRAL_Z, eps,
+                                          acct.noise_for(calibration, name, n, CENTRAL_Z, eps)))
+    return out + later
 
 
 def _init_pool() -> None:
@@ -204,15 +216,16 @@ def _gap(a: Sequence[float], b: Sequence[float]) -> str:
 def table(protocol: Protocol, runs: Sequence[Mapping[str, Any]]) -> str:
     """One row per (task, N, ε): accuracy in % of each mode, and the two gaps the goals are about."""
     by = cells(runs)
-    head = ("| task | N | ε | " + " | ".join(protocol.modes) + " | no noise | distributed − central | "
+    shown = protocol.shown()
+    head = ("| task | N | ε | " + " | ".join(shown) + " | no noise | distributed − central | "
             "distributed − local |")
-    lines = [head, "|" + "---|" * (len(protocol.modes) + 6)]
+    lines = [head, "|" + "---|" * (len(shown) + 6)]
     for name in protocol.datasets:
         for n in protocol.sites:
             ref = by.get((name, n, NON_PRIVATE, None), [])
             for eps in protocol.epsilons:
-                acc = {m: by.get((name, n, m, eps), []) for m in protocol.modes}
-                lines.append(f"| {name} | {n} | {eps:g} | " + " | ".join(_cell(acc[m]) for m in protocol.modes)
+                acc = {m: by.get((name, n, m, eps), []) for m in shown}
+                lines.append(f"| {name} | {n} | {eps:g} | " + " | ".join(_cell(acc[m]) for m in shown)
                              + f" | {_cell(ref)} | {_gap(acc.get('distributed', []), acc.get('central', []))}"
                              f" | {_gap(acc.get('distributed', []), acc.get('local', []))} |")
     return "\n".join(lines)
@@ -252,11 +265,13 @@ def plot(protocol: Protocol, runs: Sequence[Mapping[str, Any]], path: str) -> No
     for i, name in enumerate(protocol.datasets):
         for j, n in enumerate(protocol.sites):
             ax = axes[i][j]
-            for mode in protocol.modes:
+            for mode in protocol.shown():
                 xs = [e for e in protocol.epsilons if by.get((name, n, mode, e))]
                 ys = [100 * np.mean(by[(name, n, mode, e)]) for e in xs]
                 es = [100 * np.std(by[(name, n, mode, e)]) for e in xs]
-                ax.errorbar(xs, ys, yerr=es, marker="o", capsize=2, label=mode)
+                diagnostic = mode == CENTRAL_Z
+                ax.errorbar(xs, ys, yerr=es, marker="x" if diagnostic else "o", capsize=2, ls=":" if diagnostic else "-",
+                            label="distributed at central's z" if diagnostic else mode)
             ref = by.get((name, n, NON_PRIVATE, None))
             if ref:
                 ax.axhline(100 * np.mean(ref), color="grey", ls="--", lw=1, label="no noise")
@@ -276,13 +291,19 @@ def plot(protocol: Protocol, runs: Sequence[Mapping[str, Any]], path: str) -> No
     plt.close(fig)
 
 
-def write_results(protocol: Protocol, calibration: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], out: str,
-                  seconds: float, machine: str | None = None) -> str:
+def save_json(protocol: Protocol, calibration: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], out: str,
+              seconds: float, machine: str | None = None) -> str:
     os.makedirs(out, exist_ok=True)
     machine = machine or f"{platform.machine()} {os.cpu_count()} cores, python {sys.version.split()[0]}"
     with open(os.path.join(out, f"{PREFIX}.json"), "w") as fh:
         json.dump({"protocol": asdict(protocol), "calibration": calibration, "runs": list(runs),
                    "seconds": seconds, "machine": machine}, fh, separators=(",", ":"))
+    return machine
+
+
+def write_results(protocol: Protocol, calibration: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], out: str,
+                  seconds: float, machine: str | None = None) -> str:
+    machine = save_json(protocol, calibration, runs, out, seconds, machine)
     md = (f"# Local vs distributed vs central DP: test accuracy in % (mean ± SD over {len(protocol.seeds)} seeds)\n\n"
           f"Protocol, fixed before any private run (experiments/privacy_dp.py docstring): "
           f"{json.dumps(asdict(protocol))}\n\n{table(protocol, runs)}\n\n"
@@ -300,18 +321,29 @@ def run(protocol: Protocol, out: str, jobs: int, progress: bool = True) -> str:
     from tqdm import tqdm
 
     started = time.perf_counter()
-    calibration = acct.calibrate(protocol, dims={name: dim_of(protocol, name) for name in protocol.datasets})
+    records = {name: {"digits": 1797, "tissue": protocol.tissue_images}[name] for name in protocol.datasets}
+    calibration = acct.calibrate(protocol, dims={name: dim_of(protocol, name) for name in protocol.datasets},
+                                 records=records)  # every record of the task: a bound on any round's sample
     runs: list[dict[str, Any]] = []
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"  # inherited by the pool: one thread each, no oversubscription of 2 cores
     with tempfile.TemporaryDirectory(prefix="privacy-data-") as folder:
         cache_data(protocol, folder)
         todo = tasks(protocol, calibration)
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(run_task, protocol, folder, t) for t in todo]
-            for fut in tqdm(as_completed(futures), total=len(futures), desc="privacy runs", file=sys.stdout,
-                            disable=not progress):
-                runs.append(fut.result())
+        bar = tqdm(total=len(todo), desc="privacy runs", file=sys.stdout, disable=not progress)
+        if jobs <= 1:  # in-process: no pool start-up (the smoke test)
+            for t in todo:
+                runs.append(run_task(protocol, folder, t))
+                bar.update()
+        else:
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+                futures = [pool.submit(run_task, protocol, folder, t) for t in todo]
+                for fut in as_completed(futures):
+                    runs.append(fut.result())
+                    bar.update()
+                    if len(runs) % CHECKPOINT == 0:  # a run stopped early keeps what finished (--report)
+                        save_json(protocol, calibration, runs, out, time.perf_counter() - started)
+        bar.close()
     runs.sort(key=lambda r: (r["dataset"], r["sites"], r["mode"], r["epsilon"] or 0.0, r["seed"]))
     return write_results(protocol, calibration, runs, out, time.perf_counter() - started)
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from fedbroker.secagg import skellam
+
 MODES = ("central", "distributed", "local")
 NON_PRIVATE = "none"
 
@@ -90,50 +92,20 @@ class MLP:
 
 # ---------------------------------------------------------------- what a site and the server do with a sum
 
-def stochastic_round(v: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Unbiased integer rounding: ⌊v⌋ + Bernoulli(v − ⌊v⌋)."""
-    low = np.floor(v)
-    return (low + (rng.random(v.shape) < (v - low))).astype(np.int64)
-
-
-def skellam(mu: float, size: int, rng: np.random.Generator) -> np.ndarray:
-    """Sk(μ/2, μ/2): the difference of two Poisson(μ/2), variance μ per coordinate."""
-    if mu <= 0:
-        return np.zeros(size, dtype=np.int64)
-    return rng.poisson(mu / 2, size) - rng.poisson(mu / 2, size)
-
-
-def to_ring(v: np.ndarray, bits: int) -> np.ndarray:
-    """Signed integers as ring elements mod 2^bits (two's complement, then the top bits cleared)."""
-    out = v.astype(np.uint64)  # wraps mod 2^64
-    if bits < 64:
-        out &= np.uint64((1 << bits) - 1)
-    return out
-
-
-def from_ring(s: np.ndarray, bits: int) -> np.ndarray:
-    """Ring elements read back as signed integers in [−2^(bits−1), 2^(bits−1))."""
-    s = s.copy()
-    if bits < 64:
-        s &= np.uint64((1 << bits) - 1)
-        top = s >= np.uint64(1 << (bits - 1))
-        signed = s.astype(np.int64)
-        signed[top] -= np.int64(1 << (bits - 1)) * 2
-        return signed
-    return s.view(np.int64)
-
-
-def site_share(g: np.ndarray, *, gamma: float, mu: float, bits: int, rng: np.random.Generator) -> np.ndarray:
-    """A site's input to the secure sum: round(γ·g) + Sk(μ), mod 2^bits (its masks would be added here)."""
-    return to_ring(stochastic_round(gamma * g, rng) + skellam(mu, g.size, rng), bits)
+def site_share(g: np.ndarray, *, gamma: float, variance: float, bits: int,
+               rng: np.random.Generator) -> np.ndarray:
+    """A site's input to the secure sum: round(γ·g) + Sk(variance), as a ring element (masks would be added here)."""
+    levels = skellam.quantise(g, scale=gamma, rng=rng) + skellam.noise_share(rng, size=g.size, variance=variance)
+    return skellam.to_ring(levels, bits=bits).astype(np.uint64)
 
 
 def secure_sum(shares: list[np.ndarray], *, gamma: float, bits: int) -> np.ndarray:
-    """The server's dequantised sum: Σ shares mod 2^bits, read as signed, divided by γ."""
-    total = np.zeros_like(shares[0])
-    for s in shares:
-        total += s  # uint64 wraps mod 2^64, then cut to the ring
-    return from_ring(total, bits).astype(np.float64) / gamma
+    """The server's dequantised sum: Σ shares mod 2^bits (uint64 wraps mod 2^64, `from_ring` cuts to the ring),
+    read as signed, divided by γ."""
+    total = np.zeros(shares[0].shape, dtype=np.uint64)
+    for share in shares:
+        total += share
+    return skellam.dequantise(skellam.from_ring(total, bits=bits), scale=gamma)
 
 
 def noisy_sum(sums: list[np.ndarray], noise: Noise, *, clip: float, rng: np.random.Generator) -> np.ndarray:
@@ -144,8 +116,8 @@ def noisy_sum(sums: list[np.ndarray], noise: Noise, *, clip: float, rng: np.rand
         total = np.sum(sums, axis=0)
         return total + rng.normal(0.0, noise.z * clip, total.shape)
     full = (noise.gamma * noise.z * clip) ** 2
-    mu = full / len(sums) if noise.mode == "distributed" else full
-    shares = [site_share(g, gamma=noise.gamma, mu=mu, bits=noise.bits, rng=rng) for g in sums]
+    variance = full / len(sums) if noise.mode == "distributed" else full  # the quorum is every site here
+    shares = [site_share(g, gamma=noise.gamma, variance=variance, bits=noise.bits, rng=rng) for g in sums]
     return secure_sum(shares, gamma=noise.gamma, bits=noise.bits)
 
 
