@@ -64,36 +64,41 @@ def calibrate(protocol: Any, *, dims: Mapping[str, int], records: Mapping[str, i
     from fedbroker.privacy import project_epsilon
 
     out: dict[str, Any] = {}
-    q, T, delta, clip = protocol.sample_rate, protocol.rounds, protocol.delta, protocol.clip
+    q, T, delta = protocol.sample_rate, protocol.rounds, protocol.delta
     for eps in protocol.epsilons:
         zc = central_z(epsilon=eps, sample_rate=q, rounds=T, delta=delta)
+        central = {"z": zc, "gamma": 1.0, "bits": 64,
+                   "epsilon": project_epsilon([], noise_multiplier=zc, sample_rate=q, steps=T, delta=delta)}
         for name in protocol.datasets:
             for n in protocol.sites:
                 if "central" in protocol.modes:
-                    out[key(name, n, "central", eps)] = {"z": zc, "gamma": 1.0, "bits": 64, "epsilon": project_epsilon(
-                        [], noise_multiplier=zc, sample_rate=q, steps=T, delta=delta)}
-                skellam_modes = [m for m in ("distributed", "local") if m in protocol.modes]
-                if not skellam_modes:
-                    continue
-                z = skellam_z(epsilon=eps, clip=clip, sites=n, dim=dims[name], sample_rate=q,
-                              records=records[name], rounds=T, delta=delta)
-                r = skellam_round(z=z, clip=clip, sites=n, dim=dims[name], sample_rate=q, records=records[name])
-                base = {"z": z, "gamma": r.scale, "bits": r.bits, "wrap_probability": r.wrap_probability,
-                        "epsilon": skellam.distributed_epsilon(round=r, total_variance=r.full_variance, rounds=T,
-                                                               delta=delta),
-                        "gaussian_epsilon_same_z": project_epsilon([], noise_multiplier=z, sample_rate=q, steps=T,
-                                                                   delta=delta)}
-                for mode in skellam_modes:
-                    share = r.full_variance / n if mode == "distributed" else r.full_variance
-                    out[key(name, n, mode, eps)] = dict(base, share_variance=share, own_share_epsilon=(
-                        skellam.local_floor_epsilon(round=r, share_variance=share, rounds=T, delta=delta)))
+                    out[key(name, sites=n, mode="central", epsilon=eps)] = dict(central)
+                cell = {"sites": n, "dim": dims[name], "records": records[name], "protocol": protocol}
+                for mode in ("distributed", "local"):
+                    if mode in protocol.modes:
+                        out[key(name, sites=n, mode=mode, epsilon=eps)] = skellam_cell(mode, epsilon=eps, **cell)
                 if getattr(protocol, "diagnostic", False):
-                    out[key(name, n, DIAGNOSTIC, eps)] = at_central_z(zc, name=name, sites=n, dim=dims[name],
-                                                                       records=records[name], protocol=protocol)
+                    out[key(name, sites=n, mode=DIAGNOSTIC, epsilon=eps)] = at_central_z(zc, **cell)
     return out
 
 
-def at_central_z(z: float, *, name: str, sites: int, dim: int, records: int, protocol: Any) -> dict[str, Any]:
+def skellam_cell(mode: str, *, epsilon: float, sites: int, dim: int, records: int, protocol: Any) -> dict[str, Any]:
+    """A distributed or local cell: z calibrated by the Skellam accounting, and what a site's own share gives."""
+    from fedbroker.privacy import project_epsilon
+
+    q, T, delta, clip = protocol.sample_rate, protocol.rounds, protocol.delta, protocol.clip
+    z = skellam_z(epsilon=epsilon, clip=clip, sites=sites, dim=dim, sample_rate=q, records=records, rounds=T,
+                  delta=delta)
+    r = skellam_round(z=z, clip=clip, sites=sites, dim=dim, sample_rate=q, records=records)
+    share = r.full_variance / sites if mode == "distributed" else r.full_variance
+    return {"z": z, "gamma": r.scale, "bits": r.bits, "wrap_probability": r.wrap_probability,
+            "epsilon": skellam.distributed_epsilon(round=r, total_variance=r.full_variance, rounds=T, delta=delta),
+            "gaussian_epsilon_same_z": project_epsilon([], noise_multiplier=z, sample_rate=q, steps=T, delta=delta),
+            "share_variance": share,
+            "own_share_epsilon": skellam.local_floor_epsilon(round=r, share_variance=share, rounds=T, delta=delta)}
+
+
+def at_central_z(z: float, *, sites: int, dim: int, records: int, protocol: Any) -> dict[str, Any]:
     """The diagnostic cell: the distributed mechanism with central's z; 'epsilon' is what the Skellam accounting
     then gives (above the target wherever it is looser than the Gaussian accountant)."""
     q, T, delta = protocol.sample_rate, protocol.rounds, protocol.delta
@@ -105,12 +110,13 @@ def at_central_z(z: float, *, name: str, sites: int, dim: int, records: int, pro
                                                              rounds=T, delta=delta)}
 
 
-def key(name: str, sites: int, mode: str, epsilon: float) -> str:
+def key(name: str, *, sites: int, mode: str, epsilon: float) -> str:
+    """A cell's calibration key, "task|N|mode|ε" (JSON keys are strings)."""
     return f"{name}|{sites}|{mode}|{epsilon:g}"
 
 
-def noise_for(calibration: Mapping[str, Any], name: str, sites: int, mode: str, epsilon: float) -> Noise:
-    c = calibration[key(name, sites, mode, epsilon)]
+def noise_for(calibration: Mapping[str, Any], *, name: str, sites: int, mode: str, epsilon: float) -> Noise:
+    c = calibration[key(name, sites=sites, mode=mode, epsilon=epsilon)]
     return Noise("distributed" if mode == DIAGNOSTIC else mode, z=float(c["z"]), gamma=float(c["gamma"]),
                  bits=int(c["bits"]))
 

@@ -115,7 +115,7 @@ class Task:
 
 # ---------------------------------------------------------------- data
 
-def load(name: str, seed: int, protocol: Protocol) -> tuple[np.ndarray, np.ndarray, int]:
+def load(name: str, *, seed: int, protocol: Protocol) -> tuple[np.ndarray, np.ndarray, int]:
     """Features (rows), labels and the class count of a task; tissue is drawn from its recipe per seed."""
     if name == "digits":
         from fedbroker.datasets import load_dataset
@@ -137,22 +137,22 @@ def cache_data(protocol: Protocol, folder: str) -> None:
     """Draw every (task, seed) once in the parent (tissue takes seconds) and store it for the pool (no pickle)."""
     for name in protocol.datasets:
         for seed in protocol.seeds:
-            x, y, classes = load(name, seed, protocol)
+            x, y, classes = load(name, seed=seed, protocol=protocol)
             np.savez(os.path.join(folder, f"{name}-{seed}.npz"), x=x, y=y, classes=np.int64(classes))
 
 
 @functools.lru_cache(maxsize=8)
-def _cached(folder: str, name: str, seed: int) -> tuple[np.ndarray, np.ndarray, int]:
+def _cached(folder: str, *, name: str, seed: int) -> tuple[np.ndarray, np.ndarray, int]:
     with np.load(os.path.join(folder, f"{name}-{seed}.npz"), allow_pickle=False) as f:
         return f["x"], f["y"], int(f["classes"])
 
 
-def federation(protocol: Protocol, folder: str, name: str, seed: int, n_sites: int) -> dict[str, Any]:
+def federation(protocol: Protocol, *, folder: str, name: str, seed: int, n_sites: int) -> dict[str, Any]:
     """The hold-out test set and the N sites' shards (Dirichlet, the repo's partition)."""
     from fedbroker.datasets import Dataset, train_test_split
     from fedbroker.worker.partition import partition
 
-    x, y, classes = _cached(folder, name, seed)
+    x, y, classes = _cached(folder, name=name, seed=seed)
     train, test = train_test_split(Dataset(x=x.astype(np.float32), y=y, num_classes=classes, name=name),
                                    test_fraction=protocol.test_fraction, seed=seed)
     parts = partition(train.y, scheme="dirichlet", num_clients=n_sites, seed=seed, alpha=protocol.alpha,
@@ -172,11 +172,9 @@ def tasks(protocol: Protocol, calibration: Mapping[str, Any]) -> list[Task]:
             for n in protocol.sites:
                 out.append(Task(name, seed, n, NON_PRIVATE, None, Noise(NON_PRIVATE)))
                 for eps in protocol.epsilons:
-                    for mode in protocol.modes:
-                        out.append(Task(name, seed, n, mode, eps, acct.noise_for(calibration, name, n, mode, eps)))
-                    if protocol.diagnostic:
-                        later.append(Task(name, seed, n, CENTRAL_Z, eps,
-                                          acct.noise_for(calibration, name, n, CENTRAL_Z, eps)))
+                    for mode in protocol.shown():
+                        noise = acct.noise_for(calibration, name=name, sites=n, mode=mode, epsilon=eps)
+                        (later if mode == CENTRAL_Z else out).append(Task(name, seed, n, mode, eps, noise))
     return out + later
 
 
@@ -184,8 +182,8 @@ def _init_pool() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def run_task(protocol: Protocol, folder: str, task: Task) -> dict[str, Any]:
-    fed = federation(protocol, folder, task.dataset, task.seed, task.sites)
+def run_task(task: Task, *, protocol: Protocol, folder: str) -> dict[str, Any]:
+    fed = federation(protocol, folder=folder, name=task.dataset, seed=task.seed, n_sites=task.sites)
     started = time.perf_counter()
     out = federated_dp_sgd(spec=protocol.spec(), noise=task.noise, sites=fed["sites"], test=fed["test"],
                            classes=fed["classes"], seed=task.seed)
@@ -252,7 +250,7 @@ def goals(protocol: Protocol, runs: Sequence[Mapping[str, Any]]) -> list[str]:
     return out
 
 
-def plot(protocol: Protocol, runs: Sequence[Mapping[str, Any]], path: str) -> None:
+def plot(protocol: Protocol, runs: Sequence[Mapping[str, Any]], *, path: str) -> None:
     """Accuracy vs ε, one panel per (task, N), one line per mode; the no-noise reference dashed."""
     import matplotlib
 
@@ -270,8 +268,8 @@ def plot(protocol: Protocol, runs: Sequence[Mapping[str, Any]], path: str) -> No
                 ys = [100 * np.mean(by[(name, n, mode, e)]) for e in xs]
                 es = [100 * np.std(by[(name, n, mode, e)]) for e in xs]
                 diagnostic = mode == CENTRAL_Z
-                ax.errorbar(xs, ys, yerr=es, marker="x" if diagnostic else "o", capsize=2, ls=":" if diagnostic else "-",
-                            label="distributed at central's z" if diagnostic else mode)
+                ax.errorbar(xs, ys, yerr=es, marker="x" if diagnostic else "o", capsize=2,
+                            ls=":" if diagnostic else "-", label="distributed at central's z" if diagnostic else mode)
             ref = by.get((name, n, NON_PRIVATE, None))
             if ref:
                 ax.axhline(100 * np.mean(ref), color="grey", ls="--", lw=1, label="no noise")
@@ -291,7 +289,7 @@ def plot(protocol: Protocol, runs: Sequence[Mapping[str, Any]], path: str) -> No
     plt.close(fig)
 
 
-def save_json(protocol: Protocol, calibration: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], out: str,
+def save_json(protocol: Protocol, *, calibration: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], out: str,
               seconds: float, machine: str | None = None) -> str:
     os.makedirs(out, exist_ok=True)
     machine = machine or f"{platform.machine()} {os.cpu_count()} cores, python {sys.version.split()[0]}"
@@ -301,9 +299,9 @@ def save_json(protocol: Protocol, calibration: Mapping[str, Any], runs: Sequence
     return machine
 
 
-def write_results(protocol: Protocol, calibration: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], out: str,
-                  seconds: float, machine: str | None = None) -> str:
-    machine = save_json(protocol, calibration, runs, out, seconds, machine)
+def write_results(protocol: Protocol, *, calibration: Mapping[str, Any], runs: Sequence[Mapping[str, Any]],
+                  out: str, seconds: float, machine: str | None = None) -> str:
+    machine = save_json(protocol, calibration=calibration, runs=runs, out=out, seconds=seconds, machine=machine)
     md = (f"# Local vs distributed vs central DP: test accuracy in % (mean ± SD over {len(protocol.seeds)} seeds)\n\n"
           f"Protocol, fixed before any private run (experiments/privacy_dp.py docstring): "
           f"{json.dumps(asdict(protocol))}\n\n{table(protocol, runs)}\n\n"
@@ -313,11 +311,11 @@ def write_results(protocol: Protocol, calibration: Mapping[str, Any], runs: Sequ
           f"{len(runs)} runs, {seconds / 60:.1f} min on {machine}.\n")
     with open(os.path.join(out, f"{PREFIX}.md"), "w") as fh:
         fh.write(md)
-    plot(protocol, runs, os.path.join(out, f"{PREFIX}.png"))
+    plot(protocol, runs, path=os.path.join(out, f"{PREFIX}.png"))
     return md
 
 
-def run(protocol: Protocol, out: str, jobs: int, progress: bool = True) -> str:
+def run(protocol: Protocol, *, out: str, jobs: int, progress: bool = True) -> str:
     from tqdm import tqdm
 
     started = time.perf_counter()
@@ -333,19 +331,21 @@ def run(protocol: Protocol, out: str, jobs: int, progress: bool = True) -> str:
         bar = tqdm(total=len(todo), desc="privacy runs", file=sys.stdout, disable=not progress)
         if jobs <= 1:  # in-process: no pool start-up (the smoke test)
             for t in todo:
-                runs.append(run_task(protocol, folder, t))
+                runs.append(run_task(t, protocol=protocol, folder=folder))
                 bar.update()
         else:
             with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-                futures = [pool.submit(run_task, protocol, folder, t) for t in todo]
+                futures = [pool.submit(run_task, t, protocol=protocol, folder=folder) for t in todo]
                 for fut in as_completed(futures):
                     runs.append(fut.result())
                     bar.update()
                     if len(runs) % CHECKPOINT == 0:  # a run stopped early keeps what finished (--report)
-                        save_json(protocol, calibration, runs, out, time.perf_counter() - started)
+                        save_json(protocol, calibration=calibration, runs=runs, out=out,
+                                  seconds=time.perf_counter() - started)
         bar.close()
     runs.sort(key=lambda r: (r["dataset"], r["sites"], r["mode"], r["epsilon"] or 0.0, r["seed"]))
-    return write_results(protocol, calibration, runs, out, time.perf_counter() - started)
+    return write_results(protocol, calibration=calibration, runs=runs, out=out,
+                         seconds=time.perf_counter() - started)
 
 
 def dim_of(protocol: Protocol, name: str) -> int:
@@ -365,7 +365,7 @@ def pilot(protocol: Protocol, seed: int = 99) -> dict[str, dict[float, float]]:
         cache_data(p, folder)
         for name in p.datasets:
             for lr in (0.2, 0.5, 1.0, 2.0):
-                fed = federation(p, folder, name, seed, 1)
+                fed = federation(p, folder=folder, name=name, seed=seed, n_sites=1)
                 res = federated_dp_sgd(spec=replace(p, lr=lr).spec(), noise=Noise(NON_PRIVATE), sites=fed["sites"],
                                        test=fed["test"], classes=fed["classes"], seed=seed)
                 out.setdefault(name, {})[lr] = res["accuracy"]
@@ -390,11 +390,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(os.path.join(out, f"{PREFIX}.json")) as fh:
             saved = json.load(fh)
         protocol = Protocol(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["protocol"].items()})
-        print(write_results(protocol, saved["calibration"], saved["runs"], out, saved["seconds"], saved["machine"]))
+        print(write_results(protocol, calibration=saved["calibration"], runs=saved["runs"], out=out,
+                            seconds=saved["seconds"], machine=saved["machine"]))
         return 0
     protocol = quick_protocol() if args.quick else Protocol()
     out = args.out or (tempfile.mkdtemp(prefix="privacy-") if args.quick else RESULTS)
-    print(run(protocol, out, args.jobs, progress=not args.no_progress))
+    print(run(protocol, out=out, jobs=args.jobs, progress=not args.no_progress))
     print(f"results in {out}")
     return 0
 

@@ -39,7 +39,7 @@ class Noise:
 class MLP:
     """x → ReLU(x W1 + b1) W2 + b2, parameters held as one flat float64 vector (the thing that gets noise)."""
 
-    def __init__(self, inputs: int, hidden: int, classes: int) -> None:
+    def __init__(self, *, inputs: int, hidden: int, classes: int) -> None:
         self.shapes = [(inputs, hidden), (hidden,), (hidden, classes), (classes,)]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
         self.dim = sum(self.sizes)
@@ -66,10 +66,11 @@ class MLP:
         w1, b1, w2, b2 = self.unpack(theta)
         return np.maximum(x @ w1 + b1, 0.0) @ w2 + b2
 
-    def accuracy(self, theta: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
+    def accuracy(self, theta: np.ndarray, data: tuple[np.ndarray, np.ndarray]) -> float:
+        x, y = data
         return float(np.mean(self.logits(theta, x).argmax(axis=1) == y))
 
-    def clipped_sum(self, theta: np.ndarray, x: np.ndarray, y: np.ndarray, clip: float) -> np.ndarray:
+    def clipped_sum(self, theta: np.ndarray, *, x: np.ndarray, y: np.ndarray, clip: float) -> np.ndarray:
         """Σ_i clip_C(∇ℓ(θ; x_i, y_i)) for cross-entropy, without forming any per-record gradient."""
         if len(y) == 0:
             return np.zeros(self.dim)
@@ -142,7 +143,7 @@ def federated_dp_sgd(*, spec: RunSpec, noise: Noise, sites: list[tuple[np.ndarra
 
     Within a seed the initial weights and every round's Poisson samples are the same for every mode and noise
     level (their generators depend on the seed only), so two modes differ by their noise alone."""
-    model = MLP(sites[0][0].shape[1], spec.hidden, classes)
+    model = MLP(inputs=sites[0][0].shape[1], hidden=spec.hidden, classes=classes)
     theta = model.init(np.random.default_rng([seed, 1]))
     sampler = np.random.default_rng([seed, 2])
     noise_rng = np.random.default_rng([seed, 3, MODES.index(noise.mode) if noise.mode in MODES else 9])
@@ -152,8 +153,8 @@ def federated_dp_sgd(*, spec: RunSpec, noise: Noise, sites: list[tuple[np.ndarra
         sums = []
         for x, y in sites:
             take = sampler.random(len(y)) < spec.sample_rate
-            sums.append(model.clipped_sum(theta, x[take], y[take], spec.clip))
+            sums.append(model.clipped_sum(theta, x=x[take], y=y[take], clip=spec.clip))
         theta = theta - spec.lr * noisy_sum(sums, noise, clip=spec.clip, rng=noise_rng) / (spec.sample_rate * total)
         if r % spec.eval_every == 0 or r == spec.rounds:
-            curve.append((r, model.accuracy(theta, *test)))
+            curve.append((r, model.accuracy(theta, test)))
     return {"accuracy": curve[-1][1], "curve": curve, "dim": model.dim}

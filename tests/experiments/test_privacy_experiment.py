@@ -25,7 +25,7 @@ def test_quick_grid_has_the_protocol_shape_and_noise_orders_the_modes(tmp_path):
                            eval_every=20, diagnostic=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Opacus's "largest alpha" note at ε = 1000
-        md = pe.run(protocol, str(tmp_path), jobs=1, progress=False)
+        md = pe.run(protocol, out=str(tmp_path), jobs=1, progress=False)
     saved = json.loads((tmp_path / "privacy.json").read_text())
     assert (tmp_path / "privacy.png").stat().st_size > 0
     assert len(saved["runs"]) == 1 + 2 * 3  # the no-noise reference + ε × modes
