@@ -121,15 +121,20 @@ def noise_for(calibration: Mapping[str, Any], *, name: str, sites: int, mode: st
                  bits=int(c["bits"]))
 
 
+def _maybe(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
 def calibration_table(calibration: Mapping[str, Any]) -> str:
-    """z, γ, ring and ε per cell; 'own share ε': a site's ε if every other site colluded with the server."""
-    lines = ["| task | N | mode | target ε | z | γ | ring bits | P(wrap) ≤ | ε (accounted) | own share ε |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    """z, γ, ring and ε per cell; 'own share ε': a site's ε if every other site colluded with the server; the last
+    column: what the workers' sampled-Gaussian accountant would give at the same z (the accountants' gap)."""
+    lines = ["| task | N | mode | target ε | z | γ | ring bits | P(wrap) ≤ | ε (accounted) | own share ε | "
+             "Gaussian accountant's ε at this z |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for k, c in calibration.items():
         name, n, mode, eps = k.split("|")
         own = c.get("own_share_epsilon")
         wrap = c.get("wrap_probability")
         lines.append(f"| {name} | {n} | {mode} | {eps} | {c['z']:.3f} | {c['gamma']:.4g} | {c['bits']} | "
                      f"{'—' if wrap is None else f'{wrap:.1e}'} | {c['epsilon']:.3f} | "
-                     f"{'—' if own is None else f'{own:.2f}'} |")
+                     f"{'—' if own is None else f'{own:.2f}'} | {_maybe(c.get('gaussian_epsilon_same_z'))} |")
     return "\n".join(lines)
