@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -152,6 +152,8 @@ def sensitivities(*, clip: float, scale: float, dim: int) -> tuple[float, float]
     A clipped gradient g has ‖g‖₂ ≤ C, so ‖γg‖₂ ≤ γC. Stochastic rounding moves each coordinate by less than 1,
     so the rounded vector r has ‖r‖₂ < γC + ‖(1, …, 1)‖₂ = γC + √d =: l2 (triangle inequality). r is an integer
     vector, so |r_j| ≤ r_j² and ‖r‖₁ ≤ ‖r‖₂² ≤ l2²; and ‖r‖₁ ≤ √d·‖r‖₂ (Cauchy–Schwarz): l1 = min(√d·l2, l2²).
+    (With the +√d inflation l2 > √d, so the √d·l2 arm is the smaller one; the Skellam bound's discreteness term,
+    where l1 enters, is a factor of order 1/μ below its Gaussian term anyway.)
     A site that rounds per record and sums integers changes its sum by exactly r when a record joins. One that
     rounds its float sum with uniforms U (⌊x + U⌋) changes it, for each fixed U, by an integer vector with
     |Δ_j| < |γg_j| + 1, the same bounds; Rényi divergence is jointly quasi-convex, so the mixture over U is
@@ -209,6 +211,25 @@ class DDPRound:
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain JSON values."""
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DDPRound:
+        """A round from `to_dict`'s values (as a round's record or a task carries them), field types checked."""
+        names = {f.name: f.type for f in fields(cls)}
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ConfigError("ddp_round", f"unknown fields {unknown}")
+        out: dict[str, Any] = {}
+        for name, kind in names.items():
+            if name not in data:
+                continue
+            value = data[name]
+            integral = kind in ("int", int)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (integral and value != int(value)):
+                raise ConfigError(f"ddp_round.{name}", f"must be {'an integer' if integral else 'a number'}, "
+                                                       f"got {value!r}")
+            out[name] = int(value) if integral else float(value)
+        return cls(**out)
 
 
 def wrap_bound(*, bits: int, dim: int, signal: float, total_variance: float) -> float:
@@ -311,15 +332,21 @@ def share_variance_for(*, mode: str, round: DDPRound, local_floor_epsilon: float
     bisection in log μ over a fixed bracket with a fixed number of steps, keeping the upper end, so the result
     meets the floor and is monotone in it (a stricter floor never gets less noise).
     """
-    floor = local_floor_epsilon
-    if mode == "local":
-        base = round.full_variance
-    elif mode == "distributed":
-        base = round.full_variance / round.quorum
-    else:
+    if not isinstance(mode, str) or mode not in ("local", "distributed"):
         raise ConfigError("dp.mode", f"must be 'local' or 'distributed', got {mode!r}")
-    if not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor >= 0):
+    floor = local_floor_epsilon
+    if isinstance(floor, bool) or not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor >= 0):
         raise ConfigError("dp.local_floor_epsilon", f"must be a number >= 0 (0: no floor), got {floor!r}")
+    _integer("rounds", rounds, low=0)
+    if not (isinstance(delta, (int, float)) and 0.0 < delta < 1.0):
+        raise ConfigError("delta", f"must lie strictly between 0 and 1, got {delta!r}")
+    return _share_variance(mode, round, float(floor), int(rounds), float(delta))
+
+
+@functools.lru_cache(maxsize=256)
+def _share_variance(mode: str, round: DDPRound, floor: float, rounds: int, delta: float) -> float:
+    """`share_variance_for`, once per setting (a worker asks each round; the answer costs ~30 accountings)."""
+    base = round.full_variance if mode == "local" else round.full_variance / round.quorum
     if floor == 0 or _floor_eps(round, base, rounds, delta) <= floor:
         return base
     if _floor_eps(round, MAX_VARIANCE, rounds, delta) > floor:
