@@ -293,17 +293,20 @@ def plot(protocol: Protocol, runs: Sequence[Mapping[str, Any]], *, path: str) ->
             if ref:
                 ax.axhline(100 * np.mean(ref), color="grey", ls="--", lw=1, label="no noise")
             ax.set_xscale("log")
+            ax.minorticks_off()
             ax.set_xticks(list(protocol.epsilons), [f"{e:g}" for e in protocol.epsilons])
+            ax.set_ylim(0, 100)
             ax.set_title(f"{name}, N = {n}", fontsize=10)
             ax.grid(alpha=0.3)
             if j == 0:
                 ax.set_ylabel("test accuracy (%)")
             if i == rows - 1:
                 ax.set_xlabel(f"ε (δ = {protocol.delta:g})")
-    axes[0][-1].legend(fontsize=8, loc="lower right")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.suptitle(f"Local vs distributed vs central DP: federated DP-SGD, T = {protocol.rounds}, "
                  f"q = {protocol.sample_rate}, C = {protocol.clip}, {len(protocol.seeds)} seeds", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
