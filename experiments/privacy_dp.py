@@ -27,7 +27,10 @@ none of the experiment's seeds). The modes differ only in the noise:
   the integer sum the server unmasks is the same.
 - local: the same quantiser and mechanism, but every site adds the whole dose μ itself (each site's own share
   gives it ε alone), so the sum carries N× the variance.
-A reference without noise ("none", clipping and sampling as above) is run too.
+A reference without noise ("none", clipping and sampling as above) is run too, and a diagnostic
+(`distributed_cz`): the distributed mechanism at central's z, whose Skellam-accounted ε is then above the target.
+It was added after the calibration (and a 60-round smoke run) showed the Skellam z far above central's at ε = 1,
+before the full run; it changes no other cell.
 Within a seed every mode, ε and N share the initial weights and the per-round Poisson samples' generator, and
 within (seed, N) the partition; so the modes of one cell differ by their noise alone.
 Reported: test accuracy of the final model (round T), mean ± SD over the seeds.
