@@ -113,6 +113,12 @@ experiment-catalogue: $(STAMP)
 experiment-imaging: $(STAMP)
 	$(PY) -m experiments.imaging
 
+# local vs distributed (secure, Skellam) vs central DP at ε 1/3/8, N 5/10/20 sites, digits and synthetic tissue,
+# 3 seeds: the same federated DP-SGD, only the noise differs (see experiments/privacy_dp.py)
+.PHONY: experiment-privacy
+experiment-privacy: $(STAMP)
+	$(PY) -m experiments.privacy_dp
+
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto --grpc_python_out=proto proto/fedbroker/proto/fedbroker.proto
 
