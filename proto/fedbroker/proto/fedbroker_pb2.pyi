@@ -738,7 +738,7 @@ class SelectionRecord(_message.Message):
     def __init__(self, method: _Optional[str] = ..., accepted: _Optional[int] = ..., chosen: _Optional[int] = ..., ga_round: _Optional[bool] = ..., ga_ran: _Optional[bool] = ..., fallback: _Optional[bool] = ..., fitness: _Optional[float] = ...) -> None: ...
 
 class SecAdvertiseRequest(_message.Message):
-    __slots__ = ("job_id", "round", "worker_id", "cipher_key", "mask_key", "num_samples", "ish", "has_ish")
+    __slots__ = ("job_id", "round", "worker_id", "cipher_key", "mask_key", "num_samples", "ish", "has_ish", "noise_variance")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -747,6 +747,7 @@ class SecAdvertiseRequest(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     ISH_FIELD_NUMBER: _ClassVar[int]
     HAS_ISH_FIELD_NUMBER: _ClassVar[int]
+    NOISE_VARIANCE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     worker_id: str
@@ -755,7 +756,8 @@ class SecAdvertiseRequest(_message.Message):
     num_samples: int
     ish: float
     has_ish: bool
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., cipher_key: _Optional[bytes] = ..., mask_key: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., ish: _Optional[float] = ..., has_ish: _Optional[bool] = ...) -> None: ...
+    noise_variance: float
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., cipher_key: _Optional[bytes] = ..., mask_key: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., ish: _Optional[float] = ..., has_ish: _Optional[bool] = ..., noise_variance: _Optional[float] = ...) -> None: ...
 
 class SecParams(_message.Message):
     __slots__ = ("threshold", "neighbours", "ring_bits", "clip", "fraction_bits", "ring_dtype", "length", "n_max", "ddp_scale", "ddp_bits", "ddp_quorum", "ddp_records")
