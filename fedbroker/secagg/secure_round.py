@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import hashlib
 
+from fedbroker.errors import ConfigError
+from fedbroker.job.privacy import DistributedDP
 from fedbroker.secagg.params import SecAggParams
+from fedbroker.secagg.skellam import DDPRound, choose
 
 CLIP = 8.0                 # B: each weighted coordinate of the update delta is clipped to [-B, B]
 KEY_FRACTION = 0.25        # the roster is fixed once every participant advertised, or at this share of the round
@@ -30,6 +33,33 @@ REPOLL_S = (0.2, 1.0)      # a worker's pause before asking again after "not yet
 def round_params(n: int) -> SecAggParams:
     """The settings of a secure round of `n` participants (at least 2; submission asks for 3)."""
     return SecAggParams.choose(n, CLIP)
+
+
+def ddp_round_params(*, participants: int, distributed: DistributedDP, dimension: int, records: int) -> DDPRound:
+    """A distributed-DP round's settings (`privacy.distributed`), derived alike by the service and each worker.
+
+    Inputs, all known to both ends before any key is drawn: `participants`, the round's n (the task's
+    `participants`); `distributed`, the job's installed section (z, C, q, quorum); `dimension`, the trainable
+    parameter count (the masked vector's length); `records`, the participants' registered record counts summed,
+    which the service sends as `SecParams.ddp_records` (a worker checks its own count is within it). Deterministic:
+    the same inputs give the same ring bits, γ and wrap bound on every machine.
+    """
+    if participants < distributed.quorum:
+        raise ConfigError("privacy.distributed.quorum", f"a round of {participants} participants cannot reach a "
+                                                        f"quorum of {distributed.quorum} survivors")
+    if dimension < 1 or records < 1:
+        raise ConfigError("privacy.distributed", f"a round needs parameters and records, got dimension {dimension} "
+                                                 f"and {records} records")
+    return choose(clip=distributed.clip, noise_multiplier=distributed.noise_multiplier, quorum=distributed.quorum,
+                  n_max=participants, dim=dimension, sample_rate=distributed.sample_rate, max_records=records)
+
+
+def ddp_secagg_params(n: int, ddp: DDPRound) -> SecAggParams:
+    """The SecAgg+ settings of a distributed-DP round of n: the masking graph and threshold of `round_params`,
+    in the ring the round's signed values live in (the masks cancel mod 2^bits as in any ring)."""
+    plain = round_params(n)
+    return SecAggParams(n_max=plain.n_max, threshold=plain.threshold, neighbours=plain.neighbours, bits=ddp.bits,
+                        clip=plain.clip)
 
 
 def round_seed(job_id: str, round_number: int, version: int) -> bytes:

@@ -186,7 +186,9 @@ class RoundBook:
             changed = job.open(round_number, members, deadline, seed=seed, build=lambda: new_round(
                 round_number, members, deadline, algorithms, section, counts, job.spec, job.spare_rows,
                 sample_limits=limits, secure=new_session(job_id, round_number, job.version, members, job.spec,
-                                                         opened=clock(), deadline=deadline, clock=clock)
+                                                         opened=clock(), deadline=deadline, clock=clock,
+                                                         distributed=algorithms.installed.privacy.distributed,
+                                                         limits=limits)
                 if algorithms.installed.aggregation.secure else None))
             if changed:
                 self.table.commit(job)

@@ -110,7 +110,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     """`jobs show ID`: the job's settings, its rounds and the workers it asked."""
     with client(args) as c:
         status = c.status(args.job_id)
-        shared = [e for e in c.events(args.job_id) if e.kind in SHARE_EVENTS]
+        events = list(c.events(args.job_id))
+    shared = [e for e in events if e.kind in SHARE_EVENTS]
+    ddp = [e for e in events if e.kind == "ddp"]  # each distributed-DP round's record (fedbroker.ddp_record)
     (job,) = status.jobs
     spec = json.loads(job.spec_json or "{}")
     secure_n = secure_round_size(spec, status.rounds)
@@ -118,6 +120,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         doc = show_document(status, shared)
         if secure_n:  # what a secure round of this job runs with: ring bits, clip range, threshold
             doc["secure"] = {"participants": secure_n, **round_params(secure_n).describe()}
+        if ddp:
+            doc["ddp"] = [{"round": e.round, **json.loads(e.message)} for e in ddp]
         print(json.dumps(doc, indent=2))
         return 0
     facts = [("job", job.job_id), ("name", job.name), ("status", job.status), ("category", job.category),
@@ -126,6 +130,7 @@ def cmd_show(args: argparse.Namespace) -> int:
              ("updated", _when(job.updated_unix) + " UTC"), *settings(spec), *layerwise_rounds(spec)]
     if secure_n:
         facts.append(("secure", describe_secure(secure_n)))
+    facts += [(f"round {e.round}", event_words(e.kind, e.round, e.message)) for e in ddp]
     facts += [("standardised" if e.kind == "statistics_agreed" else "sharing",
                f"{e.worker_id + ': ' if e.worker_id else ''}{e.message}") for e in shared]
     if job.error:

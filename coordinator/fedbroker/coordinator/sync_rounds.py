@@ -26,6 +26,7 @@ from fedbroker.coordinator.job_run import JobFailed, OpenRound, Run, Stopped
 from fedbroker.coordinator.participants import sample_participants
 from fedbroker.coordinator.records import RoundRecord
 from fedbroker.coordinator.waiting import unaffordable
+from fedbroker.ddp_record import from_stats, has_record
 from fedbroker.errors import BusError, Rejection
 from fedbroker.job.status import ParticipantStatus, RoundStatus
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -141,9 +142,13 @@ class SyncRounds:
 
     def _fewest(self, rnd: OpenRound) -> int:
         """The fewest uploads the round may close with: min_clients, and for a secure round at least its
-        threshold t (fewer masked inputs cannot be unmasked: fedbroker.secagg.secure_round)."""
-        fewest = self.run.job.schedule.min_clients
-        return max(fewest, needed_uploads(len(rnd.participants))) if self.run.job.aggregation.secure else fewest
+        threshold t (fewer masked inputs cannot be unmasked: fedbroker.secagg.secure_round), and with
+        privacy.distributed its quorum (fewer would carry less noise than promised: the service refuses them)."""
+        job = self.run.job
+        fewest = job.schedule.min_clients
+        if job.privacy.distributed.enabled:
+            fewest = max(fewest, job.privacy.distributed.quorum)
+        return max(fewest, needed_uploads(len(rnd.participants))) if job.aggregation.secure else fewest
 
     def _new_round(self, round_number: int) -> OpenRound:
         run, job = self.run, self.run.job
@@ -336,6 +341,8 @@ class SyncRounds:
             log.warning("round %d of %s: secure aggregation excluded %s", round_number, job_id,
                         ", ".join(reply.excluded))
             self.ctx.store.note_event(job_id, "secure", names_json(reply.excluded), round_number=round_number)
+        if has_record(reply.stats):  # a distributed-DP round's noise, survivors and ring: `jobs show`, `jobs logs`
+            self.ctx.store.note_event(job_id, "ddp", from_stats(reply.stats).to_json(), round_number=round_number)
         metrics.ROUNDS_COMPLETED.labels(job_id).inc()
         metrics.ROUND_DURATION.observe(seconds)
         metrics.ROUND_OPEN.labels(job_id).set(0)
