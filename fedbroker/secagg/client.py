@@ -28,7 +28,7 @@ from fedbroker.secagg.crypto import (
     split_sealed,
 )
 from fedbroker.secagg.errors import SecAggError, TooFewSurvivors
-from fedbroker.secagg.params import SecAggParams, clipped_count, mask_ring, quantise
+from fedbroker.secagg.params import SecAggParams, clipped_count, mask_ring, quantise, ring_dtype
 
 _STEPS = ("advertise", "share_keys", "open_inbox", "masked_input", "unmask", "done")
 MIN_ROUND_SEED_BYTES = 16
@@ -143,6 +143,34 @@ class SecAggClient:
         them, else this worker's masks would not cancel.
         """
         self._advance("masked_input")
+        kept = self._mask_peers(excluded)
+        y = quantise(vector, self.params, self._rng)
+        self.clipped = clipped_count(vector, self.params)
+        return self._add_masks(y, kept, self.params.bits)
+
+    def masked_integers(self, levels: NDArray[np.unsignedinteger[Any]], excluded: Collection[str] = (), *,
+                        bits: int | None = None) -> NDArray[np.unsignedinteger[Any]]:
+        """Step 3 for an input already in the ring (distributed DP: the worker quantised its gradient sum and added
+        its noise itself): y_i = levels + the same masks as `masked_input` (mod 2^bits).
+
+        `bits`: the ring `levels` live in (default the round's); the masks cancel in any ring, so the service
+        unmasks with the same bits. Nothing is clipped or rounded here: the caller already did."""
+        ring = self.params.bits if bits is None else bits
+        if not 8 <= ring <= 64:
+            raise SecAggError(f"worker {self.worker_id!r}: a ring of {ring} bits (8..64 only)")
+        values = np.asarray(levels)
+        if values.ndim != 1 or values.dtype != ring_dtype(ring):
+            raise SecAggError(f"worker {self.worker_id!r}: the input must be a flat {ring_dtype(ring).__name__} "
+                              f"vector of the 2^{ring} ring, got {values.dtype} {values.shape}")
+        if ring not in (32, 64) and values.size and int(values.max()) >> ring:
+            raise SecAggError(f"worker {self.worker_id!r}: the input holds values outside the 2^{ring} ring")
+        self._advance("masked_input")
+        kept = self._mask_peers(excluded)
+        self.clipped = 0
+        return self._add_masks(values.copy(), kept, ring)
+
+    def _mask_peers(self, excluded: Collection[str]) -> list[str]:
+        """The peers to mask with (the opened ones less `excluded`); refuses a failed sender left in."""
         gone = set(excluded)
         kept = sorted(self._opened - gone)
         unexcluded = sorted(self._failed - gone)
@@ -151,9 +179,12 @@ class SecAggClient:
                               f"failed here; masking with them would not cancel")
         for peer in gone:
             self._held.pop(peer, None)
-        y = quantise(vector, self.params, self._rng)
-        self.clipped = clipped_count(vector, self.params)
-        bits, length = self.params.bits, y.shape[0]
+        return kept
+
+    def _add_masks(self, y: NDArray[np.unsignedinteger[Any]], kept: list[str],
+                   bits: int) -> NDArray[np.unsignedinteger[Any]]:
+        """y + PRG(b_i) ± the pairwise masks with `kept`, in the ring of `bits`."""
+        length = y.shape[0]
         scratch = prg_scratch(length, bits)
         y += prg(self._b_seed, length, bits, scratch=scratch)
         for peer in kept:

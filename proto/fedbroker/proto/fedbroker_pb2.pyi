@@ -96,7 +96,7 @@ class JobCost(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., known: _Optional[bool] = ..., next_round_epsilon: _Optional[float] = ...) -> None: ...
 
 class TaskOutcome(_message.Message):
-    __slots__ = ("job_id", "round", "worker_id", "status", "reason", "epsilon", "train_loss", "seconds", "num_samples")
+    __slots__ = ("job_id", "round", "worker_id", "status", "reason", "epsilon", "train_loss", "seconds", "num_samples", "epsilon_local_floor")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[TaskOutcome.Status]
@@ -116,6 +116,7 @@ class TaskOutcome(_message.Message):
     TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_LOCAL_FLOOR_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     worker_id: str
@@ -125,7 +126,8 @@ class TaskOutcome(_message.Message):
     train_loss: float
     seconds: float
     num_samples: int
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., status: _Optional[_Union[TaskOutcome.Status, str]] = ..., reason: _Optional[str] = ..., epsilon: _Optional[float] = ..., train_loss: _Optional[float] = ..., seconds: _Optional[float] = ..., num_samples: _Optional[int] = ...) -> None: ...
+    epsilon_local_floor: float
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., status: _Optional[_Union[TaskOutcome.Status, str]] = ..., reason: _Optional[str] = ..., epsilon: _Optional[float] = ..., train_loss: _Optional[float] = ..., seconds: _Optional[float] = ..., num_samples: _Optional[int] = ..., epsilon_local_floor: _Optional[float] = ...) -> None: ...
 
 class RoundTask(_message.Message):
     __slots__ = ("job_id", "round", "training_json", "category", "model_version", "aggregator_target", "deadline_unix", "population_distribution", "participants", "seed", "aggregation_json", "recorded_epsilon_spent", "settings_digest", "settings")

@@ -87,6 +87,7 @@ class TrainResult:
     epsilon: float | None
     history: list[HistoryEntry]
     clipping: str | None = None
+    epsilon_local_floor: float | None = None  # distributed DP: the job's ε from this site's own noise share alone
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,9 @@ def _inputs(task: TaskConfig, x: np.ndarray | FileSamples,
     return x_in, label_tensor(task, np.asarray(y))
 
 
+prepared_inputs = _inputs  # a distributed-DP step reads the data as training does (worker/distributed_step.py)
+
+
 def check_batch_memory(x: np.ndarray | FileSamples, y: np.ndarray | FileSamples, *, config: TrainingConfig,
                        pipeline: DataPipeline | None, memory_mib: int | None, dp: bool,
                        physical_batch_size: int | None) -> None:
@@ -330,6 +334,9 @@ def _validate_for_dp(model: nn.Module) -> None:
             + ". Replace BatchNorm with GroupNorm (or LayerNorm) in the model spec; "
             "per-sample gradients cannot mix samples of a batch",
         )
+
+
+validate_for_dp = _validate_for_dp  # per-record gradients refuse what Opacus refuses (worker/distributed_step.py)
 
 
 def _strip(name: str) -> str:
