@@ -245,10 +245,12 @@ def test_a_restarted_service_refuses_every_step_of_the_distributed_dp_round(tmp_
     first.stop()
     again = RoundBook(spool_dir=tmp_path / "spool", secure_unmask_s=5.0)
     try:
-        with pytest.raises(UploadRejected, match="restarted during secure round 1"):
+        keys = SecAggClient("w2", round_params(5), b"0" * 32, np.random.default_rng(0)).advertise()
+        with pytest.raises(UploadRejected, match="restarted during secure round 1"):  # not a settings mismatch
             again.secure.advertise(pb.SecAdvertiseRequest(job_id=JOB, round=ROUND, worker_id="w2", num_samples=250,
+                                                          cipher_key=keys.c_pk, mask_key=keys.s_pk,
                                                           noise_variance=share(the_ddp())))
-        with pytest.raises(UploadRejected, match="restarted"):
-            again.close(JOB, ROUND)
+        with pytest.raises(UploadRejected, match="restarted"):  # nor is a site that advertised before told otherwise
+            again.secure.roster(pb.SecWaitRequest(job_id=JOB, round=ROUND, worker_id="w1", wait_s=0.0))
     finally:
         again.stop()

@@ -104,7 +104,8 @@ class SecureRounds:
             keys = PublicKeys(c_pk=bytes(request.cipher_key), s_pk=bytes(request.mask_key))
         except (ValueError, SecAggError) as exc:
             raise UploadRejected(Rejection.BAD_HEADER, f"worker {request.worker_id!r}: {exc}") from exc
-        noise = secure_ddp.check_noise_variance(request.worker_id, request.noise_variance, session.ddp)
+        noise = secure_ddp.check_noise_variance(request.worker_id, request.noise_variance, session.ddp) \
+            if session.failed is None else 0.0  # a failed (or lost) round answers why it failed, below
         session.advertise(request.worker_id, keys, int(request.num_samples), raw, noise)
         return session
 
