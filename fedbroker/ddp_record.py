@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass, field
 
 PREFIX = "ddp_"
 VARIANCE_PREFIX = "ddp_variance:"   # one stats key per survivor: its declared noise variance
-_NUMBERS = ("bits", "scale", "wrap_bound", "quorum", "noise_multiplier", "clip", "sample_rate", "lr",
-            "records", "total_variance", "quorum_variance")
+_NUMBERS = ("bits", "scale", "wrap_bound", "quorum", "noise_multiplier", "clip", "sample_rate", "lr", "dim",
+            "records", "share_variance", "total_variance", "quorum_variance")
+_WHOLE = ("bits", "quorum", "dim", "records")
 
 
 @dataclass(frozen=True)
@@ -32,13 +33,16 @@ class DDPRecord:
     clip: float               # C: each record's gradient L2 clip
     sample_rate: float        # q: each record's Poisson sampling probability
     lr: float                 # the step the service applied: x ← x − lr·sum/(q·records)
+    dim: int                  # d: coordinates of the sum (its rounding enters the sensitivity)
     records: int              # Σ n_j over the survivors (their declared sample counts)
+    share_variance: float     # (γ·z·C)²/quorum: the least a survivor could declare
     total_variance: float     # Σ over the survivors of their declared variances: the noise the sum carried
     quorum_variance: float    # (γ·z·C)²: the whole dose a quorum carries, what the job's ε assumes
     variances: dict[str, float] = field(default_factory=dict)  # survivor → its declared noise variance
 
     @property
     def survivors(self) -> list[str]:
+        """The survivors whose noise the sum carried, by name."""
         return sorted(self.variances)
 
     @property
@@ -87,7 +91,12 @@ def _build(numbers: Mapping[str, object], variances: Mapping[str, object]) -> DD
     values = {k: float(v) for k, v in numbers.items() if isinstance(v, (int, float))}
     if len(values) != len(numbers) or not all(math.isfinite(v) for v in values.values()):
         raise ValueError("a distributed-DP round record holds a value that is not a finite number")
-    return DDPRecord(**{k: int(v) if k in ("bits", "quorum", "records") else v for k, v in values.items()},
+    whole = {k: int(values[k]) for k in _WHOLE}
+    return DDPRecord(bits=whole["bits"], scale=values["scale"], wrap_bound=values["wrap_bound"], quorum=whole["quorum"],
+                     noise_multiplier=values["noise_multiplier"], clip=values["clip"],
+                     sample_rate=values["sample_rate"], lr=values["lr"], dim=whole["dim"], records=whole["records"],
+                     share_variance=values["share_variance"], total_variance=values["total_variance"],
+                     quorum_variance=values["quorum_variance"],
                      variances={str(w): float(v) for w, v in variances.items() if isinstance(v, (int, float))})
 
 

@@ -155,8 +155,9 @@ def test_the_round_runs_the_settings_both_ends_derive_and_the_advertise_reply_na
     ddp = the_ddp()
     assert session is not None and session.ddp == ddp and session.quorum == DIST.quorum
     assert session.params.bits == ddp.bits and session.params.threshold == round_params(len(WORKERS)).threshold
-    assert secure_ddp.sec_params(session) == {"ddp_scale": ddp.scale, "ddp_bits": ddp.bits,
-                                              "ddp_quorum": DIST.quorum, "ddp_records": sum(SAMPLES.values())}
+    sent = secure_ddp.sec_params(session, pb.SecParams())
+    assert (sent.ddp_scale, sent.ddp_bits, sent.ddp_quorum, sent.ddp_records) == (
+        ddp.scale, ddp.bits, DIST.quorum, sum(SAMPLES.values()))
 
 
 @pytest.mark.parametrize("declared", [math.nan, -1.0, math.inf, 1e30, 0.0])

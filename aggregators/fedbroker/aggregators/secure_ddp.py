@@ -31,6 +31,7 @@ from fedbroker.ddp_record import DDPRecord
 from fedbroker.errors import ConfigError, Rejection, UploadRejected
 from fedbroker.job.privacy import DistributedDP
 from fedbroker.job.spec import ModelSpec, parameter_shapes
+from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.secagg.secure_round import ddp_round_params
 from fedbroker.secagg.skellam import DDPRound
 
@@ -81,12 +82,12 @@ def check_noise_variance(worker_id: str, declared: float, ddp: DDPRound | None) 
     return float(declared)
 
 
-def sec_params(session: SecureSession) -> dict[str, float | int]:
-    """SecParams' distributed-DP fields (9..12) of the session (empty for a plain secure round)."""
-    if session.ddp is None:
-        return {}
-    return {"ddp_scale": session.ddp.scale, "ddp_bits": session.ddp.bits, "ddp_quorum": session.quorum,
-            "ddp_records": session.records}
+def sec_params(session: SecureSession, params: pb.SecParams) -> pb.SecParams:
+    """`params` with the session's distributed-DP fields (9..12) set (left 0 in a plain secure round)."""
+    if session.ddp is not None:
+        params.ddp_scale, params.ddp_bits = session.ddp.scale, session.ddp.bits
+        params.ddp_quorum, params.ddp_records = session.quorum, session.records
+    return params
 
 
 def combine_ddp(rnd: Round, current: Mapping[str, np.ndarray], spec: ModelSpec, *, unmask_s: float) -> Combined:
@@ -101,7 +102,8 @@ def combine_ddp(rnd: Round, current: Mapping[str, np.ndarray], spec: ModelSpec, 
     variances = {w: session.noise[w] for w in result.survivors}
     record = DDPRecord(bits=session.ddp.bits, scale=session.ddp.scale, wrap_bound=session.ddp.wrap_probability,
                        quorum=session.quorum, noise_multiplier=distributed.noise_multiplier, clip=distributed.clip,
-                       sample_rate=distributed.sample_rate, lr=lr, records=records,
+                       sample_rate=distributed.sample_rate, lr=lr, dim=session.ddp.dim, records=records,
+                       share_variance=session.ddp.share_variance,
                        total_variance=sum(variances.values()), quorum_variance=session.ddp.full_variance,
                        variances=variances)
     if records <= 0 or not record.conservative:  # each declared ≥ its share and ≥ quorum survivors: cannot happen

@@ -199,9 +199,9 @@ class AggregationServicer(pb_grpc.AggregationServicer):
             self._own(context, request.worker_id)
             session = self.book.secure.advertise(request)
             p = session.params
-            return pb.SecAdvertiseReply(round_seed=session.seed, params=pb.SecParams(
+            return pb.SecAdvertiseReply(round_seed=session.seed, params=sec_params(session, pb.SecParams(
                 threshold=p.threshold, neighbours=p.neighbours, ring_bits=p.bits, clip=p.clip,
-                ring_dtype=np.dtype(p.dtype).name, length=session.length, n_max=p.n_max, **sec_params(session)))
+                ring_dtype=np.dtype(p.dtype).name, length=session.length, n_max=p.n_max)))
 
         return handle(context, _counted("SecAdvertise", run))
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fedbroker.ddp_record import from_json as ddp_from_json
-from fedbroker.ddp_record import words as ddp_words
 from fedbroker.close_report import (
     SelectionRecord,
     Verdict,
@@ -16,6 +14,8 @@ from fedbroker.close_report import (
     selection_from_json,
     verdicts_from_json,
 )
+from fedbroker.ddp_record import from_json as ddp_from_json
+from fedbroker.ddp_record import words as ddp_words
 
 
 def selection_note(round_number: int, record: SelectionRecord) -> str:
