@@ -5,7 +5,9 @@ Run on the site, from the worker's config (`--config worker.yaml`, paths read fr
 `fedbroker worker --config` reads them) or its kit (`--kit FOLDER`, paths read from the kit as its start.sh
 does). It prints the total ε, the owner's budget and what is left, the ε of each job's training and of each
 release (the label histogram, the standardisation statistics, ...), and the shared log: what left the site,
-for which job, to whom, when, at what ε. `--json` prints the same as one document.
+for which job, to whom, when, at what ε. A job with distributed DP shows two figures: its ε (distributed: the secure
+sum carries the quorum's noise; the budget counts it) and its local-floor ε (this site's own noise share alone, were
+every other site colluding with the server). `--json` prints the same as one document.
 
 The ledger is only read: opened as an operator reads it (no worker id), which never writes it. A ledger below
 its mark file is refused, as the worker refuses it.
@@ -117,7 +119,7 @@ def local_view(config: Config) -> dict[str, Any]:
     if ledger.worker_id is not None and ledger.worker_id != config.worker.id:
         raise ConfigError("worker.id", f"{path} is the ledger of worker {ledger.worker_id!r}, but the config names "
                                        f"{config.worker.id!r}")
-    jobs, spent = ledger.jobs(), ledger.releases()
+    jobs, spent, floors = ledger.jobs(), ledger.releases(), ledger.floors()
     releases = []
     for name, epsilon in spent.items():
         kept = ledger.release(name)
@@ -131,7 +133,8 @@ def local_view(config: Config) -> dict[str, Any]:
         "dp": {"enabled": dp.enabled, "epsilon_budget": dp.epsilon_budget if dp.enabled else None,
                "delta": dp.delta if dp.enabled else None,
                "epsilon_left": dp.epsilon_budget - total if dp.enabled else None},
-        "jobs": [{"job_id": job_id, "epsilon": epsilon} for job_id, epsilon in jobs.items()],
+        "jobs": [{"job_id": job_id, "epsilon": epsilon} | ({"local_floor_epsilon": floors[job_id]} if job_id in floors
+                                                           else {}) for job_id, epsilon in jobs.items()],
         "releases": releases,
         "shared": [{**dataclasses.asdict(s), "time": _when(s.time_unix)} for s in ledger.shared()],
         "note": note,
@@ -227,9 +230,10 @@ def render(view: dict[str, Any]) -> str:
     job_ids = [j["job_id"] for j in view["jobs"]] + [j for j in coordinator if j not in
                                                      {k["job_id"] for k in view["jobs"]}]
     ours = {j["job_id"]: j["epsilon"] for j in view["jobs"]}
-    lines += ["", "TRAINING (ε per job)", table(
-        ["job", "ε (ledger)", "ε (coordinator)", "rounds", "job status", "check"],
-        [[j, _eps(ours.get(j)), _eps(coordinator[j]["epsilon"]) if j in coordinator else DASH,
+    floors = {j["job_id"]: j["local_floor_epsilon"] for j in view["jobs"] if "local_floor_epsilon" in j}
+    lines += ["", "TRAINING (ε per job; distributed DP: the floor is this site's own noise share alone)", table(
+        ["job", "ε (ledger)", "ε local floor", "ε (coordinator)", "rounds", "job status", "check"],
+        [[j, _eps(ours.get(j)), _eps(floors.get(j)), _eps(coordinator[j]["epsilon"]) if j in coordinator else DASH,
           coordinator[j]["rounds"] if j in coordinator else DASH,
           coordinator[j]["status"] if j in coordinator else DASH, checks.get(j, DASH)] for j in job_ids])]
     lines += ["", "RELEASES (ε per release: drawn once, re-sent at no new cost)", table(

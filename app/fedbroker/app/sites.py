@@ -41,7 +41,9 @@ def dp_text(site: Any) -> str:
     if not site.dp_enabled:
         return "off"
     p = site.dp_policy
-    return f"σ {p.noise_multiplier:g}, clip {p.max_grad_norm:g}, δ {p.delta:g}, budget {p.epsilon_budget:g}"
+    ddp = f", distributed DP share{f', floor ε {p.local_floor_epsilon:g}' if p.local_floor_epsilon else ''}" \
+        if p.mode == "distributed" else ""   # local (or a site from before dp.mode): the whole dose itself
+    return f"σ {p.noise_multiplier:g}, clip {p.max_grad_norm:g}, δ {p.delta:g}, budget {p.epsilon_budget:g}{ddp}"
 
 
 def data_text(site: Any) -> str:

@@ -218,12 +218,13 @@ def _registration_problems(r: pb.Registration) -> list[str]:
         out.append(f"device: must be 1-64 letters, digits, '_', '.', ':' or '-', got {r.device[:80]!r}")
     if r.dp_enabled:
         p = r.dp_policy
-        numbers = (p.noise_multiplier, p.max_grad_norm, p.delta, p.epsilon_budget)
+        numbers = (p.noise_multiplier, p.max_grad_norm, p.delta, p.epsilon_budget, p.local_floor_epsilon)
         if not all(math.isfinite(x) for x in numbers):
             out.append(f"dp_policy: every number must be finite, got {list(numbers)}")
-        else:
+        else:  # mode "": a worker from before dp.mode, which takes part as `local`
             policy = DPPolicy(enabled=False, noise_multiplier=p.noise_multiplier, max_grad_norm=p.max_grad_norm,
-                              delta=p.delta, epsilon_budget=p.epsilon_budget)
+                              delta=p.delta, epsilon_budget=p.epsilon_budget, mode=p.mode or "local",
+                              local_floor_epsilon=p.local_floor_epsilon)
             out += [str(e) for e in policy.problems()]
     return out
 
@@ -256,6 +257,7 @@ def _outcome_problems(o: pb.TaskOutcome) -> list[str]:
     if o.status not in (pb.TaskOutcome.REFUSED, pb.TaskOutcome.FAILED, pb.TaskOutcome.UPLOADED):
         out.append(f"status: must be REFUSED, FAILED or UPLOADED, got {o.status}")
     out += _epsilon_problems("epsilon", o.epsilon)
+    out += _epsilon_problems("epsilon_local_floor", o.epsilon_local_floor)
     if not 0 <= o.num_samples <= MAX_SAMPLES:
         out.append(f"num_samples: must lie in [0, {MAX_SAMPLES}], got {o.num_samples}")
     return out

@@ -113,7 +113,8 @@ class ControlHandler:
         self._note_claim(r.worker_id, r.epsilon_spent, "registration")
         p = r.dp_policy  # checked when enabled (check_control); a disabled policy's numbers are never used
         dp = DPPolicy(enabled=r.dp_enabled, noise_multiplier=p.noise_multiplier, max_grad_norm=p.max_grad_norm,
-                      delta=p.delta, epsilon_budget=p.epsilon_budget)
+                      delta=p.delta, epsilon_budget=p.epsilon_budget, mode=p.mode or "local",  # "": before dp.mode
+                      local_floor_epsilon=p.local_floor_epsilon)
         if r.label_histogram:  # a site shares its histogram with the jobs that need it, never at registration
             log.info("worker %s registered a label histogram: not stored (a site shares it only with the jobs "
                         "whose algorithms need it, before their round 1)", r.worker_id)
@@ -155,6 +156,8 @@ class ControlHandler:
             log.warning("outcome from %r for unknown task (%s, round %d) ignored", o.worker_id, o.job_id, o.round)
         else:
             log.info("worker %s %s round %d of %s: %s", o.worker_id, status, o.round, o.job_id, reason)
+            if o.epsilon_local_floor > 0:  # distributed DP: its own share's ε, kept beside the ε (never charged)
+                self._quietly(self.store.record_local_floor, o.job_id, o.round, o.worker_id, o.epsilon_local_floor)
         if status in (ParticipantStatus.REFUSED, ParticipantStatus.FAILED):
             where = f"task {o.round}" if driver is not None or (job is not None and job.mode == "async") else \
                 f"round {o.round}"

@@ -32,7 +32,8 @@ def site_row(store: StateStore, w: WorkerRecord, info: SiteInfo | None, *, heart
         dp_enabled=w.dp.enabled, epsilon_recorded=w.epsilon_spent, current_jobs=current, past_jobs=len(jobs) - current)
     if w.dp.enabled:
         row.dp_policy.CopyFrom(pb.DPPolicy(noise_multiplier=w.dp.noise_multiplier, max_grad_norm=w.dp.max_grad_norm,
-                                           delta=w.dp.delta, epsilon_budget=w.dp.epsilon_budget))
+                                           delta=w.dp.delta, epsilon_budget=w.dp.epsilon_budget, mode=w.dp.mode,
+                                           local_floor_epsilon=w.dp.local_floor_epsilon))
     if info is not None:
         row.software_version, row.first_registered_unix = info.software_version, info.first_registered
         row.restarts, row.broker_user, row.log_records = info.restarts, info.broker_user, info.log_records

@@ -1,7 +1,9 @@
 """The part of the coordinator's state store (`StateStore`, which mixes it in) that keeps a worker's ε honest:
 what the tasks it was issued can add to its ε (the bound on the ε a task outcome may claim for its job), the audit trail of
 operators' corrections, the asynchronous trainings whose ε no version records, and a site's own record (its jobs,
-their ε and what it shared with each: the SiteRecord call, which a site compares with its ledger).
+their ε and what it shared with each: the SiteRecord call, which a site compares with its ledger). In a job with
+distributed DP a site also reports its local-floor ε (its own noise share alone); it is kept beside the participant
+row's ε (`epsilon_local_floor`, a column added to older state files on first use) and never priced or charged.
 
 Its tables are created on first use, so a state file written before them gets them then. As in store.py, every
 write is one transaction and no SQLite row leaves the store: reads return records.
@@ -55,6 +57,9 @@ class EpsilonTables(StoreAccess):
                 if "job_id" not in columns:  # a state file of an older version: its rows price no job
                     db.execute("ALTER TABLE issued_epsilon ADD COLUMN job_id TEXT NOT NULL DEFAULT ''")
                 db.execute("CREATE INDEX IF NOT EXISTS issued_epsilon_by_job ON issued_epsilon (worker_id, job_id)")
+                columns = {name for (name,) in db.execute("SELECT name FROM pragma_table_info('participants')")}
+                if "epsilon_local_floor" not in columns:  # a state file from before distributed DP: no floors yet
+                    db.execute("ALTER TABLE participants ADD COLUMN epsilon_local_floor REAL")
 
             self._write("create its ε tables", create)
             self._epsilon_tables_ready = True
@@ -112,6 +117,23 @@ class EpsilonTables(StoreAccess):
         else:
             rows = self._exec("SELECT * FROM epsilon_corrections WHERE worker_id = ? ORDER BY seq", (worker_id,))
         return [_correction_record(r) for r in rows]
+
+    def record_local_floor(self, job_id: str, round_number: int, worker_id: str, floor: float) -> bool:
+        """Keep the local-floor ε a site reported for a distributed-DP job beside its participant row's ε (the
+        largest report: the floor only grows); False when the site was never asked for that round."""
+        self._epsilon_tables()
+        return self._write(
+            f"record the local-floor ε of worker {worker_id!r} in round {round_number} of job {job_id!r}",
+            lambda db: db.execute(
+                "UPDATE participants SET epsilon_local_floor = MAX(COALESCE(epsilon_local_floor, 0), ?) WHERE"
+                " job_id = ? AND round = ? AND worker_id = ?", (floor, job_id, round_number, worker_id)).rowcount > 0)
+
+    def local_floors(self, worker_id: str) -> dict[str, float]:
+        """Job id → the largest local-floor ε the site reported for it (distributed-DP jobs only)."""
+        self._epsilon_tables()
+        rows = self._exec("SELECT job_id, MAX(epsilon_local_floor) AS floor FROM participants WHERE worker_id = ?"
+                          " AND epsilon_local_floor IS NOT NULL GROUP BY job_id ORDER BY job_id", (worker_id,))
+        return {r["job_id"]: float(r["floor"]) for r in rows}
 
     def record_async_training(self, job_id: str, worker_id: str, *, task: int, status: ParticipantStatus,
                               reason: str, epsilon: float) -> None:

@@ -58,6 +58,7 @@ from fedbroker.worker.batches import job_pipeline, peak_memory_bytes
 if TYPE_CHECKING:
     from fedbroker.job.pipeline import DataPipeline
 from fedbroker.worker.budget import JOB_COSTS_KEPT, SiteBudget
+from fedbroker.worker.distributed_step import refuse_without_dp, step_for
 from fedbroker.worker.evaluation import SiteEvaluation
 from fedbroker.worker.global_model import build_global, fit_problem
 from fedbroker.worker.job_settings import JobSettingsCache
@@ -195,8 +196,7 @@ class WorkerAgent:
         dp = self.dp
         registration = pb.Registration(
             worker_id=self.config.id, categories=list(self.config.categories), dp_enabled=dp is not None,
-            dp_policy=pb.DPPolicy(noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
-                                  delta=dp.delta, epsilon_budget=dp.epsilon_budget) if dp else None,
+            dp_policy=pb.DPPolicy(**{k: v for k, v in dataclasses.asdict(dp).items() if k != "enabled"}) if dp else None,
             epsilon_spent=self.ledger.total_epsilon(), device=self.device, num_samples=len(self.y),
             evaluation_samples=self.evaluation.num_samples,  # the most an evaluation report of it may claim
             input_shape=[int(d) for d in self.x.shape[1:]], num_classes=self.num_classes,
@@ -365,7 +365,8 @@ class WorkerAgent:
         try:
             self.bus.publish_control(envelope.encode(task_outcome=pb.TaskOutcome(
                 job_id=task.job_id, round=task.round, worker_id=self.config.id, status=status,
-                reason=reason, epsilon=epsilon, train_loss=spent.train_loss if spent is not None else 0.0)))
+                reason=reason, epsilon=epsilon, train_loss=spent.train_loss if spent is not None else 0.0,
+                epsilon_local_floor=spent.epsilon_local_floor or 0.0 if spent is not None else 0.0)))
         except BusError as exc:  # the round's deadline still ends the wait for us
             log.warning("outcome of task %s/%d not reported: %s", task.job_id, task.round, exc)
 
@@ -384,11 +385,12 @@ class WorkerAgent:
         except ValueError as exc:  # ConfigError(s): settings no retry can make valid
             raise _PoisonTask(f"invalid job settings in the task: {exc}") from None
         config, layerwise = installed.training, installed.algorithms.alignment.params.layerwise
-        self.budget.note_job(task.job_id, config)  # what its next round costs, for the heartbeats
+        distributed = installed.privacy.distributed.enabled  # distributed DP: priced per round (distributed_step.py)
+        self.budget.note_job(task.job_id, config, distributed=distributed)  # for the heartbeats' costs
         self.budget.check_ledger(task.recorded_epsilon_spent)
         if task.population_distribution:  # DWFed's ISH needs the released histogram: drawn (and charged) first
             self.sharing.histogram()
-        self.budget.check_budget(task.job_id, config)
+        refuse_without_dp(self.dp, task.job_id) if distributed else self.budget.check_budget(task.job_id, config)
         key = (task.job_id, task.round, task.model_version)
         # Every call retries through an outage (or a full spool) for as long as the round can use it.
         client = self._aggregator(task.aggregator_target).until(task.deadline_unix)
@@ -409,7 +411,7 @@ class WorkerAgent:
             secure.exchange_keys(client)
         if result is None:
             assert start.model is not None  # asked for, and the round wants our update
-            result = self._train(task, config, start.model, layerwise=layerwise)
+            result = self._train(task, config, start.model, layerwise=layerwise, secure=secure)
             self._trained = {key: result}
         self._state = "uploading"
         receipt = self._upload(client, task, result) if secure is None else self._upload_masked(client, secure, result)
@@ -421,7 +423,7 @@ class WorkerAgent:
         return receipt
 
     def _train(self, task: pb.RoundTask, config: TrainingConfig, global_model: Model, *,
-               layerwise: bool = False) -> TrainResult:
+               layerwise: bool = False, secure: SecureRun | None = None) -> TrainResult:
         self._state = "training"
         metrics.RECEIVED_BYTES.labels(self.config.id).inc(sum(a.nbytes for a in global_model[2].values()))
         installed = self.job_settings.get(task.job_id)  # held for every task `run_task` trains
@@ -450,6 +452,11 @@ class WorkerAgent:
                                dp=self.dp is not None, physical_batch_size=self.config.physical_batch_size or None)
         except ConfigError as exc:
             raise _DataMismatch(str(exc)) from None
+        if secure is not None and secure.ddp is not None:  # distributed DP: one noised gradient sum, no training
+            result = secure.ddp.run(secure, model, spec, x=self.x, y=self.y, task=job_task, pipeline=pipeline,
+                                    device=self.device, frozen=frozen, cache=self.config.data.cache)
+            self.send_heartbeat()  # both figures are on the ledger: the coordinator's picture, fresh
+            return result
         result = train_local(model, self.x, self.y, config=config, dp=self.dp,
                              history=self.ledger.history(task.job_id), device=self.device,
                              seed=self._training_seed(task), progress=give_up_at_deadline,
@@ -471,7 +478,8 @@ class WorkerAgent:
         run = self._secure.get(key)
         if run is None:
             run = SecureRun(worker_id=self.config.id, task=task, num_samples=len(self.y), ish=self._ish(task),
-                            steps=self.secure_steps)
+                            steps=self.secure_steps, ddp=step_for(task.job_id, self.job_settings.held(task.job_id),
+                                                                  policy=self.dp, budget=self.budget))
             self._secure = {key: run}
         return run
 

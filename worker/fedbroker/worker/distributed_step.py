@@ -11,6 +11,13 @@ is its own, which is what the clip bounds. A module that mixes the records of a 
 has no per-record gradient and is refused, with Opacus's validator's reasons, as DP training refuses it. Dropout
 draws independently per record (`randomness="different"`).
 
+`DistributedStep` runs the rest on the site, around the secure protocol (worker/secure_task.py): before any key
+leaves, the round's settings (`round_for`: γ, ring bits, from the task's participants, the job's section, the model's
+size and the records), this site's noise share μ_i (`skellam.share_variance_for` under its own dp.mode and
+local_floor_epsilon) and the budget check against the distributed ε; after the key exchange, the gradient sum,
+quantised with γ, plus Skellam(μ_i) noise, in the ring, masked, and both ε figures on the ledger before anything
+leaves. The sample's loss is not released (the noise does not cover it): the task reports a loss of 0.
+
 The sum is returned in float64 in the model's parameter order (`fedbroker.job.spec.parameter_shapes`: the layout of
 secure_task.weighted_vector and of the service), with zeros for what does not train (a frozen layer, a buffer).
 """
@@ -18,8 +25,10 @@ secure_task.weighted_vector and of the service), with zeros for what does not tr
 from __future__ import annotations
 
 import math
+import os
+import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,12 +38,21 @@ from torch import nn
 from fedbroker.config import DPPolicy
 from fedbroker.datasets.stream import FileSamples
 from fedbroker.errors import ConfigError, TaskRefused
+from fedbroker.job.privacy import DistributedDP
+from fedbroker.job.settings import InstalledJob
+from fedbroker.job.spec import ModelSpec, parameter_shapes
 from fedbroker.job.task import TaskConfig
+from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.secagg import secure_round, skellam
 from fedbroker.tasks.losses import per_sample_loss
 from fedbroker.worker.batches import Batches
+from fedbroker.worker.budget import SiteBudget
+from fedbroker.worker.ledger import DistributedRound
+from fedbroker.worker.training import TrainResult, prepared_inputs
 
 if TYPE_CHECKING:
     from fedbroker.job.pipeline import DataPipeline
+    from fedbroker.worker.secure_task import SecureRun
 
 CHUNK = 256   # records whose gradients are held at once (memory: CHUNK × the model's parameters, float32)
 
@@ -65,7 +83,7 @@ def poisson_sample(num_records: int, sample_rate: float, rng: np.random.Generato
     return np.flatnonzero(rng.random(num_records) < sample_rate)
 
 
-def gradient_sum(model: nn.Module, x: np.ndarray | torch.Tensor | FileSamples, y: np.ndarray | torch.Tensor | FileSamples,
+def gradient_sum(model: nn.Module, x: np.ndarray | FileSamples, y: np.ndarray | FileSamples,
                  *, names: Sequence[str], clip: float, sample_rate: float, rng: np.random.Generator,
                  task: TaskConfig | None = None, pipeline: DataPipeline | None = None, device: str = "cpu",
                  frozen: Collection[str] = (), chunk: int = CHUNK, cache: str = "") -> GradientSum:
@@ -78,8 +96,6 @@ def gradient_sum(model: nn.Module, x: np.ndarray | torch.Tensor | FileSamples, y
         raise ConfigError("privacy.distributed.clip", f"must be a positive finite number, got {clip!r}")
     check_per_record(model)
     task = task or TaskConfig()
-    from fedbroker.worker.training import prepared_inputs
-
     x_in, y_in = prepared_inputs(task, x, y)
     dev = torch.device(device)
     work = model.to(dev)
@@ -144,8 +160,129 @@ def _flat(sums: dict[str, torch.Tensor], names: Sequence[str], state: dict[str, 
 
 
 def check_per_record(model: nn.Module) -> None:
-    """Refuse a module with no per-record gradient (BatchNorm in training mode mixes a batch's records): before
-    anything is sampled, so a refused task spends nothing."""
-    from fedbroker.worker.training import validate_for_dp
+    """Refuse a module with no per-record gradient before anything is sampled, so a refused task spends nothing:
+    BatchNorm in training mode (and InstanceNorm tracking running statistics) mixes the records of a batch."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.instancenorm import _InstanceNorm
 
-    validate_for_dp(model)
+    mixing = sorted({type(m).__name__ for m in model.modules()
+                     if isinstance(m, _BatchNorm) or (isinstance(m, _InstanceNorm) and m.track_running_stats)})
+    if mixing:
+        raise ConfigError("model", f"has no per-record gradient for distributed DP: {', '.join(mixing)} mixes the "
+                                   f"records of a batch in training mode. Replace BatchNorm with GroupNorm (or "
+                                   f"LayerNorm) in the model spec")
+
+
+def layout_size(spec: ModelSpec) -> int:
+    """d: the values of the round's vector (every tensor of the layout, as secure_task.weighted_vector lays them)."""
+    return sum(math.prod(shape) for shape in parameter_shapes(spec).values())
+
+
+def round_for(*, participants: int, distributed: DistributedDP, dim: int, records: int) -> skellam.DDPRound:
+    """The round's settings, as the service derives them: its `secure_round.ddp_round_params` where it has one (the
+    service side's), else the same choice from `skellam.choose`. Both ends check the other's ring bits."""
+    shared = getattr(secure_round, "ddp_round_params", None)
+    if shared is not None:
+        out: skellam.DDPRound = shared(participants=participants, distributed=distributed, dimension=dim,
+                                       records=records)
+        return out
+    return skellam.choose(clip=distributed.clip, noise_multiplier=distributed.noise_multiplier,
+                          quorum=distributed.quorum, n_max=max(participants, distributed.quorum), dim=dim,
+                          sample_rate=distributed.sample_rate, max_records=max(records, 1))
+
+
+def step_for(job_id: str, installed: InstalledJob, *, policy: DPPolicy | None,
+             budget: SiteBudget) -> DistributedStep | None:
+    """The site's step of a round of `installed` when it runs distributed DP (None: the secure round sums updates)."""
+    settings = installed.privacy.distributed
+    if not settings.enabled:
+        return None
+    return DistributedStep(job_id=job_id, policy=policy, settings=settings, budget=budget,
+                           num_samples=budget.num_samples)
+
+
+class DistributedStep:
+    """One site's part of one distributed-DP round (module docstring); kept with its SecureRun across retries, so
+    a retry re-sends the same masked bytes and spends nothing again."""
+
+    def __init__(self, *, job_id: str, policy: DPPolicy | None, settings: DistributedDP, budget: SiteBudget,
+                 num_samples: int, rng: np.random.Generator | None = None) -> None:
+        refuse_without_dp(policy, job_id)
+        assert policy is not None
+        self.job_id, self.policy, self.settings, self.budget = job_id, policy, settings, budget
+        self.num_samples = num_samples
+        self.rng = rng if rng is not None else np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
+        self.round: skellam.DDPRound | None = None
+        self.step: DistributedRound | None = None   # what the ledger records of the round
+        self.figures: tuple[float, float] | None = None   # (distributed ε, local-floor ε) after the round
+        self.result: TrainResult | None = None
+
+    @property
+    def mu(self) -> float:
+        """μ_i, the variance this site adds (what it declares in its advertisement); 0 before `prepare`."""
+        return self.step.mu if self.step is not None else 0.0
+
+    def prepare(self, task: pb.RoundTask, spec: ModelSpec) -> None:
+        """Before any key leaves: the round's settings, μ_i and the budget check (BudgetExceeded, TaskRefused).
+        Once; a retry keeps them."""
+        if self.step is not None:
+            return
+        policy, ledger = self.policy, self.budget.ledger
+        r = round_for(participants=task.participants, distributed=self.settings, dim=layout_size(spec),
+                      records=self.num_samples)
+        done = len(ledger.distributed_rounds(self.job_id))
+        try:
+            mu = skellam.share_variance_for(mode=policy.mode, round=r, local_floor_epsilon=policy.local_floor_epsilon,
+                                            rounds=done + 1, delta=policy.delta)
+        except ConfigError as exc:
+            raise TaskRefused(f"job {self.job_id}: this site's floor cannot be kept in round {done + 1}: {exc}") from None
+        cap = r.max_share_variance or r.full_variance
+        if mu > cap * (1 + 1e-12):
+            raise TaskRefused(f"job {self.job_id}: this site's dp.local_floor_epsilon {policy.local_floor_epsilon:g} "
+                              f"needs a noise share of {mu:.4g} levels², above the {cap:.4g} the round's ring is "
+                              f"sized for (it could wrap the sum); raise the floor or take part in mode local")
+        step = DistributedRound(round=int(task.round), scale=r.scale, dim=r.dim, clip=r.clip,
+                                noise_multiplier=r.noise_multiplier, sample_rate=r.sample_rate, quorum=r.quorum,
+                                mu=mu, bits=r.bits, delta=policy.delta, mode=policy.mode)
+        self.figures = self.budget.check_distributed(self.job_id, step)
+        self.round, self.step = r, step
+
+    def settle(self, params: pb.SecParams, task: pb.RoundTask) -> int:
+        """The ring bits of the round as the service announced it: the round re-derived with the roster's records
+        (`ddp_records` where the service sends them), checked against the service's length and γ."""
+        assert self.round is not None and self.step is not None
+        records = int(getattr(params, "ddp_records", 0) or self.num_samples)
+        if records < self.num_samples:
+            raise TaskRefused(f"job {self.job_id}: the service sizes the ring for {records} records, fewer than this "
+                              f"site's {self.num_samples}")
+        final = round_for(participants=task.participants, distributed=self.settings, dim=self.round.dim,
+                          records=records)
+        if int(params.length) != final.dim or final.scale != self.round.scale:
+            raise TaskRefused(f"job {self.job_id}: the service's round ({params.length} values) is not the one this "
+                              f"site priced ({final.dim} values, γ {self.round.scale:.6g} against {final.scale:.6g})")
+        self.round, self.step = final, replace(self.step, bits=final.bits)
+        return final.bits
+
+    def run(self, secure: SecureRun, model: nn.Module, spec: ModelSpec, *, x: Any, y: Any, task: TaskConfig | None,
+            pipeline: DataPipeline | None, device: str, frozen: Collection[str], cache: str = "") -> TrainResult:
+        """The gradient sum, quantised, noised, in the ring, recorded on the ledger, then masked (once)."""
+        if self.result is not None:
+            return self.result
+        assert self.round is not None and self.step is not None and self.figures is not None
+        start = time.perf_counter()
+        total = gradient_sum(model, x, y, names=list(parameter_shapes(spec)), clip=self.settings.clip,
+                             sample_rate=self.settings.sample_rate, rng=self.rng, task=task, pipeline=pipeline,
+                             device=device, frozen=frozen, cache=cache)
+        levels = skellam.quantise(total.vector, scale=self.round.scale, rng=self.rng)
+        levels += skellam.noise_share(self.rng, size=levels.shape[0], variance=self.step.mu)
+        ring = skellam.to_ring(levels, bits=self.step.bits)
+        distributed, floor = self.figures
+        self.budget.ledger.record_distributed(self.job_id, step=self.step, epsilon=distributed, floor_epsilon=floor)
+        self.budget.export()
+        secure.mask_integers(ring, bits=self.step.bits)
+        seconds = time.perf_counter() - start
+        self.result = TrainResult(state={}, num_samples=self.num_samples, train_loss=0.0, steps=1, seconds=seconds,
+                                  samples_per_second=total.sampled / seconds if seconds > 0 else 0.0,
+                                  epsilon=distributed, history=[], clipping="per-record",
+                                  epsilon_local_floor=floor)
+        return self.result

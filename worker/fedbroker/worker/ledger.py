@@ -16,6 +16,13 @@ total is below its mark (an older copy restored, an edit), or a missing ledger w
 spent, is refused at load: ε never falls silently. Losing both is what the coordinator catches: a task
 carries the ε it recorded for the worker, and the worker refuses to train below it.
 
+A job with distributed DP (privacy.distributed) keeps, beside its ε, the parameters of each of its rounds
+(`DistributedRound`: scale, dimension, clip, noise multiplier, sample rate, quorum, this site's noise share μ_i, ring
+bits, δ), from which both of its figures can be recomputed: the `epsilon` it is charged (the distributed ε: the
+secure sum carries the quorum's noise) and `local_floor_epsilon` (this site's own share alone: what it keeps were
+every other site colluding with the server). A ledger holding such rounds is written as format 2, which an older
+worker refuses instead of dropping them; every other ledger stays format 1, and both load.
+
 The ledger names its worker (`worker_id`): a worker refuses another worker's ledger, and an operator who corrects
 the ε the coordinator recorded for a worker (`fedbroker workers reset-epsilon`) can show it is that worker's.
 """
@@ -55,8 +62,12 @@ def fresh_ledgers() -> Iterator[None]:
         NEW_LEDGER_LEVEL.reset(token)
 
 FORMAT_VERSION = 1
+DISTRIBUTED_FORMAT = 2   # a ledger holding distributed-DP rounds (module docstring)
+READABLE_FORMATS = (FORMAT_VERSION, DISTRIBUTED_FORMAT)
 MARK_SUFFIX = ".mark"
-_Entry = dict[str, Any]  # {"epsilon": float, "history": [[noise_multiplier, sample_rate, steps], ...]}
+# {"epsilon": float, "history": [[noise_multiplier, sample_rate, steps], ...]}, and in a distributed-DP job
+# "distributed": {"floor_epsilon": float, "rounds": [DistributedRound.to_dict(), ...]}
+_Entry = dict[str, Any]
 # A release: {"epsilon": ε spent on all its draws, "draw_epsilon": ε of the kept draw, "value": [...] (counts or
 #             floats), "source_sha256": digest of what it was drawn from (stays on the owner's disk), and
 #             "delta": δ of the kept draw (absent: 0, a pure ε-DP release, as every ledger before it had)}
@@ -68,6 +79,60 @@ _SLACK = 1e-9
 def below(total: float, other: float) -> bool:
     """Whether ε `total` is below `other` by more than float summation order can explain."""
     return total < other - _SLACK * max(1.0, abs(other))
+
+
+@dataclass(frozen=True)
+class DistributedRound:
+    """One distributed-DP round as this site took part in it: what recomputes its ε (fedbroker/secagg/skellam.py)."""
+
+    round: int
+    scale: float             # γ: quantisation levels per unit of the gradient sum
+    dim: int                 # d: coordinates of the sum
+    clip: float              # C: each record's gradient is clipped to this L2 norm
+    noise_multiplier: float  # z: the quorum's sum carries Skellam noise of std z·C (in units)
+    sample_rate: float       # q: each record's Poisson probability
+    quorum: int              # n_min: the fewest shares the sum carries
+    mu: float                # μ_i: the Skellam variance (levels²) this site added per coordinate
+    bits: int                # the ring 2^bits
+    delta: float             # δ both figures are stated at
+    mode: str = "distributed"  # this site's dp.mode in the round (local: μ_i is the whole dose)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As the ledger file holds it."""
+        return {f: getattr(self, f) for f in _ROUND_FIELDS}
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str) -> DistributedRound:
+        """From the ledger file; ConfigError naming `where` for anything malformed."""
+        try:
+            if not isinstance(raw, dict) or set(raw) != set(_ROUND_FIELDS):
+                raise ValueError(f"needs exactly the fields {', '.join(_ROUND_FIELDS)}")
+            out = cls(round=_whole(raw["round"]), scale=float(raw["scale"]), dim=_whole(raw["dim"]),
+                      clip=float(raw["clip"]), noise_multiplier=float(raw["noise_multiplier"]),
+                      sample_rate=float(raw["sample_rate"]), quorum=_whole(raw["quorum"]), mu=float(raw["mu"]),
+                      bits=_whole(raw["bits"]), delta=float(raw["delta"]), mode=str(raw["mode"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(where, f"a malformed distributed-DP round ({exc})") from None
+        out.check(where)
+        return out
+
+    def check(self, where: str) -> None:
+        """Refuse values no round can have (a ledger edited by hand, a caller's slip)."""
+        numbers_ok = all(math.isfinite(v) and v > 0 for v in (self.scale, self.clip, self.noise_multiplier, self.mu))
+        if not (numbers_ok and self.dim >= 1 and 0 < self.sample_rate <= 1 and self.quorum >= 1
+                and 8 <= self.bits <= 64 and 0 < self.delta < 1 and self.round >= 0
+                and self.mode in ("local", "distributed")):
+            raise ConfigError(where, f"an invalid distributed-DP round {self.to_dict()}")
+
+
+_ROUND_FIELDS = ("round", "scale", "dim", "clip", "noise_multiplier", "sample_rate", "quorum", "mu", "bits", "delta",
+                 "mode")
+
+
+def _whole(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{value!r} is not a whole number")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -155,9 +220,41 @@ class PrivacyLedger:
                     f"job {job_id!r} already spent {old['epsilon']:.6g}; refusing to record a lower {epsilon:.6g}",
                 )
             jobs = dict(self._jobs)
-            jobs[job_id] = {"epsilon": float(epsilon), "history": entries}
+            jobs[job_id] = {**(old or {}), "epsilon": float(epsilon), "history": entries}
             self._write(jobs, self._releases)
             self._jobs = jobs
+
+    def record_distributed(self, job_id: str, *, step: DistributedRound, epsilon: float, floor_epsilon: float) -> None:
+        """Append a distributed-DP round to the job's and store both figures after it: `epsilon` (distributed, the
+        one the budget counts) and `floor_epsilon` (its own share alone). Refuses to lower either."""
+        if not isinstance(job_id, str) or not job_id:
+            raise ConfigError("job_id", f"must be a non-empty string, got {job_id!r}")
+        for name, value in (("epsilon", epsilon), ("floor_epsilon", floor_epsilon)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ConfigError(name, f"must be a finite number >= 0, got {value!r}")
+        step.check("step")
+        with self._lock:
+            old = self._jobs.get(job_id, {"epsilon": 0.0, "history": []})
+            before = old.get("distributed", {"floor_epsilon": 0.0, "rounds": []})
+            if epsilon < old["epsilon"] or floor_epsilon < before["floor_epsilon"]:
+                raise ConfigError("epsilon", f"job {job_id!r} already spent {old['epsilon']:.6g} (floor "
+                                             f"{before['floor_epsilon']:.6g}); refusing to record less")
+            jobs = dict(self._jobs)
+            jobs[job_id] = {**old, "epsilon": float(epsilon), "distributed": {
+                "floor_epsilon": float(floor_epsilon), "rounds": [*before["rounds"], step.to_dict()]}}
+            self._write(jobs, self._releases)
+            self._jobs = jobs
+
+    def distributed_rounds(self, job_id: str) -> list[DistributedRound]:
+        """The job's distributed-DP rounds on this site, oldest first (empty for any other job)."""
+        with self._lock:
+            entry = self._jobs.get(job_id, {}).get("distributed")
+            return [DistributedRound.from_dict(r, "rounds") for r in entry["rounds"]] if entry else []
+
+    def floors(self) -> dict[str, float]:
+        """Job id → local-floor ε, for the jobs with distributed DP (the figure if every other site colluded)."""
+        with self._lock:
+            return {job: float(e["distributed"]["floor_epsilon"]) for job, e in self._jobs.items() if "distributed" in e}
 
     def release(self, name: str) -> Release | None:
         """The kept draw of a one-off release (None: never released)."""
@@ -221,8 +318,8 @@ class PrivacyLedger:
             return {}
         except (OSError, ValueError) as exc:
             raise ConfigError(self.path, f"privacy ledger is unreadable ({exc}); refusing to start from zero") from None
-        if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION or not isinstance(doc.get("jobs"), dict):
-            raise ConfigError(self.path, f"not a privacy ledger of format version {FORMAT_VERSION}")
+        if not isinstance(doc, dict) or doc.get("version") not in READABLE_FORMATS or not isinstance(doc.get("jobs"), dict):
+            raise ConfigError(self.path, f"not a privacy ledger of format version {' or '.join(map(str, READABLE_FORMATS))}")
         if not isinstance(doc.get("worker_id", ""), str):
             raise ConfigError(self.path, "worker_id must be text")
         self.worker_id = doc.get("worker_id") or None
@@ -234,6 +331,8 @@ class PrivacyLedger:
             except (KeyError, TypeError, ValueError) as exc:
                 raise ConfigError(self.path, f"job {job_id!r} has a malformed ledger entry ({exc})") from None
             jobs[job_id] = {"epsilon": eps, "history": entries}
+            if isinstance(e, dict) and "distributed" in e:
+                jobs[job_id]["distributed"] = self._load_distributed(job_id, e["distributed"])
         releases = doc.get("releases", {})
         if not isinstance(releases, dict):
             raise ConfigError(self.path, "releases must be a mapping")
@@ -257,6 +356,16 @@ class PrivacyLedger:
                 raise ConfigError(self.path, f"shared[{i}] is a malformed ledger entry ({exc})") from None
         return jobs
 
+    def _load_distributed(self, job_id: str, raw: Any) -> dict[str, Any]:
+        where = f"{self.path}: job {job_id!r}"
+        if not isinstance(raw, dict) or not isinstance(raw.get("rounds"), list):
+            raise ConfigError(where, "a malformed distributed-DP entry (needs floor_epsilon and rounds)")
+        try:
+            floor = float(raw["floor_epsilon"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(where, f"a malformed distributed-DP entry ({exc})") from None
+        return {"floor_epsilon": floor, "rounds": [DistributedRound.from_dict(r, where).to_dict() for r in raw["rounds"]]}
+
     def _check_mark(self) -> None:
         """Refuse a ledger whose total is below the highest total written next to it (see the module)."""
         try:
@@ -279,7 +388,8 @@ class PrivacyLedger:
                shared: list[dict[str, Any]] | None = None) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
-        doc: dict[str, Any] = {"version": FORMAT_VERSION, "jobs": jobs}
+        distributed = any("distributed" in e for e in jobs.values())
+        doc: dict[str, Any] = {"version": DISTRIBUTED_FORMAT if distributed else FORMAT_VERSION, "jobs": jobs}
         if self.worker_id is not None:
             doc["worker_id"] = self.worker_id
         if releases:

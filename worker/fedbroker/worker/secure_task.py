@@ -11,6 +11,10 @@ share is FedAvg's (or DWFed's) mean delta. At the close it sends the shares the 
 the masks (`unmask`): of the survivors' self-mask seeds and the dropped workers' mask keys, never both
 for one peer (the crypto refuses). Nothing here changes what the worker trains or spends.
 
+In a job with distributed DP (privacy.distributed) the input is no weighted update but the site's noised gradient
+sum, already in the ring (worker/distributed_step.py): the site settles the round and its noise share μ_i before
+its keys leave (and declares μ_i in its advertisement), and masks the integers as they are (`mask_integers`).
+
 Every call goes through the aggregation service's gRPC channel under the worker's own identity; each is
 idempotent, and a `SecureRun` is kept between a task's retries so a retry sends the same keys, shares and
 masked bytes again (the crypto object runs each step once).
@@ -21,20 +25,24 @@ vector just before it is masked and each step as it is done; it is injected, nev
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
 from fedbroker.errors import FedbrokerError
-from fedbroker.job.spec import ModelSpec, parameter_shapes
+from fedbroker.job.spec import ModelSpec, parameter_shapes, parse_model
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc.aggregation_client import AggregatorClient, Model
 from fedbroker.secagg.client import SecAggClient
 from fedbroker.secagg.crypto import PublicKeys
 from fedbroker.secagg.secure_round import UNMASK_WAIT_S, round_params, round_seed
+
+if TYPE_CHECKING:
+    from fedbroker.worker.distributed_step import DistributedStep
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +83,9 @@ class SecureRun:
     """One secure task on one worker (see the module docstring)."""
 
     def __init__(self, *, worker_id: str, task: pb.RoundTask, num_samples: int, ish: float | None,
-                 steps: SecureSteps | None = None) -> None:
+                 steps: SecureSteps | None = None, ddp: DistributedStep | None = None) -> None:
         self.worker_id = worker_id
+        self.ddp = ddp  # distributed DP: the site's step of the round (None: a weighted update)
         self.steps = steps
         self.task = task
         self.num_samples = num_samples
@@ -101,6 +110,9 @@ class SecureRun:
         settings. Once: a retry re-sends the same keys."""
         task, me = self.task, self.worker_id
         if self.crypto is None:
+            if self.ddp is not None:  # the round, μ_i and the budget before any key leaves
+                assert self.global_model is not None
+                self.ddp.prepare(task, parse_model(json.loads(self.global_model[1])))
             params = round_params(task.participants)
             seed = round_seed(task.job_id, task.round, task.model_version)
             self.crypto = SecAggClient(me, params, seed, np.random.default_rng(int.from_bytes(os.urandom(8), "little")))
@@ -109,11 +121,12 @@ class SecureRun:
             return
         advert = client.sec_advertise(self._advertisement())
         p, ours = advert.params, self.crypto.params
+        bits = self.ddp.settle(p, task) if self.ddp is not None else ours.bits
         if (advert.round_seed != self.crypto.round_seed or (p.n_max, p.threshold, p.neighbours, p.ring_bits, p.clip)
-                != (ours.n_max, ours.threshold, ours.neighbours, ours.bits, ours.clip)):
+                != (ours.n_max, ours.threshold, ours.neighbours, bits, ours.clip)):
             raise SecureStepFailed(f"round {task.round} of {task.job_id}: the service runs other secure settings "
                                    f"({p.n_max} inputs, t {p.threshold}, ring 2^{p.ring_bits}, clip {p.clip}) than "
-                                   f"the task implies ({ours.n_max}, t {ours.threshold}, 2^{ours.bits}, {ours.clip})")
+                                   f"the task implies ({ours.n_max}, t {ours.threshold}, 2^{bits}, {ours.clip})")
         self._advert, self.length, self.dtype = advert, int(p.length), p.ring_dtype
 
     def exchange_keys(self, client: AggregatorClient) -> None:
@@ -154,7 +167,8 @@ class SecureRun:
         return pb.SecAdvertiseRequest(
             job_id=self.task.job_id, round=self.task.round, worker_id=self.worker_id,
             cipher_key=keys.c_pk if keys else b"", mask_key=keys.s_pk if keys else b"",
-            num_samples=self.num_samples, ish=self.ish or 0.0, has_ish=self.ish is not None)
+            num_samples=self.num_samples, ish=self.ish or 0.0, has_ish=self.ish is not None,
+            noise_variance=self.ddp.mu if self.ddp is not None else 0.0)
 
     def mask(self, trained: Mapping[str, np.ndarray], global_state: Mapping[str, np.ndarray], spec: ModelSpec) -> None:
         """The masked ring vector of this worker's weighted update (once; a retry re-sends the same bytes)."""
@@ -171,6 +185,17 @@ class SecureRun:
             log.warning("worker %s: %d of %d weighted coordinates of round %d's update were clipped to ±%g before "
                         "masking", self.worker_id, self.crypto.clipped, vector.size, self.task.round,
                         self.crypto.params.clip)
+        self._done("masked")
+
+    def mask_integers(self, values: np.ndarray[Any, Any], *, bits: int) -> None:
+        """Mask an input already in the ring of `bits` (distributed DP: the noised gradient sum), once."""
+        if self.masked is not None:
+            return
+        assert self.crypto is not None and self.excluded is not None
+        if values.size != self.length:
+            raise SecureStepFailed(f"the gradient sum has {values.size} values, the round masks {self.length}")
+        self.masked = np.ascontiguousarray(self.crypto.masked_integers(values, self.excluded, bits=bits),
+                                           dtype=self.dtype)
         self._done("masked")
 
     def unmask(self, client: AggregatorClient) -> None:

@@ -336,9 +336,6 @@ def _validate_for_dp(model: nn.Module) -> None:
         )
 
 
-validate_for_dp = _validate_for_dp  # per-record gradients refuse what Opacus refuses (worker/distributed_step.py)
-
-
 def _strip(name: str) -> str:
     while name.startswith(_PREFIX):
         name = name[len(_PREFIX) :]
