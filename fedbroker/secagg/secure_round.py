@@ -62,6 +62,17 @@ def ddp_secagg_params(n: int, ddp: DDPRound) -> SecAggParams:
                         clip=plain.clip)
 
 
+def below_quorum(named: int, participants: int, quorum: int) -> str:
+    """Why a site of a distributed-DP round must keep its unmask shares ("" when it may send them): the service
+    names fewer survivors than the quorum, so the sum it would unmask carries less noise than the shares were sized
+    for. A site sees every survivor only where each site masks with every other (`round_params(n)`'s complete
+    graph, n ≤ 20); in a sparse round it sees its neighbourhood, and the check is the service's alone."""
+    if quorum and round_params(participants).complete_graph(participants) and named < quorum:
+        return (f"the service names {named} survivor(s), below the round's quorum of {quorum}: a sum of so few would "
+                f"carry less noise than promised, so this site keeps its unmask shares")
+    return ""
+
+
 def round_seed(job_id: str, round_number: int, version: int) -> bytes:
     """The round's public seed, which both ends derive from what they already share (no message): it binds
     the keys, shares and masks to this job, round and global version."""

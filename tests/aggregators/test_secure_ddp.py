@@ -255,3 +255,32 @@ def test_a_restarted_service_refuses_every_step_of_the_distributed_dp_round(tmp_
             again.secure.roster(pb.SecWaitRequest(job_id=JOB, round=ROUND, worker_id="w1", wait_s=0.0))
     finally:
         again.stop()
+
+
+class NamingClient:
+    """A dishonest service's answers at the close: it names `survivors`, and records any unmask shares sent to it."""
+
+    def __init__(self, survivors: list[str], dropped: list[str]) -> None:
+        self.named = pb.SecSurvivorsReply(ready=True, survivors=survivors, dropped=dropped)
+        self.sent: list[pb.SecUnmaskRequest] = []
+
+    def sec_survivors(self, *args: object, **kwargs: object) -> pb.SecSurvivorsReply:
+        return self.named
+
+    def sec_unmask(self, request: pb.SecUnmaskRequest) -> None:
+        self.sent.append(request)
+
+
+def test_a_site_keeps_its_unmask_shares_when_the_service_names_fewer_survivors_than_the_quorum() -> None:
+    from types import SimpleNamespace
+
+    from fedbroker.worker.secure_task import SecureRun, SecureStepFailed
+
+    task = pb.RoundTask(job_id=JOB, round=ROUND, model_version=1, deadline_unix=time.time() + 60, participants=5)
+    run = SecureRun(worker_id="w1", task=task, num_samples=100, ish=None)
+    run.crypto = SecAggClient("w1", round_params(5), b"s" * 32, np.random.default_rng(0))
+    run.ddp = SimpleNamespace(settings=DIST)  # type: ignore[assignment]  # only its quorum is read here
+    client = NamingClient(["w1", "w2", "w3"], ["w4", "w5"])  # three named: the quorum is 4
+    with pytest.raises(SecureStepFailed, match="names 3 survivor.*below the round's quorum of 4"):
+        run.unmask(client)  # type: ignore[arg-type]
+    assert client.sent == [] and not run.unmasked
