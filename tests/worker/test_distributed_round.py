@@ -66,7 +66,7 @@ class FakeService:
             threshold=p.threshold, neighbours=p.neighbours, ring_bits=p.bits, clip=p.clip, n_max=p.n_max,
             ring_dtype=np.dtype(p.dtype).name, length=self.length))
 
-    def sec_roster(self, job_id, round, worker_id, *, until):  # noqa: A002
+    def sec_roster(self, job_id, round, worker_id, *, until):
         rosters = self.rosters = self.server.rosters()
         for w, peer in self.peers.items():
             self.server.add_shares(w, peer.share_keys(rosters[w]))
@@ -76,18 +76,18 @@ class FakeService:
     def sec_share(self, request: pb.SecShareRequest) -> None:
         self.server.add_shares("a", {c.peer: c.data for c in request.ciphertexts})
 
-    def sec_inbox(self, job_id, round, worker_id, *, until):  # noqa: A002
+    def sec_inbox(self, job_id, round, worker_id, *, until):
         self.boxes = self.server.inboxes()
         for w, peer in self.peers.items():
             assert peer.open_inbox(self.boxes[w]) == {}
         return pb.SecInboxReply(ready=True, ciphertexts=[pb.SecCiphertext(peer=s, data=d)
                                                          for s, d in self.boxes["a"].items()])
 
-    def sec_verify(self, job_id, round, worker_id, failed, *, until):  # noqa: A002
+    def sec_verify(self, job_id, round, worker_id, failed, *, until):
         self.server.exclude(set(failed))
         return pb.SecVerifyReply(ready=True, excluded=[])
 
-    def sec_survivors(self, job_id, round, worker_id, *, until):  # noqa: A002
+    def sec_survivors(self, job_id, round, worker_id, *, until):
         self.requests = self.server.unmask_requests()
         r = self.requests["a"]
         return pb.SecSurvivorsReply(ready=True, survivors=sorted(r.survivors), dropped=sorted(r.dropped))
@@ -174,6 +174,18 @@ def test_a_service_whose_round_is_not_the_one_the_site_priced_is_refused(tmp_pat
     assert step.settle(pb.SecParams(length=layout_size(SPEC)), TASK) == step.round.bits
     with pytest.raises(TaskRefused, match="not the one this site priced"):
         step.settle(pb.SecParams(length=layout_size(SPEC) + 1), TASK)
+    if "ddp_scale" in pb.SecParams.DESCRIPTOR.fields_by_name:   # the service states its round (h-ddpservice)
+        for wrong in ({"ddp_scale": step.round.scale * 2}, {"ddp_quorum": 2}, {"ddp_bits": step.round.bits + 1}):
+            with pytest.raises(TaskRefused, match="not the one this site priced"):
+                step.settle(pb.SecParams(length=layout_size(SPEC), **wrong), TASK)
+        with pytest.raises(TaskRefused, match="fewer than this site's"):
+            step.settle(pb.SecParams(length=layout_size(SPEC), ddp_records=N - 1), TASK)
+
+
+def test_a_quorum_the_round_cannot_reach_is_refused_not_retried(tmp_path) -> None:
+    step, _ = site(tmp_path, DPPolicy(epsilon_budget=1e6, mode="distributed"))
+    with pytest.raises(TaskRefused, match="cannot run distributed DP"):
+        step.prepare(pb.RoundTask(job_id="job-d", round=1, participants=2), SPEC)
 
 
 def test_mu_is_the_whole_dose_in_local_mode_and_is_raised_to_keep_a_floor(tmp_path) -> None:

@@ -77,6 +77,10 @@ def test_each_record_of_a_small_cnn_is_clipped_on_its_own_and_the_layout_is_the_
         expected.append(g * min(1.0, clip / np.linalg.norm(g)))
     np.testing.assert_allclose(out.vector, np.sum(expected, axis=0), rtol=1e-4, atol=1e-7)
     assert np.linalg.norm(out.vector) <= 6 * clip * (1 + 1e-9)
+    # in chunks of two records (what a large model gets): the same sum
+    chunked = gradient_sum(model, x, y, names=_names(model), clip=clip, sample_rate=1.0, rng=np.random.default_rng(0),
+                           chunk=2)
+    np.testing.assert_allclose(chunked.vector, out.vector, rtol=1e-4, atol=1e-7)   # float32 per-record kernels
 
 
 def test_frozen_tensors_stay_zero_in_the_layout() -> None:

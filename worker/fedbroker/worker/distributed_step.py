@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -52,9 +52,16 @@ from fedbroker.worker.training import TrainResult, prepared_inputs
 
 if TYPE_CHECKING:
     from fedbroker.job.pipeline import DataPipeline
-    from fedbroker.worker.secure_task import SecureRun
 
-CHUNK = 256   # records whose gradients are held at once (memory: CHUNK × the model's parameters, float32)
+CHUNK = 256   # the most records whose gradients are held at once
+CHUNK_BYTES = 2**29   # ... and at most this much of them (float64 copies included): a large model takes fewer
+
+
+class Masking(Protocol):
+    """Where the noised ring vector goes: the task's SecureRun (worker/secure_task.py), which masks it once."""
+
+    def mask_integers(self, values: np.ndarray[Any, Any], *, bits: int) -> None:
+        """Mask `values`, elements of the ring of `bits` bits."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,7 @@ def gradient_sum(model: nn.Module, x: np.ndarray | FileSamples, y: np.ndarray | 
     sums = {n: torch.zeros(p.shape, dtype=torch.float64, device=dev) for n, p in params.items()}
     index = poisson_sample(len(x_in), sample_rate, rng)
     per_record = _per_record_grad(work, task)
+    chunk = max(1, min(chunk, CHUNK_BYTES // (12 * max(1, sum(p.numel() for p in params.values())))))
     clipped = 0
     batches = Batches(x_in, y_in, pipeline=pipeline, device=dev, cache=cache,
                       generator=torch.Generator().manual_seed(int(rng.integers(2**62))))
@@ -187,8 +195,8 @@ def round_for(*, participants: int, distributed: DistributedDP, dim: int, record
                                        records=records)
         return out
     return skellam.choose(clip=distributed.clip, noise_multiplier=distributed.noise_multiplier,
-                          quorum=distributed.quorum, n_max=max(participants, distributed.quorum), dim=dim,
-                          sample_rate=distributed.sample_rate, max_records=max(records, 1))
+                          quorum=distributed.quorum, n_max=participants, dim=dim,
+                          sample_rate=distributed.sample_rate, max_records=records)
 
 
 def step_for(job_id: str, installed: InstalledJob, *, policy: DPPolicy | None,
@@ -228,8 +236,7 @@ class DistributedStep:
         if self.step is not None:
             return
         policy, ledger = self.policy, self.budget.ledger
-        r = round_for(participants=task.participants, distributed=self.settings, dim=layout_size(spec),
-                      records=self.num_samples)
+        r = self._round(task, dim=layout_size(spec), records=self.num_samples)
         done = len(ledger.distributed_rounds(self.job_id))
         try:
             mu = skellam.share_variance_for(mode=policy.mode, round=r, local_floor_epsilon=policy.local_floor_epsilon,
@@ -255,15 +262,25 @@ class DistributedStep:
         if records < self.num_samples:
             raise TaskRefused(f"job {self.job_id}: the service sizes the ring for {records} records, fewer than this "
                               f"site's {self.num_samples}")
-        final = round_for(participants=task.participants, distributed=self.settings, dim=self.round.dim,
-                          records=records)
-        if int(params.length) != final.dim or final.scale != self.round.scale:
-            raise TaskRefused(f"job {self.job_id}: the service's round ({params.length} values) is not the one this "
-                              f"site priced ({final.dim} values, γ {self.round.scale:.6g} against {final.scale:.6g})")
+        final = self._round(task, dim=self.round.dim, records=records)
+        stated = (getattr(params, "ddp_scale", 0.0) or final.scale, getattr(params, "ddp_bits", 0) or final.bits,
+                  getattr(params, "ddp_quorum", 0) or final.quorum)   # the service's own statement, where it sends one
+        if (int(params.length) != final.dim or final.scale != self.round.scale
+                or stated != (final.scale, final.bits, final.quorum)):
+            raise TaskRefused(f"job {self.job_id}: the service's round ({params.length} values; γ, bits, quorum "
+                              f"{stated}) is not the one this site priced ({final.dim} values; "
+                              f"{(self.round.scale, final.bits, final.quorum)})")
         self.round, self.step = final, replace(self.step, bits=final.bits)
         return final.bits
 
-    def run(self, secure: SecureRun, model: nn.Module, spec: ModelSpec, *, x: Any, y: Any, task: TaskConfig | None,
+    def _round(self, task: pb.RoundTask, *, dim: int, records: int) -> skellam.DDPRound:
+        """`round_for`, a job the round cannot run refused (a quorum above the participants, a ring over 64 bits)."""
+        try:
+            return round_for(participants=task.participants, distributed=self.settings, dim=dim, records=records)
+        except ConfigError as exc:
+            raise TaskRefused(f"job {self.job_id}: round {task.round} cannot run distributed DP here: {exc}") from None
+
+    def run(self, secure: Masking, model: nn.Module, spec: ModelSpec, *, x: Any, y: Any, task: TaskConfig | None,
             pipeline: DataPipeline | None, device: str, frozen: Collection[str], cache: str = "") -> TrainResult:
         """The gradient sum, quantised, noised, in the ring, recorded on the ledger, then masked (once)."""
         if self.result is not None:
