@@ -10,6 +10,10 @@ Each share message carries its dealer's commitments to the two shares in it (`cr
 revealed share that does not match is refused naming its revealer (`Dishonest`), so a survivor cannot shift
 the sum by lying about a share. The service keeps the running sum of masked inputs mod R and never any single one; the sealed
 shares it routes are opaque to it. After unmasking it holds Σ_{i∈U3} q(w_i·x_i) and nothing finer.
+
+A distributed-DP round (`ddp`) sums signed integers instead (each worker's γ-scaled gradient sum plus its Skellam
+share, already in the ring): the masks cancel the same way, and `finish` reads the sum signed, mod 2^bits, over γ
+(`ddp_sum`); the offset quantiser's path is untouched.
 """
 
 from __future__ import annotations
