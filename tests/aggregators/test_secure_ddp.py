@@ -284,3 +284,20 @@ def test_a_site_keeps_its_unmask_shares_when_the_service_names_fewer_survivors_t
     with pytest.raises(SecureStepFailed, match="names 3 survivor.*below the round's quorum of 4"):
         run.unmask(client)  # type: ignore[arg-type]
     assert client.sent == [] and not run.unmasked
+
+
+def test_the_record_reads_back_only_whole_and_the_face_words_it() -> None:
+    from fedbroker.app.round_notes import event_words
+    from fedbroker.ddp_record import DDPRecord
+
+    record = DDPRecord(bits=31, scale=2.5e3, wrap_bound=1e-12, quorum=3, noise_multiplier=1.0, clip=1.0,
+                       sample_rate=0.2, lr=0.5, dim=650, records=1080, share_variance=2.0e6, total_variance=1.0e7,
+                       quorum_variance=6.0e6, variances={"site-1": 6.0e6, "site-2": 2.0e6, "site-3": 2.0e6})
+    assert from_stats(record.to_stats()) == record and record.conservative
+    stats = record.to_stats()
+    del stats["ddp_quorum"]
+    with pytest.raises(ValueError, match="ddp_quorum missing"):
+        from_stats(stats)
+    words = event_words("ddp", 1, record.to_json())
+    assert words.startswith("distributed DP: 3 survivor(s), quorum 3") and "site-2 2e+06" in words
+    assert event_words("ddp", 1, "not json") == "not json"  # an unreadable record is shown as it is
