@@ -15,13 +15,13 @@ import pytest
 
 from fedbroker.aggregators import secure_ddp
 from fedbroker.aggregators.round_book import RoundBook
-from fedbroker.ddp_record import from_json, from_stats
 from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.job.privacy import DistributedDP
 from fedbroker.job.spec import parameter_shapes, parse_model
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc import codec
 from fedbroker.secagg import SecAggClient
+from fedbroker.secagg.ddp_record import from_json, from_stats
 from fedbroker.secagg.secure_round import ddp_round_params, round_params
 from fedbroker.secagg.skellam import DDPRound
 
@@ -288,7 +288,7 @@ def test_a_site_keeps_its_unmask_shares_when_the_service_names_fewer_survivors_t
 
 def test_the_record_reads_back_only_whole_and_the_face_words_it() -> None:
     from fedbroker.app.round_notes import event_words
-    from fedbroker.ddp_record import DDPRecord
+    from fedbroker.secagg.ddp_record import DDPRecord
 
     record = DDPRecord(bits=31, scale=2.5e3, wrap_bound=1e-12, quorum=3, noise_multiplier=1.0, clip=1.0,
                        sample_rate=0.2, lr=0.5, dim=650, records=1080, share_variance=2.0e6, total_variance=1.0e7,

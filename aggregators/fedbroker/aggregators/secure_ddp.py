@@ -11,7 +11,7 @@ records, the same `ddp_round_params` each worker derives), the check of each wor
 (`check_noise_variance`: refused, naming the field, unless finite and within its share..the ring's headroom), the
 settings the worker compares with its own (`sec_params`), and the close (`combine_ddp`): below the quorum the round
 fails before anything is unmasked (a sum of fewer survivors would carry less noise than promised), else it steps
-and writes the round's record (`fedbroker.ddp_record`). The service never sees a site's noise, only its claim: what
+and writes the round's record (`fedbroker.secagg.ddp_record`). The service never sees a site's noise, only its claim: what
 a site or the service could do with a false one is in deploy/SECURITY.md ("Distributed DP: the service").
 """
 
@@ -27,11 +27,11 @@ from fedbroker.aggregators.job_state import Round
 from fedbroker.aggregators.mean import Layout
 from fedbroker.aggregators.secure_session import SecureSession, refused
 from fedbroker.close_report import SelectionRecord
-from fedbroker.ddp_record import DDPRecord
 from fedbroker.errors import ConfigError, Rejection, UploadRejected
 from fedbroker.job.privacy import DistributedDP
 from fedbroker.job.spec import ModelSpec, parameter_shapes
 from fedbroker.proto import fedbroker_pb2 as pb
+from fedbroker.secagg.ddp_record import DDPRecord
 from fedbroker.secagg.secure_round import ddp_round_params
 from fedbroker.secagg.skellam import DDPRound
 

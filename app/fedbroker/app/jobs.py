@@ -112,7 +112,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         status = c.status(args.job_id)
         events = list(c.events(args.job_id))
     shared = [e for e in events if e.kind in SHARE_EVENTS]
-    ddp = [e for e in events if e.kind == "ddp"]  # each distributed-DP round's record (fedbroker.ddp_record)
+    ddp = [e for e in events if e.kind == "ddp"]  # each distributed-DP round's record (fedbroker.secagg.ddp_record)
     (job,) = status.jobs
     spec = json.loads(job.spec_json or "{}")
     secure_n = secure_round_size(spec, status.rounds)

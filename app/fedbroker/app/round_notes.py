@@ -14,8 +14,8 @@ from fedbroker.close_report import (
     selection_from_json,
     verdicts_from_json,
 )
-from fedbroker.ddp_record import from_json as ddp_from_json
-from fedbroker.ddp_record import words as ddp_words
+from fedbroker.secagg.ddp_record import from_json as ddp_from_json
+from fedbroker.secagg.ddp_record import words as ddp_words
 
 
 def selection_note(round_number: int, record: SelectionRecord) -> str:

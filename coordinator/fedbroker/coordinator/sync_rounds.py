@@ -26,11 +26,11 @@ from fedbroker.coordinator.job_run import JobFailed, OpenRound, Run, Stopped
 from fedbroker.coordinator.participants import sample_participants
 from fedbroker.coordinator.records import RoundRecord
 from fedbroker.coordinator.waiting import unaffordable
-from fedbroker.ddp_record import from_stats, has_record
 from fedbroker.errors import BusError, Rejection
 from fedbroker.job.status import ParticipantStatus, RoundStatus
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc.plumbing import RemoteError
+from fedbroker.secagg.ddp_record import from_stats, has_record
 from fedbroker.secagg.secure_round import needed_uploads, threshold_note
 
 log = logging.getLogger(__name__)
