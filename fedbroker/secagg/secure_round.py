@@ -14,6 +14,8 @@ logs how many coordinates it clipped.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
+from typing import Any
 
 from fedbroker.errors import ConfigError
 from fedbroker.job.privacy import DistributedDP
@@ -85,10 +87,16 @@ def needed_uploads(n: int) -> int:
     return round_params(n).threshold
 
 
-def describe(n: int) -> str:
-    """The settings a round of `n` participants runs with, in words (the job's view)."""
+def describe(n: int, *, distributed: Mapping[str, Any] | None = None) -> str:
+    """The settings a round of `n` participants runs with, in words (the job's view); with the job's
+    `privacy.distributed` section, what each site masks instead of its weighted update."""
     p = round_params(n)
     graph = "every peer" if p.complete_graph(n) else f"{p.neighbours} neighbours each"
+    if distributed:
+        return (f"SecAgg+ threshold {p.threshold} of {n} ({graph}); distributed DP: each site masks its clipped "
+                f"gradient sum (C {distributed.get('clip')}, q {distributed.get('sample_rate')}) with its Skellam "
+                f"share, sized so that a quorum of {distributed.get('quorum')} carries noise z·C "
+                f"(z {distributed.get('noise_multiplier')}); each round's ring, γ and noise are in its record below")
     return (f"SecAgg+ ring 2^{p.bits}, clip ±{p.clip:g} per weighted coordinate of the update (quantisation "
             f"step {p.step:.3g}), threshold {p.threshold} of {n} ({graph})")
 

@@ -136,7 +136,7 @@ def test_a_distributed_dp_round_closes_with_its_survivors_after_a_site_is_killed
     assert record["variances"]["site-1"] == pytest.approx(full)  # mode local: the whole dose
     assert record["variances"]["site-2"] == pytest.approx(full / 3)  # mode distributed: a third
     text = d.cli("jobs", "show", job_id)
-    assert "distributed DP: 3 survivor(s), quorum 3" in text, text
+    assert "distributed DP: 3 survivor(s), quorum 3" in text and "a quorum of 3 carries noise z·C" in text, text
 
     for worker in survivors:  # both figures on each survivor's ledger, recomputed from the recorded parameters
         ledger = json.loads((d.tmp / f"{worker}-ledger.json").read_text())["jobs"][job_id]

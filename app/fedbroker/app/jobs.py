@@ -129,7 +129,7 @@ def cmd_show(args: argparse.Namespace) -> int:
              ("submitter", job.submitter or "-"), ("submitted", _when(job.created_unix) + " UTC"),
              ("updated", _when(job.updated_unix) + " UTC"), *settings(spec), *layerwise_rounds(spec)]
     if secure_n:
-        facts.append(("secure", describe_secure(secure_n)))
+        facts.append(("secure", describe_secure(secure_n, distributed=(spec.get("privacy") or {}).get("distributed"))))
     facts += [(f"round {e.round}", event_words(e.kind, e.round, e.message)) for e in ddp]
     facts += [("standardised" if e.kind == "statistics_agreed" else "sharing",
                f"{e.worker_id + ': ' if e.worker_id else ''}{e.message}") for e in shared]
