@@ -3,6 +3,7 @@ independent accountant where it should, the ring carries signed sums, and the ch
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -86,8 +87,9 @@ def test_skellam_rdp_is_above_the_gaussians_and_approaches_it_as_mu_grows() -> N
         rdp = sk.skellam_rdp(orders, mu=mu, l1=l1, l2=l2)
         assert np.all(rdp >= gauss)
         gaps.append(float(np.max(rdp / gauss - 1.0)))
-    assert gaps == sorted(gaps, reverse=True)  # the discreteness surcharge shrinks with μ ...
-    assert gaps[-1] < 1e-3                      # ... to nothing
+    assert gaps[0] > 1e-3                                    # discreteness costs something at small μ ...
+    assert all(a > b for a, b in itertools.pairwise(gaps))  # ... less as μ grows (about 1/μ) ...
+    assert gaps[-1] < 2e-6                                   # ... and nothing in the limit
     assert np.all(np.isinf(sk.skellam_rdp(orders, mu=0.0, l1=l1, l2=l2)))
 
 

@@ -8,8 +8,8 @@ quantised (worker/secure_task.py); only the secure sum of the survivors' shares 
 
 The per-record gradients come from torch.func (`functional_call` under `vmap(grad(...))`): every record's gradient
 is its own, which is what the clip bounds. A module that mixes the records of a batch (BatchNorm in training mode)
-has no per-record gradient and is refused, with Opacus's validator's reasons, as DP training refuses it. Dropout
-draws independently per record (`randomness="different"`).
+has no per-record gradient and is refused before anything is sampled. Dropout draws independently per record
+(`randomness="different"`). A large model takes fewer records per pass (`CHUNK_BYTES`); the sum is the same.
 
 `DistributedStep` runs the rest on the site, around the secure protocol (worker/secure_task.py): before any key
 leaves, the round's settings (`round_for`: γ, ring bits, from the task's participants, the job's section, the model's
@@ -66,8 +66,8 @@ class Masking(Protocol):
 
 @dataclass(frozen=True)
 class GradientSum:
-    """The clipped sum of one round (`vector`, float64, the model's parameter order) and what the site logs of it:
-    how many records the Poisson draw sampled (never sent) and how many of their gradients the clip shortened."""
+    """The clipped sum of one round (`vector`, float64, the model's parameter order) and what the site keeps to
+    itself: how many records the Poisson draw sampled (never sent) and how many of their gradients the clip shortened."""
 
     vector: np.ndarray
     sampled: int
