@@ -8,11 +8,12 @@ Poisson batch, so the step is DP-SGD's mean gradient; the noise is in the sum al
 What this module adds to a secure round, beside `secure_rounds` (which calls it): the round's settings
 (`session_settings`: the ring, γ and quorum from the job, the participants, the model and their registered
 records, the same `ddp_round_params` each worker derives), the check of each worker's declared noise variance
-(`check_noise_variance`: refused, naming the field, unless finite and within its share..the ring's headroom), the
-settings the worker compares with its own (`sec_params`), and the close (`combine_ddp`): below the quorum the round
-fails before anything is unmasked (a sum of fewer survivors would carry less noise than promised), else it steps
-and writes the round's record (`fedbroker.secagg.ddp_record`). The service never sees a site's noise, only its claim: what
-a site or the service could do with a false one is in deploy/SECURITY.md ("Distributed DP: the service").
+(`check_noise_variance`: refused, naming the field, unless finite, at least its share of the quorum's dose and at
+most what the ring was sized for per site), the settings the worker compares with its own (`sec_params`), and the
+close (`combine_ddp`): below the quorum the round fails before anything is unmasked (a sum of fewer survivors
+would carry less noise than promised), else it steps and writes the round's record (`fedbroker.secagg.ddp_record`).
+The service never sees a site's noise, only its claim: what a site or the service could do with a false one is in
+deploy/SECURITY.md ("Distributed DP: the service").
 """
 
 from __future__ import annotations
