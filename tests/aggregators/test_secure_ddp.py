@@ -301,3 +301,34 @@ def test_the_record_reads_back_only_whole_and_the_face_words_it() -> None:
     words = event_words("ddp", 1, record.to_json())
     assert words.startswith("distributed DP: 3 survivor(s), quorum 3") and "site-2 2e+06" in words
     assert event_words("ddp", 1, "not json") == "not json"  # an unreadable record is shown as it is
+
+
+@pytest.mark.parametrize("quorum", [4, 3])
+def test_a_site_takes_the_round_the_service_states_only_when_it_priced_the_same_job(
+        book: RoundBook, tmp_path: Path, quorum: int) -> None:
+    """Cross-end: the service's SecParams (its session) against a site's own derivation (worker/distributed_step.py);
+    a site whose job says another quorum priced another round, and refuses it before masking anything."""
+    from dataclasses import replace
+
+    from fedbroker.config import DPPolicy
+    from fedbroker.errors import TaskRefused
+    from fedbroker.worker.budget import SiteBudget
+    from fedbroker.worker.distributed_step import DistributedStep
+    from fedbroker.worker.ledger import PrivacyLedger
+
+    open_round(book)
+    session = book.table.job(JOB).round.secure  # type: ignore[union-attr]
+    assert session is not None
+    stated = secure_ddp.sec_params(session, pb.SecParams(length=session.length, ring_bits=session.params.bits))
+    policy = DPPolicy(epsilon_budget=1e6, mode="distributed")
+    budget = SiteBudget(worker_id="w1", ledger=PrivacyLedger(str(tmp_path / "ledger.json"), worker_id="w1"), dp=policy,
+                        num_samples=SAMPLES["w1"])
+    step = DistributedStep(job_id=JOB, policy=policy, settings=replace(DIST, quorum=quorum), budget=budget,
+                           num_samples=SAMPLES["w1"], rng=np.random.default_rng(0))
+    task = pb.RoundTask(job_id=JOB, round=ROUND, model_version=1, participants=len(WORKERS), deadline_unix=4e9)
+    step.prepare(task, SPEC)
+    if quorum == DIST.quorum:
+        assert step.settle(stated, task) == session.params.bits == stated.ddp_bits
+    else:
+        with pytest.raises(TaskRefused, match="not the one this site priced"):
+            step.settle(stated, task)
