@@ -127,6 +127,7 @@ def test_a_distributed_dp_round_closes_with_its_survivors_after_a_site_is_killed
     survivors = [w for w in WORKERS if w != KILLED]
     (rnd,) = doc["rounds"]
     assert rnd["aggregated"] == len(survivors)
+    assert doc["secure"]["distributed"]["quorum"] == DISTRIBUTED["quorum"]
     (record,) = doc["ddp"]  # the round's record, as the coordinator kept it from the close
     assert record["round"] == 1 and sorted(record["variances"]) == survivors and record["quorum"] == 3
     assert record["lr"] == JOB["training"]["lr"] and record["bits"] >= 8 and 0 < record["wrap_bound"] <= 1e-9

@@ -120,6 +120,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         doc = show_document(status, shared)
         if secure_n:  # what a secure round of this job runs with: ring bits, clip range, threshold
             doc["secure"] = {"participants": secure_n, **round_params(secure_n).describe()}
+            distributed = (spec.get("privacy") or {}).get("distributed")
+            if distributed:  # the ring is each round's own (its record, `ddp`), not the weighted updates' above
+                doc["secure"]["distributed"] = distributed
         if ddp:
             doc["ddp"] = [{"round": e.round, **json.loads(e.message)} for e in ddp]
         print(json.dumps(doc, indent=2))
