@@ -10,11 +10,16 @@ Each share message carries its dealer's commitments to the two shares in it (`cr
 revealed share that does not match is refused naming its revealer (`Dishonest`), so a survivor cannot shift
 the sum by lying about a share. The service keeps the running sum of masked inputs mod R and never any single one; the sealed
 shares it routes are opaque to it. After unmasking it holds Σ_{i∈U3} q(w_i·x_i) and nothing finer.
+
+A distributed-DP round (`ddp`) sums signed integers instead (each worker's γ-scaled gradient sum plus its Skellam
+share, already in the ring): the masks cancel the same way, and `finish` reads the sum signed, mod 2^bits, over γ
+(`ddp_sum`); the offset quantiser's path is untouched.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -38,6 +43,7 @@ from fedbroker.secagg.crypto import (
 )
 from fedbroker.secagg.errors import Dishonest, SecAggError, ShareMismatch, TooFewSurvivors
 from fedbroker.secagg.params import SecAggParams, dequantise_sum, mask_ring, sum_error_bound
+from fedbroker.secagg.skellam import DDPRound, dequantise, from_ring
 
 _STAGES = ("keys", "shares", "verify", "masked", "unmask", "finished")
 _P = ParamSpec("_P")
@@ -75,9 +81,14 @@ class SecAggResult:
 class SecAggServer:
     """One round's service state: keys, routed ciphertexts, a running masked sum, then unmask shares."""
 
-    def __init__(self, params: SecAggParams, round_seed: bytes, *, length: int | None = None) -> None:
-        """`length`: the input's size when known ahead (else the first masked input fixes it)."""
+    def __init__(self, params: SecAggParams, round_seed: bytes, *, length: int | None = None,
+                 ddp: DDPRound | None = None) -> None:
+        """`length`: the input's size when known ahead (else the first masked input fixes it). `ddp`: a
+        distributed-DP round, whose inputs are signed integers (scaled, rounded and noised by each worker) in
+        the ring of `params.bits`: its sum is read back signed, mod 2^bits (`finish`), not by the offset
+        quantiser."""
         self.params = params
+        self.ddp = ddp
         self.round_seed = check_round_seed(round_seed)
         self.length = length
         self._stage = 0
@@ -277,6 +288,22 @@ class SecAggServer:
         mask_ring(total, bits)
         self._sum = None
         self._replies.clear()
-        worst, std = sum_error_bound(self.params, len(survivors))
-        return SecAggResult(total=dequantise_sum(total, len(survivors), self.params), survivors=tuple(survivors),
-                            dropped=tuple(dropped), error_max=worst, error_std=std)
+        if self.ddp is not None:
+            clear, (worst, std) = ddp_sum(total, self.ddp, len(survivors))
+        else:
+            clear = dequantise_sum(total, len(survivors), self.params)
+            worst, std = sum_error_bound(self.params, len(survivors))
+        return SecAggResult(total=clear, survivors=tuple(survivors), dropped=tuple(dropped), error_max=worst,
+                            error_std=std)
+
+
+def ddp_sum(ring_sum: NDArray[np.unsignedinteger[Any]], ddp: DDPRound,
+            n_summed: int) -> tuple[NDArray[np.float64], tuple[float, float]]:
+    """A distributed-DP round's unmasked sum in gradient units, and its rounding error bounds per coordinate.
+
+    Each worker's integers are γ·g_i stochastically rounded plus its Skellam noise, so the ring sum read
+    signed (`from_ring`, mod 2^bits) over γ (`dequantise`) is Σ g_i + noise/γ, exactly unless a coordinate
+    wrapped (the round's wrap bound). The rounding error per term is below 1/γ (variance ≤ 1/(4γ²)); the noise
+    is not an error but the mechanism, so it is not in the bounds."""
+    clear = dequantise(from_ring(ring_sum, bits=ddp.bits), scale=ddp.scale)
+    return clear, (n_summed / ddp.scale, math.sqrt(n_summed) / (2.0 * ddp.scale))

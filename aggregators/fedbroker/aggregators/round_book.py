@@ -189,7 +189,9 @@ class RoundBook:
                 round_number, members, deadline, algorithms, section, counts, job.spec, job.spare_rows,
                 sample_limits=limits, secure=new_session(job_id, round_number, job.version, members, job.spec,
                                                          opened=clock(), deadline=deadline, clock=clock,
-                                                         group_size=algorithms.installed.aggregation.secure_group_size)
+                                                         group_size=algorithms.installed.aggregation.secure_group_size,
+                                                         distributed=algorithms.installed.privacy.distributed,
+                                                         limits=limits)
                 if algorithms.installed.aggregation.secure else None))
             if changed:
                 self.table.commit(job)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
 import numpy as np
 
+from fedbroker.aggregators import secure_ddp
 from fedbroker.aggregators.combine import Combined
 from fedbroker.aggregators.job_state import Accepted, Receipt, Round
 from fedbroker.aggregators.job_table import JobTable, receiving
@@ -29,6 +30,7 @@ from fedbroker.aggregators.secure_session import Roster, SecureSession, refused
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.close_report import SelectionRecord
 from fedbroker.errors import Rejection, UploadRejected
+from fedbroker.job.privacy import DistributedDP
 from fedbroker.job.spec import ModelSpec, parameter_shapes
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc import codec
@@ -42,15 +44,21 @@ log = logging.getLogger(__name__)
 
 
 def new_session(job_id: str, round_number: int, version: int, participants: frozenset[str], spec: ModelSpec, *,
-                opened: float, deadline: float, clock: Callable[[], float],
-                group_size: int = 0) -> SecureSession | GroupedSession:
-    """The session of a secure round being opened; one per group with aggregation.secure_group_size."""
+                opened: float, deadline: float, clock: Callable[[], float], group_size: int = 0,
+                distributed: DistributedDP | None = None,
+                limits: Mapping[str, int] | None = None) -> SecureSession | GroupedSession:
+    """The session of a secure round being opened: one per group with aggregation.secure_group_size; with
+    `distributed` (enabled), a distributed-DP round sized for the participants' registered record counts
+    `limits` (`secure_ddp`). The job refuses both together."""
     if group_size:
         return GroupedSession(job_id=job_id, round_number=round_number, version=version, participants=participants,
                               length=Layout(parameter_shapes(spec)).size, opened=opened, deadline=deadline,
                               clock=clock, group_size=group_size)
+    ddp, records = secure_ddp.session_settings(distributed, participants, spec, limits or {}) \
+        if distributed is not None and distributed.enabled else (None, 0)
     return SecureSession(job_id=job_id, round_number=round_number, version=version, participants=participants,
-                         length=Layout(parameter_shapes(spec)).size, opened=opened, deadline=deadline, clock=clock)
+                         length=Layout(parameter_shapes(spec)).size, opened=opened, deadline=deadline, clock=clock,
+                         ddp=ddp, quorum=distributed.quorum if ddp is not None and distributed else 0, records=records)
 
 
 class SecureRounds:
@@ -103,7 +111,9 @@ class SecureRounds:
             keys = PublicKeys(c_pk=bytes(request.cipher_key), s_pk=bytes(request.mask_key))
         except (ValueError, SecAggError) as exc:
             raise UploadRejected(Rejection.BAD_HEADER, f"worker {request.worker_id!r}: {exc}") from exc
-        session.advertise(request.worker_id, keys, int(request.num_samples), raw)
+        noise = secure_ddp.check_noise_variance(request.worker_id, request.noise_variance, session.ddp) \
+            if session.failed is None else 0.0  # a failed (or lost) round answers why it failed, below
+        session.advertise(request.worker_id, keys, int(request.num_samples), raw, noise)
         return session
 
     def _wait(self, request: pb.SecWaitRequest, step: Callable[[SecureSession, str, float], T]) -> T:
@@ -196,6 +206,8 @@ class SecureRounds:
                                 selection_method=rnd.algorithms.settings.selection.name, accepted=len(rnd.accepted),
                                 current=current, spec=spec, unmask_s=self.unmask_s, round_number=rnd.number)
             return Combined(c.chosen, c.weights, spec, c.state, c.stats, c.selection, c.verdicts, excluded=c.excluded)
+        if session.ddp is not None:  # one DP-SGD step from the noisy gradient sum, not a weighted mean
+            return secure_ddp.combine_ddp(rnd, current, spec, unmask_s=self.unmask_s)
         session.decide()
         result = session.finish(wait_s=self.unmask_s)
         for worker, why in sorted(session.excluded.items()):

@@ -47,7 +47,15 @@ from fedbroker.secagg import (
     SecAggServer,
     UnmaskRequest,
 )
-from fedbroker.secagg.secure_round import LONG_POLL_S, UNMASK_WAIT_S, phase_deadlines, round_params, round_seed
+from fedbroker.secagg.secure_round import (
+    LONG_POLL_S,
+    UNMASK_WAIT_S,
+    ddp_secagg_params,
+    phase_deadlines,
+    round_params,
+    round_seed,
+)
+from fedbroker.secagg.skellam import DDPRound
 
 _T = TypeVar("_T")
 
@@ -70,20 +78,27 @@ class SecureSession:
     """One secure round's state at the service (see the module docstring). Thread-safe."""
 
     def __init__(self, *, job_id: str, round_number: int, version: int, participants: frozenset[str], length: int,
-                 opened: float, deadline: float, clock: Callable[[], float], n: int = 0) -> None:
-        """`n`: the ring's size in inputs (default: the participants)."""
+                 opened: float, deadline: float, clock: Callable[[], float], n: int = 0,
+                 ddp: DDPRound | None = None, quorum: int = 0, records: int = 0) -> None:
+        """`n`: the ring's size in inputs (default: the participants). `ddp`: a distributed-DP round's settings
+        (`fedbroker.aggregators.secure_ddp`): its ring is theirs, and each worker declares its noise variance.
+        `quorum`: the fewest masked inputs the sum may be unmasked with (distributed DP: fewer carry less noise
+        than the job promised), when above the threshold. `records`: what the DDP ring is sized for."""
         self.where = f"secure round {round_number} of job {job_id!r}"
         self.participants = participants
-        self.params: SecAggParams = round_params(n or len(participants))
+        self.ddp, self.quorum, self.records = ddp, quorum, records
+        self.params: SecAggParams = (round_params(n or len(participants)) if ddp is None
+                                     else ddp_secagg_params(n or len(participants), ddp))
         self.seed = round_seed(job_id, round_number, version)
         self.length = length
         self.key_deadline, self.share_deadline, self.verify_deadline = phase_deadlines(opened, deadline)
         self.deadline = deadline
         self.clock = clock
-        self._server = SecAggServer(self.params, self.seed, length=length)
+        self._server = SecAggServer(self.params, self.seed, length=length, ddp=ddp)
         self._cond = threading.Condition()
         self._keys: dict[str, PublicKeys] = {}
         self.weights: dict[str, tuple[int, float]] = {}   # worker → (declared samples, raw weight)
+        self.noise: dict[str, float] = {}                  # distributed DP: worker → its declared noise variance
         self._rosters: dict[str, dict[str, PublicKeys]] | None = None
         self._sent: dict[str, dict[str, bytes]] = {}
         self._inboxes: dict[str, dict[str, bytes]] | None = None
@@ -123,13 +138,16 @@ class SecureSession:
 
     # ----- keys -----
 
-    def advertise(self, worker_id: str, keys: PublicKeys, samples: int, raw_weight: float) -> None:
-        """Record a worker's public keys and declared weight; the same advertisement again is a no-op."""
+    def advertise(self, worker_id: str, keys: PublicKeys, samples: int, raw_weight: float,
+                  noise_variance: float = 0.0) -> None:
+        """Record a worker's public keys and declared weight (and noise variance, checked by the caller); the same
+        advertisement again is a no-op."""
         with self._cond:
             self._check_alive()
             held = self._keys.get(worker_id)
             if held is not None:
-                if held != keys or self.weights[worker_id] != (samples, raw_weight):
+                if held != keys or (self.weights[worker_id], self.noise.get(worker_id, 0.0)) != (
+                        (samples, raw_weight), noise_variance):
                     raise refused(f"{self.where}: worker {worker_id!r} advertised other keys or another weight "
                                   f"before; a round takes one advertisement per worker")
                 return
@@ -137,6 +155,8 @@ class SecureSession:
                 raise refused(f"{self.where}: the roster was fixed before worker {worker_id!r} advertised")
             self._step(lambda: self._server.add_keys(worker_id, keys))
             self._keys[worker_id], self.weights[worker_id] = keys, (samples, raw_weight)
+            if self.ddp is not None:
+                self.noise[worker_id] = noise_variance
             if set(self._keys) >= self.participants:
                 self._fix_roster()
             self._cond.notify_all()
@@ -261,6 +281,10 @@ class SecureSession:
                     self._fail("the round closed before every participant had verified its shares")
                 assert self._masking is not None
                 self._dropped("upload", set(self._masking) - self.masked)
+                if len(self.masked) < self.quorum:  # unmasked, the sum would carry less noise than promised
+                    self._fail(f"{len(self.masked)} masked upload(s) arrived; the round's quorum is {self.quorum} "
+                               f"(privacy.distributed: fewer would carry less noise than promised){self._named()}",
+                               outcome="too_few_survivors")
                 self._requests = self._step(self._server.unmask_requests)
             self._cond.notify_all()
 
@@ -318,9 +342,10 @@ class SecureSession:
     def _check_reachable(self) -> None:
         """At the round's deadline no masked upload can come: fewer than t in the sum fail the round now, so
         the workers waiting to unmask are told at once (not at the deadline plus the unmask wait)."""
-        if self._requests is None and len(self.masked) < self.params.threshold:
+        if self._requests is None and len(self.masked) < max(self.params.threshold, self.quorum):
             self._fail(f"the round's deadline passed with {len(self.masked)} masked upload(s); its threshold is "
-                       f"{self.params.threshold}{self._named()}", outcome="too_few_survivors")
+                       f"{self.params.threshold}{f', its quorum {self.quorum}' if self.quorum else ''}"
+                       f"{self._named()}", outcome="too_few_survivors")
 
 
     def _named(self) -> str:

@@ -23,6 +23,7 @@ import numpy as np
 
 from fedbroker.aggregators import metrics
 from fedbroker.aggregators.round_book import RoundBook
+from fedbroker.aggregators.secure_ddp import sec_params
 from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
@@ -198,9 +199,9 @@ class AggregationServicer(pb_grpc.AggregationServicer):
             self._own(context, request.worker_id)
             session = self.book.secure.advertise(request)
             p = session.params
-            return pb.SecAdvertiseReply(round_seed=session.seed, params=pb.SecParams(
+            return pb.SecAdvertiseReply(round_seed=session.seed, params=sec_params(session, pb.SecParams(
                 threshold=p.threshold, neighbours=p.neighbours, ring_bits=p.bits, clip=p.clip,
-                ring_dtype=np.dtype(p.dtype).name, length=session.length, n_max=p.n_max))
+                ring_dtype=np.dtype(p.dtype).name, length=session.length, n_max=p.n_max)))
 
         return handle(context, _counted("SecAdvertise", run))
 

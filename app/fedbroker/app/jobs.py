@@ -110,9 +110,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     """`jobs show ID`: the job's settings, its rounds and the workers it asked."""
     with client(args) as c:
         status = c.status(args.job_id)
-        history = list(c.events(args.job_id))
-    shared = [e for e in history if e.kind in SHARE_EVENTS]
-    site_dp = [e.message for e in history if e.kind == "site_dp"][-1:]  # privacy.site: the ε of every round so far
+        events = list(c.events(args.job_id))
+    shared = [e for e in events if e.kind in SHARE_EVENTS]
+    site_dp = [e.message for e in events if e.kind == "site_dp"][-1:]  # privacy.site: the ε of every round so far
+    ddp = [e for e in events if e.kind == "ddp"]  # each distributed-DP round's record (fedbroker.secagg.ddp_record)
     (job,) = status.jobs
     spec = json.loads(job.spec_json or "{}")
     secure_n = secure_round_size(spec, status.rounds)
@@ -120,6 +121,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         doc = show_document(status, shared)
         if secure_n:  # what a secure round of this job runs with: ring bits, clip range, threshold
             doc["secure"] = {"participants": secure_n, **round_params(secure_n).describe()}
+            distributed = (spec.get("privacy") or {}).get("distributed")
+            if distributed:  # the ring is each round's own (its record, `ddp`), not the weighted updates' above
+                doc["secure"]["distributed"] = distributed
+        if ddp:
+            doc["ddp"] = [{"round": e.round, **json.loads(e.message)} for e in ddp]
         if site_dp:
             doc["site_dp"] = site_dp[0]
         print(json.dumps(doc, indent=2))
@@ -129,8 +135,9 @@ def cmd_show(args: argparse.Namespace) -> int:
              ("submitter", job.submitter or "-"), ("submitted", _when(job.created_unix) + " UTC"),
              ("updated", _when(job.updated_unix) + " UTC"), *settings(spec), *layerwise_rounds(spec)]
     if secure_n:
-        facts.append(("secure", describe_secure(secure_n)))
+        facts.append(("secure", describe_secure(secure_n, distributed=(spec.get("privacy") or {}).get("distributed"))))
     facts += [("site-level DP", message) for message in site_dp]
+    facts += [(f"round {e.round}", event_words(e.kind, e.round, e.message)) for e in ddp]
     facts += [("standardised" if e.kind == "statistics_agreed" else "sharing",
                f"{e.worker_id + ': ' if e.worker_id else ''}{e.message}") for e in shared]
     if job.error:

@@ -14,6 +14,8 @@ from fedbroker.close_report import (
     selection_from_json,
     verdicts_from_json,
 )
+from fedbroker.secagg.ddp_record import from_json as ddp_from_json
+from fedbroker.secagg.ddp_record import words as ddp_words
 
 
 def selection_note(round_number: int, record: SelectionRecord) -> str:
@@ -53,7 +55,7 @@ def secure_note(excluded: Sequence[str]) -> str:
 
 
 def event_words(kind: str, round_number: int, message: str) -> str:
-    """An event's message as the operator reads it: a `selection`, `robust` or `secure` event holds the typed
+    """An event's message as the operator reads it: a `selection`, `robust`, `secure` or `ddp` event holds the typed
     record, put in words here; any other event's message is already words (and so is a record that cannot be
     read)."""
     try:
@@ -63,6 +65,8 @@ def event_words(kind: str, round_number: int, message: str) -> str:
             words = robust_note(verdicts_from_json(message))
         elif kind == "secure":
             words = secure_note(names_from_json(message))
+        elif kind == "ddp":
+            words = ddp_words(ddp_from_json(message))
         else:
             return message
     except (ValueError, TypeError):  # recorded before the typed records, or not one of ours: shown as it is

@@ -31,6 +31,7 @@ from fedbroker.errors import BusError, Rejection
 from fedbroker.job.status import ParticipantStatus, RoundStatus
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc.plumbing import RemoteError
+from fedbroker.secagg.ddp_record import from_stats, has_record
 from fedbroker.secagg.groups import MIN_GROUPS, fewest_uploads
 from fedbroker.secagg.secure_round import needed_uploads, threshold_note
 
@@ -144,11 +145,15 @@ class SyncRounds:
     def _fewest(self, rnd: OpenRound) -> int:
         """The fewest uploads the round may close with: min_clients, and for a secure round at least its
         threshold t (fewer masked inputs cannot be unmasked: fedbroker.secagg.secure_round); grouped, the
-        smallest groups' thresholds the close needs (fedbroker.secagg.groups)."""
-        fewest, aggregation = self.run.job.schedule.min_clients, self.run.job.aggregation
-        if not aggregation.secure:
+        smallest groups' thresholds the close needs (fedbroker.secagg.groups); with privacy.distributed its
+        quorum (fewer would carry less noise than promised: the service refuses them)."""
+        job = self.run.job
+        fewest = job.schedule.min_clients
+        if job.privacy.distributed.enabled:
+            fewest = max(fewest, job.privacy.distributed.quorum)
+        if not job.aggregation.secure:
             return fewest
-        n, g = len(rnd.participants), aggregation.secure_group_size
+        n, g = len(rnd.participants), job.aggregation.secure_group_size
         return max(fewest, fewest_uploads(n, g) if g and n >= g * MIN_GROUPS else needed_uploads(n))
 
     def _new_round(self, round_number: int) -> OpenRound:
@@ -344,6 +349,8 @@ class SyncRounds:
             log.warning("round %d of %s: secure aggregation excluded %s", round_number, job_id,
                         ", ".join(reply.excluded))
             self.ctx.store.note_event(job_id, "secure", names_json(reply.excluded), round_number=round_number)
+        if has_record(reply.stats):  # a distributed-DP round's noise, survivors and ring: `jobs show`, `jobs logs`
+            self.ctx.store.note_event(job_id, "ddp", from_stats(reply.stats).to_json(), round_number=round_number)
         metrics.ROUNDS_COMPLETED.labels(job_id).inc()
         metrics.ROUND_DURATION.observe(seconds)
         metrics.ROUND_OPEN.labels(job_id).set(0)

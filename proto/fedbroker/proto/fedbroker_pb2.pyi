@@ -764,7 +764,7 @@ class SecAdvertiseRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., worker_id: _Optional[str] = ..., cipher_key: _Optional[bytes] = ..., mask_key: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., ish: _Optional[float] = ..., has_ish: _Optional[bool] = ..., noise_variance: _Optional[float] = ...) -> None: ...
 
 class SecParams(_message.Message):
-    __slots__ = ("threshold", "neighbours", "ring_bits", "clip", "fraction_bits", "ring_dtype", "length", "n_max")
+    __slots__ = ("threshold", "neighbours", "ring_bits", "clip", "fraction_bits", "ring_dtype", "length", "n_max", "ddp_scale", "ddp_bits", "ddp_quorum", "ddp_records")
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
     RING_BITS_FIELD_NUMBER: _ClassVar[int]
@@ -773,6 +773,10 @@ class SecParams(_message.Message):
     RING_DTYPE_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     N_MAX_FIELD_NUMBER: _ClassVar[int]
+    DDP_SCALE_FIELD_NUMBER: _ClassVar[int]
+    DDP_BITS_FIELD_NUMBER: _ClassVar[int]
+    DDP_QUORUM_FIELD_NUMBER: _ClassVar[int]
+    DDP_RECORDS_FIELD_NUMBER: _ClassVar[int]
     threshold: int
     neighbours: int
     ring_bits: int
@@ -781,7 +785,11 @@ class SecParams(_message.Message):
     ring_dtype: str
     length: int
     n_max: int
-    def __init__(self, threshold: _Optional[int] = ..., neighbours: _Optional[int] = ..., ring_bits: _Optional[int] = ..., clip: _Optional[float] = ..., fraction_bits: _Optional[int] = ..., ring_dtype: _Optional[str] = ..., length: _Optional[int] = ..., n_max: _Optional[int] = ...) -> None: ...
+    ddp_scale: float
+    ddp_bits: int
+    ddp_quorum: int
+    ddp_records: int
+    def __init__(self, threshold: _Optional[int] = ..., neighbours: _Optional[int] = ..., ring_bits: _Optional[int] = ..., clip: _Optional[float] = ..., fraction_bits: _Optional[int] = ..., ring_dtype: _Optional[str] = ..., length: _Optional[int] = ..., n_max: _Optional[int] = ..., ddp_scale: _Optional[float] = ..., ddp_bits: _Optional[int] = ..., ddp_quorum: _Optional[int] = ..., ddp_records: _Optional[int] = ...) -> None: ...
 
 class SecAdvertiseReply(_message.Message):
     __slots__ = ("params", "round_seed")

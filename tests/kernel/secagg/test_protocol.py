@@ -147,7 +147,7 @@ def test_the_server_never_holds_an_individual_input() -> None:
         for w in inputs:
             assert not np.allclose(a.astype(np.float64), inputs[w])
     kept = {k: type(v).__name__ for k, v in vars(server).items()}
-    assert set(kept) == {"params", "round_seed", "length", "_stage", "_keys", "_graph", "_inboxes", "_sent",
+    assert set(kept) == {"params", "ddp", "round_seed", "length", "_stage", "_keys", "_graph", "_inboxes", "_sent",
                          "_masked", "_sum", "_requests", "_replies", "_lock", "_commitments"}, "a new attribute: check it holds no input"
     requests = server.unmask_requests()
     for w, r in requests.items():

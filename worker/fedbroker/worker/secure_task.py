@@ -40,7 +40,7 @@ from fedbroker.rpc.aggregation_client import AggregatorClient, Model
 from fedbroker.secagg.client import SecAggClient
 from fedbroker.secagg.crypto import PublicKeys
 from fedbroker.secagg.groups import group_params
-from fedbroker.secagg.secure_round import UNMASK_WAIT_S, round_params, round_seed
+from fedbroker.secagg.secure_round import UNMASK_WAIT_S, below_quorum, round_params, round_seed
 
 if TYPE_CHECKING:
     from fedbroker.worker.distributed_step import DistributedStep
@@ -215,6 +215,9 @@ class SecureRun:
             named = client.sec_survivors(task.job_id, task.round, self.worker_id, until=until)
             if named is None:
                 raise SecureStepFailed(f"round {task.round} of {task.job_id} named no survivors in time")
+            short = below_quorum(len(named.survivors), task.participants, self.ddp.settings.quorum) if self.ddp else ""
+            if short:  # distributed DP: a dishonest service's sum of fewer survivors would carry less noise
+                raise SecureStepFailed(f"round {task.round} of {task.job_id}: {short}")
             self._unmask_shares = self.crypto.unmask(list(named.survivors), list(named.dropped))
         shares = self._unmask_shares
         client.sec_unmask(pb.SecUnmaskRequest(job_id=task.job_id, round=task.round, worker_id=self.worker_id,
