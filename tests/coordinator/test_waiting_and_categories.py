@@ -213,7 +213,8 @@ def test_an_asynchronous_job_nobody_can_afford_says_why_and_clears_it_once_a_tas
     reason = wait_for("the reason", lambda: deployment.job_row(job_id).waiting)
     assert reason.startswith("0 of 1 active worker(s) of category 'clinic' can afford a task of this asynchronous "
                              "job, one is needed (site-a: the round would cost ε "), reason
-    assert deployment.events(job_id, "waiting") == [reason]
+    # the row and the event are two writes: wait for the event, then pin that it is the one reason, once
+    assert wait_for("the waiting event", lambda: deployment.events(job_id, "waiting")) == [reason]
     deployment.coordinator.bus.declare_worker("site-a")  # its task queue: the task waits there, held until its deadline
     register(deployment.store, "site-a", GENEROUS)
     wait_for("a task handed out", lambda: deployment.job_row(job_id).waiting == "")
