@@ -108,6 +108,10 @@ class Deployment:
             return self._client.status(job_id)
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):  # still starting
+                # a fresh channel next time, as each CLI process had: a failed one waits out gRPC's reconnect
+                # backoff (growing to minutes), which would see a coordinator up only seconds after it is
+                self._client.close()
+                self._client = None
                 return None
             raise  # a refusal (a token, TLS) fails the wait at once rather than hanging it
 
