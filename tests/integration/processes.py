@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fedbroker.bus import delete_topology
+from fedbroker.job.status import FINISHED
 from tests.rabbitmq_node import PrivateRabbitMQ, free_ports
 from tests.source_roots import PYTHONPATH
 
@@ -54,6 +55,7 @@ class Deployment:
         aggregator, coordinator = free_ports(2)
         self.aggregator, self.coordinator = f"127.0.0.1:{aggregator}", f"127.0.0.1:{coordinator}"
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._client: Any = None
         self.urls = users.provision(namespace=self.namespace, participants=["coordinator", *self.worker_ids]) \
             if users is not None else {}
 
@@ -92,6 +94,37 @@ class Deployment:
         assert done.returncode == 0, f"fedbroker {' '.join(args)}: {done.stdout}\n{done.stderr}"
         return done.stdout
 
+    def coordinator_status(self, job_id: str = "") -> Any:
+        """The coordinator's Status reply through this process's own gRPC client (None while it does not answer).
+        Wait loops look here first and start a CLI process only once the state they wait for is there: a CLI
+        process per poll kept about one of CI's two cores importing the package while the federation trained."""
+        import grpc
+
+        from fedbroker.coordinator.service import CoordinatorClient
+
+        if self._client is None:
+            self._client = CoordinatorClient(self.coordinator, timeout_s=10)
+        try:
+            return self._client.status(job_id)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):  # still starting
+                # a fresh channel next time, as each CLI process had: a failed one waits out gRPC's reconnect
+                # backoff (growing to minutes), which would see a coordinator up only seconds after it is
+                self._client.close()
+                self._client = None
+                return None
+            raise  # a refusal (a token, TLS) fails the wait at once rather than hanging it
+
+    def registered(self, count: int) -> bool:
+        """At least `count` workers are registered with the coordinator (its own Status, not the CLI's)."""
+        reply = self.coordinator_status()
+        return reply is not None and len(reply.workers) >= count
+
+    def job_ended(self, job_id: str) -> bool:
+        """The job is completed, failed or cancelled (its own Status, not the CLI's)."""
+        reply = self.coordinator_status(job_id)
+        return reply is not None and any(job.status in FINISHED for job in reply.jobs)
+
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.tmp.glob("*.log")))
 
@@ -102,5 +135,7 @@ class Deployment:
             assert process.poll() is None, f"{name} exited with {process.returncode}\n{self.logs()}"
 
     def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
         stop_all(list(self.processes.values()), timeout_s=20)
         delete_topology(self.url, namespace=self.namespace, worker_ids=self.worker_ids)

@@ -105,7 +105,7 @@ def test_three_sites_study_with_federated_evaluation_and_a_model_that_applies_to
 
     def registered() -> bool:
         try:
-            return len(json.loads(d.cli("status", "--json"))["workers"]) == len(SITES)
+            return d.registered(len(SITES)) and len(json.loads(d.cli("status", "--json"))["workers"]) == len(SITES)
         except AssertionError:  # the coordinator is still starting
             return False
 
@@ -115,6 +115,8 @@ def test_three_sites_study_with_federated_evaluation_and_a_model_that_applies_to
     job_id = json.loads(d.cli("submit", str(job_file), "--json"))["job_id"]
 
     def finished() -> dict[str, Any] | None:
+        if not d.job_ended(job_id):  # the coordinator's own Status first: no CLI process per poll
+            return None
         doc: dict[str, Any] = json.loads(d.cli("jobs", "show", job_id, "--json"))
         rounds = doc["rounds"]
         done = doc["status"] in ("completed", "failed", "cancelled")

@@ -91,7 +91,7 @@ def test_a_residual_graph_trains_under_dp_with_fedavg_through_real_processes(dep
 
     def registered() -> bool:
         try:
-            return len(json.loads(d.cli("status", "--json"))["workers"]) == len(SITES)
+            return d.registered(len(SITES)) and len(json.loads(d.cli("status", "--json"))["workers"]) == len(SITES)
         except AssertionError:  # the coordinator is still starting
             return False
 
@@ -105,6 +105,8 @@ def test_a_residual_graph_trains_under_dp_with_fedavg_through_real_processes(dep
         int(torch.Size(s).numel()) for s in parameter_shapes(spec).values())
 
     def finished() -> dict[str, Any] | None:
+        if not d.job_ended(job_id):  # the coordinator's own Status first: no CLI process per poll
+            return None
         doc: dict[str, Any] = json.loads(d.cli("jobs", "show", job_id, "--json"))
         return doc if doc["status"] in ("completed", "failed", "cancelled") else None
 

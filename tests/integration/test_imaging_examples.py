@@ -69,7 +69,7 @@ def federation(d: Deployment, folder: Path) -> None:
 
     def registered() -> bool:
         try:
-            return len(json.loads(d.cli("status", "--json"))["workers"]) == len(SITES)
+            return d.registered(len(SITES)) and len(json.loads(d.cli("status", "--json"))["workers"]) == len(SITES)
         except AssertionError:  # the coordinator is still starting
             return False
 
@@ -81,6 +81,8 @@ def submit_and_follow(d: Deployment, job_file: Path) -> tuple[str, dict[str, Any
     job_id = json.loads(d.cli("submit", str(job_file.relative_to(d.tmp)), "--json", cwd=d.tmp))["job_id"]
 
     def finished() -> dict[str, Any] | None:
+        if not d.job_ended(job_id):  # the coordinator's own Status first: no CLI process per poll
+            return None
         doc: dict[str, Any] = json.loads(d.cli("jobs", "show", job_id, "--json"))
         return doc if doc["status"] in ("completed", "failed", "cancelled") else None
 

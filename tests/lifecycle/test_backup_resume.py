@@ -4,6 +4,7 @@ with the update the aggregation service had accepted, and the job completes."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -117,6 +118,8 @@ class Host:
 
     def registered(self) -> bool:
         try:
+            if not self.d.registered(len(self.SITES)):  # the coordinator's own Status first: no CLI process per poll
+                return False
             return len(json.loads(self.d.cli("status", "--json"))["workers"]) == len(self.SITES)
         except AssertionError:  # the coordinator is starting
             return False
@@ -131,9 +134,11 @@ class Host:
         """With site `on` stopped: the open round past `after` that holds `uploaded`'s update and waits for `on`'s
         (`on` holds its task); a round that may still close (`jobs show` read before an upload closed it) is
         ruled out by `after`."""
+        log = (self.tmp / f"{uploaded}.log").read_text()
+        if not any(int(n) > after for n in re.findall(rf"worker {re.escape(uploaded)} uploaded round (\d+) of {re.escape(job_id)}", log)):
+            return None  # no upload past `after` in the log yet: no CLI process for a `jobs show` that cannot match
         doc = self.show(job_id)
         opened = [r["round"] for r in doc["rounds"] if r["status"] == "open"] if doc else []
-        log = (self.tmp / f"{uploaded}.log").read_text()
         return next((n for n in opened if n > after and f"worker {uploaded} uploaded round {n} of {job_id}" in log),
                     None)
 
@@ -193,7 +198,7 @@ def test_the_documented_online_backup_and_restore_completes_the_job_that_ran_dur
         host.wait("w0 to drop its task", lambda: refused in (tmp_path / "w0.log").read_text())
         w1.send_signal(signal.SIGCONT)
 
-        doc = host.wait("the job to end", lambda: (d := host.show(job_id)) and d["status"] in (
+        doc = host.wait("the job to end", lambda: host.d.job_ended(job_id) and (d := host.show(job_id)) and d["status"] in (
             "completed", "failed", "cancelled") and d, timeout=600)
         assert doc["status"] == "completed", (doc["error"], host.d.logs())
         assert [(r["round"], r["status"]) for r in doc["rounds"]] == [(n, "closed") for n in range(1, 9)]

@@ -138,14 +138,15 @@ def test_a_site_with_impossible_statistics_is_excluded_named_and_the_others_stan
 
     def registered() -> bool:
         try:
-            return len(json.loads(d.cli("status", "--json"))["workers"]) == len(HONEST)
+            return d.registered(len(HONEST)) and len(json.loads(d.cli("status", "--json"))["workers"]) == len(HONEST)
         except AssertionError:  # the coordinator is still starting
             return False
 
     wait_for(registered, "the two hospitals to register", d)
     liar = Liar(c.url(LIAR), d.namespace)
     try:
-        wait_for(lambda: len(json.loads(d.cli("status", "--json"))["workers"]) == 3, "the liar to register", d)
+        wait_for(lambda: d.registered(3) and len(json.loads(d.cli("status", "--json"))["workers"]) == 3,
+                 "the liar to register", d)  # the coordinator's own Status first: no CLI process per poll
         job = {**JOB, "training": {**JOB["training"], "rounds": 1}, "evaluation": {"every": 0},
                "schedule": {**JOB["schedule"], "min_workers": 2}}
         (d.tmp / "job.json").write_text(json.dumps(job))
