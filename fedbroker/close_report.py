@@ -20,6 +20,7 @@ class Verdict:
     rule: str
     kept_weight: float
     expected_weight: float
+    flagged: bool = False   # a history check found it inconsistent with its own past updates (and excluded it)
 
     @property
     def ratio(self) -> float:
@@ -28,7 +29,10 @@ class Verdict:
 
     @property
     def judgement(self) -> str:
-        """`discarded` (under DISCARDED_BELOW of its share), `down-weighted` (under DOWNWEIGHTED_BELOW), or `kept`."""
+        """`flagged` (excluded by a history check), `discarded` (under DISCARDED_BELOW of its share),
+        `down-weighted` (under DOWNWEIGHTED_BELOW), or `kept`."""
+        if self.flagged:
+            return "flagged"
         if self.ratio < DISCARDED_BELOW:
             return "discarded"
         return "down-weighted" if self.ratio < DOWNWEIGHTED_BELOW else "kept"
@@ -36,13 +40,15 @@ class Verdict:
     def to_proto(self) -> pb.Verdict:
         """The wire form (`CloseRoundReply.verdicts`)."""
         return pb.Verdict(worker_id=self.worker_id, rule=self.rule, kept_weight=self.kept_weight,
-                          expected_weight=self.expected_weight, discarded=self.judgement == "discarded",
+                          expected_weight=self.expected_weight,
+                          discarded=self.judgement in ("discarded", "flagged"),
                           reason=self.judgement)
 
     @classmethod
     def from_proto(cls, message: pb.Verdict) -> Verdict:
         """Back from the wire form."""
-        return cls(message.worker_id, message.rule, message.kept_weight, message.expected_weight)
+        return cls(message.worker_id, message.rule, message.kept_weight, message.expected_weight,
+                   flagged=message.reason == "flagged")
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,10 @@ from fedbroker.algorithms.params import (
     WeightingParams,
 )
 from fedbroker.algorithms.robust_params import (
+    CenteredClippingParams,
     FLTrustParams,
     GeometricMedianParams,
+    HistoryCheckParams,
     MedianParams,
     MultiKrumParams,
     NormBoundParams,
@@ -168,6 +170,8 @@ ROBUST_RULES: Catalogue[RobustParams] = Catalogue("robust", {
     "geometric_median": Entry(GeometricMedianParams, _INDIVIDUAL),
     "norm_bound": Entry(NormBoundParams, _INDIVIDUAL),
     "fltrust": Entry(FLTrustParams, _INDIVIDUAL),
+    "centered_clipping": Entry(CenteredClippingParams, _INDIVIDUAL),
+    "history_check": Entry(HistoryCheckParams, _INDIVIDUAL),
 })
 
 

@@ -9,8 +9,10 @@ that runs for hours; a bad value raises a ValueError naming the parameter (the c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from numbers import Real
+from typing import Any
 
 from fedbroker.algorithms.params import (
     MAX_PROBE_SEED,
@@ -35,11 +37,35 @@ MAX_NORM = 1e9
 MAX_ROOT_EPOCHS = 100           # fltrust's root update: a few passes over a probe set of <= MAX_PROBE_SIZE
 MAX_ROOT_LR = 10.0
 MAX_ROOT_BATCH = 10_000
+MAX_BUCKET = 1_000              # bucketing's s: at most a round's updates in one bucket
+MAX_CLIP_ITERATIONS = 100       # centered clipping's L: each costs one pass over the updates
+MAX_HISTORY = 100               # the history check's window and L-BFGS pairs: each pair keeps one model-sized vector
+PREMIXES = ("none", "bucketing", "nnm")
 
 
 @dataclass(frozen=True, kw_only=True)
 class RobustParams:
-    """Base of every robust rule's parameters; what the service and submission read of any rule."""
+    """Base of every robust rule's parameters; what the service and submission read of any rule.
+
+    Every rule takes a pre-mix of the updates before it runs (docs/algorithms.md, "Mixing before a rule"):
+    `premix: bucketing` averages random buckets of `bucket_size` updates (Karimireddy, He, Jaggi, ICLR 2022);
+    `premix: nnm` replaces each update by the mean of its n − f nearest updates, itself included (Allouah et
+    al., AISTATS 2023), with f = `nnm_f` (None: ⌊(n − 1)/2⌋, the most an honest majority allows).
+    """
+
+    premix: str = "none"
+    bucket_size: int = 2
+    nnm_f: int | None = None
+
+    def __post_init__(self) -> None:
+        check_all(*self.premix_checks())
+
+    def premix_checks(self) -> list[Callable[[], None]]:
+        """The checks of the pre-mix parameters (a rule's own __post_init__ adds them to its own)."""
+        return [lambda: _check_premix(self.premix),
+                lambda: check_int("bucket_size", self.bucket_size, minimum=1, maximum=MAX_BUCKET),
+                lambda: None if self.nnm_f is None else check_int("nnm_f", self.nnm_f, minimum=0,
+                                                                  maximum=MAX_ASSUMED_ATTACKERS)]
 
     @property
     def probe_set(self) -> str:
@@ -75,7 +101,12 @@ class TrimmedMeanParams(RobustParams):
     beta: float = 0.1
 
     def __post_init__(self) -> None:
-        check_all(lambda: _check_beta(self.beta))
+        check_all(*self.premix_checks(), lambda: _check_beta(self.beta))
+
+
+def _check_premix(premix: object) -> None:
+    if premix not in PREMIXES:
+        raise ValueError(f"premix must be one of {', '.join(PREMIXES)}; got {premix!r}")
 
 
 def _check_beta(beta: object) -> None:
@@ -93,7 +124,7 @@ class MultiKrumParams(RobustParams):
     m: int | None = None
 
     def __post_init__(self) -> None:
-        check_all(lambda: check_int("f", self.f, minimum=0, maximum=MAX_ASSUMED_ATTACKERS),
+        check_all(*self.premix_checks(), lambda: check_int("f", self.f, minimum=0, maximum=MAX_ASSUMED_ATTACKERS),
                   lambda: None if self.m is None else check_int("m", self.m, minimum=1, maximum=MAX_AVERAGED))
 
     @property
@@ -113,7 +144,8 @@ class GeometricMedianParams(RobustParams):
     tolerance: float = 1e-6
 
     def __post_init__(self) -> None:
-        check_all(lambda: check_int("iterations", self.iterations, minimum=1, maximum=MAX_WEISZFELD_ITERATIONS),
+        check_all(*self.premix_checks(),
+                  lambda: check_int("iterations", self.iterations, minimum=1, maximum=MAX_WEISZFELD_ITERATIONS),
                   lambda: check_real("nu", self.nu, minimum=0.0, strict=True, maximum=1.0),
                   lambda: check_real("tolerance", self.tolerance, minimum=0.0, strict=False, maximum=1.0))
 
@@ -131,7 +163,7 @@ class NormBoundParams(RobustParams):
     max_norm: float
 
     def __post_init__(self) -> None:
-        check_all(lambda: check_real("max_norm", self.max_norm, minimum=0.0, strict=True, maximum=MAX_NORM))
+        check_all(*self.premix_checks(), lambda: check_real("max_norm", self.max_norm, minimum=0.0, strict=True, maximum=MAX_NORM))
 
     @property
     def uses_weights(self) -> bool:
@@ -153,6 +185,7 @@ class FLTrustParams(RobustParams):
 
     def __post_init__(self) -> None:
         check_all(
+            *self.premix_checks(),
             self._check_probe_dataset,
             lambda: check_int("probe_size", self.probe_size, minimum=1, maximum=MAX_PROBE_SIZE),
             lambda: check_int("probe_seed", self.probe_seed, minimum=0, maximum=MAX_PROBE_SEED),
@@ -172,3 +205,79 @@ class FLTrustParams(RobustParams):
     def probe_set(self) -> str:
         """The root data set."""
         return self.probe_dataset
+
+
+@dataclass(frozen=True, kw_only=True)
+class CenteredClippingParams(RobustParams):
+    """`centered_clipping`: v ← v + Σ w_i (Δ_i − v)·min(1, τ/‖Δ_i − v‖), `iterations` times, from the last round's
+    aggregate (momentum). τ is `tau` when given, else `tau_scale` × the median of ‖Δ_i − v‖ this round: a scale
+    fewer than half the updates cannot move past the honest updates' own distances."""
+
+    tau: float | None = None
+    tau_scale: float = 1.0
+    iterations: int = 1
+
+    def __post_init__(self) -> None:
+        check_all(*self.premix_checks(),
+                  lambda: None if self.tau is None else check_real("tau", self.tau, minimum=0.0, strict=True,
+                                                                   maximum=MAX_NORM),
+                  lambda: check_real("tau_scale", self.tau_scale, minimum=0.0, strict=True, maximum=1e3),
+                  lambda: check_int("iterations", self.iterations, minimum=1, maximum=MAX_CLIP_ITERATIONS))
+
+    @property
+    def uses_weights(self) -> bool:
+        """Each clipped difference counts with the job's weight (1/n under uniform weighting, as in the paper)."""
+        return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class HistoryCheckParams(RobustParams):
+    """`history_check`: FLDetector's consistency check. Each site's update is predicted from its last one with an
+    L-BFGS Hessian approximation over the last `pairs` rounds; its score is the mean, over its last `window`
+    rounds, of its distance to the prediction (over the round's mean distance). Once `warmup` rounds have
+    passed, the upper of two clusters of scores is flagged when it holds fewer than half the sites and its mean
+    is at least `ratio` × the lower's; a flagged site stays excluded. The rest go to `inner` with
+    `inner_params` (any other rule, a pre-mix included)."""
+
+    window: int = 10
+    pairs: int = 5
+    warmup: int = 3
+    ratio: float = 2.0
+    inner: str = "none"
+    inner_params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_all(lambda: None if self.premix == "none" else _raise(
+                      "premix must be none for history_check: mixing hides which site sent what (set it in "
+                      "inner_params)"),
+                  lambda: check_int("window", self.window, minimum=1, maximum=MAX_HISTORY),
+                  lambda: check_int("pairs", self.pairs, minimum=1, maximum=MAX_HISTORY),
+                  lambda: check_int("warmup", self.warmup, minimum=1, maximum=MAX_HISTORY),
+                  lambda: check_real("ratio", self.ratio, minimum=1.0, strict=True, maximum=1e3),
+                  self._check_inner)
+
+    def _check_inner(self) -> None:
+        from fedbroker.algorithms.catalogue import ROBUST_RULES  # the catalogue imports this module
+
+        if self.inner == "history_check":
+            raise ValueError("inner cannot be history_check itself")
+        if not isinstance(self.inner_params, Mapping):
+            raise ValueError(f"inner_params must be a mapping of the inner rule's parameters; got {self.inner_params!r}")
+        try:
+            ROBUST_RULES.choose(self.inner, self.inner_params)
+        except ConfigError as exc:
+            raise ValueError(f"inner {self.inner!r}: {exc}") from None
+
+    @property
+    def uses_weights(self) -> bool:
+        """The inner rule's."""
+        return True
+
+    @property
+    def probe_set(self) -> str:
+        """The inner rule's probe set (fltrust's root set)."""
+        return str(self.inner_params.get("probe_dataset", "")) if self.inner == "fltrust" else ""
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)

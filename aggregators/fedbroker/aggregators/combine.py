@@ -27,7 +27,7 @@ from fedbroker.aggregators.job_state import Accepted, CloseResult, Round, Update
 from fedbroker.aggregators.layer_conversion import from_layers, to_layers
 from fedbroker.aggregators.mean import weighted_mean_of_rows
 from fedbroker.aggregators.probe_sets import probe_arrays
-from fedbroker.aggregators.robust import RobustInput, RobustResult
+from fedbroker.aggregators.robust import RobustInput, RobustMemory, RobustResult
 from fedbroker.aggregators.root_update import train_root_update
 from fedbroker.aggregators.selection import Candidate, Probe, SelectionInput
 from fedbroker.close_report import SelectionRecord, Verdict
@@ -55,6 +55,7 @@ class Combined:
     selection: SelectionRecord
     verdicts: list[Verdict]     # each chosen update as the robust rule judged it (none without a rule)
     excluded: list[str] = field(default_factory=list)  # sites a secure round excluded (failed its checks)
+    memory: RobustMemory | None = None  # the robust rule's memory after this round (the job keeps it)
 
     def report(self, version: int, spec_json: str, seconds: float, updates: list[UpdateSummary]) -> CloseResult:
         """The close's result as the service keeps and returns it (a repeated close returns it again)."""
@@ -64,11 +65,14 @@ class Combined:
 
 def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, np.ndarray], spec: ModelSpec, *,
             seed: int, selection_time_limit_s: float, alignment_time_limit_s: float = 120.0,
-            probe_sets: ProbeLoader = probe_arrays, root_trainer: RootTrainer = train_root_update) -> Combined:
-    """The next global model from a closing round's accepted updates (seeded by the job's seed and the round)."""
+            probe_sets: ProbeLoader = probe_arrays, root_trainer: RootTrainer = train_root_update,
+            memory: RobustMemory | None = None) -> Combined:
+    """The next global model from a closing round's accepted updates (seeded by the job's seed and the round);
+    `memory`: what the job's robust rule kept from its earlier rounds."""
     rng = np.random.default_rng([seed, rnd.number])
     stats: dict[str, float] = {"accepted": float(len(accepted))}
     verdicts: list[Verdict] = []
+    robust = _RobustRun(probe_sets, root_trainer, memory)
     if rnd.rows.mean is not None:
         chosen = sorted(accepted)
         state, weights = _running_result(rnd, accepted, stats)
@@ -80,7 +84,7 @@ def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, 
         stats["selected"] = float(len(chosen))
         if rnd.algorithms.settings.robust.traits.needs_update_set:
             chosen, weights, state, verdicts = _robust(rnd, [accepted[w] for w in chosen], weights, current, spec,
-                                                       rng, stats, probe_sets, root_trainer)
+                                                       rng, stats, robust)
         else:
             spec, state = _combine(rnd, spec, [accepted[w] for w in chosen], weights, rng, stats, current,
                                    deadline=time.monotonic() + alignment_time_limit_s)
@@ -91,7 +95,7 @@ def combine(rnd: Round, accepted: Mapping[str, Accepted], current: Mapping[str, 
     log.info("round %d: %d of %d accepted update(s) chosen by %s, %d aggregated%s", rnd.number, selection.chosen,
              selection.accepted, selection.method, len(chosen),
              f"; {rnd.algorithms.settings.robust.name} judged {len(verdicts)}" if verdicts else "")
-    return Combined(chosen, weights, spec, state, stats, selection, verdicts)
+    return Combined(chosen, weights, spec, state, stats, selection, verdicts, memory=robust.memory)
 
 
 def _check_finite(rnd: Round, state: Mapping[str, np.ndarray]) -> None:
@@ -184,12 +188,22 @@ def _kept_frozen(rnd: Round, spec: ModelSpec, state: dict[str, np.ndarray],
     return {name: np.array(current[name]) if name in frozen else value for name, value in state.items()}
 
 
+@dataclass
+class _RobustRun:
+    """What a robust close reads besides the round (the probe sets, g_0's trainer, the job's memory) and the
+    memory it leaves."""
+
+    probe_sets: ProbeLoader
+    root_trainer: RootTrainer
+    memory: RobustMemory | None
+
+
 def _robust(rnd: Round, updates: list[Accepted], weights: np.ndarray, current: Mapping[str, np.ndarray],
-            spec: ModelSpec, rng: np.random.Generator, stats: dict[str, float], probe_sets: ProbeLoader,
-            root_trainer: RootTrainer) -> tuple[list[str], np.ndarray, dict[str, np.ndarray], list[Verdict]]:
+            spec: ModelSpec, rng: np.random.Generator, stats: dict[str, float],
+            run: _RobustRun) -> tuple[list[str], np.ndarray, dict[str, np.ndarray], list[Verdict]]:
     """The robust rule over Δ_i = x_i − x_global of the chosen updates: (the updates it did not discard, the
     weights it gave them, the next global model, its verdict on every update). The stats get the rule's notes
-    and counts of the discarded and down-weighted updates."""
+    and counts of the discarded and down-weighted updates; `run.memory` becomes the rule's memory after it."""
     layout = rnd.rows.layout
     names = list(layout.shapes)
     base = _flatten(current, names).astype(np.float64)
@@ -200,15 +214,18 @@ def _robust(rnd: Round, updates: list[Accepted], weights: np.ndarray, current: M
     request = rule.root_request()
     root = None
     if request is not None:
-        x, y = probe_sets(request.probe.dataset, request.probe.size, request.probe.seed)
-        seed = int(rng.integers(2**31))  # the rules draw nothing from rng: this draw changes no other result
-        g0 = root_trainer(spec, current, x, y, epochs=request.epochs, lr=request.lr, batch_size=request.batch_size,
+        x, y = run.probe_sets(request.probe.dataset, request.probe.size, request.probe.seed)
+        seed = int(rng.integers(2**31))  # drawn before the rule, so its own draws (bucketing) follow it
+        g0 = run.root_trainer(spec, current, x, y, epochs=request.epochs, lr=request.lr, batch_size=request.batch_size,
                           seed=seed)
         root = _flatten(g0, names)
-    result = rule.aggregate(RobustInput(deltas=deltas, weights=weights, rng=rng, root_update=root))
+    result = rule.aggregate(RobustInput(deltas=deltas, weights=weights, rng=rng, root_update=root,
+                                        sites=tuple(u.worker_id for u in updates), memory=run.memory))
+    run.memory = result.memory
     stats.update(_robust_stats(result))
-    verdicts = [Verdict(u.worker_id, rnd.algorithms.settings.robust.name, float(k), float(e))
-                for u, k, e in zip(updates, result.kept_weight, result.expected)]
+    verdicts = [Verdict(u.worker_id, rnd.algorithms.settings.robust.name, float(k), float(e),
+                        flagged=result.was_flagged(i))
+                for i, (u, k, e) in enumerate(zip(updates, result.kept_weight, result.expected))]
     discarded = result.discarded()
     chosen = [u.worker_id for u, out in zip(updates, discarded) if not out]
     kept = result.kept_weight[~discarded]

@@ -20,6 +20,7 @@ from fedbroker.aggregators.admission import Standing, check_finite, value_limit
 from fedbroker.aggregators.async_state import AsyncState
 from fedbroker.aggregators.job_algorithms import Algorithms
 from fedbroker.aggregators.mean import Layout, Slot, UpdateRows
+from fedbroker.aggregators.robust import RobustMemory
 from fedbroker.aggregators.rows import Rows
 from fedbroker.aggregators.secure_session import SecureSession
 from fedbroker.aggregators.weighting.base import UpdateMeta
@@ -186,6 +187,7 @@ class Job:
     closed_receipts: dict[int, dict[str, Receipt]] = field(default_factory=dict)  # recent rounds: a retry's answer
     spare_rows: UpdateRows | None = None   # the last running mean's rows: the next round receives into them
     asynchronous: AsyncState | None = None  # schedule.mode async: the FedBuff buffer and the issued tasks
+    robust_memory: RobustMemory | None = None  # the robust rule's momentum and per-site history (since install)
 
     @property
     def version(self) -> int:
@@ -223,6 +225,7 @@ class Job:
         self.last_close = None
         self.spare_rows = None  # the dropped round's uploads may still hold rows of them
         self.asynchronous = None  # its tasks' base versions went with the old model
+        self.robust_memory = None  # its steps and the sites' predictions were of the old model
 
     # ----- rounds -----
 
@@ -355,8 +358,9 @@ class Job:
         rnd.phase = Phase.OPEN
 
     def finish_close(self, rnd: Round, result: CloseResult, current: dict[str, np.ndarray],
-                     new_state: dict[str, np.ndarray], spec: ModelSpec) -> None:
-        """CLOSING → CLOSED: the new global version is in, the old one kept for late downloads."""
+                     new_state: dict[str, np.ndarray], spec: ModelSpec, memory: RobustMemory | None = None) -> None:
+        """CLOSING → CLOSED: the new global version is in, the old one kept for late downloads; `memory`: the
+        robust rule's after the close (kept only now, so a failed close leaves the job's as it was)."""
         version = result.model_version
         self.versions = {self.version: current, version: new_state}
         self.specs = {v: self.specs[v] for v in self.versions if v in self.specs}
@@ -374,6 +378,8 @@ class Job:
             self.closed_deadlines.pop(old, None)
             self.closed_receipts.pop(old, None)
         self.last_close = (rnd.number, result)
+        if memory is not None:
+            self.robust_memory = memory
         rnd.phase = Phase.CLOSED
 
 

@@ -149,7 +149,7 @@ def record_robust(verdicts: Sequence[Verdict]) -> None:
     """A close's robust verdicts: each judged update counted, and the discarded and down-weighted ones apart."""
     for verdict in verdicts:
         ROBUST_JUDGED.labels(verdict.rule, verdict.worker_id).inc()
-        if verdict.judgement == "discarded":
+        if verdict.judgement in ("discarded", "flagged"):
             ROBUST_DISCARDED.labels(verdict.rule, verdict.worker_id).inc()
         elif verdict.judgement == "down-weighted":
             ROBUST_DOWNWEIGHTED.labels(verdict.rule, verdict.worker_id).inc()

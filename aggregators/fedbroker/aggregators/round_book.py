@@ -362,7 +362,7 @@ class RoundBook:
                spec: ModelSpec, started: float) -> CloseResult:
         combined = self.secure.combine_secure(rnd, current, spec) if rnd.secure is not None else combine(
             rnd, accepted, current, spec, seed=job.seed, selection_time_limit_s=self.selection_time_limit_s,
-            alignment_time_limit_s=self.alignment_time_limit_s, probe_sets=self.probe_sets)
+            alignment_time_limit_s=self.alignment_time_limit_s, probe_sets=self.probe_sets, memory=job.robust_memory)
         coefficient = dict(zip(combined.chosen, combined.weights))
         updates = [
             UpdateSummary(w, a.num_samples, a.epsilon, a.train_loss, float(coefficient.get(w, 0.0)))
@@ -375,7 +375,7 @@ class RoundBook:
         seconds = time.perf_counter() - started
         result = combined.report(version, new_spec_json, seconds, updates)
         with self.table.lock:
-            job.finish_close(rnd, result, current, combined.state, combined.spec)
+            job.finish_close(rnd, result, current, combined.state, combined.spec, combined.memory)
             self.table.commit(job)
         return result
 

@@ -39,7 +39,7 @@ def robust_note(verdicts: Sequence[Verdict]) -> str:
     if not noted:
         return ""
     parts = []
-    for judgement in ("discarded", "down-weighted"):
+    for judgement in ("flagged", "discarded", "down-weighted"):
         named = [f"{v.worker_id} ({v.ratio:.0%} of its share)" for v in noted if v.judgement == judgement]
         if named:
             parts.append(f"{judgement} {', '.join(named)}")

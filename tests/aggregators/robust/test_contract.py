@@ -20,6 +20,7 @@ from tests.source_roots import PYTHONPATH, ROOT
 PARAMS: dict[str, dict[str, Any]] = {
     "none": {}, "median": {}, "trimmed_mean": {"beta": 0.2}, "multi_krum": {"f": 1},
     "geometric_median": {}, "norm_bound": {"max_norm": 1e6}, "fltrust": {"probe_dataset": "digits"},
+    "centered_clipping": {}, "history_check": {"inner": "median"},
 }
 
 
@@ -33,7 +34,9 @@ def run(name: str, deltas: np.ndarray, weights: np.ndarray, seed: int = 0,
         root: np.ndarray | None = None) -> RobustResult:
     rule = ROBUST.create(name, PARAMS[name])
     g0 = root if root is not None else np.asarray(deltas, dtype=np.float64).mean(axis=0)
-    return rule.aggregate(RobustInput(deltas=deltas, weights=weights, rng=np.random.default_rng(seed), root_update=g0))
+    sites = tuple(f"site-{i}" for i in range(np.shape(deltas)[0])) if np.shape(weights) == np.shape(deltas)[:1] else ()
+    return rule.aggregate(RobustInput(deltas=deltas, weights=weights, rng=np.random.default_rng(seed), root_update=g0,
+                                      sites=sites))
 
 
 def test_every_registered_rule_has_contract_parameters() -> None:
@@ -112,6 +115,13 @@ def test_fltrust_refuses_to_run_without_a_root_update_of_the_model_s_size() -> N
     ("fltrust", {"probe_dataset": "imagenet"}, "probe_dataset"),
     ("fltrust", {"probe_dataset": "digits", "lr": 0}, "lr"),
     ("fltrust", {"probe_dataset": "digits", "epochs": 0}, "epochs"), ("median", {"beta": 0.1}, "beta"),
+    ("median", {"premix": "shuffle"}, "premix"), ("median", {"premix": "bucketing", "bucket_size": 0}, "bucket_size"),
+    ("multi_krum", {"premix": "nnm", "nnm_f": -1}, "nnm_f"), ("centered_clipping", {"tau": 0}, "tau"),
+    ("centered_clipping", {"iterations": 0}, "iterations"), ("centered_clipping", {"tau_scale": -1}, "tau_scale"),
+    ("history_check", {"window": 0}, "window"), ("history_check", {"ratio": 1.0}, "ratio"),
+    ("history_check", {"inner": "history_check"}, "inner"), ("history_check", {"inner": "krum"}, "inner"),
+    ("history_check", {"inner": "trimmed_mean", "inner_params": {"beta": 0.7}}, "inner"),
+    ("history_check", {"premix": "nnm"}, "premix"),
 ])
 def test_bad_rule_parameters_are_config_errors_naming_the_field(name: str, params: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match) as caught:

@@ -7,16 +7,18 @@ no torch (FLTrust's root update g_0 is trained by the service and passed in), no
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, replace
+from typing import Protocol, cast
 
 import numpy as np
 
 from fedbroker.aggregators.registry import Registry
+from fedbroker.aggregators.robust.memory import RobustMemory
 from fedbroker.aggregators.selection import ProbeRequest
 from fedbroker.algorithms.catalogue import ROBUST_RULES
-from fedbroker.algorithms.robust_params import DISCARDED_BELOW, DOWNWEIGHTED_BELOW
+from fedbroker.algorithms.robust_params import DISCARDED_BELOW, DOWNWEIGHTED_BELOW, RobustParams
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,12 @@ class RobustResult:
     kept_weight: np.ndarray
     expected: np.ndarray
     notes: dict[str, float] = field(default_factory=dict)
+    memory: RobustMemory | None = None   # what the job keeps for the next round (None: nothing new)
+    flagged: np.ndarray | None = None    # a boolean mask: the updates the history check flagged (and excluded)
+
+    def was_flagged(self, i: int) -> bool:
+        """Whether update i was flagged by a history check."""
+        return bool(self.flagged is not None and self.flagged[i])
 
     def ratios(self) -> np.ndarray:
         """kept_weight / expected per update (1 where nothing was expected)."""
@@ -56,19 +64,27 @@ class RobustInput:
     every rule needs (`check_updates`), so `deltas` is a 2-D float array of finite rows and `weights` sum to 1.
 
     `deltas`: the chosen updates Δ_i = x_i − x_global, one row each. `weights`: the job's coefficients, one per
-    row. `rng`: seeded by the job and round (no rule draws from it today). `root_update`: FLTrust's g_0, trained by
-    the service on its root set when the rule's `root_request` asked for one.
+    row. `rng`: seeded by the job and round (bucketing draws its permutation from it). `root_update`: FLTrust's
+    g_0, trained by the service on its root set when the rule's `root_request` asked for one. `sites`: the site
+    that sent each row (empty: anonymous rows, as after a pre-mix; the history check then checks nothing).
+    `memory`: what the job kept from its earlier rounds (centered clipping's momentum, the history check's
+    per-site history); None on a job's first robust round.
     """
 
     deltas: np.ndarray
     weights: np.ndarray
     rng: np.random.Generator
     root_update: np.ndarray | None = None
+    sites: tuple[str, ...] = ()
+    memory: RobustMemory | None = None
 
     def __post_init__(self) -> None:
         deltas, weights = check_updates(self.deltas, self.weights)
         object.__setattr__(self, "deltas", deltas)
         object.__setattr__(self, "weights", weights)
+        if self.sites and len(self.sites) != deltas.shape[0]:
+            raise ValueError(f"robust aggregation needs one site per update: {deltas.shape[0]} update(s), "
+                             f"{len(self.sites)} site(s)")
 
 
 @dataclass(frozen=True)
@@ -95,12 +111,33 @@ class RobustRule(Protocol):
 ROBUST: Registry[RobustRule] = Registry(ROBUST_RULES)
 
 
-class RuleBase:
-    """What most rules share: no root set."""
+class RuleBase(ABC):
+    """What every rule shares: no root set unless it asks, the pre-mix (`premix`) before its own arithmetic
+    (`combine_rows`), kept weights reported on the original sites, and the job's memory moved on by the round's
+    aggregate."""
 
     def root_request(self) -> RootRequest | None:
         """No root set."""
         return None
+
+    @property
+    def memory_steps(self) -> int:
+        """How many past aggregates the job keeps (centered clipping's momentum needs the last one)."""
+        return 1
+
+    def aggregate(self, problem: RobustInput) -> RobustResult:
+        """The pre-mix, the rule, and the job's memory after this round."""
+        from fedbroker.aggregators.robust.premix import premixed  # it builds this module's RobustInput
+
+        params = cast(RobustParams, self)
+        result = premixed(self.combine_rows, problem, premix=params.premix, bucket_size=params.bucket_size,
+                          nnm_f=params.nnm_f)
+        memory = result.memory if result.memory is not None else (problem.memory or RobustMemory())
+        return replace(result, memory=memory.advanced(result.delta, keep=self.memory_steps))
+
+    @abstractmethod
+    def combine_rows(self, problem: RobustInput) -> RobustResult:
+        """The rule's own aggregate of the (possibly pre-mixed) rows."""
 
 
 def check_updates(deltas: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -34,7 +34,7 @@ from fedbroker.algorithms.robust_params import FLTrustParams, NormBoundParams, N
 class NoRobust(RuleBase, NoRobustParams):
     """The job's weighted mean (what a close does without a rule; here for the contract and the bench)."""
 
-    def aggregate(self, problem: RobustInput) -> RobustResult:
+    def combine_rows(self, problem: RobustInput) -> RobustResult:
         """Σ w_i Δ_i."""
         d, w = problem.deltas, problem.weights
         return RobustResult(combination(d, w), w, w)
@@ -44,7 +44,7 @@ class NoRobust(RuleBase, NoRobustParams):
 class NormBound(RuleBase, NormBoundParams):
     """Every update's norm capped at max_norm, then the job's weighted mean."""
 
-    def aggregate(self, problem: RobustInput) -> RobustResult:
+    def combine_rows(self, problem: RobustInput) -> RobustResult:
         """Σ w_i · min(1, M/‖Δ_i‖) · Δ_i (the weights are not renormalised: a bounded update pulls less)."""
         d, w = problem.deltas, problem.weights
         norms = row_norms(d)
@@ -55,7 +55,7 @@ class NormBound(RuleBase, NormBoundParams):
 
 
 @ROBUST.register("fltrust")
-class FLTrust(FLTrustParams):
+class FLTrust(RuleBase, FLTrustParams):
     """Trust scores from the cosine to the service's root update g_0; every update rescaled to ‖g_0‖."""
 
     def root_request(self) -> RootRequest | None:
@@ -63,7 +63,7 @@ class FLTrust(FLTrustParams):
         return RootRequest(ProbeRequest(self.probe_dataset, self.probe_size, self.probe_seed), epochs=self.epochs,
                            lr=self.lr, batch_size=self.batch_size)
 
-    def aggregate(self, problem: RobustInput) -> RobustResult:
+    def combine_rows(self, problem: RobustInput) -> RobustResult:
         """Σ TS_i (‖g_0‖/‖Δ_i‖) Δ_i / Σ TS_i; zero (the global model kept) when no update is trusted."""
         d = problem.deltas
         n = d.shape[0]

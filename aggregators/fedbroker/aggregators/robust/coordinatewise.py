@@ -102,7 +102,7 @@ def kept_shares(deltas: np.ndarray, k: int) -> np.ndarray:
 class Median(RuleBase, MedianParams):
     """The coordinate-wise median."""
 
-    def aggregate(self, problem: RobustInput) -> RobustResult:
+    def combine_rows(self, problem: RobustInput) -> RobustResult:
         """Per coordinate, the middle value (the mean of the two middle ones for an even n)."""
         d = problem.deltas
         n = d.shape[0]
@@ -120,7 +120,7 @@ class TrimmedMean(RuleBase, TrimmedMeanParams):
         most = (n - 1) // 2
         return min(k, most), k > most
 
-    def aggregate(self, problem: RobustInput) -> RobustResult:
+    def combine_rows(self, problem: RobustInput) -> RobustResult:
         """Per coordinate, the mean of the values left after dropping ⌈βn⌉ at each end."""
         d = problem.deltas
         n = d.shape[0]

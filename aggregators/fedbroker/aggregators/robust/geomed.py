@@ -56,7 +56,7 @@ def weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
 class GeometricMedian(RuleBase, GeometricMedianParams):
     """RFA's robust aggregate: the smoothed weighted geometric median."""
 
-    def aggregate(self, problem: RobustInput) -> RobustResult:
+    def combine_rows(self, problem: RobustInput) -> RobustResult:
         """z after at most `iterations` Weiszfeld steps (fewer once a step stops moving it)."""
         d, w = problem.deltas, problem.weights
         c, ran, objective = weiszfeld(gram(d), w, iterations=self.iterations, nu=self.nu, tolerance=self.tolerance)

@@ -41,7 +41,7 @@ class MultiKrum(RuleBase, MultiKrumParams):
         m = self.m if self.m is not None else n - self.f
         return neighbours, max(1, min(n, m)), n < 2 * self.f + 3
 
-    def aggregate(self, problem: RobustInput) -> RobustResult:
+    def combine_rows(self, problem: RobustInput) -> RobustResult:
         """The m lowest-scoring updates' weighted mean (ties broken by position: no randomness)."""
         d, w = problem.deltas, problem.weights
         n = d.shape[0]
