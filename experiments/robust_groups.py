@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from fedbroker.aggregators.robust import ROBUST, RobustInput, RobustRule
+from fedbroker.aggregators.robust import ROBUST, RobustInput, RobustResult, RobustRule
+from fedbroker.aggregators.robust.memory import RobustMemory
 from fedbroker.secagg.params import dequantise_sum, mask_ring, quantise
 from fedbroker.secagg.secure_round import round_params
 
@@ -54,8 +55,11 @@ def secure_mean(deltas: np.ndarray, weights: np.ndarray, rng: np.random.Generato
 
 
 def grouped_update(deltas: np.ndarray, weights: np.ndarray, groups: Sequence[Sequence[int]], rule: RobustRule, *,
-                   rng: np.random.Generator, quantised: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """(the rule's update over the group means, the group means): `groups` are row indices of `deltas`."""
+                   rng: np.random.Generator, memory: RobustMemory | None = None,
+                   quantised: bool = True) -> tuple[RobustResult, np.ndarray]:
+    """(the rule's result over the group means, the group means): `groups` are row indices of `deltas`. The rows
+    the rule sees are anonymous (a group is new every round, so a per-site history has nothing to follow);
+    `memory` is what the rule kept from the last round (centered clipping's momentum)."""
     means, sizes = [], []
     for members in groups:
         idx = np.asarray(members)
@@ -63,8 +67,8 @@ def grouped_update(deltas: np.ndarray, weights: np.ndarray, groups: Sequence[Seq
         means.append(secure_mean(deltas[idx], w, rng) if quantised else (w / w.sum()) @ deltas[idx])
         sizes.append(float(w.sum()))
     stacked = np.stack(means)
-    result = rule.aggregate(RobustInput(deltas=stacked, weights=np.asarray(sizes), rng=rng))
-    return np.asarray(result.delta, dtype=np.float64), stacked
+    result = rule.aggregate(RobustInput(deltas=stacked, weights=np.asarray(sizes), rng=rng, memory=memory))
+    return result, stacked
 
 
 def build_rule(section: Mapping[str, Any]) -> RobustRule:
@@ -77,6 +81,7 @@ class Grouped:
 
     def __init__(self, attack: Tamper, rule: RobustRule, *, group_size: int, seed: int) -> None:
         self.attack, self.rule, self.group_size, self.seed = attack, rule, group_size, seed
+        self.memory: RobustMemory | None = None  # kept from round to round, as the service keeps a job's
 
     def __call__(self, round_number: int, global_state: dict[str, np.ndarray],
                  trained: dict[str, Any]) -> dict[str, Any]:
@@ -91,8 +96,9 @@ class Grouped:
         weights = np.array([float(sent[w].num_samples) for w in ids])
         rng = np.random.default_rng([self.seed, round_number, 5150])
         groups = split_groups(list(range(len(ids))), self.group_size, rng)
-        delta, _ = grouped_update(deltas, weights, groups, self.rule, rng=rng)
-        flat = base + delta
+        result, _ = grouped_update(deltas, weights, groups, self.rule, rng=rng, memory=self.memory)
+        self.memory = result.memory
+        flat = base + np.asarray(result.delta, dtype=np.float64)
         state = dict(sent[ids[0]].state)
         start = 0
         for n in names:

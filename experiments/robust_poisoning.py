@@ -72,8 +72,8 @@ PREFIX = "robust"
 CLEAN = "none"
 GROUPS = "groups_"   # a configuration named groups_<rule>: <rule> over the secure groups' means
 SERVICE_NAMES = {"cc": "centered_clipping", "bucketing_cc": "centered_clipping", "nnm_cc": "centered_clipping"}
-ADAPTIVE_RULES = ("nnm_cc", "fedavg", "groups_median", "groups_cc", "bucketing_cc", "cc", "groups_bucketing_cc",
-                  "history_check", "median", "trimmed_mean")  # in the order they run: what matters most first
+ADAPTIVE_RULES = ("nnm_cc", "groups_median", "groups_cc", "bucketing_cc", "cc", "groups_bucketing_cc",
+                  "history_check", "fedavg", "median", "trimmed_mean")  # in the order they run: what matters first
 
 
 @dataclass(frozen=True)
@@ -183,11 +183,13 @@ class Task:
 
 
 def tasks(protocol: Protocol) -> list[Task]:
-    """Every federation of the grid, a rule's all together in the order of `rules` (what matters most first,
-    so a run cut short leaves whole columns), a seed's all together within a rule."""
+    """Every federation of the grid, in the order that answers the goals first, so that a run cut short leaves
+    whole cells: the rows of the goals (no attack, and each attack with 4 attackers) before the others, within
+    them a rule's all together in the order of `rules`, a seed's all together within a rule."""
     rows = [(CLEAN, 0)] + [(a, f) for f in protocol.attackers if f for a in protocol.attacks]
-    return [Task(protocol, rule, attack, f, seed) for rule in protocol.rules for seed in protocol.seeds
-            for attack, f in rows]
+    first = [r for r in rows if r[1] in (0, DETECTION_ATTACKERS)]
+    return [Task(protocol, rule, attack, f, seed) for tier in (first, [r for r in rows if r not in first])
+            for rule in protocol.rules for seed in protocol.seeds for attack, f in tier]
 
 
 # ---------------------------------------------------------------- the attacks
@@ -441,6 +443,10 @@ def write_results(protocol: Protocol, runs: Sequence[Mapping[str, Any]], out: st
                   separators=(",", ":"))
     total = len(tasks(protocol))
     done = f"{len(runs)} runs" if len(runs) >= total else f"PARTIAL: {len(runs)} of {total} runs"
+    reused = sorted({r["key"][2] for r in runs if r.get("reused")})
+    if reused:
+        done += (f" ({', '.join(reused)}: taken from {next(r['reused'] for r in runs if r.get('reused'))}, "
+                 f"the original grid's run, not re-run)")
     md = (f"# Poisoning: final test accuracy (mean ± std over {len(protocol.seeds)} seeds)\n\n"
           f"Protocol, fixed before any run: {json.dumps(asdict(protocol))}\n\n"
           f"ALIE's z: " + ", ".join(f"f={f}: {alie_z(protocol.workers, f):.3f}" for f in protocol.attackers if f)
@@ -464,13 +470,19 @@ def load(path: str) -> tuple[Protocol, list[dict[str, Any]], float, str]:
     return protocol, saved["runs"], float(saved["seconds"]), str(saved["machine"])
 
 
-def run(protocol: Protocol, out: str, jobs: int, *, resume: bool = False, every: int = 6) -> str:
-    """Run the grid's federations not already in --out's results (with `resume`), rewriting the results every
-    `every` runs so that a run cut short leaves its finished cells on disk."""
+def run(protocol: Protocol, out: str, jobs: int, *, resume: bool = False, reuse: Sequence[str] = (),
+        every: int = 2) -> str:
+    """Run the grid's federations not already in --out's results (with `resume`) nor taken from the original
+    grid's (the rules in `reuse`, whose code path is unchanged), rewriting the results every `every` runs so
+    that a run cut short leaves its finished cells on disk."""
     runs: list[dict[str, Any]] = []
     before = 0.0
     if resume and os.path.exists(paths(protocol, out)[0]):
         _, runs, before, _ = load(paths(protocol, out)[0])
+    if reuse:
+        _, original, _, _ = load(paths(Protocol(), out)[0])
+        runs += [{**r, "reused": os.path.basename(paths(Protocol(), out)[0])} for r in original
+                 if r["key"][2] in reuse and r["key"][2] in protocol.rules]
     have = {(tuple(r["key"]), r["seed"]) for r in runs}
     todo = [t for t in tasks(protocol) if (t.key, t.seed) not in have]
     started = time.perf_counter()
@@ -497,6 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", help="results folder (default experiments/results, or a temporary one with --quick)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="pool processes")
     parser.add_argument("--resume", action="store_true", help="keep --out's finished runs and run the rest")
+    parser.add_argument("--reuse", default="", help="comma-separated rules whose runs are taken from robust.json")
     parser.add_argument("--report", action="store_true", help="rewrite the grid's table and plot from its json")
     args = parser.parse_args(argv)
     protocol = adaptive_protocol() if args.grid == "adaptive" else Protocol()
@@ -512,7 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown:
             parser.error(f"not rules of the {args.grid} grid: {sorted(unknown)}")
         protocol = replace(protocol, rules=tuple(r for r in protocol.rules if r in args.rules.split(",")))
-    print(run(protocol, out, args.jobs, resume=args.resume))
+    print(run(protocol, out, args.jobs, resume=args.resume, reuse=[r for r in args.reuse.split(",") if r]))
     print(f"results in {out}")
     return 0
 

@@ -49,7 +49,7 @@ def test_grouped_plain_mean_is_fedavg():
     groups = rg.split_groups(list(range(20)), 5, np.random.default_rng(1))
     got, means = rg.grouped_update(deltas, weights, groups, rg.build_rule({}), rng=np.random.default_rng(2))
     assert means.shape == (4, deltas.shape[1])
-    np.testing.assert_allclose(got, (weights / weights.sum()) @ deltas, atol=1e-6)
+    np.testing.assert_allclose(got.delta, (weights / weights.sum()) @ deltas, atol=1e-6)
 
 
 def test_a_sign_flip_in_one_group_moves_the_grouped_median_less_than_fedavg():
@@ -58,7 +58,7 @@ def test_a_sign_flip_in_one_group_moves_the_grouped_median_less_than_fedavg():
     deltas[0] = -10.0 * deltas[0]                                # site 0 flips and scales its own update
     groups = rg.split_groups(list(range(20)), 5, np.random.default_rng(4))
     median = rg.build_rule(rp.adaptive_protocol().group_rule("groups_median"))
-    got, _ = rg.grouped_update(deltas, weights, groups, median, rng=np.random.default_rng(5))
+    got = rg.grouped_update(deltas, weights, groups, median, rng=np.random.default_rng(5))[0].delta
     fedavg = (weights / weights.sum()) @ deltas
     near, far = np.linalg.norm(got - honest_mean), np.linalg.norm(fedavg - honest_mean)
     assert near < far / 3
@@ -90,7 +90,7 @@ def test_the_hook_sends_every_site_the_grouped_model_after_the_attack():
     groups = rg.split_groups(list(range(8)), 4, split)
     expected, _ = rg.grouped_update(deltas, np.array([attacked[w].num_samples for w in ids], dtype=float), groups,
                                     rg.build_rule({"robust": "median"}), rng=split)
-    np.testing.assert_allclose(np.concatenate([first[k].ravel() for k in base]), flat + expected, atol=1e-6)
+    np.testing.assert_allclose(np.concatenate([first[k].ravel() for k in base]), flat + expected.delta, atol=1e-6)
 
 
 def test_grouped_fedavg_through_the_harness_matches_the_services_fedavg():
@@ -108,3 +108,18 @@ def test_grouped_fedavg_through_the_harness_matches_the_services_fedavg():
     grouped = simulate(job, workers, test, progress=False, metrics=lambda m, d: {}, tamper=hook)
     for name, value in plain.final_state.items():
         np.testing.assert_allclose(grouped.final_state[name], value, atol=1e-5)
+
+
+def test_the_default_configuration_holds_a_sign_flip_that_breaks_fedavg():
+    """nnm_cc as the experiment configures it (the service's rule, NNM with f = 4, then centered clipping):
+    4 of 20 sites sending 10× their reversed update move it far less than they move FedAvg."""
+    p = rp.adaptive_protocol()
+    deltas, weights = _honest(spread=0.005)
+    honest_mean = (weights[4:] / weights[4:].sum()) @ deltas[4:]
+    deltas[:4] = -10.0 * deltas[:4]
+    rule = rg.build_rule(p.aggregation(p.default_rule))
+    got = rule.aggregate(rg.RobustInput(deltas=deltas, weights=weights, rng=np.random.default_rng(0))).delta
+    fedavg = (weights / weights.sum()) @ deltas
+    near, far = np.linalg.norm(got - honest_mean), np.linalg.norm(fedavg - honest_mean)
+    assert far > np.linalg.norm(honest_mean)   # FedAvg is pulled past the origin: its step goes the wrong way
+    assert near < far / 3
