@@ -257,16 +257,16 @@ class HistoryCheckParams(RobustParams):
                   self._check_inner)
 
     def _check_inner(self) -> None:
-        from fedbroker.algorithms.catalogue import ROBUST_RULES  # the catalogue imports this module
-
-        if self.inner == "history_check":
-            raise ValueError("inner cannot be history_check itself")
+        """The inner rule and its parameters, checked as the catalogue checks a job's rule."""
+        if self.inner == "history_check" or self.inner not in INNER_RULES:
+            raise ValueError(f"inner must be another robust rule, one of {', '.join(sorted(INNER_RULES))}; "
+                             f"got {self.inner!r}")
         if not isinstance(self.inner_params, Mapping):
-            raise ValueError(f"inner_params must be a mapping of the inner rule's parameters; got {self.inner_params!r}")
+            raise ValueError(f"inner must come with inner_params, a mapping; got {self.inner_params!r}")
         try:
-            ROBUST_RULES.choose(self.inner, self.inner_params)
-        except ConfigError as exc:
-            raise ValueError(f"inner {self.inner!r}: {exc}") from None
+            INNER_RULES[self.inner](**self.inner_params)
+        except (TypeError, ValueError) as exc:   # an unknown or missing parameter, or a bad value
+            raise ValueError(f"inner {self.inner!r}'s inner_params: {exc}") from None
 
     @property
     def uses_weights(self) -> bool:
@@ -281,3 +281,12 @@ class HistoryCheckParams(RobustParams):
 
 def _raise(message: str) -> None:
     raise ValueError(message)
+
+
+# The rules a history check may run on the sites it did not flag (the catalogue holds the same names: a contract
+# test holds the two equal).
+INNER_RULES: dict[str, type[RobustParams]] = {
+    "none": NoRobustParams, "median": MedianParams, "trimmed_mean": TrimmedMeanParams,
+    "multi_krum": MultiKrumParams, "geometric_median": GeometricMedianParams, "norm_bound": NormBoundParams,
+    "fltrust": FLTrustParams, "centered_clipping": CenteredClippingParams,
+}

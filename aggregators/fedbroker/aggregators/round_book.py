@@ -372,6 +372,8 @@ class RoundBook:
         new_spec_json = combined.spec.to_json()
         if self.table.spool is not None:
             self.table.spool.save_global(job.job_id, version, new_spec_json, combined.state)
+            if combined.memory is not None:
+                self.table.spool.save_robust(job.job_id, version, combined.memory)
         seconds = time.perf_counter() - started
         result = combined.report(version, new_spec_json, seconds, updates)
         with self.table.lock:

@@ -7,6 +7,7 @@ One folder per job (named from the job id, safe for any file system):
                              the recent ones' uploads), the open round's definition, the last close's result
                              and the asynchronous state (rewritten atomically on every change)
     global-<version>.npz     a global model: raw arrays + its model spec as UTF-8 bytes
+    robust-<version>.npz     the robust rule's memory after the close that made that version (`robust.memory`)
     round-<n>/<seq>.npz      one accepted update of the open round: raw arrays + its metadata as UTF-8 JSON
 
 Every file is written atomically (`fedbroker.files.write_atomic`: a temporary name in the same folder,
@@ -50,6 +51,7 @@ from fedbroker.aggregators import metrics
 from fedbroker.aggregators.async_state import folded_from_record, new_async_state, restore_fields, state_record
 from fedbroker.aggregators.job_algorithms import Algorithms
 from fedbroker.aggregators.job_state import Accepted, CloseResult, Job, Receipt, UpdateSummary, new_round
+from fedbroker.aggregators.robust import RobustMemory, memory_arrays, memory_from_arrays
 from fedbroker.aggregators.secure_session import SecureSession
 from fedbroker.aggregators.weighting.base import UpdateMeta
 from fedbroker.close_report import SelectionRecord, Verdict
@@ -185,6 +187,13 @@ class Spool:
             folder.mkdir(parents=True, exist_ok=True)
             _write_npz(folder / f"global-{version}.npz", tensors, {"version": version, "spec_json": spec_json})
 
+    def save_robust(self, job_id: str, version: int, memory: RobustMemory) -> None:
+        """The robust rule's memory after the close that made `version`, after that version's `save_global`
+        (so the prune keeps it as it keeps the global file) and before the record that names it."""
+        what = f"the robust memory of job {job_id!r}"
+        with self._writing(what), _disk_full_is_an_outage(what):
+            _write_npz(self.folder(job_id) / f"robust-{version}.npz", *memory_arrays(memory))
+
     def save_record(self, job_id: str, record: Mapping[str, Any]) -> None:
         """Commit a job's state; global files and the round folder it names must already be on disk."""
         folder = self.folder(job_id)
@@ -313,8 +322,10 @@ class Spool:
         """Delete what the committed record no longer names: older global versions (but not one written for a
         record still to come) and closed rounds' folders. The caller is writing (`_writing`)."""
         with self._guard:  # a global file written meanwhile was announced first (`save_global`): it is kept
-            keep = {f"global-{int(v)}.npz" for v in [*record.get("versions", []), *self._unnamed.get(job_id, ())]}
-            for path in folder.glob("global-*.npz"):
+            unnamed = list(self._unnamed.get(job_id, ()))
+            keep = {f"global-{int(v)}.npz" for v in [*record.get("versions", []), *unnamed]}
+            keep |= {f"robust-{int(v)}.npz" for v in [*unnamed, record.get("robust")] if v is not None}
+            for path in [*folder.glob("global-*.npz"), *folder.glob("robust-*.npz")]:
                 if path.name not in keep:
                     path.unlink(missing_ok=True)
         open_round = (record.get("round") or {}).get("number")
@@ -383,6 +394,7 @@ def job_record(job: Job) -> dict[str, Any]:
         "closed_deadlines": {str(n): d for n, d in job.closed_deadlines.items()},
         "last_close": last,
         "async": None if job.asynchronous is None else state_record(job.asynchronous),
+        "robust": None if job.robust_memory is None else job.version,   # robust-<version>.npz
         "round": None if rnd is None else {
             "number": rnd.number, "participants": sorted(rnd.participants), "deadline": rnd.deadline,
             "aggregation": rnd.aggregation, "histograms": rnd.histograms, "num_samples": rnd.sample_limits,
@@ -416,6 +428,8 @@ def restore_job(spool: Spool, stored: StoredJob, algorithms_for: AlgorithmsFor) 
               closed_receipts={int(n): {w: Receipt(record["job_id"], int(n), w, True, int(size), str(sha))
                                         for w, (size, sha) in kept.items()}
                                for n, kept in record.get("closed_receipts", {}).items()})
+    if record.get("robust") is not None:  # a damaged file fails the job's restore: quarantined, as a global's
+        job.robust_memory = memory_from_arrays(*_read_npz(spool.folder(job.job_id) / f"robust-{int(record['robust'])}.npz"))
     last = record.get("last_close")
     if last:
         job.last_close = (int(last["round"]), CloseResult(

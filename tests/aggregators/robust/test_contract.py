@@ -13,6 +13,7 @@ import pytest
 
 from fedbroker.aggregators.robust import ROBUST, RobustInput, RobustResult
 from fedbroker.algorithms.catalogue import ROBUST_RULES
+from fedbroker.algorithms.robust_params import INNER_RULES, HistoryCheckParams
 from fedbroker.errors import ConfigError
 from tests.source_roots import PYTHONPATH, ROOT
 
@@ -41,6 +42,30 @@ def run(name: str, deltas: np.ndarray, weights: np.ndarray, seed: int = 0,
 
 def test_every_registered_rule_has_contract_parameters() -> None:
     assert ROBUST.names() == sorted(PARAMS) == ROBUST_RULES.names()
+    # a history check runs every other rule on the sites it did not flag, with the catalogue's parameters
+    assert {**INNER_RULES, "history_check": HistoryCheckParams} == {
+        name: ROBUST_RULES.entry(name).params for name in ROBUST_RULES.names()}
+
+
+@pytest.mark.parametrize("premix", ["bucketing", "nnm"])
+@pytest.mark.parametrize("name", sorted(set(PARAMS) - {"history_check"}))
+def test_every_rule_behind_a_premix_keeps_the_contract(name: str, premix: str) -> None:
+    params = {**PARAMS[name], "premix": premix, "bucket_size": 2}
+    rule = ROBUST.create(name, params)
+    for n in (1, 2, 7):
+        d, w = updates(n=n, p=21)
+        result = rule.aggregate(RobustInput(deltas=d, weights=w, rng=np.random.default_rng(4),
+                                            root_update=d.mean(axis=0, dtype=np.float64)))
+        again = rule.aggregate(RobustInput(deltas=d, weights=w, rng=np.random.default_rng(4),
+                                           root_update=d.mean(axis=0, dtype=np.float64)))
+        np.testing.assert_array_equal(result.delta, again.delta)
+        assert result.delta.shape == (21,) and result.kept_weight.shape == result.expected.shape == (n,)
+        assert np.all(result.kept_weight >= 0) and result.kept_weight.sum() <= 1 + 1e-9
+        np.testing.assert_allclose(result.expected.sum(), 1.0)
+    point = np.random.default_rng(0).normal(size=40)
+    unanimous = rule.aggregate(RobustInput(deltas=np.tile(point, (6, 1)), weights=np.full(6, 1 / 6),
+                                           rng=np.random.default_rng(0), root_update=point))
+    np.testing.assert_allclose(unanimous.delta, point, rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("name", sorted(PARAMS))

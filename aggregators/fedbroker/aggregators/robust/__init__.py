@@ -16,7 +16,7 @@ from fedbroker.aggregators.robust.coordinatewise import Median, TrimmedMean, tri
 from fedbroker.aggregators.robust.geomed import GeometricMedian, weiszfeld
 from fedbroker.aggregators.robust.history import HistoryCheck
 from fedbroker.aggregators.robust.krum import MultiKrum, krum_scores
-from fedbroker.aggregators.robust.memory import RobustMemory, SiteRecord
+from fedbroker.aggregators.robust.memory import RobustMemory, SiteRecord, memory_arrays, memory_from_arrays
 
 __all__ = [
     "ROBUST",
@@ -37,6 +37,8 @@ __all__ = [
     "TrimmedMean",
     "check_updates",
     "krum_scores",
+    "memory_arrays",
+    "memory_from_arrays",
     "trimmed",
     "weiszfeld",
 ]

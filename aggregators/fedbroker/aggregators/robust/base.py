@@ -7,10 +7,9 @@ no torch (FLTrust's root update g_0 is trained by the service and passed in), no
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Protocol, cast
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -18,7 +17,7 @@ from fedbroker.aggregators.registry import Registry
 from fedbroker.aggregators.robust.memory import RobustMemory
 from fedbroker.aggregators.selection import ProbeRequest
 from fedbroker.algorithms.catalogue import ROBUST_RULES
-from fedbroker.algorithms.robust_params import DISCARDED_BELOW, DOWNWEIGHTED_BELOW, RobustParams
+from fedbroker.algorithms.robust_params import DISCARDED_BELOW, DOWNWEIGHTED_BELOW
 
 
 @dataclass(frozen=True)
@@ -109,35 +108,6 @@ class RobustRule(Protocol):
 
 
 ROBUST: Registry[RobustRule] = Registry(ROBUST_RULES)
-
-
-class RuleBase(ABC):
-    """What every rule shares: no root set unless it asks, the pre-mix (`premix`) before its own arithmetic
-    (`combine_rows`), kept weights reported on the original sites, and the job's memory moved on by the round's
-    aggregate."""
-
-    def root_request(self) -> RootRequest | None:
-        """No root set."""
-        return None
-
-    @property
-    def memory_steps(self) -> int:
-        """How many past aggregates the job keeps (centered clipping's momentum needs the last one)."""
-        return 1
-
-    def aggregate(self, problem: RobustInput) -> RobustResult:
-        """The pre-mix, the rule, and the job's memory after this round."""
-        from fedbroker.aggregators.robust.premix import premixed  # it builds this module's RobustInput
-
-        params = cast(RobustParams, self)
-        result = premixed(self.combine_rows, problem, premix=params.premix, bucket_size=params.bucket_size,
-                          nnm_f=params.nnm_f)
-        memory = result.memory if result.memory is not None else (problem.memory or RobustMemory())
-        return replace(result, memory=memory.advanced(result.delta, keep=self.memory_steps))
-
-    @abstractmethod
-    def combine_rows(self, problem: RobustInput) -> RobustResult:
-        """The rule's own aggregate of the (possibly pre-mixed) rows."""
 
 
 def check_updates(deltas: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

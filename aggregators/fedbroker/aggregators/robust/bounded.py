@@ -20,12 +20,12 @@ from fedbroker.aggregators.robust.base import (
     RobustInput,
     RobustResult,
     RootRequest,
-    RuleBase,
     combination,
     dots,
     row_norms,
     uniform,
 )
+from fedbroker.aggregators.robust.rule import RuleBase
 from fedbroker.aggregators.selection import ProbeRequest
 from fedbroker.algorithms.robust_params import FLTrustParams, NormBoundParams, NoRobustParams
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RuleBase, combination
+from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, combination
+from fedbroker.aggregators.robust.rule import RuleBase
 from fedbroker.algorithms.robust_params import CenteredClippingParams
 
 

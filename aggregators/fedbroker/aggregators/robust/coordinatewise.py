@@ -24,7 +24,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RuleBase, uniform
+from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, uniform
+from fedbroker.aggregators.robust.rule import RuleBase
 from fedbroker.algorithms.robust_params import MedianParams, TrimmedMeanParams
 
 BLOCK = 1 << 12          # coordinates per sorted block: (BLOCK, n) stays in cache

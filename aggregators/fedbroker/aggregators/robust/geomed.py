@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RuleBase, combination, gram
+from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, combination, gram
+from fedbroker.aggregators.robust.rule import RuleBase
 from fedbroker.algorithms.robust_params import GeometricMedianParams
 
 

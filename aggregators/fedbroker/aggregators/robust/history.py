@@ -23,8 +23,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RobustRule, RuleBase
+from fedbroker.aggregators.robust.base import ROBUST, RobustInput, RobustResult, RobustRule, RootRequest
+from fedbroker.aggregators.robust.coordinatewise import trimmed
 from fedbroker.aggregators.robust.memory import RobustMemory, SiteRecord
+from fedbroker.aggregators.robust.rule import RuleBase
 from fedbroker.algorithms.robust_params import HistoryCheckParams
 
 MIN_SCORES = 2  # a site is judged on two distances at least: one alone, early, with few sites, is noise
@@ -91,6 +93,10 @@ class HistoryCheck(RuleBase, HistoryCheckParams):
         """A site away for up to `window` rounds is still predicted (its model step sums the ones it missed)."""
         return self.window
 
+    def root_request(self) -> RootRequest | None:
+        """The inner rule's root set (fltrust's g_0 is trained by the service before the close)."""
+        return self.inner_rule().root_request()
+
     def inner_rule(self) -> RobustRule:
         """The rule the unflagged updates go to."""
         return ROBUST.create(self.inner, dict(self.inner_params))
@@ -120,12 +126,17 @@ class HistoryCheck(RuleBase, HistoryCheckParams):
         sites, d = problem.sites, problem.deltas
         hessian = LBFGS(memory.curvature)
         distance = np.full(len(sites), np.nan)
+        turned: dict[int, np.ndarray | None] = {}   # B·(w_now − w_k) per close k: sites of one round share it
         for i, site in enumerate(sites):
             record = memory.sites.get(site)
-            moved = memory.displacement(record.close) if record is not None else None
-            if record is not None and moved is not None and record.update.shape == (d.shape[1],):
-                predicted = record.update.astype(np.float64) - hessian.times(moved)
-                distance[i] = float(np.linalg.norm(d[i].astype(np.float64) - predicted))
+            if record is None or record.update.shape != (d.shape[1],):
+                continue
+            if record.close not in turned:
+                moved = memory.displacement(record.close)
+                turned[record.close] = None if moved is None else hessian.times(moved)
+            change = turned[record.close]
+            if change is not None:
+                distance[i] = float(np.linalg.norm(d[i].astype(np.float64) - record.update + change))
         scored = np.isfinite(distance)
         typical = float(np.median(distance[scored])) if scored.any() else 0.0
         records: dict[str, SiteRecord] = dict(memory.sites)
@@ -164,6 +175,7 @@ class HistoryCheck(RuleBase, HistoryCheckParams):
                    and record.update.shape == row.shape]
         if not changes:
             return ()
-        return ((step.copy(), np.median(np.stack(changes), axis=0).astype(np.float32)),)
+        stacked = np.stack(changes)
+        return ((step.copy(), trimmed(stacked, (stacked.shape[0] - 1) // 2)[0].astype(np.float32)),)
 
 

@@ -15,11 +15,11 @@ from fedbroker.aggregators.robust.base import (
     ROBUST,
     RobustInput,
     RobustResult,
-    RuleBase,
     combination,
     gram,
     squared_distances,
 )
+from fedbroker.aggregators.robust.rule import RuleBase
 from fedbroker.algorithms.robust_params import MultiKrumParams
 
 

@@ -53,3 +53,43 @@ class RobustMemory:
         if gap == 0:
             return np.zeros(self.steps[-1].shape) if self.steps else None
         return np.asarray(np.sum([s.astype(np.float64) for s in self.steps[-gap:]], axis=0))
+
+
+def memory_arrays(memory: RobustMemory) -> tuple[dict[str, np.ndarray], dict[str, object]]:
+    """The memory as plain named arrays and JSON metadata (the spool's `.npz` form: nothing pickled); site ids
+    are in the metadata, never in an array's name."""
+    arrays: dict[str, np.ndarray] = {f"step-{k}": s for k, s in enumerate(memory.steps)}
+    for k, (s, y) in enumerate(memory.curvature):
+        arrays[f"pair-s-{k}"], arrays[f"pair-y-{k}"] = s, y
+    ids = sorted(memory.sites)
+    for k, site in enumerate(ids):
+        arrays[f"site-{k}"] = memory.sites[site].update
+    meta: dict[str, object] = {
+        "closes": memory.closes, "steps": len(memory.steps), "pairs": len(memory.curvature),
+        "sites": [[site, memory.sites[site].close, list(memory.sites[site].scores)] for site in ids],
+        "flagged": sorted(memory.flagged)}
+    return arrays, meta
+
+
+def memory_from_arrays(arrays: Mapping[str, np.ndarray], meta: Mapping[str, object]) -> RobustMemory:
+    """`memory_arrays` read back; a KeyError or ValueError when the file is not one."""
+    steps = tuple(np.asarray(arrays[f"step-{k}"], dtype=np.float32) for k in range(_count(meta, "steps")))
+    curvature = tuple((np.asarray(arrays[f"pair-s-{k}"], dtype=np.float32),
+                       np.asarray(arrays[f"pair-y-{k}"], dtype=np.float32)) for k in range(_count(meta, "pairs")))
+    rows = meta["sites"]
+    if not isinstance(rows, list):
+        raise ValueError("the kept robust memory's sites are not a list")
+    sites = {str(site): SiteRecord(np.asarray(arrays[f"site-{k}"], dtype=np.float32), int(close),
+                                   tuple(float(x) for x in scores))
+             for k, (site, close, scores) in enumerate(rows)}
+    flagged = meta["flagged"]
+    if not isinstance(flagged, list):
+        raise ValueError("the kept robust memory's flagged sites are not a list")
+    return RobustMemory(_count(meta, "closes"), steps, sites, frozenset(str(s) for s in flagged), curvature)
+
+
+def _count(meta: Mapping[str, object], key: str) -> int:
+    value = meta[key]
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"the kept robust memory's {key} is not a count: {value!r}")
+    return value
