@@ -184,11 +184,13 @@ class Task:
 
 def tasks(protocol: Protocol) -> list[Task]:
     """Every federation of the grid, in the order that answers the goals first, so that a run cut short leaves
-    whole cells: the rows of the goals (no attack, and each attack with 4 attackers) before the others, within
-    them a rule's all together in the order of `rules`, a seed's all together within a rule."""
+    whole cells: the rows of the goals (no attack, and each attack with 4 attackers), then ALIE's other rows,
+    then the rest; within each, a rule's all together in the order of `rules`, a seed's within a rule."""
     rows = [(CLEAN, 0)] + [(a, f) for f in protocol.attackers if f for a in protocol.attacks]
     first = [r for r in rows if r[1] in (0, DETECTION_ATTACKERS)]
-    return [Task(protocol, rule, attack, f, seed) for tier in (first, [r for r in rows if r not in first])
+    alie = [r for r in rows if r[0] == "alie" and r not in first]
+    tiers = (first, alie, [r for r in rows if r not in first and r not in alie])
+    return [Task(protocol, rule, attack, f, seed) for tier in tiers
             for rule in protocol.rules for seed in protocol.seeds for attack, f in tier]
 
 
@@ -479,11 +481,12 @@ def run(protocol: Protocol, out: str, jobs: int, *, resume: bool = False, reuse:
     before = 0.0
     if resume and os.path.exists(paths(protocol, out)[0]):
         _, runs, before, _ = load(paths(protocol, out)[0])
+    have = {(tuple(r["key"]), r["seed"]) for r in runs}
     if reuse:
         _, original, _, _ = load(paths(Protocol(), out)[0])
         runs += [{**r, "reused": os.path.basename(paths(Protocol(), out)[0])} for r in original
-                 if r["key"][2] in reuse and r["key"][2] in protocol.rules]
-    have = {(tuple(r["key"]), r["seed"]) for r in runs}
+                 if r["key"][2] in reuse and r["key"][2] in protocol.rules and (tuple(r["key"]), r["seed"]) not in have]
+        have = {(tuple(r["key"]), r["seed"]) for r in runs}
     todo = [t for t in tasks(protocol) if (t.key, t.seed) not in have]
     started = time.perf_counter()
     from tqdm import tqdm
