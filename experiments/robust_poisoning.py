@@ -305,11 +305,13 @@ DETECTION_ATTACKERS = 4
 
 def discarded(verdicts: Sequence[Verdict], attackers: Sequence[str]) -> dict[str, int]:
     """How many attackers' and honest workers' updates the round's rule discarded (the service's own verdict:
-    an update kept under a tenth of its plain-mean share)."""
-    out = {"attackers": 0, "honest": 0}
+    an update kept under a tenth of its plain-mean share, or one a history check flagged), and how many of
+    those were flagged."""
+    out = {"attackers": 0, "honest": 0, "flagged": 0}
     for verdict in verdicts:
-        if verdict.judgement == "discarded":
+        if verdict.judgement in ("discarded", "flagged"):
             out["attackers" if verdict.worker_id in attackers else "honest"] += 1
+            out["flagged"] += verdict.judgement == "flagged"
     return out
 
 
@@ -355,7 +357,10 @@ def detection_table(protocol: Protocol, runs: Sequence[Mapping[str, Any]], attac
             c[1] += attackers
             c[2] += round_["honest"]
             c[3] += protocol.workers - attackers
-    rules = [r for r in protocol.rules if not r.startswith(GROUPS)]
+    # a grouped rule judges group means, not sites; a history check's runs from before "flagged" was counted
+    # (no "flagged" key) under-count what it excluded
+    rules = [r for r in protocol.rules if not r.startswith(GROUPS) and (r != "history_check" or all(
+        "flagged" in d for run in runs if run["key"][2] == r for d in run["discarded"]))]
     lines = ["| attack | " + " | ".join(rules) + " |", "|" + "---|" * (len(rules) + 1)]
     for attack in protocol.attacks:
         cells_ = []

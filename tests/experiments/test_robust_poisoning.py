@@ -117,5 +117,7 @@ def test_every_rule_of_the_protocol_is_a_job_the_service_accepts(rule):
 
 def test_a_discarded_update_is_one_the_rule_kept_under_a_tenth_of_its_share():
     verdicts = [Verdict(w, "median", kept, 1.0) for w, kept in (("w0", 0.0), ("w1", 0.09), ("w2", 0.5), ("w3", 1.2))]
-    assert rp.discarded(verdicts, ["w0", "w2"]) == {"attackers": 1, "honest": 1}
-    assert rp.discarded([], ["w0"]) == {"attackers": 0, "honest": 0}  # FedAvg judges nobody
+    assert rp.discarded(verdicts, ["w0", "w2"]) == {"attackers": 1, "honest": 1, "flagged": 0}
+    assert rp.discarded([], ["w0"]) == {"attackers": 0, "honest": 0, "flagged": 0}  # FedAvg judges nobody
+    flagged = [Verdict("w2", "history_check", 1.0, 1.0, flagged=True), Verdict("w3", "history_check", 1.0, 1.0)]
+    assert rp.discarded(flagged, ["w2"]) == {"attackers": 1, "honest": 0, "flagged": 1}  # excluded, whatever its share
