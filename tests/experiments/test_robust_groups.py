@@ -99,9 +99,10 @@ def test_grouped_fedavg_through_the_harness_matches_the_services_fedavg():
     from experiments.harness import VirtualWorker, simulate
     from fedbroker.datasets import load_dataset, train_test_split
 
-    p = replace(rp.quick_protocol(), workers=4, rounds=1)
+    p = replace(rp.quick_protocol(), workers=4, rounds=1, epochs=1)
     train, test = train_test_split(load_dataset("digits"), test_fraction=0.2, seed=0)
-    workers = [VirtualWorker(f"w{i}", train.x[i::4][:40], train.y[i::4][:40], 10) for i in range(4)]
+    sizes = (20, 28, 36, 44)  # unequal: the grouped mean must weigh sites as FedAvg does
+    workers = [VirtualWorker(f"w{i}", train.x[i::4][:n], train.y[i::4][:n], 10) for i, n in enumerate(sizes)]
     job = p.job("fedavg", 0)
     plain = simulate(job, workers, test, progress=False, metrics=lambda m, d: {})
     hook = rg.Grouped(rp.Attack(p, rp.CLEAN, [], 4, seed=0), rg.build_rule({}), group_size=2, seed=0)
