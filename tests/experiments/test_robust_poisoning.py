@@ -102,15 +102,22 @@ def test_the_harness_uploads_what_the_attack_sends():
                                    rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("rule", rp.Protocol().rules)
+@pytest.mark.parametrize("rule", sorted(set(rp.Protocol().rules) | set(rp.adaptive_protocol().rules)))
 def test_every_rule_of_the_protocol_is_a_job_the_service_accepts(rule):
     from fedbroker.algorithms.catalogue import aggregation_settings
     from fedbroker.job.spec import parse_job
 
-    aggregation_settings(parse_job(rp.Protocol().job(rule, 0)).aggregation)
+    p = rp.adaptive_protocol()
+    aggregation_settings(parse_job(p.job(rule, 0)).aggregation)
+    if rule.startswith(rp.GROUPS):  # the job is FedAvg; the rule over the group means must be the service's too
+        assert p.aggregation(rule) == {"weighting": "fedavg"}
+        section = {"weighting": "fedavg", **p.group_rule(rule)}
+        aggregation_settings(parse_job({**p.job(rule, 0), "aggregation": section}).aggregation)
 
 
 def test_a_discarded_update_is_one_the_rule_kept_under_a_tenth_of_its_share():
     verdicts = [Verdict(w, "median", kept, 1.0) for w, kept in (("w0", 0.0), ("w1", 0.09), ("w2", 0.5), ("w3", 1.2))]
-    assert rp.discarded(verdicts, ["w0", "w2"]) == {"attackers": 1, "honest": 1}
-    assert rp.discarded([], ["w0"]) == {"attackers": 0, "honest": 0}  # FedAvg judges nobody
+    assert rp.discarded(verdicts, ["w0", "w2"]) == {"attackers": 1, "honest": 1, "flagged": 0}
+    assert rp.discarded([], ["w0"]) == {"attackers": 0, "honest": 0, "flagged": 0}  # FedAvg judges nobody
+    flagged = [Verdict("w2", "history_check", 1.0, 1.0, flagged=True), Verdict("w3", "history_check", 1.0, 1.0)]
+    assert rp.discarded(flagged, ["w2"]) == {"attackers": 1, "honest": 0, "flagged": 1}  # excluded, whatever its share
