@@ -211,7 +211,7 @@ def layerwise_rounds(spec: dict[str, Any]) -> list[tuple[str, str]]:
                            f"{'; '.join(steps)}; each round freezes the layers matched before it")]
 
 
-_UNSET = {"secure": False, "robust": "none", "max_update_value": 0.0}  # left out of the line at their defaults (secure: a line of its own)
+_UNSET = {"secure": False, "robust": "none", "max_update_value": 0.0, "secure_group_size": 0}  # left out of the line at their defaults (secure: a line of its own)
 
 
 def secure_round_size(spec: dict[str, Any], rounds: Any) -> int:
