@@ -71,6 +71,12 @@ $(TOOLS_STAMP):
 	$(TOOLS_VENV)/bin/python -m pip install --quiet checkov==$(CHECKOV_VERSION)
 	touch $@
 
+# the chaos suite alone (it is part of `make test` too): kill -9 of a broker node, the leading coordinator, the
+# aggregation replica that owns a job, a PostgreSQL restart — each mid-round (tests/ha)
+.PHONY: test-ha
+test-ha: $(STAMP)
+	$(PY) -m pytest -q tests/ha
+
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m "not integration"
 

@@ -231,7 +231,7 @@ def test_no_room_is_too_big_to_read() -> None:
 
 
 ROOMS = ("kernel", "coordinator", "worker", "aggregators", "app")
-CROSS_ROOM = ("integration", "faults", "security", "lifecycle", "ops", "evaluation", "experiments", "house")
+CROSS_ROOM = ("integration", "faults", "security", "lifecycle", "ops", "evaluation", "experiments", "house", "ha")
 
 
 def test_tests_mirror_the_rooms() -> None:
