@@ -27,9 +27,14 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
+
+from sqlalchemy import create_engine
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.pool import StaticPool
 
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator.records import EventRecord, JobRecord, WorkerRecord
@@ -88,6 +93,8 @@ class StateStore(RoundTables, EpsilonTables, JobNotes, ShareTables, EvaluationTa
             for name in (path, f"{path}-wal", f"{path}-shm"):          # and gives it to -wal and -shm
                 owner_only(name, 0o600)
         self._db = self._connect()
+        # INTERIM (helper storemix, until helper "store" lands): Core statements run on the same SQLite connection
+        self._engine = create_engine("sqlite://", creator=lambda: self._db, poolclass=StaticPool)
         try:
             self._migrate()
         except BaseException:
@@ -167,14 +174,14 @@ class StateStore(RoundTables, EpsilonTables, JobNotes, ShareTables, EvaluationTa
                           retryable=lambda exc: isinstance(exc, StateUnavailable) and not policy.stopping(),
                           on_retry=log_retry, sleep=policy.sleep)
 
-    def _transaction(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T:
-        with self._lock:
+    def _transaction(self, what: str, fn: Callable[[Any], T]) -> T:
+        with self._lock, self._engine.connect() as sa:
             try:
                 self._db.execute("BEGIN IMMEDIATE")  # the write lock now, not halfway through
-                result = fn(self._db)
+                result = fn(_Both(self._db, sa))
                 self._db.execute("COMMIT")
                 return result
-            except sqlite3.Error as exc:
+            except (sqlite3.Error, SQLAlchemyError) as exc:
                 self._abandon()
                 raise StateUnavailable(f"the coordinator's state store {self.path} could not {what}: {exc} "
                                        f"(rolled back: nothing of it was recorded)") from exc
@@ -195,17 +202,20 @@ class StateStore(RoundTables, EpsilonTables, JobNotes, ShareTables, EvaluationTa
                 self._db.close()
             self._db = self._connect()
 
-    def _exec(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
+    def _exec(self, sql: Any, args: Any = ()) -> list[Any]:
         """A read (one statement, no transaction left open)."""
         with self._lock:
             try:
+                if not isinstance(sql, str):
+                    with self._engine.connect() as sa:
+                        return list(sa.execute(sql, args or None).fetchall())
                 return self._db.execute(sql, args).fetchall()
-            except sqlite3.Error as exc:
+            except (sqlite3.Error, SQLAlchemyError) as exc:
                 raise StateUnavailable(f"the coordinator's state store {self.path} could not be read: {exc}") from exc
 
-    def _run(self, what: str, sql: str, args: Sequence[Any] = ()) -> int:
+    def _run(self, what: str, sql: Any, args: Any = ()) -> int:
         """One write statement in its own transaction; the number of rows it changed."""
-        return self._write(what, lambda db: db.execute(sql, args).rowcount)
+        return self._write(what, lambda db: int(db.execute(sql, args).rowcount))
 
     # ----- jobs -----
 
@@ -371,6 +381,25 @@ class StateStore(RoundTables, EpsilonTables, JobNotes, ShareTables, EvaluationTa
                 continue
             out.append(record)
         return out
+
+
+class _Both:
+    """INTERIM (helper storemix): a write transaction's connection that takes both SQL text with `?` arguments
+    (the sqlite3 connection) and SQLAlchemy Core statements (a SQLAlchemy connection over the same one)."""
+
+    def __init__(self, db: sqlite3.Connection, sa: Connection) -> None:
+        self._db, self._sa = db, sa
+
+    def execute(self, statement: Any, params: Any = None) -> Any:
+        if isinstance(statement, str):
+            return self._db.execute(statement, params or ())
+        return self._sa.execute(statement, params or None)
+
+    def executemany(self, statement: str, rows: Any) -> Any:
+        return self._db.executemany(statement, rows)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sa, name)
 
 
 # ----- rows into records (the only place that reads a row by column name) -----

@@ -5,7 +5,8 @@ A report is recorded only against a row written when its task was published: an 
 worker or version nobody asked for, or one after its deadline, changes nothing (`EvaluationVerdict`). A round
 is settled once every site asked has answered or its deadline passed (those left are `missed`); its federated
 score (the count-weighted mean, `fedbroker.federated_evaluation.combine`) is then final, and one
-`federated_score` event says so. As in store.py, every write is one transaction and no SQLite row leaves the store.
+`federated_score` event says so. As in store.py, every write is one transaction and no database row leaves the
+store.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import sqlite3
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from sqlalchemy import Join, Row, Select, func, select, update
+from sqlalchemy.engine import Connection
+
+from fedbroker.coordinator import tables
+from fedbroker.coordinator.store_dialect import insert_ignoring
 from fedbroker.coordinator.store_notes import StoreAccess, write_event
 from fedbroker.errors import ConfigError
 from fedbroker.federated_evaluation import Combined, SiteScore, combine
@@ -105,13 +112,14 @@ class EvaluationTables(StoreAccess):
         now = time.time()
         stored = {**(task or TaskConfig()).to_dict(), _CHOICE: {"score": score, "threshold": threshold}}
 
-        def write(db: sqlite3.Connection) -> None:
-            db.execute("INSERT OR IGNORE INTO evaluation_rounds (job_id, round, model_version, published, deadline, task)"
-                       " VALUES (?, ?, ?, ?, ?, ?)", (job_id, round_number, model_version, now, deadline,
-                                                      json.dumps(stored, sort_keys=True)))
-            db.executemany("INSERT OR IGNORE INTO evaluations (job_id, round, worker_id, status, model_version)"
-                           " VALUES (?, ?, ?, 'asked', ?)", [(job_id, round_number, w, model_version) for w in workers])
-            write_event(db, job_id, "evaluation_asked", round_number=round_number,
+        def write(conn: Connection) -> None:
+            insert_ignoring(conn, tables.evaluation_rounds, {
+                "job_id": job_id, "round": round_number, "model_version": model_version, "published": now,
+                "deadline": deadline, "task": json.dumps(stored, sort_keys=True)}, keys=("job_id", "round"))
+            insert_ignoring(conn, tables.evaluations, [
+                {"job_id": job_id, "round": round_number, "worker_id": w, "status": EvaluationStatus.ASKED.value,
+                 "model_version": model_version} for w in workers], keys=("job_id", "round", "worker_id"))
+            write_event(conn, job_id, "evaluation_asked", round_number=round_number,
                         message=f"version {model_version} to {len(workers)} site(s): {', '.join(workers)}")
 
         self._write(f"record the evaluation tasks of round {round_number} of job {job_id!r}", write)
@@ -120,10 +128,11 @@ class EvaluationTables(StoreAccess):
         """Sites whose task could not be published: missed at once (nothing will come from them)."""
         if not workers:
             return
-        self._write(f"record undelivered evaluation tasks of job {job_id!r}", lambda db: db.executemany(
-            "UPDATE evaluations SET status = 'missed', reason = 'its evaluation task could not be published', time = ?"
-            " WHERE job_id = ? AND round = ? AND worker_id = ? AND status = 'asked'",
-            [(time.time(), job_id, round_number, w) for w in workers]))
+        e = tables.evaluations
+        self._run(f"record undelivered evaluation tasks of job {job_id!r}", update(e).where(
+            e.c.job_id == job_id, e.c.round == round_number, e.c.worker_id.in_(list(workers)),
+            e.c.status == EvaluationStatus.ASKED.value).values(
+            status=EvaluationStatus.MISSED.value, reason="its evaluation task could not be published", time=time.time()))
 
     def record_evaluation(self, job_id: str, round_number: int, worker_id: str, *, model_version: int,
                           refused: bool, reason: str, accuracy: float, loss: float, num_samples: int,
@@ -133,13 +142,14 @@ class EvaluationTables(StoreAccess):
         status = EvaluationStatus.REFUSED if refused else EvaluationStatus.EVALUATED
         sums_json = json.dumps(dict(sums), sort_keys=True) if sums and not refused else None
         score = (None, None, None, None) if refused else (loss, accuracy, num_samples, sums_json)
+        e, r = tables.evaluations, tables.evaluation_rounds
 
-        def write(db: sqlite3.Connection) -> EvaluationVerdict:
+        def write(conn: Connection) -> EvaluationVerdict:
             now = time.time()
-            row = db.execute("SELECT e.status, e.reason, e.loss, e.accuracy, e.num_samples, e.sums, r.model_version,"
-                             " r.deadline"
-                             " FROM evaluations e JOIN evaluation_rounds r USING (job_id, round) WHERE e.job_id = ? AND"
-                             " e.round = ? AND e.worker_id = ?", (job_id, round_number, worker_id)).fetchone()
+            row = conn.execute(select(e.c.status, e.c.reason, e.c.loss, e.c.accuracy, e.c.num_samples, e.c.sums,
+                                      r.c.model_version, r.c.deadline).select_from(_asked_in_round())
+                               .where(e.c.job_id == job_id, e.c.round == round_number, e.c.worker_id == worker_id)
+                               ).first()
             if row is None:
                 return EvaluationVerdict.NOT_ASKED
             was, reason_was, *score_was, version, deadline = row
@@ -152,15 +162,15 @@ class EvaluationTables(StoreAccess):
                 return EvaluationVerdict.DUPLICATE if same else EvaluationVerdict.CONFLICT
             if now > deadline:
                 return EvaluationVerdict.LATE
-            db.execute("UPDATE evaluations SET status = ?, reason = ?, loss = ?, accuracy = ?, num_samples = ?, sums = ?,"
-                       " time = ?"
-                       " WHERE job_id = ? AND round = ? AND worker_id = ?",
-                       (status, reason, *score, now, job_id, round_number, worker_id))
-            write_event(db, job_id, "evaluated" if not refused else "evaluation_refused", round_number=round_number,
+            loss_, accuracy_, samples_, sums_ = score
+            conn.execute(update(e).where(e.c.job_id == job_id, e.c.round == round_number, e.c.worker_id == worker_id)
+                         .values(status=status.value, reason=reason, loss=loss_, accuracy=accuracy_,
+                                 num_samples=samples_, sums=sums_, time=now))
+            write_event(conn, job_id, "evaluated" if not refused else "evaluation_refused", round_number=round_number,
                         worker_id=worker_id, message=reason if refused else
-                        f"version {model_version}: {_metric(db, job_id, round_number)} {accuracy:.4f}, loss {loss:.4f} on "
-                        f"{num_samples} held-out samples")
-            _settle(db, job_id, round_number, now)
+                        f"version {model_version}: {_metric(conn, job_id, round_number)} {accuracy:.4f}, loss "
+                        f"{loss:.4f} on {num_samples} held-out samples")
+            _settle(conn, job_id, round_number, now)
             return EvaluationVerdict.RECORDED
 
         return self._write(f"record the evaluation of worker {worker_id!r} in round {round_number} of job {job_id!r}",
@@ -168,36 +178,50 @@ class EvaluationTables(StoreAccess):
 
     def settle_evaluations(self, job_id: str) -> list[int]:
         """Settle the job's rounds whose deadline has passed (their outstanding sites `missed`); those settled now."""
-        if not self._exec("SELECT 1 FROM evaluation_rounds WHERE job_id = ? AND settled = 0 AND deadline < ? LIMIT 1",
-                          (job_id, time.time())):
+        r = tables.evaluation_rounds
+
+        def due(now: float) -> Select[int]:
+            return select(r.c.round).where(r.c.job_id == job_id, r.c.settled == 0, r.c.deadline < now)
+
+        if not self._exec(due(time.time()).limit(1)):
             return []  # the common case, read without taking the write lock
 
-        def write(db: sqlite3.Connection) -> list[int]:
+        def write(conn: Connection) -> list[int]:
             now = time.time()
-            rounds = [int(r) for (r,) in db.execute(
-                "SELECT round FROM evaluation_rounds WHERE job_id = ? AND settled = 0 AND deadline < ? ORDER BY round",
-                (job_id, now)).fetchall()]
-            return [r for r in rounds if _settle(db, job_id, r, now)]
+            rounds = [int(n) for n in conn.execute(due(now).order_by(r.c.round)).scalars()]
+            return [n for n in rounds if _settle(conn, job_id, n, now)]
 
         return self._write(f"settle the evaluations of job {job_id!r}", write)
 
     def evaluations(self, job_id: str, round_number: int | None = None) -> list[EvaluationRecord]:
         """Every site's evaluation of the job's rounds (of one round), by round, then worker id; a site still
         `asked` after the deadline reads as `missed`."""
-        rows = self._exec("SELECT e.*, r.deadline FROM evaluations e JOIN evaluation_rounds r USING (job_id, round)"
-                          " WHERE e.job_id = ? AND (? IS NULL OR e.round = ?) ORDER BY e.round, e.worker_id",
-                          (job_id, round_number, round_number))
+        e = tables.evaluations
+        query = (select(e, tables.evaluation_rounds.c.deadline).select_from(_asked_in_round())
+                 .where(e.c.job_id == job_id).order_by(e.c.round, e.c.worker_id))
+        if round_number is not None:
+            query = query.where(e.c.round == round_number)
+        rows = self._exec(query)
         now = time.time()
         return [_evaluation_record(r, now=now) for r in rows]
 
     def evaluation_rounds(self, job_id: str, round_number: int | None = None) -> list[EvaluationRound]:
         """The job's evaluated rounds (or one), oldest first, each with its federated score so far."""
-        rounds = self._exec("SELECT * FROM evaluation_rounds WHERE job_id = ? AND (? IS NULL OR round = ?)"
-                            " ORDER BY round", (job_id, round_number, round_number))
+        r = tables.evaluation_rounds
+        query = select(r).where(r.c.job_id == job_id).order_by(r.c.round)
+        if round_number is not None:
+            query = query.where(r.c.round == round_number)
+        rounds = self._exec(query)
         by_round: dict[int, list[EvaluationRecord]] = {}
         for e in self.evaluations(job_id, round_number):
             by_round.setdefault(e.round, []).append(e)
-        return [_evaluation_round(r, by_round) for r in rounds]
+        return [_evaluation_round(row, by_round) for row in rounds]
+
+
+def _asked_in_round() -> Join:
+    """Each site's evaluation beside its round (the version asked about, the deadline)."""
+    e, r = tables.evaluations, tables.evaluation_rounds
+    return e.join(r, (e.c.job_id == r.c.job_id) & (e.c.round == r.c.round))
 
 
 def _scores(rows: Sequence[EvaluationRecord]) -> list[SiteScore]:
@@ -231,35 +255,40 @@ def _combine(sites: Iterable[SiteScore], text: str | None) -> Combined | None:
     return combine(sites, _task(text), score=score, threshold=threshold)
 
 
-def _metric(db: sqlite3.Connection, job_id: str, round_number: int) -> str:
-    row = db.execute("SELECT task FROM evaluation_rounds WHERE job_id = ? AND round = ?", (job_id, round_number)).fetchone()
-    text = row[0] if row else None
+def _metric(conn: Connection, job_id: str, round_number: int) -> str:
+    text = conn.execute(_round_task(job_id, round_number)).scalar()
     return headline(_task(text), _choice(text)[0])[0]
 
 
-def _settle(db: sqlite3.Connection, job_id: str, round_number: int, now: float) -> bool:
+def _round_task(job_id: str, round_number: int) -> Select[str]:
+    r = tables.evaluation_rounds
+    return select(r.c.task).where(r.c.job_id == job_id, r.c.round == round_number)
+
+
+def _settle(conn: Connection, job_id: str, round_number: int, now: float) -> bool:
     """Settle one round if every site answered or its deadline passed: the rest `missed`, one `federated_score`
     event with the final score. Whether it settled now."""
-    head = db.execute("SELECT deadline, settled FROM evaluation_rounds WHERE job_id = ? AND round = ?",
-                      (job_id, round_number)).fetchone()
+    e, r = tables.evaluations, tables.evaluation_rounds
+    in_round = (e.c.job_id == job_id) & (e.c.round == round_number)
+    this_round = (r.c.job_id == job_id) & (r.c.round == round_number)
+    head = conn.execute(select(r.c.deadline, r.c.settled).where(this_round)).first()
     if head is None:
         return False
     deadline, settled = head
-    (waiting,) = db.execute("SELECT COUNT(*) FROM evaluations WHERE job_id = ? AND round = ? AND status = 'asked'",
-                            (job_id, round_number)).fetchone()
+    waiting = conn.execute(select(func.count()).select_from(e).where(
+        in_round, e.c.status == EvaluationStatus.ASKED.value)).scalar_one()
     if settled or (waiting and now <= deadline):
         return False
-    db.execute("UPDATE evaluations SET status = 'missed', reason = 'no report before the deadline', time = ?"
-               " WHERE job_id = ? AND round = ? AND status = 'asked'", (now, job_id, round_number))
-    db.execute("UPDATE evaluation_rounds SET settled = 1 WHERE job_id = ? AND round = ?", (job_id, round_number))
-    rows = db.execute("SELECT status, accuracy, loss, num_samples, sums FROM evaluations WHERE job_id = ? AND round = ?",
-                      (job_id, round_number)).fetchall()
-    (task_text,) = db.execute("SELECT task FROM evaluation_rounds WHERE job_id = ? AND round = ?",
-                              (job_id, round_number)).fetchone()
+    conn.execute(update(e).where(in_round, e.c.status == EvaluationStatus.ASKED.value).values(
+        status=EvaluationStatus.MISSED.value, reason="no report before the deadline", time=now))
+    conn.execute(update(r).where(this_round).values(settled=1))
+    rows = conn.execute(select(e.c.status, e.c.accuracy, e.c.loss, e.c.num_samples, e.c.sums).where(in_round)
+                        .order_by(e.c.worker_id)).all()
+    task_text = conn.execute(_round_task(job_id, round_number)).scalar_one()
     score = _combine((SiteScore(accuracy=accuracy, loss=loss, num_samples=num_samples, sums=json.loads(sums or "{}"))
                       for status, accuracy, loss, num_samples, sums in rows if status == EvaluationStatus.EVALUATED),
                      task_text)
-    write_event(db, job_id, "federated_score", round_number=round_number, message=(
+    write_event(conn, job_id, "federated_score", round_number=round_number, message=(
         f"{score.metric} {score.accuracy:.4f}, loss {score.loss:.4f} on {score.num_samples} held-out samples of "
         f"{score.sites} of {len(rows)} site(s)" if score is not None else f"no score: none of {len(rows)} site(s) "
                                                                          f"evaluated"))
@@ -268,23 +297,25 @@ def _settle(db: sqlite3.Connection, job_id: str, round_number: int, now: float) 
 
 # ----- rows into records (the only place that reads a row of these tables by column name) -----
 
-def _evaluation_record(r: sqlite3.Row, *, now: float) -> EvaluationRecord:
-    """A site's evaluation; one still `asked` after its round's deadline (`r["deadline"]`) reads as `missed`."""
-    status = EvaluationStatus(r["status"])
-    overdue = status == EvaluationStatus.ASKED and now > r["deadline"]
+def _evaluation_record(r: Row[Any], *, now: float) -> EvaluationRecord:
+    """A site's evaluation; one still `asked` after its round's deadline (`deadline`) reads as `missed`."""
+    m = r._mapping
+    status = EvaluationStatus(m["status"])
+    overdue = status == EvaluationStatus.ASKED and now > m["deadline"]
     return EvaluationRecord(
-        job_id=r["job_id"], round=r["round"], worker_id=r["worker_id"],
+        job_id=m["job_id"], round=m["round"], worker_id=m["worker_id"],
         status=EvaluationStatus.MISSED if overdue else status,
-        reason="no report before the deadline" if overdue else r["reason"], loss=r["loss"],
-        accuracy=r["accuracy"], num_samples=r["num_samples"], model_version=r["model_version"], time=r["time"],
-        sums=json.loads(r["sums"]) if r["sums"] else None)
+        reason="no report before the deadline" if overdue else m["reason"], loss=m["loss"],
+        accuracy=m["accuracy"], num_samples=m["num_samples"], model_version=m["model_version"], time=m["time"],
+        sums=json.loads(m["sums"]) if m["sums"] else None)
 
 
-def _evaluation_round(r: sqlite3.Row, by_round: Mapping[int, Sequence[EvaluationRecord]]) -> EvaluationRound:
+def _evaluation_round(r: Row[Any], by_round: Mapping[int, Sequence[EvaluationRecord]]) -> EvaluationRound:
     """An evaluated round with its sites' evaluations (`by_round`) and the federated score so far."""
-    sites = by_round.get(r["round"], [])
+    m = r._mapping
+    sites = by_round.get(m["round"], [])
     return EvaluationRound(
-        job_id=r["job_id"], round=r["round"], model_version=r["model_version"], published=r["published"],
-        deadline=r["deadline"], settled=bool(r["settled"]), asked=len(sites),
+        job_id=m["job_id"], round=m["round"], model_version=m["model_version"], published=m["published"],
+        deadline=m["deadline"], settled=bool(m["settled"]), asked=len(sites),
         answered=sum(e.status in (EvaluationStatus.EVALUATED, EvaluationStatus.REFUSED) for e in sites),
-        score=_combine(_scores(sites), r["task"]))
+        score=_combine(_scores(sites), m["task"]))

@@ -7,10 +7,13 @@ As in store.py, the write is one transaction.
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from sqlalchemy import insert
+
+from fedbroker.coordinator import tables
 
 T = TypeVar("T")
 
@@ -20,9 +23,9 @@ class StoreAccess:
     (`_exec`) and its one-statement writes (`_run`)."""
 
     if TYPE_CHECKING:
-        def _write(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T: ...
-        def _exec(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]: ...
-        def _run(self, what: str, sql: str, args: Sequence[Any] = ()) -> int: ...
+        def _write(self, what: str, fn: Callable[[Any], T]) -> T: ...  # INTERIM: sqlite3 or SQLAlchemy
+        def _exec(self, statement: Any, params: Any = None) -> Sequence[Any]: ...
+        def _run(self, what: str, statement: Any, params: Any = None) -> int: ...
 
 
 class JobNotes(StoreAccess):
@@ -34,8 +37,8 @@ class JobNotes(StoreAccess):
             db, job_id, kind, round_number=round_number, worker_id=worker_id, message=message))
 
 
-def write_event(db: sqlite3.Connection, job_id: str, kind: str, *, round_number: int = 0, worker_id: str = "",
+def write_event(db: Any, job_id: str, kind: str, *, round_number: int = 0, worker_id: str = "",
                 message: str = "") -> None:
     """One line of a job's history, written in the transaction `db` of what it reports."""
-    db.execute("INSERT INTO events (job_id, time, kind, round, worker_id, message) VALUES (?, ?, ?, ?, ?, ?)",
-               (job_id, time.time(), kind, round_number, worker_id, message))
+    db.execute(insert(tables.events).values(job_id=job_id, time=time.time(), kind=kind, round=round_number,
+                                            worker_id=worker_id, message=message))

@@ -7,7 +7,7 @@ asks) costs it nothing new, so it is charged once: to the first job it reached. 
 recorded for a worker (store.recorded_epsilon: the ε of the training tasks the coordinator priced), so the
 coordinator's record never runs ahead of the ledger, whatever a reply states.
 
-As in store.py, every write is one transaction and no SQLite row leaves the store: reads return the records
+As in store.py, every write is one transaction and no database row leaves the store: reads return the records
 below. The tables are created on first use, so a state file written before them gets them then.
 """
 
@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import enum
 import json
-import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from sqlalchemy import Row, delete, insert, select, update
+from sqlalchemy.engine import Connection
+
+from fedbroker.coordinator import tables
+from fedbroker.coordinator.store_dialect import insert_ignoring
 from fedbroker.coordinator.store_notes import StoreAccess, write_event
 
 SCHEMA = """
@@ -129,7 +133,11 @@ class ShareTables(StoreAccess):
     def _share_tables(self) -> None:
         if not self._share_tables_ready:
             self._epsilon_tables()  # a reply's new cost bounds the site's next report there
-            self._write("create its share tables", lambda db: [db.execute(s) for s in SCHEMA.split(";") if s.strip()])
+            def create(conn: Connection) -> None:
+                for table in (tables.share_phases, tables.shares):
+                    table.create(conn, checkfirst=True)
+
+            self._write("create its share tables", create)
             self._share_tables_ready = True
 
     def open_share_phase(self, job_id: str, *, histogram: bool, statistics: bool, lower: Sequence[float],
@@ -139,35 +147,40 @@ class ShareTables(StoreAccess):
         self._share_tables()
         now = time.time()
         wants = " and ".join(w for w, on in (("label histogram", histogram), ("feature statistics", statistics)) if on)
+        phases, shares = tables.share_phases, tables.shares
 
-        def write(db: sqlite3.Connection) -> None:
-            db.execute("INSERT OR REPLACE INTO share_phases (job_id, status, histogram, statistics, lower_json,"
-                       " upper_json, features, classes, started, deadline) VALUES (?, 'open', ?, ?, ?, ?, ?, ?, ?, ?)",
-                       (job_id, int(histogram), int(statistics), json.dumps(list(lower)), json.dumps(list(upper)),
-                        features, classes, now, deadline))
-            db.execute("DELETE FROM shares WHERE job_id = ?", (job_id,))
-            db.executemany("INSERT INTO shares (job_id, worker_id, status) VALUES (?, ?, 'asked')",
-                           [(job_id, w) for w in asked])
-            db.executemany("INSERT INTO shares (job_id, worker_id, status, reason) VALUES (?, ?, 'not_asked', ?)",
-                           [(job_id, w, why) for w, why in not_asked.items()])
-            write_event(db, job_id, "share_requested", message=f"{wants} asked of {len(asked)} site(s)"
+        def write(conn: Connection) -> None:
+            # a phase asked again (a coordinator that died while asking) starts afresh, as a new row
+            conn.execute(delete(phases).where(phases.c.job_id == job_id))
+            conn.execute(insert(phases).values(
+                job_id=job_id, status="open", histogram=int(histogram), statistics=int(statistics),
+                lower_json=json.dumps(list(lower)), upper_json=json.dumps(list(upper)), features=features,
+                classes=classes, started=now, deadline=deadline))
+            conn.execute(delete(shares).where(shares.c.job_id == job_id))
+            rows = [{"job_id": job_id, "worker_id": w, "status": ShareStatus.ASKED.value, "reason": ""} for w in asked]
+            rows += [{"job_id": job_id, "worker_id": w, "status": ShareStatus.NOT_ASKED.value, "reason": why}
+                     for w, why in not_asked.items()]
+            if rows:
+                conn.execute(insert(shares), rows)
+            write_event(conn, job_id, "share_requested", message=f"{wants} asked of {len(asked)} site(s)"
                         + (f": {', '.join(asked)}" if asked else "") + f", within {max(0.0, deadline - now):.0f}s")
             for worker_id, why in not_asked.items():
-                write_event(db, job_id, "not_shared", worker_id=worker_id, message=f"not asked ({why}): not selected")
+                write_event(conn, job_id, "not_shared", worker_id=worker_id, message=f"not asked ({why}): not selected")
 
         self._write(f"record the share requests of job {job_id!r}", write)
 
     def share_phase(self, job_id: str) -> SharePhaseRecord | None:
         """The job's share phase (None: it has none)."""
         self._share_tables()
-        rows = self._exec("SELECT * FROM share_phases WHERE job_id = ?", (job_id,))
+        rows = self._exec(select(tables.share_phases).where(tables.share_phases.c.job_id == job_id))
         return _phase_record(rows[0]) if rows else None
 
     def move_share_deadline(self, job_id: str, deadline: float) -> None:
         """A resumed phase whose deadline passed while the coordinator was down gets a new one."""
         self._share_tables()
-        self._write(f"move the share deadline of job {job_id!r}", lambda db: db.execute(
-            "UPDATE share_phases SET deadline = ? WHERE job_id = ? AND status = 'open'", (deadline, job_id)))
+        phases = tables.share_phases
+        self._run(f"move the share deadline of job {job_id!r}", update(phases).where(
+            phases.c.job_id == job_id, phases.c.status == "open").values(deadline=deadline))
 
     def record_share(self, job_id: str, worker_id: str, answer: ShareAnswer,
                      check: Callable[[SharePhaseRecord], list[str]], *, excluded: Sequence[str] = ()) -> list[str]:
@@ -179,17 +192,18 @@ class ShareTables(StoreAccess):
         so a phase that closes meanwhile takes no reply after its close."""
         self._share_tables()
         now = time.time()
+        shares = tables.shares
 
-        def write(db: sqlite3.Connection) -> list[str]:
-            (job,) = db.execute("SELECT status FROM jobs WHERE job_id = ?", (job_id,)).fetchone() or ("unknown",)
+        def write(conn: Connection) -> list[str]:
+            job = conn.execute(select(tables.jobs.c.status).where(tables.jobs.c.job_id == job_id)).scalar()
             if job != "running":
-                return [f"job {job_id!r} is {job}: it takes no share reply"]
-            r = db.execute("SELECT * FROM share_phases WHERE job_id = ?", (job_id,)).fetchone()
+                return [f"job {job_id!r} is {job or 'unknown'}: it takes no share reply"]
+            r = conn.execute(select(tables.share_phases).where(tables.share_phases.c.job_id == job_id)).first()
             phase = _phase_record(r) if r is not None else None
             if phase is None or not phase.open:
                 return [f"job {job_id!r} is not in its share phase"]
-            (was,) = db.execute("SELECT status FROM shares WHERE job_id = ? AND worker_id = ?",
-                                (job_id, worker_id)).fetchone() or (ShareStatus.NOT_ASKED,)
+            was = conn.execute(select(shares.c.status).where(
+                shares.c.job_id == job_id, shares.c.worker_id == worker_id)).scalar() or ShareStatus.NOT_ASKED
             if was == ShareStatus.NOT_ASKED:
                 return [f"worker {worker_id!r} was not asked to share with job {job_id!r}"]
             if was != ShareStatus.ASKED:
@@ -201,23 +215,20 @@ class ShareTables(StoreAccess):
                 return problems
             why = "; ".join(excluded) if not answer.refused else ""
             status = ShareStatus.REFUSED if answer.refused else ShareStatus.EXCLUDED if why else ShareStatus.SHARED
-            charged = 0.0 if answer.refused else _new_cost(db, worker_id, answer)
-            db.execute(
-                "UPDATE shares SET status = ?, reason = ?, time = ?, histogram_json = ?, histogram_noised = ?,"
-                " histogram_epsilon = ?, feature_sum_json = ?, feature_sq_sum_json = ?, count = ?,"
-                " statistics_noised = ?, statistics_epsilon = ?, statistics_delta = ?, charged_epsilon = ?"
-                " WHERE job_id = ? AND worker_id = ?",
-                (status, why or answer.reason, now,
-                 json.dumps([int(c) for c in answer.histogram]), int(answer.histogram_noised), answer.histogram_epsilon,
-                 json.dumps([float(v) for v in answer.feature_sum]), json.dumps([float(v) for v in answer.feature_sq_sum]),
-                 answer.count, int(answer.statistics_noised), answer.statistics_epsilon, answer.statistics_delta,
-                 charged, job_id, worker_id))
+            charged = 0.0 if answer.refused else _new_cost(conn, worker_id, answer)
+            conn.execute(update(shares).where(shares.c.job_id == job_id, shares.c.worker_id == worker_id).values(
+                status=status.value, reason=why or answer.reason, time=now,
+                histogram_json=_histogram_json(answer), histogram_noised=int(answer.histogram_noised),
+                histogram_epsilon=answer.histogram_epsilon, feature_sum_json=_floats_json(answer.feature_sum),
+                feature_sq_sum_json=_floats_json(answer.feature_sq_sum), count=answer.count,
+                statistics_noised=int(answer.statistics_noised), statistics_epsilon=answer.statistics_epsilon,
+                statistics_delta=answer.statistics_delta, charged_epsilon=charged))
             if why:
-                write_event(db, job_id, "statistics_excluded", worker_id=worker_id, message=(
+                write_event(conn, job_id, "statistics_excluded", worker_id=worker_id, message=(
                     f"{_what_shared(answer, charged)}; excluded: {why}; its statistics are left out of the "
                     f"agreed ones and it is not selected for this job"))
             else:
-                write_event(db, job_id, "share_refused" if answer.refused else "shared", worker_id=worker_id,
+                write_event(conn, job_id, "share_refused" if answer.refused else "shared", worker_id=worker_id,
                             message=answer.reason if answer.refused else _what_shared(answer, charged))
             return []
 
@@ -228,17 +239,18 @@ class ShareTables(StoreAccess):
         """End the phase: sites still `asked` are `silent`; the agreed model (if any) becomes the job's model spec;
         `events` (kind, worker id, message) are written with it."""
         self._share_tables()
+        phases, shares = tables.share_phases, tables.shares
 
-        def write(db: sqlite3.Connection) -> None:
-            db.execute("UPDATE shares SET status = 'silent', reason = 'no reply before the share deadline'"
-                       " WHERE job_id = ? AND status = 'asked'", (job_id,))
-            db.execute("UPDATE share_phases SET status = 'done', finished = ?, model_spec_json = ? WHERE job_id = ?",
-                       (time.time(), model_spec_json, job_id))
+        def write(conn: Connection) -> None:
+            conn.execute(update(shares).where(shares.c.job_id == job_id, shares.c.status == ShareStatus.ASKED.value)
+                         .values(status=ShareStatus.SILENT.value, reason="no reply before the share deadline"))
+            conn.execute(update(phases).where(phases.c.job_id == job_id).values(
+                status="done", finished=time.time(), model_spec_json=model_spec_json))
             if model_spec_json:
-                db.execute("UPDATE jobs SET model_spec_json = ?, updated = ? WHERE job_id = ?",
-                           (model_spec_json, time.time(), job_id))
+                conn.execute(update(tables.jobs).where(tables.jobs.c.job_id == job_id).values(
+                    model_spec_json=model_spec_json, updated=time.time()))
             for kind, worker_id, message in events:
-                write_event(db, job_id, kind, worker_id=worker_id, message=message)
+                write_event(conn, job_id, kind, worker_id=worker_id, message=message)
 
         self._write(f"record the end of the share phase of job {job_id!r}", write)
 
@@ -247,60 +259,72 @@ class ShareTables(StoreAccess):
         as not selected for the job."""
         self._share_tables()
 
-        def write(db: sqlite3.Connection) -> None:
+        def write(conn: Connection) -> None:
             for worker_id in worker_ids:
-                if db.execute("INSERT OR IGNORE INTO shares (job_id, worker_id, status, reason) VALUES"
-                              " (?, ?, 'not_asked', ?)", (job_id, worker_id, reason)).rowcount:
-                    write_event(db, job_id, "not_shared", worker_id=worker_id, message=f"{reason}: not selected")
+                row = {"job_id": job_id, "worker_id": worker_id, "status": ShareStatus.NOT_ASKED.value, "reason": reason}
+                if insert_ignoring(conn, tables.shares, row, keys=("job_id", "worker_id")):
+                    write_event(conn, job_id, "not_shared", worker_id=worker_id, message=f"{reason}: not selected")
 
         self._write(f"record the sites that did not share with job {job_id!r}", write)
 
     def shares(self, job_id: str | None = None, *, worker_id: str | None = None) -> list[ShareRecord]:
         """The answers kept for a job (or every job), of one site (or every site), by job, then site."""
         self._share_tables()
-        where = " AND ".join(c for c, v in (("job_id = ?", job_id), ("worker_id = ?", worker_id)) if v is not None)
-        args = [v for v in (job_id, worker_id) if v is not None]
-        rows = self._exec(f"SELECT * FROM shares{' WHERE ' + where if where else ''} ORDER BY job_id, worker_id", args)
-        return [_share_record(r) for r in rows]
+        shares = tables.shares
+        query = select(shares).order_by(shares.c.job_id, shares.c.worker_id)
+        if job_id is not None:
+            query = query.where(shares.c.job_id == job_id)
+        if worker_id is not None:
+            query = query.where(shares.c.worker_id == worker_id)
+        return [_share_record(r) for r in self._exec(query)]
 
 
 # ----- rows into records (the only place that reads a row of these tables by column name) -----
 
-def _share_record(r: sqlite3.Row) -> ShareRecord:
+def _share_record(r: Row[Any]) -> ShareRecord:
+    m = r._mapping
     return ShareRecord(
-        job_id=r["job_id"], worker_id=r["worker_id"], status=ShareStatus(r["status"]), reason=r["reason"],
-        time=r["time"], histogram=tuple(json.loads(r["histogram_json"])), histogram_noised=bool(r["histogram_noised"]),
-        histogram_epsilon=r["histogram_epsilon"], feature_sum=tuple(json.loads(r["feature_sum_json"])),
-        feature_sq_sum=tuple(json.loads(r["feature_sq_sum_json"])), count=r["count"],
-        statistics_noised=bool(r["statistics_noised"]), statistics_epsilon=r["statistics_epsilon"],
-        statistics_delta=r["statistics_delta"], charged_epsilon=r["charged_epsilon"])
+        job_id=m["job_id"], worker_id=m["worker_id"], status=ShareStatus(m["status"]), reason=m["reason"],
+        time=m["time"], histogram=tuple(json.loads(m["histogram_json"])), histogram_noised=bool(m["histogram_noised"]),
+        histogram_epsilon=m["histogram_epsilon"], feature_sum=tuple(json.loads(m["feature_sum_json"])),
+        feature_sq_sum=tuple(json.loads(m["feature_sq_sum_json"])), count=m["count"],
+        statistics_noised=bool(m["statistics_noised"]), statistics_epsilon=m["statistics_epsilon"],
+        statistics_delta=m["statistics_delta"], charged_epsilon=m["charged_epsilon"])
 
 
-def _phase_record(r: sqlite3.Row) -> SharePhaseRecord:
+def _phase_record(r: Row[Any]) -> SharePhaseRecord:
+    m = r._mapping
     return SharePhaseRecord(
-        job_id=r["job_id"], open=r["status"] == "open", histogram=bool(r["histogram"]),
-        statistics=bool(r["statistics"]), lower=tuple(json.loads(r["lower_json"])),
-        upper=tuple(json.loads(r["upper_json"])), features=r["features"], classes=r["classes"],
-        started=r["started"], deadline=r["deadline"], finished=r["finished"], model_spec_json=r["model_spec_json"])
+        job_id=m["job_id"], open=m["status"] == "open", histogram=bool(m["histogram"]),
+        statistics=bool(m["statistics"]), lower=tuple(json.loads(m["lower_json"])),
+        upper=tuple(json.loads(m["upper_json"])), features=m["features"], classes=m["classes"],
+        started=m["started"], deadline=m["deadline"], finished=m["finished"], model_spec_json=m["model_spec_json"])
 
 
-def _new_cost(db: sqlite3.Connection, worker_id: str, answer: ShareAnswer) -> float:
+def _new_cost(conn: Connection, worker_id: str, answer: ShareAnswer) -> float:
     """The ε this answer newly costs its site: each noised release it holds, unless the site sent the very
     same release (values and ε) to an earlier job, which charged it then."""
+    shares = tables.shares
+    sent_before = select(1).where(shares.c.worker_id == worker_id, shares.c.status == ShareStatus.SHARED.value)
     cost = 0.0
-    if answer.histogram and answer.histogram_epsilon > 0 and not db.execute(
-            "SELECT 1 FROM shares WHERE worker_id = ? AND status = 'shared' AND histogram_json = ?"
-            " AND histogram_epsilon = ? LIMIT 1",
-            (worker_id, json.dumps([int(c) for c in answer.histogram]), answer.histogram_epsilon)).fetchone():
+    if answer.histogram and answer.histogram_epsilon > 0 and conn.execute(sent_before.where(
+            shares.c.histogram_json == _histogram_json(answer),
+            shares.c.histogram_epsilon == answer.histogram_epsilon).limit(1)).first() is None:
         cost += answer.histogram_epsilon
-    if answer.count and answer.statistics_epsilon > 0 and not db.execute(
-            "SELECT 1 FROM shares WHERE worker_id = ? AND status = 'shared' AND feature_sum_json = ?"
-            " AND feature_sq_sum_json = ? AND count = ? AND statistics_epsilon = ? LIMIT 1",
-            (worker_id, json.dumps([float(v) for v in answer.feature_sum]),
-             json.dumps([float(v) for v in answer.feature_sq_sum]), answer.count,
-             answer.statistics_epsilon)).fetchone():
+    if answer.count and answer.statistics_epsilon > 0 and conn.execute(sent_before.where(
+            shares.c.feature_sum_json == _floats_json(answer.feature_sum),
+            shares.c.feature_sq_sum_json == _floats_json(answer.feature_sq_sum), shares.c.count == answer.count,
+            shares.c.statistics_epsilon == answer.statistics_epsilon).limit(1)).first() is None:
         cost += answer.statistics_epsilon
     return cost
+
+
+def _histogram_json(answer: ShareAnswer) -> str:
+    return json.dumps([int(c) for c in answer.histogram])
+
+
+def _floats_json(values: Sequence[float]) -> str:
+    return json.dumps([float(v) for v in values])
 
 
 def _what_shared(answer: ShareAnswer, charged: float) -> str:

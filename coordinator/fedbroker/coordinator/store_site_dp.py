@@ -18,28 +18,22 @@ with the `site_dp` event `jobs show` reads ("site-level ε = …, δ = …").
 from __future__ import annotations
 
 import math
-import sqlite3
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from sqlalchemy import select
+from sqlalchemy.engine import Connection
+
+from fedbroker.coordinator import tables
 from fedbroker.coordinator.records import WorkerRecord
+from fedbroker.coordinator.store_dialect import upsert
 from fedbroker.coordinator.store_notes import StoreAccess, write_event
 from fedbroker.job.spec import JobSpec
 from fedbroker.privacy import epsilon_of, merge_steps
 
 SITE_DELTA = 1e-5  # δ of the site-level guarantee: far below 1/(sites) for any consortium under 10^5 sites
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS site_dp_rounds (
-    job_id TEXT NOT NULL, round INTEGER NOT NULL, asked INTEGER NOT NULL, registered INTEGER NOT NULL,
-    noise_multiplier REAL NOT NULL, time REAL NOT NULL, PRIMARY KEY (job_id, round)
-);
-CREATE TABLE IF NOT EXISTS site_dp_epsilon (
-    job_id TEXT PRIMARY KEY, epsilon REAL NOT NULL, delta REAL NOT NULL, rounds INTEGER NOT NULL, time REAL NOT NULL
-);
-"""
 
 
 @dataclass(frozen=True)
@@ -102,9 +96,9 @@ class SiteDPTables(StoreAccess):
 
     def _site_dp_tables(self) -> None:
         if not self._site_dp_tables_ready:
-            def create(db: sqlite3.Connection) -> None:
-                for statement in (s for s in SCHEMA.split(";") if s.strip()):
-                    db.execute(statement)
+            def create(conn: Connection) -> None:
+                for table in (tables.site_dp_rounds, tables.site_dp_epsilon):
+                    table.create(conn, checkfirst=True)
 
             self._write("create its site-DP tables", create)
             self._site_dp_tables_ready = True
@@ -114,18 +108,19 @@ class SiteDPTables(StoreAccess):
         """Record a site-DP round (idempotent per round) and the job's ε over all its rounds, in one transaction."""
         self._site_dp_tables()
         q = sample_rate(asked, registered)
+        rounds = tables.site_dp_rounds
 
-        def write(db: sqlite3.Connection) -> SiteEpsilon:
-            db.execute("INSERT OR REPLACE INTO site_dp_rounds (job_id, round, asked, registered, noise_multiplier, "
-                       "time) VALUES (?, ?, ?, ?, ?, ?)",
-                       (job_id, round_number, asked, registered, float(noise_multiplier), time.time()))
-            rows = db.execute("SELECT asked, registered, noise_multiplier FROM site_dp_rounds WHERE job_id = ?"
-                              " ORDER BY round", (job_id,)).fetchall()
+        def write(conn: Connection) -> SiteEpsilon:
+            upsert(conn, rounds, {"job_id": job_id, "round": round_number, "asked": asked, "registered": registered,
+                                  "noise_multiplier": float(noise_multiplier), "time": time.time()},
+                   keys=("job_id", "round"))
+            rows = conn.execute(select(rounds.c.asked, rounds.c.registered, rounds.c.noise_multiplier)
+                                .where(rounds.c.job_id == job_id).order_by(rounds.c.round)).all()
             history = [(float(z), sample_rate(int(a), int(r))) for a, r, z in rows]
             got = SiteEpsilon(job_id, site_level_epsilon(history), SITE_DELTA, len(history))
-            db.execute("INSERT OR REPLACE INTO site_dp_epsilon (job_id, epsilon, delta, rounds, time)"
-                       " VALUES (?, ?, ?, ?, ?)", (job_id, got.epsilon, got.delta, got.rounds, time.time()))
-            write_event(db, job_id, "site_dp", round_number=round_number,
+            upsert(conn, tables.site_dp_epsilon, {"job_id": job_id, "epsilon": got.epsilon, "delta": got.delta,
+                                                  "rounds": got.rounds, "time": time.time()}, keys=("job_id",))
+            write_event(conn, job_id, "site_dp", round_number=round_number,
                         message=f"{got.describe()} (this round: noise multiplier {noise_multiplier:g}, "
                                 f"q = {asked}/{max(registered, asked)} = {q:.4g})")
             return got
@@ -135,15 +130,17 @@ class SiteDPTables(StoreAccess):
     def site_dp_epsilon(self, job_id: str) -> SiteEpsilon | None:
         """The job's site-level guarantee so far; None for a job without site-level DP (or before its first round)."""
         self._site_dp_tables()
-        rows = self._exec("SELECT epsilon, delta, rounds FROM site_dp_epsilon WHERE job_id = ?", (job_id,))
+        e = tables.site_dp_epsilon
+        rows = self._exec(select(e.c.epsilon, e.c.delta, e.c.rounds).where(e.c.job_id == job_id))
         if not rows:
             return None
-        (epsilon, delta, rounds), = rows
-        return SiteEpsilon(job_id, float(epsilon), float(delta), int(rounds))
+        got = rows[0]
+        return SiteEpsilon(job_id, float(got.epsilon), float(got.delta), int(got.rounds))
 
     def site_dp_rounds(self, job_id: str) -> list[tuple[int, int, int, float]]:
         """The job's recorded rounds: (round, asked, registered, noise multiplier), in order."""
         self._site_dp_tables()
-        rows = self._exec("SELECT round, asked, registered, noise_multiplier FROM site_dp_rounds WHERE job_id = ?"
-                          " ORDER BY round", (job_id,))
-        return [(int(n), int(a), int(r), float(z)) for n, a, r, z in rows]
+        r = tables.site_dp_rounds
+        rows = self._exec(select(r.c.round, r.c.asked, r.c.registered, r.c.noise_multiplier)
+                          .where(r.c.job_id == job_id).order_by(r.c.round))
+        return [(int(row.round), int(row.asked), int(row.registered), float(row.noise_multiplier)) for row in rows]

@@ -9,17 +9,22 @@ Everything here is written for sites that registered (a row in `workers`), and e
 row are one row with a count, so a repeated refusal (or a flood of forged messages naming the site) does not
 push the rest of its history out.
 
-Its tables are created on first use. As in store.py, every write is one transaction and no SQLite row leaves the
-store: reads return records.
+Its tables are created on first use. As in store.py, every write is one transaction and no database row leaves
+the store: reads return records.
 """
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from collections.abc import Sequence
+from typing import Any
 
+from sqlalchemy import Row, Table, delete, func, insert, select, update
+from sqlalchemy.engine import Connection
+
+from fedbroker.coordinator import tables
 from fedbroker.coordinator.records import SiteEvent, SiteInfo, SiteLogRecord
+from fedbroker.coordinator.store_dialect import insert_ignoring
 from fedbroker.coordinator.store_notes import StoreAccess
 from fedbroker.printable import printable
 
@@ -61,7 +66,11 @@ class SiteTables(StoreAccess):
 
     def _site_tables(self) -> None:
         if not self._site_tables_ready:
-            self._write("create its site tables", lambda db: [db.execute(s) for s in SCHEMA.split(";") if s.strip()])
+            def create(conn: Connection) -> None:
+                for table in (tables.site_info, tables.site_events, tables.site_logs):
+                    table.create(conn, checkfirst=True)
+
+            self._write("create its site tables", create)
             self._site_tables_ready = True
 
     def note_registration(self, worker_id: str, *, software_version: str, started: float, broker_user: str,
@@ -73,46 +82,49 @@ class SiteTables(StoreAccess):
         version = printable(software_version, limit=MAX_VERSION_CHARS)
         user = printable(broker_user, limit=MAX_USER_CHARS)
         now = time.time()
+        info = tables.site_info
 
-        def write(db: sqlite3.Connection) -> None:
-            row = db.execute("SELECT silent, software_version, started, broker_user FROM site_info WHERE worker_id = ?",
-                             (worker_id,)).fetchone()
+        def write(conn: Connection) -> None:
+            row = conn.execute(select(info.c.silent, info.c.software_version, info.c.started, info.c.broker_user)
+                               .where(info.c.worker_id == worker_id)).first()
             if row is None:
-                db.execute("INSERT INTO site_info (worker_id, software_version, first_registered, started, broker_user)"
-                           " VALUES (?, ?, ?, ?, ?)", (worker_id, version, now, started, user))
-                _site_event(db, worker_id, "registered", summary + (f"; fedbroker {version}" if version else ""), now)
+                conn.execute(insert(info).values(worker_id=worker_id, software_version=version, first_registered=now,
+                                                 started=started, broker_user=user))
+                _site_event(conn, worker_id, "registered", summary + (f"; fedbroker {version}" if version else ""), now)
                 return
             silent, was_version, was_started, was_user = row
             if silent:  # when it was last heard before its silence
-                _site_event(db, worker_id, "returned", f"registered again after {now - silent:.0f}s of silence", now)
+                _site_event(conn, worker_id, "returned", f"registered again after {now - silent:.0f}s of silence", now)
             said = list(changes)
             if version and was_version and version != was_version:
                 said.insert(0, f"fedbroker {was_version} → {version}")
             restarted = bool(started and was_started and abs(started - was_started) > 1e-3)
             if restarted:
-                _site_event(db, worker_id, "restarted", "a new worker process registered"
+                _site_event(conn, worker_id, "restarted", "a new worker process registered"
                             + (f" ({'; '.join(said)})" if said else ""), now)
             elif said:
-                _site_event(db, worker_id, "re-registered", "; ".join(said), now)
-            db.execute("UPDATE site_info SET software_version = ?, started = ?, broker_user = ?, silent = 0,"
-                       " restarts = restarts + ? WHERE worker_id = ?",
-                       (version or was_version, started or was_started, user or was_user, int(restarted), worker_id))
+                _site_event(conn, worker_id, "re-registered", "; ".join(said), now)
+            conn.execute(update(info).where(info.c.worker_id == worker_id).values(
+                software_version=version or was_version, started=started or was_started, broker_user=user or was_user,
+                silent=0, restarts=info.c.restarts + int(restarted)))
 
         self._write(f"record the registration of site {worker_id!r}", write)
 
     def note_heard(self, worker_id: str) -> bool:
         """A heartbeat from a site: a silent one is `returned` (True); else nothing is written."""
         self._site_tables()
-        if not any(silent for (silent,) in self._exec("SELECT silent FROM site_info WHERE worker_id = ?", (worker_id,))):
+        info = tables.site_info
+        silence = select(info.c.silent).where(info.c.worker_id == worker_id)
+        if not any(row.silent for row in self._exec(silence)):
             return False
         now = time.time()
 
-        def write(db: sqlite3.Connection) -> bool:
-            (silent,) = db.execute("SELECT silent FROM site_info WHERE worker_id = ?", (worker_id,)).fetchone() or (0,)
+        def write(conn: Connection) -> bool:
+            silent = conn.execute(silence).scalar() or 0
             if not silent:
                 return False
-            db.execute("UPDATE site_info SET silent = 0 WHERE worker_id = ?", (worker_id,))
-            _site_event(db, worker_id, "returned", f"heartbeats again after {now - silent:.0f}s of silence", now)
+            conn.execute(update(info).where(info.c.worker_id == worker_id).values(silent=0))
+            _site_event(conn, worker_id, "returned", f"heartbeats again after {now - silent:.0f}s of silence", now)
             return True
 
         return self._write(f"record that site {worker_id!r} is heard again", write)
@@ -122,17 +134,19 @@ class SiteTables(StoreAccess):
         it is heard again); the ids marked now."""
         self._site_tables()
         now = time.time()
+        w, info = tables.workers, tables.site_info
 
-        def write(db: sqlite3.Connection) -> list[str]:
-            rows = db.execute("SELECT w.worker_id, w.last_seen FROM workers w LEFT JOIN site_info s ON"
-                              " s.worker_id = w.worker_id WHERE w.last_seen < ? AND COALESCE(s.silent, 0) = 0"
-                              " ORDER BY w.worker_id", (now - timeout_s,)).fetchall()
+        def write(conn: Connection) -> list[str]:
+            rows = conn.execute(select(w.c.worker_id, w.c.last_seen)
+                                .select_from(w.outerjoin(info, info.c.worker_id == w.c.worker_id))
+                                .where(w.c.last_seen < now - timeout_s, func.coalesce(info.c.silent, 0) == 0)
+                                .order_by(w.c.worker_id)).all()
             for site, last_seen in rows:
-                _ensure_site(db, site, now)
-                db.execute("UPDATE site_info SET silent = ? WHERE worker_id = ?",  # when it was last heard
-                           (max(float(last_seen), 1.0), site))
-                _site_event(db, site, "expired", f"no heartbeat for {now - last_seen:.0f}s "
-                                                 f"(coordinator.heartbeat_timeout_s is {timeout_s:g})", now)
+                _ensure_site(conn, site, now)
+                conn.execute(update(info).where(info.c.worker_id == site).values(  # when it was last heard
+                    silent=max(float(last_seen), 1.0)))
+                _site_event(conn, site, "expired", f"no heartbeat for {now - last_seen:.0f}s "
+                                                   f"(coordinator.heartbeat_timeout_s is {timeout_s:g})", now)
             return [str(site) for site, _ in rows]
 
         return self._write("record the sites whose heartbeats stopped", write)
@@ -143,14 +157,13 @@ class SiteTables(StoreAccess):
         self._site_tables()
         now = time.time()
 
-        def write(db: sqlite3.Connection) -> bool:
-            if db.execute("SELECT 1 FROM workers WHERE worker_id = ?", (worker_id,)).fetchone() is None:
+        def write(conn: Connection) -> bool:
+            if not _registered(conn, worker_id):
                 return False
-            _ensure_site(db, worker_id, now)
-            text = _site_event(db, worker_id, kind, message, now)
+            _ensure_site(conn, worker_id, now)
+            text = _site_event(conn, worker_id, kind, message, now)
             if error:
-                db.execute("UPDATE site_info SET last_error = ?, last_error_time = ? WHERE worker_id = ?",
-                           (f"{kind}: {text}", now, worker_id))
+                _last_error(conn, worker_id, f"{kind}: {text}", now)
             return True
 
         return self._write(f"record a {kind} event of site {worker_id!r}", write)
@@ -162,84 +175,99 @@ class SiteTables(StoreAccess):
         self._site_tables()
         now = time.time()
         text, name = printable(message, limit=MAX_LOG_CHARS), printable(logger, limit=MAX_LOGGER_CHARS)
+        info = tables.site_info
 
-        def write(db: sqlite3.Connection) -> int | None:
-            if db.execute("SELECT 1 FROM workers WHERE worker_id = ?", (worker_id,)).fetchone() is None:
+        def write(conn: Connection) -> int | None:
+            if not _registered(conn, worker_id):
                 return None
-            _ensure_site(db, worker_id, now)
-            seq = db.execute(
-                "INSERT INTO site_logs (worker_id, received, site_time, level, logger, message, sender, claimed,"
-                " dropped_before) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (worker_id, now, site_time, level, name, text, printable(sender, limit=MAX_USER_CHARS),
-                 printable(claimed, limit=MAX_USER_CHARS), max(0, dropped_before))).lastrowid
-            _prune(db, "site_logs", worker_id, KEEP_LOGS)
-            db.execute("UPDATE site_info SET log_records = log_records + 1 WHERE worker_id = ?", (worker_id,))
+            _ensure_site(conn, worker_id, now)
+            key = conn.execute(insert(tables.site_logs).values(
+                worker_id=worker_id, received=now, site_time=site_time, level=level, logger=name, message=text,
+                sender=printable(sender, limit=MAX_USER_CHARS), claimed=printable(claimed, limit=MAX_USER_CHARS),
+                dropped_before=max(0, dropped_before))).inserted_primary_key
+            _prune(conn, tables.site_logs, worker_id, KEEP_LOGS)
+            conn.execute(update(info).where(info.c.worker_id == worker_id).values(log_records=info.c.log_records + 1))
             if level in ERROR_LEVELS:
-                db.execute("UPDATE site_info SET last_error = ?, last_error_time = ? WHERE worker_id = ?",
-                           (f"{name}: {text}", now, worker_id))
-            return int(seq or 0)
+                _last_error(conn, worker_id, f"{name}: {text}", now)
+            return int(key[0]) if key else 0
 
         return self._write(f"record a log record of site {worker_id!r}", write)
 
     def site_infos(self) -> dict[str, SiteInfo]:
         """Every site's info row, by worker id (a site registered before these tables has none until it is heard)."""
         self._site_tables()
-        return {info.worker_id: info for info in map(_site_info, self._exec("SELECT * FROM site_info"))}
+        return {info.worker_id: info for info in map(_site_info, self._exec(select(tables.site_info)))}
 
     def site_events(self, worker_id: str) -> list[SiteEvent]:
         """The site's kept events, oldest first."""
         self._site_tables()
-        rows = self._exec("SELECT * FROM site_events WHERE worker_id = ? ORDER BY seq", (worker_id,))
+        events = tables.site_events
+        rows = self._exec(select(events).where(events.c.worker_id == worker_id).order_by(events.c.seq))
         return [_site_event_record(r) for r in rows]
 
     def site_logs(self, worker_id: str, *, after: int = 0, limit: int = 200) -> list[SiteLogRecord]:
         """The site's newest `limit` kept log records with a seq above `after`, oldest first."""
         self._site_tables()
-        rows = self._exec("SELECT * FROM (SELECT * FROM site_logs WHERE worker_id = ? AND seq > ? ORDER BY seq DESC"
-                          " LIMIT ?) ORDER BY seq", (worker_id, after, max(1, min(limit, MAX_LOGS_READ))))
-        return [_site_log_record(r) for r in rows]
+        logs = tables.site_logs
+        newest = self._exec(select(logs).where(logs.c.worker_id == worker_id, logs.c.seq > after)
+                            .order_by(logs.c.seq.desc()).limit(max(1, min(limit, MAX_LOGS_READ))))
+        return [_site_log_record(r) for r in reversed(newest)]
 
 
 # ----- rows into records (the only place that reads a row of these tables by column name) -----
 
-def _site_event_record(r: sqlite3.Row) -> SiteEvent:
-    return SiteEvent(seq=r["seq"], worker_id=r["worker_id"], time=r["time"], kind=r["kind"], message=r["message"],
-                     count=r["count"], first_time=r["first_time"])
+def _site_event_record(r: Row[Any]) -> SiteEvent:
+    m = r._mapping
+    return SiteEvent(seq=m["seq"], worker_id=m["worker_id"], time=m["time"], kind=m["kind"], message=m["message"],
+                     count=m["count"], first_time=m["first_time"])
 
 
-def _site_log_record(r: sqlite3.Row) -> SiteLogRecord:
-    return SiteLogRecord(seq=r["seq"], worker_id=r["worker_id"], received=r["received"], site_time=r["site_time"],
-                         level=r["level"], logger=r["logger"], message=r["message"], sender=r["sender"],
-                         claimed=r["claimed"], dropped_before=r["dropped_before"])
+def _site_log_record(r: Row[Any]) -> SiteLogRecord:
+    m = r._mapping
+    return SiteLogRecord(seq=m["seq"], worker_id=m["worker_id"], received=m["received"], site_time=m["site_time"],
+                         level=m["level"], logger=m["logger"], message=m["message"], sender=m["sender"],
+                         claimed=m["claimed"], dropped_before=m["dropped_before"])
 
 
-def _site_info(r: sqlite3.Row) -> SiteInfo:
-    return SiteInfo(worker_id=r["worker_id"], software_version=r["software_version"],
-                    first_registered=r["first_registered"], started=r["started"], restarts=r["restarts"],
-                    broker_user=r["broker_user"], silent=bool(r["silent"]), last_error=r["last_error"],
-                    last_error_time=r["last_error_time"], log_records=r["log_records"])
+def _site_info(r: Row[Any]) -> SiteInfo:
+    m = r._mapping
+    return SiteInfo(worker_id=m["worker_id"], software_version=m["software_version"],
+                    first_registered=m["first_registered"], started=m["started"], restarts=m["restarts"],
+                    broker_user=m["broker_user"], silent=bool(m["silent"]), last_error=m["last_error"],
+                    last_error_time=m["last_error_time"], log_records=m["log_records"])
 
 
-def _ensure_site(db: sqlite3.Connection, worker_id: str, now: float) -> None:
+def _registered(conn: Connection, worker_id: str) -> bool:
+    w = tables.workers
+    return conn.execute(select(1).where(w.c.worker_id == worker_id)).first() is not None
+
+
+def _ensure_site(conn: Connection, worker_id: str, now: float) -> None:
     """A site registered before these tables existed gets its row when first written about."""
-    db.execute("INSERT OR IGNORE INTO site_info (worker_id, first_registered) VALUES (?, ?)", (worker_id, now))
+    insert_ignoring(conn, tables.site_info, {"worker_id": worker_id, "first_registered": now}, keys=("worker_id",))
 
 
-def _site_event(db: sqlite3.Connection, worker_id: str, kind: str, message: str, now: float) -> str:
+def _last_error(conn: Connection, worker_id: str, text: str, now: float) -> None:
+    info = tables.site_info
+    conn.execute(update(info).where(info.c.worker_id == worker_id).values(last_error=text, last_error_time=now))
+
+
+def _site_event(conn: Connection, worker_id: str, kind: str, message: str, now: float) -> str:
     """Append (or count again, when it repeats the newest) an event, keep the newest KEEP_EVENTS; the text kept."""
     text = printable(message, limit=MAX_EVENT_CHARS)
-    last = db.execute("SELECT seq, kind, message FROM site_events WHERE worker_id = ? ORDER BY seq DESC LIMIT 1",
-                      (worker_id,)).fetchone()
-    if last is not None and tuple(last)[1:] == (kind, text):
-        db.execute("UPDATE site_events SET count = count + 1, time = ? WHERE seq = ?", (now, last[0]))
+    events = tables.site_events
+    last = conn.execute(select(events.c.seq, events.c.kind, events.c.message).where(events.c.worker_id == worker_id)
+                        .order_by(events.c.seq.desc()).limit(1)).first()
+    if last is not None and (last.kind, last.message) == (kind, text):
+        conn.execute(update(events).where(events.c.seq == last.seq).values(count=events.c.count + 1, time=now))
         return text
-    db.execute("INSERT INTO site_events (worker_id, time, kind, message, first_time) VALUES (?, ?, ?, ?, ?)",
-               (worker_id, now, kind, text, now))
-    _prune(db, "site_events", worker_id, KEEP_EVENTS)
+    conn.execute(insert(events).values(worker_id=worker_id, time=now, kind=kind, message=text, first_time=now))
+    _prune(conn, events, worker_id, KEEP_EVENTS)
     return text
 
 
-def _prune(db: sqlite3.Connection, table: str, worker_id: str, keep: int) -> None:
-    """Delete the site's rows of `table` (a constant of this module) older than its newest `keep`."""
-    db.execute(f"DELETE FROM {table} WHERE worker_id = ? AND seq <= (SELECT seq FROM {table} WHERE worker_id = ?"
-               f" ORDER BY seq DESC LIMIT 1 OFFSET ?)", (worker_id, worker_id, keep))
+def _prune(conn: Connection, table: Table, worker_id: str, keep: int) -> None:
+    """Delete the site's rows of `table` (site_events or site_logs) older than its newest `keep`."""
+    oldest_kept = (select(table.c.seq).where(table.c.worker_id == worker_id).order_by(table.c.seq.desc())
+                   .limit(1).offset(keep).scalar_subquery())
+    conn.execute(delete(table).where(table.c.worker_id == worker_id, table.c.seq <= oldest_kept))
