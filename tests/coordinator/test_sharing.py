@@ -1,6 +1,7 @@
 """The coordinator's share phase before round 1 (coordinator/sharing.py), driven by hand-made sites on the in-process
 bus against a real aggregation service: who is asked for what, what a job goes on with, which replies are refused,
-and that what a site shared never raises the ε the coordinator records for it above the site's own ledger."""
+and that what a site shared never raises the ε the coordinator records for it above the site's own ledger. The
+tests of the share tables themselves run on SQLite and on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from fedbroker.coordinator.checkpoints import load_checkpoint
 from fedbroker.coordinator.scheduler import Coordinator
 from fedbroker.coordinator.sharing import MIN_STD_FRACTION, receive_reply, standardized
 from fedbroker.coordinator.store import StateStore
-from fedbroker.coordinator.store_shares import SharePhaseRecord, ShareRecord, ShareStatus
+from fedbroker.coordinator.store_shares import ShareAnswer, SharePhaseRecord, ShareRecord, ShareStatus
 from fedbroker.job.spec import parse_job, parse_model
 from fedbroker.job.status import JobStatus
 from fedbroker.label_stats import reported_ish
@@ -237,10 +238,8 @@ class Delivery:
         self.outcome = "requeue" if requeue else "dead"
 
 
-@pytest.fixture
-def phase(tmp_path: Path) -> Iterator[tuple[Coordinator, StateStore]]:
+def running_phase(store: StateStore, tmp_path: Path) -> Coordinator:
     """A running job in its share phase, asking sites a and b (not c) for feature statistics over 3 features."""
-    store = StateStore(str(tmp_path / "c.sqlite"))
     for worker_id in ("a", "b", "c"):
         store.upsert_worker(worker_id=worker_id, categories=["c"], histogram=(), dp=DP, epsilon_spent=1.0,
                             device="cpu", num_samples=100, input_shape=[3], num_classes=2)
@@ -248,11 +247,23 @@ def phase(tmp_path: Path) -> Iterator[tuple[Coordinator, StateStore]]:
     assert store.set_job_status("j-1", JobStatus.RUNNING)
     store.open_share_phase("j-1", histogram=False, statistics=True, lower=[0.0] * 3, upper=[1.0] * 3, features=3,
                            classes=2, deadline=time.time() + 600, asked=["a", "b"], not_asked={"c": "its budget"})
-    coordinator = Coordinator(bus=InProcessBus(namespace=f"r-{uuid.uuid4().hex[:6]}"), store=store,
-                              aggregator=AggregatorClient("127.0.0.1:1"), aggregator_target="127.0.0.1:1",
-                              checkpoint_dir=str(tmp_path / "ck"), worker_broker_users={"a": ["a"], "b": ["b"], "c": ["c"]})
-    yield coordinator, store
+    return Coordinator(bus=InProcessBus(namespace=f"r-{uuid.uuid4().hex[:6]}"), store=store,
+                       aggregator=AggregatorClient("127.0.0.1:1"), aggregator_target="127.0.0.1:1",
+                       checkpoint_dir=str(tmp_path / "ck"), worker_broker_users={"a": ["a"], "b": ["b"], "c": ["c"]})
+
+
+@pytest.fixture
+def phase(tmp_path: Path) -> Iterator[tuple[Coordinator, StateStore]]:
+    """`running_phase` on a SQLite store."""
+    store = StateStore(str(tmp_path / "c.sqlite"))
+    yield running_phase(store, tmp_path), store
     store.close()
+
+
+@pytest.fixture
+def any_phase(any_store: StateStore, tmp_path: Path) -> tuple[Coordinator, StateStore]:
+    """`running_phase` on each engine the store runs on (SQLite, PostgreSQL)."""
+    return running_phase(any_store, tmp_path), any_store
 
 
 def statistics(worker_id: str, **fields: Any) -> pb.ShareReply:
@@ -338,9 +349,9 @@ def test_statistics_no_rows_could_give_are_excluded_and_named_and_the_site_not_s
     assert not unselectable["b"]
 
 
-def test_a_reply_is_taken_once_and_not_after_the_deadline(phase: tuple[Coordinator, StateStore],
-                                                           caplog: pytest.LogCaptureFixture) -> None:
-    coordinator, store = phase
+def test_a_reply_is_taken_once_and_not_after_the_deadline(any_phase: tuple[Coordinator, StateStore],
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    coordinator, store = any_phase
     assert send(coordinator, statistics("a")) == "ack"
     (a,) = [s for s in store.shares("j-1") if s.worker_id == "a"]
     assert (a.status, a.count, a.feature_sum, a.charged_epsilon) == (ShareStatus.SHARED, 50, (10.0, 20.0, 30.0), 0.5)
@@ -353,8 +364,8 @@ def test_a_reply_is_taken_once_and_not_after_the_deadline(phase: tuple[Coordinat
 
 
 def test_a_release_never_raises_the_sites_record_nor_does_its_heartbeat(
-        phase: tuple[Coordinator, StateStore]) -> None:
-    coordinator, store = phase
+        any_phase: tuple[Coordinator, StateStore]) -> None:
+    coordinator, store = any_phase
     assert send(coordinator, statistics("a")) == "ack"  # ε 0.5, drawn for this job
     assert store.recorded_epsilon("a") == 1.0  # not 1.5: the record is what the coordinator priced
     for claim in (1.5, 9.0):  # the ledger's total with the release, then a forged one: advisory, never stored
@@ -363,12 +374,54 @@ def test_a_release_never_raises_the_sites_record_nor_does_its_heartbeat(
         assert store.recorded_epsilon("a") == 1.0
 
 
-def test_receive_reply_is_the_one_door(phase: tuple[Coordinator, StateStore]) -> None:
-    _, store = phase
+def test_receive_reply_is_the_one_door(any_phase: tuple[Coordinator, StateStore]) -> None:
+    _, store = any_phase
     receive_reply(store, statistics("b", statistics_noised=False, statistics_epsilon=0.0, statistics_delta=0.0,
                                     feature_sq_sum=[5.0, 10.0, 15.0], feature_sum=[10.0, 20.0, 30.0]))
     (b,) = [s for s in store.shares("j-1") if s.worker_id == "b"]
     assert (b.statistics_noised, b.charged_epsilon) == (False, 0.0)
+
+
+def histogram_answer(counts: list[int], epsilon: float = 1.0) -> ShareAnswer:
+    return ShareAnswer(refused=False, reason="", histogram=counts, histogram_noised=True, histogram_epsilon=epsilon,
+                       feature_sum=(), feature_sq_sum=(), count=0, statistics_noised=False, statistics_epsilon=0.0,
+                       statistics_delta=0.0)
+
+
+def test_a_release_re_sent_to_a_second_job_is_charged_once_and_a_late_site_is_noted_once(
+        any_store: StateStore) -> None:
+    """The share tables by themselves, on each engine: the ε a reply newly costs, a phase opened again starting
+    afresh, its close (silent sites, the agreed model), and a site met after it noted once."""
+    store = any_store
+    for worker_id in ("a", "b", "c"):
+        store.upsert_worker(worker_id=worker_id, categories=["c"], histogram=(), dp=DP, epsilon_spent=0.0,
+                            device="cpu", num_samples=100, input_shape=[3], num_classes=2)
+    for job_id in ("j-1", "j-2"):
+        store.add_job(job_id, job_id, "{}", 2, "{}")
+        assert store.set_job_status(job_id, JobStatus.RUNNING)
+        store.open_share_phase(job_id, histogram=True, statistics=False, lower=[], upper=[], features=3, classes=2,
+                               deadline=time.time() + 600, asked=["a", "b"], not_asked={})
+    assert store.record_share("j-1", "a", histogram_answer([3, 4]), lambda phase: []) == []
+    store.close_share_phase("j-1", model_spec_json='{"agreed": 1}', events=[("standardised", "", "by a")])
+    assert store.job("j-1").model_spec_json == '{"agreed": 1}'  # type: ignore[union-attr]
+    assert [(r.worker_id, r.status) for r in store.shares("j-1")] == [("a", "shared"), ("b", "silent")]
+    assert store.record_share("j-1", "b", histogram_answer([1, 1]), lambda phase: []) == [
+        "job 'j-1' is not in its share phase"]
+    assert store.record_share("j-2", "a", histogram_answer([3, 4]), lambda phase: []) == []  # the same release
+    assert store.record_share("j-2", "b", histogram_answer([5, 6], 0.5), lambda phase: []) == []
+    assert {(r.job_id, r.worker_id): r.charged_epsilon for r in store.shares(worker_id="a")} == {
+        ("j-1", "a"): 1.0, ("j-2", "a"): 0.0}
+    assert [r.charged_epsilon for r in store.shares("j-2", worker_id="b")] == [0.5]
+    store.open_share_phase("j-1", histogram=True, statistics=False, lower=[], upper=[], features=3, classes=2,
+                           deadline=time.time() + 600, asked=["b"], not_asked={"a": "answered"})  # asked again
+    reopened = store.share_phase("j-1")
+    assert reopened is not None and reopened.open and reopened.finished is None and reopened.model_spec_json == ""
+    assert [(r.worker_id, r.status) for r in store.shares("j-1")] == [("a", "not_asked"), ("b", "asked")]
+    store.note_not_shared("j-2", ["c"], "registered after the share phase")
+    store.note_not_shared("j-2", ["c", "a"], "registered after the share phase")  # c again, a had answered
+    assert [(r.worker_id, r.status) for r in store.shares("j-2")] == [("a", "shared"), ("b", "shared"),
+                                                                      ("c", "not_asked")]
+    assert [e.worker_id for e in store.events("j-2") if e.kind == "not_shared"] == ["c"]
 
 
 def test_a_coordinator_stopped_in_the_share_phase_resumes_it_asking_again_who_did_not_answer(

@@ -1,6 +1,6 @@
 """The coordinator's site-level accounting (privacy.site; store_site_dp): per round the sampled Gaussian at
 q = sites asked / sites registered, composed over rounds; recorded per job, idempotent per round, kept across a
-restart, and shown by `fedbroker jobs show` as "site-level ε = …, δ = …"."""
+restart, and shown by `fedbroker jobs show` as "site-level ε = …, δ = …". On SQLite and on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import argparse
 import functools
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -57,16 +56,15 @@ class FakeClient:
 
 
 def test_the_recorded_site_level_epsilon_is_the_composed_sampled_gaussian_and_jobs_show_says_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    path = str(tmp_path / "coordinator.sqlite")
-    store = StateStore(path)
+        store_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    store = StateStore.from_url(store_url)
     rounds = [(1.1, 3, 10), (1.1, 3, 10), (1.1, 5, 10), (1.1, 10, 10)]  # the last asks every site: q = 1
     for number, (z, asked, registered) in enumerate(rounds, start=1):
         got = store.record_site_dp_round("j", number, asked=asked, registered=registered, noise_multiplier=z)
         assert got.epsilon == pytest.approx(recomputed(rounds[:number], SITE_DELTA), rel=1e-9)
     store.record_site_dp_round("j", 4, asked=10, registered=10, noise_multiplier=1.1)  # a resumed close: again
     store.close()
-    again = StateStore(path)  # a restarted coordinator reads what it recorded
+    again = StateStore.from_url(store_url)  # a restarted coordinator reads what it recorded
     kept = again.site_dp_epsilon("j")
     assert kept is not None and kept.rounds == 4 and kept.delta == SITE_DELTA
     assert kept.epsilon == pytest.approx(recomputed(rounds, SITE_DELTA), rel=1e-9)
@@ -82,8 +80,8 @@ def test_the_recorded_site_level_epsilon_is_the_composed_sampled_gaussian_and_jo
     again.close()
 
 
-def test_a_closed_round_is_accounted_at_q_asked_over_the_categorys_registered_sites(tmp_path: Path) -> None:
-    store = StateStore(str(tmp_path / "coordinator.sqlite"))
+def test_a_closed_round_is_accounted_at_q_asked_over_the_categorys_registered_sites(any_store: StateStore) -> None:
+    store = any_store
     for worker, category in (("a", "c"), ("b", "c"), ("d", "c"), ("e", "c"), ("x", "other")):
         store.upsert_worker(worker_id=worker, categories=[category], histogram=[], dp=DPPolicy(), epsilon_spent=0.0,
                             device="cpu", num_samples=10)
@@ -95,4 +93,3 @@ def test_a_closed_round_is_accounted_at_q_asked_over_the_categorys_registered_si
     assert got is not None and got.epsilon == pytest.approx(recomputed([(1.5, 2, 4)], SITE_DELTA), rel=1e-9)
     assert account_round(store, "k", parse_job(raw), round_number=1, participants=["a"]) is None
     assert store.site_dp_rounds("k") == [] and not [e for e in store.events("k") if e.kind == "site_dp"]
-    store.close()

@@ -1,6 +1,6 @@
 """The operator's view of the sites, without a network: each site's bounded history and forwarded logs in the state
 store, the control handler writing them (a forged log is filed under its real sender), the rate limit, the silent
-sites, and the gRPC replies."""
+sites, and the gRPC replies. The store's own tests run on SQLite and on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import update
 
 from fedbroker.bus import Delivery, InProcessBus, envelope
 from fedbroker.config import DPPolicy
-from fedbroker.coordinator import metrics
+from fedbroker.coordinator import metrics, tables
 from fedbroker.coordinator.control import SenderBinding
 from fedbroker.coordinator.control_handler import ControlHandler
 from fedbroker.coordinator.events import JobWatcher
@@ -38,17 +39,19 @@ def register(store: StateStore, worker_id: str, *, last_seen_ago: float = 0.0) -
     store.upsert_worker(worker_id=worker_id, categories=["digits"], histogram=(), dp=DP, epsilon_spent=0.5,
                         device="cpu", num_samples=100, input_shape=[1, 8, 8], num_classes=10)
     if last_seen_ago:
-        store._run("age it", "UPDATE workers SET last_seen = last_seen - ? WHERE worker_id = ?",
-                   (last_seen_ago, worker_id))
+        workers = tables.workers
+        store._run("age it", update(workers).where(workers.c.worker_id == worker_id).values(
+            last_seen=workers.c.last_seen - last_seen_ago))
 
 
 def kinds(store: StateStore, worker_id: str) -> list[str]:
     return [e.kind for e in store.site_events(worker_id)]
 
 
-# ----- the store -----------------------------------------------------------------------------------------------
+# ----- the store (on SQLite and on PostgreSQL: `any_store`) -------------------------------------------------------
 
-def test_a_sites_registrations_are_one_event_each_only_when_something_changed(store: StateStore) -> None:
+def test_a_sites_registrations_are_one_event_each_only_when_something_changed(any_store: StateStore) -> None:
+    store = any_store
     register(store, "a")
     store.note_registration("a", software_version="0.1.0", started=100.0, broker_user="site-a", summary="holds x")
     store.note_registration("a", software_version="0.1.0", started=100.0, broker_user="site-a", summary="holds x")
@@ -62,7 +65,8 @@ def test_a_sites_registrations_are_one_event_each_only_when_something_changed(st
     assert (info.software_version, info.restarts, info.broker_user) == ("0.2.0", 1, "site-a")
 
 
-def test_a_silent_site_expires_once_and_returns_when_heard(store: StateStore) -> None:
+def test_a_silent_site_expires_once_and_returns_when_heard(any_store: StateStore) -> None:
+    store = any_store
     register(store, "quiet", last_seen_ago=300.0)
     register(store, "loud")
     store.note_registration("quiet", software_version="", started=1.0, broker_user="", summary="s")
@@ -78,7 +82,8 @@ def test_a_silent_site_expires_once_and_returns_when_heard(store: StateStore) ->
     assert re.search(r"heartbeats again after 30\ds of silence", returned.message), returned.message
 
 
-def test_a_sites_history_is_bounded_and_repeats_are_counted_not_stored_again(store: StateStore) -> None:
+def test_a_sites_history_is_bounded_and_repeats_are_counted_not_stored_again(any_store: StateStore) -> None:
+    store = any_store
     register(store, "a")
     for _ in range(50):
         assert store.note_site_event("a", "refused", "round 1 of job j: over budget")
@@ -90,14 +95,16 @@ def test_a_sites_history_is_bounded_and_repeats_are_counted_not_stored_again(sto
     assert len(events) == KEEP_EVENTS and events[-1].message == f"round {KEEP_EVENTS + 29} of job j"
 
 
-def test_nothing_is_written_for_a_site_that_never_registered(store: StateStore) -> None:
+def test_nothing_is_written_for_a_site_that_never_registered(any_store: StateStore) -> None:
+    store = any_store
     assert store.note_site_event("ghost", "refused", "x") is False
     assert store.add_site_log("ghost", sender="u", claimed="", site_time=0, level="ERROR", logger="l",
                               message="m", dropped_before=0) is None
     assert store.site_events("ghost") == [] and store.site_logs("ghost") == [] and store.site_infos() == {}
 
 
-def test_a_sites_logs_are_bounded_cut_and_stripped_of_control_characters(store: StateStore) -> None:
+def test_a_sites_logs_are_bounded_cut_and_stripped_of_control_characters(any_store: StateStore) -> None:
+    store = any_store
     register(store, "a")
     for i in range(KEEP_LOGS + 20):
         store.add_site_log("a", sender="site-a", claimed="", site_time=1.0, level="WARNING", logger="x",

@@ -1,12 +1,12 @@
 """What the coordinator keeps of federated evaluation and what it accepts: a report is recorded only against the
 task it answers, in time, once; a round settles when every site answered or its deadline passed; the control
-queue's checks refuse scores that are not scores."""
+queue's checks refuse scores that are not scores. The store's tests run on SQLite and on PostgreSQL."""
 
 from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
@@ -15,11 +15,12 @@ from fedbroker.coordinator.store import StateStore
 from fedbroker.coordinator.store_evaluation import EvaluationVerdict
 from fedbroker.job.status import EvaluationStatus
 from fedbroker.proto import fedbroker_pb2 as pb
+from tests.coordinator.conftest import any_store, store_url  # noqa: F401  (the store on each engine)
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> StateStore:
-    return StateStore(str(tmp_path / "c.sqlite"))
+def store(any_store: StateStore) -> Iterator[StateStore]:  # noqa: F811
+    yield any_store
 
 
 def record(store: StateStore, worker: str, *, round_number: int = 1, version: int = 2, accuracy: float = 0.5,

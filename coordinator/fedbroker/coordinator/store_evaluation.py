@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 import json
-import sqlite3
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,27 +22,14 @@ from sqlalchemy import Join, Row, Select, func, select, update
 from sqlalchemy.engine import Connection
 
 from fedbroker.coordinator import tables
-from fedbroker.coordinator.store_dialect import insert_ignoring
 from fedbroker.coordinator.store_notes import StoreAccess, write_event
+from fedbroker.coordinator.store_sql import upsert
 from fedbroker.errors import ConfigError
 from fedbroker.federated_evaluation import Combined, SiteScore, combine
 from fedbroker.job.status import EvaluationStatus
 from fedbroker.job.task import TaskConfig, parse_task
 from fedbroker.tasks.scores import THRESHOLD, headline
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS evaluation_rounds (
-    job_id TEXT NOT NULL, round INTEGER NOT NULL, model_version INTEGER NOT NULL, published REAL NOT NULL,
-    deadline REAL NOT NULL, settled INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (job_id, round)
-);
-CREATE TABLE IF NOT EXISTS evaluations (
-    job_id TEXT NOT NULL, round INTEGER NOT NULL, worker_id TEXT NOT NULL, status TEXT NOT NULL,
-    reason TEXT NOT NULL DEFAULT '', loss REAL, accuracy REAL, num_samples INTEGER, model_version INTEGER NOT NULL,
-    time REAL, PRIMARY KEY (job_id, round, worker_id)
-);
-"""
-# Added with tasks: a round's task (JSON, fedbroker.job.task) and each site's sums (JSON, fedbroker.tasks.scores).
-_COLUMNS = (("evaluation_rounds", "task", "TEXT NOT NULL DEFAULT ''"), ("evaluations", "sums", "TEXT"))
 _CHOICE = "evaluation"   # the key, in a round's stored task, of the job's evaluation.score and .threshold
 
 
@@ -90,16 +76,6 @@ class EvaluationRound:
     score: Combined | None
 
 
-def create_evaluation_tables(db: sqlite3.Connection) -> None:
-    """In the store's opening transaction (its migration): a state file written before them gets them then."""
-    for statement in SCHEMA.split(";"):
-        if statement.strip():
-            db.execute(statement)
-    for table, column, kind in _COLUMNS:  # a state file from before tasks gets them
-        if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
-            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
-
-
 class EvaluationTables(StoreAccess):
     """Mixed into `StateStore`: its transactions (`_write`) and reads (`_exec`) over two more tables."""
 
@@ -113,10 +89,10 @@ class EvaluationTables(StoreAccess):
         stored = {**(task or TaskConfig()).to_dict(), _CHOICE: {"score": score, "threshold": threshold}}
 
         def write(conn: Connection) -> None:
-            insert_ignoring(conn, tables.evaluation_rounds, {
+            upsert(conn, tables.evaluation_rounds, {
                 "job_id": job_id, "round": round_number, "model_version": model_version, "published": now,
                 "deadline": deadline, "task": json.dumps(stored, sort_keys=True)}, keys=("job_id", "round"))
-            insert_ignoring(conn, tables.evaluations, [
+            upsert(conn, tables.evaluations, [
                 {"job_id": job_id, "round": round_number, "worker_id": w, "status": EvaluationStatus.ASKED.value,
                  "model_version": model_version} for w in workers], keys=("job_id", "round", "worker_id"))
             write_event(conn, job_id, "evaluation_asked", round_number=round_number,

@@ -8,7 +8,7 @@ recorded for a worker (store.recorded_epsilon: the ε of the training tasks the 
 coordinator's record never runs ahead of the ledger, whatever a reply states.
 
 As in store.py, every write is one transaction and no database row leaves the store: reads return the records
-below. The tables are created on first use, so a state file written before them gets them then.
+below.
 """
 
 from __future__ import annotations
@@ -18,32 +18,14 @@ import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Row, delete, insert, select, update
 from sqlalchemy.engine import Connection
 
 from fedbroker.coordinator import tables
-from fedbroker.coordinator.store_dialect import insert_ignoring
 from fedbroker.coordinator.store_notes import StoreAccess, write_event
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS share_phases (
-    job_id TEXT PRIMARY KEY, status TEXT NOT NULL, histogram INTEGER NOT NULL, statistics INTEGER NOT NULL,
-    lower_json TEXT NOT NULL, upper_json TEXT NOT NULL, features INTEGER NOT NULL, classes INTEGER NOT NULL,
-    started REAL NOT NULL, deadline REAL NOT NULL, finished REAL, model_spec_json TEXT NOT NULL DEFAULT ''
-);
-CREATE TABLE IF NOT EXISTS shares (
-    job_id TEXT NOT NULL, worker_id TEXT NOT NULL, status TEXT NOT NULL, reason TEXT NOT NULL DEFAULT '',
-    time REAL, histogram_json TEXT NOT NULL DEFAULT '[]', histogram_noised INTEGER NOT NULL DEFAULT 0,
-    histogram_epsilon REAL NOT NULL DEFAULT 0, feature_sum_json TEXT NOT NULL DEFAULT '[]',
-    feature_sq_sum_json TEXT NOT NULL DEFAULT '[]', count INTEGER NOT NULL DEFAULT 0,
-    statistics_noised INTEGER NOT NULL DEFAULT 0, statistics_epsilon REAL NOT NULL DEFAULT 0,
-    statistics_delta REAL NOT NULL DEFAULT 0, charged_epsilon REAL NOT NULL DEFAULT 0,
-    PRIMARY KEY (job_id, worker_id)
-);
-CREATE INDEX IF NOT EXISTS shares_by_worker ON shares (worker_id, status);
-"""
+from fedbroker.coordinator.store_sql import replace
 
 
 class ShareStatus(enum.StrEnum):
@@ -125,37 +107,21 @@ class ShareAnswer:
 class ShareTables(StoreAccess):
     """Mixed into `StateStore`: its transactions (`_write`) and reads (`_exec`) over the two share tables."""
 
-    _share_tables_ready = False
 
-    if TYPE_CHECKING:
-        def _epsilon_tables(self) -> None: ...
-
-    def _share_tables(self) -> None:
-        if not self._share_tables_ready:
-            self._epsilon_tables()  # a reply's new cost bounds the site's next report there
-            def create(conn: Connection) -> None:
-                for table in (tables.share_phases, tables.shares):
-                    table.create(conn, checkfirst=True)
-
-            self._write("create its share tables", create)
-            self._share_tables_ready = True
 
     def open_share_phase(self, job_id: str, *, histogram: bool, statistics: bool, lower: Sequence[float],
                          upper: Sequence[float], features: int, classes: int, deadline: float,
                          asked: Sequence[str], not_asked: Mapping[str, str]) -> None:
         """Record the job's requests before they go out: a reply is accepted only from a site asked here."""
-        self._share_tables()
         now = time.time()
         wants = " and ".join(w for w, on in (("label histogram", histogram), ("feature statistics", statistics)) if on)
         phases, shares = tables.share_phases, tables.shares
 
         def write(conn: Connection) -> None:
-            # a phase asked again (a coordinator that died while asking) starts afresh, as a new row
-            conn.execute(delete(phases).where(phases.c.job_id == job_id))
-            conn.execute(insert(phases).values(
-                job_id=job_id, status="open", histogram=int(histogram), statistics=int(statistics),
-                lower_json=json.dumps(list(lower)), upper_json=json.dumps(list(upper)), features=features,
-                classes=classes, started=now, deadline=deadline))
+            replace(conn, phases, {  # a phase asked again (a coordinator that died while asking) starts afresh
+                "job_id": job_id, "status": "open", "histogram": int(histogram), "statistics": int(statistics),
+                "lower_json": json.dumps(list(lower)), "upper_json": json.dumps(list(upper)), "features": features,
+                "classes": classes, "started": now, "deadline": deadline})
             conn.execute(delete(shares).where(shares.c.job_id == job_id))
             rows = [{"job_id": job_id, "worker_id": w, "status": ShareStatus.ASKED.value, "reason": ""} for w in asked]
             rows += [{"job_id": job_id, "worker_id": w, "status": ShareStatus.NOT_ASKED.value, "reason": why}
@@ -171,13 +137,11 @@ class ShareTables(StoreAccess):
 
     def share_phase(self, job_id: str) -> SharePhaseRecord | None:
         """The job's share phase (None: it has none)."""
-        self._share_tables()
         rows = self._exec(select(tables.share_phases).where(tables.share_phases.c.job_id == job_id))
         return _phase_record(rows[0]) if rows else None
 
     def move_share_deadline(self, job_id: str, deadline: float) -> None:
         """A resumed phase whose deadline passed while the coordinator was down gets a new one."""
-        self._share_tables()
         phases = tables.share_phases
         self._run(f"move the share deadline of job {job_id!r}", update(phases).where(
             phases.c.job_id == job_id, phases.c.status == "open").values(deadline=deadline))
@@ -190,7 +154,6 @@ class ShareTables(StoreAccess):
         cannot be true) is recorded so, with an event naming them: the site answered, and nothing it sent is
         used. One transaction,
         so a phase that closes meanwhile takes no reply after its close."""
-        self._share_tables()
         now = time.time()
         shares = tables.shares
 
@@ -238,7 +201,6 @@ class ShareTables(StoreAccess):
                           events: Sequence[tuple[str, str, str]]) -> None:
         """End the phase: sites still `asked` are `silent`; the agreed model (if any) becomes the job's model spec;
         `events` (kind, worker id, message) are written with it."""
-        self._share_tables()
         phases, shares = tables.share_phases, tables.shares
 
         def write(conn: Connection) -> None:
@@ -257,19 +219,23 @@ class ShareTables(StoreAccess):
     def note_not_shared(self, job_id: str, worker_ids: Sequence[str], reason: str) -> None:
         """Sites met after the job's share phase ended (registered later): recorded once each, with an event,
         as not selected for the job."""
-        self._share_tables()
+
+        shares = tables.shares
 
         def write(conn: Connection) -> None:
-            for worker_id in worker_ids:
-                row = {"job_id": job_id, "worker_id": worker_id, "status": ShareStatus.NOT_ASKED.value, "reason": reason}
-                if insert_ignoring(conn, tables.shares, row, keys=("job_id", "worker_id")):
+            # read, then insert: the transaction holds the store's write lock (an insert's rowcount under ON CONFLICT
+            # DO NOTHING is not reliable on PostgreSQL)
+            known = set(conn.execute(select(shares.c.worker_id).where(shares.c.job_id == job_id)).scalars())
+            for worker_id in dict.fromkeys(worker_ids):
+                if worker_id not in known:
+                    conn.execute(insert(shares).values(job_id=job_id, worker_id=worker_id,
+                                                       status=ShareStatus.NOT_ASKED.value, reason=reason))
                     write_event(conn, job_id, "not_shared", worker_id=worker_id, message=f"{reason}: not selected")
 
         self._write(f"record the sites that did not share with job {job_id!r}", write)
 
     def shares(self, job_id: str | None = None, *, worker_id: str | None = None) -> list[ShareRecord]:
         """The answers kept for a job (or every job), of one site (or every site), by job, then site."""
-        self._share_tables()
         shares = tables.shares
         query = select(shares).order_by(shares.c.job_id, shares.c.worker_id)
         if job_id is not None:

@@ -10,9 +10,8 @@ amplification). The rounds compose by RDP, with the same arithmetic (Opacus's RD
 its default orders) as a site's record-level ε (`fedbroker.privacy`), one step per round.
 
 A round is recorded before the round's close is (sync_rounds), keyed by (job, round): a coordinator that
-restarts between the two records it again with the same key, so no round is lost or counted twice. Its tables
-are created on first use (a state file written before them gets them then); each write is one transaction,
-with the `site_dp` event `jobs show` reads ("site-level ε = …, δ = …").
+restarts between the two records it again with the same key, so no round is lost or counted twice. Each write
+is one transaction, with the `site_dp` event `jobs show` reads ("site-level ε = …, δ = …").
 """
 
 from __future__ import annotations
@@ -28,8 +27,8 @@ from sqlalchemy.engine import Connection
 
 from fedbroker.coordinator import tables
 from fedbroker.coordinator.records import WorkerRecord
-from fedbroker.coordinator.store_dialect import upsert
 from fedbroker.coordinator.store_notes import StoreAccess, write_event
+from fedbroker.coordinator.store_sql import replace
 from fedbroker.job.spec import JobSpec
 from fedbroker.privacy import epsilon_of, merge_steps
 
@@ -92,34 +91,23 @@ def account_round(store: _Store, job_id: str, job: JobSpec, *, round_number: int
 class SiteDPTables(StoreAccess):
     """Mixed into `StateStore`: a site-DP job's rounds and its composed ε."""
 
-    _site_dp_tables_ready = False
 
-    def _site_dp_tables(self) -> None:
-        if not self._site_dp_tables_ready:
-            def create(conn: Connection) -> None:
-                for table in (tables.site_dp_rounds, tables.site_dp_epsilon):
-                    table.create(conn, checkfirst=True)
-
-            self._write("create its site-DP tables", create)
-            self._site_dp_tables_ready = True
 
     def record_site_dp_round(self, job_id: str, round_number: int, *, asked: int, registered: int,
                              noise_multiplier: float) -> SiteEpsilon:
         """Record a site-DP round (idempotent per round) and the job's ε over all its rounds, in one transaction."""
-        self._site_dp_tables()
         q = sample_rate(asked, registered)
         rounds = tables.site_dp_rounds
 
         def write(conn: Connection) -> SiteEpsilon:
-            upsert(conn, rounds, {"job_id": job_id, "round": round_number, "asked": asked, "registered": registered,
-                                  "noise_multiplier": float(noise_multiplier), "time": time.time()},
-                   keys=("job_id", "round"))
+            replace(conn, rounds, {"job_id": job_id, "round": round_number, "asked": asked, "registered": registered,
+                                   "noise_multiplier": float(noise_multiplier), "time": time.time()})
             rows = conn.execute(select(rounds.c.asked, rounds.c.registered, rounds.c.noise_multiplier)
                                 .where(rounds.c.job_id == job_id).order_by(rounds.c.round)).all()
             history = [(float(z), sample_rate(int(a), int(r))) for a, r, z in rows]
             got = SiteEpsilon(job_id, site_level_epsilon(history), SITE_DELTA, len(history))
-            upsert(conn, tables.site_dp_epsilon, {"job_id": job_id, "epsilon": got.epsilon, "delta": got.delta,
-                                                  "rounds": got.rounds, "time": time.time()}, keys=("job_id",))
+            replace(conn, tables.site_dp_epsilon, {"job_id": job_id, "epsilon": got.epsilon, "delta": got.delta,
+                                                   "rounds": got.rounds, "time": time.time()})
             write_event(conn, job_id, "site_dp", round_number=round_number,
                         message=f"{got.describe()} (this round: noise multiplier {noise_multiplier:g}, "
                                 f"q = {asked}/{max(registered, asked)} = {q:.4g})")
@@ -129,7 +117,6 @@ class SiteDPTables(StoreAccess):
 
     def site_dp_epsilon(self, job_id: str) -> SiteEpsilon | None:
         """The job's site-level guarantee so far; None for a job without site-level DP (or before its first round)."""
-        self._site_dp_tables()
         e = tables.site_dp_epsilon
         rows = self._exec(select(e.c.epsilon, e.c.delta, e.c.rounds).where(e.c.job_id == job_id))
         if not rows:
@@ -139,7 +126,6 @@ class SiteDPTables(StoreAccess):
 
     def site_dp_rounds(self, job_id: str) -> list[tuple[int, int, int, float]]:
         """The job's recorded rounds: (round, asked, registered, noise multiplier), in order."""
-        self._site_dp_tables()
         r = tables.site_dp_rounds
         rows = self._exec(select(r.c.round, r.c.asked, r.c.registered, r.c.noise_multiplier)
                           .where(r.c.job_id == job_id).order_by(r.c.round))

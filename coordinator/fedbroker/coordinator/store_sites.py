@@ -9,8 +9,7 @@ Everything here is written for sites that registered (a row in `workers`), and e
 row are one row with a count, so a repeated refusal (or a flood of forged messages naming the site) does not
 push the rest of its history out.
 
-Its tables are created on first use. As in store.py, every write is one transaction and no database row leaves
-the store: reads return records.
+As in store.py, every write is one transaction and no database row leaves the store: reads return records.
 """
 
 from __future__ import annotations
@@ -24,8 +23,8 @@ from sqlalchemy.engine import Connection
 
 from fedbroker.coordinator import tables
 from fedbroker.coordinator.records import SiteEvent, SiteInfo, SiteLogRecord
-from fedbroker.coordinator.store_dialect import insert_ignoring
 from fedbroker.coordinator.store_notes import StoreAccess
+from fedbroker.coordinator.store_sql import upsert
 from fedbroker.printable import printable
 
 KEEP_EVENTS = 200          # a site's newest events kept
@@ -38,47 +37,16 @@ MAX_USER_CHARS = 140
 MAX_LOGS_READ = 1000       # one read of a site's log records
 ERROR_LEVELS = ("ERROR", "CRITICAL")
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS site_info (
-    worker_id TEXT PRIMARY KEY, software_version TEXT NOT NULL DEFAULT '', first_registered REAL NOT NULL,
-    started REAL NOT NULL DEFAULT 0, restarts INTEGER NOT NULL DEFAULT 0, broker_user TEXT NOT NULL DEFAULT '',
-    silent REAL NOT NULL DEFAULT 0, last_error TEXT NOT NULL DEFAULT '', last_error_time REAL,
-    log_records INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS site_events (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, worker_id TEXT NOT NULL, time REAL NOT NULL, kind TEXT NOT NULL,
-    message TEXT NOT NULL DEFAULT '', count INTEGER NOT NULL DEFAULT 1, first_time REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS site_events_by_worker ON site_events (worker_id, seq);
-CREATE TABLE IF NOT EXISTS site_logs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, worker_id TEXT NOT NULL, received REAL NOT NULL, site_time REAL NOT NULL,
-    level TEXT NOT NULL, logger TEXT NOT NULL, message TEXT NOT NULL, sender TEXT NOT NULL DEFAULT '',
-    claimed TEXT NOT NULL DEFAULT '', dropped_before INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS site_logs_by_worker ON site_logs (worker_id, seq);
-"""
-
-
 class SiteTables(StoreAccess):
     """Mixed into `StateStore`: its transactions (`_write`) and reads (`_exec`) over the three site tables."""
 
-    _site_tables_ready = False
 
-    def _site_tables(self) -> None:
-        if not self._site_tables_ready:
-            def create(conn: Connection) -> None:
-                for table in (tables.site_info, tables.site_events, tables.site_logs):
-                    table.create(conn, checkfirst=True)
-
-            self._write("create its site tables", create)
-            self._site_tables_ready = True
 
     def note_registration(self, worker_id: str, *, software_version: str, started: float, broker_user: str,
                           summary: str, changes: Sequence[str] = ()) -> None:
         """A registration: the first one is a `registered` event (`summary`: what the site holds); a new process
         (`started` changed) a `restarted` one; a changed registration (`changes`, a new version) `re-registered`;
         a silent site heard again `returned`."""
-        self._site_tables()
         version = printable(software_version, limit=MAX_VERSION_CHARS)
         user = printable(broker_user, limit=MAX_USER_CHARS)
         now = time.time()
@@ -112,7 +80,6 @@ class SiteTables(StoreAccess):
 
     def note_heard(self, worker_id: str) -> bool:
         """A heartbeat from a site: a silent one is `returned` (True); else nothing is written."""
-        self._site_tables()
         info = tables.site_info
         silence = select(info.c.silent).where(info.c.worker_id == worker_id)
         if not any(row.silent for row in self._exec(silence)):
@@ -132,7 +99,6 @@ class SiteTables(StoreAccess):
     def mark_silent(self, *, timeout_s: float) -> list[str]:
         """Every registered site not heard for `timeout_s` and not yet marked gets an `expired` event (once, until
         it is heard again); the ids marked now."""
-        self._site_tables()
         now = time.time()
         w, info = tables.workers, tables.site_info
 
@@ -154,7 +120,6 @@ class SiteTables(StoreAccess):
     def note_site_event(self, worker_id: str, kind: str, message: str, *, error: bool = False) -> bool:
         """One line of a registered site's history (`error`: also its last error); False for an id that never
         registered (nothing is written: an unknown id takes no room)."""
-        self._site_tables()
         now = time.time()
 
         def write(conn: Connection) -> bool:
@@ -172,7 +137,6 @@ class SiteTables(StoreAccess):
                      message: str, dropped_before: int) -> int | None:
         """Keep a log record a registered site forwarded (its newest KEEP_LOGS); its seq, None for an unknown id.
         An ERROR or CRITICAL one is also the site's last error."""
-        self._site_tables()
         now = time.time()
         text, name = printable(message, limit=MAX_LOG_CHARS), printable(logger, limit=MAX_LOGGER_CHARS)
         info = tables.site_info
@@ -195,19 +159,16 @@ class SiteTables(StoreAccess):
 
     def site_infos(self) -> dict[str, SiteInfo]:
         """Every site's info row, by worker id (a site registered before these tables has none until it is heard)."""
-        self._site_tables()
         return {info.worker_id: info for info in map(_site_info, self._exec(select(tables.site_info)))}
 
     def site_events(self, worker_id: str) -> list[SiteEvent]:
         """The site's kept events, oldest first."""
-        self._site_tables()
         events = tables.site_events
         rows = self._exec(select(events).where(events.c.worker_id == worker_id).order_by(events.c.seq))
         return [_site_event_record(r) for r in rows]
 
     def site_logs(self, worker_id: str, *, after: int = 0, limit: int = 200) -> list[SiteLogRecord]:
         """The site's newest `limit` kept log records with a seq above `after`, oldest first."""
-        self._site_tables()
         logs = tables.site_logs
         newest = self._exec(select(logs).where(logs.c.worker_id == worker_id, logs.c.seq > after)
                             .order_by(logs.c.seq.desc()).limit(max(1, min(limit, MAX_LOGS_READ))))
@@ -244,7 +205,7 @@ def _registered(conn: Connection, worker_id: str) -> bool:
 
 def _ensure_site(conn: Connection, worker_id: str, now: float) -> None:
     """A site registered before these tables existed gets its row when first written about."""
-    insert_ignoring(conn, tables.site_info, {"worker_id": worker_id, "first_registered": now}, keys=("worker_id",))
+    upsert(conn, tables.site_info, {"worker_id": worker_id, "first_registered": now}, keys=("worker_id",))
 
 
 def _last_error(conn: Connection, worker_id: str, text: str, now: float) -> None:

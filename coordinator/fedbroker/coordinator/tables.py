@@ -1,111 +1,182 @@
-"""PROVISIONAL (helper storemix): the tables the share, evaluation, site and site-DP mixins read and write, as
-SQLAlchemy Core `Table` objects with the names and columns of the SQL tables they mirror. Helper "store" owns
-this module; its version replaces this one on merge."""
+"""Every table of the coordinator's state, as SQLAlchemy Core `Table`s: one definition for SQLite and PostgreSQL.
+
+The migrations (`fedbroker.coordinator.migrations`) create them from here, and every store module builds its
+statements on them, so a column is named in one place. Types are chosen to mean the same on both engines:
+timestamps and ε are `Float(53)` (SQLite REAL, PostgreSQL double precision), counts `BigInteger`, and the
+sequence numbers of the append-only logs an identity (SQLite `INTEGER PRIMARY KEY AUTOINCREMENT`, never reused).
+"""
 
 from __future__ import annotations
 
-from sqlalchemy import Column, Float, Integer, MetaData, PrimaryKeyConstraint, Table, Text
+from sqlalchemy import BigInteger, Column, Float, Identity, Index, Integer, MetaData, Table, Text
 
-metadata = MetaData()
+from fedbroker.ha.lease import LEASES
+
+METADATA = MetaData()
+
+TIME = Float(53)           # seconds since the epoch, and every real number kept (ε, loss, accuracy)
+COUNT = BigInteger()       # counts, rounds, versions: 64 bits on both engines
+FLAG = Integer()           # 0/1, as every release before wrote it
+# a log's sequence number: SQLite's rowid alias must be declared INTEGER; PostgreSQL gets a bigint identity
+SEQ = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def _text(name: str, *, default: str | None = None, nullable: bool = False, key: bool = False) -> Column[str]:
+    return Column(name, Text, primary_key=key, nullable=nullable,
+                  server_default=None if default is None else default)
+
+
+def _seq() -> Column[int]:
+    return Column("seq", SEQ, Identity(), primary_key=True, autoincrement=True)
+
 
 jobs = Table(
-    "jobs", metadata,
-    Column("job_id", Text, primary_key=True), Column("name", Text, nullable=False),
-    Column("spec_json", Text, nullable=False), Column("status", Text, nullable=False),
-    Column("rounds_total", Integer, nullable=False), Column("rounds_done", Integer, nullable=False, default=0),
-    Column("model_spec_json", Text, nullable=False), Column("error", Text, nullable=False, default=""),
-    Column("created", Float, nullable=False), Column("updated", Float, nullable=False),
-    Column("submitter", Text, nullable=False, default=""),
+    "jobs", METADATA,
+    _text("job_id", key=True), _text("name"), _text("spec_json"), _text("status"),
+    Column("rounds_total", COUNT, nullable=False), Column("rounds_done", COUNT, nullable=False, server_default="0"),
+    _text("model_spec_json"), _text("error", default=""),
+    Column("created", TIME, nullable=False), Column("updated", TIME, nullable=False),
+    _text("submitter", default=""),
 )
+
 workers = Table(
-    "workers", metadata,
-    Column("worker_id", Text, primary_key=True), Column("last_seen", Float, nullable=False),
+    "workers", METADATA,
+    _text("worker_id", key=True), _text("categories_json"), _text("histogram_json"),
+    Column("dp_enabled", FLAG, nullable=False), _text("dp_json"), Column("epsilon_spent", TIME, nullable=False),
+    _text("device"), Column("num_samples", COUNT, nullable=False),
+    Column("registered", TIME, nullable=False), Column("last_seen", TIME, nullable=False),
+    _text("state", default="idle"), _text("input_shape_json", default="[]"),
+    Column("num_classes", COUNT, nullable=False, server_default="0"),
+    Column("evaluation_samples", COUNT, nullable=False, server_default="0"),
 )
+
+rounds = Table(
+    "rounds", METADATA,
+    _text("job_id", key=True), Column("round", COUNT, primary_key=True, autoincrement=False), _text("status"),
+    Column("participants", COUNT, nullable=False), Column("uploaded", COUNT, nullable=False, server_default="0"),
+    Column("aggregated", COUNT, nullable=False, server_default="0"),
+    Column("accuracy", TIME), Column("loss", TIME), Column("mean_train_loss", TIME), Column("seconds", TIME),
+    Column("model_version", COUNT), _text("checkpoint", nullable=True), _text("stats_json", default="{}"),
+    Column("started", TIME, nullable=False), Column("closed", TIME), Column("deadline", TIME),
+)
+
 events = Table(
-    "events", metadata,
-    Column("seq", Integer, primary_key=True, autoincrement=True), Column("job_id", Text, nullable=False),
-    Column("time", Float, nullable=False), Column("kind", Text, nullable=False),
-    Column("round", Integer, nullable=False, default=0), Column("worker_id", Text, nullable=False, default=""),
-    Column("message", Text, nullable=False, default=""),
+    "events", METADATA,
+    _seq(), _text("job_id"), Column("time", TIME, nullable=False), _text("kind"),
+    Column("round", COUNT, nullable=False, server_default="0"), _text("worker_id", default=""),
+    _text("message", default=""),
+    Index("events_by_job", "job_id", "seq"),
+    sqlite_autoincrement=True,
 )
+
+participants = Table(
+    "participants", METADATA,
+    _text("job_id", key=True), Column("round", COUNT, primary_key=True, autoincrement=False),
+    _text("worker_id", key=True), _text("status"), _text("reason", default=""),
+    Column("epsilon", TIME), Column("train_loss", TIME), Column("num_samples", COUNT),
+    Column("epsilon_local_floor", TIME),
+)
+
+issued_epsilon = Table(
+    "issued_epsilon", METADATA,
+    _text("worker_id"), Column("deadline", TIME, nullable=False), Column("cost", TIME, nullable=False),
+    _text("job_id", default=""),
+    Index("issued_epsilon_by_job", "worker_id", "job_id"),
+)
+
+epsilon_corrections = Table(
+    "epsilon_corrections", METADATA,
+    _seq(), _text("worker_id"), Column("time", TIME, nullable=False), _text("by"),
+    Column("old", TIME, nullable=False), Column("new", TIME, nullable=False), _text("ledger_sha256"),
+    Column("ledger_epsilon", TIME, nullable=False), _text("note", default=""),
+    sqlite_autoincrement=True,
+)
+
+site_shares = Table(
+    "site_shares", METADATA,
+    _text("job_id", key=True), _text("worker_id", key=True), _text("what", key=True),
+    Column("time", TIME, nullable=False),
+)
+
 share_phases = Table(
-    "share_phases", metadata,
-    Column("job_id", Text, primary_key=True), Column("status", Text, nullable=False),
-    Column("histogram", Integer, nullable=False), Column("statistics", Integer, nullable=False),
-    Column("lower_json", Text, nullable=False), Column("upper_json", Text, nullable=False),
-    Column("features", Integer, nullable=False), Column("classes", Integer, nullable=False),
-    Column("started", Float, nullable=False), Column("deadline", Float, nullable=False),
-    Column("finished", Float), Column("model_spec_json", Text, nullable=False, server_default=""),
+    "share_phases", METADATA,
+    _text("job_id", key=True), _text("status"), Column("histogram", FLAG, nullable=False),
+    Column("statistics", FLAG, nullable=False), _text("lower_json"), _text("upper_json"),
+    Column("features", COUNT, nullable=False), Column("classes", COUNT, nullable=False),
+    Column("started", TIME, nullable=False), Column("deadline", TIME, nullable=False), Column("finished", TIME),
+    _text("model_spec_json", default=""),
 )
+
 shares = Table(
-    "shares", metadata,
-    Column("job_id", Text, nullable=False), Column("worker_id", Text, nullable=False),
-    Column("status", Text, nullable=False), Column("reason", Text, nullable=False, server_default=""),
-    Column("time", Float), Column("histogram_json", Text, nullable=False, server_default="[]"),
-    Column("histogram_noised", Integer, nullable=False, server_default="0"),
-    Column("histogram_epsilon", Float, nullable=False, server_default="0"),
-    Column("feature_sum_json", Text, nullable=False, server_default="[]"),
-    Column("feature_sq_sum_json", Text, nullable=False, server_default="[]"),
-    Column("count", Integer, nullable=False, server_default="0"),
-    Column("statistics_noised", Integer, nullable=False, server_default="0"),
-    Column("statistics_epsilon", Float, nullable=False, server_default="0"),
-    Column("statistics_delta", Float, nullable=False, server_default="0"),
-    Column("charged_epsilon", Float, nullable=False, server_default="0"),
-    PrimaryKeyConstraint("job_id", "worker_id"),
+    "shares", METADATA,
+    _text("job_id", key=True), _text("worker_id", key=True), _text("status"), _text("reason", default=""),
+    Column("time", TIME), _text("histogram_json", default="[]"),
+    Column("histogram_noised", FLAG, nullable=False, server_default="0"),
+    Column("histogram_epsilon", TIME, nullable=False, server_default="0"),
+    _text("feature_sum_json", default="[]"), _text("feature_sq_sum_json", default="[]"),
+    Column("count", COUNT, nullable=False, server_default="0"),
+    Column("statistics_noised", FLAG, nullable=False, server_default="0"),
+    Column("statistics_epsilon", TIME, nullable=False, server_default="0"),
+    Column("statistics_delta", TIME, nullable=False, server_default="0"),
+    Column("charged_epsilon", TIME, nullable=False, server_default="0"),
+    Index("shares_by_worker", "worker_id", "status"),
 )
+
 evaluation_rounds = Table(
-    "evaluation_rounds", metadata,
-    Column("job_id", Text, nullable=False), Column("round", Integer, nullable=False),
-    Column("model_version", Integer, nullable=False), Column("published", Float, nullable=False),
-    Column("deadline", Float, nullable=False), Column("settled", Integer, nullable=False, server_default="0"),
-    Column("task", Text, nullable=False, server_default=""),
-    PrimaryKeyConstraint("job_id", "round"),
+    "evaluation_rounds", METADATA,
+    _text("job_id", key=True), Column("round", COUNT, primary_key=True, autoincrement=False),
+    Column("model_version", COUNT, nullable=False), Column("published", TIME, nullable=False),
+    Column("deadline", TIME, nullable=False), Column("settled", FLAG, nullable=False, server_default="0"),
+    _text("task", default=""),
 )
+
 evaluations = Table(
-    "evaluations", metadata,
-    Column("job_id", Text, nullable=False), Column("round", Integer, nullable=False),
-    Column("worker_id", Text, nullable=False), Column("status", Text, nullable=False),
-    Column("reason", Text, nullable=False, server_default=""), Column("loss", Float), Column("accuracy", Float),
-    Column("num_samples", Integer), Column("model_version", Integer, nullable=False), Column("time", Float),
-    Column("sums", Text),
-    PrimaryKeyConstraint("job_id", "round", "worker_id"),
+    "evaluations", METADATA,
+    _text("job_id", key=True), Column("round", COUNT, primary_key=True, autoincrement=False),
+    _text("worker_id", key=True), _text("status"), _text("reason", default=""),
+    Column("loss", TIME), Column("accuracy", TIME), Column("num_samples", COUNT),
+    Column("model_version", COUNT, nullable=False), Column("time", TIME), _text("sums", nullable=True),
 )
+
 site_info = Table(
-    "site_info", metadata,
-    Column("worker_id", Text, primary_key=True), Column("software_version", Text, nullable=False, server_default=""),
-    Column("first_registered", Float, nullable=False), Column("started", Float, nullable=False, server_default="0"),
-    Column("restarts", Integer, nullable=False, server_default="0"),
-    Column("broker_user", Text, nullable=False, server_default=""),
-    Column("silent", Float, nullable=False, server_default="0"),
-    Column("last_error", Text, nullable=False, server_default=""), Column("last_error_time", Float),
-    Column("log_records", Integer, nullable=False, server_default="0"),
+    "site_info", METADATA,
+    _text("worker_id", key=True), _text("software_version", default=""),
+    Column("first_registered", TIME, nullable=False), Column("started", TIME, nullable=False, server_default="0"),
+    Column("restarts", COUNT, nullable=False, server_default="0"), _text("broker_user", default=""),
+    Column("silent", TIME, nullable=False, server_default="0"), _text("last_error", default=""),
+    Column("last_error_time", TIME), Column("log_records", COUNT, nullable=False, server_default="0"),
 )
+
 site_events = Table(
-    "site_events", metadata,
-    Column("seq", Integer, primary_key=True, autoincrement=True), Column("worker_id", Text, nullable=False),
-    Column("time", Float, nullable=False), Column("kind", Text, nullable=False),
-    Column("message", Text, nullable=False, server_default=""),
-    Column("count", Integer, nullable=False, server_default="1"), Column("first_time", Float, nullable=False),
+    "site_events", METADATA,
+    _seq(), _text("worker_id"), Column("time", TIME, nullable=False), _text("kind"), _text("message", default=""),
+    Column("count", COUNT, nullable=False, server_default="1"), Column("first_time", TIME, nullable=False),
+    Index("site_events_by_worker", "worker_id", "seq"),
+    sqlite_autoincrement=True,
 )
+
 site_logs = Table(
-    "site_logs", metadata,
-    Column("seq", Integer, primary_key=True, autoincrement=True), Column("worker_id", Text, nullable=False),
-    Column("received", Float, nullable=False), Column("site_time", Float, nullable=False),
-    Column("level", Text, nullable=False), Column("logger", Text, nullable=False),
-    Column("message", Text, nullable=False), Column("sender", Text, nullable=False, server_default=""),
-    Column("claimed", Text, nullable=False, server_default=""),
-    Column("dropped_before", Integer, nullable=False, server_default="0"),
+    "site_logs", METADATA,
+    _seq(), _text("worker_id"), Column("received", TIME, nullable=False), Column("site_time", TIME, nullable=False),
+    _text("level"), _text("logger"), _text("message"), _text("sender", default=""), _text("claimed", default=""),
+    Column("dropped_before", COUNT, nullable=False, server_default="0"),
+    Index("site_logs_by_worker", "worker_id", "seq"),
+    sqlite_autoincrement=True,
 )
+
 site_dp_rounds = Table(
-    "site_dp_rounds", metadata,
-    Column("job_id", Text, nullable=False), Column("round", Integer, nullable=False),
-    Column("asked", Integer, nullable=False), Column("registered", Integer, nullable=False),
-    Column("noise_multiplier", Float, nullable=False), Column("time", Float, nullable=False),
-    PrimaryKeyConstraint("job_id", "round"),
+    "site_dp_rounds", METADATA,
+    _text("job_id", key=True), Column("round", COUNT, primary_key=True, autoincrement=False),
+    Column("asked", COUNT, nullable=False), Column("registered", COUNT, nullable=False),
+    Column("noise_multiplier", TIME, nullable=False), Column("time", TIME, nullable=False),
 )
+
 site_dp_epsilon = Table(
-    "site_dp_epsilon", metadata,
-    Column("job_id", Text, primary_key=True), Column("epsilon", Float, nullable=False),
-    Column("delta", Float, nullable=False), Column("rounds", Integer, nullable=False),
-    Column("time", Float, nullable=False),
+    "site_dp_epsilon", METADATA,
+    _text("job_id", key=True), Column("epsilon", TIME, nullable=False), Column("delta", TIME, nullable=False),
+    Column("rounds", COUNT, nullable=False), Column("time", TIME, nullable=False),
 )
+
+# who leads, and which aggregation replica owns a job (fedbroker.ha.lease): created with the rest, so a Lease can be
+# built on any store's engine
+leases = LEASES.to_metadata(METADATA)
