@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from fedbroker.bus import Delivery, InProcessBus, envelope
 from fedbroker.config import DPPolicy
@@ -38,8 +39,8 @@ def register(store: StateStore, worker_id: str, *, last_seen_ago: float = 0.0) -
     store.upsert_worker(worker_id=worker_id, categories=["digits"], histogram=(), dp=DP, epsilon_spent=0.5,
                         device="cpu", num_samples=100, input_shape=[1, 8, 8], num_classes=10)
     if last_seen_ago:
-        store._run("age it", "UPDATE workers SET last_seen = last_seen - ? WHERE worker_id = ?",
-                   (last_seen_ago, worker_id))
+        store._run("age it", text("UPDATE workers SET last_seen = last_seen - :ago WHERE worker_id = :w"),
+                   {"ago": last_seen_ago, "w": worker_id})
 
 
 def kinds(store: StateStore, worker_id: str) -> list[str]:
