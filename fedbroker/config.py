@@ -104,7 +104,12 @@ class CoordinatorConfig:
 
     listen: str = "0.0.0.0:50052"
     target: str = "127.0.0.1:50052"
-    state_dir: str = "state"           # one coordinator's (locked while it runs; created 0700)
+    state_dir: str = "state"           # one coordinator's (locked while it runs; created 0700): its checkpoints,
+                                       # and its state too unless database_url is set
+    # the state in PostgreSQL instead of an embedded SQLite file (clusters, a standby coordinator):
+    # postgresql+psycopg://user@host:5432/db (deploy/OPERATING.md); empty = coordinator.sqlite in state_dir
+    database_url: str = field(default="", repr=False)
+    database_url_file: str = ""        # or read the URL (with its password) from this mounted secret file
     heartbeat_timeout_s: float = 60.0
     max_running_jobs: int = 16         # jobs driven at once (a thread each); more wait `pending`, in order
     safety_poll_s: float = 2.0         # rounds wait on the aggregation service's events; a status look at least this often
@@ -130,8 +135,16 @@ class CoordinatorConfig:
                   ("heartbeat_timeout_s", self.heartbeat_timeout_s, self.heartbeat_timeout_s > 0, "seconds > 0"),
                   ("safety_poll_s", self.safety_poll_s, 0 < self.safety_poll_s <= 3600, "seconds in (0, 3600]"),
                   ("metrics_port", self.metrics_port, 0 <= self.metrics_port <= 65535, "a port in [0, 65535]"))
-        return [ConfigError(f"coordinator.{name}", f"must be {rule}, got {value!r}")
-                for name, value, ok, rule in checks if not ok]
+        found = [ConfigError(f"coordinator.{name}", f"must be {rule}, got {value!r}")
+                 for name, value, ok, rule in checks if not ok]
+        if self.database_url and self.database_url_file:
+            found.append(ConfigError("coordinator.database_url", "set either coordinator.database_url or "
+                                                                 "coordinator.database_url_file, not both"))
+        if self.database_url and not self.database_url.startswith(("postgresql://", "postgresql+psycopg://",
+                                                                   "sqlite:///")):
+            found.append(ConfigError("coordinator.database_url", "must be a postgresql+psycopg:// (or sqlite:///) "
+                                                                 "URL (the value is not shown: it may hold a password)"))
+        return found
 
 
 @dataclass(frozen=True)

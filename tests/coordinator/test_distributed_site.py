@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from fedbroker.bus import InProcessBus, envelope
 from fedbroker.coordinator.control import SenderBinding
@@ -77,8 +78,8 @@ def test_a_registration_with_an_unknown_mode_is_refused(store: StateStore) -> No
 def test_a_reported_local_floor_is_kept_beside_the_epsilon(store: StateStore) -> None:
     h = handler(store)
     send(h, registration=registration(mode="distributed"))
-    store._run("ask a for round 1", "INSERT INTO participants (job_id, round, worker_id, status)"
-                                    " VALUES ('job-d', 1, 'a', 'published')")
+    store._run("ask a for round 1", text("INSERT INTO participants (job_id, round, worker_id, status)"
+                                         " VALUES ('job-d', 1, 'a', 'published')"))
     failed = pb.TaskOutcome(job_id="job-d", round=1, worker_id="a", status=pb.TaskOutcome.FAILED, reason="lost",
                             epsilon=0.4, epsilon_local_floor=3.0)
     assert send(h, task_outcome=failed) == "ack"

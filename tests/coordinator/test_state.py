@@ -36,23 +36,22 @@ UNCAPPED = 1073741823
 
 def _cap(store: StateStore, pages: int) -> None:
     """Every connection the store takes from its pool from now on holds the file to `pages` pages."""
-    event.remove(store.engine, "checkout", getattr(store, "_test_cap", _no_cap)) if hasattr(store, "_test_cap") else None
-
     def cap(dbapi_connection: Any, record: Any, proxy: Any) -> None:
         dbapi_connection.execute(f"PRAGMA max_page_count = {pages}")
 
-    store._test_cap = cap  # type: ignore[attr-defined]
+    for earlier in CAPS.pop(id(store), []):
+        event.remove(store.engine, "checkout", earlier)
+    CAPS[id(store)] = [cap]
     event.listen(store.engine, "checkout", cap)
 
 
-def _no_cap(*_: Any) -> None:
-    return None
+CAPS: dict[int, list[Any]] = {}
 
 
 def fill_disk(store: StateStore) -> None:
     """From now on the store's file cannot grow (SQLITE_FULL), as on a full disk."""
-    (pages,) = on_file(store.path, "PRAGMA page_count")[0]
-    _cap(store, int(pages))  # type: ignore[call-overload]
+    ((pages,),) = on_file(store.path, "PRAGMA page_count")
+    _cap(store, int(str(pages)))
 
 
 def free_disk(store: StateStore) -> None:

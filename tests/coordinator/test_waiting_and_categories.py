@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from sqlalchemy import text
 
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve as serve_aggregator
@@ -112,8 +113,7 @@ def test_a_job_waiting_for_affordable_workers_says_why_once_per_reason_and_clear
     register(deployment.store, "site-b", STINGY)
     for silent in ("site-c", "site-d"):  # registered, silent: they may come back, so the job waits
         register(deployment.store, silent, GENEROUS)
-    deployment.store._write("silence them", lambda db: db.execute(
-        "UPDATE workers SET last_seen = 0 WHERE worker_id IN ('site-c', 'site-d')"))
+    deployment.store._run("silence them", text("UPDATE workers SET last_seen = 0 WHERE worker_id IN ('site-c', 'site-d')"))
     job_id = deployment.client.submit(yaml.safe_dump(JOB))
 
     first = wait_for("the first reason", lambda: deployment.job_row(job_id).waiting)
@@ -206,8 +206,7 @@ def test_an_asynchronous_job_nobody_can_afford_says_why_and_clears_it_once_a_tas
         deployment: Deployment) -> None:
     register(deployment.store, "site-a", STINGY)
     register(deployment.store, "site-c", GENEROUS)  # registered, silent: it may come back, so the job waits
-    deployment.store._write("silence site-c", lambda db: db.execute(
-        "UPDATE workers SET last_seen = 0 WHERE worker_id = 'site-c'"))
+    deployment.store._run("silence site-c", text("UPDATE workers SET last_seen = 0 WHERE worker_id = 'site-c'"))
     job = {**JOB, "schedule": {"mode": "async", "min_workers": 1, "wait_for_workers_s": 300, "round_timeout_s": 300}}
     job_id = deployment.client.submit(yaml.safe_dump(job))
     reason = wait_for("the reason", lambda: deployment.job_row(job_id).waiting)

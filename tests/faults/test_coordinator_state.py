@@ -6,7 +6,7 @@ time, so nothing half-written is left) until the disk has room again, and the jo
 outage longer than `store_outage_s` it fails, visibly, once the failure itself can be written. Either way
 what the store shows agrees with what the file holds.
 
-The full disk is injected at the store's connection: the statement that closes the round raises SQLite's
+The full disk is injected in the store's driver calls: the statement that closes the round raises SQLite's
 own "database or disk is full" inside the real transaction, which must then be rolled back."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import Engine, event
 
 from fedbroker.coordinator.service import status_reply
 from tests.faults.harness import Federation, Training, job, wait_for
@@ -25,36 +26,38 @@ from tests.faults.harness import Federation, Training, job, wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 JOB = job(training={"rounds": 2})
-CLOSE = "UPDATE rounds SET status = 'closed'"
-FAIL_JOB = "UPDATE jobs SET status = ?"
+CLOSE = "mean_train_loss="           # the statement that records a round's close
+FAIL_JOB = "UPDATE jobs SET status=?, error=?"
 
 
 class FullDisk:
-    """Stands in for the store's SQLite connection: while `full` is set, statements containing one of
-    `statements` fail as on a full disk; everything else goes to the real connection."""
+    """Installed on the store's engine: while `full` is set, statements containing one of `statements` fail in the
+    driver as on a full disk (inside the real transaction, which must then be rolled back); everything else runs."""
 
-    def __init__(self, real: sqlite3.Connection, *statements: str) -> None:
-        self.real = real
+    def __init__(self, engine: Engine, *statements: str) -> None:
         self.statements = statements
         self.full = threading.Event()
         self.failures: dict[str, int] = dict.fromkeys(statements, 0)  # failed tries, by statement
+        event.listen(engine, "do_execute", self._execute)
+        event.listen(engine, "do_executemany", self._execute)
 
-    def _check(self, sql: str) -> None:
-        for statement in self.statements:
-            if self.full.is_set() and statement in sql:
-                self.failures[statement] += 1
+    def _execute(self, cursor: Any, statement: str, parameters: Any, context: Any) -> bool:
+        for watched in self.statements:
+            if self.full.is_set() and watched in statement:
+                self.failures[watched] += 1
                 raise sqlite3.OperationalError("database or disk is full")
+        return False  # not handled here: the driver runs it
 
-    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
-        self._check(sql)
-        return self.real.execute(sql, *args)
 
-    def executemany(self, sql: str, *args: Any) -> sqlite3.Cursor:
-        self._check(sql)
-        return self.real.executemany(sql, *args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
+def write_lock_is_free(path: str) -> bool:
+    """Whether another connection can take the file's write lock at once (no transaction was left open)."""
+    db = sqlite3.connect(path, timeout=5.0, isolation_level=None)
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("ROLLBACK")
+        return True
+    finally:
+        db.close()
 
 
 def on_file(path: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
@@ -88,15 +91,14 @@ def slow_store(rabbitmq_url: str, tmp_path: Path) -> Iterator[Federation]:
 def test_a_round_close_that_hits_a_full_disk_is_retried_until_it_lands_and_the_job_completes(
         federation: Federation, training: Training) -> None:
     fed = federation
-    disk = FullDisk(fed.store._db, CLOSE)
-    fed.store._db = disk  # type: ignore[assignment]
+    disk = FullDisk(fed.store.engine, CLOSE)
     fill_when_round_1_closes(fed, disk)
     fed.add_worker("w0", index=0, count=2)
     fed.add_worker("w1", index=1, count=2)
     job_id = fed.submit(JOB)
     wait_for(lambda: disk.failures[CLOSE] >= 3, 60, "the close of round 1 to fail a few times")
     path = fed.store.path
-    assert not disk.real.in_transaction  # each failed try was rolled back, the write lock released
+    assert write_lock_is_free(path)  # each failed try was rolled back, the write lock released
     assert on_file(path, "SELECT status, rounds_done FROM jobs WHERE job_id = ?", job_id) == [("running", 0)]
     assert on_file(path, "SELECT status FROM rounds WHERE job_id = ? AND round = 1", job_id) == [("open",)]
     assert on_file(path, "SELECT COUNT(*) FROM participants WHERE status = 'aggregated'") == [(0,)]
@@ -116,8 +118,7 @@ def test_a_store_outage_longer_than_store_outage_s_fails_the_job_visibly_once_th
         slow_store: Federation, training: Training) -> None:
     fed = slow_store
     fed.start_coordinator(store_outage_s=1.0)
-    disk = FullDisk(fed.store._db, CLOSE, FAIL_JOB)
-    fed.store._db = disk  # type: ignore[assignment]
+    disk = FullDisk(fed.store.engine, CLOSE, FAIL_JOB)
     fill_when_round_1_closes(fed, disk)
     fed.add_worker("w0", index=0, count=2)
     fed.add_worker("w1", index=1, count=2)

@@ -1,5 +1,7 @@
 """Upgrading a host: the state the release before schema versions wrote (fixtures/release-4eb5814, made by that
-release's code) is migrated when the current code opens it, and its running job resumes and completes."""
+release's code) is migrated when the current code opens it, and its running job resumes and completes; the state
+the release before Alembic wrote (fixtures/release-ae51aad: user_version 3, every table) is upgraded by Alembic
+with every row kept."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ from pathlib import Path
 import pytest
 
 import fedbroker.worker.agent
-from fedbroker.coordinator.store_schema import SCHEMA
+from fedbroker.coordinator.store import StateStore
+from fedbroker.coordinator.store_schema import HEAD, SCHEMA
 from tests.faults.harness import Federation, Training
 
 pytestmark = [pytest.mark.integration]
 
 FIXTURE = Path(__file__).parent / "fixtures" / "release-4eb5814"
+BEFORE_ALEMBIC = Path(__file__).parent / "fixtures" / "release-ae51aad" / "coordinator.sql"
 JOB_ID = "faults-af58f60f"
 
 
@@ -65,3 +69,42 @@ def test_a_state_of_the_previous_release_is_migrated_and_its_running_job_resumes
         assert fed.store.workers()[0].worker_id == "w0"
     finally:
         fed.close()
+
+
+def every_row(path: Path) -> dict[str, list[tuple[object, ...]]]:
+    """Each table's rows (its columns in order, sorted), as another program reading the file sees them."""
+    db = sqlite3.connect(path)
+    try:
+        names = [n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE"
+                                          " 'sqlite_%' AND name != 'alembic_version' ORDER BY name")]
+        return {n: sorted(db.execute(f"SELECT * FROM {n}").fetchall(), key=repr) for n in names}
+    finally:
+        db.close()
+
+
+def test_a_state_of_the_release_before_alembic_is_upgraded_by_alembic_and_keeps_every_row(tmp_path: Path) -> None:
+    path = tmp_path / "coordinator.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript(BEFORE_ALEMBIC.read_text())
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 3
+    db.close()
+    before = every_row(path)
+    assert len(before) == 17 and all(before[t] for t in ("jobs", "shares", "evaluations", "site_logs", "site_dp_rounds"))
+    store = StateStore.in_directory(str(tmp_path))
+    try:
+        assert store.schema_version() == HEAD
+        assert store.job("j-1").rounds_done == 1 and [r.status for r in store.rounds("j-1")] == ["closed", "open"]
+        assert store.recorded_epsilon("w0") == 0.5 and store.recorded_epsilon("w1") == 0.2
+        assert store.local_floors("w0") == {"j-1": 0.1}
+        assert [c.note for c in store.epsilon_corrections("w1")] == ["audit"]
+    finally:
+        store.close()
+    after = every_row(path)
+    assert after.keys() == {*before, "leases"} and after["leases"] == []
+    assert {t: after[t] for t in before} == before  # nothing lost, nothing changed
+    db = sqlite3.connect(path)
+    try:  # the release before reads user_version 4 > its 3: it refuses the file instead of writing it
+        assert db.execute("PRAGMA user_version").fetchone()[0] == HEAD
+        assert db.execute("SELECT version_num FROM alembic_version").fetchall() == [(f"{HEAD:04d}",)]
+    finally:
+        db.close()

@@ -114,7 +114,8 @@ def start_coordinator(config: Config, *, bus: Bus | None = None, config_file: st
     tls = ServerTLS.from_files(c.tls.cert_file, c.tls.key_file, c.tls.client_ca_file, where="coordinator.tls")
     security = client_security(config, expected_target=config.aggregator.target)
     _export("coordinator", c.metrics_port, c.metrics_addr)
-    store = StateStore.in_directory(c.state_dir)  # refused while another coordinator holds it
+    database_url = read_secret(c.database_url, c.database_url_file, field="coordinator.database_url")
+    store = StateStore.for_coordinator(c.state_dir, database_url)  # embedded: refused while another holds state_dir
     bus = bus or make_bus(config)
     coordinator = Coordinator(
         bus=bus, store=store,

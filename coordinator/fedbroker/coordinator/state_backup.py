@@ -11,6 +11,10 @@ whole; one written after the snapshot is not named and not needed. Restoring rew
 target's `checkpoints/` folder, so a state restored elsewhere finds its checkpoints.
 
 A restore takes the target's lock (`StateDirLock`): refused while a coordinator runs on it.
+
+Only an embedded (SQLite) state is backed up here. A coordinator on PostgreSQL (`coordinator.database_url`) marks
+its state directory (`state_dir.DATABASE_MARK`) and a backup of it is refused, naming the tools that do back a
+PostgreSQL database up consistently: pg_dump, or the operator's (CloudNativePG's) backups.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from pathlib import Path
 
 from fedbroker.backup import BackupRefused, FileEntry, Part, claim_target, copy_file, file_digest, remove, verify
 from fedbroker.coordinator.checkpoints import load_checkpoint
-from fedbroker.coordinator.schema import user_version
-from fedbroker.coordinator.state_dir import LOCK_FILE, StateDirLock
+from fedbroker.coordinator.schema import file_version
+from fedbroker.coordinator.state_dir import LOCK_FILE, StateDirLock, database_of
 from fedbroker.coordinator.store import DB_FILE
 from fedbroker.coordinator.store_schema import SCHEMA
 from fedbroker.errors import ConfigError
@@ -35,6 +39,7 @@ CHECKPOINTS = "checkpoints"
 
 def backup_state(state_dir: str | os.PathLike[str], backup_root: Path, *, busy_timeout_s: float = 30.0) -> Part:
     """Copy the coordinator state in `state_dir` into `backup_root/coordinator/`; its manifest entry."""
+    refuse_a_database(state_dir)
     source = Path(state_dir).absolute()
     db_path = source / DB_FILE
     if not db_path.is_file():
@@ -47,7 +52,7 @@ def backup_state(state_dir: str | os.PathLike[str], backup_root: Path, *, busy_t
         src.backup(dst)  # pages=-1: every page in one step, one consistent snapshot
         dst.execute("PRAGMA journal_mode=DELETE")
         _check_integrity(dst, f"the backup of {db_path}")
-        version = user_version(dst)
+        version = file_version(dst, str(copy))
         named = dst.execute("SELECT DISTINCT job_id, checkpoint FROM rounds WHERE checkpoint IS NOT NULL"
                             " AND checkpoint != '' ORDER BY job_id, checkpoint").fetchall()
         counts = {table: dst.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
@@ -65,6 +70,15 @@ def backup_state(state_dir: str | os.PathLike[str], backup_root: Path, *, busy_t
         part.files.append(FileEntry(relative, sha, size))
         part.details["checkpoints"][relative] = recorded
     return part
+
+
+def refuse_a_database(state_dir: str | os.PathLike[str]) -> None:
+    """A state kept in PostgreSQL (a URL, or a state directory its coordinator marked) is not this backup's."""
+    where = str(state_dir) if "://" in str(state_dir) else database_of(str(state_dir))
+    if where:
+        raise BackupRefused(f"the coordinator's state is in a database ({where}), not in an embedded SQLite file: "
+                            f"`fedbroker backup` copies only the embedded state; use pg_dump or your operator's backups "
+                            f"(CloudNativePG), and back the checkpoints folder up with them")
 
 
 def round_marks(state_dir: str | os.PathLike[str] | Path) -> list[tuple[str, int, str]]:
@@ -111,12 +125,13 @@ def restore_state(backup_root: Path, part: Part, target: str | os.PathLike[str],
 
 def check_schema(backup_root: Path, part: Part) -> None:
     """The part's schema version, as its manifest says and as the backed-up database itself records it
-    (`user_version`: what a coordinator will read, whatever the manifest says), is one this code knows: a newer
-    one is refused (SchemaTooNew), a negative one as written by no release, and the two must agree."""
+    (`user_version` and its Alembic revision: what a coordinator will read, whatever the manifest says), is one
+    this code knows: a newer one is refused (SchemaTooNew), a negative one as written by no release, and the two
+    must agree."""
     backup_db = backup_root / PART / DB_FILE
     SCHEMA.check(part.version, f"the backup's manifest ({backup_root}), for its {PART} part,")
     with _connection(f"{backup_db.absolute().as_uri()}?mode=ro", 30.0) as db:
-        found = user_version(db)
+        found = file_version(db, str(backup_db))
     SCHEMA.check(found, str(backup_db))
     if found != part.version:
         raise BackupRefused(f"{backup_db} is at schema version {found}, but the backup's manifest says {part.version}: "

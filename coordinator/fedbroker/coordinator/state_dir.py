@@ -1,7 +1,9 @@
 """The coordinator's state directory: one coordinator at a time (an `flock` naming its holder), owner-only files.
 
 `StateStore.in_directory` opens a coordinator's state through it: the folder (0700) is locked
-(`coordinator.lock`) so a second coordinator on it is refused, naming the holder's pid.
+(`coordinator.lock`) so a second coordinator on it is refused, naming the holder's pid. A coordinator whose state
+is in PostgreSQL (`coordinator.database_url`) keeps only its checkpoints here, and marks the folder with where the
+state is (`DATABASE_MARK`, the URL without its password), so a backup of the folder alone is refused, not partial.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from fedbroker.files import FolderLock, FolderLocked
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "coordinator.lock"
+DATABASE_MARK = "coordinator.database"  # the database URL (no password) of a state kept in PostgreSQL
 
 
 class StateDirInUse(ConfigError):
@@ -61,3 +64,22 @@ def owner_only(path: str, mode: int) -> None:
             os.chmod(path, mode)
         except OSError as exc:
             log.warning("%s is readable by others (mode %o) and could not be tightened: %s", path, current, exc)
+
+
+def mark_database(directory: str, where: str) -> None:
+    """Record in a state directory (created 0700) that its coordinator's state is in the database `where`."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    owner_only(directory, 0o700)
+    path = os.path.join(directory, DATABASE_MARK)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.write(where + "\n")
+
+
+def database_of(directory: str) -> str:
+    """The database a state directory's coordinator keeps its state in (empty: an embedded SQLite state)."""
+    try:
+        with open(os.path.join(directory, DATABASE_MARK), encoding="utf-8") as mark:
+            return mark.read(4096).strip()
+    except FileNotFoundError:
+        return ""

@@ -40,7 +40,7 @@ from fedbroker.config import DPPolicy
 from fedbroker.coordinator import tables as t
 from fedbroker.coordinator.records import EventRecord, JobRecord, WorkerRecord
 from fedbroker.coordinator.schema import current_version
-from fedbroker.coordinator.state_dir import StateDirLock, owner_only
+from fedbroker.coordinator.state_dir import StateDirLock, database_of, mark_database, owner_only
 from fedbroker.coordinator.store_epsilon import EpsilonTables, priced
 from fedbroker.coordinator.store_evaluation import EvaluationTables
 from fedbroker.coordinator.store_notes import JobNotes, write_event
@@ -58,7 +58,7 @@ from fedbroker.coordinator.store_sql import (
     make_engine,
     upsert,
 )
-from fedbroker.errors import Unavailable
+from fedbroker.errors import ConfigError, Unavailable
 from fedbroker.job.status import FINISHED, JobStatus, WorkerState
 from fedbroker.retry import Backoff, retry_call
 
@@ -124,9 +124,29 @@ class StateStore(RoundTables, EpsilonTables, JobNotes, ShareTables, EvaluationTa
         return cls(url, busy_timeout_s=busy_timeout_s, fence=fence)
 
     @classmethod
+    def for_coordinator(cls, state_dir: str, database_url: str = "", *, busy_timeout_s: float = 5.0) -> StateStore:
+        """A coordinator process's state: in `database_url` when set (the state directory, 0700, then keeps the
+        checkpoints and a mark saying where the state is: a backup of the folder alone is refused), else
+        `in_directory(state_dir)`."""
+        if not database_url:
+            return cls.in_directory(state_dir, busy_timeout_s=busy_timeout_s)
+        store = cls.from_url(database_url, busy_timeout_s=busy_timeout_s)
+        try:
+            mark_database(state_dir, store.path)
+        except OSError:
+            store.close()
+            raise
+        return store
+
+    @classmethod
     def in_directory(cls, state_dir: str, *, busy_timeout_s: float = 5.0) -> StateStore:
         """A coordinator's state: `state_dir` (created 0700) locked for this process, its SQLite file in it.
-        `StateDirInUse` when another coordinator holds it; `close()` releases it."""
+        `StateDirInUse` when another coordinator holds it; `close()` releases it. A folder whose coordinator keeps its
+        state in a database (`for_coordinator`) is refused: an empty SQLite file there would be read as its state."""
+        elsewhere = database_of(state_dir)
+        if elsewhere:
+            raise ConfigError("coordinator.state_dir", f"the coordinator of {state_dir} keeps its state in {elsewhere}, "
+                                                       f"not in this folder: open it there (coordinator.database_url)")
         os.makedirs(state_dir, mode=0o700, exist_ok=True)
         owner_only(state_dir, 0o700)
         lock = StateDirLock(state_dir)
