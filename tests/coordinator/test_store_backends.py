@@ -17,6 +17,7 @@ from fedbroker.coordinator import tables
 from fedbroker.coordinator.schema import SchemaTooNew
 from fedbroker.coordinator.store import StateStore, StateUnavailable
 from fedbroker.coordinator.store_schema import HEAD, alembic_config
+from fedbroker.coordinator.store_sql import WRITE_LOCK_KEY
 from fedbroker.ha.lease import Lease, LeaseLost
 
 
@@ -128,4 +129,23 @@ def test_two_coordinators_opening_a_new_database_at_once_migrate_it_once(store_u
     with opened[0].engine.connect() as conn:
         assert conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all() == [f"{HEAD:04d}"]
     for store in opened:
+        store.close()
+
+
+def test_a_write_waiting_past_the_busy_timeout_on_the_write_lock_fails_and_later_writes_land(store_url: str) -> None:
+    store = StateStore.from_url(store_url, busy_timeout_s=0.3)
+    other = create_engine(store_url).connect()
+    try:
+        blocker = other.begin()
+        if other.dialect.name == "postgresql":  # another coordinator's write transaction holds the write lock
+            other.execute(text(f"SELECT pg_advisory_xact_lock({WRITE_LOCK_KEY})"))
+        else:
+            other.exec_driver_sql("INSERT INTO leases VALUES ('x', 'y', 1, 0)")  # holds SQLite's write lock
+        with pytest.raises(StateUnavailable, match="could not record job 'blocked'"):
+            store.add_job("blocked", "blocked", "{}", 1, "{}")
+        blocker.rollback()
+        store.add_job("after", "after", "{}", 1, "{}")
+        assert [j.job_id for j in store.jobs()] == ["after"]
+    finally:
+        other.close()
         store.close()
