@@ -100,8 +100,8 @@ def test_the_binding_follows_the_config_file_so_an_added_site_is_accepted_withou
 
 
 def test_a_jobs_epsilon_claim_is_bounded_by_what_its_tasks_were_priced_at_and_the_bound_outlives_a_restart(
-        tmp_path: Path) -> None:
-    store = StateStore(str(tmp_path / "c.sqlite"))
+        store_url: str) -> None:
+    store = StateStore.from_url(store_url)
     register(store, "w0")
     bounds = EpsilonBounds(store)
     assert bounds.limit("w0", "job-1") == 0.0  # nothing asked of it: no ε may be claimed
@@ -109,14 +109,16 @@ def test_a_jobs_epsilon_claim_is_bounded_by_what_its_tasks_were_priced_at_and_th
     per_round = bounds.limit("w0", "job-1") / 2
     assert 0 < per_round < 50
     assert bounds.limit("w0", "job-2") == 0.0 and bounds.limit("ghost", "job-1") == 0.0
-    restarted = EpsilonBounds(StateStore(str(tmp_path / "c.sqlite")))  # the tasks' bounds are in the store
+    again = StateStore.from_url(store_url)
+    restarted = EpsilonBounds(again)  # the tasks' bounds are in the store
     assert restarted.limit("w0", "job-1") == pytest.approx(2 * per_round)
+    again.close()
     store.close()
 
 
-def test_the_recorded_epsilon_is_what_the_participant_rows_priced_never_a_claim(tmp_path: Path) -> None:
+def test_the_recorded_epsilon_is_what_the_participant_rows_priced_never_a_claim(any_store: StateStore) -> None:
     """Per job the largest ε of its rows (a job's ε is cumulative), summed over jobs; a heartbeat changes nothing."""
-    store = StateStore(str(tmp_path / "c.sqlite"))
+    store = any_store
     register(store, "w0")
     for job_id in ("a", "b"):
         store.add_job(job_id, job_id, "{}", 3, "{}")
@@ -128,11 +130,10 @@ def test_the_recorded_epsilon_is_what_the_participant_rows_priced_never_a_claim(
     assert store.recorded_epsilon("w0") == pytest.approx(1.15)
     assert [w.epsilon_spent for w in store.workers()] == [pytest.approx(1.15)]
     assert store.recorded_epsilon("ghost") is None and store.priced_epsilon("ghost") == 0.0
-    store.close()
 
 
-def test_an_epsilon_correction_is_audited_and_may_lower_the_record(tmp_path: Path) -> None:
-    store = StateStore(str(tmp_path / "c.sqlite"))
+def test_an_epsilon_correction_is_audited_and_may_lower_the_record(any_store: StateStore) -> None:
+    store = any_store
     register(store, "w0", epsilon=1e6)
     assert store.correct_epsilon("nobody", epsilon=1.0, by="op", ledger_sha256="00", ledger_epsilon=1.0) is None
     correction = store.correct_epsilon("w0", epsilon=2.5, by="op", ledger_sha256="ab", ledger_epsilon=2.5, note="n")
@@ -140,11 +141,10 @@ def test_an_epsilon_correction_is_audited_and_may_lower_the_record(tmp_path: Pat
     assert store.recorded_epsilon("w0") == 2.5
     assert [(c.worker_id, c.by, c.old, c.new, c.note) for c in store.epsilon_corrections("w0")] == [
         ("w0", "op", 1e6, 2.5, "n")]
-    store.close()
 
 
-def test_async_trainings_never_aggregated_keep_the_largest_epsilon_and_their_count(tmp_path: Path) -> None:
-    store = StateStore(str(tmp_path / "c.sqlite"))
+def test_async_trainings_never_aggregated_keep_the_largest_epsilon_and_their_count(any_store: StateStore) -> None:
+    store = any_store
     store.add_job("j", "j", "{}", 3, "{}")
     store.record_async_training("j", "w0", task=4, status=ParticipantStatus.FAILED, reason="stale", epsilon=0.5)
     store.record_async_training("j", "w0", task=7, status=ParticipantStatus.FAILED, reason="stale", epsilon=0.8)
@@ -152,7 +152,6 @@ def test_async_trainings_never_aggregated_keep_the_largest_epsilon_and_their_cou
     assert (row.worker_id, row.status, row.epsilon) == ("w0", "failed", 0.8)
     assert row.reason.startswith("2 training(s) not aggregated; the last, task 7")
     assert len([e for e in store.events("j") if "trained, not aggregated" in e.message]) == 2
-    store.close()
 
 
 def test_worker_broker_users_load_from_yaml_and_the_environment(tmp_path: Path) -> None:

@@ -4,16 +4,20 @@ write records is all there or not at all."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect, text
+from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.engine import Connection
 
 from fedbroker.coordinator import tables
+from fedbroker.coordinator.schema import SchemaTooNew
 from fedbroker.coordinator.store import StateStore, StateUnavailable
 from fedbroker.coordinator.store_schema import HEAD, alembic_config
+from fedbroker.coordinator.store_sql import WRITE_LOCK_KEY
 from fedbroker.ha.lease import Lease, LeaseLost
 
 
@@ -90,3 +94,58 @@ def test_a_write_that_fails_halfway_leaves_nothing_of_it(any_store: StateStore) 
     assert [e.kind for e in any_store.events("dup")] == ["submitted"]
     with any_store.engine.connect() as conn:
         assert conn.execute(text("SELECT COUNT(*) FROM jobs")).scalar() == 1
+
+
+def test_a_database_a_newer_release_migrated_is_refused_and_left_as_it_is(store_url: str) -> None:
+    StateStore.from_url(store_url).close()
+    store = StateStore.from_url(store_url)
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = :v"), {"v": f"{HEAD + 1:04d}"})
+    store.close()
+    with pytest.raises(SchemaTooNew, match=rf"at schema version {HEAD + 1}, newer than the {HEAD}"):
+        StateStore.from_url(store_url)
+    engine = create_engine(store_url)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == f"{HEAD + 1:04d}"
+    engine.dispose()
+
+
+def test_two_coordinators_opening_a_new_database_at_once_migrate_it_once(store_url: str) -> None:
+    opened: list[StateStore] = []
+    failed: list[BaseException] = []
+
+    def open_it() -> None:
+        try:
+            opened.append(StateStore.from_url(store_url))
+        except BaseException as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=open_it) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert failed == [] and len(opened) == 3
+    with opened[0].engine.connect() as conn:
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all() == [f"{HEAD:04d}"]
+    for store in opened:
+        store.close()
+
+
+def test_a_write_waiting_past_the_busy_timeout_on_the_write_lock_fails_and_later_writes_land(store_url: str) -> None:
+    store = StateStore.from_url(store_url, busy_timeout_s=0.3)
+    other = create_engine(store_url).connect()
+    try:
+        blocker = other.begin()
+        if other.dialect.name == "postgresql":  # another coordinator's write transaction holds the write lock
+            other.execute(text(f"SELECT pg_advisory_xact_lock({WRITE_LOCK_KEY})"))
+        else:
+            other.exec_driver_sql("INSERT INTO leases VALUES ('x', 'y', 1, 0)")  # holds SQLite's write lock
+        with pytest.raises(StateUnavailable, match="could not record job 'blocked'"):
+            store.add_job("blocked", "blocked", "{}", 1, "{}")
+        blocker.rollback()
+        store.add_job("after", "after", "{}", 1, "{}")
+        assert [j.job_id for j in store.jobs()] == ["after"]
+    finally:
+        other.close()
+        store.close()

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from fedbroker.backup import BackupRefused
 from fedbroker.config import CoordinatorConfig, DPPolicy
 from fedbroker.coordinator.state_backup import backup_state
 from fedbroker.coordinator.state_dir import DATABASE_MARK
 from fedbroker.coordinator.store import StateStore, StateUnavailable
-from fedbroker.backup import BackupRefused
 from fedbroker.errors import ConfigError, FedbrokerError
 from fedbroker.rpc.auth import read_secret
 from tests.coordinator.conftest import any_store, store_url  # noqa: F401 - the fixtures, on both engines
@@ -24,7 +24,7 @@ HOSTILE = ["x'); DROP TABLE jobs; --", "' OR '1'='1", 'w"; DELETE FROM workers; 
 PASSWORD = "pw-7e1f-not-for-logs"
 
 
-def test_hostile_strings_are_stored_as_data_on_both_engines(any_store: StateStore) -> None:
+def test_hostile_strings_are_stored_as_data_on_both_engines(any_store: StateStore) -> None:  # noqa: F811
     for i, text in enumerate(HOSTILE):
         any_store.add_job(text, text, "{}", 1, "{}", submitter=text)
         any_store.upsert_worker(worker_id=text, categories=[text], histogram=[1], dp=DPPolicy(), epsilon_spent=0.0,

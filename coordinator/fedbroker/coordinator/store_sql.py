@@ -3,8 +3,9 @@
 SQLite (the embedded default, a file in the state directory): WAL, `synchronous=FULL`, a busy timeout, and every
 write transaction opened with `BEGIN IMMEDIATE`, so it holds the write lock from its first statement and two
 writers never deadlock halfway. PostgreSQL (clusters, `coordinator.database_url`): connections checked before
-use (`pool_pre_ping`, so one a restarted server dropped is replaced instead of failing a write) and a connect
-timeout, so an unreachable server fails a write in seconds, never hangs a job's thread. Each write transaction
+use (`pool_pre_ping`, so one a restarted server dropped is replaced instead of failing a write), a connect
+timeout and TCP keepalives, so an unreachable server fails a write in seconds, never hangs a job's thread, and a
+lock timeout equal to SQLite's busy timeout. Each write transaction
 there first takes one transaction-scoped advisory lock: writes are serialized as SQLite's are, so the store's
 read-then-write transactions mean the same on both engines.
 
@@ -55,8 +56,13 @@ def describe(url: URL) -> str:
 def make_engine(url: URL, *, busy_timeout_s: float) -> Engine:
     """The engine of a store (module docstring): SQLite's pragmas and BEGIN IMMEDIATE, PostgreSQL's pool checks."""
     if url.get_backend_name() == "postgresql":
-        return create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8, pool_timeout=busy_timeout_s,
-                             connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
+        # a lock (the write lock, a lease row) waited on no longer than SQLite's busy timeout; a server that
+        # vanished (a failover, a partition) noticed in seconds, not after the kernel's TCP retransmissions
+        libpq = {"connect_timeout": CONNECT_TIMEOUT_S, "options": f"-c lock_timeout={int(busy_timeout_s * 1000)}",
+                 "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3,
+                 "tcp_user_timeout": CONNECT_TIMEOUT_S * 1000}
+        return create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=32, pool_timeout=30,
+                             connect_args=libpq)
     path = url.database or ":memory:"
     memory = path == ":memory:"
     if not memory:
@@ -65,7 +71,7 @@ def make_engine(url: URL, *, busy_timeout_s: float) -> Engine:
             owner_only(name, 0o600)
     engine = create_engine(url, connect_args={"timeout": busy_timeout_s, "check_same_thread": False},
                            poolclass=pool.StaticPool if memory else pool.QueuePool,
-                           **({} if memory else {"pool_size": 4, "max_overflow": 8}))
+                           **({} if memory else {"pool_size": 8, "max_overflow": 32, "pool_timeout": 30}))
 
     @event.listens_for(engine, "connect")
     def _pragmas(dbapi_connection: Any, record: Any) -> None:
