@@ -111,7 +111,8 @@ class StateStore(RoundTables, EpsilonTables, JobNotes, ShareTables, EvaluationTa
         try:
             self.engine: Engine = make_engine(url, busy_timeout_s=busy_timeout_s)
         except SQLAlchemyError as exc:
-            raise StateUnavailable(f"the coordinator's state store {self.path} could not be opened: {exc}") from exc
+            raise StateUnavailable(f"the coordinator's state store {self.path} could not be opened: "
+                                   f"{_brief(exc)}") from exc
         try:
             self._migrate()
         except BaseException:
@@ -158,10 +159,7 @@ class StateStore(RoundTables, EpsilonTables, JobNotes, ShareTables, EvaluationTa
 
     def _migrate(self) -> None:
         """Bring the database to the schema this code knows (`store_schema`); a newer one is refused (`SchemaTooNew`)."""
-        try:
-            self._transaction("migrate its schema", lambda conn: upgrade(conn, path=self.path), fenced=False)
-        except StateUnavailable as exc:
-            raise StateUnavailable(str(exc).replace("could not migrate its schema", "could not be migrated")) from exc
+        self._transaction("be migrated", lambda conn: upgrade(conn, path=self.path), fenced=False)
 
     def schema_version(self) -> int:
         """The database's schema version (its Alembic revision): `store_schema.HEAD` once open."""
@@ -406,7 +404,8 @@ class StateStore(RoundTables, EpsilonTables, JobNotes, ShareTables, EvaluationTa
 
 def _brief(exc: SQLAlchemyError) -> str:
     """The database's own words, without SQLAlchemy's statement and parameters (which may hold a site's data)."""
-    return str(getattr(exc, "orig", None) or exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    said = str(getattr(exc, "orig", None) or exc).strip()
+    return said.splitlines()[0] if said else type(exc).__name__
 
 
 def _job_record(row: Row[Any]) -> JobRecord:

@@ -47,9 +47,6 @@ def priced(worker_id: str | None = None) -> Subquery:
 class EpsilonTables(StoreAccess):
     """Mixed into `StateStore`: its transactions (`_write`) and reads (`_exec`) over three more tables."""
 
-    def _epsilon_tables(self) -> None:
-        """The tables exist from the store's first migration on (kept for the mixins that still call it)."""
-
     def note_issued_epsilon(self, tasks: Iterable[tuple[str, str, float, float]], *, forget_before: float) -> None:
         """Tasks issued, each (worker id, job id, deadline, the most ε its training can add): what the coordinator
         priced, bounding the ε a worker's report for that job may claim (participants.EpsilonBounds). Rows whose

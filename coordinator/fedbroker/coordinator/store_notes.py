@@ -43,3 +43,12 @@ def write_event(conn: Connection, job_id: str, kind: str, *, round_number: int =
     """One line of a job's history, written in the transaction `conn` of what it reports."""
     conn.execute(events.insert().values(job_id=job_id, time=time.time(), kind=str(kind), round=round_number,
                                         worker_id=worker_id, message=message))
+
+
+def write_events(conn: Connection, job_id: str, kind: str, *, worker_ids: Sequence[str], round_number: int = 0,
+                 message: str = "") -> None:
+    """The same line for each of `worker_ids`, in their order, in one statement (a round's uploads)."""
+    now = time.time()
+    if worker_ids:
+        conn.execute(events.insert(), [dict(job_id=job_id, time=now, kind=str(kind), round=round_number,
+                                            worker_id=w, message=message) for w in worker_ids])

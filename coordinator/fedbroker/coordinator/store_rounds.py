@@ -13,11 +13,11 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Row, select, update
+from sqlalchemy import Row, bindparam, select, update
 from sqlalchemy.engine import Connection
 
 from fedbroker.coordinator.records import ParticipantRecord, RoundRecord
-from fedbroker.coordinator.store_notes import StoreAccess, write_event
+from fedbroker.coordinator.store_notes import StoreAccess, write_event, write_events
 from fedbroker.coordinator.store_sql import replace
 from fedbroker.coordinator.tables import jobs, participants, rounds
 from fedbroker.job.status import ParticipantStatus, RoundStatus
@@ -55,12 +55,16 @@ class RoundTables(StoreAccess):
 
     def set_uploaded(self, job_id: str, round_number: int, workers: Sequence[str]) -> None:
         """The participants whose update the aggregation service has accepted so far."""
-        def write(conn: Connection) -> None:
-            for w in workers:
-                if conn.execute(update(p).where(p.c.job_id == job_id, p.c.round == round_number, p.c.worker_id == w,
-                                                p.c.status == "published").values(status="uploaded")).rowcount:
-                    write_event(conn, job_id, "uploaded", round_number=round_number, worker_id=w,
-                                message="update accepted by the aggregation service")
+        this_round = (p.c.job_id == job_id, p.c.round == round_number)
+
+        def write(conn: Connection) -> None:  # a few statements however many workers: this runs on every event
+            waiting = set(conn.execute(select(p.c.worker_id).where(
+                *this_round, p.c.status == "published", p.c.worker_id.in_(list(workers)))).scalars()) if workers else set()
+            newly = [w for w in dict.fromkeys(workers) if w in waiting]
+            if newly:
+                conn.execute(update(p).where(*this_round, p.c.worker_id.in_(newly)).values(status="uploaded"))
+                write_events(conn, job_id, "uploaded", round_number=round_number, worker_ids=newly,
+                             message="update accepted by the aggregation service")
             conn.execute(update(r_).where(r_.c.job_id == job_id, r_.c.round == round_number)
                          .values(uploaded=len(workers)))
 
@@ -115,13 +119,17 @@ class RoundTables(StoreAccess):
         chosen = set(aggregated)
         this_round = (p.c.job_id == job_id, p.c.round == round_number)
 
+        one = (*this_round, p.c.worker_id == bindparam("w"))  # one statement, executed for many rows
+
         def write(conn: Connection) -> None:
-            for worker_id, num_samples, epsilon, train_loss in updates:
-                conn.execute(update(p).where(*this_round, p.c.worker_id == worker_id).values(
-                    status="aggregated" if worker_id in chosen else "uploaded", epsilon=epsilon,
-                    train_loss=train_loss, num_samples=num_samples))
-            for worker_id, reason in (reasons or {}).items():
-                conn.execute(update(p).where(*this_round, p.c.worker_id == worker_id).values(reason=reason))
+            if updates:
+                conn.execute(update(p).where(*one).values(status=bindparam("s"), epsilon=bindparam("e"),
+                                                          train_loss=bindparam("l"), num_samples=bindparam("n")),
+                             [dict(w=w, s="aggregated" if w in chosen else "uploaded", e=e, l=loss_, n=n)
+                              for w, n, e, loss_ in updates])
+            if reasons:
+                conn.execute(update(p).where(*one).values(reason=bindparam("r")),
+                             [dict(w=w, r=r) for w, r in reasons.items()])
             conn.execute(update(p).where(*this_round, p.c.status == "published")
                          .values(status="missed", reason="no upload before the round closed"))
             conn.execute(update(r_).where(r_.c.job_id == job_id, r_.c.round == round_number).values(
