@@ -150,3 +150,42 @@ def test_killing_the_task_queues_leader_mid_round_loses_and_double_counts_nothin
     finally:
         for bus in (coordinator, *worker_buses):
             bus.close()
+
+
+def test_quorum_queues_count_deliveries_ignore_a_forged_count_and_keep_their_arguments(cluster: PrivateCluster) -> None:
+    """The broker counts (a publisher's own x-delivery-count is overwritten), the handler sees each attempt, the
+    delivery limit dead-letters after max_attempts deliveries, and a client that re-declares the queue with other
+    arguments (a dishonest site: classic, or a delivery limit of its own) is refused."""
+    import pika
+    import pika.exceptions as pex
+
+    namespace = f"hq{time.time_ns() % 10**9}"
+    seen: list[tuple[int, bool]] = []
+    alive = cluster.alive()  # the first test killed one
+    bus = _bus(alive[0].url, namespace, max_attempts=2)
+    try:
+        def fail(delivery: Delivery) -> None:
+            seen.append((delivery.attempts, delivery.redelivered))
+            raise RuntimeError("a poison message")
+
+        bus.consume_control(fail)
+        bus.start()
+        assert bus.wait_ready(DEADLINE_S)
+        site = pika.BlockingConnection(pika.URLParameters(alive[-1].url))
+        try:
+            channel = site.channel()
+            channel.confirm_delivery()
+            channel.basic_publish(f"{namespace}.control", "coordinator", b"poison", pika.BasicProperties(
+                delivery_mode=2, message_id="m1", headers={"x-delivery-count": 7}), mandatory=True)
+            _wait(lambda: bus.dead_letter_count(timeout_s=DEADLINE_S) == 1, "the poison message dead-lettered")
+            assert seen == [(1, False), (2, True)]  # two deliveries (max_attempts), the forged count ignored
+            for changed in ({"x-queue-type": "classic"}, {"x-queue-type": "quorum", "x-delivery-limit": 1000}):
+                with pytest.raises(pex.ChannelClosedByBroker) as refused:
+                    site.channel().queue_declare(f"{namespace}.coordinator", durable=True, arguments=changed)
+                assert refused.value.reply_code == 406  # PRECONDITION_FAILED: the queue keeps its arguments
+            ours = bus._declarer.consumer_queue_arguments()
+            assert site.channel().queue_declare(f"{namespace}.coordinator", durable=True, arguments=ours)
+        finally:
+            site.close()
+    finally:
+        bus.close()
