@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fedbroker.bus.amqp_link import Link, LinkSettings, broker_version
-from fedbroker.bus.amqp_quorum import RETRY_PAUSE_S, Batch
+from fedbroker.bus.amqp_quorum import RETRY_PAUSE_S, Batch, ConfirmChannel
 from fedbroker.bus.amqp_topology import TopologyDeclarer
 from fedbroker.bus.base import CONTENT_TYPE
 from fedbroker.errors import BusError, Unroutable
@@ -39,6 +39,7 @@ class Publisher:
         self._channel: Any = None
         self._batch_channel: Any = None
         self._conn: Any = None
+        self._quorum_channels: dict[str, ConfirmChannel] = {}  # the kept batch confirm channel (quorum queues)
         self._returned: list[str] = []  # routing keys of tasks a batch got back unroutable (I/O thread only)
         self.link = Link(role="publisher", settings=settings, on_connect=self._on_connect,
                          on_disconnect=self._on_disconnect)
@@ -56,6 +57,7 @@ class Publisher:
         self._conn = conn
 
     def _on_disconnect(self) -> None:
+        self._quorum_channels.clear()
         self._channel = None
         self._batch_channel = None
         self._conn = None
@@ -140,7 +142,8 @@ class Publisher:
             def publish_confirmed() -> None:
                 if self._conn is None:
                     raise pex.ChannelWrongStateError("publisher connection not open")
-                unroutable[:] = batch.publish(self._conn, exchange, deadline=deadline, what=what)
+                unroutable[:] = batch.publish(self._conn, exchange, self._quorum_channels, deadline=deadline,
+                                              what=what)
 
             self.link.start()
             self.link.call(publish_confirmed, timeout=self.timeout_s, what=what)
