@@ -25,7 +25,7 @@ from tests.rabbitmq_cluster import PrivateCluster, start_private_cluster
 
 WORKERS = 6
 ROUNDS = 24
-KILL_AFTER_ROUND = 8      # the kill comes while this round's tasks are in flight
+KILL_AFTER_ROUND = 8      # the kill comes while this round's tasks are held in their handlers
 DEADLINE_S = 120.0       # a generous bound on any one wait: a loaded 2-core machine, never a timing assertion
 
 
@@ -84,10 +84,12 @@ class StubWorkers:
     """Workers on one bus: each answers its task with an update (the task's number), keeps the update, and on a
     task it already answered sends the kept update again instead of computing a new one."""
 
-    def __init__(self, bus: AmqpBus, ids: list[str]) -> None:
+    def __init__(self, bus: AmqpBus, ids: list[str], *, hold: str, release: threading.Event) -> None:
         self.bus = bus
         self.kept: dict[str, str] = {}
         self.handled = 0
+        self.held = 0  # tasks of the held round in a handler now
+        self.hold, self.release = hold, release  # tasks starting with `hold` wait for `release` (the kill)
         self.lock = threading.Lock()
         for wid in ids:
             bus.consume_tasks(wid, self.on_task)
@@ -97,6 +99,10 @@ class StubWorkers:
         with self.lock:
             update = self.kept.setdefault(task, f"{task}={sum(map(ord, task))}")
             self.handled += 1
+            held = task.startswith(self.hold) and not self.release.is_set()
+            self.held += held
+        if held:  # the round the kill hits: its tasks delivered, unacked, in their handlers
+            assert self.release.wait(DEADLINE_S)
         self.bus.publish_control(update.encode())
         delivery.ack()
 
@@ -113,7 +119,9 @@ def test_killing_the_task_queues_leader_mid_round_loses_and_double_counts_nothin
             coordinator.declare_worker(wid)  # the task queues' leaders: the node the coordinator reached
         coordinator.consume_control(tally.on_update)
         coordinator.start()
-        fleets = [StubWorkers(bus, wids[i::2]) for i, bus in enumerate(worker_buses)]
+        release = threading.Event()
+        fleets = [StubWorkers(bus, wids[i::2], hold=f"r{KILL_AFTER_ROUND}.", release=release)
+                  for i, bus in enumerate(worker_buses)]
         for bus in worker_buses:
             bus.start()
             assert bus.wait_ready(DEADLINE_S)
@@ -125,11 +133,13 @@ def test_killing_the_task_queues_leader_mid_round_loses_and_double_counts_nothin
         for number in range(ROUNDS):
             bodies = [f"r{number}.{wid}" for wid in wids]
             expected.update({body: sum(map(ord, body)) for body in bodies})
-            if number == KILL_AFTER_ROUND:
-                threading.Timer(0.05, victim.kill).start()  # while the round's tasks are published and handled
-                killed_at = time.monotonic() + 0.05
-                tally.first_after[killed_at] = 0.0
             assert coordinator.publish_tasks([(wid, body.encode()) for wid, body in zip(wids, bodies)]) == []
+            if number == KILL_AFTER_ROUND:  # mid-round by construction: every task of the round is in a handler
+                _wait(lambda: sum(f.held for f in fleets) == WORKERS, "the round's tasks in their handlers")
+                victim.kill()
+                killed_at = time.monotonic()
+                tally.first_after[killed_at] = 0.0
+                release.set()
             _wait(lambda bodies=bodies: all(b in tally.counted for b in bodies), f"round {number}'s updates")
             if number == KILL_AFTER_ROUND:
                 recovered_at = time.monotonic()  # the round the kill hit is complete
