@@ -22,7 +22,7 @@ from collections.abc import Callable
 from bench.harness import Section, machine, write_results
 
 BENCHMARKS = ("averaging", "streaming", "control_plane", "alignment", "genetic", "dp_training", "dp_models", "secagg",
-              "secure_round", "secure_groups", "ddp_round", "robust", "graph_validation", "data_loading")
+              "secure_round", "secure_groups", "ddp_round", "robust", "graph_validation", "data_loading", "broker_cluster")
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE_ROOTS = (".", "coordinator", "worker", "aggregators", "proto")  # the fedbroker namespace in a checkout
 REPO = os.path.dirname(HERE)

@@ -36,7 +36,9 @@ _D = TypeVar("_D", bound="DataclassInstance")
 class BrokerConfig:
     """Where the control messages travel: RabbitMQ (with its TLS and credentials) or, empty, the in-process bus."""
 
-    url: str = field(default="", repr=False)  # amqp:// or amqps:// (TLS); empty = the in-process bus
+    url: str = field(default="", repr=False)  # amqp:// or amqps:// (TLS), a cluster's nodes comma-separated
+                                               # (bare host:port items reuse the first's user and vhost);
+                                               # empty = the in-process bus
     url_file: str = ""                 # or read the URL (with its password) from this mounted secret file
     ca_file: str = ""                  # amqps://: verify the broker against this CA (default: system CAs)
     cert_file: str = ""                # amqps:// with a client certificate (RabbitMQ's EXTERNAL/mTLS)
@@ -49,6 +51,13 @@ class BrokerConfig:
                                         # their own consumer_timeout, which this must then equal), and the
                                         # coordinator refuses jobs whose round_timeout_s would outlast it;
                                         # 0 = do not set it, do not check
+    queue_type: str = "classic"         # classic | quorum: quorum queues replicate the task, control and dead
+                                        # queues on every node of a RabbitMQ cluster (deploy/RELIABILITY.md);
+                                        # url then lists the nodes, comma-separated
+
+    def __post_init__(self) -> None:
+        if self.queue_type not in ("classic", "quorum"):
+            raise ConfigError("queue_type", f"must be classic or quorum, got {self.queue_type!r}")
 
 
 @dataclass(frozen=True)

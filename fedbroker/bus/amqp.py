@@ -23,6 +23,7 @@ from fedbroker.bus.base import (
     Dispatcher,
     Handler,
     Topology,
+    broker_urls,
     check_max_attempts,
     check_name,
     check_url,
@@ -42,6 +43,7 @@ AMQP_ONLY_OPTIONS = {
     "cert_file",
     "key_file",
     "consumer_timeout_s",
+    "queue_type",
 }
 
 
@@ -86,6 +88,13 @@ class AmqpBus:
     `settle_timeout_s` (how long `ack`/`nack` wait for the I/O thread). Credentials come from the URL;
     logs show it with the password masked. TLS: an `amqps://` URL, verified against `ca_file` (default:
     the system's CAs) for the URL's host name, with `cert_file`/`key_file` as a client certificate.
+
+    A cluster: `url` lists its nodes separated by commas (`amqp://u:p@h1:5672/%2F,h2:5672,h3:5672`: a bare
+    host:port reuses the first URL's credentials, virtual host and options; every node logs in as one user, the
+    user_id of every message). Each connection fails over to the next node when its node is lost: publishes not
+    yet confirmed are sent again there (with the same message_id, so a consumer may see one twice), consumers
+    subscribe again, and the settlements of the lost connection's deliveries are dropped (the broker redelivers
+    those). `queue_type="quorum"` declares quorum queues, replicated on every node (see `amqp_topology`).
     """
 
     def __init__(
@@ -104,6 +113,7 @@ class AmqpBus:
         cert_file: str = "",
         key_file: str = "",
         consumer_timeout_s: float | None = None,
+        queue_type: str = "classic",
     ) -> None:
         import pika  # noqa: F401  (fail here, not in a thread, when pika is missing)
 
@@ -125,13 +135,18 @@ class AmqpBus:
         if consumer_timeout_s is not None:
             consumer_timeout_s = _check_positive("consumer_timeout_s", consumer_timeout_s)
         self.masked_url = mask_url(check_url(url))
-        self.user = url_user(url)
+        users = {url_user(node) for node in broker_urls(url)}
+        if len(users) > 1:
+            raise ConfigError("broker.url", "every broker address must log in as the same user (each message's "
+                                            "user_id is checked against its connection's user)")
+        self.user = users.pop()
         settings = LinkSettings(
             url=url, client_name=client_name, heartbeat_s=heartbeat, blocked_timeout_s=self.publish_timeout_s,
             reconnect=Backoff(initial_s=initial, max_s=maximum),
             tls=tls_context(url, ca_file=ca_file, cert_file=cert_file, key_file=key_file), user=self.user,
         )
-        declarer = TopologyDeclarer(self.topology, consumer_timeout_s=consumer_timeout_s)
+        declarer = TopologyDeclarer(self.topology, consumer_timeout_s=consumer_timeout_s, queue_type=queue_type,
+                                    max_attempts=self.max_attempts)
         self._lock = threading.Lock()
         self._closed = False
         self._publisher = Publisher(settings, declarer, timeout_s=self.publish_timeout_s)

@@ -21,6 +21,12 @@ when the broker closed its channel (a consumer timeout) is replaced by the redel
 task whose training outlived the broker's consumer timeout is therefore handled again (its update found
 accepted, acked) instead of being counted to the dead-letter queue while it waited.
 
+On quorum queues (`broker.queue_type: quorum`) the broker counts: `x-delivery-count` holds the earlier returned
+deliveries of a redelivered message, a failed delivery is nacked with requeue (no copy, no header of ours) and the
+queue's `x-delivery-limit` dead-letters it, at least once, after `max_attempts` deliveries. The header is believed
+only on a delivery the broker flags as redelivered: on a first delivery it could only be the publisher's (a forged
+one). An events subscriber's queue is exclusive, hence classic, and keeps the classic counting.
+
 Who published a delivery (`Delivery.sender`) is its broker-validated `user_id`; a retried copy, republished by
 this connection under its own user, names the original publisher in `x-fedbroker-sender`, believed only on a
 message whose user_id is this connection's own user.
@@ -41,6 +47,8 @@ from fedbroker.errors import BusError
 
 log = logging.getLogger(__name__)
 
+DELIVERY_COUNT_HEADER = "x-delivery-count"  # a quorum queue's count of a message's earlier, returned deliveries
+
 
 @dataclass
 class _Consumer:
@@ -49,6 +57,10 @@ class _Consumer:
     dispatcher: Dispatcher
     route: tuple[str, str] | None = None  # (exchange, routing key) reaching `queue` alone; None: the default one
     channel: Any = None  # the channel of the current connection, None while disconnected
+
+    def broker_counts(self, topology: TopologyDeclarer) -> bool:
+        """Whether the broker counts this consumer's deliveries and dead-letters at the limit (a quorum queue)."""
+        return topology.quorum and self.kind != "events"
 
     def retry_route(self) -> tuple[str, str]:
         """Where a retried copy is republished: the queue's own route, else the default exchange by queue name
@@ -201,8 +213,15 @@ class Consumers:
     def _on_message(self, consumer: _Consumer, ch: Any, method: Any, props: Any, body: bytes) -> None:
         """On the I/O thread: count the attempt, then dead-letter, retry or hand to the handler."""
         headers = dict(props.headers or {})
-        prior = _header_int(headers, ATTEMPTS_HEADER)
-        if method.redelivered:  # an earlier delivery ended unsettled (consumer died or closed)
+        if consumer.broker_counts(self.topology):
+            # the broker's count, on a delivery it says it delivered before; a first delivery's header is forged
+            prior = _header_int(headers, DELIVERY_COUNT_HEADER) if method.redelivered else 0
+            if method.redelivered and consumer.dispatcher.withdraw(props.message_id) is not None:
+                log.info("message %s on %s redelivered while it waited for its handler", props.message_id,
+                         consumer.queue)
+        else:
+            prior = _header_int(headers, ATTEMPTS_HEADER)
+        if method.redelivered and not consumer.broker_counts(self.topology):  # an earlier delivery ended unsettled
             unseen = consumer.dispatcher.withdraw(props.message_id)
             if unseen is None:  # the handler had it: a failure
                 self._retry(consumer, ch, method, props, body, failures=prior + 1)
@@ -312,6 +331,8 @@ class Consumers:
                 ch.basic_ack(method.delivery_tag)
             elif action == "dead":
                 self._dead_letter(consumer, ch, method, props, attempts)
+            elif consumer.broker_counts(self.topology):  # the broker counts it, and dead-letters at its limit
+                ch.basic_nack(method.delivery_tag, requeue=True)
             else:
                 self._retry(consumer, ch, method, props, body, failures=attempts)
 

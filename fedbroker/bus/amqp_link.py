@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from fedbroker.bus.amqp_problem import ProblemLog
-from fedbroker.bus.base import mask_url
+from fedbroker.bus.base import broker_urls, mask_url
 from fedbroker.errors import BusError, ConfigError
 from fedbroker.retry import Backoff
 
@@ -61,7 +61,7 @@ def _noop() -> None:
 class LinkSettings:
     """What every connection of one bus shares, checked once by the bus, so its two links connect alike."""
 
-    url: str
+    url: str  # one broker URL, or a cluster's nodes separated by commas (`broker_urls`)
     client_name: str  # prefix of the connection_name RabbitMQ shows, the link's role appended
     heartbeat_s: float  # unless the URL sets heartbeat=
     blocked_timeout_s: float  # unless the URL sets blocked_connection_timeout=
@@ -166,7 +166,8 @@ class Link:
     heartbeats even while handlers train for minutes, and runs `PendingCall`s queued by other threads
     (woken with `add_callback_threadsafe`). On connection loss it tears down and reconnects;
     calls that were not completed stay queued and run on the next connection unless their
-    deadline passed. The backoff starts over only after a connection held for the longest wait: one the broker
+    deadline passed. With several broker addresses (a cluster's nodes) each connect tries the next one: a lost
+    node is left for the next at once, and the backoff waits only after every node has failed in a row. The backoff starts over only after a connection held for the longest wait: one the broker
     keeps closing soon after it opens (an operation it refuses on every connect) is retried ever more slowly,
     not twice a second.
     """
@@ -181,9 +182,10 @@ class Link:
         on_tick: Callable[[Any], None] | None = None,
     ) -> None:
         self.role = role
-        self.masked_url = mask_url(settings.url)
-        self._url, self._problems = settings.url, settings.problems
-        self._params = _connection_parameters(role, settings)
+        self._urls = broker_urls(settings.url)
+        self._problems = settings.problems
+        self._params = [_connection_parameters(role, settings, url=url) for url in self._urls]
+        self._node = 0  # index of the address the current (or next) connection uses
         self._reconnect = settings.reconnect
         self._on_connect = on_connect
         self._on_disconnect = on_disconnect
@@ -201,7 +203,17 @@ class Link:
     @property
     def connection_name(self) -> str:
         """The name RabbitMQ shows for this connection, to find it in the management UI."""
-        return str(self._params.client_properties["connection_name"])
+        return str(self._params[0].client_properties["connection_name"])
+
+    @property
+    def masked_url(self) -> str:
+        """The address the current (or next) connection uses, password masked: for logs and errors."""
+        return mask_url(self._urls[self._node])
+
+    @property
+    def node(self) -> int:
+        """Which of the broker addresses (0-based) the current (or next) connection uses."""
+        return self._node
 
     def start(self) -> None:
         """Start the I/O thread on first use, so a bus that never publishes opens no publisher connection."""
@@ -276,7 +288,7 @@ class Link:
         while not self._stop.is_set():
             conn = None
             try:
-                conn = pika.BlockingConnection(self._params)
+                conn = pika.BlockingConnection(self._params[self._node])
                 self._on_connect(conn)
                 self._conn = conn
                 self.connected.set()
@@ -288,19 +300,28 @@ class Link:
             except _connection_errors() as exc:
                 if self.connected.is_set() and time.monotonic() - up_since >= self._reconnect.max_s:
                     failures = 0  # it had held: a new outage starts from the shortest wait
-                delay = self._reconnect.delay(failures)
-                failures += 1
-                self._problems.failed(self.role, exc, self._url, connected_before=self.connected.is_set(), delay=delay)
+                failures, delay = self._next_node(failures)
+                url = self._urls[(self._node - 1) % len(self._urls)]  # the one that failed
+                self._problems.failed(self.role, exc, url, connected_before=self.connected.is_set(), delay=delay)
                 self._teardown(conn)
                 self._stop.wait(delay)
                 continue
             except Exception:
                 log.exception("bus %s I/O thread failed unexpectedly; reconnecting", self.role)
                 self._teardown(conn)
-                self._stop.wait(self._reconnect.delay(failures))
-                failures += 1
+                failures, delay = self._next_node(failures)
+                self._stop.wait(delay)
                 continue
             self._teardown(conn)
+
+    def _next_node(self, failures: int) -> tuple[int, float]:
+        """After a failed or lost connection: move on to the next address; (failures so far, seconds to wait):
+        none while an address of this round is untried, the backoff's once all failed in a row."""
+        failures += 1
+        count = len(self._urls)
+        self._node = (self._node + 1) % count
+        delay = self._reconnect.delay(failures // count - 1) if failures % count == 0 else 0.0
+        return failures, delay
 
     def _log_connected(self, *, again: bool) -> None:
         if again:
@@ -328,11 +349,12 @@ class Link:
                 log.debug("bus %s: closing the connection failed: %s", self.role, exc)
 
 
-def _connection_parameters(role: str, settings: LinkSettings) -> Any:
-    """pika's parameters from the URL; the URL's own query options win over the bus's settings."""
+def _connection_parameters(role: str, settings: LinkSettings, *, url: str | None = None) -> Any:
+    """pika's parameters from the URL (`url`, else the first of the settings' addresses); the URL's own query
+    options win over the bus's settings."""
     import pika
 
-    url = settings.url
+    url = url if url is not None else broker_urls(settings.url)[0]
     params = pika.URLParameters(url)
     query = parse_qs(urlsplit(url).query)
     if params.ssl_options is not None and "ssl_options" not in query:

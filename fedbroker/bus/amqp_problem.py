@@ -151,9 +151,10 @@ class ProblemLog:
     def failed(self, role: str, exc: BaseException, url: str, *, connected_before: bool, delay: float) -> None:
         """Log one failed connect (or a lost connection) of the `role` link."""
         line = describe(exc, url, lost=connected_before)
+        key = f"{connected_before}:{reason(exc, url)[0]}"  # not the address: a cluster's nodes, tried in turn, say it once
         with self._lock:
-            fresh = line != self._said
-            self._said, self._repeats = line, 0 if fresh else self._repeats + 1
+            fresh = key != self._said
+            self._said, self._repeats = key, 0 if fresh else self._repeats + 1
             remind = not fresh and self._repeats % REMIND_EVERY == 0
         if fresh:
             log.warning("bus: %s; retrying in %.2fs", line, delay)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fedbroker.bus.amqp_link import Link, LinkSettings, broker_version
+from fedbroker.bus.amqp_quorum import RETRY_PAUSE_S, Batch, ConfirmChannel
 from fedbroker.bus.amqp_topology import TopologyDeclarer
 from fedbroker.bus.base import CONTENT_TYPE
 from fedbroker.errors import BusError, Unroutable
@@ -27,7 +28,8 @@ class Publisher:
     connection is touched by two threads, and an idle publisher still answers heartbeats.
 
     Two channels per connection: one in confirm mode for single messages and declarations, one in transaction
-    mode for batches of tasks (`publish_tasks`).
+    mode for batches of tasks (`publish_tasks`). With quorum queues a batch goes on a fresh confirm channel
+    instead, and a nacked message is sent again on a fresh channel until the deadline (`amqp_quorum`: why).
     """
 
     def __init__(self, settings: LinkSettings, topology: TopologyDeclarer, *, timeout_s: float) -> None:
@@ -37,6 +39,7 @@ class Publisher:
         self._channel: Any = None
         self._batch_channel: Any = None
         self._conn: Any = None
+        self._quorum_channels: dict[str, ConfirmChannel] = {}  # the kept batch confirm channel (quorum queues)
         self._returned: list[str] = []  # routing keys of tasks a batch got back unroutable (I/O thread only)
         self.link = Link(role="publisher", settings=settings, on_connect=self._on_connect,
                          on_disconnect=self._on_disconnect)
@@ -54,6 +57,7 @@ class Publisher:
         self._conn = conn
 
     def _on_disconnect(self) -> None:
+        self._quorum_channels.clear()
         self._channel = None
         self._batch_channel = None
         self._conn = None
@@ -86,16 +90,22 @@ class Publisher:
         properties = self._properties()
         payload = bytes(body)
 
+        deadline = time.monotonic() + self.timeout_s
+
         def publish() -> None:
-            ch = self._confirm_channel()
-            try:
-                ch.basic_publish(exchange, routing_key, payload, properties, mandatory=mandatory)
-            except pex.UnroutableError as exc:
-                raise Unroutable(
-                    f"{what} is unroutable: no queue bound for routing key {routing_key!r} on {exchange}"
-                ) from exc
-            except pex.NackError as exc:
-                raise BusError(f"broker refused (nacked) {what}") from exc
+            while True:
+                ch = self._confirm_channel()
+                try:
+                    ch.basic_publish(exchange, routing_key, payload, properties, mandatory=mandatory)
+                    return
+                except pex.UnroutableError as exc:
+                    raise Unroutable(
+                        f"{what} is unroutable: no queue bound for routing key {routing_key!r} on {exchange}"
+                    ) from exc
+                except pex.NackError as exc:
+                    if not self.topology.quorum or time.monotonic() >= deadline:
+                        raise BusError(f"broker refused (nacked) {what}") from exc
+                self._fresh_confirm_channel()  # a quorum queue's stale leader on this channel (amqp_quorum)
 
         self.link.start()
         self.link.call(publish, timeout=self.timeout_s, what=f"publishing {what}")
@@ -125,10 +135,36 @@ class Publisher:
             unroutable[:] = sorted(set(self._returned))
             self._returned.clear()
 
-        if messages:
+        what = f"publishing {len(messages)} task(s)"
+        if messages and self.topology.quorum:
+            batch, deadline = Batch(messages), time.monotonic() + self.timeout_s
+
+            def publish_confirmed() -> None:
+                if self._conn is None:
+                    raise pex.ChannelWrongStateError("publisher connection not open")
+                unroutable[:] = batch.publish(self._conn, exchange, self._quorum_channels, deadline=deadline,
+                                              what=what)
+
             self.link.start()
-            self.link.call(publish, timeout=self.timeout_s, what=f"publishing {len(messages)} task(s)")
+            self.link.call(publish_confirmed, timeout=self.timeout_s, what=what)
+        elif messages:
+            self.link.start()
+            self.link.call(publish, timeout=self.timeout_s, what=what)
         return unroutable
+
+    def _fresh_confirm_channel(self) -> None:
+        """Replace the confirm channel after a pause (on the I/O thread), so the next publish meets the queue's
+        current leader."""
+        conn = self._conn
+        if conn is None:
+            return
+        conn.process_data_events(time_limit=RETRY_PAUSE_S)
+        old, self._channel = self._channel, None
+        ch = conn.channel()
+        ch.confirm_delivery()
+        self._channel = ch
+        if old is not None and old.is_open:
+            old.close()
 
     def declare_worker(self, worker_id: str) -> None:
         """Create the worker's durable queue now (and on every reconnect), so tasks published before the

@@ -205,7 +205,17 @@ def mask_url(url: str) -> str:
     authority early and would leave the rest of the password in the "path" or "fragment", in clear.
     The userinfo ends at the LAST '@' (a password may hold '@' too); everything before it after the
     first ':' is masked. An '@' later in the URL (a vhost) only masks more than needed, never less.
+    A comma-separated list (`broker_urls`) is masked item by item when every item is a URL or a bare host:port;
+    otherwise (a ',' in a password) as one URL, which masks more, never less.
     """
+    if "," in url:
+        items = url.split(",")
+        if all("://" in item or _HOST_PORT.fullmatch(item.strip()) for item in items):
+            return ",".join(_mask_one(item) for item in items)
+    return _mask_one(url)
+
+
+def _mask_one(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
@@ -218,10 +228,44 @@ def mask_url(url: str) -> str:
     return f"{scheme}{sep}{user}:***@{rest[at + 1:]}"
 
 
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252})(:[0-9]{1,5})?")
+
+
+def broker_urls(url: str) -> tuple[str, ...]:
+    """The broker addresses a `broker.url` names: one URL, or a cluster's nodes separated by commas. An item with
+    no `://` is `host[:port]` and reuses the first URL's scheme, credentials, virtual host and options, so the
+    password is written once. Items are never echoed in an error (a ',' left unescaped in a password would
+    split it into one)."""
+    items = [item.strip() for item in url.split(",")]
+    if not items or not items[0] or "://" not in items[0]:
+        raise ConfigError("broker.url", "must start with an amqp:// or amqps:// URL")
+    first = items[0]
+    scheme, _, rest = first.partition("://")
+    at = rest.rfind("@")
+    userinfo, location = rest[: at + 1], rest[at + 1:]
+    cut = min((i for i in (location.find("/"), location.find("?")) if i >= 0), default=len(location))
+    tail = location[cut:]  # the virtual host and options every bare host:port item shares
+    out = [first]
+    for number, item in enumerate(items[1:], start=2):
+        if "://" in item:
+            out.append(item)
+        elif _HOST_PORT.fullmatch(item):
+            out.append(f"{scheme}://{userinfo}{item}{tail}")
+        else:
+            raise ConfigError("broker.url", f"item {number} of the comma-separated list is neither an amqp(s):// URL "
+                                            f"nor host:port (a ',' in a password must be percent-encoded as %2C)")
+    return tuple(out)
+
+
 def check_url(url: str) -> str:
     """A broker URL whose user name and password the URL parsers read as written: an unescaped '#', '/'
     or '?' in them would end the authority early (the broker would see a truncated password, or a port
-    made of its tail), so it is refused here, naming the fix and never showing the password."""
+    made of its tail), so it is refused here, naming the fix and never showing the password. A comma-separated
+    list (`broker_urls`) is checked item by item."""
+    if "," in url:
+        for item in broker_urls(url):
+            check_url(item)
+        return url
     _scheme, sep, rest = url.partition("://")
     userinfo = rest[: rest.rfind("@")] if sep and "@" in rest else ""
     bad = sorted({c for c in userinfo if c in "#/?"})

@@ -45,7 +45,7 @@ def make_bus(config: Config) -> Bus:
         return open_bus(None, namespace=b.namespace, max_attempts=b.max_attempts)
     return open_bus(url, namespace=b.namespace, max_attempts=b.max_attempts, heartbeat_s=b.heartbeat_s,
                     ca_file=b.ca_file, cert_file=b.cert_file, key_file=b.key_file,
-                    consumer_timeout_s=b.consumer_timeout_s or None)
+                    consumer_timeout_s=b.consumer_timeout_s or None, queue_type=b.queue_type)
 
 
 def client_security(config: Config, *, expected_target: str = "") -> ClientSecurity:
