@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from sqlalchemy import Engine, create_engine, inspect
+from sqlalchemy.exc import SQLAlchemyError
 
 from fedbroker.aggregators import metrics
 from fedbroker.errors import Unavailable, UnknownJob
@@ -94,9 +95,17 @@ class JobOwnership:
     def ensure(self, job_id: str, *, create: bool = False) -> None:
         """Own the job before serving a call for it: take its lease when free or lapsed and load it (`take`);
         NotOwner when a live replica holds it; UnknownJob when the spool holds no such job and `create` is off
-        (a worker's call naming a job nobody installed takes no lease)."""
+        (a worker's call naming a job nobody installed takes no lease); Unavailable while the database is not
+        reachable (every client retries it)."""
         if self.owns(job_id):
             return
+        try:
+            self._ensure(job_id, create=create)
+        except SQLAlchemyError as exc:
+            raise Unavailable(f"the lease database is unreachable ({type(exc).__name__}): job {job_id!r} cannot be "
+                              f"served until it is back") from exc
+
+    def _ensure(self, job_id: str, *, create: bool) -> None:
         with self._lock:
             taking = self._taking.setdefault(job_id, threading.Lock())
         with taking:
@@ -147,6 +156,9 @@ class JobOwnership:
             with self.engine.begin() as conn:
                 lease.fence(conn)
                 yield
+        except SQLAlchemyError as exc:  # no fence, no write: the caller's client retries
+            raise Unavailable(f"the lease database is unreachable ({type(exc).__name__}): the write of job "
+                              f"{job_id!r} was refused") from exc
         except LeaseLost:
             # the caller may hold the book's lock: forget the job on a thread of its own
             threading.Thread(target=self._lost, args=(job_id, lease), name=f"lost-{job_id}", daemon=True).start()
