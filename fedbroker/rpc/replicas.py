@@ -68,24 +68,21 @@ class Stubs:
 
 
 class Replicas:
-    """The targets, a channel to each opened when first used, and the one calls go to now (thread-safe)."""
+    """The targets, a channel to each, and the one calls go to now (thread-safe)."""
 
     def __init__(self, targets: Sequence[str], security: ClientSecurity | None) -> None:
         self.targets = list(targets)
         self._security = security or ClientSecurity()
         self.metadata = self._security.metadata()
-        self._stubs: dict[str, Stubs] = {}
+        # every channel now (gRPC connects lazily): a target the token may not go to is refused here, at once
+        self._stubs = {target: Stubs.on(self._security.channel(target, CHANNEL_OPTIONS)) for target in self.targets}
         self._index = 0
         self._lock = threading.Lock()
 
     def current(self) -> Stubs:
         """The current replica's stubs."""
         with self._lock:
-            target = self.targets[self._index]
-            stubs = self._stubs.get(target)
-            if stubs is None:
-                stubs = self._stubs[target] = Stubs.on(self._security.channel(target, CHANNEL_OPTIONS))
-            return stubs
+            return self._stubs[self.targets[self._index]]
 
     def routed(self, fn: Callable[[], T]) -> Callable[[], T]:
         """`fn` (a call on the current replica's stubs), following a `not_owner` redirect to a listed owner at

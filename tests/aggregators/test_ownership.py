@@ -21,11 +21,12 @@ from fedbroker.aggregators.ownership import JobOwnership, NotOwner, lease_engine
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.aggregators.spool import job_folder
-from fedbroker.errors import Rejection, UnknownJob, UploadRejected
+from fedbroker.errors import ConfigError, Rejection, UnknownJob, UploadRejected
 from fedbroker.ha.lease import LEASES, Lease, LeaseLost
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity, generate_token
 from tests.aggregators.test_rounds import AGG, SPEC, stream, weights
 from tests.faults.harness import wait_for
 from tests.rabbitmq_node import free_ports
@@ -186,7 +187,7 @@ def test_a_client_follows_not_owner_only_to_its_own_targets(tmp_path: Path) -> N
     client = AggregatorClient(f"127.0.0.1:{forged_port},127.0.0.1:{port}", attempts=3)
     try:
         assert client.status("j", 1) == ([], True)  # the forged owner was never called: the next target was
-        assert "127.0.0.1:9" not in client._replicas._stubs
+        assert "127.0.0.1:9" not in client._replicas.targets
         assert client._replicas.targets[client._replicas._index] == f"127.0.0.1:{port}"
     finally:
         client.close()
@@ -210,3 +211,10 @@ def test_a_client_goes_straight_to_the_owner_a_replica_names(tmp_path: Path) -> 
         b_server.stop(grace=0)
         a.stop()
         b.stop()
+
+
+def test_a_token_goes_only_to_the_replicas_the_process_lists() -> None:
+    security = ClientSecurity(token=generate_token(), expected_target="a.example:1,b.example:2")
+    AggregatorClient("b.example:2,a.example:1", security=security).close()  # a task may list them in any order
+    with pytest.raises(ConfigError, match="refusing to send"):  # a forged task naming one more "replica"
+        AggregatorClient("a.example:1,evil.example:3", security=security)

@@ -128,7 +128,7 @@ def start_coordinator(config: Config, *, bus: Bus | None = None, config_file: st
     c = config.coordinator
     tokens = follow_table(c.tokens_file, service=SERVICE_NAME)
     tls = ServerTLS.from_files(c.tls.cert_file, c.tls.key_file, c.tls.client_ca_file, where="coordinator.tls")
-    security = client_security(config, expected_target=config.aggregator.target)
+    security = client_security(config, expected_target=config.aggregator.target_list())
     aggregators = config.aggregator.target_list()  # every replica, comma-separated (fedbroker.rpc.replicas)
     _export("coordinator", c.metrics_port, c.metrics_addr)
     store = StateStore.in_directory(c.state_dir)  # refused while another coordinator holds it
@@ -203,7 +203,7 @@ def start_worker(config: Config, *, bus: Bus | None = None, secure_steps: Secure
     bus = bus or make_bus(config)
     forwarder = install(w.id, bus.publish_control) if own_bus and w.forward_logs else None
     try:
-        agent = WorkerAgent(w, bus, security=client_security(config, expected_target=config.aggregator.target),
+        agent = WorkerAgent(w, bus, security=client_security(config, expected_target=config.aggregator.target_list()),
                             log_forwarder=forwarder, secure_steps=secure_steps)
     except BaseException:
         if forwarder is not None:
