@@ -5,6 +5,7 @@ nothing; what a dishonest site, a forged redirect or a full shared volume can do
 
 from __future__ import annotations
 
+import contextlib
 import errno
 from collections.abc import Iterator
 from concurrent import futures
@@ -29,15 +30,17 @@ from fedbroker.rpc.aggregation_client import AggregatorClient
 from fedbroker.rpc.auth import ClientSecurity, generate_token
 from tests.aggregators.test_rounds import AGG, SPEC, stream, weights
 from tests.faults.harness import wait_for
+from tests.postgres_node import scratch_database
 from tests.rabbitmq_node import free_ports
 
 pytestmark = pytest.mark.timeout(60)
 WORKERS = ["w1", "w2", "w3"]
 
 
-def replica(tmp_path: Path, name: str) -> RoundBook:
-    """A replica advertised as `name`, on the shared spool and lease database under `tmp_path`."""
-    engine = lease_engine(f"sqlite:///{tmp_path / 'leases.sqlite'}")
+def replica(tmp_path: Path, name: str, database_url: str = "") -> RoundBook:
+    """A replica advertised as `name`, on the shared spool under `tmp_path` and the lease database (default: a
+    SQLite file beside the spool)."""
+    engine = lease_engine(database_url or f"sqlite:///{tmp_path / 'leases.sqlite'}")
     return RoundBook(spool_dir=tmp_path / "spool", ownership=JobOwnership(engine, advertise=name, ttl_s=30.0))
 
 
@@ -65,14 +68,21 @@ def owned() -> float:
     return REGISTRY.get_sample_value("fedbroker_aggregation_jobs_owned") or 0.0
 
 
-@pytest.fixture
-def replicas(tmp_path: Path) -> Iterator[tuple[RoundBook, RoundBook]]:
-    a, b = replica(tmp_path, "a:1"), replica(tmp_path, "b:2")
-    try:
-        yield a, b
-    finally:
-        a.stop()
-        b.stop()
+@pytest.fixture(params=["sqlite", "postgresql"])
+def replicas(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[RoundBook, RoundBook]]:
+    """Two replicas on one lease database: a SQLite file (replicas on one machine), or PostgreSQL (a database of
+    the test's own on the machine's server, where the fence holds a row lock)."""
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(scratch_database()) if request.param == "postgresql" else ""
+        a, b = replica(tmp_path, "a:1", url), replica(tmp_path, "b:2", url)
+        for book in (a, b):  # before the database is dropped
+            assert book.table.ownership is not None
+            stack.callback(book.table.ownership.engine.dispose)
+        try:
+            yield a, b
+        finally:
+            a.stop()
+            b.stop()
 
 
 def test_a_job_is_served_by_one_replica_and_the_other_names_it(replicas: tuple[RoundBook, RoundBook]) -> None:
@@ -134,8 +144,8 @@ def test_a_site_naming_a_job_nobody_installed_takes_no_lease(replicas: tuple[Rou
     with pytest.raises((UploadRejected, UnknownJob)) as refused:
         b.receive_update(stream(weights(1.0), job="not-a-job"))
     assert refused.value.reason == Rejection.UNKNOWN_JOB
-    engine = lease_engine(f"sqlite:///{tmp_path / 'leases.sqlite'}")
-    assert Lease(engine, "job:not-a-job", "test").holder_now() is None
+    assert b.table.ownership is not None
+    assert Lease(b.table.ownership.engine, "job:not-a-job", "test").holder_now() is None
 
 
 def test_a_full_shared_volume_refuses_the_upload_unacknowledged_and_the_job_stays_owned(

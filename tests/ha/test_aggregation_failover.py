@@ -6,7 +6,7 @@ owner is dead, so its upload meets the failover; the first uploaded to the owner
 
 The job finishes on the surviving replica with 0 updates lost and 0 counted twice (every round aggregates both
 workers once each), and each worker's ε is spent once: its ledger holds one round's training steps per round
-and the ε the coordinator recorded is the ledger's. The failover time (kill → the survivor holds the job's lease) is
+and the ε the coordinator recorded is the ledger's. A clean stop of the survivor then releases the job's lease. The failover time (kill → the survivor holds the job's lease) is
 printed and written to failover.json in the test's folder; the test asserts on none of its timings.
 """
 
@@ -125,3 +125,8 @@ def test_the_job_survives_a_kill_9_of_its_owning_replica_mid_round(deployment: D
         assert sum(steps for _, _, steps in history) == ROUNDS * steps_per_round, (worker, history)
         recorded = max(p["epsilon"] for p in doc["participants"] if p["worker_id"] == worker)
         assert recorded == pytest.approx(ledger.epsilon(job_id), rel=1e-9), worker
+
+    d.processes[survivor].terminate()  # a clean stop hands the job on at once: its lease is released
+    d.processes[survivor].wait(30)
+    released = lease.holder_now()
+    assert released is not None and released[2] == 0.0

@@ -6,6 +6,7 @@ and never logged: the bus URL is logged masked, tokens not at all.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -66,6 +67,8 @@ def start_aggregator(config: Config) -> tuple[grpc.Server, int]:
     book = RoundBook(max_update_bytes=a.max_update_bytes, selection_time_limit_s=a.selection_time_limit_s,
                      alignment_time_limit_s=a.alignment_time_limit_s, spool_dir=a.spool_dir or None,
                      spool_lock_wait_s=a.spool_lock_wait_s, ownership=job_ownership(config))
+    if book.table.ownership is not None:  # a clean exit hands each job on at once, not after lease_ttl_s
+        atexit.register(book.stop)
     _export("aggregator", a.metrics_port, a.metrics_addr)
     limits = CallLimits(threads=a.threads, health_threads=a.health_threads, max_streams=a.max_streams,
                         max_streams_per_worker=a.max_streams_per_worker,
