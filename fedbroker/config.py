@@ -105,6 +105,17 @@ class AggregatorConfig:
                                        # outside; 127.0.0.1 on a shared host (no /metrics for the network)
     tokens_file: str = ""              # the token table (fedbroker.rpc.auth); empty = authentication off
     tls: ServerTLSSection = field(default_factory=ServerTLSSection)
+    # replicas (deploy/OPERATING.md "Aggregation replicas"): each job owned by one through a lease in this database
+    # (the coordinator's), its state on a spool_dir every replica mounts; empty = one service, no leases
+    database_url: str = ""
+    database_url_file: str = ""        # or read it (with its password) from this mounted secret file
+    advertise: str = ""                # this replica's address as `targets` lists it (a not_owner refusal names it)
+    lease_ttl_s: float = 10.0          # a dead owner's jobs move to another replica this long after it stopped
+    targets: tuple[str, ...] = ()      # every replica, for the coordinator and the workers; empty = `target`
+
+    def target_list(self) -> str:
+        """How the coordinator and workers reach the service: every replica, comma-separated, else `target`."""
+        return ",".join(self.targets) if self.targets else self.target
 
 
 @dataclass(frozen=True)

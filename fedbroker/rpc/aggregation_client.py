@@ -32,8 +32,9 @@ import numpy as np
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import codec
-from fedbroker.rpc.auth import ClientSecurity, SecuredClient
+from fedbroker.rpc.auth import ClientSecurity
 from fedbroker.rpc.plumbing import RPC_ATTEMPTS, call_with_retry
+from fedbroker.rpc.replicas import Replicas, split_targets
 from fedbroker.secagg.secure_round import LONG_POLL_S, REPOLL_S
 
 T = TypeVar("T")
@@ -58,8 +59,9 @@ class TaskStart:
     model: Model | None
 
 
-class AggregatorClient(SecuredClient):
-    """One channel to the aggregation service with every call it offers (see the module docstring)."""
+class AggregatorClient:
+    """The aggregation service with every call it offers (see the module docstring). `target` names one
+    service, or its replicas separated by commas (`aggregator.targets`): calls go to one of them (`Replicas`)."""
 
     def __init__(self, target: str, *, timeout_s: float = 30.0, transfer_timeout_s: float = 600.0,
                  max_model_bytes: int = 1 << 30, security: ClientSecurity | None = None,
@@ -70,17 +72,43 @@ class AggregatorClient(SecuredClient):
         self.max_model_bytes = max_model_bytes
         self.attempts = attempts  # tries per call for the errors it is safe to repeat on
         self.deadline_unix: float | None = None  # set: retry until then instead (see `until`)
-        super().__init__(target, security)
-        self._stub = pb_grpc.AggregationStub(self._channel)
-        self._async_stub = pb_grpc.AsyncAggregationStub(self._channel)
-        self._events_stub = pb_grpc.AggregationEventsStub(self._channel)
-        # the streaming methods with serialized messages in and out (no request serializer / deserializer)
-        self._put_global: grpc.StreamUnaryMultiCallable[bytes, pb.UploadReceipt] = self._channel.stream_unary(
-            _path("PutGlobalModel"), response_deserializer=pb.UploadReceipt.FromString)
-        self._upload: grpc.StreamUnaryMultiCallable[bytes, pb.UploadReceipt] = self._channel.stream_unary(
-            _path("UploadUpdate"), response_deserializer=pb.UploadReceipt.FromString)
-        self._download: grpc.UnaryStreamMultiCallable[pb.GlobalModelRequest, bytes] = self._channel.unary_stream(
-            _path("DownloadGlobalModel"), request_serializer=pb.GlobalModelRequest.SerializeToString)
+        self._replicas = Replicas(split_targets(target), security)
+        self._md = self._replicas.metadata
+
+    def close(self) -> None:
+        """Close every channel."""
+        self._replicas.close()
+
+    def __enter__(self) -> AggregatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # the current replica's stubs, read at each call (a failover changes them for every copy of this client)
+    @property
+    def _stub(self) -> pb_grpc.AggregationStub:
+        return self._replicas.current().stub
+
+    @property
+    def _async_stub(self) -> pb_grpc.AsyncAggregationStub:
+        return self._replicas.current().async_stub
+
+    @property
+    def _events_stub(self) -> pb_grpc.AggregationEventsStub:
+        return self._replicas.current().events_stub
+
+    @property
+    def _put_global(self) -> grpc.StreamUnaryMultiCallable[bytes, pb.UploadReceipt]:
+        return self._replicas.current().put_global
+
+    @property
+    def _upload(self) -> grpc.StreamUnaryMultiCallable[bytes, pb.UploadReceipt]:
+        return self._replicas.current().upload
+
+    @property
+    def _download(self) -> grpc.UnaryStreamMultiCallable[pb.GlobalModelRequest, bytes]:
+        return self._replicas.current().download
 
     def without_retries(self) -> AggregatorClient:
         """This client, on the same channel, calling once: for a caller that owns the retrying."""
@@ -97,7 +125,7 @@ class AggregatorClient(SecuredClient):
         return bounded
 
     def _retry(self, fn: Callable[[], T], *, what: str, idempotent: bool) -> T:
-        return call_with_retry(fn, what=what, idempotent=idempotent, attempts=self.attempts,
+        return call_with_retry(self._replicas.routed(fn), what=what, idempotent=idempotent, attempts=self.attempts,
                                deadline_unix=self.deadline_unix)
 
     def put_global(self, job_id: str, version: int, spec_json: str, tensors: Mapping[str, np.ndarray]) -> None:
@@ -231,7 +259,6 @@ class AggregatorClient(SecuredClient):
         """Long-poll `method` until its reply is ready, or None once `until` (a Unix time) has passed; the
         service holds each call at most LONG_POLL_S (and at most WAITING_CALLS at once: beyond, it answers
         "not yet" at once), and each is retried like any idempotent call."""
-        call = getattr(self._stub, method)
         while True:
             left = until - time.time()
             if left <= 0:
@@ -239,12 +266,16 @@ class AggregatorClient(SecuredClient):
             wait: pb.SecWaitRequest | pb.SecVerifyRequest = request or pb.SecWaitRequest(
                 job_id=job_id, round=round, worker_id=worker_id)
             wait.wait_s = min(LONG_POLL_S, left)
-            reply = self._retry(partial(call, wait,
-                                        timeout=min(LONG_POLL_S, left) + self.timeout_s, metadata=self._md),
+            timeout = min(LONG_POLL_S, left) + self.timeout_s
+            reply = self._retry(partial(self._call, method, wait, timeout),
                                 what=f"{method} of {worker_id} for round {round}", idempotent=True)
             if reply.ready:
                 return reply
             time.sleep(min(random.uniform(*REPOLL_S), max(until - time.time(), 0.0)))  # held or not: a pause
+
+    def _call(self, method: str, request: Any, timeout: float) -> Any:
+        """`method` of the replica serving the job now (looked up at each try: a failover changes it)."""
+        return getattr(self._stub, method)(request, timeout=timeout, metadata=self._md)
 
     def install_job(self, settings: pb.JobSettings) -> str:
         """Install a job's settings once, before its model and rounds (idempotent); the digest the service holds."""

@@ -373,8 +373,9 @@ class ServerTLS:
 class ClientSecurity:
     """How this process calls a gRPC service: its bearer token, and TLS (CA, optional client certificate).
 
-    `expected_target`, when set, is the only address the token may be sent to: a task received over the
-    bus names the aggregation service, and a forged task must not be able to collect a worker's token.
+    `expected_target`, when set, is the only address the token may be sent to (or the only addresses, comma-
+    separated: the aggregation replicas, `aggregator.targets`): a task received over the bus names the
+    aggregation service, and a forged task must not be able to collect a worker's token.
     """
 
     token: str = ""
@@ -399,7 +400,7 @@ class ClientSecurity:
 
     def channel(self, target: str, options: list[tuple[str, Any]]) -> grpc.Channel:
         """A channel to `target`, refusing one that would carry the token anywhere but `expected_target`."""
-        if self.token and self.expected_target and target != self.expected_target:
+        if self.token and self.expected_target and target not in self.expected_target.split(","):
             raise ConfigError("aggregator_target", f"refusing to send this process's token to {target!r}: the "
                                                    f"configured service is {self.expected_target!r}")
         if not self.tls:

@@ -82,7 +82,8 @@ def status_for(exc: FedbrokerError) -> grpc.StatusCode:
 
 def abort(context: grpc.ServicerContext, exc: FedbrokerError) -> NoReturn:
     """End the call with the mapped status; the reason code rides in trailing metadata for clients and metrics."""
-    context.set_trailing_metadata(((REASON_KEY, exc.reason),))
+    # an error may add trailers of its own (a `not_owner` refusal: the owning replica's address)
+    context.set_trailing_metadata(((REASON_KEY, exc.reason), *getattr(exc, "trailers", ())))
     context.abort(status_for(exc), short_details(printable(str(exc))))  # it may quote what a caller sent
     raise AssertionError("unreachable")  # context.abort raises
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fedbroker.aggregators.job_algorithms import Algorithms, build_algorithms
@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 class InstalledJobs:
     """Job id → its installed settings and the algorithms built from them (thread-safe)."""
 
-    def __init__(self, spool: Spool | None = None) -> None:
+    def __init__(self, spool: Spool | None = None, *, claim: Callable[[str], None] | None = None) -> None:
         self._spool = spool
+        self._claim = claim  # aggregation replicas: own a job (its lease) before installing it
         self._jobs: dict[str, Algorithms] = {}
         self._lock = threading.Lock()
         if spool is not None:
@@ -50,6 +51,8 @@ class InstalledJobs:
         if not message.job_id:
             raise UploadRejected(Rejection.BAD_REQUEST, "the settings name no job_id")
         digest = settings_digest(message)
+        if self._claim is not None:
+            self._claim(message.job_id)
         with self._lock:
             held = self._jobs.get(message.job_id)
         if held is not None:
@@ -64,6 +67,26 @@ class InstalledJobs:
             self._jobs_put(algorithms)
         log.info("job %s installed (settings %s…)", message.job_id, digest[:12])
         return algorithms
+
+    def load(self, job_id: str) -> None:
+        """A job's settings from the shared spool (a replica taking the job over), if it has some."""
+        spool = self._spool
+        found = spool.settings_of(job_id) if spool is not None else None
+        if spool is None or found is None:
+            return
+        path, raw = found
+        try:
+            algorithms = build_algorithms(parse_settings(pb.JobSettings.FromString(raw)))
+        except Exception as exc:  # a damaged file: quarantined; the job's coordinator installs it again
+            spool.quarantine(path, exc, job_id)
+            return
+        with self._lock:
+            self._jobs_put(algorithms)
+
+    def forget(self, job_id: str) -> None:
+        """Drop a job's settings from memory (another replica owns it now; they stay on disk)."""
+        with self._lock:
+            self._jobs.pop(job_id, None)
 
     @staticmethod
     def _same(held: Algorithms, digest: str) -> Algorithms:

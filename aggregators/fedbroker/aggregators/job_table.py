@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 
 from fedbroker.aggregators.job_state import Job, JobSnapshot, Round, snapshot
+from fedbroker.aggregators.ownership import JobOwnership
 from fedbroker.aggregators.spool import Spool, job_record
 from fedbroker.errors import Rejection, UnknownJob, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
@@ -22,9 +23,11 @@ from fedbroker.proto import fedbroker_pb2 as pb
 class JobTable:
     """The jobs by id, their locks, and the generation counter the watchers follow."""
 
-    def __init__(self, *, clock: Callable[[], float], spool: Spool | None) -> None:
+    def __init__(self, *, clock: Callable[[], float], spool: Spool | None,
+                 ownership: JobOwnership | None = None) -> None:
         self.clock = clock
         self.spool = spool  # None: nothing is kept across a restart
+        self.ownership = ownership  # aggregation replicas: a job is served only by the one owning its lease
         self.jobs: dict[str, Job] = {}
         self.lock = threading.Lock()
         self.closed = threading.Condition(self.lock)  # notified whenever a close ends, done or not
@@ -33,8 +36,15 @@ class JobTable:
         self._generation = 0                             # counts the changes
         self._changed_at: dict[str, int] = {}            # job → the generation of its last change
 
+    def claim(self, job_id: str, *, create: bool = False) -> None:
+        """Among aggregation replicas, own the job before serving a call for it (`JobOwnership.ensure`: a
+        takeover loads it; NotOwner names its owner). Never called under `lock`."""
+        if self.ownership is not None:
+            self.ownership.ensure(job_id, create=create)
+
     def job(self, job_id: str) -> Job:
-        """The job, or UnknownJob."""
+        """The job (owned first, `claim`), or UnknownJob."""
+        self.claim(job_id)
         job = self.jobs.get(job_id)
         if job is None:
             raise UnknownJob(f"unknown job {job_id!r}")

@@ -78,6 +78,9 @@ BUFFER_CAPACITY = Gauge(
     "The asynchronous jobs' buffer sizes, summed: buffered_updates / this is the buffers' fill.")
 VERSIONS = Counter(
     "fedbroker_aggregator_versions_published_total", "Global versions published by asynchronous buffers.")
+JOBS_OWNED = Gauge(
+    "fedbroker_aggregation_jobs_owned",
+    "Jobs this aggregation replica owns (holds the lease job:<id> of): 0 on a replica that serves none (aggregation replicas, ownership.py)")
 
 # Robust aggregation (aggregation.robust): each update a rule judged, and its verdict (fedbroker.algorithms.robust_params).
 ROBUST_JUDGED = Counter(

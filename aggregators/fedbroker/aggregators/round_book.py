@@ -52,12 +52,14 @@ from fedbroker.aggregators.job_state import (
     new_round,
 )
 from fedbroker.aggregators.job_table import JobTable, closed_during_upload, receiving
+from fedbroker.aggregators.ownership import JobOwnership
 from fedbroker.aggregators.probe_sets import probe_arrays
 from fedbroker.aggregators.rows import Reservation
 from fedbroker.aggregators.secure_rounds import SecureRounds, new_session
-from fedbroker.aggregators.spool import Spool, restore_jobs, update_record
+from fedbroker.aggregators.spool import Spool, update_record
+from fedbroker.aggregators.spool_restore import restore_jobs, restore_one
 from fedbroker.aggregators.weighting.base import UpdateMeta
-from fedbroker.errors import NotFound, Rejection, UploadRejected
+from fedbroker.errors import ConfigError, NotFound, Rejection, UploadRejected
 from fedbroker.job.spec import ModelSpec, parse_model
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc import codec
@@ -83,19 +85,27 @@ class RoundBook:
         probe_sets: ProbeLoader = probe_arrays,
         secure_unmask_s: float = UNMASK_WAIT_S,
         site_dp_seed: int | None = None,
+        ownership: JobOwnership | None = None,
     ) -> None:
         self.max_update_bytes = max_update_bytes
         self.probe_sets = probe_sets  # (dataset, size, seed) -> (x, y): the probe sets the GA's fitness reads
         self.selection_time_limit_s = selection_time_limit_s
         self.alignment_time_limit_s = alignment_time_limit_s  # then the close falls back to the weighted mean
         self.site_dp_seed = site_dp_seed  # privacy.site's noise: None (production) draws it from os.urandom
-        spool = Spool(spool_dir, lock_wait_s=spool_lock_wait_s) if spool_dir else None  # SpoolInUse: held
-        self.table = JobTable(clock=clock, spool=spool)
+        if ownership is not None and not spool_dir:
+            raise ConfigError("aggregator.spool_dir", "aggregation replicas (aggregator.database_url) need a spool "
+                                                      "every replica reaches: a shared volume's folder")
+        spool = Spool(spool_dir, lock_wait_s=spool_lock_wait_s,  # SpoolInUse: held (one service, no replicas)
+                      fence=ownership.fenced if ownership is not None else None) if spool_dir else None
+        self.table = JobTable(clock=clock, spool=spool, ownership=ownership)
         try:
-            self.installed = InstalledJobs(spool)  # each job's settings, parsed once (InstallJob)
+            self.installed = InstalledJobs(spool, claim=None if ownership is None else  # each job's settings (InstallJob)
+                                           lambda job_id: self.table.claim(job_id, create=True))
             self.buffers = AsyncBuffers(self.table, self.installed)
             self.secure = SecureRounds(self.table, unmask_s=secure_unmask_s)
-            if spool is not None:
+            if ownership is not None and spool is not None:  # replicas: each job loaded when this one takes it
+                ownership.bind(exists=spool.has_job, take=self._take_over, drop=self._drop)
+            elif spool is not None:
                 self._restore(spool)
         except BaseException:
             self.stop()  # a book that failed to start holds no folder
@@ -110,12 +120,34 @@ class RoundBook:
         for job in jobs.values():
             self.buffers.restored(job)
 
+    def _take_over(self, job_id: str) -> None:
+        """This replica now owns the job (`JobOwnership.ensure`): its settings and its state from the shared
+        spool, as a restarted service restores them (an open secure round fails: its keys died with its owner)."""
+        spool = self.table.spool
+        assert spool is not None  # replicas always have one (__init__)
+        self.installed.load(job_id)
+        job = restore_one(spool, job_id, self.installed.for_round)
+        if job is None:
+            return  # installed, no model yet (or a record that did not load: quarantined)
+        with self.table.lock:
+            self.table.jobs[job_id] = job
+            self.table.touch(job)
+        self.buffers.restored(job)
+
+    def _drop(self, job_id: str) -> None:
+        """Another replica owns the job now: forget it here (its files stay, they are the new owner's)."""
+        with self.table.lock:
+            self.table.jobs.pop(job_id, None)
+        self.installed.forget(job_id)
+
     def stop(self) -> None:
         """The service stopped: release the spool for the next service on it once the writes under way have
         ended. This book's threads still running (gRPC cannot stop a handler) then fail on any write
         (`SpoolClosed`) instead of changing files the next service's records name. Idempotent."""
         if self.table.spool is not None:
             self.table.spool.close()
+        if self.table.ownership is not None:  # another replica may take each job at once
+            self.table.ownership.stop()
 
     # ----- global model -----
 
@@ -126,6 +158,7 @@ class RoundBook:
         spec = parse_model(json.loads(spec_json))
         admission.check_global_model(all_shapes(spec, self._plan(job_id)), tensors)
         state = {name: np.array(arr, dtype=np.float32) for name, arr in tensors.items()}
+        self.table.claim(job_id, create=True)
         with self.table.lock:
             job = self.table.jobs.get(job_id)
             if job is not None and job.holds(version, spec_json, state):
@@ -253,6 +286,7 @@ class RoundBook:
     def _admit(self, header: pb.UpdateHeader) -> Receipt | AfterClose | None:
         """None for a new update that may be received; the first receipt for a retry while its round is open
         (after the close: what to judge it by once read); else UploadRejected."""
+        self.table.claim(header.job_id)
         job = self.table.jobs.get(header.job_id)
         if job is None:
             raise UploadRejected(Rejection.UNKNOWN_JOB, f"unknown job {header.job_id!r}")
@@ -315,7 +349,7 @@ class RoundBook:
             with self.table.lock:
                 if job.round is not rnd or rnd.closed:
                     if spooled is not None and self.table.spool is not None:
-                        self.table.spool.discard(spooled)
+                        self.table.spool.discard(spooled, job.job_id)
                     raise closed_during_upload(header)
                 rnd.accept(entry, tensors, reservation.take(rnd.rows) if reservation is not None else None)
                 self.table.touch(job)

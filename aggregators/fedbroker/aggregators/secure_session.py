@@ -118,8 +118,9 @@ class SecureSession:
         memory of the service that died, so the round cannot be unmasked and every step is refused."""
         session = cls(job_id=job_id, round_number=round_number, version=0, participants=participants, length=length,
                       opened=0.0, deadline=0.0, clock=lambda: 0.0, n=max(len(participants), 2))
-        session.failed = (f"the aggregation service restarted during {session.where}: its keys and masked sum were "
-                          f"held only in memory, so the round cannot be unmasked")
+        session.failed = (f"the aggregation service restarted during {session.where} (or its replica died and "
+                          f"another took the job over): its keys and masked sum were held only in memory, so the "
+                          f"round cannot be unmasked")
         session._ended("lost")
         return session
 

@@ -19,13 +19,19 @@ crash between writing it and committing job.json) is ignored on load and deleted
 a global file written for a record still to come (`save_global`, then `save_record` naming it) is kept by
 every record committed meanwhile.
 
-One service at a time: an open Spool holds `spool.lock` in its root (`fedbroker.files.FolderLock`), so a
+Aggregation replicas (`aggregators.ownership`): a spool opened with `fence` is shared by every replica on one
+ReadWriteMany volume. It takes no `spool.lock` and loads nothing at start: each job is owned by one replica through
+its lease `job:<id>`, loaded on takeover (`load_job`), and every write of a job runs inside `fence(job_id)`, which
+refuses it (nothing written) unless this replica still holds the job's lease.
+
+One service at a time (without `fence`): an open Spool holds `spool.lock` in its root (`fedbroker.files.FolderLock`), so a
 second service on the same folder is refused (`SpoolInUse`) instead of deleting the files the first one's
 records name; it waits `aggregator.spool_lock_wait_s` first, so a quick restart starts once the old process
 has exited. `close()` waits for the writes under way, then lets the next service in; a write through a
 closed spool raises `SpoolClosed`, so a handler thread that outlives its stopped service touches nothing.
 
-`job_record`/`restore_job` translate between the book's state (`aggregators.job_state`) and these records.
+`job_record` turns the book's state (`aggregators.job_state`) into these records; `aggregators.spool_restore` reads
+them back.
 """
 
 from __future__ import annotations
@@ -48,21 +54,18 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from fedbroker.aggregators import metrics
-from fedbroker.aggregators.async_state import folded_from_record, new_async_state, restore_fields, state_record
+from fedbroker.aggregators.async_state import state_record
 from fedbroker.aggregators.job_algorithms import Algorithms
-from fedbroker.aggregators.job_state import Accepted, CloseResult, Job, Receipt, UpdateSummary, new_round
-from fedbroker.aggregators.robust import RobustMemory, memory_arrays, memory_from_arrays
-from fedbroker.aggregators.secure_session import SecureSession
-from fedbroker.aggregators.weighting.base import UpdateMeta
-from fedbroker.close_report import SelectionRecord, Verdict
-from fedbroker.errors import ConfigError, NotFound, Rejection, Unavailable, UploadRejected
+from fedbroker.aggregators.job_state import Accepted, Job
+from fedbroker.aggregators.robust import RobustMemory, memory_arrays
+from fedbroker.errors import ConfigError, Rejection, Unavailable, UploadRejected
 from fedbroker.files import TEMP_SUFFIX, FolderLock, FolderLocked, write_atomic
-from fedbroker.job.spec import parameter_shapes, parse_model
-from fedbroker.weights.plan import ModelPlan, all_shapes, trainable_shapes
 
 # The job's algorithms for a round or buffer being restored: its installed settings', else (a record of an older
 # service) those of the aggregation section the record kept (`InstalledJobs.for_round`).
 AlgorithmsFor = Callable[[str, Mapping[str, Any] | None], Algorithms]
+# On a shared spool: a job's write inside its lease's fence (`aggregators.ownership.JobOwnership.fenced`).
+Fence = Callable[[str], contextlib.AbstractContextManager[None]]
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +130,14 @@ class Spool:
     """The folder of job folders (see the module docstring); every write is atomic. Holds the folder's lock
     from here to `close()`: `SpoolInUse` when another service still holds it after `lock_wait_s`."""
 
-    def __init__(self, root: str | os.PathLike[str], *, lock_wait_s: float = 0.0) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, lock_wait_s: float = 0.0, fence: Fence | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.fence = fence  # set: shared by replicas, each job's writes fenced by its lease (module docstring)
+        self._lock: FolderLock | None = None
         try:
-            self._lock = _lock(self.root, lock_wait_s)
+            if fence is None:
+                self._lock = _lock(self.root, lock_wait_s)
         except FolderLocked as exc:
             raise SpoolInUse(
                 "aggregator.spool_dir",
@@ -151,18 +157,29 @@ class Spool:
         with self._guard:
             self._closed = True
             self._guard.wait_for(lambda: self._writers == 0)
-        self._lock.release()
+        if self._lock is not None:
+            self._lock.release()
+
+    @property
+    def shared(self) -> bool:
+        """Whether replicas share this spool (each job loaded on takeover, not at start)."""
+        return self.fence is not None
 
     @contextlib.contextmanager
-    def _writing(self, what: str) -> Generator[None, None, None]:
-        """One write (or deletion) in the folder, refused once the spool is closed; `close` waits for it."""
+    def _writing(self, what: str, job_id: str | None = None) -> Generator[None, None, None]:
+        """One write (or deletion) in the folder, refused once the spool is closed; `close` waits for it. On a
+        shared spool a write of a job is fenced by its lease (LeaseLost: nothing written)."""
         with self._guard:
             if self._closed:
                 raise SpoolClosed(f"the spool {self.root} is closed (its aggregation service stopped): "
                                   f"{what} not written")
             self._writers += 1
         try:
-            yield
+            if self.fence is not None and job_id is not None:
+                with self.fence(job_id):
+                    yield
+            else:
+                yield
         finally:
             with self._guard:
                 self._writers -= 1
@@ -180,7 +197,7 @@ class Spool:
         """A global model version, on disk before the record that names it: kept meanwhile by every record
         committed by another call (it may name older versions only)."""
         what = f"global model {version} of job {job_id!r}"
-        with self._writing(what), _disk_full_is_an_outage(what):
+        with self._writing(what, job_id), _disk_full_is_an_outage(what):
             with self._guard:  # before the file exists, so no prune that sees the file can miss it
                 self._unnamed.setdefault(job_id, set()).add(version)
             folder = self.folder(job_id)
@@ -191,7 +208,7 @@ class Spool:
         """The robust rule's memory after the close that made `version`, after that version's `save_global`
         (so the prune keeps it as it keeps the global file) and before the record that names it."""
         what = f"the robust memory of job {job_id!r}"
-        with self._writing(what), _disk_full_is_an_outage(what):
+        with self._writing(what, job_id), _disk_full_is_an_outage(what):
             _write_npz(self.folder(job_id) / f"robust-{version}.npz", *memory_arrays(memory))
 
     def save_record(self, job_id: str, record: Mapping[str, Any]) -> None:
@@ -199,7 +216,7 @@ class Spool:
         folder = self.folder(job_id)
         doc = {"format": FORMAT_VERSION, "job_id": job_id, **record}
         what = f"the record of job {job_id!r}"
-        with self._writing(what):
+        with self._writing(what, job_id):
             folder.mkdir(parents=True, exist_ok=True)
             with _disk_full_is_an_outage(what):
                 write_atomic(folder / "job.json", json.dumps(doc, sort_keys=True).encode())
@@ -210,39 +227,67 @@ class Spool:
     def save_settings(self, job_id: str, raw: bytes) -> None:
         """A job's installed settings (written once: a job's settings never change)."""
         what = f"the settings of job {job_id!r}"
-        with self._writing(what), _disk_full_is_an_outage(what):
+        with self._writing(what, job_id), _disk_full_is_an_outage(what):
             folder = self.folder(job_id)
             folder.mkdir(parents=True, exist_ok=True)
             write_atomic(folder / SETTINGS_FILE, raw)
 
     def load_settings(self) -> Iterator[tuple[Path, bytes]]:
-        """Every installed job's settings file and bytes."""
+        """Every installed job's settings file and bytes (none on a shared spool: each job's are read when its
+        replica takes it, `settings_of`)."""
+        if self.shared:
+            return
         for path in sorted(self.root.glob(f"*/{SETTINGS_FILE}")):
             yield path, path.read_bytes()
+
+    def settings_of(self, job_id: str) -> tuple[Path, bytes] | None:
+        """One job's settings file and bytes, if it has some."""
+        path = self.folder(job_id) / SETTINGS_FILE
+        try:
+            return path, path.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def has_job(self, job_id: str) -> bool:
+        """Whether a job was ever installed here (its settings or its record are on disk)."""
+        folder = self.folder(job_id)
+        return (folder / SETTINGS_FILE).is_file() or (folder / "job.json").is_file()
+
+    def load_job(self, job_id: str) -> StoredJob | None:
+        """One job's committed record and global models (a replica taking it over), None before its first
+        record; a folder that does not load is quarantined (None)."""
+        folder = self.folder(job_id)
+        if not (folder / "job.json").is_file():
+            return None
+        try:
+            return self._load_job(folder)
+        except Exception as exc:
+            self.quarantine(folder, exc, job_id)
+            return None
 
     def save_update(self, job_id: str, round_number: int, seq: int, meta: Mapping[str, Any],
                     tensors: Mapping[str, np.ndarray]) -> Path:
         """An accepted update of a round, on disk before its receipt; its path."""
-        return self._save(self.folder(job_id) / f"round-{round_number}", seq, meta, tensors,
+        return self._save(job_id, self.folder(job_id) / f"round-{round_number}", seq, meta, tensors,
                           what=f"an update for round {round_number} of job {job_id!r}")
 
     def save_buffered(self, job_id: str, version: int, seq: int, meta: Mapping[str, Any],
                       tensors: Mapping[str, np.ndarray]) -> Path:
         """An update accepted into the asynchronous buffer that builds on `version` (the version it will follow)."""
-        return self._save(self.folder(job_id) / f"buffer-{version}", seq, meta, tensors,
+        return self._save(job_id, self.folder(job_id) / f"buffer-{version}", seq, meta, tensors,
                           what=f"an update for the buffer of job {job_id!r}")
 
-    def _save(self, folder: Path, seq: int, meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *,
-              what: str) -> Path:
+    def _save(self, job_id: str, folder: Path, seq: int, meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
+              *, what: str) -> Path:
         path = folder / f"{seq:06d}.npz"
-        with self._writing(what), _disk_full_is_an_outage(what):
+        with self._writing(what, job_id), _disk_full_is_an_outage(what):
             folder.mkdir(parents=True, exist_ok=True)
             _write_npz(path, tensors, dict(meta))
         return path
 
-    def discard(self, path: Path) -> None:
+    def discard(self, path: Path, job_id: str | None = None) -> None:
         """Delete an update file that was not counted (its round closed during the upload)."""
-        with self._writing(f"the deletion of {path}"):
+        with self._writing(f"the deletion of {path}", job_id):
             path.unlink(missing_ok=True)
 
     # ----- reads -----
@@ -282,7 +327,7 @@ class Spool:
         were accepted (the running mean sums in that order), each with its file; a file that does not load is
         quarantined and skipped."""
         folder = stored.folder / f"{kind}-{round_number}"
-        with self._writing(f"the cleanup of {folder}"):
+        with self._writing(f"the cleanup of {folder}", stored.record.get("job_id")):
             for path in folder.glob(f".*{TEMP_SUFFIX}"):  # an upload that crashed before its receipt: never acknowledged
                 path.unlink(missing_ok=True)
         for path in sorted(folder.glob("[0-9]*.npz")):
@@ -293,7 +338,7 @@ class Spool:
                 continue
             yield path, meta, tensors
 
-    def quarantine(self, path: Path, error: BaseException) -> None:
+    def quarantine(self, path: Path, error: BaseException, job_id: str | None = None) -> None:
         """Move a job folder or an update file that does not load out of the way, into `quarantine/` inside
         the spool (kept for a person to look at, never read again), with a log line and a metric."""
         kind = "job" if path.is_dir() else "update"
@@ -304,7 +349,7 @@ class Spool:
             n += 1
             target = target.with_name(f"{target.name.split('~')[0]}~{n}")
         try:
-            with self._writing(f"the quarantine of {path}"):
+            with self._writing(f"the quarantine of {path}", job_id):
                 target.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(path, target)
         except OSError as exc:
@@ -409,116 +454,3 @@ def update_record(entry: Accepted, seq: int) -> dict[str, Any]:
     return {"worker_id": entry.worker_id, "num_samples": entry.num_samples, "raw_weight": entry.raw_weight,
             "sha256": entry.sha256, "bytes_received": entry.bytes_received, "epsilon": entry.epsilon,
             "train_loss": entry.train_loss, "ish": m.ish, "loss": m.loss, "seq": seq}
-
-
-def restore_job(spool: Spool, stored: StoredJob, algorithms_for: AlgorithmsFor) -> Job:
-    """A job as committed, with its open round refilled from the spooled updates in their acceptance order."""
-    record = stored.record
-    versions = {v: tensors for v, (_, tensors) in stored.globals.items()}
-    specs = {v: spec_json for v, (spec_json, _) in stored.globals.items()}
-    try:  # what the job trains (fedbroker.weights): its global models hold adapters, its updates a subset
-        plan = algorithms_for(record["job_id"], None).installed.plan
-    except NotFound:
-        plan = ModelPlan()
-    for v, tensors in versions.items():
-        _check_tensors(tensors, all_shapes(parse_model(json.loads(specs[v])), plan))
-    job = Job(record["job_id"], parse_model(json.loads(specs[max(specs)])), int(record["seed"]), versions, specs,
-              closed_rounds={int(n) for n in record["closed_rounds"]},
-              closed_accepted={int(n): list(w) for n, w in record.get("closed_accepted", {}).items()},
-              closed_deadlines={int(n): float(d) for n, d in record.get("closed_deadlines", {}).items()},
-              closed_receipts={int(n): {w: Receipt(record["job_id"], int(n), w, True, int(size), str(sha))
-                                        for w, (size, sha) in kept.items()}
-                               for n, kept in record.get("closed_receipts", {}).items()})
-    job.site_clip = None if record.get("site_clip") is None else float(record["site_clip"])
-    if record.get("robust") is not None:  # a damaged file fails the job's restore: quarantined, as a global's
-        job.robust_memory = memory_from_arrays(*_read_npz(spool.folder(job.job_id) / f"robust-{int(record['robust'])}.npz"))
-    last = record.get("last_close")
-    if last:
-        job.last_close = (int(last["round"]), CloseResult(
-            int(last["model_version"]), list(last["aggregated"]), last["model_spec_json"],
-            {k: float(v) for k, v in last["stats"].items()}, float(last["seconds"]),
-            [UpdateSummary(**u) for u in last["updates"]],
-            SelectionRecord(**last["selection"]) if last.get("selection") else None,
-            [Verdict(**v) for v in last.get("verdicts", [])], [str(w) for w in last.get("excluded", [])]))
-    r = record.get("round")
-    if r:
-        aggregation = dict(r["aggregation"])
-        job.round = new_round(int(r["number"]), frozenset(r["participants"]), float(r["deadline"]),
-                              algorithms_for(job.job_id, aggregation), aggregation,
-                              {w: list(h) for w, h in r["histograms"].items()}, job.spec,
-                              sample_limits={w: int(n) for w, n in (r.get("num_samples") or {}).items()})
-        shapes = trainable_shapes(job.spec, plan)
-        if aggregation.get("secure"):  # its keys and masked sum were in the dead service's memory only
-            job.round.secure = SecureSession.lost(job_id=job.job_id, round_number=job.round.number,
-                                                  participants=job.round.participants, length=0)
-            log.warning("job %s: %s", job.job_id, job.round.secure.failed)
-        for path, meta, tensors in spool.updates(stored, job.round.number):
-            try:
-                entry = _accepted_from_record(meta)
-                seq = int(meta["seq"])
-                _check_tensors(tensors, shapes)
-            except Exception as exc:  # a damaged update: quarantined, the round goes on with the others
-                spool.quarantine(path, exc)
-                continue
-            job.round.next_seq = seq + 1
-            job.round.accept(entry, tensors, None)
-        log.info("job %s: round %d reopened with %d accepted update(s) from the spool", job.job_id,
-                 job.round.number, len(job.round.accepted))
-    if record.get("async"):
-        _restore_async(spool, stored, job, record["async"], algorithms_for)
-    return job
-
-
-def _restore_async(spool: Spool, stored: StoredJob, job: Job, record: Mapping[str, Any],
-                   algorithms_for: AlgorithmsFor) -> None:
-    """The async state as committed, its buffer refilled by replaying the spooled updates in acceptance order
-    (the buffer sums in that order, so the next version is the one the service would have published)."""
-    config = dict(record["config"])
-    state = new_async_state(config, {w: int(n) for w, n in record["num_samples"].items()},
-                            algorithms_for(job.job_id, config.get("aggregation")))
-    restore_fields(state, record)
-    shapes = parameter_shapes(job.spec)
-    for path, meta, tensors in spool.updates(stored, job.version, kind="buffer"):
-        try:
-            entry = folded_from_record(meta)
-            _check_tensors(tensors, shapes)
-            base = job.versions[entry.base]
-        except Exception as exc:  # a damaged update: quarantined, the buffer goes on with the others
-            spool.quarantine(path, exc)
-            continue
-        state.fold(entry, tensors, base)
-    job.asynchronous = state
-    if state.folded:
-        log.info("job %s: asynchronous buffer on version %d reopened with %d update(s) from the spool", job.job_id,
-                 job.version, len(state.folded))
-
-
-def restore_jobs(spool: Spool, algorithms_for: AlgorithmsFor) -> Iterator[Job]:
-    """Every job the spool holds, restored; a job whose record or global models do not load or restore is
-    quarantined (`Spool.quarantine`), so one damaged record never stops the service or another job."""
-    for stored in spool.load():
-        try:
-            job = restore_job(spool, stored, algorithms_for)
-        except Exception as exc:
-            spool.quarantine(stored.folder, exc)
-            continue
-        with spool._writing(f"the cleanup of {stored.folder}"):
-            spool._prune(job.job_id, stored.folder, stored.record)
-            spool._sweep(stored.folder)
-        yield job
-
-
-def _check_tensors(tensors: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]) -> None:
-    """An update file holds exactly the model's float32 tensors (it was checked on arrival; a file may rot)."""
-    got = {name: tuple(arr.shape) for name, arr in tensors.items()}
-    if got != {name: tuple(shape) for name, shape in shapes.items()}:
-        raise ValueError(f"its tensors {got} are not the model's {dict(shapes)}")
-    for name, arr in tensors.items():
-        if arr.dtype != np.float32:
-            raise ValueError(f"tensor {name!r} is {arr.dtype}, not float32")
-
-
-def _accepted_from_record(r: Mapping[str, Any]) -> Accepted:
-    meta = UpdateMeta(worker_id=r["worker_id"], num_samples=int(r["num_samples"]), ish=r["ish"], loss=r["loss"])
-    return Accepted(r["worker_id"], int(r["num_samples"]), float(r["raw_weight"]), r["sha256"],
-                    int(r["bytes_received"]), meta, epsilon=float(r["epsilon"]), train_loss=float(r["train_loss"]))

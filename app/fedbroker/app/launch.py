@@ -6,6 +6,7 @@ and never logged: the bus URL is logged masked, tokens not at all.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -24,6 +25,7 @@ from fedbroker.rpc.callguard import CallLimits
 from fedbroker.rpc.live_auth import Followed, follow_table
 
 if TYPE_CHECKING:
+    from fedbroker.aggregators.ownership import JobOwnership
     from fedbroker.coordinator.scheduler import Coordinator
     from fedbroker.worker.agent import WorkerAgent
     from fedbroker.worker.secure_task import SecureSteps
@@ -64,12 +66,29 @@ def start_aggregator(config: Config) -> tuple[grpc.Server, int]:
     tls = ServerTLS.from_files(a.tls.cert_file, a.tls.key_file, a.tls.client_ca_file, where="aggregator.tls")
     book = RoundBook(max_update_bytes=a.max_update_bytes, selection_time_limit_s=a.selection_time_limit_s,
                      alignment_time_limit_s=a.alignment_time_limit_s, spool_dir=a.spool_dir or None,
-                     spool_lock_wait_s=a.spool_lock_wait_s)
+                     spool_lock_wait_s=a.spool_lock_wait_s, ownership=job_ownership(config))
+    if book.table.ownership is not None:  # a clean exit hands each job on at once, not after lease_ttl_s
+        atexit.register(book.stop)
     _export("aggregator", a.metrics_port, a.metrics_addr)
     limits = CallLimits(threads=a.threads, health_threads=a.health_threads, max_streams=a.max_streams,
                         max_streams_per_worker=a.max_streams_per_worker,
                         stream_idle_timeout_s=a.stream_idle_timeout_s)
     return serve(book, address=a.listen, limits=limits, tokens=tokens, tls=tls)
+
+
+def job_ownership(config: Config) -> JobOwnership | None:
+    """Aggregation replicas: this one's leases on jobs, in the database aggregator.database_url names; None for
+    a single service (no database named)."""
+    from fedbroker.aggregators.ownership import JobOwnership, lease_engine
+
+    a = config.aggregator
+    url = read_secret(a.database_url, a.database_url_file, field="aggregator.database_url")
+    if not url:
+        return None
+    if not a.advertise:
+        raise ConfigError("aggregator.advertise", "replicas (aggregator.database_url) must each advertise the address "
+                                                  "clients reach them at, as aggregator.targets lists it")
+    return JobOwnership(lease_engine(url), advertise=a.advertise, ttl_s=a.lease_ttl_s)
 
 
 def _export(role: str, port: int, addr: str) -> None:
@@ -112,15 +131,15 @@ def start_coordinator(config: Config, *, bus: Bus | None = None, config_file: st
     c = config.coordinator
     tokens = follow_table(c.tokens_file, service=SERVICE_NAME)
     tls = ServerTLS.from_files(c.tls.cert_file, c.tls.key_file, c.tls.client_ca_file, where="coordinator.tls")
-    security = client_security(config, expected_target=config.aggregator.target)
+    security = client_security(config, expected_target=config.aggregator.target_list())
+    aggregators = config.aggregator.target_list()  # every replica, comma-separated (fedbroker.rpc.replicas)
     _export("coordinator", c.metrics_port, c.metrics_addr)
     database_url = read_secret(c.database_url, c.database_url_file, field="coordinator.database_url")
     store = StateStore.for_coordinator(c.state_dir, database_url)  # embedded: refused while another holds state_dir
     bus = bus or make_bus(config)
     coordinator = Coordinator(
         bus=bus, store=store,
-        aggregator=AggregatorClient(config.aggregator.target, security=security),
-        aggregator_target=config.aggregator.target,
+        aggregator=AggregatorClient(aggregators, security=security), aggregator_target=aggregators,
         checkpoint_dir=os.path.join(c.state_dir, "checkpoints"), heartbeat_timeout_s=c.heartbeat_timeout_s,
         evaluator=evaluate_global,
         broker_consumer_timeout_s=None if isinstance(bus, InProcessBus) else config.broker.consumer_timeout_s or None,
@@ -188,7 +207,7 @@ def start_worker(config: Config, *, bus: Bus | None = None, secure_steps: Secure
     bus = bus or make_bus(config)
     forwarder = install(w.id, bus.publish_control) if own_bus and w.forward_logs else None
     try:
-        agent = WorkerAgent(w, bus, security=client_security(config, expected_target=config.aggregator.target),
+        agent = WorkerAgent(w, bus, security=client_security(config, expected_target=config.aggregator.target_list()),
                             log_forwarder=forwarder, secure_steps=secure_steps)
     except BaseException:
         if forwarder is not None:
