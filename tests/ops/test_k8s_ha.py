@@ -264,6 +264,34 @@ def test_disruption_budgets_cover_every_replicated_piece():
     assert not [b for b in budgets if "cnpg.io/cluster" in b["spec"]["selector"].get("matchLabels", {})]
 
 
+def _uses_secret(workload: dict[str, Any], name: str) -> bool:
+    pod = workload["spec"]["template"]["spec"]
+    text = yaml.safe_dump([pod.get("volumes", []), [c.get("env", []) + c.get("envFrom", []) for c in pod["containers"]]])
+    return f"secretName: {name}" in text or f"name: {name}" in text
+
+
+def test_the_database_secret_reaches_only_the_coordinators_and_the_aggregation_replicas_as_a_file():
+    users = [w for w in workloads(docs()) if _uses_secret(w, "fedbroker-pg-app")]
+    assert sorted(w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] for w in users) == [
+        "aggregator", "coordinator"]
+    for workload in users:
+        pod = workload["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "fedbroker-pg-app"]
+        assert volume["secret"]["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"] == 10001
+        for c in pod["containers"]:  # never an environment variable (a crash dump or `env` would show it)
+            assert "fedbroker-pg-app" not in yaml.safe_dump([c.get("env", []), c.get("envFrom", [])])
+    assert not [w for w in workloads(docs()) if _uses_secret(w, "rabbitmq-fedbroker-user")]  # the operator's only
+
+
+def test_every_test_the_ha_security_table_names_exists():
+    text = (ROOT / "deploy" / "SECURITY.md").read_text(encoding="utf-8")
+    table = text.split("### HA: the Kubernetes overlay", 1)[1].split("\n### ", 1)[0]
+    named = re.findall(r"`(tests/[\w/]+\.py)::(\w+)(?:\[[^\]`]*\])?`", table)
+    assert len(named) >= 6
+    for path, test in named:
+        assert re.search(rf"^def {test}\(", (ROOT / path).read_text(encoding="utf-8"), re.MULTILINE), (path, test)
+
+
 # ----- configuration -----
 
 
