@@ -32,7 +32,7 @@ from fedbroker.config import Config, load_config
 from tests.ops.conftest import ROOT, missing
 from tests.ops.operator_types import ApiTypes
 from tests.ops.test_k8s import K8S_VERSION, can_connect, component, find, one, rendered, validator, workloads
-from tests.rabbitmq_node import start_private_rabbitmq
+from tests.rabbitmq_node import PrivateRabbitMQ, server_scripts, start_private_rabbitmq
 
 HA = "overlays/ha"
 CRD_TYPES = ROOT / ".k8s-tools" / "package" / "dist"
@@ -146,6 +146,21 @@ def test_rabbitmq_starts_with_the_clusters_configuration_and_pauses_a_minority(t
             return node.ctl("eval", f"application:get_env(rabbit, {name}).").strip()
         assert setting("cluster_partition_handling") == "{ok,pause_minority}"
         assert setting("consumer_timeout") == "{ok,14400000}"
+    finally:
+        node.stop()
+
+
+def test_rabbitmq_refuses_to_start_with_a_misspelt_key(tmp_path):
+    """The check above can fail: one letter off in the cluster's configuration and the node does not start."""
+    extra = one(docs(), "RabbitmqCluster", "rabbitmq")["spec"]["rabbitmq"]["additionalConfig"]
+    misspelt = extra.replace("cluster_partition_handling", "cluster_partition_handlin")
+    assert misspelt != extra
+    node = PrivateRabbitMQ(tmp_path / "node", server_scripts())
+    try:
+        with open(node.base / "rabbitmq.conf", "a") as fh:
+            fh.write(misspelt)
+        with pytest.raises(RuntimeError, match="cluster_partition_handlin"):
+            node.start()
     finally:
         node.stop()
 
