@@ -381,6 +381,7 @@ OPERATOR_PODS: dict[str, tuple[str, dict[str, str]]] = {
     "coordinator": ("fedbroker", {"app.kubernetes.io/name": "fedbroker", "app.kubernetes.io/component": "coordinator"}),
     "aggregator": ("fedbroker", {"app.kubernetes.io/name": "fedbroker", "app.kubernetes.io/component": "aggregator"}),
     "stranger": ("default", {"app": "something-else"}),
+    "prometheus": ("monitoring", {"app.kubernetes.io/name": "prometheus"}),
 }
 
 
@@ -398,6 +399,8 @@ def test_the_assumed_operator_labels_follow_the_resources_names():
     ("aggregator", "postgres", 5432, True),
     ("postgres", "postgres", 5432, True),            # streaming replication
     ("cnpg-operator", "postgres", 8000, True),
+    ("prometheus", "postgres", 9187, True),          # cnpg_* metrics
+    ("prometheus", "postgres", 5432, False),
     ("hospital-a", "postgres", 5432, False),         # a data owner's pod never reaches the store
     ("broker", "postgres", 5432, False),
     ("stranger", "postgres", 5432, False),
