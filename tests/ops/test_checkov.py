@@ -1,4 +1,4 @@
-"""Static security scan: checkov over what `kubectl kustomize` renders for base, dev and gpu, and the Dockerfile.
+"""Static security scan: checkov over what `kubectl kustomize` renders for base, dev, gpu and ha, and the Dockerfile.
 
 No check may fail. A check the project does not fix is skipped where it applies, with its reason (a
 `checkov.io/skip<N>: CKV_...=reason` annotation on the object, a `# checkov:skip=CKV_...:reason` comment in
@@ -19,7 +19,7 @@ import pytest
 
 from tests.ops.conftest import DEPLOY, ROOT, missing, tool
 
-TARGETS = {"base": "base", "dev": "overlays/dev", "gpu": "overlays/gpu"}
+TARGETS = {"base": "base", "dev": "overlays/dev", "gpu": "overlays/gpu", "ha": "overlays/ha"}
 FRAMEWORKS = {"kubernetes", "dockerfile"}
 HINT = "make security-tools (creates .venv-tools with the checkov version the Makefile pins)"
 

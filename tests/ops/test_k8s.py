@@ -19,7 +19,10 @@ from tests.ops.conftest import DEPLOY, ROOT, missing, tool
 from tests.ops.sync_prometheus_rule import RULE, render
 
 K8S = DEPLOY / "k8s"
-TARGETS = ["base", "overlays/dev", "overlays/gpu"]
+TARGETS = ["base", "overlays/dev", "overlays/gpu", "overlays/ha"]
+# custom resources of operators: checked against the operator's types (PodMonitors against the pods they
+# select, below; the HA overlay's RabbitmqCluster and CloudNativePG Cluster in test_k8s_ha.py)
+OPERATOR_GROUPS = ("monitoring.coreos.com/", "rabbitmq.com/", "postgresql.cnpg.io/")
 K8S_VERSION = "1.37.0"
 WORKLOADS = ("Deployment", "StatefulSet")
 
@@ -87,8 +90,8 @@ def test_every_rendered_object_validates_against_the_kubernetes_schemas(target):
     kv = validator()
     checked = 0
     for doc in rendered(target):
-        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
-            continue  # a CRD: checked against the pods it selects below
+        if doc["apiVersion"].startswith(OPERATOR_GROUPS):
+            continue
         try:
             kv.validate(doc, K8S_VERSION, strict=True)
         except kv.ValidationError as exc:
@@ -353,10 +356,17 @@ def _allowed(policies: list[dict[str, Any]], pod: Pod, direction: str, peer: Pod
         for rule in policy["spec"].get(key, []):
             peer_ok = ("from" not in rule and "to" not in rule) or any(
                 _peer_matches(p, peer, namespace) for p in rule.get(peers_key, []))
-            port_ok = "ports" not in rule or any(p.get("port") == port for p in rule["ports"])
+            port_ok = "ports" not in rule or any(_port_matches(p, port) for p in rule["ports"])
             if peer_ok and port_ok:
                 return True
     return False
+
+
+def _port_matches(rule_port: dict[str, Any], port: int) -> bool:
+    """A rule's port, or its range up to endPort; a rule without a port opens every port."""
+    if "port" not in rule_port:
+        return True
+    return rule_port["port"] <= port <= rule_port.get("endPort", rule_port["port"])
 
 
 def can_connect(policies: list[dict[str, Any]], source: Pod, destination: Pod, port: int) -> bool:
