@@ -120,6 +120,12 @@ class CoordinatorConfig:
     # a job whose category no registered worker serves: refused at submission (true), or accepted with a
     # warning naming the known categories (false: a worker of it may register later)
     strict_categories: bool = False
+    # the standby coordinator (coordinator/standby.py; needs a shared database): the lease `coordinator` lapses this
+    # long after its leader last renewed it, and the standby takes over within a third of it more
+    lease_ttl_s: float = 10.0
+    # every coordinator a client may reach, tried in order (a standby answers UNAVAILABLE `standby` and the next is
+    # asked); empty = `target` alone. `--coordinator a,b` on the command line likewise.
+    targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _raise_all(self.problems())
@@ -129,9 +135,17 @@ class CoordinatorConfig:
         checks = (("max_running_jobs", self.max_running_jobs, self.max_running_jobs >= 1, "an integer >= 1"),
                   ("heartbeat_timeout_s", self.heartbeat_timeout_s, self.heartbeat_timeout_s > 0, "seconds > 0"),
                   ("safety_poll_s", self.safety_poll_s, 0 < self.safety_poll_s <= 3600, "seconds in (0, 3600]"),
-                  ("metrics_port", self.metrics_port, 0 <= self.metrics_port <= 65535, "a port in [0, 65535]"))
+                  ("metrics_port", self.metrics_port, 0 <= self.metrics_port <= 65535, "a port in [0, 65535]"),
+                  ("lease_ttl_s", self.lease_ttl_s, 0 < self.lease_ttl_s <= 3600, "seconds in (0, 3600]"),
+                  ("targets", self.targets, all(_is_target(t) for t in self.targets),
+                   "host:port addresses, none empty"))
         return [ConfigError(f"coordinator.{name}", f"must be {rule}, got {value!r}")
                 for name, value, ok, rule in checks if not ok]
+
+
+def _is_target(target: str) -> bool:
+    host, _, port = target.strip().rpartition(":")
+    return bool(host) and port.isdigit()
 
 
 @dataclass(frozen=True)
