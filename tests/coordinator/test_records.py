@@ -4,7 +4,6 @@ the very strings the SQLite file, the wire and `fedbroker status` have always us
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 
@@ -16,8 +15,8 @@ from fedbroker.job.status import JobStatus, ParticipantStatus, RoundStatus, Work
 POLICY = DPPolicy(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budget=3.0)
 
 
-def test_the_store_hands_out_frozen_records_with_enum_statuses(tmp_path: Path) -> None:
-    store = StateStore(str(tmp_path / "coordinator.sqlite"))
+def test_the_store_hands_out_frozen_records_with_enum_statuses(any_store: StateStore) -> None:
+    store = any_store
     store.add_job("j", "j", '{"category": "digits", "schedule": {"mode": "async"}}', 2, "{}", submitter="alice")
     store.open_round("j", 1, ["w1"], deadline=5.0, started=1.0)
     store.upsert_worker(worker_id="w1", categories=["digits"], histogram=[1, 2], dp=POLICY, epsilon_spent=0.5,
@@ -35,7 +34,6 @@ def test_the_store_hands_out_frozen_records_with_enum_statuses(tmp_path: Path) -
     assert [e.kind for e in store.events("j")] == ["submitted", "round_opened"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         job.status = JobStatus.RUNNING  # type: ignore[misc]
-    store.close()
 
 
 def test_statuses_are_the_strings_the_state_file_and_the_wire_always_held() -> None:
@@ -46,10 +44,9 @@ def test_statuses_are_the_strings_the_state_file_and_the_wire_always_held() -> N
     assert "completed" in {JobStatus.COMPLETED}  # a proto's string finds its status in a set of enums
 
 
-def test_a_worker_without_dp_keeps_its_policy_disabled(tmp_path: Path) -> None:
-    store = StateStore(str(tmp_path / "coordinator.sqlite"))
+def test_a_worker_without_dp_keeps_its_policy_disabled(any_store: StateStore) -> None:
+    store = any_store
     store.upsert_worker(worker_id="w", categories=["c"], histogram=[], dp=DPPolicy(enabled=False, epsilon_budget=0.0),
                         epsilon_spent=0.0, device="cpu", num_samples=1)
     (w,) = store.workers()
     assert not w.dp.enabled
-    store.close()

@@ -1,9 +1,9 @@
-"""The coordinator's SQLite state under a lock held elsewhere and a full disk (issue 12, item 1), on a real
+"""The coordinator's embedded SQLite state under a lock held elsewhere and a full disk (issue 12, item 1), on a real
 SQLite file: every write is one transaction that is rolled back on any error, the error reaches the caller,
 no transaction stays open, what `status` shows agrees with the file, and later writes work.
 
 A full disk is SQLite's own SQLITE_FULL ("database or disk is full"): `PRAGMA max_page_count` caps the
-file's size on the store's connection, so a write that needs a new page fails exactly as on a full disk."""
+file's size on the store's connections, so a write that needs a new page fails exactly as on a full disk."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import sqlite3
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from sqlalchemy import event
 
 from fedbroker.bus import InProcessBus
 from fedbroker.coordinator.scheduler import Coordinator
@@ -29,16 +31,32 @@ JOB = {"name": "state", "category": "nobody",
        "schedule": {"wait_for_workers_s": 3600}}
 
 
+UNCAPPED = 1073741823
+
+
+def _cap(store: StateStore, pages: int) -> None:
+    """Every connection the store takes from its pool from now on holds the file to `pages` pages."""
+    event.remove(store.engine, "checkout", getattr(store, "_test_cap", _no_cap)) if hasattr(store, "_test_cap") else None
+
+    def cap(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        dbapi_connection.execute(f"PRAGMA max_page_count = {pages}")
+
+    store._test_cap = cap  # type: ignore[attr-defined]
+    event.listen(store.engine, "checkout", cap)
+
+
+def _no_cap(*_: Any) -> None:
+    return None
+
+
 def fill_disk(store: StateStore) -> None:
     """From now on the store's file cannot grow (SQLITE_FULL), as on a full disk."""
-    with store._lock:
-        pages = store._db.execute("PRAGMA page_count").fetchone()[0]
-        store._db.execute(f"PRAGMA max_page_count = {pages}")
+    (pages,) = on_file(store.path, "PRAGMA page_count")[0]
+    _cap(store, int(pages))  # type: ignore[call-overload]
 
 
 def free_disk(store: StateStore) -> None:
-    with store._lock:
-        store._db.execute("PRAGMA max_page_count = 1073741823")
+    _cap(store, UNCAPPED)
 
 
 def on_file(path: str, sql: str) -> list[tuple[object, ...]]:
@@ -65,7 +83,7 @@ def test_a_write_waiting_past_the_lock_timeout_fails_rolled_back_and_later_write
         store.add_job("blocked", "blocked", "{}", 1, "{}")
     with pytest.raises(StateUnavailable, match="could not open round 1 of job 'before'"):
         store.open_round("before", 1, ["w1", "w2"], deadline=1.0)
-    assert not store._db.in_transaction
+    assert store.engine.pool.checkedout() == 0  # no connection stays inside a transaction
     other.execute("ROLLBACK")
     other.close()
     store.add_job("after", "after", "{}", 1, "{}")
@@ -83,7 +101,7 @@ def test_a_full_disk_rolls_the_whole_transaction_back_and_later_writes_land(stor
     many = [f"w{i:05d}-{'p' * 100}" for i in range(5000)]  # the round row lands, its participants do not fit
     with pytest.raises(StateUnavailable, match="could not open round 1 of job 'job'.*full"):
         store.open_round("job", 1, many, deadline=1.0)
-    assert not store._db.in_transaction
+    assert store.engine.pool.checkedout() == 0  # no connection stays inside a transaction
     assert store.round("job", 1) is None and store.participants("job") == []  # all of it or nothing
     store.set_job_status("job", "running")  # a write that needs no new page still lands
     free_disk(store)

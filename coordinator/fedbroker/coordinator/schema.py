@@ -1,32 +1,28 @@
-"""Versioned SQLite state: an ordered list of migrations, applied at open, recorded in `PRAGMA user_version`.
+"""Schema versions of the coordinator's state: what a store or a backup of it may be opened at, and how to read one.
 
-Every SQLite file the project keeps declares a `Schema`: its name (for messages) and its migrations, numbered
-1, 2, … in the order they apply. Opening a file runs, in one `BEGIN IMMEDIATE` transaction each, every
-migration above the file's `user_version`, then sets `user_version` to that migration's number, so a crash
-between two leaves the file at the last one that committed and the next open goes on from there. A file
-written before versions existed reads 0: migration 1 brings it to the first versioned layout (and must
-therefore be idempotent over every earlier unversioned layout, e.g. `CREATE TABLE IF NOT EXISTS`).
-
-A file whose version is above the last migration this code knows was written by a newer release: it is
-refused (`SchemaTooNew`, naming both versions) instead of being read, or worse written, by code that does
-not know its tables. A store adds a migration by appending to its schema's list: never renumber or edit one
-that a release has shipped.
+A state's schema version is a number: 1-3 were the `PRAGMA user_version` steps of the releases before Alembic
+(0: a file from before versions), and from 4 on it is the Alembic revision the database is at (revision ids are
+the numbers, zero-padded: `store_schema`). On SQLite both are kept: each upgrade also sets `user_version` to the
+revision's number, so a release from before Alembic refuses a file this code has written (its own
+`SchemaTooNew`) instead of reading tables it does not know. A file whose version is above the last one this code
+knows was written by a newer release: it is refused (`SchemaTooNew`, naming both versions), neither read nor
+written.
 """
 
 from __future__ import annotations
 
-import logging
 import sqlite3
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+
+from sqlalchemy import inspect, text
+from sqlalchemy.engine import Connection
 
 from fedbroker.errors import Conflict, FedbrokerError
 
-log = logging.getLogger(__name__)
+VERSION_TABLE = "alembic_version"
 
 
 class SchemaTooNew(Conflict):
-    """A state file written by a newer release than this code (its schema version is above the last one known)."""
+    """A state written by a newer release than this code (its schema version is above the last one known)."""
 
     def __init__(self, what: str, path: str, found: int, known: int) -> None:
         self.found = found
@@ -37,80 +33,62 @@ class SchemaTooNew(Conflict):
 
 
 class MigrationFailed(FedbrokerError):
-    """A migration raised: it was rolled back and the file stays at the version before it."""
+    """A migration raised: it was rolled back and the state stays at the version before it."""
 
     reason = "unavailable"
 
 
-@dataclass(frozen=True)
-class Migration:
-    """One step: `apply(connection)` inside the transaction that also records `version`."""
+class Versions:
+    """The versions a kind of state may be at: 0 … `latest`."""
 
-    version: int
-    what: str
-    apply: Callable[[sqlite3.Connection], None]
-
-
-def sql(*statements: str) -> Callable[[sqlite3.Connection], None]:
-    """A migration made of plain SQL statements (each one statement, run in order)."""
-    def apply(db: sqlite3.Connection) -> None:
-        for statement in statements:
-            db.execute(statement)
-    return apply
-
-
-class Schema:
-    """A SQLite file's migrations, numbered 1…N in order (checked here: a gap or a duplicate is a bug)."""
-
-    def __init__(self, what: str, migrations: Sequence[Migration]) -> None:
-        numbers = [m.version for m in migrations]
-        if numbers != list(range(1, len(migrations) + 1)):
-            raise ValueError(f"the {what}'s migrations must be numbered 1, 2, … in order, got {numbers}")
+    def __init__(self, what: str, latest: int) -> None:
         self.what = what
-        self.migrations = tuple(migrations)
-
-    @property
-    def latest(self) -> int:
-        """The version a file has once every migration applied."""
-        return len(self.migrations)
+        self.latest = latest
 
     def check(self, found: int, path: str) -> None:
-        """Refuse a version this code does not know (`SchemaTooNew`)."""
+        """Refuse a version this code does not know (`SchemaTooNew`), or one no release writes."""
         if found > self.latest:
             raise SchemaTooNew(self.what, path, found, self.latest)
         if found < 0:  # no release writes one: another program's file, or one edited by hand
             raise Conflict(f"{path}: the {self.what} is at schema version {found}, which no fedbroker release "
                            f"writes (invalid, not newer): not a file this fedbroker will read or change")
 
-    def migrate(self, db: sqlite3.Connection, *, path: str) -> tuple[int, int]:
-        """Bring the file behind `db` (autocommit mode: `isolation_level=None`) to `latest`; (before, after).
 
-        Each migration runs in its own `BEGIN IMMEDIATE` transaction that re-reads the version first, so two
-        processes opening one file at once apply each step once."""
-        before = user_version(db)
-        self.check(before, path)
-        for migration in self.migrations[before:]:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                current = user_version(db)
-                self.check(current, path)
-                if current < migration.version:
-                    migration.apply(db)
-                    db.execute(f"PRAGMA user_version = {int(migration.version)}")
-                db.execute("COMMIT")
-            except BaseException as exc:
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
-                if isinstance(exc, sqlite3.Error):
-                    raise MigrationFailed(f"{path}: migration {migration.version} of the {self.what} "
-                                          f"({migration.what}) failed and was rolled back: {exc}") from exc
-                raise
-            if current < migration.version:
-                log.info("%s: %s migrated to schema version %d (%s)", path, self.what, migration.version,
-                         migration.what)
-        return before, user_version(db)
+def revision_number(revision: str | None, path: str) -> int:
+    """An Alembic revision id as its schema version (None: no revision recorded, 0)."""
+    if revision is None:
+        return 0
+    if not revision.isdigit():
+        raise Conflict(f"{path}: the coordinator's state records Alembic revision {revision!r}, which no fedbroker "
+                       f"release writes: not a database this fedbroker will read or change")
+    return int(revision)
+
+
+def current_version(conn: Connection, path: str) -> int:
+    """The schema version of the database behind `conn` (SQLite: the higher of `user_version` and the revision,
+    unless `user_version` is negative, which no release writes)."""
+    revision = None
+    if inspect(conn).has_table(VERSION_TABLE):
+        revision = conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()
+    found = revision_number(revision, path)
+    if conn.dialect.name != "sqlite":
+        return found
+    legacy = int(conn.exec_driver_sql("PRAGMA user_version").scalar() or 0)
+    return legacy if legacy < 0 else max(legacy, found)
 
 
 def user_version(db: sqlite3.Connection) -> int:
-    """The file's schema version (0: written before versions, or new and empty)."""
+    """A SQLite file's `PRAGMA user_version` (0: written before versions, or new and empty)."""
     return int(db.execute("PRAGMA user_version").fetchone()[0])
+
+
+def file_version(db: sqlite3.Connection, path: str) -> int:
+    """`current_version` of a SQLite file opened with the standard library (backups, restores)."""
+    legacy = user_version(db)
+    if legacy < 0:
+        return legacy
+    revision = None
+    if db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (VERSION_TABLE,)).fetchone():
+        row = db.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchone()
+        revision = None if row is None else str(row[0])
+    return max(legacy, revision_number(revision, path))

@@ -2,15 +2,19 @@
 logs`): `write_event`, the one writer of its lines, which every store module calls in the transaction of what the
 line reports, and the events a job's loop writes on their own: why a job waits, how a round's updates were chosen.
 
-As in store.py, the write is one transaction.
+As in store.py, the write is one transaction, and `StoreAccess` is what every mixin may use of the store.
 """
 
 from __future__ import annotations
 
-import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from sqlalchemy import Executable, Row
+from sqlalchemy.engine import Connection
+
+from fedbroker.coordinator.tables import events
 
 T = TypeVar("T")
 
@@ -20,9 +24,9 @@ class StoreAccess:
     (`_exec`) and its one-statement writes (`_run`)."""
 
     if TYPE_CHECKING:
-        def _write(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T: ...
-        def _exec(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]: ...
-        def _run(self, what: str, sql: str, args: Sequence[Any] = ()) -> int: ...
+        def _write(self, what: str, fn: Callable[[Connection], T]) -> T: ...
+        def _exec(self, statement: Executable, params: Mapping[str, Any] | None = None) -> Sequence[Row[Any]]: ...
+        def _run(self, what: str, statement: Executable, params: Mapping[str, Any] | None = None) -> int: ...
 
 
 class JobNotes(StoreAccess):
@@ -30,12 +34,12 @@ class JobNotes(StoreAccess):
 
     def note_event(self, job_id: str, kind: str, message: str, *, round_number: int = 0, worker_id: str = "") -> None:
         """Record an event of the job (kind: `waiting`, `selection`, ...)."""
-        self._write(f"record a {kind} event of job {job_id!r}", lambda db: write_event(
-            db, job_id, kind, round_number=round_number, worker_id=worker_id, message=message))
+        self._write(f"record a {kind} event of job {job_id!r}", lambda conn: write_event(
+            conn, job_id, kind, round_number=round_number, worker_id=worker_id, message=message))
 
 
-def write_event(db: sqlite3.Connection, job_id: str, kind: str, *, round_number: int = 0, worker_id: str = "",
+def write_event(conn: Connection, job_id: str, kind: str, *, round_number: int = 0, worker_id: str = "",
                 message: str = "") -> None:
-    """One line of a job's history, written in the transaction `db` of what it reports."""
-    db.execute("INSERT INTO events (job_id, time, kind, round, worker_id, message) VALUES (?, ?, ?, ?, ?, ?)",
-               (job_id, time.time(), kind, round_number, worker_id, message))
+    """One line of a job's history, written in the transaction `conn` of what it reports."""
+    conn.execute(events.insert().values(job_id=job_id, time=time.time(), kind=str(kind), round=round_number,
+                                        worker_id=worker_id, message=message))

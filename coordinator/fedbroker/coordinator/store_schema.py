@@ -1,88 +1,52 @@
-"""The coordinator's state file's schema (`fedbroker.coordinator.schema`): its migrations, in the order they apply.
+"""The coordinator's state's schema, moved to Alembic: `upgrade` brings any database to the head revision when a
+store opens, inside the store's write transaction (SQLite: BEGIN IMMEDIATE; PostgreSQL: the store's advisory
+lock), so two processes opening one database at once apply each step once and a failure leaves nothing half done.
 
-Version 1 is the layout of every release before versions (their files read `user_version` 0): the tables, and
-the columns older files lacked, each created only where missing, so any unversioned file becomes version 1.
-A store that needs a table or column adds a migration at the end of `MIGRATIONS`; one a release has shipped is
-never edited or renumbered (deploy/OPERATING.md, "Hosts: backup, restore, upgrade").
+The route from the releases before Alembic: their SQLite file (`user_version` 0-3, no `alembic_version` table)
+is upgraded by Alembic from "no revision", and the first revision (0004, `migrations/versions/v0004_baseline.py`)
+creates each missing table and adds each missing column, which is what their hand-written steps did; nothing is
+stamped without being checked. A revision a release has shipped is never edited or renumbered (deploy/OPERATING.md,
+"Hosts: backup, restore, upgrade").
 """
 
 from __future__ import annotations
 
-import sqlite3
+import logging
 
-from fedbroker.coordinator import store_epsilon, store_shares, store_sites
-from fedbroker.coordinator.schema import Migration, Schema
-from fedbroker.coordinator.store_evaluation import create_evaluation_tables
+from alembic import command
+from alembic.config import Config
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import SQLAlchemyError
 
-TABLES = """
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id TEXT PRIMARY KEY, name TEXT NOT NULL, spec_json TEXT NOT NULL,
-    status TEXT NOT NULL, rounds_total INTEGER NOT NULL, rounds_done INTEGER NOT NULL DEFAULT 0,
-    model_spec_json TEXT NOT NULL, error TEXT NOT NULL DEFAULT '', created REAL NOT NULL, updated REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS workers (
-    worker_id TEXT PRIMARY KEY, categories_json TEXT NOT NULL, histogram_json TEXT NOT NULL,
-    dp_enabled INTEGER NOT NULL, dp_json TEXT NOT NULL, epsilon_spent REAL NOT NULL, device TEXT NOT NULL,
-    num_samples INTEGER NOT NULL, registered REAL NOT NULL, last_seen REAL NOT NULL, state TEXT NOT NULL DEFAULT 'idle',
-    input_shape_json TEXT NOT NULL DEFAULT '[]', num_classes INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS rounds (
-    job_id TEXT NOT NULL, round INTEGER NOT NULL, status TEXT NOT NULL,
-    participants INTEGER NOT NULL, uploaded INTEGER NOT NULL DEFAULT 0, aggregated INTEGER NOT NULL DEFAULT 0,
-    accuracy REAL, loss REAL, mean_train_loss REAL, seconds REAL, model_version INTEGER,
-    checkpoint TEXT, stats_json TEXT NOT NULL DEFAULT '{}', started REAL NOT NULL, closed REAL,
-    deadline REAL,
-    PRIMARY KEY (job_id, round)
-);
-CREATE TABLE IF NOT EXISTS events (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, time REAL NOT NULL, kind TEXT NOT NULL,
-    round INTEGER NOT NULL DEFAULT 0, worker_id TEXT NOT NULL DEFAULT '', message TEXT NOT NULL DEFAULT ''
-);
-CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, seq);
-CREATE TABLE IF NOT EXISTS participants (
-    job_id TEXT NOT NULL, round INTEGER NOT NULL, worker_id TEXT NOT NULL, status TEXT NOT NULL,
-    reason TEXT NOT NULL DEFAULT '', epsilon REAL, train_loss REAL, num_samples INTEGER,
-    PRIMARY KEY (job_id, round, worker_id)
-);
-"""
-# Columns that unversioned files written before them lack: (table, column, its declaration).
-_LATE_COLUMNS = (
-    ("rounds", "deadline", "REAL"),
-    ("workers", "input_shape_json", "TEXT NOT NULL DEFAULT '[]'"),
-    ("workers", "num_classes", "INTEGER NOT NULL DEFAULT 0"),
-    ("jobs", "submitter", "TEXT NOT NULL DEFAULT ''"),
-)
+from fedbroker.coordinator.migrations import SCRIPT_LOCATION
+from fedbroker.coordinator.schema import MigrationFailed, Versions, current_version
+
+log = logging.getLogger(__name__)
+
+HEAD = 4  # the schema version (Alembic revision) this code writes: the newest file in migrations/versions
+SCHEMA = Versions("coordinator's state", HEAD)
 
 
-def _statements(script: str) -> list[str]:
-    return [s for s in script.split(";") if s.strip()]
+def alembic_config(connection: Connection | None = None) -> Config:
+    """Alembic's configuration with no alembic.ini: the packaged migrations, on `connection` when given."""
+    config = Config()
+    config.set_main_option("script_location", SCRIPT_LOCATION)
+    config.attributes["connection"] = connection
+    return config
 
 
-def _unversioned_layout(db: sqlite3.Connection) -> None:
-    """Version 1: every table and column of the releases before versions, added where missing."""
-    for statement in [*_statements(TABLES), *_statements(store_epsilon.SCHEMA), *_statements(store_shares.SCHEMA)]:
-        db.execute(statement)
-    create_evaluation_tables(db)
-    for table, column, declaration in _LATE_COLUMNS:
-        if column not in {r[1] for r in db.execute(f"PRAGMA table_info({table})").fetchall()}:
-            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
-
-
-def _site_tables(db: sqlite3.Connection) -> None:
-    """Version 2: what an operator reads about the sites (`fedbroker sites`)."""
-    for statement in _statements(store_sites.SCHEMA):
-        db.execute(statement)
-
-
-def _evaluation_samples(db: sqlite3.Connection) -> None:
-    """Version 3: each site's registered held-out split, the bound of its evaluation reports."""
-    db.execute("ALTER TABLE workers ADD COLUMN evaluation_samples INTEGER NOT NULL DEFAULT 0")
-
-
-MIGRATIONS: list[Migration] = [
-    Migration(1, "the tables and columns of the releases before schema versions", _unversioned_layout),
-    Migration(2, "the sites' own record: version, restarts, events and forwarded warnings", _site_tables),
-    Migration(3, "each site's registered held-out split (the bound of its evaluation reports)", _evaluation_samples),
-]
-
-SCHEMA = Schema("coordinator's state", MIGRATIONS)
+def upgrade(conn: Connection, *, path: str) -> tuple[int, int]:
+    """Bring the database behind `conn` (inside its write transaction) to `HEAD`; (before, after). A database of
+    a newer release is refused (`SchemaTooNew`) before anything is written."""
+    before = current_version(conn, path)
+    SCHEMA.check(before, path)
+    if before < HEAD:
+        try:
+            command.upgrade(alembic_config(conn), f"{HEAD:04d}")
+        except SQLAlchemyError as exc:
+            raise MigrationFailed(f"{path}: migrating the {SCHEMA.what} from schema version {before} to {HEAD} "
+                                  f"failed and was rolled back: {exc}") from exc
+        log.info("%s: %s migrated from schema version %d to %d", path, SCHEMA.what, before, HEAD)
+    if conn.dialect.name == "sqlite":  # a release from before Alembic then refuses the file as newer
+        conn.exec_driver_sql(f"PRAGMA user_version = {HEAD:d}")
+    return before, HEAD
