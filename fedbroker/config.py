@@ -120,6 +120,9 @@ class CoordinatorConfig:
     # a job whose category no registered worker serves: refused at submission (true), or accepted with a
     # warning naming the known categories (false: a worker of it may register later)
     strict_categories: bool = False
+    # a shared database (postgresql+psycopg://user@host/db) instead of state_dir's SQLite file: two coordinators on it
+    # elect a leader, the other stands by (coordinator/standby.py); checkpoints stay in state_dir, which they share
+    database_url: str = ""
     # the standby coordinator (coordinator/standby.py; needs a shared database): the lease `coordinator` lapses this
     # long after its leader last renewed it, and the standby takes over within a third of it more
     lease_ttl_s: float = 10.0

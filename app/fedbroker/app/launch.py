@@ -114,7 +114,17 @@ def start_coordinator(config: Config, *, bus: Bus | None = None, config_file: st
     tls = ServerTLS.from_files(c.tls.cert_file, c.tls.key_file, c.tls.client_ca_file, where="coordinator.tls")
     security = client_security(config, expected_target=config.aggregator.target)
     _export("coordinator", c.metrics_port, c.metrics_addr)
-    store = StateStore.in_directory(c.state_dir)  # refused while another coordinator holds it
+    leadership = None
+    if c.database_url:  # a shared database: two coordinators elect a leader (app/leading.py)
+        from fedbroker.app.leading import advertised
+        from fedbroker.coordinator.standby import Leadership
+
+        os.makedirs(c.state_dir, mode=0o700, exist_ok=True)  # its checkpoints (shared by the two)
+        store = StateStore.from_url(c.database_url)
+        leadership = Leadership(store.engine, ttl_s=c.lease_ttl_s, advertise=advertised(c.listen))
+        store.fence = leadership.fence  # before any write: each is checked against the lease's term
+    else:
+        store = StateStore.in_directory(c.state_dir)  # refused while another coordinator holds it
     bus = bus or make_bus(config)
     coordinator = Coordinator(
         bus=bus, store=store,
@@ -127,6 +137,11 @@ def start_coordinator(config: Config, *, bus: Bus | None = None, config_file: st
         worker_broker_users=c.worker_broker_users, strict_categories=c.strict_categories,
         follow_broker_users=broker_users_of(config_file, overrides) if config_file else None,
     )
+    if leadership is not None:
+        from fedbroker.app.leading import start_leading
+
+        return start_leading(coordinator, bus, leadership, address=c.listen,
+                             serve=lambda *a, **kw: serve(*a, tokens=tokens, tls=tls, **kw))
     coordinator.start()
     bus.start()
     coordinator.log_consumer_timeout()
