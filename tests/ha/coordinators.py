@@ -1,0 +1,188 @@
+"""Coordinators on a shared PostgreSQL for the chaos cases: coordinator and worker processes started as a kit
+starts them (`fedbroker coordinator|worker`, settings in FEDBROKER__ variables) on the machine's RabbitMQ under a
+namespace of their own, the aggregation service in this process, and what the cases read back: the lease, the
+store, the workers' own ledgers.
+
+Every coordinator names the same `database_url` and the same `state_dir` (their checkpoints: a shared volume in
+a cluster). Rounds are paced by their uploads, never a clock: deadlines are far away (NEVER_S).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import create_engine, func, select
+
+from fedbroker.aggregators.round_book import RoundBook
+from fedbroker.aggregators.service import serve
+from fedbroker.app.failover import FailoverClient
+from fedbroker.bus import delete_topology
+from fedbroker.coordinator import tables as t
+from fedbroker.coordinator.standby import leader_address
+from fedbroker.coordinator.store import StateStore
+from fedbroker.ha.lease import LEASES
+from fedbroker.job.status import FINISHED
+from fedbroker.worker.ledger import PrivacyLedger
+from tests.faults.harness import job
+from tests.rabbitmq_node import free_ports
+from tests.source_roots import PYTHONPATH
+
+LEASE_TTL_S = 3.0
+JOB = job(training={"rounds": 4, "local_epochs": 1, "batch_size": 64, "lr": 0.2}, schedule={"min_workers": 2})
+
+
+def until(condition: Callable[[], Any], *, what: str, within_s: float, logs: Path) -> Any:
+    """Wait on a condition (never on a clock reading), failing with every process's log."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {within_s:g}s waiting for {what}\n{tail(logs)}")
+
+
+def tail(logs: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(logs.glob("*.log")))
+
+
+class Federation:
+    """The aggregation service here; coordinators and workers as processes (`spawn_*`), killed by pid at `close`."""
+
+    def __init__(self, amqp_url: str, database_url: str, tmp: Path, *, workers: int = 2) -> None:
+        self.amqp_url, self.database_url, self.tmp = amqp_url, database_url, tmp
+        self.namespace = f"fbha-{uuid.uuid4().hex[:8]}"
+        self.logs = tmp / "logs"
+        self.logs.mkdir()
+        self.book = RoundBook()
+        self.server, port = serve(self.book)
+        self.aggregator = f"127.0.0.1:{port}"
+        self.worker_ids = [f"w{i}" for i in range(workers)]
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.addresses: dict[str, str] = {}   # coordinator name → its gRPC address
+        self.engine = create_engine(database_url, pool_pre_ping=True)
+
+    def _spawn(self, name: str, verb: str, settings: dict[str, Any]) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FEDBROKER__")}
+        env["PYTHONPATH"] = PYTHONPATH
+        base = {"broker.url": self.amqp_url, "broker.namespace": self.namespace, "aggregator.target": self.aggregator,
+                "log_level": "INFO"}
+        env.update({"FEDBROKER__" + k.upper().replace(".", "__"): str(v) for k, v in {**base, **settings}.items()})
+        log = (self.logs / f"{name}.log").open("ab")
+        self.processes[name] = subprocess.Popen([sys.executable, "-m", "fedbroker", verb], env=env, stdout=log,
+                                                stderr=subprocess.STDOUT)
+
+    def spawn_coordinator(self, name: str) -> None:
+        (port,) = free_ports(1)
+        self.addresses[name] = f"127.0.0.1:{port}"
+        self._spawn(name, "coordinator", {
+            "coordinator.listen": self.addresses[name], "coordinator.state_dir": str(self.tmp / "state"),
+            "coordinator.database_url": self.database_url, "coordinator.lease_ttl_s": LEASE_TTL_S,
+            "coordinator.heartbeat_timeout_s": 120})
+
+    def spawn_workers(self) -> None:
+        for index, worker_id in enumerate(self.worker_ids):
+            self._spawn(worker_id, "worker", {
+                "worker.id": worker_id, "worker.partition.num_clients": len(self.worker_ids),
+                "worker.partition.client_index": index, "worker.device": "cpu", "worker.heartbeat_s": 1,
+                "worker.ledger_path": str(self.ledger_path(worker_id)), "worker.torch_threads": 1,
+                "worker.dp.enabled": "true", "worker.dp.epsilon_budget": 1000})
+
+    def ledger_path(self, worker_id: str) -> Path:
+        return self.tmp / f"{worker_id}-ledger.json"
+
+    def client(self) -> FailoverClient:
+        """The CLI's client over every coordinator, in the order they were started."""
+        return FailoverClient(list(self.addresses.values()), timeout_s=10)
+
+    # ----- what the database holds -----
+
+    def leader(self) -> str:
+        """The name of the coordinator holding the lease ("" none, or a holder no process of ours is)."""
+        with self.engine.connect() as conn:
+            row = conn.execute(select(LEASES.c.holder).where(LEASES.c.name == "coordinator")).first()
+        address = leader_address(row.holder) if row else ""
+        return next((name for name, a in self.addresses.items() if a == address), "")
+
+    def last_write(self, job_id: str) -> float:
+        """The newest time the leader stamped on the job or a worker's heartbeat (0 before any)."""
+        with self.engine.connect() as conn:
+            job_row = conn.execute(select(t.jobs.c.updated).where(t.jobs.c.job_id == job_id)).scalar() or 0.0
+            seen = conn.execute(select(func.max(t.workers.c.last_seen))).scalar() or 0.0
+        return max(float(job_row), float(seen))
+
+    def round_open(self, job_id: str, number: int) -> bool:
+        with self.engine.connect() as conn:
+            status = conn.execute(select(t.rounds.c.status).where(t.rounds.c.job_id == job_id,
+                                                                  t.rounds.c.round == number)).scalar()
+        return status == "open"
+
+    def job_ended(self, job_id: str) -> bool:
+        with self.engine.connect() as conn:
+            status = conn.execute(select(t.jobs.c.status).where(t.jobs.c.job_id == job_id)).scalar()
+        return status in FINISHED
+
+    def submit(self) -> str:
+        with self.client() as c:
+            return c.submit(json.dumps(JOB))
+
+    # ----- the checks every case makes -----
+
+    def check_books(self, job_id: str) -> dict[str, Any]:
+        """Every round opened and closed once, each participant's ε recorded once and equal to its own ledger's."""
+        store = StateStore.from_url(self.database_url)
+        try:
+            row = store.job(job_id)
+            assert row is not None and row.status == "completed", f"job ended {row and row.status}: {row and row.error}"
+            rounds = store.rounds(job_id)
+            assert [r.round for r in rounds] == list(range(1, JOB["training"]["rounds"] + 1)), rounds
+            assert all(r.status == "closed" for r in rounds), [r.status for r in rounds]
+            versions = [r.model_version for r in rounds]
+            assert versions == list(range(versions[0], versions[0] + len(rounds))), \
+                f"a round closed twice (or a version was skipped): versions {versions}"
+            participants = store.participants(job_id)
+            keys = [(p.round, p.worker_id) for p in participants]
+            assert len(keys) == len(set(keys)), "a participant recorded twice in one round"
+            report: dict[str, Any] = {"rounds": len(rounds), "epsilon": {}}
+            for worker_id in self.worker_ids:
+                ledger = PrivacyLedger(str(self.ledger_path(worker_id)), worker_id=worker_id)
+                spent = ledger.epsilon(job_id)
+                trained = len(ledger.history(job_id))
+                mine = [p for p in participants if p.worker_id == worker_id and (p.epsilon or 0) > 0]
+                recorded = max((p.epsilon or 0.0 for p in mine), default=0.0)
+                assert spent > 0, f"{worker_id} spent no ε: DP was off"
+                assert trained == len(mine), f"{worker_id} trained {trained} time(s); ε recorded for {len(mine)}"
+                assert abs(recorded - spent) <= 1e-9 * max(1.0, spent), \
+                    f"{worker_id}: ε {recorded} recorded, {spent} on its own ledger (under- or over-recorded)"
+                report["epsilon"][worker_id] = spent
+            return report
+        finally:
+            store.close()
+
+    def kill(self, name: str) -> None:
+        process = self.processes[name]
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(30)
+
+    def close(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+        self.server.stop(grace=0)
+        self.engine.dispose()
+        delete_topology(self.amqp_url, self.namespace, self.worker_ids)
