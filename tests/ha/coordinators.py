@@ -1,6 +1,6 @@
-"""Coordinators on a shared PostgreSQL for the chaos cases: coordinator and worker processes started as a kit
-starts them (`fedbroker coordinator|worker`, settings in FEDBROKER__ variables) on the machine's RabbitMQ under a
-namespace of their own, the aggregation service in this process, and what the cases read back: the lease, the
+"""Coordinators on a shared PostgreSQL for the chaos cases: coordinator processes started as a kit starts them
+(`fedbroker coordinator`, settings in FEDBROKER__ variables) on the machine's RabbitMQ under a namespace of their
+own, the aggregation service and the workers in this process, and what the cases read back: the lease, the
 store, the workers' own ledgers.
 
 Every coordinator names the same `database_url` and the same `state_dir` (their checkpoints: a shared volume in
@@ -21,23 +21,26 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import create_engine, func, select
+from sqlalchemy.exc import ProgrammingError
 
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import serve
 from fedbroker.app.failover import FailoverClient
-from fedbroker.bus import delete_topology
+from fedbroker.bus import delete_topology, open_bus
+from fedbroker.config import DPPolicy, PartitionSection, WorkerConfig
 from fedbroker.coordinator import tables as t
 from fedbroker.coordinator.standby import leader_address
 from fedbroker.coordinator.store import StateStore
 from fedbroker.ha.lease import LEASES
 from fedbroker.job.status import FINISHED
+from fedbroker.worker.agent import WorkerAgent
 from fedbroker.worker.ledger import PrivacyLedger
 from tests.faults.harness import job
 from tests.rabbitmq_node import free_ports
 from tests.source_roots import PYTHONPATH
 
 LEASE_TTL_S = 3.0
-JOB = job(training={"rounds": 4, "local_epochs": 1, "batch_size": 64, "lr": 0.2}, schedule={"min_workers": 2})
+JOB = job(training={"rounds": 3, "local_epochs": 1, "batch_size": 64, "lr": 0.2}, schedule={"min_workers": 2})
 
 
 def until(condition: Callable[[], Any], *, what: str, within_s: float, logs: Path) -> Any:
@@ -69,6 +72,7 @@ class Federation:
         self.worker_ids = [f"w{i}" for i in range(workers)]
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.addresses: dict[str, str] = {}   # coordinator name → its gRPC address
+        self.workers: dict[str, WorkerAgent] = {}
         self.engine = create_engine(database_url, pool_pre_ping=True)
 
     def _spawn(self, name: str, verb: str, settings: dict[str, Any]) -> None:
@@ -81,21 +85,26 @@ class Federation:
         self.processes[name] = subprocess.Popen([sys.executable, "-m", "fedbroker", verb], env=env, stdout=log,
                                                 stderr=subprocess.STDOUT)
 
-    def spawn_coordinator(self, name: str) -> None:
+    def spawn_coordinator(self, name: str, *, lease_ttl_s: float = LEASE_TTL_S) -> None:
         (port,) = free_ports(1)
         self.addresses[name] = f"127.0.0.1:{port}"
         self._spawn(name, "coordinator", {
             "coordinator.listen": self.addresses[name], "coordinator.state_dir": str(self.tmp / "state"),
-            "coordinator.database_url": self.database_url, "coordinator.lease_ttl_s": LEASE_TTL_S,
+            "coordinator.database_url": self.database_url, "coordinator.lease_ttl_s": lease_ttl_s,
             "coordinator.heartbeat_timeout_s": 120})
 
-    def spawn_workers(self) -> None:
+    def start_workers(self) -> None:
+        """The sites, in this process (each with its own broker connections): they reach a coordinator only over
+        RabbitMQ, so which one leads is nothing to them; here they save two interpreters' start on a busy machine."""
         for index, worker_id in enumerate(self.worker_ids):
-            self._spawn(worker_id, "worker", {
-                "worker.id": worker_id, "worker.partition.num_clients": len(self.worker_ids),
-                "worker.partition.client_index": index, "worker.device": "cpu", "worker.heartbeat_s": 1,
-                "worker.ledger_path": str(self.ledger_path(worker_id)), "worker.torch_threads": 1,
-                "worker.dp.enabled": "true", "worker.dp.epsilon_budget": 1000})
+            bus = open_bus(self.amqp_url, namespace=self.namespace)
+            agent = WorkerAgent(WorkerConfig(
+                id=worker_id, partition=PartitionSection(num_clients=len(self.worker_ids), client_index=index),
+                dp=DPPolicy(enabled=True, epsilon_budget=1000.0), ledger_path=str(self.ledger_path(worker_id)),
+                device="cpu", heartbeat_s=1.0), bus)
+            agent.start()
+            bus.start()
+            self.workers[worker_id] = agent
 
     def ledger_path(self, worker_id: str) -> Path:
         return self.tmp / f"{worker_id}-ledger.json"
@@ -108,8 +117,11 @@ class Federation:
 
     def leader(self) -> str:
         """The name of the coordinator holding the lease ("" none, or a holder no process of ours is)."""
-        with self.engine.connect() as conn:
-            row = conn.execute(select(LEASES.c.holder).where(LEASES.c.name == "coordinator")).first()
+        try:
+            with self.engine.connect() as conn:
+                row = conn.execute(select(LEASES.c.holder).where(LEASES.c.name == "coordinator")).first()
+        except ProgrammingError:  # no coordinator has made its tables yet
+            return ""
         address = leader_address(row.holder) if row else ""
         return next((name for name, a in self.addresses.items() if a == address), "")
 
@@ -146,6 +158,8 @@ class Federation:
             rounds = store.rounds(job_id)
             assert [r.round for r in rounds] == list(range(1, JOB["training"]["rounds"] + 1)), rounds
             assert all(r.status == "closed" for r in rounds), [r.status for r in rounds]
+            assert all(r.aggregated == r.participants == len(self.worker_ids) for r in rounds), \
+                f"an update lost or counted twice: {[(r.round, r.participants, r.aggregated) for r in rounds]}"
             versions = [r.model_version for r in rounds]
             assert versions == list(range(versions[0], versions[0] + len(rounds))), \
                 f"a round closed twice (or a version was skipped): versions {versions}"
@@ -156,11 +170,11 @@ class Federation:
             for worker_id in self.worker_ids:
                 ledger = PrivacyLedger(str(self.ledger_path(worker_id)), worker_id=worker_id)
                 spent = ledger.epsilon(job_id)
-                trained = len(ledger.history(job_id))
-                mine = [p for p in participants if p.worker_id == worker_id and (p.epsilon or 0) > 0]
-                recorded = max((p.epsilon or 0.0 for p in mine), default=0.0)
+                mine = sorted((p.round, p.epsilon or 0.0) for p in participants if p.worker_id == worker_id)
+                recorded = max((epsilon for _, epsilon in mine), default=0.0)
                 assert spent > 0, f"{worker_id} spent no ε: DP was off"
-                assert trained == len(mine), f"{worker_id} trained {trained} time(s); ε recorded for {len(mine)}"
+                steps = [b - a for (_, a), (_, b) in zip(mine, mine[1:], strict=False)]
+                assert all(step > 0 for step in steps), f"{worker_id}: its ε did not grow each round: {mine}"
                 assert abs(recorded - spent) <= 1e-9 * max(1.0, spent), \
                     f"{worker_id}: ε {recorded} recorded, {spent} on its own ledger (under- or over-recorded)"
                 report["epsilon"][worker_id] = spent
@@ -174,15 +188,15 @@ class Federation:
         process.wait(30)
 
     def close(self) -> None:
+        """Kill every process (the case is over: how they would stop is not what it tests)."""
         for process in self.processes.values():
             if process.poll() is None:
-                process.terminate()
-        for process in self.processes.values():
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
                 process.kill()
-                process.wait(10)
+        for process in self.processes.values():
+            process.wait(30)
+        for agent in self.workers.values():
+            agent.stop()
+            agent.bus.close()
         self.server.stop(grace=0)
         self.engine.dispose()
         delete_topology(self.amqp_url, self.namespace, self.worker_ids)
