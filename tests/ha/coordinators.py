@@ -9,6 +9,7 @@ a cluster). Rounds are paced by their uploads, never a clock: deadlines are far 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -173,7 +174,7 @@ class Federation:
                 mine = sorted((p.round, p.epsilon or 0.0) for p in participants if p.worker_id == worker_id)
                 recorded = max((epsilon for _, epsilon in mine), default=0.0)
                 assert spent > 0, f"{worker_id} spent no ε: DP was off"
-                steps = [b - a for (_, a), (_, b) in zip(mine, mine[1:], strict=False)]
+                steps = [b - a for (_, a), (_, b) in itertools.pairwise(mine)]
                 assert all(step > 0 for step in steps), f"{worker_id}: its ε did not grow each round: {mine}"
                 assert abs(recorded - spent) <= 1e-9 * max(1.0, spent), \
                     f"{worker_id}: ε {recorded} recorded, {spent} on its own ledger (under- or over-recorded)"
