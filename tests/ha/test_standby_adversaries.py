@@ -46,6 +46,7 @@ class Proxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.sockets: list[socket.socket] = []
+        self.is_cut = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -53,6 +54,9 @@ class Proxy:
             try:
                 client, _ = self.listener.accept()
             except OSError:
+                return
+            if self.is_cut:   # a connection that raced the cut: refused all the same
+                client.close()
                 return
             upstream = socket.create_connection(self.target)
             self.sockets += [client, upstream]
@@ -66,6 +70,9 @@ class Proxy:
                 sink.sendall(data)
 
     def cut(self) -> None:
+        self.is_cut = True
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)   # wakes the blocked accept (a close alone would not)
         self.listener.close()
         for s in self.sockets:
             with contextlib.suppress(OSError):
