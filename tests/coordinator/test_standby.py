@@ -157,3 +157,41 @@ def test_holder_names_carry_the_address_and_are_unique() -> None:
 def test_a_bad_lease_length_is_refused(engine: Engine) -> None:
     with pytest.raises(ValueError, match="lease_ttl_s"):
         Leadership(engine, ttl_s=0)
+
+
+def test_a_forged_lease_row_stops_the_leader_and_none_of_its_writes_lands(engine: Engine) -> None:
+    """Whoever can write the database (the coordinators' own credentials; never a site) can rewrite the lease row:
+    the leader then refuses its own next write and stops. A forged row can stop a leader, never make two lead."""
+    a = Contender(engine, "a:1")
+    assert a.lead()
+    a.write(engine)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE leases SET holder = 'forger:1 x', term = term + 1 WHERE name = 'coordinator'"))
+    with pytest.raises(LeaseLost, match="forger"):
+        a.write(engine)
+    assert len(a.lost) == 1 and not a.leadership.leading.is_set()
+    b = Contender(engine, "b:1")
+    assert not b.leadership.try_lead() and b.leadership.leader() == "forger:1", "the forged lease holds until it lapses"
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT COUNT(*) FROM journal")).scalar() == 1
+
+
+def test_no_site_can_reach_the_lease() -> None:
+    """A site holds no database credentials and runs no code that touches the store or the lease: its only way to
+    the coordinator is the control queue, whose handler imports neither."""
+    import ast
+
+    import fedbroker.coordinator.control_handler as handler
+    from fedbroker.config import WorkerConfig
+    from tests.source_roots import ROOT
+
+    def imports(path: Path) -> set[str]:
+        tree = ast.parse(path.read_text())
+        return {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
+            {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+    forbidden = ("sqlalchemy", "psycopg", "fedbroker.ha", "fedbroker.coordinator")
+    for path in sorted((ROOT / "worker").rglob("*.py")):
+        assert not [m for m in imports(path) if m.startswith(forbidden)], f"{path} reaches the coordinator's database"
+    assert not [m for m in imports(Path(handler.__file__)) if m.startswith(("fedbroker.ha", "fedbroker.coordinator.standby"))]
+    assert not [f for f in WorkerConfig.__dataclass_fields__ if "database" in f or "lease" in f]
