@@ -124,8 +124,10 @@ class CoordinatorConfig:
     # elect a leader, the other stands by (coordinator/standby.py); checkpoints stay in state_dir, which they share
     database_url: str = ""
     # the standby coordinator (coordinator/standby.py; needs a shared database): the lease `coordinator` lapses this
-    # long after its leader last renewed it, and the standby takes over within a third of it more
-    lease_ttl_s: float = 10.0
+    # long after its leader last renewed it (renewed every third of it), and the standby takes over within a third
+    # of it more: a leader's death is taken over in 2/3 to 4/3 of it (5-10 s); a leader that cannot reach the
+    # database for this long stops (exit 75)
+    lease_ttl_s: float = 7.5
     # every coordinator a client may reach, tried in order (a standby answers UNAVAILABLE `standby` and the next is
     # asked); empty = `target` alone. `--coordinator a,b` on the command line likewise.
     targets: tuple[str, ...] = ()

@@ -27,6 +27,7 @@ from fedbroker.errors import ConfigError
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc.aggregation_client import AggregatorClient
+from fedbroker.rpc.auth import ClientSecurity, TokenTable, generate_token, hash_token
 from fedbroker.rpc.plumbing import reason_of
 from tests.rabbitmq_node import free_ports
 
@@ -34,7 +35,8 @@ from tests.rabbitmq_node import free_ports
 class Replica:
     """A coordinator serving behind a gate whose `leading` flag the test flips, as the election would."""
 
-    def __init__(self, tmp: Path, name: str, *, leading: bool, leader: str = "") -> None:
+    def __init__(self, tmp: Path, name: str, *, leading: bool, leader: str = "",
+                 tokens: TokenTable | None = None) -> None:
         self.is_leading = threading.Event()
         if leading:
             self.is_leading.set()
@@ -44,7 +46,7 @@ class Replica:
                                        aggregator=AggregatorClient("127.0.0.1:1"), aggregator_target="127.0.0.1:1",
                                        checkpoint_dir=str(tmp / f"{name}-ck"))
         gate = StandbyGate(self.is_leading.is_set, lambda: self.leader)
-        self.server, port = serve(self.coordinator, gate=gate)
+        self.server, port = serve(self.coordinator, gate=gate, tokens=tokens)
         self.target = f"127.0.0.1:{port}"
 
     def close(self) -> None:
@@ -86,6 +88,23 @@ def test_a_standby_answers_unavailable_standby_naming_the_leader(replicas: tuple
     standby.is_leading.set()   # it took the lease: it serves from its next call on
     with CoordinatorClient(standby.target, timeout_s=10) as c:
         assert list(c.status().jobs) == []
+
+
+def test_a_standby_names_the_leader_only_to_an_authenticated_caller(tmp_path: Path) -> None:
+    token = generate_token()
+    table = TokenTable.from_mapping({"alice": {"role": "submitter", "sha256": hash_token(token)}})
+    standby = Replica(tmp_path, "gated", leading=False, leader="10.0.0.7:50052", tokens=table)
+    try:
+        with CoordinatorClient(standby.target, timeout_s=10) as anonymous, pytest.raises(grpc.RpcError) as refused:
+            anonymous.status()
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "10.0.0.7" not in (refused.value.details() or "")
+        with CoordinatorClient(standby.target, timeout_s=10, security=ClientSecurity(token=token)) as alice, \
+                pytest.raises(grpc.RpcError) as told:
+            alice.status()
+        assert reason_of(told.value) == "standby" and "10.0.0.7:50052" in (told.value.details() or "")
+    finally:
+        standby.close()
 
 
 def test_the_cli_client_passes_over_a_standby_and_a_dead_address(replicas: tuple[Replica, Replica]) -> None:
