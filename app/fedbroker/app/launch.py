@@ -24,6 +24,7 @@ from fedbroker.rpc.callguard import CallLimits
 from fedbroker.rpc.live_auth import Followed, follow_table
 
 if TYPE_CHECKING:
+    from fedbroker.app.leading import Election
     from fedbroker.coordinator.scheduler import Coordinator
     from fedbroker.worker.agent import WorkerAgent
     from fedbroker.worker.secure_task import SecureSteps
@@ -89,12 +90,18 @@ class CoordinatorProcess:
     server: grpc.Server
     port: int
     bus: Bus
+    election: Election | None = None   # on a shared database: it acts only while it leads (app/leading.py)
 
     def stop(self) -> None:
-        """Stop scheduling, then serving, then the bus, and release the state directory."""
-        self.coordinator.stop()
+        """Stop scheduling, then serving, then the bus, and release the state directory; a leader then gives its
+        lease up, so the standby takes over at once."""
+        acted = self.election.stop() if self.election is not None else True
+        if acted:
+            self.coordinator.stop()
         self.server.stop(grace=1)
         self.bus.close()
+        if self.election is not None and acted:
+            self.election.leadership.release()
         self.coordinator.store.close()  # releases the state directory's lock
 
 
@@ -137,17 +144,26 @@ def start_coordinator(config: Config, *, bus: Bus | None = None, config_file: st
         worker_broker_users=c.worker_broker_users, strict_categories=c.strict_categories,
         follow_broker_users=broker_users_of(config_file, overrides) if config_file else None,
     )
-    if leadership is not None:
-        from fedbroker.app.leading import start_leading
 
-        return start_leading(coordinator, bus, leadership, address=c.listen,
-                             serve=lambda *a, **kw: serve(*a, tokens=tokens, tls=tls, **kw))
-    coordinator.start()
-    bus.start()
-    coordinator.log_consumer_timeout()
-    server, port = serve(coordinator, address=c.listen, tokens=tokens, tls=tls)
-    log.info("coordinator listening on port %d", port)
-    return CoordinatorProcess(coordinator, server, port, bus)
+    def act() -> None:
+        coordinator.start()
+        bus.start()
+        coordinator.log_consumer_timeout()
+
+    if leadership is None:
+        act()
+    election = None
+    if leadership is not None:
+        from fedbroker.app.leading import Election
+
+        election = Election(leadership, act)
+    server, port = serve(coordinator, address=c.listen, tokens=tokens, tls=tls,
+                         gate=election.gate if election is not None else None)
+    if election is not None:
+        election.start(port)  # a standby until it leads, then `act`
+    else:
+        log.info("coordinator listening on port %d", port)
+    return CoordinatorProcess(coordinator, server, port, bus, election)
 
 
 def broker_users_of(config_file: str, overrides: Mapping[str, Any] | None) -> Callable[[], Mapping[str, Any]]:
