@@ -36,7 +36,7 @@ from fedbroker.ha.lease import LEASES
 from fedbroker.job.status import FINISHED
 from fedbroker.worker.agent import WorkerAgent
 from fedbroker.worker.ledger import PrivacyLedger
-from tests.faults.harness import job
+from tests.faults.harness import HoldsRound, job
 from tests.rabbitmq_node import free_ports
 from tests.source_roots import PYTHONPATH
 
@@ -74,6 +74,7 @@ class Federation:
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.addresses: dict[str, str] = {}   # coordinator name → its gRPC address
         self.workers: dict[str, WorkerAgent] = {}
+        self.held = HoldsRound.at(2)
         self.engine = create_engine(database_url, pool_pre_ping=True)
 
     def _spawn(self, name: str, verb: str, settings: dict[str, Any]) -> None:
@@ -96,10 +97,11 @@ class Federation:
 
     def start_workers(self) -> None:
         """The sites, in this process (each with its own broker connections): they reach a coordinator only over
-        RabbitMQ, so which one leads is nothing to them; here they save two interpreters' start on a busy machine."""
+        RabbitMQ, so which one leads is nothing to them; here they save two interpreters' start on a busy machine.
+        Each holds its task of round 2 until `held.release` is set, so a fault lands mid-round by construction."""
         for index, worker_id in enumerate(self.worker_ids):
             bus = open_bus(self.amqp_url, namespace=self.namespace)
-            agent = WorkerAgent(WorkerConfig(
+            agent = self.held(WorkerConfig(
                 id=worker_id, partition=PartitionSection(num_clients=len(self.worker_ids), client_index=index),
                 dp=DPPolicy(enabled=True, epsilon_budget=1000.0), ledger_path=str(self.ledger_path(worker_id)),
                 device="cpu", heartbeat_s=1.0), bus)
@@ -133,11 +135,9 @@ class Federation:
             seen = conn.execute(select(func.max(t.workers.c.last_seen))).scalar() or 0.0
         return max(float(job_row), float(seen))
 
-    def round_open(self, job_id: str, number: int) -> bool:
-        with self.engine.connect() as conn:
-            status = conn.execute(select(t.rounds.c.status).where(t.rounds.c.job_id == job_id,
-                                                                  t.rounds.c.round == number)).scalar()
-        return status == "open"
+    def holding(self) -> bool:
+        """Every site holds its task of round 2: the round is open (recorded before its tasks went out)."""
+        return len(self.held.holding) == len(self.worker_ids)
 
     def job_ended(self, job_id: str) -> bool:
         with self.engine.connect() as conn:

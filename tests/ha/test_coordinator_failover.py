@@ -1,6 +1,6 @@
 """Chaos: kill -9 of the leading coordinator mid-round (issue 35, item 3). Two coordinator processes on one
 PostgreSQL (a database of its own on the machine's server), the machine's RabbitMQ under a namespace of the test's
-own, the aggregation service, two DP workers, a three-round job. The leader is killed while round 2 is open; the
+own, the aggregation service, two DP workers, a three-round job. The leader is killed while round 2 is open (every site holds its task); the
 standby takes the lease, resumes the job at that round and finishes it.
 
 Checked: every round opened and closed once (the open round keeps its start and participants across the
@@ -59,15 +59,17 @@ def test_the_standby_takes_over_mid_round_and_the_job_finishes_with_every_round_
           logs=fed.logs)
     job_id = fed.submit()   # through the CLI's client, which passes over the standby
 
-    until(lambda: fed.round_open(job_id, 2), what="round 2 to open", within_s=120, logs=fed.logs)
+    until(fed.holding, what="every site to hold its task of round 2", within_s=120, logs=fed.logs)
     with fed.engine.connect() as conn:
         before = conn.execute(select(t.rounds.c.started, t.rounds.c.deadline).where(
             t.rounds.c.job_id == job_id, t.rounds.c.round == 2)).one()
     killed_at = time.time()
     fed.kill(leader)
+    dead_at = time.time()
+    fed.held.release.set()   # the sites train and upload while no coordinator leads
     until(lambda: fed.leader() == standby, what="the standby to take the lease", within_s=60, logs=fed.logs)
     taken_s = time.time() - killed_at
-    first_write = until(lambda: (w := fed.last_write(job_id)) > killed_at and w, what="the new leader's first write",
+    first_write = until(lambda: (w := fed.last_write(job_id)) > dead_at and w, what="the new leader's first write",
                         within_s=60, logs=fed.logs)
     until(lambda: fed.job_ended(job_id), what="the job to end", within_s=180, logs=fed.logs)
 
