@@ -114,7 +114,7 @@ class Federation:
 
     def client(self) -> FailoverClient:
         """The CLI's client over every coordinator, in the order they were started."""
-        return FailoverClient(list(self.addresses.values()), timeout_s=10)
+        return FailoverClient(list(self.addresses.values()), timeout_s=120)  # a loaded machine's SubmitJob
 
     # ----- what the database holds -----
 

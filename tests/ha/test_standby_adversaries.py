@@ -166,3 +166,35 @@ def test_a_cut_off_leader_stops_itself_and_a_paused_one_wakes_fenced(coordinator
     assert group.lease() == ("standby", 3), "the woken leader took nothing back"
     assert "lost the lease" in (tmp_path / "paused.log").read_text()
     assert group.exited("standby") is None
+
+
+def test_a_leader_frozen_inside_a_write_does_not_hold_the_takeover_forever() -> None:
+    """A leader frozen in the middle of a fenced write holds the lease row's share lock: the server ends its
+    transaction once it has been idle for a lease (`bound_lock_waits`), and the standby takes the lease then."""
+    from sqlalchemy import text
+
+    from fedbroker.coordinator.standby import Leadership
+
+    with scratch_database() as url:
+        leader_engine, standby_engine = create_engine(url), create_engine(url)
+        try:
+            lost: list[str] = []
+            leader = Leadership(leader_engine, ttl_s=LEASE_TTL_S, advertise="a:1", on_lost=lost.append)
+            assert leader.try_lead()
+            if leader._keeper is not None:
+                leader._keeper.stop()   # frozen: it renews no more
+            frozen = leader_engine.connect()
+            frozen.begin()
+            leader.fence(frozen)        # the share lock a fenced write holds, never committed
+            later = [0.0]
+            standby = Leadership(standby_engine, ttl_s=LEASE_TTL_S, advertise="b:1", clock=lambda: later[0])
+            later[0] = leader.lease.clock() + 10 * LEASE_TTL_S   # by the standby's clock the lease has lapsed
+            until(standby.try_lead, what="the standby to take the lease held by a frozen transaction", within_s=60,
+                  logs=Path("/nonexistent"))
+            assert standby.term == 2
+            with pytest.raises(Exception, match="terminat|closed|connection"):   # the server ended it
+                frozen.execute(text("SELECT 1"))
+            standby.release()
+        finally:
+            leader_engine.dispose()
+            standby_engine.dispose()

@@ -25,8 +25,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, event
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -62,6 +63,28 @@ def exit_now(why: str) -> None:
     os._exit(EXIT_LEASE_LOST)
 
 
+def bound_lock_waits(engine: Engine, *, ttl_s: float) -> None:
+    """On PostgreSQL, bound every wait of this process's sessions to one lease: a transaction left open longer
+    (a process frozen in the middle of one: a long pause, SIGSTOP) is ended by the server, releasing the lease row
+    it had locked, and a lock waited on longer fails (the caller tries again). Without this, a leader frozen inside
+    a renewal or a fenced write would hold the lease's row, and the standby's takeover would wait on it forever."""
+    if engine.dialect.name != "postgresql":
+        return  # SQLite: one file lock, released by a crashed process's OS; a frozen one is covered by busy_timeout
+    milliseconds = max(1, int(ttl_s * 1000))
+
+    @event.listens_for(engine, "connect")
+    def _bounded(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"SET idle_in_transaction_session_timeout = {milliseconds}")
+            cursor.execute(f"SET lock_timeout = {milliseconds}")
+        finally:
+            cursor.close()
+        dbapi_connection.commit()
+
+    engine.dispose()  # connections opened before (the store's migration) are opened again, bounded
+
+
 class Leadership:
     """This process's side of the election: wait to lead, keep the lease while leading, and fence writes.
 
@@ -73,6 +96,7 @@ class Leadership:
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= 3600:
             raise ValueError(f"coordinator.lease_ttl_s must be seconds in (0, 3600], got {ttl_s!r}")
         LEASES.create(engine, checkfirst=True)  # where the store's migrations have not made it yet
+        bound_lock_waits(engine, ttl_s=float(ttl_s))
         self.lease = Lease(engine, LEASE_NAME, holder_name(advertise), ttl_s=float(ttl_s), clock=clock)
         self.on_lost = on_lost
         self.leading = threading.Event()
