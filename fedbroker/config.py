@@ -145,6 +145,14 @@ class CoordinatorConfig:
     # a job whose category no registered worker serves: refused at submission (true), or accepted with a
     # warning naming the known categories (false: a worker of it may register later)
     strict_categories: bool = False
+    # the standby coordinator (coordinator/standby.py; needs a shared database): the lease `coordinator` lapses this
+    # long after its leader last renewed it (renewed every third of it), and the standby takes over within a third
+    # of it more: a leader's death is taken over in 2/3 to 4/3 of it (5-10 s); a leader that cannot reach the
+    # database for this long stops (exit 75)
+    lease_ttl_s: float = 7.5
+    # every coordinator a client may reach, tried in order (a standby answers UNAVAILABLE `standby` and the next is
+    # asked); empty = `target` alone. `--coordinator a,b` on the command line likewise.
+    targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _raise_all(self.problems())
@@ -154,7 +162,10 @@ class CoordinatorConfig:
         checks = (("max_running_jobs", self.max_running_jobs, self.max_running_jobs >= 1, "an integer >= 1"),
                   ("heartbeat_timeout_s", self.heartbeat_timeout_s, self.heartbeat_timeout_s > 0, "seconds > 0"),
                   ("safety_poll_s", self.safety_poll_s, 0 < self.safety_poll_s <= 3600, "seconds in (0, 3600]"),
-                  ("metrics_port", self.metrics_port, 0 <= self.metrics_port <= 65535, "a port in [0, 65535]"))
+                  ("metrics_port", self.metrics_port, 0 <= self.metrics_port <= 65535, "a port in [0, 65535]"),
+                  ("lease_ttl_s", self.lease_ttl_s, 0 < self.lease_ttl_s <= 3600, "seconds in (0, 3600]"),
+                  ("targets", self.targets, all(_is_target(t) for t in self.targets),
+                   "host:port addresses, none empty"))
         found = [ConfigError(f"coordinator.{name}", f"must be {rule}, got {value!r}")
                  for name, value, ok, rule in checks if not ok]
         if self.database_url and self.database_url_file:
@@ -165,6 +176,11 @@ class CoordinatorConfig:
             found.append(ConfigError("coordinator.database_url", "must be a postgresql+psycopg:// (or sqlite:///) "
                                                                  "URL (the value is not shown: it may hold a password)"))
         return found
+
+
+def _is_target(target: str) -> bool:
+    host, _, port = target.strip().rpartition(":")
+    return bool(host) and port.isdigit()
 
 
 @dataclass(frozen=True)

@@ -220,13 +220,15 @@ def test_each_service_runs_replicas_that_reach_the_database_and_each_other(name,
     assert keys == ["kubernetes.io/hostname", "topology.kubernetes.io/zone"]
 
 
-def test_the_coordinators_are_ready_while_alive_and_keep_their_own_folders_on_a_shared_volume():
+def test_the_coordinators_are_ready_while_alive_and_share_one_checkpoint_folder():
     """Readiness is the server's own health, not leadership: a standby that is never Ready would stall each
-    rolling update and make the disruption budget refuse every drain of the leader's machine."""
+    rolling update and make the disruption budget refuse every drain of the leader's machine. Both coordinators
+    keep their checkpoints in one folder of a shared volume: the one that takes over resumes from the leader's."""
     (coordinator,) = component(docs(), "coordinator")
     probe = container(coordinator)["readinessProbe"]["grpc"]
     assert probe == {"port": 50052}
-    assert literal_env(coordinator)["FEDBROKER__COORDINATOR__STATE_DIR"] == "/var/lib/fedbroker/$(POD_NAME)"
+    assert "FEDBROKER__COORDINATOR__STATE_DIR" not in literal_env(coordinator)
+    assert settings()["coordinator"]["state_dir"] == "/var/lib/fedbroker"
     claim = one(docs(), "PersistentVolumeClaim", "fedbroker-coordinator-state")
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     assert 0 < settings()["coordinator"]["lease_ttl_s"] <= 10  # the issue's failover goal

@@ -22,7 +22,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 
-from sqlalchemy import Engine, create_engine, inspect
+from sqlalchemy import Engine, create_engine, inspect, make_url
 from sqlalchemy.exc import SQLAlchemyError
 
 from fedbroker.aggregators import metrics
@@ -54,8 +54,11 @@ def advertised(holder: str) -> str:
 
 def lease_engine(database_url: str) -> Engine:
     """An engine on the coordinator's database with the `leases` table present (created when absent: the
-    coordinator's migrations create it too)."""
-    engine = create_engine(database_url, pool_pre_ping=True)
+    coordinator's migrations create it too). A plain `postgresql://` URL (CloudNativePG's `uri`) means psycopg 3."""
+    url = make_url(database_url)
+    if url.drivername == "postgresql":
+        url = url.set(drivername="postgresql+psycopg")
+    engine = create_engine(url, pool_pre_ping=True)
     if not inspect(engine).has_table("leases"):
         METADATA.create_all(engine)
     return engine

@@ -261,7 +261,7 @@ def _add_audit(sub: Subcommands, d: DemoOptions) -> None:
 def _add_client_verbs(sub: Subcommands) -> None:
     """`status`: a data scientist's look at the coordinator (`submit` is fedbroker.app.submit)."""
     status = sub.add_parser("status", help="jobs, rounds and workers in a table")
-    status.add_argument("--coordinator", help="host:port (default: coordinator.target, 127.0.0.1:50052)")
+    status.add_argument("--coordinator", help="host:port, or several comma-separated (a standby is passed over; default: coordinator.targets, else coordinator.target, 127.0.0.1:50052)")
     status.add_argument("--config", help="YAML config with the client section (token, CA) and coordinator.target")
     status.add_argument("--job")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")

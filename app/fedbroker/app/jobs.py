@@ -61,15 +61,17 @@ model.eval()
 
 
 def client(args: argparse.Namespace) -> CoordinatorClient:
-    """A coordinator client from `--config` (or FEDBROKER__* variables): the target (`--coordinator`, else
-    coordinator.target), this user's token and TLS from the `client` section."""
+    """A coordinator client from `--config` (or FEDBROKER__* variables): the targets (`--coordinator a,b`, else
+    coordinator.targets, else coordinator.target; a standby is passed over: failover.py), this user's token and
+    TLS from the `client` section."""
+    from fedbroker.app.failover import coordinator_client, targets_of
     from fedbroker.app.launch import client_security
     from fedbroker.config import load_config
-    from fedbroker.coordinator.service import CoordinatorClient
 
     config = load_config(getattr(args, "config", None))
-    target = getattr(args, "coordinator", None) or config.coordinator.target
-    return CoordinatorClient(target, security=client_security(config))
+    c = config.coordinator
+    targets = targets_of(getattr(args, "coordinator", None), c.targets, c.target)
+    return coordinator_client(targets, security=client_security(config))
 
 
 def as_dict(message: Any) -> dict[str, Any]:
@@ -444,7 +446,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Call
         p = verbs.add_parser(name, help=help_text)
         if job_id:
             p.add_argument("job_id", metavar="ID")
-        p.add_argument("--coordinator", help="host:port of the coordinator (default: coordinator.target)")
+        p.add_argument("--coordinator", help="host:port of the coordinator, or several comma-separated (a standby is passed over; default: coordinator.targets, else coordinator.target)")
         p.add_argument("--config", help="YAML config with the client section (token, CA) and coordinator.target")
         if read:
             p.add_argument("--json", action="store_true", help="print JSON instead of a table")

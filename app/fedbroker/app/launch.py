@@ -26,6 +26,7 @@ from fedbroker.rpc.live_auth import Followed, follow_table
 
 if TYPE_CHECKING:
     from fedbroker.aggregators.ownership import JobOwnership
+    from fedbroker.app.leading import Election
     from fedbroker.coordinator.scheduler import Coordinator
     from fedbroker.worker.agent import WorkerAgent
     from fedbroker.worker.secure_task import SecureSteps
@@ -108,12 +109,18 @@ class CoordinatorProcess:
     server: grpc.Server
     port: int
     bus: Bus
+    election: Election | None = None   # on a shared database: it acts only while it leads (app/leading.py)
 
     def stop(self) -> None:
-        """Stop scheduling, then serving, then the bus, and release the state directory."""
-        self.coordinator.stop()
+        """Stop scheduling, then serving, then the bus, and release the state directory; a leader then gives its
+        lease up, so the standby takes over at once."""
+        acted = self.election.stop() if self.election is not None else True
+        if acted:
+            self.coordinator.stop()
         self.server.stop(grace=1)
         self.bus.close()
+        if self.election is not None and acted:
+            self.election.leadership.release()
         self.coordinator.store.close()  # releases the state directory's lock
 
 
@@ -135,7 +142,16 @@ def start_coordinator(config: Config, *, bus: Bus | None = None, config_file: st
     aggregators = config.aggregator.target_list()  # every replica, comma-separated (fedbroker.rpc.replicas)
     _export("coordinator", c.metrics_port, c.metrics_addr)
     database_url = read_secret(c.database_url, c.database_url_file, field="coordinator.database_url")
-    store = StateStore.for_coordinator(c.state_dir, database_url)  # embedded: refused while another holds state_dir
+    # embedded: refused while another coordinator holds state_dir; a shared database: state_dir keeps only the
+    # checkpoints, which the two coordinators share (a ReadWriteMany volume), and they elect a leader (app/leading.py)
+    store = StateStore.for_coordinator(c.state_dir, database_url)
+    leadership = None
+    if database_url:
+        from fedbroker.app.leading import advertised
+        from fedbroker.coordinator.standby import Leadership
+
+        leadership = Leadership(store.engine, ttl_s=c.lease_ttl_s, advertise=advertised(c.listen))
+        store.fence = leadership.fence  # before any write: each is checked against the lease's term
     bus = bus or make_bus(config)
     coordinator = Coordinator(
         bus=bus, store=store,
@@ -147,12 +163,26 @@ def start_coordinator(config: Config, *, bus: Bus | None = None, config_file: st
         worker_broker_users=c.worker_broker_users, strict_categories=c.strict_categories,
         follow_broker_users=broker_users_of(config_file, overrides) if config_file else None,
     )
-    coordinator.start()
-    bus.start()
-    coordinator.log_consumer_timeout()
-    server, port = serve(coordinator, address=c.listen, tokens=tokens, tls=tls)
-    log.info("coordinator listening on port %d", port)
-    return CoordinatorProcess(coordinator, server, port, bus)
+
+    def act() -> None:
+        coordinator.start()
+        bus.start()
+        coordinator.log_consumer_timeout()
+
+    if leadership is None:
+        act()
+    election = None
+    if leadership is not None:
+        from fedbroker.app.leading import Election
+
+        election = Election(leadership, act)
+    server, port = serve(coordinator, address=c.listen, tokens=tokens, tls=tls,
+                         gate=election.gate if election is not None else None)
+    if election is not None:
+        election.start(port)  # a standby until it leads, then `act`
+    else:
+        log.info("coordinator listening on port %d", port)
+    return CoordinatorProcess(coordinator, server, port, bus, election)
 
 
 def broker_users_of(config_file: str, overrides: Mapping[str, Any] | None) -> Callable[[], Mapping[str, Any]]:

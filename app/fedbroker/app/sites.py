@@ -151,7 +151,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         p = verbs.add_parser(name, help=help_text)
         if site:
             p.add_argument("site", metavar="NAME", help="the site's worker id")
-        p.add_argument("--coordinator", help="host:port of the coordinator (default: coordinator.target)")
+        p.add_argument("--coordinator", help="host:port of the coordinator, or several comma-separated (a standby is passed over; default: coordinator.targets, else coordinator.target)")
         p.add_argument("--config", help="YAML config with the client section (token, CA) and coordinator.target")
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
         p.set_defaults(run=fn)

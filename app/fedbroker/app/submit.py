@@ -136,7 +136,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     submit = sub.add_parser("submit", help="submit a job (YAML or JSON file); --follow to stream it to its end",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     submit.add_argument("job")
-    submit.add_argument("--coordinator", help="host:port (default: coordinator.target, 127.0.0.1:50052)")
+    submit.add_argument("--coordinator", help="host:port, or several comma-separated (a standby is passed over; default: coordinator.targets, else coordinator.target, 127.0.0.1:50052)")
     submit.add_argument("--config", help="YAML config with the client section (token, CA) and coordinator.target")
     submit.add_argument("--json", action="store_true",
                         help="print {job_id, warnings} as JSON (and the events as JSON lines with --follow)")

@@ -132,6 +132,12 @@ BUFFER_FILL = Gauge("fedbroker_coordinator_buffer_fill_ratio",
                     "Updates in the asynchronous job's buffer over its buffer_size, at the last look.", ["job_id"])
 ASYNC_RUNNING = Gauge("fedbroker_coordinator_async_job_running", "1 while an asynchronous job runs, else 0.",
                       ["job_id"])
+# The standby coordinator (coordinator/standby.py): which of the two leads, and at which fencing term.
+LEADER = Gauge("fedbroker_coordinator_leader",
+               "1 while this coordinator holds the lease `coordinator` and runs jobs; 0 while it stands by.")
+LEASE_TERM = Gauge("fedbroker_coordinator_lease_term",
+                   "The fencing term of the lease `coordinator` this process leads at (0: it does not lead): "
+                   "each takeover raises it by one.")
 JOB_COUNTERS = (ROUNDS_STARTED, ROUNDS_COMPLETED, ROUNDS_FAILED, STRAGGLERS)
 # Label values known in advance: the outcomes a worker reports, the refusal reasons of SubmitJob and the
 # control queue.

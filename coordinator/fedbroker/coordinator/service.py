@@ -252,10 +252,12 @@ def status_reply(coordinator: Coordinator, job_id: str = "") -> pb.StatusReply:
 
 
 def serve(coordinator: Coordinator, *, address: str = "127.0.0.1:0", tokens: TokenLookup | None = None,
-          tls: ServerTLS | None = None) -> tuple[grpc.Server, int]:
-    """`tokens`: authenticate every call (None = authentication off); `tls`: serve TLS instead of plaintext."""
+          tls: ServerTLS | None = None, gate: grpc.ServerInterceptor | None = None) -> tuple[grpc.Server, int]:
+    """`tokens`: authenticate every call (None = authentication off); `tls`: serve TLS instead of plaintext;
+    `gate`: a standby's (standby_gate.py), after authentication."""
     interceptors, auth = front_interceptors(tls, tokens, service=SERVICE_NAME, permissions=PERMISSIONS,
                                             on_reject=_count_refusal)
+    interceptors += [gate] if gate is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS,
                          interceptors=interceptors)
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator, auth), server)
