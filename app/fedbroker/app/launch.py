@@ -12,13 +12,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import grpc
 
 from fedbroker.app.glibc_malloc import keep_freed_memory
 from fedbroker.bus import Bus, InProcessBus, mask_url, open_bus
 from fedbroker.config import Config
 from fedbroker.errors import ConfigError
 from fedbroker.metrics import start_exporter
+from fedbroker.rpc.aio_server import AioServer
 from fedbroker.rpc.auth import ClientSecurity, ServerTLS, read_secret
 from fedbroker.rpc.callguard import CallLimits
 from fedbroker.rpc.live_auth import Followed, follow_table
@@ -53,7 +53,7 @@ def client_security(config: Config, *, expected_target: str = "") -> ClientSecur
     return ClientSecurity.from_config(config.client, expected_target=expected_target)
 
 
-def start_aggregator(config: Config) -> tuple[grpc.Server, int]:
+def start_aggregator(config: Config) -> tuple[AioServer, int]:
     """The aggregation service serving on aggregator.listen; the server and the port it bound."""
     from fedbroker.aggregators.round_book import RoundBook
     from fedbroker.aggregators.service import SERVICE_NAME, serve
@@ -86,7 +86,7 @@ class CoordinatorProcess:
     """A running coordinator with its gRPC server and bus, stopped together."""
 
     coordinator: Coordinator
-    server: grpc.Server
+    server: AioServer
     port: int
     bus: Bus
 
