@@ -18,10 +18,12 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import resource
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,9 @@ from bench.harness import Goal, Section
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = "connected"
+IN_FLIGHT = 256     # one fleet process's calls at once
+RETRIES = 5
+RAMP_PER_S = 500.0  # stubs a fleet brings up per second
 MODEL = {"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 2}]}
 
 
@@ -82,44 +87,37 @@ class Stub:
         self.worker_id = worker_id
         self.fleet = fleet
 
-    async def heartbeats(self) -> None:
-        import grpc
-
+    async def heartbeats(self, delay_s: float) -> None:
+        """Heartbeat whenever the service says to, from `delay_s` on (the fleet's stubs start staggered)."""
         from fedbroker.proto import fedbroker_pb2 as pb
 
+        await self.fleet.sleep(delay_s)
         while not self.fleet.stopping:
-            try:
-                reply = await self.presence.KeepAlive(pb.KeepAliveRequest(worker_id=self.worker_id, state="idle"),
-                                                      timeout=30)
+            request = pb.KeepAliveRequest(worker_id=self.worker_id, state="idle")
+            reply = await self.fleet.call(lambda: self.presence.KeepAlive(request, timeout=30),
+                                          f"heartbeat {self.worker_id}")
+            if reply is not None:
                 self.fleet.beats += 1
-                wait = reply.next_in_ms / 1000
-            except grpc.RpcError as exc:
-                self.fleet.fail(f"heartbeat {self.worker_id}: {exc.code().name}")
-                wait = 5.0
-            await self.fleet.sleep(wait)
+            await self.fleet.sleep(reply.next_in_ms / 1000 if reply is not None else 5.0)
 
     async def task(self, round_number: int) -> None:
-        import grpc
-
+        """Start the round's task and upload the update, as a worker does on a task from the bus."""
         from fedbroker.proto import fedbroker_pb2 as pb
         from fedbroker.rpc import codec
 
-        async with self.fleet.concurrency:
-            try:
-                start = await self.aggregation.StartTask(pb.StartTaskRequest(
-                    job_id=JOB, round=round_number, worker_id=self.worker_id, inline_bytes=codec.INLINE_BYTES),
-                    timeout=60)
-                if start.accepted or not start.open:
-                    return
-                tensors = codec.decode(start.header.tensors, bytearray(start.data))
-                update = {name: arr + np.float32(0.01) for name, arr in tensors.items()}
-                header = pb.UpdateHeader(job_id=JOB, round=round_number, worker_id=self.worker_id, num_samples=100,
-                                         tensors=codec.tensor_specs(update), train_loss=0.5)
-                await self.aggregation.UploadWhole(pb.WholeUpdate(header=header, data=codec.joined(update),
-                                                                  sha256=codec.tensors_sha256(update)), timeout=60)
-                self.fleet.uploads += 1
-            except grpc.RpcError as exc:
-                self.fleet.fail(f"task {self.worker_id}: {exc.code().name}: {exc.details()}")
+        start = await self.fleet.call(lambda: self.aggregation.StartTask(pb.StartTaskRequest(
+            job_id=JOB, round=round_number, worker_id=self.worker_id, inline_bytes=codec.INLINE_BYTES), timeout=60),
+            f"start {self.worker_id}")
+        if start is None or start.accepted or not start.open:
+            return
+        tensors = codec.decode(start.header.tensors, bytearray(start.data))
+        update = {name: arr + np.float32(0.01) for name, arr in tensors.items()}
+        header = pb.UpdateHeader(job_id=JOB, round=round_number, worker_id=self.worker_id, num_samples=100,
+                                 tensors=codec.tensor_specs(update), train_loss=0.5)
+        whole = pb.WholeUpdate(header=header, data=codec.joined(update), sha256=codec.tensors_sha256(update))
+        if await self.fleet.call(lambda: self.aggregation.UploadWhole(whole, timeout=60),
+                                 f"upload {self.worker_id}") is not None:
+            self.fleet.uploads += 1
 
 
 class Fleet:
@@ -131,13 +129,36 @@ class Fleet:
         self.uploads = 0
         self.failures: list[str] = []
         self.failed = 0
-        self.concurrency = asyncio.Semaphore(200)
+        self.retries = 0
+        self.late = 0
+        self.inflight = asyncio.Semaphore(IN_FLIGHT)
         self._stop = asyncio.Event()
 
     def fail(self, what: str) -> None:
         self.failed += 1
         if len(self.failures) < 20:
             self.failures.append(what)
+
+    async def call(self, rpc: Callable[[], Awaitable[Any]], what: str) -> Any:
+        """One call, at most IN_FLIGHT of the fleet's at once; retried as a worker retries (UNAVAILABLE, and
+        CANCELLED, which the asyncio client reports for some calls it starts in a burst of thousands)."""
+        import grpc
+
+        for attempt in range(RETRIES + 1):
+            async with self.inflight:
+                try:
+                    return await rpc()
+                except grpc.RpcError as exc:
+                    code = exc.code()
+                    if code == grpc.StatusCode.FAILED_PRECONDITION and "closed" in (exc.details() or ""):
+                        self.late += 1   # the run's time was up: its last round closed with this upload in flight
+                        return None
+                    if attempt == RETRIES or code not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+                        self.fail(f"{what}: {code.name}: {exc.details()}")
+                        return None
+            self.retries += 1
+            await self.sleep(random.uniform(0.05, 0.5) * 2 ** attempt)
+        return None
 
     async def sleep(self, seconds: float) -> None:
         try:
@@ -147,10 +168,12 @@ class Fleet:
 
     async def run(self, target: str, ids: list[str]) -> None:
         stubs = [Stub(target, wid, self) for wid in ids]
-        beating = [asyncio.create_task(s.heartbeats()) for s in stubs]
+        ramp = len(stubs) / RAMP_PER_S   # stubs come up staggered, as a fleet of machines would
+        beating = [asyncio.create_task(s.heartbeats(i / RAMP_PER_S)) for i, s in enumerate(stubs)]
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        await self.sleep(ramp)
         print("ready", flush=True)
         tasks: list[asyncio.Task[None]] = []
         while line := (await reader.readline()).decode().split():
@@ -162,7 +185,7 @@ class Fleet:
         self._stop.set()
         await asyncio.gather(*beating, *tasks, return_exceptions=True)
         await asyncio.gather(*(s.channel.close() for s in stubs))
-        print(json.dumps({"beats": self.beats, "uploads": self.uploads, "failed": self.failed,
+        print(json.dumps({"beats": self.beats, "uploads": self.uploads, "failed": self.failed, "retries": self.retries, "late": self.late,
                           "failures": self.failures}), flush=True)
 
 
@@ -178,9 +201,9 @@ def run_connected(workers: int, minutes: float, *, fleets: int = 4, interval_s: 
                   round_timeout_s: float = 120.0) -> dict[str, Any]:
     """Hold `workers` connected stubs on one service for `minutes`, running rounds; the measurements."""
     from bench.streaming import cpu_seconds
+    from fedbroker.job.settings import sections_settings
     from fedbroker.job.spec import parse_model
     from fedbroker.rpc.aggregation_client import AggregatorClient
-    from fedbroker.job.settings import sections_settings
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(os.path.join(REPO, r) for r in
                                                        (".", "coordinator", "worker", "aggregators", "proto"))}
@@ -188,24 +211,25 @@ def run_connected(workers: int, minutes: float, *, fleets: int = 4, interval_s: 
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
     assert service.stdout is not None and service.stdin is not None
     target = f"127.0.0.1:{int(service.stdout.readline())}"
-    share = -(-workers // fleets)
-    children = [subprocess.Popen([sys.executable, "-m", "bench.connected", "--fleet", target, "--first",
-                                  str(i * share), "--count", str(min(share, workers - i * share))],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
-                for i in range(fleets) if i * share < workers]
     coordinator = AggregatorClient(target, timeout_s=120)
     ids = [f"w{i:05d}" for i in range(workers)]
     out: dict[str, Any] = {"workers": workers, "rounds": 0, "accepted": 0, "rss_mib": 0.0}
+    children: list[subprocess.Popen[str]] = []
     try:
-        for child in children:
-            assert child.stdout is not None
-            if child.stdout.readline().strip() != "ready":
-                raise RuntimeError("a stub fleet did not start")
         spec = parse_model(MODEL)
         coordinator.put_global(JOB, 1, spec.to_json(), {"0.weight": np.zeros((2, 4), np.float32),
                                                         "0.bias": np.zeros(2, np.float32)})
         coordinator.install_job(sections_settings(JOB, aggregation={"alignment": "none", "weighting": "fedavg",
                                                                     "selection": "all"}))
+        share = -(-workers // fleets)
+        children += [subprocess.Popen([sys.executable, "-m", "bench.connected", "--fleet", target, "--first",
+                                      str(i * share), "--count", str(min(share, workers - i * share))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+                    for i in range(fleets) if i * share < workers]
+        for child in children:
+            assert child.stdout is not None
+            if child.stdout.readline().strip() != "ready":
+                raise RuntimeError("a stub fleet did not start")
         cpu0, started = cpu_seconds(service.pid), time.monotonic()
         end = started + minutes * 60
         round_number = 0
@@ -220,7 +244,10 @@ def run_connected(workers: int, minutes: float, *, fleets: int = 4, interval_s: 
             while len(coordinator.status(JOB, round_number)[0]) < workers and time.monotonic() < min(deadline, end):
                 out["rss_mib"] = max(out["rss_mib"], _rss_mib(service.pid))
                 time.sleep(1.0)
-            out["accepted"] += len(coordinator.close_round(JOB, round_number).aggregated)
+            if coordinator.status(JOB, round_number)[0]:
+                out["accepted"] += len(coordinator.close_round(JOB, round_number).aggregated)
+            else:   # the time was up before any upload of this round came in
+                coordinator.abandon_round(JOB, round_number)
             out["rounds"] = round_number
             out["rss_mib"] = max(out["rss_mib"], _rss_mib(service.pid))
         out["seconds"] = time.monotonic() - started
@@ -238,14 +265,18 @@ def run_connected(workers: int, minutes: float, *, fleets: int = 4, interval_s: 
         service.communicate("", timeout=60)
     out["heartbeats"] = sum(r["beats"] for r in reports)
     out["failed"] = sum(r["failed"] for r in reports)
+    out["retries"] = sum(r.get("retries", 0) for r in reports)
+    out["late"] = sum(r.get("late", 0) for r in reports)
     out["failures"] = [f for r in reports for f in r["failures"]][:5]
     return out
 
 
-def run(*, quick: bool, minutes: float | None = None, workers: int = 10_000) -> Section:
-    """The bench row: `minutes` (10, or 1.5 in quick mode) with `workers` connected stubs."""
+def run(*, quick: bool) -> Section:
+    """The bench row: 10,000 connected stubs for 10 minutes (quick: 1,000 for half a minute); `python -m bench
+    --minutes M` sets the duration."""
     started = time.perf_counter()
-    minutes = minutes if minutes is not None else (1.5 if quick else 10.0)
+    workers = 1_000 if quick else 10_000
+    minutes = float(os.environ.get("FEDBROKER_BENCH_MINUTES") or (0.5 if quick else 10.0))
     section = Section("connected", "3b. Connected workers on one aggregation service",
                       f"{workers} asyncio stub workers (one connection each, 4 fleet processes) on one aggregation "
                       f"service for {minutes:g} min: paced heartbeats (30 s) and rounds of every worker uploading "
@@ -257,7 +288,7 @@ def run(*, quick: bool, minutes: float | None = None, workers: int = 10_000) -> 
                          "heartbeats / s": round(result["heartbeats"] / result["seconds"], 1),
                          "service RSS (MiB, peak)": round(result["rss_mib"], 1),
                          "service CPU (%)": round(100 * result["service_cpu_s"] / result["seconds"], 1),
-                         "stub failures": result["failed"]})
+                         "stub failures": result["failed"], "stub retries": result["retries"]})
     if result["failures"]:
         section.notes.append("first stub failures: " + "; ".join(result["failures"]))
     section.goals.append(Goal(f"{workers} connected workers held for {minutes:g} min, failures", result["failed"],

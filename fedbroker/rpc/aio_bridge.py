@@ -64,39 +64,50 @@ class SyncContext:
     # ----- the synchronous context's interface -----
 
     def invocation_metadata(self) -> Any:
+        """The call's metadata (read on the loop when the call started)."""
         return self._metadata
 
     def auth_context(self) -> Any:
+        """The call's auth context: its TLS peer's certificate, when it has one."""
         return self._auth_context
 
     def peer(self) -> str:
+        """The caller's address."""
         return str(self._peer)
 
     def time_remaining(self) -> float | None:
+        """Seconds until the call's deadline, or None."""
         return self.aio.time_remaining()
 
     def set_trailing_metadata(self, metadata: Any) -> None:
+        """Kept, and sent with the call's status."""
         self.trailing = tuple(metadata)
 
     def set_code(self, code: grpc.StatusCode) -> None:
+        """The status the call ends with (applied on the loop)."""
         self.status = (code, self.status[1] if self.status else "")
 
     def set_details(self, details: str) -> None:
+        """The status details the call ends with (applied on the loop)."""
         self.status = (self.status[0] if self.status else grpc.StatusCode.UNKNOWN, details)
 
     def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
+        """Record the status and raise `Aborted`: the bridge ends the call with it."""
         if self.status is None:
             self.status = (code, details)
         raise Aborted(details)
 
     def code(self) -> grpc.StatusCode | None:
+        """The status the call ends with, once known."""
         status = self.ended or self.status
         return status[0] if status else None
 
     def is_active(self) -> bool:
+        """False once the call ended (finished, ended by the service, or its client went away)."""
         return not self.finished and self.ended is None
 
     def add_callback(self, callback: Callable[[], None]) -> bool:
+        """Run `callback` when the call ends, however it ends; False when it already has."""
         with self._lock:
             if self.finished:
                 return False
@@ -104,6 +115,7 @@ class SyncContext:
         return True
 
     def cancel(self) -> None:
+        """End the call as CANCELLED (from any thread)."""
         self.end(grpc.StatusCode.CANCELLED, "cancelled by the service")
 
     # ----- what the bridge and CallGuard use -----
@@ -119,10 +131,12 @@ class SyncContext:
             self.loop.call_soon_threadsafe(cancel)
 
     def pending(self, cancel: Callable[[], object] | None) -> None:
+        """The cancel of the read or write the call waits on now (None: none); `end` calls it."""
         with self._lock:
             self._cancel_pending = cancel
 
     def run_callbacks(self) -> None:
+        """The call ended: run the done callbacks, once."""
         with self._lock:
             self.finished = True
             callbacks, self._callbacks = self._callbacks, []
@@ -152,6 +166,18 @@ def _requests(sync: SyncContext) -> Iterator[Any]:
         yield message
 
 
+def _close(responses: Iterator[Any]) -> None:
+    """Close a response generator; one still running in the executor (its call was cancelled meanwhile) is
+    left to the garbage collector, which closes it once it returns (its slot is freed by a done callback)."""
+    close = getattr(responses, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except ValueError:  # "generator already executing"
+        log.debug("a cancelled call's response generator is still running; closed when it returns")
+
+
 def _when_done(context: grpc.aio.ServicerContext[Any, Any], sync: SyncContext) -> None:
     """Run the synchronous code's done callbacks (a slot's release) when the call ends, however it ends."""
     context.add_done_callback(cast(Any, lambda _call: sync.run_callbacks()))
@@ -173,6 +199,7 @@ class Bridge:
         self.executor = executor
 
     def handler(self, handler: grpc.RpcMethodHandler[Any, Any], *, inline: bool) -> grpc.RpcMethodHandler[Any, Any]:
+        """The `grpc.aio` handler of `handler`'s behaviour, inline on the loop or in the executor."""
         kwargs = {"request_deserializer": handler.request_deserializer,
                   "response_serializer": handler.response_serializer}
         if handler.unary_unary:
@@ -228,8 +255,8 @@ class Bridge:
             except Aborted:
                 pass
             finally:
-                if responses is not None and hasattr(responses, "close"):
-                    await self._run(inline, responses.close)   # its finally blocks: a slot given back
+                if responses is not None:
+                    await self._run(inline, _close, responses)   # its finally blocks: a slot given back
             await _finish(sync)
 
         return call

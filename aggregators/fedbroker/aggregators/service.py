@@ -15,7 +15,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -28,11 +28,11 @@ from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import codec
+from fedbroker.rpc.aio_server import AioServer, Handlers, collect
 from fedbroker.rpc.auth import ROLE_COORDINATOR, ROLE_WORKER, Identity, ServerAuth, ServerTLS, TokenLookup
 from fedbroker.rpc.callguard import CallGuard, CallLimits
-from fedbroker.rpc.aio_server import AioServer, Handlers, collect
 from fedbroker.rpc.live_auth import front_interceptors
-from fedbroker.rpc.plumbing import CHANNEL_OPTIONS, handle
+from fedbroker.rpc.plumbing import handle
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "fedbroker.v1.Aggregation"

@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-
 from fedbroker.app.glibc_malloc import keep_freed_memory
 from fedbroker.bus import Bus, InProcessBus, mask_url, open_bus
 from fedbroker.config import Config

@@ -33,6 +33,7 @@ from fedbroker.job.submission import accept_job_text
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import codec
+from fedbroker.rpc.aio_server import AioServer, collect
 from fedbroker.rpc.auth import (
     ROLE_SUBMITTER,
     ROLE_VIEWER,
@@ -44,7 +45,6 @@ from fedbroker.rpc.auth import (
     ServerTLS,
     TokenLookup,
 )
-from fedbroker.rpc.aio_server import AioServer, collect
 from fedbroker.rpc.live_auth import front_interceptors
 from fedbroker.rpc.plumbing import abort, handle
 
