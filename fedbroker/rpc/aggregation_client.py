@@ -74,6 +74,7 @@ class AggregatorClient(SecuredClient):
         self._stub = pb_grpc.AggregationStub(self._channel)
         self._async_stub = pb_grpc.AsyncAggregationStub(self._channel)
         self._events_stub = pb_grpc.AggregationEventsStub(self._channel)
+        self._presence_stub = pb_grpc.WorkerPresenceStub(self._channel)
         # the streaming methods with serialized messages in and out (no request serializer / deserializer)
         self._put_global: grpc.StreamUnaryMultiCallable[bytes, pb.UploadReceipt] = self._channel.stream_unary(
             _path("PutGlobalModel"), response_deserializer=pb.UploadReceipt.FromString)
@@ -128,6 +129,13 @@ class AggregatorClient(SecuredClient):
             lambda: self._stub.GetJobSettings(request, timeout=self.timeout_s, metadata=self._md),
             what=f"settings of job {job_id}", idempotent=True)
         return reply.settings
+
+    def keep_alive(self, worker_id: str, state: str = "idle") -> float:
+        """A worker's heartbeat; the seconds until the service wants the next one (paced and jittered by the
+        service: call again then, not sooner, or the beat is refused as `heartbeat_early`)."""
+        reply: pb.KeepAliveReply = self._presence_stub.KeepAlive(pb.KeepAliveRequest(worker_id=worker_id, state=state),
+                                                                 timeout=self.timeout_s, metadata=self._md)
+        return reply.next_in_ms / 1000
 
     def start_task(self, job_id: str, round: int, worker_id: str, version: int, *, model: bool = True) -> TaskStart:
         """A task's first call: the round's (async: the task's) status for this worker and, with `model`, the

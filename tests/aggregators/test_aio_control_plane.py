@@ -191,7 +191,9 @@ def test_a_slow_loris_stream_is_ended_while_heartbeats_go_on(secured):
         assert coordinator.status("job", 1) == ([], True)
         error = wait_for(lambda: loris.done() and loris.exception(), "the silent stream to be ended")
         assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and error.details().startswith("idle_stream:")
-        assert beat(channel, tokens["w1"], "w1").workers_present == 2
+        w1 = AggregatorClient(target, timeout_s=10, security=ClientSecurity(token=tokens["w1"]))
+        assert 30 * 0.8 <= w1.keep_alive("w1") <= 30 * 1.2 + 1   # the client's heartbeat: when to come back
+        w1.close()
     finally:
         release.set()
         coordinator.close()

@@ -28,6 +28,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from fedbroker.errors import ConfigError
+from fedbroker.printable import printable
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc.auth import ROLE_WORKER, Identity
@@ -40,6 +41,7 @@ WORKERS_PRESENT = Gauge("fedbroker_aggregator_workers_present",
 for _outcome in ("accepted", "early", "forged", "full"):
     HEARTBEATS.labels(_outcome)
 EARLY = "heartbeat_early"
+MAX_WORKER_ID_CHARS = 256
 FULL = "presence_full"
 
 
@@ -137,13 +139,16 @@ class PresenceServicer(pb_grpc.WorkerPresenceServicer):
     def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.ServicerContext) -> pb.KeepAliveReply:
         """Record the beat; the reply says when the next is due (see the module docstring)."""
         caller = self.identify(context) if self.identify is not None else None
-        if not request.worker_id:
+        if not 0 < len(request.worker_id) <= MAX_WORKER_ID_CHARS:  # a row per id: never a megabyte key
             HEARTBEATS.labels("forged").inc()
-            _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_request", "KeepAlive needs a worker_id")
+            _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_request",
+                    f"KeepAlive needs a worker_id of 1 to {MAX_WORKER_ID_CHARS} characters, got "
+                    f"{len(request.worker_id)}")
         if caller is not None and caller.role == ROLE_WORKER and caller.name != request.worker_id:
             HEARTBEATS.labels("forged").inc()
             _refuse(context, grpc.StatusCode.PERMISSION_DENIED, "permission_denied",
-                    f"worker {caller.name!r} may heartbeat only as itself, not as {request.worker_id!r}")
+                    f"worker {caller.name!r} may heartbeat only as itself, not as "
+                    f"{printable(request.worker_id, limit=100)!r}")
         try:
             wait = self.pacer.beat(request.worker_id)
         except Early as early:
