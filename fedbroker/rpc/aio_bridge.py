@@ -30,6 +30,7 @@ import grpc.aio
 
 log = logging.getLogger(__name__)
 _DONE = object()
+_UNREAD = object()
 
 
 class Aborted(Exception):
@@ -47,12 +48,15 @@ class SyncContext:
     are kept here and applied on the loop when the handler returns, so handler code may run on any thread.
     """
 
-    def __init__(self, context: grpc.aio.ServicerContext[Any, Any], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, context: grpc.aio.ServicerContext[Any, Any], loop: asyncio.AbstractEventLoop, *,
+                 eager: bool = True) -> None:
+        """`eager`: read the call's metadata, auth context and peer now, on the loop, for code on another
+        thread; a call run inline reads them only if its code asks (most ask for the metadata alone)."""
         self.aio = context
         self.loop = loop
-        self._metadata = context.invocation_metadata()
-        self._auth_context = context.auth_context()
-        self._peer = context.peer()
+        self._metadata = context.invocation_metadata() if eager else _UNREAD
+        self._auth_context = context.auth_context() if eager else _UNREAD
+        self._peer = context.peer() if eager else _UNREAD
         self.trailing: tuple[tuple[str, str | bytes], ...] = ()
         self.status: tuple[grpc.StatusCode, str] | None = None
         self.ended: tuple[grpc.StatusCode, str] | None = None
@@ -64,15 +68,21 @@ class SyncContext:
     # ----- the synchronous context's interface -----
 
     def invocation_metadata(self) -> Any:
-        """The call's metadata (read on the loop when the call started)."""
+        """The call's metadata (read on the loop)."""
+        if self._metadata is _UNREAD:
+            self._metadata = self.aio.invocation_metadata()
         return self._metadata
 
     def auth_context(self) -> Any:
         """The call's auth context: its TLS peer's certificate, when it has one."""
+        if self._auth_context is _UNREAD:
+            self._auth_context = self.aio.auth_context()
         return self._auth_context
 
     def peer(self) -> str:
         """The caller's address."""
+        if self._peer is _UNREAD:
+            self._peer = self.aio.peer()
         return str(self._peer)
 
     def time_remaining(self) -> float | None:
@@ -219,11 +229,21 @@ class Bridge:
 
     def _unary(self, behaviour: Callable[[Any, Any], Any], inline: bool, streamed: bool) -> Callable[..., Any]:
         async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            sync = SyncContext(context, asyncio.get_running_loop())
+            sync = SyncContext(context, asyncio.get_running_loop(), eager=not inline)
+            if inline:   # runs to its end here, with no await between: its callbacks run right after it
+                try:
+                    try:
+                        result = behaviour(request, sync)
+                    except Aborted:
+                        result = None
+                finally:
+                    sync.run_callbacks()
+                await _finish(sync)
+                return result
             _when_done(context, sync)
             result = None
             try:
-                result = await self._run(inline, behaviour, _requests(sync) if streamed else request, sync)
+                result = await self._run(False, behaviour, _requests(sync) if streamed else request, sync)
             except Aborted:
                 pass
             await _finish(sync)

@@ -47,7 +47,7 @@ FULL = "presence_full"
 
 @dataclass(frozen=True)
 class HeartbeatPacing:
-    """How the service paces heartbeats (config section `aggregator.heartbeat`)."""
+    """How the service paces heartbeats (config keys `aggregator.heartbeat_interval_s`, `heartbeat_max_per_s`)."""
 
     interval_s: float = 30.0       # Flower's default heartbeat
     jitter: float = 0.2            # each due time is interval × [1 - jitter, 1 + jitter]
@@ -60,11 +60,11 @@ class HeartbeatPacing:
         for name in ("interval_s", "max_per_s", "lapse_intervals", "max_workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ConfigError(f"aggregator.heartbeat.{name}", f"must be a number > 0, got {value!r}")
+                raise ConfigError(f"aggregator.heartbeat_{name}", f"must be a number > 0, got {value!r}")
         if not 0 <= self.jitter < 1:
-            raise ConfigError("aggregator.heartbeat.jitter", f"must be in [0, 1), got {self.jitter!r}")
+            raise ConfigError("aggregator.heartbeat_jitter", f"must be in [0, 1), got {self.jitter!r}")
         if not 0 <= self.early_slack_s < self.interval_s:
-            raise ConfigError("aggregator.heartbeat.early_slack_s",
+            raise ConfigError("aggregator.heartbeat_early_slack_s",
                               f"must be in [0, interval_s), got {self.early_slack_s!r}")
 
 

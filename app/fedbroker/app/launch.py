@@ -54,6 +54,7 @@ def client_security(config: Config, *, expected_target: str = "") -> ClientSecur
 
 def start_aggregator(config: Config) -> tuple[AioServer, int]:
     """The aggregation service serving on aggregator.listen; the server and the port it bound."""
+    from fedbroker.aggregators.presence import HeartbeatPacing
     from fedbroker.aggregators.round_book import RoundBook
     from fedbroker.aggregators.service import SERVICE_NAME, serve
 
@@ -68,7 +69,9 @@ def start_aggregator(config: Config) -> tuple[AioServer, int]:
     limits = CallLimits(threads=a.threads, health_threads=a.health_threads, max_streams=a.max_streams,
                         max_streams_per_worker=a.max_streams_per_worker,
                         stream_idle_timeout_s=a.stream_idle_timeout_s)
-    return serve(book, address=a.listen, limits=limits, tokens=tokens, tls=tls)
+    heartbeat = HeartbeatPacing(interval_s=a.heartbeat_interval_s, max_per_s=a.heartbeat_max_per_s,
+                                early_slack_s=min(1.0, a.heartbeat_interval_s / 10))
+    return serve(book, address=a.listen, limits=limits, tokens=tokens, tls=tls, heartbeat=heartbeat)
 
 
 def _export(role: str, port: int, addr: str) -> None:
