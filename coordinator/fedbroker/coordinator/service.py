@@ -253,14 +253,16 @@ def status_reply(coordinator: Coordinator, job_id: str = "") -> pb.StatusReply:
 
 
 def serve(coordinator: Coordinator, *, address: str = "127.0.0.1:0", tokens: TokenLookup | None = None,
-          tls: ServerTLS | None = None) -> tuple[AioServer, int]:
-    """`tokens`: authenticate every call (None = authentication off); `tls`: serve TLS instead of plaintext.
+          tls: ServerTLS | None = None, gate: grpc.ServerInterceptor | None = None) -> tuple[AioServer, int]:
+    """`tokens`: authenticate every call (None = authentication off); `tls`: serve TLS instead of plaintext;
+    `gate`: a synchronous interceptor after authentication (a standby's answer), run as the call starts.
 
     An asyncio gRPC server in a thread of its own (`fedbroker.rpc.aio_server`); every call reads or writes
     the coordinator's store (a database), so every call runs in its bounded executor (BLOCKING_THREADS),
     never on the event loop, which only moves bytes and holds connections."""
     interceptors, auth = front_interceptors(tls, tokens, service=SERVICE_NAME, permissions=PERMISSIONS,
                                             on_reject=_count_refusal)
+    interceptors += [gate] if gate is not None else []
     table = collect(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(coordinator, auth))
     server = AioServer(table, address=address, tls=tls, service=SERVICE_NAME, interceptors=interceptors,
                        threads=BLOCKING_THREADS)
