@@ -21,8 +21,9 @@ from collections.abc import Callable
 
 from bench.harness import Section, machine, write_results
 
-BENCHMARKS = ("averaging", "streaming", "control_plane", "alignment", "genetic", "dp_training", "dp_models", "secagg",
-              "secure_round", "secure_groups", "ddp_round", "robust", "graph_validation", "data_loading", "broker_cluster")
+BENCHMARKS = ("averaging", "streaming", "control_plane", "connected", "alignment", "genetic", "dp_training", "dp_models",
+              "secagg", "secure_round", "secure_groups", "ddp_round", "robust", "graph_validation", "data_loading",
+              "broker_cluster")
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE_ROOTS = (".", "coordinator", "worker", "aggregators", "proto")  # the fedbroker namespace in a checkout
 REPO = os.path.dirname(HERE)
@@ -63,11 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, about 2 minutes")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     parser.add_argument("--out", default=HERE, help="directory for results.json and results.md")
+    parser.add_argument("--minutes", type=float, default=0.0,
+                        help="how long `connected` holds its workers (default: 10, quick: 0.5)")
     args = parser.parse_args(argv)
     chosen = [b for b in args.only.split(",") if b] or list(BENCHMARKS)
     unknown = sorted(set(chosen) - set(BENCHMARKS))
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
+    if args.minutes:
+        os.environ["FEDBROKER_BENCH_MINUTES"] = str(args.minutes)
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # children too: no GOAWAY chatter at shutdown
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")

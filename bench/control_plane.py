@@ -142,7 +142,7 @@ def fleet_child(url: str, namespace: str, count: int) -> None:
 
 def run_ours(count: int, rounds: int, url: str | None, timeout_s: float) -> dict[str, Any]:
     """Rounds of a job with `count` stub workers; per-round seconds from the coordinator's own record."""
-    from bench.streaming import _spawn, _stop
+    from bench.streaming import _spawn, _stop, cpu_seconds
     from fedbroker.bus import delete_topology, open_bus
     from fedbroker.coordinator.scheduler import Coordinator
     from fedbroker.coordinator.store import StateStore
@@ -179,8 +179,12 @@ def run_ours(count: int, rounds: int, url: str | None, timeout_s: float) -> dict
             "schedule": {"min_workers": count, "wait_for_workers_s": timeout_s, "round_timeout_s": timeout_s},
             "evaluation": {"every": 0},  # the round's control plane only: the stubs score nothing (as Flower's)
         })
+        pids = {"service": server.pid, "coordinator": os.getpid(), "RabbitMQ": _broker_pid() if url else None,
+                "stub workers": fleet_proc.pid if fleet_proc else None}
+        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items() if pid}
         job_id = coordinator.submit(job)
         status = coordinator.wait(job_id, timeout=timeout_s)
+        cpu_used = {name: cpu_seconds(pids[name]) - before for name, before in cpu_before.items()}
         total = time.perf_counter() - setup_started
         row = store.job(job_id)
         if row is None or status != "completed":
@@ -190,8 +194,10 @@ def run_ours(count: int, rounds: int, url: str | None, timeout_s: float) -> dict
         aggregated = [int(r.aggregated) for r in store.rounds(job_id)]
         first_round_started = min(float(r.started) for r in store.rounds(job_id))
         created = float(row.created)
+        tasks = max(1, sum(aggregated))
         return {"rounds": per_round, "aggregated": aggregated, "total": total,
-                "registration_s": first_round_started - created}
+                "registration_s": first_round_started - created,
+                "cpu_ms_per_task": {name: 1000 * seconds / tasks for name, seconds in cpu_used.items()}}
     finally:
         coordinator.stop()
         if fleet_proc is not None and fleet_proc.poll() is None:
@@ -208,6 +214,20 @@ def run_ours(count: int, rounds: int, url: str | None, timeout_s: float) -> dict
             except Exception:
                 pass
         tmp.cleanup()
+
+
+def _broker_pid() -> int | None:
+    """The local RabbitMQ node's process (its CPU is part of a round's), when this machine runs one."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if b"beam.smp" in cmdline and b"-s\x00rabbit\x00boot" in cmdline and b"/var/lib/rabbitmq" in cmdline:
+                return int(entry)
+    return None
 
 
 def _fleet_report(proc: subprocess.Popen[str]) -> str:

@@ -97,6 +97,10 @@ class AggregatorConfig:
     max_streams: int = 32              # workers' uploads and downloads at once (the coordinator's are exempt)
     max_streams_per_worker: int = 2    # one worker identity's uploads and downloads at once
     stream_idle_timeout_s: float = 60.0  # a stream that waits this long on its client is ended, freeing its thread
+    # workers' heartbeats at the service (WorkerPresence.KeepAlive, aggregators/presence.py): each told when to
+    # come back, jittered around this interval and paced to at most this many beats in any one second
+    heartbeat_interval_s: float = 30.0
+    heartbeat_max_per_s: int = 500
     spool_dir: str = ""                # accepted updates and global models on disk before they are acknowledged,
                                        # reloaded on restart (deploy/RELIABILITY.md); empty = memory only
     spool_lock_wait_s: float = 30.0    # a restart waits this long for the old process to let go of the spool

@@ -99,6 +99,10 @@ class AggregatorClient:
         return self._replicas.current().events_stub
 
     @property
+    def _presence_stub(self) -> pb_grpc.WorkerPresenceStub:
+        return self._replicas.current().presence_stub
+
+    @property
     def _put_global(self) -> grpc.StreamUnaryMultiCallable[bytes, pb.UploadReceipt]:
         return self._replicas.current().put_global
 
@@ -156,6 +160,13 @@ class AggregatorClient:
             lambda: self._stub.GetJobSettings(request, timeout=self.timeout_s, metadata=self._md),
             what=f"settings of job {job_id}", idempotent=True)
         return reply.settings
+
+    def keep_alive(self, worker_id: str, state: str = "idle") -> float:
+        """A worker's heartbeat; the seconds until the service wants the next one (paced and jittered by the
+        service: call again then, not sooner, or the beat is refused as `heartbeat_early`)."""
+        reply: pb.KeepAliveReply = self._presence_stub.KeepAlive(pb.KeepAliveRequest(worker_id=worker_id, state=state),
+                                                                 timeout=self.timeout_s, metadata=self._md)
+        return reply.next_in_ms / 1000
 
     def start_task(self, job_id: str, round: int, worker_id: str, version: int, *, model: bool = True) -> TaskStart:
         """A task's first call: the round's (async: the task's) status for this worker and, with `model`, the

@@ -338,6 +338,10 @@ def _end_with_status(context: grpc.ServicerContext, code: grpc.StatusCode, detai
     cannot ride on a cancellation, so the reason is the details' first word. Either way the handler's
     blocked read or write returns at once and its thread is free.
     """
+    end = getattr(context, "end", None)
+    if end is not None:   # a call on the asyncio server (fedbroker.rpc.aio_bridge.SyncContext)
+        end(code, details)
+        return
     call = getattr(getattr(context, "_rpc_event", None), "call", None)
     try:
         if call is not None:

@@ -138,7 +138,7 @@ BUSY_BACKOFF = Backoff(initial_s=0.01, max_s=5.0)
 def call_with_retry(fn: Callable[[], T], *, what: str, idempotent: bool, attempts: int = RPC_ATTEMPTS,
                     deadline_unix: float | None = None, backoff: Backoff | None = None,
                     clock: Callable[[], float] = time.time, sleep: Callable[[float], object] = time.sleep) -> T:
-    """Retry on UNAVAILABLE (and DEADLINE_EXCEEDED when safe to repeat) with jittered exponential backoff;
+    """Retry on UNAVAILABLE (and DEADLINE_EXCEEDED or CANCELLED when safe to repeat) with jittered exponential backoff;
     a failure for good becomes `RemoteError`. `attempts=1` calls once, for a caller that retries itself.
 
     `deadline_unix` (a `clock()` time, wall clock by default): retry until then, whatever `attempts` says,
@@ -160,7 +160,10 @@ def call_with_retry(fn: Callable[[], T], *, what: str, idempotent: bool, attempt
         if not isinstance(error, grpc.RpcError):
             return False
         code = error.code()
-        return code == grpc.StatusCode.UNAVAILABLE or (idempotent and code == grpc.StatusCode.DEADLINE_EXCEEDED)
+        # CANCELLED without our cancelling: a server stopping past its grace, or (seen with 10,000 connections on
+        # one asyncio service, bench/connected.py) a call gRPC itself gave up; safe to repeat when idempotent
+        return code == grpc.StatusCode.UNAVAILABLE or (idempotent and code in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                                               grpc.StatusCode.CANCELLED))
 
     def log_retry(error: Exception, retry: int, delay: float) -> None:
         code = error.code().name if isinstance(error, grpc.RpcError) else type(error).__name__

@@ -51,6 +51,7 @@ class Stubs:
     stub: pb_grpc.AggregationStub
     async_stub: pb_grpc.AsyncAggregationStub
     events_stub: pb_grpc.AggregationEventsStub
+    presence_stub: pb_grpc.WorkerPresenceStub
     put_global: grpc.StreamUnaryMultiCallable[bytes, pb.UploadReceipt]
     upload: grpc.StreamUnaryMultiCallable[bytes, pb.UploadReceipt]
     download: grpc.UnaryStreamMultiCallable[pb.GlobalModelRequest, bytes]
@@ -60,7 +61,7 @@ class Stubs:
         """The stubs on `channel`; the streaming methods take and give serialized messages (see `codec`)."""
         # the streaming methods with serialized messages in and out (no request serializer / deserializer)
         return cls(channel, pb_grpc.AggregationStub(channel), pb_grpc.AsyncAggregationStub(channel),
-                   pb_grpc.AggregationEventsStub(channel),
+                   pb_grpc.AggregationEventsStub(channel), pb_grpc.WorkerPresenceStub(channel),
                    channel.stream_unary(_path("PutGlobalModel"), response_deserializer=pb.UploadReceipt.FromString),
                    channel.stream_unary(_path("UploadUpdate"), response_deserializer=pb.UploadReceipt.FromString),
                    channel.unary_stream(_path("DownloadGlobalModel"),

@@ -160,18 +160,19 @@ def test_a_forged_string_in_a_control_message_is_logged_and_stored_bounded_and_p
 
 # ----- gRPC: every call a worker may make to the aggregation service ------------------------------------------
 
-SERVICE = pb.DESCRIPTOR.services_by_name["Aggregation"]
+SERVICES = ("Aggregation", "WorkerPresence")  # the services of the aggregation port a worker may call
+METHODS = {m.name: m for s in SERVICES for m in pb.DESCRIPTOR.services_by_name[s].methods}
 WORKER_CALLS = sorted(m for m, roles in PERMISSIONS.items() if ROLE_WORKER in roles)
 GRPC_CASES = [(call, path) for call in WORKER_CALLS
-              for path in string_paths(SERVICE.methods_by_name[call].input_type)]
+              for path in string_paths(METHODS[call].input_type)]
 
 
 @pytest.fixture(scope="module")
-def aggregator() -> Iterator[pb_grpc.AggregationStub]:
+def aggregator() -> Iterator[dict[str, Any]]:
     server, port = serve(RoundBook())
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield pb_grpc.AggregationStub(channel)
+        yield {s: getattr(pb_grpc, f"{s}Stub")(channel) for s in SERVICES}
     finally:
         channel.close()
         server.stop(grace=0)
@@ -184,13 +185,13 @@ def test_every_call_a_worker_may_make_is_walked() -> None:
 
 @pytest.mark.parametrize(("call", "path"), GRPC_CASES, ids=[f"{c}.{name(p)}" for c, p in GRPC_CASES])
 def test_a_forged_string_in_a_workers_call_comes_back_and_is_logged_bounded_and_printable(
-        call: str, path: tuple[FieldDescriptor, ...], aggregator: pb_grpc.AggregationStub,
+        call: str, path: tuple[FieldDescriptor, ...], aggregator: dict[str, Any],
         caplog: pytest.LogCaptureFixture) -> None:
-    method = SERVICE.methods_by_name[call]
+    method = METHODS[call]
     fields = method.input_type.fields_by_name
     ids = {k: v for k, v in (("job_id", "j-1"), ("round", 1), ("worker_id", "a")) if k in fields}
     request = with_text(getattr(pb, method.input_type.name)(**ids), path, GRPC_TEXT)
-    stub = getattr(aggregator, call)
+    stub = getattr(aggregator[method.containing_service.name], call)
     with caplog.at_level(logging.DEBUG):
         try:
             reply = stub(iter([request]), timeout=30) if method.client_streaming else stub(request, timeout=30)

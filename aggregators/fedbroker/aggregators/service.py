@@ -14,24 +14,25 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent import futures
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import numpy as np
 
 from fedbroker.aggregators import metrics
+from fedbroker.aggregators.presence import HeartbeatPacing, Pacer, PresenceServicer
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.secure_ddp import sec_params
 from fedbroker.errors import Rejection, UploadRejected
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import codec
+from fedbroker.rpc.aio_server import AioServer, Handlers, collect
 from fedbroker.rpc.auth import ROLE_COORDINATOR, ROLE_WORKER, Identity, ServerAuth, ServerTLS, TokenLookup
 from fedbroker.rpc.callguard import CallGuard, CallLimits
-from fedbroker.rpc.live_auth import front_interceptors, start_serving
-from fedbroker.rpc.plumbing import CHANNEL_OPTIONS, handle
+from fedbroker.rpc.live_auth import front_interceptors
+from fedbroker.rpc.plumbing import handle
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "fedbroker.v1.Aggregation"
@@ -55,9 +56,14 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "BufferStatus": frozenset({ROLE_COORDINATOR}),
     "CloseBuffer": frozenset({ROLE_COORDINATOR}),
     "Watch": frozenset({ROLE_COORDINATOR}),
+    "KeepAlive": frozenset({ROLE_WORKER}),
     **{method: frozenset({ROLE_WORKER}) for method in SECURE_CALLS},
 }
 _T = TypeVar("_T")
+# Answered on the event loop: from memory, under locks no close or disk write holds for long. Every other
+# call runs in the bounded executor (closes, the spool's fsyncs, long polls, streams read message by message).
+ON_THE_LOOP = frozenset({"RoundStatus", "StartTask", "InstallJob", "GetJobSettings", "KeepAlive", "IssueTasks",
+                         "BufferStatus"})
 UPLOADS = frozenset({"UploadUpdate", "UploadWhole"})
 WATCH_KEEPALIVE_S = 5.0  # an empty JobChanges this often: the stream is never idle
 
@@ -439,37 +445,30 @@ def _own_uploads_only(messages: Iterable[pb.UpdateChunk], caller: Identity | Non
     return itertools.chain((first,), iterator)
 
 
-def _add_servicer(servicer: AggregationServicer, server: grpc.Server) -> None:
+def _handlers(servicer: AggregationServicer) -> Handlers:
     """The generated registration, except that DownloadGlobalModel has no response serializer: it yields
     messages already serialized by `codec.encoded_stream`, one copy of the model where a protobuf message
     per chunk costs three (into a bytes, into the message, out by SerializeToString)."""
-    table: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
-
-    class _Collect:  # stands in for the server to read the generated handler table
-        def add_generic_rpc_handlers(self, handlers: Any) -> None:
-            pass
-
-        def add_registered_method_handlers(self, service: str,
-                                            handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]) -> None:
-            table.update(handlers)
-
-    pb_grpc.add_AggregationServicer_to_server(servicer, _Collect())
-    missing = set(pb.DESCRIPTOR.services_by_name["Aggregation"].methods_by_name) - set(table)
-    if missing:  # a generator that registers no method handlers: extend `_Collect`
+    table = collect(pb_grpc.add_AggregationServicer_to_server, servicer)
+    missing = {f"/{SERVICE_NAME}/{m}" for m in pb.DESCRIPTOR.services_by_name["Aggregation"].methods_by_name} - set(table)
+    if missing:  # a generator that registers no method handlers: extend `collect`
         raise RuntimeError(f"the generated registration did not list {sorted(missing)}")
-    table["DownloadGlobalModel"] = grpc.unary_stream_rpc_method_handler(
+    table[f"/{SERVICE_NAME}/DownloadGlobalModel"] = grpc.unary_stream_rpc_method_handler(
         servicer.DownloadGlobalModel, request_deserializer=pb.GlobalModelRequest.FromString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, table),))
-    server.add_registered_method_handlers(SERVICE_NAME, table)
+    return table
 
 
 def serve(book: RoundBook, *, address: str = "127.0.0.1:0", limits: CallLimits | None = None,
-          tokens: TokenLookup | None = None, tls: ServerTLS | None = None) -> tuple[grpc.Server, int]:
-    """Start the service (with standard gRPC health checking) and return it with its bound port.
+          tokens: TokenLookup | None = None, tls: ServerTLS | None = None,
+          heartbeat: HeartbeatPacing | None = None) -> tuple[AioServer, int]:
+    """Start the service (with standard gRPC health checking) on an asyncio gRPC server in a thread of its
+    own (`fedbroker.rpc.aio_server`) and return it with its bound port.
 
-    `limits`: how its threads are shared out (`fedbroker.rpc.callguard`: health checks keep threads of their
-    own, workers' transfers are capped in all and per worker, a stream idle on its client is ended);
-    `tokens`: authenticate every call (None = authentication off); `tls`: serve TLS instead of plaintext.
+    `limits`: how its calls are shared out (`fedbroker.rpc.callguard`: health checks keep slots of their
+    own, workers' transfers are capped in all and per worker, a stream idle on its client is ended; `threads`
+    also bounds the executor of the blocking calls); `tokens`: authenticate every call (None =
+    authentication off); `tls`: serve TLS instead of plaintext; `heartbeat`: how workers' heartbeats are
+    paced (`presence.HeartbeatPacing`).
     """
     limits = limits or CallLimits()
     interceptors, auth = front_interceptors(tls, tokens, service=SERVICE_NAME, permissions=PERMISSIONS,
@@ -477,13 +476,16 @@ def serve(book: RoundBook, *, address: str = "127.0.0.1:0", limits: CallLimits |
     interceptors.append(CallGuard(limits, service=SERVICE_NAME, identify=auth.identity if auth else None,
                                   trusted_roles=frozenset({ROLE_COORDINATOR}), on_refuse=_count_refusal,
                                   uncapped=frozenset({"Watch"})))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads), options=CHANNEL_OPTIONS,
-                         interceptors=interceptors)
-    _add_servicer(AggregationServicer(book, auth), server)
-    pb_grpc.add_AsyncAggregationServicer_to_server(AsyncAggregationServicer(book), server)
-    pb_grpc.add_AggregationEventsServicer_to_server(EventsServicer(book), server)
-    port = start_serving(server, address, tls, service=SERVICE_NAME)
-    log.info("aggregation service listening on port %d (%s, authentication %s)", port,
+    table = {**_handlers(AggregationServicer(book, auth)),
+             **collect(pb_grpc.add_AsyncAggregationServicer_to_server, AsyncAggregationServicer(book)),
+             **collect(pb_grpc.add_AggregationEventsServicer_to_server, EventsServicer(book)),
+             **collect(pb_grpc.add_WorkerPresenceServicer_to_server,
+                       PresenceServicer(Pacer(heartbeat), auth.identity if auth else None))}
+    # a small upload is in memory at once; with a spool it is fsynced before the receipt: then off the loop
+    inline = ON_THE_LOOP | (frozenset() if book.table.spool is not None else frozenset({"UploadWhole"}))
+    server = AioServer(table, address=address, tls=tls, service=SERVICE_NAME, interceptors=interceptors,
+                       inline=inline, threads=limits.threads)
+    log.info("aggregation service listening on port %d (%s, authentication %s)", server.port,
              "TLS" + (" with client certificates" if tls and tls.client_ca else "") if tls else "plaintext",
              "on" if auth else "off")
-    return server, port
+    return server, server.port

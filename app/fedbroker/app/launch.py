@@ -13,13 +13,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from fedbroker.app.glibc_malloc import keep_freed_memory
 from fedbroker.bus import Bus, InProcessBus, mask_url, open_bus
 from fedbroker.config import Config
 from fedbroker.errors import ConfigError
 from fedbroker.metrics import start_exporter
+from fedbroker.rpc.aio_server import AioServer
 from fedbroker.rpc.auth import ClientSecurity, ServerTLS, read_secret
 from fedbroker.rpc.callguard import CallLimits
 from fedbroker.rpc.live_auth import Followed, follow_table
@@ -56,8 +55,9 @@ def client_security(config: Config, *, expected_target: str = "") -> ClientSecur
     return ClientSecurity.from_config(config.client, expected_target=expected_target)
 
 
-def start_aggregator(config: Config) -> tuple[grpc.Server, int]:
+def start_aggregator(config: Config) -> tuple[AioServer, int]:
     """The aggregation service serving on aggregator.listen; the server and the port it bound."""
+    from fedbroker.aggregators.presence import HeartbeatPacing
     from fedbroker.aggregators.round_book import RoundBook
     from fedbroker.aggregators.service import SERVICE_NAME, serve
 
@@ -74,7 +74,9 @@ def start_aggregator(config: Config) -> tuple[grpc.Server, int]:
     limits = CallLimits(threads=a.threads, health_threads=a.health_threads, max_streams=a.max_streams,
                         max_streams_per_worker=a.max_streams_per_worker,
                         stream_idle_timeout_s=a.stream_idle_timeout_s)
-    return serve(book, address=a.listen, limits=limits, tokens=tokens, tls=tls)
+    heartbeat = HeartbeatPacing(interval_s=a.heartbeat_interval_s, max_per_s=a.heartbeat_max_per_s,
+                                early_slack_s=min(1.0, a.heartbeat_interval_s / 10))
+    return serve(book, address=a.listen, limits=limits, tokens=tokens, tls=tls, heartbeat=heartbeat)
 
 
 def job_ownership(config: Config) -> JobOwnership | None:
@@ -106,7 +108,7 @@ class CoordinatorProcess:
     """A running coordinator with its gRPC server and bus, stopped together."""
 
     coordinator: Coordinator
-    server: grpc.Server
+    server: AioServer
     port: int
     bus: Bus
     election: Election | None = None   # on a shared database: it acts only while it leads (app/leading.py)

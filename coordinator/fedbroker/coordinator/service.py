@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -34,6 +33,7 @@ from fedbroker.job.submission import accept_job_text
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc import codec
+from fedbroker.rpc.aio_server import AioServer, collect
 from fedbroker.rpc.auth import (
     ROLE_SUBMITTER,
     ROLE_VIEWER,
@@ -45,10 +45,11 @@ from fedbroker.rpc.auth import (
     ServerTLS,
     TokenLookup,
 )
-from fedbroker.rpc.live_auth import front_interceptors, start_serving
-from fedbroker.rpc.plumbing import CHANNEL_OPTIONS, abort, handle
+from fedbroker.rpc.live_auth import front_interceptors
+from fedbroker.rpc.plumbing import abort, handle
 
 SERVICE_NAME = "fedbroker.v1.Coordinator"
+BLOCKING_THREADS = 8  # the store's calls at once (as the synchronous server's pool was)
 PERMISSIONS: dict[str, frozenset[str]] = {
     "SubmitJob": frozenset({ROLE_SUBMITTER}),
     "Status": frozenset({ROLE_SUBMITTER, ROLE_VIEWER}),
@@ -252,16 +253,20 @@ def status_reply(coordinator: Coordinator, job_id: str = "") -> pb.StatusReply:
 
 
 def serve(coordinator: Coordinator, *, address: str = "127.0.0.1:0", tokens: TokenLookup | None = None,
-          tls: ServerTLS | None = None, gate: grpc.ServerInterceptor | None = None) -> tuple[grpc.Server, int]:
+          tls: ServerTLS | None = None, gate: grpc.ServerInterceptor | None = None) -> tuple[AioServer, int]:
     """`tokens`: authenticate every call (None = authentication off); `tls`: serve TLS instead of plaintext;
-    `gate`: a standby's (standby_gate.py), after authentication."""
+    `gate`: a synchronous interceptor after authentication (a standby's answer), run as the call starts.
+
+    An asyncio gRPC server in a thread of its own (`fedbroker.rpc.aio_server`); every call reads or writes
+    the coordinator's store (a database), so every call runs in its bounded executor (BLOCKING_THREADS),
+    never on the event loop, which only moves bytes and holds connections."""
     interceptors, auth = front_interceptors(tls, tokens, service=SERVICE_NAME, permissions=PERMISSIONS,
                                             on_reject=_count_refusal)
     interceptors += [gate] if gate is not None else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS,
-                         interceptors=interceptors)
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator, auth), server)
-    return server, start_serving(server, address, tls, service=SERVICE_NAME)
+    table = collect(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(coordinator, auth))
+    server = AioServer(table, address=address, tls=tls, service=SERVICE_NAME, interceptors=interceptors,
+                       threads=BLOCKING_THREADS)
+    return server, server.port
 
 
 class CoordinatorClient(SecuredClient):

@@ -1507,3 +1507,19 @@ class JobChanges(_message.Message):
     JOBS_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobSnapshot]
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobSnapshot, _Mapping]]] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("worker_id", "state")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    state: str
+    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+
+class KeepAliveReply(_message.Message):
+    __slots__ = ("next_in_ms", "workers_present")
+    NEXT_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    next_in_ms: int
+    workers_present: int
+    def __init__(self, next_in_ms: _Optional[int] = ..., workers_present: _Optional[int] = ...) -> None: ...

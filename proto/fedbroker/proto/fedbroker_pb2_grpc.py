@@ -1539,3 +1539,77 @@ class AggregationEvents:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WorkerPresenceStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.KeepAlive = channel.unary_unary(
+                '/fedbroker.v1.WorkerPresence/KeepAlive',
+                request_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.KeepAliveReply.FromString,
+                _registered_method=True)
+
+
+class WorkerPresenceServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def KeepAlive(self, request, context):
+        """One unary call per heartbeat on the worker's kept channel (no stream held open): the service answers
+        when the worker should call next, spreading 10,000 workers over its interval at a bounded rate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerPresenceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=fedbroker_dot_proto_dot_fedbroker__pb2.KeepAliveRequest.FromString,
+                    response_serializer=fedbroker_dot_proto_dot_fedbroker__pb2.KeepAliveReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'fedbroker.v1.WorkerPresence', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('fedbroker.v1.WorkerPresence', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerPresence:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedbroker.v1.WorkerPresence/KeepAlive',
+            fedbroker_dot_proto_dot_fedbroker__pb2.KeepAliveRequest.SerializeToString,
+            fedbroker_dot_proto_dot_fedbroker__pb2.KeepAliveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
