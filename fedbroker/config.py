@@ -114,7 +114,7 @@ class AggregatorConfig:
     database_url: str = ""
     database_url_file: str = ""        # or read it (with its password) from this mounted secret file
     advertise: str = ""                # this replica's address as `targets` lists it (a not_owner refusal names it)
-    lease_ttl_s: float = 10.0          # a dead owner's jobs move to another replica this long after it stopped
+    lease_ttl_s: float = 6.0           # a dead owner's jobs move to another replica this long after it stopped
     targets: tuple[str, ...] = ()      # every replica, for the coordinator and the workers; empty = `target`
 
     def target_list(self) -> str:
