@@ -34,9 +34,8 @@ import grpc
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from fedbroker.errors import AddressTaken, ConfigError, Rejection
+from fedbroker.errors import ConfigError, Rejection
 from fedbroker.files import read_setting_file
 from fedbroker.metrics import AUTH_FILE_RELOADS, GRPC_SERVER_AUTH_FAILURES, GrpcMetricsInterceptor
 from fedbroker.rpc.auth import Identity, ServerAuth, ServerTLS, TokenLookup, TokenTable, admitting, read_pem
@@ -345,21 +344,3 @@ def front_interceptors(tls: ServerTLS | None, tokens: TokenLookup | None, *, ser
         auth = ServerAuth(tokens, permissions, service=service, on_reject=on_reject)
         interceptors.append(auth)
     return interceptors, auth
-
-
-def start_serving(server: grpc.Server, address: str, tls: ServerTLS | None, *, service: str) -> int:
-    """Bind `address` (`add_port`), start `server` and say it and `service` are SERVING on gRPC health (what
-    Kubernetes' native gRPC probes ask); returns the bound port. AddressTaken (an OSError) when the address cannot be bound."""
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        port = add_port(server, address, tls)
-    except RuntimeError:  # newer gRPC raises where older ones returned 0
-        port = 0
-    if port == 0:
-        raise AddressTaken(f"could not bind the {service} service to {address}: is another process listening there?",
-                           address=address)
-    server.start()
-    for name in ("", service):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return port
