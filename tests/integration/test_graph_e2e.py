@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -65,15 +64,8 @@ def deployment(rabbitmq_url: str, tmp_path: Path) -> Iterator[Deployment]:
 
 
 def wait_for(predicate: Any, timeout: float, what: str, d: Deployment) -> Any:
-    """A hang guard, not a deadline the test relies on: the predicate is a state, not a timing."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        d.alive()
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}\n{d.logs()}")
+    """`d.wait_for` while every process runs."""
+    return d.wait_for(predicate, timeout, what)
 
 
 def test_a_residual_graph_trains_under_dp_with_fedavg_through_real_processes(deployment: Deployment) -> None:
