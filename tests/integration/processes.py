@@ -121,6 +121,14 @@ class Deployment:
         reply = self.coordinator_status()
         return reply is not None and len(reply.workers) >= count
 
+    def listed(self, count: int) -> bool:
+        """Exactly `count` workers registered, as the coordinator's own Status and then `fedbroker status` show
+        them (False while the coordinator is still starting)."""
+        try:
+            return self.registered(count) and len(json.loads(self.cli("status", "--json"))["workers"]) == count
+        except AssertionError:  # the CLI found no coordinator yet
+            return False
+
     def job_ended(self, job_id: str) -> bool:
         """The job is completed, failed or cancelled (its own Status, not the CLI's)."""
         reply = self.coordinator_status(job_id)

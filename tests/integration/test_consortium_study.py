@@ -95,13 +95,7 @@ def test_three_sites_study_with_federated_evaluation_and_a_model_that_applies_to
     for site in SITES:
         d.spawn(site, "worker", site_settings(d, site))
 
-    def registered() -> bool:
-        try:
-            return d.registered(len(SITES)) and len(json.loads(d.cli("status", "--json"))["workers"]) == len(SITES)
-        except AssertionError:  # the coordinator is still starting
-            return False
-
-    wait_for(registered, 180, "the three sites to register", d)
+    wait_for(lambda: d.listed(len(SITES)), 180, "the three sites to register", d)
     job_file = d.tmp / "job.json"
     job_file.write_text(json.dumps(JOB))
     job_id = json.loads(d.cli("submit", str(job_file), "--json"))["job_id"]

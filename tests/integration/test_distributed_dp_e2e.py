@@ -94,13 +94,10 @@ def test_a_distributed_dp_round_closes_with_its_survivors_after_a_site_is_killed
     job_file = d.tmp / "job.json"
     job_file.write_text(json.dumps(JOB))
 
-    def submitted() -> str | None:  # the job waits for its four workers itself (schedule.min_workers)
-        try:
-            return str(json.loads(d.cli("submit", str(job_file), "--json"))["job_id"])
-        except AssertionError:  # the coordinator is still starting
-            return None
-
-    job_id = wait_for(submitted, 120, "the coordinator to take the job", d)
+    # this process's own Status until the coordinator answers (no CLI process per poll while six processes start);
+    # the job then waits for its four workers itself (schedule.min_workers)
+    wait_for(lambda: d.coordinator_status() is not None, 120, "the coordinator to answer", d)
+    job_id = str(json.loads(d.cli("submit", str(job_file), "--json"))["job_id"])
     # each `fedbroker` command is a process of its own: poll the spool (cheap) for the round's model, then ask once
     wait_for(lambda: (job_folder(spool, job_id) / "global-2.npz").exists(), 240, "the round to close", d)
 

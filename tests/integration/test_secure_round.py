@@ -65,14 +65,6 @@ def wait_for(predicate: Any, timeout: float, what: str, d: Deployment) -> Any:
     return d.wait_for(predicate, timeout, what, watching=SERVICES)
 
 
-def registered(d: Deployment) -> bool:
-    """All five workers registered, as the coordinator's Status and the CLI both show them."""
-    try:
-        return d.registered(len(WORKERS)) and len(json.loads(d.cli("status", "--json"))["workers"]) == len(WORKERS)
-    except AssertionError:  # the coordinator is still starting
-        return False
-
-
 def start_services(d: Deployment, spool: Path) -> None:
     d.spawn("aggregator", "aggregator", {"aggregator.listen": d.aggregator, "aggregator.spool_dir": spool})
     d.spawn("coordinator", "coordinator", {"coordinator.listen": d.coordinator,
@@ -102,7 +94,7 @@ def test_a_secure_round_closes_with_the_survivors_weighted_mean_and_the_service_
     start_services(d, spool)
     for i, worker in enumerate(WORKERS):
         d.spawn(worker, "worker", worker_settings(d, i, worker), entry=watched(record=records, exit_at=EXITS.get(worker)))
-    wait_for(lambda: registered(d), 240, "the five workers to register", d)
+    wait_for(lambda: d.listed(len(WORKERS)), 240, "the five workers to register", d)
     job_file = d.tmp / "job.json"
     job_file.write_text(json.dumps(JOB))
     job_id = json.loads(d.cli("submit", str(job_file), "--json"))["job_id"]
@@ -164,7 +156,7 @@ def test_a_secure_round_that_loses_its_threshold_answers_its_waiting_sites_at_on
     for i, worker in enumerate(WORKERS):
         d.spawn(worker, "worker", worker_settings(d, i, worker),
                 entry=watched(exit_at="masked") if worker in crashed else ("-m", "fedbroker"))
-    wait_for(lambda: registered(d), 240, "the five workers to register", d)
+    wait_for(lambda: d.listed(len(WORKERS)), 240, "the five workers to register", d)
 
     def submit(name: str, timeout_s: int) -> str:
         job = {**JOB, "name": name, "schedule": {**JOB["schedule"], "quorum": 5, "round_timeout_s": timeout_s}}
