@@ -22,15 +22,12 @@ from typing import Any
 import numpy as np
 
 from bench.harness import Goal, Section, Stat
-from bench.secure_round import Clock, _Context, model, states
+from bench.secure_round import Clock, drive_secure_round, masked_update, model, states
 from fedbroker.aggregators.round_book import RoundBook
-from fedbroker.aggregators.service import AggregationServicer
 from fedbroker.job.settings import sections_settings
 from fedbroker.job.spec import ModelSpec
 from fedbroker.proto import fedbroker_pb2 as pb
-from fedbroker.rpc import codec
-from fedbroker.secagg import PublicKeys, SecAggClient, skellam
-from fedbroker.worker.secure_task import weighted_vector
+from fedbroker.secagg import SecAggClient, skellam
 
 JOB = "bench-ddp"
 GOAL_N, TARGET = 50, 1.2
@@ -50,77 +47,25 @@ def _install(book: RoundBook, spec: ModelSpec, base: dict[str, np.ndarray], ids:
 def one_round(spec: ModelSpec, base: dict[str, np.ndarray], trained: Callable[[str], dict[str, np.ndarray]],
               ids: list[str], dead: set[str], *, ddp: bool) -> Clock:
     """One secure round of `ids` (those in `dead` drop after sharing), plain or distributed DP."""
-    book, clock, ctx = RoundBook(), Clock(), _Context()
-    servicer = AggregationServicer(book)
+    book, clock = RoundBook(), Clock()
     try:
         _install(book, spec, base, ids, ddp)
-        rnd = book.table.jobs[JOB].round
-        assert rnd is not None and rnd.secure is not None
-        session = rnd.secure
-        rng = np.random.default_rng(7)
-
-        def wait(w: str) -> pb.SecWaitRequest:
-            return pb.SecWaitRequest(job_id=JOB, round=1, worker_id=w, wait_s=0.0)
-
-        crypto = {w: clock.on(w, "keys", SecAggClient, w, session.params, session.seed, rng) for w in ids}
-        share = session.ddp.share_variance if session.ddp is not None else 0.0
-        for w in ids:
-            keys = clock.on(w, "keys", crypto[w].advertise)
-            clock.on("service", "keys", servicer.SecAdvertise, pb.SecAdvertiseRequest(
-                job_id=JOB, round=1, worker_id=w, cipher_key=keys.c_pk, mask_key=keys.s_pk, num_samples=SAMPLES,
-                noise_variance=share), ctx)
-        scales = {}
-        for w in ids:
-            roster = clock.on("service", "shares", servicer.SecRoster, wait(w), ctx)
-            scales[w] = roster.scale
-            peers = {p.worker_id: PublicKeys(c_pk=p.cipher_key, s_pk=p.mask_key) for p in roster.peers}
-            sealed = clock.on(w, "shares", crypto[w].share_keys, peers)
-            clock.on("service", "shares", servicer.SecShare, pb.SecShareRequest(
-                job_id=JOB, round=1, worker_id=w, ciphertexts=[pb.SecCiphertext(peer=p, data=d)
-                                                               for p, d in sorted(sealed.items())]), ctx)
-        for w in ids:
-            box = clock.on("service", "mask", servicer.SecInbox, wait(w), ctx)
-            failed = clock.on(w, "mask", crypto[w].open_inbox, {c.peer: c.data for c in box.ciphertexts})
-            clock.on("service", "mask", servicer.SecVerify, pb.SecVerifyRequest(
-                job_id=JOB, round=1, worker_id=w, failed=[pb.SecComplaint(peer=p, reason=r) for p, r in failed.items()]),
-                ctx)
-        for w in (w for w in ids if w not in dead):
-            verdict = clock.on("service", "mask", servicer.SecVerify, pb.SecVerifyRequest(job_id=JOB, round=1,
-                                                                                           worker_id=w), ctx)
-            state = trained(w)
-            masked = clock.on(w, "mask", _masked, crypto[w], session, state, base, spec, scales[w], verdict.excluded,
-                              np.random.default_rng(ids.index(w)))
-            tensors = {"masked": masked}
-            header = pb.UpdateHeader(job_id=JOB, round=1, worker_id=w, num_samples=SAMPLES,
-                                     tensors=codec.tensor_specs(tensors), masked=True)
-            messages = clock.on(w, "mask", lambda h=header, t=tensors: list(codec.stream_messages(pb.UpdateChunk, h, t)))
-            clock.on("service", "mask", book.receive_update, iter(messages))
-        clock.on("service", "unmask", session.decide)
-        for w in (w for w in ids if w not in dead):
-            named = clock.on("service", "unmask", servicer.SecSurvivors, wait(w), ctx)
-            shares = clock.on(w, "unmask", crypto[w].unmask, list(named.survivors), list(named.dropped))
-            clock.on("service", "unmask", servicer.SecUnmask, pb.SecUnmaskRequest(
-                job_id=JOB, round=1, worker_id=w, shares=[pb.SecShareValue(peer=p, share=s)
-                                                          for p, s in sorted(shares.items())]), ctx)
-        result = clock.on("service", "close", book.close, JOB, 1)
-        assert len(result.aggregated) == len(ids) - len(dead)
-        clock.result = book.global_model(JOB)[2]
+        drive_secure_round(book, clock, spec, base, trained, ids, dead, job=JOB, mask=_masked, samples=SAMPLES)
     finally:
         book.stop()
     return clock
 
 
-def _masked(crypto: SecAggClient, session: Any, state: dict[str, np.ndarray], base: dict[str, np.ndarray],
-            spec: ModelSpec, scale: float, excluded: Any, rng: np.random.Generator) -> np.ndarray:
+def _masked(session: Any, worker: str, crypto: SecAggClient, vector: np.ndarray, excluded: Any) -> np.ndarray:
     """What a worker masks: its weighted update (plain), or its γ-scaled, rounded, noised gradient sum (DDP)."""
-    vector = weighted_vector(state, base, spec, scale)
     if session.ddp is None:
-        return np.ascontiguousarray(crypto.masked_input(vector, excluded), dtype=session.params.dtype)
+        return masked_update(session, worker, crypto, vector, excluded)
     ddp = session.ddp
+    rng = np.random.default_rng(int(worker[1:]))  # each worker's own noise (ids are w000, w001, …)
     levels = skellam.quantise(vector, scale=ddp.scale, rng=rng)  # stands in for the clipped gradient sum
     levels += skellam.noise_share(rng, size=levels.shape[0], variance=ddp.share_variance)
     ring = skellam.to_ring(levels, bits=ddp.bits)
-    return np.ascontiguousarray(crypto.masked_integers(ring, excluded, bits=ddp.bits), dtype=session.params.dtype)
+    return crypto.masked_integers(ring, excluded, bits=ddp.bits)
 
 
 def run(*, quick: bool) -> Section:

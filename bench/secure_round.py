@@ -28,12 +28,13 @@ import numpy as np
 
 from bench.harness import Goal, Section, Stat
 from fedbroker.aggregators.round_book import RoundBook
+from fedbroker.aggregators.secure_groups import GroupedSession
 from fedbroker.aggregators.service import AggregationServicer
 from fedbroker.job.spec import ModelSpec, parse_model
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.rpc import codec
 from fedbroker.secagg import PublicKeys, SecAggClient, sum_error_bound
-from fedbroker.secagg.secure_round import round_params, round_seed
+from fedbroker.secagg.secure_round import round_params
 from fedbroker.worker.secure_task import weighted_vector
 
 JOB = "bench-round"
@@ -128,67 +129,86 @@ def plain_round(spec: ModelSpec, base: dict[str, np.ndarray], trained: Callable[
     return clock
 
 
+Mask = Callable[[Any, str, SecAggClient, np.ndarray, Any], np.ndarray]
+
+
+def masked_update(session: Any, worker: str, client: SecAggClient, vector: np.ndarray, excluded: Any) -> np.ndarray:
+    """What a plain secure worker masks: its weighted update (clipped and quantised by the offset quantiser)."""
+    return client.masked_input(vector, excluded)
+
+
+def drive_secure_round(book: RoundBook, clock: Clock, spec: ModelSpec, base: dict[str, np.ndarray],
+                       trained: Callable[[str], dict[str, np.ndarray]], ids: list[str], dead: set[str], *,
+                       job: str, mask: Mask = masked_update, samples: int = 100) -> None:
+    """Every step of round 1 of `job` (already open in `book`, secure), timed by party and phase, then its close:
+    the servicer's Sec* methods for the service, each worker's `SecAggClient` steps (one thread plays them all),
+    the masked uploads through `receive_update`. Workers in `dead` drop after sharing keys. Each worker's round
+    parameters come from its session (a group's when the round is grouped); `mask` says what it masks of its
+    weighted update. The shared driver of sections 8, secure_groups and ddp_round, so they time the same steps."""
+    ctx, servicer = _Context(), AggregationServicer(book)
+    rnd = book.table.jobs[job].round
+    assert rnd is not None and rnd.secure is not None
+    secure = rnd.secure
+    rng = np.random.default_rng(7)
+
+    def wait(w: str) -> pb.SecWaitRequest:
+        return pb.SecWaitRequest(job_id=job, round=1, worker_id=w, wait_s=0.0)
+
+    crypto = {w: clock.on(w, "keys", SecAggClient, w, secure.of(w).params, secure.seed, rng) for w in ids}
+    for w in ids:
+        keys = clock.on(w, "keys", crypto[w].advertise)
+        ddp = secure.of(w).ddp
+        clock.on("service", "keys", servicer.SecAdvertise, pb.SecAdvertiseRequest(
+            job_id=job, round=1, worker_id=w, cipher_key=keys.c_pk, mask_key=keys.s_pk, num_samples=samples,
+            noise_variance=ddp.share_variance if ddp is not None else 0.0), ctx)
+    scales = {}
+    for w in ids:
+        roster = clock.on("service", "shares", servicer.SecRoster, wait(w), ctx)
+        assert roster.ready
+        scales[w] = roster.scale
+        peers = {p.worker_id: PublicKeys(c_pk=p.cipher_key, s_pk=p.mask_key) for p in roster.peers}
+        sealed = clock.on(w, "shares", crypto[w].share_keys, peers)
+        clock.on("service", "shares", servicer.SecShare, pb.SecShareRequest(
+            job_id=job, round=1, worker_id=w, ciphertexts=[pb.SecCiphertext(peer=p, data=d)
+                                                           for p, d in sorted(sealed.items())]), ctx)
+    for w in ids:  # each opens its inbox and reports (the last report fixes the exclusions)
+        box = clock.on("service", "mask", servicer.SecInbox, wait(w), ctx)
+        failed = clock.on(w, "mask", crypto[w].open_inbox, {c.peer: c.data for c in box.ciphertexts})
+        clock.on("service", "mask", servicer.SecVerify, pb.SecVerifyRequest(
+            job_id=job, round=1, worker_id=w, failed=[pb.SecComplaint(peer=p, reason=r) for p, r in failed.items()]),
+            ctx)
+    alive = [w for w in ids if w not in dead]
+    for w in alive:
+        verdict = clock.on("service", "mask", servicer.SecVerify, pb.SecVerifyRequest(job_id=job, round=1,
+                                                                                       worker_id=w), ctx)
+        assert verdict.ready
+        state = trained(w)
+        masked = clock.on(w, "mask", lambda: np.ascontiguousarray(mask(
+            secure.of(w), w, crypto[w], weighted_vector(state, base, spec, scales[w]), verdict.excluded),
+            dtype=crypto[w].params.dtype))
+        tensors = {"masked": masked}
+        header = pb.UpdateHeader(job_id=job, round=1, worker_id=w, num_samples=samples,
+                                 tensors=codec.tensor_specs(tensors), masked=True)
+        _upload(book, clock, w, header, tensors, "mask")
+    for session in secure.sessions if isinstance(secure, GroupedSession) else [secure]:
+        clock.on("service", "unmask", session.decide)  # the close's first step (see the module docstring)
+    for w in alive:
+        named = clock.on("service", "unmask", servicer.SecSurvivors, wait(w), ctx)
+        shares = clock.on(w, "unmask", crypto[w].unmask, list(named.survivors), list(named.dropped))
+        clock.on("service", "unmask", servicer.SecUnmask, pb.SecUnmaskRequest(
+            job_id=job, round=1, worker_id=w, shares=[pb.SecShareValue(peer=p, share=s)
+                                                      for p, s in sorted(shares.items())]), ctx)
+    result = clock.on("service", "close", book.close, job, 1)
+    assert len(result.aggregated) == len(alive)
+    clock.result = book.global_model(job)[2]
+
+
 def secure_round(spec: ModelSpec, base: dict[str, np.ndarray], trained: Callable[[str], dict[str, np.ndarray]],
                  ids: list[str], dead: set[str]) -> Clock:
-    book, clock, ctx = RoundBook(), Clock(), _Context()
-    servicer = AggregationServicer(book)
+    book, clock = RoundBook(), Clock()
     try:
-        version = _open(book, spec, base, ids, {"secure": True})
-        params, seed = round_params(len(ids)), round_seed(JOB, 1, version)
-        rng = np.random.default_rng(7)
-
-        def wait(w: str) -> pb.SecWaitRequest:
-            return pb.SecWaitRequest(job_id=JOB, round=1, worker_id=w, wait_s=0.0)
-
-        crypto = {w: clock.on(w, "keys", SecAggClient, w, params, seed, rng) for w in ids}
-        for w in ids:
-            keys = clock.on(w, "keys", crypto[w].advertise)
-            clock.on("service", "keys", servicer.SecAdvertise, pb.SecAdvertiseRequest(
-                job_id=JOB, round=1, worker_id=w, cipher_key=keys.c_pk, mask_key=keys.s_pk, num_samples=100), ctx)
-        scales = {}
-        for w in ids:
-            roster = clock.on("service", "shares", servicer.SecRoster, wait(w), ctx)
-            assert roster.ready
-            scales[w] = roster.scale
-            peers = {p.worker_id: PublicKeys(c_pk=p.cipher_key, s_pk=p.mask_key) for p in roster.peers}
-            sealed = clock.on(w, "shares", crypto[w].share_keys, peers)
-            clock.on("service", "shares", servicer.SecShare, pb.SecShareRequest(
-                job_id=JOB, round=1, worker_id=w, ciphertexts=[pb.SecCiphertext(peer=p, data=d)
-                                                               for p, d in sorted(sealed.items())]), ctx)
-        for w in ids:  # each opens its inbox and reports (the last report fixes the exclusions)
-            box = clock.on("service", "mask", servicer.SecInbox, wait(w), ctx)
-            failed = clock.on(w, "mask", crypto[w].open_inbox, {c.peer: c.data for c in box.ciphertexts})
-            clock.on("service", "mask", servicer.SecVerify, pb.SecVerifyRequest(
-                job_id=JOB, round=1, worker_id=w, failed=[pb.SecComplaint(peer=p, reason=r) for p, r in failed.items()]),
-                ctx)
-        for w in ids:
-            if w in dead:
-                continue
-            verdict = clock.on("service", "mask", servicer.SecVerify, pb.SecVerifyRequest(
-                job_id=JOB, round=1, worker_id=w), ctx)
-            assert verdict.ready
-            state = trained(w)
-            masked = clock.on(w, "mask", lambda: np.ascontiguousarray(crypto[w].masked_input(
-                weighted_vector(state, base, spec, scales[w]), verdict.excluded), dtype=params.dtype))
-            tensors = {"masked": masked}
-            header = pb.UpdateHeader(job_id=JOB, round=1, worker_id=w, num_samples=100,
-                                     tensors=codec.tensor_specs(tensors), masked=True)
-            _upload(book, clock, w, header, tensors, "mask")
-        rnd = book.table.jobs[JOB].round  # the close's first step, called here (see the module docstring)
-        assert rnd is not None and rnd.secure is not None
-        session = rnd.secure
-        clock.on("service", "unmask", session.decide)
-        for w in ids:
-            if w in dead:
-                continue
-            named = clock.on("service", "unmask", servicer.SecSurvivors, wait(w), ctx)
-            shares = clock.on(w, "unmask", crypto[w].unmask, list(named.survivors), list(named.dropped))
-            clock.on("service", "unmask", servicer.SecUnmask, pb.SecUnmaskRequest(
-                job_id=JOB, round=1, worker_id=w, shares=[pb.SecShareValue(peer=p, share=s)
-                                                          for p, s in sorted(shares.items())]), ctx)
-        result = clock.on("service", "close", book.close, JOB, 1)
-        assert len(result.aggregated) == len(ids) - len(dead)
-        clock.result = book.global_model(JOB)[2]
+        _open(book, spec, base, ids, {"secure": True})
+        drive_secure_round(book, clock, spec, base, trained, ids, dead, job=JOB)
     finally:
         book.stop()
     return clock

@@ -11,25 +11,12 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from fedbroker.bus import InProcessBus, envelope
-from fedbroker.coordinator.control import SenderBinding
 from fedbroker.coordinator.control_handler import ControlHandler
-from fedbroker.coordinator.events import JobWatcher
-from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets
 from fedbroker.coordinator.site_views import list_sites_reply
 from fedbroker.coordinator.store import StateStore
 from fedbroker.proto import fedbroker_pb2 as pb
-
-
-class FakeDelivery:
-    def __init__(self, body: bytes, sender: str | None) -> None:
-        self.body, self.sender, self.published_at, self.settled_as = body, sender, None, ""
-
-    def ack(self) -> None:
-        self.settled_as = "ack"
-
-    def nack(self, *, requeue: bool) -> None:
-        self.settled_as = "requeue" if requeue else "dead"
+from tests.coordinator.control_fakes import control_handler
+from tests.coordinator.control_fakes import send as send_control
 
 
 @pytest.fixture
@@ -40,15 +27,11 @@ def store(tmp_path: Path) -> Any:
 
 
 def handler(store: StateStore) -> ControlHandler:
-    return ControlHandler(bus=InProcessBus(namespace="ddp-site-test"), store=store, events=JobWatcher(None),  # type: ignore[arg-type]
-                          budgets=WorkerBudgets(), async_job=lambda job_id: None, bounds=EpsilonBounds(store),
-                          senders=SenderBinding({"site-a": ["a"]}))
+    return control_handler(store, {"site-a": ["a"]}, namespace="ddp-site-test")
 
 
 def send(h: ControlHandler, **message: Any) -> str:
-    delivery = FakeDelivery(envelope.encode(**message), "site-a")
-    h.on_control(delivery)  # type: ignore[arg-type]
-    return delivery.settled_as
+    return send_control(h, "site-a", **message).settled_as
 
 
 def registration(**policy: Any) -> pb.Registration:

@@ -9,8 +9,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,14 @@ class Deployment:
         reply = self.coordinator_status()
         return reply is not None and len(reply.workers) >= count
 
+    def listed(self, count: int) -> bool:
+        """Exactly `count` workers registered, as the coordinator's own Status and then `fedbroker status` show
+        them (False while the coordinator is still starting)."""
+        try:
+            return self.registered(count) and len(json.loads(self.cli("status", "--json"))["workers"]) == count
+        except AssertionError:  # the CLI found no coordinator yet
+            return False
+
     def job_ended(self, job_id: str) -> bool:
         """The job is completed, failed or cancelled (its own Status, not the CLI's)."""
         reply = self.coordinator_status(job_id)
@@ -133,6 +142,33 @@ class Deployment:
         for name in names or tuple(self.processes):
             process = self.processes[name]
             assert process.poll() is None, f"{name} exited with {process.returncode}\n{self.logs()}"
+
+    def wait_for(self, predicate: Callable[[], Any], timeout: float, what: str, *, watching: Sequence[str] = ()) -> Any:
+        """`predicate`'s first truthy value, polled every 0.3 s while the `watching` processes (all when none is
+        named) still run. A hang guard, not a deadline the test relies on: the predicate is a state, not a
+        timing; running out fails the test with every log."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            self.alive(*watching)
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.3)
+        raise AssertionError(f"timed out waiting for {what}\n{self.logs()}")
+
+    def ended_job(self, job_id: str) -> dict[str, Any] | None:
+        """`jobs show --json` of a job once it is completed, failed or cancelled (None before): the coordinator's
+        own Status first, so a wait loop starts no CLI process per poll."""
+        if not self.job_ended(job_id):
+            return None
+        doc: dict[str, Any] = json.loads(self.cli("jobs", "show", job_id, "--json"))
+        return doc if doc["status"] in FINISHED else None
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         if self._client is not None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -50,13 +49,7 @@ def test_the_catalogue_lstm_and_transformer_train_under_dp_and_their_downloads_l
                 "worker.heartbeat_s": 0.5, "worker.torch_threads": 1, "worker.dp.noise_multiplier": 1.0,
                 "worker.dp.max_grad_norm": 1.0, "worker.dp.epsilon_budget": 50})
 
-    def registered() -> bool:
-        try:
-            return d.registered(len(MODELS) * len(SITES)) and len(json.loads(d.cli("status", "--json"))["workers"]) == len(MODELS) * len(SITES)
-        except AssertionError:  # the coordinator is still starting
-            return False
-
-    wait_for(registered, 240, "the four sites to register", d)
+    wait_for(lambda: d.listed(len(MODELS) * len(SITES)), 240, "the four sites to register", d)
     ids = {}
     for model in MODELS:
         job = job_for(SETTINGS[model], sites=len(SITES))
@@ -68,14 +61,8 @@ def test_the_catalogue_lstm_and_transformer_train_under_dp_and_their_downloads_l
                                                            "text_transformer": 203_138}[model]
         ids[model] = submitted["job_id"]
 
-    def finished(job_id: str) -> dict[str, Any] | None:
-        if not d.job_ended(job_id):  # the coordinator's own Status first: no CLI process per poll
-            return None
-        doc: dict[str, Any] = json.loads(d.cli("jobs", "show", job_id, "--json"))
-        return doc if doc["status"] in ("completed", "failed", "cancelled") else None
-
     for model, job_id in ids.items():
-        doc = wait_for(lambda job_id=job_id: finished(job_id), 480, f"the {model} job to end", d)
+        doc = wait_for(lambda job_id=job_id: d.ended_job(job_id), 480, f"the {model} job to end", d)
         assert doc["status"] == "completed", doc.get("error")
         sent = [p for p in doc["participants"] if p["status"] == "aggregated"]
         assert len(sent) == len(SITES) and all(p["epsilon"] > 0 for p in sent)  # DP at every site

@@ -39,7 +39,10 @@ import pytest
 import yaml
 
 from fedbroker.app.cli import main
+from fedbroker.app.launch import client_security
+from fedbroker.config import load_config
 from fedbroker.coordinator.service import CoordinatorClient
+from fedbroker.job.status import FINISHED
 from fedbroker.rpc.aggregation_client import AggregatorClient
 from fedbroker.rpc.auth import ClientSecurity
 from fedbroker.rpc.plumbing import RemoteError
@@ -168,12 +171,21 @@ class Consortium:
         path = self.kits / "scientists/sci" / f"{name}.json"
         path.write_text(json.dumps(job(name, rounds=rounds, workers=workers)))
         job_id = self.scientist("submit", path.name)["job_id"]
+        config = load_config(str(self.kits / "scientists/sci/fedbroker.yaml"), environ={})
+        client = CoordinatorClient(config.coordinator.target, security=client_security(config), timeout_s=30)
 
         def ended() -> dict[str, Any] | None:
+            # the scientist's own Status through this process's client first: a CLI process per poll kept about
+            # one of the two cores importing the package while the sites trained; the CLI once the job has ended
+            if not any(job.status in FINISHED for job in client.status(job_id).jobs):
+                return None
             doc: dict[str, Any] = self.scientist("jobs", "show", job_id)
-            return doc if doc["status"] in ("completed", "failed", "cancelled") else None
+            return doc if doc["status"] in FINISHED else None
 
-        doc = self.until(ended, f"job {name} to end")
+        try:
+            doc = self.until(ended, f"job {name} to end")
+        finally:
+            client.close()
         assert doc["status"] == "completed", f"{doc.get('error')}\n{self.tail()}"
         assert len(doc["rounds"]) == rounds
         return doc

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import sqlite3
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -82,15 +81,8 @@ JOB = {
 
 
 def wait_for(predicate: Any, timeout: float, what: str, d: Deployment) -> Any:
-    """A hang guard, not a deadline the test relies on: the predicate is a state, not a timing."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        d.alive()
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}\n{d.logs()}")
+    """`d.wait_for` while every process runs."""
+    return d.wait_for(predicate, timeout, what)
 
 
 def test_three_sites_study_with_federated_evaluation_and_a_model_that_applies_to_raw_rows(deployment: Deployment):
@@ -103,13 +95,7 @@ def test_three_sites_study_with_federated_evaluation_and_a_model_that_applies_to
     for site in SITES:
         d.spawn(site, "worker", site_settings(d, site))
 
-    def registered() -> bool:
-        try:
-            return d.registered(len(SITES)) and len(json.loads(d.cli("status", "--json"))["workers"]) == len(SITES)
-        except AssertionError:  # the coordinator is still starting
-            return False
-
-    wait_for(registered, 180, "the three sites to register", d)
+    wait_for(lambda: d.listed(len(SITES)), 180, "the three sites to register", d)
     job_file = d.tmp / "job.json"
     job_file.write_text(json.dumps(JOB))
     job_id = json.loads(d.cli("submit", str(job_file), "--json"))["job_id"]

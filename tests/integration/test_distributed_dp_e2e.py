@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,23 +50,13 @@ JOB = {
 
 @pytest.fixture
 def deployment(private_rabbitmq: PrivateRabbitMQ, tmp_path: Path) -> Iterator[Deployment]:
-    d = Deployment(private_rabbitmq.url, tmp_path, name="ddp", worker_ids=WORKERS, users=private_rabbitmq)
-    try:
+    with Deployment(private_rabbitmq.url, tmp_path, name="ddp", worker_ids=WORKERS, users=private_rabbitmq) as d:
         yield d
-    finally:
-        d.close()
 
 
 def wait_for(predicate: Any, timeout: float, what: str, d: Deployment) -> Any:
-    """A hang guard, not a deadline the test relies on: the predicate is a state, not a timing."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        d.alive("aggregator", "coordinator")
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}\n{d.logs()}")
+    """`d.wait_for`, watching only the services: the test kills one of its workers."""
+    return d.wait_for(predicate, timeout, what, watching=("aggregator", "coordinator"))
 
 
 def worker_settings(d: Deployment, index: int, worker: str) -> dict[str, Any]:
@@ -105,21 +94,14 @@ def test_a_distributed_dp_round_closes_with_its_survivors_after_a_site_is_killed
     job_file = d.tmp / "job.json"
     job_file.write_text(json.dumps(JOB))
 
-    def submitted() -> str | None:  # the job waits for its four workers itself (schedule.min_workers)
-        try:
-            return str(json.loads(d.cli("submit", str(job_file), "--json"))["job_id"])
-        except AssertionError:  # the coordinator is still starting
-            return None
-
-    job_id = wait_for(submitted, 120, "the coordinator to take the job", d)
+    # this process's own Status until the coordinator answers (no CLI process per poll while six processes start);
+    # the job then waits for its four workers itself (schedule.min_workers)
+    wait_for(lambda: d.coordinator_status() is not None, 120, "the coordinator to answer", d)
+    job_id = str(json.loads(d.cli("submit", str(job_file), "--json"))["job_id"])
     # each `fedbroker` command is a process of its own: poll the spool (cheap) for the round's model, then ask once
     wait_for(lambda: (job_folder(spool, job_id) / "global-2.npz").exists(), 240, "the round to close", d)
 
-    def finished() -> dict[str, Any] | None:
-        doc: dict[str, Any] = json.loads(d.cli("jobs", "show", job_id, "--json"))
-        return doc if doc["status"] in ("completed", "failed", "cancelled") else None
-
-    doc = wait_for(finished, 240, "the distributed-DP job to end", d)
+    doc = wait_for(lambda: d.ended_job(job_id), 240, "the distributed-DP job to end", d)
     assert doc["status"] == "completed", f"{doc.get('error')}\n{d.logs()}"
     assert d.processes[KILLED].wait(30) == -signal.SIGKILL, d.logs()
     assert "exits after step 'masked'" in (d.tmp / f"{KILLED}.log").read_text()

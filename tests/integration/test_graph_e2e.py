@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -65,15 +64,8 @@ def deployment(rabbitmq_url: str, tmp_path: Path) -> Iterator[Deployment]:
 
 
 def wait_for(predicate: Any, timeout: float, what: str, d: Deployment) -> Any:
-    """A hang guard, not a deadline the test relies on: the predicate is a state, not a timing."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        d.alive()
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}\n{d.logs()}")
+    """`d.wait_for` while every process runs."""
+    return d.wait_for(predicate, timeout, what)
 
 
 def test_a_residual_graph_trains_under_dp_with_fedavg_through_real_processes(deployment: Deployment) -> None:
@@ -89,13 +81,7 @@ def test_a_residual_graph_trains_under_dp_with_fedavg_through_real_processes(dep
             "worker.dp.max_grad_norm": 1.0, "worker.dp.epsilon_budget": 50,
             "worker.limits.max_parameters": 100_000, "worker.limits.max_flops": 10**8})
 
-    def registered() -> bool:
-        try:
-            return d.registered(len(SITES)) and len(json.loads(d.cli("status", "--json"))["workers"]) == len(SITES)
-        except AssertionError:  # the coordinator is still starting
-            return False
-
-    wait_for(registered, 180, "both sites to register", d)
+    wait_for(lambda: d.listed(len(SITES)), 180, "both sites to register", d)
     job_file = d.tmp / "job.json"
     job_file.write_text(json.dumps(RESIDUAL_JOB))
     submitted = json.loads(d.cli("submit", str(job_file), "--json"))
@@ -104,13 +90,7 @@ def test_a_residual_graph_trains_under_dp_with_fedavg_through_real_processes(dep
     assert submitted["model_bounds"]["parameters"] == sum(
         int(torch.Size(s).numel()) for s in parameter_shapes(spec).values())
 
-    def finished() -> dict[str, Any] | None:
-        if not d.job_ended(job_id):  # the coordinator's own Status first: no CLI process per poll
-            return None
-        doc: dict[str, Any] = json.loads(d.cli("jobs", "show", job_id, "--json"))
-        return doc if doc["status"] in ("completed", "failed", "cancelled") else None
-
-    doc = wait_for(finished, 480, "the job to end", d)
+    doc = wait_for(lambda: d.ended_job(job_id), 480, "the job to end", d)
     assert doc["status"] == "completed", doc.get("error")
     assert len(doc["rounds"]) == 2 and all(r["aggregated"] == len(SITES) for r in doc["rounds"])
     sent = [p for p in doc["participants"] if p["status"] == "aggregated"]

@@ -67,26 +67,14 @@ def federation(d: Deployment, folder: Path) -> None:
         d.spawn(site, "worker", {"worker.heartbeat_s": 1.0}, cwd=d.tmp,
                 args=("--config", str(folder.relative_to(d.tmp) / f"worker-{site}.yaml")))
 
-    def registered() -> bool:
-        try:
-            return d.registered(len(SITES)) and len(json.loads(d.cli("status", "--json"))["workers"]) == len(SITES)
-        except AssertionError:  # the coordinator is still starting
-            return False
-
-    wait_for(registered, 240, "the three sites to register", d)
+    wait_for(lambda: d.listed(len(SITES)), 240, "the three sites to register", d)
 
 
 def submit_and_follow(d: Deployment, job_file: Path) -> tuple[str, dict[str, Any]]:
     """README step 4: submit, follow the events to the end, then the job as `jobs show` gives it."""
     job_id = json.loads(d.cli("submit", str(job_file.relative_to(d.tmp)), "--json", cwd=d.tmp))["job_id"]
 
-    def finished() -> dict[str, Any] | None:
-        if not d.job_ended(job_id):  # the coordinator's own Status first: no CLI process per poll
-            return None
-        doc: dict[str, Any] = json.loads(d.cli("jobs", "show", job_id, "--json"))
-        return doc if doc["status"] in ("completed", "failed", "cancelled") else None
-
-    doc = wait_for(finished, 480, "the job to end", d)
+    doc = wait_for(lambda: d.ended_job(job_id), 480, "the job to end", d)
     assert doc["status"] == "completed", f"{doc.get('error')}\n{d.logs()}"
     charged = {p["worker_id"]: p["epsilon"] for p in doc["participants"] if p["status"] == "aggregated"}
     assert sorted(charged) == list(SITES) and all(0 < e <= 10 for e in charged.values()), doc["participants"]

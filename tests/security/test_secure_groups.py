@@ -19,7 +19,6 @@ import pytest
 
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.secure_groups import GroupedSession
-from fedbroker.aggregators.service import serve
 from fedbroker.errors import UploadRejected
 from fedbroker.job.spec import parameter_shapes, parse_model
 from fedbroker.job.submission import accept_job
@@ -29,6 +28,7 @@ from fedbroker.secagg import sum_error_bound
 from fedbroker.secagg.groups import group_of, group_params, group_sizes, split
 from fedbroker.secagg.secure_round import round_params, round_seed
 from fedbroker.worker.secure_task import SecureRun, SecureStepFailed
+from tests.security.secure_service import secure_service
 
 MODEL = {"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 3}]}
 SPEC = parse_model(MODEL)
@@ -109,15 +109,8 @@ def test_a_round_of_fewer_than_three_groups_refuses_every_step_by_name():
 
 @pytest.fixture
 def service(tmp_path: Path) -> Iterator[tuple[RoundBook, AggregatorClient]]:
-    book = RoundBook(spool_dir=tmp_path / "spool", secure_unmask_s=20.0)
-    server, port = serve(book)
-    client = AggregatorClient(f"127.0.0.1:{port}")
-    try:
-        yield book, client
-    finally:
-        client.close()
-        server.stop(grace=0)
-        book.stop()
+    with secure_service(tmp_path, unmask_s=20.0) as running:
+        yield running
 
 
 def base_state() -> dict[str, np.ndarray]:

@@ -187,16 +187,10 @@ def layout_size(spec: ModelSpec) -> int:
 
 
 def round_for(*, participants: int, distributed: DistributedDP, dim: int, records: int) -> skellam.DDPRound:
-    """The round's settings, as the service derives them: its `secure_round.ddp_round_params` where it has one (the
-    service side's), else the same choice from `skellam.choose`. Both ends check the other's ring bits."""
-    shared = getattr(secure_round, "ddp_round_params", None)
-    if shared is not None:
-        out: skellam.DDPRound = shared(participants=participants, distributed=distributed, dimension=dim,
-                                       records=records)
-        return out
-    return skellam.choose(clip=distributed.clip, noise_multiplier=distributed.noise_multiplier,
-                          quorum=distributed.quorum, n_max=participants, dim=dim,
-                          sample_rate=distributed.sample_rate, max_records=records)
+    """The round's settings, as the service derives them (`secure_round.ddp_round_params`, shared by both ends).
+    Both ends check the other's ring bits."""
+    return secure_round.ddp_round_params(participants=participants, distributed=distributed, dimension=dim,
+                                         records=records)
 
 
 def step_for(job_id: str, installed: InstalledJob, *, policy: DPPolicy | None,
