@@ -12,6 +12,7 @@ to disk; on the cluster, by a majority of the nodes).
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -20,26 +21,49 @@ from typing import Any
 from bench.harness import Goal, Section, Stat, repeat
 
 BODY = b"t" * 256  # a RoundTask envelope's order of size
+DEFAULT_URL = os.environ.get("FEDBROKER_BENCH_AMQP_URL",
+                             os.environ.get("FEDBROKER_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"))
 GOAL_RATIO = 0.5
 
 
-def _rate(url: str, queue_type: str, count: int, repeats: int) -> tuple[Stat, float]:
-    """(seconds per round of `count` tasks, seconds to declare the `count` worker queues) on one broker."""
+def _rate(url: str, queue_type: str, count: int, repeats: int, *, clean_up: bool = False) -> tuple[Stat, float]:
+    """(seconds per round of `count` tasks, seconds to declare the `count` worker queues) on one broker;
+    `clean_up`: delete the namespace's queues afterwards (a broker the benchmark did not start)."""
     from fedbroker.bus import AmqpBus
+    from fedbroker.bus.amqp_topology import delete_topology
 
     ids = [f"w{i:04d}" for i in range(count)]
-    with AmqpBus(url, namespace=f"bench{time.time_ns() % 10**9}", queue_type=queue_type,
-                 publish_timeout_s=300) as bus:
-        started = time.perf_counter()
-        for wid in ids:
-            bus.declare_worker(wid)
-        declared = time.perf_counter() - started
-        tasks = [(wid, BODY) for wid in ids]
+    namespace = f"bench{time.time_ns() % 10**9}"
+    try:
+        with AmqpBus(url, namespace=namespace, queue_type=queue_type, publish_timeout_s=300) as bus:
+            started = time.perf_counter()
+            for wid in ids:
+                bus.declare_worker(wid)
+            declared = time.perf_counter() - started
+            tasks = [(wid, BODY) for wid in ids]
 
-        def round_() -> None:
-            assert bus.publish_tasks(tasks) == []
+            def round_() -> None:
+                assert bus.publish_tasks(tasks) == []
 
-        return Stat.of(repeat(round_, repeats=repeats, warmup=1), "s"), declared
+            return Stat.of(repeat(round_, repeats=repeats, warmup=1), "s"), declared
+    finally:
+        if clean_up:
+            delete_topology(url, namespace, ids)
+
+
+def _quick(section: Section, started: float) -> Section:
+    """`--quick`: no private brokers (four node starts cost about a minute and a half): the machine's broker,
+    one node, classic against quorum queues, 100 tasks, its queues deleted afterwards. It checks the
+    benchmark's path, not the cluster's rate, which `make bench` measures."""
+    url = DEFAULT_URL
+    for where, queue_type in (("machine's node, classic queues (quick)", "classic"),
+                              ("machine's node, quorum queues (quick: no cluster)", "quorum")):
+        stat, declared = _rate(url, queue_type, 100, 1, clean_up=True)
+        section.rows.append({"broker": where, "N tasks": 100, "round (s)": stat,
+                             "tasks / s": stat.inverse(100, "tasks/s"), "declaring N queues (s)": round(declared, 2)})
+    section.notes.append("quick run: one node, no cluster; `make bench` starts the three-node cluster")
+    section.seconds = time.perf_counter() - started
+    return section
 
 
 def _brokers(root: Path) -> tuple[Any, Any]:
@@ -64,6 +88,8 @@ def run(*, quick: bool) -> Section:
         f"Seconds to publish a round of N persistent tasks ({len(BODY)} bytes each) with `AmqpBus.publish_tasks`, "
         "until the broker has taken all of them; private brokers on loopback, started by the benchmark.",
     )
+    if quick:
+        return _quick(section, started)
     with tempfile.TemporaryDirectory(prefix="bench-broker-") as folder:
         try:
             single, cluster = _brokers(Path(folder))
