@@ -30,6 +30,9 @@ UNMASK_WAIT_S = 60.0       # after the survivors are named: how long the close w
 LONG_POLL_S = 20.0         # the longest the service holds one waiting call (the worker asks again)
 WAITING_CALLS = 16         # waiting calls the service holds at once; beyond, it answers "not yet" at once
 REPOLL_S = (0.2, 1.0)      # a worker's pause before asking again after "not yet" (uniform, jittered)
+# What a service that took a secure round over (restarted on its spool, or a replica after the owner died) says
+# of it; the coordinator re-opens such a round (coordinator/secure_reopen.py) instead of failing the job.
+ROUND_LOST = "its keys and masked sum were held only in memory"
 
 
 def round_params(n: int) -> SecAggParams:

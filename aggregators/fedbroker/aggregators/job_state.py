@@ -328,6 +328,8 @@ class Job:
             raise NotFound(f"round {number} of job {self.job_id!r} is not open")
         if rnd.closed:
             raise Conflict(f"round {number} of job {self.job_id!r} is already closed")
+        if rnd.secure is not None and rnd.secure.failed is not None:  # why (a lost round: the coordinator re-opens)
+            raise UploadRejected(Rejection.SECURE_PROTOCOL, rnd.secure.failed)
         if not rnd.accepted:
             raise Conflict(f"round {number} of job {self.job_id!r} cannot close with no accepted update")
         rnd.phase = Phase.CLOSING

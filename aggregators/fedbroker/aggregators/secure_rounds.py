@@ -163,6 +163,8 @@ class SecureRounds:
             raise UploadRejected(Rejection.BAD_HEADER, f"round {header.round} of job {header.job_id!r} is not a "
                                                        f"secure round: it takes no masked upload")
         session = secure.of(header.worker_id)
+        if session.failed is not None:  # a lost round says so (not that the upload has the wrong shape)
+            raise refused(session.failed)
         if not header.masked:
             raise UploadRejected(Rejection.BAD_HEADER, f"{session.where} takes only masked uploads (the worker "
                                                        f"must run the secure protocol)")

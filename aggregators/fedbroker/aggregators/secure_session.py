@@ -49,6 +49,7 @@ from fedbroker.secagg import (
 )
 from fedbroker.secagg.secure_round import (
     LONG_POLL_S,
+    ROUND_LOST,
     UNMASK_WAIT_S,
     ddp_secagg_params,
     phase_deadlines,
@@ -119,8 +120,7 @@ class SecureSession:
         session = cls(job_id=job_id, round_number=round_number, version=0, participants=participants, length=length,
                       opened=0.0, deadline=0.0, clock=lambda: 0.0, n=max(len(participants), 2))
         session.failed = (f"the aggregation service restarted during {session.where} (or its replica died and "
-                          f"another took the job over): its keys and masked sum were held only in memory, so the "
-                          f"round cannot be unmasked")
+                          f"another took the job over): {ROUND_LOST}, so the round cannot be unmasked")
         session._ended("lost")
         return session
 

@@ -54,7 +54,7 @@ def after_round(ctx: JobContext, run: Run, number: int, version: int, participan
     """Ask the job's sites to score `version`, the global model round (async: version row) `number` made,
     when `evaluation.every` says so; returns once the tasks are published (never waits for a score)."""
     job, job_id = run.job, run.job_id
-    if not due(job.evaluation, number, job.training.rounds):
+    if not due(job.evaluation, number, run.last_round):
         return
     if job.evaluation.sites == "category":
         sites = [w.worker_id for w in ctx.active_workers(job.category)]

@@ -60,6 +60,12 @@ class Run:
     settings: pb.JobSettings = field(init=False)   # the job's settings as installed (built once per run)
     digest: str = field(init=False)
     settings_sent: set[str] = field(default_factory=set)  # workers whose task carried them (this process)
+    reopened: int = 0   # lost secure rounds abandoned and opened again (secure_reopen.py): the last round moves on
+
+    @property
+    def last_round(self) -> int:
+        """The number of the job's last round: `training.rounds`, plus one per round opened again."""
+        return self.job.training.rounds + self.reopened
 
     def __post_init__(self) -> None:
         self.settings = settings_message(self.job_id, self.job,

@@ -156,6 +156,19 @@ class RoundTables(StoreAccess):
 
         self._write(f"record round {round_number} of job {job_id!r} as failed", write)
 
+    def abandon_round(self, job_id: str, round_number: int, seconds: float, *, why: str) -> None:
+        """Record a round given up for another (a secure round the aggregation service lost: secure_reopen.py):
+        no version came of it, and its participants still counted on are marked failed with `why`, keeping the
+        ε their rows hold, so a worker's later report of what it trained lands on its row (`record_outcome`)."""
+        def write(conn: Connection) -> None:
+            conn.execute(update(p).where(p.c.job_id == job_id, p.c.round == round_number,
+                                         p.c.status.in_(["published", "uploaded"])).values(status="failed", reason=why))
+            conn.execute(update(r_).where(r_.c.job_id == job_id, r_.c.round == round_number)
+                         .values(status="abandoned", seconds=seconds, closed=time.time()))
+            write_event(conn, job_id, "round_abandoned", round_number=round_number, message=why)
+
+        self._write(f"record round {round_number} of job {job_id!r} as abandoned", write)
+
     def rounds(self, job_id: str | None = None) -> list[RoundRecord]:
         """A job's rounds (every job's, by job), oldest first."""
         query = select(r_).order_by(r_.c.job_id, r_.c.round)

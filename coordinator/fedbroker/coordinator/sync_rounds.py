@@ -19,12 +19,13 @@ import grpc
 
 from fedbroker.bus import envelope
 from fedbroker.close_report import SelectionRecord, Verdict, judged, names_json, to_json
-from fedbroker.coordinator import federated, metrics
+from fedbroker.coordinator import federated, metrics, secure_reopen
 from fedbroker.coordinator.checkpoints import save_checkpoint
 from fedbroker.coordinator.job_context import JobContext
 from fedbroker.coordinator.job_run import JobFailed, OpenRound, Run, Stopped
 from fedbroker.coordinator.participants import sample_participants
 from fedbroker.coordinator.records import RoundRecord
+from fedbroker.coordinator.secure_reopen import RoundLost
 from fedbroker.coordinator.store_site_dp import account_round
 from fedbroker.coordinator.waiting import unaffordable
 from fedbroker.errors import BusError, Rejection
@@ -56,20 +57,29 @@ class SyncRounds:
         self._call("install the job", lambda: self.ctx.aggregator.install_job(run.settings))
         self._call("install the global model",
                    lambda: self.ctx.aggregator.put_global(job_id, run.version, run.spec_json, run.tensors))
-        for round_number in range(first_round, run.job.training.rounds + 1):
+        run.reopened = secure_reopen.reopened(self.ctx.store, job_id)  # after our restart too
+        round_number = first_round
+        while round_number <= run.last_round:
             if self.ctx.stop.is_set():
                 raise Stopped
             self.ctx.halt_if_cancelled()
+            row = self.ctx.store.round(job_id, round_number)
+            if row is not None and row.status == RoundStatus.ABANDONED:  # counted in run.reopened: never reused
+                round_number += 1
+                continue
             if round_number > 1 and federated.stopped_early(self.ctx, run):  # evaluation.patience
                 break
             try:
                 self._round(round_number)
             except Stopped:
                 raise
+            except RoundLost as lost:
+                self._reopen(lost)
             except Exception:
                 metrics.ROUNDS_FAILED.labels(job_id).inc()
                 metrics.ROUND_OPEN.labels(job_id).set(0)
                 raise
+            round_number += 1
         federated.await_last(self.ctx, run)  # the final federated score is in before the job completes
 
     # ----- one round -----
@@ -93,7 +103,8 @@ class SyncRounds:
                 raise Stopped  # the round stays open in the store: a restarted coordinator resumes it
             self.ctx.halt_if_cancelled()
             self._count_stragglers(rnd, accepted)
-            if len(accepted) < self._fewest(rnd):
+            lost = self._lost_hint(rnd, accepted)  # then the close's answer says whether the service lost it
+            if len(accepted) < self._fewest(rnd) and not lost:
                 self._fail_round(rnd, accepted)
             # Idempotent at the service: a retry after a lost reply gets the same result back.
             try:
@@ -102,6 +113,10 @@ class SyncRounds:
             except RemoteError as exc:
                 if exc.reason != Rejection.SECURE_PROTOCOL:
                     raise
+                if secure_reopen.is_lost(str(exc)):
+                    raise RoundLost(rnd, str(exc)) from None
+                if len(accepted) < self._fewest(rnd):  # a hint that was not a loss: the short round fails as ever
+                    self._fail_round(rnd, accepted)
                 self._fail_secure_round(rnd, str(exc))
         self._finish_round(rnd, reply)
 
@@ -130,6 +145,29 @@ class SyncRounds:
         self._abandon(rnd)
         self.ctx.store.fail_round(self.run.job_id, rnd.number, time.time() - rnd.started, why=why)
         raise JobFailed(f"round {rnd.number}: {why}")
+
+    def _lost_hint(self, rnd: OpenRound, accepted: list[str], *, reports: bool = True) -> bool:
+        """A secure round the service may have lost (secure_reopen.lost_hint); never a plain round."""
+        return self.run.job.aggregation.secure and secure_reopen.lost_hint(
+            self.ctx.store, self.run.job_id, rnd.number, accepted, reports=reports)
+
+    def _reopen(self, lost: RoundLost) -> None:
+        """The service lost the secure round: abandon it there and here (its participants' reported ε kept),
+        and let the loop open the next round number from the same global version; past the bound the job
+        fails naming the cause (secure_reopen.py)."""
+        run, rnd = self.run, lost.round
+        metrics.ROUND_OPEN.labels(run.job_id).set(0)
+        if run.reopened >= secure_reopen.MAX_SECURE_REOPENS:
+            metrics.ROUNDS_FAILED.labels(run.job_id).inc()
+            self._fail_secure_round(rnd, secure_reopen.exhausted(rnd, lost.why, run.reopened))
+        self._abandon(rnd)
+        self.ctx.store.abandon_round(run.job_id, rnd.number, time.time() - rnd.started,
+                                     why=f"{lost.why}; re-opened as round {rnd.number + 1} from version {run.version}")
+        run.reopened += 1
+        run.round = None
+        log.warning("round %d of %s was lost at the aggregation service; re-opening it as round %d (%d of at most "
+                    "%d re-opens)", rnd.number, run.job_id, rnd.number + 1, run.reopened,
+                    secure_reopen.MAX_SECURE_REOPENS)
 
     def _abandon(self, rnd: OpenRound) -> None:
         """Drop a failed round at the service (never closed: no version comes of it); its secure session then
@@ -290,7 +328,7 @@ class SyncRounds:
             accepted, _ = self._call(f"status of round {round_number}",
                                      lambda: self.ctx.aggregator.status(job_id, round_number))
             self.ctx.store.set_uploaded(job_id, round_number, accepted)
-            if len(accepted) >= quorum:
+            if len(accepted) >= quorum or self._lost_hint(rnd, accepted, reports=False):
                 break
             answered = self._answered(round_number)
             if len(set(accepted) | answered) >= len(rnd.participants) or time.time() >= rnd.deadline:
@@ -361,7 +399,7 @@ class SyncRounds:
         try:  # a notification: the store is the truth, so a broker outage must not fail the job here
             self.ctx.bus.publish_event(envelope.encode(round_completed=pb.RoundCompleted(
                 job_id=job_id, round=round_number, model_version=new_version, aggregated=len(reply.aggregated),
-                accuracy=accuracy or 0.0, loss=loss or 0.0, final=round_number == run.job.training.rounds,
+                accuracy=accuracy or 0.0, loss=loss or 0.0, final=round_number == run.last_round,
                 seconds=seconds,
             )))
         except BusError as exc:
