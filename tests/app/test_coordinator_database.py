@@ -32,7 +32,8 @@ def test_a_coordinator_configured_with_a_database_url_file_keeps_its_state_there
             "listen": "127.0.0.1:0", "state_dir": "state", "database_url_file": "database-url"}}))
         config = load_config(str(config_file), environ={})
         process = start_coordinator(config, bus=InProcessBus(namespace="database-url-test"))
-        try:
+        try:  # on a shared database it serves as a standby until it has taken the lease `coordinator`
+            assert process.election is not None and process.election.leadership.leading.wait(60)
             client = CoordinatorClient(f"127.0.0.1:{process.port}", timeout_s=30)
             job_id = client.submit(json.dumps(JOB))
             client.close()

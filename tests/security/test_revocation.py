@@ -116,7 +116,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     try:
         probe = found.client("coordinator")
         try:
-            wait_for(lambda: _ready(probe._channel) or process.poll() is not None, "the service to serve", log)
+            wait_for(lambda: _ready(probe._replicas.current().channel) or process.poll() is not None, "the service to serve", log)
         finally:
             probe.close()
         assert process.poll() is None, log.read_text(errors="replace")
