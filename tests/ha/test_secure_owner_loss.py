@@ -25,8 +25,8 @@ from fedbroker.ha.lease import Lease
 from fedbroker.secagg.secure_round import ROUND_LOST
 from fedbroker.worker.ledger import PrivacyLedger
 from tests.faults.harness import job, wait_for
+from tests.ha.replicas import killed_at_the_end, start_replicas
 from tests.integration.processes import Deployment
-from tests.rabbitmq_node import free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -36,34 +36,13 @@ LEASE_TTL_S = 3.0
 
 @pytest.fixture
 def deployment(rabbitmq_url: str, tmp_path: Path) -> Iterator[Deployment]:
-    d = Deployment(rabbitmq_url, tmp_path, name="secureloss", worker_ids=WORKERS)
-    try:
+    with killed_at_the_end(rabbitmq_url, tmp_path, name="secureloss", workers=WORKERS) as d:
         yield d
-    finally:  # a chaos case: every process ends as its replica did (kill -9)
-        for process in d.processes.values():
-            if process.poll() is None:
-                process.kill()
-        d.close()
 
 
 def start(d: Deployment) -> dict[str, str]:
-    """Both replicas, the coordinator and three held workers; the replicas' names by advertised address."""
-    replicas = {name: f"127.0.0.1:{port}" for name, port in zip(("agg-a", "agg-b"), free_ports(2))}
-    targets = ",".join(replicas.values())
-    shared = {"aggregator.spool_dir": d.tmp / "spool", "aggregator.database_url": f"sqlite:///{d.tmp / 'leases.sqlite'}",
-              "aggregator.lease_ttl_s": LEASE_TTL_S, "aggregator.targets": targets}
-    for name, address in replicas.items():
-        d.spawn(name, "aggregator", {**shared, "aggregator.listen": address, "aggregator.advertise": address})
-    d.spawn("coordinator", "coordinator", {"coordinator.listen": d.coordinator, "coordinator.state_dir": d.tmp / "state",
-                                           "aggregator.targets": targets, "coordinator.safety_poll_s": 0.5})
-    for index, worker in enumerate(WORKERS):
-        d.spawn(worker, "worker", {
-            "worker.id": worker, "worker.partition.num_clients": len(WORKERS), "worker.partition.client_index": index,
-            "worker.device": "cpu", "worker.torch_threads": 1, "worker.ledger_path": d.tmp / f"{worker}-ledger.json",
-            "worker.heartbeat_s": 1, "worker.dp.enabled": "true", "worker.dp.epsilon_budget": 100,
-        }, entry=("-m", "tests.ha.held_worker"), extra_env={
-            "FEDBROKER_TEST_HOLD_RELEASE": str(d.tmp / "release"), "FEDBROKER_TEST_HOLD_ROUND": "1"})
-    return {address: name for name, address in replicas.items()}
+    """Both replicas, the coordinator and the workers; the replicas' names by advertised address."""
+    return start_replicas(d, WORKERS, held=WORKERS, lease_ttl_s=LEASE_TTL_S)
 
 
 def test_a_secure_round_lost_with_its_owner_is_reopened_and_the_job_completes(deployment: Deployment) -> None:
