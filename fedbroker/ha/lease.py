@@ -22,9 +22,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from sqlalchemy import BigInteger, Column, Engine, Float, MetaData, String, Table, select, update
+from sqlalchemy import BigInteger, Column, Engine, Float, MetaData, String, Table, inspect, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.schema import CreateTable
 
 from fedbroker.errors import Unavailable
 
@@ -38,6 +39,19 @@ LEASES = Table(
     Column("term", BigInteger, nullable=False),
     Column("expires", Float, nullable=False),
 )
+
+
+def ensure_leases_table(engine: Engine) -> None:
+    """Create the `leases` table where it is missing (the coordinator's migrations create it too). Several
+    processes starting at once on one database may all try: `IF NOT EXISTS` settles it on SQLite, and on
+    PostgreSQL the loser of a concurrent create fails on the catalogue, so a failure with the table present is
+    somebody else's success."""
+    try:
+        with engine.begin() as conn:
+            conn.execute(CreateTable(LEASES, if_not_exists=True))
+    except SQLAlchemyError:
+        if not inspect(engine).has_table(LEASES.name):
+            raise
 
 
 class LeaseLost(Unavailable):

@@ -3,12 +3,13 @@ is refused — on SQLite and on PostgreSQL (a database created and dropped on th
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import Engine, create_engine
 
-from fedbroker.ha.lease import METADATA, Lease, LeaseLost
+from fedbroker.ha.lease import METADATA, Lease, LeaseLost, ensure_leases_table
 from tests.postgres_node import scratch_database
 
 
@@ -66,3 +67,36 @@ def test_a_write_fenced_by_a_lost_lease_is_refused_and_a_release_lets_the_succes
         first.fence(conn)
     second.release()
     assert first.acquire() and first.term == 3           # released: no need to wait the ttl out
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_replicas_starting_at_once_on_an_empty_database_all_find_the_leases_table(backend: str,
+                                                                                   tmp_path: object) -> None:
+    """Two aggregation replicas started together once raced to create the table, and the loser exited with
+    'table leases already exists'; now every contender comes up, whoever created it."""
+    def contend(url: str) -> list[BaseException]:
+        engines = [create_engine(url) for _ in range(6)]
+        start, failures = threading.Barrier(len(engines)), []
+
+        def one(engine: Engine) -> None:
+            start.wait()
+            try:
+                ensure_leases_table(engine)
+                assert Lease(engine, "job:j", f"h{id(engine)}").holder_now() is None
+            except BaseException as exc:  # collected and reported below
+                failures.append(exc)
+
+        threads = [threading.Thread(target=one, args=(e,)) for e in engines]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for e in engines:
+            e.dispose()
+        return failures
+
+    if backend == "sqlite":
+        assert contend(f"sqlite:///{tmp_path}/empty.sqlite") == []
+    else:
+        with scratch_database() as url:
+            assert contend(url) == []

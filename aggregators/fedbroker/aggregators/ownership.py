@@ -22,12 +22,12 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 
-from sqlalchemy import Engine, create_engine, inspect, make_url
+from sqlalchemy import Engine, create_engine, make_url
 from sqlalchemy.exc import SQLAlchemyError
 
 from fedbroker.aggregators import metrics
 from fedbroker.errors import Unavailable, UnknownJob
-from fedbroker.ha.lease import METADATA, Lease, LeaseKeeper, LeaseLost
+from fedbroker.ha.lease import Lease, LeaseKeeper, LeaseLost, ensure_leases_table
 from fedbroker.rpc.replicas import NOT_OWNER, OWNER_KEY
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,7 @@ def lease_engine(database_url: str) -> Engine:
     if url.drivername == "postgresql":
         url = url.set(drivername="postgresql+psycopg")
     engine = create_engine(url, pool_pre_ping=True)
-    if not inspect(engine).has_table("leases"):
-        METADATA.create_all(engine)
+    ensure_leases_table(engine)
     return engine
 
 

@@ -32,7 +32,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from fedbroker.coordinator import metrics
-from fedbroker.ha.lease import LEASES, Lease, LeaseKeeper, LeaseLost
+from fedbroker.ha.lease import Lease, LeaseKeeper, LeaseLost, ensure_leases_table
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class Leadership:
                  on_lost: Callable[[str], None] = exit_now, clock: Callable[[], float] = time.time) -> None:
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= 3600:
             raise ValueError(f"coordinator.lease_ttl_s must be seconds in (0, 3600], got {ttl_s!r}")
-        LEASES.create(engine, checkfirst=True)  # where the store's migrations have not made it yet
+        ensure_leases_table(engine)  # where the store's migrations have not made it yet
         bound_lock_waits(engine, ttl_s=float(ttl_s))
         self.lease = Lease(engine, LEASE_NAME, holder_name(advertise), ttl_s=float(ttl_s), clock=clock)
         self.on_lost = on_lost
