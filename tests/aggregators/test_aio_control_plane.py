@@ -8,45 +8,26 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedbroker.aggregators.presence import EARLY, Early, HeartbeatPacing, Pacer
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import SERVICE_NAME, serve
-from fedbroker.job.spec import parse_model
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc.aggregation_client import AggregatorClient
 from fedbroker.rpc.auth import ClientSecurity
 from fedbroker.rpc.callguard import CallLimits
+from tests.aggregators.small_service import SPEC, reason_of, silent, wait_for, weights
 from tests.installed import install
 from tests.security.conftest import token_table
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-SPEC = parse_model({"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 2}]})
-
-
-def weights(value: float) -> dict[str, np.ndarray]:
-    return {"0.weight": np.full((2, 4), value, np.float32), "0.bias": np.full(2, value, np.float32)}
-
-
-def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out after {timeout:g}s waiting for {what}"
-        time.sleep(0.02)
-    return value
-
-
-def reason_of(error: grpc.RpcError) -> str | None:
-    return dict(error.trailing_metadata() or ()).get("fedbroker-reason")
 
 
 class FakeClock:
@@ -167,12 +148,6 @@ def test_a_forged_worker_id_is_refused_and_never_becomes_present(secured):
         beat(channel, "not-a-token", "w1")
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert beat(channel, tokens["w2"], "w2").workers_present == 1   # only w2 itself
-
-
-def silent(release: threading.Event) -> Iterator[pb.UpdateChunk]:
-    release.wait()
-    return
-    yield  # pragma: no cover
 
 
 def test_a_slow_loris_stream_is_ended_while_heartbeats_go_on(secured):

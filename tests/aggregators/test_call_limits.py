@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -25,25 +24,13 @@ from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc.aggregation_client import AggregatorClient
 from fedbroker.rpc.auth import ClientSecurity
 from fedbroker.rpc.callguard import CallLimits
+from tests.aggregators.small_service import SPEC, reason_of, silent, wait_for, weights
 from tests.installed import install
 from tests.security.conftest import token_table
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-SPEC = parse_model({"input_shape": [4], "layers": [{"type": "Linear", "in_features": 4, "out_features": 2}]})
 IDLE_S = 2.0
-
-
-def weights(value: float) -> dict[str, np.ndarray]:
-    return {"0.weight": np.full((2, 4), value, np.float32), "0.bias": np.full(2, value, np.float32)}
-
-
-def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out after {timeout:g}s waiting for {what}"
-        time.sleep(0.02)
-    return value
 
 
 def streams_open() -> float:
@@ -57,10 +44,6 @@ def refused(method: str, reason: str) -> float:
 
 def uploads_rejected(reason: str) -> float:
     return REGISTRY.get_sample_value("fedbroker_aggregator_uploads_rejected_total", {"reason": reason}) or 0.0
-
-
-def reason_of(error: grpc.RpcError) -> str | None:
-    return dict(error.trailing_metadata() or ()).get("fedbroker-reason")
 
 
 @pytest.fixture
@@ -83,13 +66,6 @@ def service():
         client.close()
     channel.close()
     server.stop(grace=0)
-
-
-def silent(release: threading.Event) -> Iterator[pb.UpdateChunk]:
-    """An upload that sends nothing until the test ends."""
-    release.wait()
-    return
-    yield  # pragma: no cover
 
 
 def test_one_workers_silent_streams_cannot_starve_health_checks_control_calls_or_other_workers(service):
