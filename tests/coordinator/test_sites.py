@@ -11,19 +11,18 @@ from typing import Any
 import pytest
 from sqlalchemy import update
 
-from fedbroker.bus import Delivery, InProcessBus, envelope
+from fedbroker.bus import Delivery, InProcessBus
 from fedbroker.config import DPPolicy
 from fedbroker.coordinator import metrics, tables
 from fedbroker.coordinator.control import SenderBinding
 from fedbroker.coordinator.control_handler import ControlHandler
-from fedbroker.coordinator.events import JobWatcher
-from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets
 from fedbroker.coordinator.site_views import list_sites_reply, site_detail_reply, site_logs_reply
 from fedbroker.coordinator.sites import SiteWatch, TokenBuckets, note_revoked
 from fedbroker.coordinator.store import StateStore
 from fedbroker.coordinator.store_sites import KEEP_EVENTS, KEEP_LOGS, MAX_LOG_CHARS
 from fedbroker.errors import NotFound
 from fedbroker.proto import fedbroker_pb2 as pb
+from tests.coordinator.control_fakes import FakeDelivery, control_handler, send
 
 DP = DPPolicy(enabled=True, noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, epsilon_budget=8.0)
 
@@ -123,27 +122,8 @@ def test_a_sites_logs_are_bounded_cut_and_stripped_of_control_characters(any_sto
 
 # ----- the control handler ----------------------------------------------------------------------------------------
 
-class FakeDelivery:
-    def __init__(self, body: bytes, sender: str | None) -> None:
-        self.body, self.sender, self.published_at, self.settled_as = body, sender, None, ""
-
-    def ack(self) -> None:
-        self.settled_as = "ack"
-
-    def nack(self, *, requeue: bool) -> None:
-        self.settled_as = "requeue" if requeue else "dead"
-
-
 def handler(store: StateStore, users: dict[str, list[str]]) -> ControlHandler:
-    return ControlHandler(bus=InProcessBus(namespace="sites-test"), store=store, events=JobWatcher(None),  # type: ignore[arg-type]
-                          budgets=WorkerBudgets(), async_job=lambda job_id: None, bounds=EpsilonBounds(store),
-                          senders=SenderBinding(users))
-
-
-def send(h: ControlHandler, sender: str | None, **message: Any) -> FakeDelivery:
-    delivery = FakeDelivery(envelope.encode(**message), sender)
-    h.on_control(delivery)  # type: ignore[arg-type]
-    return delivery
+    return control_handler(store, users, namespace="sites-test")
 
 
 def registration(worker_id: str, **fields: Any) -> pb.Registration:
@@ -269,4 +249,5 @@ def test_per_site_metrics_are_exported_only_for_the_provisioned_sites(store: Sta
 
 def test_delivery_is_what_the_handler_is_given() -> None:
     """FakeDelivery stands in for the bus's Delivery: the attributes the handler reads exist on the real one."""
-    assert {"body", "sender", "published_at"} <= set(Delivery.__slots__)
+    read = {"body", "sender", "published_at"}
+    assert read <= set(Delivery.__slots__) and read <= set(vars(FakeDelivery(b"", None)))

@@ -26,17 +26,14 @@ from google.protobuf.message import Message
 
 from fedbroker.aggregators.round_book import RoundBook
 from fedbroker.aggregators.service import PERMISSIONS, serve
-from fedbroker.bus import InProcessBus, envelope
-from fedbroker.coordinator.control import INVALID_REASONS, MAX_REASON_CHARS, SenderBinding
-from fedbroker.coordinator.control_handler import ControlHandler
-from fedbroker.coordinator.events import JobWatcher
-from fedbroker.coordinator.participants import EpsilonBounds, WorkerBudgets
+from fedbroker.coordinator.control import INVALID_REASONS, MAX_REASON_CHARS
 from fedbroker.coordinator.store import StateStore
 from fedbroker.printable import printable
 from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc.auth import ROLE_WORKER
 from fedbroker.rpc.plumbing import MAX_DETAILS_CHARS
+from tests.coordinator.control_fakes import control_handler, send
 
 FORGED = "x\n2026-01-01 00:00:00,000 CRITICAL fedbroker.coordinator: FORGED\r\x1b[2J\x1b]0;owned\x07\u202e\b"
 BUS_TEXT = FORGED + "A" * 1_000_000
@@ -126,29 +123,14 @@ def test_a_forged_string_in_a_control_message_is_logged_and_stored_bounded_and_p
     db = tmp_path / "coordinator.sqlite"
     store = StateStore(str(db))
     try:
-        handler = ControlHandler(bus=InProcessBus(namespace="strings"), store=store,  # type: ignore[arg-type]
-                                 events=JobWatcher(None), budgets=WorkerBudgets(), async_job=lambda job_id: None,
-                                 bounds=EpsilonBounds(store), senders=SenderBinding({"site-a": ["a"]}))
-
-        class Delivery:
-            sender, published_at = "site-a", None
-
-            def __init__(self, body: bytes) -> None:
-                self.body = body
-
-            def ack(self) -> None:
-                pass
-
-            def nack(self, *, requeue: bool) -> None:
-                pass
-
-        handler.on_control(Delivery(envelope.encode(registration=VALID["registration"])))  # type: ignore[arg-type]
+        handler = control_handler(store, {"site-a": ["a"]}, namespace="strings")
+        assert send(handler, "site-a", registration=VALID["registration"]).settled_as == "ack"
         store.add_job("j-1", "j", "{}", 1, "{}")
         store.open_round("j-1", 1, ["a"])
         caplog.clear()
         with caplog.at_level(logging.DEBUG):
             forged = with_text(VALID[kind], path, BUS_TEXT)
-            handler.on_control(Delivery(envelope.encode(**{kind: forged})))  # type: ignore[arg-type]
+            send(handler, "site-a", **{kind: forged})
         assert caplog.records, "the handler logged nothing: the walk would not see a forged line"
         for record in caplog.records:
             assert clean(record.getMessage()), f"logged: {record.getMessage()[:300]!r}"
