@@ -28,6 +28,7 @@ from fedbroker.secagg import sum_error_bound
 from fedbroker.secagg.secure_round import round_params
 from fedbroker.worker.secure_task import SecureRun, SecureStepFailed, weighted_vector
 from tests.security.conftest import token_table
+from tests.security.secure_service import secure_service
 
 MODEL = {"input_shape": [6], "layers": [{"type": "Linear", "in_features": 6, "out_features": 5}, {"type": "ReLU"},
                                         {"type": "Linear", "in_features": 5, "out_features": 3}]}
@@ -74,15 +75,8 @@ def trained_state(worker: str, base: dict[str, np.ndarray]) -> dict[str, np.ndar
 
 @pytest.fixture
 def service(tmp_path: Path) -> Iterator[tuple[RoundBook, AggregatorClient]]:
-    book = RoundBook(spool_dir=tmp_path / "spool", secure_unmask_s=30.0)
-    server, port = serve(book)
-    client = AggregatorClient(f"127.0.0.1:{port}")
-    try:
-        yield book, client
-    finally:
-        client.close()
-        server.stop(grace=0)
-        book.stop()
+    with secure_service(tmp_path, unmask_s=30.0) as running:
+        yield running
 
 
 def open_secure_round(book: RoundBook, base: dict[str, np.ndarray], *, timeout_s: float = 600.0) -> pb.RoundTask:
