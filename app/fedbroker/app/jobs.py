@@ -22,7 +22,7 @@ from fedbroker.app.evaluation_view import best, site_table
 from fedbroker.app.model_readme import data_section, input_section, output_section
 from fedbroker.app.replies import job_status, participant_status, read
 from fedbroker.app.round_notes import event_words
-from fedbroker.app.status import one_line, render, table
+from fedbroker.app.status import one_line, render, round_progress, table
 from fedbroker.errors import ConfigError
 from fedbroker.files import write_atomic
 from fedbroker.job.alignment_plan import alignment_plan
@@ -98,12 +98,13 @@ def _when(unix: float) -> str:
 def cmd_list(args: argparse.Namespace) -> int:
     """`jobs list`: every job the coordinator holds, one row each."""
     with client(args) as c:
-        jobs = list(c.status("").jobs)
+        reply = c.status("")
+    jobs = list(reply.jobs)
     if args.json:
         print(json.dumps([as_dict(j) for j in jobs], indent=2))
     else:
         print(table(["job", "name", "status", "rounds", "submitter", "submitted (UTC)", "waiting", "error"],
-                    [[j.job_id, j.name, j.status, f"{j.rounds_done}/{j.rounds_total}", j.submitter or "-",
+                    [[j.job_id, j.name, j.status, round_progress(j, reply.rounds), j.submitter or "-",
                       _when(j.created_unix), j.waiting or "-", one_line(j.error)] for j in jobs]))
     return 0
 
@@ -133,7 +134,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     facts = [("job", job.job_id), ("name", job.name), ("status", job.status), ("category", job.category),
-             ("mode", job.mode or "sync"), ("rounds", f"{job.rounds_done}/{job.rounds_total}"),
+             ("mode", job.mode or "sync"), ("rounds", round_progress(job, status.rounds)),
              ("submitter", job.submitter or "-"), ("submitted", _when(job.created_unix) + " UTC"),
              ("updated", _when(job.updated_unix) + " UTC"), *settings(spec), *layerwise_rounds(spec)]
     if secure_n:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from fedbroker.app.replies import participant_status, round_status
@@ -26,6 +26,21 @@ def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 def one_line(text: str) -> str:
     """An error in full on one table row (never cut: the end of an error is often its reason)."""
     return " ".join(text.split())
+
+
+def round_progress(job: Any, rounds: Iterable[Any]) -> str:
+    """A job's rounds as `completed/configured`, and the rounds given up on the way. A lost secure round is
+    abandoned and opened again under the next number (coordinator/secure_reopen.py), so the job row's
+    `rounds_done`, the number of its last closed round, runs past `rounds_total` ("2/1"): each abandoned round
+    below it is not a completed one. An abandoned round with a later one was re-opened; the last one abandoned
+    was not (a cancelled job's open round). An asynchronous job counts versions the same way."""
+    numbers = {r.round: round_status(r) for r in rounds if r.job_id == job.job_id}
+    abandoned = sorted(n for n, s in numbers.items() if s is RoundStatus.ABANDONED)
+    completed = job.rounds_done - sum(n < job.rounds_done for n in abandoned)
+    reopened = sum(n < max(numbers, default=0) for n in abandoned)
+    notes = [f"{reopened} abandoned and re-opened"] if reopened else []
+    notes += [f"{len(abandoned) - reopened} abandoned"] if len(abandoned) > reopened else []
+    return f"{completed}/{job.rounds_total}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def evaluated_jobs(status: Any) -> set[str]:
@@ -64,7 +79,7 @@ def render(status: Any, *, workers: bool = True, waiting: bool = True) -> str:
     asynchronous = {j.job_id for j in status.jobs if j.mode == "async"}
     evaluated = evaluated_jobs(status)
     parts = ["JOBS", table(["job", "status", "mode", "rounds/versions", "error"],
-                           [[j.job_id, j.status, j.mode or "sync", f"{j.rounds_done}/{j.rounds_total}", one_line(j.error)]
+                           [[j.job_id, j.status, j.mode or "sync", round_progress(j, status.rounds), one_line(j.error)]
                             for j in status.jobs])]
     if waiting and any(j.waiting for j in status.jobs):
         parts += ["", "WAITING", table(["job", "why"], [[j.job_id, j.waiting] for j in status.jobs if j.waiting])]

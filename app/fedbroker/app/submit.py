@@ -21,6 +21,7 @@ import grpc
 
 from fedbroker.app import tracking
 from fedbroker.app.replies import job_status
+from fedbroker.app.status import round_progress
 from fedbroker.errors import ConfigError, FedbrokerError
 from fedbroker.job.status import JobStatus
 
@@ -119,14 +120,16 @@ def _stay(c: Any, job_id: str, *, as_json: bool, quiet: bool, tracker: tracking.
             pass
     else:
         print_events(c, job_id, as_json=as_json, follow=True)
-    (job,) = c.status(job_id).jobs
+    reply = c.status(job_id)
+    (job,) = reply.jobs
+    progress = round_progress(job, reply.rounds)
     if as_json:
         print(json.dumps({"job_id": job_id, "status": job.status, "rounds_done": job.rounds_done,
                           "rounds_total": job.rounds_total, "error": job.error}), flush=True)
     elif quiet:
-        print(f"job {job_id} {job.status} ({job.rounds_done}/{job.rounds_total})", flush=True)
+        print(f"job {job_id} {job.status} ({progress})", flush=True)
     if job_status(job) is not JobStatus.COMPLETED:
-        raise JobDidNotComplete(f"job {job_id} {job.status} after {job.rounds_done}/{job.rounds_total}: "
+        raise JobDidNotComplete(f"job {job_id} {job.status} after {progress}: "
                                 f"{job.error or 'no error recorded'}")
     return 0
 

@@ -31,6 +31,7 @@ from urllib.parse import quote
 import numpy as np
 
 from fedbroker.app.replies import job_status, participant_status, round_status
+from fedbroker.app.status import round_progress
 from fedbroker.errors import ConfigError, FedbrokerError
 from fedbroker.job.status import REFUSED_OR_FAILED, SENT, JobStatus, RoundStatus
 
@@ -489,15 +490,16 @@ def cmd_track(args: argparse.Namespace) -> int:
             (job,) = c.status(args.job_id).jobs
             tracker = JobTracker.open(args.uri or None, job=job, experiment=args.experiment)
             logged = track(c, tracker, follow=args.follow)
-            (job,) = c.status(args.job_id).jobs
+            reply = c.status(args.job_id)
         except KeyboardInterrupt:
             return 130
+    (job,) = reply.jobs
     steps = max((max(s) for s in tracker.logged.values() if s), default=0)
     if args.json:
         print(json.dumps({"job_id": job.job_id, "status": job.status, "run_id": tracker.run_id,
                           "tracking_uri": tracker.uri, "logged": logged, "last_step": steps}))
     else:
-        print(f"job {job.job_id} ({job.status}, {job.rounds_done}/{job.rounds_total}): {logged} new point(s), "
+        print(f"job {job.job_id} ({job.status}, {round_progress(job, reply.rounds)}): {logged} new point(s), "
               f"{'versions' if job.mode == 'async' else 'rounds'} up to {steps} in MLflow run {tracker.run_id} "
               f"at {tracker.uri}")
     return 0
