@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from collections import Counter
 from typing import Any
 
@@ -22,8 +21,7 @@ from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc.aggregation_client import AggregatorClient
 from fedbroker.rpc.auth import ClientSecurity
 from fedbroker.rpc.callguard import CallLimits
-from tests.aggregators.small_service import SPEC, reason_of, silent, wait_for, weights
-from tests.installed import install
+from tests.aggregators.small_service import open_round_one, reason_of, silent, wait_for, weights
 from tests.security.conftest import token_table
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -76,9 +74,7 @@ def test_a_blocking_close_does_not_stall_other_calls():
     client = AggregatorClient(target, timeout_s=10)
     channel = grpc.insecure_channel(target)
     try:
-        client.put_global("job", 1, SPEC.to_json(), weights(0.0))
-        install(client, "job", {"alignment": "none", "weighting": "fedavg", "selection": "all"})
-        client.open_round("job", 1, ["w1", "w2"], time.time() + 600, seed=0)
+        open_round_one(client)
         client.upload(job_id="job", round=1, worker_id="w1", num_samples=3, tensors=weights(1.0))
         closing = pb_grpc.AggregationStub(channel).CloseRound.future(pb.CloseRoundRequest(job_id="job", round=1),
                                                                      timeout=60)
@@ -157,9 +153,7 @@ def test_a_slow_loris_stream_is_ended_while_heartbeats_go_on(secured):
     coordinator = AggregatorClient(target, timeout_s=10, security=ClientSecurity(token=tokens["coordinator"]))
     release = threading.Event()
     try:
-        coordinator.put_global("job", 1, SPEC.to_json(), weights(0.0))
-        install(coordinator, "job", {"alignment": "none", "weighting": "fedavg", "selection": "all"})
-        coordinator.open_round("job", 1, ["w1", "w2"], time.time() + 600, seed=0)
+        open_round_one(coordinator)
         loris = pb_grpc.AggregationStub(channel).UploadUpdate.future(
             silent(release), metadata=(("authorization", f"Bearer {tokens['w1']}"),), timeout=60)
         assert beat(channel, tokens["w2"], "w2").next_in_ms > 0

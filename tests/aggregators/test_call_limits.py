@@ -24,8 +24,7 @@ from fedbroker.proto import fedbroker_pb2_grpc as pb_grpc
 from fedbroker.rpc.aggregation_client import AggregatorClient
 from fedbroker.rpc.auth import ClientSecurity
 from fedbroker.rpc.callguard import CallLimits
-from tests.aggregators.small_service import SPEC, reason_of, silent, wait_for, weights
-from tests.installed import install
+from tests.aggregators.small_service import open_round_one, reason_of, silent, wait_for, weights
 from tests.security.conftest import token_table
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -56,9 +55,7 @@ def service():
     channel = grpc.insecure_channel(target)
     clients = {name: AggregatorClient(target, timeout_s=10, security=ClientSecurity(token=token))
                for name, token in tokens.items()}
-    clients["coordinator"].put_global("job", 1, SPEC.to_json(), weights(0.0))
-    install(clients["coordinator"], "job", {"alignment": "none", "weighting": "fedavg", "selection": "all"})
-    clients["coordinator"].open_round("job", 1, ["w1", "w2"], time.time() + 600, seed=0)
+    open_round_one(clients["coordinator"])
     release = threading.Event()
     yield {"tokens": tokens, "clients": clients, "channel": channel, "release": release, "target": target}
     release.set()
@@ -168,9 +165,7 @@ def test_the_coordinators_event_stream_takes_no_transfer_slot_from_the_workers()
     server, port = serve(book, limits=CallLimits(threads=6, health_threads=1, max_streams=1, max_streams_per_worker=1))
     client = AggregatorClient(f"127.0.0.1:{port}", timeout_s=10)
     try:
-        client.put_global("job", 1, SPEC.to_json(), weights(0.0))
-        install(client, "job", {"alignment": "none", "weighting": "fedavg", "selection": "all"})
-        client.open_round("job", 1, ["w1"], time.time() + 600, seed=0)
+        open_round_one(client, ("w1",))
         events = client.watch()
         first = next(events)  # the stream is open, holding its thread
         assert [j.job_id for j in first.jobs] == ["job"]
@@ -196,9 +191,7 @@ def test_a_busy_refusal_tells_each_caller_when_to_come_back_and_the_client_waits
     coordinator = AggregatorClient(target, timeout_s=10, security=ClientSecurity(token=tokens["coordinator"]))
     release = threading.Event()
     try:
-        coordinator.put_global("job", 1, SPEC.to_json(), weights(0.0))
-        install(coordinator, "job", {"alignment": "none", "weighting": "fedavg", "selection": "all"})
-        coordinator.open_round("job", 1, ["w1", "w2"], time.time() + 600, seed=0)
+        open_round_one(coordinator)
         stub = pb_grpc.AggregationStub(channel)
         w1 = (("authorization", f"Bearer {tokens['w1']}"),)
         # a transfer that lasts 1.5 s: what the service expects the next ones to take
