@@ -81,7 +81,7 @@ def service(tmp_path: Path) -> Iterator[tuple[RoundBook, AggregatorClient]]:
 
 def open_secure_round(book: RoundBook, base: dict[str, np.ndarray], *, timeout_s: float = 600.0) -> pb.RoundTask:
     book.put_global(JOB, 1, SPEC_JSON, base)
-    deadline = time.time() + timeout_s
+    deadline = time.time() + timeout_s  # after storing the version: on a loaded machine that alone may take a while
     book.open_round(JOB, ROUND, WORKERS, deadline, {"secure": True}, seed=3, num_samples=SAMPLES)
     return pb.RoundTask(job_id=JOB, round=ROUND, model_version=1, deadline_unix=deadline, participants=len(WORKERS),
                         aggregation_json=json.dumps({"secure": True}))
@@ -291,7 +291,9 @@ def test_a_restarted_service_fails_the_secure_round_by_name(tmp_path: Path):
 
 def test_a_roster_that_is_not_fixed_by_the_deadline_fails_the_worker_step(service):
     book, client = service
-    task = open_secure_round(book, global_state(), timeout_s=1.0)  # roster by 0.25 s, inboxes by 0.5 s
+    # roster by 1.5 s: w1's advertise must land before it, or it is refused as late instead (a 0.25 s margin
+    # was once missed on a loaded machine)
+    task = open_secure_round(book, global_state(), timeout_s=6.0)
     run = SecureRun(worker_id="w1", task=task, num_samples=SAMPLES["w1"], ish=None)
     before, refused_before = secure_counts(), refusals("SecRoster", Rejection.SECURE_PROTOCOL)
     with pytest.raises((SecureStepFailed, RemoteError)):  # alone on the roster: below the threshold
