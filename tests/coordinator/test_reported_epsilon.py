@@ -8,12 +8,19 @@ own record (`site_jobs`: the SiteRecord call). Each test runs on SQLite and on a
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 
 from fedbroker.config import DPPolicy
+from fedbroker.coordinator.participants import EpsilonBounds
 from fedbroker.coordinator.store import StateStore
+from fedbroker.job.spec import TrainingConfig
 from fedbroker.job.status import JobStatus, ParticipantStatus
+from fedbroker.proto import fedbroker_pb2 as pb
 from fedbroker.secagg.secure_round import ROUND_LOST
+from tests.coordinator.control_fakes import control_handler, send
 
 JOB = "secure-job"
 SITES = ["s1", "s2", "s3"]
@@ -119,3 +126,31 @@ def test_a_report_for_a_round_the_site_was_not_in_is_refused_and_changes_nothing
     assert not store.record_outcome(JOB, 2, "s1", ParticipantStatus.FAILED, "never asked", epsilon=SPENT)
     assert store.recorded_epsilon("outsider") == 0.0 and store.recorded_epsilon("s1") == 0.0
     assert [p.worker_id for p in store.participants(JOB)] == SITES
+
+
+def test_through_the_control_queue_a_report_lands_at_once_and_a_forged_or_inflated_one_changes_nothing(
+        tmp_path: Path) -> None:
+    """The whole path of a report (the sender binding, the bound on what a job's tasks were priced at, the
+    store) while the round's masked uploads are counted and before the coordinator abandons it."""
+    store = StateStore(str(tmp_path / "c.sqlite"))
+    a_round_with_every_upload_counted(store)
+    bounds = EpsilonBounds(store)
+    bounds.note_tasks(JOB, SITES, time.time() + 60, TrainingConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1))
+    priced = bounds.limit("s1", JOB)
+    assert priced > 0
+    handler = control_handler(store, {site: [site] for site in [*SITES, "outsider"]})
+
+    def outcome(sender: str, worker: str, epsilon: float, round_number: int = 1) -> str:
+        return send(handler, sender, task_outcome=pb.TaskOutcome(
+            job_id=JOB, round=round_number, worker_id=worker, status=pb.TaskOutcome.FAILED,
+            reason=f"{LOST} (trained first)", epsilon=epsilon)).settled_as
+
+    assert outcome("s1", "s1", priced * 0.8) == "ack"
+    assert store.recorded_epsilon("s1") == pytest.approx(priced * 0.8)  # on the record at once, still `uploaded`
+    assert outcome("s2", "s2", priced * 100) == "ack"  # above what its tasks were priced at: refused, not stored
+    assert outcome("s3", "s2", priced * 0.5) == "dead"  # another site's broker user: dead-lettered
+    assert outcome("s3", "s3", priced * 0.5, round_number=2) == "ack"  # a round it was never asked in: ignored
+    assert store.recorded_epsilon("s2") == 0.0 and store.recorded_epsilon("s3") == 0.0
+    store.abandon_round(JOB, 1, 1.0, why=LOST)
+    assert store.recorded_epsilon("s1") == pytest.approx(priced * 0.8)
+    store.close()
