@@ -34,7 +34,7 @@ def a_round_with_every_upload_counted(store: StateStore, *, plain: bool = False)
     masked upload was accepted before the replica owning the round died (or a plain round about to fail)."""
     for site in SITES:
         store.upsert_worker(worker_id=site, categories=["digits"], histogram=[1, 2], dp=POLICY, epsilon_spent=0.0,
-                            device="cpu", num_samples=10)
+                            device="cpu", num_samples=500)
     store.add_job(JOB, "plain" if plain else "secure", "{}", 2, "{}")
     store.set_job_status(JOB, JobStatus.RUNNING)
     store.open_round(JOB, 1, SITES)
@@ -120,7 +120,7 @@ def test_a_report_for_a_round_the_site_was_not_in_is_refused_and_changes_nothing
     store = any_store
     a_round_with_every_upload_counted(store)
     store.upsert_worker(worker_id="outsider", categories=["digits"], histogram=[1, 2], dp=POLICY, epsilon_spent=0.0,
-                        device="cpu", num_samples=10)
+                        device="cpu", num_samples=500)
     store.abandon_round(JOB, 1, 1.0, why=LOST)
     assert not report(store, "outsider")
     assert not store.record_outcome(JOB, 2, "s1", ParticipantStatus.FAILED, "never asked", epsilon=SPENT)
