@@ -108,3 +108,12 @@ def test_the_job_fails_naming_the_cause_once_its_reopens_are_spent(federation: F
     assert row.status == "failed"
     assert ROUND_LOST in row.error and "MAX_SECURE_REOPENS 0" in row.error
     assert [(r.round, r.status) for r in federation.store.rounds(job_id)] == [(1, RoundStatus.FAILED)]
+    # no later round closes, so the ε of round 1's trainings reaches the record by the workers' reports alone
+    def on_record(worker: str) -> bool:  # the ledger as the worker last wrote it, beside what the store recorded
+        ledger = PrivacyLedger(str(federation.tmp / f"{worker}-ledger.json"), worker_id=worker)
+        spent = ledger.epsilon(job_id)
+        return spent > 0 and federation.store.recorded_epsilon(worker) == pytest.approx(ledger.total_epsilon(),
+                                                                                        rel=1e-9)
+
+    for worker in WORKERS:
+        wait_for(lambda w=worker: on_record(w), 60, f"{worker}'s reported ε on the record")

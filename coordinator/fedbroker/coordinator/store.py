@@ -44,7 +44,7 @@ from fedbroker.coordinator.state_dir import StateDirLock, database_of, mark_data
 from fedbroker.coordinator.store_epsilon import EpsilonTables, priced
 from fedbroker.coordinator.store_evaluation import EvaluationTables
 from fedbroker.coordinator.store_notes import JobNotes, write_event
-from fedbroker.coordinator.store_rounds import RoundTables
+from fedbroker.coordinator.store_rounds import Discarded, RoundTables, keep_discarded
 from fedbroker.coordinator.store_schema import upgrade
 from fedbroker.coordinator.store_shares import ShareTables
 from fedbroker.coordinator.store_site_dp import SiteDPTables
@@ -286,7 +286,7 @@ class StateStore(RoundTables, EpsilonTables, JobNotes, ShareTables, EvaluationTa
         return self._write(f"record a cancel of job {job_id!r}", write)
 
     def cancel_job(self, job_id: str, *, by: str, round_number: int | None = None,
-                   discarded: Iterable[tuple[str, int, float, float]] = ()) -> bool:
+                   discarded: Discarded = ()) -> bool:
         """Record a cancelled job in one transaction: its open round (if any) abandoned, never closed; the
         uploads the aggregation service discarded kept with the ε their workers spent on them; the
         participants that had not uploaded marked cancelled. Only a job that has not ended: a cancel that
@@ -301,10 +301,7 @@ class StateStore(RoundTables, EpsilonTables, JobNotes, ShareTables, EvaluationTa
                 return False
             if round_number is not None:
                 this_round = (p.c.job_id == job_id, p.c.round == round_number)
-                for worker_id, num_samples, epsilon, train_loss in discarded:
-                    conn.execute(update(p).where(*this_round, p.c.worker_id == worker_id).values(
-                        status="discarded", reason=f"uploaded, then discarded unaggregated: the job was {why}",
-                        epsilon=epsilon, train_loss=train_loss, num_samples=num_samples))
+                keep_discarded(conn, job_id, round_number, discarded, why=f"the job was {why}")
                 conn.execute(update(p).where(*this_round, p.c.status.in_(["published", "uploaded"]))
                              .values(status="cancelled", reason=f"the job was {why}"))
                 conn.execute(update(t.rounds).where(t.rounds.c.job_id == job_id, t.rounds.c.round == round_number,

@@ -13,16 +13,33 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Row, bindparam, select, update
+from sqlalchemy import Row, bindparam, case, func, select, update
 from sqlalchemy.engine import Connection
 
 from fedbroker.coordinator.records import ParticipantRecord, RoundRecord
 from fedbroker.coordinator.store_notes import StoreAccess, write_event, write_events
-from fedbroker.coordinator.store_sql import replace
+from fedbroker.coordinator.store_sql import greatest, replace
 from fedbroker.coordinator.tables import jobs, participants, rounds
 from fedbroker.job.status import ParticipantStatus, RoundStatus
 
 p, r_ = participants, rounds
+# A participant's row still counted on to answer: a worker's report sets its status.
+_ANSWERABLE = ("published", "failed", "missed")
+# What the aggregation service dropped unaggregated (AbandonRound): (worker id, samples, ε, training loss).
+Discarded = Iterable[tuple[str, int, float, float]]
+
+
+def keep_discarded(conn: Connection, job_id: str, round_number: int, discarded: Discarded, *, why: str) -> None:
+    """The uploads the service dropped unaggregated (a failed, abandoned or cancelled round's), each kept on its
+    participant's row with the ε its worker spent on it, in the transaction that ends the round: its ε is on
+    the record whether or not any later round closes. A row's ε only grows (a report may have put it there)."""
+    rows = [dict(w=w, n=n, e=e, l=loss) for w, n, e, loss in discarded]
+    if rows:
+        conn.execute(update(p).where(p.c.job_id == job_id, p.c.round == round_number, p.c.worker_id == bindparam("w"),
+                                     p.c.status != "aggregated")
+                     .values(status="discarded", reason=f"uploaded, then discarded unaggregated: {why}",
+                             epsilon=greatest(func.coalesce(p.c.epsilon, 0.0), bindparam("e")),
+                             train_loss=bindparam("l"), num_samples=bindparam("n")), rows)
 
 
 class RoundTables(StoreAccess):
@@ -80,23 +97,31 @@ class RoundTables(StoreAccess):
     def record_outcome(self, job_id: str, round_number: int, worker_id: str, status: ParticipantStatus, reason: str, *,
                        epsilon: float = 0.0) -> bool:
         """A refusal or failure reported by a worker; False when (job, round, worker) was never asked.
-        `epsilon` > 0: the worker trained before it failed (its upload refused), so the ε is spent and kept,
-        also for a participant of a cancelled job's abandoned round (it was still training at the cancel)."""
+        `epsilon` > 0: the worker trained before it failed (its upload refused), so the ε is spent and kept at
+        once, whatever the row says and whatever comes next: a row still counted on takes the report's status, a
+        row whose part is settled (its upload counted, discarded or aggregated, or its round cancelled or
+        abandoned) keeps its status and takes the ε. A row's ε only grows (a job's ε on a site is cumulative),
+        so a later, lower report never takes back what an earlier word put on the record."""
         spent = epsilon if epsilon > 0 else None
         this = (p.c.job_id == job_id, p.c.round == round_number, p.c.worker_id == worker_id)
 
         def write(conn: Connection) -> bool:
-            changed = conn.execute(  # a straggler may explain itself late
-                update(p).where(*this, p.c.status.in_(["published", "failed", "missed"]))
-                .values(status=str(status), reason=reason,
-                        epsilon=p.c.epsilon if spent is None else spent)).rowcount > 0
-            if not changed and spent is not None:
-                changed = conn.execute(
-                    update(p).where(*this, p.c.status == "cancelled", p.c.epsilon.is_(None))
-                    .values(epsilon=spent, reason=p.c.reason + "; " + reason)).rowcount > 0
-            if changed:
-                write_event(conn, job_id, status, round_number=round_number, worker_id=worker_id, message=reason)
-            return changed
+            was = conn.execute(select(p.c.status).where(*this)).scalar()
+            if was is None:
+                return False
+            values: dict[str, Any]
+            if was in _ANSWERABLE:  # a straggler may explain itself late
+                values = dict(status=str(status), reason=reason)
+            elif spent is None:
+                return False  # its part is settled and the report carries no ε to keep
+            else:  # its reason is added once, when the row first takes an ε (a report cannot grow it unbounded)
+                values = dict(reason=case((p.c.reason == "", reason), (p.c.epsilon.is_(None), p.c.reason + "; " + reason),
+                                          else_=p.c.reason))
+            if spent is not None:
+                values["epsilon"] = greatest(func.coalesce(p.c.epsilon, 0.0), spent)
+            conn.execute(update(p).where(*this).values(**values))
+            write_event(conn, job_id, status, round_number=round_number, worker_id=worker_id, message=reason)
+            return True
 
         return self._write(f"record the outcome of worker {worker_id!r} in round {round_number} of job {job_id!r}",
                            write)
@@ -123,7 +148,8 @@ class RoundTables(StoreAccess):
 
         def write(conn: Connection) -> None:
             if updates:
-                conn.execute(update(p).where(*one).values(status=bindparam("s"), epsilon=bindparam("e"),
+                conn.execute(update(p).where(*one).values(status=bindparam("s"),
+                                                          epsilon=greatest(func.coalesce(p.c.epsilon, 0.0), bindparam("e")),
                                                           train_loss=bindparam("l"), num_samples=bindparam("n")),
                              [dict(w=w, s="aggregated" if w in chosen else "uploaded", e=e, l=loss_, n=n)
                               for w, n, e, loss_ in updates])
@@ -146,21 +172,25 @@ class RoundTables(StoreAccess):
         self._write(f"record the close of round {round_number} of job {job_id!r}", write)
 
     def fail_round(self, job_id: str, round_number: int, seconds: float, *,
-                   why: str = "too few uploads to close it") -> None:
+                   why: str = "too few uploads to close it", discarded: Discarded = ()) -> None:
         """Record a round that failed (too few uploads, or a secure round that could not be unmasked): no
-        version came of it."""
+        version came of it; the uploads the service dropped keep their ε (`keep_discarded`)."""
         def write(conn: Connection) -> None:
+            keep_discarded(conn, job_id, round_number, discarded, why=f"round {round_number} failed")
             conn.execute(update(r_).where(r_.c.job_id == job_id, r_.c.round == round_number)
                          .values(status="failed", seconds=seconds, closed=time.time()))
             write_event(conn, job_id, "round_failed", round_number=round_number, message=why)
 
         self._write(f"record round {round_number} of job {job_id!r} as failed", write)
 
-    def abandon_round(self, job_id: str, round_number: int, seconds: float, *, why: str) -> None:
+    def abandon_round(self, job_id: str, round_number: int, seconds: float, *, why: str,
+                      discarded: Discarded = ()) -> None:
         """Record a round given up for another (a secure round the aggregation service lost: secure_reopen.py):
-        no version came of it, and its participants still counted on are marked failed with `why`, keeping the
-        ε their rows hold, so a worker's later report of what it trained lands on its row (`record_outcome`)."""
+        no version came of it; the uploads the service still dropped keep their ε (`keep_discarded`); its
+        participants still counted on are marked failed with `why`, keeping the ε their rows hold. A worker's
+        report of what it trained lands on its row before or after this (`record_outcome`)."""
         def write(conn: Connection) -> None:
+            keep_discarded(conn, job_id, round_number, discarded, why=f"round {round_number} was abandoned")
             conn.execute(update(p).where(p.c.job_id == job_id, p.c.round == round_number,
                                          p.c.status.in_(["published", "uploaded"])).values(status="failed", reason=why))
             conn.execute(update(r_).where(r_.c.job_id == job_id, r_.c.round == round_number)

@@ -26,6 +26,7 @@ from fedbroker.coordinator.job_run import JobFailed, OpenRound, Run, Stopped
 from fedbroker.coordinator.participants import sample_participants
 from fedbroker.coordinator.records import RoundRecord
 from fedbroker.coordinator.secure_reopen import RoundLost
+from fedbroker.coordinator.store_rounds import Discarded
 from fedbroker.coordinator.store_site_dp import account_round
 from fedbroker.coordinator.waiting import unaffordable
 from fedbroker.errors import BusError, Rejection
@@ -130,8 +131,7 @@ class SyncRounds:
         participant's part. The round is abandoned at the service first, so its waiting workers are answered
         at once."""
         job_id, store = self.run.job_id, self.ctx.store
-        self._abandon(rnd)
-        store.fail_round(job_id, rnd.number, time.time() - rnd.started)
+        store.fail_round(job_id, rnd.number, time.time() - rnd.started, discarded=self._abandon(rnd))
         reasons = "; ".join(f"{p.worker_id}: {p.status}{' (' + p.reason + ')' if p.reason else ''}"
                             for p in store.participants(job_id, rnd.number))
         raise JobFailed(f"round {rnd.number}: {len(accepted)} upload(s), schedule.min_clients is "
@@ -142,8 +142,8 @@ class SyncRounds:
     def _fail_secure_round(self, rnd: OpenRound, why: str) -> NoReturn:
         """The service could not unmask the secure round (too few valid unmask shares, a site's cheat proven):
         abandoned there, recorded failed with the service's reason (which names any site it excluded)."""
-        self._abandon(rnd)
-        self.ctx.store.fail_round(self.run.job_id, rnd.number, time.time() - rnd.started, why=why)
+        self.ctx.store.fail_round(self.run.job_id, rnd.number, time.time() - rnd.started, why=why,
+                                  discarded=self._abandon(rnd))
         raise JobFailed(f"round {rnd.number}: {why}")
 
     def _lost_hint(self, rnd: OpenRound, accepted: list[str], *, reports: bool = True) -> bool:
@@ -160,8 +160,8 @@ class SyncRounds:
         if run.reopened >= secure_reopen.MAX_SECURE_REOPENS:
             metrics.ROUNDS_FAILED.labels(run.job_id).inc()
             self._fail_secure_round(rnd, secure_reopen.exhausted(rnd, lost.why, run.reopened))
-        self._abandon(rnd)
-        self.ctx.store.abandon_round(run.job_id, rnd.number, time.time() - rnd.started,
+        discarded = self._abandon(rnd)
+        self.ctx.store.abandon_round(run.job_id, rnd.number, time.time() - rnd.started, discarded=discarded,
                                      why=f"{lost.why}; re-opened as round {rnd.number + 1} from version {run.version}")
         run.reopened += 1
         run.round = None
@@ -169,16 +169,20 @@ class SyncRounds:
                     "%d re-opens)", rnd.number, run.job_id, rnd.number + 1, run.reopened,
                     secure_reopen.MAX_SECURE_REOPENS)
 
-    def _abandon(self, rnd: OpenRound) -> None:
+    def _abandon(self, rnd: OpenRound) -> Discarded:
         """Drop a failed round at the service (never closed: no version comes of it); its secure session then
-        answers every waiting worker at once. Best effort: the round's deadline ends it anyway."""
+        answers every waiting worker at once. The uploads it dropped, each with the ε its worker spent on it: the
+        store keeps them with the round's end (no later round may close to bring that ε). Best effort: the
+        round's deadline ends it anyway (then the workers' own reports are what reaches the record)."""
         job_id = self.run.job_id
         try:
-            self._call(f"abandon round {rnd.number}", lambda: self.ctx.aggregator.abandon_round(job_id, rnd.number),
-                       reinstall=False)
+            dropped = self._call(f"abandon round {rnd.number}",
+                                 lambda: self.ctx.aggregator.abandon_round(job_id, rnd.number), reinstall=False)
         except RemoteError as exc:
             log.warning("failed round %d of %s could not be abandoned at the aggregation service: %s", rnd.number,
                         job_id, exc)
+            return []
+        return [(u.worker_id, u.num_samples, u.epsilon, u.train_loss) for u in dropped]
 
     def _fewest(self, rnd: OpenRound) -> int:
         """The fewest uploads the round may close with: min_clients, and for a secure round at least its
