@@ -343,6 +343,9 @@ class WorkerConfig:
     physical_batch_size: int = 0       # DP: most samples per forward/backward pass, a larger Poisson batch runs
                                        # as virtual steps (same update, same ε); 0 = the whole batch in one pass
     heartbeat_s: float = 10.0
+    # beat WorkerPresence.KeepAlive at the aggregation service (aggregator.targets, the address this site uploads
+    # to), when the service says (worker/presence.py): its operator counts the workers present
+    presence: bool = True
     coordinator_broker_user: str = ""  # the broker user whose tasks this worker trains (RabbitMQ validates a
                                        # message's user_id); others are dead-lettered. "" = any (logged at start)
     # The ε of the two releases a job may ask of a site before round 1 (worker/sharing.py), each drawn once per

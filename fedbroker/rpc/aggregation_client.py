@@ -161,11 +161,13 @@ class AggregatorClient:
             what=f"settings of job {job_id}", idempotent=True)
         return reply.settings
 
-    def keep_alive(self, worker_id: str, state: str = "idle") -> float:
+    def keep_alive(self, worker_id: str, state: str = "idle", *, timeout_s: float | None = None) -> float:
         """A worker's heartbeat; the seconds until the service wants the next one (paced and jittered by the
-        service: call again then, not sooner, or the beat is refused as `heartbeat_early`)."""
-        reply: pb.KeepAliveReply = self._presence_stub.KeepAlive(pb.KeepAliveRequest(worker_id=worker_id, state=state),
-                                                                 timeout=self.timeout_s, metadata=self._md)
+        service: call again then, not sooner, or the beat is refused as `heartbeat_early`). One try, following a
+        replica's `not_owner` redirect; the caller owns the retrying (worker/presence.py)."""
+        request = pb.KeepAliveRequest(worker_id=worker_id, state=state)
+        reply: pb.KeepAliveReply = self._replicas.routed(lambda: self._presence_stub.KeepAlive(
+            request, timeout=timeout_s or self.timeout_s, metadata=self._md))()
         return reply.next_in_ms / 1000
 
     def start_task(self, job_id: str, round: int, worker_id: str, version: int, *, model: bool = True) -> TaskStart:

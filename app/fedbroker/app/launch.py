@@ -239,8 +239,9 @@ def start_worker(config: Config, *, bus: Bus | None = None, secure_steps: Secure
     bus = bus or make_bus(config)
     forwarder = install(w.id, bus.publish_control) if own_bus and w.forward_logs else None
     try:
-        agent = WorkerAgent(w, bus, security=client_security(config, expected_target=config.aggregator.target_list()),
-                            log_forwarder=forwarder, secure_steps=secure_steps)
+        targets = config.aggregator.target_list()  # where its token may go, and where it beats its presence
+        agent = WorkerAgent(w, bus, security=client_security(config, expected_target=targets),
+                            log_forwarder=forwarder, secure_steps=secure_steps, aggregator_target=targets)
     except BaseException:
         if forwarder is not None:
             remove(forwarder)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -53,7 +52,7 @@ from fedbroker.secagg import SecAggError
 from fedbroker.version import installed_version
 from fedbroker.weights.plan import ModelPlan, trainable_names
 from fedbroker.worker import metrics
-from fedbroker.worker.batches import job_pipeline, peak_memory_bytes
+from fedbroker.worker.batches import job_pipeline
 
 if TYPE_CHECKING:
     from fedbroker.job.pipeline import DataPipeline
@@ -65,6 +64,7 @@ from fedbroker.worker.job_settings import JobSettingsCache
 from fedbroker.worker.ledger import PrivacyLedger
 from fedbroker.worker.log_forward import LogForwarder, remove
 from fedbroker.worker.partition import partition
+from fedbroker.worker.presence import PresenceLoop
 from fedbroker.worker.secure_task import SecureRun, SecureStepFailed, SecureSteps
 from fedbroker.worker.sharing import Sharing
 from fedbroker.worker.training import TrainResult, check_batch_memory, pick_device, train_local
@@ -98,8 +98,10 @@ class WorkerAgent:
     """One data owner's worker: its data share, its privacy ledger, and the task loop on the bus (module docstring)."""
 
     def __init__(self, config: WorkerConfig, bus: Bus, *, security: ClientSecurity | None = None,
-                 log_forwarder: LogForwarder | None = None, secure_steps: SecureSteps | None = None) -> None:
+                 log_forwarder: LogForwarder | None = None, secure_steps: SecureSteps | None = None,
+                 aggregator_target: str = "") -> None:
         """`security`: this worker's token (and TLS) for the aggregation service, read from its secrets;
+        `aggregator_target`: the service it beats its presence at from the start (worker.presence; "" = none);
         `log_forwarder`: the process's forwarder of its warnings to the coordinator (launch.start_worker), taken
         off the root logger at `stop`; `secure_steps`: who watches its secure tasks' steps (a test's; None)."""
         self.config = config
@@ -142,6 +144,8 @@ class WorkerAgent:
         # One channel to the aggregation service, kept from task to task: a channel per task paid a TCP (and,
         # with TLS, a handshake) per round, ~0.7 ms of a stub worker's ~4 ms control-plane cost on loopback.
         self._channel: AggregatorClient | None = None
+        self.aggregator_target = aggregator_target if config.presence else ""
+        self.presence = PresenceLoop(config.id, channel=lambda: self._channel, state=lambda: self._state)
         self.job_settings = JobSettingsCache(kept=JOB_COSTS_KEPT)  # each job's settings, parsed once
         self.evaluation = SiteEvaluation(config, bus=bus, ledger=self.ledger, test=test, device=self.device,
                                          aggregator=self._aggregator, stopping=self._stop.is_set,
@@ -166,6 +170,9 @@ class WorkerAgent:
         if self.log_forwarder is not None:  # the coordinator files a site's records once it knows the site
             self.log_forwarder.start_sending()
         self.send_heartbeat()  # at once: the coordinator opens rounds only with workers that reported a budget
+        if self.aggregator_target:  # on the channel its tasks use (opened now, before any task can race for it)
+            self._aggregator(self.aggregator_target)
+            self.presence.start()
         self.bus.consume_tasks(self.config.id, self.on_task)
         self._heartbeat = threading.Thread(target=self._beat, name=f"heartbeat-{self.config.id}", daemon=True)
         self._heartbeat.start()
@@ -180,6 +187,7 @@ class WorkerAgent:
         channel, self._channel = self._channel, None
         if channel is not None:  # a task still running fails, and its delivery goes back to the queue
             channel.close()
+        self.presence.stop()  # its call in flight ended with the channel
 
     def _aggregator(self, target: str) -> AggregatorClient:
         """The channel to the service a task names; a task naming another one replaces it. Tasks run one at
@@ -465,7 +473,8 @@ class WorkerAgent:
         if result.epsilon is not None:  # spent once trained, whether or not the upload succeeds
             self.ledger.record(task.job_id, history=result.history, epsilon=result.epsilon)
             self.send_heartbeat()  # the coordinator's picture of our budget, fresh before this round closes
-        self._export_training(result)
+        metrics.export_training(self.config.id, result, memory_mib=self.config.data.memory_mib)
+        self.budget.export()
         if plan.restricts_training:  # only what trains travels: adapters and named heads, nothing frozen
             trained = trainable_names(spec, plan)
             result = dataclasses.replace(result, state={name: result.state[name] for name in trained})
@@ -508,19 +517,6 @@ class WorkerAgent:
         """Drop the update (and secure state) kept for this task's retry; the dropped update, if any."""
         self._secure.pop((task.job_id, task.round, task.model_version), None)
         return self._trained.pop((task.job_id, task.round, task.model_version), None)
-
-    def _export_training(self, result: TrainResult) -> None:
-        me = self.config.id
-        metrics.TRAINING_SECONDS.labels(me).observe(result.seconds)
-        if math.isfinite(result.samples_per_second):
-            metrics.TRAINED_SAMPLES.labels(me).inc(round(result.samples_per_second * result.seconds))
-            metrics.SAMPLES_PER_SECOND.labels(me).set(result.samples_per_second)
-        metrics.TRAIN_LOSS.labels(me).set(result.train_loss)
-        peak = peak_memory_bytes()
-        metrics.PEAK_MEMORY.labels(me).set(peak)
-        log.info("worker %s: peak memory %.0f MiB (the data budget worker.data.memory_mib: %d MiB)", me, peak / 2**20,
-                 self.config.data.memory_mib)
-        self.budget.export()
 
     def _training_seed(self, task: pb.RoundTask) -> int:
         """Without DP the job's seed makes runs repeatable. With DP the seed also drives the Gaussian noise,

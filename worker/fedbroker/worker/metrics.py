@@ -10,9 +10,18 @@ at 1 hides that increase from `increase()` and `rate()`.
 
 from __future__ import annotations
 
+import logging
+import math
+from typing import TYPE_CHECKING
+
 from prometheus_client import Counter, Gauge, Histogram
 
 import fedbroker.metrics  # noqa: F401  (the shared broker metrics belong to every process)
+
+if TYPE_CHECKING:
+    from fedbroker.worker.training import TrainResult
+
+log = logging.getLogger(__name__)
 
 TASKS_RECEIVED = Counter("fedbroker_worker_tasks_received_total", "Round tasks delivered to the worker.",
                          ["worker_id"])
@@ -94,6 +103,19 @@ EVALUATIONS = Counter(
     "or that does not fit), late (past the deadline: acked, not reported), malformed (dead-lettered).",
     ["worker_id", "outcome"])
 EVALUATION_OUTCOMES = ("evaluated", "refused", "late", "malformed")
+PRESENCE_BEATS = Counter(
+    "fedbroker_worker_presence_beats_total",
+    "Heartbeats at the aggregation service (WorkerPresence.KeepAlive, worker/presence.py), by outcome: accepted, "
+    "early (before the due time the service set: waited out), refused (another worker's token, no valid token, a "
+    "service without KeepAlive: tried again every 10 minutes), failed (the service down or unreachable: backed off).",
+    ["worker_id", "outcome"])
+PRESENCE_OUTCOMES = ("accepted", "early", "refused", "failed")
+
+
+def presence_started(worker_id: str) -> None:
+    """The presence counters of this worker at 0 (only a worker that beats has them)."""
+    for outcome in PRESENCE_OUTCOMES:
+        PRESENCE_BEATS.labels(worker_id, outcome)
 
 
 def worker_started(worker_id: str) -> None:
@@ -109,6 +131,21 @@ def worker_started(worker_id: str) -> None:
     for outcome in EVALUATION_OUTCOMES:
         EVALUATIONS.labels(worker_id, outcome)
     TRAINING_SECONDS.labels(worker_id)
+
+
+def export_training(worker_id: str, result: TrainResult, *, memory_mib: int) -> None:
+    """A trained task's time, throughput and loss, and the process's peak memory against the data budget."""
+    from fedbroker.worker.batches import peak_memory_bytes  # torch's module: only a process that trains needs it
+
+    TRAINING_SECONDS.labels(worker_id).observe(result.seconds)
+    if math.isfinite(result.samples_per_second):
+        TRAINED_SAMPLES.labels(worker_id).inc(round(result.samples_per_second * result.seconds))
+        SAMPLES_PER_SECOND.labels(worker_id).set(result.samples_per_second)
+    TRAIN_LOSS.labels(worker_id).set(result.train_loss)
+    peak = peak_memory_bytes()
+    PEAK_MEMORY.labels(worker_id).set(peak)
+    log.info("worker %s: peak memory %.0f MiB (the data budget worker.data.memory_mib: %d MiB)", worker_id,
+             peak / 2**20, memory_mib)
 
 
 def set_next_round_cost(worker_id: str, *, epsilon: float) -> None:
