@@ -241,7 +241,7 @@ def _deployment(cluster: PrivateCluster, tmp_path: Path) -> Iterator[tuple[Deplo
     lose one), which runs while the processes start: a quorum queue declared meanwhile has the revived node as
     a member all the same. One broker user per participant (as a kit provisions them; the users are the
     cluster's, imported once through a live node), every broker.url listing the three nodes. The processes are
-    killed at the end (the case is over), the topology removed through a node still alive."""
+    killed at the end (the case is over)."""
     survivors = [i for i, node in enumerate(cluster.nodes) if not node.killed]
     order = survivors + [i for i in range(len(cluster.nodes)) if i not in survivors]
     d = Deployment(cluster.nodes[order[0]].url, tmp_path, name="brokerloss", worker_ids=SITES)
@@ -257,8 +257,7 @@ def _deployment(cluster: PrivateCluster, tmp_path: Path) -> Iterator[tuple[Deplo
             for process in d.processes.values():
                 if process.poll() is None:
                     process.kill()
-            d.url = cluster.alive()[0].url
-            d.close()
+            d.close(remove_topology=False)  # the cluster goes with the module; its queues with it
 
 
 def _start(d: Deployment) -> None:
