@@ -350,9 +350,11 @@ def test_the_real_processes_finish_their_job_when_the_leader_of_their_queues_is_
         _check_books(d, job_id)
         reconnects = {name: (d.tmp / f"{name}.log").read_text(errors="replace").count(" reconnected to ")
                       for name in ("coordinator", *SITES)}
+        redelivered = "already has our update" in (d.tmp / f"{HELD}.log").read_text(errors="replace")
         report = {"case": "real processes, queue leader kill -9 mid-round", **measured, "killed_led": led,
-                  "bus_reconnects": reconnects, "rounds": JOB_ROUNDS,
-                  "start_to_registered_s": round(registered_s, 1), "start_to_mid_round_s": round(mid_round_s, 1)}
+                  "bus_reconnects": reconnects, "held_task_redelivered_and_acked_untrained": redelivered,
+                  "rounds": JOB_ROUNDS, "start_to_registered_s": round(registered_s, 1),
+                  "start_to_mid_round_s": round(mid_round_s, 1)}
         for key, value in report.items():
             record_property(key, value)
         (tmp_path / "failover.json").write_text(json.dumps(report, indent=1))
