@@ -54,14 +54,30 @@ class ClusterNode(PrivateRabbitMQ):
         (self.base / "rabbitmq.conf").write_text("\n".join(lines) + "\n")
 
     def start_member(self) -> None:
-        """Start the node in a process group of its own, on the cluster's running epmd (the first node's)."""
-        with open(self.base / "server.out", "wb") as out:
-            self._server = subprocess.Popen(self.server_command(), env=self.env, cwd=self.base, process_group=0,
-                                            stdout=out, stderr=subprocess.STDOUT)
-        group = self._server.pid
-        self._watchdog = subprocess.Popen(["sh", "-c", WATCHDOG, str(os.getpid()), str(group)],
-                                          process_group=group, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        """Start the node on the cluster's running epmd (the first node's): a member in a process group of its
+        own with a watchdog of its own; the first node, revived, back in its epmd's group, whose watchdog guards
+        it (so `stop` ends it as it ends the first start)."""
+        epmd_group = self._epmd.pid if self._epmd is not None else 0  # 0: a new group
+        with open(self.base / "server.out", "ab") as out:
+            self._server = subprocess.Popen(self.server_command(), env=self.env, cwd=self.base,
+                                            process_group=epmd_group, stdout=out, stderr=subprocess.STDOUT)
+        if not epmd_group:
+            previous, group = self._watchdog, self._server.pid
+            self._watchdog = subprocess.Popen(["sh", "-c", WATCHDOG, str(os.getpid()), str(group)],
+                                              process_group=group, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if previous is not None:  # it guarded the killed start's group, empty now
+                previous.kill()
+                previous.wait(10)
         self._await(self.answers, "AMQP to answer", self._server)
+
+    def revive(self) -> None:
+        """Start a killed node again from its own folder: it rejoins the cluster with what it held, as a lost
+        machine brought back does (the quorum queues it was a member of catch it up)."""
+        assert self.killed, f"{self.name} was not killed"
+        if self._server is not None:
+            self._server.wait(STOP_TIMEOUT_S)  # its start script ends with the killed beam
+        self.start_member()
+        self.killed = False
 
     @property
     def beam_pid(self) -> int | None:
@@ -164,14 +180,31 @@ class PrivateCluster:
 
     def leaders(self, via: ClusterNode | None = None) -> dict[str, str]:
         """Each quorum queue's leader (queue name → node name), from rabbitmqctl on `via` (default: a live node)."""
+        return {name: leader for name, (leader, _) in self.quorum_queues(via).items()}
+
+    def quorum_queues(self, via: ClusterNode | None = None) -> dict[str, tuple[str, list[str]]]:
+        """Each quorum queue's leader and its members online now (queue name → (leader, online members)), in one
+        rabbitmqctl call on `via` (default: a live node)."""
         node = via or self.alive()[0]
-        rows = node.ctl("list_queues", "name", "type", "leader", "-q", "--no-table-headers")
+        rows = node.ctl("list_queues", "name", "type", "leader", "online", "-q", "--no-table-headers")
         out = {}
         for line in rows.splitlines():
             parts = line.split("\t")
-            if len(parts) == 3 and parts[1] == "quorum":
-                out[parts[0]] = parts[2]
+            if len(parts) == 4 and parts[1] == "quorum":
+                out[parts[0]] = (parts[2], [m.strip() for m in parts[3].strip("[]").split(",") if m.strip()])
         return out
+
+    def revive(self) -> None:
+        """Every killed node started again (`ClusterNode.revive`); returns once all three are running members, so
+        a case that kills a node finds a whole cluster whatever the case before it killed."""
+        for node in self.nodes:
+            if node.killed:
+                node.revive()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(self.running()) < NODES:
+            assert time.monotonic() < deadline, f"the cluster has {self.running()} running after a revival\n" + \
+                "\n".join(n.log_tail(1500) for n in self.nodes)
+            time.sleep(0.5)
 
     def node_named(self, name: str) -> ClusterNode:
         """The node RabbitMQ calls `name`."""

@@ -170,8 +170,11 @@ class Deployment:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
+    def close(self, *, remove_topology: bool = True) -> None:
+        """Stop the processes and remove the namespace's queues (`remove_topology=False`: a broker thrown away
+        after the test keeps them; deleting a quorum queue that lost a member waits on that member)."""
         if self._client is not None:
             self._client.close()
         stop_all(list(self.processes.values()), timeout_s=20)
-        delete_topology(self.url, namespace=self.namespace, worker_ids=self.worker_ids)
+        if remove_topology:
+            delete_topology(self.url, namespace=self.namespace, worker_ids=self.worker_ids)
