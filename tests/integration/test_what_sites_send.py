@@ -184,7 +184,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             id=worker_id, partition=PartitionSection(scheme="iid", num_clients=len(WORKERS), client_index=index),
             ledger_path=str(tmp / f"{worker_id}.ledger.json"), device="cpu", heartbeat_s=1.0,
             dp=DPPolicy(epsilon_budget=50.0), **config),
-            buses[worker_id], security=security[worker_id])
+            buses[worker_id], security=security[worker_id], aggregator_target=target)  # beats as launch's do
         agents[worker_id].start()
         buses[worker_id].start()
 
